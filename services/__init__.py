@@ -1,0 +1,1 @@
+"""Talaria services: gateway, router, instance agents, telemetry."""

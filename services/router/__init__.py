@@ -1,0 +1,1 @@
+"""Router: session table, leases, placement policies; a pure core in an asyncio shell."""

@@ -1,0 +1,1 @@
+"""The contract every Talaria service imports: subjects, messages, settings, schema."""

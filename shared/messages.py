@@ -1,0 +1,358 @@
+"""Wire messages: msgspec Structs, JSON on the wire, one Decoder per subject.
+
+Schema evolution rule (msgspec docs): new fields always get defaults, so older
+producers stay decodable. Events are tagged (`"type"` field) so one stream
+consumer can decode any of them with `EVENT_DECODER`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+from msgspec import Struct, field
+
+KvSource = Literal["device", "host", "recompute", "none"]
+
+
+class ChatMessage(Struct, frozen=True, forbid_unknown_fields=False):
+    role: str
+    content: str
+
+
+# --------------------------------------------------------------------------------------
+# Agent-runtime API on talaria.api.call (request/reply)
+# --------------------------------------------------------------------------------------
+
+
+class CallRequest(Struct, frozen=True):
+    """One model call. Exactly one of `messages` (chat) or `prompt` (completion).
+
+    Set `call_id` yourself to stream: tokens arrive on `talaria.tokens.<call_id>`
+    and you must subscribe before sending the request.
+    """
+
+    model: str
+    messages: list[ChatMessage] | None = None
+    prompt: str | None = None
+    session_id: str | None = None
+    call_id: str | None = None
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = []
+    stream: bool = False
+
+
+class Usage(Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    cached_tokens: int = 0
+
+
+class Timings(Struct, frozen=True):
+    queue_s: float = 0.0
+    ttft_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    slot_wait_s: float = 0.0
+    total_s: float = 0.0
+
+
+class CallResult(Struct, frozen=True, tag="result"):
+    call_id: str
+    session_id: str
+    call_index: int
+    model: str
+    instance_id: str
+    text: str
+    finish_reason: str
+    usage: Usage
+    timings: Timings
+    kv_source: KvSource = "none"
+
+
+class ErrorReply(Struct, frozen=True, tag="error"):
+    """Error answer, shaped so the gateway can map it 1:1 onto an HTTP status."""
+
+    status: int
+    code: str
+    message: str
+    param: str | None = None
+    retry_after_s: float | None = None
+    call_id: str | None = None
+
+
+Reply = Union[CallResult, ErrorReply]
+
+
+class TokenChunk(Struct, frozen=True):
+    call_id: str
+    index: int
+    text: str
+    done: bool = False
+    finish_reason: str | None = None
+
+
+# --------------------------------------------------------------------------------------
+# Events on talaria.evt.> (JetStream)
+# --------------------------------------------------------------------------------------
+
+
+class CallSubmitted(Struct, frozen=True, tag="call.submitted"):
+    call_id: str
+    session_id: str
+    model: str
+    prompt_ids: list[int]
+    block_hashes: list[int]
+    max_tokens: int
+    submitted_at: float
+    reply_to: str | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = []
+    stream: bool = False
+    api: str = "nats"
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+
+class CallRouted(Struct, frozen=True, tag="call.routed"):
+    call: CallSubmitted
+    call_index: int
+    instance_id: str
+    policy: str
+    routed_at: float
+    lease: str = "none"  # consumed | discarded | none
+    expected_kv: KvSource = "none"
+
+
+class CallStarted(Struct, frozen=True, tag="call.started"):
+    call_id: str
+    session_id: str
+    instance_id: str
+    started_at: float
+
+
+class CallCompleted(Struct, frozen=True, tag="call.completed"):
+    call_id: str
+    session_id: str
+    call_index: int
+    model: str
+    instance_id: str
+    prompt_tokens: int
+    output_tokens: int
+    finish_reason: str
+    submitted_at: float
+    started_at: float
+    first_token_at: float
+    completed_at: float
+    cached_tokens: int = 0
+    kv_source: KvSource = "none"
+    queue_s: float = 0.0
+    ttft_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    slot_wait_s: float = 0.0
+    kv_tokens: int = 0
+    model_opened: bool = False
+    trace_id: str = ""
+
+
+class CallFailed(Struct, frozen=True, tag="call.failed"):
+    call_id: str
+    session_id: str
+    model: str
+    reason: str
+    stage: str  # gateway | router | agent
+    at: float
+    status: int = 500
+    instance_id: str | None = None
+    call_index: int | None = None
+
+
+class LeaseIssued(Struct, frozen=True, tag="lease.issued"):
+    session_id: str
+    model: str
+    instance_id: str
+    call_id: str
+    issued_at: float
+    expires_at: float
+    kv_tokens: int = 0
+
+
+class LeaseConsumed(Struct, frozen=True, tag="lease.consumed"):
+    session_id: str
+    model: str
+    instance_id: str
+    call_id: str
+    at: float
+
+
+class LeaseDiscarded(Struct, frozen=True, tag="lease.discarded"):
+    session_id: str
+    model: str
+    instance_id: str
+    call_id: str
+    reason: str
+    at: float
+
+
+class LeaseExpired(Struct, frozen=True, tag="lease.expired"):
+    session_id: str
+    model: str
+    instance_id: str
+    at: float
+
+
+class CandidateCost(Struct, frozen=True):
+    """One instance the policy considered, with its cost terms in seconds."""
+
+    instance_id: str
+    total_s: float
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    kv_recovery_s: float = 0.0
+    activation_s: float = 0.0
+    kv_state: KvSource = "none"
+    model_state: str = "absent"  # active | resident | staged | absent
+    feasible: bool = True
+    reason: str = ""
+
+
+class RoutingDecision(Struct, frozen=True, tag="decision"):
+    call_id: str
+    session_id: str
+    call_index: int
+    model: str
+    policy: str
+    action: str  # route | reject
+    decided_at: float
+    chosen: str | None = None
+    lease_outcome: str = "none"  # consumed | discarded | none
+    lease_instance: str | None = None
+    discard_reason: str | None = None
+    candidates: list[CandidateCost] = []
+    retry_after_s: float | None = None
+    model_opened: bool = False
+    avoidable_cold_open: bool = False
+    decision_us: float = 0.0
+
+
+class SwitchDone(Struct, frozen=True, tag="switch.done"):
+    instance_id: str
+    from_model: str | None
+    to_model: str
+    path: str  # d2d_full | d2d_partial | host_only | cold
+    total_s: float
+    at: float
+    phases: dict[str, float] = {}
+    bytes_staged: int = 0
+    bytes_uncovered: int = 0
+
+
+class RoundSummary(Struct, frozen=True, tag="round.summary"):
+    instance_id: str
+    round_index: int
+    wall_s: float
+    active_s: float
+    switch_s: float
+    at: float
+    slots: list[str] = []
+    sp_admitted: int = 0
+    sp_parked: int = 0
+    deadline_risk: int = 0
+
+
+Event = Union[
+    CallSubmitted,
+    CallRouted,
+    CallStarted,
+    CallCompleted,
+    CallFailed,
+    LeaseIssued,
+    LeaseConsumed,
+    LeaseDiscarded,
+    LeaseExpired,
+    RoutingDecision,
+    SwitchDone,
+    RoundSummary,
+]
+
+
+# --------------------------------------------------------------------------------------
+# Instance telemetry snapshots on talaria.telemetry.<instance_id>
+# --------------------------------------------------------------------------------------
+
+
+class ModelResidency(Struct, frozen=True):
+    model: str
+    state: str  # active | resident | staged | absent
+    switch_cost_s: float = 0.0
+    open_cost_s: float = 0.0
+    weight_bytes: int = 0
+    context_length: int = 0
+
+
+class SessionKv(Struct, frozen=True):
+    session_id: str
+    model: str
+    state: KvSource  # device | host
+    kv_tokens: int = 0
+
+
+class InstanceSnapshot(Struct, frozen=True):
+    instance_id: str
+    version: int
+    at: float
+    pool: str = "cold"  # hot | cold
+    models: list[ModelResidency] = []
+    active_model: str | None = None
+    sessions: list[SessionKv] = []
+    queued: dict[str, int] = {}
+    queued_tokens: int = 0
+    running: int = 0
+    round_remaining_s: float = 0.0
+    deadline_risk: int = 0
+    kv_capacity_tokens: int = 0
+    kv_used_tokens: int = 0
+    staging_free_bytes: int = 0
+    hbm_bytes: int = 0
+    hbm_used_bytes: int = 0
+    prefill_tok_s: float = 0.0
+    decode_tok_s: float = 0.0
+    restore_tok_s: float = 0.0
+    switch_s: float = 0.0
+    heartbeat_s: float = 0.5
+
+
+# --------------------------------------------------------------------------------------
+# Codecs: one encoder, one decoder per subject
+# --------------------------------------------------------------------------------------
+
+ENCODER = msgspec.json.Encoder()
+CALL_REQUEST_DECODER = msgspec.json.Decoder(CallRequest)
+REPLY_DECODER = msgspec.json.Decoder(Reply)
+TOKEN_DECODER = msgspec.json.Decoder(TokenChunk)
+EVENT_DECODER = msgspec.json.Decoder(Event)
+SUBMITTED_DECODER = msgspec.json.Decoder(CallSubmitted)
+ROUTED_DECODER = msgspec.json.Decoder(CallRouted)
+SNAPSHOT_DECODER = msgspec.json.Decoder(InstanceSnapshot)
+
+
+def encode(message: Struct) -> bytes:
+    return ENCODER.encode(message)
+
+
+def replace(message: Struct, **changes) -> Struct:
+    return msgspec.structs.replace(message, **changes)
+
+
+__all__ = [name for name in dir() if not name.startswith("_")]
+_ = field  # re-exported for callers that build Structs with defaults
