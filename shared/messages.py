@@ -116,10 +116,12 @@ class CallSubmitted(Struct, frozen=True, tag="call.submitted"):
     stop: list[str] = []
     stream: bool = False
     api: str = "nats"
+    # Simulator only: a token count without materialised ids (talaria/sim); 0 = use ids.
+    prompt_tokens_hint: int = 0
 
     @property
     def prompt_tokens(self) -> int:
-        return len(self.prompt_ids)
+        return self.prompt_tokens_hint if self.prompt_tokens_hint > 0 else len(self.prompt_ids)
 
 
 class CallRouted(Struct, frozen=True, tag="call.routed"):
@@ -356,3 +358,14 @@ def replace(message: Struct, **changes) -> Struct:
 
 __all__ = [name for name in dir() if not name.startswith("_")]
 _ = field  # re-exported for callers that build Structs with defaults
+
+
+class ServiceHeartbeat(Struct, frozen=True):
+    """Liveness of router and telemetry on talaria.health.<service> (agents send snapshots)."""
+
+    service: str
+    at: float
+    detail: dict[str, str] = {}
+
+
+HEARTBEAT_DECODER = msgspec.json.Decoder(ServiceHeartbeat)

@@ -53,3 +53,10 @@ def tokens(call_id: str) -> str:
 def valid_token(value: str) -> bool:
     """A subject token must not contain separators or wildcards."""
     return bool(value) and not any(c in value for c in ".*> \t\r\n")
+
+HEALTH_PREFIX = "talaria.health"
+HEALTH_WILDCARD = "talaria.health.*"
+
+
+def health(service: str) -> str:
+    return f"{HEALTH_PREFIX}.{service}"

@@ -1,0 +1,1 @@
+"""Alembic revisions for the Talaria schema (`shared/db/schema.py`)."""

@@ -1,0 +1,1 @@
+"""Gateway: OpenAI-compatible HTTP and the NATS request API; validates and submits calls."""

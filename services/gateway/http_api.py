@@ -1,0 +1,159 @@
+"""OpenAI-compatible HTTP API (aiohttp): chat/completions, completions, models, healthz."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import msgspec
+from aiohttp import web
+
+from services.gateway.openai_api import (
+    CHAT_DECODER,
+    COMPLETION_DECODER,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    error_body,
+    stops,
+    validation_error,
+)
+from services.gateway.prepare import RequestError, prepare
+from services.gateway.sessions import InvalidSessionId, session_id_from
+from services.gateway.submitter import Submitter
+from shared.messages import CallRequest, CallResult, ChatMessage, ErrorReply, TokenChunk
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+def error_response(err: ErrorReply) -> web.Response:
+    headers = {}
+    if err.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, round(err.retry_after_s)))
+    return web.json_response(error_body(err), status=err.status, headers=headers)
+
+
+class HttpApi:
+    def __init__(self, submitter: Submitter, models, log) -> None:
+        self.submitter = submitter
+        self.models = models  # callable -> list of (model, owned_by) currently served
+        self.log = log
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.add_routes([
+            web.post("/v1/chat/completions", self.chat),
+            web.post("/v1/completions", self.completions),
+            web.get("/v1/models", self.list_models),
+            web.get("/healthz", self.healthz),
+        ])
+        return app
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        served = self.models()
+        return web.json_response({"status": "ok", "models_served": [m for m, _ in served], **self.models.health()})
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": owner} for m, owner in self.models()]
+        return web.json_response({"object": "list", "data": data})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            body = await request.read()
+            decoded = (CHAT_DECODER if chat else COMPLETION_DECODER).decode(body)
+            req, include_usage = _to_call_request(decoded, chat)
+            session_id = session_id_from(request.headers, decoded.user)
+            call = prepare(req, session_id, "chat" if chat else "completion")
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            return error_response(validation_error(exc))
+        except InvalidSessionId as exc:
+            return error_response(ErrorReply(400, "invalid_session_id", str(exc), param="X-Session-Id"))
+        except RequestError as exc:
+            return error_response(exc.reply)
+        if req.stream:
+            return await self._stream(request, call, chat, include_usage)
+        reply = await self.submitter.submit(call)
+        if isinstance(reply, ErrorReply):
+            return error_response(reply)
+        body = chat_response(reply) if chat else completion_response(reply)
+        return web.json_response(body, headers=_call_headers(reply))
+
+    async def _stream(self, request, call, chat: bool, include_usage: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Session-Id": call.session_id, "X-Talaria-Call-Id": call.call_id})
+        await resp.prepare(request)
+        sent: list[str] = []
+
+        async def send(obj: dict) -> None:
+            await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+        def chunk(text: str, finish: str | None) -> dict:
+            if chat:
+                return chat_chunk(call.call_id, call.model, {"content": text} if text else {}, finish)
+            return completion_chunk(call.call_id, call.model, text, finish)
+
+        if chat:
+            await send(chat_chunk(call.call_id, call.model, {"role": "assistant", "content": ""}, None))
+
+        async def on_token(tok: TokenChunk) -> None:
+            if tok.text:
+                sent.append(tok.text)
+                await send(chunk(tok.text, None))
+
+        reply = await self.submitter.submit(call, on_token=on_token)
+        if isinstance(reply, ErrorReply):
+            await send(error_body(reply))
+        else:
+            # Tokens and the reply travel on different subjects: send whatever text the
+            # stream missed, so the streamed answer always equals the final one.
+            streamed = "".join(sent)
+            rest = reply.text[len(streamed):] if reply.text.startswith(streamed) else ""
+            await send(chunk(rest, reply.finish_reason))
+            if include_usage:
+                usage_chunk = chunk("", None)
+                usage_chunk["choices"] = []
+                usage_chunk["usage"] = completion_response(reply)["usage"]
+                await send(usage_chunk)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+def _to_call_request(decoded, chat: bool) -> tuple[CallRequest, bool]:
+    if decoded.n != 1:
+        raise RequestError(ErrorReply(400, "invalid_request", "only n=1 is supported", param="n"))
+    max_tokens = decoded.max_tokens
+    if chat and decoded.max_completion_tokens is not None:
+        max_tokens = decoded.max_completion_tokens
+    common = dict(
+        model=decoded.model,
+        max_tokens=16 if max_tokens is None and not chat else (max_tokens or 256),
+        temperature=decoded.temperature,
+        top_p=decoded.top_p,
+        seed=decoded.seed,
+        stop=stops(decoded.stop),
+        stream=decoded.stream,
+    )
+    if chat:
+        messages = [ChatMessage(m.role, m.text()) for m in decoded.messages]
+        req = CallRequest(messages=messages, **common)
+    else:
+        prompt = decoded.prompt if isinstance(decoded.prompt, str) else "".join(decoded.prompt[:1])
+        if isinstance(decoded.prompt, list) and len(decoded.prompt) > 1:
+            raise RequestError(ErrorReply(400, "invalid_request", "batched prompts are not supported",
+                                          param="prompt"))
+        req = CallRequest(prompt=prompt, **common)
+    include_usage = bool(decoded.stream_options and decoded.stream_options.include_usage)
+    return req, include_usage
+
+
+def _call_headers(reply: CallResult) -> dict[str, str]:
+    return {"X-Session-Id": reply.session_id, "X-Talaria-Call-Id": reply.call_id,
+            "X-Talaria-Instance": reply.instance_id, "X-Talaria-Served-At": f"{time.time():.3f}"}

@@ -1,0 +1,80 @@
+"""Turn a validated request into a CallSubmitted, or an ErrorReply saying what is wrong.
+
+Shared by the HTTP and the NATS APIs so both apply the same rules.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from shared import subjects
+from shared.catalog import CATALOG
+from shared.messages import CallRequest, CallSubmitted, ErrorReply
+from shared.tokenizer import block_hashes, encode, render_chat
+
+MAX_STOP_STRINGS = 8
+
+
+class RequestError(Exception):
+    def __init__(self, reply: ErrorReply) -> None:
+        super().__init__(reply.message)
+        self.reply = reply
+
+
+def bad(message: str, param: str | None = None, code: str = "invalid_request") -> RequestError:
+    return RequestError(ErrorReply(400, code, message, param=param))
+
+
+def prepare(req: CallRequest, session_id: str, api: str) -> CallSubmitted:
+    spec = CATALOG.get(req.model)
+    if spec is None:
+        raise RequestError(
+            ErrorReply(404, "model_not_found", f"The model `{req.model}` does not exist.", param="model")
+        )
+    if (req.messages is None) == (req.prompt is None):
+        raise bad("give exactly one of `messages` or `prompt`", "messages")
+    if req.messages is not None:
+        if not req.messages:
+            raise bad("`messages` must not be empty", "messages")
+        text = render_chat([(m.role, m.content) for m in req.messages])
+    else:
+        text = req.prompt or ""
+    if req.max_tokens < 1:
+        raise bad("`max_tokens` must be at least 1", "max_tokens")
+    if not 0.0 <= req.temperature <= 2.0:
+        raise bad("`temperature` must be between 0 and 2", "temperature")
+    if not 0.0 < req.top_p <= 1.0:
+        raise bad("`top_p` must be in (0, 1]", "top_p")
+    if len(req.stop) > MAX_STOP_STRINGS or any(not s for s in req.stop):
+        raise bad(f"`stop` takes at most {MAX_STOP_STRINGS} non-empty strings", "stop")
+    call_id = req.call_id or uuid.uuid4().hex
+    if not subjects.valid_token(call_id) or len(call_id) > 128:
+        raise bad("`call_id` must be a NATS subject token (no '.', '*', '>' or spaces)", "call_id")
+    ids = encode(text)
+    if len(ids) + req.max_tokens > spec.context_length:
+        raise RequestError(
+            ErrorReply(
+                400,
+                "context_length_exceeded",
+                f"This model's maximum context length is {spec.context_length} tokens. However, you "
+                f"requested {len(ids) + req.max_tokens} tokens ({len(ids)} in the prompt, "
+                f"{req.max_tokens} for the completion).",
+                param="messages" if req.messages is not None else "prompt",
+            )
+        )
+    return CallSubmitted(
+        call_id=call_id,
+        session_id=session_id,
+        model=req.model,
+        prompt_ids=ids,
+        block_hashes=block_hashes(ids),
+        max_tokens=req.max_tokens,
+        submitted_at=time.time(),
+        temperature=req.temperature,
+        top_p=req.top_p,
+        seed=req.seed,
+        stop=list(req.stop),
+        stream=req.stream,
+        api=api,
+    )

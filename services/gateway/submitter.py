@@ -1,0 +1,132 @@
+"""Submit calls on the event stream and wait for their replies (and streamed tokens).
+
+Every accepted call ends in exactly one reply: the agent's CallResult, the router's
+ErrorReply, or, if neither comes within the call timeout, a 504 that the gateway
+also records as a CallFailed event. Nothing accepted is lost silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from opentelemetry import trace
+
+from shared import subjects
+from shared.bus import emit
+from shared.messages import (
+    REPLY_DECODER,
+    TOKEN_DECODER,
+    CallFailed,
+    CallResult,
+    CallSubmitted,
+    ErrorReply,
+    Reply,
+    TokenChunk,
+    replace,
+)
+from shared.tracing import session_context, trace_id_hex
+
+TokenCallback = Callable[[TokenChunk], Awaitable[None]]
+
+
+class Submitter:
+    def __init__(self, nc: NATS, js: JetStreamContext, tracer: trace.Tracer, timeout_s: float, log) -> None:
+        self.nc, self.js, self.tracer, self.timeout_s, self.log = nc, js, tracer, timeout_s, log
+        self.inbox = f"_INBOX.gateway.{uuid.uuid4().hex}"
+        self._pending: dict[str, asyncio.Future[Reply]] = {}
+        self._sub = None
+
+    async def start(self) -> None:
+        self._sub = await self.nc.subscribe(f"{self.inbox}.*", cb=self._on_reply)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_result(ErrorReply(503, "gateway_stopping", "the gateway is shutting down"))
+
+    async def _on_reply(self, msg) -> None:
+        call_id = msg.subject.rsplit(".", 1)[-1]
+        fut = self._pending.get(call_id)
+        if fut is None or fut.done():
+            return
+        try:
+            fut.set_result(REPLY_DECODER.decode(msg.data))
+        except msgspec.DecodeError as exc:
+            self.log.error("undecodable reply", call_id=call_id, error=str(exc))
+            fut.set_result(ErrorReply(502, "bad_reply", f"undecodable reply from the serving instance: {exc}"))
+
+    async def submit(self, call: CallSubmitted, on_token: TokenCallback | None = None) -> Reply:
+        call = replace(call, reply_to=f"{self.inbox}.{call.call_id}")
+        fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        self._pending[call.call_id] = fut
+        token_sub = None
+        attrs = {"session.id": call.session_id, "call.id": call.call_id, "model": call.model,
+                 "prompt_tokens": call.prompt_tokens, "api": call.api}
+        with self.tracer.start_as_current_span(
+            "call", context=session_context(call.session_id), kind=trace.SpanKind.SERVER, attributes=attrs
+        ) as span:
+            try:
+                if on_token is not None:
+                    token_sub = await self.nc.subscribe(
+                        subjects.tokens(call.call_id), cb=self._token_handler(on_token)
+                    )
+                try:
+                    await emit(self.js, call)
+                except Exception as exc:  # the bus refused: the call was never accepted
+                    self.log.error("submit failed", call_id=call.call_id, error=str(exc))
+                    return ErrorReply(503, "bus_unavailable", f"could not submit the call: {exc}",
+                                      retry_after_s=1.0, call_id=call.call_id)
+                try:
+                    reply = await asyncio.wait_for(fut, self.timeout_s)
+                except TimeoutError:
+                    reply = await self._timed_out(call)
+                _annotate(span, reply)
+                return reply
+            finally:
+                self._pending.pop(call.call_id, None)
+                if token_sub is not None:
+                    await token_sub.unsubscribe()
+
+    def _token_handler(self, on_token: TokenCallback):
+        async def handle(msg) -> None:
+            try:
+                chunk = TOKEN_DECODER.decode(msg.data)
+            except msgspec.DecodeError as exc:
+                self.log.warning("undecodable token chunk", subject=msg.subject, error=str(exc))
+                return
+            await on_token(chunk)
+
+        return handle
+
+    async def _timed_out(self, call: CallSubmitted) -> ErrorReply:
+        reason = f"no reply within {self.timeout_s:.0f}s"
+        try:
+            await emit(self.js, CallFailed(call.call_id, call.session_id, call.model, reason, "gateway",
+                                           time.time(), status=504))
+        except Exception as exc:
+            self.log.error("could not record timeout", call_id=call.call_id, error=str(exc))
+        return ErrorReply(504, "timeout", reason, call_id=call.call_id)
+
+
+def _annotate(span: trace.Span, reply: Reply) -> None:
+    span.set_attribute("trace.session", trace_id_hex(span.get_span_context().trace_id))
+    if isinstance(reply, CallResult):
+        t = reply.timings
+        span.set_attributes({
+            "call.index": reply.call_index, "instance.id": reply.instance_id,
+            "finish_reason": reply.finish_reason, "completion_tokens": reply.usage.completion_tokens,
+            "cached_tokens": reply.usage.cached_tokens, "kv_source": reply.kv_source,
+            "queue_s": t.queue_s, "ttft_s": t.ttft_s, "prefill_s": t.prefill_s, "decode_s": t.decode_s,
+            "slot_wait_s": t.slot_wait_s,
+        })
+    else:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, reply.message))
+        span.set_attributes({"error.code": reply.code, "http.status": reply.status})

@@ -1,0 +1,1 @@
+"""Instance agent: one per GPU group; round scheduler, engine, memory substrate."""

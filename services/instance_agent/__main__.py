@@ -1,0 +1,8 @@
+"""`python -m services.instance_agent`: run the instance_agent service with settings from the environment."""
+
+import sys
+
+from services.instance_agent.service import run
+from shared.runtime import main
+
+sys.exit(main("instance_agent", run))

@@ -1,0 +1,78 @@
+"""Token sampling (greedy, temperature + top-p with a per-call generator) and stop strings."""
+
+from __future__ import annotations
+
+import torch
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()  # non-deterministic on purpose: the caller gave no seed
+    else:
+        gen.manual_seed(seed)
+    return gen
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> int:
+    """One token from logits [V]. temperature 0 is greedy (argmax, ties to the lowest id)."""
+    if temperature <= 0.0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        keep = sorted_p.cumsum(0) - sorted_p < top_p  # smallest set reaching top_p; first always kept
+        sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+class StopMatcher:
+    """Releases generated text incrementally, holding back what could still become a stop string.
+
+    The stop string itself is never released: `push` returns (text to emit, stopped).
+    """
+
+    def __init__(self, stops: tuple[str, ...] | list[str]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self.text = ""  # final text (stop excluded once stopped)
+        self._emitted = 0
+        self.stopped = False
+
+    def push(self, piece: str) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        self.text += piece
+        if not self.stops:
+            return self._release(len(self.text)), False
+        window = max(len(s) for s in self.stops) + len(piece)
+        start = max(0, len(self.text) - window)
+        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if hits:
+            cut = min(hits)
+            self.text = self.text[:cut]
+            self.stopped = True
+            return self._release(cut), True
+        return self._release(len(self.text) - self._held_back()), False
+
+    def flush(self, tail: str = "") -> str:
+        """End of generation without a stop: release everything still held."""
+        if self.stopped:
+            return ""
+        self.text += tail
+        return self._release(len(self.text))
+
+    def _held_back(self) -> int:
+        best = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+    def _release(self, upto: int) -> str:
+        upto = max(upto, self._emitted)
+        out = self.text[self._emitted : upto]
+        self._emitted = upto
+        return out

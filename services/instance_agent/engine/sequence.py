@@ -1,0 +1,78 @@
+"""Per-call running state: tokens, page table, sampler, stop matcher, timings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from services.instance_agent.engine.api import GenRequest, GenResult, StepToken
+from services.instance_agent.engine.sampling import StopMatcher, sample
+from shared.tokenizer import EOS, StreamDecoder
+
+
+@dataclass
+class Sequence:
+    """Invariant while running: tokens[:kv_len] have KV in pages; len(tokens) == kv_len + 1
+    after the first token is sampled (the last sampled token is fed by the next decode)."""
+
+    req: GenRequest
+    context_length: int
+    tokens: list[int]
+    pages: list[int]
+    cached_tokens: int
+    host_tokens: int
+    total_pages: int  # pages reserved for the whole call (prompt + max_tokens, capped)
+    t_start: float
+    gen: torch.Generator | None
+    kv_len: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    t_first: float | None = None
+    finish_reason: str | None = None
+    generated: list[int] = field(default_factory=list)
+    decoder: StreamDecoder = field(default_factory=StreamDecoder)
+    stop: StopMatcher | None = None
+
+    def __post_init__(self) -> None:
+        self.stop = StopMatcher(tuple(self.req.stop))
+        self.kv_len = self.cached_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def kv_source(self) -> str:
+        if self.host_tokens:
+            return "host"
+        return "device" if self.cached_tokens else "recompute"
+
+    def pages_to_come(self) -> int:
+        return max(0, self.total_pages - len(self.pages))
+
+    def take(self, logits: torch.Tensor, now: float) -> StepToken:
+        """Sample from this call's logits, advance, and decide whether it finished."""
+        tok = sample(logits, self.req.temperature, self.req.top_p, self.gen)
+        if self.t_first is None:
+            self.t_first = now
+        self.tokens.append(tok)
+        self.generated.append(tok)
+        text, stopped = self.stop.push(self.decoder.push(tok))
+        if stopped or tok == EOS:
+            self.finish_reason = "stop"
+        elif len(self.generated) >= self.req.max_tokens or len(self.tokens) >= self.context_length:
+            self.finish_reason = "length"
+        if self.finished and not stopped:
+            text += self.stop.flush(self.decoder.flush())
+        return StepToken(self.req.call_id, tok, text, self.finished, self.finish_reason)
+
+    def result(self, model: str) -> GenResult:
+        ttft = (self.t_first - self.t_start) if self.t_first is not None else 0.0
+        return GenResult(
+            call_id=self.req.call_id, token_ids=list(self.generated), text=self.stop.text,
+            finish_reason=self.finish_reason or "abort", prompt_tokens=len(self.req.prompt_ids),
+            cached_tokens=self.cached_tokens, kv_source=self.kv_source,  # type: ignore[arg-type]
+            prefill_s=self.prefill_s, decode_s=self.decode_s, ttft_s=ttft,
+            session_id=self.req.session_id, model=model, host_restored_tokens=self.host_tokens,
+        )

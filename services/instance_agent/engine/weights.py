@@ -1,0 +1,164 @@
+"""Model weights: drawn once from the catalogue seed, stored as safetensors, packed flat.
+
+Every model has a *weight layout*: its tensors in a fixed order, each at an aligned byte
+offset inside one flat image. The host keeps that image (pinned on CUDA); the bump
+buffer's weight region holds the same bytes, so parameters are views at those offsets
+and a switch is a byte copy (H2D or D2D), never a re-allocation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from services.instance_agent.engine.errors import WeightsCorrupt
+from shared.catalog import ModelSpec
+
+ALIGN = 256  # bytes; every tensor and region starts on this boundary
+INIT_VERSION = 1  # bump when the init scheme changes (the json records it)
+DTYPE = torch.float32
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    name: str
+    shape: tuple[int, ...]
+    offset: int  # bytes from the start of the weight image
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * 4
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    model: str
+    slots: tuple[TensorSlot, ...]
+    nbytes: int  # aligned total
+
+    def views(self, image: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Parameters as float32 views into a uint8 image (host image or bump region)."""
+        out = {}
+        for s in self.slots:
+            out[s.name] = image[s.offset : s.offset + s.nbytes].view(DTYPE).view(s.shape)
+        return out
+
+
+def tensor_shapes(spec: ModelSpec) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, init) in canonical order; init is 'ones' | 'zeros' | 'normal:<std>'."""
+    h, v, i = spec.hidden, spec.vocab_size, spec.intermediate
+    q_out, kv_out = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+    proj = "normal:0.05"
+    out: list[tuple[str, tuple[int, ...], str]] = [("embed", (v, h), "normal:0.5")]
+    if spec.arch == "gpt2":
+        out.append(("wpe", (spec.context_length, h), "normal:0.05"))
+    for layer in range(spec.layers):
+        p = f"layers.{layer}."
+        if spec.arch == "gpt2":
+            out += [
+                (p + "ln1.w", (h,), "ones"), (p + "ln1.b", (h,), "zeros"),
+                (p + "qkv.w", (h, q_out + 2 * kv_out), proj), (p + "qkv.b", (q_out + 2 * kv_out,), "normal:0.02"),
+                (p + "o.w", (q_out, h), proj), (p + "o.b", (h,), "zeros"),
+                (p + "ln2.w", (h,), "ones"), (p + "ln2.b", (h,), "zeros"),
+                (p + "fc.w", (h, i), proj), (p + "fc.b", (i,), "normal:0.02"),
+                (p + "proj.w", (i, h), proj), (p + "proj.b", (h,), "zeros"),
+            ]
+            continue
+        out += [
+            (p + "attn_norm", (h,), "ones"),
+            (p + "q", (h, q_out), proj), (p + "k", (h, kv_out), proj), (p + "v", (h, kv_out), proj),
+            (p + "q_norm", (spec.head_dim,), "ones"), (p + "k_norm", (spec.head_dim,), "ones"),
+            (p + "o", (q_out, h), proj),
+            (p + "mlp_norm", (h,), "ones"),
+        ]
+        if spec.arch == "moe":
+            e = spec.experts
+            out += [
+                (p + "router", (h, e), "normal:0.2"),
+                (p + "experts.gate", (e, h, i), proj), (p + "experts.up", (e, h, i), proj),
+                (p + "experts.down", (e, i, h), proj),
+            ]
+        else:
+            out += [(p + "gate", (h, i), proj), (p + "up", (h, i), proj), (p + "down", (i, h), proj)]
+    out += [("final_norm", (h,), "ones")]
+    if spec.arch == "gpt2":
+        out += [("final_norm.b", (h,), "zeros")]
+    out += [("lm_head", (h, v), "normal:0.15")]
+    return out
+
+
+def weight_layout(spec: ModelSpec) -> WeightLayout:
+    slots, off = [], 0
+    for name, shape, _ in tensor_shapes(spec):
+        slot = TensorSlot(name, shape, off)
+        slots.append(slot)
+        off = align_up(off + slot.nbytes)
+    return WeightLayout(spec.name, tuple(slots), off)
+
+
+def init_weights(spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """Deterministic: the same spec gives bit-identical tensors (CPU generator, fixed order)."""
+    gen = torch.Generator(device="cpu").manual_seed(spec.seed)
+    out = {}
+    for name, shape, init in tensor_shapes(spec):
+        if init == "ones":
+            out[name] = torch.ones(shape, dtype=DTYPE)
+        elif init == "zeros":
+            out[name] = torch.zeros(shape, dtype=DTYPE)
+        else:
+            std = float(init.split(":")[1])
+            out[name] = torch.randn(shape, generator=gen, dtype=DTYPE) * std
+    return out
+
+
+def model_paths(data_dir: Path, name: str) -> tuple[Path, Path]:
+    base = Path(data_dir) / "models"
+    return base / f"{name}.safetensors", base / f"{name}.json"
+
+
+def ensure_weights_file(data_dir: Path, spec: ModelSpec) -> bool:
+    """Write the safetensors + json config once; True when they were written now."""
+    st, cfg = model_paths(data_dir, spec.name)
+    if st.exists() and cfg.exists() and _config_matches(cfg, spec):
+        return False
+    st.parent.mkdir(parents=True, exist_ok=True)
+    tmp = st.with_suffix(".safetensors.tmp")
+    save_file(init_weights(spec), str(tmp), metadata={"model": spec.name, "init_version": str(INIT_VERSION)})
+    tmp.replace(st)  # atomic: a reader never sees a half-written file
+    cfg.write_text(json.dumps({**asdict(spec), "dtype": "float32", "init_version": INIT_VERSION}, indent=2))
+    return True
+
+
+def _config_matches(cfg: Path, spec: ModelSpec) -> bool:
+    try:
+        data = json.loads(cfg.read_text())
+    except (OSError, ValueError):
+        return False
+    return data.get("init_version") == INIT_VERSION and all(data.get(k) == v for k, v in asdict(spec).items())
+
+
+def load_host_image(data_dir: Path, spec: ModelSpec, layout: WeightLayout, *, pin: bool) -> torch.Tensor:
+    """Read the safetensors file into one flat uint8 host image in layout order."""
+    st, _ = model_paths(data_dir, spec.name)
+    try:
+        tensors = load_file(str(st))
+    except Exception as err:  # safetensors raises several types; translate at the boundary
+        raise WeightsCorrupt(str(st), f"cannot read: {err}") from err
+    image = torch.zeros(layout.nbytes, dtype=torch.uint8, pin_memory=pin)
+    views = layout.views(image)
+    for slot in layout.slots:
+        t = tensors.get(slot.name)
+        if t is None or tuple(t.shape) != slot.shape:
+            got = None if t is None else tuple(t.shape)
+            raise WeightsCorrupt(str(st), f"tensor {slot.name}: expected {slot.shape}, got {got}")
+        views[slot.name].copy_(t)
+    return image

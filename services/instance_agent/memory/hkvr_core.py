@@ -1,0 +1,303 @@
+"""Host KV registry bookkeeping (paper §4.3, App. B-C), pure: no tensors, no clock.
+
+The simulator drives this class directly; `hkvr.HostKvRegistry` wraps it with a host page
+pool and asynchronous copies. All methods run on one thread (the engine's worker).
+
+Keys and states
+    A host page is keyed by (model, rank, cumulative prefix hash) and carries a layout
+    descriptor. It is `copying` from the moment a slot is reserved for its D2H copy until
+    the copy's completion event is reported (`complete`), then `committed`.
+
+Invariants (each has a test)
+    1. Lifetime separation. `pins` (transfer pins: a D2H or H2D copy in flight) and `refs`
+       (cache references: session prefixes that include the page) are separate counts.
+       A pinned page is never reclaimed, whatever its refs; an unreferenced page is
+       reclaimed before any referenced one.
+    2. No early publication. (model, hash) becomes restorable only when every rank's page
+       for it is committed, so a page whose copy has not completed is never published.
+    3. Rank agreement. A save publishes at most the longest page-aligned prefix on which
+       every rank reports the same committed length and hashes; a disagreeing tail stays
+       private (stored under that rank's own key, never matched) and is recomputed.
+    4. Switch barrier. `pending_jobs(model)` lists the outgoing model's copies in flight; the
+       engine drains exactly those before releasing the device KV region.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+Key = tuple[str, int, int]  # (model, rank, prefix hash)
+
+
+@dataclass(frozen=True)
+class LayoutDescriptor:
+    model: str
+    rank: int
+    prefix_hash: int
+    committed_tokens: int
+    page_size: int
+    dtype: str
+    attention: str  # mha | gqa | mla | mamba
+    shape: tuple[int, ...]  # of this rank's page slab
+    itemsize: int = 4
+
+    @property
+    def nbytes(self) -> int:
+        n = self.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one TP rank says it committed: token count and cumulative hashes of full pages."""
+
+    rank: int
+    committed_tokens: int
+    hashes: tuple[int, ...]
+
+
+@dataclass
+class HostPage:
+    key: Key
+    slot: int
+    desc: LayoutDescriptor
+    state: Literal["copying", "committed"] = "copying"
+    pins: int = 0
+    refs: int = 0
+
+
+@dataclass(frozen=True)
+class PageCopy:
+    rank: int
+    page_index: int  # position in the saved sequence's page list
+    key: Key
+    slot: int
+    desc: LayoutDescriptor
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    job_id: int
+    model: str
+    session_id: str
+    copies: tuple[PageCopy, ...]
+    agreed_pages: int
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    model: str
+    hashes: tuple[int, ...]
+    slots: tuple[tuple[PageCopy, ...], ...]  # per page: one entry per rank
+
+
+@dataclass
+class _Job:
+    model: str
+    keys: list[Key]
+    agreed: tuple[int, ...]
+
+
+@dataclass
+class HkvrCounters:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    saved_pages: int = 0
+    restored_pages: int = 0
+    truncated_saves: int = 0  # saves whose published prefix was cut by rank disagreement
+    full_saves: int = 0  # saves cut short because no slot could be reclaimed
+
+
+@dataclass
+class _SessionPrefix:
+    hashes: tuple[int, ...]
+    pages: list[HostPage] = field(default_factory=list)
+
+
+def agreed_prefix(reports: list[RankReport], page_size: int) -> int:
+    """Longest page count on which all ranks report the same committed hashes."""
+    if not reports:
+        return 0
+    n = min(min(r.committed_tokens // page_size, len(r.hashes)) for r in reports)
+    first = reports[0].hashes
+    for j in range(n):
+        if any(r.hashes[j] != first[j] for r in reports[1:]):
+            return j
+    return n
+
+
+class HkvrCore:
+    def __init__(self, capacity_pages: int, ranks: int = 1) -> None:
+        self.capacity = capacity_pages
+        self.ranks = ranks
+        self.pages: OrderedDict[Key, HostPage] = OrderedDict()  # LRU order, oldest first
+        self.published: set[tuple[str, int]] = set()
+        self.sessions: dict[tuple[str, str], _SessionPrefix] = {}
+        self.jobs: dict[int, _Job] = {}
+        self.counters = HkvrCounters()
+        self._free_slots = list(range(capacity_pages - 1, -1, -1))
+        self._job_ids = itertools.count(1)
+
+    # -- save (D2H) ----------------------------------------------------------------------
+
+    def plan_save(
+        self, model: str, session_id: str, reports: list[RankReport], template: LayoutDescriptor
+    ) -> SavePlan:
+        """Reserve slots for every reported page not already held; pin them until `complete`."""
+        ps = template.page_size
+        agreed = agreed_prefix(reports, ps)
+        if any(min(r.committed_tokens // ps, len(r.hashes)) > agreed for r in reports):
+            self.counters.truncated_saves += 1
+        job_id = next(self._job_ids)
+        copies: list[PageCopy] = []
+        keys: list[Key] = []
+        for rep in reports:
+            for j, h in enumerate(rep.hashes[: rep.committed_tokens // ps]):
+                key = (model, rep.rank, h)
+                page = self.pages.get(key)
+                if page is not None:
+                    self.pages.move_to_end(key)
+                    continue
+                slot = self._take_slot()
+                if slot is None:
+                    self.counters.full_saves += 1
+                    break  # later pages are useless without this one (cumulative hashes)
+                desc = replace(template, rank=rep.rank, prefix_hash=h, committed_tokens=(j + 1) * ps)
+                self.pages[key] = HostPage(key, slot, desc, pins=1)
+                keys.append(key)
+                copies.append(PageCopy(rep.rank, j, key, slot, desc))
+        agreed_hashes = tuple(reports[0].hashes[:agreed]) if reports else ()
+        self._set_session(session_id, model, agreed_hashes)
+        self.jobs[job_id] = _Job(model, keys, agreed_hashes)
+        self.counters.saved_pages += len(copies)
+        return SavePlan(job_id, model, session_id, tuple(copies), agreed)
+
+    def complete(self, job_id: int) -> list[int]:
+        """The job's copy-completion event fired: commit, unpin, publish what is now whole."""
+        job = self.jobs.pop(job_id)
+        for key in job.keys:
+            page = self.pages.get(key)
+            if page is not None:
+                page.state = "committed"
+                page.pins -= 1
+        return self._publish(job.model, job.agreed)
+
+    def pending_jobs(self, model: str | None = None) -> list[int]:
+        return [j for j, job in self.jobs.items() if model is None or job.model == model]
+
+    def _publish(self, model: str, hashes: tuple[int, ...]) -> list[int]:
+        out = []
+        for h in hashes:
+            if (model, h) in self.published:
+                continue
+            if not all(self._committed((model, r, h)) for r in range(self.ranks)):
+                break  # prefix property: nothing past a hole is restorable
+            self.published.add((model, h))
+            out.append(h)
+        return out
+
+    def _committed(self, key: Key) -> bool:
+        page = self.pages.get(key)
+        return page is not None and page.state == "committed"
+
+    # -- restore (H2D) -------------------------------------------------------------------
+
+    def match(self, model: str, hashes: list[int] | tuple[int, ...]) -> int:
+        """Leading pages of `hashes` that are published (restorable) for `model`."""
+        n = 0
+        for h in hashes:
+            if (model, h) not in self.published:
+                break
+            n += 1
+        return n
+
+    def begin_restore(self, model: str, hashes: list[int] | tuple[int, ...]) -> RestorePlan:
+        """Pin the longest published prefix of `hashes` for copying; counts a hit or a miss."""
+        n = self.match(model, hashes)
+        if n == 0:
+            self.counters.misses += 1
+            return RestorePlan(model, (), ())
+        self.counters.hits += 1
+        per_page = []
+        for j, h in enumerate(hashes[:n]):
+            row = []
+            for r in range(self.ranks):
+                page = self.pages[(model, r, h)]
+                page.pins += 1
+                self.pages.move_to_end(page.key)
+                row.append(PageCopy(r, j, page.key, page.slot, page.desc))
+            per_page.append(tuple(row))
+        self.counters.restored_pages += n
+        return RestorePlan(model, tuple(hashes[:n]), tuple(per_page))
+
+    def end_restore(self, plan: RestorePlan) -> None:
+        for row in plan.slots:
+            for c in row:
+                self.pages[c.key].pins -= 1
+
+    # -- sessions ------------------------------------------------------------------------
+
+    def _set_session(self, session_id: str, model: str, hashes: tuple[int, ...]) -> None:
+        self.drop_session(session_id, model)
+        held = [self.pages[k] for h in hashes for r in range(self.ranks) if (k := (model, r, h)) in self.pages]
+        for page in held:
+            page.refs += 1
+        self.sessions[(session_id, model)] = _SessionPrefix(hashes, held)
+
+    def drop_session(self, session_id: str, model: str) -> None:
+        old = self.sessions.pop((session_id, model), None)
+        for page in old.pages if old is not None else ():
+            if self.pages.get(page.key) is page:  # an evicted-and-recreated key is a new page
+                page.refs -= 1
+
+    def session_tokens(self, session_id: str, model: str, page_size: int) -> int:
+        pre = self.sessions.get((session_id, model))
+        return 0 if pre is None else self.match(model, pre.hashes) * page_size
+
+    def session_prefixes(self, page_size: int) -> list[tuple[str, str, int]]:
+        out = []
+        for (sid, model), pre in self.sessions.items():
+            n = self.match(model, pre.hashes)
+            if n:
+                out.append((sid, model, n * page_size))
+        return out
+
+    # -- capacity ------------------------------------------------------------------------
+
+    @property
+    def used_pages(self) -> int:
+        return len(self.pages)
+
+    def _take_slot(self) -> int | None:
+        if self._free_slots:
+            return self._free_slots.pop()
+        victim = self._victim()
+        if victim is None:
+            return None
+        return self._evict(victim)
+
+    def _victim(self) -> HostPage | None:
+        """Least recently used unpinned page, unreferenced pages first. Never a pinned one."""
+        fallback = None
+        for page in self.pages.values():
+            if page.pins or page.state != "committed":
+                continue
+            if page.refs <= 0:
+                return page
+            if fallback is None:
+                fallback = page
+        return fallback
+
+    def _evict(self, page: HostPage) -> int:
+        assert page.pins == 0 and page.state == "committed", "evicting a page under transfer"
+        del self.pages[page.key]
+        model, _, h = page.key
+        self.published.discard((model, h))
+        self.counters.evictions += 1
+        return page.slot

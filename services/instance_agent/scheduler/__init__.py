@@ -1,0 +1,110 @@
+"""Round scheduler with session-prefill (SP) for one instance (paper §3.2, §3.4, Eq. 3-5).
+
+A cold-pool instance time-shares several models, one at a time. Time is cut into rounds;
+each active model (one with queued or running work) gets one slot per round, and the
+device switches model only between slots. A slot is
+
+    P -> D1 -> (SP -> D)* -> Dfin
+
+P admits the work waiting when the slot opens; D1 is the first decode; at each later
+decode boundary an SP step may admit a bounded batch of *returning* calls (continuations
+of the active model that arrived after P, with device or host-restorable KV); Dfin drains
+the protected decode budget. A hot-pool instance pins one model and does plain
+continuous batching. The scheduler is pure: it takes `now`, returns actions and events,
+and never touches an engine or a clock, so the live agent, the simulator and the unit
+tests drive the same object.
+
+Driving loop (live agent or simulator; `run_*` execute on an engine or a cost profile):
+
+    sched = RoundScheduler(SchedulerConfig(), ["qwen", "glm"], costs)
+    sched.submit(Work("c1", "s1", "qwen", prompt_tokens=900, max_tokens=64), now=clock())
+    while serving:
+        match sched.next_action(clock()):
+            case SwitchModel() as a: took = run_switch(a); events = sched.on_switch_done(a, clock(), took)
+            case Prefill() as a: eos = run_prefill(a); events = sched.on_prefill_done(a, clock(), eos)
+            case Decode() as a: eos = run_decode(a); events = sched.on_decode_done(a, clock(), eos)
+            case Idle(): events = sched.drain_events(); wait_for_submit()
+        publish(events)        # CallAdmitted / CallFinished / RoundEnded / DeadlineRisk ...
+
+`submit`/`abort` may be called between any two calls above, including while an action
+runs. The scheduler counts generated tokens itself and finishes a call at `max_tokens`;
+`eos` lets a live engine finish one earlier. A simulator advances its clock by
+`sched.estimate_s(action)` (or its own profile) instead of running anything.
+
+Package map:
+    types.py      Work, actions, events, SchedulerView
+    config.py     SchedulerConfig and the paper's ablations (sp, hkvr, staging, round_only)
+    costs.py      CostModel protocol, per-call prefill/restore cost, EWMA calibration
+    budget.py     Eq. 3-5: protected decode, slot budgets, switch cycle
+    admission.py  batch selection under batch, KV and time budgets (P, SP, hot)
+    calls.py      the call table: queued/running per model, token counts
+    rounds.py     round and slot bookkeeping
+    scheduler.py  RoundScheduler: the orchestration
+"""
+
+from services.instance_agent.scheduler.budget import ModelLoad, SlotPlan, plan_slot
+from services.instance_agent.scheduler.config import ABLATIONS, SchedulerConfig
+from services.instance_agent.scheduler.costs import CalibratedCosts, CostModel, LinearCosts
+from services.instance_agent.scheduler.errors import (
+    ActionMismatchError,
+    ConfigError,
+    DuplicateCallError,
+    InvalidWorkError,
+    SchedulerBusyError,
+    SchedulerError,
+    UnknownCallError,
+    UnknownModelError,
+)
+from services.instance_agent.scheduler.scheduler import RoundScheduler
+from services.instance_agent.scheduler.types import (
+    Action,
+    CallAdmitted,
+    CallFinished,
+    CallParked,
+    DeadlineRisk,
+    Decode,
+    Idle,
+    KvState,
+    Prefill,
+    RoundEnded,
+    SchedulerEvent,
+    SchedulerView,
+    SlotOpened,
+    SwitchModel,
+    Work,
+)
+
+__all__ = [
+    "ABLATIONS",
+    "Action",
+    "ActionMismatchError",
+    "CalibratedCosts",
+    "CallAdmitted",
+    "CallFinished",
+    "CallParked",
+    "ConfigError",
+    "CostModel",
+    "DeadlineRisk",
+    "Decode",
+    "DuplicateCallError",
+    "Idle",
+    "InvalidWorkError",
+    "KvState",
+    "LinearCosts",
+    "ModelLoad",
+    "Prefill",
+    "RoundEnded",
+    "RoundScheduler",
+    "SchedulerBusyError",
+    "SchedulerConfig",
+    "SchedulerError",
+    "SchedulerEvent",
+    "SchedulerView",
+    "SlotOpened",
+    "SlotPlan",
+    "SwitchModel",
+    "UnknownCallError",
+    "UnknownModelError",
+    "Work",
+    "plan_slot",
+]

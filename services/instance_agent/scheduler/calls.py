@@ -1,0 +1,109 @@
+"""The call table: every call the scheduler knows, by model, queued or running.
+
+Invariant: a call is in exactly one of `queued[model]` or `running[model]` until it
+finishes, then it is gone. Both maps keep insertion order, so iterating `queued` is
+FCFS by submission and iterating `running` is admission order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from services.instance_agent.scheduler.errors import DuplicateCallError, UnknownCallError, UnknownModelError
+from services.instance_agent.scheduler.types import KvState, Work
+
+
+@dataclass
+class CallState:
+    work: Work
+    seq: int  # submission order; a call with seq > a slot's P mark arrived after P
+    submitted_at: float
+    generated: int = 0  # tokens produced so far (the prefill's first token counts)
+    via: str | None = None  # P | SP | hot, once admitted
+    admitted_at: float | None = None
+    parked: bool = False  # already counted once as an SP-parked return
+
+    @property
+    def call_id(self) -> str:
+        return self.work.call_id
+
+    @property
+    def context_tokens(self) -> int:
+        return self.work.prompt_tokens + self.generated
+
+    @property
+    def done_by_length(self) -> bool:
+        return self.generated >= self.work.max_tokens
+
+
+class CallTable:
+    def __init__(self, models: tuple[str, ...]) -> None:
+        self.models = models
+        self.queued: dict[str, dict[str, CallState]] = {m: {} for m in models}
+        self.running: dict[str, dict[str, CallState]] = {m: {} for m in models}
+        self._by_id: dict[str, CallState] = {}
+        self._seq = 0
+
+    def __contains__(self, call_id: str) -> bool:
+        return call_id in self._by_id
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    @property
+    def seq(self) -> int:
+        """Sequence number of the latest submission."""
+        return self._seq
+
+    def get(self, call_id: str) -> CallState:
+        try:
+            return self._by_id[call_id]
+        except KeyError:
+            raise UnknownCallError(call_id, "known to the scheduler") from None
+
+    def add(self, work: Work, now: float) -> CallState:
+        if work.model not in self.queued:
+            raise UnknownModelError(work.model, self.models)
+        if work.call_id in self._by_id:
+            raise DuplicateCallError(work.call_id)
+        self._seq += 1
+        state = CallState(work=work, seq=self._seq, submitted_at=now)
+        self._by_id[work.call_id] = state
+        self.queued[work.model][work.call_id] = state
+        return state
+
+    def start(self, call_id: str, via: str, now: float) -> CallState:
+        """Move a queued call to running (its prefill has been issued)."""
+        state = self.get(call_id)
+        model = state.work.model
+        if call_id not in self.queued[model]:
+            raise UnknownCallError(call_id, "queued")
+        del self.queued[model][call_id]
+        self.running[model][call_id] = state
+        state.via, state.admitted_at = via, now
+        return state
+
+    def remove(self, call_id: str) -> CallState:
+        state = self._by_id.pop(call_id)
+        model = state.work.model
+        self.queued[model].pop(call_id, None)
+        self.running[model].pop(call_id, None)
+        return state
+
+    def active(self, model: str) -> bool:
+        return bool(self.queued[model]) or bool(self.running[model])
+
+    def running_ids(self, model: str) -> tuple[str, ...]:
+        return tuple(self.running[model])
+
+    def update_kv(self, session_id: str, model: str, kv_state: KvState, reusable_tokens: int | None) -> int:
+        """Re-state the KV of a session's queued calls for `model`; returns how many changed."""
+        changed = 0
+        for state in self.queued.get(model, {}).values():
+            if state.work.session_id != session_id:
+                continue
+            reuse = state.work.reusable_tokens if reusable_tokens is None else reusable_tokens
+            reuse = 0 if kv_state == "none" else min(reuse, state.work.prompt_tokens)
+            state.work = replace(state.work, kv_state=kv_state, reusable_tokens=reuse)
+            changed += 1
+        return changed

@@ -1,0 +1,81 @@
+"""Scheduler settings: one frozen object, validated when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from services.instance_agent.scheduler.errors import ConfigError
+
+# Paper §5 ablations: which mechanisms each configuration turns off.
+ABLATIONS: dict[str, dict[str, bool]] = {
+    "talaria": {"sp": True, "hkvr": True, "staging": True},
+    "no_sp": {"sp": False, "hkvr": True, "staging": True},
+    "no_hkvr": {"sp": True, "hkvr": False, "staging": True},
+    "h2d_only": {"sp": True, "hkvr": True, "staging": False},
+    "round_only": {"sp": False, "hkvr": False, "staging": False},
+}
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Knobs of one instance's scheduler.
+
+    Targets have no single number in the paper; the defaults are placeholders sized for
+    agent traffic (TTFT p95 ≈ 14 s in calibration.md) and are meant to be overridden.
+    """
+
+    pool: Literal["cold", "hot"] = "cold"
+    pinned_model: str | None = None  # hot pool: the one model it serves
+    initial_model: str | None = None  # cold pool: model already on the device at start
+    # Mechanisms (paper §5 ablations). Turning one off changes timing only, never output.
+    sp: bool = True  # mid-slot session-prefill; off: returns wait for the next slot's P
+    hkvr: bool = True  # host-restorable KV; off: host KV counts as missing (recompute)
+    staging: bool = True  # D2D-staged switch; off: SwitchModel(staged=False), host-only cost
+    gamma: float = 0.9  # Eq. 5 margin: round <= gamma * ttft_target_s
+    ttft_target_s: float = 10.0
+    tpot_target_s: float = 0.2  # Eq. 4 average time per output token
+    max_batch: int = 64  # running calls of one model
+    sp_max_batch: int = 8  # calls admitted by one SP step
+    kv_budget_bytes: int | None = None  # device KV for the active model's running calls
+    min_slot_s: float = 0.0  # a slot with running work decodes at least this long
+    max_slot_s: float | None = None  # cap on protected decode time per slot (None: round cap)
+    max_decode_iters: int = 4096  # hard cap on protected decode iterations per slot
+    ewma_alpha: float = 0.2  # weight of a new cost observation
+
+    def __post_init__(self) -> None:
+        if self.pool not in ("cold", "hot"):
+            raise ConfigError("pool", f"{self.pool!r} is not 'cold' or 'hot'")
+        if self.pool == "hot" and not self.pinned_model:
+            raise ConfigError("pinned_model", "a hot-pool instance needs its pinned model")
+        if not 0.0 < self.gamma <= 1.0:
+            raise ConfigError("gamma", f"{self.gamma} not in (0, 1]")
+        for name in ("ttft_target_s", "tpot_target_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, "must be > 0")
+        for name in ("max_batch", "sp_max_batch", "max_decode_iters"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, "must be >= 1")
+        if self.kv_budget_bytes is not None and self.kv_budget_bytes <= 0:
+            raise ConfigError("kv_budget_bytes", "must be > 0 or None")
+        if self.max_slot_s is not None and self.max_slot_s < self.min_slot_s:
+            raise ConfigError("max_slot_s", "must be >= min_slot_s")
+        if not 0.0 < self.ewma_alpha <= 1.0:
+            raise ConfigError("ewma_alpha", f"{self.ewma_alpha} not in (0, 1]")
+
+    @property
+    def round_cap_s(self) -> float:
+        """Eq. 5: R_i <= gamma * T_TTFT."""
+        return self.gamma * self.ttft_target_s
+
+    @classmethod
+    def ablation(cls, name: str, **overrides) -> SchedulerConfig:
+        """A config with the mechanisms of paper configuration `name` (see ABLATIONS)."""
+        try:
+            flags = ABLATIONS[name]
+        except KeyError:
+            raise ConfigError("ablation", f"unknown {name!r}; known: {', '.join(ABLATIONS)}") from None
+        return cls(**{**flags, **overrides})
+
+    def with_(self, **changes) -> SchedulerConfig:
+        return replace(self, **changes)

@@ -1,0 +1,144 @@
+"""Cost predictions the scheduler charges to its budgets, and their online calibration.
+
+`CostModel` is what a driver supplies: the simulator passes its calibrated profile, the
+live agent passes a profile seeded from engine stats. `CalibratedCosts` wraps either
+and corrects it with an EWMA of what the executor actually measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from services.instance_agent.scheduler.types import KvState, Work
+
+
+@runtime_checkable
+class CostModel(Protocol):
+    """Predicted durations (seconds) and KV footprint (bytes). Pure; never reads a clock."""
+
+    def prefill_s(self, model: str, new_tokens: int, context_tokens: int) -> float:
+        """Compute `new_tokens` of one call on top of `context_tokens` already in KV."""
+
+    def restore_s(self, model: str, tokens: int) -> float:
+        """Bring `tokens` of one call's KV from the host registry to the device (H2D)."""
+
+    def decode_step_s(self, model: str, batch: int, context_tokens: int) -> float:
+        """One decode iteration of `batch` calls; `context_tokens` is summed over the batch."""
+
+    def switch_s(self, from_model: str | None, to_model: str, staged: bool = True) -> float:
+        """Logical switch; `staged=False` prices the host-only (H2D) path."""
+
+    def kv_bytes(self, model: str, tokens: int) -> int:
+        """Device KV bytes for `tokens` tokens of one call."""
+
+
+def charged_kv(work: Work, hkvr: bool) -> KvState:
+    """The KV state the scheduler charges: without HKVR a host prefix is as good as none."""
+    if work.kv_state == "host" and not hkvr:
+        return "none"
+    return work.kv_state
+
+
+def call_prefill_s(costs: CostModel, work: Work, hkvr: bool) -> float:
+    """Predicted restore + prefill time of one call (the SP_m,k term of Eq. 3 per call)."""
+    kv = charged_kv(work, hkvr)
+    if kv == "none" or work.reusable_tokens == 0:
+        return costs.prefill_s(work.model, work.prompt_tokens, 0)
+    new = work.prompt_tokens - work.reusable_tokens
+    restore = costs.restore_s(work.model, work.reusable_tokens) if kv == "host" else 0.0
+    # A fully reused prompt still computes one token to produce the first logits.
+    return restore + costs.prefill_s(work.model, max(1, new), work.reusable_tokens)
+
+
+def call_kv_bytes(costs: CostModel, work: Work) -> int:
+    """Device KV a running call may grow to: its prompt plus every token it may generate."""
+    return costs.kv_bytes(work.model, work.prompt_tokens + work.max_tokens)
+
+
+@dataclass
+class CalibratedCosts:
+    """`base` corrected by measurements.
+
+    Prefill and decode keep one multiplicative factor per model (EWMA of measured /
+    predicted); a prefill batch measures restore + prefill together, so both share the
+    prefill factor. Switches keep an EWMA of the measured seconds per (from, to, staged),
+    because the paper's switch estimate follows staging coverage, not a static constant.
+    """
+
+    base: CostModel
+    alpha: float = 0.2
+    factors: dict[tuple[str, str], float] = field(default_factory=dict)
+    switches: dict[tuple[str | None, str, bool], float] = field(default_factory=dict)
+
+    def observe(self, kind: str, model: str, predicted_s: float, measured_s: float) -> None:
+        """Fold one measured step (`kind` is 'prefill' or 'decode') into its factor."""
+        if kind not in ("prefill", "decode"):
+            raise ValueError(f"unknown cost kind {kind!r}")
+        if predicted_s <= 0 or measured_s < 0:
+            return  # nothing to learn from a zero prediction
+        key = (kind, model)
+        # The prediction already includes the old factor; the ratio corrects the base.
+        old = self.factors.get(key, 1.0)  # the profile itself is the prior
+        self.factors[key] = _ewma(old, measured_s / (predicted_s / old), self.alpha)
+
+    def observe_switch(self, from_model: str | None, to_model: str, staged: bool, measured_s: float) -> None:
+        key = (from_model, to_model, staged)
+        self.switches[key] = _ewma(self.switches.get(key), measured_s, self.alpha)
+
+    def prefill_s(self, model: str, new_tokens: int, context_tokens: int) -> float:
+        return self.base.prefill_s(model, new_tokens, context_tokens) * self._f("prefill", model)
+
+    def restore_s(self, model: str, tokens: int) -> float:
+        return self.base.restore_s(model, tokens) * self._f("prefill", model)
+
+    def decode_step_s(self, model: str, batch: int, context_tokens: int) -> float:
+        return self.base.decode_step_s(model, batch, context_tokens) * self._f("decode", model)
+
+    def switch_s(self, from_model: str | None, to_model: str, staged: bool = True) -> float:
+        measured = self.switches.get((from_model, to_model, staged))
+        if measured is not None:
+            return measured
+        return self.base.switch_s(from_model, to_model, staged)
+
+    def kv_bytes(self, model: str, tokens: int) -> int:
+        return self.base.kv_bytes(model, tokens)
+
+    def _f(self, kind: str, model: str) -> float:
+        return self.factors.get((kind, model), 1.0)
+
+
+def _ewma(old: float | None, new: float, alpha: float) -> float:
+    return new if old is None else (1.0 - alpha) * old + alpha * new
+
+
+@dataclass(frozen=True)
+class LinearCosts:
+    """A minimal linear profile: tests, examples and a fallback before calibration.
+
+    Not calibrated to any hardware; the simulator's profile engine owns real numbers.
+    """
+
+    prefill_tok_s: float = 20_000.0
+    prefill_ctx_s_per_tok: float = 0.0  # attention over reused context
+    restore_tok_s: float = 200_000.0
+    decode_base_s: float = 0.02
+    decode_ctx_s_per_tok: float = 0.0
+    switch_staged_s: float = 1.0
+    switch_host_s: float = 1.5
+    kv_bytes_per_token: int = 1024
+
+    def prefill_s(self, model: str, new_tokens: int, context_tokens: int) -> float:
+        return new_tokens / self.prefill_tok_s + context_tokens * self.prefill_ctx_s_per_tok
+
+    def restore_s(self, model: str, tokens: int) -> float:
+        return tokens / self.restore_tok_s
+
+    def decode_step_s(self, model: str, batch: int, context_tokens: int) -> float:
+        return self.decode_base_s + context_tokens * self.decode_ctx_s_per_tok
+
+    def switch_s(self, from_model: str | None, to_model: str, staged: bool = True) -> float:
+        return self.switch_staged_s if staged else self.switch_host_s
+
+    def kv_bytes(self, model: str, tokens: int) -> int:
+        return tokens * self.kv_bytes_per_token

@@ -1,0 +1,512 @@
+"""`RoundScheduler`: the instance's round scheduler with session-prefill (paper §3.2, §3.4).
+
+Pure: every method takes `now`; nothing here reads a clock, sleeps or touches an engine.
+The driver alternates `next_action(now)` with the matching `on_*_done(...)`; `submit`
+and `abort` may come at any time, including while an action is executing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from services.instance_agent.scheduler.admission import Limits, Selection, select
+from services.instance_agent.scheduler.budget import ModelLoad, plan_slot, switch_cycle_s
+from services.instance_agent.scheduler.calls import CallState, CallTable
+from services.instance_agent.scheduler.config import SchedulerConfig
+from services.instance_agent.scheduler.costs import (
+    CalibratedCosts,
+    CostModel,
+    call_kv_bytes,
+    call_prefill_s,
+    charged_kv,
+)
+from services.instance_agent.scheduler.errors import (
+    ActionMismatchError,
+    ConfigError,
+    InvalidWorkError,
+    SchedulerBusyError,
+    UnknownCallError,
+    UnknownModelError,
+)
+from services.instance_agent.scheduler.rounds import RoundState, Slot
+from services.instance_agent.scheduler.types import (
+    Action,
+    CallAdmitted,
+    CallFinished,
+    CallParked,
+    DeadlineRisk,
+    Decode,
+    Idle,
+    KvState,
+    Prefill,
+    SchedulerEvent,
+    SchedulerView,
+    SlotOpened,
+    SwitchModel,
+    Work,
+)
+
+_PARK_REASON = {"time": "sp_budget", "batch": "sp_batch"}
+
+
+@dataclass(frozen=True)
+class _Inflight:
+    action: Action
+    issued_at: float
+    predicted_s: float
+
+
+class RoundScheduler:
+    """Orders the work of one instance. It never changes what a call computes, only when."""
+
+    def __init__(self, config: SchedulerConfig, models: Sequence[str], costs: CostModel) -> None:
+        _check_models(config, tuple(models))
+        self.config = config
+        self.models = tuple(models)
+        self.costs = costs if isinstance(costs, CalibratedCosts) else CalibratedCosts(costs, config.ewma_alpha)
+        self.calls = CallTable(self.models)
+        self.device_model = config.pinned_model if config.pool == "hot" else config.initial_model
+        self.slot: Slot | None = None
+        self.round: RoundState | None = None
+        self.rounds_done = 0
+        self.sp_admitted = 0
+        self.sp_parked = 0
+        self.deadline_risk = 0
+        self._target: str | None = None  # model the in-flight or next switch opens
+        self._inflight: _Inflight | None = None
+        self._outbox: list[SchedulerEvent] = []
+        self._hot_last = ""
+
+    # ---- driver API -------------------------------------------------------------------
+
+    def submit(self, work: Work, now: float) -> None:
+        """Accept a call routed here. Raises for a model not served or a call seen before."""
+        if self.config.pool == "hot" and work.model != self.config.pinned_model:
+            raise UnknownModelError(work.model, (self.config.pinned_model,))
+        budget = self.config.kv_budget_bytes
+        if budget is not None and call_kv_bytes(self.costs, work) > budget:
+            raise InvalidWorkError(work.call_id, f"needs more KV than the whole budget ({budget} B)")
+        self.calls.add(work, now)
+
+    def next_action(self, now: float) -> Action:
+        """What the executor should do next. Every non-Idle action must be reported done."""
+        if self._inflight is not None:
+            raise SchedulerBusyError(self._inflight.action)
+        action = self._next_hot(now) if self.config.pool == "hot" else self._next_cold(now)
+        if not isinstance(action, Idle):
+            self._inflight = _Inflight(action, now, self.estimate_s(action))
+        return action
+
+    def on_prefill_done(
+        self, action: Prefill, now: float, finished: Iterable[str] = ()
+    ) -> list[SchedulerEvent]:
+        """The prefill ran; each call has its first token. `finished`: calls that hit EOS/stop."""
+        done = _finished_in(action, finished)
+        flight = self._complete(action, now)
+        self.costs.observe("prefill", action.model, flight.predicted_s, now - flight.issued_at)
+        for call in self._known(action.call_ids):
+            call.generated = 1
+            self._admitted(call, flight.issued_at, now)
+        if self.slot is not None:
+            self.slot.last = "SP" if action.session_prefill else "P"
+        self._hot_last = "P"
+        self._finish(action.call_ids, done, now)
+        return self.drain_events()
+
+    def on_decode_done(self, action: Decode, now: float, finished: Iterable[str] = ()) -> list[SchedulerEvent]:
+        """One decode iteration ran. `finished`: calls that hit EOS/stop this step."""
+        done = _finished_in(action, finished)
+        flight = self._complete(action, now)
+        self.costs.observe("decode", action.model, flight.predicted_s, now - flight.issued_at)
+        for call in self._known(action.call_ids):
+            call.generated += 1
+        if self.slot is not None:
+            self.slot.decodes += 1
+            self.slot.last = "D"
+        self._hot_last = "D"
+        self._finish(action.call_ids, done, now)
+        return self.drain_events()
+
+    def on_switch_done(self, action: SwitchModel, now: float, measured_s: float | None = None) -> list[SchedulerEvent]:
+        """The device now serves `action.to_model`; `measured_s` defaults to the wall time."""
+        flight = self._complete(action, now)
+        took = now - flight.issued_at if measured_s is None else measured_s
+        self.costs.observe_switch(action.from_model, action.to_model, action.staged, took)
+        self.device_model = action.to_model
+        if self.round is not None:
+            self.round.switch_s += took
+        return self.drain_events()
+
+    def abort(self, call_id: str, now: float) -> list[SchedulerEvent]:
+        """Forget a call (client gone, engine failure). Safe while it is in flight."""
+        call = self.calls.get(call_id)
+        self.calls.remove(call_id)
+        self._emit(CallFinished(call_id, call.work.model, call.generated, "aborted", now))
+        return self.drain_events()
+
+    def update_kv(
+        self, session_id: str, model: str, kv_state: KvState, reusable_tokens: int | None = None
+    ) -> int:
+        """The engine moved a session's prefix (e.g. device -> host on a switch)."""
+        return self.calls.update_kv(session_id, model, kv_state, reusable_tokens)
+
+    def observe_cost(self, kind: str, model: str, predicted_s: float, measured_s: float) -> None:
+        """Fold an externally measured step into the EWMA cost correction."""
+        self.costs.observe(kind, model, predicted_s, measured_s)
+
+    def drain_events(self) -> list[SchedulerEvent]:
+        """Events raised so far (also returned by every on_*_done); call it after an Idle."""
+        events, self._outbox = self._outbox, []
+        return events
+
+    def estimate_s(self, action: Action) -> float:
+        """Predicted duration of `action` under the current (calibrated) costs."""
+        match action:
+            case Prefill(call_ids=ids):
+                return sum(self._cost(c) for c in self._known(ids))
+            case Decode(call_ids=ids, model=model):
+                calls = list(self._known(ids))
+                ctx = sum(c.context_tokens for c in calls)
+                return self.costs.decode_step_s(model, len(calls), ctx)
+            case SwitchModel(from_model=a, to_model=b, staged=staged):
+                return self.costs.switch_s(a, b, staged)
+        return 0.0
+
+    def generated(self, call_id: str) -> int:
+        """Tokens the scheduler has counted for a live call."""
+        return self.calls.get(call_id).generated
+
+    def snapshot(self, now: float) -> SchedulerView:
+        remaining = 0.0
+        if self.round is not None:
+            remaining = max(0.0, self.round.started_at + self.round.predicted_s - now)
+        return SchedulerView(
+            pool=self.config.pool,
+            active_model=self.device_model,
+            slot_model=self.slot.model if self.slot else None,
+            phase=self._phase(),
+            round_index=self.round.index if self.round else self.rounds_done,
+            round_remaining_s=remaining,
+            queued={m: len(q) for m, q in self.calls.queued.items()},
+            running={m: len(r) for m, r in self.calls.running.items()},
+            queued_tokens=sum(c.work.prompt_tokens for q in self.calls.queued.values() for c in q.values()),
+            kv_used_bytes=sum(self._kv_used(m) for m in self.models),
+            deadline_risk=self.deadline_risk,
+            sp_admitted=self.sp_admitted,
+            sp_parked=self.sp_parked,
+            switch_s=self._next_switch_estimate(),
+        )
+
+    # ---- cold pool: rounds and slots ---------------------------------------------------
+
+    def _next_cold(self, now: float) -> Action:
+        # Each pass either returns or closes a slot; an active model's slot always yields
+        # an action (P admits its oldest call when nothing runs), so this ends quickly.
+        for _ in range(2 * len(self.models) + 2):
+            if self.slot is None:
+                model = self._target or self._pick_model(now)
+                if model is None:
+                    return Idle(None)
+                if model != self.device_model:
+                    self._target = model
+                    return SwitchModel(self.device_model, model, self.config.staging)
+                self._target = None
+                self._open_slot(model, now)
+            action = self._slot_action(now)
+            if action is not None:
+                return action
+            self._close_slot(now)
+        raise AssertionError("scheduler made no progress: an active slot yielded no action")
+
+    def _pick_model(self, now: float) -> str | None:
+        """Next active model not yet served this round, in rotation order; else a new round."""
+        active = [m for m in self._rotation(self.device_model) if self.calls.active(m)]
+        if self.round is not None:
+            for model in active:
+                if not self.round.served(model):
+                    return model
+            self._end_round(now)
+        if not active:
+            return None
+        self.round = RoundState(index=self.rounds_done, started_at=now)
+        return active[0]
+
+    def _open_slot(self, model: str, now: float) -> None:
+        order = [model] + [m for m in self._rotation(model) if m != model and self.calls.active(m)]
+        loads = {m: self._load(m) for m in order}
+        switch = switch_cycle_s(order, self.device_model, self._price)
+        plan = plan_slot(model, loads, switch, self.config)
+        self.slot = Slot(model, plan, now, plan.protected_decode, plan.prefill_budget_s, plan.sp_budget_s)
+        assert self.round is not None  # a slot always opens inside a round
+        self.round.slots.append(model)
+        self.round.predicted_s = plan.predicted_round_s
+        self._emit(
+            SlotOpened(
+                model, self.round.index, plan.protected_decode, plan.decode_step_s,
+                plan.prefill_budget_s, plan.sp_budget_s, plan.predicted_round_s, now,
+            )
+        )
+        if plan.over_budget:
+            self._round_risk(model, "round_over_budget", plan.predicted_round_s, plan.round_cap_s, now)
+        if not plan.tpot_feasible:
+            steps = self.config.tpot_target_s - plan.decode_slack_s
+            self._round_risk(model, "tpot_infeasible", steps, self.config.tpot_target_s, now)
+
+    def _slot_action(self, now: float) -> Action | None:
+        """P first, then decode; an SP step may follow any decode until protected decode runs out."""
+        slot = self.slot
+        assert slot is not None
+        if not slot.p_done:
+            slot.p_done = True
+            slot.p_mark = self.calls.seq  # later submissions arrived after P
+            selection = self._select_p(slot, now)
+            if selection.admitted:
+                return self._start_prefill(selection, "P", slot.model, now)
+        if slot.decode_left == 0 and not self._contended(slot) and self.calls.active(slot.model):
+            self._extend(slot, now)
+        if slot.at_decode_boundary and slot.decode_left > 0:
+            selection = self._select_sp(slot, now)
+            if selection is not None and selection.admitted:
+                return self._start_prefill(selection, "SP", slot.model, now)
+        running = self.calls.running_ids(slot.model)
+        if slot.extended and self._contended(slot):
+            return None  # the extension lasted only while nobody else needed the device
+        if running and slot.decode_left > 0:
+            return Decode(running, slot.model)
+        return None
+
+    def _contended(self, slot: Slot) -> bool:
+        """Whether work other than this slot's decode and SP candidates is waiting."""
+        if any(self.calls.active(m) for m in self.models if m != slot.model):
+            return True
+        return any(not (self.config.sp and self._sp_eligible(c, slot)) for c in self.calls.queued[slot.model].values())
+
+    def _extend(self, slot: Slot, now: float) -> None:
+        # Nothing to rotate to and nothing waiting for a P: closing would only open an
+        # identical slot. Rounds bound model revisit time, which means nothing without
+        # contention, so the round ends here and the slot decodes on (SP included) until
+        # work for a P or another model arrives; the next slot then opens a new round.
+        if self.round is not None:
+            self._end_round(now)
+        slot.extended = True
+        slot.protected += slot.plan.protected_decode
+        slot.sp_left_s = slot.plan.sp_budget_s
+
+    def _select_p(self, slot: Slot, now: float) -> Selection:
+        model = slot.model
+        limits = Limits(
+            free_slots=self.config.max_batch - len(self.calls.running[model]),
+            batch=self.config.max_batch,
+            kv_free_bytes=self._kv_free(model),
+            time_s=slot.prefill_left_s,
+            at_least_one=True,
+        )
+        selection = select(self.calls.queued[model].values(), limits, self._cost, self._kv)
+        slot.prefill_left_s = max(0.0, slot.prefill_left_s - selection.cost_s)
+        short = selection.left_for("time")
+        if short:
+            self._risk(model, "prefill_shortfall", selection.cost_s, slot.plan.prefill_budget_s, now, short)
+        full = selection.left_for("max_batch") + selection.left_for("kv_budget")
+        if full:
+            self._risk(model, "capacity", selection.cost_s, slot.plan.prefill_budget_s, now, full)
+        return selection
+
+    def _select_sp(self, slot: Slot, now: float) -> Selection | None:
+        if not self.config.sp:
+            return None
+        model = slot.model
+        eligible = [c for c in self.calls.queued[model].values() if self._sp_eligible(c, slot)]
+        if not eligible:
+            return None
+        limits = Limits(
+            free_slots=self.config.max_batch - len(self.calls.running[model]),
+            batch=self.config.sp_max_batch,
+            kv_free_bytes=self._kv_free(model),
+            time_s=slot.sp_left_s,
+        )
+        selection = select(eligible, limits, self._cost, self._kv, charge=slot.plan.sp_charge_s)
+        for call, reason in selection.left:
+            self._park(call, _PARK_REASON.get(reason, reason), now)
+        if selection.admitted:
+            slot.sp_left_s -= slot.plan.sp_charge_s(selection.cost_s)
+            slot.protected += slot.plan.sp_extension(selection.cost_s)
+        return selection
+
+    def _sp_eligible(self, call: CallState, slot: Slot) -> bool:
+        """Paper §3.4: the active model, a continuation that arrived after P, reusable KV here."""
+        work = call.work
+        return (
+            call.seq > slot.p_mark
+            and work.continuation
+            and work.reusable_tokens > 0
+            and charged_kv(work, self.config.hkvr) != "none"
+        )
+
+    def _close_slot(self, now: float) -> None:
+        slot = self.slot
+        assert slot is not None
+        if self.config.sp and slot.p_done:
+            for call in list(self.calls.queued[slot.model].values()):
+                if self._sp_eligible(call, slot):
+                    self._park(call, "slot_closed", now)
+        self.slot = None
+
+    def _end_round(self, now: float) -> None:
+        assert self.round is not None
+        wall = now - self.round.started_at
+        if wall > self.config.round_cap_s + 1e-9:
+            self._risk(None, "round_overrun", wall, self.config.round_cap_s, now)
+        self._emit(self.round.ended(now))
+        self.round = None
+        self.rounds_done += 1
+
+    # ---- hot pool: plain continuous batching ------------------------------------------
+
+    def _next_hot(self, now: float) -> Action:
+        model = self.config.pinned_model
+        assert model is not None
+        running = self.calls.running_ids(model)
+        if self.calls.queued[model] and (self._hot_last != "P" or not running):
+            limits = Limits(
+                free_slots=self.config.max_batch - len(running),
+                batch=self.config.max_batch,
+                kv_free_bytes=self._kv_free(model),
+                time_s=None,
+            )
+            selection = select(self.calls.queued[model].values(), limits, self._cost, self._kv)
+            if selection.admitted:
+                return self._start_prefill(selection, "hot", model, now)
+        if running:
+            return Decode(running, model)
+        return Idle(None)
+
+    # ---- shared helpers ---------------------------------------------------------------
+
+    def _start_prefill(self, selection: Selection, via: str, model: str, now: float) -> Prefill:
+        for call in selection.admitted:
+            self.calls.start(call.call_id, via, now)
+        return Prefill(selection.ids, session_prefill=via == "SP", model=model)
+
+    def _admitted(self, call: CallState, issued_at: float, now: float) -> None:
+        via = call.via or "P"
+        if via == "SP":
+            self.sp_admitted += 1
+            if self.round is not None:
+                self.round.sp_admitted += 1
+        kv = charged_kv(call.work, self.config.hkvr)
+        wait = max(0.0, issued_at - call.work.arrived_at)
+        self._emit(CallAdmitted(call.call_id, call.work.model, via, wait, kv, now))
+
+    def _finish(self, ids: tuple[str, ...], engine_done: frozenset[str], now: float) -> None:
+        for call in list(self._known(ids)):
+            if call.done_by_length or call.call_id in engine_done:
+                reason = "length" if call.done_by_length else "engine"
+                self.calls.remove(call.call_id)
+                self._emit(CallFinished(call.call_id, call.work.model, call.generated, reason, now))
+
+    def _complete(self, action: Action, now: float) -> _Inflight:
+        flight = self._inflight
+        if flight is None or flight.action != action:
+            raise ActionMismatchError(flight.action if flight else None, action)
+        self._inflight = None
+        return flight
+
+    def _park(self, call: CallState, reason: str, now: float) -> None:
+        if call.parked:
+            return  # counted once per call, as the paper counts return-handling events
+        call.parked = True
+        self.sp_parked += 1
+        if self.round is not None:
+            self.round.sp_parked += 1
+        self._emit(CallParked(call.call_id, call.work.model, reason, now))
+
+    def _risk(self, model, reason, predicted, budget, now, calls: int = 0) -> None:
+        self.deadline_risk += 1
+        if self.round is not None:
+            self.round.deadline_risk += 1
+        self._emit(DeadlineRisk(model, reason, predicted, budget, calls, now))
+
+    def _round_risk(self, model, reason, predicted, budget, now) -> None:
+        """A round-level risk is raised once per round, not once per slot."""
+        assert self.round is not None
+        if reason not in self.round.risks:
+            self.round.risks.add(reason)
+            self._risk(model, reason, predicted, budget, now)
+
+    def _emit(self, event: SchedulerEvent) -> None:
+        self._outbox.append(event)
+
+    def _known(self, ids: Iterable[str]) -> Iterable[CallState]:
+        # Calls aborted while their step was in flight are skipped.
+        return (self.calls.get(i) for i in ids if i in self.calls)
+
+    def _load(self, model: str) -> ModelLoad:
+        running = list(self.calls.running[model].values())
+        free = max(0, self.config.max_batch - len(running))
+        queued = list(self.calls.queued[model].values())[:free]
+        batch = max(1, len(running) + len(queued))
+        ctx = sum(c.context_tokens for c in running) + sum(c.work.prompt_tokens for c in queued)
+        step = self.costs.decode_step_s(model, batch, ctx)
+        return ModelLoad(decode_step_s=step, prefill_s=sum(self._cost(c) for c in queued))
+
+    def _cost(self, call: CallState) -> float:
+        return call_prefill_s(self.costs, call.work, self.config.hkvr)
+
+    def _kv(self, call: CallState) -> int:
+        return call_kv_bytes(self.costs, call.work)
+
+    def _kv_used(self, model: str) -> int:
+        return sum(self._kv(c) for c in self.calls.running[model].values())
+
+    def _kv_free(self, model: str) -> int | None:
+        budget = self.config.kv_budget_bytes
+        return None if budget is None else max(0, budget - self._kv_used(model))
+
+    def _price(self, from_model: str | None, to_model: str) -> float:
+        return self.costs.switch_s(from_model, to_model, self.config.staging)
+
+    def _rotation(self, after: str | None) -> list[str]:
+        """All models in cyclic order, starting after `after` and ending with it."""
+        if after is None:
+            return list(self.models)
+        i = self.models.index(after)
+        return list(self.models[i + 1 :] + self.models[: i + 1])
+
+    def _next_switch_estimate(self) -> float:
+        nxt = next((m for m in self._rotation(self.device_model) if m != self.device_model), None)
+        return 0.0 if nxt is None or self.config.pool == "hot" else self._price(self.device_model, nxt)
+
+    def _phase(self) -> str:
+        if self._inflight is not None:
+            match self._inflight.action:
+                case SwitchModel():
+                    return "switch"
+                case Prefill(session_prefill=sp):
+                    return "SP" if sp else "P"
+                case Decode():
+                    return "D"
+        if self.slot is None:
+            return "idle"
+        if not self.slot.p_done:
+            return "P"
+        return "D1" if self.slot.decodes == 0 else "D"
+
+
+def _finished_in(action: Prefill | Decode, finished: Iterable[str]) -> frozenset[str]:
+    done = frozenset(finished)
+    stray = done - set(action.call_ids)
+    if stray:
+        raise UnknownCallError(sorted(stray)[0], f"in the completed action {action!r}")
+    return done
+
+
+def _check_models(config: SchedulerConfig, models: tuple[str, ...]) -> None:
+    if not models:
+        raise ConfigError("models", "an instance serves at least one model")
+    if len(set(models)) != len(models):
+        raise ConfigError("models", f"duplicates in {models}")
+    if config.pool == "hot" and config.pinned_model not in models:
+        raise ConfigError("pinned_model", f"{config.pinned_model!r} is not in {models}")
+    if config.initial_model is not None and config.initial_model not in models:
+        raise ConfigError("initial_model", f"{config.initial_model!r} is not in {models}")

@@ -1,0 +1,183 @@
+"""Data the scheduler takes in (`Work`), hands out (actions) and reports (events, view).
+
+Everything here is a frozen dataclass: the driver executes an action as it is, and the
+audit log records events as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Union
+
+from services.instance_agent.scheduler.errors import InvalidWorkError
+
+KvState = Literal["device", "host", "none"]
+KV_STATES: tuple[str, ...] = ("device", "host", "none")
+Via = Literal["P", "SP", "hot"]
+
+
+@dataclass(frozen=True)
+class Work:
+    """One model call routed to this instance.
+
+    `reusable_tokens` is the prefix of `prompt_tokens` whose KV this instance can reuse
+    (device-resident or host-restorable per `kv_state`). `continuation` marks a returning
+    call of a session seen before; only continuations may enter a slot through SP.
+    """
+
+    call_id: str
+    session_id: str
+    model: str
+    prompt_tokens: int
+    reusable_tokens: int = 0
+    kv_state: KvState = "none"
+    max_tokens: int = 1
+    arrived_at: float = 0.0
+    continuation: bool = False
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 1:
+            raise InvalidWorkError(self.call_id, f"prompt_tokens={self.prompt_tokens} < 1")
+        if not 0 <= self.reusable_tokens <= self.prompt_tokens:
+            raise InvalidWorkError(
+                self.call_id, f"reusable_tokens={self.reusable_tokens} not in [0, prompt_tokens]"
+            )
+        if self.kv_state not in KV_STATES:
+            raise InvalidWorkError(self.call_id, f"kv_state={self.kv_state!r} not in {KV_STATES}")
+        if self.max_tokens < 1:
+            raise InvalidWorkError(self.call_id, f"max_tokens={self.max_tokens} < 1")
+
+
+# ---- actions: what the executor does next ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class SwitchModel:
+    """Make `to_model` the device model. `staged=False` asks for the host-only (H2D) path."""
+
+    from_model: str | None
+    to_model: str
+    staged: bool = True
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """Prefill (restoring reusable KV first) and emit each call's first token."""
+
+    call_ids: tuple[str, ...]
+    session_prefill: bool = False
+    model: str = ""
+
+
+@dataclass(frozen=True)
+class Decode:
+    """One decode iteration for every listed call: one new token each."""
+
+    call_ids: tuple[str, ...]
+    model: str = ""
+
+
+@dataclass(frozen=True)
+class Idle:
+    """Nothing to run. Call `next_action` again after the next `submit` (or at `until`)."""
+
+    until: float | None = None
+
+
+Action = Union[SwitchModel, Prefill, Decode, Idle]
+
+
+# ---- events: what happened, for telemetry and the audit log ---------------------------
+
+
+@dataclass(frozen=True)
+class CallAdmitted:
+    call_id: str
+    model: str
+    via: Via
+    slot_wait_s: float  # from `arrived_at` to the admitting prefill's start
+    kv_state: KvState  # as charged (host counts as none when HKVR is off)
+    at: float
+
+
+@dataclass(frozen=True)
+class CallParked:
+    """An SP-eligible return that did not fit the SP batch (or the slot closed first)."""
+
+    call_id: str
+    model: str
+    reason: str  # sp_budget | sp_batch | max_batch | kv_budget | slot_closed
+    at: float
+
+
+@dataclass(frozen=True)
+class CallFinished:
+    call_id: str
+    model: str
+    tokens: int  # generated tokens, counted by the scheduler
+    reason: str  # engine (EOS/stop reported by the executor) | length (max_tokens) | aborted
+    at: float
+
+
+@dataclass(frozen=True)
+class DeadlineRisk:
+    """The plan cannot meet a target; the work still runs, the shortfall is reported."""
+
+    model: str | None
+    reason: str  # round_over_budget | tpot_infeasible | prefill_shortfall | capacity | round_overrun
+    predicted_s: float
+    budget_s: float
+    calls: int = 0  # calls left waiting because of it (prefill_shortfall, capacity)
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class SlotOpened:
+    """The plan a slot starts with (Eq. 3-5); see `budget.plan_slot`."""
+
+    model: str
+    round_index: int
+    protected_decode: int
+    decode_step_s: float
+    prefill_budget_s: float
+    sp_budget_s: float
+    predicted_round_s: float
+    at: float
+
+
+@dataclass(frozen=True)
+class RoundEnded:
+    round_index: int
+    wall_s: float
+    active_s: float
+    switch_s: float
+    slots: tuple[str, ...]
+    sp_admitted: int
+    sp_parked: int
+    deadline_risk: int
+    at: float = 0.0
+
+
+SchedulerEvent = Union[
+    CallAdmitted, CallParked, CallFinished, DeadlineRisk, SlotOpened, RoundEnded
+]
+
+
+@dataclass(frozen=True)
+class SchedulerView:
+    """Telemetry snapshot (maps onto `shared.messages.InstanceSnapshot`)."""
+
+    pool: str
+    active_model: str | None
+    slot_model: str | None
+    phase: str  # idle | switch | P | D | SP | Dfin
+    round_index: int
+    round_remaining_s: float
+    queued: dict[str, int] = field(default_factory=dict)
+    running: dict[str, int] = field(default_factory=dict)
+    queued_tokens: int = 0
+    kv_used_bytes: int = 0
+    deadline_risk: int = 0
+    sp_admitted: int = 0
+    sp_parked: int = 0
+    switch_s: float = 0.0  # current estimate of the next switch (EWMA of measured)

@@ -1,0 +1,116 @@
+"""Instance-agent service: consumes calls routed to this instance, runs them on the engine.
+
+The engine is blocking torch code, so it runs on one worker thread; the asyncio loop
+keeps heartbeats and NATS flowing while it computes. Calls arrive on a durable
+JetStream consumer and are acknowledged only after their outcome is published, so a
+crashed agent's calls are redelivered rather than lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+import structlog
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from services.instance_agent.runner import CallRunner
+from shared import logs, subjects, tracing
+from shared.bus import close, connect, emit
+from shared.messages import ROUTED_DECODER, CallFailed, CallRouted, ErrorReply, encode
+from shared.settings import Settings
+
+ACK_WAIT_S = 120.0
+FETCH_BATCH = 16
+
+
+async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
+    log = logs.get("instance_agent").bind(instance_id=settings.instance_id)
+    provider = tracing.setup(f"agent-{settings.instance_id}", settings)
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+    loop = asyncio.get_running_loop()
+    engine = await loop.run_in_executor(executor, _build_engine, settings)
+    nc, js = await connect(settings.nats_url, f"talaria-agent-{settings.instance_id}")
+    runner = CallRunner(settings, engine, executor, nc, js, provider.get_tracer("talaria.agent"), log)
+    stop = stop or asyncio.Event()
+    durable = f"agent-{settings.instance_id}"
+    sub = await js.pull_subscribe(
+        subjects.call_routed(settings.instance_id),
+        durable=durable,
+        stream=subjects.EVENTS_STREAM,
+        config=ConsumerConfig(
+            durable_name=durable,
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_wait=ACK_WAIT_S,
+            max_ack_pending=10_000,
+            max_deliver=5,
+        ),
+    )
+    tasks = [
+        asyncio.create_task(runner.heartbeat_loop(stop), name="heartbeat"),
+        asyncio.create_task(runner.work_loop(stop), name="work"),
+        asyncio.create_task(_fetch_loop(sub, runner, js, nc, log, stop), name="fetch"),
+    ]
+    await runner.publish_snapshot()
+    log.info("instance agent ready", models=list(settings.models), pool=settings.pool)
+    if ready is not None:
+        ready.set()
+    try:
+        await stop.wait()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await close(nc)
+        executor.shutdown(wait=True, cancel_futures=True)
+        provider.shutdown()
+
+
+def _build_engine(settings: Settings):
+    import torch
+
+    from services.instance_agent.engine import TorchEngine
+
+    torch.set_num_threads(max(1, settings.torch_threads))
+    engine = TorchEngine(settings.data_dir, list(settings.models), device=settings.device)
+    engine.ensure_weights()
+    return engine
+
+
+async def _fetch_loop(sub, runner: CallRunner, js, nc, log, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            msgs = await sub.fetch(FETCH_BATCH, timeout=1.0)
+        except asyncio.TimeoutError:
+            continue
+        except Exception as exc:  # connection blips: log, back off, keep serving
+            log.warning("fetch failed", error=str(exc))
+            await asyncio.sleep(0.5)
+            continue
+        for msg in msgs:
+            try:
+                routed = ROUTED_DECODER.decode(msg.data)
+            except msgspec.DecodeError as exc:
+                log.error("undecodable routed call dropped", error=str(exc), seq=msg.metadata.sequence.stream)
+                await msg.term()
+                continue
+            if routed.instance_id != runner.instance_id:
+                await msg.term()
+                continue
+            structlog.contextvars.bind_contextvars(call_id=routed.call.call_id)
+            ok = runner.accept(routed, msg)
+            if not ok:
+                await _refuse(js, nc, routed, "model not served by this instance")
+                await msg.ack()
+
+
+async def _refuse(js, nc, routed: CallRouted, reason: str) -> None:
+    call = routed.call
+    await emit(js, CallFailed(call.call_id, call.session_id, call.model, reason, "agent", time.time(),
+                              status=503, instance_id=routed.instance_id, call_index=routed.call_index))
+    if call.reply_to:
+        await nc.publish(call.reply_to, encode(ErrorReply(503, "not_served", reason, call_id=call.call_id,
+                                                          retry_after_s=1.0)))

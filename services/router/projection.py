@@ -1,0 +1,36 @@
+"""The router's projection in Postgres: its state and the stream sequence it covers."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from sqlalchemy import select
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from services.router.state import RouterState
+from shared.db.schema import projections
+
+NAME = "router"
+
+
+class ProjectionStore:
+    def __init__(self, db: AsyncEngine) -> None:
+        self.db = db
+
+    async def load(self) -> RouterState | None:
+        async with self.db.connect() as conn:
+            row = (await conn.execute(select(projections).where(projections.c.name == NAME))).first()
+        if row is None or row.state is None:
+            return None
+        state = RouterState.from_dict(row.state)
+        state.last_seq = row.seq
+        return state
+
+    async def save(self, state: RouterState) -> None:
+        values = dict(name=NAME, seq=state.last_seq, state=state.to_dict(),
+                      saved_at=dt.datetime.now(dt.timezone.utc))
+        stmt = insert(projections).values(**values)
+        stmt = stmt.on_conflict_do_update(index_elements=[projections.c.name], set_=values)
+        async with self.db.begin() as conn:
+            await conn.execute(stmt)

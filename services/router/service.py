@@ -1,0 +1,224 @@
+"""Router service: the asyncio shell around RouterCore.
+
+Inputs come from a durable JetStream consumer (call submitted / completed / failed),
+snapshots from `talaria.telemetry.*`. Each input is folded, its output events are
+published, and only then is the input acknowledged, so a crash re-delivers rather
+than loses it; RouterCore's dedupe (a call is routed once) makes re-delivery safe.
+
+Restart: load the last projection (state + stream sequence) from Postgres, replay
+the stream after that sequence through `RouterState.apply`, then resume consuming.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from services.router.core import RouterCore
+from services.router.policy.base import PolicyConfig
+from services.router.policy.registry import create_policy
+from services.router.projection import ProjectionStore
+from services.router.state import RouterState
+from shared import logs, subjects, tracing
+from shared.health import heartbeat_loop
+from shared.bus import close, connect, emit
+from shared.db.engine import create_engine
+from shared.messages import (
+    EVENT_DECODER,
+    SNAPSHOT_DECODER,
+    CallFailed,
+    CallSubmitted,
+    ErrorReply,
+    encode,
+)
+from shared.settings import Settings
+from shared.tracing import extract_context
+
+DURABLE = "router"
+INPUT_SUBJECTS = [subjects.CALL_SUBMITTED, subjects.CALL_COMPLETED, subjects.CALL_FAILED]
+TICK_S = 0.05
+SAVE_EVERY_S = 1.0
+
+
+def policy_config(settings: Settings) -> PolicyConfig:
+    return PolicyConfig(
+        lease_timeout_s=settings.lease_timeout_s,
+        adaptive_lease=settings.adaptive_lease,
+        overload=settings.overload,
+    )
+
+
+class RouterService:
+    def __init__(self, settings: Settings, log) -> None:
+        self.settings, self.log = settings, log
+        self.core = RouterCore(create_policy(settings.policy, policy_config(settings)))
+        self.lock = asyncio.Lock()  # one input at a time: the core is single-threaded by design
+        self.dirty = False
+
+    async def run(self, ready: asyncio.Event | None, stop: asyncio.Event) -> None:
+        provider = tracing.setup("router", self.settings)
+        self.tracer = provider.get_tracer("talaria.router")
+        db = create_engine(self.settings.database_url)
+        store = ProjectionStore(db)
+        self.nc, self.js = await connect(self.settings.nats_url, "talaria-router")
+        await self._recover(store)
+        await self.nc.subscribe(subjects.TELEMETRY_WILDCARD, cb=self._on_snapshot)
+        sub = await self.js.pull_subscribe_bind(DURABLE, stream=subjects.EVENTS_STREAM) \
+            if await self._consumer_exists() else await self.js.pull_subscribe(
+                "", durable=DURABLE, stream=subjects.EVENTS_STREAM,
+                config=ConsumerConfig(durable_name=DURABLE, ack_policy=AckPolicy.EXPLICIT,
+                                      deliver_policy=DeliverPolicy.ALL, filter_subjects=INPUT_SUBJECTS,
+                                      ack_wait=30, max_deliver=-1))
+        tasks = [asyncio.create_task(self._consume(sub, stop)), asyncio.create_task(self._tick(stop)),
+                 asyncio.create_task(self._save_loop(store, stop)),
+                 asyncio.create_task(heartbeat_loop(self.nc, "router", stop, {"policy": self.core.policy.name}))]
+        self.log.info("router ready", policy=self.core.policy.name, seq=self.core.state.last_seq)
+        if ready is not None:
+            ready.set()
+        try:
+            await stop.wait()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await store.save(self.core.state)
+            await close(self.nc)
+            await db.dispose()
+            provider.shutdown()
+
+    async def _consumer_exists(self) -> bool:
+        try:
+            await self.js.consumer_info(subjects.EVENTS_STREAM, DURABLE)
+            return True
+        except Exception:
+            return False
+
+    # ---- recovery ----------------------------------------------------------------------
+
+    async def _recover(self, store: ProjectionStore) -> None:
+        state = await store.load()
+        if state is not None:
+            self.core.state = state
+        info = await self.js.stream_info(subjects.EVENTS_STREAM)
+        last = info.state.last_seq
+        start = self.core.state.last_seq + 1
+        replayed = 0
+        if last >= start:
+            sub = await self.js.pull_subscribe(
+                "", stream=subjects.EVENTS_STREAM,
+                config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                                      opt_start_seq=start, inactive_threshold=30))
+            seq = start - 1
+            while seq < last:
+                try:
+                    msgs = await sub.fetch(256, timeout=2.0)
+                except asyncio.TimeoutError:
+                    break
+                for msg in msgs:
+                    seq = msg.metadata.sequence.stream
+                    self._replay_one(msg.data, seq)
+                    replayed += 1
+            await sub.unsubscribe()
+        self.log.info("router recovered", from_seq=start, to_seq=last, replayed=replayed,
+                      sessions=len(self.core.state.sessions))
+
+    def _replay_one(self, data: bytes, seq: int) -> None:
+        try:
+            event = EVENT_DECODER.decode(data)
+        except msgspec.DecodeError:
+            return
+        # Submissions are decided by the live consumer (which skips calls already routed);
+        # everything else, including our own past outputs, is folded back in.
+        if not isinstance(event, CallSubmitted):
+            self.core.state.apply(event)
+        self.core.state.last_seq = max(self.core.state.last_seq, seq)
+
+    # ---- live --------------------------------------------------------------------------
+
+    async def _on_snapshot(self, msg) -> None:
+        try:
+            snap = SNAPSHOT_DECODER.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            self.log.warning("undecodable snapshot", subject=msg.subject, error=str(exc))
+            return
+        self.core.observe(snap, time.time())
+
+    async def _consume(self, sub, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                msgs = await sub.fetch(64, timeout=1.0)
+            except asyncio.TimeoutError:
+                continue
+            except Exception as exc:
+                self.log.warning("fetch failed", error=str(exc))
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                await self._handle(msg)
+
+    async def _handle(self, msg) -> None:
+        try:
+            event = EVENT_DECODER.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            self.log.error("undecodable event dropped", subject=msg.subject, error=str(exc))
+            await msg.term()
+            return
+        async with self.lock:
+            ctx = extract_context(msg.headers)
+            with self.tracer.start_as_current_span("route", context=ctx) if isinstance(event, CallSubmitted) \
+                    else _null():
+                outputs = self.core.handle(event, time.time())
+                for out in outputs:
+                    seq = await emit(self.js, out)
+                    self.core.state.last_seq = max(self.core.state.last_seq, seq)
+                if isinstance(event, CallSubmitted):
+                    await self._reply_if_rejected(event, outputs)
+            self.core.state.last_seq = max(self.core.state.last_seq, msg.metadata.sequence.stream)
+            self.dirty = True
+        await msg.ack()
+
+    async def _reply_if_rejected(self, call: CallSubmitted, outputs) -> None:
+        for out in outputs:
+            if isinstance(out, CallFailed) and call.reply_to:
+                retry = getattr(self.core.policy.config, "retry_after_s", 1.0)
+                await self.nc.publish(call.reply_to, encode(
+                    ErrorReply(out.status, "no_capacity", out.reason, retry_after_s=retry, call_id=call.call_id)))
+
+    async def _tick(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            async with self.lock:
+                for out in self.core.tick(time.time()):
+                    await emit(self.js, out)
+                    self.dirty = True
+            try:
+                await asyncio.wait_for(stop.wait(), TICK_S)
+            except TimeoutError:
+                pass
+
+    async def _save_loop(self, store: ProjectionStore, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), SAVE_EVERY_S)
+            except TimeoutError:
+                pass
+            if self.dirty:
+                self.dirty = False
+                try:
+                    await store.save(self.core.state)
+                except Exception as exc:  # Postgres is off the hot path: routing goes on
+                    self.log.warning("projection save failed", error=str(exc))
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
+    await RouterService(settings, logs.get("router")).run(ready, stop or asyncio.Event())

@@ -1,0 +1,1 @@
+"""Telemetry: projects the event stream into Postgres and emits session spans."""

@@ -1,0 +1,117 @@
+"""NATS and JetStream plumbing shared by every service: connect, the event stream, publish."""
+
+from __future__ import annotations
+
+import msgspec
+import nats
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import BadRequestError
+
+from shared import subjects
+from shared.messages import encode
+from shared.tracing import inject_headers
+
+STREAM_MAX_AGE_S = 7 * 24 * 3600
+DUPLICATE_WINDOW_S = 120
+
+
+async def connect(url: str, name: str) -> tuple[NATS, JetStreamContext]:
+    nc = await nats.connect(
+        url,
+        name=name,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        connect_timeout=5,
+    )
+    js = nc.jetstream(timeout=10)
+    await ensure_stream(js)
+    return nc, js
+
+
+async def ensure_stream(js: JetStreamContext) -> None:
+    """Create the event stream if absent. Idempotent; every service calls it at start."""
+    config = StreamConfig(
+        name=subjects.EVENTS_STREAM,
+        subjects=[subjects.EVENTS_WILDCARD],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        max_age=STREAM_MAX_AGE_S,
+        duplicate_window=DUPLICATE_WINDOW_S,
+    )
+    try:
+        await js.add_stream(config)
+    except BadRequestError:
+        await js.update_stream(config)
+
+
+async def publish_event(
+    js: JetStreamContext, subject: str, event: msgspec.Struct, *, msg_id: str | None = None
+) -> int:
+    """Publish one event durably; returns its stream sequence.
+
+    `msg_id` makes retries idempotent: JetStream drops a duplicate within the window.
+    The current trace context rides along in the headers.
+    """
+    headers = inject_headers({"Nats-Msg-Id": msg_id} if msg_id else None)
+    ack = await js.publish(subject, encode(event), headers=headers)
+    return ack.seq
+
+
+def event_subject(event: msgspec.Struct) -> str:
+    """The subject an event belongs on (routed calls go to their instance's subject)."""
+    from shared import messages as m
+
+    match event:
+        case m.CallRouted():
+            return subjects.call_routed(event.instance_id)
+        case _:
+            return _SUBJECT_BY_TYPE[type(event).__name__]
+
+
+def event_msg_id(event: msgspec.Struct) -> str | None:
+    """A natural dedupe key for events that must be published at most once."""
+    from shared import messages as m
+
+    match event:
+        case m.CallSubmitted() | m.CallStarted() | m.CallCompleted() | m.CallFailed():
+            return f"{type(event).__name__}:{event.call_id}"
+        case m.CallRouted():
+            return f"CallRouted:{event.call.call_id}"
+        case m.RoutingDecision():
+            return f"RoutingDecision:{event.call_id}"
+        case m.LeaseIssued() | m.LeaseConsumed() | m.LeaseDiscarded():
+            return f"{type(event).__name__}:{event.session_id}:{event.call_id}"
+        case _:
+            return None
+
+
+_SUBJECT_BY_TYPE = {
+    "CallSubmitted": subjects.CALL_SUBMITTED,
+    "CallStarted": subjects.CALL_STARTED,
+    "CallCompleted": subjects.CALL_COMPLETED,
+    "CallFailed": subjects.CALL_FAILED,
+    "LeaseIssued": subjects.LEASE_ISSUED,
+    "LeaseConsumed": subjects.LEASE_CONSUMED,
+    "LeaseDiscarded": subjects.LEASE_DISCARDED,
+    "LeaseExpired": subjects.LEASE_EXPIRED,
+    "RoutingDecision": subjects.ROUTING_DECISION,
+    "SwitchDone": subjects.SWITCH_DONE,
+    "RoundSummary": subjects.ROUND_SUMMARY,
+}
+
+
+async def emit(js: JetStreamContext, event: msgspec.Struct) -> int:
+    return await publish_event(js, event_subject(event), event, msg_id=event_msg_id(event))
+
+
+async def close(nc: NATS) -> None:
+    """Flush what we published, then close. (`drain()` can stall for its full timeout on
+    connections that used pull consumers, which would slow every shutdown by 30 s.)"""
+    try:
+        await nc.flush(timeout=2)
+    except Exception:
+        pass
+    await nc.close()

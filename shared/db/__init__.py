@@ -1,0 +1,1 @@
+"""Postgres schema (SQLAlchemy 2 Core) and async engine helpers."""

@@ -1,0 +1,40 @@
+"""Process entry point shared by every service: settings, logging, signals, exit codes."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+
+from shared import logs
+from shared.settings import Settings, SettingsError
+
+Runner = Callable[[Settings, asyncio.Event | None, asyncio.Event | None], Awaitable[None]]
+
+
+def main(service: str, run: Runner) -> int:
+    try:
+        settings = Settings.from_env()
+    except SettingsError as exc:
+        print(f"talaria {service}: configuration error: {exc}", file=sys.stderr)
+        return 2
+    log = logs.configure(service, settings.log_level, settings.log_json)
+    if not settings.nats_url or (service != "gateway" and service != "instance_agent" and not settings.database_url):
+        print(f"talaria {service}: TALARIA_NATS_URL and TALARIA_DATABASE_URL must be set "
+              "(`talaria up` sets them)", file=sys.stderr)
+        return 2
+
+    async def _main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await run(settings, None, stop)
+
+    try:
+        asyncio.run(_main())
+    except Exception:
+        log.exception(f"{service} crashed")
+        return 1
+    return 0

@@ -1,0 +1,118 @@
+"""Typed, frozen settings, read once from the environment and validated with clear errors."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+
+class SettingsError(ValueError):
+    """A configuration value is missing or malformed; the message names the variable."""
+
+    def __init__(self, variable: str, value: str, expected: str) -> None:
+        super().__init__(f"{variable}={value!r}: expected {expected}")
+        self.variable = variable
+        self.value = value
+        self.expected = expected
+
+
+def async_database_url(url: str) -> str:
+    """Accept plain `postgresql://` / `postgres://` URLs as well as SQLAlchemy ones."""
+    for prefix in ("postgresql+asyncpg://", "postgresql+psycopg://", "postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql+asyncpg://" + url[len(prefix) :]
+    raise SettingsError("TALARIA_DATABASE_URL", url, "a postgresql:// URL")
+
+
+def asyncpg_dsn(url: str) -> str:
+    """The same URL in the form asyncpg itself accepts."""
+    return "postgresql://" + async_database_url(url)[len("postgresql+asyncpg://") :]
+
+
+@dataclass(frozen=True)
+class Settings:
+    nats_url: str | None = None  # None: `talaria up` starts an embedded server
+    database_url: str | None = None  # None: `talaria up` starts an embedded PostgreSQL
+    data_dir: Path = Path(".talaria")
+    http_host: str = "127.0.0.1"
+    http_port: int = 8000
+    policy: str = "talaria"
+    lease_timeout_s: float = 1.0
+    adaptive_lease: bool = False
+    overload: str = "reject"
+    instance_id: str = field(default_factory=lambda: f"agent-{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
+    models: tuple[str, ...] = ("qwen3-tiny", "qwen3-moe-tiny", "gpt2-tiny")
+    pool: str = "cold"
+    device: str = "cpu"
+    sp: bool = True
+    hkvr: bool = True
+    staging: bool = True
+    heartbeat_s: float = 0.5
+    call_timeout_s: float = 300.0
+    session_idle_s: float = 60.0
+    torch_threads: int = 1
+    log_level: str = "info"
+    log_json: bool = True
+    traces_dir: Path | None = None  # spans as JSON lines when no OTLP endpoint is set
+    otlp_endpoint: str | None = None
+
+    @property
+    def traces_path(self) -> Path:
+        return self.traces_dir or (self.data_dir / "traces")
+
+    def with_(self, **changes) -> "Settings":
+        return replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
+        env = os.environ if env is None else env
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            var = "OTEL_EXPORTER_OTLP_ENDPOINT" if f.name == "otlp_endpoint" else f"TALARIA_{f.name.upper()}"
+            raw = env.get(var)
+            if raw is None or raw == "":
+                continue
+            values[f.name] = _parse(var, raw, f.type)
+        settings = cls(**values)
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        if self.database_url is not None:
+            async_database_url(self.database_url)
+        if self.nats_url is not None and not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
+            raise SettingsError("TALARIA_NATS_URL", self.nats_url, "a nats:// URL")
+        if self.pool not in ("hot", "cold"):
+            raise SettingsError("TALARIA_POOL", self.pool, "hot or cold")
+        if self.overload not in ("reject", "queue"):
+            raise SettingsError("TALARIA_OVERLOAD", self.overload, "reject or queue")
+        if not 0 < self.http_port < 65536 and self.http_port != 0:
+            raise SettingsError("TALARIA_HTTP_PORT", str(self.http_port), "a TCP port")
+        if self.pool == "hot" and len(self.models) != 1:
+            raise SettingsError("TALARIA_MODELS", ",".join(self.models), "exactly one model on a hot instance")
+
+
+def _parse(var: str, raw: str, typ: object) -> object:
+    name = typ if isinstance(typ, str) else getattr(typ, "__name__", str(typ))
+    try:
+        if name.startswith("bool"):
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if name.startswith("int"):
+            return int(raw)
+        if name.startswith("float"):
+            return float(raw)
+        if name.startswith("tuple"):
+            return tuple(part.strip() for part in raw.split(",") if part.strip())
+        if "Path" in name:
+            return Path(raw)
+        return raw
+    except ValueError:
+        raise SettingsError(var, raw, name.replace(" | None", "")) from None

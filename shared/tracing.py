@@ -1,0 +1,120 @@
+"""OpenTelemetry wiring: one trace per session, context carried in NATS headers.
+
+A session's trace id and its root span id are derived from the session id, so every
+service can attach call spans to the same trace without coordination; telemetry emits
+the session span itself with exactly those ids once the session goes idle.
+
+Export: OTLP/HTTP when OTEL_EXPORTER_OTLP_ENDPOINT is set, else JSON lines under the
+traces directory (one file per process) that `talaria trace` and the tests read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.propagate import extract, inject
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+from shared.settings import Settings
+
+
+def session_trace_id(session_id: str) -> int:
+    return int.from_bytes(hashlib.sha256(b"trace:" + session_id.encode()).digest()[:16], "big") or 1
+
+
+def session_span_id(session_id: str) -> int:
+    return int.from_bytes(hashlib.sha256(b"span:" + session_id.encode()).digest()[:8], "big") or 1
+
+
+def session_context(session_id: str) -> Context:
+    """A context whose current span is the (remote) session span: parent of every call span."""
+    ctx = SpanContext(
+        trace_id=session_trace_id(session_id),
+        span_id=session_span_id(session_id),
+        is_remote=True,
+        trace_flags=TraceFlags(TraceFlags.SAMPLED),
+    )
+    return trace.set_span_in_context(NonRecordingSpan(ctx))
+
+
+def inject_headers(headers: dict[str, str] | None = None) -> dict[str, str]:
+    headers = dict(headers or {})
+    inject(headers)
+    return headers
+
+
+def extract_context(headers: Mapping[str, str] | None) -> Context:
+    return extract(dict(headers or {}))
+
+
+def trace_id_hex(trace_id: int) -> str:
+    return f"{trace_id:032x}"
+
+
+class JsonLinesExporter(SpanExporter):
+    """Writes finished spans as JSON lines; good enough to inspect timelines without a collector."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._path = path
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        lines = [json.dumps(span_to_dict(s)) for s in spans]
+        with self._lock, self._path.open("a") as f:
+            f.write("\n".join(lines) + "\n")
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        return None
+
+
+def span_to_dict(span: ReadableSpan) -> dict:
+    ctx = span.get_span_context()
+    return {
+        "name": span.name,
+        "trace_id": f"{ctx.trace_id:032x}",
+        "span_id": f"{ctx.span_id:016x}",
+        "parent_id": f"{span.parent.span_id:016x}" if span.parent else None,
+        "start": span.start_time / 1e9 if span.start_time else None,
+        "end": span.end_time / 1e9 if span.end_time else None,
+        "service": span.resource.attributes.get("service.name"),
+        "attributes": dict(span.attributes or {}),
+        "events": [
+            {"name": e.name, "at": e.timestamp / 1e9, "attributes": dict(e.attributes or {})}
+            for e in span.events
+        ],
+    }
+
+
+def setup(service: str, settings: Settings) -> TracerProvider:
+    """A tracer provider for one service (not installed globally, so tests can run several)."""
+    provider = TracerProvider(resource=Resource.create({"service.name": f"talaria-{service}"}))
+    if settings.otlp_endpoint:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    else:
+        path = settings.traces_path / f"{service}-{os.getpid()}.jsonl"
+        provider.add_span_processor(BatchSpanProcessor(JsonLinesExporter(path), schedule_delay_millis=500))
+    return provider
+
+
+def read_spans(directory: Path) -> list[dict]:
+    """All spans written by JsonLinesExporter under `directory`."""
+    spans: list[dict] = []
+    for path in sorted(directory.glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                spans.append(json.loads(line))
+    return spans

@@ -1,0 +1,160 @@
+"""The `talaria` command: up, migrate, audit, trace, sim, replay."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from pathlib import Path
+
+from shared.settings import Settings, SettingsError
+
+
+def _ablation_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-sp", action="store_true", help="disable mid-slot session-prefill")
+    p.add_argument("--no-hkvr", action="store_true", help="disable the host KV registry")
+    p.add_argument("--no-staging", action="store_true", help="disable D2D weight staging")
+    p.add_argument("--round-only", action="store_true", help="all three off: the paper's Round-only")
+
+
+def _apply_ablation(settings: Settings, args: argparse.Namespace) -> Settings:
+    off = args.round_only
+    return settings.with_(sp=settings.sp and not (args.no_sp or off),
+                          hkvr=settings.hkvr and not (args.no_hkvr or off),
+                          staging=settings.staging and not (args.no_staging or off))
+
+
+def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
+    from talaria.stack import Stack, StackError
+
+    changes: dict[str, object] = {}
+    if args.port is not None:
+        changes["http_port"] = args.port
+    if args.data_dir is not None:
+        changes["data_dir"] = Path(args.data_dir)
+    if args.policy is not None:
+        changes["policy"] = args.policy
+    if args.models:
+        changes["models"] = tuple(m.strip() for m in args.models.split(",") if m.strip())
+    settings = _apply_ablation(settings.with_(**changes), args)
+    _check_policy(settings.policy)
+    stack = Stack(settings, agents=args.agents)
+    stopping = False
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    t0 = time.monotonic()
+    try:
+        stack.start(progress=lambda m: print(f"talaria: {m}", flush=True))
+        print(f"talaria: ready in {time.monotonic() - t0:.1f}s — gateway {stack.gateway_url} "
+              f"(policy {settings.policy}, {args.agents} agents)", flush=True)
+        print(f"talaria: NATS {stack.nats_url}  Postgres {stack.database_url}", flush=True)
+        print(f"talaria: try  curl -s {stack.gateway_url}/v1/chat/completions -H 'X-Session-Id: demo' "
+              "-H 'Content-Type: application/json' -d '{\"model\":\"qwen3-tiny\",\"messages\":"
+              "[{\"role\":\"user\",\"content\":\"hello\"}],\"max_tokens\":16,\"temperature\":0}'", flush=True)
+        print("talaria: Ctrl-C stops everything", flush=True)
+        while all(p.poll() is None for p in stack.procs.values()):
+            time.sleep(0.5)
+        dead = [n for n, p in stack.procs.items() if p.poll() is not None]
+        print(f"talaria: {', '.join(dead)} exited; stopping", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("talaria: stopping", flush=True)
+        return 0
+    except (StackError, OSError) as exc:
+        print(f"talaria: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not orphan children
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stack.stop()
+        print("talaria: stopped", flush=True)
+
+
+def _check_policy(name: str) -> None:
+    from services.router.policy.registry import create_policy
+
+    create_policy(name)  # raises UnknownPolicyError with the known names
+
+
+def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
+    from shared.db.engine import upgrade
+
+    if not settings.database_url:
+        print("talaria migrate: set TALARIA_DATABASE_URL", file=sys.stderr)
+        return 2
+    upgrade(settings.database_url)
+    print("talaria: schema is at head")
+    return 0
+
+
+def cmd_trace(args: argparse.Namespace, settings: Settings) -> int:
+    from talaria.timeline import print_timeline
+
+    directory = Path(args.traces_dir) if args.traces_dir else settings.traces_path
+    return print_timeline(directory, args.session)
+
+
+def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
+    from talaria.audit import run_audit
+
+    return run_audit(settings, args.query, args.param, args.format)
+
+
+def cmd_sim(argv: list[str]) -> int:
+    from talaria.sim.cli import main as sim_main
+
+    return sim_main(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="talaria", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="start the whole stack (embedded NATS/Postgres unless URLs are set)")
+    up.add_argument("--agents", type=int, default=2, help="instance agents to start (default 2)")
+    up.add_argument("--port", type=int, default=None, help="gateway HTTP port (default 8000; 0 = any free)")
+    up.add_argument("--data-dir", default=None, help="data directory (default .talaria)")
+    up.add_argument("--policy", default=None, help="routing policy (default talaria)")
+    up.add_argument("--models", default=None, help="comma-separated models each agent serves")
+    _ablation_flags(up)
+    sub.add_parser("migrate", help="apply database migrations to TALARIA_DATABASE_URL")
+    tr = sub.add_parser("trace", help="print a session's timeline from exported spans")
+    tr.add_argument("session", nargs="?", help="session id (default: list sessions)")
+    tr.add_argument("--traces-dir", default=None)
+    au = sub.add_parser("audit", help="run an operator's SQL audit from ops/audit/")
+    au.add_argument("query", nargs="?", help="audit name (default: list them)")
+    au.add_argument("--param", action="append", default=[], help="name=value for the query")
+    au.add_argument("--format", choices=["table", "json"], default="table")
+    sub.add_parser("sim", help="trace replay in the discrete-event simulator (see `talaria sim -h`)",
+                   add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "sim":
+        return cmd_sim(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        settings = Settings.from_env()
+    except SettingsError as exc:
+        print(f"talaria: configuration error: {exc}", file=sys.stderr)
+        return 2
+    from services.router.policy.registry import UnknownPolicyError
+
+    handlers = {"up": cmd_up, "migrate": cmd_migrate, "trace": cmd_trace, "audit": cmd_audit}
+    try:
+        return handlers[args.command](args, settings)
+    except UnknownPolicyError as exc:
+        print(f"talaria: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

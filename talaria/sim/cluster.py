@@ -1,0 +1,348 @@
+"""The closed-loop replayer and the router in the loop.
+
+    session call i ready ──► CallSubmitted ──► RouterCore.handle ──► CallRouted ──► instance
+          ▲                                                                            │
+          └── + gap(i+1) ◄── CallCompleted ──► RouterCore.handle (leases) ◄────────────┘
+
+The router is the project's own `RouterCore` with a policy from the registry, driven on
+the virtual clock. Instances report `InstanceSnapshot`s the way live agents heartbeat:
+lazily, right before a routing decision, each instance whose last snapshot is older than
+`heartbeat_s` sends a fresh one (equivalent to periodic heartbeats for every decision the
+router makes, without simulating idle heartbeats). `RouterCore.tick` runs before each
+decision and once at the end, so lease expiry is observed at decision times.
+
+A rejected call (overload policy) is resubmitted after the decision's `retry_after_s`; its
+schedule-aware TTFT keeps counting from the original release.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+from services.router.core import RouterCore
+from services.router.policy.base import PolicyConfig
+from services.router.policy.registry import create_policy
+from shared.messages import (
+    CallCompleted,
+    CallFailed,
+    CallRouted,
+    CallSubmitted,
+    InstanceSnapshot,
+    LeaseConsumed,
+    LeaseDiscarded,
+    LeaseExpired,
+    LeaseIssued,
+    ModelResidency,
+    RoutingDecision,
+    SessionKv,
+)
+from talaria.sim.engine import EventLoop
+from talaria.sim.instance import InstanceFlags, Job, SimInstance
+from talaria.sim.profiles import ServerProfile
+from talaria.traces.format import Session
+from talaria.traces.gaps import GapModel
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    server: ServerProfile
+    instances: int = 1
+    policy: str = "least-loaded"
+    policy_config: PolicyConfig = field(default_factory=PolicyConfig)
+    flags: InstanceFlags = field(default_factory=InstanceFlags)
+    gaps: GapModel = field(default_factory=GapModel)
+    heartbeat_s: float = 0.5
+    backend: str = "fast"  # fast (built-in round scheduler) | services (instance agent's)
+    label: str = ""
+    progress: bool = False
+
+
+@dataclass
+class RouterCounters:
+    routed: int = 0
+    rejected: int = 0
+    returns: int = 0
+    same_instance_returns: int = 0
+    model_residency_hits: int = 0
+    avoidable_cold_opens: int = 0  # measured by the simulator, same rule for every policy
+    policy_avoidable_cold_opens: int = 0  # as the policy itself flagged them
+    model_opens_needed: int = 0
+    leases_issued: int = 0
+    leases_consumed: int = 0
+    leases_discarded: int = 0
+    leases_expired: int = 0
+    decision_us: float = 0.0
+
+
+@dataclass
+class RunResult:
+    config: RunConfig
+    sessions: list[Session]
+    jobs: list[Job]
+    instances: list[SimInstance]
+    router: RouterCounters
+    gaps_applied: dict[tuple[str, int], float]
+    virtual_s: float
+    wall_s: float
+    events: int
+
+
+class Cluster:
+    def __init__(self, sessions: list[Session], config: RunConfig) -> None:
+        self.sessions = sessions
+        self.config = config
+        self.loop = EventLoop()
+        self.router = RouterCore(create_policy(config.policy, config.policy_config))
+        self.instances: dict[str, SimInstance] = {}
+        for k in range(config.instances):
+            iid = f"inst-{k:02d}"
+            self.instances[iid] = _make_instance(iid, config, self)
+        self._snap_at: dict[str, float] = {}
+        self._snap_ver: dict[str, int] = {}
+        self._snap_cache: dict[str, tuple[int, list[SessionKv]]] = {}
+        self.counters = RouterCounters()
+        self.jobs: list[Job] = []
+        self.gaps_applied: dict[tuple[str, int], float] = {}
+        self._last_instance: dict[str, str] = {}
+        self._by_id = {s.id: s for s in sessions}
+
+    # ---- run --------------------------------------------------------------------------
+
+    def run(self) -> RunResult:
+        started = time.perf_counter()
+        for s in self.sessions:
+            first = s.calls[0]
+            self.loop.push(max(0.0, first.gap_before_s), self._release, (s.id, 0))
+        progress = self._progress if self.config.progress else None
+        self.loop.run(progress=progress)
+        now = self.loop.now
+        self._count(self.router.tick(now + 3600.0))
+        for inst in self.instances.values():
+            inst.settle(now)
+        return RunResult(
+            self.config,
+            self.sessions,
+            self.jobs,
+            list(self.instances.values()),
+            self.counters,
+            self.gaps_applied,
+            now,
+            time.perf_counter() - started,
+            self.loop.events,
+        )
+
+    def _progress(self, now: float, events: int) -> None:
+        done = len(self.jobs)
+        total = sum(len(s.calls) for s in self.sessions)
+        print(
+            f"  [{self.config.label or self.config.policy}] t={now:9.1f}s "
+            f"calls {done}/{total} events {events}",
+            file=sys.stderr,
+        )
+
+    # ---- replayer ---------------------------------------------------------------------
+
+    def _release(self, now: float, session_id: str, index: int):
+        call = self._by_id[session_id].calls[index]
+        job = Job(
+            call_id=f"{session_id}#{index}",
+            session=session_id,
+            model=call.model,
+            call_index=index,
+            prompt=call.prompt_tokens,
+            reusable=call.reusable_prefix_tokens,
+            output=call.output_tokens,
+            release_t=now,
+        )
+        return self._route(now, job)
+
+    def _route(self, now: float, job: Job):
+        self._refresh_snapshots(now)
+        self._count(self.router.tick(now))
+        submitted = CallSubmitted(
+            call_id=job.call_id,
+            session_id=job.session,
+            model=job.model,
+            prompt_ids=[],
+            block_hashes=[],
+            max_tokens=job.output,
+            submitted_at=now,
+            prompt_tokens_hint=job.prompt,
+        )
+        events = self.router.handle(submitted, now)
+        self._count(events)
+        out = []
+        for ev in events:
+            if isinstance(ev, CallRouted):
+                self._measure_placement(job, ev.instance_id)
+                out.extend(self.instances[ev.instance_id].submit(now, job) or ())
+            elif isinstance(ev, CallFailed):
+                self.counters.rejected += 1
+                retry = _retry_after(events) or self.config.policy_config.retry_after_s
+                out.append((now + retry, self._route, (job,)))
+        return out
+
+    def _measure_placement(self, job: Job, chosen: str) -> None:
+        c = self.counters
+        c.routed += 1
+        inst = self.instances[chosen]
+        resident = inst.active == job.model or inst.switching_to == job.model
+        if resident:
+            c.model_residency_hits += 1
+        else:
+            c.model_opens_needed += 1
+            if any(
+                (i.active == job.model or i.switching_to == job.model)
+                for iid, i in self.instances.items()
+                if iid != chosen
+            ):
+                c.avoidable_cold_opens += 1
+        if job.call_index > 0:
+            c.returns += 1
+            if self._last_instance.get(job.session) == chosen:
+                c.same_instance_returns += 1
+        self._last_instance[job.session] = chosen
+
+    def _count(self, events) -> None:
+        c = self.counters
+        for ev in events:
+            if isinstance(ev, LeaseIssued):
+                c.leases_issued += 1
+            elif isinstance(ev, LeaseConsumed):
+                c.leases_consumed += 1
+            elif isinstance(ev, LeaseDiscarded):
+                c.leases_discarded += 1
+            elif isinstance(ev, LeaseExpired):
+                c.leases_expired += 1
+            elif isinstance(ev, RoutingDecision):
+                c.decision_us += ev.decision_us
+                if ev.avoidable_cold_open:
+                    c.policy_avoidable_cold_opens += 1
+
+    # ---- instance sink ----------------------------------------------------------------
+
+    def first_token(self, job: Job, now: float):
+        return None
+
+    def completed(self, job: Job, now: float):
+        self.jobs.append(job)
+        done = CallCompleted(
+            call_id=job.call_id,
+            session_id=job.session,
+            call_index=job.call_index,
+            model=job.model,
+            instance_id=job.instance,
+            prompt_tokens=job.prompt,
+            output_tokens=job.output,
+            finish_reason="length",
+            submitted_at=job.release_t,
+            started_at=job.admitted_t,
+            first_token_at=job.first_token_t,
+            completed_at=now,
+            cached_tokens=job.reusable if job.kv_source in ("device", "host") else 0,
+            kv_source=job.kv_source if job.kv_source != "none" else "none",
+            ttft_s=job.first_token_t - job.release_t,
+            kv_tokens=job.prompt + job.output,
+        )
+        self._count(self.router.handle(done, now))
+        session = self._by_id[job.session]
+        nxt = job.call_index + 1
+        if nxt >= len(session.calls):
+            return None
+        gap = self.config.gaps.gap(session.calls[nxt])
+        self.gaps_applied[(job.session, nxt)] = gap
+        return [(now + gap, self._release, (job.session, nxt))]
+
+    # ---- telemetry --------------------------------------------------------------------
+
+    def _refresh_snapshots(self, now: float) -> None:
+        hb = self.config.heartbeat_s
+        for iid, inst in self.instances.items():
+            if now - self._snap_at.get(iid, -1e18) >= hb:
+                ver = self._snap_ver.get(iid, 0) + 1
+                self._snap_ver[iid] = ver
+                self._snap_at[iid] = now
+                self.router.observe(self._snapshot(inst, ver, now), now)
+
+    def _snapshot(self, inst: SimInstance, version: int, now: float) -> InstanceSnapshot:
+        server = inst.server
+        cached = self._snap_cache.get(inst.id)
+        if cached is None or cached[0] != inst.kv.version:
+            sessions = [SessionKv(s, inst.active, "device", t) for s, t in inst.kv.device.items()] if inst.active else []
+            on_dev = set(inst.kv.device) if inst.active else set()
+            sessions += [
+                SessionKv(s, m, "host", t)
+                for (m, s), t in inst.kv.host.items()
+                if not (m == inst.active and s in on_dev)
+            ]
+            self._snap_cache[inst.id] = (inst.kv.version, sessions)
+        else:
+            sessions = cached[1]
+        models = []
+        for name, mp in server.models.items():
+            state = "active" if name == inst.active or name == inst.switching_to else (
+                "staged" if name == inst.stage_target else "absent"
+            )
+            staged = inst._staged_bytes(now, name) if state == "staged" else 0
+            models.append(
+                ModelResidency(
+                    model=name,
+                    state=state,
+                    switch_cost_s=0.0 if state == "active" else server.switch(name, staged)[1],
+                    open_cost_s=server.switch(name, 0)[1],
+                    weight_bytes=mp.weight_bytes,
+                    context_length=mp.max_context,
+                )
+            )
+        active = inst.active or inst.switching_to
+        mp = server.model(active) if active else next(iter(server.models.values()))
+        kv_cap = server.kv_pool_bytes(mp.name) // mp.kv_bytes_per_token
+        slot = inst.slot
+        return InstanceSnapshot(
+            instance_id=inst.id,
+            version=version,
+            at=now,
+            pool="cold",
+            models=models,
+            active_model=active,
+            sessions=sessions,
+            queued={m: len(q) for m, q in inst.pending.items() if q},
+            queued_tokens=inst.queued_tokens,
+            running=sum(len(v) for v in inst.inflight.values()),
+            round_remaining_s=max(0.0, slot.deadline - now) if slot else 0.0,
+            deadline_risk=inst.deadline_risk,
+            kv_capacity_tokens=kv_cap,
+            kv_used_tokens=inst.kv.device_tokens,
+            staging_free_bytes=max(0, server.kv_pool_bytes(mp.name) - inst.kv.device_tokens * mp.kv_bytes_per_token),
+            hbm_bytes=server.hbm_bytes,
+            hbm_used_bytes=mp.weight_bytes + inst.kv.device_tokens * mp.kv_bytes_per_token,
+            prefill_tok_s=25_000 / mp.prefill_s(25_000, 0),
+            decode_tok_s=1.0 / mp.decode_step_s(1, 0),
+            restore_tok_s=server.kv_restore_bytes_s / mp.kv_bytes_per_token,
+            switch_s=server.switch(mp.name, 0)[1],
+            heartbeat_s=self.config.heartbeat_s,
+        )
+
+
+def _retry_after(events) -> float | None:
+    for ev in events:
+        if isinstance(ev, RoutingDecision) and ev.retry_after_s:
+            return ev.retry_after_s
+    return None
+
+
+def _make_instance(iid: str, config: RunConfig, sink) -> SimInstance:
+    if config.backend == "fast":
+        return SimInstance(iid, config.server, config.flags, sink)
+    if config.backend == "services":
+        from talaria.sim.services_backend import ServicesInstance
+
+        return ServicesInstance(iid, config.server, config.flags, sink)
+    raise ValueError(f"unknown backend {config.backend!r}; use fast|services")
+
+
+def simulate(sessions: list[Session], config: RunConfig) -> RunResult:
+    """Run one configuration to completion."""
+    return Cluster(sessions, config).run()

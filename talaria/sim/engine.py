@@ -1,0 +1,50 @@
+"""The event loop: a heap of (time, seq, handler, args) on a virtual clock.
+
+Handlers are called as `handler(now, *args)` and return the events they cause as an
+iterable of `(time, handler, args)` tuples (vidur style: time is explicit, nothing sleeps).
+Ties run in insertion order (`seq`), so a run is deterministic for a given input and seed.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable
+from typing import Any
+
+Handler = Callable[..., Iterable["Scheduled"] | None]
+Scheduled = tuple[float, Handler, tuple[Any, ...]]
+
+
+class EventLoop:
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Handler, tuple[Any, ...]]] = []
+        self._seq = 0
+        self.now = 0.0
+        self.events = 0
+
+    def push(self, time: float, handler: Handler, args: tuple[Any, ...] = ()) -> None:
+        if time < self.now:
+            raise ValueError(f"event at {time} is in the past (now {self.now})")
+        self._seq += 1
+        heapq.heappush(self._heap, (time, self._seq, handler, args))
+
+    def push_all(self, scheduled: Iterable[Scheduled] | None) -> None:
+        if scheduled:
+            for time, handler, args in scheduled:
+                self.push(time, handler, args)
+
+    def run(self, until: float | None = None, progress: Callable[[float, int], None] | None = None) -> None:
+        heap = self._heap
+        pop = heapq.heappop
+        while heap:
+            if until is not None and heap[0][0] > until:
+                break
+            time, _, handler, args = pop(heap)
+            self.now = time
+            self.events += 1
+            out = handler(time, *args)
+            if out:
+                for t2, h2, a2 in out:
+                    self.push(t2, h2, a2)
+            if progress is not None and not self.events & 0xFFFF:
+                progress(time, self.events)

@@ -1,0 +1,205 @@
+"""The paper's experiments, one function each, plus `all`.
+
+    python -m talaria.sim.experiments fixed-replay|router|tau-sweep|scale|all \
+        [--json PATH] [--out results/] [--backend fast|services] [--quick]
+
+Each writes `<out>/<experiment>.json` (one entry per configuration/policy with sct_p50,
+sct_p95, ttft_p50, ttft_p95 in seconds, `oracle`, counters such as avoidable_cold_opens)
+and `all` also writes the Markdown report with plots (talaria/sim/report.py).
+Routing policies come from the router's registry by name; a policy the registry does not
+have yet is skipped and listed under "skipped".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from services.router.policy.base import PolicyConfig
+from services.router.policy.registry import policy_names
+from talaria.sim.cluster import RunConfig, simulate
+from talaria.sim.instance import InstanceFlags
+from talaria.sim.metrics import summarise
+from talaria.sim.profiles import PAPER_TP8, ROUTER_TP4, catalogue
+from talaria.sim.workloads import fixed_replay, router_testbed, synthetic_catalogue
+from talaria.traces.gaps import GapModel
+
+CONFIGS = ("talaria", "no-sp", "no-hkvr", "h2d-only", "round-only")
+ROUTER_POLICIES = ("least-pressure", "session-sticky", "prefix-aware", "kv-cost", "talaria")
+SCALE_POLICIES = ("least-pressure", "prefix-aware", "kv-cost", "talaria")
+TAUS = (0.0, 0.5, 1.0, 2.0, 5.0)
+PAPER_GAPS = GapModel("paper", 10.0, seed=0)
+FALLBACK = "least-loaded"  # used when a listed baseline is not registered yet
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _available(wanted) -> tuple[list[str], list[str]]:
+    names = set(policy_names())
+    have = [p for p in wanted if p in names]
+    missing = [p for p in wanted if p not in names]
+    if FALLBACK in names and FALLBACK not in have and "least-pressure" not in names:
+        have.insert(0, FALLBACK)
+    return have, missing
+
+
+def _slim(summary: dict) -> dict:
+    """Drop sample arrays from JSON entries meant for tables (plots keep them)."""
+    return {k: v for k, v in summary.items() if k not in ("ttft_samples",)}
+
+
+def fixed_replay_exp(backend: str = "fast", seed: int = 0) -> dict:
+    sessions = fixed_replay()
+    gaps = replace(PAPER_GAPS, seed=seed)
+    out: dict = {"experiment": "fixed-replay", "backend": backend, "configs": {}}
+    for name in CONFIGS:
+        _log(f"fixed-replay: {name} ({backend})")
+        cfg = RunConfig(PAPER_TP8, 1, FALLBACK, flags=InstanceFlags.ablation(name), gaps=gaps,
+                        backend=backend, label=name)
+        out["configs"][name] = summarise(simulate(sessions, cfg))
+    t, r = out["configs"]["talaria"], out["configs"]["round-only"]
+    paired = [
+        (a["sct"], b["sct"]) for a, b in zip(t["per_session"], r["per_session"]) if a["sct"] and b["sct"]
+    ]
+    out["paired"] = {
+        "improved": sum(1 for a, b in paired if a < b),
+        "total": len(paired),
+        "speedup_p50": r["sct_p50"] / t["sct_p50"],
+        "speedup_p95": r["sct_p95"] / t["sct_p95"],
+        "talaria_over_oracle_p50": t["sct_p50"] / t["oracle"]["sct_p50"],
+    }
+    return out
+
+
+def router_exp(loads=("low", "medium", "high"), tau: float = 1.0, seed: int = 0) -> dict:
+    policies, missing = _available(ROUTER_POLICIES)
+    out: dict = {"experiment": "router", "skipped": missing, "loads": {}}
+    gaps = replace(PAPER_GAPS, seed=seed)
+    for load in loads:
+        sessions = router_testbed(load)
+        out["loads"][load] = {}
+        for policy in policies:
+            _log(f"router: {load} / {policy}")
+            cfg = RunConfig(ROUTER_TP4, 2, policy, PolicyConfig(lease_timeout_s=tau),
+                            InstanceFlags.ablation("talaria"), gaps, label=f"{load}/{policy}")
+            out["loads"][load][policy] = summarise(simulate(sessions, cfg))
+    return out
+
+
+def tau_sweep_exp(load: str = "high", seed: int = 0) -> dict:
+    names = set(policy_names())
+    policy = "talaria" if "talaria" in names else None
+    out: dict = {"experiment": "tau-sweep", "load": load, "policy": policy, "points": {}}
+    if policy is None:
+        out["skipped"] = "the router registry has no 'talaria' policy yet"
+        return out
+    sessions = router_testbed(load)
+    gaps = replace(PAPER_GAPS, seed=seed)
+    points = [(f"{t:g}", PolicyConfig(lease_timeout_s=t)) for t in TAUS]
+    points.append(("adaptive", PolicyConfig(lease_timeout_s=1.0, adaptive_lease=True)))
+    for label, pc in points:
+        _log(f"tau-sweep: tau={label}")
+        cfg = RunConfig(ROUTER_TP4, 2, policy, pc, InstanceFlags.ablation("talaria"), gaps,
+                        label=f"tau={label}")
+        out["points"][label] = summarise(simulate(sessions, cfg))
+    return out
+
+
+def scale_exp(sessions: int = 10_000, instances: int = 64, models: int = 20,
+              arrival_rate_s: float = 4.0, seed: int = 0, progress: bool = True) -> dict:
+    policies, missing = _available(SCALE_POLICIES)
+    server = catalogue(PAPER_TP8, models)
+    work = synthetic_catalogue(sessions, list(server.models), arrival_rate_s, 1.0, seed)
+    out: dict = {
+        "experiment": "scale", "skipped": missing, "sessions": sessions, "instances": instances,
+        "models": models, "arrival_rate_s": arrival_rate_s, "zipf_s": 1.0, "policies": {},
+    }
+    for policy in policies:
+        _log(f"scale: {policy} ({sessions} sessions, {instances} instances, {models} models)")
+        cfg = RunConfig(server, instances, policy, PolicyConfig(), InstanceFlags.ablation("talaria"),
+                        replace(PAPER_GAPS, seed=seed), label=f"scale/{policy}", progress=progress)
+        started = time.perf_counter()
+        summary = summarise(simulate(work, cfg))
+        summary["run_time_s"] = time.perf_counter() - started
+        summary.pop("per_session")
+        out["policies"][policy] = summary
+        _log(f"  {policy}: {summary['run_time_s']:.1f} s wall, SCT p50 {summary['sct_p50']:.1f} s")
+    return out
+
+
+EXPERIMENTS = {
+    "fixed-replay": fixed_replay_exp,
+    "router": router_exp,
+    "tau-sweep": tau_sweep_exp,
+    "scale": scale_exp,
+}
+
+
+def _clean(obj):
+    if isinstance(obj, float) and (math.isnan(obj) or math.isinf(obj)):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def write_json(data: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_clean(data), indent=1))
+
+
+def run(names: list[str], out_dir: Path, json_path: Path | None, backend: str, quick: bool) -> dict:
+    results: dict = {}
+    for name in names:
+        if name == "fixed-replay":
+            results[name] = fixed_replay_exp(backend)
+            if backend == "fast":
+                results["fixed-replay-services"] = fixed_replay_exp("services")
+        elif name == "scale" and quick:
+            results[name] = scale_exp(sessions=500, instances=8, models=6, arrival_rate_s=0.5)
+        else:
+            results[name] = EXPERIMENTS[name]()
+        for key in [k for k in results if k.startswith(name)]:
+            write_json(results[key], out_dir / f"{key}.json")
+    if json_path is not None:
+        write_json(results, json_path)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="talaria sim experiments", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("experiment", choices=[*EXPERIMENTS, "all"])
+    parser.add_argument("--json", type=Path, default=None, help="write every result here too")
+    parser.add_argument("--out", type=Path, default=Path("results"))
+    parser.add_argument("--backend", choices=("fast", "services"), default="fast",
+                        help="instance scheduler for the fixed replay (fast also runs services)")
+    parser.add_argument("--quick", action="store_true", help="small scale run (tests, smoke)")
+    parser.add_argument("--no-report", action="store_true")
+
+
+def run_from_args(args) -> int:
+    names = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
+    results = run(names, args.out, args.json, args.backend, args.quick)
+    if args.experiment == "all" and not args.no_report:
+        from talaria.sim.report import write_report
+
+        write_report(results, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,297 @@
+"""Cost profiles: what each model costs on each server class. Every number says its source.
+
+Tags used in the comments below:
+
+- [cal]  quoted in /work/shared/calibration.md (the paper's numbers)
+- [card] public model card / architecture config (parameter counts, layer shapes)
+- [der]  derived from [cal]/[card] numbers by the arithmetic shown
+- [asm]  an assumption with no published number behind it; change it freely
+
+Prefill is modelled by a cumulative curve F(n) = k * n**alpha: computing tokens
+[ctx, ctx+new) costs c0 + F(ctx+new) - F(ctx). F passes exactly through the paper's two
+recompute anchors for Qwen3-235B on TP=8 (25K tokens -> 4.3 s, 100K -> 10.9 s [cal]), which
+are sub-linear (alpha ~ 0.68), so no linear+quadratic fit with non-negative terms exists.
+The marginal cost of a short suffix on a long context is therefore small, which is the
+regime SP exploits. Other models scale F by a speed factor [asm].
+
+Decode step: d0 + d1 * batch + d2 * (context tokens summed over the batch) [asm: the paper
+publishes no TPOT].
+
+Switch (paper App. D, five phases): P1 save/teardown + P2 open weights + P3 + P4 + P5.
+P2 = D2D gather (sync + staged bytes / D2D bandwidth) + uncovered bytes / H2D bandwidth.
+H2D bandwidth is chosen so the median model's host-only switch is 1.50 s [cal]; D2D
+bandwidth so its full-D2D switch is 106 ms [cal]. The path is `d2d_full` when every byte
+was staged, `d2d_partial` when some were, `host_only` when none were.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+GiB = 1024**3
+GB = 10**9
+
+# Switch phases other than P2, seconds [cal: App. D Table 2 p50s: P1 22-27 ms, P3 <1 ms,
+# P4 ~8 ms, P5 <1 ms].
+P1_S, P3_S, P4_S, P5_S = 0.025, 0.0006, 0.0083, 0.0002
+SWITCH_OVERHEAD_S = P1_S + P3_S + P4_S + P5_S
+D2D_SYNC_S = 0.0183  # [cal] D2D gather-sync p50
+
+
+def power_curve(n1: float, t1: float, n2: float, t2: float) -> tuple[float, float]:
+    """(k, alpha) of k * n**alpha through (n1, t1) and (n2, t2)."""
+    alpha = math.log(t2 / t1) / math.log(n2 / n1)
+    return t1 / n1**alpha, alpha
+
+
+PREFILL_C0_S = 0.05  # [asm] fixed cost of one prefill launch (scheduling, sampling)
+# [cal] recompute anchors, less c0 so that c0 + F(n) hits them exactly.
+QWEN235_K, QWEN235_ALPHA = power_curve(25_000, 4.3 - PREFILL_C0_S, 100_000, 10.9 - PREFILL_C0_S)
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """One model on one server class. Times in seconds, sizes in bytes."""
+
+    name: str
+    weight_bytes: int
+    kv_bytes_per_token: int
+    prefill_speed: float = 1.0  # divides F: 2.0 = twice as fast as Qwen3-235B/TP=8
+    prefill_k: float = QWEN235_K
+    prefill_alpha: float = QWEN235_ALPHA
+    prefill_c0_s: float = PREFILL_C0_S
+    decode_d0_s: float = 0.013  # [asm] ~75 tok/s single stream, SGLang-class MoE on TP=8
+    decode_d1_s: float = 0.0004  # [asm] per sequence in the batch
+    decode_d2_s: float = 5e-9  # [asm] per context token summed over the batch
+    max_context: int = 131_072
+    source: str = ""
+
+    def curve(self, n: float) -> float:
+        return self.prefill_k * n**self.prefill_alpha / self.prefill_speed if n > 0 else 0.0
+
+    def prefill_s(self, new_tokens: int, context_tokens: int) -> float:
+        if new_tokens <= 0:
+            return self.prefill_c0_s
+        ctx = max(0, context_tokens)
+        return self.prefill_c0_s + self.curve(ctx + new_tokens) - self.curve(ctx)
+
+    def decode_step_s(self, batch: int, context_tokens: int) -> float:
+        return self.decode_d0_s + self.decode_d1_s * batch + self.decode_d2_s * context_tokens
+
+
+@dataclass(frozen=True)
+class ServerProfile:
+    """One GPU group (an instance) and the models it can serve."""
+
+    name: str
+    gpus: int
+    hbm_per_gpu_bytes: int
+    host_bytes: int
+    h2d_bytes_s: float  # aggregate over the group, weights
+    d2d_bytes_s: float
+    kv_restore_bytes_s: float
+    models: dict[str, ModelProfile] = field(default_factory=dict)
+    bump_fraction: float = 0.8  # [cal] App. E mem-fraction-bump
+    runtime_reserve_bytes: int = 0  # CUDA graphs, workspaces (outside the bump buffer)
+    source: str = ""
+
+    @property
+    def hbm_bytes(self) -> int:
+        return self.gpus * self.hbm_per_gpu_bytes
+
+    @property
+    def bump_bytes(self) -> int:
+        return int(self.hbm_bytes * self.bump_fraction)
+
+    def model(self, name: str) -> ModelProfile:
+        try:
+            return self.models[name]
+        except KeyError:
+            raise KeyError(f"profile {self.name!r} has no model {name!r}") from None
+
+    def kv_pool_bytes(self, model: str) -> int:
+        """Device KV pool while `model` is active: the bump buffer less its weights."""
+        return max(0, self.bump_bytes - self.model(model).weight_bytes)
+
+    def restore_s(self, model: str, tokens: int) -> float:
+        return tokens * self.model(model).kv_bytes_per_token / self.kv_restore_bytes_s
+
+    def switch(self, to_model: str, staged_bytes: int) -> tuple[str, float, dict[str, float]]:
+        """(path, seconds, phases) of a switch to `to_model` with `staged_bytes` staged."""
+        w = self.model(to_model).weight_bytes
+        staged = max(0, min(staged_bytes, w))
+        d2d = (D2D_SYNC_S + staged / self.d2d_bytes_s) if staged else 0.0
+        h2d = (w - staged) / self.h2d_bytes_s
+        path = "d2d_full" if staged >= w else ("d2d_partial" if staged else "host_only")
+        phases = {"P1": P1_S, "P2": d2d + h2d, "P3": P3_S, "P4": P4_S, "P5": P5_S}
+        return path, SWITCH_OVERHEAD_S + d2d + h2d, phases
+
+    def with_models(self, models: dict[str, ModelProfile]) -> ServerProfile:
+        return replace(self, models=dict(models))
+
+
+# ---- (1) the paper's TP=8 server ---------------------------------------------------------
+
+_QWEN235 = ModelProfile(
+    "qwen3-235b",
+    weight_bytes=470 * GB,  # [card] 235B params x 2 B (BF16)
+    kv_bytes_per_token=94 * 4 * 128 * 2 * 2,  # [card] 94 layers, 4 KV heads, dim 128, K+V, BF16
+    prefill_speed=1.0,  # [cal] the anchors are this model's
+    source="recompute anchors 4.3 s / 10.9 s [cal]; decode [asm]",
+)
+_GLM5 = ModelProfile(
+    "glm5-nvfp4",
+    weight_bytes=440 * GB,  # [asm] ~744B params at ~0.59 B/param (NVFP4 experts, BF16 rest)
+    kv_bytes_per_token=78 * 576 * 2,  # [card-ish] MLA latent 512+64 per layer, 78 layers, BF16
+    prefill_speed=1.0,  # [asm] ~40B active at FP4 ~ Qwen3-235B's 22B active at BF16
+    decode_d0_s=0.016,  # [asm]
+    source="[asm] scaled from Qwen3-235B",
+)
+_QWEN35 = ModelProfile(
+    "qwen3.5-122b-a10b",
+    weight_bytes=244 * GB,  # [card] 122B params x 2 B
+    kv_bytes_per_token=12 * 2 * 256 * 2 * 2,  # [asm] hybrid: 12 of 48 layers full attention
+    prefill_speed=2.0,  # [asm] 10B active, mostly linear attention
+    decode_d0_s=0.010,  # [asm]
+    source="[asm] scaled from Qwen3-235B",
+)
+PAPER_MODELS = (_QWEN235, _GLM5, _QWEN35)
+_MEDIAN_WEIGHTS = sorted(m.weight_bytes for m in PAPER_MODELS)[1]
+
+PAPER_TP8 = ServerProfile(
+    "paper-tp8",
+    gpus=8,
+    hbm_per_gpu_bytes=183 * GiB,  # [cal]
+    host_bytes=2 * 10**12,  # [cal] 2 TB host memory
+    # [der] median model's host-only switch = 1.50 s [cal]: 440 GB / (1.50 - overhead)
+    h2d_bytes_s=_MEDIAN_WEIGHTS / (1.497 - SWITCH_OVERHEAD_S),
+    # [der] median model's full-D2D switch = 106 ms [cal]
+    d2d_bytes_s=_MEDIAN_WEIGHTS / (0.106 - SWITCH_OVERHEAD_S - D2D_SYNC_S),
+    # [asm] KV pages restore at half the weight H2D rate (scattered pages, smaller DMAs)
+    kv_restore_bytes_s=0.5 * _MEDIAN_WEIGHTS / (1.497 - SWITCH_OVERHEAD_S),
+    models={m.name: m for m in PAPER_MODELS},
+    source="paper TP=8 server, calibration.md",
+)
+
+# ---- (2) the two-worker TP=4 router testbed ----------------------------------------------
+
+_TB_MODELS = (
+    ModelProfile(
+        "qwen3-32b",
+        weight_bytes=65 * GB,  # [card] 32.8B x 2 B
+        kv_bytes_per_token=64 * 8 * 128 * 2 * 2,  # [card] 64 layers, 8 KV heads, dim 128
+        prefill_speed=1.4,  # [asm] dense 32B on 4 GPUs
+        decode_d0_s=0.018,
+        source="[asm]",
+    ),
+    ModelProfile(
+        "qwen2.5-32b-instruct",
+        weight_bytes=65 * GB,  # [card]
+        kv_bytes_per_token=64 * 8 * 128 * 2 * 2,  # [card]
+        prefill_speed=1.4,  # [asm]
+        decode_d0_s=0.018,
+        source="[asm]",
+    ),
+    ModelProfile(
+        "qwen3.5-35b-a3b",
+        weight_bytes=70 * GB,  # [card] ~35B x 2 B
+        kv_bytes_per_token=10 * 2 * 256 * 2 * 2,  # [asm] hybrid attention
+        prefill_speed=3.0,  # [asm] 3B active
+        decode_d0_s=0.012,
+        source="[asm]",
+    ),
+)
+ROUTER_TP4 = ServerProfile(
+    "router-tp4",
+    gpus=4,
+    hbm_per_gpu_bytes=183 * GiB,  # [asm] same GPU class as the TP=8 server
+    host_bytes=1 * 10**12,  # [asm]
+    h2d_bytes_s=PAPER_TP8.h2d_bytes_s / 2,  # [der] half the links of the TP=8 server
+    d2d_bytes_s=PAPER_TP8.d2d_bytes_s / 2,
+    kv_restore_bytes_s=PAPER_TP8.kv_restore_bytes_s / 2,
+    # [asm] like the TP=8 server, a worker keeps one active model's weights on device
+    # (cold-pool time-sharing, paper §3.4); others are opened from host or staged.
+    models={m.name: m for m in _TB_MODELS},
+    source="two TP=4 workers, paper §5.3 (model ids mapped); costs [asm]",
+)
+
+# ---- (3) the torch engine on this machine (CPU) --------------------------------------------
+
+# PLACEHOLDER: bench/results/agent_bench.md (the engine's benchmark) did not exist when this
+# was written. These numbers are rough guesses for tiny random-weight models on a CPU and
+# must be replaced with measured ones; reports that use them say "placeholder".
+_TINY = tuple(
+    ModelProfile(
+        name,
+        weight_bytes=3 * 10**6,  # PLACEHOLDER ~0.8M params x 4 B
+        kv_bytes_per_token=4 * 2 * 32 * 2 * 4,  # [card] shared/catalog.py: 4 layers, 2 KV heads, dim 32
+        prefill_k=1.0 / 20_000,  # PLACEHOLDER ~20K tok/s linear
+        prefill_alpha=1.0,
+        prefill_c0_s=0.002,
+        decode_d0_s=0.004,
+        decode_d1_s=0.0002,
+        decode_d2_s=1e-8,
+        max_context=32_768,
+        source="PLACEHOLDER (no agent_bench.md yet)",
+    )
+    for name in ("qwen3-tiny", "qwen3-moe-tiny", "gpt2-tiny")
+)
+LOCAL_TORCH = ServerProfile(
+    "local-torch",
+    gpus=1,
+    hbm_per_gpu_bytes=2 * GiB,  # PLACEHOLDER
+    host_bytes=8 * GiB,  # PLACEHOLDER
+    h2d_bytes_s=2 * GB,  # PLACEHOLDER memcpy-class
+    d2d_bytes_s=10 * GB,
+    kv_restore_bytes_s=2 * GB,
+    models={m.name: m for m in _TINY},
+    source="PLACEHOLDER torch engine on CPU",
+)
+
+PROFILES: dict[str, ServerProfile] = {p.name: p for p in (PAPER_TP8, ROUTER_TP4, LOCAL_TORCH)}
+
+
+def get_profile(name: str) -> ServerProfile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise KeyError(f"unknown profile {name!r}; known: {', '.join(PROFILES)}") from None
+
+
+def catalogue(base: ServerProfile, n_models: int) -> ServerProfile:
+    """A server serving `n_models` models: copies of `base`'s models, cycled, renamed m00..
+
+    Used by the scale experiment: each synthetic model costs what the base model it copies
+    costs, so the catalogue stays calibrated.
+    """
+    bases = list(base.models.values())
+    models = {}
+    for i in range(n_models):
+        src = bases[i % len(bases)]
+        name = f"m{i:02d}-{src.name}"
+        models[name] = replace(src, name=name, source=f"copy of {src.name}")
+    return base.with_models(models)
+
+
+@dataclass(frozen=True)
+class ProfileCosts:
+    """Adapter: `ServerProfile` as the instance scheduler's `CostModel` protocol."""
+
+    server: ServerProfile
+
+    def prefill_s(self, model: str, new_tokens: int, context_tokens: int) -> float:
+        return self.server.model(model).prefill_s(new_tokens, context_tokens)
+
+    def restore_s(self, model: str, tokens: int) -> float:
+        return self.server.restore_s(model, tokens)
+
+    def decode_step_s(self, model: str, batch: int, context_tokens: int) -> float:
+        return self.server.model(model).decode_step_s(batch, context_tokens)
+
+    def switch_s(self, from_model: str | None, to_model: str, staged: bool = True) -> float:
+        w = self.server.model(to_model).weight_bytes
+        return self.server.switch(to_model, w if staged else 0)[1]
+
+    def kv_bytes(self, model: str, tokens: int) -> int:
+        return tokens * self.server.model(model).kv_bytes_per_token

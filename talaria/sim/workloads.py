@@ -1,0 +1,188 @@
+"""Workload builders: which sessions a run replays, on which models, starting when.
+
+- `fixed_replay`: the paper's headline shape (§5.1): 10 sessions x 3 models = 30
+  model-sessions, ~960 calls, all released at t=0, closed loop. The 10 sessions come from
+  the WEKA trace (`select_sessions`, shipped in talaria/sim/data/ so runs need no 460 MB
+  pass); their token counts are scaled to the paper's regime (see `scale_tokens`).
+- `router_testbed`: 120 calls, 30 model-sessions (10 sessions x first 4 calls x 3 models)
+  on the TP=4 testbed's models, with session starts spread by an offered-load level.
+- `synthetic_catalogue`: thousands of sessions over many models with Zipf popularity,
+  Poisson session arrivals, and depth/prompt/output distributions fitted to the paper's
+  Fig. 2 (calibration.md) — the scale experiment.
+
+Token scaling (fixed replay and router testbed): WEKA prompts are ~4x the paper's (p50
+104,644 vs 25K, shared/traces/README.md), so prompt and reusable-prefix tokens are
+multiplied by 0.25 and capped at the model context (131,072); outputs are capped at 2,048.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import replace
+from pathlib import Path
+
+from talaria.traces.format import Session, TraceCall, load_trace
+
+DATA = Path(__file__).parent / "data"
+FIXED_REPLAY_FILE = DATA / "fixed_replay_sessions.jsonl"
+ROUTER_FILE = DATA / "router_sessions.jsonl"
+WEKA_DEFAULT = Path("/work/shared/traces/weka_cc_traces.jsonl.xz")
+
+TOKEN_SCALE = 0.25  # [der] paper p50 25K / WEKA p50 104,644
+CONTEXT_CAP = 131_072
+OUTPUT_CAP = 2_048
+PAPER_MODELS = ("qwen3-235b", "glm5-nvfp4", "qwen3.5-122b-a10b")
+TESTBED_MODELS = ("qwen3-32b", "qwen2.5-32b-instruct", "qwen3.5-35b-a3b")
+
+
+def scale_tokens(session: Session, factor: float = TOKEN_SCALE, cap: int = CONTEXT_CAP) -> Session:
+    calls = []
+    for c in session.calls:
+        prompt = max(1, min(cap, round(c.prompt_tokens * factor)))
+        reusable = min(prompt - 1 if prompt > 1 else 0, round(c.reusable_prefix_tokens * factor))
+        calls.append(
+            replace(
+                c,
+                prompt_tokens=prompt,
+                reusable_prefix_tokens=reusable if c.call_index else 0,
+                output_tokens=min(OUTPUT_CAP, c.output_tokens),
+            )
+        )
+    return Session(session.id, tuple(calls))
+
+
+def on_model(session: Session, model: str, start_s: float = 0.0, suffix: bool = True) -> Session:
+    """The session replayed on `model` (a model-session), starting at `start_s`."""
+    sid = f"{session.id}@{model}" if suffix else session.id
+    calls = tuple(
+        replace(c, session=sid, model=model, gap_before_s=start_s if c.call_index == 0 else c.gap_before_s)
+        for c in session.calls
+    )
+    return Session(sid, calls)
+
+
+def truncate(session: Session, n: int) -> Session:
+    return Session(session.id, session.calls[:n])
+
+
+def select_sessions(
+    sessions: list[Session], count: int, total_calls: int, lo: int, hi: int, seed: int = 7
+) -> list[Session]:
+    """`count` parent sessions with depth in [lo, hi] whose depths sum to `total_calls`.
+
+    Deterministic for a seed; tries shuffles until the last pick can close the sum.
+    """
+    pool = [s for s in sessions if "/" not in s.id and lo <= len(s.calls) <= hi]
+    by_depth: dict[int, list[Session]] = {}
+    for s in pool:
+        by_depth.setdefault(len(s.calls), []).append(s)
+    rng = random.Random(seed)
+    for _ in range(10_000):
+        picks = rng.sample(pool, count - 1)
+        need = total_calls - sum(len(s.calls) for s in picks)
+        ids = {s.id for s in picks}
+        last = [s for s in by_depth.get(need, []) if s.id not in ids]
+        if last:
+            return sorted(picks + [last[0]], key=lambda s: s.id)
+    raise ValueError(f"no {count} sessions in depth [{lo}, {hi}] sum to {total_calls}")
+
+
+def build_data_files(weka: Path = WEKA_DEFAULT, out: Path = DATA) -> tuple[Path, Path]:
+    """Regenerate the shipped session selections from the WEKA trace (streaming pass)."""
+    from talaria.traces.format import save_sessions, sessions_from_calls
+    from talaria.traces.weka import iter_weka_sessions
+
+    # Sessions whose prompts stay <= 420K tokens (105K after scaling: the paper's p95).
+    parents = [
+        s
+        for s in (sessions_from_calls(c)[0] for c in iter_weka_sessions(weka, subagents="drop"))
+        if max(c.prompt_tokens for c in s.calls) <= 420_000
+    ]
+    fixed = select_sessions(parents, 10, 320, 24, 44, seed=7)
+    used = {s.id for s in fixed}
+    router = select_sessions([s for s in parents if s.id not in used], 10, 200, 8, 40, seed=11)
+    out.mkdir(parents=True, exist_ok=True)
+    save_sessions(fixed, out / FIXED_REPLAY_FILE.name)
+    save_sessions(router, out / ROUTER_FILE.name)
+    return out / FIXED_REPLAY_FILE.name, out / ROUTER_FILE.name
+
+
+def fixed_replay(path: Path = FIXED_REPLAY_FILE, models=PAPER_MODELS, scale: float = TOKEN_SCALE) -> list[Session]:
+    """10 sessions x 3 models, all released at t=0 (the paper's closed-loop fixed replay)."""
+    base = [scale_tokens(s, scale) for s in load_trace(path)]
+    return [on_model(s, m) for s in base for m in models]
+
+
+LOAD_INTERARRIVAL_S = {"low": 6.0, "medium": 2.0, "high": 0.5}  # [asm] see module doc
+
+
+def router_testbed(
+    load: str, path: Path = ROUTER_FILE, models=TESTBED_MODELS, calls_per_session: int = 4,
+    scale: float = TOKEN_SCALE,
+) -> list[Session]:
+    """120 calls, 30 model-sessions; model-sessions start every LOAD_INTERARRIVAL_S[load]."""
+    try:
+        every = LOAD_INTERARRIVAL_S[load]
+    except KeyError:
+        raise KeyError(f"unknown load {load!r}; use {', '.join(LOAD_INTERARRIVAL_S)}") from None
+    base = [truncate(scale_tokens(s, scale), calls_per_session) for s in load_trace(path)]
+    out = []
+    k = 0
+    for s in base:
+        for m in models:
+            out.append(on_model(s, m, start_s=k * every))
+            k += 1
+    # interleave so that start order does not group a model's sessions together
+    return out
+
+
+def _lognormal(rng: random.Random, p50: float, p95: float) -> float:
+    sigma = math.log(p95 / p50) / 1.6448536269514722
+    return rng.lognormvariate(math.log(p50), sigma)
+
+
+def synthetic_catalogue(
+    sessions: int,
+    models: list[str],
+    arrival_rate_s: float,
+    zipf_s: float = 1.0,
+    seed: int = 0,
+    max_depth: int = 187,
+) -> list[Session]:
+    """Sessions drawn from the paper's Fig. 2 distributions over a Zipf-skewed catalogue.
+
+    Depth: lognormal p50 11 / p95 49, capped at 187 [cal]. First prompt: lognormal p50 8K /
+    p95 40K [asm]; each call appends the previous output plus a tool result (lognormal p50
+    1.5K / p95 8K [asm]) so prompts reach ~25K at p50 [cal target]; prompts are capped at
+    131,072 with the oldest context dropped (reuse = 0 on that call). Outputs: lognormal
+    p50 216 / p95 1,543 [WEKA README], capped at 2,048. Model k has weight 1/(k+1)**zipf_s.
+    Session starts: Poisson with `arrival_rate_s` sessions per second.
+    """
+    rng = random.Random(seed)
+    weights = [1.0 / (k + 1) ** zipf_s for k in range(len(models))]
+    t = 0.0
+    out: list[Session] = []
+    for i in range(sessions):
+        t += rng.expovariate(arrival_rate_s)
+        model = rng.choices(models, weights)[0]
+        depth = max(1, min(max_depth, round(_lognormal(rng, 11, 49))))
+        sid = f"s{i:05d}"
+        calls = []
+        prompt = max(256, round(_lognormal(rng, 8_000, 40_000)))
+        prev_total = 0
+        for idx in range(depth):
+            if idx:
+                grown = prev_total + max(16, round(_lognormal(rng, 1_500, 8_000)))
+                prompt, reusable = (grown, prev_total) if grown <= CONTEXT_CAP else (min(grown, CONTEXT_CAP) // 2, 0)
+            else:
+                reusable = 0
+            prompt = min(prompt, CONTEXT_CAP)
+            output = max(1, min(OUTPUT_CAP, round(_lognormal(rng, 216, 1_543))))
+            calls.append(
+                TraceCall(sid, idx, model, prompt, min(reusable, prompt), output, t if idx == 0 else 1.0,
+                          "start" if idx == 0 else "tool", "synthetic")
+            )
+            prev_total = prompt + output
+        out.append(Session(sid, tuple(calls)))
+    return out

@@ -1,0 +1,150 @@
+"""`talaria up`: start embedded servers (when no URLs are set), migrate, start every service.
+
+Services run as child processes; the stack is ready when the gateway's /healthz sees
+the router, telemetry and every agent. Stopping sends SIGTERM to each service, waits,
+kills stragglers, then stops the embedded servers: nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.db.engine import upgrade
+from shared.settings import Settings
+from talaria.embedded import EmbeddedNats, EmbeddedPostgres, free_port
+
+
+class StackError(RuntimeError):
+    pass
+
+
+@dataclass
+class Stack:
+    settings: Settings
+    agents: int = 2
+    log_to_files: bool = True
+    embedded: list = field(default_factory=list)
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    nats_url: str = ""
+    database_url: str = ""
+    gateway_url: str = ""
+
+    def start(self, timeout: float = 120.0, progress=print) -> "Stack":
+        data = self.settings.data_dir.resolve()
+        data.mkdir(parents=True, exist_ok=True)
+        try:
+            self._servers(data, progress)
+            progress("applying migrations")
+            upgrade(self.database_url)
+            self._services(data, progress)
+            self._wait_ready(timeout, progress)
+        except BaseException:
+            self.stop()
+            raise
+        (data / "stack.json").write_text(json.dumps(self.describe(), indent=2))
+        return self
+
+    def describe(self) -> dict[str, object]:
+        return {"gateway": self.gateway_url, "nats": self.nats_url, "database": self.database_url,
+                "data_dir": str(self.settings.data_dir.resolve()), "agents": self.agents,
+                "traces": str(self.settings.traces_path.resolve()),
+                "pids": {name: p.pid for name, p in self.procs.items()}}
+
+    def _servers(self, data: Path, progress) -> None:
+        if self.settings.nats_url:
+            self.nats_url = self.settings.nats_url
+        else:
+            progress("starting embedded NATS (JetStream)")
+            nats = EmbeddedNats(data / "nats").start()
+            self.embedded.append(nats)
+            self.nats_url = nats.url
+        if self.settings.database_url:
+            self.database_url = self.settings.database_url
+        else:
+            progress("starting embedded PostgreSQL")
+            pg = EmbeddedPostgres(data / "postgres").start()
+            self.embedded.append(pg)
+            self.database_url = pg.url
+
+    def _env(self, **extra: str) -> dict[str, str]:
+        s = self.settings
+        env = dict(os.environ)
+        env.update({
+            "TALARIA_NATS_URL": self.nats_url, "TALARIA_DATABASE_URL": self.database_url,
+            "TALARIA_DATA_DIR": str(s.data_dir.resolve()), "TALARIA_TRACES_DIR": str(s.traces_path.resolve()),
+            "TALARIA_POLICY": s.policy, "TALARIA_LEASE_TIMEOUT_S": str(s.lease_timeout_s),
+            "TALARIA_ADAPTIVE_LEASE": str(s.adaptive_lease), "TALARIA_SP": str(s.sp),
+            "TALARIA_HKVR": str(s.hkvr), "TALARIA_STAGING": str(s.staging),
+            "TALARIA_MODELS": ",".join(s.models), "TALARIA_DEVICE": s.device,
+            "TALARIA_HTTP_HOST": s.http_host, "TALARIA_SESSION_IDLE_S": str(s.session_idle_s),
+            "TALARIA_LOG_LEVEL": s.log_level, "PYTHONUNBUFFERED": "1",
+        })
+        env.update(extra)
+        return env
+
+    def _spawn(self, name: str, module: str, data: Path, **env: str) -> None:
+        logs = data / "logs"
+        logs.mkdir(exist_ok=True)
+        out = (logs / f"{name}.log").open("ab") if self.log_to_files else None
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", module], env=self._env(**env), stdin=subprocess.DEVNULL,
+            stdout=out, stderr=subprocess.STDOUT if out else None,
+        )
+
+    def _services(self, data: Path, progress) -> None:
+        port = self.settings.http_port or free_port()
+        self.gateway_url = f"http://{self.settings.http_host}:{port}"
+        progress(f"starting router, telemetry, gateway and {self.agents} instance agent(s)")
+        self._spawn("telemetry", "services.telemetry", data)
+        self._spawn("router", "services.router", data)
+        for i in range(self.agents):
+            self._spawn(f"agent-{i}", "services.instance_agent", data, TALARIA_INSTANCE_ID=f"agent-{i}",
+                        TALARIA_POOL=self.settings.pool)
+        self._spawn("gateway", "services.gateway", data, TALARIA_HTTP_PORT=str(port))
+
+    def _wait_ready(self, timeout: float, progress) -> None:
+        deadline = time.monotonic() + timeout
+        want_agents = {f"agent-{i}" for i in range(self.agents)}
+        last = None
+        while time.monotonic() < deadline:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    raise StackError(f"{name} exited with code {proc.returncode}; see "
+                                     f"{self.settings.data_dir / 'logs' / (name + '.log')}")
+            try:
+                with urllib.request.urlopen(self.gateway_url + "/healthz", timeout=1) as r:
+                    health = json.load(r)
+                ok = {"router", "telemetry"} <= set(health["services"]) and want_agents <= set(health["instances"])
+                if ok:
+                    return
+                state = (tuple(health["services"]), tuple(health["instances"]))
+                if state != last:
+                    progress(f"waiting: services {list(state[0])}, instances {list(state[1])}")
+                    last = state
+            except OSError:
+                pass
+            time.sleep(0.2)  # polling an external readiness condition, not synchronising tests
+        raise StackError(f"stack not ready after {timeout:.0f}s")
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        for server in reversed(self.embedded):
+            server.stop()
+        self.embedded.clear()

@@ -1,0 +1,63 @@
+"""The gateway's request rules, shared by the HTTP and NATS APIs."""
+
+import pytest
+
+from services.gateway.prepare import RequestError, prepare
+from services.gateway.sessions import InvalidSessionId, session_id_from
+from shared.catalog import CATALOG
+from shared.messages import CallRequest, ChatMessage
+from shared.tokenizer import block_hashes, decode, encode, render_chat
+
+
+def chat(**kw):
+    base = dict(model="qwen3-tiny", messages=[ChatMessage("user", "hi")], max_tokens=4)
+    base.update(kw)
+    return CallRequest(**base)
+
+
+def test_a_chat_call_is_tokenised_and_hashed():
+    call = prepare(chat(), "s1", "chat")
+    assert decode(call.prompt_ids) == render_chat([("user", "hi")])
+    assert call.block_hashes == block_hashes(call.prompt_ids)
+    assert call.session_id == "s1" and call.max_tokens == 4
+
+
+def test_unknown_model_is_404_in_openai_shape():
+    with pytest.raises(RequestError) as info:
+        prepare(chat(model="gpt-9"), "s", "chat")
+    assert info.value.reply.status == 404 and info.value.reply.code == "model_not_found"
+
+
+def test_prompt_longer_than_the_context_is_400():
+    limit = CATALOG["gpt2-tiny"].context_length
+    with pytest.raises(RequestError) as info:
+        prepare(chat(model="gpt2-tiny", messages=[ChatMessage("user", "x" * limit)]), "s", "chat")
+    assert info.value.reply.status == 400 and info.value.reply.code == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("kw,param", [
+    ({"max_tokens": 0}, "max_tokens"), ({"temperature": 3.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
+    ({"messages": []}, "messages"), ({"call_id": "a.b"}, "call_id"), ({"stop": [""]}, "stop"),
+])
+def test_bad_fields_are_400_naming_the_field(kw, param):
+    with pytest.raises(RequestError) as info:
+        prepare(chat(**kw), "s", "chat")
+    assert info.value.reply.status == 400 and info.value.reply.param == param
+
+
+def test_session_id_comes_from_headers_then_user_then_a_fresh_one():
+    assert session_id_from({"X-Session-Id": "a"}, "u") == "a"
+    assert session_id_from({"session_id": "codex"}, None) == "codex"
+    assert session_id_from({}, "user-7") == "user-7"
+    one, two = session_id_from({}, None), session_id_from({}, None)
+    assert one != two and one.startswith("anon-")
+    with pytest.raises(InvalidSessionId):
+        session_id_from({"X-Session-Id": "x" * 300})
+
+
+def test_continuation_prompt_starts_with_previous_prompt_and_answer():
+    first = render_chat([("user", "fix the bug")])
+    second = render_chat([("user", "fix the bug"), ("assistant", "ok"), ("tool", "done")])
+    assert second.startswith(first + "ok")
+    a, b = block_hashes(encode(first + "ok")), block_hashes(encode(second))
+    assert a == b[: len(a)]

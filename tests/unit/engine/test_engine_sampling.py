@@ -1,0 +1,80 @@
+"""Stop strings, max_tokens, EOS, seeded sampling, streaming."""
+
+import pytest
+import torch
+
+from services.instance_agent.engine import GenRequest
+from services.instance_agent.engine.sampling import StopMatcher, sample
+from shared.tokenizer import EOS, encode
+
+PROMPT = encode("Stop strings end the answer; the stop text is not returned.")
+
+
+def test_stop_matcher_holds_back_partial_matches():
+    m = StopMatcher(["END"])
+    assert m.push("abc") == ("abc", False)
+    assert m.push("E") == ("", False)  # could be the start of END
+    assert m.push("N") == ("", False)
+    assert m.push("x") == ("ENx", False)
+    assert m.push("yE") == ("y", False)
+    assert m.push("ND tail") == ("", True)
+    assert m.text == "abcENxy"
+
+
+def test_stop_string_excluded_and_streamed(make_engine):
+    eng = make_engine(["qwen3-tiny"])
+    base = eng.generate(GenRequest("c0", "s0", "qwen3-tiny", PROMPT, 24))
+    text = base.text
+    stop = text[5:8]
+    cut = text.find(stop)
+    streamed = []
+    res = eng.generate(GenRequest("c1", "s1", "qwen3-tiny", PROMPT, 24, stop=[stop]),
+                       on_token=lambda tok, piece: streamed.append(piece))
+    assert res.finish_reason == "stop"
+    assert res.text == text[:cut]
+    assert "".join(streamed) == res.text
+    assert len(res.token_ids) < 24
+
+
+def test_max_tokens_gives_length(make_engine):
+    eng = make_engine(["gpt2-tiny"])
+    res = eng.generate(GenRequest("c", "s", "gpt2-tiny", PROMPT, 7))
+    assert res.finish_reason == "length" and len(res.token_ids) == 7
+    assert res.prompt_tokens == len(PROMPT) and res.ttft_s > 0 and res.prefill_s > 0
+
+
+def test_seeded_sampling_is_reproducible(make_engine):
+    eng = make_engine(["qwen3-moe-tiny"])
+
+    def run(call, seed):
+        return eng.generate(GenRequest(call, call, "qwen3-moe-tiny", PROMPT, 16, temperature=1.0,
+                                       top_p=0.9, seed=seed)).token_ids
+
+    a, b, c = run("a", 7), run("b", 7), run("c", 8)
+    assert a == b
+    assert a != c
+    greedy = eng.generate(GenRequest("g", "g", "qwen3-moe-tiny", PROMPT, 16)).token_ids
+    tiny_p = eng.generate(GenRequest("t", "t", "qwen3-moe-tiny", PROMPT, 16, temperature=1.0,
+                                     top_p=1e-6, seed=1)).token_ids
+    assert tiny_p == greedy  # top_p -> 0 keeps only the argmax
+
+
+def test_sample_top_p_keeps_smallest_nucleus():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    gen = torch.Generator().manual_seed(0)
+    draws = {sample(logits, 1.0, 0.75, gen) for _ in range(200)}
+    assert draws == {0, 1}
+
+
+def test_eos_stops():
+    from services.instance_agent.engine.sequence import Sequence
+
+    req = GenRequest("e", "e", "gpt2-tiny", PROMPT, 10)
+    seq = Sequence(req, 8192, list(PROMPT), [], 0, 0, 1, 0.0, None)
+    logits = torch.zeros(260)
+    logits[65] = 1.0
+    assert not seq.take(logits, 1.0).finished
+    logits[EOS] = 5.0
+    step = seq.take(logits, 2.0)
+    assert step.finished and step.finish_reason == "stop" and step.token_id == EOS
+    assert seq.result("gpt2-tiny").text == "A"

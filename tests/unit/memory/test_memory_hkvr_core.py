@@ -1,0 +1,88 @@
+"""HKVR bookkeeping invariants, tensor-free (the simulator's view)."""
+
+from services.instance_agent.memory.hkvr_core import HkvrCore, LayoutDescriptor, RankReport, agreed_prefix
+
+PS = 16
+T = LayoutDescriptor("m", 0, 0, 0, PS, "float32", "gqa", (4, 2, PS, 1, 32))
+
+
+def reports(hashes, ranks=2, tokens=None):
+    tokens = len(hashes) * PS if tokens is None else tokens
+    return [RankReport(r, tokens, tuple(hashes)) for r in range(ranks)]
+
+
+def test_unpublished_until_copy_completes():
+    core = HkvrCore(16, ranks=2)
+    plan = core.plan_save("m", "s", reports([1, 2, 3]), T)
+    assert len(plan.copies) == 6 and plan.agreed_pages == 3
+    assert core.match("m", [1, 2, 3]) == 0  # copies in flight: nothing published
+    assert core.session_tokens("s", "m", PS) == 0
+    assert core.complete(plan.job_id) == [1, 2, 3]
+    assert core.match("m", [1, 2, 3, 4]) == 3
+    assert core.session_tokens("s", "m", PS) == 3 * PS
+
+
+def test_pinned_pages_are_never_reclaimed():
+    core = HkvrCore(4, ranks=1)
+    first = core.plan_save("m", "a", reports([1, 2, 3, 4], ranks=1), T)  # fills the pool, pinned
+    second = core.plan_save("m", "b", reports([7, 8], ranks=1), T)
+    assert second.copies == () and core.counters.evictions == 0  # nothing reclaimable
+    assert all(core.pages[("m", 0, h)].pins == 1 for h in (1, 2, 3, 4))
+    core.complete(first.job_id)
+    core.complete(second.job_id)
+    restore = core.begin_restore("m", [1, 2])  # restore pins 1 and 2
+    third = core.plan_save("m", "c", reports([9, 10, 11], ranks=1), T)
+    evicted = {h for h in (1, 2, 3, 4) if ("m", 0, h) not in core.pages}
+    assert evicted == {3, 4} and len(third.copies) == 2  # pins outlive cache refs
+    core.end_restore(restore)
+
+
+def test_unreferenced_pages_reclaimed_before_referenced():
+    core = HkvrCore(3, ranks=1)
+    core.complete(core.plan_save("m", "a", reports([1, 2], ranks=1), T).job_id)
+    lag = [RankReport(0, PS, (5, 6))]  # committed only 1 page: page 6 stays private
+    core.complete(core.plan_save("m", "b", lag, T).job_id)
+    assert core.pages[("m", 0, 5)].refs == 1
+    core.drop_session("a", "m")  # pages 1, 2 lose their cache refs
+    core.complete(core.plan_save("m", "c", reports([9], ranks=1), T).job_id)
+    assert ("m", 0, 5) in core.pages and ("m", 0, 1) not in core.pages
+    assert core.counters.evictions == 1
+
+
+def test_rank_disagreement_truncates_publication():
+    core = HkvrCore(32, ranks=2)
+    good = [1, 2, 3, 4]
+    bad = RankReport(1, 4 * PS, (1, 2, 99, 100))  # rank 1 diverges at page 2
+    assert agreed_prefix([RankReport(0, 4 * PS, tuple(good)), bad], PS) == 2
+    plan = core.plan_save("m", "s", [RankReport(0, 4 * PS, tuple(good)), bad], T)
+    assert plan.agreed_pages == 2
+    core.complete(plan.job_id)
+    assert core.match("m", good) == 2  # the rest is recomputed, never restored
+    assert core.session_tokens("s", "m", PS) == 2 * PS
+    assert core.counters.truncated_saves == 1
+    lag = [RankReport(0, 4 * PS, tuple(good)), RankReport(1, 3 * PS - 1, tuple(good[:2]))]
+    assert agreed_prefix(lag, PS) == 2
+    fixed = core.plan_save("m", "s", reports(good), T)  # a later checkpoint agrees
+    core.complete(fixed.job_id)
+    assert core.match("m", good) == 4
+
+
+def test_drain_is_scoped_to_a_model():
+    core = HkvrCore(32, ranks=1)
+    a = core.plan_save("a", "s1", reports([1], ranks=1), T)
+    b = core.plan_save("b", "s2", reports([2], ranks=1), T)
+    assert core.pending_jobs("a") == [a.job_id]
+    assert core.pending_jobs("b") == [b.job_id]
+    assert sorted(core.pending_jobs()) == sorted([a.job_id, b.job_id])
+
+
+def test_lru_eviction_and_counters():
+    core = HkvrCore(4, ranks=1)
+    core.complete(core.plan_save("m", "a", reports([1, 2], ranks=1), T).job_id)
+    core.complete(core.plan_save("m", "b", reports([3, 4], ranks=1), T).job_id)
+    core.begin_restore("m", [1, 2])  # hit, touches 1 and 2
+    core.end_restore(core.begin_restore("m", [42]))  # miss
+    core.complete(core.plan_save("m", "c", reports([5], ranks=1), T).job_id)
+    assert ("m", 0, 3) not in core.pages  # least recently used went first
+    assert (core.counters.hits, core.counters.misses, core.counters.evictions) == (1, 1, 1)
+    assert core.session_tokens("b", "m", PS) == 0  # hole at the first page: nothing restorable
