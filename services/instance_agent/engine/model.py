@@ -137,11 +137,12 @@ def _gpt2_body(spec, p, token_ids, positions, attn) -> torch.Tensor:
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """q [L, nh, hd], k/v [S, kvh, hd] -> [L, nh*hd]; GQA by head grouping."""
+    # 4-D inputs: 3-D ones fall off the fused CPU kernel onto a path several times slower
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
         enable_gqa=q.shape[1] != k.shape[1],
     )
-    return out.transpose(0, 1).reshape(q.shape[0], -1)
+    return out[0].transpose(0, 1).reshape(q.shape[0], -1)
 
 
 def causal_mask(q_len: int, ctx_len: int, device) -> torch.Tensor | None:

@@ -32,6 +32,11 @@ class SchedulerConfig:
     sp: bool = True  # mid-slot session-prefill; off: returns wait for the next slot's P
     hkvr: bool = True  # host-restorable KV; off: host KV counts as missing (recompute)
     staging: bool = True  # D2D-staged switch; off: SwitchModel(staged=False), host-only cost
+    # Switch away from a model only once its running calls have finished (Dfin drains them).
+    # The torch engine refuses `switch_to` while calls run, so this is the default; False is
+    # the paper's resumable mode (running calls decode on in the model's next slot), which
+    # needs an engine that parks running calls' KV across a switch.
+    drain_on_switch: bool = True
     gamma: float = 0.9  # Eq. 5 margin: round <= gamma * ttft_target_s
     ttft_target_s: float = 10.0
     tpot_target_s: float = 0.2  # Eq. 4 average time per output token

@@ -29,13 +29,10 @@ from services.instance_agent.scheduler.errors import (
     UnknownCallError,
     UnknownModelError,
 )
+from services.instance_agent.scheduler.reports import Reports
 from services.instance_agent.scheduler.rounds import RoundState, Slot
 from services.instance_agent.scheduler.types import (
     Action,
-    CallAdmitted,
-    CallFinished,
-    CallParked,
-    DeadlineRisk,
     Decode,
     Idle,
     KvState,
@@ -46,6 +43,7 @@ from services.instance_agent.scheduler.types import (
     SwitchModel,
     Work,
 )
+from services.instance_agent.scheduler.view import build_view
 
 _PARK_REASON = {"time": "sp_budget", "batch": "sp_batch"}
 
@@ -66,16 +64,13 @@ class RoundScheduler:
         self.models = tuple(models)
         self.costs = costs if isinstance(costs, CalibratedCosts) else CalibratedCosts(costs, config.ewma_alpha)
         self.calls = CallTable(self.models)
+        self.reports = Reports()
         self.device_model = config.pinned_model if config.pool == "hot" else config.initial_model
         self.slot: Slot | None = None
         self.round: RoundState | None = None
         self.rounds_done = 0
-        self.sp_admitted = 0
-        self.sp_parked = 0
-        self.deadline_risk = 0
         self._target: str | None = None  # model the in-flight or next switch opens
         self._inflight: _Inflight | None = None
-        self._outbox: list[SchedulerEvent] = []
         self._hot_last = ""
 
     # ---- driver API -------------------------------------------------------------------
@@ -98,16 +93,15 @@ class RoundScheduler:
             self._inflight = _Inflight(action, now, self.estimate_s(action))
         return action
 
-    def on_prefill_done(
-        self, action: Prefill, now: float, finished: Iterable[str] = ()
-    ) -> list[SchedulerEvent]:
+    def on_prefill_done(self, action: Prefill, now: float, finished: Iterable[str] = ()) -> list[SchedulerEvent]:
         """The prefill ran; each call has its first token. `finished`: calls that hit EOS/stop."""
         done = _finished_in(action, finished)
-        flight = self._complete(action, now)
+        flight = self._complete(action)
         self.costs.observe("prefill", action.model, flight.predicted_s, now - flight.issued_at)
         for call in self._known(action.call_ids):
             call.generated = 1
-            self._admitted(call, flight.issued_at, now)
+            kv = charged_kv(call.work, self.config.hkvr)
+            self.reports.admitted(call, kv, flight.issued_at, self.round, now)
         if self.slot is not None:
             self.slot.last = "SP" if action.session_prefill else "P"
         self._hot_last = "P"
@@ -117,7 +111,7 @@ class RoundScheduler:
     def on_decode_done(self, action: Decode, now: float, finished: Iterable[str] = ()) -> list[SchedulerEvent]:
         """One decode iteration ran. `finished`: calls that hit EOS/stop this step."""
         done = _finished_in(action, finished)
-        flight = self._complete(action, now)
+        flight = self._complete(action)
         self.costs.observe("decode", action.model, flight.predicted_s, now - flight.issued_at)
         for call in self._known(action.call_ids):
             call.generated += 1
@@ -130,7 +124,7 @@ class RoundScheduler:
 
     def on_switch_done(self, action: SwitchModel, now: float, measured_s: float | None = None) -> list[SchedulerEvent]:
         """The device now serves `action.to_model`; `measured_s` defaults to the wall time."""
-        flight = self._complete(action, now)
+        flight = self._complete(action)
         took = now - flight.issued_at if measured_s is None else measured_s
         self.costs.observe_switch(action.from_model, action.to_model, action.staged, took)
         self.device_model = action.to_model
@@ -142,12 +136,10 @@ class RoundScheduler:
         """Forget a call (client gone, engine failure). Safe while it is in flight."""
         call = self.calls.get(call_id)
         self.calls.remove(call_id)
-        self._emit(CallFinished(call_id, call.work.model, call.generated, "aborted", now))
+        self.reports.finished(call, "aborted", now)
         return self.drain_events()
 
-    def update_kv(
-        self, session_id: str, model: str, kv_state: KvState, reusable_tokens: int | None = None
-    ) -> int:
+    def update_kv(self, session_id: str, model: str, kv_state: KvState, reusable_tokens: int | None = None) -> int:
         """The engine moved a session's prefix (e.g. device -> host on a switch)."""
         return self.calls.update_kv(session_id, model, kv_state, reusable_tokens)
 
@@ -157,8 +149,7 @@ class RoundScheduler:
 
     def drain_events(self) -> list[SchedulerEvent]:
         """Events raised so far (also returned by every on_*_done); call it after an Idle."""
-        events, self._outbox = self._outbox, []
-        return events
+        return self.reports.drain()
 
     def estimate_s(self, action: Action) -> float:
         """Predicted duration of `action` under the current (calibrated) costs."""
@@ -167,36 +158,43 @@ class RoundScheduler:
                 return sum(self._cost(c) for c in self._known(ids))
             case Decode(call_ids=ids, model=model):
                 calls = list(self._known(ids))
-                ctx = sum(c.context_tokens for c in calls)
-                return self.costs.decode_step_s(model, len(calls), ctx)
+                return self.costs.decode_step_s(model, len(calls), sum(c.context_tokens for c in calls))
             case SwitchModel(from_model=a, to_model=b, staged=staged):
                 return self.costs.switch_s(a, b, staged)
         return 0.0
+
+    def snapshot(self, now: float) -> SchedulerView:
+        return build_view(self, now)
 
     def generated(self, call_id: str) -> int:
         """Tokens the scheduler has counted for a live call."""
         return self.calls.get(call_id).generated
 
-    def snapshot(self, now: float) -> SchedulerView:
-        remaining = 0.0
-        if self.round is not None:
-            remaining = max(0.0, self.round.started_at + self.round.predicted_s - now)
-        return SchedulerView(
-            pool=self.config.pool,
-            active_model=self.device_model,
-            slot_model=self.slot.model if self.slot else None,
-            phase=self._phase(),
-            round_index=self.round.index if self.round else self.rounds_done,
-            round_remaining_s=remaining,
-            queued={m: len(q) for m, q in self.calls.queued.items()},
-            running={m: len(r) for m, r in self.calls.running.items()},
-            queued_tokens=sum(c.work.prompt_tokens for q in self.calls.queued.values() for c in q.values()),
-            kv_used_bytes=sum(self._kv_used(m) for m in self.models),
-            deadline_risk=self.deadline_risk,
-            sp_admitted=self.sp_admitted,
-            sp_parked=self.sp_parked,
-            switch_s=self._next_switch_estimate(),
-        )
+    @property
+    def inflight(self) -> Action | None:
+        return self._inflight.action if self._inflight else None
+
+    @property
+    def sp_admitted(self) -> int:
+        return self.reports.sp_admitted
+
+    @property
+    def sp_parked(self) -> int:
+        return self.reports.sp_parked
+
+    @property
+    def deadline_risk(self) -> int:
+        return self.reports.deadline_risk
+
+    def rotation(self, after: str | None) -> list[str]:
+        """All models in cyclic order, starting after `after` and ending with it."""
+        if after is None:
+            return list(self.models)
+        i = self.models.index(after)
+        return list(self.models[i + 1 :] + self.models[: i + 1])
+
+    def kv_used(self, model: str) -> int:
+        return sum(self._kv(c) for c in self.calls.running[model].values())
 
     # ---- cold pool: rounds and slots ---------------------------------------------------
 
@@ -221,7 +219,7 @@ class RoundScheduler:
 
     def _pick_model(self, now: float) -> str | None:
         """Next active model not yet served this round, in rotation order; else a new round."""
-        active = [m for m in self._rotation(self.device_model) if self.calls.active(m)]
+        active = [m for m in self.rotation(self.device_model) if self.calls.active(m)]
         if self.round is not None:
             for model in active:
                 if not self.round.served(model):
@@ -233,25 +231,25 @@ class RoundScheduler:
         return active[0]
 
     def _open_slot(self, model: str, now: float) -> None:
-        order = [model] + [m for m in self._rotation(model) if m != model and self.calls.active(m)]
+        rnd = self.round
+        assert rnd is not None  # a slot always opens inside a round
+        order = [model] + [m for m in self.rotation(model) if m != model and self.calls.active(m)]
         loads = {m: self._load(m) for m in order}
-        switch = switch_cycle_s(order, self.device_model, self._price)
-        plan = plan_slot(model, loads, switch, self.config)
+        plan = plan_slot(model, loads, switch_cycle_s(order, self.device_model, self._price), self.config)
         self.slot = Slot(model, plan, now, plan.protected_decode, plan.prefill_budget_s, plan.sp_budget_s)
-        assert self.round is not None  # a slot always opens inside a round
-        self.round.slots.append(model)
-        self.round.predicted_s = plan.predicted_round_s
-        self._emit(
+        rnd.slots.append(model)
+        rnd.predicted_s = plan.predicted_round_s
+        self.reports.emit(
             SlotOpened(
-                model, self.round.index, plan.protected_decode, plan.decode_step_s,
+                model, rnd.index, plan.protected_decode, plan.decode_step_s,
                 plan.prefill_budget_s, plan.sp_budget_s, plan.predicted_round_s, now,
             )
-        )
+        )  # fmt: skip
         if plan.over_budget:
-            self._round_risk(model, "round_over_budget", plan.predicted_round_s, plan.round_cap_s, now)
+            self.reports.round_risk(model, "round_over_budget", plan.predicted_round_s, plan.round_cap_s, rnd, now)
         if not plan.tpot_feasible:
-            steps = self.config.tpot_target_s - plan.decode_slack_s
-            self._round_risk(model, "tpot_infeasible", steps, self.config.tpot_target_s, now)
+            tpot = self.config.tpot_target_s
+            self.reports.round_risk(model, "tpot_infeasible", tpot - plan.decode_slack_s, tpot, rnd, now)
 
     def _slot_action(self, now: float) -> Action | None:
         """P first, then decode; an SP step may follow any decode until protected decode runs out."""
@@ -263,35 +261,26 @@ class RoundScheduler:
             selection = self._select_p(slot, now)
             if selection.admitted:
                 return self._start_prefill(selection, "P", slot.model, now)
-        if slot.decode_left == 0 and not self._contended(slot) and self.calls.active(slot.model):
+        contended = self._contended(slot)
+        if slot.decode_left == 0 and not contended and self.calls.active(slot.model):
             self._extend(slot, now)
+        elif slot.extended and contended:
+            slot.protected = min(slot.protected, slot.decodes)  # the extension ends: Dfin now
         if slot.at_decode_boundary and slot.decode_left > 0:
             selection = self._select_sp(slot, now)
             if selection is not None and selection.admitted:
                 return self._start_prefill(selection, "SP", slot.model, now)
         running = self.calls.running_ids(slot.model)
-        if slot.extended and self._contended(slot):
-            return None  # the extension lasted only while nobody else needed the device
-        if running and slot.decode_left > 0:
+        if running and (slot.decode_left > 0 or self._must_drain(slot)):
             return Decode(running, slot.model)
         return None
 
-    def _contended(self, slot: Slot) -> bool:
-        """Whether work other than this slot's decode and SP candidates is waiting."""
-        if any(self.calls.active(m) for m in self.models if m != slot.model):
-            return True
-        return any(not (self.config.sp and self._sp_eligible(c, slot)) for c in self.calls.queued[slot.model].values())
-
-    def _extend(self, slot: Slot, now: float) -> None:
-        # Nothing to rotate to and nothing waiting for a P: closing would only open an
-        # identical slot. Rounds bound model revisit time, which means nothing without
-        # contention, so the round ends here and the slot decodes on (SP included) until
-        # work for a P or another model arrives; the next slot then opens a new round.
-        if self.round is not None:
-            self._end_round(now)
-        slot.extended = True
-        slot.protected += slot.plan.protected_decode
-        slot.sp_left_s = slot.plan.sp_budget_s
+    def _must_drain(self, slot: Slot) -> bool:
+        """Dfin runs on past protected decode when the next slot is another model's and the
+        engine cannot switch with calls running (`drain_on_switch`)."""
+        if not self.config.drain_on_switch:
+            return False
+        return any(self.calls.active(m) for m in self.models if m != slot.model)
 
     def _select_p(self, slot: Slot, now: float) -> Selection:
         model = slot.model
@@ -304,12 +293,11 @@ class RoundScheduler:
         )
         selection = select(self.calls.queued[model].values(), limits, self._cost, self._kv)
         slot.prefill_left_s = max(0.0, slot.prefill_left_s - selection.cost_s)
-        short = selection.left_for("time")
-        if short:
-            self._risk(model, "prefill_shortfall", selection.cost_s, slot.plan.prefill_budget_s, now, short)
-        full = selection.left_for("max_batch") + selection.left_for("kv_budget")
-        if full:
-            self._risk(model, "capacity", selection.cost_s, slot.plan.prefill_budget_s, now, full)
+        budget = slot.plan.prefill_budget_s
+        if short := selection.left_for("time"):
+            self.reports.risk(model, "prefill_shortfall", selection.cost_s, budget, self.round, now, short)
+        if full := selection.left_for("max_batch") + selection.left_for("kv_budget"):
+            self.reports.risk(model, "capacity", selection.cost_s, budget, self.round, now, full)
         return selection
 
     def _select_sp(self, slot: Slot, now: float) -> Selection | None:
@@ -327,7 +315,7 @@ class RoundScheduler:
         )
         selection = select(eligible, limits, self._cost, self._kv, charge=slot.plan.sp_charge_s)
         for call, reason in selection.left:
-            self._park(call, _PARK_REASON.get(reason, reason), now)
+            self.reports.parked(call, _PARK_REASON.get(reason, reason), self.round, now)
         if selection.admitted:
             slot.sp_left_s -= slot.plan.sp_charge_s(selection.cost_s)
             slot.protected += slot.plan.sp_extension(selection.cost_s)
@@ -343,27 +331,43 @@ class RoundScheduler:
             and charged_kv(work, self.config.hkvr) != "none"
         )
 
+    def _contended(self, slot: Slot) -> bool:
+        """Whether work other than this slot's decode and SP candidates is waiting."""
+        if any(self.calls.active(m) for m in self.models if m != slot.model):
+            return True
+        sp = self.config.sp
+        return any(not (sp and self._sp_eligible(c, slot)) for c in self.calls.queued[slot.model].values())
+
+    def _extend(self, slot: Slot, now: float) -> None:
+        # Nothing to rotate to and nothing waiting for a P: closing would only open an
+        # identical slot. Rounds bound model revisit time, which means nothing without
+        # contention, so the round ends here and the slot decodes on (SP included) until
+        # work for a P or another model arrives; the next slot then opens a new round.
+        if self.round is not None:
+            self._end_round(now)
+        slot.extended = True
+        slot.protected += slot.plan.protected_decode
+        slot.sp_left_s = slot.plan.sp_budget_s
+
     def _close_slot(self, now: float) -> None:
         slot = self.slot
         assert slot is not None
         if self.config.sp and slot.p_done:
             for call in list(self.calls.queued[slot.model].values()):
                 if self._sp_eligible(call, slot):
-                    self._park(call, "slot_closed", now)
+                    self.reports.parked(call, "slot_closed", self.round, now)
         self.slot = None
 
     def _end_round(self, now: float) -> None:
         assert self.round is not None
-        wall = now - self.round.started_at
-        if wall > self.config.round_cap_s + 1e-9:
-            self._risk(None, "round_overrun", wall, self.config.round_cap_s, now)
-        self._emit(self.round.ended(now))
+        self.reports.round_ended(self.round, self.config.round_cap_s, now)
         self.round = None
         self.rounds_done += 1
 
     # ---- hot pool: plain continuous batching ------------------------------------------
 
     def _next_hot(self, now: float) -> Action:
+        """Prefill arrivals at each decode boundary, then decode everything running."""
         model = self.config.pinned_model
         assert model is not None
         running = self.calls.running_ids(model)
@@ -388,60 +392,25 @@ class RoundScheduler:
             self.calls.start(call.call_id, via, now)
         return Prefill(selection.ids, session_prefill=via == "SP", model=model)
 
-    def _admitted(self, call: CallState, issued_at: float, now: float) -> None:
-        via = call.via or "P"
-        if via == "SP":
-            self.sp_admitted += 1
-            if self.round is not None:
-                self.round.sp_admitted += 1
-        kv = charged_kv(call.work, self.config.hkvr)
-        wait = max(0.0, issued_at - call.work.arrived_at)
-        self._emit(CallAdmitted(call.call_id, call.work.model, via, wait, kv, now))
-
     def _finish(self, ids: tuple[str, ...], engine_done: frozenset[str], now: float) -> None:
         for call in list(self._known(ids)):
             if call.done_by_length or call.call_id in engine_done:
-                reason = "length" if call.done_by_length else "engine"
                 self.calls.remove(call.call_id)
-                self._emit(CallFinished(call.call_id, call.work.model, call.generated, reason, now))
+                self.reports.finished(call, "length" if call.done_by_length else "engine", now)
 
-    def _complete(self, action: Action, now: float) -> _Inflight:
+    def _complete(self, action: Action) -> _Inflight:
         flight = self._inflight
         if flight is None or flight.action != action:
             raise ActionMismatchError(flight.action if flight else None, action)
         self._inflight = None
         return flight
 
-    def _park(self, call: CallState, reason: str, now: float) -> None:
-        if call.parked:
-            return  # counted once per call, as the paper counts return-handling events
-        call.parked = True
-        self.sp_parked += 1
-        if self.round is not None:
-            self.round.sp_parked += 1
-        self._emit(CallParked(call.call_id, call.work.model, reason, now))
-
-    def _risk(self, model, reason, predicted, budget, now, calls: int = 0) -> None:
-        self.deadline_risk += 1
-        if self.round is not None:
-            self.round.deadline_risk += 1
-        self._emit(DeadlineRisk(model, reason, predicted, budget, calls, now))
-
-    def _round_risk(self, model, reason, predicted, budget, now) -> None:
-        """A round-level risk is raised once per round, not once per slot."""
-        assert self.round is not None
-        if reason not in self.round.risks:
-            self.round.risks.add(reason)
-            self._risk(model, reason, predicted, budget, now)
-
-    def _emit(self, event: SchedulerEvent) -> None:
-        self._outbox.append(event)
-
     def _known(self, ids: Iterable[str]) -> Iterable[CallState]:
         # Calls aborted while their step was in flight are skipped.
         return (self.calls.get(i) for i in ids if i in self.calls)
 
     def _load(self, model: str) -> ModelLoad:
+        """Predicted decode step and P cost of `model` once its P has admitted what fits."""
         running = list(self.calls.running[model].values())
         free = max(0, self.config.max_batch - len(running))
         queued = list(self.calls.queued[model].values())[:free]
@@ -456,41 +425,12 @@ class RoundScheduler:
     def _kv(self, call: CallState) -> int:
         return call_kv_bytes(self.costs, call.work)
 
-    def _kv_used(self, model: str) -> int:
-        return sum(self._kv(c) for c in self.calls.running[model].values())
-
     def _kv_free(self, model: str) -> int | None:
         budget = self.config.kv_budget_bytes
-        return None if budget is None else max(0, budget - self._kv_used(model))
+        return None if budget is None else max(0, budget - self.kv_used(model))
 
     def _price(self, from_model: str | None, to_model: str) -> float:
         return self.costs.switch_s(from_model, to_model, self.config.staging)
-
-    def _rotation(self, after: str | None) -> list[str]:
-        """All models in cyclic order, starting after `after` and ending with it."""
-        if after is None:
-            return list(self.models)
-        i = self.models.index(after)
-        return list(self.models[i + 1 :] + self.models[: i + 1])
-
-    def _next_switch_estimate(self) -> float:
-        nxt = next((m for m in self._rotation(self.device_model) if m != self.device_model), None)
-        return 0.0 if nxt is None or self.config.pool == "hot" else self._price(self.device_model, nxt)
-
-    def _phase(self) -> str:
-        if self._inflight is not None:
-            match self._inflight.action:
-                case SwitchModel():
-                    return "switch"
-                case Prefill(session_prefill=sp):
-                    return "SP" if sp else "P"
-                case Decode():
-                    return "D"
-        if self.slot is None:
-            return "idle"
-        if not self.slot.p_done:
-            return "P"
-        return "D1" if self.slot.decodes == 0 else "D"
 
 
 def _finished_in(action: Prefill | Decode, finished: Iterable[str]) -> frozenset[str]:

@@ -15,19 +15,68 @@ from services.router.state import InstanceView, RouterState
 from shared.messages import CallSubmitted, CandidateCost, Event
 
 
+OVERLOAD_MODES = ("reject", "queue")
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
-    """Knobs shared by all policies; each policy reads the ones it uses."""
+    """Knobs shared by all policies; each policy reads the ones it uses. Times in seconds.
 
-    lease_timeout_s: float = 1.0  # tau (paper App. E)
-    adaptive_lease: bool = False
-    gamma: float = 0.9  # admission margin: simulated round load <= gamma * ttft_target
+    Defaults come from the paper where it gives a number (App. E, calibration.md) and are
+    marked "ours" where it does not.
+    """
+
+    # soft reservation (paper §3.3, App. E)
+    lease_timeout_s: float = 1.0  # tau; near the p90 tool gap
+    lease_charge_s: float = 0.25  # one admission unit a live lease charges (ours)
+    adaptive_lease: bool = False  # beyond the paper: tau from the session's observed gaps
+    lease_quantile: float = 0.9
+    lease_min_s: float = 0.25
+    lease_max_s: float = 5.0
+    lease_margin_s: float = 0.05  # gateway + router latency added to the gap quantile
+    # admission and overload (Eq. 5, §3.3)
+    gamma: float = 0.9  # simulated round load must stay <= gamma * ttft_target
     ttft_target_s: float = 10.0
-    stale_after_s: float = 2.0  # heartbeats older than this make an instance stale
+    stale_after_s: float = 2.0  # older snapshots: no new non-reserved placements
     overload: str = "reject"  # reject | queue
     retry_after_s: float = 1.0
-    replica_penalty_s: float = 0.5  # nu_m in Eq. 2
+    max_queued_per_instance: int = 64  # `queue` mode: route past admission up to this bound
+    deadline_risk_penalty_s: float = 0.5  # per deadline-risk call an instance reports (ours)
+    # replica opening, Eq. 2
+    replica_penalty_s: float = 0.5  # nu_m default
+    replica_penalty_by_model: dict[str, float] = field(default_factory=dict)
+    hbm_price_s_per_gib: float = 0.05  # mu_j at full HBM pressure (ours)
     control_window_s: float = 10.0
+    # cost-model fallbacks until profiles and telemetry exist (calibration.md anchors)
+    default_prefill_s_per_tok: float = 4.3 / 25_000  # recompute 25K tokens: 4.3 s
+    default_decode_s_per_tok: float = 0.03
+    default_restore_s_per_tok: float = 4.3 / 25_000 / 10  # H2D restore ~10x recompute (ours)
+    default_open_s: float = 2.011  # H2D fallback switch p50
+    # beyond the paper: place new sessions next to KV that shares their prompt prefix
+    prefix_placement: bool = True
+    # baselines
+    cache_threshold: float = 0.5  # prefix-aware (sgl-router defaults)
+    balance_abs_threshold: int = 32
+    balance_rel_threshold: float = 1.0001
+    overlap_score_weight: float = 1.0  # kv-cost (Dynamo default)
+    host_hit_weight: float = 0.5  # kv-cost: a host-tier block costs this much of a miss
+    affinity_ttl_s: float = 30.0  # kv-cost: session affinity idle TTL
+
+    def __post_init__(self) -> None:
+        if self.overload not in OVERLOAD_MODES:
+            raise ValueError(f"overload must be one of {OVERLOAD_MODES}, not {self.overload!r}")
+        for name in ("lease_timeout_s", "stale_after_s", "control_window_s", "lease_charge_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, not {getattr(self, name)}")
+        if not 0.0 < self.gamma:
+            raise ValueError(f"gamma must be > 0, not {self.gamma}")
+        if not 0.0 < self.lease_quantile <= 1.0:
+            raise ValueError(f"lease_quantile must be in (0, 1], not {self.lease_quantile}")
+        if self.lease_min_s > self.lease_max_s:
+            raise ValueError("lease_min_s must not exceed lease_max_s")
+
+    def replica_penalty(self, model: str) -> float:
+        return self.replica_penalty_by_model.get(model, self.replica_penalty_s)
 
 
 @dataclass(frozen=True)
@@ -71,20 +120,28 @@ class PlacementPolicy(ABC):
     # ---- helpers shared by policies -------------------------------------------------
 
     def healthy(self, view: InstanceView, now: float) -> bool:
+        """Fresh telemetry: the instance may take new non-reserved placements."""
         return now - view.received_at <= self.config.stale_after_s
 
+    def answers(self, view: InstanceView, now: float) -> bool:
+        """Still answering: its live leases are honoured. We take "answers" to mean a
+        snapshot no older than twice the staleness bound (one missed heartbeat window)."""
+        return now - view.received_at <= 2.0 * self.config.stale_after_s
+
     def serving(self, state: RouterState, model: str, now: float) -> list[InstanceView]:
-        """Healthy instances that can serve `model` at all (it is in their catalogue)."""
+        """Healthy instances that can serve `model` at all: it is in their catalogue, and a
+        hot-pool instance only ever serves its pinned model (it never switches)."""
         return [
             v
             for v in state.instances.values()
-            if self.healthy(v, now) and any(m.model == model for m in v.snapshot.models)
+            if model in v.models and (v.pinned is None or v.pinned == model) and self.healthy(v, now)
         ]
 
-    def reject(self, reason: str, candidates=()) -> Decision:
+    def reject(self, reason: str, candidates=(), extra_events=()) -> Decision:
         return Decision(
             action="reject",
             candidates=tuple(candidates),
             retry_after_s=self.config.retry_after_s,
             reason=reason,
+            extra_events=tuple(extra_events),
         )

@@ -91,6 +91,9 @@ class Driver:
         action = self.sched.next_action(self.now)
         self.trace.append(label(action))
         self.actions.append(action)
+        if isinstance(action, SwitchModel) and self.sched.config.drain_on_switch and action.from_model:
+            # the torch engine's contract: switch_to is refused while calls run
+            assert not self.sched.calls.running[action.from_model], f"switch with running calls: {action}"
         if isinstance(action, Idle):
             self.events += self.sched.drain_events()
             if self._arrivals:

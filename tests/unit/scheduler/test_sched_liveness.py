@@ -26,6 +26,7 @@ config = st.fixed_dictionaries(
         "sp": st.booleans(),
         "hkvr": st.booleans(),
         "staging": st.booleans(),
+        "drain_on_switch": st.booleans(),
         "max_batch": st.integers(1, 8),
         "sp_max_batch": st.integers(1, 4),
         "ttft_target_s": st.sampled_from([0.5, 3.0, 10.0]),

@@ -28,7 +28,7 @@ def slots_of(trace):
 
 
 def test_round_robin_one_slot_per_active_model_per_round():
-    d = Driver(make(models=("a", "b", "c")))
+    d = Driver(make(models=("a", "b", "c"), drain_on_switch=False))
     for m in "abc":
         d.submit(work(f"{m}1", m, max_tokens=60))
     d.run()
@@ -41,7 +41,7 @@ def test_round_robin_one_slot_per_active_model_per_round():
 
 
 def test_p_comes_before_first_decode_in_every_slot():
-    d = Driver(make(models=("a", "b")))
+    d = Driver(make(models=("a", "b"), drain_on_switch=False))
     d.submit(work("a1", "a", max_tokens=30))
     d.submit(work("b1", "b", max_tokens=30))
     d.run()
@@ -125,8 +125,8 @@ def test_uncontended_slot_decodes_on_without_round_churn_or_false_risk():
     assert d.trace.count("P:a:long") == 1 and len(d.trace) == 301
 
 
-def extended_driver():
-    d = Driver(make(models=("a", "b"), initial_model="a"))
+def extended_driver(**config):
+    d = Driver(make(models=("a", "b"), initial_model="a", **config))
     d.submit(work("long", "a", max_tokens=300))
     d.run_until(lambda d: d.sched.slot is not None and d.sched.slot.extended)
     return d, len(d.trace)
@@ -148,7 +148,30 @@ def test_new_session_ends_an_extended_slot_at_the_next_boundary():
 
 
 def test_other_model_ends_an_extended_slot_at_the_next_boundary():
-    d, before = extended_driver()
+    d, before = extended_driver(drain_on_switch=False)
     d.at(d.now + 0.005, work("other", "b", max_tokens=2))
     d.run()
     assert d.trace[before : before + 3] == ["D:a:long", "S:b", "P:b:other"]
+
+
+def test_drain_mode_switches_only_once_the_outgoing_model_is_empty():
+    d = Driver(make(models=("a", "b")))  # drain_on_switch is the default (torch engine contract)
+    d.submit(work("a1", "a", max_tokens=120))
+    d.submit(work("b1", "b", max_tokens=5))
+    d.at(1.05, work("ret", "a", prompt=1000, reuse=900, kv="device", cont=True, max_tokens=3))
+    d.run()
+    slot_a = d.trace[: d.trace.index("S:b")]
+    assert sum("a1" in t for t in slot_a if t.startswith("D:")) == 119  # a1 ran to its end
+    assert "SP:a:ret" in slot_a  # SP still works inside the slot
+    protected = d.of(SlotOpened)[0].protected_decode
+    assert protected < 119  # decode beyond the protected budget is the drain (Dfin)
+
+
+def test_paper_mode_leaves_running_calls_for_the_next_slot():
+    d = Driver(make(models=("a", "b"), drain_on_switch=False))
+    d.submit(work("a1", "a", max_tokens=120))
+    d.submit(work("b1", "b", max_tokens=5))
+    d.run()
+    first_switch = d.trace.index("S:b")
+    assert first_switch < d.trace.index("P:a:a1") + 120
+    assert d.trace[first_switch + 1 :].count("S:a") >= 1  # a1 resumes in a's next slot

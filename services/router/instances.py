@@ -1,0 +1,99 @@
+"""What the router knows about one instance: its latest snapshot plus the in-flight overlay.
+
+Per-snapshot lookups (model residency by name, session KV by (session, model)) are built
+once per snapshot, lazily, and reused while the snapshot is current, so a routing decision
+costs O(instances), never O(sessions). When consecutive snapshots share the very same
+`sessions` list object (an agent or the simulator that did not rebuild it), the KV index
+is carried over instead of rebuilt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.messages import InstanceSnapshot, ModelResidency, SessionKv
+
+ON_DEVICE = ("active", "resident")  # weights in HBM: no open needed
+
+
+@dataclass
+class InstanceView:
+    """Latest snapshot plus the overlay of calls routed since that snapshot.
+
+    Invariant: `overlay` holds exactly the calls routed to this instance after the current
+    snapshot was received and not yet finished; a fresh snapshot already counts the rest.
+    """
+
+    snapshot: InstanceSnapshot
+    received_at: float
+    overlay: dict[str, tuple[int, str]] = field(default_factory=dict)  # call -> (tokens, model)
+    overlay_tokens: int = 0
+    overlay_models: dict[str, int] = field(default_factory=dict)
+    inflight: set[str] = field(default_factory=set)  # every unfinished call placed here
+    models: dict[str, ModelResidency] = field(init=False)
+    pinned: str | None = field(init=False)
+    _kv: dict[tuple[str, str], SessionKv] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        snap = self.snapshot
+        self.models = {m.model: m for m in snap.models}
+        self.pinned = _pinned_model(snap) if snap.pool == "hot" else None
+
+    @property
+    def instance_id(self) -> str:
+        return self.snapshot.instance_id
+
+    @property
+    def overlay_calls(self) -> int:
+        return len(self.overlay)
+
+    @property
+    def kv(self) -> dict[tuple[str, str], SessionKv]:
+        """(session, model) -> the KV the instance reports for it (device or host)."""
+        if self._kv is None:
+            self._kv = {(s.session_id, s.model): s for s in self.snapshot.sessions}
+        return self._kv
+
+    def inherit_kv_index(self, older: InstanceView) -> None:
+        if older._kv is not None and older.snapshot.sessions is self.snapshot.sessions:
+            self._kv = older._kv
+
+    def model_state(self, model: str) -> str:
+        if self.snapshot.active_model == model:
+            return "active"
+        m = self.models.get(model)
+        return m.state if m is not None else "absent"
+
+    def add_overlay(self, call_id: str, tokens: int, model: str) -> None:
+        if call_id in self.overlay:
+            return
+        self.overlay[call_id] = (tokens, model)
+        self.overlay_tokens += tokens
+        self.overlay_models[model] = self.overlay_models.get(model, 0) + 1
+
+    def drop_overlay(self, call_id: str) -> None:
+        placed = self.overlay.pop(call_id, None)
+        if placed is None:
+            return
+        tokens, model = placed
+        self.overlay_tokens -= tokens
+        left = self.overlay_models.get(model, 0) - 1
+        if left > 0:
+            self.overlay_models[model] = left
+        else:
+            self.overlay_models.pop(model, None)
+
+    def queued_calls(self) -> int:
+        """Calls waiting or running there, counting the overlay (the `queue` overload bound)."""
+        snap = self.snapshot
+        return sum(snap.queued.values()) + snap.running + len(self.overlay)
+
+
+def _pinned_model(snap: InstanceSnapshot) -> str | None:
+    """A hot-pool instance serves exactly one model: its active one, else its only resident."""
+    if snap.active_model:
+        return snap.active_model
+    on_device = [m.model for m in snap.models if m.state in ON_DEVICE]
+    if len(on_device) == 1:
+        return on_device[0]
+    return snap.models[0].model if len(snap.models) == 1 else None

@@ -1,0 +1,136 @@
+"""`talaria`: session-aware residency routing, paper Algorithm 1 with Eq. 1 and Eq. 2.
+
+    1  live lease for (session, model)?  ── instance answers and KV valid ──► consume, route
+                                         └─ otherwise ──► discard (reason), fall through
+    2  price every instance (costs.py): Eq. 1 terms, round-admission and HBM checks
+    3  a candidate that would open a fresh replica must also pass Eq. 2
+    4  none left ──► overload policy: reject (retry_after_s) | queue (least cost, bounded)
+    5  route to argmin Cost(r, i)
+
+Beyond the paper: a new session whose prompt shares a prefix with KV another session left
+on an instance gets that prefix priced as reusable there (PolicyConfig.prefix_placement),
+and tau can adapt to the session's observed tool gaps (PolicyConfig.adaptive_lease).
+"""
+
+from __future__ import annotations
+
+from services.router.costs import HARD_REASONS, CostModel, Priced
+from services.router.instances import ON_DEVICE
+from services.router.leases import Lease
+from services.router.policy import soft_reservation as sr
+from services.router.policy.base import Decision, PlacementPolicy, PolicyConfig
+from services.router.policy.registry import register
+from services.router.state import RouterState, SessionEntry
+from shared.messages import CallCompleted, CallSubmitted, Event, replace
+
+
+@register
+class Talaria(PlacementPolicy):
+    name = "talaria"
+
+    def __init__(self, config: PolicyConfig | None = None) -> None:
+        super().__init__(config)
+        self.costs = CostModel(self.config)
+
+    # ---- Algorithm 1 ------------------------------------------------------------------
+
+    def decide(self, state: RouterState, call: CallSubmitted, now: float) -> Decision:
+        entry = state.sessions.get(call.session_id)
+        lease = entry.lease if entry is not None else None
+        extra: tuple[Event, ...] = ()
+        if lease is not None:
+            problem = sr.lease_problem(state, lease, call, now, self.config)
+            if problem is None:
+                return self._consume(state, lease, call, entry, now)
+            extra = (sr.discarded(lease, call, problem, now),)
+        own = lease.instance_id if lease is not None else None
+        hit = None
+        if self.config.prefix_placement and call.block_hashes and (entry is None or entry.kv_tokens == 0):
+            hit = state.prefix.match(call.model, call.block_hashes)
+        priced = [self.costs.price(state, v, call, entry, now, own, hit) for v in state.instances.values()]
+        priced = self._replica_rule(state, call.model, priced, now)
+        decision = self._choose(call.model, priced, now)
+        if lease is None:
+            return decision
+        return replace_decision(decision, extra_events=extra, lease_outcome="discarded",
+                                lease_instance=lease.instance_id,
+                                discard_reason=extra[0].reason)  # type: ignore[union-attr]
+
+    def _consume(self, state: RouterState, lease: Lease, call: CallSubmitted,
+                 entry: SessionEntry | None, now: float) -> Decision:
+        view = state.instances[lease.instance_id]
+        # The lease bypasses admission (its unit was charged while live); price it for the audit.
+        p = self.costs.price(state, view, call, entry, now, own_lease_on=lease.instance_id)
+        cost = replace(p.cost, feasible=True, reason="lease")
+        opened = cost.model_state not in ON_DEVICE
+        return Decision(
+            action="route",
+            instance_id=lease.instance_id,
+            candidates=(cost,),
+            lease_outcome="consumed",
+            lease_instance=lease.instance_id,
+            expected_kv=cost.kv_state,
+            model_opened=opened,
+            avoidable_cold_open=opened and self._resident_elsewhere(state, call.model, lease.instance_id, now),
+            extra_events=(sr.consumed(lease, call, now),),
+        )
+
+    def _replica_rule(self, state: RouterState, model: str, priced: list[Priced], now: float) -> list[Priced]:
+        """Eq. 2: a feasible candidate that needs a fresh replica stays only if gain > cost."""
+        existing = [p.cost.total_s for p in priced if p.cost.feasible and not p.fresh]
+        best = min(existing) if existing else None
+        out = []
+        for p in priced:
+            if p.fresh and p.cost.feasible:
+                gain, threshold = self.costs.replica_gain(state, model, p, best, now)
+                if not gain > threshold:
+                    p = Priced(replace(p.cost, feasible=False,
+                                       reason=f"eq2: gain {gain:.3f}s <= {threshold:.3f}s"), True, p.view)
+            out.append(p)
+        return out
+
+    def _choose(self, model: str, priced: list[Priced], now: float) -> Decision:
+        feasible = [p for p in priced if p.cost.feasible]
+        reason = ""
+        if not feasible and self.config.overload == "queue":
+            feasible = [p for p in priced if p.cost.reason not in HARD_REASONS
+                        and p.view is not None and p.view.queued_calls() < self.config.max_queued_per_instance]
+            reason = "overload: queued past admission"
+        candidates = tuple(p.cost for p in priced)
+        if not feasible:
+            hard = all(p.cost.reason in HARD_REASONS for p in priced)
+            why = f"no healthy instance can serve {model}" if hard else "overload: no instance passes admission"
+            return self.reject(why, candidates)
+        best = min(feasible, key=lambda p: (p.cost.total_s, p.cost.instance_id))
+        opened = best.cost.model_state not in ON_DEVICE
+        return Decision(
+            action="route",
+            instance_id=best.cost.instance_id,
+            candidates=candidates,
+            expected_kv=best.cost.kv_state,
+            model_opened=opened,
+            avoidable_cold_open=opened and any(
+                p.cost.model_state in ON_DEVICE and p.cost.reason not in ("stale",)
+                and p.cost.instance_id != best.cost.instance_id for p in priced),
+            reason=reason,
+        )
+
+    def _resident_elsewhere(self, state: RouterState, model: str, chosen: str, now: float) -> bool:
+        return any(v.model_state(model) in ON_DEVICE and iid != chosen and self.healthy(v, now)
+                   for iid, v in state.instances.items())
+
+    # ---- completion hook and expiry ------------------------------------------------------
+
+    def react(self, state: RouterState, event: Event, now: float) -> list[Event]:
+        if isinstance(event, CallCompleted):
+            return sr.successor(state, event, self.config)
+        return []
+
+    def tick(self, state: RouterState, now: float) -> list[Event]:
+        return sr.expiries(state, now)
+
+
+def replace_decision(decision: Decision, **changes) -> Decision:
+    from dataclasses import replace as dc_replace
+
+    return dc_replace(decision, **changes)

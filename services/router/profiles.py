@@ -1,0 +1,76 @@
+"""Latency profiles the cost model reads, refreshed by EWMA from completions and rounds.
+
+Everything is folded from events (`CallCompleted`, `RoundSummary`, `CallRouted`), so a
+replayed router has the same profiles as the live one. Rates are seconds per token; 0 means
+"no observation yet" and the cost model falls back to the instance's advertised rate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+ALPHA = 0.2  # EWMA weight of a new observation
+ARRIVAL_WINDOW_S = 10.0  # time constant of the decayed arrival count (Eq. 2 demand)
+GAP_KEEP = 256  # recent tool gaps kept per model for the adaptive lease
+
+
+def ewma(old: float, sample: float) -> float:
+    return sample if old <= 0.0 else (1.0 - ALPHA) * old + ALPHA * sample
+
+
+@dataclass
+class ModelProfile:
+    prefill_s_per_tok: float = 0.0
+    decode_s_per_tok: float = 0.0
+    ttft_s: float = 0.0
+    arrivals: float = 0.0  # exponentially decayed count of arrivals
+    arrivals_at: float = 0.0
+    gaps: list[float] = field(default_factory=list)  # recent tool gaps, oldest first
+
+    def observe_completion(self, prompt: int, cached: int, output: int, prefill_s: float,
+                           decode_s: float, ttft_s: float) -> None:
+        fresh = prompt - cached
+        if prefill_s > 0.0 and fresh > 0:
+            self.prefill_s_per_tok = ewma(self.prefill_s_per_tok, prefill_s / fresh)
+        if decode_s > 0.0 and output > 1:
+            self.decode_s_per_tok = ewma(self.decode_s_per_tok, decode_s / output)
+        if ttft_s > 0.0:
+            self.ttft_s = ewma(self.ttft_s, ttft_s)
+
+    def observe_arrival(self, at: float) -> None:
+        self.arrivals = self.arrivals_at_time(at) + 1.0
+        self.arrivals_at = max(at, self.arrivals_at)
+
+    def arrivals_at_time(self, now: float) -> float:
+        dt = max(0.0, now - self.arrivals_at)
+        return self.arrivals * math.exp(-dt / ARRIVAL_WINDOW_S)
+
+    def arrival_rate(self, now: float) -> float:
+        """Calls per second of this model, from decayed routed and rejected arrivals."""
+        return self.arrivals_at_time(now) / ARRIVAL_WINDOW_S
+
+    def observe_gap(self, gap_s: float) -> None:
+        self.gaps.append(gap_s)
+        if len(self.gaps) > GAP_KEEP:
+            del self.gaps[: len(self.gaps) - GAP_KEEP]
+
+
+@dataclass
+class InstanceProfile:
+    round_wall_s: float = 0.0
+    switch_s: float = 0.0
+    rounds: int = 0
+
+    def observe_round(self, wall_s: float, switch_s: float) -> None:
+        self.round_wall_s = ewma(self.round_wall_s, wall_s)
+        if switch_s > 0.0:
+            self.switch_s = ewma(self.switch_s, switch_s)
+        self.rounds += 1
+
+
+def quantile(values: list[float], q: float) -> float:
+    """Nearest-rank quantile (calibration.md: p_q = observation at rank ceil(q*N))."""
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q * len(ordered)))
+    return ordered[rank - 1]

@@ -1,0 +1,189 @@
+"""Markdown report and paper-style plots from experiment results (results/README.md)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+PAPER_FIXED = {  # calibration.md, headline table (SCT p50, SCT p95, TTFT p50, TTFT p95)
+    "talaria": (189, 867, 0.55, 14.2),
+    "no-sp": (623, None, 4.60, 20.5),
+    "no-hkvr": (486, None, None, 26.33),
+    "h2d-only": (194, 933, None, None),
+    "round-only": (1000, 2296, 13.44, None),
+}
+COLORS = {"talaria": "C0", "no-sp": "C1", "no-hkvr": "C2", "h2d-only": "C3", "round-only": "C4"}
+
+
+def _f(x, nd=1) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    return f"{x:.{nd}f}"
+
+
+def _cdf(ax, values, label, color=None):
+    v = sorted(values)
+    if not v:
+        return
+    ax.step(v, [(i + 1) / len(v) for i in range(len(v))], where="post", label=label, color=color)
+
+
+def _save(fig, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path.name
+
+
+def fixed_replay_section(res: dict, out: Path, title: str, tag: str) -> list[str]:
+    cfgs = res["configs"]
+    lines = [f"## {title}", ""]
+    lines.append("| configuration | SCT p50 | SCT p95 | TTFT p50 | TTFT p95 | paper SCT p50 / p95 | paper TTFT p50 / p95 | rounds | switch share | SP admitted / parked | oracle SCT p50 / p95 |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, s in cfgs.items():
+        p = PAPER_FIXED.get(name, (None,) * 4)
+        lines.append(
+            f"| {name} | {_f(s['sct_p50'])} | {_f(s['sct_p95'])} | {_f(s['ttft_p50'], 2)} | {_f(s['ttft_p95'], 2)} "
+            f"| {_f(p[0], 0)} / {_f(p[1], 0)} | {_f(p[2], 2)} / {_f(p[3], 2)} | {s['rounds']['count']} "
+            f"| {_f(s['rounds']['switch_share'], 3)} | {s['sp']['admitted']} / {s['sp']['parked']} "
+            f"| {_f(s['oracle']['sct_p50'])} / {_f(s['oracle']['sct_p95'])} |"
+        )
+    pr = res["paired"]
+    lines += [
+        "",
+        f"Talaria vs Round-only: p50 speedup **{pr['speedup_p50']:.2f}x** (paper 5.3x), p95 "
+        f"**{pr['speedup_p95']:.2f}x** (paper 2.6x); {pr['improved']} of {pr['total']} paired "
+        f"model-sessions improve (paper 29 of 30). Talaria p50 SCT / oracle p50 = "
+        f"{pr['talaria_over_oracle_p50']:.2f}.",
+        "",
+    ]
+    t = cfgs["talaria"]
+    sw = t["switch"]["by_path"]
+    lines.append(
+        "Talaria switch paths: "
+        + ", ".join(f"{p} {v['share']:.0%} (p50 {v['p50'] * 1000:.0f} ms)" for p, v in sw.items())
+        + f"; HBM peak {t['hbm_peak_gib_per_gpu']:.1f} GiB of {t['hbm_cap_gib_per_gpu']:.0f} GiB per GPU."
+    )
+    lines.append("")
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for name, s in cfgs.items():
+        _cdf(ax, [x["sct"] for x in s["per_session"] if x["sct"]], name, COLORS.get(name))
+    _cdf(ax, [x["oracle"] for x in t["per_session"]], "oracle", "k")
+    ax.set_xscale("log"), ax.set_xlabel("Session completion time (s)"), ax.set_ylabel("CDF"), ax.legend(fontsize=7)
+    a = _save(fig, out / f"{tag}_sct_cdf.png")
+    fig, ax = plt.subplots(figsize=(5.5, 3.2))
+    data = [[x["sct"] for x in s["per_session"] if x["sct"]] for s in cfgs.values()]
+    ax.boxplot(data, whis=(0, 100), showfliers=False)
+    for i, d in enumerate(data, start=1):
+        ax.scatter([i] * len(d), d, s=6, alpha=0.6)
+    ax.set_xticks(range(1, len(cfgs) + 1), list(cfgs), fontsize=7)
+    ax.set_ylabel("SCT (s)")
+    b = _save(fig, out / f"{tag}_sct_box.png")
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for name, s in cfgs.items():
+        _cdf(ax, [max(v, 1e-3) for v in s.get("ttft_samples", [])], name, COLORS.get(name))
+    ax.set_xscale("log"), ax.set_xlabel("TTFT (s)"), ax.set_ylabel("CDF"), ax.legend(fontsize=7)
+    c = _save(fig, out / f"{tag}_ttft_cdf.png")
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for name in ("talaria", "h2d-only"):
+        _cdf(ax, [x * 1000 for x in cfgs[name]["switch"]["samples"]], name, COLORS[name])
+    ax.set_xscale("log"), ax.set_xlabel("Switch latency (ms)"), ax.set_ylabel("CDF"), ax.legend(fontsize=7)
+    d = _save(fig, out / f"{tag}_switch_cdf.png")
+    lines += [f"![SCT CDF]({a}) ![per-session SCT]({b})", "", f"![TTFT CDF]({c}) ![switch CDF]({d})", ""]
+    return lines
+
+
+def router_section(res: dict, out: Path) -> list[str]:
+    lines = ["## Router testbed (two TP=4 workers, 120 calls, 30 model-sessions)", ""]
+    if res.get("skipped"):
+        lines.append(f"Not in the router registry yet (skipped): {', '.join(res['skipped'])}.")
+        lines.append("")
+    lines.append("| load | policy | avoidable cold opens | model opens | same-instance returns | TTFT p50 | TTFT p95 | SCT p50 | SCT p95 | oracle SCT p50 |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
+    for load, pols in res["loads"].items():
+        for pol, s in pols.items():
+            r = s["router"]
+            lines.append(
+                f"| {load} | {pol} | {s['avoidable_cold_opens']} | {r['model_opens']} | {_f(r['same_instance_returns'] * 100 if r['same_instance_returns'] is not None else None)}% "
+                f"| {_f(s['ttft_p50'], 2)} | {_f(s['ttft_p95'], 2)} | {_f(s['sct_p50'], 2)} | {_f(s['sct_p95'], 2)} | {_f(s['oracle']['sct_p50'], 2)} |"
+            )
+    loads = list(res["loads"])
+    pols = list(next(iter(res["loads"].values())))
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3))
+    width = 0.8 / max(1, len(pols))
+    for k, pol in enumerate(pols):
+        xs = [i + k * width for i in range(len(loads))]
+        axes[0].bar(xs, [res["loads"][l][pol]["avoidable_cold_opens"] for l in loads], width, label=pol)
+        axes[1].bar(xs, [res["loads"][l][pol]["sct_p95"] for l in loads], width, label=pol)
+    for ax, t in zip(axes, ("Avoidable cold opens", "SCT p95 (s)")):
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(loads))], loads)
+        ax.set_title(t, fontsize=9)
+    axes[0].legend(fontsize=7)
+    a = _save(fig, out / "router_bars.png")
+    return lines + ["", f"![router]({a})", ""]
+
+
+def tau_section(res: dict, out: Path) -> list[str]:
+    lines = ["## Lease timeout sweep", ""]
+    if not res.get("points"):
+        return lines + [f"Skipped: {res.get('skipped', 'no data')}.", ""]
+    lines.append("| tau | same-instance returns | model-residency hits | model opens | unused leases | returning TTFT p50 / p95 |")
+    lines.append("|---|---|---|---|---|---|")
+    for tau, s in res["points"].items():
+        r = s["router"]
+        lines.append(
+            f"| {tau} | {_f(r['same_instance_returns'] * 100)}% | {_f(r['model_residency_hits'] * 100)}% | {r['model_opens']} "
+            f"| {r['unused_leases']} | {_f(s['returning_ttft_p50'], 2)} / {_f(s['returning_ttft_p95'], 2)} |"
+        )
+    pts = [(k, v) for k, v in res["points"].items() if k != "adaptive"]
+    fig, ax = plt.subplots(figsize=(5, 3))
+    xs = [float(k) for k, _ in pts]
+    ax.plot(xs, [v["router"]["same_instance_returns"] * 100 for _, v in pts], "o-", label="same instance")
+    ax.plot(xs, [v["router"]["model_residency_hits"] * 100 for _, v in pts], "s-", label="model-residency hit")
+    ax.set_xlabel("lease timeout tau (s)"), ax.set_ylabel("%"), ax.legend(fontsize=7)
+    a = _save(fig, out / "tau_sweep.png")
+    return lines + ["", f"![tau]({a})", ""]
+
+
+def scale_section(res: dict, out: Path) -> list[str]:
+    lines = [
+        f"## Scale: {res['instances']} instances, {res['models']} models (Zipf s={res['zipf_s']}), {res['sessions']} sessions",
+        "",
+    ]
+    if res.get("skipped"):
+        lines.append(f"Not in the router registry yet (skipped): {', '.join(res['skipped'])}.")
+        lines.append("")
+    lines.append("| policy | SCT p50 | SCT p95 | TTFT p50 | TTFT p95 | oracle SCT p50 | avoidable cold opens | switches | calls | simulator wall (s) | mean policy decision (us) |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    for pol, s in res["policies"].items():
+        lines.append(
+            f"| {pol} | {_f(s['sct_p50'])} | {_f(s['sct_p95'])} | {_f(s['ttft_p50'], 2)} | {_f(s['ttft_p95'], 2)} | {_f(s['oracle']['sct_p50'])} "
+            f"| {s['avoidable_cold_opens']} | {s['switch']['count']} | {s['calls']} | {_f(s['run_time_s'])} | {_f(s['router']['mean_decision_us'])} |"
+        )
+    return lines + [""]
+
+
+def write_report(results: dict, out: Path, notes: str = "") -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    lines = ["# Talaria simulator report", "", notes, ""]
+    if "fixed-replay" in results:
+        lines += fixed_replay_section(results["fixed-replay"], out, "TP=8 fixed replay (built-in `fast` scheduler)", "fixed")
+    if "fixed-replay-services" in results:
+        lines += fixed_replay_section(
+            results["fixed-replay-services"], out,
+            "TP=8 fixed replay (instance agent's RoundScheduler, `services` backend)", "fixed_services",
+        )
+    if "router" in results:
+        lines += router_section(results["router"], out)
+    if "tau-sweep" in results:
+        lines += tau_section(results["tau-sweep"], out)
+    if "scale" in results:
+        lines += scale_section(results["scale"], out)
+    path = out / "sim_report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
