@@ -9,5 +9,6 @@ COPY shared ./shared
 COPY services ./services
 COPY talaria ./talaria
 COPY migrations ./migrations
-RUN pip install .
+COPY ops ./ops
+RUN pip install -e .
 ENTRYPOINT ["python", "-m"]

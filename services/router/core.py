@@ -11,7 +11,6 @@ import time
 from services.router.policy.base import Decision, PlacementPolicy
 from services.router.state import RouterState
 from shared.messages import (
-    CallCompleted,
     CallFailed,
     CallRouted,
     CallSubmitted,
@@ -22,6 +21,8 @@ from shared.messages import (
 
 
 class RouterCore:
+    """Policy + state. `handle`/`tick` return the events they caused, already folded in."""
+
     def __init__(self, policy: PlacementPolicy, state: RouterState | None = None) -> None:
         self.policy = policy
         self.state = state or RouterState()
@@ -34,12 +35,11 @@ class RouterCore:
         match event:
             case CallSubmitted():
                 out = self._route(event, now)
-            case CallCompleted() | CallFailed():
+            case _:
+                # Fold first, then let the policy react to the updated state (a completion
+                # installs its successor lease; a round summary has refreshed the profiles).
                 self.state.apply(event)
                 out = self.policy.react(self.state, event, now)
-            case _:
-                self.state.apply(event)
-                out = []
         for produced in out:
             self.state.apply(produced)
         return out

@@ -9,7 +9,9 @@ device switches model only between slots. A slot is
 P admits the work waiting when the slot opens; D1 is the first decode; at each later
 decode boundary an SP step may admit a bounded batch of *returning* calls (continuations
 of the active model that arrived after P, with device or host-restorable KV); Dfin drains
-the protected decode budget. A hot-pool instance pins one model and does plain
+the protected decode budget and, with `drain_on_switch` (the default, because the torch
+engine refuses to switch with calls running), runs on until the slot's calls finish
+before another model's slot. A hot-pool instance pins one model and does plain
 continuous batching. The scheduler is pure: it takes `now`, returns actions and events,
 and never touches an engine or a clock, so the live agent, the simulator and the unit
 tests drive the same object.
@@ -28,8 +30,10 @@ Driving loop (live agent or simulator; `run_*` execute on an engine or a cost pr
 
 `submit`/`abort` may be called between any two calls above, including while an action
 runs. The scheduler counts generated tokens itself and finishes a call at `max_tokens`;
-`eos` lets a live engine finish one earlier. A simulator advances its clock by
-`sched.estimate_s(action)` (or its own profile) instead of running anything.
+`eos` lets a live engine finish one earlier. Every `CallFinished` event is the cue to
+release the call in the engine (`engine.finish`). A simulator advances its clock by its
+own profile's duration for the action (`sched.estimate_s(action)` if it has none); the
+scheduler learns from the gap between its estimate and the reported completion time.
 
 Package map:
     types.py      Work, actions, events, SchedulerView
@@ -39,6 +43,8 @@ Package map:
     admission.py  batch selection under batch, KV and time budgets (P, SP, hot)
     calls.py      the call table: queued/running per model, token counts
     rounds.py     round and slot bookkeeping
+    reports.py    event outbox and the counters (sp_admitted, sp_parked, deadline_risk)
+    view.py       snapshot() for telemetry
     scheduler.py  RoundScheduler: the orchestration
 """
 

@@ -23,6 +23,8 @@ class Work:
     `reusable_tokens` is the prefix of `prompt_tokens` whose KV this instance can reuse
     (device-resident or host-restorable per `kv_state`). `continuation` marks a returning
     call of a session seen before; only continuations may enter a slot through SP.
+    `arrived_at` is the intended enqueue time, on the same clock as the `now` the driver
+    passes (it only feeds `CallAdmitted.slot_wait_s`).
     """
 
     call_id: str
@@ -170,7 +172,7 @@ class SchedulerView:
     pool: str
     active_model: str | None
     slot_model: str | None
-    phase: str  # idle | switch | P | D | SP | Dfin
+    phase: str  # idle | switch | P | SP | D1 | D | Dfin
     round_index: int
     round_remaining_s: float
     queued: dict[str, int] = field(default_factory=dict)

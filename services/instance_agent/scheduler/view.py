@@ -32,8 +32,8 @@ def build_view(sched: RoundScheduler, now: float) -> SchedulerView:
 
 
 def phase(sched: RoundScheduler) -> str:
-    """idle | switch | P | D1 | SP | D (Dfin is only known in hindsight)."""
-    inflight = sched.inflight
+    """idle | switch | P | SP | D1 | D | Dfin (no SP opportunity left: final decode or drain)."""
+    inflight, slot = sched.inflight, sched.slot
     if inflight is not None:
         match inflight:
             case SwitchModel():
@@ -41,8 +41,8 @@ def phase(sched: RoundScheduler) -> str:
             case Prefill(session_prefill=sp):
                 return "SP" if sp else "P"
             case Decode():
-                return "D"
-    slot = sched.slot
+                # decode_left counts this decode until it completes
+                return "Dfin" if slot is not None and slot.decode_left <= 1 else "D"
     if slot is None:
         return "idle"
     if not slot.p_done:

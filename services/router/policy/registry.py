@@ -8,6 +8,8 @@ REGISTRY: dict[str, type[PlacementPolicy]] = {}
 
 
 class UnknownPolicyError(KeyError):
+    """Asked for a policy name nobody registered; `str()` lists the known ones."""
+
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self.name = name
@@ -42,4 +44,8 @@ def policy_names() -> list[str]:
 
 def _load_builtin() -> None:
     # Importing the modules registers them; done lazily to avoid import cycles.
-    import services.router.policy.least_loaded  # noqa: F401
+    import services.router.policy.kv_cost  # noqa: F401
+    import services.router.policy.least_pressure  # noqa: F401
+    import services.router.policy.prefix_aware  # noqa: F401
+    import services.router.policy.sticky  # noqa: F401
+    import services.router.policy.talaria  # noqa: F401

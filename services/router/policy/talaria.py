@@ -14,6 +14,8 @@ and tau can adapt to the session's observed tool gaps (PolicyConfig.adaptive_lea
 
 from __future__ import annotations
 
+from dataclasses import replace as dc_replace
+
 from services.router.costs import HARD_REASONS, CostModel, Priced
 from services.router.instances import ON_DEVICE
 from services.router.leases import Lease
@@ -52,7 +54,7 @@ class Talaria(PlacementPolicy):
         decision = self._choose(call.model, priced, now)
         if lease is None:
             return decision
-        return replace_decision(decision, extra_events=extra, lease_outcome="discarded",
+        return dc_replace(decision, extra_events=extra, lease_outcome="discarded",
                                 lease_instance=lease.instance_id,
                                 discard_reason=extra[0].reason)  # type: ignore[union-attr]
 
@@ -109,9 +111,10 @@ class Talaria(PlacementPolicy):
             candidates=candidates,
             expected_kv=best.cost.kv_state,
             model_opened=opened,
+            # Hard-infeasible candidates carry model_state "absent", so they never count here.
             avoidable_cold_open=opened and any(
-                p.cost.model_state in ON_DEVICE and p.cost.reason not in ("stale",)
-                and p.cost.instance_id != best.cost.instance_id for p in priced),
+                p.cost.model_state in ON_DEVICE and p.cost.instance_id != best.cost.instance_id
+                for p in priced),
             reason=reason,
         )
 
@@ -128,9 +131,3 @@ class Talaria(PlacementPolicy):
 
     def tick(self, state: RouterState, now: float) -> list[Event]:
         return sr.expiries(state, now)
-
-
-def replace_decision(decision: Decision, **changes) -> Decision:
-    from dataclasses import replace as dc_replace
-
-    return dc_replace(decision, **changes)

@@ -1,0 +1,85 @@
+"""`talaria audit`: run the operator's SQL audits in ops/audit/ against the database.
+
+Each query is a plain .sql file (first comment lines describe it; `-- params: a, b` lists
+its bind parameters), so operators can also paste them into psql.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from pathlib import Path
+
+from sqlalchemy import text
+
+from shared.db.engine import create_engine
+from shared.settings import Settings
+
+AUDIT_DIR = Path(__file__).resolve().parents[1] / "ops" / "audit"
+
+
+def audits() -> dict[str, Path]:
+    return {p.stem: p for p in sorted(AUDIT_DIR.glob("*.sql"))}
+
+
+def describe(path: Path) -> str:
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("--"):
+            break
+        lines.append(line[2:].strip())
+    return " ".join(lines)
+
+
+def params_of(sql: str) -> list[str]:
+    return sorted(set(re.findall(r"(?<!:):([a-z_]+)", sql)))
+
+
+async def query(database_url: str, name: str, params: dict[str, str]) -> list[dict]:
+    sql = audits()[name].read_text()
+    db = create_engine(database_url)
+    try:
+        async with db.connect() as conn:
+            result = await conn.execute(text(sql), params)
+            return [dict(r._mapping) for r in result]
+    finally:
+        await db.dispose()
+
+
+def run_audit(settings: Settings, name: str | None, raw_params: list[str], fmt: str) -> int:
+    known = audits()
+    if name is None:
+        for stem, path in known.items():
+            print(f"{stem:32} {describe(path)}")
+        return 0
+    if name not in known:
+        print(f"talaria audit: unknown audit {name!r}; known: {', '.join(known)}")
+        return 2
+    if not settings.database_url:
+        print("talaria audit: set TALARIA_DATABASE_URL (`talaria up` prints it)")
+        return 2
+    params = dict(p.split("=", 1) for p in raw_params if "=" in p)
+    missing = [p for p in params_of(known[name].read_text()) if p not in params]
+    if missing:
+        print(f"talaria audit: {name} needs --param {'=… --param '.join(missing)}=…")
+        return 2
+    rows = asyncio.run(query(settings.database_url, name, params))
+    if fmt == "json":
+        print(json.dumps(rows, default=str, indent=2))
+    else:
+        print_table(rows)
+    return 0
+
+
+def print_table(rows: list[dict]) -> None:
+    if not rows:
+        print("(no rows)")
+        return
+    cols = list(rows[0])
+    cells = [[("" if r[c] is None else str(r[c])) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    print("  ".join("-" * w for w in widths))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))

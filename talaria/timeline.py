@@ -1,0 +1,51 @@
+"""`talaria trace`: a session's timeline from the spans the services exported as JSON lines.
+
+With OTLP export configured, use your trace viewer instead; this reads the local files.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from shared.tracing import read_spans, session_trace_id
+
+
+def print_timeline(directory: Path, session_id: str | None) -> int:
+    if not directory.exists():
+        print(f"talaria trace: no spans under {directory} (is OTLP export on?)")
+        return 1
+    spans = read_spans(directory)
+    if session_id is None:
+        sessions = sorted({s["attributes"].get("session.id") for s in spans if s["name"] == "call"} - {None})
+        print("\n".join(sessions) if sessions else "no sessions traced yet")
+        return 0
+    trace_id = f"{session_trace_id(session_id):032x}"
+    mine = [s for s in spans if s["trace_id"] == trace_id]
+    if not mine:
+        print(f"talaria trace: no spans for session {session_id!r}")
+        return 1
+    children: dict[str | None, list[dict]] = defaultdict(list)
+    for s in mine:
+        children[s["parent_id"]].append(s)
+    t0 = min(s["start"] for s in mine)
+    ids = {s["span_id"] for s in mine}
+    roots = [s for s in mine if s["parent_id"] is None or s["parent_id"] not in ids]
+    print(f"session {session_id}  trace {trace_id}")
+    for root in sorted(roots, key=lambda s: s["start"]):
+        _print(root, children, t0, 0)
+    return 0
+
+
+def _print(span: dict, children, t0: float, depth: int) -> None:
+    attrs = span["attributes"]
+    keys = ("call.index", "model", "instance.id", "kv_source", "queue_s", "ttft_s", "prefill_s", "decode_s")
+    detail = " ".join(f"{k}={_fmt(attrs[k])}" for k in keys if k in attrs)
+    print(f"{'  ' * depth}+{span['start'] - t0:8.3f}s {span['end'] - span['start']:8.3f}s  "
+          f"{span['name']:<8} [{span['service']}] {detail}")
+    for child in sorted(children.get(span["span_id"], []), key=lambda s: s["start"]):
+        _print(child, children, t0, depth + 1)
+
+
+def _fmt(value) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
