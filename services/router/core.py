@@ -30,6 +30,9 @@ class RouterCore:
     def observe(self, snapshot: InstanceSnapshot, now: float) -> None:
         self.state.observe(snapshot, now)
 
+    def forget(self, instance_id: str) -> None:
+        self.state.forget(instance_id)
+
     def handle(self, event: Event, now: float) -> list[Event]:
         """Process one input event; return the events it causes (already folded in)."""
         match event:

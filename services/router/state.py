@@ -104,6 +104,12 @@ class RouterState:
             view.inherit_kv_index(old)
         self.instances[snapshot.instance_id] = view
 
+    def forget(self, instance_id: str) -> None:
+        """The instance left the pool (deregistered or declared dead by the shell). Its leases
+        stay until consumed, discarded (reason instance_gone) or expired, so each is audited."""
+        self.instances.pop(instance_id, None)
+        self.prefix.forget_instance(instance_id)
+
     def apply(self, event: Event) -> None:
         match event:
             case CallRouted():

@@ -1,0 +1,101 @@
+"""Gateway APIs over real NATS + Postgres with in-process services: bad input, overload, NATS API."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import msgspec
+import nats
+import pytest
+
+from services.gateway.service import run as run_gateway
+from services.instance_agent.service import run as run_agent
+from services.router.service import run as run_router
+from services.telemetry.service import run as run_telemetry
+from shared import messages as m
+from shared import subjects
+from shared.settings import Settings
+from talaria.embedded import free_port
+from tests.integration.harness import Services
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def stack(nats_url, database_url, tmp_path):
+    """Gateway, router (least-loaded) and telemetry; agents are added by the tests that need them."""
+    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="least-loaded",
+                        http_port=free_port(), session_idle_s=3600, call_timeout_s=30)
+    services = Services()
+    await services.start("telemetry", run_telemetry, settings)
+    await services.start("router", run_router, settings)
+    await services.start("gateway", run_gateway, settings)
+    yield settings, services
+    await services.close()
+
+
+async def post(settings, path, body, headers=None):
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"http://127.0.0.1:{settings.http_port}{path}", data=body,
+                          headers={"Content-Type": "application/json", **(headers or {})}) as r:
+            return r.status, await r.json(), r.headers
+
+
+async def test_bad_requests_get_openai_errors_naming_the_field(stack):
+    settings, _ = stack
+    status, body, _ = await post(settings, "/v1/chat/completions", b"{not json")
+    assert status == 400 and body["error"]["code"] == "invalid_json"
+    status, body, _ = await post(settings, "/v1/chat/completions",
+                                 b'{"model":"qwen3-tiny","messages":[{"role":"user","content":"x"}],"max_tokens":"lots"}')
+    assert status == 400 and body["error"]["param"] == "max_tokens"
+    status, body, _ = await post(settings, "/v1/chat/completions",
+                                 b'{"model":"no-such-model","messages":[{"role":"user","content":"x"}]}')
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    huge = msgspec.json.encode({"model": "gpt2-tiny", "prompt": "x" * 9000, "max_tokens": 4})
+    status, body, _ = await post(settings, "/v1/completions", huge)
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+
+
+async def test_no_instance_able_to_serve_is_503_with_retry_after_and_recorded(stack, db):
+    settings, _ = stack
+    status, body, headers = await post(settings, "/v1/chat/completions",
+                                       b'{"model":"qwen3-tiny","messages":[{"role":"user","content":"x"}],"max_tokens":2}',
+                                       {"X-Session-Id": "lonely"})
+    assert status == 503 and int(headers["Retry-After"]) >= 1
+    deadline = asyncio.get_running_loop().time() + 20
+    while (row := await db.fetchrow("SELECT * FROM calls WHERE session_id='lonely'")) is None or \
+            row["outcome"] != "failed":
+        assert asyncio.get_running_loop().time() < deadline, "failure never recorded"
+        await asyncio.sleep(0.05)  # telemetry projects asynchronously
+    assert row["failed_stage"] == "router" and row["status"] == 503
+
+
+async def test_nats_api_serves_a_call_and_streams_its_tokens(stack, nats_url):
+    settings, services = stack
+    await services.start("agent-0", run_agent, settings.with_(instance_id="agent-0", models=("qwen3-tiny",)))
+    nc = await nats.connect(nats_url)
+    try:
+        # The router only routes to instances it has heard from: wait for the first heartbeat.
+        beat = await nc.subscribe(subjects.telemetry("agent-0"))
+        await beat.next_msg(timeout=10)
+        got: list[m.TokenChunk] = []
+        done = asyncio.Event()
+
+        async def on_token(msg):
+            got.append(m.TOKEN_DECODER.decode(msg.data))
+
+        await nc.subscribe(subjects.tokens("call-stream-1"), cb=on_token)
+        req = m.CallRequest(model="qwen3-tiny", prompt="hello", session_id="nats-s1", call_id="call-stream-1",
+                            max_tokens=6, temperature=0, stream=True)
+        reply = m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, m.encode(req), timeout=60)).data)
+        assert isinstance(reply, m.CallResult), reply
+        assert reply.usage.completion_tokens == 6 and reply.session_id == "nats-s1"
+        await nc.flush()
+        assert "".join(t.text for t in got) == reply.text[: len("".join(t.text for t in got))]
+        assert got, "no tokens streamed"
+        bad = m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, b"\xff not json", timeout=10)).data)
+        assert isinstance(bad, m.ErrorReply) and bad.status == 400
+        done.set()
+    finally:
+        await nc.close()
