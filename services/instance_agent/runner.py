@@ -1,19 +1,45 @@
-"""CallRunner: the agent's work loop, snapshot heartbeats and event publishing.
+"""CallRunner: drives the round scheduler with the torch engine; publishes what happens.
 
-Compute happens on the engine's worker thread; everything that touches NATS stays
-on the event loop. Tokens cross from the thread to the loop through call_soon_threadsafe.
+    routed call ──accept──▶ RoundScheduler.submit(Work)
+    loop: action = next_action(now)
+          SwitchModel → engine.switch_to      → SwitchDone event
+          Prefill     → engine.prefill(batch) → first tokens (stream), CallStarted
+          Decode      → engine.decode(batch)  → next tokens (stream)
+          Idle        → wait for the next call
+    scheduler events: CallFinished → engine.finish → CallCompleted + reply + ack;
+                      RoundEnded → RoundSummary event
+
+The scheduler is pure and the engine blocking: engine calls run on the single engine
+thread, everything touching NATS stays on the event loop. A call's JetStream message is
+acked only once its outcome is published, so a crashed agent's calls are redelivered.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
-import structlog
 from opentelemetry import trace
 
+from services.instance_agent.engine import EngineError, GenRequest
+from services.instance_agent.scheduler import (
+    CallAdmitted,
+    CallFinished,
+    CallParked,
+    Decode,
+    DeadlineRisk,
+    Idle,
+    LinearCosts,
+    Prefill,
+    RoundEnded,
+    RoundScheduler,
+    SchedulerConfig,
+    SchedulerError,
+    SwitchModel,
+    Work,
+)
+from services.instance_agent.telemetry import build_snapshot
 from shared import subjects
 from shared.bus import emit
 from shared.messages import (
@@ -23,9 +49,7 @@ from shared.messages import (
     CallRouted,
     CallStarted,
     ErrorReply,
-    InstanceSnapshot,
-    ModelResidency,
-    SessionKv,
+    RoundSummary,
     SwitchDone,
     Timings,
     TokenChunk,
@@ -34,12 +58,23 @@ from shared.messages import (
 )
 from shared.tracing import extract_context
 
+# Starting guesses for the tiny CPU models; CalibratedCosts corrects them from measurements.
+INITIAL_COSTS = LinearCosts(prefill_tok_s=5_000.0, restore_tok_s=200_000.0, decode_base_s=0.005,
+                            switch_staged_s=0.02, switch_host_s=0.05, kv_bytes_per_token=4096)
+
 
 @dataclass
-class Pending:
+class Running:
     routed: CallRouted
     msg: object  # the JetStream message, acked once the outcome is published
-    received_at: float = field(default_factory=time.time)
+    span: trace.Span
+    started_at: float | None = None
+    first_token_at: float | None = None
+    slot_wait_s: float = 0.0
+    via: str = ""
+    opened_model: bool = False
+    streamed: int = 0
+    tokens: list[str] = field(default_factory=list)
 
 
 class CallRunner:
@@ -47,184 +82,227 @@ class CallRunner:
         self.settings, self.engine, self.executor = settings, engine, executor
         self.nc, self.js, self.tracer, self.log = nc, js, tracer, log
         self.instance_id = settings.instance_id
-        self.queue: deque[Pending] = deque()
+        config = SchedulerConfig(
+            pool=settings.pool, pinned_model=settings.models[0] if settings.pool == "hot" else None,
+            sp=settings.sp, hkvr=settings.hkvr, staging=settings.staging,
+        )
+        self.sched = RoundScheduler(config, list(settings.models), INITIAL_COSTS)
+        self.calls: dict[str, Running] = {}
         self.wakeup = asyncio.Event()
-        self.running: Pending | None = None
         self.version = 0
-        self.seen: set[str] = set()
+        self.opened_for: set[str] = set()  # calls whose slot began with a model switch
 
     # ---- intake ------------------------------------------------------------------------
 
     def accept(self, routed: CallRouted, msg) -> bool:
-        if routed.call.model not in self.settings.models:
+        call = routed.call
+        if call.model not in self.settings.models:
             return False
-        if routed.call.call_id in self.seen:
-            # Redelivered while still queued or running here: keep the first copy.
-            return True
-        self.seen.add(routed.call.call_id)
-        self.queue.append(Pending(routed, msg))
+        if call.call_id in self.calls:
+            return True  # redelivered while still here: keep the first copy
+        kv_state, reusable = self._kv_for(call.session_id, call.model, call.prompt_tokens)
+        work = Work(call.call_id, call.session_id, call.model, prompt_tokens=max(1, call.prompt_tokens),
+                    reusable_tokens=reusable, kv_state=kv_state, max_tokens=call.max_tokens,
+                    arrived_at=call.submitted_at, continuation=routed.call_index > 0)
+        try:
+            self.sched.submit(work, time.time())
+        except SchedulerError as exc:
+            self.log.warning("scheduler refused call", call_id=call.call_id, error=str(exc))
+            return False
+        span = self.tracer.start_span("execute", context=extract_context(getattr(msg, "headers", None)),
+                                      attributes={"call.id": call.call_id, "instance.id": self.instance_id})
+        self.calls[call.call_id] = Running(routed, msg, span)
         self.wakeup.set()
         return True
 
-    # ---- work loop ---------------------------------------------------------------------
+    def _kv_for(self, session_id: str, model: str, prompt_tokens: int) -> tuple[str, int]:
+        try:
+            state = self.engine.kv_state(session_id, model)
+            if state == "none":
+                return "none", 0
+            held = max((n for s, m, st, n in self.engine.session_states()
+                        if s == session_id and m == model and st == state), default=0)
+            return state, min(held, prompt_tokens - 1)
+        except Exception:  # the engine thread changed its tables under us: assume nothing
+            return "none", 0
+
+    # ---- the scheduling loop -----------------------------------------------------------
 
     async def work_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            if not self.queue:
-                self.wakeup.clear()
-                await self.wakeup.wait()
-                continue
-            pending = self.queue.popleft()
-            self.running = pending
+            action = self.sched.next_action(time.time())
             try:
-                await self._execute(pending)
-            except Exception as exc:  # an engine error fails this call, never the agent
-                self.log.exception("call failed", call_id=pending.routed.call.call_id)
-                await self._fail(pending, f"engine error: {exc}")
-            finally:
-                self.running = None
-                self.seen.discard(pending.routed.call.call_id)
-                await self.publish_snapshot()
+                match action:
+                    case Idle():
+                        await self._events(self.sched.drain_events())
+                        self.wakeup.clear()
+                        await self._wait(stop, action.until)
+                        continue
+                    case SwitchModel():
+                        events = await self._switch(action)
+                    case Prefill():
+                        events = await self._prefill(action)
+                    case Decode():
+                        events = await self._decode(action)
+            except EngineError as exc:
+                events = await self._engine_failed(action, exc)
+            await self._events(events)
 
-    async def _execute(self, pending: Pending) -> None:
-        from services.instance_agent.engine import GenRequest
+    async def _wait(self, stop: asyncio.Event, until: float | None) -> None:
+        timeout = None if until is None else max(0.0, until - time.time())
+        waiters = [asyncio.ensure_future(self.wakeup.wait()), asyncio.ensure_future(stop.wait())]
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        for w in waiters:
+            w.cancel()
 
-        routed, call = pending.routed, pending.routed.call
-        loop = asyncio.get_running_loop()
-        ctx = extract_context(getattr(pending.msg, "headers", None))
-        with self.tracer.start_as_current_span(
-            "execute", context=ctx, attributes={"call.id": call.call_id, "instance.id": self.instance_id}
-        ) as span:
-            started = time.time()
-            span.add_event("dequeued", {"queue_s": started - call.submitted_at})
-            await emit(self.js, CallStarted(call.call_id, call.session_id, self.instance_id, started))
-            opened = False
-            if self.engine.active_model != call.model:
-                await self._switch(call.model)
-                opened = True
-            slot_ready = time.time()
-            first_token_at: list[float] = []
-            tokens: asyncio.Queue = asyncio.Queue()
-            publisher = asyncio.create_task(self._publish_tokens(call.call_id, tokens)) if call.stream else None
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-            def on_token(token_id: int, text: str) -> None:
-                if not first_token_at:
-                    first_token_at.append(time.time())
-                if publisher is not None:
-                    loop.call_soon_threadsafe(tokens.put_nowait, text)
-
-            req = GenRequest(
-                call_id=call.call_id, session_id=call.session_id, model=call.model,
-                prompt_ids=list(call.prompt_ids), max_tokens=call.max_tokens,
-                temperature=call.temperature, top_p=call.top_p, seed=call.seed, stop=tuple(call.stop),
-            )
-            result = await loop.run_in_executor(self.executor, self.engine.generate, req, on_token)
-            done = time.time()
-            if publisher is not None:
-                tokens.put_nowait(None)
-                await publisher
-            first = first_token_at[0] if first_token_at else done
-            span.add_event("prefill_done", {"prefill_s": result.prefill_s, "kv_source": result.kv_source})
-            span.set_attributes({"queue_s": started - call.submitted_at, "prefill_s": result.prefill_s,
-                                 "decode_s": result.decode_s, "cached_tokens": result.cached_tokens,
-                                 "kv_source": result.kv_source, "slot_wait_s": slot_ready - started})
-            await self._complete(pending, result, started, first, done, slot_ready - started, opened,
-                                 trace_id=f"{span.get_span_context().trace_id:032x}")
-
-    async def _switch(self, model: str) -> None:
-        loop = asyncio.get_running_loop()
-        before = self.engine.active_model
-        record = await loop.run_in_executor(self.executor, self.engine.switch_to, model)
+    async def _switch(self, action: SwitchModel):
+        record = await self._run(self.engine.switch_to, action.to_model)
+        events = self.sched.on_switch_done(action, time.time(), record.total_s)
+        self.opened_for.update(c for c, r in self.calls.items() if r.routed.call.model == action.to_model)
         await emit(self.js, SwitchDone(
-            instance_id=self.instance_id, from_model=before, to_model=model, path=record.path,
-            total_s=record.total_s, at=time.time(), phases=record.phases(),
+            instance_id=self.instance_id, from_model=action.from_model, to_model=action.to_model,
+            path=record.path, total_s=record.total_s, at=time.time(), phases=record.phases(),
             bytes_staged=record.bytes_staged, bytes_uncovered=record.bytes_uncovered,
         ))
         await self.publish_snapshot()
+        return events
 
-    async def _publish_tokens(self, call_id: str, tokens: asyncio.Queue) -> None:
-        subject = subjects.tokens(call_id)
-        index = 0
-        while (text := await tokens.get()) is not None:
-            if text:
-                await self.nc.publish(subject, encode(TokenChunk(call_id, index, text)))
-                index += 1
+    async def _prefill(self, action: Prefill):
+        reqs = []
+        for call_id in action.call_ids:
+            call = self.calls[call_id].routed.call
+            reqs.append(GenRequest(call_id=call.call_id, session_id=call.session_id, model=call.model,
+                                   prompt_ids=list(call.prompt_ids), max_tokens=call.max_tokens,
+                                   temperature=call.temperature, top_p=call.top_p, seed=call.seed,
+                                   stop=tuple(call.stop)))
+        started = time.time()
+        for call_id in action.call_ids:
+            running = self.calls[call_id]
+            running.started_at = started
+            running.span.add_event("prefill_start", {"session_prefill": action.session_prefill})
+            await emit(self.js, CallStarted(call_id, running.routed.call.session_id, self.instance_id, started))
+        steps = await self._run(self.engine.prefill, reqs)
+        return self.sched.on_prefill_done(action, time.time(), await self._tokens(steps))
 
-    async def _complete(self, pending: Pending, result, started: float, first: float, done: float,
-                        slot_wait: float, opened: bool, trace_id: str) -> None:
-        routed, call = pending.routed, pending.routed.call
+    async def _decode(self, action: Decode):
+        steps = await self._run(self.engine.decode, list(action.call_ids))
+        return self.sched.on_decode_done(action, time.time(), await self._tokens(steps))
+
+    async def _tokens(self, steps) -> set[str]:
+        now, finished = time.time(), set()
+        for step in steps:
+            running = self.calls.get(step.call_id)
+            if running is None:
+                continue
+            if running.first_token_at is None:
+                running.first_token_at = now
+            if step.text and running.routed.call.stream:
+                await self.nc.publish(subjects.tokens(step.call_id),
+                                      encode(TokenChunk(step.call_id, running.streamed, step.text)))
+                running.streamed += 1
+            if step.finished:
+                finished.add(step.call_id)
+        return finished
+
+    async def _engine_failed(self, action, exc: EngineError):
+        self.log.error("engine step failed", action=type(action).__name__, error=str(exc))
+        events = []
+        for call_id in getattr(action, "call_ids", ()):
+            events += self.sched.abort(call_id, time.time())
+            await self._fail(call_id, f"engine error: {exc}")
+        return events
+
+    # ---- scheduler events --------------------------------------------------------------
+
+    async def _events(self, events) -> None:
+        for event in events:
+            match event:
+                case CallAdmitted():
+                    running = self.calls.get(event.call_id)
+                    if running is not None:
+                        running.slot_wait_s, running.via = event.slot_wait_s, event.via
+                case CallFinished(reason="aborted"):
+                    pass  # already failed and acked by whoever aborted it
+                case CallFinished():
+                    await self._complete(event.call_id)
+                case RoundEnded():
+                    await emit(self.js, RoundSummary(
+                        instance_id=self.instance_id, round_index=event.round_index, wall_s=event.wall_s,
+                        active_s=event.active_s, switch_s=event.switch_s, at=event.at or time.time(),
+                        slots=list(event.slots), sp_admitted=event.sp_admitted, sp_parked=event.sp_parked,
+                        deadline_risk=event.deadline_risk))
+                case CallParked() | DeadlineRisk():
+                    self.log.info("scheduler", event=type(event).__name__, **{
+                        k: v for k, v in event.__dict__.items() if k in ("call_id", "reason", "model")})
+
+    async def _complete(self, call_id: str) -> None:
+        running = self.calls.pop(call_id, None)
+        if running is None:
+            return
+        try:
+            result = await self._run(self.engine.finish, call_id)
+        except EngineError as exc:
+            self.calls[call_id] = running
+            await self._fail(call_id, f"engine error: {exc}")
+            return
+        routed, call, done = running.routed, running.routed.call, time.time()
+        started = running.started_at or done
+        first = running.first_token_at or done
+        opened = call_id in self.opened_for
+        self.opened_for.discard(call_id)
+        attrs = {"queue_s": started - call.submitted_at, "prefill_s": result.prefill_s,
+                 "decode_s": result.decode_s, "cached_tokens": result.cached_tokens, "kv_source": result.kv_source,
+                 "slot_wait_s": running.slot_wait_s, "admitted_via": running.via, "model_opened": opened}
+        running.span.set_attributes(attrs)
+        running.span.end()
         completed = CallCompleted(
-            call_id=call.call_id, session_id=call.session_id, call_index=routed.call_index,
-            model=call.model, instance_id=self.instance_id, prompt_tokens=result.prompt_tokens,
+            call_id=call_id, session_id=call.session_id, call_index=routed.call_index, model=call.model,
+            instance_id=self.instance_id, prompt_tokens=result.prompt_tokens,
             output_tokens=len(result.token_ids), finish_reason=result.finish_reason,
             submitted_at=call.submitted_at, started_at=started, first_token_at=first, completed_at=done,
-            cached_tokens=result.cached_tokens, kv_source=result.kv_source,
-            queue_s=started - call.submitted_at, ttft_s=first - call.submitted_at,
-            prefill_s=result.prefill_s, decode_s=result.decode_s, slot_wait_s=slot_wait,
-            kv_tokens=result.prompt_tokens + len(result.token_ids), model_opened=opened, trace_id=trace_id,
+            cached_tokens=result.cached_tokens, kv_source=result.kv_source, queue_s=started - call.submitted_at,
+            ttft_s=first - call.submitted_at, prefill_s=result.prefill_s, decode_s=result.decode_s,
+            slot_wait_s=running.slot_wait_s, kv_tokens=result.prompt_tokens + len(result.token_ids),
+            model_opened=opened, trace_id=f"{running.span.get_span_context().trace_id:032x}",
         )
         await emit(self.js, completed)
         if call.reply_to:
-            reply = CallResult(
-                call_id=call.call_id, session_id=call.session_id, call_index=routed.call_index,
-                model=call.model, instance_id=self.instance_id, text=result.text,
-                finish_reason=result.finish_reason,
-                usage=Usage(result.prompt_tokens, len(result.token_ids),
-                            result.prompt_tokens + len(result.token_ids), result.cached_tokens),
+            n_out = len(result.token_ids)
+            await self.nc.publish(call.reply_to, encode(CallResult(
+                call_id=call_id, session_id=call.session_id, call_index=routed.call_index, model=call.model,
+                instance_id=self.instance_id, text=result.text, finish_reason=result.finish_reason,
+                usage=Usage(result.prompt_tokens, n_out, result.prompt_tokens + n_out, result.cached_tokens),
                 timings=Timings(completed.queue_s, completed.ttft_s, result.prefill_s, result.decode_s,
-                                slot_wait, done - call.submitted_at),
+                                running.slot_wait_s, done - call.submitted_at),
                 kv_source=result.kv_source,
-            )
-            await self.nc.publish(call.reply_to, encode(reply))
-        await pending.msg.ack()
-        structlog.contextvars.unbind_contextvars("call_id")
+            )))
+        await running.msg.ack()
 
-    async def _fail(self, pending: Pending, reason: str) -> None:
-        routed, call = pending.routed, pending.routed.call
-        await emit(self.js, CallFailed(call.call_id, call.session_id, call.model, reason, "agent", time.time(),
+    async def _fail(self, call_id: str, reason: str) -> None:
+        running = self.calls.pop(call_id, None)
+        if running is None:
+            return
+        routed, call = running.routed, running.routed.call
+        running.span.set_status(trace.Status(trace.StatusCode.ERROR, reason))
+        running.span.end()
+        await emit(self.js, CallFailed(call_id, call.session_id, call.model, reason, "agent", time.time(),
                                        status=500, instance_id=self.instance_id, call_index=routed.call_index))
         if call.reply_to:
-            await self.nc.publish(call.reply_to, encode(ErrorReply(500, "engine_error", reason,
-                                                                   call_id=call.call_id)))
-        await pending.msg.ack()
+            await self.nc.publish(call.reply_to, encode(ErrorReply(500, "engine_error", reason, call_id=call_id)))
+        await running.msg.ack()
 
     # ---- telemetry ---------------------------------------------------------------------
 
-    def snapshot(self) -> InstanceSnapshot:
-        self.version += 1
-        engine = self.engine
-        active = engine.active_model
-        stats = engine.stats()
-        queued: dict[str, int] = {}
-        queued_tokens = 0
-        for p in self.queue:
-            queued[p.routed.call.model] = queued.get(p.routed.call.model, 0) + 1
-            queued_tokens += p.routed.call.prompt_tokens
-        models = [
-            ModelResidency(model=m, state="active" if m == active else "absent",
-                           switch_cost_s=float(getattr(stats, "last_switch_s", 0.0) or 0.0),
-                           open_cost_s=float(getattr(stats, "last_switch_s", 0.0) or 0.0))
-            for m in self.settings.models
-        ]
-        sessions = [SessionKv(sid, model, state, kv) for sid, model, state, kv in engine.session_states()]
-        return InstanceSnapshot(
-            instance_id=self.instance_id, version=self.version, at=time.time(), pool=self.settings.pool,
-            models=models, active_model=active, sessions=sessions, queued=queued,
-            queued_tokens=queued_tokens, running=1 if self.running else 0,
-            kv_capacity_tokens=int(getattr(stats, "kv_capacity_tokens", 0)),
-            kv_used_tokens=int(getattr(stats, "kv_used_tokens", 0)),
-            prefill_tok_s=float(getattr(stats, "prefill_tok_s", 0.0)),
-            decode_tok_s=float(getattr(stats, "decode_tok_s", 0.0)),
-            restore_tok_s=float(getattr(stats, "restore_tok_s", 0.0)),
-            switch_s=float(getattr(stats, "last_switch_s", 0.0) or 0.0),
-            heartbeat_s=self.settings.heartbeat_s,
-        )
-
     async def publish_snapshot(self) -> None:
+        self.version += 1
         try:
-            await self.nc.publish(subjects.telemetry(self.instance_id), encode(self.snapshot()))
-        except Exception as exc:
-            self.log.warning("snapshot publish failed", error=str(exc))
+            snap = build_snapshot(self.settings, self.engine, self.sched, self.version, time.time())
+            await self.nc.publish(subjects.telemetry(self.instance_id), encode(snap))
+        except Exception as exc:  # a torn read of engine tables; the next beat retries
+            self.log.warning("snapshot failed", error=str(exc))
 
     async def heartbeat_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -75,7 +75,8 @@ def _build_engine(settings: Settings):
     from services.instance_agent.engine import TorchEngine
 
     torch.set_num_threads(max(1, settings.torch_threads))
-    engine = TorchEngine(settings.data_dir, list(settings.models), device=settings.device)
+    engine = TorchEngine(settings.data_dir, list(settings.models), device=settings.device,
+                         hkvr=settings.hkvr, staging=settings.staging)
     engine.ensure_weights()
     return engine
 

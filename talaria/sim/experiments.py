@@ -129,6 +129,8 @@ def scale_exp(sessions: int = 10_000, instances: int = 64, models: int = 20,
         summary = summarise(simulate(work, cfg))
         summary["run_time_s"] = time.perf_counter() - started
         summary.pop("per_session")
+        summary.pop("ttft_samples")
+        summary["switch"].pop("samples")
         out["policies"][policy] = summary
         _log(f"  {policy}: {summary['run_time_s']:.1f} s wall, SCT p50 {summary['sct_p50']:.1f} s")
     return out
@@ -165,7 +167,7 @@ def run(names: list[str], out_dir: Path, json_path: Path | None, backend: str, q
             if backend == "fast":
                 results["fixed-replay-services"] = fixed_replay_exp("services")
         elif name == "scale" and quick:
-            results[name] = scale_exp(sessions=500, instances=8, models=6, arrival_rate_s=0.5)
+            results[name] = scale_exp(sessions=60, instances=4, models=4, arrival_rate_s=0.2)
         else:
             results[name] = EXPERIMENTS[name]()
         for key in [k for k in results if k.startswith(name)]:

@@ -1,0 +1,110 @@
+"""`talaria sim ...`: run one simulation, the experiments, or the trace converter.
+
+    talaria sim run --trace T.jsonl|fixed-replay --profile paper-tp8 --policy least-loaded \
+        [--instances N] [--no-sp] [--no-hkvr] [--no-staging] [--round-only] [--tau S] \
+        [--gaps paper|recorded[:cap]|rescaled:F[:cap]] [--seed N] [--backend fast|services] [--json OUT]
+    talaria sim experiments fixed-replay|router|tau-sweep|scale|all [--out results/] [--json P]
+    talaria sim convert WEKA.jsonl.xz OUT.jsonl [--subagents separate|drop] [--limit N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from services.router.policy.base import PolicyConfig
+from talaria.sim import experiments
+from talaria.sim.cluster import RunConfig, simulate
+from talaria.sim.instance import InstanceFlags
+from talaria.sim.metrics import summarise
+from talaria.sim.profiles import PROFILES, get_profile
+from talaria.sim.workloads import fixed_replay
+from talaria.traces.format import TraceFormatError, load_trace
+from talaria.traces.gaps import parse_gap_model
+
+
+def _run(args) -> int:
+    if args.trace == "fixed-replay":
+        sessions = fixed_replay()
+    else:
+        try:
+            sessions = load_trace(args.trace)
+        except TraceFormatError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    server = get_profile(args.profile)
+    unknown = sorted({s.model for s in sessions} - set(server.models))
+    if unknown:
+        print(f"error: profile {server.name!r} has no model(s) {unknown}; known: {sorted(server.models)}",
+              file=sys.stderr)
+        return 2
+    flags = InstanceFlags.ablation("round-only" if args.round_only else "talaria")
+    flags = replace(flags, sp=flags.sp and not args.no_sp, hkvr=flags.hkvr and not args.no_hkvr,
+                    staging=flags.staging and not args.no_staging)
+    config = RunConfig(
+        server, args.instances, args.policy,
+        PolicyConfig(lease_timeout_s=args.tau, adaptive_lease=args.adaptive_lease),
+        flags, parse_gap_model(args.gaps, args.seed), backend=args.backend,
+        label=args.policy, progress=True,
+    )
+    summary = summarise(simulate(sessions, config))
+    print(
+        f"{summary['calls']} calls, {summary['sessions']} sessions ({summary['gap_model']}): "
+        f"SCT p50 {summary['sct_p50']:.2f} s p95 {summary['sct_p95']:.2f} s, TTFT p50 "
+        f"{summary['ttft_p50']:.2f} s p95 {summary['ttft_p95']:.2f} s, oracle SCT p50 "
+        f"{summary['oracle']['sct_p50']:.2f} s; simulated in {summary['sim_wall_s']:.2f} s"
+    )
+    if args.json:
+        experiments.write_json(summary, Path(args.json))
+    return 0
+
+
+def _convert(args) -> int:
+    from talaria.traces.weka import convert_file
+
+    summary = convert_file(args.src, args.dst, args.subagents, args.limit)
+    print(json.dumps(summary.as_dict(), indent=1))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="talaria sim", description="Discrete-event simulator")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="simulate one configuration")
+    run.add_argument("--trace", default="fixed-replay", help="normalised JSONL trace or 'fixed-replay'")
+    run.add_argument("--profile", default="paper-tp8", choices=sorted(PROFILES))
+    run.add_argument("--policy", default="least-loaded", help="routing policy (router registry name)")
+    run.add_argument("--instances", type=int, default=1)
+    run.add_argument("--no-sp", action="store_true")
+    run.add_argument("--no-hkvr", action="store_true")
+    run.add_argument("--no-staging", action="store_true")
+    run.add_argument("--round-only", action="store_true")
+    run.add_argument("--tau", type=float, default=1.0, help="lease timeout (s)")
+    run.add_argument("--adaptive-lease", action="store_true")
+    run.add_argument("--gaps", default="paper", help="paper | recorded[:cap] | rescaled:F[:cap]")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--backend", choices=("fast", "services"), default="fast")
+    run.add_argument("--json", default=None)
+    run.set_defaults(func=_run)
+    exp = sub.add_parser("experiments", help="run the paper's experiments")
+    experiments.add_arguments(exp)
+    exp.set_defaults(func=experiments.run_from_args)
+    conv = sub.add_parser("convert", help="WEKA traces -> normalised JSONL (streaming)")
+    conv.add_argument("src")
+    conv.add_argument("dst")
+    conv.add_argument("--subagents", choices=("separate", "drop"), default="separate")
+    conv.add_argument("--limit", type=int, default=None, help="stop after N traces")
+    conv.set_defaults(func=_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

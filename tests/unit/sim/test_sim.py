@@ -1,0 +1,136 @@
+"""Simulator: percentiles, determinism, closed-loop release, oracle bound, tiny experiments."""
+
+from dataclasses import replace
+
+import pytest
+
+from talaria.sim.cluster import RunConfig, simulate
+from talaria.sim.engine import EventLoop
+from talaria.sim.experiments import main as experiments_main
+from talaria.sim.instance import InstanceFlags
+from talaria.sim.metrics import nearest_rank, oracle_sct, session_scts, summarise
+from talaria.sim.profiles import PAPER_TP8, ROUTER_TP4, ProfileCosts
+from talaria.sim.workloads import fixed_replay, router_testbed, synthetic_catalogue
+from talaria.sim.cli import main as cli_main
+from talaria.traces.format import Session, TraceCall
+from talaria.traces.gaps import GapModel
+
+CONFIGS = ("talaria", "no-sp", "no-hkvr", "h2d-only", "round-only")
+
+
+def test_nearest_rank():
+    assert nearest_rank([5, 1, 4, 2, 3], 50) == 3  # rank ceil(2.5) = 3
+    assert nearest_rank(list(range(1, 21)), 95) == 19  # rank ceil(19) = 19
+    assert nearest_rank(list(range(1, 101)), 95) == 95
+    assert nearest_rank([7.0], 50) == 7.0
+    with pytest.raises(ValueError):
+        nearest_rank([1], 0)
+
+
+def test_calibration_anchors():
+    q = PAPER_TP8.model("qwen3-235b")
+    assert q.prefill_s(25_000, 0) == pytest.approx(4.3)
+    assert q.prefill_s(100_000, 0) == pytest.approx(10.9)
+    assert PAPER_TP8.switch("glm5-nvfp4", 0)[1] == pytest.approx(1.497, abs=1e-3)
+    path, seconds, _ = PAPER_TP8.switch("glm5-nvfp4", 10**15)
+    assert path == "d2d_full" and seconds == pytest.approx(0.106, abs=1e-3)
+    assert PAPER_TP8.switch("glm5-nvfp4", 100 * 10**9)[0] == "d2d_partial"
+    assert ProfileCosts(PAPER_TP8).switch_s(None, "glm5-nvfp4", staged=False) > 1.4
+
+
+def _small(n_calls=4, gap=0.5, start=0.0, sid="a", model="qwen3-235b"):
+    calls = []
+    prompt = 2000
+    for i in range(n_calls):
+        reuse = 0 if i == 0 else prompt
+        prompt = prompt + (0 if i == 0 else 600)
+        calls.append(TraceCall(sid, i, model, prompt, reuse if i else 0, 20, start if i == 0 else gap))
+        prompt += 20
+    return Session(sid, tuple(calls))
+
+
+def test_closed_loop_release():
+    s = _small(n_calls=3, gap=0.5, start=2.0)
+    r = simulate([s], RunConfig(PAPER_TP8, gaps=GapModel("recorded", 10.0)))
+    jobs = sorted(r.jobs, key=lambda j: j.call_index)
+    assert jobs[0].release_t == 2.0
+    for prev, nxt in zip(jobs, jobs[1:]):
+        assert nxt.release_t == pytest.approx(prev.done_t + 0.5)  # completion + its gap
+    assert session_scts(r)["a"] == pytest.approx(jobs[-1].done_t - 2.0)
+
+
+def test_event_loop_returns_next_events():
+    loop, seen = EventLoop(), []
+
+    def tick(now, n):
+        seen.append(now)
+        return [(now + 1.0, tick, (n - 1,))] if n else None
+
+    loop.push(0.0, tick, (3,))
+    loop.run()
+    assert seen == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.fixture(scope="module")
+def replay():
+    # a third of the fixed replay keeps the test fast
+    sessions = fixed_replay()
+    return [s for i, s in enumerate(sessions) if i % 3 == 0][:6]
+
+
+def test_deterministic_for_seed(replay):
+    cfg = RunConfig(PAPER_TP8, gaps=GapModel("paper", 10.0, seed=5))
+    a, b = summarise(simulate(replay, cfg)), summarise(simulate(replay, cfg))
+    assert a["per_session"] == b["per_session"] and a["ttft_samples"] == b["ttft_samples"]
+    c = summarise(simulate(replay, replace(cfg, gaps=GapModel("paper", 10.0, seed=6))))
+    assert c["per_session"] != a["per_session"]
+
+
+@pytest.mark.parametrize("backend", ["fast", "services"])
+def test_oracle_bounds_every_configuration(replay, backend):
+    for name in CONFIGS:
+        cfg = RunConfig(PAPER_TP8, flags=InstanceFlags.ablation(name), gaps=GapModel("paper", 10.0),
+                        backend=backend)
+        s = summarise(simulate(replay, cfg))
+        assert s["complete"] and s["calls"] == sum(len(x.calls) for x in replay)
+        assert s["oracle"]["violations"] == 0
+        for row in s["per_session"]:
+            assert row["sct"] >= row["oracle"] - 1e-6
+
+
+def test_talaria_beats_round_only(replay):
+    gaps = GapModel("paper", 10.0)
+    t = summarise(simulate(replay, RunConfig(PAPER_TP8, flags=InstanceFlags.ablation("talaria"), gaps=gaps)))
+    r = summarise(simulate(replay, RunConfig(PAPER_TP8, flags=InstanceFlags.ablation("round-only"), gaps=gaps)))
+    assert t["sct_p50"] < r["sct_p50"] and t["ttft_p50"] < r["ttft_p50"]
+    assert t["sp"]["admitted"] > 0 and r["sp"]["admitted"] == 0
+    assert set(r["kv_sources"]) <= {"none", "recompute", "device"}
+
+
+def test_oracle_of_single_call_is_prefill_plus_decode():
+    s = Session("x", (TraceCall("x", 0, "qwen3-235b", 25_000, 0, 1, 0.0),))
+    assert oracle_sct(s, PAPER_TP8, GapModel()) == pytest.approx(4.3)
+
+
+def test_router_testbed_and_catalogue_shapes():
+    sessions = router_testbed("high")
+    assert len(sessions) == 30 and sum(len(s.calls) for s in sessions) == 120
+    cat = synthetic_catalogue(50, ["a", "b", "c"], 1.0, seed=1)
+    assert len(cat) == 50 and all(c.reusable_prefix_tokens <= c.prompt_tokens for s in cat for c in s.calls)
+    r = summarise(simulate(sessions, RunConfig(ROUTER_TP4, instances=2)))
+    assert r["complete"] and r["router"]["routed"] >= 120
+
+
+def test_tiny_experiment_and_cli(tmp_path, capsys):
+    assert experiments_main(["scale", "--quick", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "scale.json").exists()
+    trace = tmp_path / "t.jsonl"
+    from talaria.traces.format import save_sessions
+
+    save_sessions([_small()], trace)
+    out = tmp_path / "run.json"
+    assert cli_main(["run", "--trace", str(trace), "--gaps", "recorded", "--json", str(out)]) == 0
+    assert out.exists() and "SCT p50" in capsys.readouterr().out
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"session": "s"}\n')
+    assert cli_main(["run", "--trace", str(bad)]) == 2
