@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import time
@@ -108,6 +109,60 @@ def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
     return run_audit(settings, args.query, args.param, args.format)
 
 
+def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
+    import asyncio
+    import dataclasses
+    import tempfile
+    import uuid
+
+    from talaria.replay import ReplayConfig, Replayer, metrics_from_db, write_report
+    from talaria.stack import Stack, StackError
+    from talaria.traces import TraceFormatError, load_trace, parse_gap_model
+
+    try:
+        sessions = load_trace(args.trace)[: args.sessions or None]
+        gaps = parse_gap_model(args.gaps, seed=args.seed)
+    except (OSError, TraceFormatError, ValueError) as exc:
+        print(f"talaria replay: {exc}", file=sys.stderr)
+        return 2
+    cfg = ReplayConfig(token_scale=args.token_scale, max_prompt_tokens=args.max_prompt)
+    stack = None
+    try:
+        if args.nats:
+            if not args.database:
+                print("talaria replay: --nats needs --database too", file=sys.stderr)
+                return 2
+            nats_url, db_url = args.nats, args.database
+        else:
+            data_dir = Path(args.data_dir) if args.data_dir else Path(tempfile.mkdtemp(prefix="talaria-replay-"))
+            run_settings = _apply_ablation(settings.with_(policy=args.policy or settings.policy,
+                                                          data_dir=data_dir, http_port=0), args)
+            _check_policy(run_settings.policy)
+            stack = Stack(run_settings, agents=args.agents).start(progress=lambda m: print(f"talaria: {m}",
+                                                                                        file=sys.stderr))
+            nats_url, db_url = stack.nats_url, stack.database_url
+        run_id = f"replay-{uuid.uuid4().hex[:8]}"
+        print(f"talaria replay: {len(sessions)} sessions, {sum(len(s.calls) for s in sessions)} calls, "
+              f"{gaps.describe()}, token scale {cfg.token_scale:g}", file=sys.stderr)
+        t0 = time.monotonic()
+        stats = asyncio.run(Replayer(nats_url, cfg, gaps, run_id).run(sessions))
+        metrics = asyncio.run(metrics_from_db(db_url, run_id, stats.calls_sent))
+        result = {"run_id": run_id, "policy": args.policy or settings.policy, "gaps": gaps.describe(),
+                  "ablations": {k: getattr(args, k) for k in ("no_sp", "no_hkvr", "no_staging", "round_only")},
+                  "replay": dataclasses.asdict(cfg), "stats": dataclasses.asdict(stats),
+                  "wall_s": time.monotonic() - t0, **metrics}
+        print(json.dumps(result, indent=2, default=str))
+        if args.json:
+            write_report(Path(args.json), result)
+        return 0 if stats.calls_failed == 0 else 1
+    except StackError as exc:
+        print(f"talaria replay: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if stack is not None:
+            stack.stop()
+
+
 def cmd_sim(argv: list[str]) -> int:
     from talaria.sim.cli import main as sim_main
 
@@ -132,6 +187,20 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("query", nargs="?", help="audit name (default: list them)")
     au.add_argument("--param", action="append", default=[], help="name=value for the query")
     au.add_argument("--format", choices=["table", "json"], default="table")
+    rp = sub.add_parser("replay", help="replay a normalised trace against a live stack over NATS")
+    rp.add_argument("trace", help="normalised trace (JSONL; `talaria sim convert` makes one)")
+    rp.add_argument("--sessions", type=int, default=0, help="replay only the first N sessions")
+    rp.add_argument("--gaps", default="paper", help="recorded[:cap] | rescaled:F[:cap] | paper[:cap]")
+    rp.add_argument("--seed", type=int, default=0)
+    rp.add_argument("--token-scale", type=float, default=1 / 64, help="trace tokens -> tiny-model tokens")
+    rp.add_argument("--max-prompt", type=int, default=3000, help="stop a session whose prompt grows past this")
+    rp.add_argument("--policy", default=None)
+    rp.add_argument("--agents", type=int, default=2)
+    rp.add_argument("--data-dir", default=None)
+    rp.add_argument("--nats", default=None, help="replay against this running stack instead of starting one")
+    rp.add_argument("--database", default=None, help="its Postgres (for the metrics)")
+    rp.add_argument("--json", default=None, help="write the metrics here")
+    _ablation_flags(rp)
     sub.add_parser("sim", help="trace replay in the discrete-event simulator (see `talaria sim -h`)",
                    add_help=False)
     return parser
@@ -149,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from services.router.policy.registry import UnknownPolicyError
 
-    handlers = {"up": cmd_up, "migrate": cmd_migrate, "trace": cmd_trace, "audit": cmd_audit}
+    handlers = {"up": cmd_up, "migrate": cmd_migrate, "trace": cmd_trace, "audit": cmd_audit,
+                "replay": cmd_replay}
     try:
         return handlers[args.command](args, settings)
     except UnknownPolicyError as exc:

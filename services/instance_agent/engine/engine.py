@@ -191,6 +191,8 @@ class TorchEngine:
     def decode(self, call_ids: list[str]) -> list[StepToken]:
         """One batched decode step for each listed running, unfinished call."""
         seqs = [self._running_seq(c) for c in call_ids]
+        if not seqs:
+            return []
         self._poll()
         t0 = time.perf_counter()
         logits = self._forward([(s, s.kv_len, 1) for s in seqs])
