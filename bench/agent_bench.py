@@ -113,7 +113,10 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default="results/agent_bench.md")
     ap.add_argument("--quick", action="store_true", help="tiny smoke run")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (1 keeps timings stable on a shared CPU)")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     data = Path(tempfile.mkdtemp(prefix="talaria-bench-"))

@@ -24,7 +24,9 @@ Admission (both must pass, else the candidate is kept in the audit with feasible
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from services.router.instances import ON_DEVICE, InstanceView
 from services.router.policy.base import PolicyConfig
@@ -35,11 +37,65 @@ GIB = float(1 << 30)
 HARD_REASONS = frozenset({"stale", "model_not_served", "hot_pool_pinned", "hbm"})
 
 
-@dataclass(frozen=True, slots=True)
-class Priced:
+class Priced(NamedTuple):
     cost: CandidateCost
     fresh: bool  # serving r here means opening a new replica of m_r (Eq. 2 applies)
     view: InstanceView | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Static:
+    key: int
+    hard: str  # "" or a HARD_REASONS member
+    pf: float = 0.0  # seconds per prefilled token
+    dec: float = 0.0  # seconds per decoded token
+    restore: float = 0.0  # seconds per host-restored token
+    mstate: str = "absent"
+    act: float = 0.0  # C_act
+    queue: float = 0.0  # snapshot backlog + deadline risk + wait for the active slot
+    fresh: bool = False  # before the overlay: serving here opens a new replica
+    weights_fit: bool = True
+    kv_cap: int = 0
+    kv_used: int = 0
+
+
+def _static_terms(cfg: PolicyConfig, view: InstanceView, model: str, prof, state: RouterState,
+                  key: int) -> _Static:
+    """The call-independent part of pricing `model` on `view`, memoised in `view.memo`.
+
+    Valid while the snapshot (the view itself), the model's profile (`key` is its version)
+    and the instance's round profile are unchanged; `RouterState.apply(RoundSummary)`
+    clears the memo. A cache, not state: derived from the snapshot and folded profiles.
+    """
+    snap = view.snapshot
+    iprof = state.instance_profiles.get(snap.instance_id)
+    res = view.models.get(model)
+    if res is None:
+        return _Static(key, "model_not_served")
+    if view.pinned is not None and view.pinned != model:
+        return _Static(key, "hot_pool_pinned")
+    pf = (prof.prefill_s_per_tok if prof is not None else 0.0) or (
+        1.0 / snap.prefill_tok_s if snap.prefill_tok_s > 0 else cfg.default_prefill_s_per_tok)
+    dec = (prof.decode_s_per_tok if prof is not None else 0.0) or (
+        1.0 / snap.decode_tok_s if snap.decode_tok_s > 0 else cfg.default_decode_s_per_tok)
+    restore = 1.0 / snap.restore_tok_s if snap.restore_tok_s > 0 else cfg.default_restore_s_per_tok
+    mstate = view.model_state(model)
+    if mstate == "active":
+        act = 0.0
+    elif mstate in ("resident", "staged"):
+        act = res.switch_cost_s or snap.switch_s or cfg.default_open_s
+    else:
+        measured = iprof.switch_s if iprof is not None else 0.0
+        act = res.open_cost_s or res.switch_cost_s or snap.switch_s or measured or cfg.default_open_s
+    queue = snap.queued_tokens * pf + snap.deadline_risk * cfg.deadline_risk_penalty_s
+    if mstate != "active" and snap.active_model is not None:
+        queue += snap.round_remaining_s
+    # HBM: an absent model's weights must fit at all; r's KV must fit the KV pool, where a
+    # cold instance switching to m frees the previous model's pool (its KV moves to host).
+    weights_fit = not (mstate not in ON_DEVICE and snap.hbm_bytes and res.weight_bytes > snap.hbm_bytes)
+    fresh = mstate not in ON_DEVICE and mstate != "staged" and not snap.queued.get(model)
+    return _Static(key, "", pf, dec, restore, mstate, act, queue, fresh, weights_fit,
+                   snap.kv_capacity_tokens, snap.kv_used_tokens)
 
 
 class CostModel:
@@ -47,75 +103,89 @@ class CostModel:
         self.cfg = config
         self.budget = config.gamma * config.ttft_target_s
 
-    def price(
+    def price(self, state: RouterState, view: InstanceView, call: CallSubmitted,
+              entry: SessionEntry | None, now: float, own_lease_on: str | None = None,
+              prefix_hit: dict[str, tuple[int, str]] | None = None) -> Priced:
+        return self.price_all(state, [view], call, entry, now, own_lease_on, prefix_hit)[0]
+
+    def price_all(
         self,
         state: RouterState,
-        view: InstanceView,
+        views,
         call: CallSubmitted,
         entry: SessionEntry | None,
         now: float,
         own_lease_on: str | None = None,
         prefix_hit: dict[str, tuple[int, str]] | None = None,
-    ) -> Priced:
-        cfg, snap, iid, model = self.cfg, view.snapshot, view.snapshot.instance_id, call.model
-        if now - view.received_at > cfg.stale_after_s:
-            return _infeasible(iid, "stale", view)
-        res = view.models.get(model)
-        if res is None:
-            return _infeasible(iid, "model_not_served", view)
-        if view.pinned is not None and view.pinned != model:
-            return _infeasible(iid, "hot_pool_pinned", view)
-
+    ) -> list[Priced]:
+        """Price `call` on every view. The hot loop of a decision: call-level values are
+        hoisted out of it and per-(snapshot, model) terms come from `_static`."""
+        cfg, model, budget = self.cfg, call.model, self.budget
+        stale_after, charge = cfg.stale_after_s, cfg.lease_charge_s
+        prompt, max_tokens = call.prompt_tokens, call.max_tokens
+        own_key = (call.session_id, model)
+        known = min(prompt, entry.kv_tokens) if entry is not None else 0
+        last_here = entry.last_instance if entry is not None and entry.model == model else None
+        lease_index = state.leases.by_instance
         prof = state.models.get(model)
-        pf = (prof.prefill_s_per_tok if prof and prof.prefill_s_per_tok > 0 else 0.0) or (
-            1.0 / snap.prefill_tok_s if snap.prefill_tok_s > 0 else cfg.default_prefill_s_per_tok)
-        dec = (prof.decode_s_per_tok if prof and prof.decode_s_per_tok > 0 else 0.0) or (
-            1.0 / snap.decode_tok_s if snap.decode_tok_s > 0 else cfg.default_decode_s_per_tok)
-        restore = 1.0 / snap.restore_tok_s if snap.restore_tok_s > 0 else cfg.default_restore_s_per_tok
-
-        # ---- KV recovery: how much of the prompt is reusable, and from where
-        prompt = call.prompt_tokens
-        k_have, kv_state = _kv_here(view, call, entry, prefix_hit)
-        k_total = min(prompt, max(k_have, entry.kv_tokens if entry is not None else 0))
-        if kv_state == "device":
-            kv_s = (k_total - k_have) * pf
-        elif kv_state == "host":
-            kv_s = k_have * restore + (k_total - k_have) * pf
-        else:
-            kv_s = k_total * pf
-            kv_state = "recompute" if k_total > 0 else "none"
-
-        # ---- model activation
-        mstate = view.model_state(model)
-        if mstate == "active":
-            act = 0.0
-        elif mstate in ("resident", "staged"):
-            act = res.switch_cost_s or snap.switch_s or cfg.default_open_s
-        else:
-            measured = state.instance_profiles.get(iid)
-            act = res.open_cost_s or res.switch_cost_s or snap.switch_s or (
-                measured.switch_s if measured and measured.switch_s > 0 else cfg.default_open_s)
-
-        # ---- incremental queue / prefill / decode work
-        leases = state.leases.live_on(iid, now) - (1 if own_lease_on == iid else 0)
-        queue = (snap.queued_tokens + view.overlay_tokens) * pf + leases * cfg.lease_charge_s
-        queue += snap.deadline_risk * cfg.deadline_risk_penalty_s
-        if mstate != "active" and snap.active_model is not None:
-            queue += snap.round_remaining_s
-        prefill = (prompt - k_total) * pf
-        decode = call.max_tokens * dec
-        total = queue + prefill + decode + kv_s + act
-
-        reason = ""
-        if queue + prefill + kv_s + act > self.budget:
-            reason = "round_admission"
-        elif not _hbm_fits(view, res, mstate, prompt + call.max_tokens):
-            reason = "hbm"
-        fresh = mstate not in ON_DEVICE and mstate != "staged" and not snap.queued.get(model) \
-            and not view.overlay_models.get(model)
-        cost = CandidateCost(iid, total, queue, prefill, decode, kv_s, act, kv_state, mstate,
-                             not reason, reason)
-        return Priced(cost, fresh, view)
+        version = prof.version if prof is not None else -1
+        out: list[Priced] = []
+        for view in views:
+            snap = view.snapshot
+            iid = snap.instance_id
+            if now - view.received_at > stale_after:
+                out.append(_infeasible(iid, "stale", view))
+                continue
+            st = view.memo.get(model)
+            if st is None or st.key != version:
+                st = view.memo[model] = _static_terms(cfg, view, model, prof, state, version)
+            if st.hard:
+                out.append(_infeasible(iid, st.hard, view))
+                continue
+            pf = st.pf
+            # ---- KV recovery: how much of the prompt is reusable here, and from where
+            kvmap = view._kv if view._kv is not None else view.kv
+            kv = kvmap.get(own_key)
+            if kv is not None and kv.state != "none" and kv.state != "recompute":
+                k_have, kv_state = min(kv.kv_tokens, prompt), kv.state
+            elif last_here == iid and snap.at < entry.last_used:  # type: ignore[union-attr]
+                # The snapshot predates the completion that left this KV: trust the completion.
+                k_have, kv_state = known, "device"
+            elif prefix_hit and iid in prefix_hit:
+                k_have, kv_state = _shared_prefix(kvmap, prefix_hit[iid], model, prompt)
+            else:
+                k_have, kv_state = 0, "none"
+            k_total = k_have if k_have > known else known
+            if kv_state == "device":
+                kv_s = (k_total - k_have) * pf
+            elif kv_state == "host":
+                kv_s = k_have * st.restore + (k_total - k_have) * pf
+            else:
+                kv_s = k_total * pf
+                kv_state = "recompute" if k_total > 0 else "none"
+            # ---- incremental queue / prefill / decode work; activation is static
+            expiries = lease_index.get(iid)
+            leases = len(expiries) - bisect_right(expiries, now) if expiries else 0
+            if own_lease_on == iid:
+                leases -= 1
+            overlay = view.overlay_tokens
+            queue = st.queue + overlay * pf + leases * charge
+            prefill = (prompt - k_total) * pf
+            decode = max_tokens * st.dec
+            act = st.act
+            reason = ""
+            if queue + prefill + kv_s + act > budget:
+                reason = "round_admission"
+            elif not st.weights_fit or (st.kv_cap > 0 and (overlay + st.kv_used if st.mstate == "active" else 0)
+                                        + prompt + max_tokens > st.kv_cap):
+                reason = "hbm"
+            out.append(Priced(
+                CandidateCost(iid, queue + prefill + decode + kv_s + act, queue, prefill, decode, kv_s, act,
+                              kv_state, st.mstate, not reason, reason),
+                st.fresh and not view.overlay_models.get(model),
+                view,
+            ))
+        return out
 
     # ---- Eq. 2 --------------------------------------------------------------------------
 
@@ -148,35 +218,12 @@ class CostModel:
         return max(0.0, saving) * demand, threshold
 
 
-def _kv_here(view: InstanceView, call: CallSubmitted, entry: SessionEntry | None,
-             prefix_hit: dict[str, tuple[int, str]] | None) -> tuple[int, str]:
-    """(tokens reusable on this instance, their state) for the call's session."""
-    kv = view.kv.get((call.session_id, call.model))
-    if kv is not None and kv.state in ("device", "host"):
-        return min(kv.kv_tokens, call.prompt_tokens), kv.state
-    if (entry is not None and entry.last_instance == view.snapshot.instance_id
-            and entry.model == call.model and view.snapshot.at < entry.last_used):
-        # The snapshot predates the completion that left this KV: trust the completion.
-        return min(entry.kv_tokens, call.prompt_tokens), "device"
-    if prefix_hit:
-        hit = prefix_hit.get(view.snapshot.instance_id)
-        if hit is not None:
-            owner = view.kv.get((hit[1], call.model))
-            if owner is not None and owner.state in ("device", "host"):
-                return min(hit[0], owner.kv_tokens, call.prompt_tokens), owner.state
+def _shared_prefix(kvmap, hit: tuple[int, str], model: str, prompt: int) -> tuple[int, str]:
+    """A prefix another session left here counts only while that session's KV is reported."""
+    owner = kvmap.get((hit[1], model))
+    if owner is not None and owner.state in ("device", "host"):
+        return min(hit[0], owner.kv_tokens, prompt), owner.state
     return 0, "none"
-
-
-def _hbm_fits(view: InstanceView, res, mstate: str, need_tokens: int) -> bool:
-    snap = view.snapshot
-    if mstate not in ON_DEVICE and snap.hbm_bytes and res.weight_bytes > snap.hbm_bytes:
-        return False
-    cap = snap.kv_capacity_tokens
-    if cap <= 0:
-        return True  # not reported: no check
-    # A cold instance switching to m frees the previous model's KV pool (it moves to host).
-    used = snap.kv_used_tokens + view.overlay_tokens if mstate == "active" else 0
-    return used + need_tokens <= cap
 
 
 def _infeasible(iid: str, reason: str, view: InstanceView) -> Priced:

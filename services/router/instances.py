@@ -33,6 +33,7 @@ class InstanceView:
     models: dict[str, ModelResidency] = field(init=False)
     pinned: str | None = field(init=False)
     _kv: dict[tuple[str, str], SessionKv] | None = field(default=None, init=False, repr=False)
+    memo: dict = field(default_factory=dict, init=False, repr=False)  # costs.py per-model cache
 
     def __post_init__(self) -> None:
         snap = self.snapshot

@@ -84,10 +84,15 @@ class PrefixIndex:
             levels.append(holders)
         if not levels:
             return {}
-        out: dict[str, tuple[int, str]] = {}
-        for instance_id in levels[0]:
-            depth = _deepest(levels, instance_id)
-            out[instance_id] = ((SAMPLED[depth] + 1) * HASH_BLOCK_TOKENS, levels[depth][instance_id])
+        last = len(levels) - 1
+        deepest = levels[last]
+        full = (SAMPLED[last] + 1) * HASH_BLOCK_TOKENS
+        out = {i: (full, s) for i, s in deepest.items()}  # common case: a fully shared prefix
+        if len(out) < len(levels[0]):
+            for instance_id in levels[0]:
+                if instance_id not in out:
+                    depth = _deepest(levels, instance_id)
+                    out[instance_id] = ((SAMPLED[depth] + 1) * HASH_BLOCK_TOKENS, levels[depth][instance_id])
         return out
 
     def _unlink(self, model: str, h: int, instance_id: str) -> None:

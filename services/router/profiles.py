@@ -27,14 +27,17 @@ class ModelProfile:
     arrivals: float = 0.0  # exponentially decayed count of arrivals
     arrivals_at: float = 0.0
     gaps: list[float] = field(default_factory=list)  # recent tool gaps, oldest first
+    version: int = 0  # bumped whenever a rate the cost model reads changes
 
     def observe_completion(self, prompt: int, cached: int, output: int, prefill_s: float,
                            decode_s: float, ttft_s: float) -> None:
         fresh = prompt - cached
         if prefill_s > 0.0 and fresh > 0:
             self.prefill_s_per_tok = ewma(self.prefill_s_per_tok, prefill_s / fresh)
+            self.version += 1
         if decode_s > 0.0 and output > 1:
             self.decode_s_per_tok = ewma(self.decode_s_per_tok, decode_s / output)
+            self.version += 1
         if ttft_s > 0.0:
             self.ttft_s = ewma(self.ttft_s, ttft_s)
 

@@ -38,8 +38,13 @@ from shared.settings import Settings
 from shared.tracing import extract_context
 
 DURABLE = "router"
-INPUT_SUBJECTS = [subjects.CALL_SUBMITTED, subjects.CALL_COMPLETED, subjects.CALL_FAILED]
+INPUT_SUBJECTS = [subjects.CALL_SUBMITTED, subjects.CALL_COMPLETED, subjects.CALL_FAILED,
+                  subjects.ROUND_SUMMARY, subjects.SWITCH_DONE]
+FORGET_AFTER_S = 30.0  # an instance silent this long is dropped from the table (its leases too)
 TICK_S = 0.05
+# After a (re)start, listen to heartbeats before deciding: routing with an empty instance
+# table would reject every call waiting in the stream as "no healthy instance".
+WARMUP_S = 1.2
 SAVE_EVERY_S = 1.0
 
 
@@ -66,6 +71,7 @@ class RouterService:
         self.nc, self.js = await connect(self.settings.nats_url, "talaria-router")
         await self._recover(store)
         await self.nc.subscribe(subjects.TELEMETRY_WILDCARD, cb=self._on_snapshot)
+        await asyncio.sleep(WARMUP_S)
         sub = await self.js.pull_subscribe_bind(DURABLE, stream=subjects.EVENTS_STREAM) \
             if await self._consumer_exists() else await self.js.pull_subscribe(
                 "", durable=DURABLE, stream=subjects.EVENTS_STREAM,
@@ -190,7 +196,12 @@ class RouterService:
     async def _tick(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             async with self.lock:
-                for out in self.core.tick(time.time()):
+                now = time.time()
+                for view in list(self.core.state.instances.values()):
+                    if now - view.received_at > FORGET_AFTER_S:
+                        self.log.warning("instance silent; forgetting it", instance_id=view.instance_id)
+                        self.core.forget(view.instance_id)
+                for out in self.core.tick(now):
                     await emit(self.js, out)
                     self.dirty = True
             try:

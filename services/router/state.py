@@ -129,6 +129,9 @@ class RouterState:
             case RoundSummary():
                 prof = self.instance_profiles.setdefault(event.instance_id, InstanceProfile())
                 prof.observe_round(event.wall_s, event.switch_s)
+                view = self.instances.get(event.instance_id)
+                if view is not None:
+                    view.memo.clear()  # the measured switch cost may have changed
             case _:
                 pass
 

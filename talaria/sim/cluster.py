@@ -59,12 +59,14 @@ class RunConfig:
     backend: str = "fast"  # fast (built-in round scheduler) | services (instance agent's)
     label: str = ""
     progress: bool = False
+    max_retries: int = 30  # a call rejected this many times fails (its session is abandoned)
 
 
 @dataclass
 class RouterCounters:
     routed: int = 0
     rejected: int = 0
+    failed_calls: int = 0
     returns: int = 0
     same_instance_returns: int = 0
     model_residency_hits: int = 0
@@ -109,6 +111,7 @@ class Cluster:
         self.jobs: list[Job] = []
         self.gaps_applied: dict[tuple[str, int], float] = {}
         self._last_instance: dict[str, str] = {}
+        self._retries: dict[str, int] = {}
         self._by_id = {s.id: s for s in sessions}
 
     # ---- run --------------------------------------------------------------------------
@@ -183,6 +186,10 @@ class Cluster:
                 out.extend(self.instances[ev.instance_id].submit(now, job) or ())
             elif isinstance(ev, CallFailed):
                 self.counters.rejected += 1
+                self._retries[job.call_id] = tries = self._retries.get(job.call_id, 0) + 1
+                if tries > self.config.max_retries:
+                    self.counters.failed_calls += 1  # abandoned: the session ends here
+                    continue
                 retry = _retry_after(events) or self.config.policy_config.retry_after_s
                 out.append((now + retry, self._route, (job,)))
         return out

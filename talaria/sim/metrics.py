@@ -142,6 +142,7 @@ def summarise(result: RunResult) -> dict:
         "router": {
             "routed": rc.routed,
             "rejected": rc.rejected,
+            "failed_calls": rc.failed_calls,
             "same_instance_returns": rc.same_instance_returns / rc.returns if rc.returns else math.nan,
             "model_residency_hits": rc.model_residency_hits / rc.routed if rc.routed else math.nan,
             "model_opens_needed": rc.model_opens_needed,

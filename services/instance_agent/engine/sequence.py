@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.instance_agent.engine.api import GenRequest, GenResult, StepToken
-from services.instance_agent.engine.sampling import StopMatcher, sample
+from services.instance_agent.engine.sampling import StopMatcher, output_mask, sample
 from shared.tokenizer import EOS, StreamDecoder
 
 
@@ -53,7 +53,8 @@ class Sequence:
 
     def take(self, logits: torch.Tensor, now: float) -> StepToken:
         """Sample from this call's logits, advance, and decide whether it finished."""
-        tok = sample(logits, self.req.temperature, self.req.top_p, self.gen)
+        masked = logits + output_mask(logits.shape[-1], logits.device)
+        tok = sample(masked, self.req.temperature, self.req.top_p, self.gen)
         if self.t_first is None:
             self.t_first = now
         self.tokens.append(tok)

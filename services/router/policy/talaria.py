@@ -49,7 +49,7 @@ class Talaria(PlacementPolicy):
         hit = None
         if self.config.prefix_placement and call.block_hashes and (entry is None or entry.kv_tokens == 0):
             hit = state.prefix.match(call.model, call.block_hashes)
-        priced = [self.costs.price(state, v, call, entry, now, own, hit) for v in state.instances.values()]
+        priced = self.costs.price_all(state, state.instances.values(), call, entry, now, own, hit)
         priced = self._replica_rule(state, call.model, priced, now)
         decision = self._choose(call.model, priced, now)
         if lease is None:

@@ -8,6 +8,8 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
+
+from services.instance_agent.engine.sampling import output_mask
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,7 +28,8 @@ def reference(model: str, prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
     params = eng.layouts[model].views(eng.host_images[model])
     ids, out = list(prompt), []
     for _ in range(n):
-        nxt = int(reference_logits(eng.specs[model], params, ids)[-1].argmax())
+        logits = reference_logits(eng.specs[model], params, ids)[-1]
+        nxt = int((logits + output_mask(logits.shape[-1], logits.device)).argmax())
         out.append(nxt)
         ids.append(nxt)
     return tuple(out)
