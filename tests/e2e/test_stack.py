@@ -93,7 +93,8 @@ def test_one_agent_session_end_to_end(tmp_path):
                                                temperature=0, extra_headers={"X-Session-Id": SESSION})
             text = r.choices[0].message.content
             assert text == from_scratch(data_dir, messages, 12)
-            assert r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length"
+            n = r.usage.completion_tokens
+            assert 1 <= n <= 12 and r.choices[0].finish_reason == ("length" if n == 12 else "stop")
             answers.append(r)
             messages += [{"role": "assistant", "content": text}, {"role": "tool", "content": f"exit {i}"}]
         prompts = [a.usage.prompt_tokens for a in answers]
