@@ -18,6 +18,7 @@ from nats.js import JetStreamContext
 from opentelemetry import trace
 
 from shared import subjects
+from shared.logs import call_context
 from shared.bus import emit
 from shared.messages import (
     REPLY_DECODER,
@@ -64,6 +65,10 @@ class Submitter:
             fut.set_result(ErrorReply(502, "bad_reply", f"undecodable reply from the serving instance: {exc}"))
 
     async def submit(self, call: CallSubmitted, on_token: TokenCallback | None = None) -> Reply:
+        with call_context(call.session_id, call.call_id):
+            return await self._submit(call, on_token)
+
+    async def _submit(self, call: CallSubmitted, on_token: TokenCallback | None) -> Reply:
         call = replace(call, reply_to=f"{self.inbox}.{call.call_id}")
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._pending[call.call_id] = fut
@@ -89,6 +94,11 @@ class Submitter:
                 except TimeoutError:
                     reply = await self._timed_out(call)
                 _annotate(span, reply)
+                if isinstance(reply, CallResult):
+                    self.log.info("call served", instance_id=reply.instance_id, kv_source=reply.kv_source,
+                                  ttft_s=round(reply.timings.ttft_s, 4), tokens=reply.usage.completion_tokens)
+                else:
+                    self.log.warning("call failed", status=reply.status, code=reply.code, reason=reply.message)
                 return reply
             finally:
                 self._pending.pop(call.call_id, None)

@@ -42,6 +42,7 @@ from services.instance_agent.scheduler import (
 from services.instance_agent.telemetry import build_snapshot
 from shared import subjects
 from shared.bus import emit
+from shared.logs import call_context
 from shared.messages import (
     CallCompleted,
     CallFailed,
@@ -242,6 +243,10 @@ class CallRunner:
         running = self.calls.pop(call_id, None)
         if running is None:
             return
+        with call_context(running.routed.call.session_id, call_id):
+            await self._publish_completion(call_id, running)
+
+    async def _publish_completion(self, call_id: str, running: Running) -> None:
         try:
             result = await self._run(self.engine.finish, call_id)
         except EngineError as exc:
@@ -280,12 +285,16 @@ class CallRunner:
                 kv_source=result.kv_source,
             )))
         await running.msg.ack()
+        self.log.info("call completed", tokens=len(result.token_ids), kv_source=result.kv_source,
+                      ttft_s=round(completed.ttft_s, 4))
 
     async def _fail(self, call_id: str, reason: str) -> None:
         running = self.calls.pop(call_id, None)
         if running is None:
             return
         routed, call = running.routed, running.routed.call
+        with call_context(call.session_id, call_id):
+            self.log.error("call failed", reason=reason)
         running.span.set_status(trace.Status(trace.StatusCode.ERROR, reason))
         running.span.end()
         await emit(self.js, CallFailed(call_id, call.session_id, call.model, reason, "agent", time.time(),

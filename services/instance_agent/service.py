@@ -13,7 +13,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
-import structlog
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from services.instance_agent.runner import CallRunner
@@ -101,7 +100,6 @@ async def _fetch_loop(sub, runner: CallRunner, js, nc, log, stop: asyncio.Event)
             if routed.instance_id != runner.instance_id:
                 await msg.term()
                 continue
-            structlog.contextvars.bind_contextvars(call_id=routed.call.call_id)
             ok = runner.accept(routed, msg)
             if not ok:
                 await _refuse(js, nc, routed, "model not served by this instance")

@@ -24,6 +24,7 @@ from services.router.projection import ProjectionStore
 from services.router.state import RouterState
 from shared import logs, subjects, tracing
 from shared.health import heartbeat_loop
+from shared.logs import call_context
 from shared.bus import close, connect, emit
 from shared.db.engine import create_engine
 from shared.messages import (
@@ -172,6 +173,13 @@ class RouterService:
             self.log.error("undecodable event dropped", subject=msg.subject, error=str(exc))
             await msg.term()
             return
+        call_id = getattr(event, "call_id", None)
+        session_id = getattr(event, "session_id", None)
+        with call_context(session_id, call_id) if call_id and session_id else _null():
+            await self._handle_event(event, msg)
+        await msg.ack()
+
+    async def _handle_event(self, event, msg) -> None:
         async with self.lock:
             ctx = extract_context(msg.headers)
             with self.tracer.start_as_current_span("route", context=ctx) if isinstance(event, CallSubmitted) \
@@ -184,7 +192,6 @@ class RouterService:
                     await self._reply_if_rejected(event, outputs)
             self.core.state.last_seq = max(self.core.state.last_seq, msg.metadata.sequence.stream)
             self.dirty = True
-        await msg.ack()
 
     async def _reply_if_rejected(self, call: CallSubmitted, outputs) -> None:
         for out in outputs:
