@@ -94,6 +94,14 @@ def test_round_admission_rejects_an_overloaded_candidate():
     assert audit.chosen == "b"
 
 
+def test_a_call_too_big_for_the_budget_still_runs_on_an_idle_instance():
+    c = core()
+    c.observe(snap("a"), 0.0)
+    audit, _ = decide(c, call("huge", tokens=200_000), 0.0)  # 20 s of its own prefill > 9 s budget
+    assert audit.action == "route" and audit.chosen == "a"
+    assert by_instance(audit)["a"].feasible
+
+
 def test_hbm_check_on_kv_pool():
     c = core()
     c.observe(snap("a", kv_capacity_tokens=1500, kv_used_tokens=1000), 0.0)
