@@ -107,6 +107,13 @@ async def emit(js: JetStreamContext, event: msgspec.Struct) -> int:
     return await publish_event(js, event_subject(event), event, msg_id=event_msg_id(event))
 
 
+async def emit_new(js: JetStreamContext, event: msgspec.Struct) -> int | None:
+    """Like `emit`, but None when JetStream dropped it as a duplicate of a recent message."""
+    headers = inject_headers({"Nats-Msg-Id": msg_id} if (msg_id := event_msg_id(event)) else None)
+    ack = await js.publish(event_subject(event), encode(event), headers=headers)
+    return None if ack.duplicate else ack.seq
+
+
 async def close(nc: NATS) -> None:
     """Flush what we published, then close. (`drain()` can stall for its full timeout on
     connections that used pull consumers, which would slow every shutdown by 30 s.)"""

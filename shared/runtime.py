@@ -34,6 +34,9 @@ def main(service: str, run: Runner) -> int:
 
     try:
         asyncio.run(_main())
+    except SettingsError as exc:
+        print(f"talaria {service}: configuration error: {exc}", file=sys.stderr)
+        return 2
     except Exception:
         log.exception(f"{service} crashed")
         return 1

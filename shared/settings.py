@@ -92,6 +92,15 @@ class Settings:
             raise SettingsError("TALARIA_OVERLOAD", self.overload, "reject or queue")
         if not 0 < self.http_port < 65536 and self.http_port != 0:
             raise SettingsError("TALARIA_HTTP_PORT", str(self.http_port), "a TCP port")
+        from shared.catalog import CATALOG
+
+        unknown = [m for m in self.models if m not in CATALOG]
+        if unknown or not self.models:
+            raise SettingsError("TALARIA_MODELS", ",".join(self.models),
+                                f"models from the catalogue ({', '.join(sorted(CATALOG))})")
+        for name in ("lease_timeout_s", "heartbeat_s", "call_timeout_s", "session_idle_s"):
+            if getattr(self, name) <= 0 and not (name == "lease_timeout_s" and self.lease_timeout_s == 0):
+                raise SettingsError(f"TALARIA_{name.upper()}", str(getattr(self, name)), "a positive number")
         if self.pool == "hot" and len(self.models) != 1:
             raise SettingsError("TALARIA_MODELS", ",".join(self.models), "exactly one model on a hot instance")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -69,7 +70,7 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     except KeyboardInterrupt:
         print("talaria: stopping", flush=True)
         return 0
-    except (StackError, OSError) as exc:
+    except (StackError, OSError, subprocess.CalledProcessError) as exc:
         print(f"talaria: {exc}", file=sys.stderr)
         return 1
     finally:

@@ -92,8 +92,12 @@ class EmbeddedNats:
             "-js", "-sd", str(self.data_dir / "jetstream"), "-l", str(log),
         ]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
-        wait_for_port(self.port, self.proc, "nats", timeout, log)
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            wait_for_port(self.port, self.proc, "nats", timeout, log)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def stop(self) -> None:
@@ -135,10 +139,14 @@ class EmbeddedPostgres:
              "-h", "127.0.0.1", "-k", str(pgdata), "-c", "fsync=off",
              "-c", "synchronous_commit=off", "-c", "full_page_writes=off", "-c", "max_connections=200"],
             user=self.user, stdin=subprocess.DEVNULL, stdout=log.open("ab"), stderr=subprocess.STDOUT,
-            start_new_session=False,
+            start_new_session=True,
         )
-        wait_for_port(self.port, self.proc, "postgres", timeout, log)
-        self._create_database(bin_dir, timeout)
+        try:
+            wait_for_port(self.port, self.proc, "postgres", timeout, log)
+            self._create_database(bin_dir, timeout)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def _create_database(self, bin_dir: Path, timeout: float) -> None:

@@ -26,6 +26,19 @@ class StackError(RuntimeError):
     pass
 
 
+def _reachable(what: str, url: str, timeout: float = 3.0) -> None:
+    """Fail fast with a clear message instead of services retrying a dead address forever."""
+    import socket
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url)
+    try:
+        with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 4222), timeout=timeout):
+            return
+    except OSError as exc:
+        raise StackError(f"cannot reach {what} at {url}: {exc}") from None
+
+
 @dataclass
 class Stack:
     settings: Settings
@@ -33,6 +46,7 @@ class Stack:
     log_to_files: bool = True
     embedded: list = field(default_factory=list)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    log_files: list = field(default_factory=list)
     nats_url: str = ""
     database_url: str = ""
     gateway_url: str = ""
@@ -43,7 +57,10 @@ class Stack:
         try:
             self._servers(data, progress)
             progress("applying migrations")
-            upgrade(self.database_url)
+            try:
+                upgrade(self.database_url)
+            except Exception as exc:
+                raise StackError(f"could not migrate the database at {self.database_url}: {exc}") from exc
             self._services(data, progress)
             self._wait_ready(timeout, progress)
         except BaseException:
@@ -56,23 +73,25 @@ class Stack:
         return {"gateway": self.gateway_url, "nats": self.nats_url, "database": self.database_url,
                 "data_dir": str(self.settings.data_dir.resolve()), "agents": self.agents,
                 "traces": str(self.settings.traces_path.resolve()),
-                "pids": {name: p.pid for name, p in self.procs.items()}}
+                "pids": {**{name: p.pid for name, p in self.procs.items()},
+                         **{type(s).__name__: s.proc.pid for s in self.embedded if s.proc is not None}}}
 
     def _servers(self, data: Path, progress) -> None:
         if self.settings.nats_url:
             self.nats_url = self.settings.nats_url
+            _reachable("NATS", self.nats_url)
         else:
             progress("starting embedded NATS (JetStream)")
-            nats = EmbeddedNats(data / "nats").start()
-            self.embedded.append(nats)
-            self.nats_url = nats.url
+            nats = EmbeddedNats(data / "nats")
+            self.embedded.append(nats)  # before start(): stop() must reach a half-started server
+            self.nats_url = nats.start().url
         if self.settings.database_url:
             self.database_url = self.settings.database_url
         else:
             progress("starting embedded PostgreSQL")
-            pg = EmbeddedPostgres(data / "postgres").start()
+            pg = EmbeddedPostgres(data / "postgres")
             self.embedded.append(pg)
-            self.database_url = pg.url
+            self.database_url = pg.start().url
 
     def _env(self, **extra: str) -> dict[str, str]:
         s = self.settings
@@ -94,9 +113,13 @@ class Stack:
         logs = data / "logs"
         logs.mkdir(exist_ok=True)
         out = (logs / f"{name}.log").open("ab") if self.log_to_files else None
+        if out is not None:
+            self.log_files.append(out)
+        # A session of its own: Ctrl-C reaches only `talaria up`, which then stops the
+        # services first and the servers they write to last, in that order.
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", module], env=self._env(**env), stdin=subprocess.DEVNULL,
-            stdout=out, stderr=subprocess.STDOUT if out else None,
+            stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True,
         )
 
     def _services(self, data: Path, progress) -> None:
@@ -148,3 +171,6 @@ class Stack:
         for server in reversed(self.embedded):
             server.stop()
         self.embedded.clear()
+        for f in self.log_files:
+            f.close()
+        self.log_files.clear()

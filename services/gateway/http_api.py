@@ -88,42 +88,50 @@ class HttpApi:
     async def _stream(self, request, call, chat: bool, include_usage: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Session-Id": call.session_id, "X-Talaria-Call-Id": call.call_id})
-        await resp.prepare(request)
         sent: list[str] = []
 
         async def send(obj: dict) -> None:
+            if not resp.prepared:  # headers go out with the first event, so an early error keeps its status
+                await resp.prepare(request)
+                if chat:
+                    await send(self._chunk(call, chat, {"role": "assistant", "content": ""}, None, include_usage))
             await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-
-        def chunk(text: str, finish: str | None) -> dict:
-            if chat:
-                return chat_chunk(call.call_id, call.model, {"content": text} if text else {}, finish)
-            return completion_chunk(call.call_id, call.model, text, finish)
-
-        if chat:
-            await send(chat_chunk(call.call_id, call.model, {"role": "assistant", "content": ""}, None))
 
         async def on_token(tok: TokenChunk) -> None:
             if tok.text:
                 sent.append(tok.text)
-                await send(chunk(tok.text, None))
+                await send(self._chunk(call, chat, tok.text, None, include_usage))
 
         reply = await self.submitter.submit(call, on_token=on_token)
         if isinstance(reply, ErrorReply):
-            await send(error_body(reply))
+            if not resp.prepared:
+                return error_response(reply)
+            await send(error_body(reply))  # mid-stream: the status is already sent
         else:
             # Tokens and the reply travel on different subjects: send whatever text the
             # stream missed, so the streamed answer always equals the final one.
             streamed = "".join(sent)
             rest = reply.text[len(streamed):] if reply.text.startswith(streamed) else ""
-            await send(chunk(rest, reply.finish_reason))
+            await send(self._chunk(call, chat, rest, reply.finish_reason, include_usage))
             if include_usage:
-                usage_chunk = chunk("", None)
-                usage_chunk["choices"] = []
-                usage_chunk["usage"] = completion_response(reply)["usage"]
-                await send(usage_chunk)
+                final = self._chunk(call, chat, "", None, include_usage)
+                final["choices"] = []
+                final["usage"] = completion_response(reply)["usage"]
+                await send(final)
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+    @staticmethod
+    def _chunk(call, chat: bool, content, finish: str | None, include_usage: bool) -> dict:
+        if chat:
+            delta = content if isinstance(content, dict) else ({"content": content} if content else {})
+            body = chat_chunk(call.call_id, call.model, delta, finish)
+        else:
+            body = completion_chunk(call.call_id, call.model, content, finish)
+        if include_usage:
+            body["usage"] = None  # OpenAI: null on every chunk but the last
+        return body
 
 
 def _to_call_request(decoded, chat: bool) -> tuple[CallRequest, bool]:

@@ -7,6 +7,7 @@ The reply is a CallResult or an ErrorReply (tagged by `"type"`). To stream, set
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import msgspec
 
@@ -44,7 +45,7 @@ class NatsApi:
             return
         try:
             req = CALL_REQUEST_DECODER.decode(msg.data)
-            session_id = check(req.session_id) if req.session_id else f"anon-{req.call_id or id(msg)}"
+            session_id = check(req.session_id) if req.session_id else f"anon-{uuid.uuid4().hex}"
             call = prepare(req, session_id, "nats")
         except msgspec.ValidationError as exc:
             reply = ErrorReply(400, "invalid_request", str(exc))

@@ -79,8 +79,8 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     try:
         await (stop or asyncio.Event()).wait()
     finally:
+        await submitter.stop()  # first: calls still waiting get a 503 now, not at their timeout
         await nats_api.stop()
         await runner.cleanup()
-        await submitter.stop()
         await close(nc)
         provider.shutdown()

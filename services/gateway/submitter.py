@@ -19,7 +19,7 @@ from opentelemetry import trace
 
 from shared import subjects
 from shared.logs import call_context
-from shared.bus import emit
+from shared.bus import emit, emit_new
 from shared.messages import (
     REPLY_DECODER,
     TOKEN_DECODER,
@@ -69,6 +69,9 @@ class Submitter:
             return await self._submit(call, on_token)
 
     async def _submit(self, call: CallSubmitted, on_token: TokenCallback | None) -> Reply:
+        if call.call_id in self._pending:
+            return ErrorReply(409, "duplicate_call_id", f"call {call.call_id} is already in flight",
+                              param="call_id", call_id=call.call_id)
         call = replace(call, reply_to=f"{self.inbox}.{call.call_id}")
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._pending[call.call_id] = fut
@@ -84,7 +87,10 @@ class Submitter:
                         subjects.tokens(call.call_id), cb=self._token_handler(on_token)
                     )
                 try:
-                    await emit(self.js, call)
+                    if await emit_new(self.js, call) is None:
+                        return ErrorReply(409, "duplicate_call_id",
+                                          f"call {call.call_id} was already submitted", param="call_id",
+                                          call_id=call.call_id)
                 except Exception as exc:  # the bus refused: the call was never accepted
                     self.log.error("submit failed", call_id=call.call_id, error=str(exc))
                     return ErrorReply(503, "bus_unavailable", f"could not submit the call: {exc}",

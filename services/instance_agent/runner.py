@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
@@ -59,6 +60,9 @@ from shared.messages import (
 )
 from shared.tracing import extract_context
 
+FINISHED_MEMORY = 10_000
+IN_PROGRESS_EVERY_S = 20.0
+
 # Starting guesses for the tiny CPU models; CalibratedCosts corrects them from measurements.
 INITIAL_COSTS = LinearCosts(prefill_tok_s=5_000.0, restore_tok_s=200_000.0, decode_base_s=0.005,
                             switch_staged_s=0.02, switch_host_s=0.05, kv_bytes_per_token=4096)
@@ -92,15 +96,21 @@ class CallRunner:
         self.wakeup = asyncio.Event()
         self.version = 0
         self.opened_for: set[str] = set()  # calls whose slot began with a model switch
+        # Calls finished here recently: a redelivery of one (its ack was lost) is acked, not rerun.
+        self.finished: OrderedDict[str, None] = OrderedDict()
 
     # ---- intake ------------------------------------------------------------------------
 
-    def accept(self, routed: CallRouted, msg) -> bool:
+    def accept(self, routed: CallRouted, msg) -> str | None:
+        """Queue a routed call; returns why it was refused, or None when accepted."""
         call = routed.call
         if call.model not in self.settings.models:
-            return False
+            return f"this instance does not serve {call.model}"
         if call.call_id in self.calls:
-            return True  # redelivered while still here: keep the first copy
+            return None  # redelivered while still here: keep the first copy
+        if call.call_id in self.finished:
+            asyncio.ensure_future(msg.ack())
+            return None
         kv_state, reusable = self._kv_for(call.session_id, call.model, call.prompt_tokens)
         work = Work(call.call_id, call.session_id, call.model, prompt_tokens=max(1, call.prompt_tokens),
                     reusable_tokens=reusable, kv_state=kv_state, max_tokens=call.max_tokens,
@@ -109,12 +119,12 @@ class CallRunner:
             self.sched.submit(work, time.time())
         except SchedulerError as exc:
             self.log.warning("scheduler refused call", call_id=call.call_id, error=str(exc))
-            return False
+            return f"the instance cannot schedule this call: {exc}"
         span = self.tracer.start_span("execute", context=extract_context(getattr(msg, "headers", None)),
                                       attributes={"call.id": call.call_id, "instance.id": self.instance_id})
         self.calls[call.call_id] = Running(routed, msg, span)
         self.wakeup.set()
-        return True
+        return None
 
     def _kv_for(self, session_id: str, model: str, prompt_tokens: int) -> tuple[str, int]:
         try:
@@ -135,8 +145,10 @@ class CallRunner:
             try:
                 match action:
                     case Idle():
-                        await self._events(self.sched.drain_events())
+                        # Clear first: a call accepted while the events below are published
+                        # must still wake us.
                         self.wakeup.clear()
+                        await self._events(self.sched.drain_events())
                         await self._wait(stop, action.until)
                         continue
                     case SwitchModel():
@@ -147,7 +159,13 @@ class CallRunner:
                         events = await self._decode(action)
             except EngineError as exc:
                 events = await self._engine_failed(action, exc)
-            await self._events(events)
+            except Exception as exc:  # a bug or a NATS failure: fail this action's calls, keep serving
+                self.log.exception("step failed", action=type(action).__name__)
+                events = await self._engine_failed(action, exc)
+            try:
+                await self._events(events)
+            except Exception:
+                self.log.exception("publishing scheduler events failed")
 
     async def _wait(self, stop: asyncio.Event, until: float | None) -> None:
         timeout = None if until is None else max(0.0, until - time.time())
@@ -208,11 +226,18 @@ class CallRunner:
                 finished.add(step.call_id)
         return finished
 
-    async def _engine_failed(self, action, exc: EngineError):
+    async def _engine_failed(self, action, exc: Exception):
         self.log.error("engine step failed", action=type(action).__name__, error=str(exc))
         events = []
         for call_id in getattr(action, "call_ids", ()):
-            events += self.sched.abort(call_id, time.time())
+            try:
+                events += self.sched.abort(call_id, time.time())
+            except SchedulerError:
+                pass  # already gone from the scheduler
+            try:
+                self.engine.finish(call_id)  # release its pages if the engine still holds it
+            except Exception:
+                pass
             await self._fail(call_id, f"engine error: {exc}")
         return events
 
@@ -284,7 +309,11 @@ class CallRunner:
                                 running.slot_wait_s, done - call.submitted_at),
                 kv_source=result.kv_source,
             )))
+        if call.stream:
+            await self.nc.publish(subjects.tokens(call_id), encode(TokenChunk(
+                call_id, running.streamed, "", done=True, finish_reason=result.finish_reason)))
         await running.msg.ack()
+        self._remember(call_id)
         self.log.info("call completed", tokens=len(result.token_ids), kv_source=result.kv_source,
                       ttft_s=round(completed.ttft_s, 4))
 
@@ -302,6 +331,26 @@ class CallRunner:
         if call.reply_to:
             await self.nc.publish(call.reply_to, encode(ErrorReply(500, "engine_error", reason, call_id=call_id)))
         await running.msg.ack()
+        self._remember(call_id)
+
+    def _remember(self, call_id: str) -> None:
+        self.finished[call_id] = None
+        while len(self.finished) > FINISHED_MEMORY:
+            self.finished.popitem(last=False)
+
+    async def progress_loop(self, stop: asyncio.Event) -> None:
+        """Tell JetStream that held calls are still being worked on, so none is redelivered
+        while it waits for its slot (the consumer's ack_wait is shorter than a long queue)."""
+        while not stop.is_set():
+            for running in list(self.calls.values()):
+                try:
+                    await running.msg.in_progress()
+                except Exception:
+                    pass
+            try:
+                await asyncio.wait_for(stop.wait(), IN_PROGRESS_EVERY_S)
+            except TimeoutError:
+                pass
 
     # ---- telemetry ---------------------------------------------------------------------
 

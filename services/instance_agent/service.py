@@ -21,7 +21,7 @@ from shared.bus import close, connect, emit
 from shared.messages import ROUTED_DECODER, CallFailed, CallRouted, ErrorReply, encode
 from shared.settings import Settings
 
-ACK_WAIT_S = 120.0
+ACK_WAIT_S = 60.0  # held calls send in_progress() every 20 s, so only a dead agent's calls return
 FETCH_BATCH = 16
 
 
@@ -51,6 +51,7 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     tasks = [
         asyncio.create_task(runner.heartbeat_loop(stop), name="heartbeat"),
         asyncio.create_task(runner.work_loop(stop), name="work"),
+        asyncio.create_task(runner.progress_loop(stop), name="progress"),
         asyncio.create_task(_fetch_loop(sub, runner, js, nc, log, stop), name="fetch"),
     ]
     await runner.publish_snapshot()
@@ -100,10 +101,14 @@ async def _fetch_loop(sub, runner: CallRunner, js, nc, log, stop: asyncio.Event)
             if routed.instance_id != runner.instance_id:
                 await msg.term()
                 continue
-            ok = runner.accept(routed, msg)
-            if not ok:
-                await _refuse(js, nc, routed, "model not served by this instance")
-                await msg.ack()
+            try:
+                refused = runner.accept(routed, msg)
+                if refused is not None:
+                    await _refuse(js, nc, routed, refused)
+                    await msg.ack()
+            except Exception:  # never let one message stop intake
+                log.exception("intake failed", call_id=routed.call.call_id)
+                await msg.nak(delay=1)
 
 
 async def _refuse(js, nc, routed: CallRouted, reason: str) -> None:

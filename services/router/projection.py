@@ -28,8 +28,10 @@ class ProjectionStore:
         return state
 
     async def save(self, state: RouterState) -> None:
-        values = dict(name=NAME, seq=state.last_seq, state=state.to_dict(),
-                      saved_at=dt.datetime.now(dt.timezone.utc))
+        await self.save_dict(state.last_seq, state.to_dict())
+
+    async def save_dict(self, seq: int, snapshot: dict) -> None:
+        values = dict(name=NAME, seq=seq, state=snapshot, saved_at=dt.datetime.now(dt.timezone.utc))
         stmt = insert(projections).values(**values)
         stmt = stmt.on_conflict_do_update(index_elements=[projections.c.name], set_=values)
         async with self.db.begin() as conn:

@@ -35,7 +35,7 @@ from shared.messages import (
     ErrorReply,
     encode,
 )
-from shared.settings import Settings
+from shared.settings import Settings, SettingsError
 from shared.tracing import extract_context
 
 DURABLE = "router"
@@ -46,7 +46,9 @@ TICK_S = 0.05
 # After a (re)start, listen to heartbeats before deciding: routing with an empty instance
 # table would reject every call waiting in the stream as "no healthy instance".
 WARMUP_S = 1.2
-SAVE_EVERY_S = 1.0
+SAVE_EVERY_S = 2.0
+MAX_DELIVER = 20  # a message that keeps failing is given up (and logged) rather than looping
+PUBLISH_RETRY_S = 0.5
 
 
 def policy_config(settings: Settings) -> PolicyConfig:
@@ -60,7 +62,11 @@ def policy_config(settings: Settings) -> PolicyConfig:
 class RouterService:
     def __init__(self, settings: Settings, log) -> None:
         self.settings, self.log = settings, log
-        self.core = RouterCore(create_policy(settings.policy, policy_config(settings)))
+        try:
+            policy = create_policy(settings.policy, policy_config(settings))
+        except (KeyError, ValueError) as exc:  # unknown policy or a bad knob: a config error
+            raise SettingsError("TALARIA_POLICY", settings.policy, str(exc)) from None
+        self.core = RouterCore(policy)
         self.lock = asyncio.Lock()  # one input at a time: the core is single-threaded by design
         self.dirty = False
 
@@ -78,7 +84,7 @@ class RouterService:
                 "", durable=DURABLE, stream=subjects.EVENTS_STREAM,
                 config=ConsumerConfig(durable_name=DURABLE, ack_policy=AckPolicy.EXPLICIT,
                                       deliver_policy=DeliverPolicy.ALL, filter_subjects=INPUT_SUBJECTS,
-                                      ack_wait=30, max_deliver=-1))
+                                      ack_wait=30, max_deliver=MAX_DELIVER))
         tasks = [asyncio.create_task(self._consume(sub, stop)), asyncio.create_task(self._tick(stop)),
                  asyncio.create_task(self._save_loop(store, stop)),
                  asyncio.create_task(heartbeat_loop(self.nc, "router", stop, {"policy": self.core.policy.name}))]
@@ -86,12 +92,19 @@ class RouterService:
         if ready is not None:
             ready.set()
         try:
-            await stop.wait()
+            stopped = asyncio.ensure_future(stop.wait())
+            done, _ = await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            for task in done - {stopped}:
+                task.result()  # a core task died: raise, so the process exits non-zero
+                raise RuntimeError(f"router task {task.get_name()} ended unexpectedly")
         finally:
+            stop.set()
+            # Let the consumer finish the message in hand (it checks `stop` between fetches).
+            await asyncio.wait(tasks, timeout=5)
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await store.save(self.core.state)
+            await self._save(store)
             await close(self.nc)
             await db.dispose()
             provider.shutdown()
@@ -175,8 +188,13 @@ class RouterService:
             return
         call_id = getattr(event, "call_id", None)
         session_id = getattr(event, "session_id", None)
-        with call_context(session_id, call_id) if call_id and session_id else _null():
-            await self._handle_event(event, msg)
+        try:
+            with call_context(session_id, call_id) if call_id and session_id else _null():
+                await self._handle_event(event, msg)
+        except Exception:  # never let one input stop the router: it is redelivered
+            self.log.exception("input failed; will be redelivered", subject=msg.subject)
+            await msg.nak(delay=1)
+            return
         await msg.ack()
 
     async def _handle_event(self, event, msg) -> None:
@@ -185,13 +203,24 @@ class RouterService:
             with self.tracer.start_as_current_span("route", context=ctx) if isinstance(event, CallSubmitted) \
                     else _null():
                 outputs = self.core.handle(event, time.time())
-                for out in outputs:
-                    seq = await emit(self.js, out)
-                    self.core.state.last_seq = max(self.core.state.last_seq, seq)
+                # The state already counts these outputs, so they must reach the stream before
+                # the input is acked: retry (msg ids make retries idempotent) rather than drop.
+                await self._publish_all(outputs)
                 if isinstance(event, CallSubmitted):
                     await self._reply_if_rejected(event, outputs)
             self.core.state.last_seq = max(self.core.state.last_seq, msg.metadata.sequence.stream)
             self.dirty = True
+
+    async def _publish_all(self, outputs) -> None:
+        for out in outputs:
+            while True:
+                try:
+                    seq = await emit(self.js, out)
+                    break
+                except Exception as exc:
+                    self.log.warning("publish failed; retrying", event=type(out).__name__, error=str(exc))
+                    await asyncio.sleep(PUBLISH_RETRY_S)  # back off while NATS recovers
+            self.core.state.last_seq = max(self.core.state.last_seq, seq)
 
     async def _reply_if_rejected(self, call: CallSubmitted, outputs) -> None:
         for out in outputs:
@@ -202,19 +231,26 @@ class RouterService:
 
     async def _tick(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            async with self.lock:
-                now = time.time()
-                for view in list(self.core.state.instances.values()):
-                    if now - view.received_at > FORGET_AFTER_S:
-                        self.log.warning("instance silent; forgetting it", instance_id=view.instance_id)
-                        self.core.forget(view.instance_id)
-                for out in self.core.tick(now):
-                    await emit(self.js, out)
-                    self.dirty = True
+            try:
+                await self._tick_once()
+            except Exception:
+                self.log.exception("tick failed")
             try:
                 await asyncio.wait_for(stop.wait(), TICK_S)
             except TimeoutError:
                 pass
+
+    async def _tick_once(self) -> None:
+        async with self.lock:
+            now = time.time()
+            for view in list(self.core.state.instances.values()):
+                if now - view.received_at > FORGET_AFTER_S:
+                    self.log.warning("instance silent; forgetting it", instance_id=view.instance_id)
+                    self.core.forget(view.instance_id)
+            outputs = self.core.tick(now)
+            if outputs:
+                await self._publish_all(outputs)
+                self.dirty = True
 
     async def _save_loop(self, store: ProjectionStore, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -223,11 +259,16 @@ class RouterService:
             except TimeoutError:
                 pass
             if self.dirty:
-                self.dirty = False
                 try:
-                    await store.save(self.core.state)
+                    await self._save(store)
                 except Exception as exc:  # Postgres is off the hot path: routing goes on
                     self.log.warning("projection save failed", error=str(exc))
+
+    async def _save(self, store: ProjectionStore) -> None:
+        async with self.lock:  # a consistent cut: never in the middle of handling an input
+            seq, snapshot = self.core.state.last_seq, self.core.state.to_dict()
+            self.dirty = False
+        await store.save_dict(seq, snapshot)
 
 
 class _null:

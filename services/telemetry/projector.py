@@ -85,10 +85,12 @@ def _final_outcome():
 
 async def _submitted(conn, e: CallSubmitted) -> None:
     at = ts(e.submitted_at)
-    await conn.execute(insert(calls).values(
+    inserted = await conn.execute(insert(calls).values(
         call_id=e.call_id, session_id=e.session_id, model=e.model, api=e.api, outcome="submitted",
         prompt_tokens=e.prompt_tokens, submitted_at=at, trace_id=trace_id_hex(session_trace_id(e.session_id)),
     ).on_conflict_do_nothing())
+    if inserted.rowcount == 0:
+        return  # seen before: count each call once
     stmt = insert(sessions).values(
         session_id=e.session_id, first_seen_at=at, last_seen_at=at, calls=1, last_model=e.model,
         trace_id=trace_id_hex(session_trace_id(e.session_id)),
@@ -108,11 +110,14 @@ async def _completed(conn, e: CallCompleted) -> None:
         first_token_at=ts(e.first_token_at), completed_at=ts(e.completed_at), queue_s=e.queue_s,
         ttft_s=e.ttft_s, prefill_s=e.prefill_s, decode_s=e.decode_s, slot_wait_s=e.slot_wait_s,
     )
-    result = await conn.execute(update(calls).where(calls.c.call_id == e.call_id).values(**values))
+    result = await conn.execute(update(calls).where(calls.c.call_id == e.call_id)
+                                .where(calls.c.outcome != "completed").values(**values))
     if result.rowcount == 0:  # completion seen before submission (replay from a later point)
-        await conn.execute(insert(calls).values(call_id=e.call_id, session_id=e.session_id, model=e.model,
-                                                submitted_at=ts(e.submitted_at), **values)
-                           .on_conflict_do_nothing())
+        result = await conn.execute(insert(calls).values(call_id=e.call_id, session_id=e.session_id,
+                                                         model=e.model, submitted_at=ts(e.submitted_at), **values)
+                                    .on_conflict_do_nothing())
+    if result.rowcount == 0:
+        return  # already completed: count it once
     await conn.execute(update(sessions).where(sessions.c.session_id == e.session_id).values(
         completed=sessions.c.completed + 1, last_instance=e.instance_id,
         last_seen_at=func.greatest(sessions.c.last_seen_at, ts(e.completed_at)),

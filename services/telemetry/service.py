@@ -63,7 +63,7 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
             try:
                 msgs = await sub.fetch(BATCH, timeout=0.5)
             except asyncio.TimeoutError:
-                spans.flush(time.time())
+                await _flush_spans(spans, time.time())
                 continue
             except Exception as exc:
                 log.warning("fetch failed", error=str(exc))
@@ -71,22 +71,46 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
                 continue
             if not msgs:
                 continue
-            try:
-                offset = await _apply_batch(db, msgs, offset, spans, log)
-            except Exception as exc:  # Postgres unavailable: leave unacked, redelivered later
-                log.error("projection failed; will retry", error=str(exc))
-                await asyncio.sleep(1.0)
-                continue
+            offset = await _apply_until_committed(db, msgs, offset, spans, log, stop)
+            if offset is None:
+                break  # stopping with the batch uncommitted: it is redelivered on restart
             await msgs[-1].ack()  # AckPolicy.ALL: acknowledges the whole batch
-            spans.flush(time.time())
+            await _flush_spans(spans, time.time())
     finally:
-        spans.flush(time.time(), all_sessions=True)
+        await asyncio.get_running_loop().run_in_executor(None, lambda: spans.flush(time.time(), all_sessions=True))
         beat.cancel()
         await close(nc)
         await db.dispose()
 
 
+async def _flush_spans(spans: SessionSpans, now: float) -> None:
+    # Exporting may block on a slow collector: keep it off the event loop.
+    await asyncio.get_running_loop().run_in_executor(None, spans.flush, now)
+
+
+async def _apply_until_committed(db, msgs, offset: int, spans: SessionSpans, log, stop) -> int | None:
+    """Apply one batch, retrying the same batch until it commits (Postgres may be down):
+    moving on would let a later commit's offset skip these events for good."""
+    delay = 0.5
+    while True:
+        try:
+            return await _apply_batch(db, msgs, offset, spans, log)
+        except Exception as exc:
+            log.error("projection failed; retrying the same batch", error=str(exc), events=len(msgs))
+            for msg in msgs:
+                try:
+                    await msg.in_progress()  # keep the batch ours while we wait
+                except Exception:
+                    pass
+            try:
+                await asyncio.wait_for(stop.wait(), delay)
+                return None
+            except TimeoutError:
+                delay = min(delay * 2, 10.0)
+
+
 async def _apply_batch(db, msgs, offset: int, spans: SessionSpans, log) -> int:
+    observed = []
     async with db.begin() as conn:
         for msg in msgs:
             seq = msg.metadata.sequence.stream
@@ -98,10 +122,24 @@ async def _apply_batch(db, msgs, offset: int, spans: SessionSpans, log) -> int:
                 log.error("undecodable event skipped", seq=seq, subject=msg.subject, error=str(exc))
                 offset = seq
                 continue
-            await project(conn, event, seq)
-            spans.observe(event)
+            try:
+                async with conn.begin_nested():  # a savepoint: one bad event cannot sink the batch
+                    await project(conn, event, seq)
+            except Exception as exc:
+                if not _is_data_error(exc):
+                    raise  # connection trouble: retry the whole batch
+                log.error("event could not be projected; skipped", seq=seq, subject=msg.subject, error=str(exc))
+            observed.append(event)
             offset = seq
         values = dict(name=NAME, seq=offset, saved_at=dt.datetime.now(dt.timezone.utc))
         await conn.execute(insert(projections).values(**values).on_conflict_do_update(
             index_elements=[projections.c.name], set_=values))
+    for event in observed:  # only once the batch is committed
+        spans.observe(event)
     return offset
+
+
+def _is_data_error(exc: Exception) -> bool:
+    from sqlalchemy.exc import DataError, IntegrityError, ProgrammingError
+
+    return isinstance(exc, (DataError, IntegrityError, ProgrammingError))

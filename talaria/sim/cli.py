@@ -2,7 +2,7 @@
 
     talaria sim run --trace T.jsonl|fixed-replay --profile paper-tp8 --policy least-loaded \
         [--instances N] [--no-sp] [--no-hkvr] [--no-staging] [--round-only] [--tau S] \
-        [--gaps paper|recorded[:cap]|rescaled:F[:cap]] [--seed N] [--backend fast|services] [--json OUT]
+        [--gaps paper|recorded[:cap]|rescaled:F[:cap]] [--seed N] [--backend services|fast] [--json OUT]
     talaria sim experiments fixed-replay|router|tau-sweep|scale|all [--out results/] [--json P]
     talaria sim convert WEKA.jsonl.xz OUT.jsonl [--subagents separate|drop] [--limit N]
 """
@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--adaptive-lease", action="store_true")
     run.add_argument("--gaps", default="paper", help="paper | recorded[:cap] | rescaled:F[:cap]")
     run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--backend", choices=("fast", "services"), default="fast")
+    run.add_argument("--backend", choices=("services", "fast"), default="services")
     run.add_argument("--json", default=None)
     run.set_defaults(func=_run)
     exp = sub.add_parser("experiments", help="run the paper's experiments")

@@ -56,7 +56,7 @@ class RunConfig:
     flags: InstanceFlags = field(default_factory=InstanceFlags)
     gaps: GapModel = field(default_factory=GapModel)
     heartbeat_s: float = 0.5
-    backend: str = "fast"  # fast (built-in round scheduler) | services (instance agent's)
+    backend: str = "services"  # services (the instance agent's RoundScheduler) | fast (cross-check only)
     label: str = ""
     progress: bool = False
     max_retries: int = 30  # a call rejected this many times fails (its session is abandoned)
@@ -306,7 +306,6 @@ class Cluster:
         active = inst.active or inst.switching_to
         mp = server.model(active) if active else next(iter(server.models.values()))
         kv_cap = server.kv_pool_bytes(mp.name) // mp.kv_bytes_per_token
-        slot = inst.slot
         return InstanceSnapshot(
             instance_id=inst.id,
             version=version,
@@ -318,7 +317,7 @@ class Cluster:
             queued={m: len(q) for m, q in inst.pending.items() if q},
             queued_tokens=inst.queued_tokens,
             running=sum(len(v) for v in inst.inflight.values()),
-            round_remaining_s=max(0.0, slot.deadline - now) if slot else 0.0,
+            round_remaining_s=inst.round_remaining_s(now),
             deadline_risk=inst.deadline_risk,
             kv_capacity_tokens=kv_cap,
             kv_used_tokens=inst.kv.device_tokens,
@@ -383,7 +382,7 @@ def _make_instance(iid: str, config: RunConfig, sink) -> SimInstance:
         from talaria.sim.services_backend import ServicesInstance
 
         return ServicesInstance(iid, config.server, config.flags, sink)
-    raise ValueError(f"unknown backend {config.backend!r}; use fast|services")
+    raise ValueError(f"unknown backend {config.backend!r}; use services|fast")
 
 
 def simulate(sessions: list[Session], config: RunConfig) -> RunResult:

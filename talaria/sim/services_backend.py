@@ -1,14 +1,29 @@
-"""The `services` instance backend: the instance agent's own RoundScheduler on sim costs.
+"""The `services` instance backend (the default): the instance agent's own RoundScheduler.
 
-`services.instance_agent.scheduler.RoundScheduler` decides (which model, which calls, P or
-SP, when to switch); this executor prices each action with the profile, keeps the device
-KV / HKVR / staging state (shared with the built-in backend via `SimInstance`), and
-reports back through `on_*_done`. Decode is executed one iteration per event (the
-scheduler's contract), so this backend is exact but slower than `fast`; the scale
-experiment uses `fast`.
+`services.instance_agent.scheduler.RoundScheduler` decides everything an instance decides
+(which model, which calls, P or SP, how long a slot decodes, when to switch); this
+executor only prices each action with the profile, keeps the device KV / HKVR / staging
+state (the `SimInstance` executor helpers), and reports back through `on_*_done`.
+
+Speed: decode runs as multi-step actions (`next_action(now, max_decode_steps=K)`); the
+scheduler cuts each at the next boundary it would act on (a call reaching max_tokens,
+protected-decode end, the slot's time budget, a pending SP retry). When a call is
+submitted while a multi-step decode runs, the executor stops that decode at the first
+step boundary at or after the submission and reports the steps it ran, so the schedule
+equals one-token-at-a-time stepping (tests/unit/scheduler/test_sched_multistep.py).
+A k-step decode costs the sum of its k step times (exact for the profile's decode cost,
+which is linear in context: k steps at the mean context).
+
+Paper-mode switches (`drain_on_switch=False`, paper §3.4: D_fin spends the remaining
+protected budget, then the device switches with calls still running): running calls of
+the outgoing model keep their KV off-device (§4.2: the outgoing model's KV pool and radix
+tree are parked); when their model's slot comes back, that KV is restored at the KV
+restore bandwidth and the time is added to the switch that reopens the model [asm].
 """
 
 from __future__ import annotations
+
+import math
 
 from services.instance_agent.scheduler import RoundScheduler, SchedulerConfig
 from services.instance_agent.scheduler.types import (
@@ -25,21 +40,34 @@ from talaria.sim.instance import InstanceFlags, Job, RoundRecord, SimInstance, S
 from talaria.sim.profiles import ProfileCosts, ServerProfile
 
 
+def scheduler_config(flags: InstanceFlags) -> SchedulerConfig:
+    """The RoundScheduler settings of a simulated instance (values documented on InstanceFlags)."""
+    return SchedulerConfig(
+        sp=flags.sp,
+        hkvr=flags.hkvr,
+        staging=flags.staging,
+        gamma=flags.gamma,
+        ttft_target_s=flags.ttft_target_s,
+        tpot_target_s=flags.tpot_target_s,
+        max_batch=flags.max_batch,
+        sp_max_batch=flags.sp_max_batch,
+        min_slot_s=flags.min_slot_s,
+        drain_on_switch=flags.drain_on_switch,
+        fill_slot=flags.fill_slot,
+        max_decode_iters=flags.max_decode_iters,
+    )
+
+
 class ServicesInstance(SimInstance):
     def __init__(self, instance_id: str, server: ServerProfile, flags: InstanceFlags, sink) -> None:
         super().__init__(instance_id, server, flags, sink)
-        config = SchedulerConfig(
-            sp=flags.sp,
-            hkvr=flags.hkvr,
-            staging=flags.staging,
-            gamma=flags.gamma,
-            ttft_target_s=flags.ttft_target_s,
-            max_batch=flags.max_batch,
-        )
-        self.sched = RoundScheduler(config, self.models, ProfileCosts(server))
+        self.sched = RoundScheduler(scheduler_config(flags), self.models, ProfileCosts(server))
         self.jobs: dict[str, Job] = {}
         self.action = None
-        self._round_start = 0.0
+        self.action_start = 0.0
+        self.max_steps = max(1, flags.max_decode_steps)
+
+    # ---- inputs -----------------------------------------------------------------------
 
     def submit(self, now: float, job: Job):
         job.arrived_t = now
@@ -55,11 +83,16 @@ class ServicesInstance(SimInstance):
         self.queued_tokens += job.prompt
         if not self.busy:
             return self._drive(now)
+        if isinstance(self.action, Decode) and self.action.steps > 1:
+            return self._cut(now)
         return None
 
+    # ---- the driving loop -------------------------------------------------------------
+
     def _drive(self, now: float):
-        action = self.sched.next_action(now)
+        action = self.sched.next_action(now, self.max_steps)
         self.action = action
+        self.action_start = now
         self.token += 1
         if isinstance(action, Idle):
             self.busy = False
@@ -72,9 +105,29 @@ class ServicesInstance(SimInstance):
         if isinstance(action, Prefill):
             return self._prefill(now, action)
         assert isinstance(action, Decode)
+        return [(now + self._decode_s(action, action.steps), self._done, (self.token, None))]
+
+    def _decode_s(self, action: Decode, steps: int) -> float:
         calls = [self.jobs[c] for c in action.call_ids]
-        step = self.server.model(action.model).decode_step_s(len(calls), sum(j.ctx for j in calls))
-        return [(now + step, self._done, (self.token,))]
+        n = len(calls)
+        ctx = sum(j.ctx for j in calls)
+        mp = self.server.model(action.model)
+        return steps * mp.decode_step_s(n, ctx + n * (steps - 1) / 2)
+
+    def _cut(self, now: float):
+        """Stop the running multi-step decode at the first step boundary at or after `now`."""
+        action = self.action
+        elapsed = now - self.action_start
+        step = self._decode_s(action, action.steps) / action.steps
+        j = max(1, min(action.steps, math.ceil(elapsed / step - 1e-9)))
+        while j > 1 and self._decode_s(action, j - 1) >= elapsed - 1e-12:
+            j -= 1
+        while j < action.steps and self._decode_s(action, j) < elapsed - 1e-12:
+            j += 1
+        if j >= action.steps:
+            return None
+        self.token += 1
+        return [(self.action_start + self._decode_s(action, j), self._done, (self.token, j))]
 
     def _wake(self, now: float, token: int):
         if token != self.token or self.busy:
@@ -85,33 +138,46 @@ class ServicesInstance(SimInstance):
         model = action.to_model
         staged = self._staged_bytes(now, model) if action.staged else 0
         path, seconds, phases = self.server.switch(model, staged)
+        # running calls of the target model (paper mode) get their parked KV back
+        resume = sum(j.ctx for j in self.inflight[model])
+        if resume:
+            restore = self.server.restore_s(model, resume)
+            phases = {**phases, "kv_resume": restore}
+            seconds += restore
         self.switches.append(SwitchRecord(self.id, self.active, model, path, seconds, now, phases))
-        for session in list(self.kv.device):
-            host = self.kv.host.get((self.active, session), 0) if self.flags.hkvr else 0
-            self.sched.update_kv(session, self.active, "host" if host else "none", host)
+        self.opens += 1
+        if self.active is not None:
+            for session in list(self.kv.device):
+                host = self.kv.host.get((self.active, session), 0) if self.flags.hkvr else 0
+                self.sched.update_kv(session, self.active, "host" if host else "none", host)
         self.kv.clear_device()
         self.active, self.switching_to, self.stage_target = None, model, None
         self._hbm(self.server.model(model).weight_bytes)
-        return [(now + seconds, self._done, (self.token,))]
+        return [(now + seconds, self._done, (self.token, None))]
 
     def _prefill(self, now: float, action: Prefill):
         seconds = 0.0
         for cid in action.call_ids:
             job = self.jobs[cid]
             cost, job.kv_source, _ = self._prefill_cost(job)
+            if job.kv_source == "host":
+                self.kv.touch_host(job.model, job.session)
             seconds += cost
             if job in self.pending[job.model]:
                 self.pending[job.model].remove(job)
                 self.queued_tokens -= job.prompt
-        return [(now + seconds, self._done, (self.token,))]
+        return [(now + seconds, self._done, (self.token, None))]
 
-    def _done(self, now: float, token: int):
+    def _done(self, now: float, token: int, steps: int | None):
         if token != self.token:
             return None
         action = self.action
         out: list = []
         if isinstance(action, SwitchModel):
             self.active, self.switching_to = action.to_model, None
+            self._last_peak_kv = 0
+            for job in self.inflight[self.active]:
+                self._put_device(now, job.session, job.ctx)
             events = self.sched.on_switch_done(action, now)
         elif isinstance(action, Prefill):
             finished = []
@@ -123,16 +189,22 @@ class ServicesInstance(SimInstance):
                 self._put_device(now, job.session, job.ctx)
                 if job.remaining <= 0:
                     finished.append(cid)
+                else:
+                    self.inflight[job.model].append(job)
             events = self.sched.on_prefill_done(action, now, finished)
         else:
+            k = action.steps if steps is None else steps
             finished = []
             for cid in action.call_ids:
                 job = self.jobs[cid]
-                job.remaining -= 1
-                job.ctx += 1
+                job.remaining -= k
+                job.ctx += k
+                self.kv.device[job.session] = job.ctx
                 if job.remaining <= 0:
                     finished.append(cid)
-            events = self.sched.on_decode_done(action, now, finished)
+            self.kv.device_tokens += k * len(action.call_ids)
+            self.kv.version += 1
+            events = self.sched.on_decode_done(action, now, finished, k)
         out.extend(self._events(now, events))
         self._update_staging(now)
         out.extend(self._drive(now) or ())
@@ -147,8 +219,12 @@ class ServicesInstance(SimInstance):
                 job.via = ev.via
             elif isinstance(ev, CallFinished):
                 job = self.jobs.pop(ev.call_id, None)
-                if job is not None and ev.reason != "aborted":
-                    out.extend(self._complete(now, job) or ())
+                if job is not None:
+                    running = self.inflight[job.model]
+                    if job in running:
+                        running.remove(job)
+                    if ev.reason != "aborted":
+                        out.extend(self._complete(now, job) or ())
             elif isinstance(ev, RoundEnded):
                 rec = RoundRecord(self.id, ev.round_index, ev.at - ev.wall_s, ev.wall_s, ev.switch_s)
                 rec.slots = list(ev.slots)
@@ -163,14 +239,16 @@ class ServicesInstance(SimInstance):
         """Stage the model the scheduler's rotation opens next (if staging is on)."""
         if not self.flags.staging or self.active is None:
             return
-        view = self.sched.snapshot(now)
-        waiting = [m for m in self.models if m != self.active and (view.queued.get(m) or view.running.get(m))]
-        n = len(self.models)
-        start = self.models.index(self.active) + 1
-        order = [self.models[(start + i) % n] for i in range(n - 1)]
-        target = next((m for m in order if m in waiting), None)
+        calls = self.sched.calls
+        target = next(
+            (m for m in self.sched.rotation(self.active) if m != self.active and calls.active(m)), None
+        )
         if target != self.stage_target:
             self.stage_target, self.stage_start = target, now
+
+    def round_remaining_s(self, now: float) -> float:
+        rnd = self.sched.round
+        return max(0.0, rnd.started_at + rnd.predicted_s - now) if rnd is not None else 0.0
 
     def settle(self, now: float) -> None:
         return None

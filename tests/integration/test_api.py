@@ -63,6 +63,10 @@ async def test_no_instance_able_to_serve_is_503_with_retry_after_and_recorded(st
                                        b'{"model":"qwen3-tiny","messages":[{"role":"user","content":"x"}],"max_tokens":2}',
                                        {"X-Session-Id": "lonely"})
     assert status == 503 and int(headers["Retry-After"]) >= 1
+    status, body, headers = await post(settings, "/v1/chat/completions",
+                                       b'{"model":"qwen3-tiny","messages":[{"role":"user","content":"x"}],'
+                                       b'"max_tokens":2,"stream":true}', {"X-Session-Id": "lonely-stream"})
+    assert status == 503 and body["error"]["code"] == "no_capacity" and "Retry-After" in headers
     deadline = asyncio.get_running_loop().time() + 20
     while (row := await db.fetchrow("SELECT * FROM calls WHERE session_id='lonely'")) is None or \
             row["outcome"] != "failed":
@@ -101,3 +105,30 @@ async def test_nats_api_serves_a_call_and_streams_its_tokens(stack, nats_url):
         done.set()
     finally:
         await nc.close()
+
+
+async def test_streamed_chat_matches_openai_chunks_and_the_final_answer(stack):
+    import openai
+
+    settings, services = stack
+    await services.start("agent-0", run_agent, settings.with_(instance_id="agent-0", models=("qwen3-tiny",)))
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{settings.http_port}/v1", api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": "stream me"}]
+    for _ in range(50):  # the router routes only to instances it has heard from
+        try:
+            plain = await client.chat.completions.create(model="qwen3-tiny", messages=messages, max_tokens=8,
+                                                         temperature=0, extra_headers={"X-Session-Id": "st"})
+            break
+        except openai.APIStatusError as exc:
+            assert exc.status_code == 503
+            await asyncio.sleep(0.1)
+    chunks = [c async for c in await client.chat.completions.create(
+        model="qwen3-tiny", messages=messages, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_headers={"X-Session-Id": "st2"})]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [plain.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])

@@ -6,6 +6,7 @@ import pytest
 
 from services.telemetry.service import run as run_telemetry
 from shared import messages as m
+from shared import subjects
 from shared.bus import connect, emit
 from shared.settings import Settings
 from tests.integration.harness import Services
@@ -19,13 +20,14 @@ def submitted(call_id, index_hint=0):
 
 
 async def wait_rows(db, sql, n, timeout=20.0):
-    """Wait until `sql` returns n rows: re-query on each projection commit (LISTEN-free poll)."""
+    """Re-query until `sql` returns n rows (telemetry projects asynchronously); fail on timeout."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
         rows = await db.fetch(sql)
-        if len(rows) >= n or loop.time() > deadline:
+        if len(rows) >= n:
             return rows
+        assert loop.time() < deadline, f"only {len(rows)} of {n} rows for: {sql}"
         await asyncio.sleep(0.05)
 
 
@@ -53,7 +55,9 @@ async def test_calls_and_decisions_are_projected_once_even_when_replayed(nats_ur
         leases = await wait_rows(db, "SELECT * FROM lease_events", 1)
         assert leases[0]["kind"] == "issued"
         await services.close()
-        # A restarted telemetry service must not count anything twice.
+        # Lose the consumer's acks (as if telemetry died after committing): every event is
+        # delivered again, and the committed offset must keep anything from counting twice.
+        await js.delete_consumer(subjects.EVENTS_STREAM, "telemetry")
         await services.start("telemetry", run_telemetry, settings)
         await emit(js, m.CallFailed("c9", "s1", "qwen3-tiny", "gateway timeout", "gateway", 110.0, status=504))
         failed = await wait_rows(db, "SELECT * FROM calls WHERE call_id='c9'", 1)

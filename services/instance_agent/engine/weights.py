@@ -9,6 +9,8 @@ and a switch is a byte copy (H2D or D2D), never a re-allocation.
 from __future__ import annotations
 
 import json
+import os
+import uuid
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -131,10 +133,14 @@ def ensure_weights_file(data_dir: Path, spec: ModelSpec) -> bool:
     if st.exists() and cfg.exists() and _config_matches(cfg, spec):
         return False
     st.parent.mkdir(parents=True, exist_ok=True)
-    tmp = st.with_suffix(".safetensors.tmp")
+    # Several agents may share a data dir and start together: each writes its own temporary
+    # files and renames them into place (atomic; identical content, so the last rename wins).
+    tag = f".{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    tmp, tmp_cfg = st.with_name(st.name + tag), cfg.with_name(cfg.name + tag)
     save_file(init_weights(spec), str(tmp), metadata={"model": spec.name, "init_version": str(INIT_VERSION)})
-    tmp.replace(st)  # atomic: a reader never sees a half-written file
-    cfg.write_text(json.dumps({**asdict(spec), "dtype": "float32", "init_version": INIT_VERSION}, indent=2))
+    tmp_cfg.write_text(json.dumps({**asdict(spec), "dtype": "float32", "init_version": INIT_VERSION}, indent=2))
+    tmp.replace(st)  # a reader never sees a half-written file
+    tmp_cfg.replace(cfg)
     return True
 
 

@@ -16,10 +16,24 @@ needs d T >= R_i, so the smallest plan gives them all the same d:
 
     d = ceil(F / (T_TPOT - sum_m t_D,m))            feasible only if sum_m t_D,m < T_TPOT
 
-Eq. 5 (round cap). R_i <= gamma * T_TTFT. When the plan exceeds it, protected decode
-wins (cadence first, as the paper reserves d before P and SP); P is cut back and the
-shortfall is reported as deadline risk. When Eq. 4 is infeasible, d is the longest
-decode the cap allows (that is the best cadence reachable).
+Eq. 5 (round cap). R_i <= gamma * T_TTFT. When the plan exceeds it, P is cut back
+(cadence first: Eq. 4 keeps holding for the prefill the round actually admits) and the
+shortfall is reported as deadline risk. The cut is self-consistent: with Eq. 4 feasible
+a round that admits F seconds of switch + prefill lasts about F * T_TPOT / slack, so the
+most prefill the cap allows is F_max - S with F_max = cap * slack / T_TPOT, shared among
+the models in proportion to their queued P; d is then sized for the prefill admitted,
+not for the prefill left waiting. (Sizing d for all queued prefill and then cutting P,
+as an earlier version did, reserves decode for work that does not run: with a deep queue
+d hit the slot clamp, P's budget fell to 0 and every slot admitted a single call.)
+When Eq. 4 is infeasible, d is the longest decode the cap allows (that is the best
+cadence reachable).
+
+Slot fill. Protected decode d is the *least* decode a slot runs. The paper's slot
+"closes when the round budget is exhausted": with `fill_slot` the slot keeps decoding
+(SP opportunities included) until its share of the round budget, `slot_budget_s` =
+its P budget + d t_D,m + its share of the round's leftover (cap - R_i) / n, is spent.
+Without it a contended slot closes right after d, so with cheap staged switches the
+rounds shrink to a few decode steps per model and the instance thrashes between models.
 """
 
 from __future__ import annotations
@@ -49,6 +63,8 @@ class SlotPlan:
     round_cap_s: float  # gamma * T_TTFT
     decode_slack_s: float  # T_TPOT - sum t_D; <= 0 when Eq. 4 is infeasible
     switch_s: float  # switches predicted in the round
+    slot_budget_s: float = 0.0  # time this slot may run (P + protected decode + leftover share)
+    prefill_cut_s: float = 0.0  # queued P (all models) the round cannot carry under Eq. 4 + 5
 
     @property
     def tpot_feasible(self) -> bool:
@@ -56,7 +72,7 @@ class SlotPlan:
 
     @property
     def over_budget(self) -> bool:
-        return self.predicted_round_s > self.round_cap_s + 1e-12
+        return self.predicted_round_s > self.round_cap_s + 1e-12 or self.prefill_cut_s > 1e-12
 
     def sp_extension(self, cost_s: float) -> int:
         """Extra protected decode iterations that keep Eq. 4 after `cost_s` more prefill."""
@@ -73,23 +89,37 @@ def plan_slot(model: str, loads: dict[str, ModelLoad], switch_s: float, config: 
     """The plan of `model`'s slot given the round's active `loads` (which include `model`)."""
     cap = config.round_cap_s
     step_sum = sum(load.decode_step_s for load in loads.values())
-    fixed = switch_s + sum(load.prefill_s for load in loads.values())
+    prefill = sum(load.prefill_s for load in loads.values())
     slack = config.tpot_target_s - step_sum
     t_m = loads[model].decode_step_s
+    p_m = loads[model].prefill_s
+    demand = prefill
+    if slack > 0 and prefill > 0:
+        # Eq. 4 + 5 together: the most switch + prefill a capped round can carry.
+        f_max = cap * slack / config.tpot_target_s
+        room = max(0.0, f_max - switch_s)
+        if prefill > room:
+            p_m *= room / prefill
+            prefill = room
+    fixed = switch_s + prefill
     d = _decode_iterations(fixed, step_sum, slack, cap)
     d = _clamp_iterations(d, t_m, cap, config)
     predicted = fixed + d * step_sum
     over = max(0.0, predicted - cap)
+    p_budget = max(0.0, p_m - over)
+    leftover = max(0.0, cap - predicted) / len(loads)
     return SlotPlan(
         model=model,
         protected_decode=d,
         decode_step_s=t_m,
-        prefill_budget_s=max(0.0, loads[model].prefill_s - over),
-        sp_budget_s=max(0.0, cap - predicted) / len(loads),
+        prefill_budget_s=p_budget,
+        sp_budget_s=leftover,
         predicted_round_s=predicted,
         round_cap_s=cap,
         decode_slack_s=slack,
         switch_s=switch_s,
+        slot_budget_s=p_budget + d * t_m + leftover,
+        prefill_cut_s=demand - prefill,
     )
 
 

@@ -37,6 +37,10 @@ class SchedulerConfig:
     # the paper's resumable mode (running calls decode on in the model's next slot), which
     # needs an engine that parks running calls' KV across a switch.
     drain_on_switch: bool = True
+    # A contended slot decodes on past its protected decode until its share of the round
+    # budget is spent (paper §3.4: "the slot closes when the round budget is exhausted");
+    # False closes it as soon as protected decode (Eq. 4's minimum) is done.
+    fill_slot: bool = True
     gamma: float = 0.9  # Eq. 5 margin: round <= gamma * ttft_target_s
     ttft_target_s: float = 10.0
     tpot_target_s: float = 0.2  # Eq. 4 average time per output token

@@ -25,10 +25,16 @@ class Slot:
     decodes: int = 0
     last: str = ""  # P | SP | D: what ran last; SP only follows a decode
     extended: bool = False  # decoding on past its round because nothing else waits
+    deadline: float = float("inf")  # end of the slot's time budget (fill_slot)
+    sp_retry: bool = False  # an SP candidate was left only for the batch cap: try next boundary
 
     @property
     def at_decode_boundary(self) -> bool:
         return self.last == "D"
+
+    def filling(self, now: float) -> bool:
+        """Past protected decode but still inside the slot's time budget."""
+        return now < self.deadline - 1e-9
 
     @property
     def decode_left(self) -> int:

@@ -7,6 +7,7 @@ and `abort` may come at any time, including while an action is executing.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -72,6 +73,7 @@ class RoundScheduler:
         self._target: str | None = None  # model the in-flight or next switch opens
         self._inflight: _Inflight | None = None
         self._hot_last = ""
+        self._max_steps = 1  # decode steps the current next_action call may hand out
 
     # ---- driver API -------------------------------------------------------------------
 
@@ -84,10 +86,18 @@ class RoundScheduler:
             raise InvalidWorkError(work.call_id, f"needs more KV than the whole budget ({budget} B)")
         self.calls.add(work, now)
 
-    def next_action(self, now: float) -> Action:
-        """What the executor should do next. Every non-Idle action must be reported done."""
+    def next_action(self, now: float, max_decode_steps: int = 1) -> Action:
+        """What the executor should do next. Every non-Idle action must be reported done.
+
+        `max_decode_steps` > 1 lets a Decode cover several iterations (`Decode.steps`),
+        cut at the next boundary the scheduler would act on, so the result equals that
+        many single-step Decodes (a simulator uses it to advance many tokens per event).
+        """
         if self._inflight is not None:
             raise SchedulerBusyError(self._inflight.action)
+        if max_decode_steps < 1:
+            raise ValueError(f"max_decode_steps={max_decode_steps} < 1")
+        self._max_steps = max_decode_steps
         action = self._next_hot(now) if self.config.pool == "hot" else self._next_cold(now)
         if not isinstance(action, Idle):
             self._inflight = _Inflight(action, now, self.estimate_s(action))
@@ -108,15 +118,22 @@ class RoundScheduler:
         self._finish(action.call_ids, done, now)
         return self.drain_events()
 
-    def on_decode_done(self, action: Decode, now: float, finished: Iterable[str] = ()) -> list[SchedulerEvent]:
-        """One decode iteration ran. `finished`: calls that hit EOS/stop this step."""
+    def on_decode_done(
+        self, action: Decode, now: float, finished: Iterable[str] = (), steps: int | None = None
+    ) -> list[SchedulerEvent]:
+        """`steps` decode iterations ran (default: all of `action.steps`; fewer when the
+        driver stopped early). `finished`: calls that hit EOS/stop in the last step."""
+        ran = action.steps if steps is None else steps
+        if not 1 <= ran <= action.steps:
+            raise ValueError(f"steps={steps} not in [1, {action.steps}]")
         done = _finished_in(action, finished)
         flight = self._complete(action)
-        self.costs.observe("decode", action.model, flight.predicted_s, now - flight.issued_at)
+        predicted = flight.predicted_s if ran == action.steps else self._decode_s(action, ran)
+        self.costs.observe("decode", action.model, predicted, now - flight.issued_at)
         for call in self._known(action.call_ids):
-            call.generated += 1
+            call.generated += ran
         if self.slot is not None:
-            self.slot.decodes += 1
+            self.slot.decodes += ran
             self.slot.last = "D"
         self._hot_last = "D"
         self._finish(action.call_ids, done, now)
@@ -156,12 +173,21 @@ class RoundScheduler:
         match action:
             case Prefill(call_ids=ids):
                 return sum(self._cost(c) for c in self._known(ids))
-            case Decode(call_ids=ids, model=model):
-                calls = list(self._known(ids))
-                return self.costs.decode_step_s(model, len(calls), sum(c.context_tokens for c in calls))
+            case Decode():
+                return self._decode_s(action, action.steps)
             case SwitchModel(from_model=a, to_model=b, staged=staged):
                 return self.costs.switch_s(a, b, staged)
         return 0.0
+
+    def _decode_s(self, action: Decode, steps: int) -> float:
+        """`steps` iterations; context grows by one token per call per step, so the sum
+        is `steps` steps at the mean context (exact for costs linear in context)."""
+        calls = list(self._known(action.call_ids))
+        n = len(calls)
+        ctx = sum(c.context_tokens for c in calls)
+        if steps == 1:
+            return self.costs.decode_step_s(action.model, n, ctx)
+        return steps * self.costs.decode_step_s(action.model, n, ctx + n * (steps - 1) / 2)
 
     def snapshot(self, now: float) -> SchedulerView:
         return build_view(self, now)
@@ -237,6 +263,7 @@ class RoundScheduler:
         loads = {m: self._load(m) for m in order}
         plan = plan_slot(model, loads, switch_cycle_s(order, self.device_model, self._price), self.config)
         self.slot = Slot(model, plan, now, plan.protected_decode, plan.prefill_budget_s, plan.sp_budget_s)
+        self.slot.deadline = now + plan.slot_budget_s if self.config.fill_slot else now
         rnd.slots.append(model)
         rnd.predicted_s = plan.predicted_round_s
         self.reports.emit(
@@ -266,14 +293,37 @@ class RoundScheduler:
             self._extend(slot, now)
         elif slot.extended and contended:
             slot.protected = min(slot.protected, slot.decodes)  # the extension ends: Dfin now
-        if slot.at_decode_boundary and slot.decode_left > 0:
+            slot.deadline = min(slot.deadline, now)
+        open_ = slot.decode_left > 0 or slot.filling(now)
+        if slot.at_decode_boundary and open_:
             selection = self._select_sp(slot, now)
             if selection is not None and selection.admitted:
                 return self._start_prefill(selection, "SP", slot.model, now)
         running = self.calls.running_ids(slot.model)
-        if running and (slot.decode_left > 0 or self._must_drain(slot)):
-            return Decode(running, slot.model)
+        if running and (open_ or self._must_drain(slot)):
+            return self._decode(running, slot.model, slot, now)
         return None
+
+    def _decode(self, ids: tuple[str, ...], model: str, slot: Slot | None, now: float) -> Decode:
+        """A Decode of up to `max_decode_steps` iterations, cut at the next boundary."""
+        k = self._max_steps
+        if k == 1:
+            return Decode(ids, model)
+        calls = [self.calls.get(i) for i in ids]
+        k = min(k, min(c.work.max_tokens - c.generated for c in calls))
+        if slot is not None:
+            if slot.sp_retry:
+                k = 1
+            elif not self._contended(slot):
+                pass  # an extended slot: nothing to act on until a submission (driver stops)
+            elif slot.decode_left > 0:
+                k = min(k, slot.decode_left)
+            elif slot.filling(now):
+                step = self.costs.decode_step_s(model, len(calls), sum(c.context_tokens for c in calls))
+                k = min(k, max(1, math.ceil((slot.deadline - now) / step - 1e-9)) if step > 0 else 1)
+        elif self.calls.queued[model]:
+            k = 1  # hot pool: arrivals prefill at the next decode boundary
+        return Decode(ids, model, max(1, k))
 
     def _must_drain(self, slot: Slot) -> bool:
         """Dfin runs on past protected decode when the next slot is another model's and the
@@ -314,6 +364,7 @@ class RoundScheduler:
             time_s=slot.sp_left_s,
         )
         selection = select(eligible, limits, self._cost, self._kv, charge=slot.plan.sp_charge_s)
+        slot.sp_retry = selection.left_for("batch") > 0
         for call, reason in selection.left:
             self.reports.parked(call, _PARK_REASON.get(reason, reason), self.round, now)
         if selection.admitted:
@@ -346,7 +397,7 @@ class RoundScheduler:
         if self.round is not None:
             self._end_round(now)
         slot.extended = True
-        slot.protected += slot.plan.protected_decode
+        slot.protected = max(slot.protected, slot.decodes) + slot.plan.protected_decode
         slot.sp_left_s = slot.plan.sp_budget_s
 
     def _close_slot(self, now: float) -> None:
@@ -382,7 +433,7 @@ class RoundScheduler:
             if selection.admitted:
                 return self._start_prefill(selection, "hot", model, now)
         if running:
-            return Decode(running, model)
+            return self._decode(running, model, None, now)
         return Idle(None)
 
     # ---- shared helpers ---------------------------------------------------------------

@@ -73,10 +73,18 @@ class Prefill:
 
 @dataclass(frozen=True)
 class Decode:
-    """One decode iteration for every listed call: one new token each."""
+    """`steps` decode iterations for every listed call: one new token each per step.
+
+    `steps` is 1 unless the driver asked for more (`next_action(now, max_decode_steps=k)`);
+    the scheduler then picks steps up to the next boundary it cares about (a call reaching
+    max_tokens, the end of protected decode, the slot's time budget, a pending SP retry).
+    A driver that learns of a new submission mid-action may stop early and report the
+    steps it ran (`on_decode_done(..., steps=j)`).
+    """
 
     call_ids: tuple[str, ...]
     model: str = ""
+    steps: int = 1
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ def test_environment_is_parsed_into_typed_fields():
 @pytest.mark.parametrize("var,value", [
     ("TALARIA_HTTP_PORT", "eighty"), ("TALARIA_SP", "maybe"), ("TALARIA_POOL", "lukewarm"),
     ("TALARIA_DATABASE_URL", "mysql://x/y"), ("TALARIA_NATS_URL", "http://x"),
+    ("TALARIA_MODELS", "gpt-5"), ("TALARIA_CALL_TIMEOUT_S", "-1"),
 ])
 def test_bad_values_name_the_variable(var, value):
     with pytest.raises(SettingsError) as info:
@@ -39,4 +40,4 @@ def test_plain_and_sqlalchemy_postgres_urls_are_accepted(url):
 
 def test_hot_instance_pins_exactly_one_model():
     with pytest.raises(SettingsError):
-        Settings.from_env({"TALARIA_POOL": "hot", "TALARIA_MODELS": "a,b"})
+        Settings.from_env({"TALARIA_POOL": "hot", "TALARIA_MODELS": "qwen3-tiny,gpt2-tiny"})

@@ -75,6 +75,7 @@ class Driver:
     events: list = field(default_factory=list)
     eos: dict[str, int] = field(default_factory=dict)  # call -> finish after this many tokens
     slowdown: float = 1.0  # the "engine" takes this multiple of the scheduler's estimate
+    max_steps: int = 1  # next_action(now, max_decode_steps=...); >1 stops early on arrivals
     _arrivals: list = field(default_factory=list)
     _n: int = 0
 
@@ -88,7 +89,7 @@ class Driver:
 
     def step(self) -> Action:
         self._arrive(self.now)
-        action = self.sched.next_action(self.now)
+        action = self.sched.next_action(self.now, self.max_steps)
         self.trace.append(label(action))
         self.actions.append(action)
         if isinstance(action, SwitchModel) and self.sched.config.drain_on_switch and action.from_model:
@@ -100,12 +101,19 @@ class Driver:
                 self.now = max(self.now, self._arrivals[0][0])
             return action
         took = self.duration(action)
+        steps = None
+        if isinstance(action, Decode) and action.steps > 1 and self._arrivals:
+            # a submission mid-action: stop at the first step boundary at or after it
+            arrival = self._arrivals[0][0]
+            if arrival < self.now + took:
+                steps = next(j for j in range(1, action.steps + 1) if self.now + self.duration(action, j) >= arrival)
+                took = self.duration(action, steps)
         self.now += took
         self._arrive(self.now)
-        self.events += self._complete(action, took)
+        self.events += self._complete(action, took, steps)
         return action
 
-    def duration(self, action) -> float:
+    def duration(self, action, steps: int | None = None) -> float:
         """What the action "really" takes: the uncalibrated profile times `slowdown`,
         computed the way a simulator would (the scheduler's own estimate may drift)."""
         s, truth = self.sched, self.sched.costs.base
@@ -116,7 +124,9 @@ class Driver:
                 took = sum(call_prefill_s(truth, s.calls.get(c).work, s.config.hkvr) for c in ids if c in s.calls)
             case Decode(call_ids=ids, model=m):
                 live = [s.calls.get(c) for c in ids if c in s.calls]
-                took = truth.decode_step_s(m, len(live), sum(c.context_tokens for c in live))
+                ctx = sum(c.context_tokens for c in live)
+                k = action.steps if steps is None else steps
+                took = sum(truth.decode_step_s(m, len(live), ctx + len(live) * i) for i in range(k))
         return took * self.slowdown
 
     def run(self, max_steps=10_000) -> list[str]:
@@ -141,7 +151,7 @@ class Driver:
             t, _, w = heapq.heappop(self._arrivals)
             self.sched.submit(w, t)
 
-    def _complete(self, action, took):
+    def _complete(self, action, took, steps=None):
         s = self.sched
         match action:
             case SwitchModel():
@@ -149,7 +159,7 @@ class Driver:
             case Prefill():
                 return s.on_prefill_done(action, self.now, self._eos(action, True))
             case Decode():
-                return s.on_decode_done(action, self.now, self._eos(action, False))
+                return s.on_decode_done(action, self.now, self._eos(action, False), steps)
         raise AssertionError(action)
 
     def _eos(self, action, prefill):

@@ -55,13 +55,28 @@ def test_infeasible_tpot_uses_the_longest_decode_the_round_cap_allows():
     assert plan.protected_decode == math.floor((9.0 - 1.0) / 0.3)
 
 
-def test_over_cap_round_cuts_p_back_but_keeps_protected_decode():
+def test_over_cap_round_cuts_p_back_and_sizes_protected_decode_for_what_runs():
     loads = {"a": ModelLoad(0.01, 7.0), "b": ModelLoad(0.01, 0.0)}
     plan = plan_slot("a", loads, switch_s=2.0, config=SchedulerConfig())
-    # F = 9 s -> d = 50 -> R = 10 s > 9 s cap: P of a loses the 1 s overshoot
+    # F = 9 s would need d = 50 -> R = 10 s > 9 s cap. The capped round carries at most
+    # F_max = cap * slack / T_TPOT = 9 * 0.18 / 0.2 = 8.1 s, so P of a gets 6.1 s and d
+    # is sized for that: ceil(8.1 / 0.18) = 45, R = 8.1 + 45 * 0.02 = 9.0 s.
+    # (The earlier expectation, d = 50 with P cut to 6 s, reserved decode for the 1 s of
+    # prefill left waiting; with a deep queue that clamped d and starved P to one call.)
     assert plan.over_budget and plan.sp_budget_s == 0.0
-    assert plan.protected_decode == 50
-    assert math.isclose(plan.prefill_budget_s, 6.0)
+    assert plan.protected_decode == 45
+    assert math.isclose(plan.prefill_budget_s, 6.1)
+    assert math.isclose(plan.prefill_cut_s, 0.9)
+    assert plan.predicted_round_s <= plan.round_cap_s + 1e-9
+    assert plan.protected_decode * 0.2 >= plan.predicted_round_s - 1e-9  # Eq. 4 still holds
+
+
+def test_deep_queue_does_not_starve_p():
+    # 120 s of queued first calls across three models (the simulator's fixed replay start)
+    loads = {m: ModelLoad(0.018, 40.0) for m in "abc"}
+    plan = plan_slot("a", loads, switch_s=0.3, config=SchedulerConfig())
+    assert plan.prefill_budget_s > 1.0  # P still gets its share of the capped round
+    assert plan.predicted_round_s <= plan.round_cap_s + 1e-9
 
 
 def test_slot_length_bounds_clamp_protected_decode():

@@ -28,7 +28,8 @@ def slots_of(trace):
 
 
 def test_round_robin_one_slot_per_active_model_per_round():
-    d = Driver(make(models=("a", "b", "c"), drain_on_switch=False))
+    # fill_slot=False: slots end with protected decode, so 60 tokens span several rounds
+    d = Driver(make(models=("a", "b", "c"), drain_on_switch=False, fill_slot=False))
     for m in "abc":
         d.submit(work(f"{m}1", m, max_tokens=60))
     d.run()
@@ -41,7 +42,7 @@ def test_round_robin_one_slot_per_active_model_per_round():
 
 
 def test_p_comes_before_first_decode_in_every_slot():
-    d = Driver(make(models=("a", "b"), drain_on_switch=False))
+    d = Driver(make(models=("a", "b"), drain_on_switch=False, fill_slot=False))
     d.submit(work("a1", "a", max_tokens=30))
     d.submit(work("b1", "b", max_tokens=30))
     d.run()
@@ -168,10 +169,31 @@ def test_drain_mode_switches_only_once_the_outgoing_model_is_empty():
 
 
 def test_paper_mode_leaves_running_calls_for_the_next_slot():
-    d = Driver(make(models=("a", "b"), drain_on_switch=False))
+    d = Driver(make(models=("a", "b"), drain_on_switch=False, fill_slot=False))
     d.submit(work("a1", "a", max_tokens=120))
     d.submit(work("b1", "b", max_tokens=5))
     d.run()
     first_switch = d.trace.index("S:b")
     assert first_switch < d.trace.index("P:a:a1") + 120
     assert d.trace[first_switch + 1 :].count("S:a") >= 1  # a1 resumes in a's next slot
+
+
+def test_fill_slot_decodes_on_until_the_slot_budget_is_spent():
+    # Paper §3.4: a slot closes when the round budget is exhausted, not right after the
+    # protected decode (Eq. 4's minimum); otherwise cheap switches make rounds of a few
+    # decode steps per model and the instance thrashes between models.
+    def run(fill):
+        d = Driver(make(models=("a", "b"), drain_on_switch=False, fill_slot=fill))
+        d.submit(work("a1", "a", max_tokens=400))
+        d.submit(work("b1", "b", max_tokens=400))
+        d.run()
+        return d
+    filled, minimal = run(True), run(False)
+    switches = lambda d: sum(t.startswith("S:") for t in d.trace)
+    assert switches(filled) < switches(minimal)
+    opened = filled.of(SlotOpened)[1]
+    slot_a = slots_of(filled.trace)[0][1]
+    assert sum(t.startswith("D:") for t in slot_a) > opened.protected_decode
+    # the slot stays within its time budget (one decode step of slack)
+    for r in filled.of(RoundEnded)[:-1]:
+        assert r.wall_s <= 9.0 + 2 * 1.0 + 0.05  # the cap, plus switch estimate drift

@@ -119,7 +119,7 @@ def test_kv_budget_bounds_the_sp_batch():
 
 
 def test_return_in_the_final_decode_is_parked_until_the_next_slot():
-    d = two_model_driver()
+    d = two_model_driver(fill_slot=False)  # the slot ends with its protected decode
     d.run_until(
         lambda d: d.sched.slot is not None
         and d.sched.slot.model == "a"
