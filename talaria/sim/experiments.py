@@ -171,7 +171,8 @@ def write_json(data: dict, path: Path) -> None:
     path.write_text(json.dumps(_clean(data), indent=1))
 
 
-def run(names: list[str], out_dir: Path, json_path: Path | None, backend: str, quick: bool) -> dict:
+def run(names: list[str], out_dir: Path, json_path: Path | None, backend: str, quick: bool,
+        scale_sessions: int | None = None) -> dict:
     results: dict = {}
     for name in names:
         if name == "fixed-replay":
@@ -180,6 +181,8 @@ def run(names: list[str], out_dir: Path, json_path: Path | None, backend: str, q
                 results["fixed-replay-crosscheck-fast"] = fixed_replay_exp("fast")
         elif name == "scale" and quick:
             results[name] = scale_exp(sessions=60, instances=4, models=4, arrival_rate_s=0.2)
+        elif name == "scale" and scale_sessions:
+            results[name] = scale_exp(sessions=scale_sessions)
         else:
             results[name] = EXPERIMENTS[name]()
         for key in [k for k in results if k.startswith(name)]:
@@ -203,12 +206,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instance scheduler (services = the agent's RoundScheduler; "
                              "fast = built-in cross-check, also run beside services for the fixed replay)")
     parser.add_argument("--quick", action="store_true", help="small scale run (tests, smoke)")
+    parser.add_argument("--scale-sessions", type=int, default=None,
+                        help="sessions of the scale run (default 10,000)")
     parser.add_argument("--no-report", action="store_true")
 
 
 def run_from_args(args) -> int:
     names = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
-    results = run(names, args.out, args.json, args.backend, args.quick)
+    results = run(names, args.out, args.json, args.backend, args.quick, args.scale_sessions)
     if args.experiment == "all" and not args.no_report:
         from talaria.sim.report import write_report
 

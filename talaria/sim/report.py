@@ -205,18 +205,22 @@ def write_report(results: dict, out: Path, notes: str = NOTES) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     lines = ["# Talaria simulator report", "", notes, ""]
     if "fixed-replay" in results:
-        lines += fixed_replay_section(results["fixed-replay"], out, "TP=8 fixed replay (built-in `fast` scheduler)", "fixed")
-    if "fixed-replay-services" in results:
-        lines += fixed_replay_section(
-            results["fixed-replay-services"], out,
-            "TP=8 fixed replay (instance agent's RoundScheduler, `services` backend)", "fixed_services",
-        )
+        backend = results["fixed-replay"].get("backend", "services")
+        title = ("TP=8 fixed replay (instance agent's RoundScheduler, `services` backend)" if backend == "services"
+                 else f"TP=8 fixed replay (`{backend}` backend)")
+        lines += fixed_replay_section(results["fixed-replay"], out, title, "fixed")
     if "router" in results:
         lines += router_section(results["router"], out)
     if "tau-sweep" in results:
         lines += tau_section(results["tau-sweep"], out)
     if "scale" in results:
         lines += scale_section(results["scale"], out)
+    if "fixed-replay-crosscheck-fast" in results:
+        lines += fixed_replay_section(
+            results["fixed-replay-crosscheck-fast"], out,
+            "CROSS-CHECK ONLY, not a reported result: fixed replay on the simulator's built-in `fast` "
+            "copy of the instance policy", "crosscheck_fast",
+        )
     path = out / "sim_report.md"
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -6,7 +6,7 @@ import json
 import random
 
 import pytest
-from router_support import call, core, done, snap
+from router_support import call, core, done, of_type, snap
 
 from services.router.core import RouterCore
 from services.router.policy.registry import create_policy
@@ -121,3 +121,16 @@ def test_to_dict_round_trips_through_json_and_routes_identically():
 def test_from_dict_refuses_unknown_format():
     with pytest.raises(ValueError, match="format"):
         RouterState.from_dict({"format": 99})
+
+
+def test_a_redelivered_submission_is_never_routed_twice():
+    c = core()
+    c.observe(snap("a"), 0.0)
+    first = c.handle(call("c1"), 0.0)
+    assert len(of_type(first, CallRouted)) == 1
+    assert c.handle(call("c1"), 0.5) == []  # the router crashed before acking: same input again
+    # ...and after a restart from the folded events, too.
+    rebuilt = RouterCore(c.policy)
+    for event in first:
+        rebuilt.state.apply(event)
+    assert rebuilt.handle(call("c1"), 1.0) == []

@@ -134,3 +134,30 @@ def test_tiny_experiment_and_cli(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"session": "s"}\n')
     assert cli_main(["run", "--trace", str(bad)]) == 2
+
+
+@pytest.mark.parametrize("name", ["talaria", "round-only"])
+def test_multi_step_decode_matches_single_steps_in_the_simulator(name):
+    # Two model-sessions per model, first six calls each: small enough for 1-step stepping.
+    sessions = [Session(s.id, s.calls[:6]) for s in fixed_replay()[:6]]
+    gaps = GapModel("paper", 10.0)
+    runs = {}
+    for k in (1, 4096):
+        flags = InstanceFlags.ablation(name, max_decode_steps=k)
+        res = simulate(sessions, RunConfig(PAPER_TP8, flags=flags, gaps=gaps))
+        runs[k] = (res, {j.call_id: (j.first_token_t, j.done_t, j.via) for j in res.jobs})
+    (r1, one), (rk, many) = runs[1], runs[4096]
+    assert one.keys() == many.keys()
+    for cid, (ft, done, via) in one.items():
+        assert many[cid][2] == via, cid
+        assert many[cid][0] == pytest.approx(ft, abs=1e-6), cid
+        assert many[cid][1] == pytest.approx(done, abs=1e-6), cid
+    assert rk.events < r1.events / 5  # and it is the point: far fewer events
+
+
+def test_reported_experiments_use_the_agent_scheduler():
+    from talaria.sim.services_backend import ServicesInstance
+
+    assert RunConfig(PAPER_TP8).backend == "services"
+    res = simulate([_small()], RunConfig(PAPER_TP8))
+    assert all(isinstance(i, ServicesInstance) for i in res.instances)
