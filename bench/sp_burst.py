@@ -101,7 +101,7 @@ class Driver:
                 hook(self)
 
 
-def scenario(data: Path, device: str, sp: bool, sessions: int, prefix: int) -> dict:
+def scenario(data: Path, device: str, sp: bool, sessions: int, prefix: int, long_tokens: int) -> dict:
     engine = TorchEngine(data, [A, B], device=device, kv_pages=2048, host_kv_pages=4096)
     d = Driver(engine, sp)
     try:
@@ -112,8 +112,8 @@ def scenario(data: Path, device: str, sp: bool, sessions: int, prefix: int) -> d
             firsts[i] = req
         d.run_until_idle()
         for i in range(4):  # long work on both models keeps the rounds turning
-            d.submit(GenRequest(f"la{i}", f"la{i}", A, prompt(64, 100 + i), 48), continuation=False)
-            d.submit(GenRequest(f"lb{i}", f"lb{i}", B, prompt(64, 200 + i), 48), continuation=False)
+            d.submit(GenRequest(f"la{i}", f"la{i}", A, prompt(64, 100 + i), long_tokens), continuation=False)
+            d.submit(GenRequest(f"lb{i}", f"lb{i}", B, prompt(64, 200 + i), long_tokens), continuation=False)
         burst = []
 
         def inject(driver: Driver) -> None:
@@ -149,6 +149,7 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--prefix", type=int, default=1024, help="tokens of each returning session's prefix")
+    ap.add_argument("--long-tokens", type=int, default=192, help="output length of the long calls in flight")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="results/sp_burst.md")
@@ -158,7 +159,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):
             for sp in (True, False):  # interleaved so machine noise hits both alike
-                runs[sp].append(scenario(Path(tmp), args.device, sp, args.sessions, args.prefix))
+                runs[sp].append(scenario(Path(tmp), args.device, sp, args.sessions, args.prefix, args.long_tokens))
                 print(f"rep {rep} sp={sp}: p50 {runs[sp][-1]['ttft_p50'] * 1e3:.1f} ms", file=sys.stderr)
     assert all(r["texts"] == runs[True][0]["texts"] for r in runs[True] + runs[False]), "SP changed output"
     on = {k: statistics.median(r[k] for r in runs[True]) for k in ("ttft_p50", "ttft_p95")}
@@ -166,7 +167,8 @@ def main() -> int:
     lines = [
         "# Session-prefill burst (torch engine, one cold instance, two models)", "",
         f"device `{args.device}`, {args.sessions} returning sessions with {args.prefix}-token prefixes, "
-        f"4 long calls per model in flight, median of {args.reps} interleaved runs. "
+        f"4 long calls ({args.long_tokens} output tokens) per model in flight, median of {args.reps} "
+        "interleaved runs. "
         "Command: `python bench/sp_burst.py`.", "",
         "| SP | return TTFT p50 (ms) | return TTFT p95 (ms) | admitted via P / SP | KV source |",
         "|---|---:|---:|---|---|",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Literal, Union
 
 import msgspec
-from msgspec import Struct, field
+from msgspec import Struct
 
 KvSource = Literal["device", "host", "recompute", "none"]
 
@@ -355,9 +355,6 @@ def encode(message: Struct) -> bytes:
 def replace(message: Struct, **changes) -> Struct:
     return msgspec.structs.replace(message, **changes)
 
-
-__all__ = [name for name in dir() if not name.startswith("_")]
-_ = field  # re-exported for callers that build Structs with defaults
 
 
 class ServiceHeartbeat(Struct, frozen=True):

@@ -189,6 +189,16 @@ class RoundScheduler:
             return self.costs.decode_step_s(action.model, n, ctx)
         return steps * self.costs.decode_step_s(action.model, n, ctx + n * (steps - 1) / 2)
 
+    def _steps_to(self, action: Decode, remaining_s: float) -> int:
+        """Fewest steps whose predicted time reaches `remaining_s` (context grows per step)."""
+        step = self._decode_s(action, 1)
+        if step <= 0:
+            return 1
+        k = max(1, math.ceil(remaining_s / step - 1e-9))
+        while k > 1 and self._decode_s(action, k - 1) >= remaining_s - 1e-9:
+            k -= 1
+        return k
+
     def snapshot(self, now: float) -> SchedulerView:
         return build_view(self, now)
 
@@ -319,8 +329,7 @@ class RoundScheduler:
             elif slot.decode_left > 0:
                 k = min(k, slot.decode_left)
             elif slot.filling(now):
-                step = self.costs.decode_step_s(model, len(calls), sum(c.context_tokens for c in calls))
-                k = min(k, max(1, math.ceil((slot.deadline - now) / step - 1e-9)) if step > 0 else 1)
+                k = min(k, self._steps_to(Decode(ids, model), slot.deadline - now))
         elif self.calls.queued[model]:
             k = 1  # hot pool: arrivals prefill at the next decode boundary
         return Decode(ids, model, max(1, k))
