@@ -1,33 +1,3 @@
-"""Engine test fixtures: one data dir with the catalogue's weights, small engines."""
+"""Fixtures: see tests/unit/torch_fixtures.py."""
 
-from __future__ import annotations
-
-import pytest
-import torch
-
-torch.set_num_threads(1)
-
-MODELS = ["qwen3-tiny", "qwen3-moe-tiny", "gpt2-tiny"]
-
-
-@pytest.fixture(scope="session")
-def data_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("engine-data")
-
-
-@pytest.fixture
-def make_engine(data_dir):
-    from services.instance_agent.engine import TorchEngine
-
-    made = []
-
-    def make(models=None, **kw):
-        kw.setdefault("kv_pages", 96)
-        kw.setdefault("host_kv_pages", 512)
-        eng = TorchEngine(data_dir, models or MODELS, **kw)
-        made.append(eng)
-        return eng
-
-    yield make
-    for eng in made:
-        eng.close()
+from tests.unit.torch_fixtures import MODELS, data_dir, make_engine  # noqa: F401

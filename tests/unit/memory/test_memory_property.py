@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from services.instance_agent.engine.sampling import output_mask
+from shared.tokenizer import EOS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -32,6 +33,8 @@ def reference(model: str, prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
         nxt = int((logits + output_mask(logits.shape[-1], logits.device)).argmax())
         out.append(nxt)
         ids.append(nxt)
+        if nxt == EOS:  # the engine stops at EOS too (and reports it)
+            break
     return tuple(out)
 
 

@@ -98,7 +98,13 @@ def test_oracle_bounds_every_configuration(replay, backend):
             assert row["sct"] >= row["oracle"] - 1e-6
 
 
-def test_talaria_beats_round_only(replay):
+def test_talaria_beats_round_only():
+    # Two sessions per model, so the instance time-shares three models (the `replay`
+    # fixture's sessions are all one model: there Talaria and Round-only tie, no switches).
+    by_model: dict = {}
+    for sess in fixed_replay():
+        by_model.setdefault(sess.model, []).append(Session(sess.id, sess.calls[:12]))
+    replay = [x for group in by_model.values() for x in group[:2]]
     gaps = GapModel("paper", 10.0)
     t = summarise(simulate(replay, RunConfig(PAPER_TP8, flags=InstanceFlags.ablation("talaria"), gaps=gaps)))
     r = summarise(simulate(replay, RunConfig(PAPER_TP8, flags=InstanceFlags.ablation("round-only"), gaps=gaps)))
