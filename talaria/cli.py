@@ -41,7 +41,13 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         changes["models"] = tuple(m.strip() for m in args.models.split(",") if m.strip())
     settings = _apply_ablation(settings.with_(**changes), args)
     _check_policy(settings.policy)
-    stack = Stack(settings, agents=args.agents)
+    from shared.catalog import CATALOG
+
+    unknown = [m for m in args.hot if m not in CATALOG]
+    if unknown:
+        print(f"talaria: --hot {unknown[0]}: unknown model; known: {', '.join(sorted(CATALOG))}", file=sys.stderr)
+        return 2
+    stack = Stack(settings, agents=args.agents, hot=tuple(args.hot))
     stopping = False
 
     def on_signal(signum, frame):
@@ -56,7 +62,7 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     try:
         stack.start(progress=lambda m: print(f"talaria: {m}", flush=True))
         print(f"talaria: ready in {time.monotonic() - t0:.1f}s — gateway {stack.gateway_url} "
-              f"(policy {settings.policy}, {args.agents} agents)", flush=True)
+              f"(policy {settings.policy}, {args.agents} cold agents, {len(args.hot)} hot)", flush=True)
         print(f"talaria: NATS {stack.nats_url}  Postgres {stack.database_url}", flush=True)
         print(f"talaria: try  curl -s {stack.gateway_url}/v1/chat/completions -H 'X-Session-Id: demo' "
               "-H 'Content-Type: application/json' -d '{\"model\":\"qwen3-tiny\",\"messages\":"
@@ -175,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start the whole stack (embedded NATS/Postgres unless URLs are set)")
     up.add_argument("--agents", type=int, default=2, help="instance agents to start (default 2)")
+    up.add_argument("--hot", action="append", default=[], metavar="MODEL",
+                    help="add a hot-pool agent pinned to MODEL (repeatable); --agents are the cold pool")
     up.add_argument("--port", type=int, default=None, help="gateway HTTP port (default 8000; 0 = any free)")
     up.add_argument("--data-dir", default=None, help="data directory (default .talaria)")
     up.add_argument("--policy", default=None, help="routing policy (default talaria)")

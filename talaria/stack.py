@@ -43,6 +43,7 @@ def _reachable(what: str, url: str, timeout: float = 3.0) -> None:
 class Stack:
     settings: Settings
     agents: int = 2
+    hot: tuple[str, ...] = ()  # one extra hot-pool agent pinned to each of these models
     log_to_files: bool = True
     embedded: list = field(default_factory=list)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
@@ -131,11 +132,14 @@ class Stack:
         for i in range(self.agents):
             self._spawn(f"agent-{i}", "services.instance_agent", data, TALARIA_INSTANCE_ID=f"agent-{i}",
                         TALARIA_POOL=self.settings.pool)
+        for model in self.hot:
+            self._spawn(f"hot-{model}", "services.instance_agent", data, TALARIA_INSTANCE_ID=f"hot-{model}",
+                        TALARIA_POOL="hot", TALARIA_MODELS=model)
         self._spawn("gateway", "services.gateway", data, TALARIA_HTTP_PORT=str(port))
 
     def _wait_ready(self, timeout: float, progress) -> None:
         deadline = time.monotonic() + timeout
-        want_agents = {f"agent-{i}" for i in range(self.agents)}
+        want_agents = {f"agent-{i}" for i in range(self.agents)} | {f"hot-{m}" for m in self.hot}
         last = None
         while time.monotonic() < deadline:
             for name, proc in self.procs.items():

@@ -26,6 +26,7 @@ class Slot:
     last: str = ""  # P | SP | D: what ran last; SP only follows a decode
     extended: bool = False  # decoding on past its round because nothing else waits
     deadline: float = float("inf")  # end of the slot's time budget (fill_slot)
+    free_run: bool = False  # the decode in flight was issued uncontended, past protected decode allowed
     sp_retry: bool = False  # an SP candidate was left only for the batch cap: try next boundary
 
     @property

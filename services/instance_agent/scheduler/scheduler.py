@@ -132,8 +132,13 @@ class RoundScheduler:
         self.costs.observe("decode", action.model, predicted, now - flight.issued_at)
         for call in self._known(action.call_ids):
             call.generated += ran
-        if self.slot is not None:
-            self.slot.decodes += ran
+        slot = self.slot
+        if slot is not None:
+            slot.decodes += ran
+            if slot.free_run:
+                slot.free_run = False
+                if not slot.extended and slot.decodes > slot.protected:
+                    self._extend(slot, now)
             self.slot.last = "D"
         self._hot_last = "D"
         self._finish(action.call_ids, done, now)
@@ -304,7 +309,9 @@ class RoundScheduler:
         elif slot.extended and contended:
             slot.protected = min(slot.protected, slot.decodes)  # the extension ends: Dfin now
             slot.deadline = min(slot.deadline, now)
-        open_ = slot.decode_left > 0 or slot.filling(now)
+        # Slot fill amortises switches: it only applies while another model waits (a lone
+        # model's slot closes after protected decode so its queued work gets the next P).
+        open_ = slot.decode_left > 0 or (slot.filling(now) and self._others_active(slot.model))
         if slot.at_decode_boundary and open_:
             selection = self._select_sp(slot, now)
             if selection is not None and selection.admitted:
@@ -325,14 +332,20 @@ class RoundScheduler:
             if slot.sp_retry:
                 k = 1
             elif not self._contended(slot):
-                pass  # an extended slot: nothing to act on until a submission (driver stops)
+                # Nothing to act on until a submission (the driver stops at the next step
+                # boundary then); passing protected decode here is the `_extend` that
+                # single steps would have made at its end (done in on_decode_done).
+                slot.free_run = True
             elif slot.decode_left > 0:
                 k = min(k, slot.decode_left)
-            elif slot.filling(now):
+            elif slot.filling(now) and self._others_active(model):
                 k = min(k, self._steps_to(Decode(ids, model), slot.deadline - now))
         elif self.calls.queued[model]:
             k = 1  # hot pool: arrivals prefill at the next decode boundary
         return Decode(ids, model, max(1, k))
+
+    def _others_active(self, model: str) -> bool:
+        return any(self.calls.active(m) for m in self.models if m != model)
 
     def _must_drain(self, slot: Slot) -> bool:
         """Dfin runs on past protected decode when the next slot is another model's and the
@@ -395,8 +408,13 @@ class RoundScheduler:
         """Whether work other than this slot's decode and SP candidates is waiting."""
         if any(self.calls.active(m) for m in self.models if m != slot.model):
             return True
+        # An SP candidate already parked (it did not fit the SP budget or batch) needs a P:
+        # it contends, so an extended slot ends and the next slot's P admits it. (Counting
+        # it as SP-served let an extended slot decode on for minutes while it waited.)
         sp = self.config.sp
-        return any(not (sp and self._sp_eligible(c, slot)) for c in self.calls.queued[slot.model].values())
+        return any(
+            not (sp and not c.parked and self._sp_eligible(c, slot)) for c in self.calls.queued[slot.model].values()
+        )
 
     def _extend(self, slot: Slot, now: float) -> None:
         # Nothing to rotate to and nothing waiting for a P: closing would only open an
