@@ -4,7 +4,7 @@
 
 One cold instance time-shares two models. Long calls keep both models busy; while model A's
 slot is decoding, a burst of A's sessions returns from their tool calls (KV still on the
-device or in the host registry). With SP they are admitted at the next decode boundary of
+device or in the host registry) and new work for model B arrives. With SP they are admitted at the next decode boundary of
 A's slot; without it they wait for A's next slot, after B's. The real RoundScheduler drives
 the real TorchEngine, exactly as the instance agent does (synchronously here). Reports the
 returning calls' TTFT p50/p95 for SP on and off, and their ratio, from one run.
@@ -120,6 +120,8 @@ def scenario(data: Path, device: str, sp: bool, sessions: int, prefix: int, long
             # The tool results come back while A's slot is decoding (after its P, as in the paper).
             if burst or "la0" not in driver.via or driver.last_decode_model != A:
                 return
+            for i in range(4):  # meanwhile model B's traffic keeps arriving
+                driver.submit(GenRequest(f"nb{i}", f"nb{i}", B, prompt(64, 400 + i), long_tokens), continuation=False)
             for i in range(sessions):
                 prev = firsts[i]
                 out = d.results[prev.call_id].token_ids
