@@ -104,7 +104,10 @@ class RouterService:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await self._save(store)
+            try:
+                await self._save(store)
+            except Exception as exc:  # the replay on the next start covers what is not saved
+                self.log.warning("final projection save failed", error=str(exc))
             await close(self.nc)
             await db.dispose()
             provider.shutdown()
