@@ -58,7 +58,7 @@ class RouterCore:
             return []  # redelivered after a restart: already routed once, never twice
         entry = self.state.sessions.get(call.session_id)
         call_index = entry.calls if entry is not None else 0
-        started = time.perf_counter()
+        started = time.perf_counter()  # measures the decision for the audit row; never decides
         decision = self.policy.decide(self.state, call, now)
         decision_us = (time.perf_counter() - started) * 1e6
         audit = _audit(call, call_index, self.policy.name, decision, now, decision_us)
