@@ -6,8 +6,6 @@ import asyncio
 import contextlib
 from dataclasses import dataclass, field
 
-import nats
-
 from shared.settings import Settings
 
 
@@ -36,6 +34,9 @@ class Services:
             task.result()  # raises the service's startup error
             raise RuntimeError(f"{name} returned before it was ready")
         if waiter not in done:
+            waiter.cancel()
+            stop.set()
+            task.cancel()
             raise TimeoutError(f"{name} not ready after {timeout}s")
         running = Running(name, task, stop)
         self.running.append(running)
@@ -47,12 +48,3 @@ class Services:
                 await r.close()
         self.running.clear()
 
-
-async def next_message(nc, subject: str, timeout: float = 10.0):
-    """Subscribe, then return the first message (the caller triggers it after this is awaited)."""
-    sub = await nc.subscribe(subject)
-    return sub, lambda: sub.next_msg(timeout=timeout)
-
-
-async def connect(url: str):
-    return await nats.connect(url)
