@@ -61,6 +61,7 @@ from shared.messages import (
 from shared.tracing import extract_context
 
 FINISHED_MEMORY = 10_000
+SNAPSHOT_ON_CHANGE_MIN_S = 0.05  # besides the heartbeat, on change, at most this often
 IN_PROGRESS_EVERY_S = 20.0
 
 # Starting guesses for the tiny CPU models; CalibratedCosts corrects them from measurements.
@@ -95,6 +96,7 @@ class CallRunner:
         self.calls: dict[str, Running] = {}
         self.wakeup = asyncio.Event()
         self.version = 0
+        self.last_snapshot = 0.0
         self.opened_for: set[str] = set()  # calls whose slot began with a model switch
         # Calls finished here recently: a redelivery of one (its ack was lost) is acked, not rerun.
         self.finished: OrderedDict[str, None] = OrderedDict()
@@ -244,6 +246,7 @@ class CallRunner:
     # ---- scheduler events --------------------------------------------------------------
 
     async def _events(self, events) -> None:
+        changed = False
         for event in events:
             match event:
                 case CallAdmitted():
@@ -254,6 +257,7 @@ class CallRunner:
                     pass  # already failed and acked by whoever aborted it
                 case CallFinished():
                     await self._complete(event.call_id)
+                    changed = True
                 case RoundEnded():
                     await emit(self.js, RoundSummary(
                         instance_id=self.instance_id, round_index=event.round_index, wall_s=event.wall_s,
@@ -263,6 +267,8 @@ class CallRunner:
                 case CallParked() | DeadlineRisk():
                     self.log.info("scheduler", event=type(event).__name__, **{
                         k: v for k, v in event.__dict__.items() if k in ("call_id", "reason", "model")})
+        if changed and time.monotonic() - self.last_snapshot >= SNAPSHOT_ON_CHANGE_MIN_S:
+            await self.publish_snapshot()  # the router learns of freed capacity and new session KV now
 
     async def _complete(self, call_id: str) -> None:
         running = self.calls.pop(call_id, None)
@@ -356,6 +362,7 @@ class CallRunner:
 
     async def publish_snapshot(self) -> None:
         self.version += 1
+        self.last_snapshot = time.monotonic()
         try:
             snap = build_snapshot(self.settings, self.engine, self.sched, self.version, time.time())
             await self.nc.publish(subjects.telemetry(self.instance_id), encode(snap))
