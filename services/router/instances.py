@@ -9,7 +9,9 @@ is carried over instead of rebuilt.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
+
+import msgspec
 
 from shared.messages import InstanceSnapshot, ModelResidency, SessionKv
 
@@ -34,11 +36,38 @@ class InstanceView:
     pinned: str | None = field(init=False)
     _kv: dict[tuple[str, str], SessionKv] | None = field(default=None, init=False, repr=False)
     memo: dict = field(default_factory=dict, init=False, repr=False)  # costs.py per-model cache
+    prior: InitVar[InstanceView | None] = None  # the view this one replaces (reuse its lookups)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, prior: InstanceView | None = None) -> None:
         snap = self.snapshot
+        if prior is not None:
+            old = prior.snapshot
+            if old.models is snap.models and old.pool == snap.pool and old.active_model == snap.active_model:
+                # same residency list object: the lookup table and pinned model are unchanged
+                self.models, self.pinned = prior.models, prior.pinned
+                if prior.memo and old.sessions is snap.sessions and _same_but_stamp(old, snap):
+                    # a heartbeat re-send (only version/at differ): the per-model pricing
+                    # memo is derived from the snapshot alone, so it stays valid
+                    self.memo = prior.memo
+                return
         self.models = {m.model: m for m in snap.models}
         self.pinned = _pinned_model(snap) if snap.pool == "hot" else None
+
+    def restamp(self, snapshot: InstanceSnapshot, received_at: float) -> bool:
+        """Take `snapshot` in place when it differs from the current one only in version and
+        time (a heartbeat re-send): the same as replacing this view with a fresh one that
+        inherits `inflight` and the lookups (the overlay is reset as by any fresh snapshot).
+        Returns False, changing nothing, for any other snapshot."""
+        old = self.snapshot
+        if (old.sessions is not snapshot.sessions or old.models is not snapshot.models
+                or not _same_but_stamp(old, snapshot)):
+            return False
+        self.snapshot = snapshot
+        self.received_at = received_at
+        self.overlay = {}
+        self.overlay_tokens = 0
+        self.overlay_models = {}
+        return True
 
     @property
     def instance_id(self) -> str:
@@ -88,6 +117,11 @@ class InstanceView:
         """Calls waiting or running there, counting the overlay (the `queue` overload bound)."""
         snap = self.snapshot
         return sum(snap.queued.values()) + snap.running + len(self.overlay)
+
+
+def _same_but_stamp(old: InstanceSnapshot, new: InstanceSnapshot) -> bool:
+    """Whether two snapshots differ at most in `version` and `at`."""
+    return msgspec.structs.replace(old, version=new.version, at=new.at) == new
 
 
 def _pinned_model(snap: InstanceSnapshot) -> str | None:

@@ -98,7 +98,9 @@ class RouterState:
         old = self.instances.get(snapshot.instance_id)
         if old is not None and snapshot.version < old.snapshot.version:
             return  # out-of-order heartbeat
-        view = InstanceView(snapshot, now)
+        if old is not None and old.restamp(snapshot, now):
+            return  # a heartbeat re-send: same view, new version/time, overlay reset
+        view = InstanceView(snapshot, now, prior=old)
         if old is not None:
             view.inflight = old.inflight
             view.inherit_kv_index(old)

@@ -60,6 +60,7 @@ class RunConfig:
     label: str = ""
     progress: bool = False
     max_retries: int = 30  # a call rejected this many times fails (its session is abandoned)
+    max_wall_s: float | None = None  # stop the run after this much wall time (result incomplete)
 
 
 @dataclass
@@ -103,10 +104,14 @@ class Cluster:
         for k in range(config.instances):
             iid = f"inst-{k:02d}"
             self.instances[iid] = _make_instance(iid, config, self)
-        self._snap_at: dict[str, float] = {}
-        self._snap_ver: dict[str, int] = {}
+        # per instance, in instance order: [instance, last snapshot time, version, state key,
+        # last snapshot]; one list so the per-decision heartbeat scan is a single pass
+        self._snap_recs: list[list] = [[inst, -1e18, 0, None, None] for inst in self.instances.values()]
         self._snap_cache: dict[str, tuple[int, list[SessionKv]]] = {}
-        self._snap_last: dict[str, tuple[tuple, InstanceSnapshot]] = {}
+        self._host_cache: dict[str, tuple[int, list[SessionKv]]] = {}
+        self._model_consts: dict[str, tuple] = {}
+        self._models_cache: dict[tuple, list[ModelResidency]] = {}
+        self._snap_due = float("-inf")  # no snapshot refresh is due before this time
         self.counters = RouterCounters()
         self.jobs: list[Job] = []
         self.gaps_applied: dict[tuple[str, int], float] = {}
@@ -122,7 +127,12 @@ class Cluster:
             first = s.calls[0]
             self.loop.push(max(0.0, first.gap_before_s), self._release, (s.id, 0))
         progress = self._progress if self.config.progress else None
-        self.loop.run(progress=progress)
+        stop = None
+        if self.config.max_wall_s is not None:
+            deadline = started + self.config.max_wall_s
+            stop = lambda: time.perf_counter() > deadline  # noqa: E731
+        self.loop.run(progress=progress, stop=stop)
+        self.stopped_early = bool(self.loop._heap)
         now = self.loop.now
         self._count(self.router.tick(now + 3600.0))
         for inst in self.instances.values():
@@ -269,43 +279,79 @@ class Cluster:
 
     def _refresh_snapshots(self, now: float) -> None:
         hb = self.config.heartbeat_s
-        for iid, inst in self.instances.items():
-            if now - self._snap_at.get(iid, -1e18) >= hb:
-                ver = self._snap_ver.get(iid, 0) + 1
-                self._snap_ver[iid] = ver
-                self._snap_at[iid] = now
+        if now < self._snap_due:
+            return  # no instance's snapshot is heartbeat_s old yet (the scan would send none)
+        observe = self.router.observe
+        replace = msgspec.structs.replace
+        oldest = now
+        for rec in self._snap_recs:
+            if now - rec[1] < hb:
+                if rec[1] < oldest:
+                    oldest = rec[1]
+            else:
+                inst = rec[0]
+                ver = rec[2] = rec[2] + 1
+                rec[1] = now
                 # An instance whose state did not change re-sends its last snapshot with a
                 # new version and time (a heartbeat); fields that drift with time alone
                 # (round_remaining_s, staging progress) stay as of the last change.
                 key = (inst.token, inst.kv.version, inst.queued_tokens, inst.stage_target, inst.busy)
-                last = self._snap_last.get(iid)
-                if last is not None and last[0] == key:
-                    snap = msgspec.structs.replace(last[1], version=ver, at=now)
+                if rec[3] == key:
+                    snap = replace(rec[4], version=ver, at=now)
                 else:
                     snap = self._snapshot(inst, ver, now)
-                self._snap_last[iid] = (key, snap)
-                self.router.observe(snap, now)
+                    rec[3] = key
+                rec[4] = snap
+                observe(snap, now)
+        # earliest time a later scan can find a due instance (a lower bound: the exact test
+        # `now - at >= hb` is still made per instance, so float rounding cannot skip one)
+        self._snap_due = oldest + hb * (1.0 - 1e-9) if hb > 0 else float("-inf")
+
+    def _consts(self, server: ServerProfile, name: str) -> tuple:
+        """Per-model snapshot fields that depend on the profile only (computed once)."""
+        c = self._model_consts.get(name)
+        if c is None:
+            mp = server.model(name)
+            pool = server.kv_pool_bytes(mp.name)
+            open_s = server.switch(name, 0)[1]
+            c = self._model_consts[name] = (
+                mp,
+                pool,
+                pool // mp.kv_bytes_per_token,
+                25_000 / mp.prefill_s(25_000, 0),
+                1.0 / mp.decode_step_s(1, 0),
+                server.kv_restore_bytes_s / mp.kv_bytes_per_token,
+                open_s,
+                ModelResidency(model=name, state="active", switch_cost_s=0.0, open_cost_s=open_s,
+                               weight_bytes=mp.weight_bytes, context_length=mp.max_context),
+            )
+        return c
 
     def _snapshot(self, inst: SimInstance, version: int, now: float) -> InstanceSnapshot:
         server = inst.server
+        kv = inst.kv
         cached = self._snap_cache.get(inst.id)
-        if cached is None or cached[0] != inst.kv.version:
-            sessions = [SessionKv(s, inst.active, "device", t) for s, t in inst.kv.device.items()] if inst.active else []
-            on_dev = set(inst.kv.device) if inst.active else set()
-            sessions += [
-                SessionKv(s, m, "host", t)
-                for (m, s), t in inst.kv.host.items()
-                if not (m == inst.active and s in on_dev)
-            ]
-            self._snap_cache[inst.id] = (inst.kv.version, sessions)
+        if cached is None or cached[0] != kv.version:
+            active_m = inst.active
+            # host entries change only with the host registry (put_host bumps host_version);
+            # the SessionKv objects are reused until then, only the device filter is redone
+            hc = self._host_cache.get(inst.id)
+            if hc is None or hc[0] != kv.host_version:
+                hc = self._host_cache[inst.id] = (kv.host_version, [SessionKv(s, m, "host", t) for (m, s), t in kv.host.items()])
+            if active_m:
+                device = kv.device
+                sessions = [SessionKv(s, active_m, "device", t) for s, t in device.items()]
+                sessions += [e for e in hc[1] if not (e.model == active_m and e.session_id in device)]
+            else:
+                sessions = list(hc[1])
+            self._snap_cache[inst.id] = (kv.version, sessions)
         else:
             sessions = cached[1]
-        absent = self._absent_models(server)
-        resident = (inst.active, inst.switching_to, inst.stage_target)
-        models = [absent[name] if name not in resident else self._residency(inst, name, now) for name in server.models]
+        models = self._models_list(inst, now)
         active = inst.active or inst.switching_to
-        mp = server.model(active) if active else next(iter(server.models.values()))
-        kv_cap = server.kv_pool_bytes(mp.name) // mp.kv_bytes_per_token
+        mp, pool, kv_cap, prefill_tok_s, decode_tok_s, restore_tok_s, switch_s, _ = self._consts(
+            server, active if active else next(iter(server.models)))
+        dev_tokens = kv.device_tokens
         return InstanceSnapshot(
             instance_id=inst.id,
             version=version,
@@ -316,21 +362,38 @@ class Cluster:
             sessions=sessions,
             queued={m: len(q) for m, q in inst.pending.items() if q},
             queued_tokens=inst.queued_tokens,
-            running=sum(len(v) for v in inst.inflight.values()),
+            running=sum([len(v) for v in inst.inflight.values()]),
             round_remaining_s=inst.round_remaining_s(now),
             deadline_risk=inst.deadline_risk,
             kv_capacity_tokens=kv_cap,
-            kv_used_tokens=inst.kv.device_tokens,
-            staging_free_bytes=max(0, server.kv_pool_bytes(mp.name) - inst.kv.device_tokens * mp.kv_bytes_per_token),
+            kv_used_tokens=dev_tokens,
+            staging_free_bytes=max(0, pool - dev_tokens * mp.kv_bytes_per_token),
             hbm_bytes=server.hbm_bytes,
-            hbm_used_bytes=mp.weight_bytes + inst.kv.device_tokens * mp.kv_bytes_per_token,
-            prefill_tok_s=25_000 / mp.prefill_s(25_000, 0),
-            decode_tok_s=1.0 / mp.decode_step_s(1, 0),
-            restore_tok_s=server.kv_restore_bytes_s / mp.kv_bytes_per_token,
-            switch_s=server.switch(mp.name, 0)[1],
+            hbm_used_bytes=mp.weight_bytes + dev_tokens * mp.kv_bytes_per_token,
+            prefill_tok_s=prefill_tok_s,
+            decode_tok_s=decode_tok_s,
+            restore_tok_s=restore_tok_s,
+            switch_s=switch_s,
             heartbeat_s=self.config.heartbeat_s,
         )
 
+    def _models_list(self, inst: SimInstance, now: float) -> list[ModelResidency]:
+        """The snapshot's residency list. Without a staging target it depends only on the
+        active / switching-to model, so the same list object is reused (the router then
+        reuses its per-snapshot lookup table too); a staged model's bytes grow with time."""
+        server = inst.server
+        resident = (inst.active, inst.switching_to, inst.stage_target)
+        if inst.stage_target is None:
+            cache = self._models_cache
+            models = cache.get(resident)
+            if models is None:
+                absent = self._absent_models(server)
+                models = cache[resident] = [
+                    absent[name] if name not in resident else self._residency(inst, name, now) for name in server.models
+                ]
+            return models
+        absent = self._absent_models(server)
+        return [absent[name] if name not in resident else self._residency(inst, name, now) for name in server.models]
 
     def _absent_models(self, server: ServerProfile) -> dict[str, ModelResidency]:
         """Residency entries of models that are neither active nor staged (never change)."""
@@ -352,7 +415,7 @@ class Cluster:
     def _residency(self, inst: SimInstance, name: str, now: float) -> ModelResidency:
         server = inst.server
         if name == inst.active or name == inst.switching_to:
-            state, switch_s = "active", 0.0
+            return self._consts(server, name)[7]
         else:
             staged = inst._staged_bytes(now, name)
             state = "staged" if staged else "absent"

@@ -33,10 +33,15 @@ class EventLoop:
             for time, handler, args in scheduled:
                 self.push(time, handler, args)
 
-    def run(self, until: float | None = None, progress: Callable[[float, int], None] | None = None) -> None:
+    def run(self, until: float | None = None, progress: Callable[[float, int], None] | None = None,
+            stop: Callable[[], bool] | None = None) -> None:
+        """Run events in time order; `stop()` is polled every 4,096 events and ends the run
+        early when it returns True (a wall-clock cap; the remaining events stay queued)."""
         heap = self._heap
         pop = heapq.heappop
         while heap:
+            if stop is not None and not self.events & 0xFFF and stop():
+                break
             if until is not None and heap[0][0] > until:
                 break
             time, _, handler, args = pop(heap)

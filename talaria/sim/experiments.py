@@ -125,7 +125,12 @@ def tau_sweep_exp(load: str = "high", seed: int = 0) -> dict:
 
 
 def scale_exp(sessions: int = 10_000, instances: int = 64, models: int = 20,
-              arrival_rate_s: float = 4.0, seed: int = 0, progress: bool = True) -> dict:
+              arrival_rate_s: float = 0.25, seed: int = 0, progress: bool = True,
+              max_wall_s: float | None = None) -> dict:
+    """`arrival_rate_s` is sessions per second (Poisson; 0.25 = a session every 4 s, which the
+    64-instance cluster sustains; 4.0 overloads it so badly no policy finishes). `max_wall_s`
+    caps each policy's run;
+    a capped run is reported with `complete: false`, `capped: true` and the calls it finished."""
     policies, missing = _available(SCALE_POLICIES)
     server = catalogue(PAPER_TP8, models)
     work = synthetic_catalogue(sessions, list(server.models), arrival_rate_s, 1.0, seed)
@@ -136,10 +141,16 @@ def scale_exp(sessions: int = 10_000, instances: int = 64, models: int = 20,
     for policy in policies:
         _log(f"scale: {policy} ({sessions} sessions, {instances} instances, {models} models)")
         cfg = RunConfig(server, instances, policy, PolicyConfig(overload=OVERLOAD), InstanceFlags.ablation("talaria"),
-                        replace(PAPER_GAPS, seed=seed), label=f"scale/{policy}", progress=progress)
+                        replace(PAPER_GAPS, seed=seed), label=f"scale/{policy}", progress=progress,
+                        max_wall_s=max_wall_s)
         started = time.perf_counter()
-        summary = summarise(simulate(work, cfg))
+        result = simulate(work, cfg)
+        summary = summarise(result)
         summary["run_time_s"] = time.perf_counter() - started
+        summary["events"] = result.events
+        summary["virtual_s"] = result.virtual_s
+        summary["calls_total"] = sum(len(s.calls) for s in work)
+        summary["capped"] = max_wall_s is not None and not summary["complete"] and summary["run_time_s"] >= max_wall_s
         summary.pop("per_session")
         summary.pop("ttft_samples")
         summary["switch"].pop("samples")
@@ -172,7 +183,7 @@ def write_json(data: dict, path: Path) -> None:
 
 
 def run(names: list[str], out_dir: Path, json_path: Path | None, backend: str, quick: bool,
-        scale_sessions: int | None = None) -> dict:
+        scale_sessions: int | None = None, scale: dict | None = None) -> dict:
     results: dict = {}
     for name in names:
         if name == "fixed-replay":
@@ -181,8 +192,11 @@ def run(names: list[str], out_dir: Path, json_path: Path | None, backend: str, q
                 results["fixed-replay-crosscheck-fast"] = fixed_replay_exp("fast")
         elif name == "scale" and quick:
             results[name] = scale_exp(sessions=60, instances=4, models=4, arrival_rate_s=0.2)
-        elif name == "scale" and scale_sessions:
-            results[name] = scale_exp(sessions=scale_sessions)
+        elif name == "scale":
+            kw = {k: v for k, v in (scale or {}).items() if v is not None}
+            if scale_sessions:
+                kw["sessions"] = scale_sessions
+            results[name] = scale_exp(**kw)
         else:
             results[name] = EXPERIMENTS[name]()
         for key in [k for k in results if k.startswith(name)]:
@@ -208,12 +222,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="small scale run (tests, smoke)")
     parser.add_argument("--scale-sessions", type=int, default=None,
                         help="sessions of the scale run (default 10,000)")
+    parser.add_argument("--scale-rate", type=float, default=None,
+                        help="scale run session arrivals per second (default 0.25: one every 4 s)")
+    parser.add_argument("--scale-cap-s", type=float, default=None,
+                        help="wall-clock cap per scale policy run (reported as capped)")
     parser.add_argument("--no-report", action="store_true")
 
 
 def run_from_args(args) -> int:
     names = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
-    results = run(names, args.out, args.json, args.backend, args.quick, args.scale_sessions)
+    scale = {"arrival_rate_s": getattr(args, "scale_rate", None), "max_wall_s": getattr(args, "scale_cap_s", None)}
+    results = run(names, args.out, args.json, args.backend, args.quick, args.scale_sessions, scale)
     if args.experiment == "all" and not args.no_report:
         from talaria.sim.report import write_report
 

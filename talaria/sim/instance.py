@@ -161,6 +161,7 @@ class KvStore:
         self.host_evictions = 0
         self.device_evictions = 0
         self.version = 0  # bumped on every change; snapshots cache on it
+        self.host_version = 0  # bumped on every change of `host` (a subset of `version`)
 
     def clear_device(self) -> None:
         self.device.clear()
@@ -193,6 +194,7 @@ class KvStore:
             self.host_evictions += 1
         del per
         self.version += 1
+        self.host_version += 1
 
     def touch_host(self, model: str, session: str) -> int:
         key = (model, session)

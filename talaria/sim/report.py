@@ -151,27 +151,35 @@ def tau_section(res: dict, out: Path) -> list[str]:
 
 
 def scale_section(res: dict, out: Path) -> list[str]:
+    rate = res.get("arrival_rate_s")
     lines = [
-        f"## Scale: {res['instances']} instances, {res['models']} models (Zipf s={res['zipf_s']}), {res['sessions']} sessions",
+        f"## Scale: {res['instances']} instances, {res['models']} models (Zipf s={res['zipf_s']}), {res['sessions']} sessions"
+        + (f", {rate:g} sessions/s" if rate is not None else ""),
         "",
     ]
     if res.get("skipped"):
         lines.append(f"Not in the router registry yet (skipped): {', '.join(res['skipped'])}.")
         lines.append("")
-    lines.append("| policy | SCT p50 | SCT p95 | TTFT p50 | TTFT p95 | oracle SCT p50 | avoidable cold opens | switches | calls | simulator wall (s) | mean policy decision (us) |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    lines.append("| policy | status | SCT p50 | SCT p95 | TTFT p50 | TTFT p95 | oracle SCT p50 | avoidable cold opens | switches | calls done / total | events | virtual end (s) | simulator wall (s) | mean policy decision (us) |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for pol, s in res["policies"].items():
+        status = "complete" if s.get("complete", True) else ("CAPPED (stopped at the wall cap)" if s.get("capped") else "incomplete")
+        total = s.get("calls_total", s["calls"])
         lines.append(
-            f"| {pol} | {_f(s['sct_p50'])} | {_f(s['sct_p95'])} | {_f(s['ttft_p50'], 2)} | {_f(s['ttft_p95'], 2)} | {_f(s['oracle']['sct_p50'])} "
-            f"| {s['avoidable_cold_opens']} | {s['switch']['count']} | {s['calls']} | {_f(s['run_time_s'])} | {_f(s['router']['mean_decision_us'])} |"
+            f"| {pol} | {status} | {_f(s['sct_p50'])} | {_f(s['sct_p95'])} | {_f(s['ttft_p50'], 2)} | {_f(s['ttft_p95'], 2)} | {_f(s['oracle']['sct_p50'])} "
+            f"| {s['avoidable_cold_opens']} | {s['switch']['count']} | {s['calls']} / {total} | {s.get('events', '')} "
+            f"| {_f(s['virtual_s']) if 'virtual_s' in s else ''} | {_f(s['run_time_s'])} | {_f(s['router']['mean_decision_us'])} |"
         )
+    if any(not s.get("complete", True) for s in res["policies"].values()):
+        lines += ["", "SCT/TTFT of a capped run cover only the sessions it finished (biased low)."]
     return lines + [""]
 
 
 NOTES = """How to read this report (details in talaria/sim/*.py docstrings):
 
 - Regenerate: `python -m talaria.sim.experiments all --out results/` (scale defaults to 10,000
-  sessions; `--scale-sessions 1000` for the table below).
+  sessions at 4 sessions/s; `--scale-sessions N`, `--scale-rate R` (sessions per second) and
+  `--scale-cap-s S` (wall-clock cap per policy, reported as CAPPED) change it).
 - Instance backend for EVERY table except the last: `services` = the instance agent's own
   `RoundScheduler` (services/instance_agent/scheduler) making every instance decision; the
   simulator only prices actions with the profile and keeps KV/HKVR/staging state. Decode runs

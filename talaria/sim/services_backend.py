@@ -63,6 +63,8 @@ class ServicesInstance(SimInstance):
         super().__init__(instance_id, server, flags, sink)
         self.sched = RoundScheduler(scheduler_config(flags), self.models, ProfileCosts(server))
         self.jobs: dict[str, Job] = {}
+        # queued jobs per model by call id (O(1) removal at admission; only sizes are read)
+        self.pending = {m: {} for m in self.models}  # type: ignore[assignment]
         self.action = None
         self.action_start = 0.0
         self.max_steps = max(1, flags.max_decode_steps)
@@ -79,7 +81,7 @@ class ServicesInstance(SimInstance):
             now,
         )
         self.jobs[job.call_id] = job
-        self.pending[job.model].append(job)
+        self.pending[job.model][job.call_id] = job
         self.queued_tokens += job.prompt
         if not self.busy:
             return self._drive(now)
@@ -163,8 +165,7 @@ class ServicesInstance(SimInstance):
             if job.kv_source == "host":
                 self.kv.touch_host(job.model, job.session)
             seconds += cost
-            if job in self.pending[job.model]:
-                self.pending[job.model].remove(job)
+            if self.pending[job.model].pop(cid, None) is not None:
                 self.queued_tokens -= job.prompt
         return [(now + seconds, self._done, (self.token, None))]
 
@@ -240,9 +241,10 @@ class ServicesInstance(SimInstance):
         if not self.flags.staging or self.active is None:
             return
         calls = self.sched.calls
-        target = next(
-            (m for m in self.sched.rotation(self.active) if m != self.active and calls.active(m)), None
-        )
+        if not calls.any_active_except(self.active):
+            target = None  # O(1) common case: nothing of another model waits
+        else:
+            target = next((m for m in self.sched.active_in_rotation(self.active) if m != self.active), None)
         if target != self.stage_target:
             self.stage_target, self.stage_start = target, now
 

@@ -50,7 +50,15 @@ def select(
     left: list[tuple[CallState, str]] = []
     cost = 0.0
     kv = 0
-    for call in candidates:
+    full = min(limits.free_slots, limits.batch)
+    it = iter(candidates)
+    for call in it:
+        if len(admitted) >= full:
+            # every later candidate misses the same count limit (what _misses would say)
+            reason = "max_batch" if len(admitted) >= limits.free_slots else "batch"
+            left.append((call, reason))
+            left.extend([(c, reason) for c in it])
+            break
         reason = _misses(call, admitted, cost, kv, limits, cost_of, kv_of, charge)
         if reason is None:
             admitted.append(call)

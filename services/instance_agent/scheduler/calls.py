@@ -7,7 +7,7 @@ FCFS by submission and iterating `running` is admission order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from services.instance_agent.scheduler.errors import DuplicateCallError, UnknownCallError, UnknownModelError
 from services.instance_agent.scheduler.types import KvState, Work
@@ -22,6 +22,7 @@ class CallState:
     via: str | None = None  # P | SP | hot, once admitted
     admitted_at: float | None = None
     parked: bool = False  # already counted once as an SP-parked return
+    cost_memo: tuple | None = field(default=None, repr=False, compare=False)  # scheduler._cost cache
 
     @property
     def call_id(self) -> str:
@@ -43,6 +44,8 @@ class CallTable:
         self.running: dict[str, dict[str, CallState]] = {m: {} for m in models}
         self._by_id: dict[str, CallState] = {}
         self._seq = 0
+        self._live: dict[str, int] = {m: 0 for m in models}  # queued + running, per model
+        self._n_active = 0  # models with a queued or running call
 
     def __contains__(self, call_id: str) -> bool:
         return call_id in self._by_id
@@ -70,6 +73,10 @@ class CallTable:
         state = CallState(work=work, seq=self._seq, submitted_at=now)
         self._by_id[work.call_id] = state
         self.queued[work.model][work.call_id] = state
+        live = self._live[work.model]
+        self._live[work.model] = live + 1
+        if not live:
+            self._n_active += 1
         return state
 
     def start(self, call_id: str, via: str, now: float) -> CallState:
@@ -88,10 +95,19 @@ class CallTable:
         model = state.work.model
         self.queued[model].pop(call_id, None)
         self.running[model].pop(call_id, None)
+        live = self._live[model] - 1
+        self._live[model] = live
+        if not live:
+            self._n_active -= 1
         return state
 
     def active(self, model: str) -> bool:
         return bool(self.queued[model]) or bool(self.running[model])
+
+    def any_active_except(self, model: str) -> bool:
+        """Whether a model other than `model` has a queued or running call (O(1))."""
+        n = self._n_active
+        return n > 1 or (n == 1 and not self._live[model])
 
     def running_ids(self, model: str) -> tuple[str, ...]:
         return tuple(self.running[model])

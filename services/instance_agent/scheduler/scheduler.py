@@ -8,6 +8,7 @@ and `abort` may come at any time, including while an action is executing.
 from __future__ import annotations
 
 import math
+from itertools import islice
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -74,6 +75,7 @@ class RoundScheduler:
         self._inflight: _Inflight | None = None
         self._hot_last = ""
         self._max_steps = 1  # decode steps the current next_action call may hand out
+        self._rotations: dict[str | None, tuple[str, ...]] = {}  # rotation() by `after`, memoised
 
     # ---- driver API -------------------------------------------------------------------
 
@@ -187,9 +189,13 @@ class RoundScheduler:
     def _decode_s(self, action: Decode, steps: int) -> float:
         """`steps` iterations; context grows by one token per call per step, so the sum
         is `steps` steps at the mean context (exact for costs linear in context)."""
-        calls = list(self._known(action.call_ids))
-        n = len(calls)
-        ctx = sum(c.context_tokens for c in calls)
+        by_id = self.calls._by_id
+        n = ctx = 0
+        for i in action.call_ids:
+            c = by_id.get(i)
+            if c is not None:  # calls aborted while their step was in flight are skipped
+                n += 1
+                ctx += c.work.prompt_tokens + c.generated
         if steps == 1:
             return self.costs.decode_step_s(action.model, n, ctx)
         return steps * self.costs.decode_step_s(action.model, n, ctx + n * (steps - 1) / 2)
@@ -229,10 +235,26 @@ class RoundScheduler:
 
     def rotation(self, after: str | None) -> list[str]:
         """All models in cyclic order, starting after `after` and ending with it."""
-        if after is None:
-            return list(self.models)
-        i = self.models.index(after)
-        return list(self.models[i + 1 :] + self.models[: i + 1])
+        return list(self._rotation(after))
+
+    def _rotation(self, after: str | None) -> tuple[str, ...]:
+        rot = self._rotations.get(after)
+        if rot is None:
+            if after is None:
+                rot = self.models
+            else:
+                i = self.models.index(after)
+                rot = self.models[i + 1 :] + self.models[: i + 1]
+            self._rotations[after] = rot
+        return rot
+
+    def active_in_rotation(self, after: str | None) -> list[str]:
+        """`rotation(after)` restricted to models with a queued or running call."""
+        calls = self.calls
+        if not calls._n_active:
+            return []
+        live = calls._live
+        return [m for m in self._rotation(after) if live[m]]
 
     def kv_used(self, model: str) -> int:
         return sum(self._kv(c) for c in self.calls.running[model].values())
@@ -260,7 +282,7 @@ class RoundScheduler:
 
     def _pick_model(self, now: float) -> str | None:
         """Next active model not yet served this round, in rotation order; else a new round."""
-        active = [m for m in self.rotation(self.device_model) if self.calls.active(m)]
+        active = self.active_in_rotation(self.device_model)
         if self.round is not None:
             for model in active:
                 if not self.round.served(model):
@@ -274,7 +296,7 @@ class RoundScheduler:
     def _open_slot(self, model: str, now: float) -> None:
         rnd = self.round
         assert rnd is not None  # a slot always opens inside a round
-        order = [model] + [m for m in self.rotation(model) if m != model and self.calls.active(m)]
+        order = [model] + [m for m in self.active_in_rotation(model) if m != model]
         loads = {m: self._load(m) for m in order}
         plan = plan_slot(model, loads, switch_cycle_s(order, self.device_model, self._price), self.config)
         self.slot = Slot(model, plan, now, plan.protected_decode, plan.prefill_budget_s, plan.sp_budget_s)
@@ -345,14 +367,14 @@ class RoundScheduler:
         return Decode(ids, model, max(1, k))
 
     def _others_active(self, model: str) -> bool:
-        return any(self.calls.active(m) for m in self.models if m != model)
+        return self.calls.any_active_except(model)
 
     def _must_drain(self, slot: Slot) -> bool:
         """Dfin runs on past protected decode when the next slot is another model's and the
         engine cannot switch with calls running (`drain_on_switch`)."""
         if not self.config.drain_on_switch:
             return False
-        return any(self.calls.active(m) for m in self.models if m != slot.model)
+        return self.calls.any_active_except(slot.model)
 
     def _select_p(self, slot: Slot, now: float) -> Selection:
         model = slot.model
@@ -406,7 +428,7 @@ class RoundScheduler:
 
     def _contended(self, slot: Slot) -> bool:
         """Whether work other than this slot's decode and SP candidates is waiting."""
-        if any(self.calls.active(m) for m in self.models if m != slot.model):
+        if self.calls.any_active_except(slot.model):
             return True
         # An SP candidate already parked (it did not fit the SP budget or batch) needs a P:
         # it contends, so an extended slot ends and the next slot's P admits it. (Counting
@@ -489,16 +511,31 @@ class RoundScheduler:
 
     def _load(self, model: str) -> ModelLoad:
         """Predicted decode step and P cost of `model` once its P has admitted what fits."""
-        running = list(self.calls.running[model].values())
+        running = self.calls.running[model]
         free = max(0, self.config.max_batch - len(running))
-        queued = list(self.calls.queued[model].values())[:free]
+        queued = list(islice(self.calls.queued[model].values(), free))
         batch = max(1, len(running) + len(queued))
-        ctx = sum(c.context_tokens for c in running) + sum(c.work.prompt_tokens for c in queued)
-        step = self.costs.decode_step_s(model, batch, ctx)
-        return ModelLoad(decode_step_s=step, prefill_s=sum(self._cost(c) for c in queued))
+        ctx = 0
+        for c in running.values():
+            ctx += c.work.prompt_tokens + c.generated
+        ctx_q = 0
+        for c in queued:
+            ctx_q += c.work.prompt_tokens
+        step = self.costs.decode_step_s(model, batch, ctx + ctx_q)
+        return ModelLoad(decode_step_s=step, prefill_s=sum([self._cost(c) for c in queued]))
 
     def _cost(self, call: CallState) -> float:
-        return call_prefill_s(self.costs, call.work, self.config.hkvr)
+        """`call_prefill_s`, with the profile's (uncalibrated) terms memoised per `Work`:
+        the same products and sum as `CalibratedCosts`, so the result is bit-identical."""
+        work = call.work
+        memo = call.cost_memo
+        if memo is None or memo[0] is not work:
+            memo = call.cost_memo = (work, *_prefill_terms(self.costs.base, work, self.config.hkvr))
+        restore, prefill = memo[1], memo[2]
+        f = self.costs.factors.get(("prefill", work.model), 1.0)
+        if restore is None:
+            return prefill * f
+        return restore * f + prefill * f
 
     def _kv(self, call: CallState) -> int:
         return call_kv_bytes(self.costs, call.work)
@@ -509,6 +546,16 @@ class RoundScheduler:
 
     def _price(self, from_model: str | None, to_model: str) -> float:
         return self.costs.switch_s(from_model, to_model, self.config.staging)
+
+
+def _prefill_terms(base: CostModel, work: Work, hkvr: bool) -> tuple[float | None, float]:
+    """(restore, prefill) of `call_prefill_s` before calibration; restore None: no restore term."""
+    kv = charged_kv(work, hkvr)
+    if kv == "none" or work.reusable_tokens == 0:
+        return None, base.prefill_s(work.model, work.prompt_tokens, 0)
+    new = work.prompt_tokens - work.reusable_tokens
+    restore = base.restore_s(work.model, work.reusable_tokens) if kv == "host" else None
+    return restore, base.prefill_s(work.model, max(1, new), work.reusable_tokens)
 
 
 def _finished_in(action: Prefill | Decode, finished: Iterable[str]) -> frozenset[str]:
