@@ -111,6 +111,7 @@ def measure(names: list[str], core: RouterCore, calls: list[CallSubmitted]) -> d
         for _, policy in policies:
             policy.decide(state, c, NOW)
     gc.collect()
+    gc.freeze()  # as the router service does after recovery: long-lived state leaves GC scans
     out: dict[str, list[float]] = {n: [] for n in names}
     clock = time.perf_counter
     for c in calls:

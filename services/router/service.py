@@ -12,6 +12,7 @@ the stream after that sequence through `RouterState.apply`, then resume consumin
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 import msgspec
@@ -77,6 +78,8 @@ class RouterService:
         store = ProjectionStore(db)
         self.nc, self.js = await connect(self.settings.nats_url, "talaria-router")
         await self._recover(store)
+        gc.collect()
+        gc.freeze()  # the recovered tables are long-lived: keep them out of every GC scan
         await self.nc.subscribe(subjects.TELEMETRY_WILDCARD, cb=self._on_snapshot)
         await asyncio.sleep(WARMUP_S)
         sub = await self.js.pull_subscribe_bind(DURABLE, stream=subjects.EVENTS_STREAM) \
