@@ -90,7 +90,7 @@ class RouterService:
                                       ack_wait=30, max_deliver=MAX_DELIVER))
         tasks = [asyncio.create_task(self._consume(sub, stop)), asyncio.create_task(self._tick(stop)),
                  asyncio.create_task(self._save_loop(store, stop)),
-                 asyncio.create_task(heartbeat_loop(self.nc, "router", stop, {"policy": self.core.policy.name}))]
+                 asyncio.create_task(heartbeat_loop(self.nc, "router", stop, self._health))]
         self.log.info("router ready", policy=self.core.policy.name, seq=self.core.state.last_seq)
         if ready is not None:
             ready.set()
@@ -114,6 +114,9 @@ class RouterService:
             await close(self.nc)
             await db.dispose()
             provider.shutdown()
+
+    def _health(self) -> dict[str, str]:
+        return {"policy": self.core.policy.name, "instances": str(len(self.core.state.instances))}
 
     async def _consumer_exists(self) -> bool:
         try:

@@ -14,6 +14,7 @@ from services.router.service import run as run_router
 from services.telemetry.service import run as run_telemetry
 from shared import messages as m
 from shared import subjects
+from shared.health import wait_for_router
 from shared.settings import Settings
 from talaria.embedded import free_port
 from tests.integration.harness import Services
@@ -44,8 +45,7 @@ async def run_workload(settings: Settings, run: str, **agent_flags) -> list[list
         await services.start("gateway", run_gateway, settings)
         await services.start("agent", run_agent, settings.with_(instance_id=f"agent-{run}", models=MODELS,
                                                                  **agent_flags))
-        beat = await nc.subscribe(subjects.telemetry(f"agent-{run}"))
-        await beat.next_msg(timeout=30)
+        await wait_for_router(nc, instances=1)
         return list(await asyncio.gather(*(session(nc, run, s) for s in range(4))))
     finally:
         await nc.close()

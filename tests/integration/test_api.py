@@ -15,6 +15,7 @@ from services.router.service import run as run_router
 from services.telemetry.service import run as run_telemetry
 from shared import messages as m
 from shared import subjects
+from shared.health import wait_for_router
 from shared.settings import Settings
 from talaria.embedded import free_port
 from tests.integration.harness import Services
@@ -80,9 +81,7 @@ async def test_nats_api_serves_a_call_and_streams_its_tokens(stack, nats_url):
     await services.start("agent-0", run_agent, settings.with_(instance_id="agent-0", models=("qwen3-tiny",)))
     nc = await nats.connect(nats_url)
     try:
-        # The router only routes to instances it has heard from: wait for the first heartbeat.
-        beat = await nc.subscribe(subjects.telemetry("agent-0"))
-        await beat.next_msg(timeout=10)
+        await wait_for_router(nc, instances=1)  # it routes only to instances it has heard from
         got: list[m.TokenChunk] = []
         done = asyncio.Event()
 
@@ -112,16 +111,13 @@ async def test_streamed_chat_matches_openai_chunks_and_the_final_answer(stack):
 
     settings, services = stack
     await services.start("agent-0", run_agent, settings.with_(instance_id="agent-0", models=("qwen3-tiny",)))
+    nc = await nats.connect(settings.nats_url)
+    await wait_for_router(nc, instances=1)  # it routes only to instances it has heard from
+    await nc.close()
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{settings.http_port}/v1", api_key="x", max_retries=0)
     messages = [{"role": "user", "content": "stream me"}]
-    for _ in range(50):  # the router routes only to instances it has heard from
-        try:
-            plain = await client.chat.completions.create(model="qwen3-tiny", messages=messages, max_tokens=8,
-                                                         temperature=0, extra_headers={"X-Session-Id": "st"})
-            break
-        except openai.APIStatusError as exc:
-            assert exc.status_code == 503
-            await asyncio.sleep(0.1)
+    plain = await client.chat.completions.create(model="qwen3-tiny", messages=messages, max_tokens=8,
+                                                 temperature=0, extra_headers={"X-Session-Id": "st"})
     chunks = [c async for c in await client.chat.completions.create(
         model="qwen3-tiny", messages=messages, max_tokens=8, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_headers={"X-Session-Id": "st2"})]

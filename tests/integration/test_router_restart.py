@@ -18,6 +18,7 @@ from services.instance_agent.service import run as run_agent
 from services.telemetry.service import run as run_telemetry
 from shared import messages as m
 from shared import subjects
+from shared.health import wait_for_router
 from shared.settings import Settings
 from talaria.embedded import free_port
 from tests.integration.harness import Services
@@ -31,12 +32,6 @@ def start_router(settings: Settings) -> subprocess.Popen:
                TALARIA_DATA_DIR=str(settings.data_dir), TALARIA_POLICY="talaria",
                TALARIA_LEASE_TIMEOUT_S=str(TAU_S), TALARIA_LOG_LEVEL="warning")
     return subprocess.Popen([sys.executable, "-m", "services.router"], env=env)
-
-
-async def router_alive(nc) -> None:
-    sub = await nc.subscribe(subjects.health("router"))
-    await sub.next_msg(timeout=60)
-    await sub.unsubscribe()
 
 
 async def call(nc, session: str, prompt: str) -> m.CallResult:
@@ -73,7 +68,7 @@ async def test_router_killed_and_restarted_loses_nothing_and_keeps_its_leases(na
         for i in range(2):
             await services.start(f"agent-{i}", run_agent,
                                  settings.with_(instance_id=f"agent-{i}", models=("qwen3-tiny",)))
-        await router_alive(nc)
+        await wait_for_router(nc, instances=2)
         issued = await nc.subscribe(subjects.LEASE_ISSUED)
         first_a = await call(nc, "A", "session A, first call")
         await call(nc, "B", "session B, first call")
