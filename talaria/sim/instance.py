@@ -44,6 +44,8 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from services.instance_agent.memory.hkvr_core import HkvrCore, LayoutDescriptor, RankReport
+
 from talaria.sim.profiles import ServerProfile
 
 
@@ -145,23 +147,50 @@ class Slot:
     peak_kv_bytes: int = 0
 
 
-class KvStore:
-    """Device KV of the active model and the host KV registry (HKVR), in tokens.
+# The simulated host KV registry is the instance agent's own bookkeeping (memory/hkvr_core.py),
+# driven with synthetic page hashes: a session's prefix is unique to it, so page j of session s
+# hashes to (s, j), cumulative by construction. Pages are coarser than the engine's (the
+# simulator moves no bytes): a restore covers whole pages, the tail is recomputed. [asm]
+SIM_PAGE_TOKENS = 512
 
-    Device: LRU by session, capacity = KV pool tokens of the active model; calls in
-    flight are never evicted. Host: LRU by (model, session), capacity in bytes.
-    """
+
+def _page_hash(session: str, index: int) -> int:
+    return hash((session, index)) & ((1 << 63) - 1)
+
+
+class _HostView:
+    """`host.get((model, session))` / `host.items()` over the registry: published tokens only."""
+
+    def __init__(self, core: HkvrCore) -> None:
+        self.core = core
+
+    def get(self, key: tuple[str, str], default: int = 0) -> int:
+        model, session = key
+        return self.core.session_tokens(session, model, SIM_PAGE_TOKENS) or default
+
+    def items(self):
+        return (((m, s), t) for s, m, t in self.core.session_prefixes(SIM_PAGE_TOKENS))
+
+
+class KvStore:
+    """Device KV of the active model (LRU by session, in tokens; calls in flight are never
+    evicted) and the host KV registry: the real `HkvrCore`, one slot per page of the model
+    with the largest pages, capacity = host bytes / slot bytes."""
 
     def __init__(self, server: ServerProfile) -> None:
         self.server = server
         self.device: OrderedDict[str, int] = OrderedDict()
         self.device_tokens = 0
-        self.host: OrderedDict[tuple[str, str], int] = OrderedDict()
-        self.host_bytes = 0
-        self.host_evictions = 0
+        slot_bytes = max(m.kv_bytes_per_token for m in server.models.values()) * SIM_PAGE_TOKENS
+        self.core = HkvrCore(max(1, server.host_bytes // slot_bytes), ranks=1)
+        self.host = _HostView(self.core)
         self.device_evictions = 0
         self.version = 0  # bumped on every change; snapshots cache on it
-        self.host_version = 0  # bumped on every change of `host` (a subset of `version`)
+        self.host_version = 0  # bumped on every change of the host registry (a subset of `version`)
+
+    @property
+    def host_evictions(self) -> int:
+        return self.core.counters.evictions
 
     def clear_device(self) -> None:
         self.device.clear()
@@ -183,25 +212,22 @@ class KvStore:
         self.version += 1
 
     def put_host(self, model: str, session: str, tokens: int) -> None:
-        per = self.server.model(model).kv_bytes_per_token
-        key = (model, session)
-        old = self.host.pop(key, 0)
-        self.host_bytes += (tokens - old) * self.server.model(model).kv_bytes_per_token
-        self.host[key] = tokens
-        while self.host_bytes > self.server.host_bytes and len(self.host) > 1:
-            (m, _), t = self.host.popitem(last=False)
-            self.host_bytes -= t * self.server.model(m).kv_bytes_per_token
-            self.host_evictions += 1
-        del per
+        """Checkpoint the session's committed pages (the D2H copy is charged no time here and
+        completes at once; pages already held are shared, not copied again)."""
+        pages = tokens // SIM_PAGE_TOKENS
+        report = RankReport(0, pages * SIM_PAGE_TOKENS, tuple(_page_hash(session, j) for j in range(pages)))
+        template = LayoutDescriptor(model, 0, 0, 0, SIM_PAGE_TOKENS, "bf16", "gqa", (SIM_PAGE_TOKENS,))
+        plan = self.core.plan_save(model, session, [report], template)
+        self.core.complete(plan.job_id)
         self.version += 1
         self.host_version += 1
 
     def touch_host(self, model: str, session: str) -> int:
-        key = (model, session)
-        tokens = self.host.get(key, 0)
-        if tokens:
-            self.host.move_to_end(key)
-        return tokens
+        """A restore: pins, counts the hit and refreshes LRU order through the registry."""
+        pages = self.core.session_tokens(session, model, SIM_PAGE_TOKENS) // SIM_PAGE_TOKENS
+        plan = self.core.begin_restore(model, [_page_hash(session, j) for j in range(pages)])
+        self.core.end_restore(plan)
+        return len(plan.hashes) * SIM_PAGE_TOKENS
 
 
 class SimInstance:
