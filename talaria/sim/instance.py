@@ -45,6 +45,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from services.instance_agent.memory.hkvr_core import HkvrCore, LayoutDescriptor, RankReport
+from services.instance_agent.memory.staging_plan import StagingPlanner
 
 from talaria.sim.profiles import ServerProfile
 
@@ -152,6 +153,7 @@ class Slot:
 # hashes to (s, j), cumulative by construction. Pages are coarser than the engine's (the
 # simulator moves no bytes): a restore covers whole pages, the tail is recomputed. [asm]
 SIM_PAGE_TOKENS = 512
+STAGE_CHUNK_BYTES = 1 << 30  # staging chunk in the simulator: 1 GiB (the engine uses 256 KiB) [asm]
 
 
 def _page_hash(session: str, index: int) -> int:
@@ -251,6 +253,9 @@ class SimInstance:
         self.seg: tuple[float, float, int] | None = None  # (start, step_s, k) of a decode action
         self.stage_target: str | None = None
         self.stage_start = 0.0
+        self.planner = StagingPlanner(STAGE_CHUNK_BYTES)
+        self._stage_key: tuple | None = None
+        self._stage_written = 0
         self.switching_to: str | None = None
         self.switches: list[SwitchRecord] = []
         self.rounds: list[RoundRecord] = []
@@ -372,14 +377,23 @@ class SimInstance:
             self.stage_target, self.stage_start = target, now
 
     def _staged_bytes(self, now: float, model: str) -> int:
+        """Clean staged bytes of `model` by `now`, from the agent's own `StagingPlanner`: chunks
+        placed from the top of the KV pool downward, written at host-to-device bandwidth while
+        their slot is above the KV high-water mark, dirtied when KV grows over them."""
         if not self.flags.staging or self.stage_target != model or self.active is None:
             return 0
+        planner = self.planner
         w = self.server.model(model).weight_bytes
-        pool = self.server.kv_pool_bytes(self.active)
         peak = self.slot.peak_kv_bytes if self.slot is not None else self._last_peak_kv
-        surface = max(0, pool - peak)
-        streamed = self.server.h2d_bytes_s * max(0.0, now - self.stage_start)
-        return int(min(w, surface, streamed))
+        if planner.target != model or self._stage_key != (self.active, self.stage_start):
+            planner.plan(model, w, 0, self.server.kv_pool_bytes(self.active))
+            self._stage_key, self._stage_written = (self.active, self.stage_start), 0
+        planner.on_kv_alloc(0, peak)  # KV pages handed out over staged slots
+        streamed = int(self.server.h2d_bytes_s * max(0.0, now - self.stage_start) // STAGE_CHUNK_BYTES)
+        for chunk in planner.next_writes(lambda lo, hi: lo >= peak, max(0, streamed - self._stage_written)):
+            planner.write_done(chunk.index)  # lazily: the writes the bandwidth allowed by `now`
+            self._stage_written += 1
+        return planner.gather_plan(model, w).staged_bytes
 
     def _start_switch(self, now: float, model: str):
         self._mark_busy(now)
