@@ -153,7 +153,7 @@ class Slot:
 # hashes to (s, j), cumulative by construction. Pages are coarser than the engine's (the
 # simulator moves no bytes): a restore covers whole pages, the tail is recomputed. [asm]
 SIM_PAGE_TOKENS = 512
-STAGE_CHUNK_BYTES = 1 << 30  # staging chunk in the simulator: 1 GiB (the engine uses 256 KiB) [asm]
+STAGE_CHUNK_BYTES = 4 << 30  # staging chunk in the simulator: 4 GiB (the engine uses 256 KiB) [asm]
 
 
 def _page_hash(session: str, index: int) -> int:
@@ -165,10 +165,23 @@ class _HostView:
 
     def __init__(self, core: HkvrCore) -> None:
         self.core = core
+        self._memo: dict[tuple[str, str], int] = {}
+        self._memo_key: tuple[int, int] = (-1, -1)
+
+    def invalidate(self) -> None:
+        self._memo.clear()
 
     def get(self, key: tuple[str, str], default: int = 0) -> int:
-        model, session = key
-        return self.core.session_tokens(session, model, SIM_PAGE_TOKENS) or default
+        # Reads far outnumber saves; the registry only changes on a save or an eviction.
+        stamp = (self.core.counters.saved_pages, self.core.counters.evictions)
+        if stamp != self._memo_key:
+            self._memo.clear()
+            self._memo_key = stamp
+        tokens = self._memo.get(key)
+        if tokens is None:
+            model, session = key
+            tokens = self._memo[key] = self.core.session_tokens(session, model, SIM_PAGE_TOKENS)
+        return tokens or default
 
     def items(self):
         return (((m, s), t) for s, m, t in self.core.session_prefixes(SIM_PAGE_TOKENS))
@@ -221,6 +234,7 @@ class KvStore:
         template = LayoutDescriptor(model, 0, 0, 0, SIM_PAGE_TOKENS, "bf16", "gqa", (SIM_PAGE_TOKENS,))
         plan = self.core.plan_save(model, session, [report], template)
         self.core.complete(plan.job_id)
+        self.host.invalidate()  # a save can re-point a session to a prefix it already held
         self.version += 1
         self.host_version += 1
 
@@ -256,6 +270,7 @@ class SimInstance:
         self.planner = StagingPlanner(STAGE_CHUNK_BYTES)
         self._stage_key: tuple | None = None
         self._stage_written = 0
+        self._stage_memo: tuple = (None, 0)
         self.switching_to: str | None = None
         self.switches: list[SwitchRecord] = []
         self.rounds: list[RoundRecord] = []
@@ -385,15 +400,20 @@ class SimInstance:
         planner = self.planner
         w = self.server.model(model).weight_bytes
         peak = self.slot.peak_kv_bytes if self.slot is not None else self._last_peak_kv
+        streamed = int(self.server.h2d_bytes_s * max(0.0, now - self.stage_start) // STAGE_CHUNK_BYTES)
+        memo = (model, self.active, self.stage_start, peak, streamed)
+        if memo == self._stage_memo[0]:
+            return self._stage_memo[1]  # nothing the planner sees has changed since the last ask
         if planner.target != model or self._stage_key != (self.active, self.stage_start):
             planner.plan(model, w, 0, self.server.kv_pool_bytes(self.active))
             self._stage_key, self._stage_written = (self.active, self.stage_start), 0
         planner.on_kv_alloc(0, peak)  # KV pages handed out over staged slots
-        streamed = int(self.server.h2d_bytes_s * max(0.0, now - self.stage_start) // STAGE_CHUNK_BYTES)
         for chunk in planner.next_writes(lambda lo, hi: lo >= peak, max(0, streamed - self._stage_written)):
             planner.write_done(chunk.index)  # lazily: the writes the bandwidth allowed by `now`
             self._stage_written += 1
-        return planner.gather_plan(model, w).staged_bytes
+        staged = planner.gather_plan(model, w).staged_bytes
+        self._stage_memo = (memo, staged)
+        return staged
 
     def _start_switch(self, now: float, model: str):
         self._mark_busy(now)

@@ -184,7 +184,7 @@ NOTES = """How to read this report (details in talaria/sim/*.py docstrings):
   `RoundScheduler` (services/instance_agent/scheduler) making every instance decision; the
   simulator only prices actions with the profile and keeps device-KV occupancy; the host KV
   registry is the agent's own `HkvrCore` (512-token sim pages) and weight staging the agent's own
-  `StagingPlanner` (1 GiB sim chunks, written at H2D bandwidth, dirtied by KV growth). Decode runs
+  `StagingPlanner` (4 GiB sim chunks, written at H2D bandwidth, dirtied by KV growth). Decode runs
   as multi-step actions (`next_action(now, max_decode_steps=4096)`), cut at every scheduler
   boundary and at each submission, so it equals one-token stepping (tested). The built-in `fast`
   copy of the policy appears only in the final, labelled cross-check section.
