@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from services.instance_agent.engine import GenRequest, TorchEngine  # noqa: E402
-from services.instance_agent.runner import INITIAL_COSTS  # noqa: E402
+from services.instance_agent.runner import INITIAL_COSTS, reusable_kv  # noqa: E402
 from services.instance_agent.scheduler import (  # noqa: E402
     CallAdmitted, CallFinished, Decode, Idle, Prefill, RoundScheduler, SchedulerConfig, SwitchModel, Work,
 )
@@ -52,11 +52,8 @@ class Driver:
         self.last_decode_model: str | None = None
 
     def submit(self, req: GenRequest, continuation: bool) -> None:
-        state = self.engine.kv_state(req.session_id, req.model)
-        held = max((n for s, m, st, n in self.engine.session_states()
-                    if s == req.session_id and m == req.model and st == state), default=0)
+        state, reusable = reusable_kv(self.engine, req.session_id, req.model, len(req.prompt_ids))
         now = time.perf_counter()
-        reusable = min(held, len(req.prompt_ids) - 1) if state != "none" else 0
         self.sched.submit(Work(req.call_id, req.session_id, req.model, len(req.prompt_ids), reusable, state,
                                req.max_tokens, now, continuation), now)
         self.reqs[req.call_id], self.submitted[req.call_id] = req, now

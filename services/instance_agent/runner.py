@@ -69,6 +69,17 @@ INITIAL_COSTS = LinearCosts(prefill_tok_s=5_000.0, restore_tok_s=200_000.0, deco
                             switch_staged_s=0.02, switch_host_s=0.05, kv_bytes_per_token=4096)
 
 
+def reusable_kv(engine, session_id: str, model: str, prompt_tokens: int) -> tuple[str, int]:
+    """(where the session's KV is, how many prompt tokens of it can be reused) on `engine`;
+    at least the last prompt token is always computed, so it yields the first logits."""
+    state = engine.kv_state(session_id, model)
+    if state == "none":
+        return "none", 0
+    held = max((n for s, m, st, n in engine.session_states()
+                if s == session_id and m == model and st == state), default=0)
+    return state, min(held, prompt_tokens - 1)
+
+
 @dataclass
 class Running:
     routed: CallRouted
@@ -130,12 +141,7 @@ class CallRunner:
 
     def _kv_for(self, session_id: str, model: str, prompt_tokens: int) -> tuple[str, int]:
         try:
-            state = self.engine.kv_state(session_id, model)
-            if state == "none":
-                return "none", 0
-            held = max((n for s, m, st, n in self.engine.session_states()
-                        if s == session_id and m == model and st == state), default=0)
-            return state, min(held, prompt_tokens - 1)
+            return reusable_kv(self.engine, session_id, model, prompt_tokens)
         except Exception:  # the engine thread changed its tables under us: assume nothing
             return "none", 0
 
