@@ -23,6 +23,7 @@ from shared.settings import asyncpg_dsn
 from shared.tokenizer import encode, render_chat
 from shared.tracing import read_spans, session_span_id, session_trace_id
 from talaria.embedded import free_port
+from tests.integration.harness import wait_rows
 
 pytestmark = pytest.mark.e2e
 
@@ -65,16 +66,11 @@ def from_scratch(data_dir: Path, messages: list[dict], max_tokens: int) -> str:
     return engine.generate(GenRequest("ref", "ref", "qwen3-tiny", ids, max_tokens)).text
 
 
-async def completed_rows(url: str, n: int, timeout: float = 30.0) -> list:
+async def completed_rows(url: str, n: int) -> list:
     conn = await asyncpg.connect(asyncpg_dsn(url))
     try:
-        deadline = asyncio.get_running_loop().time() + timeout
-        while True:
-            rows = await conn.fetch(
-                "SELECT * FROM calls WHERE session_id=$1 AND outcome='completed' ORDER BY call_index", SESSION)
-            if len(rows) >= n or asyncio.get_running_loop().time() > deadline:
-                return rows
-            await asyncio.sleep(0.1)  # telemetry projects asynchronously; re-query until it lands
+        return await wait_rows(conn, "SELECT * FROM calls WHERE session_id=$1 AND outcome='completed' "
+                               "ORDER BY call_index", n, SESSION, timeout=30.0)
     finally:
         await conn.close()
 

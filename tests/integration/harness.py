@@ -48,3 +48,18 @@ class Services:
                 await r.close()
         self.running.clear()
 
+
+async def wait_rows(conn, sql: str, n: int, *args, timeout: float = 20.0) -> list:
+    """Re-query until `sql` returns at least n rows; fail on timeout.
+
+    Telemetry projects events into Postgres asynchronously and publishes no "row written"
+    event, so a deadline-bounded re-query is the synchronisation available.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        rows = await conn.fetch(sql, *args)
+        if len(rows) >= n:
+            return rows
+        assert loop.time() < deadline, f"only {len(rows)} of {n} rows for: {sql}"
+        await asyncio.sleep(0.05)

@@ -18,7 +18,7 @@ from shared import subjects
 from shared.health import wait_for_router
 from shared.settings import Settings
 from talaria.embedded import free_port
-from tests.integration.harness import Services
+from tests.integration.harness import Services, wait_rows
 
 pytestmark = pytest.mark.integration
 
@@ -68,11 +68,7 @@ async def test_no_instance_able_to_serve_is_503_with_retry_after_and_recorded(st
                                        b'{"model":"qwen3-tiny","messages":[{"role":"user","content":"x"}],'
                                        b'"max_tokens":2,"stream":true}', {"X-Session-Id": "lonely-stream"})
     assert status == 503 and body["error"]["code"] == "no_capacity" and "Retry-After" in headers
-    deadline = asyncio.get_running_loop().time() + 20
-    while (row := await db.fetchrow("SELECT * FROM calls WHERE session_id='lonely'")) is None or \
-            row["outcome"] != "failed":
-        assert asyncio.get_running_loop().time() < deadline, "failure never recorded"
-        await asyncio.sleep(0.05)  # telemetry projects asynchronously
+    [row] = await wait_rows(db, "SELECT * FROM calls WHERE session_id='lonely' AND outcome='failed'", 1)
     assert row["failed_stage"] == "router" and row["status"] == 503
 
 

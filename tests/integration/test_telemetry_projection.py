@@ -1,6 +1,5 @@
 """Telemetry projects the event stream into Postgres, exactly once, over real NATS + Postgres."""
 
-import asyncio
 
 import pytest
 
@@ -9,7 +8,7 @@ from shared import messages as m
 from shared import subjects
 from shared.bus import connect, emit
 from shared.settings import Settings
-from tests.integration.harness import Services
+from tests.integration.harness import Services, wait_rows
 
 pytestmark = pytest.mark.integration
 
@@ -17,18 +16,6 @@ pytestmark = pytest.mark.integration
 def submitted(call_id, index_hint=0):
     return m.CallSubmitted(call_id=call_id, session_id="s1", model="qwen3-tiny", prompt_ids=[256, 1, 2],
                            block_hashes=[], max_tokens=4, submitted_at=100.0 + index_hint)
-
-
-async def wait_rows(db, sql, n, timeout=20.0):
-    """Re-query until `sql` returns n rows (telemetry projects asynchronously); fail on timeout."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        rows = await db.fetch(sql)
-        if len(rows) >= n:
-            return rows
-        assert loop.time() < deadline, f"only {len(rows)} of {n} rows for: {sql}"
-        await asyncio.sleep(0.05)
 
 
 async def test_calls_and_decisions_are_projected_once_even_when_replayed(nats_url, database_url, db, tmp_path):
