@@ -18,7 +18,8 @@ prefill_s only, so recompute is never counted twice; activation is never in dR_r
 Admission (both must pass, else the candidate is kept in the audit with feasible=False):
     round:  queue_s + prefill_s + kv_recovery_s + activation_s <= gamma * ttft_target
             (the simulated load ahead of and including r's prefill in its slot; an instance
-            with nothing ahead of r always passes, so an oversized call is never starved)
+            with nothing ahead of r always passes, so an oversized call is never starved;
+            with kv_home_admits, an instance holding r's KV on device or host passes too)
     HBM:    r's KV (prompt + max_tokens) fits the KV pool; an absent model's weights fit HBM.
 """
 
@@ -177,7 +178,8 @@ class CostModel:
             reason = ""
             # Only load ahead of r can make an instance inadmissible: a call whose own work
             # exceeds the budget would otherwise be rejected everywhere, forever.
-            if queue > 0 and queue + prefill + kv_s + act > budget:
+            if queue > 0 and queue + prefill + kv_s + act > budget and not (
+                    cfg.kv_home_admits and kv_state in ("device", "host") and k_have > 0):
                 reason = "round_admission"
             elif not st.weights_fit or (st.kv_cap > 0 and (overlay + st.kv_used if st.mstate == "active" else 0)
                                         + prompt + max_tokens > st.kv_cap):

@@ -161,27 +161,15 @@ def _page_hash(session: str, index: int) -> int:
 
 
 class _HostView:
-    """`host.get((model, session))` / `host.items()` over the registry: published tokens only."""
+    """`host.get((model, session))` / `host.items()` over the registry: published tokens only
+    (both answered from the registry's own restorable-prefix index, no page walk)."""
 
     def __init__(self, core: HkvrCore) -> None:
         self.core = core
-        self._memo: dict[tuple[str, str], int] = {}
-        self._memo_key: tuple[int, int] = (-1, -1)
-
-    def invalidate(self) -> None:
-        self._memo.clear()
 
     def get(self, key: tuple[str, str], default: int = 0) -> int:
-        # Reads far outnumber saves; the registry only changes on a save or an eviction.
-        stamp = (self.core.counters.saved_pages, self.core.counters.evictions)
-        if stamp != self._memo_key:
-            self._memo.clear()
-            self._memo_key = stamp
-        tokens = self._memo.get(key)
-        if tokens is None:
-            model, session = key
-            tokens = self._memo[key] = self.core.session_tokens(session, model, SIM_PAGE_TOKENS)
-        return tokens or default
+        model, session = key
+        return self.core.session_tokens(session, model, SIM_PAGE_TOKENS) or default
 
     def items(self):
         return (((m, s), t) for s, m, t in self.core.session_prefixes(SIM_PAGE_TOKENS))
@@ -199,6 +187,7 @@ class KvStore:
         slot_bytes = max(m.kv_bytes_per_token for m in server.models.values()) * SIM_PAGE_TOKENS
         self.core = HkvrCore(max(1, server.host_bytes // slot_bytes), ranks=1)
         self.host = _HostView(self.core)
+        self._page_hashes: dict[str, tuple[int, ...]] = {}
         self.device_evictions = 0
         self.version = 0  # bumped on every change; snapshots cache on it
         self.host_version = 0  # bumped on every change of the host registry (a subset of `version`)
@@ -230,18 +219,24 @@ class KvStore:
         """Checkpoint the session's committed pages (the D2H copy is charged no time here and
         completes at once; pages already held are shared, not copied again)."""
         pages = tokens // SIM_PAGE_TOKENS
-        report = RankReport(0, pages * SIM_PAGE_TOKENS, tuple(_page_hash(session, j) for j in range(pages)))
+        report = RankReport(0, pages * SIM_PAGE_TOKENS, self._hashes(session, pages))
         template = LayoutDescriptor(model, 0, 0, 0, SIM_PAGE_TOKENS, "bf16", "gqa", (SIM_PAGE_TOKENS,))
         plan = self.core.plan_save(model, session, [report], template)
         self.core.complete(plan.job_id)
-        self.host.invalidate()  # a save can re-point a session to a prefix it already held
         self.version += 1
         self.host_version += 1
+
+    def _hashes(self, session: str, pages: int) -> tuple[int, ...]:
+        """The session's first `pages` page hashes (a session only grows: cached, extended)."""
+        have = self._page_hashes.get(session, ())
+        if len(have) < pages:
+            have = self._page_hashes[session] = have + tuple(_page_hash(session, j) for j in range(len(have), pages))
+        return have[:pages]
 
     def touch_host(self, model: str, session: str) -> int:
         """A restore: pins, counts the hit and refreshes LRU order through the registry."""
         pages = self.core.session_tokens(session, model, SIM_PAGE_TOKENS) // SIM_PAGE_TOKENS
-        plan = self.core.begin_restore(model, [_page_hash(session, j) for j in range(pages)])
+        plan = self.core.begin_restore(model, self._hashes(session, pages))
         self.core.end_restore(plan)
         return len(plan.hashes) * SIM_PAGE_TOKENS
 
@@ -411,7 +406,7 @@ class SimInstance:
         for chunk in planner.next_writes(lambda lo, hi: lo >= peak, max(0, streamed - self._stage_written)):
             planner.write_done(chunk.index)  # lazily: the writes the bandwidth allowed by `now`
             self._stage_written += 1
-        staged = planner.gather_plan(model, w).staged_bytes
+        staged = planner.staged_bytes()  # == gather_plan(model, w).staged_bytes: no write in flight
         self._stage_memo = (memo, staged)
         return staged
 

@@ -20,13 +20,20 @@ Invariants (each has a test)
        private (stored under that rank's own key, never matched) and is recomputed.
     4. Switch barrier. `pending_jobs(model)` lists the outgoing model's copies in flight; the
        engine drains exactly those before releasing the device KV region.
+
+Indexes (so a query costs O(1), not a walk over the session's pages)
+    Each session prefix keeps `published`, the length of its restorable prefix, always equal
+    to `match(model, hashes)`. `_readers[(model, h)]` lists the sessions whose restorable
+    prefix contains h (an eviction cuts them back); `_waiting[(model, h)]` lists those whose
+    restorable prefix stops just before h (a publication extends them). A save, a publication
+    or an eviction updates only the sessions it touches.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal
 
 Key = tuple[str, int, int]  # (model, rank, prefix hash)
@@ -61,7 +68,7 @@ class RankReport:
     hashes: tuple[int, ...]
 
 
-@dataclass
+@dataclass(slots=True)
 class HostPage:
     key: Key
     slot: int
@@ -69,6 +76,7 @@ class HostPage:
     state: Literal["copying", "committed"] = "copying"
     pins: int = 0
     refs: int = 0
+    tick: int = 0  # LRU stamp: the order of `HkvrCore.pages`, as a number
 
 
 @dataclass(frozen=True)
@@ -116,8 +124,13 @@ class HkvrCounters:
 
 @dataclass
 class _SessionPrefix:
+    model: str
     hashes: tuple[int, ...]
     pages: list[HostPage] = field(default_factory=list)
+    published: int = 0  # leading hashes that are restorable now (== match(model, hashes))
+
+
+SessionKey = tuple[str, str]  # (session id, model)
 
 
 def agreed_prefix(reports: list[RankReport], page_size: int) -> int:
@@ -126,6 +139,8 @@ def agreed_prefix(reports: list[RankReport], page_size: int) -> int:
         return 0
     n = min(min(r.committed_tokens // page_size, len(r.hashes)) for r in reports)
     first = reports[0].hashes
+    if all(r.hashes[:n] == first[:n] for r in reports[1:]):
+        return n  # the common case, one tuple comparison per rank
     for j in range(n):
         if any(r.hashes[j] != first[j] for r in reports[1:]):
             return j
@@ -138,11 +153,15 @@ class HkvrCore:
         self.ranks = ranks
         self.pages: OrderedDict[Key, HostPage] = OrderedDict()  # LRU order, oldest first
         self.published: set[tuple[str, int]] = set()
-        self.sessions: dict[tuple[str, str], _SessionPrefix] = {}
+        self.sessions: dict[SessionKey, _SessionPrefix] = {}
+        self._readers: dict[tuple[str, int], set[SessionKey]] = {}
+        self._waiting: dict[tuple[str, int], set[SessionKey]] = {}
         self.jobs: dict[int, _Job] = {}
         self.counters = HkvrCounters()
         self._free_slots = list(range(capacity_pages - 1, -1, -1))
         self._job_ids = itertools.count(1)
+        self._ticks = itertools.count(1)
+        self._unreferenced: set[Key] = set()  # keys of pages with refs <= 0
 
     # -- save (D2H) ----------------------------------------------------------------------
 
@@ -162,14 +181,16 @@ class HkvrCore:
                 key = (model, rep.rank, h)
                 page = self.pages.get(key)
                 if page is not None:
-                    self.pages.move_to_end(key)
+                    self._touch(page)
                     continue
                 slot = self._take_slot()
                 if slot is None:
                     self.counters.full_saves += 1
                     break  # later pages are useless without this one (cumulative hashes)
-                desc = replace(template, rank=rep.rank, prefix_hash=h, committed_tokens=(j + 1) * ps)
-                self.pages[key] = HostPage(key, slot, desc, pins=1)
+                desc = LayoutDescriptor(model, rep.rank, h, (j + 1) * ps, ps, template.dtype,
+                                        template.attention, template.shape, template.itemsize)
+                self.pages[key] = HostPage(key, slot, desc, pins=1, tick=next(self._ticks))
+                self._unreferenced.add(key)
                 keys.append(key)
                 copies.append(PageCopy(rep.rank, j, key, slot, desc))
         agreed_hashes = tuple(reports[0].hashes[:agreed]) if reports else ()
@@ -200,6 +221,8 @@ class HkvrCore:
                 break  # prefix property: nothing past a hole is restorable
             self.published.add((model, h))
             out.append(h)
+            for skey in self._waiting.pop((model, h), ()):
+                self._advance(skey, self.sessions[skey])
         return out
 
     def _committed(self, key: Key) -> bool:
@@ -230,7 +253,7 @@ class HkvrCore:
             for r in range(self.ranks):
                 page = self.pages[(model, r, h)]
                 page.pins += 1
-                self.pages.move_to_end(page.key)
+                self._touch(page)
                 row.append(PageCopy(r, j, page.key, page.slot, page.desc))
             per_page.append(tuple(row))
         self.counters.restored_pages += n
@@ -244,29 +267,77 @@ class HkvrCore:
     # -- sessions ------------------------------------------------------------------------
 
     def _set_session(self, session_id: str, model: str, hashes: tuple[int, ...]) -> None:
+        skey = (session_id, model)
+        pages = self.pages
+        held = [pages[k] for h in hashes for r in range(self.ranks) if (k := (model, r, h)) in pages]
+        old = self.sessions.get(skey)
+        if (old is not None and hashes[:len(old.hashes)] == old.hashes
+                and list(map(id, held[:len(old.pages)])) == list(map(id, old.pages))):
+            # Every later checkpoint of a session extends the prefix it already holds, over
+            # the same live pages: ref the new pages only, and extend the index from where
+            # it stands (its entries for the old hashes are still exact).
+            for page in held[len(old.pages):]:
+                page.refs += 1
+                self._unreferenced.discard(page.key)
+            old.hashes, old.pages = hashes, held
+            self._advance(skey, old)
+            return
         self.drop_session(session_id, model)
-        held = [self.pages[k] for h in hashes for r in range(self.ranks) if (k := (model, r, h)) in self.pages]
         for page in held:
             page.refs += 1
-        self.sessions[(session_id, model)] = _SessionPrefix(hashes, held)
+            self._unreferenced.discard(page.key)
+        pre = self.sessions[skey] = _SessionPrefix(model, hashes, held)
+        self._advance(skey, pre)
 
     def drop_session(self, session_id: str, model: str) -> None:
-        old = self.sessions.pop((session_id, model), None)
-        for page in old.pages if old is not None else ():
+        skey = (session_id, model)
+        old = self.sessions.pop(skey, None)
+        if old is None:
+            return
+        for page in old.pages:
             if self.pages.get(page.key) is page:  # an evicted-and-recreated key is a new page
                 page.refs -= 1
+                if page.refs <= 0:
+                    self._unreferenced.add(page.key)
+        self._unindex(skey, old, 0)
 
     def session_tokens(self, session_id: str, model: str, page_size: int) -> int:
         pre = self.sessions.get((session_id, model))
-        return 0 if pre is None else self.match(model, pre.hashes) * page_size
+        return 0 if pre is None else pre.published * page_size
 
     def session_prefixes(self, page_size: int) -> list[tuple[str, str, int]]:
-        out = []
-        for (sid, model), pre in self.sessions.items():
-            n = self.match(model, pre.hashes)
-            if n:
-                out.append((sid, model, n * page_size))
-        return out
+        return [(sid, model, pre.published * page_size)
+                for (sid, model), pre in self.sessions.items() if pre.published]
+
+    # -- restorable-prefix index ---------------------------------------------------------
+
+    def _advance(self, skey: SessionKey, pre: _SessionPrefix) -> None:
+        """Extend `pre.published` over hashes that are published now; wait on the next one."""
+        model, hashes, published = pre.model, pre.hashes, self.published
+        n = pre.published
+        while n < len(hashes) and (model, hashes[n]) in published:
+            self._readers.setdefault((model, hashes[n]), set()).add(skey)
+            n += 1
+        pre.published = n
+        if n < len(hashes):
+            self._waiting.setdefault((model, hashes[n]), set()).add(skey)
+
+    def _unindex(self, skey: SessionKey, pre: _SessionPrefix, keep: int) -> None:
+        """Cut `pre.published` back to `keep` pages, removing it from the indexes past that."""
+        model, hashes = pre.model, pre.hashes
+        for h in hashes[keep:pre.published]:
+            _discard(self._readers, (model, h), skey)
+        if pre.published < len(hashes):
+            _discard(self._waiting, (model, hashes[pre.published]), skey)
+        pre.published = keep
+
+    def _unpublished(self, model: str, h: int, position: int) -> None:
+        """(model, h), page `position` of every prefix holding it, is no longer restorable."""
+        for skey in self._readers.pop((model, h), ()):
+            pre = self.sessions[skey]
+            j = position if pre.hashes[position:position + 1] == (h,) else pre.hashes.index(h)
+            self._unindex(skey, pre, j)
+            self._waiting.setdefault((model, h), set()).add(skey)
 
     # -- capacity ------------------------------------------------------------------------
 
@@ -282,22 +353,35 @@ class HkvrCore:
             return None
         return self._evict(victim)
 
+    def _touch(self, page: HostPage) -> None:
+        self.pages.move_to_end(page.key)
+        page.tick = next(self._ticks)
+
     def _victim(self) -> HostPage | None:
         """Least recently used unpinned page, unreferenced pages first. Never a pinned one."""
-        fallback = None
-        for page in self.pages.values():
-            if page.pins or page.state != "committed":
-                continue
-            if page.refs <= 0:
+        free = [p for k in self._unreferenced if (p := self.pages[k]).pins == 0 and p.state == "committed"]
+        if free:
+            return min(free, key=lambda p: p.tick)
+        for page in self.pages.values():  # every reclaimable page is referenced: oldest of them
+            if page.pins == 0 and page.state == "committed":
                 return page
-            if fallback is None:
-                fallback = page
-        return fallback
+        return None
 
     def _evict(self, page: HostPage) -> int:
         assert page.pins == 0 and page.state == "committed", "evicting a page under transfer"
         del self.pages[page.key]
+        self._unreferenced.discard(page.key)
         model, _, h = page.key
-        self.published.discard((model, h))
+        if (model, h) in self.published:
+            self.published.discard((model, h))
+            self._unpublished(model, h, page.desc.committed_tokens // page.desc.page_size - 1)
         self.counters.evictions += 1
         return page.slot
+
+
+def _discard(index: dict, key, skey: SessionKey) -> None:
+    group = index.get(key)
+    if group is not None:
+        group.discard(skey)
+        if not group:
+            del index[key]

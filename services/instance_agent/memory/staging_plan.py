@@ -12,7 +12,7 @@ from typing import Literal
 ChunkState = Literal["missing", "writing", "clean", "dirty", "unplaced"]
 
 
-@dataclass
+@dataclass(slots=True)
 class Chunk:
     index: int
     src_lo: int  # within the target weight image
@@ -47,14 +47,23 @@ class GatherPlan:
 
 @dataclass
 class StagingPlanner:
+    """Chunk states of the model being staged. Every state change goes through `_set`, which
+    keeps per-state counts, so the questions asked on every step (staged bytes, anything in
+    flight, anything left to write) cost O(1) and a KV allocation visits only the chunks
+    laid out over it."""
+
     chunk_bytes: int
     target: str | None = None
     chunks: list[Chunk] = field(default_factory=list)
     dirty_events: int = 0
+    _top: int = 0  # `hi` of the current layout: chunk i sits just below top - i * chunk_bytes
+    _clean_bytes: int = 0
+    _count: dict[str, int] = field(default_factory=dict)
+    _first_pending: int = 0  # no chunk below this index is missing or dirty
 
     def plan(self, target: str, weight_bytes: int, lo_limit: int, hi: int) -> None:
         """Lay out `target`'s chunks in slots from `hi` downward, none below `lo_limit`."""
-        self.target, self.chunks = target, []
+        self.target, self.chunks, self._top = target, [], hi
         n = -(-weight_bytes // self.chunk_bytes)
         for i in range(n):
             src_lo, src_hi = i * self.chunk_bytes, min((i + 1) * self.chunk_bytes, weight_bytes)
@@ -63,49 +72,90 @@ class StagingPlanner:
                 self.chunks.append(Chunk(i, src_lo, src_hi, -1, -1, "unplaced"))
             else:
                 self.chunks.append(Chunk(i, src_lo, src_hi, dst_lo, dst_lo + (src_hi - src_lo)))
+        self._recount()
 
     def reset(self) -> None:
         self.target, self.chunks = None, []
+        self._recount()
+
+    def _recount(self) -> None:
+        self._count = {"missing": 0, "writing": 0, "clean": 0, "dirty": 0, "unplaced": 0}
+        for c in self.chunks:
+            self._count[c.state] += 1
+        self._clean_bytes = sum(c.nbytes for c in self.chunks if c.state == "clean")
+        self._first_pending = 0
+
+    def _set(self, c: Chunk, state: ChunkState) -> None:
+        self._count[c.state] -= 1
+        self._count[state] += 1
+        if c.state == "clean":
+            self._clean_bytes -= c.nbytes
+        if state == "clean":
+            self._clean_bytes += c.nbytes
+        elif state == "dirty" and c.index < self._first_pending:
+            self._first_pending = c.index
+        c.state = state
+
+    def _over(self, lo: int, hi: int) -> list[Chunk]:
+        """The chunks whose slot can overlap [lo, hi): slots are laid out downward from
+        `_top` in index order, so only an index window needs checking."""
+        cb = self.chunk_bytes
+        first = max(0, (self._top - hi) // cb - 1)
+        last = min(len(self.chunks), (self._top - lo) // cb + 1)
+        return self.chunks[first:last]
 
     def next_writes(self, slot_is_free: Callable[[int, int], bool], limit: int) -> list[Chunk]:
-        """Mark up to `limit` missing/dirty chunks whose slot is free as writing."""
-        out = []
-        for c in self.chunks:
-            if len(out) >= limit:
-                break
-            if c.state in ("missing", "dirty") and slot_is_free(c.dst_lo, c.dst_hi):
-                c.state = "writing"
-                out.append(c)
+        """Mark up to `limit` missing/dirty chunks whose slot is free as writing (in index
+        order; the scan starts at the first chunk that can still need a write)."""
+        out: list[Chunk] = []
+        if limit <= 0 or self._count["missing"] + self._count["dirty"] == 0:
+            return out
+        chunks, i, first = self.chunks, self._first_pending, None
+        while i < len(chunks) and len(out) < limit:
+            c = chunks[i]
+            if c.state == "missing" or c.state == "dirty":
+                if slot_is_free(c.dst_lo, c.dst_hi):
+                    self._set(c, "writing")
+                    out.append(c)
+                elif first is None:
+                    first = i
+            i += 1
+        self._first_pending = i if first is None else first
         return out
 
     def write_done(self, index: int) -> None:
         c = self.chunks[index]
         if c.state == "writing":
-            c.state = "clean"
+            self._set(c, "clean")
 
     def blocked(self, lo: int, hi: int) -> bool:
         """True when [lo, hi) overlaps a chunk being written: the allocator must skip it."""
-        return any(c.state == "writing" and c.overlaps(lo, hi) for c in self.chunks)
+        if not self._count["writing"]:
+            return False
+        return any(c.state == "writing" and c.overlaps(lo, hi) for c in self._over(lo, hi))
 
     def on_kv_alloc(self, lo: int, hi: int) -> None:
-        for c in self.chunks:
+        if not self._count["clean"]:
+            return
+        for c in self._over(lo, hi):
             if c.state == "clean" and c.overlaps(lo, hi):
-                c.state = "dirty"
+                self._set(c, "dirty")
                 self.dirty_events += 1
 
     def writing(self) -> list[Chunk]:
+        if not self._count["writing"]:
+            return []
         return [c for c in self.chunks if c.state == "writing"]
 
     def staged_bytes(self) -> int:
-        return sum(c.nbytes for c in self.chunks if c.state == "clean")
+        return self._clean_bytes
 
     def gather_plan(self, target: str, weight_bytes: int) -> GatherPlan:
-        if target != self.target or any(c.state == "writing" for c in self.chunks):
-            if target != self.target:
-                return GatherPlan(target, (), ((0, weight_bytes),), 0, weight_bytes, 0)
+        if target != self.target:
+            return GatherPlan(target, (), ((0, weight_bytes),), 0, weight_bytes, 0)
+        if self._count["writing"]:
             raise RuntimeError("gather planned while a staging write is in flight")
         d2d = tuple(c for c in self.chunks if c.state == "clean")
         h2d = tuple((c.src_lo, c.src_hi) for c in self.chunks if c.state != "clean")
-        staged = sum(c.nbytes for c in d2d)
-        dirty = sum(1 for c in self.chunks if c.state == "dirty")
-        return GatherPlan(target, d2d, h2d, staged, weight_bytes - staged, dirty)
+        staged = self._clean_bytes
+        return GatherPlan(target, d2d, h2d, staged, weight_bytes - staged, self._count["dirty"])

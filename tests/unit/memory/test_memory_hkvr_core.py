@@ -1,5 +1,8 @@
 """HKVR bookkeeping invariants, tensor-free (the simulator's view)."""
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from services.instance_agent.memory.hkvr_core import HkvrCore, LayoutDescriptor, RankReport, agreed_prefix
 
 PS = 16
@@ -86,3 +89,48 @@ def test_lru_eviction_and_counters():
     assert ("m", 0, 3) not in core.pages  # least recently used went first
     assert (core.counters.hits, core.counters.misses, core.counters.evictions) == (1, 1, 1)
     assert core.session_tokens("b", "m", PS) == 0  # hole at the first page: nothing restorable
+
+
+# The indexes must always agree with a walk: restorable prefixes, and the eviction victim.
+_op = st.one_of(
+    st.tuples(st.just("save"), st.integers(0, 3), st.integers(0, 1), st.integers(0, 6), st.booleans()),
+    st.tuples(st.just("drop"), st.integers(0, 3), st.integers(0, 1)),
+    st.tuples(st.just("restore"), st.integers(0, 3), st.integers(0, 1)),
+    st.tuples(st.just("complete"),),
+)
+
+
+def _victim_by_scan(core):
+    """The eviction rule read literally: in LRU order, the first reclaimable unreferenced page,
+    else the first reclaimable one."""
+    reclaimable = [p for p in core.pages.values() if p.pins == 0 and p.state == "committed"]
+    unreferenced = [p for p in reclaimable if p.refs <= 0]
+    return (unreferenced or reclaimable or [None])[0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(_op, max_size=40), capacity=st.integers(2, 12), ranks=st.integers(1, 2))
+def test_restorable_prefix_index_matches_a_walk(ops, capacity, ranks):
+    core = HkvrCore(capacity, ranks=ranks)
+    for op in ops:
+        if op[0] == "save":
+            _, s, m, pages, lag = op
+            # sessions 0 and 1 share their first pages, so publications and evictions cross
+            hashes = tuple(hash(("shared" if s < 2 and j < 3 else s, j)) for j in range(pages))
+            reps = [RankReport(r, (pages - (lag and r == ranks - 1)) * PS, hashes) for r in range(ranks)]
+            core.plan_save(f"m{m}", f"s{s}", reps, T)
+        elif op[0] == "drop":
+            core.drop_session(f"s{op[1]}", f"m{op[2]}")
+        elif op[0] == "restore":
+            pre = core.sessions.get((f"s{op[1]}", f"m{op[2]}"))
+            if pre is not None:
+                core.end_restore(core.begin_restore(f"m{op[2]}", pre.hashes))
+        elif core.jobs:
+            core.complete(next(iter(core.jobs)))
+        for (sid, model), pre in core.sessions.items():
+            walk = core.match(model, pre.hashes)
+            assert core.session_tokens(sid, model, PS) == walk * PS
+        assert core._victim() is _victim_by_scan(core)
+    assert sorted(core.session_prefixes(PS)) == sorted(
+        (sid, model, core.match(model, pre.hashes) * PS)
+        for (sid, model), pre in core.sessions.items() if core.match(model, pre.hashes))

@@ -1,6 +1,8 @@
 """Staging planner states and the executor's D2D/H2D gather."""
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.instance_agent.memory.staging import StagingExecutor, StagingPlanner
 
@@ -51,3 +53,28 @@ def test_executor_gathers_exact_bytes():
     assert res.plan.path == "d2d_partial" and res.bytes_d2d == 1000 - 256 and res.bytes_h2d == 256
     assert torch.equal(buf[:1000], image)
     ex.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(weight=st.integers(1, 5000), chunk=st.integers(64, 900), lo_limit=st.integers(0, 3000),
+       top=st.integers(0, 6000), steps=st.lists(st.tuples(st.integers(-100, 7000), st.integers(0, 3000),
+                                                        st.integers(0, 4)), max_size=12))
+def test_counters_and_window_agree_with_a_full_scan(weight, chunk, lo_limit, top, steps):
+    p = StagingPlanner(chunk)
+    p.plan("b", weight, lo_limit, top)
+    for lo, span, writes in steps:
+        hi = lo + span
+        expect_dirty = {c.index for c in p.chunks if c.state == "clean" and c.overlaps(lo, hi)}
+        expect_blocked = any(c.state == "writing" and c.overlaps(lo, hi) for c in p.chunks)
+        assert p.blocked(lo, hi) == expect_blocked
+        before = {c.index for c in p.chunks if c.state == "dirty"}
+        p.on_kv_alloc(lo, hi)
+        assert {c.index for c in p.chunks if c.state == "dirty"} == before | expect_dirty
+        free = lambda a, b: a >= hi or b <= lo  # noqa: E731
+        expect_writes = [c for c in p.chunks if c.state in ("missing", "dirty") and free(c.dst_lo, c.dst_hi)][:writes]
+        started = p.next_writes(free, writes)
+        assert started == expect_writes
+        for c in started[:1]:
+            p.write_done(c.index)  # one write finishes, the others stay in flight
+        assert p.staged_bytes() == sum(c.nbytes for c in p.chunks if c.state == "clean")
+        assert p.writing() == [c for c in p.chunks if c.state == "writing"]

@@ -94,6 +94,24 @@ def test_round_admission_rejects_an_overloaded_candidate():
     assert audit.chosen == "b"
 
 
+def test_a_return_passes_round_admission_where_its_kv_is():
+    # `a` has 9.5 s of backlog (over the 9 s budget) but holds s1's 100K-token prefix on
+    # host (1 s to restore); `b` is idle but would open m1 (2 s) and recompute (10 s).
+    kv = [("s1", "m1", "host", 100_000)]
+    for home_admits, chosen in ((True, "a"), (False, "b")):
+        c = core(kv_home_admits=home_admits, **NO_LEASE)
+        c.observe(snap("a", queued_tokens=95_000, sessions=kv), 0.0)
+        c.observe(snap("b", active="m2", models={"m1": "absent", "m2": "active"}), 0.0)
+        audit, _ = decide(c, call("c1", session="s1", tokens=100_100), 0.0)
+        x = by_instance(audit)
+        assert x["a"].feasible == home_admits and x["a"].kv_state == "host"
+        assert audit.chosen == chosen
+    c = core(**NO_LEASE)  # a stranger on the same instance is still turned away
+    c.observe(snap("a", queued_tokens=95_000, sessions=kv), 0.0)
+    audit, _ = decide(c, call("c2", session="s2", tokens=100), 0.0)
+    assert by_instance(audit)["a"].reason == "round_admission"
+
+
 def test_a_call_too_big_for_the_budget_still_runs_on_an_idle_instance():
     c = core()
     c.observe(snap("a"), 0.0)
