@@ -403,9 +403,8 @@ class SimInstance:
             planner.plan(model, w, 0, self.server.kv_pool_bytes(self.active))
             self._stage_key, self._stage_written = (self.active, self.stage_start), 0
         planner.on_kv_alloc(0, peak)  # KV pages handed out over staged slots
-        for chunk in planner.next_writes(lambda lo, hi: lo >= peak, max(0, streamed - self._stage_written)):
-            planner.write_done(chunk.index)  # lazily: the writes the bandwidth allowed by `now`
-            self._stage_written += 1
+        # lazily: the writes the bandwidth allowed by `now`, all complete by now
+        self._stage_written += planner.write_through(lambda lo, hi: lo >= peak, max(0, streamed - self._stage_written))
         staged = planner.staged_bytes()  # == gather_plan(model, w).staged_bytes: no write in flight
         self._stage_memo = (memo, staged)
         return staged

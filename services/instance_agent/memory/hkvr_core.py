@@ -34,13 +34,14 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 Key = tuple[str, int, int]  # (model, rank, prefix hash)
 
 
-@dataclass(frozen=True)
-class LayoutDescriptor:
+class LayoutDescriptor(NamedTuple):
+    """How one rank's page slab is laid out (a tuple: one is built per saved page)."""
+
     model: str
     rank: int
     prefix_hash: int
@@ -79,8 +80,7 @@ class HostPage:
     tick: int = 0  # LRU stamp: the order of `HkvrCore.pages`, as a number
 
 
-@dataclass(frozen=True)
-class PageCopy:
+class PageCopy(NamedTuple):
     rank: int
     page_index: int  # position in the saved sequence's page list
     key: Key
@@ -174,14 +174,16 @@ class HkvrCore:
         if any(min(r.committed_tokens // ps, len(r.hashes)) > agreed for r in reports):
             self.counters.truncated_saves += 1
         job_id = next(self._job_ids)
+        pages, move_to_end, ticks = self.pages, self.pages.move_to_end, self._ticks
         copies: list[PageCopy] = []
         keys: list[Key] = []
         for rep in reports:
             for j, h in enumerate(rep.hashes[: rep.committed_tokens // ps]):
                 key = (model, rep.rank, h)
-                page = self.pages.get(key)
+                page = pages.get(key)
                 if page is not None:
-                    self._touch(page)
+                    move_to_end(key)  # inlined _touch: this loop runs for every held page
+                    page.tick = next(ticks)
                     continue
                 slot = self._take_slot()
                 if slot is None:
@@ -247,14 +249,16 @@ class HkvrCore:
             self.counters.misses += 1
             return RestorePlan(model, (), ())
         self.counters.hits += 1
+        pages, move_to_end, ticks = self.pages, self.pages.move_to_end, self._ticks
         per_page = []
         for j, h in enumerate(hashes[:n]):
             row = []
             for r in range(self.ranks):
-                page = self.pages[(model, r, h)]
+                page = pages[(key := (model, r, h))]
                 page.pins += 1
-                self._touch(page)
-                row.append(PageCopy(r, j, page.key, page.slot, page.desc))
+                move_to_end(key)  # inlined _touch
+                page.tick = next(ticks)
+                row.append(PageCopy(r, j, key, page.slot, page.desc))
             per_page.append(tuple(row))
         self.counters.restored_pages += n
         return RestorePlan(model, tuple(hashes[:n]), tuple(per_page))

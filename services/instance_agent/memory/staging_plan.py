@@ -5,6 +5,7 @@ this planner directly. See `staging.py` for the layout diagram.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -27,6 +28,20 @@ class Chunk:
 
     def overlaps(self, lo: int, hi: int) -> bool:
         return self.dst_lo >= 0 and lo < self.dst_hi and self.dst_lo < hi
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(chunk_bytes: int, weight_bytes: int, lo_limit: int, hi: int) -> tuple[tuple, ...]:
+    """Chunk geometry (the same few layouts recur on every re-plan, so it is computed once)."""
+    out = []
+    for i in range(-(-weight_bytes // chunk_bytes)):
+        src_lo, src_hi = i * chunk_bytes, min((i + 1) * chunk_bytes, weight_bytes)
+        dst_lo = hi - (i + 1) * chunk_bytes
+        if dst_lo < lo_limit:
+            out.append((i, src_lo, src_hi, -1, -1, "unplaced"))
+        else:
+            out.append((i, src_lo, src_hi, dst_lo, dst_lo + (src_hi - src_lo), "missing"))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -63,15 +78,8 @@ class StagingPlanner:
 
     def plan(self, target: str, weight_bytes: int, lo_limit: int, hi: int) -> None:
         """Lay out `target`'s chunks in slots from `hi` downward, none below `lo_limit`."""
-        self.target, self.chunks, self._top = target, [], hi
-        n = -(-weight_bytes // self.chunk_bytes)
-        for i in range(n):
-            src_lo, src_hi = i * self.chunk_bytes, min((i + 1) * self.chunk_bytes, weight_bytes)
-            dst_lo = hi - (i + 1) * self.chunk_bytes
-            if dst_lo < lo_limit:
-                self.chunks.append(Chunk(i, src_lo, src_hi, -1, -1, "unplaced"))
-            else:
-                self.chunks.append(Chunk(i, src_lo, src_hi, dst_lo, dst_lo + (src_hi - src_lo)))
+        self.target, self._top = target, hi
+        self.chunks = [Chunk(*g) for g in _layout(self.chunk_bytes, weight_bytes, lo_limit, hi)]
         self._recount()
 
     def reset(self) -> None:
@@ -104,9 +112,9 @@ class StagingPlanner:
         last = min(len(self.chunks), (self._top - lo) // cb + 1)
         return self.chunks[first:last]
 
-    def next_writes(self, slot_is_free: Callable[[int, int], bool], limit: int) -> list[Chunk]:
-        """Mark up to `limit` missing/dirty chunks whose slot is free as writing (in index
-        order; the scan starts at the first chunk that can still need a write)."""
+    def _writable(self, slot_is_free: Callable[[int, int], bool], limit: int) -> list[Chunk]:
+        """Up to `limit` missing/dirty chunks whose slot is free, in index order; the scan
+        starts at the first chunk that can still need a write, and moves that mark on."""
         out: list[Chunk] = []
         if limit <= 0 or self._count["missing"] + self._count["dirty"] == 0:
             return out
@@ -115,13 +123,30 @@ class StagingPlanner:
             c = chunks[i]
             if c.state == "missing" or c.state == "dirty":
                 if slot_is_free(c.dst_lo, c.dst_hi):
-                    self._set(c, "writing")
                     out.append(c)
                 elif first is None:
                     first = i
             i += 1
         self._first_pending = i if first is None else first
         return out
+
+    def next_writes(self, slot_is_free: Callable[[int, int], bool], limit: int) -> list[Chunk]:
+        """Mark up to `limit` missing/dirty chunks whose slot is free as writing."""
+        out = self._writable(slot_is_free, limit)
+        for c in out:
+            self._set(c, "writing")
+        return out
+
+    def write_through(self, slot_is_free: Callable[[int, int], bool], limit: int) -> int:
+        """`next_writes` and `write_done` for each, as one bulk transition: for a driver (the
+        simulator) whose writes have all completed by the time it asks. Returns the count."""
+        out = self._writable(slot_is_free, limit)
+        for c in out:
+            self._count[c.state] -= 1
+            c.state = "clean"
+        self._count["clean"] += len(out)
+        self._clean_bytes += sum([c.nbytes for c in out])
+        return len(out)
 
     def write_done(self, index: int) -> None:
         c = self.chunks[index]

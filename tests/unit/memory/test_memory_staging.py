@@ -61,7 +61,9 @@ def test_executor_gathers_exact_bytes():
                                                         st.integers(0, 4)), max_size=12))
 def test_counters_and_window_agree_with_a_full_scan(weight, chunk, lo_limit, top, steps):
     p = StagingPlanner(chunk)
-    p.plan("b", weight, lo_limit, top)
+    q, bulk = StagingPlanner(chunk), StagingPlanner(chunk)  # writes always complete at once
+    for planner in (p, q, bulk):
+        planner.plan("b", weight, lo_limit, top)
     for lo, span, writes in steps:
         hi = lo + span
         expect_dirty = {c.index for c in p.chunks if c.state == "clean" and c.overlaps(lo, hi)}
@@ -78,3 +80,11 @@ def test_counters_and_window_agree_with_a_full_scan(weight, chunk, lo_limit, top
             p.write_done(c.index)  # one write finishes, the others stay in flight
         assert p.staged_bytes() == sum(c.nbytes for c in p.chunks if c.state == "clean")
         assert p.writing() == [c for c in p.chunks if c.state == "writing"]
+        q.on_kv_alloc(lo, hi)
+        written = q.next_writes(free, writes)
+        for c in written:
+            q.write_done(c.index)  # every write finishes: what write_through does in bulk
+        bulk.on_kv_alloc(lo, hi)
+        assert bulk.write_through(free, writes) == len(written)
+        assert [c.state for c in q.chunks] == [c.state for c in bulk.chunks]
+        assert q.staged_bytes() == bulk.staged_bytes()
