@@ -222,6 +222,7 @@ class CandidateCost(Struct, frozen=True):
     decode_s: float = 0.0
     kv_recovery_s: float = 0.0
     activation_s: float = 0.0
+    placement_s: float = 0.0  # first call of a session only: the session-placement term (ours)
     kv_state: KvSource = "none"
     model_state: str = "absent"  # active | resident | staged | absent
     feasible: bool = True

@@ -12,6 +12,12 @@
             K * prefill rate (profiled recompute) otherwise
     C_act   0 if m_r is active, advertised switch cost if resident/staged, open cost otherwise
 
+    placement_s (ours, a session's first call only) = queue_s * (new_session_backlog_weight - 1)
+            + calls running on i * new_session_running_s: the first call places the whole
+            session (leases keep its later calls there), so it also pays for the backlog
+            and occupancy those calls will share. It ranks candidates; admission and Eq. 2
+            use the Eq. 1 terms only (Eq. 2's demand already counts the later calls).
+
 Each term is charged once: the reusable prefix K is in C_KV only and the suffix in
 prefill_s only, so recompute is never counted twice; activation is never in dR_req.
 
@@ -127,6 +133,8 @@ class CostModel:
         prompt, max_tokens = call.prompt_tokens, call.max_tokens
         own_key = (call.session_id, model)
         known = min(prompt, entry.kv_tokens) if entry is not None else 0
+        first_call = entry is None or entry.calls == 0
+        backlog_w, running_s = cfg.new_session_backlog_weight, cfg.new_session_running_s
         last_here = entry.last_instance if entry is not None and entry.model == model else None
         lease_index = state.leases.by_instance
         prof = state.models.get(model)
@@ -178,6 +186,7 @@ class CostModel:
             reason = ""
             # Only load ahead of r can make an instance inadmissible: a call whose own work
             # exceeds the budget would otherwise be rejected everywhere, forever.
+            place = queue * (backlog_w - 1.0) + snap.running * running_s if first_call else 0.0
             if queue > 0 and queue + prefill + kv_s + act > budget and not (
                     cfg.kv_home_admits and kv_state in ("device", "host") and k_have > 0):
                 reason = "round_admission"
@@ -185,8 +194,8 @@ class CostModel:
                                         + prompt + max_tokens > st.kv_cap):
                 reason = "hbm"
             out.append(Priced(
-                CandidateCost(iid, queue + prefill + decode + kv_s + act, queue, prefill, decode, kv_s, act,
-                              kv_state, st.mstate, not reason, reason),
+                CandidateCost(iid, queue + prefill + decode + kv_s + act + place, queue, prefill, decode, kv_s,
+                              act, place, kv_state, st.mstate, not reason, reason),
                 st.fresh and not view.overlay_models.get(model),
                 view,
             ))
@@ -216,11 +225,16 @@ class CostModel:
         threshold = c.activation_s + mu * (res.weight_bytes / GIB) + self.cfg.replica_penalty(model)
         if best_existing is None:
             return math.inf, threshold
-        saving = best_existing - (c.total_s - c.activation_s)
+        saving = best_existing - (eq1_total(c) - c.activation_s)
         prof = state.models.get(model)
         rate = prof.arrival_rate(now) if prof is not None else 0.0
         demand = 1.0 + rate * self.cfg.control_window_s + state.leases.live_for(model, now)
         return max(0.0, saving) * demand, threshold
+
+
+def eq1_total(c: CandidateCost) -> float:
+    """The paper's Eq. 1 cost of a candidate: its total without the session-placement term."""
+    return c.total_s - c.placement_s
 
 
 def _shared_prefix(kvmap, hit: tuple[int, str], model: str, prompt: int) -> tuple[int, str]:

@@ -3,7 +3,7 @@
     talaria sim run --trace T.jsonl|fixed-replay --profile paper-tp8 --policy least-loaded \
         [--instances N] [--no-sp] [--no-hkvr] [--no-staging] [--round-only] [--tau S] \
         [--gaps paper|recorded[:cap]|rescaled:F[:cap]] [--seed N] [--backend services|fast] [--json OUT]
-    talaria sim experiments fixed-replay|router|tau-sweep|scale|all [--out results/] [--json P]
+    talaria sim experiments fixed-replay|router|tau-sweep|scale|all|report [--out results/] [--json P]
     talaria sim convert WEKA.jsonl.xz OUT.jsonl [--subagents separate|drop] [--limit N]
 """
 

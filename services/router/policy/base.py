@@ -44,6 +44,13 @@ class PolicyConfig:
     # session to an idle instance to recompute and open its model (measured: router testbed
     # SCT p95 over 8 gap seeds, high load 186.8 -> 181.5 s, medium 182.7 -> 180.6 s).
     kv_home_admits: bool = True
+    # Beyond the paper (ours): a session's first call places the whole session (leases keep
+    # its later calls there), so it prices the backlog it joins this many times over, plus
+    # `new_session_running_s` per call already running there (each will share its slots).
+    # Chosen on the router testbed (8 gap seeds) and checked on the 1,000-session scale
+    # workload: results/sim_report.md lists the sensitivity. 1.0 / 0.0 turn it off.
+    new_session_backlog_weight: float = 2.0
+    new_session_running_s: float = 1.0
     retry_after_s: float = 1.0
     max_queued_per_instance: int = 64  # `queue` mode: route past admission up to this bound
     deadline_risk_penalty_s: float = 0.5  # per deadline-risk call an instance reports (ours)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import replace as dc_replace
 
-from services.router.costs import HARD_REASONS, CostModel, Priced
+from services.router.costs import HARD_REASONS, CostModel, Priced, eq1_total
 from services.router.instances import ON_DEVICE
 from services.router.leases import Lease
 from services.router.policy import soft_reservation as sr
@@ -79,7 +79,7 @@ class Talaria(PlacementPolicy):
 
     def _replica_rule(self, state: RouterState, model: str, priced: list[Priced], now: float) -> list[Priced]:
         """Eq. 2: a feasible candidate that needs a fresh replica stays only if gain > cost."""
-        existing = [p.cost.total_s for p in priced if p.cost.feasible and not p.fresh]
+        existing = [eq1_total(p.cost) for p in priced if p.cost.feasible and not p.fresh]
         best = min(existing) if existing else None
         out = []
         for p in priced:

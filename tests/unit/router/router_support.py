@@ -56,8 +56,13 @@ def done(call_id: str, instance: str, *, session: str = "s1", model: str = "m1",
                          first_token_at=at - 0.3, completed_at=at, **extra)
 
 
+# The tests check the paper's Eq. 1 term by term, so the first-call session-placement term
+# (ours, PolicyConfig.new_session_*) is off unless a test turns it on.
+PAPER_EQ1 = dict(new_session_backlog_weight=1.0, new_session_running_s=0.0)
+
+
 def core(policy: str = "talaria", **config) -> RouterCore:
-    return RouterCore(create_policy(policy, PolicyConfig(**config)))
+    return RouterCore(create_policy(policy, PolicyConfig(**{**PAPER_EQ1, **config})))
 
 
 def of_type(events, kind):

@@ -7,7 +7,7 @@ s/token, restore 1e-5 s/token; switch 1 s, open 2 s; budget gamma*ttft = 0.9 * 1
 from __future__ import annotations
 
 import pytest
-from router_support import call, core, done, one, snap
+from router_support import PAPER_EQ1, call, core, done, one, snap
 
 from services.router.costs import CostModel
 from services.router.policy.base import PolicyConfig
@@ -49,7 +49,7 @@ def test_eq1_terms_each_charged_once():
     assert x["res"].queue_s == pytest.approx(0.3)  # waits for the active slot to close
     assert (x["abs"].model_state, x["abs"].activation_s) == ("absent", 2.0)
     for cand in audit.candidates:
-        parts = cand.queue_s + cand.prefill_s + cand.decode_s + cand.kv_recovery_s + cand.activation_s
+        parts = cand.queue_s + cand.prefill_s + cand.decode_s + cand.kv_recovery_s + cand.activation_s + cand.placement_s
         assert cand.total_s == pytest.approx(parts)
     assert audit.chosen == "dev" and one(_, CallRouted).expected_kv == "device"
 
@@ -110,6 +110,31 @@ def test_a_return_passes_round_admission_where_its_kv_is():
     c.observe(snap("a", queued_tokens=95_000, sessions=kv), 0.0)
     audit, _ = decide(c, call("c2", session="s2", tokens=100), 0.0)
     assert by_instance(audit)["a"].reason == "round_admission"
+
+
+def test_a_first_call_prices_the_backlog_and_occupancy_its_session_will_share():
+    # `a`: 1 s of backlog, nothing running. `b`: 0.5 s of backlog, 3 calls running.
+    def place(session, **cfg):
+        c = core(**cfg, **NO_LEASE)
+        c.observe(snap("a", queued_tokens=10_000), 0.0)
+        c.observe(snap("b", queued_tokens=5_000, running=3), 0.0)
+        c.handle(call("c0", session="old"), 0.0)  # routed, then completed: "old" is known
+        c.handle(done("c0", c.state.routed["c0"], session="old", at=0.1), 0.1)
+        audit, _ = decide(c, call("c1", session=session), 0.2)
+        return audit, by_instance(audit)
+
+    audit, x = place("new", new_session_backlog_weight=2.0, new_session_running_s=1.0)
+    assert (x["a"].queue_s, x["a"].placement_s) == pytest.approx((1.0, 1.0))
+    assert (x["b"].queue_s, x["b"].placement_s) == pytest.approx((0.5, 0.5 + 3 * 1.0))
+    assert audit.chosen == "a"
+    audit, x = place("new")  # the paper's Eq. 1 alone
+    assert x["b"].placement_s == 0.0 and audit.chosen == "b"
+    audit, x = place("old", new_session_backlog_weight=2.0, new_session_running_s=1.0)
+    assert x["b"].placement_s == 0.0  # a known session's later call: Eq. 1 as is
+    c = core(new_session_backlog_weight=100.0, **NO_LEASE)  # admission sees the real backlog
+    c.observe(snap("a", queued_tokens=10_000), 0.0)
+    audit, _ = decide(c, call("c2", session="new"), 0.0)
+    assert by_instance(audit)["a"].feasible
 
 
 def test_a_call_too_big_for_the_budget_still_runs_on_an_idle_instance():
@@ -210,7 +235,7 @@ def test_eq2_gain_must_strictly_exceed_threshold(delta, opens):
     probe.observe(snap("a", active="m2", models={"m2": "active"}, queued_tokens=30_000, **base), 0.0)
     probe.observe(snap("b", **M2, **base), 0.0)
     state = probe.state
-    model = CostModel(PolicyConfig())
+    model = CostModel(PolicyConfig(**PAPER_EQ1))
     priced = {v.instance_id: model.price(state, v, call("c0", model="m2"), None, 0.0)
               for v in state.instances.values()}
     gain, threshold = model.replica_gain(state, "m2", priced["b"], priced["a"].cost.total_s, 0.0)

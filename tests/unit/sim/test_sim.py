@@ -130,6 +130,15 @@ def test_router_testbed_and_catalogue_shapes():
 def test_tiny_experiment_and_cli(tmp_path, capsys):
     assert experiments_main(["scale", "--quick", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "scale.json").exists()
+    report = (tmp_path / "sim_report.md").read_text()  # written from every JSON in the folder
+    assert "## Scale: 4 instances" in report and "## Goals" not in report  # no goal at 60 sessions
+    (tmp_path / "sim_report.md").unlink()
+    assert experiments_main(["report", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "sim_report.md").read_text() == report
+    (tmp_path / "router.json").write_text("{truncated")
+    with pytest.raises(SystemExit, match="router.json: not valid JSON"):
+        experiments_main(["report", "--out", str(tmp_path)])
+    (tmp_path / "router.json").unlink()
     trace = tmp_path / "t.jsonl"
     from talaria.traces.format import save_sessions
 
@@ -167,3 +176,19 @@ def test_reported_experiments_use_the_agent_scheduler():
     assert RunConfig(PAPER_TP8).backend == "services"
     res = simulate([_small()], RunConfig(PAPER_TP8))
     assert all(isinstance(i, ServicesInstance) for i in res.instances)
+
+
+def test_router_experiment_reports_every_gap_seed_and_the_goal(tmp_path):
+    from talaria.sim.experiments import router_exp
+    from talaria.sim.report import goals_section
+
+    res = router_exp(loads=("medium",), seeds=2)
+    for entry in res["loads"]["medium"].values():
+        p95s = entry["seeds"]["sct_p95"]
+        assert entry["seeds"]["gap_seeds"] == [0, 1] and p95s[0] == entry["sct_p95"]
+        assert entry["seeds"]["sct_p95_mean"] == pytest.approx(sum(p95s) / 2)
+    (row,) = [line for line in goals_section({"router": res}) if "medium load" in line]
+    pols = res["loads"]["medium"]
+    ahead = pols["talaria"]["seeds"]["sct_p95_mean"] < min(
+        pols[p]["seeds"]["sct_p95_mean"] for p in pols if p != "talaria")
+    assert row.endswith("| yes |" if ahead else "| no |") and "mean of 2 gap seeds" in row
