@@ -108,7 +108,6 @@ class Cluster:
         # last snapshot]; one list so the per-decision heartbeat scan is a single pass
         self._snap_recs: list[list] = [[inst, -1e18, 0, None, None] for inst in self.instances.values()]
         self._snap_cache: dict[str, tuple[int, list[SessionKv]]] = {}
-        self._host_cache: dict[str, tuple[int, list[SessionKv]]] = {}
         self._model_consts: dict[str, tuple] = {}
         self._models_cache: dict[tuple, list[ModelResidency]] = {}
         self._snap_due = float("-inf")  # no snapshot refresh is due before this time
@@ -333,17 +332,15 @@ class Cluster:
         cached = self._snap_cache.get(inst.id)
         if cached is None or cached[0] != kv.version:
             active_m = inst.active
-            # host entries change only with the host registry (put_host bumps host_version);
-            # the SessionKv objects are reused until then, only the device filter is redone
-            hc = self._host_cache.get(inst.id)
-            if hc is None or hc[0] != kv.host_version:
-                hc = self._host_cache[inst.id] = (kv.host_version, [SessionKv(s, m, "host", t) for (m, s), t in kv.host.items()])
+            # host entries are mirrored from the registry's change feed; only the device
+            # filter is redone here
+            host = kv.host.entries()
             if active_m:
                 device = kv.device
                 sessions = [SessionKv(s, active_m, "device", t) for s, t in device.items()]
-                sessions += [e for e in hc[1] if not (e.model == active_m and e.session_id in device)]
+                sessions += [e for e in host if not (e.model == active_m and e.session_id in device)]
             else:
-                sessions = list(hc[1])
+                sessions = list(host)
             self._snap_cache[inst.id] = (kv.version, sessions)
         else:
             sessions = cached[1]

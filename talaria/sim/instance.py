@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from services.instance_agent.memory.hkvr_core import HkvrCore, LayoutDescriptor, RankReport
 from services.instance_agent.memory.staging_plan import StagingPlanner
 
+from shared.messages import SessionKv
 from talaria.sim.profiles import ServerProfile
 
 
@@ -166,6 +167,9 @@ class _HostView:
 
     def __init__(self, core: HkvrCore) -> None:
         self.core = core
+        core.changes = set()
+        self._entries: dict[tuple[str, str], SessionKv] = {}
+        self._list: list[SessionKv] | None = None
 
     def get(self, key: tuple[str, str], default: int = 0) -> int:
         model, session = key
@@ -173,6 +177,23 @@ class _HostView:
 
     def items(self):
         return (((m, s), t) for s, m, t in self.core.session_prefixes(SIM_PAGE_TOKENS))
+
+    def entries(self) -> list[SessionKv]:
+        """Snapshot entries of every restorable session, kept current from the registry's
+        change feed (only sessions whose restorable length changed are rebuilt)."""
+        core, entries = self.core, self._entries
+        if core.changes:
+            for sid, model in core.changes:
+                pre = core.sessions.get((sid, model))
+                if pre is not None and pre.published:
+                    entries[(model, sid)] = SessionKv(sid, model, "host", pre.published * SIM_PAGE_TOKENS)
+                else:
+                    entries.pop((model, sid), None)
+            core.changes.clear()
+            self._list = None
+        if self._list is None:
+            self._list = list(entries.values())
+        return self._list
 
 
 class KvStore:
@@ -190,7 +211,6 @@ class KvStore:
         self._page_hashes: dict[str, tuple[int, ...]] = {}
         self.device_evictions = 0
         self.version = 0  # bumped on every change; snapshots cache on it
-        self.host_version = 0  # bumped on every change of the host registry (a subset of `version`)
 
     @property
     def host_evictions(self) -> int:
@@ -224,7 +244,6 @@ class KvStore:
         plan = self.core.plan_save(model, session, [report], template)
         self.core.complete(plan.job_id)
         self.version += 1
-        self.host_version += 1
 
     def _hashes(self, session: str, pages: int) -> tuple[int, ...]:
         """The session's first `pages` page hashes (a session only grows: cached, extended)."""

@@ -266,7 +266,10 @@ NOTES = """How to read this report (details in talaria/sim/*.py docstrings):
   p50; one TP=8 server serving all three models' decode back to back needs roughly 3x that,
   so "within 1.5x of the oracle" is not reachable on this workload by any scheduler.
 - Router testbed: the same time-shared instance model on two TP=4 workers, hence SCTs ~5x the
-  paper's; load levels are session inter-arrival 6 / 2 / 0.5 s ([asm]).
+  paper's; load levels are session inter-arrival 6 / 2 / 0.5 s ([asm]). The talaria policy
+  runs with its two rules beyond the paper (docs/design.md): a return passes admission where
+  its KV is, and a session's first call prices the backlog and occupancy its session will
+  share; results/router_sensitivity.md switches each off.
 """
 
 

@@ -161,7 +161,12 @@ class HkvrCore:
         self._free_slots = list(range(capacity_pages - 1, -1, -1))
         self._job_ids = itertools.count(1)
         self._ticks = itertools.count(1)
-        self._unreferenced: set[Key] = set()  # keys of pages with refs <= 0
+        # every reclaimable page (committed, unpinned) with refs <= 0 is here; entries that got
+        # pinned again are skipped when a victim is chosen
+        self._unreferenced: set[Key] = set()
+        # Opt-in change feed for a consumer that mirrors `session_prefixes` incrementally (the
+        # simulator's snapshots): sessions whose restorable length changed or that were dropped.
+        self.changes: set[SessionKey] | None = None
 
     # -- save (D2H) ----------------------------------------------------------------------
 
@@ -182,7 +187,7 @@ class HkvrCore:
                 key = (model, rep.rank, h)
                 page = pages.get(key)
                 if page is not None:
-                    move_to_end(key)  # inlined _touch: this loop runs for every held page
+                    move_to_end(key)  # LRU touch (with its tick) for every page already held
                     page.tick = next(ticks)
                     continue
                 slot = self._take_slot()
@@ -191,8 +196,7 @@ class HkvrCore:
                     break  # later pages are useless without this one (cumulative hashes)
                 desc = LayoutDescriptor(model, rep.rank, h, (j + 1) * ps, ps, template.dtype,
                                         template.attention, template.shape, template.itemsize)
-                self.pages[key] = HostPage(key, slot, desc, pins=1, tick=next(self._ticks))
-                self._unreferenced.add(key)
+                pages[key] = HostPage(key, slot, desc, pins=1, tick=next(ticks))  # unreclaimable until complete
                 keys.append(key)
                 copies.append(PageCopy(rep.rank, j, key, slot, desc))
         agreed_hashes = tuple(reports[0].hashes[:agreed]) if reports else ()
@@ -209,27 +213,28 @@ class HkvrCore:
             if page is not None:
                 page.state = "committed"
                 page.pins -= 1
+                if page.refs <= 0 and page.pins == 0:
+                    self._unreferenced.add(key)  # reclaimable from now on
         return self._publish(job.model, job.agreed)
 
     def pending_jobs(self, model: str | None = None) -> list[int]:
         return [j for j, job in self.jobs.items() if model is None or job.model == model]
 
     def _publish(self, model: str, hashes: tuple[int, ...]) -> list[int]:
-        out = []
+        out: list[int] = []
+        published, pages, ranks = self.published, self.pages, range(self.ranks)
         for h in hashes:
-            if (model, h) in self.published:
+            if (model, h) in published:
                 continue
-            if not all(self._committed((model, r, h)) for r in range(self.ranks)):
-                break  # prefix property: nothing past a hole is restorable
-            self.published.add((model, h))
+            for r in ranks:
+                page = pages.get((model, r, h))
+                if page is None or page.state != "committed":
+                    return out  # prefix property: nothing past a hole is restorable
+            published.add((model, h))
             out.append(h)
             for skey in self._waiting.pop((model, h), ()):
                 self._advance(skey, self.sessions[skey])
         return out
-
-    def _committed(self, key: Key) -> bool:
-        page = self.pages.get(key)
-        return page is not None and page.state == "committed"
 
     # -- restore (H2D) -------------------------------------------------------------------
 
@@ -256,7 +261,7 @@ class HkvrCore:
             for r in range(self.ranks):
                 page = pages[(key := (model, r, h))]
                 page.pins += 1
-                move_to_end(key)  # inlined _touch
+                move_to_end(key)  # LRU touch
                 page.tick = next(ticks)
                 row.append(PageCopy(r, j, key, page.slot, page.desc))
             per_page.append(tuple(row))
@@ -317,11 +322,17 @@ class HkvrCore:
 
     def _advance(self, skey: SessionKey, pre: _SessionPrefix) -> None:
         """Extend `pre.published` over hashes that are published now; wait on the next one."""
-        model, hashes, published = pre.model, pre.hashes, self.published
+        model, hashes, published, readers = pre.model, pre.hashes, self.published, self._readers
         n = pre.published
-        while n < len(hashes) and (model, hashes[n]) in published:
-            self._readers.setdefault((model, hashes[n]), set()).add(skey)
+        while n < len(hashes) and (key := (model, hashes[n])) in published:
+            group = readers.get(key)
+            if group is None:
+                readers[key] = {skey}
+            else:
+                group.add(skey)
             n += 1
+        if n != pre.published and self.changes is not None:
+            self.changes.add(skey)
         pre.published = n
         if n < len(hashes):
             self._waiting.setdefault((model, hashes[n]), set()).add(skey)
@@ -333,6 +344,8 @@ class HkvrCore:
             _discard(self._readers, (model, h), skey)
         if pre.published < len(hashes):
             _discard(self._waiting, (model, hashes[pre.published]), skey)
+        if keep != pre.published and self.changes is not None:
+            self.changes.add(skey)
         pre.published = keep
 
     def _unpublished(self, model: str, h: int, position: int) -> None:
@@ -356,10 +369,6 @@ class HkvrCore:
         if victim is None:
             return None
         return self._evict(victim)
-
-    def _touch(self, page: HostPage) -> None:
-        self.pages.move_to_end(page.key)
-        page.tick = next(self._ticks)
 
     def _victim(self) -> HostPage | None:
         """Least recently used unpinned page, unreferenced pages first. Never a pinned one."""

@@ -62,10 +62,10 @@ class GatherPlan:
 
 @dataclass
 class StagingPlanner:
-    """Chunk states of the model being staged. Every state change goes through `_set`, which
-    keeps per-state counts, so the questions asked on every step (staged bytes, anything in
-    flight, anything left to write) cost O(1) and a KV allocation visits only the chunks
-    laid out over it."""
+    """Chunk states of the model being staged. Every state change keeps per-state counts (one
+    at a time in `_set`, in bulk in `write_through`), so the questions asked on every step
+    (staged bytes, anything in flight, anything left to write) cost O(1), and a KV
+    allocation visits only the chunks laid out over it."""
 
     chunk_bytes: int
     target: str | None = None

@@ -112,6 +112,7 @@ def _victim_by_scan(core):
 @given(ops=st.lists(_op, max_size=40), capacity=st.integers(2, 12), ranks=st.integers(1, 2))
 def test_restorable_prefix_index_matches_a_walk(ops, capacity, ranks):
     core = HkvrCore(capacity, ranks=ranks)
+    core.changes, mirror = set(), {}  # a consumer of the change feed
     for op in ops:
         if op[0] == "save":
             _, s, m, pages, lag = op
@@ -131,6 +132,11 @@ def test_restorable_prefix_index_matches_a_walk(ops, capacity, ranks):
             walk = core.match(model, pre.hashes)
             assert core.session_tokens(sid, model, PS) == walk * PS
         assert core._victim() is _victim_by_scan(core)
+        for skey in core.changes:
+            pre = core.sessions.get(skey)
+            mirror[skey] = pre.published if pre is not None else 0
+        core.changes.clear()
+        assert {k: v for k, v in mirror.items() if v} == {k: p.published for k, p in core.sessions.items() if p.published}
     assert sorted(core.session_prefixes(PS)) == sorted(
         (sid, model, core.match(model, pre.hashes) * PS)
         for (sid, model), pre in core.sessions.items() if core.match(model, pre.hashes))

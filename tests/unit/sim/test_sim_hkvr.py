@@ -27,3 +27,6 @@ def test_a_full_registry_evicts_least_recently_used_sessions():
     assert kv.host_evictions == 2
     assert kv.host.get(("qwen3-235b", "old")) == 2 * SIM_PAGE_TOKENS
     assert kv.host.get(("qwen3-235b", "new")) == 0
+    # the snapshot entries, mirrored from the registry's change feed, follow the eviction
+    assert {(e.model, e.session_id): e.kv_tokens for e in kv.host.entries()} == dict(kv.host.items()) == {
+        ("qwen3-235b", "old"): 2 * SIM_PAGE_TOKENS, ("qwen3-235b", "newest"): 2 * SIM_PAGE_TOKENS}
