@@ -141,12 +141,13 @@ def tau_sweep_exp(load: str = "high", seed: int = 0) -> dict:
 
 def scale_exp(sessions: int = 10_000, instances: int = 64, models: int = 20,
               arrival_rate_s: float = 0.25, seed: int = 0, progress: bool = True,
-              max_wall_s: float | None = None) -> dict:
+              max_wall_s: float | None = None, policies: list[str] | None = None) -> dict:
     """`arrival_rate_s` is sessions per second (Poisson; 0.25 = a session every 4 s, which the
     64-instance cluster sustains; 4.0 overloads it so badly no policy finishes). `max_wall_s`
     caps each policy's run;
-    a capped run is reported with `complete: false`, `capped: true` and the calls it finished."""
-    policies, missing = _available(SCALE_POLICIES)
+    a capped run is reported with `complete: false`, `capped: true` and the calls it finished.
+    `policies` runs a subset (default: all of SCALE_POLICIES)."""
+    policies, missing = _available(policies or SCALE_POLICIES)
     server = catalogue(PAPER_TP8, models)
     work = synthetic_catalogue(sessions, list(server.models), arrival_rate_s, 1.0, seed)
     out: dict = {
@@ -192,6 +193,23 @@ def _clean(obj):
     return obj
 
 
+def _merge_scale(path: Path, new: dict) -> dict:
+    """A run of some policies (`--scale-policies`) adds to the last scale result when both
+    ran the same workload, so slow policies can get their own wall cap; else it replaces it."""
+    same = ("sessions", "instances", "models", "arrival_rate_s", "zipf_s")
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return new
+    if any(old.get(k) != new.get(k) for k in same) or not isinstance(old.get("policies"), dict):
+        return new
+    merged = {**old, "policies": {**old["policies"], **new["policies"]}}
+    merged["skipped"] = sorted(set(new.get("skipped", [])) - set(merged["policies"]))
+    order = [p for p in SCALE_POLICIES if p in merged["policies"]]
+    merged["policies"] = {p: merged["policies"][p] for p in order + [p for p in merged["policies"] if p not in order]}
+    return merged
+
+
 def write_json(data: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(_clean(data), indent=1))
@@ -206,12 +224,14 @@ def run(names: list[str], out_dir: Path, json_path: Path | None, backend: str, q
             if backend == "services":
                 results["fixed-replay-crosscheck-fast"] = fixed_replay_exp("fast")
         elif name == "scale" and quick:
-            results[name] = scale_exp(sessions=60, instances=4, models=4, arrival_rate_s=0.2)
+            picked = (scale or {}).get("policies")
+            results[name] = _merge_scale(out_dir / "scale.json", scale_exp(
+                sessions=60, instances=4, models=4, arrival_rate_s=0.2, policies=picked))
         elif name == "scale":
             kw = {k: v for k, v in (scale or {}).items() if v is not None}
             if scale_sessions:
                 kw["sessions"] = scale_sessions
-            results[name] = scale_exp(**kw)
+            results[name] = _merge_scale(out_dir / "scale.json", scale_exp(**kw))
         else:
             results[name] = EXPERIMENTS[name]()
         for key in [k for k in results if k.startswith(name)]:
@@ -242,6 +262,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="scale run session arrivals per second (default 0.25: one every 4 s)")
     parser.add_argument("--scale-cap-s", type=float, default=None,
                         help="wall-clock cap per scale policy run (reported as capped)")
+    parser.add_argument("--scale-policies", default=None,
+                        help="comma-separated subset of the scale policies; merged into an existing "
+                             "scale.json of the same workload")
     parser.add_argument("--no-report", action="store_true")
 
 
@@ -264,7 +287,12 @@ def load_results(out_dir: Path) -> dict:
 def run_from_args(args) -> int:
     if args.experiment != "report":
         names = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
-        scale = {"arrival_rate_s": getattr(args, "scale_rate", None), "max_wall_s": getattr(args, "scale_cap_s", None)}
+        picked = getattr(args, "scale_policies", None)
+        unknown = [p for p in (picked or "").split(",") if p.strip() and p.strip() not in SCALE_POLICIES]
+        if unknown:
+            raise SystemExit(f"--scale-policies: unknown {', '.join(unknown)}; choose from {', '.join(SCALE_POLICIES)}")
+        scale = {"arrival_rate_s": getattr(args, "scale_rate", None), "max_wall_s": getattr(args, "scale_cap_s", None),
+                 "policies": [p.strip() for p in picked.split(",") if p.strip()] if picked else None}
         run(names, args.out, args.json, args.backend, args.quick, args.scale_sessions, scale)
     if not args.no_report:
         from talaria.sim.report import write_report

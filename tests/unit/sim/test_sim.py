@@ -1,5 +1,7 @@
 """Simulator: percentiles, determinism, closed-loop release, oracle bound, tiny experiments."""
 
+import json
+
 from dataclasses import replace
 
 import pytest
@@ -139,6 +141,13 @@ def test_tiny_experiment_and_cli(tmp_path, capsys):
     with pytest.raises(SystemExit, match="router.json: not valid JSON"):
         experiments_main(["report", "--out", str(tmp_path)])
     (tmp_path / "router.json").unlink()
+    # a subset of policies re-run on the same workload merges into scale.json
+    before = json.loads((tmp_path / "scale.json").read_text())["policies"]
+    assert experiments_main(["scale", "--quick", "--scale-policies", "talaria", "--out", str(tmp_path)]) == 0
+    after = json.loads((tmp_path / "scale.json").read_text())["policies"]
+    assert list(after) == list(before) and after["least-pressure"] == before["least-pressure"]
+    with pytest.raises(SystemExit, match="unknown talaira"):
+        experiments_main(["scale", "--quick", "--scale-policies", "talaira", "--out", str(tmp_path)])
     trace = tmp_path / "t.jsonl"
     from talaria.traces.format import save_sessions
 
