@@ -25,7 +25,8 @@ Admission (both must pass, else the candidate is kept in the audit with feasible
     round:  queue_s + prefill_s + kv_recovery_s + activation_s <= gamma * ttft_target
             (the simulated load ahead of and including r's prefill in its slot; an instance
             with nothing ahead of r always passes, so an oversized call is never starved;
-            with kv_home_admits, an instance holding r's KV on device or host passes too)
+            with kv_home_admits, an instance holding r's own KV on device or host passes
+            too; a prefix another session left there does not count)
     HBM:    r's KV (prompt + max_tokens) fits the KV pool; an absent model's weights fit HBM.
 """
 
@@ -156,6 +157,7 @@ class CostModel:
             # ---- KV recovery: how much of the prompt is reusable here, and from where
             kvmap = view._kv if view._kv is not None else view.kv
             kv = kvmap.get(own_key)
+            own = True  # the KV found is this session's own (not a prefix another session left)
             if kv is not None and kv.state != "none" and kv.state != "recompute":
                 k_have, kv_state = min(kv.kv_tokens, prompt), kv.state
             elif last_here == iid and snap.at < entry.last_used:  # type: ignore[union-attr]
@@ -163,6 +165,7 @@ class CostModel:
                 k_have, kv_state = known, "device"
             elif prefix_hit and iid in prefix_hit:
                 k_have, kv_state = _shared_prefix(kvmap, prefix_hit[iid], model, prompt)
+                own = False
             else:
                 k_have, kv_state = 0, "none"
             k_total = k_have if k_have > known else known
@@ -188,7 +191,7 @@ class CostModel:
             # exceeds the budget would otherwise be rejected everywhere, forever.
             place = queue * (backlog_w - 1.0) + snap.running * running_s if first_call else 0.0
             if queue > 0 and queue + prefill + kv_s + act > budget and not (
-                    cfg.kv_home_admits and kv_state in ("device", "host") and k_have > 0):
+                    cfg.kv_home_admits and own and kv_state in ("device", "host") and k_have > 0):
                 reason = "round_admission"
             elif not st.weights_fit or (st.kv_cap > 0 and (overlay + st.kv_used if st.mstate == "active" else 0)
                                         + prompt + max_tokens > st.kv_cap):

@@ -186,8 +186,22 @@ def scale_section(res: dict, out: Path) -> list[str]:
             f"| {s['avoidable_cold_opens']} | {s['switch']['count']} | {s['calls']} / {total} | {s.get('events', '')} "
             f"| {_f(s['virtual_s']) if 'virtual_s' in s else ''} | {_f(s['run_time_s'])} | {_f(s['router']['mean_decision_us'])} |"
         )
-    if any(not s.get("complete", True) for s in res["policies"].values()):
+    pols = res["policies"]
+    if any(not s.get("complete", True) for s in pols.values()):
         lines += ["", "SCT/TTFT of a capped run cover only the sessions it finished (biased low)."]
+    lines += ["", "Simulator cost per event (wall / events): " + ", ".join(
+        f"{p} {s['run_time_s'] / s['events'] * 1e6:.0f} us" for p, s in pols.items() if s.get("events")) + "."]
+    lp, pa = pols.get("least-pressure"), pols.get("prefix-aware")
+    if lp and pa and lp["sct_p50"] == pa["sct_p50"] and lp["sct_p95"] == pa["sct_p95"]:
+        lines += ["", "prefix-aware equals least-pressure here: the synthetic catalogue gives every session "
+                  "its own prefix, so there is no cross-session cache hit to follow and sgl-router's rule "
+                  "falls back to load balancing."]
+    if "kv-cost" in pols and not pols["kv-cost"].get("complete", True):
+        lines += ["", "kv-cost never keeps up with arrivals (its virtual clock runs far past the last "
+                  "arrival): Dynamo's cost counts prompt blocks and active decode blocks but not model "
+                  "residency, so with 20 models on 64 time-shared instances it spreads every model over "
+                  "many instances and rounds fill with switches. It runs under its own, shorter wall cap "
+                  "(`--scale-policies kv-cost --scale-cap-s 300`)."]
     return lines + [""]
 
 

@@ -311,6 +311,16 @@ def test_prefix_counts_only_while_the_owner_session_kv_is_reported():
     assert by_instance(audit)["b"].kv_state == "none" and audit.chosen == "a"
 
 
+def test_a_prefix_another_session_left_does_not_pass_admission():
+    c, shared = _with_old_session_on_b(report_kv=True)
+    c.observe(snap("b", version=3, at=0.15, queued_tokens=95_000,  # over budget
+                   sessions=[("old", "m1", "device", 4096)]), 0.15)
+    audit, _ = decide(c, call("n1", session="new", tokens=1000, hashes=shared), 0.2)
+    b = by_instance(audit)["b"]
+    assert b.kv_state == "device" and b.reason == "round_admission"  # kv_home_admits is for own KV
+    assert audit.chosen == "a"
+
+
 def test_latency_profile_refreshes_from_completions_by_ewma():
     c = core(**NO_LEASE)
     c.observe(snap("a"), 0.0)

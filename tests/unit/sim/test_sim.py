@@ -1,7 +1,6 @@
 """Simulator: percentiles, determinism, closed-loop release, oracle bound, tiny experiments."""
 
 import json
-
 from dataclasses import replace
 
 import pytest
