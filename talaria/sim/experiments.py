@@ -131,6 +131,12 @@ def tau_sweep_exp(load: str = "high", seed: int = 0) -> dict:
     gaps = replace(PAPER_GAPS, seed=seed)
     points = [(f"{t:g}", PolicyConfig(lease_timeout_s=t, overload=OVERLOAD)) for t in TAUS]
     points.append(("adaptive", PolicyConfig(lease_timeout_s=1.0, adaptive_lease=True, overload=OVERLOAD)))
+    # With kv_home_admits a return passes admission at its KV home with or without a lease,
+    # which is part of what the lease did in the paper; these two points show the sweep's
+    # ends under the paper's admission rule.
+    for t in (0.0, 1.0):
+        points.append((f"{t:g}, paper admission", PolicyConfig(lease_timeout_s=t, kv_home_admits=False,
+                                                                overload=OVERLOAD)))
     for label, pc in points:
         _log(f"tau-sweep: tau={label}")
         cfg = RunConfig(ROUTER_TP4, 2, policy, pc, InstanceFlags.ablation("talaria"), gaps,

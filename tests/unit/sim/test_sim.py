@@ -200,3 +200,15 @@ def test_router_experiment_reports_every_gap_seed_and_the_goal(tmp_path):
     ahead = pols["talaria"]["seeds"]["sct_p95_mean"] < min(
         pols[p]["seeds"]["sct_p95_mean"] for p in pols if p != "talaria")
     assert row.endswith("| yes |" if ahead else "| no |") and "mean of 2 gap seeds" in row
+
+
+def test_tau_sweep_shows_the_lease_effect_under_the_paper_admission_rule(tmp_path):
+    from talaria.sim.experiments import tau_sweep_exp
+    from talaria.sim.report import tau_section
+
+    res = tau_sweep_exp()
+    same = {k: v["router"]["same_instance_returns"] for k, v in res["points"].items()}
+    assert same["0, paper admission"] < same["1, paper admission"]  # the lease keeps returns home
+    assert same["0"] >= same["0, paper admission"]  # kv_home_admits does part of its job
+    assert any("| 0, paper admission |" in line for line in tau_section(res, tmp_path))
+    assert (tmp_path / "tau_sweep.png").exists()
