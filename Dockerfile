@@ -1,14 +1,22 @@
 # One image for every Talaria service; docker-compose.yml picks the module to run.
-FROM python:3.11-slim
-WORKDIR /app
-ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
-# CPU torch from PyTorch's index (a GPU image would use the CUDA index instead).
-RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+# Build the wheel in one stage and install it (not `pip install -e .`) in the next, so the image
+# runs exactly what a user's `pip install talaria-*.whl` gets: one `talaria` import root with its
+# migrations, audit queries and simulator data as package data.
+FROM python:3.11-slim AS build
+WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY shared ./shared
 COPY services ./services
 COPY talaria ./talaria
 COPY migrations ./migrations
 COPY ops ./ops
-RUN pip install -e .
+RUN pip wheel --no-deps -w /wheels .
+
+FROM python:3.11-slim
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
+# CPU torch from PyTorch's index (a GPU image would use the CUDA index instead).
+RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+COPY --from=build /wheels /wheels
+RUN pip install /wheels/*.whl && rm -rf /wheels
+WORKDIR /app
 ENTRYPOINT ["python", "-m"]

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from services.instance_agent.engine import GenRequest, TorchEngine  # noqa: E402
+from talaria.services.instance_agent.engine import GenRequest, TorchEngine  # noqa: E402
 
 MODEL = "qwen3-tiny"
 OTHER = "gpt2-tiny"

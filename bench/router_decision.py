@@ -28,10 +28,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.router.core import RouterCore  # noqa: E402
-from services.router.policy.base import PolicyConfig  # noqa: E402
-from services.router.policy.registry import create_policy, policy_names  # noqa: E402
-from shared.messages import (  # noqa: E402
+from talaria.services.router.core import RouterCore  # noqa: E402
+from talaria.services.router.policy.base import PolicyConfig  # noqa: E402
+from talaria.services.router.policy.registry import create_policy, policy_names  # noqa: E402
+from talaria.shared.messages import (  # noqa: E402
     CallCompleted,
     CallRouted,
     CallSubmitted,

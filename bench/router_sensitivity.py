@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.router.policy.base import PolicyConfig  # noqa: E402
+from talaria.services.router.policy.base import PolicyConfig  # noqa: E402
 from talaria.sim.cluster import RunConfig, simulate  # noqa: E402
 from talaria.sim.experiments import OVERLOAD, PAPER_GAPS  # noqa: E402
 from talaria.sim.instance import InstanceFlags  # noqa: E402

@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from services.instance_agent.engine import GenRequest, TorchEngine  # noqa: E402
-from services.instance_agent.runner import INITIAL_COSTS, reusable_kv  # noqa: E402
-from services.instance_agent.scheduler import (  # noqa: E402
+from talaria.services.instance_agent.engine import GenRequest, TorchEngine  # noqa: E402
+from talaria.services.instance_agent.runner import INITIAL_COSTS, reusable_kv  # noqa: E402
+from talaria.services.instance_agent.scheduler import (  # noqa: E402
     CallAdmitted, CallFinished, Decode, Idle, Prefill, RoundScheduler, SchedulerConfig, SwitchModel, Work,
 )
 

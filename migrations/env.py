@@ -8,8 +8,8 @@ import os
 from alembic import context
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from shared.db.schema import metadata
-from shared.settings import async_database_url
+from talaria.shared.db.schema import metadata
+from talaria.shared.settings import async_database_url
 
 config = context.config
 target_metadata = metadata

@@ -9,9 +9,9 @@ from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
 
-from shared import subjects
-from shared.messages import encode
-from shared.tracing import inject_headers
+from talaria.shared import subjects
+from talaria.shared.messages import encode
+from talaria.shared.tracing import inject_headers
 
 STREAM_MAX_AGE_S = 7 * 24 * 3600
 DUPLICATE_WINDOW_S = 120
@@ -62,7 +62,7 @@ async def publish_event(
 
 def event_subject(event: msgspec.Struct) -> str:
     """The subject an event belongs on (routed calls go to their instance's subject)."""
-    from shared import messages as m
+    from talaria.shared import messages as m
 
     match event:
         case m.CallRouted():
@@ -73,7 +73,7 @@ def event_subject(event: msgspec.Struct) -> str:
 
 def event_msg_id(event: msgspec.Struct) -> str | None:
     """A natural dedupe key for events that must be published at most once."""
-    from shared import messages as m
+    from talaria.shared import messages as m
 
     match event:
         case m.CallSubmitted() | m.CallStarted() | m.CallCompleted() | m.CallFailed():

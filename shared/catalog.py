@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.tokenizer import VOCAB_SIZE
+from talaria.shared.tokenizer import VOCAB_SIZE
 
 
 @dataclass(frozen=True)

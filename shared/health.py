@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from shared import subjects
-from shared.messages import ServiceHeartbeat, encode
+from talaria.shared import subjects
+from talaria.shared.messages import ServiceHeartbeat, encode
 
 INTERVAL_S = 0.5
 
@@ -27,7 +27,7 @@ async def heartbeat_loop(nc, service: str, stop: asyncio.Event, detail=None) -> 
 
 async def wait_for_router(nc, instances: int, timeout: float = 30.0) -> None:
     """Until the router reports it has heard from at least `instances` instances."""
-    from shared.messages import HEARTBEAT_DECODER
+    from talaria.shared.messages import HEARTBEAT_DECODER
 
     sub = await nc.subscribe(subjects.health("router"))
     try:

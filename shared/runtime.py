@@ -7,8 +7,8 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 
-from shared import logs
-from shared.settings import Settings, SettingsError
+from talaria.shared import logs
+from talaria.shared.settings import Settings, SettingsError
 
 Runner = Callable[[Settings, asyncio.Event | None, asyncio.Event | None], Awaitable[None]]
 

@@ -92,7 +92,7 @@ class Settings:
             raise SettingsError("TALARIA_OVERLOAD", self.overload, "reject or queue")
         if not 0 < self.http_port < 65536 and self.http_port != 0:
             raise SettingsError("TALARIA_HTTP_PORT", str(self.http_port), "a TCP port")
-        from shared.catalog import CATALOG
+        from talaria.shared.catalog import CATALOG
 
         unknown = [m for m in self.models if m not in CATALOG]
         if unknown or not self.models:

@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
-from shared.settings import Settings
+from talaria.shared.settings import Settings
 
 
 def session_trace_id(session_id: str) -> int:

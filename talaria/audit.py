@@ -9,14 +9,16 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from importlib import resources
 from pathlib import Path
 
 from sqlalchemy import text
 
-from shared.db.engine import create_engine
-from shared.settings import Settings
+from talaria.shared.db.engine import create_engine
+from talaria.shared.settings import Settings
 
-AUDIT_DIR = Path(__file__).resolve().parents[1] / "ops" / "audit"
+# ops/audit/ ships in the wheel as package data of `talaria.ops`.
+AUDIT_DIR = Path(str(resources.files("talaria.ops").joinpath("audit")))
 
 
 def audits() -> dict[str, Path]:

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from shared.settings import Settings, SettingsError
+from talaria.shared.settings import Settings, SettingsError
 
 
 def _ablation_flags(p: argparse.ArgumentParser) -> None:
@@ -41,7 +41,7 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         changes["models"] = tuple(m.strip() for m in args.models.split(",") if m.strip())
     settings = _apply_ablation(settings.with_(**changes), args)
     _check_policy(settings.policy)
-    from shared.catalog import CATALOG
+    from talaria.shared.catalog import CATALOG
 
     unknown = [m for m in args.hot if m not in CATALOG]
     if unknown:
@@ -87,13 +87,13 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _check_policy(name: str) -> None:
-    from services.router.policy.registry import create_policy
+    from talaria.services.router.policy.registry import create_policy
 
     create_policy(name)  # raises UnknownPolicyError with the known names
 
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
-    from shared.db.engine import upgrade
+    from talaria.shared.db.engine import upgrade
 
     if not settings.database_url:
         print("talaria migrate: set TALARIA_DATABASE_URL", file=sys.stderr)
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"talaria: configuration error: {exc}", file=sys.stderr)
         return 2
-    from services.router.policy.registry import UnknownPolicyError
+    from talaria.services.router.policy.registry import UnknownPolicyError
 
     handlers = {"up": cmd_up, "migrate": cmd_migrate, "trace": cmd_trace, "audit": cmd_audit,
                 "replay": cmd_replay}

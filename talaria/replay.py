@@ -22,10 +22,10 @@ from pathlib import Path
 import asyncpg
 import nats
 
-from shared import subjects
-from shared.catalog import CATALOG
-from shared.messages import REPLY_DECODER, CallRequest, CallResult, ErrorReply, encode
-from shared.settings import asyncpg_dsn
+from talaria.shared import subjects
+from talaria.shared.catalog import CATALOG
+from talaria.shared.messages import REPLY_DECODER, CallRequest, CallResult, ErrorReply, encode
+from talaria.shared.settings import asyncpg_dsn
 from talaria.sim.metrics import nearest_rank
 from talaria.traces import GapModel, Session
 

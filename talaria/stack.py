@@ -17,8 +17,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.db.engine import upgrade
-from shared.settings import Settings
+from talaria.shared.db.engine import upgrade
+from talaria.shared.settings import Settings
 from talaria.embedded import EmbeddedNats, EmbeddedPostgres, free_port
 
 
@@ -127,15 +127,15 @@ class Stack:
         port = self.settings.http_port or free_port()
         self.gateway_url = f"http://{self.settings.http_host}:{port}"
         progress(f"starting router, telemetry, gateway and {self.agents} instance agent(s)")
-        self._spawn("telemetry", "services.telemetry", data)
-        self._spawn("router", "services.router", data)
+        self._spawn("telemetry", "talaria.services.telemetry", data)
+        self._spawn("router", "talaria.services.router", data)
         for i in range(self.agents):
-            self._spawn(f"agent-{i}", "services.instance_agent", data, TALARIA_INSTANCE_ID=f"agent-{i}",
+            self._spawn(f"agent-{i}", "talaria.services.instance_agent", data, TALARIA_INSTANCE_ID=f"agent-{i}",
                         TALARIA_POOL=self.settings.pool)
         for model in self.hot:
-            self._spawn(f"hot-{model}", "services.instance_agent", data, TALARIA_INSTANCE_ID=f"hot-{model}",
+            self._spawn(f"hot-{model}", "talaria.services.instance_agent", data, TALARIA_INSTANCE_ID=f"hot-{model}",
                         TALARIA_POOL="hot", TALARIA_MODELS=model)
-        self._spawn("gateway", "services.gateway", data, TALARIA_HTTP_PORT=str(port))
+        self._spawn("gateway", "talaria.services.gateway", data, TALARIA_HTTP_PORT=str(port))
 
     def _wait_ready(self, timeout: float, progress) -> None:
         deadline = time.monotonic() + timeout

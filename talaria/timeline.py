@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from shared.tracing import read_spans, session_trace_id
+from talaria.shared.tracing import read_spans, session_trace_id
 
 
 def print_timeline(directory: Path, session_id: str | None) -> int:

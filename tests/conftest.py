@@ -18,8 +18,8 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from shared.db.engine import upgrade
-from shared.settings import asyncpg_dsn
+from talaria.shared.db.engine import upgrade
+from talaria.shared.settings import asyncpg_dsn
 from talaria.embedded import EmbeddedNats, EmbeddedPostgres
 
 EXTERNAL_NATS = os.environ.get("TALARIA_NATS_URL")
@@ -72,7 +72,7 @@ async def nats_url(tmp_path):
     if EXTERNAL_NATS:
         import nats
 
-        from shared import subjects
+        from talaria.shared import subjects
 
         nc = await nats.connect(EXTERNAL_NATS)
         js = nc.jetstream()

@@ -1,8 +1,8 @@
-"""`python -m services.gateway`: run the gateway service with settings from the environment."""
+"""`python -m talaria.services.gateway`: run the gateway service with settings from the environment."""
 
 import sys
 
-from services.gateway.service import run
-from shared.runtime import main
+from talaria.services.gateway.service import run
+from talaria.shared.runtime import main
 
 sys.exit(main("gateway", run))

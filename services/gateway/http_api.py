@@ -8,7 +8,7 @@ import time
 import msgspec
 from aiohttp import web
 
-from services.gateway.openai_api import (
+from talaria.services.gateway.openai_api import (
     CHAT_DECODER,
     COMPLETION_DECODER,
     chat_chunk,
@@ -19,10 +19,10 @@ from services.gateway.openai_api import (
     stops,
     validation_error,
 )
-from services.gateway.prepare import RequestError, prepare
-from services.gateway.sessions import InvalidSessionId, session_id_from
-from services.gateway.submitter import Submitter
-from shared.messages import CallRequest, CallResult, ChatMessage, ErrorReply, TokenChunk
+from talaria.services.gateway.prepare import RequestError, prepare
+from talaria.services.gateway.sessions import InvalidSessionId, session_id_from
+from talaria.services.gateway.submitter import Submitter
+from talaria.shared.messages import CallRequest, CallResult, ChatMessage, ErrorReply, TokenChunk
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 

@@ -11,11 +11,11 @@ import uuid
 
 import msgspec
 
-from services.gateway.prepare import RequestError, prepare
-from services.gateway.sessions import InvalidSessionId, check
-from services.gateway.submitter import Submitter
-from shared import subjects
-from shared.messages import CALL_REQUEST_DECODER, ErrorReply, encode
+from talaria.services.gateway.prepare import RequestError, prepare
+from talaria.services.gateway.sessions import InvalidSessionId, check
+from talaria.services.gateway.submitter import Submitter
+from talaria.shared import subjects
+from talaria.shared.messages import CALL_REQUEST_DECODER, ErrorReply, encode
 
 
 class NatsApi:

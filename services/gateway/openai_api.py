@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 from msgspec import Struct
 
-from shared.messages import CallResult, ErrorReply
+from talaria.shared.messages import CallResult, ErrorReply
 
 
 class TextPart(Struct, forbid_unknown_fields=False):

@@ -8,10 +8,10 @@ from __future__ import annotations
 import time
 import uuid
 
-from shared import subjects
-from shared.catalog import CATALOG
-from shared.messages import CallRequest, CallSubmitted, ErrorReply
-from shared.tokenizer import block_hashes, encode, render_chat
+from talaria.shared import subjects
+from talaria.shared.catalog import CATALOG
+from talaria.shared.messages import CallRequest, CallSubmitted, ErrorReply
+from talaria.shared.tokenizer import block_hashes, encode, render_chat
 
 MAX_STOP_STRINGS = 8
 

@@ -8,13 +8,13 @@ import time
 import msgspec
 from aiohttp import web
 
-from services.gateway.http_api import HttpApi
-from services.gateway.nats_api import NatsApi
-from services.gateway.submitter import Submitter
-from shared import logs, subjects, tracing
-from shared.bus import close, connect
-from shared.messages import HEARTBEAT_DECODER, SNAPSHOT_DECODER, InstanceSnapshot
-from shared.settings import Settings
+from talaria.services.gateway.http_api import HttpApi
+from talaria.services.gateway.nats_api import NatsApi
+from talaria.services.gateway.submitter import Submitter
+from talaria.shared import logs, subjects, tracing
+from talaria.shared.bus import close, connect
+from talaria.shared.messages import HEARTBEAT_DECODER, SNAPSHOT_DECODER, InstanceSnapshot
+from talaria.shared.settings import Settings
 
 STALE_AFTER_S = 3.0
 

@@ -17,10 +17,10 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from opentelemetry import trace
 
-from shared import subjects
-from shared.logs import call_context
-from shared.bus import emit, emit_new
-from shared.messages import (
+from talaria.shared import subjects
+from talaria.shared.logs import call_context
+from talaria.shared.bus import emit, emit_new
+from talaria.shared.messages import (
     REPLY_DECODER,
     TOKEN_DECODER,
     CallFailed,
@@ -31,7 +31,7 @@ from shared.messages import (
     TokenChunk,
     replace,
 )
-from shared.tracing import session_context, trace_id_hex
+from talaria.shared.tracing import session_context, trace_id_hex
 
 TokenCallback = Callable[[TokenChunk], Awaitable[None]]
 

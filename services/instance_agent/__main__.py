@@ -1,8 +1,8 @@
-"""`python -m services.instance_agent`: run the instance_agent service with settings from the environment."""
+"""`python -m talaria.services.instance_agent`: run the instance_agent service with settings from the environment."""
 
 import sys
 
-from services.instance_agent.service import run
-from shared.runtime import main
+from talaria.services.instance_agent.service import run
+from talaria.shared.runtime import main
 
 sys.exit(main("instance_agent", run))

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
-from services.instance_agent.engine import EngineError, GenRequest
-from services.instance_agent.scheduler import (
+from talaria.services.instance_agent.engine import EngineError, GenRequest
+from talaria.services.instance_agent.scheduler import (
     CallAdmitted,
     CallFinished,
     CallParked,
@@ -40,11 +40,11 @@ from services.instance_agent.scheduler import (
     SwitchModel,
     Work,
 )
-from services.instance_agent.telemetry import build_snapshot
-from shared import subjects
-from shared.bus import emit
-from shared.logs import call_context
-from shared.messages import (
+from talaria.services.instance_agent.telemetry import build_snapshot
+from talaria.shared import subjects
+from talaria.shared.bus import emit
+from talaria.shared.logs import call_context
+from talaria.shared.messages import (
     CallCompleted,
     CallFailed,
     CallResult,
@@ -58,7 +58,7 @@ from shared.messages import (
     Usage,
     encode,
 )
-from shared.tracing import extract_context
+from talaria.shared.tracing import extract_context
 
 FINISHED_MEMORY = 10_000
 SNAPSHOT_ON_CHANGE_MIN_S = 0.05  # besides the heartbeat, on change, at most this often

@@ -15,11 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 import msgspec
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from services.instance_agent.runner import CallRunner
-from shared import logs, subjects, tracing
-from shared.bus import close, connect, emit
-from shared.messages import ROUTED_DECODER, CallFailed, CallRouted, ErrorReply, encode
-from shared.settings import Settings
+from talaria.services.instance_agent.runner import CallRunner
+from talaria.shared import logs, subjects, tracing
+from talaria.shared.bus import close, connect, emit
+from talaria.shared.messages import ROUTED_DECODER, CallFailed, CallRouted, ErrorReply, encode
+from talaria.shared.settings import Settings
 
 ACK_WAIT_S = 60.0  # held calls send in_progress() every 20 s, so only a dead agent's calls return
 FETCH_BATCH = 16
@@ -72,7 +72,7 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
 def _build_engine(settings: Settings):
     import torch
 
-    from services.instance_agent.engine import TorchEngine
+    from talaria.services.instance_agent.engine import TorchEngine
 
     torch.set_num_threads(max(1, settings.torch_threads))
     engine = TorchEngine(settings.data_dir, list(settings.models), device=settings.device,

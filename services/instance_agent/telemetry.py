@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared.messages import InstanceSnapshot, ModelResidency, SessionKv
+from talaria.shared.messages import InstanceSnapshot, ModelResidency, SessionKv
 
 
 def build_snapshot(settings, engine, sched, version: int, now: float) -> InstanceSnapshot:

@@ -1,8 +1,8 @@
-"""`python -m services.router`: run the router service with settings from the environment."""
+"""`python -m talaria.services.router`: run the router service with settings from the environment."""
 
 import sys
 
-from services.router.service import run
-from shared.runtime import main
+from talaria.services.router.service import run
+from talaria.shared.runtime import main
 
 sys.exit(main("router", run))

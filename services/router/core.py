@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import time
 
-from services.router.policy.base import Decision, PlacementPolicy
-from services.router.state import RouterState
-from shared.messages import (
+from talaria.services.router.policy.base import Decision, PlacementPolicy
+from talaria.services.router.state import RouterState
+from talaria.shared.messages import (
     CallFailed,
     CallRouted,
     CallSubmitted,

@@ -37,10 +37,10 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from services.router.instances import ON_DEVICE, InstanceView
-from services.router.policy.base import PolicyConfig
-from services.router.state import RouterState, SessionEntry
-from shared.messages import CallSubmitted, CandidateCost
+from talaria.services.router.instances import ON_DEVICE, InstanceView
+from talaria.services.router.policy.base import PolicyConfig
+from talaria.services.router.state import RouterState, SessionEntry
+from talaria.shared.messages import CallSubmitted, CandidateCost
 
 GIB = float(1 << 30)
 HARD_REASONS = frozenset({"stale", "model_not_served", "hot_pool_pinned", "hbm"})

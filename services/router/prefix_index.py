@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from shared.tokenizer import HASH_BLOCK_TOKENS
+from talaria.shared.tokenizer import HASH_BLOCK_TOKENS
 
 SAMPLED: tuple[int, ...] = tuple(range(16)) + tuple(15 + 16 * k for k in range(1, 49))
 

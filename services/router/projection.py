@@ -8,8 +8,8 @@ from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from services.router.state import RouterState
-from shared.db.schema import projections
+from talaria.services.router.state import RouterState
+from talaria.shared.db.schema import projections
 
 NAME = "router"
 

@@ -18,17 +18,17 @@ import time
 import msgspec
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from services.router.core import RouterCore
-from services.router.policy.base import PolicyConfig
-from services.router.policy.registry import create_policy
-from services.router.projection import ProjectionStore
-from services.router.state import RouterState
-from shared import logs, subjects, tracing
-from shared.health import heartbeat_loop
-from shared.logs import call_context
-from shared.bus import close, connect, emit
-from shared.db.engine import create_engine
-from shared.messages import (
+from talaria.services.router.core import RouterCore
+from talaria.services.router.policy.base import PolicyConfig
+from talaria.services.router.policy.registry import create_policy
+from talaria.services.router.projection import ProjectionStore
+from talaria.services.router.state import RouterState
+from talaria.shared import logs, subjects, tracing
+from talaria.shared.health import heartbeat_loop
+from talaria.shared.logs import call_context
+from talaria.shared.bus import close, connect, emit
+from talaria.shared.db.engine import create_engine
+from talaria.shared.messages import (
     EVENT_DECODER,
     SNAPSHOT_DECODER,
     CallFailed,
@@ -36,8 +36,8 @@ from shared.messages import (
     ErrorReply,
     encode,
 )
-from shared.settings import Settings, SettingsError
-from shared.tracing import extract_context
+from talaria.shared.settings import Settings, SettingsError
+from talaria.shared.tracing import extract_context
 
 DURABLE = "router"
 INPUT_SUBJECTS = [subjects.CALL_SUBMITTED, subjects.CALL_COMPLETED, subjects.CALL_FAILED,

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from services.router.instances import InstanceView
-from services.router.leases import Lease, LeaseBook
-from services.router.prefix_index import PrefixIndex
-from services.router.profiles import InstanceProfile, ModelProfile
-from shared.messages import (
+from talaria.services.router.instances import InstanceView
+from talaria.services.router.leases import Lease, LeaseBook
+from talaria.services.router.prefix_index import PrefixIndex
+from talaria.services.router.profiles import InstanceProfile, ModelProfile
+from talaria.shared.messages import (
     CallCompleted,
     CallFailed,
     CallRouted,

@@ -1,8 +1,8 @@
-"""`python -m services.telemetry`: run the telemetry service with settings from the environment."""
+"""`python -m talaria.services.telemetry`: run the telemetry service with settings from the environment."""
 
 import sys
 
-from services.telemetry.service import run
-from shared.runtime import main
+from talaria.services.telemetry.service import run
+from talaria.shared.runtime import main
 
 sys.exit(main("telemetry", run))

@@ -12,8 +12,8 @@ import datetime as dt
 from sqlalchemy import func, update
 from sqlalchemy.dialects.postgresql import insert
 
-from shared.db.schema import calls, lease_decisions, lease_events, rounds, sessions, switches
-from shared.messages import (
+from talaria.shared.db.schema import calls, lease_decisions, lease_events, rounds, sessions, switches
+from talaria.shared.messages import (
     CallCompleted,
     CallFailed,
     CallRouted,
@@ -28,7 +28,7 @@ from shared.messages import (
     RoutingDecision,
     SwitchDone,
 )
-from shared.tracing import session_trace_id, trace_id_hex
+from talaria.shared.tracing import session_trace_id, trace_id_hex
 
 
 def ts(epoch: float | None) -> dt.datetime | None:

@@ -15,15 +15,15 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert
 
-from services.telemetry.projector import project
-from services.telemetry.sessions import SessionSpans
-from shared import logs, subjects, tracing
-from shared.health import heartbeat_loop
-from shared.bus import close, connect
-from shared.db.engine import create_engine
-from shared.db.schema import projections
-from shared.messages import EVENT_DECODER
-from shared.settings import Settings
+from talaria.services.telemetry.projector import project
+from talaria.services.telemetry.sessions import SessionSpans
+from talaria.shared import logs, subjects, tracing
+from talaria.shared.health import heartbeat_loop
+from talaria.shared.bus import close, connect
+from talaria.shared.db.engine import create_engine
+from talaria.shared.db.schema import projections
+from talaria.shared.messages import EVENT_DECODER
+from talaria.shared.settings import Settings
 
 DURABLE = "telemetry"
 NAME = "telemetry"

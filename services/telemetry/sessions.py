@@ -15,8 +15,8 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 
-from shared.messages import CallCompleted, CallFailed, CallSubmitted, Event
-from shared.tracing import session_span_id, session_trace_id
+from talaria.shared.messages import CallCompleted, CallFailed, CallSubmitted, Event
+from talaria.shared.tracing import session_span_id, session_trace_id
 
 
 @dataclass

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from shared.settings import async_database_url
+from talaria.shared.settings import async_database_url
 
-MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+MIGRATIONS_DIR = Path(str(resources.files("talaria.migrations")))
 
 
 def create_engine(url: str) -> AsyncEngine:

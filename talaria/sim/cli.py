@@ -15,7 +15,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from services.router.policy.base import PolicyConfig
+from talaria.services.router.policy.base import PolicyConfig
 from talaria.sim import experiments
 from talaria.sim.cluster import RunConfig, simulate
 from talaria.sim.instance import InstanceFlags

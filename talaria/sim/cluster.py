@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from services.router.core import RouterCore
-from services.router.policy.base import PolicyConfig
-from services.router.policy.registry import create_policy
-from shared.messages import (
+from talaria.services.router.core import RouterCore
+from talaria.services.router.policy.base import PolicyConfig
+from talaria.services.router.policy.registry import create_policy
+from talaria.shared.messages import (
     CallCompleted,
     CallFailed,
     CallRouted,

@@ -26,8 +26,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from services.router.policy.base import PolicyConfig
-from services.router.policy.registry import policy_names
+from talaria.services.router.policy.base import PolicyConfig
+from talaria.services.router.policy.registry import policy_names
 from talaria.sim.cluster import RunConfig, simulate
 from talaria.sim.instance import InstanceFlags
 from talaria.sim.metrics import summarise

@@ -44,10 +44,10 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from services.instance_agent.memory.hkvr_core import HkvrCore, LayoutDescriptor, RankReport
-from services.instance_agent.memory.staging_plan import StagingPlanner
+from talaria.services.instance_agent.memory.hkvr_core import HkvrCore, LayoutDescriptor, RankReport
+from talaria.services.instance_agent.memory.staging_plan import StagingPlanner
 
-from shared.messages import SessionKv
+from talaria.shared.messages import SessionKv
 from talaria.sim.profiles import ServerProfile
 
 

@@ -1,6 +1,6 @@
 """The `services` instance backend (the default): the instance agent's own RoundScheduler.
 
-`services.instance_agent.scheduler.RoundScheduler` decides everything an instance decides
+`talaria.services.instance_agent.scheduler.RoundScheduler` decides everything an instance decides
 (which model, which calls, P or SP, how long a slot decodes, when to switch); this
 executor only prices each action with the profile, keeps the device KV / HKVR / staging
 state (the `SimInstance` executor helpers), and reports back through `on_*_done`.
@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import math
 
-from services.instance_agent.scheduler import RoundScheduler, SchedulerConfig
-from services.instance_agent.scheduler.types import (
+from talaria.services.instance_agent.scheduler import RoundScheduler, SchedulerConfig
+from talaria.services.instance_agent.scheduler.types import (
     CallAdmitted,
     CallFinished,
     Decode,

@@ -20,11 +20,12 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import replace
+from importlib import resources
 from pathlib import Path
 
 from talaria.traces.format import Session, TraceCall, load_trace
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(str(resources.files("talaria.sim").joinpath("data")))  # package data in the wheel
 FIXED_REPLAY_FILE = DATA / "fixed_replay_sessions.jsonl"
 ROUTER_FILE = DATA / "router_sessions.jsonl"
 WEKA_DEFAULT = Path("/work/shared/traces/weka_cc_traces.jsonl.xz")

@@ -19,9 +19,9 @@ import openai
 import psutil
 import pytest
 
-from shared.settings import asyncpg_dsn
-from shared.tokenizer import encode, render_chat
-from shared.tracing import read_spans, session_span_id, session_trace_id
+from talaria.shared.settings import asyncpg_dsn
+from talaria.shared.tokenizer import encode, render_chat
+from talaria.shared.tracing import read_spans, session_span_id, session_trace_id
 from talaria.embedded import free_port
 from tests.integration.harness import wait_rows
 
@@ -59,7 +59,7 @@ class Stack:
 
 def from_scratch(data_dir: Path, messages: list[dict], max_tokens: int) -> str:
     """The same prompt on a fresh engine in this process: greedy output must match."""
-    from services.instance_agent.engine import GenRequest, TorchEngine
+    from talaria.services.instance_agent.engine import GenRequest, TorchEngine
 
     engine = TorchEngine(data_dir, ["qwen3-tiny"])
     ids = encode(render_chat([(m["role"], m["content"]) for m in messages]))

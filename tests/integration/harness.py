@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 from dataclasses import dataclass, field
 
-from shared.settings import Settings
+from talaria.shared.settings import Settings
 
 
 @dataclass

@@ -9,14 +9,14 @@ import msgspec
 import nats
 import pytest
 
-from services.gateway.service import run as run_gateway
-from services.instance_agent.service import run as run_agent
-from services.router.service import run as run_router
-from services.telemetry.service import run as run_telemetry
-from shared import messages as m
-from shared import subjects
-from shared.health import wait_for_router
-from shared.settings import Settings
+from talaria.services.gateway.service import run as run_gateway
+from talaria.services.instance_agent.service import run as run_agent
+from talaria.services.router.service import run as run_router
+from talaria.services.telemetry.service import run as run_telemetry
+from talaria.shared import messages as m
+from talaria.shared import subjects
+from talaria.shared.health import wait_for_router
+from talaria.shared.settings import Settings
 from talaria.embedded import free_port
 from tests.integration.harness import Services, wait_rows
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from services.telemetry.projector import project
-from shared import messages as m
-from shared.db.engine import create_engine
+from talaria.services.telemetry.projector import project
+from talaria.shared import messages as m
+from talaria.shared.db.engine import create_engine
 from talaria.audit import audits, params_of, query
 
 pytestmark = pytest.mark.integration

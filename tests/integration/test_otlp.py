@@ -6,9 +6,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from services.gateway.service import run as run_gateway
-from services.router.service import run as run_router
-from shared.settings import Settings
+from talaria.services.gateway.service import run as run_gateway
+from talaria.services.router.service import run as run_router
+from talaria.shared.settings import Settings
 from talaria.embedded import free_port
 from tests.integration.harness import Services
 

@@ -13,13 +13,13 @@ import nats
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from services.gateway.service import run as run_gateway
-from services.instance_agent.service import run as run_agent
-from services.telemetry.service import run as run_telemetry
-from shared import messages as m
-from shared import subjects
-from shared.health import wait_for_router
-from shared.settings import Settings
+from talaria.services.gateway.service import run as run_gateway
+from talaria.services.instance_agent.service import run as run_agent
+from talaria.services.telemetry.service import run as run_telemetry
+from talaria.shared import messages as m
+from talaria.shared import subjects
+from talaria.shared.health import wait_for_router
+from talaria.shared.settings import Settings
 from talaria.embedded import free_port
 from tests.integration.harness import Services
 
@@ -31,7 +31,7 @@ def start_router(settings: Settings) -> subprocess.Popen:
     env = dict(os.environ, TALARIA_NATS_URL=settings.nats_url, TALARIA_DATABASE_URL=settings.database_url,
                TALARIA_DATA_DIR=str(settings.data_dir), TALARIA_POLICY="talaria",
                TALARIA_LEASE_TIMEOUT_S=str(TAU_S), TALARIA_LOG_LEVEL="warning")
-    return subprocess.Popen([sys.executable, "-m", "services.router"], env=env)
+    return subprocess.Popen([sys.executable, "-m", "talaria.services.router"], env=env)
 
 
 async def call(nc, session: str, prompt: str) -> m.CallResult:

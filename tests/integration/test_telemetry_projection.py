@@ -3,11 +3,11 @@
 
 import pytest
 
-from services.telemetry.service import run as run_telemetry
-from shared import messages as m
-from shared import subjects
-from shared.bus import connect, emit
-from shared.settings import Settings
+from talaria.services.telemetry.service import run as run_telemetry
+from talaria.shared import messages as m
+from talaria.shared import subjects
+from talaria.shared.bus import connect, emit
+from talaria.shared.settings import Settings
 from tests.integration.harness import Services, wait_rows
 
 pytestmark = pytest.mark.integration

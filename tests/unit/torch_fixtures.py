@@ -18,7 +18,7 @@ def data_dir(tmp_path_factory):
 
 @pytest.fixture
 def make_engine(data_dir):
-    from services.instance_agent.engine import TorchEngine
+    from talaria.services.instance_agent.engine import TorchEngine
 
     made = []
 

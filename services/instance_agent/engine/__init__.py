@@ -12,11 +12,11 @@ host KV restore and staged model switches.
     engine.py     TorchEngine, the facade the instance agent calls (one worker thread)
 """
 
-from services.instance_agent.engine.api import (
+from talaria.services.instance_agent.engine.api import (
     EngineStats, GenRequest, GenResult, StepToken, SwitchRecord,
 )
-from services.instance_agent.engine.engine import TorchEngine
-from services.instance_agent.engine.errors import (
+from talaria.services.instance_agent.engine.engine import TorchEngine
+from talaria.services.instance_agent.engine.errors import (
     ContextTooLong, EngineBusy, EngineError, InvalidRequest, ModelNotActive, OutOfKvPages,
     UnknownCall, UnknownModel, WeightsCorrupt,
 )

@@ -19,24 +19,24 @@ from pathlib import Path
 
 import torch
 
-from services.instance_agent.engine import switch as switching
-from services.instance_agent.engine.api import EngineStats, GenRequest, GenResult, StepToken, SwitchRecord
-from services.instance_agent.engine.errors import (
+from talaria.services.instance_agent.engine import switch as switching
+from talaria.services.instance_agent.engine.api import EngineStats, GenRequest, GenResult, StepToken, SwitchRecord
+from talaria.services.instance_agent.engine.errors import (
     ContextTooLong, EngineBusy, InvalidRequest, ModelNotActive, OutOfKvPages, UnknownCall, UnknownModel,
 )
-from services.instance_agent.engine.kv_cache import PagePool, PrefixIndex, SessionCache, SessionEntry
-from services.instance_agent.engine.model import SeqSlice, forward, paged_attention
-from services.instance_agent.engine.sampling import make_generator
-from services.instance_agent.engine.sequence import Sequence
-from services.instance_agent.engine.weights import (
+from talaria.services.instance_agent.engine.kv_cache import PagePool, PrefixIndex, SessionCache, SessionEntry
+from talaria.services.instance_agent.engine.model import SeqSlice, forward, paged_attention
+from talaria.services.instance_agent.engine.sampling import make_generator
+from talaria.services.instance_agent.engine.sequence import Sequence
+from talaria.services.instance_agent.engine.weights import (
     WeightLayout, align_up, ensure_weights_file, load_host_image, weight_layout,
 )
-from services.instance_agent.memory.bump import BumpBuffer
-from services.instance_agent.memory.hkvr import HostKvRegistry
-from services.instance_agent.memory.hkvr_core import LayoutDescriptor, RankReport
-from services.instance_agent.memory.staging import StagingExecutor
-from shared.catalog import CATALOG, ModelSpec
-from shared.tokenizer import block_hashes
+from talaria.services.instance_agent.memory.bump import BumpBuffer
+from talaria.services.instance_agent.memory.hkvr import HostKvRegistry
+from talaria.services.instance_agent.memory.hkvr_core import LayoutDescriptor, RankReport
+from talaria.services.instance_agent.memory.staging import StagingExecutor
+from talaria.shared.catalog import CATALOG, ModelSpec
+from talaria.shared.tokenizer import block_hashes
 
 EMA = 0.3  # weight of the newest sample in the measured rates
 

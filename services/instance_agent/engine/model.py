@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shared.catalog import ModelSpec
+from talaria.shared.catalog import ModelSpec
 
 RMS_EPS = 1e-6
 LN_EPS = 1e-5

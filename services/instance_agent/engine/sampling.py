@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.tokenizer import EOS
+from talaria.shared.tokenizer import EOS
 
 # Random-weight models would emit arbitrary bytes, most of them not valid UTF-8: a client
 # then sends U+FFFD back and the session's next prompt no longer repeats the answer's

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.instance_agent.engine.api import GenRequest, GenResult, StepToken
-from services.instance_agent.engine.sampling import StopMatcher, output_mask, sample
-from shared.tokenizer import EOS, StreamDecoder
+from talaria.services.instance_agent.engine.api import GenRequest, GenResult, StepToken
+from talaria.services.instance_agent.engine.sampling import StopMatcher, output_mask, sample
+from talaria.shared.tokenizer import EOS, StreamDecoder
 
 
 @dataclass

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from services.instance_agent.engine.api import SwitchRecord
-from services.instance_agent.engine.kv_cache import PagePool, PrefixIndex, SessionCache
-from services.instance_agent.engine.model import rope_tables
+from talaria.services.instance_agent.engine.api import SwitchRecord
+from talaria.services.instance_agent.engine.kv_cache import PagePool, PrefixIndex, SessionCache
+from talaria.services.instance_agent.engine.model import rope_tables
 
 if TYPE_CHECKING:
-    from services.instance_agent.engine.engine import TorchEngine
+    from talaria.services.instance_agent.engine.engine import TorchEngine
 
 
 def switch(eng: TorchEngine, model: str) -> SwitchRecord:

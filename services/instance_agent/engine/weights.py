@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.instance_agent.engine.errors import WeightsCorrupt
-from shared.catalog import ModelSpec
+from talaria.services.instance_agent.engine.errors import WeightsCorrupt
+from talaria.shared.catalog import ModelSpec
 
 ALIGN = 256  # bytes; every tensor and region starts on this boundary
 INIT_VERSION = 1  # bump when the init scheme changes (the json records it)

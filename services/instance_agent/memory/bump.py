@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.instance_agent.engine.weights import ALIGN, align_up
+from talaria.services.instance_agent.engine.weights import ALIGN, align_up
 
 
 @dataclass(frozen=True)

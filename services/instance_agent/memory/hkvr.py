@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import torch
 
-from services.instance_agent.memory.copier import Completion, Copier
-from services.instance_agent.memory.hkvr_core import (
+from talaria.services.instance_agent.memory.copier import Completion, Copier
+from talaria.services.instance_agent.memory.hkvr_core import (
     HkvrCore,
     LayoutDescriptor,
     PageCopy,

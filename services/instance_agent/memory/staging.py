@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.instance_agent.memory.copier import Completion, Copier
-from services.instance_agent.memory.staging_plan import (  # noqa: F401  (re-exported)
+from talaria.services.instance_agent.memory.copier import Completion, Copier
+from talaria.services.instance_agent.memory.staging_plan import (  # noqa: F401  (re-exported)
     Chunk,
     ChunkState,
     GatherPlan,

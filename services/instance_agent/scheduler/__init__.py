@@ -48,10 +48,10 @@ Package map:
     scheduler.py  RoundScheduler: the orchestration
 """
 
-from services.instance_agent.scheduler.budget import ModelLoad, SlotPlan, plan_slot
-from services.instance_agent.scheduler.config import ABLATIONS, SchedulerConfig
-from services.instance_agent.scheduler.costs import CalibratedCosts, CostModel, LinearCosts
-from services.instance_agent.scheduler.errors import (
+from talaria.services.instance_agent.scheduler.budget import ModelLoad, SlotPlan, plan_slot
+from talaria.services.instance_agent.scheduler.config import ABLATIONS, SchedulerConfig
+from talaria.services.instance_agent.scheduler.costs import CalibratedCosts, CostModel, LinearCosts
+from talaria.services.instance_agent.scheduler.errors import (
     ActionMismatchError,
     ConfigError,
     DuplicateCallError,
@@ -61,8 +61,8 @@ from services.instance_agent.scheduler.errors import (
     UnknownCallError,
     UnknownModelError,
 )
-from services.instance_agent.scheduler.scheduler import RoundScheduler
-from services.instance_agent.scheduler.types import (
+from talaria.services.instance_agent.scheduler.scheduler import RoundScheduler
+from talaria.services.instance_agent.scheduler.types import (
     Action,
     CallAdmitted,
     CallFinished,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from services.instance_agent.scheduler.calls import CallState
+from talaria.services.instance_agent.scheduler.calls import CallState
 
 
 @dataclass(frozen=True)

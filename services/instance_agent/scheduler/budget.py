@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from services.instance_agent.scheduler.config import SchedulerConfig
+from talaria.services.instance_agent.scheduler.config import SchedulerConfig
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from services.instance_agent.scheduler.errors import DuplicateCallError, UnknownCallError, UnknownModelError
-from services.instance_agent.scheduler.types import KvState, Work
+from talaria.services.instance_agent.scheduler.errors import DuplicateCallError, UnknownCallError, UnknownModelError
+from talaria.services.instance_agent.scheduler.types import KvState, Work
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from services.instance_agent.scheduler.errors import ConfigError
+from talaria.services.instance_agent.scheduler.errors import ConfigError
 
 # Paper §5 ablations: which mechanisms each configuration turns off.
 ABLATIONS: dict[str, dict[str, bool]] = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from services.instance_agent.scheduler.types import KvState, Work
+from talaria.services.instance_agent.scheduler.types import KvState, Work
 
 
 @runtime_checkable

@@ -6,9 +6,9 @@ current round (round summary), so the two always agree.
 
 from __future__ import annotations
 
-from services.instance_agent.scheduler.calls import CallState
-from services.instance_agent.scheduler.rounds import RoundState
-from services.instance_agent.scheduler.types import (
+from talaria.services.instance_agent.scheduler.calls import CallState
+from talaria.services.instance_agent.scheduler.rounds import RoundState
+from talaria.services.instance_agent.scheduler.types import (
     CallAdmitted,
     CallFinished,
     CallParked,

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.instance_agent.scheduler.budget import SlotPlan
-from services.instance_agent.scheduler.types import RoundEnded
+from talaria.services.instance_agent.scheduler.budget import SlotPlan
+from talaria.services.instance_agent.scheduler.types import RoundEnded
 
 
 @dataclass

@@ -12,18 +12,18 @@ from itertools import islice
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from services.instance_agent.scheduler.admission import Limits, Selection, select
-from services.instance_agent.scheduler.budget import ModelLoad, plan_slot, switch_cycle_s
-from services.instance_agent.scheduler.calls import CallState, CallTable
-from services.instance_agent.scheduler.config import SchedulerConfig
-from services.instance_agent.scheduler.costs import (
+from talaria.services.instance_agent.scheduler.admission import Limits, Selection, select
+from talaria.services.instance_agent.scheduler.budget import ModelLoad, plan_slot, switch_cycle_s
+from talaria.services.instance_agent.scheduler.calls import CallState, CallTable
+from talaria.services.instance_agent.scheduler.config import SchedulerConfig
+from talaria.services.instance_agent.scheduler.costs import (
     CalibratedCosts,
     CostModel,
     call_kv_bytes,
     call_prefill_s,
     charged_kv,
 )
-from services.instance_agent.scheduler.errors import (
+from talaria.services.instance_agent.scheduler.errors import (
     ActionMismatchError,
     ConfigError,
     InvalidWorkError,
@@ -31,9 +31,9 @@ from services.instance_agent.scheduler.errors import (
     UnknownCallError,
     UnknownModelError,
 )
-from services.instance_agent.scheduler.reports import Reports
-from services.instance_agent.scheduler.rounds import RoundState, Slot
-from services.instance_agent.scheduler.types import (
+from talaria.services.instance_agent.scheduler.reports import Reports
+from talaria.services.instance_agent.scheduler.rounds import RoundState, Slot
+from talaria.services.instance_agent.scheduler.types import (
     Action,
     Decode,
     Idle,
@@ -45,7 +45,7 @@ from services.instance_agent.scheduler.types import (
     SwitchModel,
     Work,
 )
-from services.instance_agent.scheduler.view import build_view
+from talaria.services.instance_agent.scheduler.view import build_view
 
 _PARK_REASON = {"time": "sp_budget", "batch": "sp_batch"}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
-from services.instance_agent.scheduler.errors import InvalidWorkError
+from talaria.services.instance_agent.scheduler.errors import InvalidWorkError
 
 KvState = Literal["device", "host", "none"]
 KV_STATES: tuple[str, ...] = ("device", "host", "none")
@@ -175,7 +175,7 @@ SchedulerEvent = Union[
 
 @dataclass(frozen=True)
 class SchedulerView:
-    """Telemetry snapshot (maps onto `shared.messages.InstanceSnapshot`)."""
+    """Telemetry snapshot (maps onto `talaria.shared.messages.InstanceSnapshot`)."""
 
     pool: str
     active_model: str | None

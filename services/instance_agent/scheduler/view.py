@@ -1,13 +1,13 @@
-"""Telemetry snapshot of a scheduler (maps onto `shared.messages.InstanceSnapshot`)."""
+"""Telemetry snapshot of a scheduler (maps onto `talaria.shared.messages.InstanceSnapshot`)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from services.instance_agent.scheduler.types import Decode, Prefill, SchedulerView, SwitchModel
+from talaria.services.instance_agent.scheduler.types import Decode, Prefill, SchedulerView, SwitchModel
 
 if TYPE_CHECKING:
-    from services.instance_agent.scheduler.scheduler import RoundScheduler
+    from talaria.services.instance_agent.scheduler.scheduler import RoundScheduler
 
 
 def build_view(sched: RoundScheduler, now: float) -> SchedulerView:

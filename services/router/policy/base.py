@@ -11,8 +11,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from services.router.state import InstanceView, RouterState
-from shared.messages import CallSubmitted, CandidateCost, Event
+from talaria.services.router.state import InstanceView, RouterState
+from talaria.shared.messages import CallSubmitted, CandidateCost, Event
 
 
 OVERLOAD_MODES = ("reject", "queue")

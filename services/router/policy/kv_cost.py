@@ -21,11 +21,11 @@ Blind to model residency; issues no leases.
 
 from __future__ import annotations
 
-from services.router.policy.base import Decision, PlacementPolicy
-from services.router.policy.registry import register
-from services.router.state import RouterState
-from shared.messages import CallSubmitted, CandidateCost
-from shared.tokenizer import HASH_BLOCK_TOKENS as BLOCK
+from talaria.services.router.policy.base import Decision, PlacementPolicy
+from talaria.services.router.policy.registry import register
+from talaria.services.router.state import RouterState
+from talaria.shared.messages import CallSubmitted, CandidateCost
+from talaria.shared.tokenizer import HASH_BLOCK_TOKENS as BLOCK
 
 
 @register

@@ -7,11 +7,11 @@ KV and model residency. Issues no leases.
 
 from __future__ import annotations
 
-from services.router.instances import InstanceView
-from services.router.policy.base import Decision, PlacementPolicy
-from services.router.policy.registry import register
-from services.router.state import RouterState
-from shared.messages import CallSubmitted, CandidateCost
+from talaria.services.router.instances import InstanceView
+from talaria.services.router.policy.base import Decision, PlacementPolicy
+from talaria.services.router.policy.registry import register
+from talaria.services.router.state import RouterState
+from talaria.shared.messages import CallSubmitted, CandidateCost
 
 
 def load_of(view: InstanceView) -> tuple[int, int]:

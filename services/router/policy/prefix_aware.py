@@ -20,11 +20,11 @@ original it is blind to model residency; it issues no leases.
 
 from __future__ import annotations
 
-from services.router.policy.base import Decision, PlacementPolicy
-from services.router.policy.least_pressure import load_candidates
-from services.router.policy.registry import register
-from services.router.state import RouterState
-from shared.messages import CallSubmitted
+from talaria.services.router.policy.base import Decision, PlacementPolicy
+from talaria.services.router.policy.least_pressure import load_candidates
+from talaria.services.router.policy.registry import register
+from talaria.services.router.state import RouterState
+from talaria.shared.messages import CallSubmitted
 
 
 @register

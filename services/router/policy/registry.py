@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.router.policy.base import PlacementPolicy, PolicyConfig
+from talaria.services.router.policy.base import PlacementPolicy, PolicyConfig
 
 REGISTRY: dict[str, type[PlacementPolicy]] = {}
 
@@ -44,8 +44,8 @@ def policy_names() -> list[str]:
 
 def _load_builtin() -> None:
     # Importing the modules registers them; done lazily to avoid import cycles.
-    import services.router.policy.kv_cost  # noqa: F401
-    import services.router.policy.least_pressure  # noqa: F401
-    import services.router.policy.prefix_aware  # noqa: F401
-    import services.router.policy.sticky  # noqa: F401
-    import services.router.policy.talaria  # noqa: F401
+    import talaria.services.router.policy.kv_cost  # noqa: F401
+    import talaria.services.router.policy.least_pressure  # noqa: F401
+    import talaria.services.router.policy.prefix_aware  # noqa: F401
+    import talaria.services.router.policy.sticky  # noqa: F401
+    import talaria.services.router.policy.talaria  # noqa: F401

@@ -13,11 +13,11 @@ instance_unhealthy (snapshot older than 2 * stale_after_s), hot_pool_pinned, kv_
 
 from __future__ import annotations
 
-from services.router.leases import Lease
-from services.router.policy.base import PolicyConfig
-from services.router.profiles import quantile
-from services.router.state import RouterState
-from shared.messages import (
+from talaria.services.router.leases import Lease
+from talaria.services.router.policy.base import PolicyConfig
+from talaria.services.router.profiles import quantile
+from talaria.services.router.state import RouterState
+from talaria.shared.messages import (
     CallCompleted,
     CallSubmitted,
     LeaseConsumed,

@@ -10,11 +10,11 @@ Both are blind to KV and model residency and issue no leases.
 
 from __future__ import annotations
 
-from services.router.policy.base import Decision, PlacementPolicy
-from services.router.policy.least_pressure import least_loaded, load_candidates
-from services.router.policy.registry import register
-from services.router.state import RouterState
-from shared.messages import CallSubmitted
+from talaria.services.router.policy.base import Decision, PlacementPolicy
+from talaria.services.router.policy.least_pressure import least_loaded, load_candidates
+from talaria.services.router.policy.registry import register
+from talaria.services.router.state import RouterState
+from talaria.shared.messages import CallSubmitted
 
 
 @register

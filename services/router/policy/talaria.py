@@ -16,14 +16,14 @@ from __future__ import annotations
 
 from dataclasses import replace as dc_replace
 
-from services.router.costs import HARD_REASONS, CostModel, Priced, eq1_total
-from services.router.instances import ON_DEVICE
-from services.router.leases import Lease
-from services.router.policy import soft_reservation as sr
-from services.router.policy.base import Decision, PlacementPolicy, PolicyConfig
-from services.router.policy.registry import register
-from services.router.state import RouterState, SessionEntry
-from shared.messages import CallCompleted, CallSubmitted, Event, replace
+from talaria.services.router.costs import HARD_REASONS, CostModel, Priced, eq1_total
+from talaria.services.router.instances import ON_DEVICE
+from talaria.services.router.leases import Lease
+from talaria.services.router.policy import soft_reservation as sr
+from talaria.services.router.policy.base import Decision, PlacementPolicy, PolicyConfig
+from talaria.services.router.policy.registry import register
+from talaria.services.router.state import RouterState, SessionEntry
+from talaria.shared.messages import CallCompleted, CallSubmitted, Event, replace
 
 
 @register

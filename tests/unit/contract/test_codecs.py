@@ -3,9 +3,9 @@
 import msgspec
 import pytest
 
-from shared import messages as m
-from shared import subjects
-from shared.bus import event_msg_id, event_subject
+from talaria.shared import messages as m
+from talaria.shared import subjects
+from talaria.shared.bus import event_msg_id, event_subject
 
 
 def submitted(**kw):

@@ -2,11 +2,11 @@
 
 import pytest
 
-from services.gateway.prepare import RequestError, prepare
-from services.gateway.sessions import InvalidSessionId, session_id_from
-from shared.catalog import CATALOG
-from shared.messages import CallRequest, ChatMessage
-from shared.tokenizer import block_hashes, decode, encode, render_chat
+from talaria.services.gateway.prepare import RequestError, prepare
+from talaria.services.gateway.sessions import InvalidSessionId, session_id_from
+from talaria.shared.catalog import CATALOG
+from talaria.shared.messages import CallRequest, ChatMessage
+from talaria.shared.tokenizer import block_hashes, decode, encode, render_chat
 
 
 def chat(**kw):

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.settings import Settings, SettingsError, async_database_url
+from talaria.shared.settings import Settings, SettingsError, async_database_url
 
 
 def test_defaults_run_without_any_environment():

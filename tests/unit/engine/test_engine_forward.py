@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from services.instance_agent.engine import GenRequest
-from services.instance_agent.engine.model import reference_logits
-from shared.tokenizer import encode
+from talaria.services.instance_agent.engine import GenRequest
+from talaria.services.instance_agent.engine.model import reference_logits
+from talaria.shared.tokenizer import encode
 
 TEXTS = ["a", "The session is the unit of scheduling.", "Tool calls return quickly; " * 3]
 

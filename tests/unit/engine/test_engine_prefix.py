@@ -1,7 +1,7 @@
 """Prefix reuse: device session entry, cross-session prefix index; same greedy output."""
 
-from services.instance_agent.engine import GenRequest
-from shared.tokenizer import encode
+from talaria.services.instance_agent.engine import GenRequest
+from talaria.shared.tokenizer import encode
 
 SYSTEM = encode("You are a coding agent. Read the issue, run the tests, patch the bug. " * 2)
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from services.instance_agent.engine import GenRequest
-from services.instance_agent.engine.sampling import StopMatcher, sample
-from shared.tokenizer import EOS, encode
+from talaria.services.instance_agent.engine import GenRequest
+from talaria.services.instance_agent.engine.sampling import StopMatcher, sample
+from talaria.shared.tokenizer import EOS, encode
 
 PROMPT = encode("Stop strings end the answer; the stop text is not returned.")
 
@@ -67,7 +67,7 @@ def test_sample_top_p_keeps_smallest_nucleus():
 
 
 def test_eos_stops():
-    from services.instance_agent.engine.sequence import Sequence
+    from talaria.services.instance_agent.engine.sequence import Sequence
 
     req = GenRequest("e", "e", "gpt2-tiny", PROMPT, 10)
     seq = Sequence(req, 8192, list(PROMPT), [], 0, 0, 1, 0.0, None)

@@ -2,11 +2,11 @@
 
 import pytest
 
-from services.instance_agent.engine import (
+from talaria.services.instance_agent.engine import (
     ContextTooLong, EngineBusy, GenRequest, InvalidRequest, OutOfKvPages, UnknownCall, UnknownModel,
 )
-from shared.catalog import CATALOG, ModelSpec
-from shared.tokenizer import encode
+from talaria.shared.catalog import CATALOG, ModelSpec
+from talaria.shared.tokenizer import encode
 
 PROMPT = encode("switch me")
 

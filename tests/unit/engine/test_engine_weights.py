@@ -1,11 +1,11 @@
 import torch
 
-from services.instance_agent.engine import GenRequest
-from services.instance_agent.engine.weights import (
+from talaria.services.instance_agent.engine import GenRequest
+from talaria.services.instance_agent.engine.weights import (
     ensure_weights_file, init_weights, load_host_image, model_paths, weight_layout,
 )
-from shared.catalog import CATALOG
-from shared.tokenizer import encode
+from talaria.shared.catalog import CATALOG
+from talaria.shared.tokenizer import encode
 
 PROMPT = encode("Determinism: same spec, same weights, same greedy output.")
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from services.instance_agent.engine.weights import align_up
-from services.instance_agent.memory.bump import BumpBuffer
+from talaria.services.instance_agent.engine.weights import align_up
+from talaria.services.instance_agent.memory.bump import BumpBuffer
 
 
 def test_regions_partition_the_buffer():

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import torch
 
-from services.instance_agent.engine.sampling import output_mask
-from shared.tokenizer import EOS
+from talaria.services.instance_agent.engine.sampling import output_mask
+from talaria.shared.tokenizer import EOS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.instance_agent.engine import GenRequest, TorchEngine
-from services.instance_agent.engine.model import reference_logits
-from services.instance_agent.memory.hkvr_core import RankReport
+from talaria.services.instance_agent.engine import GenRequest, TorchEngine
+from talaria.services.instance_agent.engine.model import reference_logits
+from talaria.services.instance_agent.memory.hkvr_core import RankReport
 
 MODELS = ["qwen3-tiny", "gpt2-tiny", "qwen3-moe-tiny"]
 DATA = Path(tempfile.mkdtemp(prefix="talaria-prop-"))

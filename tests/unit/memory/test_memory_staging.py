@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.instance_agent.memory.staging import StagingExecutor, StagingPlanner
+from talaria.services.instance_agent.memory.staging import StagingExecutor, StagingPlanner
 
 
 def test_slots_stay_above_the_limit_and_grow_downward():

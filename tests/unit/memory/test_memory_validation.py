@@ -4,9 +4,9 @@ must equal a from-scratch run; the hit must be recorded as device or host."""
 
 import torch
 
-from services.instance_agent.engine import GenRequest
-from services.instance_agent.memory.hkvr_core import RankReport
-from shared.tokenizer import encode
+from talaria.services.instance_agent.engine import GenRequest
+from talaria.services.instance_agent.memory.hkvr_core import RankReport
+from talaria.shared.tokenizer import encode
 
 TASK = encode("Issue 1234: astropy units round-trip fails for composite units. " * 2)
 TOOL = encode(" [tool] pytest: 1 failed, 41 passed. ", bos=False)

@@ -27,6 +27,6 @@ def test_compose_file_parses_and_has_every_service():
 
 def test_every_service_module_named_in_compose_exists():
     text = (ROOT / "docker-compose.yml").read_text()
-    for module in ("services.gateway", "services.router", "services.telemetry", "services.instance_agent"):
+    for module in ("talaria.services.gateway", "talaria.services.router", "talaria.services.telemetry", "talaria.services.instance_agent"):
         assert module in text
-        assert (ROOT / module.replace(".", "/") / "__main__.py").exists()
+        assert (ROOT / module.removeprefix("talaria.").replace(".", "/") / "__main__.py").exists()

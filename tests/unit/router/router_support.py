@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from services.router.core import RouterCore
-from services.router.policy.base import PolicyConfig
-from services.router.policy.registry import create_policy
-from shared.messages import (
+from talaria.services.router.core import RouterCore
+from talaria.services.router.policy.base import PolicyConfig
+from talaria.services.router.policy.registry import create_policy
+from talaria.shared.messages import (
     CallCompleted,
     CallSubmitted,
     InstanceSnapshot,

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 from router_support import call, core, done, one, snap
 
-from services.router.policy.base import Decision, PlacementPolicy
-from services.router.policy.registry import (
+from talaria.services.router.policy.base import Decision, PlacementPolicy
+from talaria.services.router.policy.registry import (
     REGISTRY,
     UnknownPolicyError,
     create_policy,
     policy_names,
     register,
 )
-from shared.messages import CallRouted, LeaseIssued, RoutingDecision
+from talaria.shared.messages import CallRouted, LeaseIssued, RoutingDecision
 
 BASELINES = ["least-pressure", "least-loaded", "session-sticky", "round-robin", "prefix-aware", "kv-cost"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from router_support import call, core, done, one, snap
 
-from services.router.leases import Lease, LeaseBook
-from shared.messages import (
+from talaria.services.router.leases import Lease, LeaseBook
+from talaria.shared.messages import (
     CallRouted,
     LeaseConsumed,
     LeaseDiscarded,

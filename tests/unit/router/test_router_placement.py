@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 from router_support import PAPER_EQ1, call, core, done, one, snap
 
-from services.router.costs import CostModel
-from services.router.policy.base import PolicyConfig
-from shared.messages import CallFailed, CallRouted, RoutingDecision
+from talaria.services.router.costs import CostModel
+from talaria.services.router.policy.base import PolicyConfig
+from talaria.shared.messages import CallFailed, CallRouted, RoutingDecision
 
 NO_LEASE = dict(lease_timeout_s=0.0)
 

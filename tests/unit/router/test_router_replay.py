@@ -8,10 +8,10 @@ import random
 import pytest
 from router_support import call, core, done, of_type, snap
 
-from services.router.core import RouterCore
-from services.router.policy.registry import create_policy
-from services.router.state import RouterState
-from shared.messages import CallRouted, CallSubmitted, RoundSummary, RoutingDecision, encode, EVENT_DECODER
+from talaria.services.router.core import RouterCore
+from talaria.services.router.policy.registry import create_policy
+from talaria.services.router.state import RouterState
+from talaria.shared.messages import CallRouted, CallSubmitted, RoundSummary, RoutingDecision, encode, EVENT_DECODER
 
 INSTANCES = ("i0", "i1", "i2")
 

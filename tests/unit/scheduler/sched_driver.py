@@ -6,8 +6,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from services.instance_agent.scheduler.costs import call_prefill_s
-from services.instance_agent.scheduler import (
+from talaria.services.instance_agent.scheduler.costs import call_prefill_s
+from talaria.services.instance_agent.scheduler import (
     Action,
     Decode,
     Idle,

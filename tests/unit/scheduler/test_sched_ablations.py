@@ -7,7 +7,7 @@ import random
 import pytest
 
 from sched_driver import Driver, make, ret, work
-from services.instance_agent.scheduler import (
+from talaria.services.instance_agent.scheduler import (
     ABLATIONS,
     CallAdmitted,
     CallFinished,
@@ -107,6 +107,6 @@ def _switches(d):
 
 
 def _state(w):
-    from services.instance_agent.scheduler.calls import CallState
+    from talaria.services.instance_agent.scheduler.calls import CallState
 
     return CallState(work=w, seq=0, submitted_at=0.0)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sched_driver import COSTS, Driver, make, work
-from services.instance_agent.scheduler import (
+from talaria.services.instance_agent.scheduler import (
     CallFinished,
     DeadlineRisk,
     LinearCosts,
@@ -17,7 +17,7 @@ from services.instance_agent.scheduler import (
     SchedulerConfig,
     plan_slot,
 )
-from services.instance_agent.scheduler.budget import switch_cycle_s
+from talaria.services.instance_agent.scheduler.budget import switch_cycle_s
 
 
 def test_protected_decode_is_the_smallest_d_with_round_over_d_within_tpot():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 
 from sched_driver import COSTS, Driver, make, ret, work
-from services.instance_agent.scheduler import CalibratedCosts, CostModel, Decode, LinearCosts, Prefill
-from services.instance_agent.scheduler.costs import call_prefill_s, charged_kv
+from talaria.services.instance_agent.scheduler import CalibratedCosts, CostModel, Decode, LinearCosts, Prefill
+from talaria.services.instance_agent.scheduler.costs import call_prefill_s, charged_kv
 
 
 def test_linear_costs_satisfy_the_protocol():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.instance_agent.scheduler import (
+from talaria.services.instance_agent.scheduler import (
     CallFinished,
     Decode,
     Idle,

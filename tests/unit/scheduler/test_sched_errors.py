@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sched_driver import make, work
-from services.instance_agent.scheduler import (
+from talaria.services.instance_agent.scheduler import (
     CallFinished,
     ConfigError,
     Decode,

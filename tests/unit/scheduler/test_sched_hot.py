@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sched_driver import Driver, make, ret, work
-from services.instance_agent.scheduler import CallAdmitted, ConfigError, RoundEnded, UnknownModelError
+from talaria.services.instance_agent.scheduler import CallAdmitted, ConfigError, RoundEnded, UnknownModelError
 
 
 def hot(**config):

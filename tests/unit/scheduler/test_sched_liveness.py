@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sched_driver import Driver, make, work
-from services.instance_agent.scheduler import CallAdmitted, CallFinished, Work
+from talaria.services.instance_agent.scheduler import CallAdmitted, CallFinished, Work
 
 MODELS = ("a", "b", "c")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from sched_driver import Driver, make, ret, work
-from services.instance_agent.scheduler import (
+from talaria.services.instance_agent.scheduler import (
     CallAdmitted,
     CallFinished,
     Decode,

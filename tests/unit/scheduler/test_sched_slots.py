@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sched_driver import Driver, make, work
-from services.instance_agent.scheduler import (
+from talaria.services.instance_agent.scheduler import (
     ActionMismatchError,
     Decode,
     Prefill,
@@ -116,7 +116,7 @@ def test_next_action_while_busy_and_mismatched_completion_raise():
 
 
 def test_uncontended_slot_decodes_on_without_round_churn_or_false_risk():
-    from services.instance_agent.scheduler import DeadlineRisk
+    from talaria.services.instance_agent.scheduler import DeadlineRisk
 
     d = Driver(make(models=("a", "b"), initial_model="a", ttft_target_s=0.5))  # cap 0.45 s
     d.submit(work("long", "a", max_tokens=300))  # 3 s of decode, alone

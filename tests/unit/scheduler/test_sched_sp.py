@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sched_driver import Driver, make, ret, work
-from services.instance_agent.scheduler import CallAdmitted, CallParked
+from talaria.services.instance_agent.scheduler import CallAdmitted, CallParked
 
 # Slot a opens at t=1.0 (after the 1 s switch); its P (a1) ends at 1.001 and decodes
 # take 10 ms each, so t=1.05 is mid-slot, well before the slot's protected decode ends.

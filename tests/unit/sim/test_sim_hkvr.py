@@ -2,7 +2,7 @@
 
 from dataclasses import replace
 
-from services.instance_agent.memory.hkvr_core import HkvrCore
+from talaria.services.instance_agent.memory.hkvr_core import HkvrCore
 from talaria.sim.instance import SIM_PAGE_TOKENS, KvStore
 from talaria.sim.profiles import PAPER_TP8
 

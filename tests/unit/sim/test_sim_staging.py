@@ -1,6 +1,6 @@
 """The simulator stages weights through the agent's own StagingPlanner."""
 
-from services.instance_agent.memory.staging_plan import StagingPlanner
+from talaria.services.instance_agent.memory.staging_plan import StagingPlanner
 from talaria.sim.instance import STAGE_CHUNK_BYTES, InstanceFlags, SimInstance
 from talaria.sim.profiles import PAPER_TP8
 
