@@ -77,7 +77,7 @@ def build(sessions: int, instances: int, seed: int = 1) -> tuple[RouterCore, lis
     # complete every session's call; half of them just now (live lease), half long ago (expired)
     for k in range(sessions):
         sid = f"s{k}"
-        inst, tokens, model = state.inflight_calls[f"{sid}-0"]
+        inst, tokens, model = state.inflight_calls[f"{sid}-0"][:3]
         at = NOW - 0.3 if k % 2 == 0 else NOW - 20.0
         core.handle(CallCompleted(f"{sid}-0", sid, 0, model, inst, tokens, 256, "stop", at - 5, at - 4, at - 3, at,
                                   kv_tokens=tokens + 256), at)

@@ -82,6 +82,8 @@ def event_msg_id(event: msgspec.Struct) -> str | None:
             return f"CallRouted:{event.call.call_id}"
         case m.RoutingDecision():
             return f"RoutingDecision:{event.call_id}"
+        case m.InstanceLost():
+            return f"InstanceLost:{event.instance_id}:{event.incarnation}"
         case m.LeaseIssued() | m.LeaseConsumed() | m.LeaseDiscarded():
             return f"{type(event).__name__}:{event.session_id}:{event.call_id}"
         case _:
@@ -100,6 +102,7 @@ _SUBJECT_BY_TYPE = {
     "RoutingDecision": subjects.ROUTING_DECISION,
     "SwitchDone": subjects.SWITCH_DONE,
     "RoundSummary": subjects.ROUND_SUMMARY,
+    "InstanceLost": subjects.INSTANCE_LOST,
 }
 
 

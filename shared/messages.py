@@ -116,6 +116,9 @@ class CallSubmitted(Struct, frozen=True, tag="call.submitted"):
     stop: list[str] = []
     stream: bool = False
     api: str = "nats"
+    # When the client stops waiting (epoch s; 0 = never): work still queued or running after
+    # it is dropped by the agent, recorded as a failed call (nobody would read the answer).
+    deadline_at: float = 0.0
     # Simulator only: a token count without materialised ids (talaria/sim); 0 = use ids.
     prompt_tokens_hint: int = 0
 
@@ -132,6 +135,9 @@ class CallRouted(Struct, frozen=True, tag="call.routed"):
     routed_at: float
     lease: str = "none"  # consumed | discarded | none
     expected_kv: KvSource = "none"
+    # The agent process the call was placed on (its snapshot's incarnation; "" = any). A
+    # restarted agent drops calls placed on its predecessor: the router has failed them.
+    incarnation: str = ""
 
 
 class CallStarted(Struct, frozen=True, tag="call.started"):
@@ -176,6 +182,7 @@ class CallFailed(Struct, frozen=True, tag="call.failed"):
     status: int = 500
     instance_id: str | None = None
     call_index: int | None = None
+    reply_to: str | None = None  # set when whoever folds it owes the client this answer
 
 
 class LeaseIssued(Struct, frozen=True, tag="lease.issued"):
@@ -248,6 +255,17 @@ class RoutingDecision(Struct, frozen=True, tag="decision"):
     decision_us: float = 0.0
 
 
+class InstanceLost(Struct, frozen=True, tag="instance.lost"):
+    """The router declared an agent process gone (heartbeats stopped, or a new incarnation
+    replaced it). Its in-flight `calls` were failed with a retryable 503 in the same step."""
+
+    instance_id: str
+    incarnation: str
+    reason: str
+    at: float
+    calls: list[str] = []
+
+
 class SwitchDone(Struct, frozen=True, tag="switch.done"):
     instance_id: str
     from_model: str | None
@@ -286,6 +304,7 @@ Event = Union[
     RoutingDecision,
     SwitchDone,
     RoundSummary,
+    InstanceLost,
 ]
 
 
@@ -333,6 +352,9 @@ class InstanceSnapshot(Struct, frozen=True):
     restore_tok_s: float = 0.0
     switch_s: float = 0.0
     heartbeat_s: float = 0.5
+    # Random per agent process: a new one means a restart, whose snapshots replace the old
+    # view at once whatever their `version` (which restarts at 1).
+    incarnation: str = ""
 
 
 # --------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@
         lease.issued / consumed / discarded / expired
         decision                     router's audit record of one placement
         switch.done / round.summary  instance agents
+        instance.lost                router: an agent process is gone (its calls failed)
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ LEASE_EXPIRED = "talaria.evt.lease.expired"
 ROUTING_DECISION = "talaria.evt.decision"
 SWITCH_DONE = "talaria.evt.switch.done"
 ROUND_SUMMARY = "talaria.evt.round.summary"
+INSTANCE_LOST = "talaria.evt.instance.lost"
 
 TELEMETRY_PREFIX = "talaria.telemetry"
 TELEMETRY_WILDCARD = "talaria.telemetry.*"

@@ -28,6 +28,7 @@ def _apply_ablation(settings: Settings, args: argparse.Namespace) -> Settings:
 
 
 def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
+    from talaria.embedded import EmbeddedServerError
     from talaria.stack import Stack, StackError
 
     changes: dict[str, object] = {}
@@ -56,8 +57,9 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
             stopping = True
             raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)  # once: a second Ctrl-C must not skip the cleanup
+    # Ctrl-C, `kill`, and a closed terminal (SIGHUP) all stop everything this run started.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)  # once: a second Ctrl-C must not skip the cleanup
     t0 = time.monotonic()
     try:
         stack.start(progress=lambda m: print(f"talaria: {m}", flush=True))
@@ -67,21 +69,19 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         print(f"talaria: try  curl -s {stack.gateway_url}/v1/chat/completions -H 'X-Session-Id: demo' "
               "-H 'Content-Type: application/json' -d '{\"model\":\"qwen3-tiny\",\"messages\":"
               "[{\"role\":\"user\",\"content\":\"hello\"}],\"max_tokens\":16,\"temperature\":0}'", flush=True)
-        print("talaria: Ctrl-C stops everything", flush=True)
-        while all(p.poll() is None for p in stack.procs.values()):
-            time.sleep(0.5)
-        dead = [n for n, p in stack.procs.items() if p.poll() is not None]
-        print(f"talaria: {', '.join(dead)} exited; stopping", file=sys.stderr)
-        return 1
+        print("talaria: Ctrl-C stops everything; a service that exits is restarted", flush=True)
+        while True:  # supervise: restart what exits, with backoff; the rest keeps serving
+            stack.supervise(progress=lambda m: print(f"talaria: {m}", file=sys.stderr, flush=True))
+            time.sleep(0.2)
     except KeyboardInterrupt:
         print("talaria: stopping", flush=True)
         return 0
-    except (StackError, OSError, subprocess.CalledProcessError) as exc:
-        print(f"talaria: {exc}", file=sys.stderr)
+    except (StackError, OSError, subprocess.CalledProcessError, EmbeddedServerError) as exc:
+        print(f"talaria: {exc}", file=sys.stderr)  # one line, never a traceback or a server's log
         return 1
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not orphan children
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not orphan children
         stack.stop()
         print("talaria: stopped", flush=True)
 

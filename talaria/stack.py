@@ -1,8 +1,11 @@
 """`talaria up`: start embedded servers (when no URLs are set), migrate, start every service.
 
 Services run as child processes; the stack is ready when the gateway's /healthz sees
-the router, telemetry and every agent. Stopping sends SIGTERM to each service, waits,
-kills stragglers, then stops the embedded servers: nothing is left behind.
+the router, telemetry and every agent. Once up, `supervise()` restarts whatever exits
+(a service, or an embedded server on its old port) with exponential backoff, while the
+rest keeps serving. Stopping sends SIGTERM to each service, waits, kills stragglers, then
+stops the embedded servers: nothing is left behind. Processes a killed earlier run left on
+the same data directory (listed in its stack.json) are stopped before starting.
 """
 
 from __future__ import annotations
@@ -19,7 +22,26 @@ from pathlib import Path
 
 from talaria.shared.db.engine import upgrade
 from talaria.shared.settings import Settings
-from talaria.embedded import EmbeddedNats, EmbeddedPostgres, free_port
+from talaria.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedServerError, free_port, stop_stale
+
+# Restart backoff: the first restart after RESTART_MIN_S, doubling while a process keeps
+# dying within STABLE_S of its start, at most RESTART_MAX_S apart.
+RESTART_MIN_S = 0.2
+RESTART_MAX_S = 15.0
+STABLE_S = 30.0
+
+
+@dataclass
+class Child:
+    """A supervised service process: how to start it again and its restart history."""
+
+    module: str
+    env: dict[str, str]  # what this service sets beyond the stack's common environment
+    proc: subprocess.Popen
+    started_at: float
+    restarts: int = 0
+    delay_s: float = 0.0
+    restart_at: float | None = None  # set while it is down and waiting for its restart
 
 
 class StackError(RuntimeError):
@@ -47,7 +69,9 @@ class Stack:
     log_to_files: bool = True
     embedded: list = field(default_factory=list)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    children: dict[str, Child] = field(default_factory=dict)
     log_files: list = field(default_factory=list)
+    server_restart_at: dict[str, float] = field(default_factory=dict)
     nats_url: str = ""
     database_url: str = ""
     gateway_url: str = ""
@@ -56,6 +80,7 @@ class Stack:
         data = self.settings.data_dir.resolve()
         data.mkdir(parents=True, exist_ok=True)
         try:
+            self._stop_leftovers(data, progress)
             self._servers(data, progress)
             progress("applying migrations")
             try:
@@ -67,8 +92,24 @@ class Stack:
         except BaseException:
             self.stop()
             raise
-        (data / "stack.json").write_text(json.dumps(self.describe(), indent=2))
+        self._write_description()
         return self
+
+    def _write_description(self) -> None:
+        path = self.settings.data_dir.resolve() / "stack.json"
+        path.write_text(json.dumps(self.describe(), indent=2))
+
+    def _stop_leftovers(self, data: Path, progress) -> None:
+        """A killed `talaria up` (SIGKILL, closed terminal before SIGHUP was handled) leaves its
+        services running on this data directory: stop them, or they answer in our place."""
+        try:
+            pids = json.loads((data / "stack.json").read_text()).get("pids", {})
+        except (OSError, ValueError):
+            return
+        for name, pid in pids.items():
+            program = "talaria.services" if name not in ("EmbeddedNats", "EmbeddedPostgres") else str(data)
+            if isinstance(pid, int) and stop_stale(pid, program):
+                progress(f"stopped {name} (pid {pid}) left running by an earlier run")
 
     def describe(self) -> dict[str, object]:
         return {"gateway": self.gateway_url, "nats": self.nats_url, "database": self.database_url,
@@ -86,6 +127,8 @@ class Stack:
             nats = EmbeddedNats(data / "nats")
             self.embedded.append(nats)  # before start(): stop() must reach a half-started server
             self.nats_url = nats.start().url
+            if nats.stale:
+                progress(f"stopped a NATS server (pid {nats.stale}) left running by an earlier run")
         if self.settings.database_url:
             self.database_url = self.settings.database_url
         else:
@@ -93,6 +136,8 @@ class Stack:
             pg = EmbeddedPostgres(data / "postgres")
             self.embedded.append(pg)
             self.database_url = pg.start().url
+            if pg.stale:
+                progress(f"stopped a PostgreSQL server (pid {pg.stale}) left running by an earlier run")
 
     def _env(self, **extra: str) -> dict[str, str]:
         s = self.settings
@@ -116,12 +161,19 @@ class Stack:
         out = (logs / f"{name}.log").open("ab") if self.log_to_files else None
         if out is not None:
             self.log_files.append(out)
+        full_env = self._env(**env)
         # A session of its own: Ctrl-C reaches only `talaria up`, which then stops the
         # services first and the servers they write to last, in that order.
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", module], env=self._env(**env), stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module], env=full_env, stdin=subprocess.DEVNULL,
             stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True,
         )
+        self.procs[name] = proc
+        old = self.children.get(name)
+        if old is None:
+            self.children[name] = Child(module, dict(env), proc, time.monotonic())
+        else:
+            old.proc, old.started_at, old.restart_at = proc, time.monotonic(), None
 
     def _services(self, data: Path, progress) -> None:
         port = self.settings.http_port or free_port()
@@ -160,6 +212,55 @@ class Stack:
                 pass
             time.sleep(0.2)  # polling an external readiness condition, not synchronising tests
         raise StackError(f"stack not ready after {timeout:.0f}s")
+
+    # ---- supervision -------------------------------------------------------------------
+
+    def supervise(self, progress=print, now: float | None = None) -> None:
+        """One supervision pass (call it every few hundred ms): schedule a restart for each
+        process that exited, and start those whose backoff has passed."""
+        now = time.monotonic() if now is None else now
+        data = self.settings.data_dir.resolve()
+        changed = self._supervise_servers(now, progress)
+        for name, child in self.children.items():
+            code = child.proc.poll()
+            if code is None:
+                continue
+            if child.restart_at is None:
+                ran = now - child.started_at
+                child.delay_s = RESTART_MIN_S if ran >= STABLE_S or not child.delay_s \
+                    else min(RESTART_MAX_S, 2 * child.delay_s)
+                child.restart_at = now + child.delay_s
+                progress(f"{name} exited with code {code} after {ran:.1f}s; restarting in {child.delay_s:.1f}s "
+                         f"(see {data / 'logs' / (name + '.log')})")
+            elif now >= child.restart_at:
+                child.restarts += 1
+                self._spawn(name, child.module, data, **child.env)
+                progress(f"{name} restarted (restart #{child.restarts}, pid {child.proc.pid})")
+                changed = True
+        if changed:
+            self._write_description()
+
+    def _supervise_servers(self, now: float, progress) -> bool:
+        """An embedded server that died comes back on its old port and data (services reconnect)."""
+        changed = False
+        for server in self.embedded:
+            name = type(server).__name__.removeprefix("Embedded").lower()
+            if server.proc is None or server.proc.poll() is None:
+                continue
+            due = self.server_restart_at.get(name)
+            if due is None:
+                self.server_restart_at[name] = now + RESTART_MIN_S
+                progress(f"embedded {name} exited with code {server.proc.returncode}; restarting it")
+            elif now >= due:
+                try:
+                    server.start()
+                    progress(f"embedded {name} restarted on port {server.port}")
+                    del self.server_restart_at[name]
+                    changed = True
+                except EmbeddedServerError as exc:
+                    self.server_restart_at[name] = now + RESTART_MAX_S
+                    progress(f"embedded {name} did not restart: {exc}; trying again in {RESTART_MAX_S:.0f}s")
+        return changed
 
     def stop(self, grace_s: float = 15.0) -> None:
         for proc in self.procs.values():

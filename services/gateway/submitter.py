@@ -72,7 +72,9 @@ class Submitter:
         if call.call_id in self._pending:
             return ErrorReply(409, "duplicate_call_id", f"call {call.call_id} is already in flight",
                               param="call_id", call_id=call.call_id)
-        call = replace(call, reply_to=f"{self.inbox}.{call.call_id}")
+        # The deadline rides with the call: past it nobody reads the answer, so agents drop it.
+        call = replace(call, reply_to=f"{self.inbox}.{call.call_id}",
+                       deadline_at=call.deadline_at or call.submitted_at + self.timeout_s)
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._pending[call.call_id] = fut
         token_sub = None

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import msgspec
 from opentelemetry import trace
 
 from talaria.services.instance_agent.engine import EngineError, GenRequest
@@ -51,6 +53,7 @@ from talaria.shared.messages import (
     CallRouted,
     CallStarted,
     ErrorReply,
+    InstanceLost,
     RoundSummary,
     SwitchDone,
     Timings,
@@ -99,6 +102,9 @@ class CallRunner:
         self.settings, self.engine, self.executor = settings, engine, executor
         self.nc, self.js, self.tracer, self.log = nc, js, tracer, log
         self.instance_id = settings.instance_id
+        # This process's identity in every snapshot: the router replaces a predecessor's view
+        # at once, and calls placed on the predecessor are refused here (the router failed them).
+        self.incarnation = uuid.uuid4().hex[:12]
         config = SchedulerConfig(
             pool=settings.pool, pinned_model=settings.models[0] if settings.pool == "hot" else None,
             sp=settings.sp, hkvr=settings.hkvr, staging=settings.staging,
@@ -124,6 +130,9 @@ class CallRunner:
         if call.call_id in self.finished:
             asyncio.ensure_future(msg.ack())
             return None
+        if routed.incarnation and routed.incarnation != self.incarnation:
+            return (f"placed on a previous process of {self.instance_id}, which stopped before running it; "
+                    "retry the call")
         kv_state, reusable = self._kv_for(call.session_id, call.model, call.prompt_tokens)
         work = Work(call.call_id, call.session_id, call.model, prompt_tokens=max(1, call.prompt_tokens),
                     reusable_tokens=reusable, kv_state=kv_state, max_tokens=call.max_tokens,
@@ -149,6 +158,10 @@ class CallRunner:
 
     async def work_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
+            try:
+                await self._drop_expired(time.time())
+            except Exception:
+                self.log.exception("dropping expired calls failed")
             action = self.sched.next_action(time.time())
             try:
                 match action:
@@ -157,7 +170,7 @@ class CallRunner:
                         # must still wake us.
                         self.wakeup.clear()
                         await self._events(self.sched.drain_events())
-                        await self._wait(stop, action.until)
+                        await self._wait(stop, _earliest(action.until, self._next_deadline()))
                         continue
                     case SwitchModel():
                         events = await self._switch(action)
@@ -174,6 +187,47 @@ class CallRunner:
                 await self._events(events)
             except Exception:
                 self.log.exception("publishing scheduler events failed")
+
+    # ---- deadlines and lost placements: never run work nobody waits for --------------------
+
+    def _next_deadline(self) -> float | None:
+        return min((r.routed.call.deadline_at for r in self.calls.values() if r.routed.call.deadline_at),
+                   default=None)
+
+    async def _drop_expired(self, now: float) -> None:
+        """Calls whose client stopped waiting (the deadline the gateway set has passed; it
+        answered 504) are dropped before another step is spent on them, and recorded."""
+        for call_id, running in list(self.calls.items()):
+            deadline = running.routed.call.deadline_at
+            if deadline and now >= deadline:
+                await self._drop(call_id, f"dropped: its deadline passed {now - deadline:.1f}s ago "
+                                          "(the client stopped waiting)", status=504, code="deadline_passed")
+
+    async def on_instance_lost(self, msg) -> None:
+        """The router declared this very process lost (heartbeats late) and failed its calls
+        with 503: stop them here too, so none completes after its client was told to retry."""
+        try:
+            lost = msgspec.json.decode(msg.data, type=InstanceLost)
+        except msgspec.DecodeError:
+            return
+        if lost.instance_id != self.instance_id or lost.incarnation != self.incarnation:
+            return
+        self.log.warning("the router declared this agent lost; dropping its calls", calls=len(lost.calls))
+        for call_id in lost.calls:
+            await self._drop(call_id, lost.reason, status=503, code="instance_lost")
+
+    async def _drop(self, call_id: str, reason: str, *, status: int, code: str) -> None:
+        if call_id not in self.calls:
+            return
+        try:
+            await self._events(self.sched.abort(call_id, time.time()))
+        except SchedulerError:
+            pass  # not (or no longer) in the scheduler
+        try:
+            await self._run(self.engine.finish, call_id)  # release its pages if the engine holds it
+        except Exception:
+            pass
+        await self._fail(call_id, reason, status=status, code=code)
 
     async def _wait(self, stop: asyncio.Event, until: float | None) -> None:
         timeout = None if until is None else max(0.0, until - time.time())
@@ -271,15 +325,25 @@ class CallRunner:
                         slots=list(event.slots), sp_admitted=event.sp_admitted, sp_parked=event.sp_parked,
                         deadline_risk=event.deadline_risk))
                 case CallParked() | DeadlineRisk():
-                    self.log.info("scheduler", event=type(event).__name__, **{
+                    self.log.info("scheduler", kind=type(event).__name__, **{
                         k: v for k, v in event.__dict__.items() if k in ("call_id", "reason", "model")})
         if changed and time.monotonic() - self.last_snapshot >= SNAPSHOT_ON_CHANGE_MIN_S:
             await self.publish_snapshot()  # the router learns of freed capacity and new session KV now
 
     async def _complete(self, call_id: str) -> None:
-        running = self.calls.pop(call_id, None)
+        running = self.calls.get(call_id)
         if running is None:
             return
+        deadline = running.routed.call.deadline_at
+        if deadline and time.time() >= deadline:  # its client got a 504: never flip that to completed
+            try:
+                await self._run(self.engine.finish, call_id)
+            except Exception:
+                pass
+            await self._fail(call_id, "finished after its deadline (the client stopped waiting)", status=504,
+                             code="deadline_passed")
+            return
+        del self.calls[call_id]
         with call_context(running.routed.call.session_id, call_id):
             await self._publish_completion(call_id, running)
 
@@ -329,7 +393,7 @@ class CallRunner:
         self.log.info("call completed", tokens=len(result.token_ids), kv_source=result.kv_source,
                       ttft_s=round(completed.ttft_s, 4))
 
-    async def _fail(self, call_id: str, reason: str) -> None:
+    async def _fail(self, call_id: str, reason: str, *, status: int = 500, code: str = "engine_error") -> None:
         running = self.calls.pop(call_id, None)
         if running is None:
             return
@@ -339,9 +403,11 @@ class CallRunner:
         running.span.set_status(trace.Status(trace.StatusCode.ERROR, reason))
         running.span.end()
         await emit(self.js, CallFailed(call_id, call.session_id, call.model, reason, "agent", time.time(),
-                                       status=500, instance_id=self.instance_id, call_index=routed.call_index))
+                                       status=status, instance_id=self.instance_id, call_index=routed.call_index))
         if call.reply_to:
-            await self.nc.publish(call.reply_to, encode(ErrorReply(500, "engine_error", reason, call_id=call_id)))
+            retry = 1.0 if status == 503 else None
+            await self.nc.publish(call.reply_to, encode(ErrorReply(status, code, reason, call_id=call_id,
+                                                                   retry_after_s=retry)))
         await running.msg.ack()
         self._remember(call_id)
 
@@ -370,7 +436,9 @@ class CallRunner:
         self.version += 1
         self.last_snapshot = time.monotonic()
         try:
-            snap = build_snapshot(self.settings, self.engine, self.sched, self.version, time.time())
+            snap = msgspec.structs.replace(
+                build_snapshot(self.settings, self.engine, self.sched, self.version, time.time()),
+                incarnation=self.incarnation)
             await self.nc.publish(subjects.telemetry(self.instance_id), encode(snap))
         except Exception as exc:  # a torn read of engine tables; the next beat retries
             self.log.warning("snapshot failed", error=str(exc))
@@ -382,3 +450,7 @@ class CallRunner:
                 await asyncio.wait_for(stop.wait(), self.settings.heartbeat_s)
             except TimeoutError:
                 pass
+
+
+def _earliest(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)

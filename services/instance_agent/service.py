@@ -48,6 +48,10 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
             max_deliver=5,
         ),
     )
+    # First heartbeat before the first fetch: the router then knows this incarnation (and
+    # fails the predecessor's calls) by the time a predecessor's call is refused here.
+    await runner.publish_snapshot()
+    await nc.subscribe(subjects.INSTANCE_LOST, cb=runner.on_instance_lost)
     tasks = [
         asyncio.create_task(runner.heartbeat_loop(stop), name="heartbeat"),
         asyncio.create_task(runner.work_loop(stop), name="work"),

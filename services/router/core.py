@@ -6,18 +6,22 @@ and the tests call the same methods with a virtual clock.
 
 from __future__ import annotations
 
-import time
-
+from talaria.services.router.instances import InstanceView
 from talaria.services.router.policy.base import Decision, PlacementPolicy
-from talaria.services.router.state import RouterState
+from talaria.services.router.state import RouterState, SnapshotReceived
 from talaria.shared.messages import (
     CallFailed,
     CallRouted,
     CallSubmitted,
     Event,
+    InstanceLost,
     InstanceSnapshot,
     RoutingDecision,
 )
+
+# An agent is declared lost after this many of its own heartbeat intervals without a snapshot
+# (the interval is in each snapshot, so the bound follows the agent's configuration).
+LOST_AFTER_BEATS = 6
 
 
 class RouterCore:
@@ -27,11 +31,40 @@ class RouterCore:
         self.policy = policy
         self.state = state or RouterState()
 
-    def observe(self, snapshot: InstanceSnapshot, now: float) -> None:
-        self.state.observe(snapshot, now)
+    def observe(self, snapshot: InstanceSnapshot, now: float) -> list[Event]:
+        """Fold a heartbeat. A new incarnation (the agent restarted) first loses the old
+        process: its in-flight calls are failed (retryable 503) and the returned events say so."""
+        old = self.state.instances.get(snapshot.instance_id)
+        out = []
+        if old is not None and old.snapshot.incarnation != snapshot.incarnation:
+            out = self.lose(old, f"instance {snapshot.instance_id} restarted", now)
+        self.state.apply(SnapshotReceived(snapshot, now))
+        return out
 
-    def forget(self, instance_id: str) -> None:
-        self.state.forget(instance_id)
+    def check_liveness(self, now: float, since: float) -> list[Event]:
+        """Lose every instance silent for LOST_AFTER_BEATS heartbeats. `since` is when this
+        router started listening: a view restored from a checkpoint is not silent before it."""
+        out: list[Event] = []
+        for view in list(self.state.instances.values()):
+            silent = now - max(view.received_at, since)
+            if silent > LOST_AFTER_BEATS * view.snapshot.heartbeat_s:
+                out += self.lose(view, f"instance {view.instance_id} lost: no heartbeat for {silent:.1f}s", now)
+        return out
+
+    def lose(self, view: InstanceView, reason: str, now: float) -> list[Event]:
+        """The process behind `view` is gone: an InstanceLost event plus a retryable 503 for
+        each call placed there (a restarted agent drops them, so they never run late)."""
+        placed = sorted(c for c, p in self.state.inflight_calls.items() if p.instance_id == view.instance_id)
+        out: list[Event] = [InstanceLost(view.instance_id, view.snapshot.incarnation, reason, now, placed)]
+        for call_id in placed:
+            p = self.state.inflight_calls[call_id]
+            out.append(CallFailed(call_id=call_id, session_id=p.session_id, model=p.model,
+                                  reason=f"{reason}; the call did not finish there, retry it", stage="agent",
+                                  at=now, status=503, instance_id=view.instance_id, call_index=p.call_index,
+                                  reply_to=p.reply_to))
+        for event in out:
+            self.state.apply(event)
+        return out
 
     def handle(self, event: Event, now: float) -> list[Event]:
         """Process one input event; return the events it causes (already folded in)."""
@@ -58,14 +91,14 @@ class RouterCore:
             return []  # redelivered after a restart: already routed once, never twice
         entry = self.state.sessions.get(call.session_id)
         call_index = entry.calls if entry is not None else 0
-        started = time.perf_counter()  # measures the decision for the audit row; never decides
         decision = self.policy.decide(self.state, call, now)
-        decision_us = (time.perf_counter() - started) * 1e6
-        audit = _audit(call, call_index, self.policy.name, decision, now, decision_us)
+        audit = _audit(call, call_index, self.policy.name, decision, now)  # decision_us: the shell times it
         events: list[Event] = [*decision.extra_events, audit]
         if decision.action == "route" and decision.instance_id is not None:
+            view = self.state.instances.get(decision.instance_id)
             events.append(
                 CallRouted(
+                    incarnation=view.snapshot.incarnation if view is not None else "",
                     call=call,
                     call_index=call_index,
                     instance_id=decision.instance_id,
@@ -86,14 +119,13 @@ class RouterCore:
                     at=now,
                     status=503,
                     call_index=call_index,
+                    reply_to=call.reply_to,
                 )
             )
         return events
 
 
-def _audit(
-    call: CallSubmitted, call_index: int, policy: str, d: Decision, now: float, decision_us: float
-) -> RoutingDecision:
+def _audit(call: CallSubmitted, call_index: int, policy: str, d: Decision, now: float) -> RoutingDecision:
     return RoutingDecision(
         call_id=call.call_id,
         session_id=call.session_id,
@@ -110,5 +142,4 @@ def _audit(
         retry_after_s=d.retry_after_s,
         model_opened=d.model_opened,
         avoidable_cold_open=d.avoidable_cold_open,
-        decision_us=decision_us,
     )

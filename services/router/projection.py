@@ -18,17 +18,13 @@ class ProjectionStore:
     def __init__(self, db: AsyncEngine) -> None:
         self.db = db
 
-    async def load(self) -> RouterState | None:
+    async def load(self) -> tuple[RouterState, int] | None:
+        """The saved state and the stream sequence it covers, or None before the first save."""
         async with self.db.connect() as conn:
             row = (await conn.execute(select(projections).where(projections.c.name == NAME))).first()
         if row is None or row.state is None:
             return None
-        state = RouterState.from_dict(row.state)
-        state.last_seq = row.seq
-        return state
-
-    async def save(self, state: RouterState) -> None:
-        await self.save_dict(state.last_seq, state.to_dict())
+        return RouterState.from_dict(row.state), row.seq
 
     async def save_dict(self, seq: int, snapshot: dict) -> None:
         values = dict(name=NAME, seq=seq, state=snapshot, saved_at=dt.datetime.now(dt.timezone.utc))

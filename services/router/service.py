@@ -16,6 +16,7 @@ import gc
 import time
 
 import msgspec
+from msgspec.structs import replace
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from talaria.services.router.core import RouterCore
@@ -34,6 +35,8 @@ from talaria.shared.messages import (
     CallFailed,
     CallSubmitted,
     ErrorReply,
+    InstanceLost,
+    RoutingDecision,
     encode,
 )
 from talaria.shared.settings import Settings, SettingsError
@@ -42,7 +45,6 @@ from talaria.shared.tracing import extract_context
 DURABLE = "router"
 INPUT_SUBJECTS = [subjects.CALL_SUBMITTED, subjects.CALL_COMPLETED, subjects.CALL_FAILED,
                   subjects.ROUND_SUMMARY, subjects.SWITCH_DONE]
-FORGET_AFTER_S = 30.0  # an instance silent this long is dropped from the table (its leases too)
 TICK_S = 0.05
 # After a (re)start, listen to heartbeats before deciding: routing with an empty instance
 # table would reject every call waiting in the stream as "no healthy instance".
@@ -70,6 +72,8 @@ class RouterService:
         self.core = RouterCore(policy)
         self.lock = asyncio.Lock()  # one input at a time: the core is single-threaded by design
         self.dirty = False
+        self.seq = 0  # JetStream sequence of the last input folded in (saved with the state)
+        self.listening_since = time.time()  # restored views are not "silent" before this
 
     async def run(self, ready: asyncio.Event | None, stop: asyncio.Event) -> None:
         provider = tracing.setup("router", self.settings)
@@ -80,6 +84,7 @@ class RouterService:
         await self._recover(store)
         gc.collect()
         gc.freeze()  # the recovered tables are long-lived: keep them out of every GC scan
+        self.listening_since = time.time()
         await self.nc.subscribe(subjects.TELEMETRY_WILDCARD, cb=self._on_snapshot)
         await asyncio.sleep(WARMUP_S)
         sub = await self.js.pull_subscribe_bind(DURABLE, stream=subjects.EVENTS_STREAM) \
@@ -91,7 +96,7 @@ class RouterService:
         tasks = [asyncio.create_task(self._consume(sub, stop)), asyncio.create_task(self._tick(stop)),
                  asyncio.create_task(self._save_loop(store, stop)),
                  asyncio.create_task(heartbeat_loop(self.nc, "router", stop, self._health))]
-        self.log.info("router ready", policy=self.core.policy.name, seq=self.core.state.last_seq)
+        self.log.info("router ready", policy=self.core.policy.name, seq=self.seq)
         if ready is not None:
             ready.set()
         try:
@@ -128,12 +133,12 @@ class RouterService:
     # ---- recovery ----------------------------------------------------------------------
 
     async def _recover(self, store: ProjectionStore) -> None:
-        state = await store.load()
-        if state is not None:
-            self.core.state = state
+        saved = await store.load()
+        if saved is not None:
+            self.core.state, self.seq = saved
         info = await self.js.stream_info(subjects.EVENTS_STREAM)
         last = info.state.last_seq
-        start = self.core.state.last_seq + 1
+        start = self.seq + 1
         replayed = 0
         if last >= start:
             sub = await self.js.pull_subscribe(
@@ -163,7 +168,7 @@ class RouterService:
         # everything else, including our own past outputs, is folded back in.
         if not isinstance(event, CallSubmitted):
             self.core.state.apply(event)
-        self.core.state.last_seq = max(self.core.state.last_seq, seq)
+        self.seq = max(self.seq, seq)
 
     # ---- live --------------------------------------------------------------------------
 
@@ -173,7 +178,13 @@ class RouterService:
         except msgspec.DecodeError as exc:
             self.log.warning("undecodable snapshot", subject=msg.subject, error=str(exc))
             return
-        self.core.observe(snap, time.time())
+        async with self.lock:
+            outputs = self.core.observe(snap, time.time())
+            if outputs:  # a restarted agent: its predecessor's calls are failed, clients told
+                self.log.warning("instance restarted; its in-flight calls failed", instance_id=snap.instance_id,
+                                 calls=len(outputs) - 1)
+                await self._publish_all(outputs)
+                self.dirty = True
 
     async def _consume(self, sub, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -211,13 +222,16 @@ class RouterService:
             ctx = extract_context(msg.headers)
             with self.tracer.start_as_current_span("route", context=ctx) if isinstance(event, CallSubmitted) \
                     else _null():
+                started = time.perf_counter()
                 outputs = self.core.handle(event, time.time())
+                if isinstance(event, CallSubmitted):  # the audit row's decision time, measured here
+                    decision_us = (time.perf_counter() - started) * 1e6
+                    outputs = [replace(o, decision_us=decision_us) if isinstance(o, RoutingDecision) else o
+                               for o in outputs]
                 # The state already counts these outputs, so they must reach the stream before
                 # the input is acked: retry (msg ids make retries idempotent) rather than drop.
                 await self._publish_all(outputs)
-                if isinstance(event, CallSubmitted):
-                    await self._reply_if_rejected(event, outputs)
-            self.core.state.last_seq = max(self.core.state.last_seq, msg.metadata.sequence.stream)
+            self.seq = max(self.seq, msg.metadata.sequence.stream)
             self.dirty = True
 
     async def _publish_all(self, outputs) -> None:
@@ -229,14 +243,19 @@ class RouterService:
                 except Exception as exc:
                     self.log.warning("publish failed; retrying", event=type(out).__name__, error=str(exc))
                     await asyncio.sleep(PUBLISH_RETRY_S)  # back off while NATS recovers
-            self.core.state.last_seq = max(self.core.state.last_seq, seq)
+            self.seq = max(self.seq, seq)
+            if isinstance(out, CallFailed) and out.reply_to:
+                await self._reply_failed(out)
 
-    async def _reply_if_rejected(self, call: CallSubmitted, outputs) -> None:
-        for out in outputs:
-            if isinstance(out, CallFailed) and call.reply_to:
-                retry = getattr(self.core.policy.config, "retry_after_s", 1.0)
-                await self.nc.publish(call.reply_to, encode(
-                    ErrorReply(out.status, "no_capacity", out.reason, retry_after_s=retry, call_id=call.call_id)))
+    async def _reply_failed(self, failed: CallFailed) -> None:
+        """The router owes this client its answer: a rejection, or its agent was lost."""
+        retry = getattr(self.core.policy.config, "retry_after_s", 1.0)
+        code = "no_capacity" if failed.stage == "router" else "instance_lost"
+        try:
+            await self.nc.publish(failed.reply_to, encode(
+                ErrorReply(failed.status, code, failed.reason, retry_after_s=retry, call_id=failed.call_id)))
+        except Exception as exc:  # the failure is recorded; the gateway's timeout answers the client
+            self.log.warning("could not answer the client", call_id=failed.call_id, error=str(exc))
 
     async def _tick(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -252,11 +271,12 @@ class RouterService:
     async def _tick_once(self) -> None:
         async with self.lock:
             now = time.time()
-            for view in list(self.core.state.instances.values()):
-                if now - view.received_at > FORGET_AFTER_S:
-                    self.log.warning("instance silent; forgetting it", instance_id=view.instance_id)
-                    self.core.forget(view.instance_id)
-            outputs = self.core.tick(now)
+            lost = self.core.check_liveness(now, self.listening_since)
+            for event in lost:
+                if isinstance(event, InstanceLost):
+                    self.log.warning("instance lost", instance_id=event.instance_id, reason=event.reason,
+                                     calls=len(event.calls))
+            outputs = lost + self.core.tick(now)
             if outputs:
                 await self._publish_all(outputs)
                 self.dirty = True
@@ -275,7 +295,7 @@ class RouterService:
 
     async def _save(self, store: ProjectionStore) -> None:
         async with self.lock:  # a consistent cut: never in the middle of handling an input
-            seq, snapshot = self.core.state.last_seq, self.core.state.to_dict()
+            seq, snapshot = self.seq, self.core.state.to_dict()
             self.dirty = False
         await store.save_dict(seq, snapshot)
 

@@ -1,20 +1,23 @@
 """Router state and its fold: `RouterState.apply(event)` is the only way state changes.
 
-Everything here is pure: no I/O, no clock. `now` always comes in from the caller.
+Everything here is pure: no I/O, no clock. Time comes in with the inputs.
 
     events ──apply──► sessions (session table, paper §4.1)
                       leases   (LeaseBook: the leases plus per-instance / per-model indexes)
                       models   (EWMA latency profiles, arrival rates, tool gaps)
                       prefix   (approximate prefix index over routed block hashes)
-    snapshots ─observe─► instances (latest snapshot + overlay of calls routed since)
+    SnapshotReceived ─apply─► instances (latest snapshot + overlay of calls routed since)
+    InstanceLost     ─apply─► instance dropped, its in-flight calls closed
 
 `to_dict` / `from_dict` give the plain-dict form the Postgres projection stores; folding
-the same events and snapshots into a fresh state gives an equal `to_dict()`.
+the same inputs into a fresh state gives an equal `to_dict()` (tests/unit/router/test_router_replay.py).
+The stream position a checkpoint covers is the service shell's business, not the state's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import msgspec
 
@@ -27,6 +30,7 @@ from talaria.shared.messages import (
     CallFailed,
     CallRouted,
     Event,
+    InstanceLost,
     InstanceSnapshot,
     LeaseConsumed,
     LeaseDiscarded,
@@ -35,7 +39,7 @@ from talaria.shared.messages import (
     RoundSummary,
 )
 
-__all__ = ["InstanceView", "Lease", "RouterState", "SessionEntry"]
+__all__ = ["InFlight", "InstanceView", "Lease", "RouterState", "SessionEntry", "SnapshotReceived"]
 
 SESSION_GAPS_KEPT = 16
 ROUTED_KEPT = 100_000  # call ids remembered for redelivery dedupe (oldest forgotten first)
@@ -62,18 +66,40 @@ class SessionEntry:
 _SESSION_FIELDS = [f for f in SessionEntry.__dataclass_fields__ if f != "lease"]
 
 
+@dataclass(frozen=True)
+class SnapshotReceived:
+    """A heartbeat as the router's input: the snapshot plus when the router received it
+    (the router's clock, not the agent's). Not a wire event: snapshots are last-value
+    telemetry, but folding them through `apply` keeps the state a pure fold of its inputs."""
+
+    snapshot: InstanceSnapshot
+    received_at: float
+
+
+class InFlight(NamedTuple):
+    """A call routed and not yet finished: where it runs and whom to answer if it is lost."""
+
+    instance_id: str
+    tokens: int
+    model: str
+    session_id: str = ""
+    call_index: int = 0
+    reply_to: str | None = None
+
+
 @dataclass
 class RouterState:
     sessions: dict[str, SessionEntry] = field(default_factory=dict)
     instances: dict[str, InstanceView] = field(default_factory=dict)
     leases: LeaseBook = field(default_factory=LeaseBook)
-    routed: dict[str, str] = field(default_factory=dict)  # call_id -> instance (dedupe)
-    inflight_calls: dict[str, tuple[str, int, str]] = field(default_factory=dict)  # call -> (inst, tokens, model)
+    # call_id -> instance ("" for a call failed before it was placed): a call is decided once,
+    # and one whose client already got an error is never placed later (redelivery, restart).
+    routed: dict[str, str] = field(default_factory=dict)
+    inflight_calls: dict[str, InFlight] = field(default_factory=dict)
     models: dict[str, ModelProfile] = field(default_factory=dict)
     instance_profiles: dict[str, InstanceProfile] = field(default_factory=dict)
     prefix: PrefixIndex = field(default_factory=PrefixIndex)
     routed_total: int = 0
-    last_seq: int = 0  # JetStream sequence of the last applied event
 
     def session(self, session_id: str) -> SessionEntry:
         entry = self.sessions.get(session_id)
@@ -93,33 +119,20 @@ class RouterState:
 
     # ---- the fold -------------------------------------------------------------------
 
-    def observe(self, snapshot: InstanceSnapshot, now: float) -> None:
-        """A fresh snapshot replaces the overlay: it already counts what was routed before it."""
-        old = self.instances.get(snapshot.instance_id)
-        if old is not None and snapshot.version < old.snapshot.version:
-            return  # out-of-order heartbeat
-        if old is not None and old.restamp(snapshot, now):
-            return  # a heartbeat re-send: same view, new version/time, overlay reset
-        view = InstanceView(snapshot, now, prior=old)
-        if old is not None:
-            view.inflight = old.inflight
-            view.inherit_kv_index(old)
-        self.instances[snapshot.instance_id] = view
-
-    def forget(self, instance_id: str) -> None:
-        """The instance left the pool (deregistered or declared dead by the shell). Its leases
-        stay until consumed, discarded (reason instance_gone) or expired, so each is audited."""
-        self.instances.pop(instance_id, None)
-        self.prefix.forget_instance(instance_id)
-
-    def apply(self, event: Event) -> None:
+    def apply(self, event: Event | SnapshotReceived) -> None:
         match event:
+            case SnapshotReceived():
+                self._observed(event.snapshot, event.received_at)
+            case InstanceLost():
+                self._lost(event)
             case CallRouted():
                 self._routed(event)
             case CallCompleted():
                 self._completed(event)
             case CallFailed():
                 self._finished(event.call_id)
+                if event.stage != "router" and event.call_id not in self.routed:
+                    self._remember(event.call_id, "")  # its client has its answer: never place it
                 if event.stage == "router":
                     self.model(event.model).observe_arrival(event.at)  # spillover demand
             case LeaseIssued():
@@ -137,11 +150,40 @@ class RouterState:
             case _:
                 pass
 
+    def _observed(self, snapshot: InstanceSnapshot, now: float) -> None:
+        """A fresh snapshot replaces the overlay: it already counts what was routed before it."""
+        old = self.instances.get(snapshot.instance_id)
+        if old is not None and old.snapshot.incarnation != snapshot.incarnation:
+            old = None  # a new process: its view starts afresh whatever the versions say
+        if old is not None and snapshot.version < old.snapshot.version:
+            return  # out-of-order heartbeat
+        if old is not None and old.restamp(snapshot, now):
+            return  # a heartbeat re-send: same view, new version/time, overlay reset
+        view = InstanceView(snapshot, now, prior=old)
+        if old is not None:
+            view.inflight = old.inflight
+            view.inherit_kv_index(old)
+        self.instances[snapshot.instance_id] = view
+
+    def _lost(self, event: InstanceLost) -> None:
+        """The agent process is gone: drop its view and prefix entries and close its calls.
+        Its leases stay until consumed, discarded (reason instance_gone) or expired, so each
+        is audited."""
+        view = self.instances.get(event.instance_id)
+        if view is not None and view.snapshot.incarnation == event.incarnation:
+            del self.instances[event.instance_id]
+            self.prefix.forget_instance(event.instance_id)
+        for call_id in event.calls:
+            self._finished(call_id)
+
+    def _remember(self, call_id: str, instance_id: str) -> None:
+        self.routed[call_id] = instance_id
+        if len(self.routed) > ROUTED_KEPT:
+            del self.routed[next(iter(self.routed))]  # oldest first
+
     def _routed(self, event: CallRouted) -> None:
         call = event.call
-        self.routed[call.call_id] = event.instance_id
-        if len(self.routed) > ROUTED_KEPT:
-            del self.routed[next(iter(self.routed))]
+        self._remember(call.call_id, event.instance_id)
         self.routed_total += 1
         entry = self.session(call.session_id)
         if entry.last_completed_at is not None and entry.model == call.model:
@@ -155,7 +197,8 @@ class RouterState:
         if entry.first_instance is None:
             entry.first_instance = event.instance_id
         tokens = call.prompt_tokens
-        self.inflight_calls[call.call_id] = (event.instance_id, tokens, call.model)
+        self.inflight_calls[call.call_id] = InFlight(event.instance_id, tokens, call.model, call.session_id,
+                                                     event.call_index, call.reply_to)
         self.model(call.model).observe_arrival(event.routed_at)
         view = self.instances.get(event.instance_id)
         if view is not None:
@@ -209,7 +252,6 @@ class RouterState:
         and is not included (see prefix_index.py)."""
         return {
             "format": STATE_FORMAT,
-            "last_seq": self.last_seq,
             "routed_total": self.routed_total,
             "sessions": [{k: getattr(e, k) for k in _SESSION_FIELDS} for e in self.sessions.values()],
             "leases": self.leases.to_list(),
@@ -224,7 +266,7 @@ class RouterState:
     def from_dict(cls, data: dict) -> RouterState:
         if data.get("format", STATE_FORMAT) != STATE_FORMAT:
             raise ValueError(f"router state format {data.get('format')!r} is not {STATE_FORMAT}")
-        state = cls(last_seq=data.get("last_seq", 0), routed_total=data.get("routed_total", 0))
+        state = cls(routed_total=data.get("routed_total", 0))
         for row in data.get("sessions", []):
             state.sessions[row["session_id"]] = SessionEntry(**row, lease=None)
         state.leases = LeaseBook.from_list(data.get("leases", []))
@@ -233,7 +275,7 @@ class RouterState:
         for row in data.get("instances", []):
             view = _view_from_dict(row)
             state.instances[view.instance_id] = view
-        state.inflight_calls = {c: (p[0], p[1], p[2]) for c, p in data.get("inflight_calls", {}).items()}
+        state.inflight_calls = {c: InFlight(*p) for c, p in data.get("inflight_calls", {}).items()}
         state.routed = dict(data.get("routed", {}))
         state.models = {m: ModelProfile(**p) for m, p in data.get("models", {}).items()}
         state.instance_profiles = {i: InstanceProfile(**p) for i, p in data.get("instance_profiles", {}).items()}

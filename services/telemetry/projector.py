@@ -110,8 +110,10 @@ async def _completed(conn, e: CallCompleted) -> None:
         first_token_at=ts(e.first_token_at), completed_at=ts(e.completed_at), queue_s=e.queue_s,
         ttft_s=e.ttft_s, prefill_s=e.prefill_s, decode_s=e.decode_s, slot_wait_s=e.slot_wait_s,
     )
+    # A failed call stays failed: its client already has its error (a late completion, e.g.
+    # past the deadline or after its agent was declared lost, must not flip the row).
     result = await conn.execute(update(calls).where(calls.c.call_id == e.call_id)
-                                .where(calls.c.outcome != "completed").values(**values))
+                                .where(calls.c.outcome.notin_(["completed", "failed"])).values(**values))
     if result.rowcount == 0:  # completion seen before submission (replay from a later point)
         result = await conn.execute(insert(calls).values(call_id=e.call_id, session_id=e.session_id,
                                                          model=e.model, submitted_at=ts(e.submitted_at), **values)

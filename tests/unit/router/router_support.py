@@ -22,7 +22,7 @@ def snap(iid: str, *, version: int = 1, at: float = 0.0, models=None, active: st
          weight_gib: float = 10.0, hbm_gib: float = 80.0, hbm_used_gib: float = 20.0,
          kv_capacity_tokens: int = 0, kv_used_tokens: int = 0, deadline_risk: int = 0,
          prefill_tok_s: float = 10_000.0, decode_tok_s: float = 100.0,
-         restore_tok_s: float = 100_000.0) -> InstanceSnapshot:
+         restore_tok_s: float = 100_000.0, incarnation: str = "", heartbeat_s: float = 0.5) -> InstanceSnapshot:
     """`models`: {name: state}; default {"m1": "active" if active == "m1" else "absent"}."""
     if models is None:
         models = {"m1": "active" if active == "m1" else "absent"}
@@ -38,7 +38,7 @@ def snap(iid: str, *, version: int = 1, at: float = 0.0, models=None, active: st
         deadline_risk=deadline_risk, kv_capacity_tokens=kv_capacity_tokens,
         kv_used_tokens=kv_used_tokens, hbm_bytes=int(hbm_gib * GIB), hbm_used_bytes=int(hbm_used_gib * GIB),
         staging_free_bytes=0, prefill_tok_s=prefill_tok_s, decode_tok_s=decode_tok_s,
-        restore_tok_s=restore_tok_s,
+        restore_tok_s=restore_tok_s, incarnation=incarnation, heartbeat_s=heartbeat_s,
     )
 
 

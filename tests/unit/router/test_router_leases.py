@@ -104,7 +104,7 @@ def test_discard_model_changed():
 def test_discard_instance_gone():
     c = served_once()
     c.handle(done("c0", "a", at=10.0), 10.0)
-    c.forget("a")
+    c.lose(c.state.instances["a"], "gone", 10.1)
     out = c.handle(call("c1", at=10.2), 10.2)
     assert one(out, LeaseDiscarded).reason == "instance_gone"
     assert one(out, CallRouted).instance_id == "b"

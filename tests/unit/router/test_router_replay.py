@@ -1,4 +1,5 @@
-"""Event sourcing: folding the emitted events rebuilds the live state; to_dict round-trips."""
+"""Event sourcing: the router state is the fold of its recorded inputs (events, heartbeats,
+instance losses) through `RouterState.apply` alone; to_dict round-trips."""
 
 from __future__ import annotations
 
@@ -10,8 +11,17 @@ from router_support import call, core, done, of_type, snap
 
 from talaria.services.router.core import RouterCore
 from talaria.services.router.policy.registry import create_policy
-from talaria.services.router.state import RouterState
-from talaria.shared.messages import CallRouted, CallSubmitted, RoundSummary, RoutingDecision, encode, EVENT_DECODER
+from talaria.services.router.state import RouterState, SnapshotReceived
+from talaria.shared.messages import (
+    EVENT_DECODER,
+    CallFailed,
+    CallRouted,
+    CallSubmitted,
+    InstanceLost,
+    RoundSummary,
+    RoutingDecision,
+    encode,
+)
 
 INSTANCES = ("i0", "i1", "i2")
 
@@ -19,13 +29,15 @@ INSTANCES = ("i0", "i1", "i2")
 def scripted_run(policy: str, seed: int = 7, steps: int = 160):
     """Drive a core with a seeded mix of calls, completions, snapshots, rounds and ticks.
 
-    Returns (core, inputs) where inputs replays the run: ("observe", snap, now),
-    ("handle", event, now) with the events it produced, ("tick", now) likewise.
+    Returns (core, inputs) where inputs replays the run: ("observe", snap, now) with the
+    events it produced (a restart loses the old process), ("handle", event, now) likewise,
+    ("tick", now) likewise, ("liveness", now) likewise (heartbeat loss).
     """
     rng = random.Random(seed)
     c = core(policy, lease_timeout_s=1.0, overload="reject")
     inputs: list = []
     version = {i: 0 for i in INSTANCES}
+    incarnation = {i: "p0" for i in INSTANCES}
     open_calls: list[tuple[CallSubmitted, str, int]] = []
     calls_of: dict[str, int] = {}
     now = 0.0
@@ -35,9 +47,12 @@ def scripted_run(policy: str, seed: int = 7, steps: int = 160):
         kv = [(s, "m1", rng.choice(["device", "host"]), 500) for s in calls_of if rng.random() < 0.3]
         models = {"m1": "active", "m2": rng.choice(["absent", "resident"])}
         s = snap(iid, version=version[iid], at=now, sessions=kv, models=models,
-                 queued_tokens=rng.choice([0, 5_000, 95_000]))
-        c.observe(s, now)
-        inputs.append(("observe", s, now))
+                 queued_tokens=rng.choice([0, 5_000, 95_000]), incarnation=incarnation[iid])
+        inputs.append(("observe", s, now, c.observe(s, now)))
+
+    def forget_open(out) -> None:
+        lost = {e.call_id for e in out if isinstance(e, CallFailed)}
+        open_calls[:] = [o for o in open_calls if o[0].call_id not in lost]
 
     def handle(event) -> None:
         out = c.handle(event, now)
@@ -58,8 +73,21 @@ def scripted_run(policy: str, seed: int = 7, steps: int = 160):
     for step in range(steps):
         now += rng.choice([0.05, 0.2, 0.7, 1.3])
         roll = rng.random()
-        if roll < 0.15:
+        if roll < 0.12:
             observe(rng.choice(INSTANCES))
+        elif roll < 0.14:  # an agent restarts: a new process, versions from 1 again
+            iid = rng.choice(INSTANCES)
+            incarnation[iid] = f"p{step}"
+            version[iid] = 0
+            observe(iid)
+            forget_open(inputs[-1][-1])
+        elif roll < 0.15:  # heartbeats stop for long enough: the router declares instances lost
+            now += 4.0
+            out = c.check_liveness(now, since=0.0)
+            inputs.append(("liveness", now, out))
+            forget_open(out)
+            for iid in INSTANCES:
+                observe(iid)
         elif roll < 0.45 or not open_calls:
             submit(f"s{rng.randrange(12)}")
         elif roll < 0.85:
@@ -77,19 +105,45 @@ def scripted_run(policy: str, seed: int = 7, steps: int = 160):
     return c, inputs
 
 
-def fold(inputs) -> RouterState:
-    """Rebuild from the event log alone (plus the same snapshots, which are not events)."""
-    state = RouterState()
+def recorded_stream(inputs) -> list:
+    """What the router's shell sees and publishes, in order: its inputs (a submission is a
+    decision, not state) and the events each one caused, events through the wire format."""
+    stream: list = []
     for item in inputs:
+        produced = [EVENT_DECODER.decode(encode(e)) for e in item[-1]]
         if item[0] == "observe":
-            state.observe(item[1], item[2])
+            stream += produced  # a new incarnation loses the old process first
+            stream.append(SnapshotReceived(item[1], item[2]))
             continue
-        produced = item[-1]
         if item[0] == "handle" and not isinstance(item[1], CallSubmitted):
-            state.apply(item[1])
-        for event in produced:
-            state.apply(EVENT_DECODER.decode(encode(event)))  # through the wire format
+            stream.append(item[1])
+        stream += produced
+    return stream
+
+
+def fold(inputs) -> RouterState:
+    """Rebuild from the recorded stream through `apply` alone: no other method touches state."""
+    state = RouterState()
+    for record in recorded_stream(inputs):
+        state.apply(record)
     return state
+
+
+def assert_same_state(rebuilt: RouterState, live: RouterState) -> None:
+    """Field for field: every dataclass field of the state, the views and the sessions."""
+    assert rebuilt.to_dict() == live.to_dict()
+    assert rebuilt.sessions == live.sessions
+    assert rebuilt.routed == live.routed and rebuilt.inflight_calls == live.inflight_calls
+    assert rebuilt.leases.to_list() == live.leases.to_list()
+    assert rebuilt.prefix.by_model == live.prefix.by_model
+    assert rebuilt.models.keys() == live.models.keys()
+    assert rebuilt.instance_profiles == live.instance_profiles
+    assert rebuilt.instances.keys() == live.instances.keys()
+    for iid, view in live.instances.items():
+        other = rebuilt.instances[iid]
+        for name in ("snapshot", "received_at", "overlay", "overlay_tokens", "overlay_models", "inflight",
+                     "models", "pinned"):
+            assert getattr(other, name) == getattr(view, name), (iid, name)
 
 
 @pytest.mark.parametrize("policy", ["talaria", "kv-cost", "round-robin"])
@@ -98,9 +152,9 @@ def test_fold_of_events_equals_live_state(policy):
     kinds = {type(e).__name__ for item in inputs if item[0] != "observe" for e in item[-1]}
     if policy == "talaria":  # the script must exercise what it claims to
         assert {"LeaseIssued", "LeaseConsumed", "LeaseExpired", "CallFailed"} <= kinds
-    rebuilt = fold(inputs)
-    assert rebuilt.to_dict() == live.state.to_dict()
-    assert rebuilt.prefix.by_model == live.state.prefix.by_model
+    if policy == "talaria":
+        assert {"InstanceLost"} <= kinds
+    assert_same_state(fold(inputs), live.state)
 
 
 def test_to_dict_round_trips_through_json_and_routes_identically():
@@ -108,7 +162,7 @@ def test_to_dict_round_trips_through_json_and_routes_identically():
     data = json.loads(json.dumps(live.state.to_dict()))
     restored = RouterCore(create_policy("talaria", live.policy.config), RouterState.from_dict(data))
     assert restored.state.to_dict() == live.state.to_dict()
-    now = inputs[-1][2] if inputs[-1][0] != "tick" else inputs[-1][1]
+    now = inputs[-1][2] if inputs[-1][0] in ("observe", "handle") else inputs[-1][1]
     nxt = call("after-restart", session="s3", at=now + 0.1)
     strip = lambda evs: [e if not isinstance(e, RoutingDecision) else  # noqa: E731
                          (e.chosen, e.action, e.lease_outcome, e.candidates) for e in evs]

@@ -1,0 +1,85 @@
+"""`talaria up` supervision: a process that exits is restarted with backoff while the rest
+keeps running; leftovers of a killed earlier run on the same data directory are stopped;
+an embedded server's error is one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from talaria.embedded import EmbeddedPostgres, EmbeddedServerError, process_alive
+from talaria.shared.settings import Settings
+from talaria.stack import RESTART_MIN_S, Stack
+
+
+@pytest.fixture
+def stack(tmp_path):
+    s = Stack(Settings.from_env().with_(data_dir=tmp_path), log_to_files=True)
+    yield s
+    s.stop(grace_s=2)
+
+
+def test_an_exited_service_is_restarted_with_growing_backoff_and_the_others_keep_running(stack, tmp_path):
+    data = tmp_path.resolve()
+    stack._spawn("quick", "this", data, TALARIA_EXTRA="kept")  # `python -m this` prints and exits
+    stack._spawn("steady", "http.server", data)  # keeps running
+    messages: list[str] = []
+    first = stack.procs["quick"]
+    first.wait(10)
+    t = time.monotonic()
+    stack.supervise(messages.append, now=t)
+    assert "quick exited with code 0" in messages[-1] and f"restarting in {RESTART_MIN_S:.1f}s" in messages[-1]
+    stack.supervise(messages.append, now=t + RESTART_MIN_S / 2)
+    assert stack.procs["quick"] is first  # still backing off
+    stack.supervise(messages.append, now=t + RESTART_MIN_S * 1.01)
+    second = stack.procs["quick"]
+    assert second is not first and "restarted (restart #1" in messages[-1]
+    assert stack.children["quick"].env == {"TALARIA_EXTRA": "kept"}  # same service, same settings
+    second.wait(10)
+    stack.supervise(messages.append, now=time.monotonic())
+    assert f"restarting in {2 * RESTART_MIN_S:.1f}s" in messages[-1]  # died quickly again: doubled
+    assert stack.procs["steady"].poll() is None  # untouched throughout
+    assert json.loads((data / "stack.json").read_text())["pids"]["quick"] == second.pid
+
+
+def test_leftover_services_of_a_killed_run_are_stopped_before_starting(stack, tmp_path):
+    data = tmp_path.resolve()
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "talaria.services.router"])
+    unrelated = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        (data / "stack.json").write_text(json.dumps({"pids": {"router": orphan.pid, "gateway": unrelated.pid}}))
+        messages: list[str] = []
+        stack._stop_leftovers(data, messages.append)
+        assert orphan.wait(10) is not None
+        assert messages == [f"stopped router (pid {orphan.pid}) left running by an earlier run"]
+        assert unrelated.poll() is None  # a pid that is not one of ours is never signalled
+    finally:
+        for p in (orphan, unrelated):
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.integration
+def test_a_postgres_left_running_on_the_data_dir_is_stopped_and_replaced(tmp_path):
+    first = EmbeddedPostgres(tmp_path / "pg").start()
+    second = EmbeddedPostgres(tmp_path / "pg")
+    try:
+        second.start()  # before: "lock file postmaster.pid already exists" and the whole log
+        assert second.stale == first.proc.pid
+        assert first.proc.wait(10) is not None
+        assert process_alive(second.proc.pid, str((tmp_path / "pg").resolve()))
+    finally:
+        second.stop()
+        first.stop()
+
+
+def test_embedded_server_errors_are_one_line_naming_the_log(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("noise\n" * 50 + 'FATAL:  lock file "postmaster.pid" already exists\nmore noise\n')
+    message = str(EmbeddedServerError("postgres", "exited with code 1", log))
+    assert "\n" not in message
+    assert 'FATAL:  lock file "postmaster.pid" already exists' in message and str(log) in message
