@@ -30,3 +30,28 @@ def test_every_service_module_named_in_compose_exists():
     for module in ("talaria.services.gateway", "talaria.services.router", "talaria.services.telemetry", "talaria.services.instance_agent"):
         assert module in text
         assert (ROOT / module.removeprefix("talaria.").replace(".", "/") / "__main__.py").exists()
+
+
+def test_every_long_running_service_restarts_and_has_a_healthcheck():
+    yaml = pytest.importorskip("yaml")
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    for name, svc in services.items():
+        assert svc.get("restart") in ("unless-stopped", "always", "on-failure"), name
+        if name != "migrate":  # a one-shot job: done when it exits 0
+            assert svc.get("healthcheck", {}).get("test"), name
+    checks = {name: svc["healthcheck"]["test"][-1] for name, svc in services.items()
+              if "talaria.healthcheck" in svc.get("healthcheck", {}).get("test", [])}
+    assert checks == {"gateway": "gateway", "router": "router", "telemetry": "telemetry",
+                      "agent-0": "agent", "agent-1": "agent"}
+
+
+def test_healthcheck_says_why_in_one_line_when_nothing_answers(monkeypatch):
+    from talaria.embedded import free_port
+    from talaria.healthcheck import check
+
+    monkeypatch.setenv("TALARIA_NATS_URL", f"nats://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("TALARIA_HTTP_PORT", str(free_port()))
+    for service in ("gateway", "router"):
+        why = check(service, timeout=1.0)
+        assert why and "\n" not in why
+    assert "unknown service" in check("nope")

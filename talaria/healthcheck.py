@@ -1,0 +1,67 @@
+"""`python -m talaria.healthcheck SERVICE`: exit 0 when SERVICE is alive, 1 otherwise.
+
+For container healthchecks (docker-compose.yml): `gateway` asks its /healthz; `router` and
+`telemetry` wait for a heartbeat on talaria.health.<service>; `agent` waits for the
+snapshot of TALARIA_INSTANCE_ID on talaria.telemetry.<id>. One line on failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import urllib.request
+
+from talaria.shared import subjects
+
+TIMEOUT_S = 3.0  # heartbeats come every 0.5 s: several must be missed to fail
+
+
+async def _heard(subject: str, timeout: float) -> bool:
+    import nats
+
+    nc = await nats.connect(os.environ.get("TALARIA_NATS_URL", "nats://127.0.0.1:4222"), connect_timeout=timeout,
+                            allow_reconnect=False)
+    try:
+        sub = await nc.subscribe(subject)
+        await sub.next_msg(timeout=timeout)
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        await nc.close()
+
+
+def check(service: str, timeout: float = TIMEOUT_S) -> str | None:
+    """None when healthy, else why not."""
+    try:
+        if service == "gateway":
+            port = os.environ.get("TALARIA_HTTP_PORT", "8000")
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=timeout) as r:
+                return None if r.status == 200 else f"gateway /healthz answered {r.status}"
+        if service == "agent":
+            subject = subjects.telemetry(os.environ.get("TALARIA_INSTANCE_ID", "agent-0"))
+        elif service in ("router", "telemetry"):
+            subject = subjects.health(service)
+        else:
+            return f"unknown service {service!r} (gateway, router, telemetry, agent)"
+        heard = asyncio.run(asyncio.wait_for(_heard(subject, timeout), 2 * timeout))
+        return None if heard else f"no heartbeat on {subject} within {timeout:.0f}s"
+    except Exception as exc:  # unreachable NATS or gateway: unhealthy, said in one line
+        return f"{service}: {type(exc).__name__}: {exc}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m talaria.healthcheck gateway|router|telemetry|agent", file=sys.stderr)
+        return 2
+    why = check(argv[0])
+    if why:
+        print(why, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
