@@ -1,0 +1,331 @@
+"""Fault injection on a real stack: `talaria up` (embedded NATS + Postgres, two agents), at
+least 12 concurrent agent sessions over three models, one fault per phase.
+
+    python bench/faults.py [--sessions 12] [--calls 6] [--faults all] [--out results/faults.md]
+
+Each phase starts fresh sessions, injects its fault ~FAULT_AT_S into the load, lets the
+stack heal (the supervisor restarts what died), and then checks what the clients saw
+against what Postgres recorded:
+
+- ok: logical calls answered 200 (a client retries 503 / refused connections, as an
+  OpenAI client does, within RETRY_BUDGET_S);
+- errors: attempts answered with a clear error (HTTP error with a JSON body, or a refused /
+  reset connection) — each retried;
+- lost: calls that got no answer within the client's timeout, plus rows still not final
+  (submitted / routed / running) after the stack settled;
+- twice: completed rows beyond the answers clients received (work that ran twice, or ran
+  for a client that had already been given an error);
+- rows wrong: completed rows missing for answers received, and `sessions` counters that
+  disagree with the `calls` rows;
+- recovery: from the fault to the first answer of a call sent after the last error
+  (0 when clients never saw one); in-flight wait: the longest wait of a call that was in
+  flight when the fault hit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import asyncpg
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from talaria.embedded import free_port  # noqa: E402
+from talaria.shared.settings import asyncpg_dsn  # noqa: E402
+
+MODELS = ("qwen3-tiny", "gpt2-tiny", "qwen3-moe-tiny")
+FAULT_AT_S = 3.0
+CLIENT_TIMEOUT_S = 45.0  # an attempt with no answer by then is counted lost
+CALL_TIMEOUT_S = 30.0  # the gateway's: calls carry this deadline
+RETRY_BUDGET_S = 90.0  # a logical call keeps retrying retryable errors this long
+SETTLE_S = 20.0
+FAULTS = ("kill-router", "kill-agent", "kill-telemetry", "kill-gateway", "postgres-immediate",
+          "nats-pause", "restart-after-ctrl-c")
+SERVICE_FAULTS = {"kill-router", "kill-agent", "kill-telemetry", "kill-gateway", "restart-after-ctrl-c"}
+
+
+@dataclass
+class Attempt:
+    session: str
+    index: int
+    start: float
+    end: float = 0.0
+    status: int = 0  # HTTP status; 0 = no HTTP answer
+    error: str = ""
+
+
+@dataclass
+class Phase:
+    fault: str
+    fault_at: float = 0.0
+    attempts: list[Attempt] = field(default_factory=list)
+    ok: int = 0
+    gave_up: int = 0  # logical calls that ended in a non-retryable error or ran out of budget
+    note: str = ""
+
+
+class UpProcess:
+    """`talaria up` as a child process: what an operator runs."""
+
+    def __init__(self, data_dir: Path, port: int, agents: int = 2) -> None:
+        self.data_dir, self.port, self.agents = data_dir, port, agents
+        self.proc: subprocess.Popen | None = None
+        self.log = (data_dir / "up.log").open("a")
+
+    def start(self, timeout: float = 240.0) -> float:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TALARIA_CALL_TIMEOUT_S=str(CALL_TIMEOUT_S),
+                   TALARIA_LOG_LEVEL="info", PYTHONPATH=str(ROOT))
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "talaria.cli", "up", "--port", str(self.port), "--data-dir", str(self.data_dir),
+             "--agents", str(self.agents)], stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        while time.monotonic() - t0 < timeout:
+            text = (self.data_dir / "up.log").read_text(errors="replace")
+            if text.count("talaria: ready in") > self.ready_seen:
+                self.ready_seen += 1
+                return time.monotonic() - t0
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"talaria up exited:\n{text[-3000:]}")
+            time.sleep(0.2)  # polling an external process's log for readiness
+        raise RuntimeError("talaria up not ready")
+
+    ready_seen = 0
+
+    def info(self) -> dict:
+        return json.loads((self.data_dir / "stack.json").read_text())
+
+    def pid(self, name: str) -> int:
+        return self.info()["pids"][name]
+
+    def interrupt(self, timeout: float = 60.0) -> None:
+        """Ctrl-C: talaria up stops everything it started."""
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(timeout)
+
+
+async def one_call(http: aiohttp.ClientSession, url: str, phase: Phase, session: str, index: int,
+                   model: str, history: list[dict]) -> bool:
+    body = {"model": model, "messages": history, "max_tokens": 4, "temperature": 0}
+    give_up = time.monotonic() + RETRY_BUDGET_S
+    while True:
+        a = Attempt(session, index, time.monotonic())
+        phase.attempts.append(a)
+        retry_after = 0.5
+        try:
+            async with http.post(url, json=body, headers={"X-Session-Id": session},
+                                 timeout=aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)) as r:
+                a.status = r.status
+                data = await r.json(content_type=None)
+                a.end = time.monotonic()
+                if r.status == 200:
+                    history.append({"role": "assistant", "content": data["choices"][0]["message"]["content"]})
+                    return True
+                a.error = (data.get("error") or {}).get("code") or str(r.status)
+                retry_after = float(r.headers.get("Retry-After", "0.5"))
+                if r.status not in (502, 503):
+                    return False  # not retryable: the client has its answer
+        except asyncio.TimeoutError:
+            a.end, a.error = time.monotonic(), "no answer"
+            return False
+        except (aiohttp.ClientConnectionError, aiohttp.ContentTypeError, ValueError) as exc:
+            a.end, a.error = time.monotonic(), type(exc).__name__
+        if time.monotonic() + retry_after > give_up:
+            return False
+        await asyncio.sleep(min(retry_after, 1.0))
+
+
+async def run_session(http, url: str, phase: Phase, session: str, calls: int, rng: random.Random) -> None:
+    model = MODELS[rng.randrange(len(MODELS))]
+    history: list[dict] = []
+    for i in range(calls):
+        history.append({"role": "user", "content": f"step {i}: run the tool and report " + "x" * rng.randrange(20)})
+        if await one_call(http, url, phase, session, i, model, history):
+            phase.ok += 1
+        else:
+            phase.gave_up += 1
+            return  # an agent whose call failed for good stops its session
+        await asyncio.sleep(rng.uniform(0.2, 0.5))  # the tool runs
+
+
+async def load(up: UpProcess, phase: Phase, sessions: int, calls: int, inject, seed: int) -> None:
+    url = f"http://127.0.0.1:{up.port}/v1/chat/completions"
+    rng = random.Random(seed)
+    async with aiohttp.ClientSession() as http:
+        tasks = [asyncio.create_task(run_session(http, url, phase, f"{phase.fault}-{seed}-s{k}", calls,
+                                                 random.Random(rng.random()))) for k in range(sessions)]
+        await asyncio.sleep(FAULT_AT_S)
+        phase.fault_at = time.monotonic()
+        await asyncio.get_running_loop().run_in_executor(None, inject)
+        await asyncio.gather(*tasks)
+
+
+def injector(up: UpProcess, fault: str, phase: Phase):
+    def kill(name: str) -> None:
+        os.kill(up.pid(name), signal.SIGKILL)
+
+    def inject() -> None:
+        match fault:
+            case "kill-router":
+                kill("router")
+            case "kill-agent":
+                kill("agent-0")
+            case "kill-telemetry":
+                kill("telemetry")
+            case "kill-gateway":
+                kill("gateway")
+            case "postgres-immediate":
+                os.kill(up.pid("EmbeddedPostgres"), signal.SIGQUIT)  # = pg_ctl stop -m immediate
+            case "nats-pause":
+                pid = up.pid("EmbeddedNats")
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(5.0)
+                os.kill(pid, signal.SIGCONT)
+            case "restart-after-ctrl-c":
+                t = time.monotonic()
+                up.interrupt()
+                stopped = time.monotonic() - t
+                ready = up.start()
+                phase.note = f"stopped in {stopped:.1f}s, ready again {ready:.1f}s later"
+    return inject
+
+
+async def rows(db_url: str, prefix: str) -> tuple[dict, dict]:
+    conn = await asyncpg.connect(asyncpg_dsn(db_url))
+    try:
+        calls = await conn.fetch("SELECT session_id, outcome, count(*) AS n FROM calls WHERE session_id LIKE $1 "
+                                 "GROUP BY 1, 2", prefix + "%")
+        sess = await conn.fetch("SELECT session_id, calls, completed, failed FROM sessions WHERE session_id LIKE $1",
+                                prefix + "%")
+    finally:
+        await conn.close()
+    by_session: dict[str, dict[str, int]] = {}
+    for r in calls:
+        by_session.setdefault(r["session_id"], {})[r["outcome"]] = r["n"]
+    return by_session, {r["session_id"]: dict(r) for r in sess}
+
+
+async def settle(db_url: str, prefix: str) -> tuple[dict, dict]:
+    """Wait until every row is final (telemetry projects asynchronously), at most SETTLE_S."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        by_session, sess = await rows(db_url, prefix)
+        open_rows = sum(n for o in by_session.values() for k, n in o.items() if k not in ("completed", "failed"))
+        if open_rows == 0 or time.monotonic() > deadline:
+            return by_session, sess
+        await asyncio.sleep(0.5)  # re-query: the projection publishes no "row written" event
+
+
+def score(phase: Phase, by_session: dict, sess: dict) -> dict:
+    answered: dict[str, int] = {}
+    for a in phase.attempts:
+        if a.status == 200:
+            answered[a.session] = answered.get(a.session, 0) + 1
+    errors = [a for a in phase.attempts if a.status != 200 and a.error != "no answer"]
+    no_answer = sum(1 for a in phase.attempts if a.error == "no answer")
+    open_rows = sum(n for o in by_session.values() for k, n in o.items() if k not in ("completed", "failed"))
+    twice = missing = counters = 0
+    for sid in set(answered) | set(by_session):
+        done = by_session.get(sid, {}).get("completed", 0)
+        twice += max(0, done - answered.get(sid, 0))
+        missing += max(0, answered.get(sid, 0) - done)
+        row = sess.get(sid)
+        total = sum(by_session.get(sid, {}).values())
+        failed = by_session.get(sid, {}).get("failed", 0)
+        if row is None or (row["calls"], row["completed"], row["failed"]) != (total, done, failed):
+            counters += 1
+    last_error = max((a.end for a in errors if a.end >= phase.fault_at), default=phase.fault_at)
+    after = [a.end for a in phase.attempts if a.status == 200 and a.start >= last_error]
+    recovery = (min(after) - phase.fault_at) if errors and after else (0.0 if not errors else float("nan"))
+    inflight = [a.end - a.start for a in phase.attempts if a.start < phase.fault_at < a.end]
+    return {"fault": phase.fault, "ok": phase.ok, "gave_up": phase.gave_up, "errors": len(errors),
+            "error_kinds": sorted({a.error for a in errors}), "lost": no_answer + open_rows, "twice": twice,
+            "rows_wrong": missing + counters, "recovery_s": recovery,
+            "inflight_wait_s": max(inflight, default=0.0), "note": phase.note}
+
+
+def run(faults: list[str], sessions: int, calls: int, data_dir: Path | None = None, seed: int = 0) -> list[dict]:
+    data_dir = data_dir or Path(tempfile.mkdtemp(prefix="talaria-faults-"))
+    up = UpProcess(data_dir, free_port())
+    results = []
+    try:
+        boot = up.start()
+        print(f"faults: stack ready in {boot:.1f}s ({data_dir})", file=sys.stderr)
+        db_url = up.info()["database"]
+        for n, fault in enumerate(faults):
+            phase = Phase(fault)
+            asyncio.run(load(up, phase, sessions, calls, injector(up, fault, phase), seed + n))
+            by_session, sess = asyncio.run(settle(up.info()["database"] or db_url, f"{fault}-{seed + n}-"))
+            result = score(phase, by_session, sess)
+            results.append(result)
+            print("faults: " + json.dumps(result), file=sys.stderr)
+            time.sleep(2.0)  # let restarted services finish warming before the next phase's load
+    finally:
+        if up.proc is not None and up.proc.poll() is None:
+            up.interrupt()
+    return results
+
+
+def goals_met(r: dict) -> bool:
+    fast = r["recovery_s"] < 5.0 and r["inflight_wait_s"] < 5.0 + 1.0 if r["fault"] in SERVICE_FAULTS else True
+    return r["lost"] == 0 and r["twice"] == 0 and r["rows_wrong"] == 0 and fast
+
+
+def write_markdown(results: list[dict], sessions: int, calls: int, path: Path, command: str) -> None:
+    lines = [
+        "# Fault injection on a real stack",
+        "",
+        f"`{command}` — `talaria up --agents 2` on embedded NATS + PostgreSQL, {sessions} concurrent sessions x "
+        f"{calls} calls over {', '.join(MODELS)}; the fault hits {FAULT_AT_S:.0f} s into the load. Clients "
+        "retry 503 and refused connections (as OpenAI clients do). Definitions in `bench/faults.py`.",
+        "",
+        "| fault | ok | errors seen (retried) | lost | executed twice | rows wrong | recovery s | "
+        "in-flight wait s | goals | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        kinds = ", ".join(r["error_kinds"])
+        lines.append(
+            f"| {r['fault']} | {r['ok']}/{r['ok'] + r['gave_up']} | {r['errors']} ({kinds}) | {r['lost']} | "
+            f"{r['twice']} | {r['rows_wrong']} | {r['recovery_s']:.1f} | {r['inflight_wait_s']:.1f} | "
+            f"{'met' if goals_met(r) else 'MISSED'} | {r['note']} |")
+    lines += ["", "Goals: 0 lost, 0 executed twice, 0 rows wrong, recovery < 5 s for every service fault.", ""]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sessions", type=int, default=12)
+    ap.add_argument("--calls", type=int, default=6)
+    ap.add_argument("--faults", default="all", help=f"comma-separated among {', '.join(FAULTS)}")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="results/faults.md")
+    args = ap.parse_args()
+    faults = list(FAULTS) if args.faults == "all" else [f.strip() for f in args.faults.split(",")]
+    unknown = [f for f in faults if f not in FAULTS]
+    if unknown:
+        print(f"faults: unknown fault {unknown[0]}; known: {', '.join(FAULTS)}", file=sys.stderr)
+        return 2
+    results = run(faults, args.sessions, args.calls, seed=args.seed)
+    command = f"python bench/faults.py --sessions {args.sessions} --calls {args.calls} --faults {args.faults}"
+    write_markdown(results, args.sessions, args.calls, ROOT / args.out, command)
+    (ROOT / args.out).with_suffix(".json").write_text(json.dumps(results, indent=2))
+    print((ROOT / args.out).read_text())
+    return 0 if all(goals_met(r) for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
