@@ -47,7 +47,8 @@ INPUT_SUBJECTS = [subjects.CALL_SUBMITTED, subjects.CALL_COMPLETED, subjects.CAL
                   subjects.ROUND_SUMMARY, subjects.SWITCH_DONE]
 TICK_S = 0.05
 # After a (re)start, listen to heartbeats before deciding: routing with an empty instance
-# table would reject every call waiting in the stream as "no healthy instance".
+# table would reject every call waiting in the stream as "no healthy instance". The wait
+# ends early once every instance of the restored table has been heard from again.
 WARMUP_S = 1.2
 SAVE_EVERY_S = 2.0
 MAX_DELIVER = 20  # a message that keeps failing is given up (and logged) rather than looping
@@ -74,6 +75,8 @@ class RouterService:
         self.dirty = False
         self.seq = 0  # JetStream sequence of the last input folded in (saved with the state)
         self.listening_since = time.time()  # restored views are not "silent" before this
+        self.warm = asyncio.Event()  # every restored instance heard from again
+        self.expected: set[str] = set()
 
     async def run(self, ready: asyncio.Event | None, stop: asyncio.Event) -> None:
         provider = tracing.setup("router", self.settings)
@@ -85,8 +88,15 @@ class RouterService:
         gc.collect()
         gc.freeze()  # the recovered tables are long-lived: keep them out of every GC scan
         self.listening_since = time.time()
+        state = self.core.state
+        # Instances the recovered state places anything on: routing waits to hear them all.
+        self.expected = set(state.instances) | {p.instance_id for p in state.inflight_calls.values()} | {
+            lease.instance_id for lease in state.leases.leases.values()}
         await self.nc.subscribe(subjects.TELEMETRY_WILDCARD, cb=self._on_snapshot)
-        await asyncio.sleep(WARMUP_S)
+        try:
+            await asyncio.wait_for(self.warm.wait(), WARMUP_S)
+        except TimeoutError:
+            pass  # some restored instance stayed silent: heartbeat loss will settle it
         sub = await self.js.pull_subscribe_bind(DURABLE, stream=subjects.EVENTS_STREAM) \
             if await self._consumer_exists() else await self.js.pull_subscribe(
                 "", durable=DURABLE, stream=subjects.EVENTS_STREAM,
@@ -180,6 +190,10 @@ class RouterService:
             return
         async with self.lock:
             outputs = self.core.observe(snap, time.time())
+            if self.expected and not self.warm.is_set():
+                views = self.core.state.instances
+                if all(i in views and views[i].received_at >= self.listening_since for i in self.expected):
+                    self.warm.set()
             if outputs:  # a restarted agent: its predecessor's calls are failed, clients told
                 self.log.warning("instance restarted; its in-flight calls failed", instance_id=snap.instance_id,
                                  calls=len(outputs) - 1)

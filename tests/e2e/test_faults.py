@@ -1,0 +1,33 @@
+"""The short fault-injection run (bench/faults.py has the full one): a real `talaria up`,
+12 concurrent sessions over three models, one agent SIGKILLed mid-load. Its in-flight calls
+are failed with a retryable 503 by heartbeat loss (never the 30 s call timeout), the client
+retries, the supervisor restarts the agent; nothing is lost, nothing runs twice, and the
+rows in Postgres agree with what the clients were told."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("faults_bench", ROOT / "bench" / "faults.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_killing_an_agent_mid_load_loses_nothing_and_runs_nothing_twice(tmp_path):
+    bench = load_bench()
+    [result] = bench.run(["kill-agent"], sessions=12, calls=3, data_dir=tmp_path)
+    assert result["ok"] == 36, result
+    assert (result["lost"], result["twice"], result["rows_wrong"]) == (0, 0, 0), result
+    # in-flight calls on the dead agent were answered by heartbeat loss, far below the call timeout
+    assert result["inflight_wait_s"] < bench.CALL_TIMEOUT_S / 2, result
+    assert set(result["error_kinds"]) <= {"instance_lost", "no_capacity", "not_served"}, result
