@@ -41,6 +41,7 @@ class Submitter:
         self.nc, self.js, self.tracer, self.timeout_s, self.log = nc, js, tracer, timeout_s, log
         self.inbox = f"_INBOX.gateway.{uuid.uuid4().hex}"
         self._pending: dict[str, asyncio.Future[Reply]] = {}
+        self._calls: dict[str, CallSubmitted] = {}  # accepted and still waiting, for stop()
         self._sub = None
 
     async def start(self) -> None:
@@ -49,9 +50,18 @@ class Submitter:
     async def stop(self) -> None:
         if self._sub is not None:
             await self._sub.unsubscribe()
-        for fut in self._pending.values():
+        for call_id, fut in list(self._pending.items()):
             if not fut.done():
-                fut.set_result(ErrorReply(503, "gateway_stopping", "the gateway is shutting down"))
+                fut.set_result(ErrorReply(503, "gateway_stopping", "the gateway is shutting down",
+                                          retry_after_s=1.0, call_id=call_id))
+        # Record each as failed: a call not placed yet is then never placed (its client has
+        # its 503 and retries), even when the router consumes the submission after a restart.
+        for call in list(self._calls.values()):
+            try:
+                await emit(self.js, CallFailed(call.call_id, call.session_id, call.model, "the gateway stopped",
+                                               "gateway", time.time(), status=503))
+            except Exception as exc:
+                self.log.error("could not record a call cut off by the stop", call_id=call.call_id, error=str(exc))
 
     async def _on_reply(self, msg) -> None:
         call_id = msg.subject.rsplit(".", 1)[-1]
@@ -97,6 +107,7 @@ class Submitter:
                     self.log.error("submit failed", call_id=call.call_id, error=str(exc))
                     return ErrorReply(503, "bus_unavailable", f"could not submit the call: {exc}",
                                       retry_after_s=1.0, call_id=call.call_id)
+                self._calls[call.call_id] = call
                 try:
                     reply = await asyncio.wait_for(fut, self.timeout_s)
                 except TimeoutError:
@@ -110,6 +121,7 @@ class Submitter:
                 return reply
             finally:
                 self._pending.pop(call.call_id, None)
+                self._calls.pop(call.call_id, None)
                 if token_sub is not None:
                     await token_sub.unsubscribe()
 
