@@ -37,7 +37,7 @@ scheduler learns from the gap between its estimate and the reported completion t
 
 Package map:
     types.py      Work, actions, events, SchedulerView
-    config.py     SchedulerConfig and the paper's ablations (sp, hkvr, staging, round_only)
+    config.py     SchedulerConfig and the paper's ablations (talaria, no-sp, no-hkvr, h2d-only, round-only)
     costs.py      CostModel protocol, per-call prefill/restore cost, EWMA calibration
     budget.py     Eq. 3-5: protected decode, slot budgets, switch cycle
     admission.py  batch selection under batch, KV and time budgets (P, SP, hot)

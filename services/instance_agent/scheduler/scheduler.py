@@ -7,7 +7,7 @@ and `abort` may come at any time, including while an action is executing.
 
 from __future__ import annotations
 
-import math
+from functools import partial
 from itertools import islice
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -22,6 +22,8 @@ from talaria.services.instance_agent.scheduler.costs import (
     call_kv_bytes,
     call_prefill_s,
     charged_kv,
+    decode_steps_s,
+    first_step_reaching,
 )
 from talaria.services.instance_agent.scheduler.errors import (
     ActionMismatchError,
@@ -187,8 +189,7 @@ class RoundScheduler:
         return 0.0
 
     def _decode_s(self, action: Decode, steps: int) -> float:
-        """`steps` iterations; context grows by one token per call per step, so the sum
-        is `steps` steps at the mean context (exact for costs linear in context)."""
+        """`steps` iterations of `action` from its calls' current context (`decode_steps_s`)."""
         by_id = self.calls._by_id
         n = ctx = 0
         for i in action.call_ids:
@@ -196,19 +197,7 @@ class RoundScheduler:
             if c is not None:  # calls aborted while their step was in flight are skipped
                 n += 1
                 ctx += c.work.prompt_tokens + c.generated
-        if steps == 1:
-            return self.costs.decode_step_s(action.model, n, ctx)
-        return steps * self.costs.decode_step_s(action.model, n, ctx + n * (steps - 1) / 2)
-
-    def _steps_to(self, action: Decode, remaining_s: float) -> int:
-        """Fewest steps whose predicted time reaches `remaining_s` (context grows per step)."""
-        step = self._decode_s(action, 1)
-        if step <= 0:
-            return 1
-        k = max(1, math.ceil(remaining_s / step - 1e-9))
-        while k > 1 and self._decode_s(action, k - 1) >= remaining_s - 1e-9:
-            k -= 1
-        return k
+        return decode_steps_s(partial(self.costs.decode_step_s, action.model), n, ctx, steps)
 
     def snapshot(self, now: float) -> SchedulerView:
         return build_view(self, now)
@@ -361,7 +350,8 @@ class RoundScheduler:
             elif slot.decode_left > 0:
                 k = min(k, slot.decode_left)
             elif slot.filling(now) and self._others_active(model):
-                k = min(k, self._steps_to(Decode(ids, model), slot.deadline - now))
+                probe = Decode(ids, model)
+                k = first_step_reaching(lambda j: self._decode_s(probe, j), slot.deadline - now, k)
         elif self.calls.queued[model]:
             k = 1  # hot pool: arrivals prefill at the next decode boundary
         return Decode(ids, model, max(1, k))
