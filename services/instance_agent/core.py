@@ -35,6 +35,7 @@ from talaria.services.instance_agent.scheduler import (
     SwitchModel,
     Work,
 )
+from talaria.services.instance_agent.scheduler.view import next_switch_s, round_remaining_s
 from talaria.shared.messages import CallCompleted, InstanceSnapshot, ModelResidency, RoundSummary, SessionKv, SwitchDone
 
 
@@ -192,16 +193,18 @@ class AgentCore:
     def snapshot(self, version: int, now: float, *, pool: str, active_model: str | None,
                  models: list[ModelResidency], sessions: list[SessionKv], memory, heartbeat_s: float) -> InstanceSnapshot:
         """The instance snapshot the router consumes. Queues, round and risk come from the
-        scheduler; residency, session KV and `memory` (capacity, use and measured rates, the
+        scheduler (the fields of `scheduler.view` the router reads, without its per-call KV sum); residency, session KV and `memory` (capacity, use and measured rates, the
         attributes of `engine.api.EngineStats`) from the executor's device."""
-        view = self.sched.snapshot(now)
+        sched, calls = self.sched, self.sched.calls
         return InstanceSnapshot(
             instance_id=self.instance_id, version=version, at=now, pool=pool, models=models,
-            active_model=active_model, sessions=sessions, queued=view.queued, queued_tokens=view.queued_tokens,
-            running=sum(view.running.values()), round_remaining_s=view.round_remaining_s,
-            deadline_risk=view.deadline_risk, kv_capacity_tokens=memory.kv_capacity_tokens,
+            active_model=active_model, sessions=sessions, queued={m: len(q) for m, q in calls.queued.items()},
+            queued_tokens=sum(c.work.prompt_tokens for q in calls.queued.values() for c in q.values()),
+            running=sum(len(r) for r in calls.running.values()),
+            round_remaining_s=round_remaining_s(sched, now),
+            deadline_risk=sched.deadline_risk, kv_capacity_tokens=memory.kv_capacity_tokens,
             kv_used_tokens=memory.kv_used_tokens, staging_free_bytes=memory.staging_free_bytes,
             hbm_bytes=memory.hbm_bytes, hbm_used_bytes=memory.hbm_used_bytes, prefill_tok_s=memory.prefill_tok_s,
-            decode_tok_s=memory.decode_tok_s, restore_tok_s=memory.restore_tok_s, switch_s=view.switch_s,
+            decode_tok_s=memory.decode_tok_s, restore_tok_s=memory.restore_tok_s, switch_s=next_switch_s(sched),
             heartbeat_s=heartbeat_s,
         )
