@@ -45,7 +45,8 @@ Package map:
     rounds.py     round and slot bookkeeping
     reports.py    event outbox and the counters (sp_admitted, sp_parked, deadline_risk)
     view.py       snapshot() for telemetry
-    scheduler.py  RoundScheduler: the orchestration
+    scheduler.py  RoundScheduler: the driver API, hot pool, shared helpers
+    cold_pool.py  rounds and slots of a time-shared (cold) instance
 """
 
 from talaria.services.instance_agent.scheduler.budget import ModelLoad, SlotPlan, plan_slot
