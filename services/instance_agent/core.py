@@ -55,19 +55,6 @@ class CallRecord:
     opened_model: bool = False  # its slot began with a switch to its model
 
 
-@dataclass(frozen=True, slots=True)
-class CallOutput:
-    """What the executor computed for a finished call."""
-
-    prompt_tokens: int
-    output_tokens: int
-    finish_reason: str
-    cached_tokens: int = 0
-    kv_source: str = "none"
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-
-
 @dataclass(slots=True)
 class Outcome:
     """What one completed action (or a drain) means for the outside world."""
@@ -174,19 +161,22 @@ class AgentCore:
 
     # ---- records -----------------------------------------------------------------------
 
-    def completed(self, call_id: str, result: CallOutput, now: float, trace_id: str = "") -> CallCompleted:
-        """The completion record of a finished call (its timeline is dropped)."""
+    def completed(self, call_id: str, now: float, *, prompt_tokens: int, output_tokens: int, finish_reason: str,
+                  cached_tokens: int = 0, kv_source: str = "none", prefill_s: float = 0.0, decode_s: float = 0.0,
+                  trace_id: str = "") -> CallCompleted:
+        """The completion record of a finished call from what the executor computed for it
+        (its timeline is dropped)."""
         rec = self.records.pop(call_id)
         started = rec.started_at if rec.started_at is not None else now
         first = rec.first_token_at if rec.first_token_at is not None else now
         return CallCompleted(
             call_id=call_id, session_id=rec.session_id, call_index=rec.call_index, model=rec.model,
-            instance_id=self.instance_id, prompt_tokens=result.prompt_tokens, output_tokens=result.output_tokens,
-            finish_reason=result.finish_reason, submitted_at=rec.submitted_at, started_at=started,
-            first_token_at=first, completed_at=now, cached_tokens=result.cached_tokens,
-            kv_source=result.kv_source, queue_s=started - rec.submitted_at, ttft_s=first - rec.submitted_at,
-            prefill_s=result.prefill_s, decode_s=result.decode_s, slot_wait_s=rec.slot_wait_s,
-            kv_tokens=result.prompt_tokens + result.output_tokens, model_opened=rec.opened_model,
+            instance_id=self.instance_id, prompt_tokens=prompt_tokens, output_tokens=output_tokens,
+            finish_reason=finish_reason, submitted_at=rec.submitted_at, started_at=started,
+            first_token_at=first, completed_at=now, cached_tokens=cached_tokens,
+            kv_source=kv_source, queue_s=started - rec.submitted_at, ttft_s=first - rec.submitted_at,
+            prefill_s=prefill_s, decode_s=decode_s, slot_wait_s=rec.slot_wait_s,
+            kv_tokens=prompt_tokens + output_tokens, model_opened=rec.opened_model,
             trace_id=trace_id,
         )
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from opentelemetry import trace
 
-from talaria.services.instance_agent.core import AgentCore, CallOutput, Outcome
+from talaria.services.instance_agent.core import AgentCore, Outcome
 from talaria.services.instance_agent.engine import EngineError, GenRequest
 from talaria.services.instance_agent.scheduler import (
     Decode,
@@ -270,11 +270,11 @@ class CallRunner:
             return
         routed, call, done = running.routed, running.routed.call, time.time()
         via = self.core.records[call_id].via
-        completed = self.core.completed(call_id, CallOutput(
-            prompt_tokens=result.prompt_tokens, output_tokens=len(result.token_ids),
+        completed = self.core.completed(
+            call_id, done, prompt_tokens=result.prompt_tokens, output_tokens=len(result.token_ids),
             finish_reason=result.finish_reason, cached_tokens=result.cached_tokens, kv_source=result.kv_source,
             prefill_s=result.prefill_s, decode_s=result.decode_s,
-        ), done, trace_id=f"{running.span.get_span_context().trace_id:032x}")
+            trace_id=f"{running.span.get_span_context().trace_id:032x}")
         running.span.set_attributes({
             "queue_s": completed.queue_s, "prefill_s": result.prefill_s, "decode_s": result.decode_s,
             "cached_tokens": result.cached_tokens, "kv_source": result.kv_source,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from talaria.services.instance_agent.core import AgentCore, CallOutput, Outcome
+from talaria.services.instance_agent.core import AgentCore, Outcome
 from talaria.services.instance_agent.scheduler import Decode, Idle, Prefill, SchedulerConfig, SwitchModel
 from talaria.services.instance_agent.scheduler.costs import decode_steps_s, first_step_reaching
 from talaria.shared.messages import InstanceSnapshot, RoundSummary, SwitchDone
@@ -97,20 +97,6 @@ class SimExecutor:
         self.rounds: list[RoundSummary] = []
         self.hbm_peak_bytes = 0
         self.last_peak_kv = 0  # KV high-water mark (bytes) since the last switch
-
-    # ---- what the reports read ----------------------------------------------------------
-
-    @property
-    def sp_admitted(self) -> int:
-        return self.sched.sp_admitted
-
-    @property
-    def sp_parked(self) -> int:
-        return self.sched.sp_parked
-
-    @property
-    def deadline_risk(self) -> int:
-        return self.sched.deadline_risk
 
     def snapshot(self, version: int, now: float, heartbeat_s: float) -> InstanceSnapshot:
         return self.view.snapshot(self, version, now, heartbeat_s)
@@ -268,7 +254,8 @@ class SimExecutor:
         cached = job.reusable if job.kv_source in ("device", "host") else 0
         # No measured prefill/decode rates: the router prices with the profile's rates the
         # snapshots advertise. [asm]
-        done = self.core.completed(job.call_id, CallOutput(job.prompt, job.output, "length", cached, job.kv_source), now)
+        done = self.core.completed(job.call_id, now, prompt_tokens=job.prompt, output_tokens=job.output,
+                                   finish_reason="length", cached_tokens=cached, kv_source=job.kv_source)
         return self.sink.completed(job, done, now)
 
     def _update_staging(self, now: float) -> None:

@@ -70,8 +70,8 @@ def summarise(result: RunResult) -> dict:
     rounds = [r for inst in result.instances for r in inst.rounds]
     wall = sum(r.wall_s for r in rounds)
     switch_s = sum(r.switch_s for r in rounds)
-    sp_admitted = sum(i.sp_admitted for i in result.instances)
-    sp_parked = sum(i.sp_parked for i in result.instances)
+    sp_admitted = sum(i.sched.sp_admitted for i in result.instances)
+    sp_parked = sum(i.sched.sp_parked for i in result.instances)
     rc = result.router
     complete = len(scts) == len(result.sessions)
     sct_vals = list(scts.values())
@@ -149,7 +149,7 @@ def summarise(result: RunResult) -> dict:
         / cfg.server.gpus
         / GiB,
         "hbm_cap_gib_per_gpu": cfg.server.hbm_per_gpu_bytes / GiB,
-        "deadline_risk": sum(i.deadline_risk for i in result.instances),
+        "deadline_risk": sum(i.sched.deadline_risk for i in result.instances),
         "host_kv_evictions": sum(i.kv.host_evictions for i in result.instances),
         "virtual_s": result.virtual_s,
         "sim_wall_s": result.wall_s,

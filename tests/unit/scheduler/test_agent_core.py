@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from talaria.services.instance_agent.core import AgentCore, CallOutput
+from talaria.services.instance_agent.core import AgentCore
 from talaria.services.instance_agent.scheduler import Decode, Idle, Prefill, SchedulerConfig, SwitchModel
 from talaria.services.instance_agent.scheduler.costs import decode_steps_s, first_step_reaching
 from tests.unit.scheduler.sched_driver import COSTS
@@ -43,7 +43,8 @@ def test_a_call_timeline_becomes_one_completion_record():
         now += 0.01
         finished = c.decode_done(decode, now).finished
     assert finished == ["c1"]
-    done = c.completed("c1", CallOutput(100, 3, "length", kv_source="none", prefill_s=0.5), now, trace_id="t")
+    done = c.completed("c1", now, prompt_tokens=100, output_tokens=3, finish_reason="length", prefill_s=0.5,
+                       trace_id="t")
     assert done.started_at == 1.5 and done.first_token_at == 2.0 and done.completed_at == now
     assert done.queue_s == 1.5 and done.ttft_s == 2.0  # from the caller's submission
     assert done.slot_wait_s == 1.5 and done.model_opened  # its slot began with the switch to its model
