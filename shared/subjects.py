@@ -2,6 +2,7 @@
 
     talaria.api.call                 request/reply API for agent runtimes (gateway answers)
     talaria.tokens.<call_id>         streamed TokenChunk messages for one call
+    talaria.reply.gateway.<id>.<call> a call's reply (CallResult / ErrorReply) to the gateway
     talaria.telemetry.<instance_id>  InstanceSnapshot heartbeats (last value, not history)
     talaria.evt.>                    the event log, captured by the JetStream stream EVENTS_STREAM
         call.submitted               gateway  -> router
@@ -36,6 +37,7 @@ ROUND_SUMMARY = "talaria.evt.round.summary"
 TELEMETRY_PREFIX = "talaria.telemetry"
 TELEMETRY_WILDCARD = "talaria.telemetry.*"
 TOKENS_PREFIX = "talaria.tokens"
+REPLY_PREFIX = "talaria.reply"  # replies to the gateway's submitted calls (never a client inbox)
 
 
 def call_routed(instance_id: str) -> str:
@@ -48,6 +50,10 @@ def telemetry(instance_id: str) -> str:
 
 def tokens(call_id: str) -> str:
     return f"{TOKENS_PREFIX}.{call_id}"
+
+
+def reply_inbox(service: str, instance: str) -> str:
+    return f"{REPLY_PREFIX}.{service}.{instance}"
 
 
 def valid_token(value: str) -> bool:
