@@ -162,17 +162,16 @@ def _redact_key(entry: str) -> str:
 
 
 def redact_url(url: str | None) -> str | None:
-    """The URL with any password replaced by '***' (for logs and printed output)."""
-    if not url:
-        return url
+    """The URL with its password replaced by '***' (for logs and printed output)."""
     from urllib.parse import urlsplit, urlunsplit
 
-    parts = urlsplit(url)
-    if parts.password is None and not (parts.username and "@" in parts.netloc and parts.scheme.startswith("nats")):
+    if not url:
         return url
-    user = parts.username or ""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
     host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}" if user else f"***@{host}"))
+    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
 
 
 def _parse(var: str, raw: str, typ: object) -> object:

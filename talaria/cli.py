@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from talaria.shared.settings import Settings, SettingsError
+from talaria.shared.settings import Settings, SettingsError, redact_url
 
 
 def _ablation_flags(p: argparse.ArgumentParser) -> None:
@@ -63,8 +64,14 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         stack.start(progress=lambda m: print(f"talaria: {m}", flush=True))
         print(f"talaria: ready in {time.monotonic() - t0:.1f}s — gateway {stack.gateway_url} "
               f"(policy {settings.policy}, {args.agents} cold agents, {len(args.hot)} hot)", flush=True)
-        print(f"talaria: NATS {stack.nats_url}  Postgres {stack.database_url}", flush=True)
-        print(f"talaria: try  curl -s {stack.gateway_url}/v1/chat/completions -H 'X-Session-Id: demo' "
+        print(f"talaria: NATS {redact_url(stack.nats_url)}  Postgres {redact_url(stack.database_url)}  "
+              f"(credentials in {settings.data_dir / 'stack.json'}, mode 0600)", flush=True)
+        auth = ""
+        if stack.api_key:
+            print(f"talaria: API key (tenant `default`, this run only; also in "
+                  f"{settings.data_dir / 'api_key'}): {stack.api_key}", flush=True)
+            auth = f"-H 'Authorization: Bearer {stack.api_key}' "
+        print(f"talaria: try  curl -s {stack.gateway_url}/v1/chat/completions {auth}-H 'X-Session-Id: demo' "
               "-H 'Content-Type: application/json' -d '{\"model\":\"qwen3-tiny\",\"messages\":"
               "[{\"role\":\"user\",\"content\":\"hello\"}],\"max_tokens\":16,\"temperature\":0}'", flush=True)
         print("talaria: Ctrl-C stops everything", flush=True)
@@ -139,7 +146,7 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
             if not args.database:
                 print("talaria replay: --nats needs --database too", file=sys.stderr)
                 return 2
-            nats_url, db_url = args.nats, args.database
+            nats_url, db_url, api_key = args.nats, args.database, os.environ.get("TALARIA_API_KEY")
         else:
             data_dir = Path(args.data_dir) if args.data_dir else Path(tempfile.mkdtemp(prefix="talaria-replay-"))
             run_settings = _apply_ablation(settings.with_(policy=args.policy or settings.policy,
@@ -147,12 +154,12 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
             _check_policy(run_settings.policy)
             stack = Stack(run_settings, agents=args.agents).start(progress=lambda m: print(f"talaria: {m}",
                                                                                         file=sys.stderr))
-            nats_url, db_url = stack.nats_url, stack.database_url
+            nats_url, db_url, api_key = stack.client_nats_url, stack.database_url, stack.api_key
         run_id = f"replay-{uuid.uuid4().hex[:8]}"
         print(f"talaria replay: {len(sessions)} sessions, {sum(len(s.calls) for s in sessions)} calls, "
               f"{gaps.describe()}, token scale {cfg.token_scale:g}", file=sys.stderr)
         t0 = time.monotonic()
-        stats = asyncio.run(Replayer(nats_url, cfg, gaps, run_id).run(sessions))
+        stats = asyncio.run(Replayer(nats_url, cfg, gaps, run_id, api_key).run(sessions))
         metrics = asyncio.run(metrics_from_db(db_url, run_id, stats.calls_sent))
         result = {"run_id": run_id, "policy": args.policy or settings.policy, "gaps": gaps.describe(),
                   "ablations": {k: getattr(args, k) for k in ("no_sp", "no_hkvr", "no_staging", "round_only")},

@@ -77,7 +77,7 @@ def write_key_file(path: Path, entries: list[tuple[str, str]]) -> None:
     """Write hashes only, readable by the owner only."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", opener=lambda p, flags: os.open(p, flags, 0o600)) as fd:
+    with open(path, "w", opener=lambda p, flags: os.open(p, flags, 0o600)) as fd:
         fd.writelines(f"{tenant} {digest}\n" for tenant, digest in entries)
     path.chmod(0o600)
 
