@@ -201,7 +201,7 @@ class RouterService:
             return
         if not trusted(msg, event):  # e.g. a CallCompleted not from an agent: never folded in
             self.log.error("event from a service that does not own it dropped", subject=msg.subject,
-                           sender=sender_of(msg), event=type(event).__name__)
+                           sender=sender_of(msg), event_type=type(event).__name__)
             await msg.term()
             return
         call_id = getattr(event, "call_id", None)

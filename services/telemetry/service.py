@@ -125,7 +125,7 @@ async def _apply_batch(db, msgs, offset: int, spans: SessionSpans, log) -> int:
                 continue
             if not trusted(msg, event):  # only an event's owning service may write its row
                 log.error("event from a service that does not own it skipped", seq=seq, subject=msg.subject,
-                          sender=sender_of(msg), event=type(event).__name__)
+                          sender=sender_of(msg), event_type=type(event).__name__)
                 offset = seq
                 continue
             try:
