@@ -82,7 +82,7 @@ def event_subject(event: msgspec.Struct) -> str:
         case m.CallRouted():
             return subjects.call_routed(event.instance_id)
         case _:
-            return _SUBJECT_BY_TYPE[type(event).__name__]
+            return getattr(subjects, _SUBJECT_BY_TYPE[type(event).__name__])
 
 
 def event_msg_id(event: msgspec.Struct) -> str | None:
@@ -102,18 +102,18 @@ def event_msg_id(event: msgspec.Struct) -> str | None:
             return None
 
 
-_SUBJECT_BY_TYPE = {
-    "CallSubmitted": subjects.CALL_SUBMITTED,
-    "CallStarted": subjects.CALL_STARTED,
-    "CallCompleted": subjects.CALL_COMPLETED,
-    "CallFailed": subjects.CALL_FAILED,
-    "LeaseIssued": subjects.LEASE_ISSUED,
-    "LeaseConsumed": subjects.LEASE_CONSUMED,
-    "LeaseDiscarded": subjects.LEASE_DISCARDED,
-    "LeaseExpired": subjects.LEASE_EXPIRED,
-    "RoutingDecision": subjects.ROUTING_DECISION,
-    "SwitchDone": subjects.SWITCH_DONE,
-    "RoundSummary": subjects.ROUND_SUMMARY,
+_SUBJECT_BY_TYPE = {  # attribute names: subjects are read at call time (deployment prefix)
+    "CallSubmitted": "CALL_SUBMITTED",
+    "CallStarted": "CALL_STARTED",
+    "CallCompleted": "CALL_COMPLETED",
+    "CallFailed": "CALL_FAILED",
+    "LeaseIssued": "LEASE_ISSUED",
+    "LeaseConsumed": "LEASE_CONSUMED",
+    "LeaseDiscarded": "LEASE_DISCARDED",
+    "LeaseExpired": "LEASE_EXPIRED",
+    "RoutingDecision": "ROUTING_DECISION",
+    "SwitchDone": "SWITCH_DONE",
+    "RoundSummary": "ROUND_SUMMARY",
 }
 
 

@@ -82,7 +82,15 @@ def owner_sender(event) -> str:
 
 def permissions(role: str, prefix: str = "talaria", instance_id: str | None = None) -> dict:
     """NATS publish/subscribe permissions of one service user (nats-server config format)."""
-    evt, js = f"{prefix}.evt", ["$JS.API.>", "$JS.ACK.>"]
+    from talaria.shared.subjects import stream_name
+
+    stream = stream_name(prefix)
+    evt = f"{prefix}.evt"
+    # JetStream API on this deployment's stream only: create/inspect it and its consumers,
+    # fetch and ack; no other stream, and no STREAM.DELETE / PURGE.
+    js = ["$JS.API.INFO", *(f"$JS.API.STREAM.{op}.{stream}" for op in ("INFO", "CREATE", "UPDATE")),
+          f"$JS.API.CONSUMER.*.{stream}", f"$JS.API.CONSUMER.*.{stream}.>", f"$JS.API.CONSUMER.*.*.{stream}.>",
+          f"$JS.ACK.{stream}.>"]
     inbox = [f"{SERVICE_INBOX}.>"]
     watch = [f"{prefix}.telemetry.*", f"{prefix}.health.*"]
     if role == "gateway":

@@ -60,6 +60,7 @@ class Settings:
     traces_dir: Path | None = None  # spans as JSON lines when no OTLP endpoint is set
     otlp_endpoint: str | None = None
     # -- security (README "Security") ----------------------------------------------------
+    deployment: str = "talaria"  # prefixes every NATS subject and the stream (shared/subjects.py)
     nats_user: str | None = None  # NATS credentials: user+password, token, nkey seed file or creds file
     nats_password: str | None = None
     nats_token: str | None = None
@@ -116,6 +117,11 @@ class Settings:
 
 
     def _validate_security(self) -> None:
+        import re
+
+        if not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", self.deployment):
+            raise SettingsError("TALARIA_DEPLOYMENT", self.deployment,
+                                "1-32 lowercase letters, digits, '_' or '-', starting with a letter")
         methods = [n for n in ("nats_user", "nats_token", "nats_nkey_seed", "nats_creds") if getattr(self, n)]
         if len(methods) > 1:
             raise SettingsError(f"TALARIA_{methods[1].upper()}", str(getattr(self, methods[1])),

@@ -105,7 +105,20 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     if not settings.database_url:
         print("talaria migrate: set TALARIA_DATABASE_URL", file=sys.stderr)
         return 2
-    upgrade(settings.database_url)
+    admin = os.environ.get("TALARIA_DATABASE_ADMIN_URL")
+    if admin:  # first set up the application role of TALARIA_DATABASE_URL (README: Security)
+        import asyncio
+        from urllib.parse import urlsplit
+
+        from talaria.shared.db.roles import ensure_app_role
+
+        app = urlsplit(settings.database_url)
+        if not app.username or not app.password:
+            print("talaria migrate: TALARIA_DATABASE_URL must name the application role and its password",
+                  file=sys.stderr)
+            return 2
+        asyncio.run(ensure_app_role(admin, app.username, app.password))
+    upgrade(settings.database_url)  # as the application role: it owns the schema
     print("talaria: schema is at head")
     return 0
 
@@ -234,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"talaria: configuration error: {exc}", file=sys.stderr)
         return 2
     from talaria.services.router.policy.registry import UnknownPolicyError
+    from talaria.shared import subjects
+
+    subjects.configure(settings.deployment)  # `talaria replay` speaks to this deployment
 
     handlers = {"up": cmd_up, "migrate": cmd_migrate, "trace": cmd_trace, "audit": cmd_audit,
                 "replay": cmd_replay}

@@ -79,6 +79,7 @@ class EmbeddedNats:
     port: int = 0
     proc: subprocess.Popen | None = None
     users: dict | None = None  # nats_auth.generate_users(...): per-service users and permissions
+    prefix: str = "talaria"  # the deployment whose subjects the permissions name
 
     @property
     def url(self) -> str:
@@ -112,7 +113,7 @@ class EmbeddedNats:
 
         path = self.data_dir / "auth.conf"
         with open(path, "w", opener=lambda p, flags: os.open(p, flags, 0o600)) as f:
-            json.dump({"authorization": authorization_block(self.users)}, f, indent=1)
+            json.dump({"authorization": authorization_block(self.users, self.prefix)}, f, indent=1)
         path.chmod(0o600)
         return path
 

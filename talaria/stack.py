@@ -115,7 +115,7 @@ class Stack:
         else:
             progress("starting embedded NATS (JetStream) with per-service users")
             self.nats_users = generate_users(self._agent_ids())
-            nats = EmbeddedNats(data / "nats", users=self.nats_users)
+            nats = EmbeddedNats(data / "nats", users=self.nats_users, prefix=self.settings.deployment)
             self.embedded.append(nats)  # before start(): stop() must reach a half-started server
             self.nats_url = nats.start().url
         if self.settings.database_url:
@@ -140,7 +140,7 @@ class Stack:
             "TALARIA_HKVR": str(s.hkvr), "TALARIA_STAGING": str(s.staging),
             "TALARIA_MODELS": ",".join(s.models), "TALARIA_DEVICE": s.device,
             "TALARIA_HTTP_HOST": s.http_host, "TALARIA_SESSION_IDLE_S": str(s.session_idle_s),
-            "TALARIA_LOG_LEVEL": s.log_level, "PYTHONUNBUFFERED": "1",
+            "TALARIA_LOG_LEVEL": s.log_level, "TALARIA_DEPLOYMENT": s.deployment, "PYTHONUNBUFFERED": "1",
         })
         if self.api_key is not None:
             env["TALARIA_API_KEYS_FILE"] = str((s.data_dir / "api_keys").resolve())

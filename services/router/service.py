@@ -41,8 +41,13 @@ from talaria.shared.settings import Settings, SettingsError
 from talaria.shared.tracing import extract_context
 
 DURABLE = "router"
-INPUT_SUBJECTS = [subjects.CALL_SUBMITTED, subjects.CALL_COMPLETED, subjects.CALL_FAILED,
-                  subjects.ROUND_SUMMARY, subjects.SWITCH_DONE]
+
+
+def input_subjects() -> list[str]:
+    return [subjects.CALL_SUBMITTED, subjects.CALL_COMPLETED, subjects.CALL_FAILED,
+            subjects.ROUND_SUMMARY, subjects.SWITCH_DONE]
+
+
 FORGET_AFTER_S = 30.0  # an instance silent this long is dropped from the table (its leases too)
 TICK_S = 0.05
 # After a (re)start, listen to heartbeats before deciding: routing with an empty instance
@@ -87,7 +92,7 @@ class RouterService:
             if await self._consumer_exists() else await self.js.pull_subscribe(
                 "", durable=DURABLE, stream=subjects.EVENTS_STREAM,
                 config=ConsumerConfig(durable_name=DURABLE, ack_policy=AckPolicy.EXPLICIT,
-                                      deliver_policy=DeliverPolicy.ALL, filter_subjects=INPUT_SUBJECTS,
+                                      deliver_policy=DeliverPolicy.ALL, filter_subjects=input_subjects(),
                                       ack_wait=30, max_deliver=MAX_DELIVER))
         tasks = [asyncio.create_task(self._consume(sub, stop)), asyncio.create_task(self._tick(stop)),
                  asyncio.create_task(self._save_loop(store, stop)),

@@ -4,6 +4,7 @@ must be refused. (On the code before the issue each of these succeeded.)"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 
 import aiohttp
@@ -266,3 +267,29 @@ async def test_app_role_cannot_run_programs_and_migrations_run_as_the_owner(post
         admin = await asyncpg.connect(asyncpg_dsn(postgres_server))
         await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         await admin.close()
+
+
+async def test_two_deployments_share_one_nats_without_seeing_each_others_calls(nats_url, database_url, db, tmp_path):
+    """Deployment `blue` on the NATS that also holds deployment `talaria`'s stream: blue's
+    calls are served on blue's subjects and stream; nothing lands in talaria's."""
+    nc, js = await connect(nats_url, "talaria-test")  # creates TALARIA_EVENTS, as a `talaria` service would
+    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
+                        session_idle_s=3600, call_timeout_s=60, deployment="blue")
+    services = Services()
+    subjects.configure("blue")  # what runtime.main does in each of blue's processes
+    try:
+        with contextlib.suppress(Exception):
+            await js.delete_stream("BLUE_EVENTS")  # an external NATS may keep one from an earlier run
+        await start_stack(services, settings)
+        await router_ready(nats_url, type("anon", (), {"options": lambda self: {}})())
+        status, body = await chat(settings, "blue call", None, "blue-1")
+        assert status == 200, body
+        await wait_rows(db, "SELECT * FROM calls WHERE session_id='blue-1' AND outcome='completed'", 1)
+        assert (await js.stream_info("BLUE_EVENTS")).state.messages > 0
+        assert (await js.stream_info("TALARIA_EVENTS")).state.messages == 0
+    finally:
+        await services.close()
+        subjects.configure("talaria")
+        with contextlib.suppress(Exception):
+            await js.delete_stream("BLUE_EVENTS")
+        await nc.close()

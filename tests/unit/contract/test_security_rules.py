@@ -75,6 +75,10 @@ def test_nats_clients_may_only_call_the_api_and_read_their_inboxes():
     assert "talaria.telemetry.agent-0" in agent and not any("routed" in s or "submitted" in s for s in agent)
     with pytest.raises(ValueError):
         permissions("agent")
+    blue = [s for role in ("gateway", "router", "telemetry", "client") for kind in ("publish", "subscribe")
+            for s in permissions(role, "blue")[kind]["allow"]]
+    assert not any(s.startswith("talaria.") or "TALARIA_EVENTS" in s for s in blue)  # deployments disjoint
+    assert not any("STREAM.DELETE" in s or "STREAM.PURGE" in s or s == "$JS.API.>" for s in blue)
 
 
 @pytest.mark.parametrize("env, variable", [
