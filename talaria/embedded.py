@@ -167,7 +167,7 @@ class EmbeddedPostgres:
         self._load_passwords()
         if os.geteuid() == 0:
             self.user = _prepare_root(pgdata, bin_dir)
-        legacy = (pgdata / "PG_VERSION").exists() and "scram-sha-256" not in (pgdata / "pg_hba.conf").read_text()
+        legacy = (pgdata / "PG_VERSION").exists() and not _password_required(pgdata / "pg_hba.conf")
         if not (pgdata / "PG_VERSION").exists():
             pwfile = self.data_dir.resolve() / "initdb.pw"  # outside pgdata: initdb wants it empty
             with open(pwfile, "w", opener=lambda p, flags: os.open(p, flags, 0o600)) as f:
@@ -250,6 +250,13 @@ class EmbeddedPostgres:
 
     def stop(self) -> None:
         _stop(self.proc, signal.SIGINT)  # SIGINT = fast shutdown: abort sessions, checkpoint
+
+
+def _password_required(hba: Path) -> bool:
+    """Do TCP connections need a password? (Clusters from before issue 14 trusted everyone.)"""
+    rules = [line.split() for line in hba.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    host = [r for r in rules if r[0].startswith("host")]
+    return bool(host) and all(r[-1] in ("scram-sha-256", "md5", "reject") for r in host)
 
 
 def _prepare_root(pgdata: Path, bin_dir: Path) -> str:

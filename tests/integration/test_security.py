@@ -293,3 +293,29 @@ async def test_two_deployments_share_one_nats_without_seeing_each_others_calls(n
         with contextlib.suppress(Exception):
             await js.delete_stream("BLUE_EVENTS")
         await nc.close()
+
+
+async def test_embedded_postgres_requires_passwords_even_on_a_data_dir_from_before(tmp_path):
+    """A `.talaria/` from before issue 14 holds a trust-auth cluster: its next start sets
+    passwords and requires them; services get the application role, never the superuser."""
+    import os
+    import subprocess
+
+    from talaria.embedded import EmbeddedPostgres, _prepare_root
+    from embedded_postgres._commands import POSTGRES_BIN_PATH
+
+    pgdata = (tmp_path / "pg").resolve() / "pgdata"
+    pgdata.mkdir(parents=True)
+    user = _prepare_root(pgdata, POSTGRES_BIN_PATH) if os.geteuid() == 0 else None
+    subprocess.run([str(POSTGRES_BIN_PATH / "initdb"), "-D", str(pgdata), "-U", "postgres", "--auth=trust",
+                    "--no-sync"], check=True, user=user, capture_output=True)
+    server = await asyncio.get_running_loop().run_in_executor(None, EmbeddedPostgres(tmp_path / "pg").start)
+    try:
+        assert (tmp_path / "pg" / "credentials.json").stat().st_mode & 0o777 == 0o600
+        conn = await asyncpg.connect(asyncpg_dsn(server.url))
+        assert await conn.fetchval("SELECT rolsuper FROM pg_roles WHERE rolname = current_user") is False
+        await conn.close()
+        with pytest.raises(asyncpg.exceptions.InvalidPasswordError):
+            await asyncpg.connect(f"postgresql://postgres@127.0.0.1:{server.port}/talaria")
+    finally:
+        server.stop()
