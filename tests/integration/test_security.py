@@ -319,3 +319,43 @@ async def test_embedded_postgres_requires_passwords_even_on_a_data_dir_from_befo
             await asyncpg.connect(f"postgresql://postgres@127.0.0.1:{server.port}/talaria")
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("kind", ["user", "token", "nkey"])
+async def test_external_nats_credentials_from_settings(kind, tmp_path):
+    """Each credential kind an external NATS may demand, read from the environment."""
+    import json
+    import os
+    import subprocess
+
+    import nkeys
+
+    from talaria.embedded import nats_server_binary, wait_for_port
+
+    env: dict[str, str] = {}
+    if kind == "user":
+        auth, env = {"users": [{"user": "svc", "password": "pw-123"}]}, {"TALARIA_NATS_USER": "svc",
+                                                                         "TALARIA_NATS_PASSWORD": "pw-123"}
+    elif kind == "token":
+        auth, env = {"token": "tok-123"}, {"TALARIA_NATS_TOKEN": "tok-123"}
+    else:
+        seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+        (tmp_path / "user.nk").write_bytes(seed)
+        public = nkeys.from_seed(bytearray(seed)).public_key.decode()
+        auth, env = {"users": [{"nkey": public}]}, {"TALARIA_NATS_NKEY_SEED": str(tmp_path / "user.nk")}
+    port = free_port()
+    (tmp_path / "nats.conf").write_text(json.dumps({"authorization": auth}))
+    proc = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd",
+                             str(tmp_path / "js"), "-c", str(tmp_path / "nats.conf"), "-l", str(tmp_path / "log")])
+    try:
+        wait_for_port(port, proc, "nats", 20, tmp_path / "log")
+        url = f"nats://127.0.0.1:{port}"
+        settings = Settings.from_env({"TALARIA_NATS_URL": url, **env})
+        nc, js = await connect(url, "talaria-gateway", **settings.nats_options())
+        assert (await js.stream_info(subjects.EVENTS_STREAM)).config.name == subjects.EVENTS_STREAM
+        await nc.close()
+        with pytest.raises(Exception):
+            await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=3)
+    finally:
+        proc.terminate()
+        proc.wait(10)
