@@ -123,6 +123,25 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def cmd_nats_config(args: argparse.Namespace, settings: Settings) -> int:
+    """The embedded server's users and permissions, for an operator's NATS (README: Security)."""
+    from talaria.shared.nats_auth import authorization_block, generate_users
+    from talaria.stack import write_private
+
+    agents = [a.strip() for a in args.agents.split(",") if a.strip()]
+    users = generate_users(agents)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_private(out / "auth.conf", json.dumps({"authorization": authorization_block(users, settings.deployment)},
+                                                indent=1))
+    for key, user in users.items():
+        env = {**user.env(), "TALARIA_DEPLOYMENT": settings.deployment}
+        write_private(out / f"{key}.env", "".join(f"{k}={v}\n" for k, v in env.items()))
+    print(f"talaria: wrote {out / 'auth.conf'} (include it from nats-server.conf) and "
+          f"{', '.join(f'{k}.env' for k in users)}: one per service, mode 0600")
+    return 0
+
+
 def cmd_trace(args: argparse.Namespace, settings: Settings) -> int:
     from talaria.timeline import print_timeline
 
@@ -209,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--models", default=None, help="comma-separated models each agent serves")
     _ablation_flags(up)
     sub.add_parser("migrate", help="apply database migrations to TALARIA_DATABASE_URL")
+    nc = sub.add_parser("nats-config", help="write per-service NATS users and permissions for an external NATS")
+    nc.add_argument("out", help="directory for auth.conf (include it in nats-server.conf) and one .env per service")
+    nc.add_argument("--agents", default="agent-0,agent-1", help="comma-separated instance ids")
     tr = sub.add_parser("trace", help="print a session's timeline from exported spans")
     tr.add_argument("session", nargs="?", help="session id (default: list sessions)")
     tr.add_argument("--traces-dir", default=None)
@@ -251,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
 
     subjects.configure(settings.deployment)  # `talaria replay` speaks to this deployment
 
-    handlers = {"up": cmd_up, "migrate": cmd_migrate, "trace": cmd_trace, "audit": cmd_audit,
+    handlers = {"up": cmd_up, "migrate": cmd_migrate, "nats-config": cmd_nats_config, "trace": cmd_trace, "audit": cmd_audit,
                 "replay": cmd_replay}
     try:
         return handlers[args.command](args, settings)

@@ -103,3 +103,16 @@ def test_nats_credentials_reach_the_client_and_passwords_are_redacted():
     assert s.nats_options() == {"user": "router", "password": "pw"}
     assert Settings.from_env({"TALARIA_NATS_TOKEN": "t"}).nats_options() == {"token": "t"}
     assert redact_url("postgresql://talaria:secret@h:5/db") == "postgresql://talaria:***@h:5/db"
+
+
+def test_nats_config_command_writes_private_users_for_an_external_nats(tmp_path):
+    import json
+
+    from talaria.cli import main
+
+    assert main(["nats-config", str(tmp_path), "--agents", "a0"]) == 0
+    conf = json.loads((tmp_path / "auth.conf").read_text())
+    names = {u["user"] for u in conf["authorization"]["users"]}
+    assert names == {"talaria-gateway", "talaria-router", "talaria-telemetry", "talaria-client", "talaria-agent-a0"}
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in tmp_path.iterdir())
+    assert "TALARIA_NATS_USER=talaria-router" in (tmp_path / "router.env").read_text()
