@@ -7,7 +7,7 @@ import pytest
 from talaria.services.instance_agent.core import AgentCore
 from talaria.services.instance_agent.scheduler import Decode, Idle, Prefill, SchedulerConfig, SwitchModel
 from talaria.services.instance_agent.scheduler.costs import decode_steps_s, first_step_reaching
-from tests.unit.scheduler.sched_driver import COSTS
+from sched_driver import COSTS
 
 MEMORY = SimpleNamespace(kv_capacity_tokens=1000, kv_used_tokens=0, staging_free_bytes=0, hbm_bytes=1,
                          hbm_used_bytes=0, prefill_tok_s=1.0, decode_tok_s=1.0, restore_tok_s=1.0)
