@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from talaria.embedded import free_port  # noqa: E402
+from talaria.services.gateway.auth import client_session, scoped_session  # noqa: E402
 from talaria.shared.settings import asyncpg_dsn  # noqa: E402
 
 MODELS = ("qwen3-tiny", "gpt2-tiny", "qwen3-moe-tiny")
@@ -51,6 +52,7 @@ FAULT_AT_S = 2.0
 CLIENT_TIMEOUT_S = 45.0  # an attempt with no answer by then is counted lost
 CALL_TIMEOUT_S = 30.0  # the gateway's: calls carry this deadline
 RETRY_BUDGET_S = 90.0  # a logical call keeps retrying retryable errors this long
+TENANT, API_KEY = "bench", "bench-faults-key-0123456789"  # configured: the same across restarts
 SETTLE_S = 60.0  # > telemetry's ack_wait (30 s): a killed projector's batch comes back after it
 FAULTS = ("kill-router", "kill-agent", "kill-telemetry", "kill-gateway", "postgres-immediate",
           "nats-pause", "restart-after-ctrl-c")
@@ -89,6 +91,7 @@ class UpProcess:
 
     def start(self, timeout: float = 240.0) -> float:
         env = dict(os.environ, PYTHONUNBUFFERED="1", TALARIA_CALL_TIMEOUT_S=str(CALL_TIMEOUT_S),
+                   TALARIA_API_KEYS=f"{TENANT}:{API_KEY}",
                    TALARIA_LOG_LEVEL="info", PYTHONPATH=str(ROOT))
         t0 = time.monotonic()
         self.proc = subprocess.Popen(
@@ -119,7 +122,7 @@ class UpProcess:
 
 
 async def one_call(http: aiohttp.ClientSession, url: str, phase: Phase, session: str, index: int,
-                   model: str, history: list[dict]) -> bool:
+                   model: str, history: list[dict], key: str) -> bool:
     body = {"model": model, "messages": history, "max_tokens": 4, "temperature": 0}
     give_up = time.monotonic() + RETRY_BUDGET_S
     while True:
@@ -127,7 +130,7 @@ async def one_call(http: aiohttp.ClientSession, url: str, phase: Phase, session:
         phase.attempts.append(a)
         retry_after = 0.5
         try:
-            async with http.post(url, json=body, headers={"X-Session-Id": session},
+            async with http.post(url, json=body, headers={"X-Session-Id": session, "Authorization": f"Bearer {key}"},
                                  timeout=aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)) as r:
                 a.status = r.status
                 data = await r.json(content_type=None)
@@ -149,12 +152,13 @@ async def one_call(http: aiohttp.ClientSession, url: str, phase: Phase, session:
         await asyncio.sleep(min(retry_after, 1.0))
 
 
-async def run_session(http, url: str, phase: Phase, session: str, calls: int, rng: random.Random) -> None:
+async def run_session(http, url: str, key: str, phase: Phase, session: str, calls: int,
+                      rng: random.Random) -> None:
     model = MODELS[rng.randrange(len(MODELS))]
     history: list[dict] = []
     for i in range(calls):
         history.append({"role": "user", "content": f"step {i}: run the tool and report " + "x" * rng.randrange(20)})
-        if await one_call(http, url, phase, session, i, model, history):
+        if await one_call(http, url, phase, session, i, model, history, key):
             phase.ok += 1
         else:
             phase.gave_up += 1
@@ -164,9 +168,10 @@ async def run_session(http, url: str, phase: Phase, session: str, calls: int, rn
 
 async def load(up: UpProcess, phase: Phase, sessions: int, calls: int, inject, seed: int) -> None:
     url = f"http://127.0.0.1:{up.port}/v1/chat/completions"
+    key = API_KEY
     rng = random.Random(seed)
     async with aiohttp.ClientSession() as http:
-        tasks = [asyncio.create_task(run_session(http, url, phase, f"{phase.fault}-{seed}-s{k}", calls,
+        tasks = [asyncio.create_task(run_session(http, url, key, phase, f"{phase.fault}-{seed}-s{k}", calls,
                                                  random.Random(rng.random()))) for k in range(sessions)]
         await asyncio.sleep(FAULT_AT_S)
         phase.fault_at = time.monotonic()
@@ -206,18 +211,20 @@ def injector(up: UpProcess, fault: str, phase: Phase):
 
 
 async def rows(db_url: str, prefix: str) -> tuple[dict, dict]:
+    """Per session (as the client named it): call rows by outcome, and its `sessions` row."""
+    like = scoped_session(TENANT, prefix) + "%"  # services see sessions scoped to the key's tenant
     conn = await asyncpg.connect(asyncpg_dsn(db_url))
     try:
         calls = await conn.fetch("SELECT session_id, outcome, count(*) AS n FROM calls WHERE session_id LIKE $1 "
-                                 "GROUP BY 1, 2", prefix + "%")
+                                 "GROUP BY 1, 2", like)
         sess = await conn.fetch("SELECT session_id, calls, completed, failed FROM sessions WHERE session_id LIKE $1",
-                                prefix + "%")
+                                like)
     finally:
         await conn.close()
     by_session: dict[str, dict[str, int]] = {}
     for r in calls:
-        by_session.setdefault(r["session_id"], {})[r["outcome"]] = r["n"]
-    return by_session, {r["session_id"]: dict(r) for r in sess}
+        by_session.setdefault(client_session(TENANT, r["session_id"]), {})[r["outcome"]] = r["n"]
+    return by_session, {client_session(TENANT, r["session_id"]): dict(r) for r in sess}
 
 
 async def settle(db_url: str, prefix: str) -> tuple[dict, dict]:

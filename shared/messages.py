@@ -43,6 +43,7 @@ class CallRequest(Struct, frozen=True):
     seed: int | None = None
     stop: list[str] = []
     stream: bool = False
+    api_key: str | None = None  # required when the gateway has API keys configured
 
 
 class Usage(Struct, frozen=True):
@@ -119,6 +120,8 @@ class CallSubmitted(Struct, frozen=True, tag="call.submitted"):
     # When the client stops waiting (epoch s; 0 = never): work still queued or running after
     # it is dropped by the agent, recorded as a failed call (nobody would read the answer).
     deadline_at: float = 0.0
+    tenant: str = ""  # the API key's tenant; "" when the gateway has no keys
+    kv_scope: str = ""  # salt of block_hashes: KV prefixes are reused only within one scope
     # Simulator only: a token count without materialised ids (talaria/sim); 0 = use ids.
     prompt_tokens_hint: int = 0
 

@@ -20,8 +20,11 @@ TIMEOUT_S = 3.0  # heartbeats come every 0.5 s: several must be missed to fail
 async def _heard(subject: str, timeout: float) -> bool:
     import nats
 
-    nc = await nats.connect(os.environ.get("TALARIA_NATS_URL", "nats://127.0.0.1:4222"), connect_timeout=timeout,
-                            allow_reconnect=False)
+    from talaria.shared.settings import Settings
+
+    settings = Settings.from_env()  # the service's own NATS URL and credentials
+    nc = await nats.connect(settings.nats_url or "nats://127.0.0.1:4222", connect_timeout=timeout,
+                            allow_reconnect=False, **settings.nats_options())
     try:
         sub = await nc.subscribe(subject)
         await sub.next_msg(timeout=timeout)
@@ -35,6 +38,7 @@ async def _heard(subject: str, timeout: float) -> bool:
 def check(service: str, timeout: float = TIMEOUT_S) -> str | None:
     """None when healthy, else why not."""
     try:
+        subjects.configure(os.environ.get("TALARIA_DEPLOYMENT", "talaria"))
         if service == "gateway":
             port = os.environ.get("TALARIA_HTTP_PORT", "8000")
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=timeout) as r:

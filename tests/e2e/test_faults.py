@@ -7,6 +7,7 @@ rows in Postgres agree with what the clients were told."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,14 +20,16 @@ ROOT = Path(__file__).resolve().parents[2]
 def load_bench():
     spec = importlib.util.spec_from_file_location("faults_bench", ROOT / "bench" / "faults.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
 
 def test_killing_an_agent_mid_load_loses_nothing_and_runs_nothing_twice(tmp_path):
     bench = load_bench()
-    [result] = bench.run(["kill-agent"], sessions=12, calls=3, data_dir=tmp_path)
-    assert result["ok"] == 36, result
+    [result] = bench.run(["kill-agent"], sessions=12, calls=6, data_dir=tmp_path)
+    assert result["ok"] == 72, result
+    assert result["inflight_wait_s"] > 0, "the fault must hit while calls are in flight"
     assert (result["lost"], result["twice"], result["rows_wrong"]) == (0, 0, 0), result
     # in-flight calls on the dead agent were answered by heartbeat loss, far below the call timeout
     assert result["inflight_wait_s"] < bench.CALL_TIMEOUT_S / 2, result

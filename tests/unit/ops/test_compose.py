@@ -55,3 +55,15 @@ def test_healthcheck_says_why_in_one_line_when_nothing_answers(monkeypatch):
         why = check(service, timeout=1.0)
         assert why and "\n" not in why
     assert "unknown service" in check("nope")
+
+
+def test_nats_its_monitor_and_postgres_are_not_published_outside_compose():
+    import yaml
+
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    for name in ("nats", "postgres"):
+        assert "ports" not in services[name], f"{name} must stay on the internal network"
+    assert all(not p.startswith(("4222", "8222", "5432")) for s in services.values() for p in s.get("ports", []))
+    assert services["postgres"]["environment"]["POSTGRES_USER"] == "postgres"  # the app role is not it
+    assert "talaria:" in services["migrate"]["environment"]["TALARIA_DATABASE_URL"] or \
+        "TALARIA_DATABASE_ADMIN_URL" in services["migrate"]["environment"]
