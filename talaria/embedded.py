@@ -254,7 +254,10 @@ class EmbeddedPostgres:
         self.proc = subprocess.Popen(
             [str(bin_dir / "postgres"), "-D", str(pgdata), "-p", str(self.port),
              "-h", "127.0.0.1", "-k", str(pgdata), "-c", "fsync=off",
-             "-c", "synchronous_commit=off", "-c", "full_page_writes=off", "-c", "max_connections=200"],
+             # synchronous_commit stays on: a commit returns once its WAL is written, so a
+             # crashed server (pg_ctl stop -m immediate) keeps every transaction telemetry
+             # acknowledged. fsync=off only trades durability against an OS crash.
+             "-c", "full_page_writes=off", "-c", "max_connections=200"],
             user=self.user, stdin=subprocess.DEVNULL, stdout=log.open("ab"), stderr=subprocess.STDOUT,
             start_new_session=True,
         )

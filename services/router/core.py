@@ -21,7 +21,7 @@ from talaria.shared.messages import (
 
 # An agent is declared lost after this many of its own heartbeat intervals without a snapshot
 # (the interval is in each snapshot, so the bound follows the agent's configuration).
-LOST_AFTER_BEATS = 6
+LOST_AFTER_BEATS = 4
 
 
 class RouterCore:
