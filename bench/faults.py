@@ -307,6 +307,27 @@ def goals_met(r: dict) -> bool:
     return r["lost"] == 0 and r["twice"] == 0 and r["rows_wrong"] == 0 and fast
 
 
+# Why a fault misses a goal, where the cause is known (shown only for faults that miss).
+CAUSES = {
+    "kill-gateway": "calls the killed gateway had already submitted kept running: their clients had "
+                    "been disconnected and retried, so the same logical call ran twice (the orphan's row "
+                    "is `completed`, and so is the retry's). An OpenAI client's retry is a new request with "
+                    "no idempotency key, so nothing ties it to the orphan. Not fixed here: it needs an "
+                    "`Idempotency-Key` the gateway honours (a retry attaches to the original call and its "
+                    "stored outcome) — dropping a dead gateway's calls at the agents would not catch calls "
+                    "that finish within the 2 s detection, as these did.",
+    "kill-telemetry": "the projector (telemetry) lost or double-counted events around the kill: a "
+                      "`calls` row or a `sessions` counter disagrees with what the clients were told. The "
+                      "projection's exactly-once work (ack after a durable commit, idempotent re-delivery, "
+                      "quarantine) is issue 15 item 5, done separately.",
+    "postgres-immediate": "rows lost or left not final after `pg_ctl stop -m immediate`: telemetry "
+                          "acknowledged events whose transaction the crash undid (see kill-telemetry).",
+    "kill-agent": "the dead agent's calls wait for heartbeat loss (4 beats = 2 s), then the client's "
+                  "Retry-After (1 s, HTTP's smallest), then a survivor that just took twice the load.",
+    "nats-pause": "not a service fault: every call waits for the 5 s pause itself.",
+}
+
+
 def write_markdown(results: list[dict], sessions: int, calls: int, path: Path, command: str) -> None:
     lines = [
         "# Fault injection on a real stack",
@@ -326,7 +347,16 @@ def write_markdown(results: list[dict], sessions: int, calls: int, path: Path, c
             f"{r['twice']} | {r['rows_wrong']} | {r['recovery_s']:.1f} | {r['inflight_wait_s']:.1f} | "
             f"{r['rows_final_s']:.1f} | "
             f"{'met' if goals_met(r) else 'MISSED'} | {r['note']} |")
-    lines += ["", "Goals: 0 lost, 0 executed twice, 0 rows wrong, recovery < 5 s for every service fault.", ""]
+    lines += ["", "Goals: 0 lost, 0 executed twice, 0 rows wrong, recovery < 5 s for every service fault.",
+              "restart-after-ctrl-c counts recovery from \"ready\" again; the errors before it are the stack "
+              "being down (refused connections, then 503 `no_capacity` while the gateway is up before the "
+              "agents). nats-pause is not a service fault (calls wait out the 5 s pause). Measured on the "
+              "shared 2-core CPU machine; per-session details in `faults.json`.", ""]
+    missed = [r for r in results if not goals_met(r)]
+    if missed:
+        lines += ["## Misses and their causes", ""]
+        lines += [f"- **{r['fault']}**: {CAUSES.get(r['fault'], 'cause not yet known')}" for r in missed]
+        lines.append("")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
 
@@ -338,14 +368,20 @@ def main() -> int:
     ap.add_argument("--faults", default="all", help=f"comma-separated among {', '.join(FAULTS)}")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/faults.md")
+    ap.add_argument("--report-only", action="store_true", help="rewrite the Markdown from the saved JSON")
     args = ap.parse_args()
+    out = ROOT / args.out
+    command = f"python bench/faults.py --sessions {args.sessions} --calls {args.calls} --faults {args.faults}"
+    if args.report_only:
+        write_markdown(json.loads(out.with_suffix(".json").read_text()), args.sessions, args.calls, out, command)
+        print(out.read_text())
+        return 0
     faults = list(FAULTS) if args.faults == "all" else [f.strip() for f in args.faults.split(",")]
     unknown = [f for f in faults if f not in FAULTS]
     if unknown:
         print(f"faults: unknown fault {unknown[0]}; known: {', '.join(FAULTS)}", file=sys.stderr)
         return 2
     results = run(faults, args.sessions, args.calls, seed=args.seed)
-    command = f"python bench/faults.py --sessions {args.sessions} --calls {args.calls} --faults {args.faults}"
     write_markdown(results, args.sessions, args.calls, ROOT / args.out, command)
     (ROOT / args.out).with_suffix(".json").write_text(json.dumps(results, indent=2))
     print((ROOT / args.out).read_text())
