@@ -22,6 +22,7 @@ from talaria.services.gateway.openai_api import (
 from talaria.services.gateway.prepare import RequestError, prepare
 from talaria.services.gateway.sessions import InvalidSessionId, session_id_from
 from talaria.services.gateway.submitter import Submitter
+from talaria.services.gateway.validation import decode
 from talaria.shared.messages import CallRequest, CallResult, ChatMessage, ErrorReply, TokenChunk
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -67,7 +68,7 @@ class HttpApi:
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
             body = await request.read()
-            decoded = (CHAT_DECODER if chat else COMPLETION_DECODER).decode(body)
+            decoded = decode(CHAT_DECODER if chat else COMPLETION_DECODER, body)
             req, include_usage = _to_call_request(decoded, chat)
             session_id = session_id_from(request.headers, decoded.user)
             call = prepare(req, session_id, "chat" if chat else "completion")

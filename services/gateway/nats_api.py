@@ -9,11 +9,10 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-import msgspec
-
 from talaria.services.gateway.prepare import RequestError, prepare
 from talaria.services.gateway.sessions import InvalidSessionId, check
 from talaria.services.gateway.submitter import Submitter
+from talaria.services.gateway.validation import decode
 from talaria.shared import subjects
 from talaria.shared.messages import CALL_REQUEST_DECODER, ErrorReply, encode
 
@@ -44,13 +43,9 @@ class NatsApi:
             self.log.warning("api call without reply subject dropped", subject=msg.subject)
             return
         try:
-            req = CALL_REQUEST_DECODER.decode(msg.data)
+            req = decode(CALL_REQUEST_DECODER, msg.data)
             session_id = check(req.session_id) if req.session_id else f"anon-{uuid.uuid4().hex}"
             call = prepare(req, session_id, "nats")
-        except msgspec.ValidationError as exc:
-            reply = ErrorReply(400, "invalid_request", str(exc))
-        except msgspec.DecodeError as exc:
-            reply = ErrorReply(400, "invalid_json", f"message is not valid JSON: {exc}")
         except InvalidSessionId as exc:
             reply = ErrorReply(400, "invalid_session_id", str(exc), param="session_id")
         except RequestError as exc:

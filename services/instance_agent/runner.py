@@ -271,8 +271,9 @@ class CallRunner:
                         slots=list(event.slots), sp_admitted=event.sp_admitted, sp_parked=event.sp_parked,
                         deadline_risk=event.deadline_risk))
                 case CallParked() | DeadlineRisk():
-                    self.log.info("scheduler", event=type(event).__name__, **{
-                        k: v for k, v in event.__dict__.items() if k in ("call_id", "reason", "model")})
+                    # structlog's first argument is already called `event`: name ours `kind`.
+                    self.log.info("scheduler", kind=type(event).__name__, **{
+                        k: v for k, v in vars(event).items() if k in ("call_id", "reason", "model")})
         if changed and time.monotonic() - self.last_snapshot >= SNAPSHOT_ON_CHANGE_MIN_S:
             await self.publish_snapshot()  # the router learns of freed capacity and new session KV now
 
