@@ -345,6 +345,9 @@ class InstanceSnapshot(Struct, frozen=True):
     restore_tok_s: float = 0.0
     switch_s: float = 0.0
     heartbeat_s: float = 0.5
+    # False while the agent's watchdog sees an engine step stuck: the router stops choosing it.
+    healthy: bool = True
+    unhealthy_reason: str = ""
 
 
 # --------------------------------------------------------------------------------------

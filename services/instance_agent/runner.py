@@ -41,6 +41,7 @@ from talaria.services.instance_agent.scheduler import (
     Work,
 )
 from talaria.services.instance_agent.telemetry import build_snapshot
+from talaria.services.instance_agent.watchdog import Watchdog
 from talaria.shared import subjects
 from talaria.shared.bus import emit
 from talaria.shared.logs import call_context
@@ -111,6 +112,10 @@ class CallRunner:
         self.opened_for: set[str] = set()  # calls whose slot began with a model switch
         # Calls finished here recently: a redelivery of one (its ack was lost) is acked, not rerun.
         self.finished: OrderedDict[str, None] = OrderedDict()
+        self.watchdog = Watchdog(min_stuck_s=settings.watchdog_min_s)
+        self.unhealthy = ""  # why new calls should go elsewhere (heartbeat flag); "" when healthy
+        self.step_calls: tuple[str, ...] = ()  # the calls of the engine step in flight
+        self.orphans: set[str] = set()  # failed by the watchdog; the engine may still hold them
 
     # ---- intake ------------------------------------------------------------------------
 
@@ -149,7 +154,10 @@ class CallRunner:
 
     async def work_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
+            if self.orphans:
+                await self._release_orphans()
             action = self.sched.next_action(time.time())
+            self.step_calls = tuple(getattr(action, "call_ids", ()))
             try:
                 match action:
                     case Idle():
@@ -183,7 +191,11 @@ class CallRunner:
             w.cancel()
 
     async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        self.watchdog.step_started(fn.__name__, self.step_calls, time.time())
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        finally:
+            self.watchdog.step_ended(time.time())
 
     async def _switch(self, action: SwitchModel):
         record = await self._run(self.engine.switch_to, action.to_model)
@@ -265,6 +277,7 @@ class CallRunner:
                     await self._complete(event.call_id)
                     changed = True
                 case RoundEnded():
+                    self.watchdog.round_ended(event.wall_s)
                     await emit(self.js, RoundSummary(
                         instance_id=self.instance_id, round_index=event.round_index, wall_s=event.wall_s,
                         active_s=event.active_s, switch_s=event.switch_s, at=event.at or time.time(),
@@ -347,6 +360,7 @@ class CallRunner:
         self._remember(call_id)
 
     def _remember(self, call_id: str) -> None:
+        self.watchdog.call_done(call_id)
         self.finished[call_id] = None
         while len(self.finished) > FINISHED_MEMORY:
             self.finished.popitem(last=False)
@@ -365,13 +379,60 @@ class CallRunner:
             except TimeoutError:
                 pass
 
+    # ---- watchdog ----------------------------------------------------------------------
+
+    async def watchdog_loop(self, stop: asyncio.Event) -> None:
+        """Fail calls that stopped making progress; flag the agent unhealthy while an engine
+        step is stuck, so the router stops choosing it (see watchdog.py)."""
+        while not stop.is_set():
+            try:
+                await self.watch(time.time())
+            except Exception:
+                self.log.exception("watchdog check failed")
+            try:
+                await asyncio.wait_for(stop.wait(), self.settings.heartbeat_s)
+            except TimeoutError:
+                pass
+
+    async def watch(self, now: float) -> None:
+        verdict = self.watchdog.check(now)
+        if verdict.unhealthy != self.unhealthy:
+            (self.log.error if verdict.unhealthy else self.log.info)(
+                "agent health changed", unhealthy=verdict.unhealthy or None)
+            self.unhealthy = verdict.unhealthy
+            await self.publish_snapshot()
+        for call_id, why in verdict.fail_calls.items():
+            if call_id not in self.calls:
+                self.watchdog.call_done(call_id)
+                continue
+            try:
+                await self._events(self.sched.abort(call_id, now))
+            except Exception:
+                pass  # already gone from the scheduler
+            self.orphans.add(call_id)  # released on the engine thread before the next step
+            await self._fail(call_id, why)
+
+    async def _release_orphans(self) -> None:
+        orphans, self.orphans = self.orphans, set()
+
+        def release() -> None:
+            for call_id in orphans:
+                if call_id in self.engine.running:
+                    try:
+                        self.engine.finish(call_id)
+                    except Exception:
+                        pass
+
+        await asyncio.get_running_loop().run_in_executor(self.executor, release)
+
     # ---- telemetry ---------------------------------------------------------------------
 
     async def publish_snapshot(self) -> None:
         self.version += 1
         self.last_snapshot = time.monotonic()
         try:
-            snap = build_snapshot(self.settings, self.engine, self.sched, self.version, time.time())
+            snap = build_snapshot(self.settings, self.engine, self.sched, self.version, time.time(),
+                                  unhealthy=self.unhealthy)
             await self.nc.publish(subjects.telemetry(self.instance_id), encode(snap))
         except Exception as exc:  # a torn read of engine tables; the next beat retries
             self.log.warning("snapshot failed", error=str(exc))

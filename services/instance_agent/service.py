@@ -53,6 +53,7 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
         asyncio.create_task(runner.heartbeat_loop(stop), name="heartbeat"),
         asyncio.create_task(runner.work_loop(stop), name="work"),
         asyncio.create_task(runner.progress_loop(stop), name="progress"),
+        asyncio.create_task(runner.watchdog_loop(stop), name="watchdog"),
         asyncio.create_task(_fetch_loop(sub, runner, js, nc, log, stop), name="fetch"),
     ]
     await runner.publish_snapshot()

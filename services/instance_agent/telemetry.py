@@ -5,7 +5,7 @@ from __future__ import annotations
 from talaria.shared.messages import InstanceSnapshot, ModelResidency, SessionKv
 
 
-def build_snapshot(settings, engine, sched, version: int, now: float) -> InstanceSnapshot:
+def build_snapshot(settings, engine, sched, version: int, now: float, unhealthy: str = "") -> InstanceSnapshot:
     stats = engine.stats()
     view = sched.snapshot(now)
     active = engine.active_model
@@ -31,5 +31,5 @@ def build_snapshot(settings, engine, sched, version: int, now: float) -> Instanc
         kv_used_tokens=stats.kv_used_tokens, staging_free_bytes=stats.staging_free_bytes,
         hbm_bytes=stats.hbm_bytes, hbm_used_bytes=stats.hbm_used_bytes, prefill_tok_s=stats.prefill_tok_s,
         decode_tok_s=stats.decode_tok_s, restore_tok_s=stats.restore_tok_s, switch_s=view.switch_s,
-        heartbeat_s=settings.heartbeat_s,
+        heartbeat_s=settings.heartbeat_s, healthy=not unhealthy, unhealthy_reason=unhealthy,
     )

@@ -281,6 +281,35 @@ def test_staleness_blocks_new_placements():
     assert by_instance(audit)["a"].reason == "stale" and audit.chosen == "b"
 
 
+@pytest.mark.parametrize("policy", ["talaria", "least-loaded", "least-pressure", "prefix-aware", "kv-cost",
+                                    "session-sticky", "round-robin"])
+def test_an_instance_whose_heartbeat_says_unhealthy_is_not_chosen(policy):
+    import msgspec
+
+    c = core(policy)
+    c.observe(msgspec.structs.replace(snap("a"), healthy=False, unhealthy_reason="engine step stuck"), 0.0)
+    c.observe(snap("b", queued_tokens=20_000, running=3), 0.0)  # the worse choice, but healthy
+    audit, _ = decide(c, call("c0"), 0.0)
+    assert audit.chosen == "b"
+    c.observe(msgspec.structs.replace(snap("b", version=2), healthy=False), 0.0)
+    audit, out = decide(c, call("c1", session="s2"), 0.0)
+    assert audit.action == "reject" and one(out, CallFailed).status == 503
+
+
+def test_a_lease_on_an_instance_turned_unhealthy_is_discarded():
+    import msgspec
+
+    c = core(lease_timeout_s=5.0)
+    c.observe(snap("a"), 0.0)
+    c.observe(snap("b", queued_tokens=20_000), 0.0)
+    decide(c, call("c0"), 0.0)
+    c.handle(done("c0", "a", at=0.5), 0.5)
+    c.observe(msgspec.structs.replace(snap("a", version=2, at=0.6), healthy=False), 0.6)
+    audit, _ = decide(c, call("c1", at=0.7), 0.7)
+    assert audit.lease_outcome == "discarded" and audit.discard_reason == "instance_unhealthy"
+    assert audit.chosen == "b"
+
+
 # ---- beyond the paper: prefix placement of new sessions -------------------------------------
 
 
