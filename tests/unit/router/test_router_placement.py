@@ -11,7 +11,7 @@ from router_support import PAPER_EQ1, call, core, done, one, snap
 
 from talaria.services.router.costs import CostModel
 from talaria.services.router.policy.base import PolicyConfig
-from talaria.shared.messages import CallFailed, CallRouted, RoutingDecision
+from talaria.shared.messages import CallFailed, CallRouted, LeaseIssued, RoutingDecision
 
 NO_LEASE = dict(lease_timeout_s=0.0)
 
@@ -217,6 +217,21 @@ def test_eq2_gain_scales_with_observed_demand(spilled, opens):
     audit, _ = decide(c, call("c0", model="m2"), 0.0)
     assert (audit.chosen == "b") is opens
     assert by_instance(audit)["b"].feasible is opens
+
+
+@pytest.mark.parametrize("leases, opens", [(0, False), (1, True)])
+def test_eq2_demand_counts_live_leases_as_reserved_returns(leases, opens):
+    # The setting of the test above, without spillover: one call's saving (2.5 s) is below
+    # the threshold (2.625 s), but a live lease for m2 is a return already expected, so the
+    # demand doubles and opening pays. (The leases sit on an instance not in the pool, so
+    # they charge no candidate's admission.)
+    c = core()
+    c.observe(snap("a", active="m2", models={"m2": "active"}, queued_tokens=25_000), 0.0)
+    c.observe(snap("b", **M2), 0.0)
+    for i in range(leases):
+        c.state.apply(LeaseIssued(f"ls{i}", "m2", "elsewhere", f"lc{i}", 0.0, 100.0))
+    audit, _ = decide(c, call("c0", model="m2"), 0.0)
+    assert (audit.chosen == "b") is opens
 
 
 def test_eq2_existing_replica_over_budget_means_open():
