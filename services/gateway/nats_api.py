@@ -50,6 +50,9 @@ class NatsApi:
             reply = ErrorReply(400, "invalid_session_id", str(exc), param="session_id")
         except RequestError as exc:
             reply = exc.reply
+        except Exception as exc:  # a bug, not the input's fault: still answer, never leave it waiting
+            self.log.exception("api call could not be prepared")
+            reply = ErrorReply(500, "internal_error", f"the gateway could not prepare this call: {exc}")
         else:
             reply = await self.submitter.submit(call)
         await self.nc.publish(msg.reply, encode(reply))
