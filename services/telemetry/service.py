@@ -116,20 +116,25 @@ async def _apply_until_committed(db, msgs, offset: int, spans: SessionSpans, log
 
 
 async def _ensure_consumer(js, log) -> None:
-    """The durable consumer, with explicit acks. One left by an older version with
-    AckPolicy.ALL (where acking a later event silently acknowledged earlier ones still in
-    flight, losing them after a crash) is replaced, resuming after its ack floor."""
+    """The durable consumer, with explicit acks, resuming right after its ack floor.
+
+    Events a killed predecessor had fetched but not acked would come back only after
+    `ack_wait`; recreating the consumer from its ack floor delivers them at once (those
+    acked above the floor come again too, which idempotent projections absorb). A consumer
+    left by an older version with AckPolicy.ALL (acking a later event silently acknowledged
+    earlier ones still in flight, losing them after a crash) is replaced the same way."""
     config = ConsumerConfig(durable_name=DURABLE, ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
                             ack_wait=ACK_WAIT_S, max_ack_pending=10_000, filter_subject=subjects.EVENTS_WILDCARD)
     try:
         info = await js.consumer_info(subjects.EVENTS_STREAM, DURABLE)
     except NotFoundError:
         info = None
-    if info is not None and info.config.ack_policy == AckPolicy.EXPLICIT:
+    if info is not None and info.config.ack_policy == AckPolicy.EXPLICIT and not info.num_ack_pending:
         return
     if info is not None:
         start = info.ack_floor.stream_seq + 1
-        log.warning("replacing the telemetry consumer (ack policy all -> explicit)", resume_at=start)
+        log.warning("resuming the telemetry consumer after its ack floor", resume_at=start,
+                    unacked=info.num_ack_pending, ack_policy=str(info.config.ack_policy))
         await js.delete_consumer(subjects.EVENTS_STREAM, DURABLE)
         config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, start
     await js.add_consumer(subjects.EVENTS_STREAM, config=config)

@@ -186,3 +186,53 @@ async def test_a_consumer_left_with_ack_all_is_replaced_resuming_after_its_ack_f
     finally:
         await services.close()
         await nc.close()
+
+
+async def test_telemetry_killed_mid_batch_loses_nothing_after_a_restart(nats_url, database_url, db, tmp_path):
+    """SIGKILL telemetry while its transaction waits (events fetched, not acked), keep
+    publishing, restart it: every event is projected once, without waiting out ack_wait."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TALARIA_NATS_URL": nats_url, "TALARIA_DATABASE_URL": database_url,
+           "TALARIA_DATA_DIR": str(tmp_path), "TALARIA_SESSION_IDLE_S": "3600"}
+    nc, js = await connect(nats_url, "test")
+    lock = await asyncpg.connect(asyncpg_dsn(database_url))
+    procs = []
+
+    def start():
+        procs.append(subprocess.Popen([sys.executable, "-m", "talaria.services.telemetry"], env=env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+    try:
+        start()
+        for i in range(3):
+            await republish(js, submitted(f"k{i}", i))
+        await wait_rows(db, "SELECT 1 FROM calls WHERE call_id LIKE 'k%'", 3)
+        tx = lock.transaction()
+        await tx.start()
+        await lock.execute("LOCK TABLE calls IN ACCESS EXCLUSIVE MODE")
+        for i in range(3, 6):
+            await republish(js, submitted(f"k{i}", i))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 20
+        while not await db.fetchval("SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'calls'::regclass"):
+            assert loop.time() < deadline, "the events were never fetched"
+            await asyncio.sleep(0.05)
+        procs[0].send_signal(signal.SIGKILL)
+        await asyncio.to_thread(procs[0].wait, 10)
+        await tx.rollback()
+        for i in range(6, 9):
+            await republish(js, submitted(f"k{i}", i))
+        start()
+        rows = await wait_rows(db, "SELECT call_id FROM calls WHERE call_id LIKE 'k%'", 9, timeout=20)
+        assert sorted(r["call_id"] for r in rows) == [f"k{i}" for i in range(9)]
+        assert await db.fetchval("SELECT calls FROM sessions WHERE session_id='s1'") == 9
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        await lock.close()
+        await nc.close()
