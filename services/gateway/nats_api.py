@@ -9,17 +9,20 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+from talaria.services.gateway.auth import KeyStore, Unauthenticated, client_session, scoped_session, unauthenticated_reply
 from talaria.services.gateway.prepare import RequestError, prepare
 from talaria.services.gateway.sessions import InvalidSessionId, check
 from talaria.services.gateway.submitter import Submitter
 from talaria.services.gateway.validation import decode
 from talaria.shared import subjects
-from talaria.shared.messages import CALL_REQUEST_DECODER, ErrorReply, encode
+from talaria.shared.messages import CALL_REQUEST_DECODER, CallResult, ErrorReply, encode, replace
 
 
 class NatsApi:
-    def __init__(self, nc, submitter: Submitter, log) -> None:
+    def __init__(self, nc, submitter: Submitter, log, keys: KeyStore | None = None,
+                 prefix_sharing: str = "tenant") -> None:
         self.nc, self.submitter, self.log = nc, submitter, log
+        self.keys, self.prefix_sharing = keys or KeyStore(), prefix_sharing
         self._tasks: set[asyncio.Task] = set()
         self._sub = None
 
@@ -44,15 +47,20 @@ class NatsApi:
             return
         try:
             req = decode(CALL_REQUEST_DECODER, msg.data)
+            tenant = self.keys.tenant_for_key(req.api_key)
             session_id = check(req.session_id) if req.session_id else f"anon-{uuid.uuid4().hex}"
-            call = prepare(req, session_id, "nats")
+            call = prepare(req, scoped_session(tenant, session_id), "nats", tenant, self.prefix_sharing)
         except InvalidSessionId as exc:
             reply = ErrorReply(400, "invalid_session_id", str(exc), param="session_id")
         except RequestError as exc:
             reply = exc.reply
+        except Unauthenticated as exc:
+            reply = unauthenticated_reply(exc)
         except Exception as exc:  # a bug, not the input's fault: still answer, never leave it waiting
             self.log.exception("api call could not be prepared")
             reply = ErrorReply(500, "internal_error", f"the gateway could not prepare this call: {exc}")
         else:
             reply = await self.submitter.submit(call)
+            if isinstance(reply, CallResult) and call.tenant:
+                reply = replace(reply, session_id=client_session(call.tenant, reply.session_id))
         await self.nc.publish(msg.reply, encode(reply))

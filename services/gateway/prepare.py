@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 import uuid
 
+from talaria.services.gateway.auth import kv_scope
 from talaria.services.gateway.validation import RequestError, bad, check_request
 from talaria.shared import subjects
 from talaria.shared.catalog import CATALOG
@@ -17,7 +18,8 @@ from talaria.shared.tokenizer import block_hashes, encode, render_chat
 __all__ = ["RequestError", "bad", "prepare"]
 
 
-def prepare(req: CallRequest, session_id: str, api: str) -> CallSubmitted:
+def prepare(req: CallRequest, session_id: str, api: str, tenant: str = "", sharing: str = "tenant") -> CallSubmitted:
+    """`session_id` is already scoped to `tenant` (auth.scoped_session)."""
     spec = CATALOG.get(req.model)
     if spec is None:
         raise RequestError(
@@ -36,6 +38,7 @@ def prepare(req: CallRequest, session_id: str, api: str) -> CallSubmitted:
     if not subjects.valid_token(call_id) or len(call_id) > MAX_TOKEN_LEN or not call_id.isprintable():
         raise bad("`call_id` must be a NATS subject token (no '.', '*', '>' or spaces)", "call_id")
     ids = encode(text)
+    scope = kv_scope(sharing, tenant, session_id)
     if len(ids) + req.max_tokens > spec.context_length:
         raise RequestError(
             ErrorReply(
@@ -52,7 +55,7 @@ def prepare(req: CallRequest, session_id: str, api: str) -> CallSubmitted:
         session_id=session_id,
         model=req.model,
         prompt_ids=ids,
-        block_hashes=block_hashes(ids),
+        block_hashes=block_hashes(ids, scope=scope),
         max_tokens=req.max_tokens,
         submitted_at=time.time(),
         temperature=req.temperature,
@@ -61,4 +64,6 @@ def prepare(req: CallRequest, session_id: str, api: str) -> CallSubmitted:
         stop=list(req.stop),
         stream=req.stream,
         api=api,
+        tenant=tenant,
+        kv_scope=scope,
     )

@@ -8,11 +8,18 @@ import pytest
 from talaria.services.telemetry.service import run as run_telemetry
 from talaria.shared import messages as m
 from talaria.shared import subjects
-from talaria.shared.bus import connect, emit, event_subject
+from talaria.shared.bus import connect, event_subject, publish_event
+from talaria.shared.bus import emit as emit_as
+from talaria.shared.nats_auth import owner_sender
 from talaria.shared.settings import Settings, asyncpg_dsn
 from tests.integration.harness import Services, wait_rows
 
 pytestmark = pytest.mark.integration
+
+
+async def emit(js, event):
+    """Publish as the service that owns the event (the projector drops anyone else's)."""
+    return await emit_as(js, event, sender=owner_sender(event))
 
 
 def submitted(call_id, index_hint=0):
@@ -61,8 +68,7 @@ async def test_calls_and_decisions_are_projected_once_even_when_replayed(nats_ur
 async def republish(js, event) -> int:
     """Publish an event again as a new stream message (past JetStream's msg-id dedupe),
     as a retried publisher or a replay would."""
-    ack = await js.publish(event_subject(event), m.encode(event))
-    return ack.seq
+    return await publish_event(js, event_subject(event), event, sender=owner_sender(event))
 
 
 def completed(call_id, at=100.5, session="s1"):
