@@ -16,6 +16,7 @@ from talaria.services.telemetry.service import run as run_telemetry
 from talaria.shared import messages as m
 from talaria.shared import subjects
 from talaria.shared.bus import connect, emit
+from talaria.shared.nats_auth import owner_sender
 from talaria.shared.db.engine import upgrade
 from talaria.shared.settings import Settings, asyncpg_dsn
 from tests.integration.harness import Services
@@ -40,7 +41,7 @@ async def test_acked_events_survive_an_immediate_postgres_shutdown(nats_url, tmp
         await services.start("telemetry", run_telemetry, settings)
         last = 0
         for i in range(N):
-            last = await emit(js, decision(i))
+            last = await emit(js, decision(i), sender=owner_sender(decision(i)))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 30
         while (await js.consumer_info(subjects.EVENTS_STREAM, "telemetry")).ack_floor.stream_seq < last:
