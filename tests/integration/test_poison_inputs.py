@@ -171,13 +171,18 @@ async def test_hand_picked_poison_inputs_never_hang_or_5xx(stack, db):
 
 # ---- generated inputs ------------------------------------------------------------------
 
+# Mostly valid-but-extreme values (they reach the engine), some out of bounds (they must be 400s).
 _text = st.text(max_size=12)
-_floats = st.floats(allow_nan=False, allow_infinity=False) | st.sampled_from([5e-324, 1e-300, 1e-45, 1e308])
-_ints = st.integers(min_value=-(2**70), max_value=2**70)
+_extremes = st.sampled_from([5e-324, 1e-300, 1e-45, 1e-30, 1e-7, 1.0 - 1e-16])
+_any_float = st.floats(allow_nan=False, allow_infinity=False)
+_temperature = st.floats(0.0, 2.0) | _extremes | _any_float
+_top_p = st.floats(5e-324, 1.0) | _extremes | _any_float
+_seed = st.integers(-(2**63), 2**63 - 1) | st.integers(-(2**70), 2**70)
 _fields = st.fixed_dictionaries({}, optional={
-    "temperature": _floats, "top_p": _floats, "seed": _ints, "max_tokens": st.integers(-5, 12) | _ints,
-    "stop": st.lists(_text, max_size=9) | _text, "user": _text, "n": st.integers(0, 2),
-    "stream": st.booleans(), "model": st.sampled_from([MODEL, "", "qwen3-tiny\x00", "nope"]),
+    "temperature": _temperature, "top_p": _top_p, "seed": _seed, "max_tokens": st.integers(1, 6) | st.integers(-5, 2**70),
+    "stop": st.lists(st.text(min_size=1, max_size=12), max_size=8) | st.lists(_text, max_size=9) | _text,
+    "user": _text, "n": st.sampled_from([1, 1, 1, 0, 2]),
+    "stream": st.booleans(), "model": st.sampled_from([MODEL, MODEL, MODEL, "", "qwen3-tiny\x00", "nope"]),
 })
 _content = st.text(max_size=40)
 
@@ -203,7 +208,7 @@ async def _generated_http(settings, body: dict, session: str):
 
 async def test_generated_inputs_never_hang_or_5xx(stack, db):
     settings, nc = stack
-    cases = generated_inputs(60)
+    cases = generated_inputs(80)
     failures: list[str] = []
     sem = asyncio.Semaphore(16)
 
