@@ -36,6 +36,7 @@ from talaria.services.instance_agent.memory.hkvr import HostKvRegistry
 from talaria.services.instance_agent.memory.hkvr_core import LayoutDescriptor, RankReport
 from talaria.services.instance_agent.memory.staging import StagingExecutor
 from talaria.shared.catalog import CATALOG, ModelSpec
+from talaria.shared.stats import ewma
 from talaria.shared.tokenizer import block_hashes
 
 EMA = 0.3  # weight of the newest sample in the measured rates
@@ -502,7 +503,7 @@ class TorchEngine:
             return
         r = tokens / seconds
         old = self._rates[kind]
-        self._rates[kind] = r if old == 0.0 else (1 - EMA) * old + EMA * r
+        self._rates[kind] = ewma(old or None, r, EMA)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
