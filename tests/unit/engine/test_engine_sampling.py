@@ -108,7 +108,7 @@ def test_poison_sampling_calls_complete_and_leave_the_engine_clean(make_engine):
 
 
 def test_a_failed_prefill_releases_its_whole_batch(make_engine):
-    eng = make_engine(["qwen3-tiny"])
+    eng = make_engine(["qwen3-tiny"], hkvr=False, staging=False)  # no background copies: exact page counts
     eng.generate(GenRequest("warm", "w", "qwen3-tiny", PROMPT, 2))
     eng.sessions.drop("w")
     free = eng.pool.num_unused()
