@@ -72,6 +72,7 @@ class CallResult(Struct, frozen=True, tag="result"):
     usage: Usage
     timings: Timings
     kv_source: KvSource = "none"
+    stop_sequence: str | None = None  # which of the call's `stop` strings ended it
 
 
 class ErrorReply(Struct, frozen=True, tag="error"):

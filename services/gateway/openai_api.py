@@ -8,7 +8,12 @@ from typing import Any
 import msgspec
 from msgspec import Struct
 
-from talaria.shared.messages import CallResult, ErrorReply
+from talaria.services.gateway.prepare import bad
+from talaria.services.gateway.tools import Tool, ToolCall, parse_calls, render_assistant, tools_text
+from talaria.shared.messages import CallResult, ChatMessage, ErrorReply
+
+
+TEXT_PART_TYPES = ("text", "input_text", "output_text")
 
 
 class TextPart(Struct, forbid_unknown_fields=False):
@@ -16,16 +21,54 @@ class TextPart(Struct, forbid_unknown_fields=False):
     text: str = ""
 
 
+class FunctionCallIn(Struct, forbid_unknown_fields=False):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallIn(Struct, forbid_unknown_fields=False):
+    function: FunctionCallIn
+    id: str = ""
+    type: str = "function"
+
+
 class ChatMessageIn(Struct, forbid_unknown_fields=False):
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content if p.type in ("text", "input_text"))
+        return "".join(p.text for p in self.content if p.type in TEXT_PART_TYPES)
+
+
+class FunctionDef(Struct, forbid_unknown_fields=False):
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = {}
+
+
+class ToolDef(Struct, forbid_unknown_fields=False):
+    function: FunctionDef
+    type: str = "function"
+
+
+class NamedFunction(Struct, forbid_unknown_fields=False):
+    name: str
+
+
+class ToolChoiceNamed(Struct, forbid_unknown_fields=False):
+    function: NamedFunction
+    type: str = "function"
+
+
+class ResponseFormat(Struct, forbid_unknown_fields=False):
+    type: str = "text"
 
 
 class StreamOptions(Struct, forbid_unknown_fields=False):
@@ -48,10 +91,22 @@ class _Common(Struct, forbid_unknown_fields=False):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessageIn] = []
     max_completion_tokens: int | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: str | ToolChoiceNamed | None = None
+    parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str] = ""
+    logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
 
 
 CHAT_DECODER = msgspec.json.Decoder(ChatCompletionRequest)
@@ -64,6 +119,77 @@ def stops(value: str | list[str] | None) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
 
 
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool", "function": "tool"}
+
+
+def refuse_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
+    """Fields we do not implement get a 400 naming them: silently ignoring one would hand
+    the client an answer it did not ask for."""
+    if req.logprobs:
+        raise bad("`logprobs` is not supported by this server", "logprobs", "unsupported_parameter")
+    if getattr(req, "top_logprobs", None):
+        raise bad("`top_logprobs` is not supported by this server", "top_logprobs", "unsupported_parameter")
+    if req.logit_bias:
+        raise bad("`logit_bias` is not supported by this server", "logit_bias", "unsupported_parameter")
+    fmt = getattr(req, "response_format", None)
+    if fmt is not None and fmt.type != "text":
+        raise bad(f"`response_format` {fmt.type!r} is not supported by this server (only 'text')",
+                  "response_format", "unsupported_parameter")
+    if isinstance(req, CompletionRequest):
+        if req.echo or req.suffix or (req.best_of or 1) != 1:
+            field = "echo" if req.echo else "suffix" if req.suffix else "best_of"
+            raise bad(f"`{field}` is not supported by this server", field, "unsupported_parameter")
+
+
+def chat_messages(req: ChatCompletionRequest) -> tuple[list[ChatMessage], bool]:
+    """OpenAI messages as chat turns: tools into the system turn, assistant tool calls and
+    tool results rendered in the Hermes form. Returns (turns, whether tools are offered)."""
+    turns: list[ChatMessage] = []
+    for i, m in enumerate(req.messages):
+        role = ROLES.get(m.role)
+        if role is None:
+            raise bad(f"unknown role {m.role!r} in messages[{i}]; expected one of: {', '.join(ROLES)}",
+                      f"messages[{i}].role")
+        if isinstance(m.content, list):
+            for part in m.content:
+                if part.type not in TEXT_PART_TYPES:
+                    raise bad(f"content part type {part.type!r} is not supported (text only)",
+                              f"messages[{i}].content", "unsupported_content")
+        if role == "assistant" and m.tool_calls:
+            calls = [ToolCall(c.function.name, c.function.arguments) for c in m.tool_calls]
+            turns.append(ChatMessage(role, render_assistant(m.text(), calls)))
+        elif role == "tool":
+            turns.append(ChatMessage(role, m.text()))  # the tool role marks it
+        else:
+            turns.append(ChatMessage(role, m.text()))
+    offered = bool(req.tools) and req.tool_choice != "none"
+    if offered:
+        choice, forced = "auto", None
+        if isinstance(req.tool_choice, ToolChoiceNamed):
+            choice, forced = "tool", req.tool_choice.function.name
+        elif req.tool_choice == "required":
+            choice = "required"
+        elif req.tool_choice not in (None, "auto"):
+            raise bad(f"unknown tool_choice {req.tool_choice!r}", "tool_choice")
+        block = tools_text([Tool(t.function.name, t.function.description, t.function.parameters)
+                            for t in req.tools], choice, forced)
+        turns = with_system(turns, block)
+    return turns, offered
+
+
+def with_system(turns: list[ChatMessage], block: str) -> list[ChatMessage]:
+    """Append a block to the leading system turn (or start one), as chat templates do."""
+    if turns and turns[0].role == "system":
+        return [ChatMessage("system", f"{turns[0].content}\n\n{block}"), *turns[1:]]
+    return [ChatMessage("system", block), *turns]
+
+
+def openai_tool_calls(call_id: str, calls: list[ToolCall]) -> list[dict[str, Any]]:
+    return [{"id": f"call_{call_id[:16]}_{i}", "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}} for i, c in enumerate(calls)]
+
+
 def usage(result: CallResult) -> dict[str, Any]:
     u = result.usage
     return {
@@ -74,7 +200,15 @@ def usage(result: CallResult) -> dict[str, Any]:
     }
 
 
-def chat_response(result: CallResult) -> dict[str, Any]:
+def chat_response(result: CallResult, tools_offered: bool = False) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": result.text}
+    finish = result.finish_reason
+    if tools_offered:
+        content, calls = parse_calls(result.text)
+        if calls:
+            message = {"role": "assistant", "content": content or None,
+                       "tool_calls": openai_tool_calls(result.call_id, calls)}
+            finish = "tool_calls"
     return {
         "id": f"chatcmpl-{result.call_id}",
         "object": "chat.completion",
@@ -83,8 +217,8 @@ def chat_response(result: CallResult) -> dict[str, Any]:
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": result.text},
-                "finish_reason": result.finish_reason,
+                "message": message,
+                "finish_reason": finish,
                 "logprobs": None,
             }
         ],

@@ -14,6 +14,7 @@ from talaria.shared.messages import CallRequest, CallSubmitted, ErrorReply
 from talaria.shared.tokenizer import block_hashes, encode, render_chat
 
 MAX_STOP_STRINGS = 8
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class RequestError(Exception):
@@ -26,7 +27,9 @@ def bad(message: str, param: str | None = None, code: str = "invalid_request") -
     return RequestError(ErrorReply(400, code, message, param=param))
 
 
-def prepare(req: CallRequest, session_id: str, api: str) -> CallSubmitted:
+def prepare(req: CallRequest, session_id: str, api: str, fit_max_tokens: bool = False) -> CallSubmitted:
+    """`fit_max_tokens`: a prompt that fits gets `max_tokens` cut to the context left (Anthropic
+    clients such as Claude Code ask for 32,000 whatever the model), instead of a 400."""
     spec = CATALOG.get(req.model)
     if spec is None:
         raise RequestError(
@@ -37,6 +40,10 @@ def prepare(req: CallRequest, session_id: str, api: str) -> CallSubmitted:
     if req.messages is not None:
         if not req.messages:
             raise bad("`messages` must not be empty", "messages")
+        for i, m in enumerate(req.messages):
+            if m.role not in CHAT_ROLES:
+                raise bad(f"unknown role {m.role!r} in messages[{i}]; expected one of: {', '.join(CHAT_ROLES)}",
+                          f"messages[{i}].role")
         text = render_chat([(m.role, m.content) for m in req.messages])
     else:
         text = req.prompt or ""
@@ -52,14 +59,17 @@ def prepare(req: CallRequest, session_id: str, api: str) -> CallSubmitted:
     if not subjects.valid_token(call_id) or len(call_id) > 128:
         raise bad("`call_id` must be a NATS subject token (no '.', '*', '>' or spaces)", "call_id")
     ids = encode(text)
-    if len(ids) + req.max_tokens > spec.context_length:
+    max_tokens = req.max_tokens
+    if fit_max_tokens and len(ids) < spec.context_length:
+        max_tokens = min(max_tokens, spec.context_length - len(ids))
+    if len(ids) + max_tokens > spec.context_length:
         raise RequestError(
             ErrorReply(
                 400,
                 "context_length_exceeded",
                 f"This model's maximum context length is {spec.context_length} tokens. However, you "
-                f"requested {len(ids) + req.max_tokens} tokens ({len(ids)} in the prompt, "
-                f"{req.max_tokens} for the completion).",
+                f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, "
+                f"{max_tokens} for the completion).",
                 param="messages" if req.messages is not None else "prompt",
             )
         )
@@ -69,7 +79,7 @@ def prepare(req: CallRequest, session_id: str, api: str) -> CallSubmitted:
         model=req.model,
         prompt_ids=ids,
         block_hashes=block_hashes(ids),
-        max_tokens=req.max_tokens,
+        max_tokens=max_tokens,
         submitted_at=time.time(),
         temperature=req.temperature,
         top_p=req.top_p,

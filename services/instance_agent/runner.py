@@ -319,7 +319,7 @@ class CallRunner:
                 usage=Usage(result.prompt_tokens, n_out, result.prompt_tokens + n_out, result.cached_tokens),
                 timings=Timings(completed.queue_s, completed.ttft_s, result.prefill_s, result.decode_s,
                                 running.slot_wait_s, done - call.submitted_at),
-                kv_source=result.kv_source,
+                kv_source=result.kv_source, stop_sequence=result.stop_sequence,
             )))
         if call.stream:
             await self.nc.publish(subjects.tokens(call_id), encode(TokenChunk(

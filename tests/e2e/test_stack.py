@@ -14,6 +14,7 @@ import sys
 import threading
 from pathlib import Path
 
+import anthropic
 import asyncpg
 import openai
 import psutil
@@ -93,6 +94,12 @@ def test_one_agent_session_end_to_end(tmp_path):
             assert 1 <= n <= 12 and r.choices[0].finish_reason == ("length" if n == 12 else "stop")
             answers.append(r)
             messages += [{"role": "assistant", "content": text}, {"role": "tool", "content": f"exit {i}"}]
+        # Claude Code needs only ANTHROPIC_BASE_URL and a model name.
+        claude = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="unused", max_retries=0)
+        msg = claude.messages.create(model="qwen3-tiny", max_tokens=8, messages=messages[:1],
+                                     extra_headers={"X-Claude-Code-Session-Id": "e2e-claude"})
+        assert msg.content[0].type == "text" and 1 <= msg.usage.output_tokens <= 8
+        assert msg.stop_reason in ("end_turn", "max_tokens")
         prompts = [a.usage.prompt_tokens for a in answers]
         assert prompts == sorted(prompts) and len(set(prompts)) == 3
 

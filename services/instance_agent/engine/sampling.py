@@ -57,6 +57,7 @@ class StopMatcher:
         self.text = ""  # final text (stop excluded once stopped)
         self._emitted = 0
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def push(self, piece: str) -> tuple[str, bool]:
         if self.stopped:
@@ -66,9 +67,9 @@ class StopMatcher:
             return self._release(len(self.text)), False
         window = max(len(s) for s in self.stops) + len(piece)
         start = max(0, len(self.text) - window)
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stops) if i >= 0]
         if hits:
-            cut = min(hits)
+            cut, self.matched = min(hits)
             self.text = self.text[:cut]
             self.stopped = True
             return self._release(cut), True

@@ -76,4 +76,5 @@ class Sequence:
             cached_tokens=self.cached_tokens, kv_source=self.kv_source,  # type: ignore[arg-type]
             prefill_s=self.prefill_s, decode_s=self.decode_s, ttft_s=ttft,
             session_id=self.req.session_id, model=model, host_restored_tokens=self.host_tokens,
+            stop_sequence=self.stop.matched,
         )
