@@ -47,6 +47,7 @@ class Settings:
     instance_id: str = field(default_factory=lambda: f"agent-{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
     models: tuple[str, ...] = ("qwen3-tiny", "qwen3-moe-tiny", "gpt2-tiny")
     pool: str = "cold"
+    engine: str = "torch"  # engine/registry.py; an unknown name fails the agent at start
     device: str = "cpu"
     sp: bool = True
     hkvr: bool = True

@@ -99,7 +99,8 @@ class CallRunner:
         self.settings, self.engine, self.executor = settings, engine, executor
         self.nc, self.js, self.tracer, self.log = nc, js, tracer, log
         self.instance_id = settings.instance_id
-        config = SchedulerConfig(
+        config = SchedulerConfig.for_engine(
+            engine.capabilities,
             pool=settings.pool, pinned_model=settings.models[0] if settings.pool == "hot" else None,
             sp=settings.sp, hkvr=settings.hkvr, staging=settings.staging,
         )

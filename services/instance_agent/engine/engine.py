@@ -21,6 +21,7 @@ import torch
 
 from talaria.services.instance_agent.engine import switch as switching
 from talaria.services.instance_agent.engine.api import EngineStats, GenRequest, GenResult, StepToken, SwitchRecord
+from talaria.services.instance_agent.engine.contract import Capabilities
 from talaria.services.instance_agent.engine.errors import (
     ContextTooLong, EngineBusy, InvalidRequest, ModelNotActive, OutOfKvPages, UnknownCall, UnknownModel,
 )
@@ -89,6 +90,9 @@ class TorchEngine:
         slot = max(self.page_bytes(m) // tp_ranks for m in models)
         self.hkvr = HostKvRegistry(host_kv_pages, slot, self.device, tp_ranks) if hkvr else None
         self.staging = StagingExecutor(self.bump.buf, stage_chunk_bytes, self.device) if staging else None
+        # switch_to refuses while calls run (EngineBusy); host KV and staging as configured.
+        self.capabilities = Capabilities(switch_with_calls_running=False, host_kv=hkvr, d2d_staging=staging,
+                                         chunked_prefill=False)
         self.rank_fault: Callable[[RankReport], RankReport] | None = None  # test hook: a lagging/bad rank
         self.on_logits: Callable[[list[str], torch.Tensor], None] | None = None  # test/debug hook
 
