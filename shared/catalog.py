@@ -15,7 +15,7 @@ from talaria.shared.tokenizer import VOCAB_SIZE
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
-    arch: str  # dense (Qwen3-like) | moe (Qwen3-MoE-like) | gpt2 (LayerNorm, learned positions)
+    arch: str  # dense (Qwen3) | moe (Qwen3-MoE) | llama (Llama 3, Mistral) | gpt2 (LayerNorm, learned positions)
     hidden: int
     layers: int
     heads: int
@@ -28,6 +28,12 @@ class ModelSpec:
     experts_per_token: int = 0
     vocab_size: int = VOCAB_SIZE
     rope_theta: float = 10000.0
+    # Hugging Face checkpoints (shared/hf_config.py); the built-in models keep these defaults.
+    path: str | None = None  # a local Hugging Face model directory; None: weights from `seed`
+    norm_eps: float = 0.0  # 0: the engine's defaults (RMSNorm 1e-6, LayerNorm 1e-5)
+    rope_scaling: tuple[float, ...] = ()  # Llama 3: (factor, low_freq_factor, high_freq_factor, original_max)
+    norm_topk_prob: bool = True  # MoE: renormalise the top-k router weights
+    eos_ids: tuple[int, ...] = ()  # () : the byte tokenizer's EOS
 
 
 CATALOG: dict[str, ModelSpec] = {
@@ -50,6 +56,11 @@ class UnknownModelError(KeyError):
 
     def __str__(self) -> str:
         return f"model {self.model!r} does not exist; known: {', '.join(sorted(CATALOG))}"
+
+
+def register(spec: ModelSpec) -> None:
+    """Add a model (a Hugging Face directory, see shared/hf_config.py) to this process's catalogue."""
+    CATALOG[spec.name] = spec
 
 
 def get_spec(name: str) -> ModelSpec:

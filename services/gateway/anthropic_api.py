@@ -5,7 +5,7 @@ What Claude Code and the `anthropic` SDK need: `system` as a string or blocks, t
 calls returned as `tool_use` blocks, `stop_sequences`, `tool_choice`, usage with
 `cache_read_input_tokens` (the KV prefix the engine reused), Anthropic-shaped errors, and
 the session id from Claude Code's headers or `metadata.user_id`. Messages become the same
-chat turns as OpenAI messages (tools.py), so both APIs share one prompt and one KV prefix.
+chat turns as OpenAI messages (shared/tool_calls.py), so both APIs share one prompt and one KV prefix.
 """
 
 from __future__ import annotations
@@ -18,19 +18,12 @@ import msgspec
 from aiohttp import web
 from msgspec import Struct
 
-from talaria.services.gateway.openai_api import with_system
-from talaria.services.gateway.prepare import RequestError, bad, prepare
+from talaria.services.gateway.openai_api import ChatInput
+from talaria.services.gateway.prepare import RequestError, bad, prepare, tool_format
 from talaria.services.gateway.sessions import InvalidSessionId, session_id_from
 from talaria.services.gateway.submitter import Submitter
-from talaria.services.gateway.tools import (
-    TextUntilCalls,
-    Tool,
-    ToolCall,
-    parse_calls,
-    render_assistant,
-    tools_text,
-)
-from talaria.shared.messages import CallRequest, CallResult, ChatMessage, ErrorReply, TokenChunk
+from talaria.shared.messages import CallRequest, CallResult, ChatMessage, ErrorReply, TokenChunk, ToolCallMsg, ToolSpec
+from talaria.shared.tool_calls import TextUntilCalls, ToolCall, parse_calls
 
 # --------------------------------------------------------------------------------------
 # Request bodies
@@ -119,8 +112,9 @@ def _text_of(content: str | list[Block] | None, where: str) -> str:
     return "".join(parts)
 
 
-def chat_turns(req: MessagesRequest) -> tuple[list[ChatMessage], bool]:
-    """Anthropic messages as chat turns; returns (turns, whether tools are offered)."""
+def chat_turns(req: MessagesRequest) -> ChatInput:
+    """Anthropic messages as chat turns (the same ones the OpenAI API makes): tool_use blocks
+    become the assistant's tool calls, each tool_result a `tool` turn."""
     turns: list[ChatMessage] = []
     if req.system:
         turns.append(ChatMessage("system", _text_of(req.system, "system")))
@@ -136,12 +130,12 @@ def chat_turns(req: MessagesRequest) -> tuple[list[ChatMessage], bool]:
                 if b.type == "text":
                     text.append(b.text)
                 elif b.type == "tool_use":
-                    calls.append(ToolCall(b.name, json.dumps(b.input if b.input is not None else {},
-                                                             ensure_ascii=False)))
+                    args = json.dumps(b.input if b.input is not None else {}, ensure_ascii=False)
+                    calls.append(ToolCallMsg(b.name, args, b.id))
                 elif b.type not in SKIPPED_BLOCKS:
                     raise bad(f"content block type {b.type!r} is not supported in an assistant message",
                               where, "unsupported_content")
-            turns.append(ChatMessage("assistant", render_assistant("".join(text), calls)))
+            turns.append(ChatMessage("assistant", "".join(text), tool_calls=calls or None))
             continue
         pending: list[str] = []  # user text between tool results
         for b in blocks:
@@ -152,25 +146,27 @@ def chat_turns(req: MessagesRequest) -> tuple[list[ChatMessage], bool]:
                     turns.append(ChatMessage("user", "".join(pending)))
                     pending = []
                 result = _text_of(b.content, where)
-                turns.append(ChatMessage("tool", f"Error: {result}" if b.is_error else result))
+                turns.append(ChatMessage("tool", f"Error: {result}" if b.is_error else result,
+                                         tool_call_id=b.tool_use_id))
             elif b.type not in SKIPPED_BLOCKS:
                 raise bad(f"content block type {b.type!r} is not supported (text, tool_use and "
                           "tool_result only)", where, "unsupported_content")
         if pending or not blocks:
             turns.append(ChatMessage("user", "".join(pending)))
-    offered = bool(req.tools) and not (req.tool_choice and req.tool_choice.type == "none")
-    if offered:
-        turns = with_system(turns, tools_text(_tools(req.tools), *_choice(req.tool_choice)))
-    return turns, offered
+    tools = _tools(req.tools or [])
+    choice = req.tool_choice.type if req.tool_choice else "auto"
+    if choice == "none":
+        return ChatInput(turns, tools or None, "none")
+    return ChatInput(turns, tools or None, *_choice(req.tool_choice))
 
 
-def _tools(tools: list[ToolIn]) -> list[Tool]:
+def _tools(tools: list[ToolIn]) -> list[ToolSpec]:
     out = []
     for i, t in enumerate(tools):
         if t.type not in (None, "custom") or t.input_schema is None:
             raise bad(f"tool {t.name!r} of type {t.type!r} is a server tool, which this server does not run; "
                       "give client tools with an `input_schema`", f"tools.{i}", "unsupported_tool")
-        out.append(Tool(t.name, t.description, t.input_schema))
+        out.append(ToolSpec(t.name, t.description, t.input_schema))
     return out
 
 
@@ -198,7 +194,7 @@ def session_of(headers, metadata: Metadata | None) -> str:
     return session_id_from(headers, user)
 
 
-def to_call_request(req: MessagesRequest, turns: list[ChatMessage]) -> CallRequest:
+def to_call_request(req: MessagesRequest, chat: ChatInput) -> CallRequest:
     if req.max_tokens is None:
         raise bad("`max_tokens` is required", "max_tokens")
     if not 0.0 <= req.temperature <= 1.0:
@@ -208,7 +204,8 @@ def to_call_request(req: MessagesRequest, turns: list[ChatMessage]) -> CallReque
     if req.output_config is not None and req.output_config.format is not None:
         raise bad("structured output (`output_config.format`) is not supported by this server",
                   "output_config.format", "unsupported_parameter")
-    return CallRequest(model=req.model, messages=turns, max_tokens=req.max_tokens, temperature=req.temperature,
+    return CallRequest(model=req.model, messages=chat.messages, tools=chat.tools, tool_choice=chat.choice,
+                       forced_tool=chat.forced, max_tokens=req.max_tokens, temperature=req.temperature,
                        top_p=1.0 if req.top_p is None else req.top_p, stop=list(req.stop_sequences or []),
                        stream=req.stream)
 
@@ -237,8 +234,9 @@ def tool_use_id(call_id: str, i: int) -> str:
     return f"toolu_{call_id[:20]}_{i}"
 
 
-def message_body(result: CallResult, tools_offered: bool) -> dict[str, Any]:
-    text, calls = parse_calls(result.text) if tools_offered else (result.text, [])
+def message_body(result: CallResult, fmt: str | None) -> dict[str, Any]:
+    """`fmt`: the model's tool-call form when tools were offered (else None)."""
+    text, calls = parse_calls(result.text, fmt) if fmt else (result.text, [])
     content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text or not calls else []
     content += [{"type": "tool_use", "id": tool_use_id(result.call_id, i), "name": c.name, "input": c.input()}
                 for i, c in enumerate(calls)]
@@ -293,9 +291,10 @@ class AnthropicApi:
             return error_response(denied)
         try:
             req = DECODER.decode(await request.read())
-            turns, _ = chat_turns(req)
-            call = prepare(CallRequest(model=req.model, messages=turns, max_tokens=1), "count", "anthropic",
-                           fit_max_tokens=True)
+            chat = chat_turns(req)
+            call = prepare(CallRequest(model=req.model, messages=chat.messages, tools=chat.tools,
+                                       tool_choice=chat.choice, forced_tool=chat.forced, max_tokens=1),
+                           "count", "anthropic", fit_max_tokens=True)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             return error_response(decode_error(exc))
         except RequestError as exc:
@@ -307,9 +306,10 @@ class AnthropicApi:
             return error_response(denied)
         try:
             req = DECODER.decode(await request.read())
-            turns, tools_offered = chat_turns(req)
+            call_req = to_call_request(req, chat_turns(req))
             session_id = session_of(request.headers, req.metadata)
-            call = prepare(to_call_request(req, turns), session_id, "anthropic", fit_max_tokens=True)
+            call = prepare(call_req, session_id, "anthropic", fit_max_tokens=True)
+            fmt = tool_format(call_req)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             return error_response(decode_error(exc))
         except InvalidSessionId as exc:
@@ -317,17 +317,17 @@ class AnthropicApi:
         except RequestError as exc:
             return error_response(exc.reply)
         if req.stream:
-            return await self._stream(request, call, tools_offered)
+            return await self._stream(request, call, fmt)
         reply = await self.submitter.submit(call)
         if isinstance(reply, ErrorReply):
             return error_response(reply)
-        return web.json_response(message_body(reply, tools_offered),
+        return web.json_response(message_body(reply, fmt),
                                  headers={"request-id": f"req_{reply.call_id}", "X-Session-Id": reply.session_id})
 
-    async def _stream(self, request: web.Request, call, tools_offered: bool) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, call, fmt: str | None) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "request-id": f"req_{call.call_id}", "X-Session-Id": call.session_id})
-        text = TextUntilCalls(tools_offered)
+        text = TextUntilCalls(fmt is not None, fmt or "hermes")
         state = {"blocks": 0, "text_open": False}
 
         async def start() -> None:
@@ -363,7 +363,7 @@ class AnthropicApi:
             await resp.write(sse("error", error_body(reply)))  # mid-stream: the status is already sent
             await resp.write_eof()
             return resp
-        content, calls = parse_calls(reply.text) if tools_offered else (reply.text, [])
+        content, calls = parse_calls(reply.text, fmt) if fmt else (reply.text, [])
         if rest := text.rest(content):
             await send_text(rest)
         if not state["text_open"] and not calls:

@@ -23,8 +23,8 @@ from talaria.services.gateway.openai_api import (
     stops,
     validation_error,
 )
-from talaria.services.gateway.tools import TextUntilCalls, parse_calls
-from talaria.services.gateway.prepare import RequestError, prepare
+from talaria.shared.tool_calls import TextUntilCalls, parse_calls
+from talaria.services.gateway.prepare import RequestError, prepare, tool_format
 from talaria.services.gateway.sessions import InvalidSessionId, session_id_from
 from talaria.services.gateway.submitter import Submitter
 from talaria.shared.messages import CallRequest, CallResult, ErrorReply, TokenChunk
@@ -74,9 +74,10 @@ class HttpApi:
         try:
             body = await request.read()
             decoded = (CHAT_DECODER if chat else COMPLETION_DECODER).decode(body)
-            req, include_usage, tools_offered = _to_call_request(decoded, chat)
+            req, include_usage = _to_call_request(decoded, chat)
             session_id = session_id_from(request.headers, decoded.user)
             call = prepare(req, session_id, "chat" if chat else "completion")
+            fmt = tool_format(req)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             return error_response(validation_error(exc))
         except InvalidSessionId as exc:
@@ -84,18 +85,18 @@ class HttpApi:
         except RequestError as exc:
             return error_response(exc.reply)
         if req.stream:
-            return await self._stream(request, call, chat, include_usage, tools_offered)
+            return await self._stream(request, call, chat, include_usage, fmt)
         reply = await self.submitter.submit(call)
         if isinstance(reply, ErrorReply):
             return error_response(reply)
-        body = chat_response(reply, tools_offered) if chat else completion_response(reply)
+        body = chat_response(reply, fmt) if chat else completion_response(reply)
         return web.json_response(body, headers=_call_headers(reply))
 
     async def _stream(self, request, call, chat: bool, include_usage: bool,
-                      tools_offered: bool = False) -> web.StreamResponse:
+                      fmt: str | None = None) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Session-Id": call.session_id, "X-Talaria-Call-Id": call.call_id})
-        text = TextUntilCalls(tools_offered)  # tool calls go out whole, at the end
+        text = TextUntilCalls(fmt is not None, fmt or "hermes")  # tool calls go out whole, at the end
 
         async def send(obj: dict) -> None:
             if not resp.prepared:  # headers go out with the first event, so an early error keeps its status
@@ -116,7 +117,7 @@ class HttpApi:
         else:
             # Tokens and the reply travel on different subjects: send whatever text the
             # stream missed, so the streamed answer always equals the final one.
-            content, calls = parse_calls(reply.text) if tools_offered else (reply.text, [])
+            content, calls = parse_calls(reply.text, fmt) if fmt else (reply.text, [])
             finish = reply.finish_reason
             if calls:
                 if rest := text.rest(content):
@@ -150,7 +151,7 @@ class HttpApi:
 DEFAULT_MAX_TOKENS = {True: 256, False: 16}  # chat, completion (OpenAI's legacy default)
 
 
-def _to_call_request(decoded, chat: bool) -> tuple[CallRequest, bool, bool]:
+def _to_call_request(decoded, chat: bool) -> tuple[CallRequest, bool]:
     if decoded.n != 1:
         raise RequestError(ErrorReply(400, "invalid_request", "only n=1 is supported", param="n"))
     refuse_unsupported(decoded)
@@ -166,10 +167,10 @@ def _to_call_request(decoded, chat: bool) -> tuple[CallRequest, bool, bool]:
         stop=stops(decoded.stop),
         stream=decoded.stream,
     )
-    tools_offered = False
     if chat:
-        messages, tools_offered = chat_messages(decoded)
-        req = CallRequest(messages=messages, **common)
+        chat_in = chat_messages(decoded)
+        req = CallRequest(messages=chat_in.messages, tools=chat_in.tools, tool_choice=chat_in.choice,
+                          forced_tool=chat_in.forced, **common)
     else:
         prompt = decoded.prompt if isinstance(decoded.prompt, str) else "".join(decoded.prompt[:1])
         if isinstance(decoded.prompt, list) and len(decoded.prompt) > 1:
@@ -177,7 +178,7 @@ def _to_call_request(decoded, chat: bool) -> tuple[CallRequest, bool, bool]:
                                           param="prompt"))
         req = CallRequest(prompt=prompt, **common)
     include_usage = bool(decoded.stream_options and decoded.stream_options.include_usage)
-    return req, include_usage, tools_offered
+    return req, include_usage
 
 
 def _call_headers(reply: CallResult) -> dict[str, str]:

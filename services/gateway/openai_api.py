@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from msgspec import Struct
 
 from talaria.services.gateway.prepare import bad
-from talaria.services.gateway.tools import Tool, ToolCall, parse_calls, render_assistant, tools_text
-from talaria.shared.messages import CallResult, ChatMessage, ErrorReply
+from talaria.shared.messages import CallResult, ChatMessage, ErrorReply, ToolCallMsg, ToolSpec
+from talaria.shared.tool_calls import ToolCall, parse_calls
 
 
 TEXT_PART_TYPES = ("text", "input_text", "output_text")
@@ -142,9 +143,22 @@ def refuse_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
             raise bad(f"`{field}` is not supported by this server", field, "unsupported_parameter")
 
 
-def chat_messages(req: ChatCompletionRequest) -> tuple[list[ChatMessage], bool]:
-    """OpenAI messages as chat turns: tools into the system turn, assistant tool calls and
-    tool results rendered in the Hermes form. Returns (turns, whether tools are offered)."""
+@dataclass(frozen=True)
+class ChatInput:
+    """A chat request's turns and tools, as the model's chat template takes them."""
+
+    messages: list[ChatMessage]
+    tools: list[ToolSpec] | None
+    choice: str = "auto"  # auto | required | none | tool
+    forced: str | None = None
+
+    @property
+    def tools_offered(self) -> bool:
+        return bool(self.tools) and self.choice != "none"
+
+
+def chat_messages(req: ChatCompletionRequest) -> ChatInput:
+    """OpenAI messages as chat turns, keeping assistant tool calls and tool results."""
     turns: list[ChatMessage] = []
     for i, m in enumerate(req.messages):
         role = ROLES.get(m.role)
@@ -156,33 +170,19 @@ def chat_messages(req: ChatCompletionRequest) -> tuple[list[ChatMessage], bool]:
                 if part.type not in TEXT_PART_TYPES:
                     raise bad(f"content part type {part.type!r} is not supported (text only)",
                               f"messages[{i}].content", "unsupported_content")
-        if role == "assistant" and m.tool_calls:
-            calls = [ToolCall(c.function.name, c.function.arguments) for c in m.tool_calls]
-            turns.append(ChatMessage(role, render_assistant(m.text(), calls)))
-        elif role == "tool":
-            turns.append(ChatMessage(role, m.text()))  # the tool role marks it
-        else:
-            turns.append(ChatMessage(role, m.text()))
-    offered = bool(req.tools) and req.tool_choice != "none"
-    if offered:
-        choice, forced = "auto", None
-        if isinstance(req.tool_choice, ToolChoiceNamed):
-            choice, forced = "tool", req.tool_choice.function.name
-        elif req.tool_choice == "required":
-            choice = "required"
-        elif req.tool_choice not in (None, "auto"):
-            raise bad(f"unknown tool_choice {req.tool_choice!r}", "tool_choice")
-        block = tools_text([Tool(t.function.name, t.function.description, t.function.parameters)
-                            for t in req.tools], choice, forced)
-        turns = with_system(turns, block)
-    return turns, offered
-
-
-def with_system(turns: list[ChatMessage], block: str) -> list[ChatMessage]:
-    """Append a block to the leading system turn (or start one), as chat templates do."""
-    if turns and turns[0].role == "system":
-        return [ChatMessage("system", f"{turns[0].content}\n\n{block}"), *turns[1:]]
-    return [ChatMessage("system", block), *turns]
+        calls = [ToolCallMsg(c.function.name, c.function.arguments, c.id) for c in m.tool_calls or []]
+        turns.append(ChatMessage(role, m.text(), tool_calls=calls or None,
+                                 tool_call_id=m.tool_call_id if role == "tool" else None,
+                                 name=m.name if role == "tool" else None))
+    choice, forced = "auto", None
+    if isinstance(req.tool_choice, ToolChoiceNamed):
+        choice, forced = "tool", req.tool_choice.function.name
+    elif req.tool_choice in ("required", "none"):
+        choice = req.tool_choice
+    elif req.tool_choice not in (None, "auto"):
+        raise bad(f"unknown tool_choice {req.tool_choice!r}", "tool_choice")
+    tools = [ToolSpec(t.function.name, t.function.description, t.function.parameters) for t in req.tools or []]
+    return ChatInput(turns, tools or None, choice, forced)
 
 
 def openai_tool_calls(call_id: str, calls: list[ToolCall]) -> list[dict[str, Any]]:
@@ -200,11 +200,12 @@ def usage(result: CallResult) -> dict[str, Any]:
     }
 
 
-def chat_response(result: CallResult, tools_offered: bool = False) -> dict[str, Any]:
+def chat_response(result: CallResult, tool_format: str | None = None) -> dict[str, Any]:
+    """`tool_format`: the model's tool-call form when tools were offered (else None)."""
     message: dict[str, Any] = {"role": "assistant", "content": result.text}
     finish = result.finish_reason
-    if tools_offered:
-        content, calls = parse_calls(result.text)
+    if tool_format:
+        content, calls = parse_calls(result.text, tool_format)
         if calls:
             message = {"role": "assistant", "content": content or None,
                        "tool_calls": openai_tool_calls(result.call_id, calls)}

@@ -37,6 +37,7 @@ from talaria.services.instance_agent.memory.hkvr import HostKvRegistry
 from talaria.services.instance_agent.memory.hkvr_core import LayoutDescriptor, RankReport
 from talaria.services.instance_agent.memory.staging import StagingExecutor
 from talaria.shared.catalog import CATALOG, ModelSpec
+from talaria.shared.model_text import text_for
 from talaria.shared.tokenizer import block_hashes
 
 EMA = 0.3  # weight of the newest sample in the measured rates
@@ -374,7 +375,8 @@ class TorchEngine:
                 self._rate("restore", host_tokens, time.perf_counter() - t)
         self.sessions.drop(req.session_id)  # its pages are now held by this call
         gen = make_generator(req.seed, self.device) if req.temperature > 0 else None
-        return Sequence(req, spec.context_length, prompt, pages, cached, host_tokens, total_pages, t0, gen)
+        return Sequence(req, spec.context_length, prompt, pages, cached, host_tokens, total_pages, t0, gen,
+                        text=text_for(spec))
 
     def _match_device(
         self, session_id: str, prompt: list[int], hashes: list[int], max_match: int

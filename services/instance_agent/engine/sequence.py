@@ -8,7 +8,7 @@ import torch
 
 from talaria.services.instance_agent.engine.api import GenRequest, GenResult, StepToken
 from talaria.services.instance_agent.engine.sampling import StopMatcher, output_mask, sample
-from talaria.shared.tokenizer import EOS, StreamDecoder
+from talaria.shared.model_text import BYTE_TEXT
 
 
 @dataclass
@@ -31,11 +31,14 @@ class Sequence:
     t_first: float | None = None
     finish_reason: str | None = None
     generated: list[int] = field(default_factory=list)
-    decoder: StreamDecoder = field(default_factory=StreamDecoder)
+    text: object = BYTE_TEXT  # the model's text side (shared/model_text.py): decoder, EOS ids
+    decoder: object = None
     stop: StopMatcher | None = None
 
     def __post_init__(self) -> None:
         self.stop = StopMatcher(tuple(self.req.stop))
+        self.decoder = self.text.decoder()
+        self.eos = frozenset(self.text.eos_ids)
         self.kv_len = self.cached_tokens
 
     @property
@@ -53,14 +56,15 @@ class Sequence:
 
     def take(self, logits: torch.Tensor, now: float) -> StepToken:
         """Sample from this call's logits, advance, and decide whether it finished."""
-        masked = logits + output_mask(logits.shape[-1], logits.device)
-        tok = sample(masked, self.req.temperature, self.req.top_p, self.gen)
+        if self.text.printable_only:
+            logits = logits + output_mask(logits.shape[-1], logits.device)
+        tok = sample(logits, self.req.temperature, self.req.top_p, self.gen)
         if self.t_first is None:
             self.t_first = now
         self.tokens.append(tok)
         self.generated.append(tok)
         text, stopped = self.stop.push(self.decoder.push(tok))
-        if stopped or tok == EOS:
+        if stopped or tok in self.eos:
             self.finish_reason = "stop"
         elif len(self.generated) >= self.req.max_tokens or len(self.tokens) >= self.context_length:
             self.finish_reason = "length"

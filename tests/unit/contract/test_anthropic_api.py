@@ -29,8 +29,7 @@ def decode(body: dict):
 
 def prompt_of(body: dict) -> list[int]:
     req = decode(body)
-    turns, _ = chat_turns(req)
-    return prepare(to_call_request(req, turns), "s", "anthropic", fit_max_tokens=True).prompt_ids
+    return prepare(to_call_request(req, chat_turns(req)), "s", "anthropic", fit_max_tokens=True).prompt_ids
 
 
 def result(text, finish="stop", stop_sequence=None):
@@ -55,23 +54,23 @@ def test_a_tool_session_renders_as_the_same_prompt_as_its_openai_twin():
                          "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
                      {"role": "tool", "tool_call_id": "c", "content": "18C, sunny"},
                      {"role": "user", "content": "And tomorrow?"}]}
-    req, _, _ = _to_call_request(CHAT_DECODER.decode(json.dumps(openai).encode()), chat=True)
+    req, _ = _to_call_request(CHAT_DECODER.decode(json.dumps(openai).encode()), chat=True)
     assert prompt_of(anthropic) == prepare(req, "s", "chat").prompt_ids
 
 
 def test_the_answer_is_a_message_with_usage_split_by_cache():
-    body = message_body(result("hello", "length"), tools_offered=False)
+    body = message_body(result("hello", "length"), None)
     assert body["type"] == "message" and body["role"] == "assistant"
     assert body["content"] == [{"type": "text", "text": "hello"}] and body["stop_reason"] == "max_tokens"
     assert body["usage"] == {"input_tokens": 36, "output_tokens": 7, "cache_creation_input_tokens": 0,
                              "cache_read_input_tokens": 64}
-    assert message_body(result("x"), False)["stop_reason"] == "end_turn"
-    stopped = message_body(result("x", stop_sequence="END"), False)
+    assert message_body(result("x"), None)["stop_reason"] == "end_turn"
+    stopped = message_body(result("x", stop_sequence="END"), None)
     assert stopped["stop_reason"] == "stop_sequence" and stopped["stop_sequence"] == "END"
 
 
 def test_a_tool_call_in_the_output_is_a_tool_use_block():
-    body = message_body(result("Checking.\n" + CALL_TEXT), tools_offered=True)
+    body = message_body(result("Checking.\n" + CALL_TEXT), "hermes")
     assert body["stop_reason"] == "tool_use"
     text, use = body["content"]
     assert text == {"type": "text", "text": "Checking.\n"}
@@ -91,7 +90,7 @@ def test_claude_code_session_ids_come_from_its_header_or_metadata():
 def test_max_tokens_beyond_the_context_is_cut_to_fit():
     body = {"model": "qwen3-tiny", "max_tokens": 10**6, "messages": [{"role": "user", "content": "hi"}]}
     req = decode(body)
-    call = prepare(to_call_request(req, chat_turns(req)[0]), "s", "anthropic", fit_max_tokens=True)
+    call = prepare(to_call_request(req, chat_turns(req)), "s", "anthropic", fit_max_tokens=True)
     assert call.max_tokens + call.prompt_tokens == 32768
 
 

@@ -7,8 +7,8 @@ import pytest
 
 from talaria.services.gateway.http_api import _to_call_request
 from talaria.services.gateway.openai_api import CHAT_DECODER, COMPLETION_DECODER, chat_response
-from talaria.services.gateway.prepare import RequestError, prepare
-from talaria.services.gateway.tools import TextUntilCalls, ToolCall, parse_calls, render_assistant
+from talaria.services.gateway.prepare import RequestError, prepare, tool_format
+from talaria.shared.tool_calls import TextUntilCalls, ToolCall, parse_calls, render_assistant
 from talaria.shared.messages import CallResult, ChatMessage, Timings, Usage
 from talaria.shared.tokenizer import decode
 
@@ -23,7 +23,18 @@ def result(text: str, finish: str = "stop", stop_sequence: str | None = None) ->
 
 
 def openai_request(body: dict):
-    return _to_call_request(CHAT_DECODER.decode(json.dumps(body).encode()), chat=True)
+    req, _ = _to_call_request(CHAT_DECODER.decode(json.dumps(body).encode()), chat=True)
+    return req
+
+
+def test_llama3_json_calls_are_the_whole_answer():
+    assert parse_calls('{"name": "get_weather", "parameters": {"city": "Paris"}}', "json") == (
+        "", [ToolCall("get_weather", '{"city": "Paris"}')])
+    assert parse_calls("It is {sunny}", "json") == ("It is {sunny}", [])
+    s = TextUntilCalls(enabled=True, fmt="json")
+    assert s.push(' {"na') == "" and s.in_calls
+    t = TextUntilCalls(enabled=True, fmt="json")
+    assert t.push("Sure") == "Sure"
 
 
 def test_parse_calls_splits_text_and_well_formed_calls():
@@ -60,17 +71,17 @@ def test_openai_tools_and_tool_history_are_rendered_into_the_prompt():
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18C, sunny"},
     ]}
-    req, _, offered = openai_request(body)
-    assert offered
+    req = openai_request(body)
+    assert tool_format(req) == "hermes"
     prompt = decode(prepare(req, "s", "chat").prompt_ids)
     assert prompt.startswith("<|system|>Be brief.\n\n# Tools") and '"name": "get_weather"' in prompt
     assert CALL_TEXT in prompt and "<|tool|>18C, sunny<|end|>" in prompt
     body["tool_choice"] = "none"
-    assert "# Tools" not in decode(prepare(openai_request(body)[0], "s", "chat").prompt_ids)
+    assert "# Tools" not in decode(prepare(openai_request(body), "s", "chat").prompt_ids)
 
 
 def test_openai_response_carries_parsed_tool_calls():
-    body = chat_response(result("Checking.\n" + CALL_TEXT), tools_offered=True)
+    body = chat_response(result("Checking.\n" + CALL_TEXT), "hermes")
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     [call] = choice["message"]["tool_calls"]
@@ -91,8 +102,7 @@ def test_openai_response_carries_parsed_tool_calls():
 def test_openai_fields_we_do_not_honour_are_400_naming_them(extra, param):
     body = {"model": "qwen3-tiny", "messages": [{"role": "user", "content": "x"}], **extra}
     with pytest.raises(RequestError) as info:
-        req, _, _ = openai_request(body)
-        prepare(req, "s", "chat")
+        prepare(openai_request(body), "s", "chat")
     assert info.value.reply.status == 400 and info.value.reply.param == param
 
 

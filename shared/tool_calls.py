@@ -18,6 +18,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from talaria.shared.messages import ChatMessage, ToolSpec
+
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
 
@@ -30,13 +32,6 @@ TOOLS_POSTAMBLE = (
     "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
     '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
 )
-
-
-@dataclass(frozen=True)
-class Tool:
-    name: str
-    description: str
-    parameters: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -53,22 +48,41 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def tools_text(tools: list[Tool], choice: str = "auto", forced: str | None = None) -> str:
-    """The system-prompt block that declares the tools (Qwen's template wording).
-
-    `choice` is "auto", "required" or "tool" (with `forced` naming it): a small model cannot be
-    constrained here, so the choice is stated in the prompt, which is what a template can do.
-    """
+def tools_text(tools: list[ToolSpec]) -> str:
+    """The system-prompt block that declares the tools (Qwen's template wording)."""
     lines = [TOOLS_PREAMBLE]
     for t in tools:
         fn = {"name": t.name, "description": t.description, "parameters": t.parameters}
         lines.append("\n" + _dumps({"type": "function", "function": fn}))
     lines.append(TOOLS_POSTAMBLE)
-    if choice == "required":
-        lines.append("\n\nYou must call at least one function.")
-    elif choice == "tool" and forced:
-        lines.append(f"\n\nYou must call the function `{forced}`.")
     return "".join(lines)
+
+
+def choice_note(choice: str, forced: str | None) -> str | None:
+    """`required` / a named tool: a template cannot constrain decoding, so the choice is stated
+    in the system prompt (for every model alike) rather than dropped."""
+    if choice == "required":
+        return "You must call at least one function."
+    if choice == "tool" and forced:
+        return f"You must call the function `{forced}`."
+    return None
+
+
+def with_system(turns: list[ChatMessage], block: str) -> list[ChatMessage]:
+    """Append a block to the leading system turn (or start one), as chat templates do."""
+    if turns and turns[0].role == "system":
+        return [ChatMessage("system", f"{turns[0].content}\n\n{block}"), *turns[1:]]
+    return [ChatMessage("system", block), *turns]
+
+
+def hermes_turns(messages: list[ChatMessage], tools: list[ToolSpec] | None) -> list[tuple[str, str]]:
+    """(role, text) turns for the built-in template: tools into the system turn, assistant
+    calls in the `<tool_call>` form, tool results as `tool` turns."""
+    turns = [ChatMessage(m.role, render_assistant(m.content, [ToolCall(c.name, c.arguments) for c in m.tool_calls])
+                         if m.tool_calls else m.content) for m in messages]
+    if tools:
+        turns = with_system(turns, tools_text(tools))
+    return [("system" if t.role == "developer" else t.role, t.content) for t in turns]
 
 
 def render_call(call: ToolCall) -> str:
@@ -85,12 +99,16 @@ def render_assistant(text: str, calls: list[ToolCall]) -> str:
     return "\n".join(parts)
 
 
-def parse_calls(text: str) -> tuple[str, list[ToolCall]]:
+def parse_calls(text: str, fmt: str = "hermes") -> tuple[str, list[ToolCall]]:
     """Split the model's output into its text and its well-formed tool calls.
 
-    A block that is not a JSON object with a string `name` stays in the text: a malformed
-    call is shown to the client rather than dropped.
+    `fmt` is the model's form: "hermes" (`<tool_call>` blocks, Qwen) or "json" (the whole
+    answer is one `{"name": ..., "parameters": ...}` object, Llama 3). A block that is not a
+    JSON object with a string `name` stays in the text: a malformed call is shown, not dropped.
     """
+    if fmt == "json":
+        call = _call_from_json(text.strip()) if text.strip().startswith("{") else None
+        return ("", [call]) if call is not None else (text, [])
     calls: list[ToolCall] = []
     kept: list[str] = []
     pos = 0
@@ -138,8 +156,8 @@ class TextUntilCalls:
     text and sent as whole tool-call blocks at the end.
     """
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
+    def __init__(self, enabled: bool, fmt: str = "hermes") -> None:
+        self.enabled, self.fmt = enabled, fmt
         self.text = ""
         self._released = 0
         self.in_calls = False
@@ -150,6 +168,12 @@ class TextUntilCalls:
             return self._release(len(self.text))
         if self.in_calls:
             return ""
+        if self.fmt == "json":  # a call is the whole answer: hold an answer that starts like one
+            head = self.text.lstrip()
+            if not head or head.startswith("{"):
+                self.in_calls = bool(head)
+                return ""
+            return self._release(len(self.text))
         at = self.text.find(CALL_OPEN, self._released)
         if at >= 0:
             self.in_calls = True
