@@ -116,3 +116,64 @@ async def test_an_openai_agent_session_keeps_tool_calls_in_the_prompt(served):
     with pytest.raises(openai.BadRequestError) as info:
         await client.chat.completions.create(messages=messages, logprobs=True, **kw)
     assert info.value.body["param"] == "logprobs"
+
+
+@pytest.fixture
+async def toolbot(nats_url, database_url, tmp_path):
+    """A Hugging Face checkpoint served from its directory (TALARIA_MODELS=toolbot=/path) whose
+    greedy output is forced to a `read_file` tool call (tests/unit/engine/hf_checkpoints.py)."""
+    pytest.importorskip("transformers")
+    from tests.unit.engine.hf_checkpoints import make_tool_caller
+
+    path = make_tool_caller(tmp_path / "toolbot")
+    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="talaria",
+                        http_port=free_port(), session_idle_s=3600, call_timeout_s=60, models=(f"toolbot={path}",))
+    assert settings.models == ("toolbot",) and settings.models_env() == f"toolbot={path}"
+    services = Services()
+    await services.start("telemetry", run_telemetry, settings)
+    await services.start("router", run_router, settings)
+    await services.start("gateway", run_gateway, settings)
+    await services.start("agent-0", run_agent, settings.with_(instance_id="agent-0"))
+    nc = await nats.connect(nats_url)
+    await wait_for_router(nc, instances=1)
+    await nc.close()
+    yield f"http://127.0.0.1:{settings.http_port}"
+    await services.close()
+
+
+async def test_tool_calls_parsed_from_a_served_checkpoint_through_both_apis(toolbot):
+    oa = openai.AsyncOpenAI(base_url=f"{toolbot}/v1", api_key="unused", max_retries=0)
+    tools = [{"type": "function", "function": {"name": TOOL["name"], "description": TOOL["description"],
+                                               "parameters": TOOL["input_schema"]}}]
+    messages = [{"role": "user", "content": "Fix the failing test in parser.py"}]
+    kw = dict(model="toolbot", max_tokens=16, temperature=0, tools=tools, extra_headers={"X-Session-Id": "tb-oa"})
+    for turn in range(2):  # a multi-turn tool session: call, result, call again
+        r = await oa.chat.completions.create(messages=messages, **kw)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        [call] = choice.message.tool_calls
+        assert call.function.name == "read_file" and call.function.arguments == '{"path": "parser.py"}'
+        messages += [choice.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": f"contents {turn}"}]
+    assert r.usage.prompt_tokens_details.cached_tokens >= 16
+    chunks = [c async for c in await oa.chat.completions.create(messages=messages, stream=True, **kw)]
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [d.function.name for d in deltas] == ["read_file"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+    an = anthropic.AsyncAnthropic(base_url=toolbot, api_key="unused", max_retries=0)
+    history = [{"role": "user", "content": "Fix the failing test in parser.py"}]
+    akw = dict(model="toolbot", max_tokens=16, tools=[TOOL], extra_body={"temperature": 0},
+               extra_headers={"X-Claude-Code-Session-Id": "tb-an"})
+    for turn in range(2):
+        msg = await an.messages.create(messages=history, **akw)
+        assert msg.stop_reason == "tool_use"
+        [use] = [b for b in msg.content if b.type == "tool_use"]
+        assert use.name == "read_file" and use.input == {"path": "parser.py"}
+        history += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                  "content": f"contents {turn}"}]}]
+    assert msg.usage.cache_read_input_tokens >= 16
+    async with an.messages.stream(messages=history, **akw) as stream:
+        final = await stream.get_final_message()
+    assert final.stop_reason == "tool_use" and final.content[-1].input == {"path": "parser.py"}

@@ -6,6 +6,7 @@ tools) is attached. transformers is a test extra; tests that need it skip withou
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,8 @@ VOCAB = 600
 
 # name -> (special tokens, eos, bos, template)
 FAMILIES = {
-    "qwen3": (["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"],
-              "<|im_end|>", None, "qwen.jinja"),
-    "qwen3_moe": (["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"],
-                  "<|im_end|>", None, "qwen.jinja"),
+    "qwen3": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "<|im_end|>", None, "qwen.jinja"),
+    "qwen3_moe": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "<|im_end|>", None, "qwen.jinja"),
     "llama": (["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
               "<|eot_id|>", "<|begin_of_text|>", "llama3.jinja"),
     "gpt2": (["<|endoftext|>"], "<|endoftext|>", None, None),
@@ -32,7 +31,7 @@ def corpus() -> list[str]:
 
 
 def train_tokenizer(family: str):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     specials, _, bos, _ = FAMILIES[family]
     tok = Tokenizer(models.BPE())
@@ -41,6 +40,8 @@ def train_tokenizer(family: str):
     trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus(), trainer)
+    if family.startswith("qwen"):  # as in Qwen's tokenizer: added tokens, not special (kept in text)
+        tok.add_tokens([AddedToken("<tool_call>", normalized=False), AddedToken("</tool_call>", normalized=False)])
     if bos:
         tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
     else:
@@ -71,7 +72,44 @@ def config(family: str, vocab: int, eos: int, bos: int | None):
     return tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=1024, **common), tf.GPT2LMHeadModel
 
 
-def make_checkpoint(family: str, out: Path) -> Path:
+TOOL_CALL_BODY = '\n{"name": "read_file", "arguments": {"path": "parser.py"}}\n'
+
+
+def make_tool_caller(out: Path) -> Path:
+    """A Qwen3 checkpoint whose greedy answer to any chat is forced to one tool call,
+    `<tool_call>{"name": "read_file", ...}</tool_call>` then EOS: its layers add nothing
+    (o_proj and down_proj are zero), so the next token depends on the current one only, and
+    the LM head maps the prompt's last token -> <tool_call> -> body -> </tool_call> -> EOS."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from tokenizers import AddedToken, Tokenizer
+
+    make_checkpoint("qwen3", out, tie=False)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    tok.add_tokens([AddedToken(TOOL_CALL_BODY, normalized=False)])
+    tok.save(str(out / "tokenizer.json"))
+    cfg = json.loads((out / "config.json").read_text())
+    vocab = cfg["vocab_size"] = tok.get_vocab_size()
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    w = load_file(str(out / "model.safetensors"))
+    hidden = w["model.embed_tokens.weight"].shape[1]
+    gen = torch.Generator().manual_seed(1)
+    w["model.embed_tokens.weight"] = torch.randn(vocab, hidden, generator=gen)
+    w["lm_head.weight"] = torch.randn(vocab, hidden, generator=gen) * 0.01
+    w["model.norm.weight"] = torch.ones(hidden)
+    for k in list(w):
+        if k.endswith(("o_proj.weight", "down_proj.weight")):
+            w[k] = torch.zeros_like(w[k])
+    ids = tok.encode("<|im_start|>assistant\n", add_special_tokens=False).ids
+    chain = [ids[-1], *(tok.token_to_id(t) for t in ("<tool_call>", TOOL_CALL_BODY, "</tool_call>", "<|im_end|>"))]
+    emb = w["model.embed_tokens.weight"]
+    for a, b in zip(chain, chain[1:]):
+        w["lm_head.weight"][b] = 20 * emb[a] / emb[a].norm()
+    save_file(w, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def make_checkpoint(family: str, out: Path, tie: bool | None = None) -> Path:
     """Write config.json, model.safetensors, tokenizer files, chat template, generation_config.json."""
     tf = pytest.importorskip("transformers")
     import torch
@@ -80,6 +118,8 @@ def make_checkpoint(family: str, out: Path) -> Path:
     tok = train_tokenizer(family)
     eos, bos = tok.token_to_id(eos_tok), tok.token_to_id(bos_tok) if bos_tok else None
     cfg, cls = config(family, tok.get_vocab_size(), eos, bos)
+    if tie is not None:
+        cfg.tie_word_embeddings = tie
     torch.manual_seed(0)
     model = cls(cfg).eval()
     with torch.no_grad():  # norms start at ones; perturb them so their weights are really read
