@@ -1,7 +1,8 @@
 """A model's text side: its tokenizer, chat template and tool-call form.
 
 The gateway renders and tokenises prompts with it, the engine decodes generated ids with it.
-Built-in models use the byte-level tokenizer and the fixed template (tokenizer.py); a Hugging
+Built-in models use the fixed template with the byte-level tokenizer (tokenizer.py) or the
+demo BPE (demo_tokenizer.py); a Hugging
 Face directory uses its own `tokenizer.json` (the `tokenizers` library) and the chat template
 from `tokenizer_config.json` / `chat_template.jinja`, rendered with jinja2 the way
 transformers' `apply_chat_template` does (same environment, filters and variables), with
@@ -27,12 +28,17 @@ def _with_note(messages: list[ChatMessage], choice: str, forced: str | None) -> 
     return with_system(list(messages), note) if note else list(messages)
 
 
+# Random weights emit arbitrary ids; the built-in models may only emit tokens of printable
+# ASCII, newline and tab (and EOS), so answers round-trip through any JSON client unchanged.
+PRINTABLE = frozenset([9, 10, *range(32, 127)])
+
+
 class ByteText:
-    """The built-in models: byte-level ids, the fixed `<|role|>...<|end|>` template."""
+    """The byte-level built-ins: byte ids, the fixed `<|role|>...<|end|>` template."""
 
     tool_format = "hermes"
     eos_ids: tuple[int, ...] = (byte_tok.EOS,)
-    printable_only = True  # random weights: keep output to printable ASCII (sampling.py)
+    allowed_output: tuple[int, ...] | None = (*sorted(PRINTABLE), byte_tok.EOS)
 
     def encode(self, text: str, *, chat: bool = True) -> list[int]:
         return byte_tok.encode(text)
@@ -47,6 +53,24 @@ class ByteText:
         return byte_tok.StreamDecoder()
 
 
+class DemoBpeText(ByteText):
+    """The BPE built-ins (demo_tokenizer.py): same template and specials, merged ids."""
+
+    def __init__(self) -> None:
+        from talaria.shared.demo_tokenizer import demo_tokenizer
+
+        self.tok = demo_tokenizer()
+        printable = [i for i in range(self.tok.get_vocab_size())
+                     if (t := self.tok.decode([i], skip_special_tokens=True)) and all(ord(c) in PRINTABLE for c in t)]
+        self.allowed_output = (*printable, byte_tok.EOS)
+
+    def encode(self, text: str, *, chat: bool = True) -> list[int]:
+        return [byte_tok.BOS, *self.tok.encode(text, add_special_tokens=False).ids]
+
+    def decoder(self) -> IncrementalDecoder:
+        return IncrementalDecoder(self.tok)
+
+
 def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):  # an AddedToken written out
         return value.get("content")
@@ -56,7 +80,7 @@ def _token_text(value: Any) -> str | None:
 class HfText:
     """A Hugging Face directory's tokenizer and chat template."""
 
-    printable_only = False
+    allowed_output = None  # a trained model's output is not restricted
 
     def __init__(self, path: str | Path, eos_ids: tuple[int, ...] = ()) -> None:
         from tokenizers import Tokenizer
@@ -174,5 +198,12 @@ def _hf_text(path: str, eos_ids: tuple[int, ...]) -> HfText:
     return HfText(path, eos_ids)
 
 
+@lru_cache(maxsize=1)
+def _demo_bpe() -> DemoBpeText:
+    return DemoBpeText()
+
+
 def text_for(spec: ModelSpec) -> ByteText | HfText:
-    return BYTE_TEXT if spec.path is None else _hf_text(spec.path, spec.eos_ids)
+    if spec.path is not None:
+        return _hf_text(spec.path, spec.eos_ids)
+    return _demo_bpe() if spec.tokenizer == "bpe" else BYTE_TEXT

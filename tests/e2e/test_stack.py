@@ -21,7 +21,9 @@ import psutil
 import pytest
 
 from talaria.shared.settings import asyncpg_dsn
-from talaria.shared.tokenizer import encode, render_chat
+from talaria.shared.catalog import CATALOG
+from talaria.shared.model_text import text_for
+from talaria.shared.tokenizer import render_chat
 from talaria.shared.tracing import read_spans, session_span_id, session_trace_id
 from talaria.embedded import free_port
 from tests.integration.harness import wait_rows
@@ -63,7 +65,7 @@ def from_scratch(data_dir: Path, messages: list[dict], max_tokens: int) -> str:
     from talaria.services.instance_agent.engine import GenRequest, TorchEngine
 
     engine = TorchEngine(data_dir, ["qwen3-tiny"])
-    ids = encode(render_chat([(m["role"], m["content"]) for m in messages]))
+    ids = text_for(CATALOG["qwen3-tiny"]).encode(render_chat([(m["role"], m["content"]) for m in messages]))
     return engine.generate(GenRequest("ref", "ref", "qwen3-tiny", ids, max_tokens)).text
 
 

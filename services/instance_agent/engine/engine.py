@@ -50,7 +50,7 @@ class TorchEngine:
         models: list[str],
         *,
         device: str = "cpu",
-        kv_pages: int = 1024,
+        kv_pages: int | None = None,
         page_size: int = 16,
         tp_ranks: int = 2,
         hkvr: bool = True,
@@ -61,7 +61,7 @@ class TorchEngine:
         prefill_chunk: int = 1024,
         preload_host: bool = True,
     ) -> None:
-        """kv_pages sizes the KV gap for the model with the largest pages; models with smaller
+        """kv_pages (default: one longest-context call) sizes the KV gap for the model with the largest pages; models with smaller
         pages (or smaller weights) get more. Host images are preloaded (the host model entry)
         unless preload_host=False, in which case a model's first open reads its file ('cold')."""
         unknown = [m for m in models if m not in CATALOG]
@@ -73,6 +73,8 @@ class TorchEngine:
         self.prefill_chunk = prefill_chunk
         self.auto_stage = auto_stage
         self.specs: dict[str, ModelSpec] = {m: CATALOG[m] for m in models}
+        if kv_pages is None:  # room for one call of the longest context
+            kv_pages = max(1024, max(math.ceil(s.context_length / page_size) for s in self.specs.values()))
         self.layouts: dict[str, WeightLayout] = {m: weight_layout(s) for m, s in self.specs.items()}
         for m, s in self.specs.items():
             if s.kv_heads % tp_ranks:

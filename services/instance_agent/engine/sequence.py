@@ -56,8 +56,8 @@ class Sequence:
 
     def take(self, logits: torch.Tensor, now: float) -> StepToken:
         """Sample from this call's logits, advance, and decide whether it finished."""
-        if self.text.printable_only:
-            logits = logits + output_mask(logits.shape[-1], logits.device)
+        if self.text.allowed_output is not None:
+            logits = logits + output_mask(self.text.allowed_output, logits.shape[-1], logits.device)
         tok = sample(logits, self.req.temperature, self.req.top_p, self.gen)
         if self.t_first is None:
             self.t_first = now

@@ -16,6 +16,7 @@ from talaria.services.gateway.anthropic_api import (
 from talaria.services.gateway.http_api import _to_call_request
 from talaria.services.gateway.openai_api import CHAT_DECODER
 from talaria.services.gateway.prepare import RequestError, prepare
+from talaria.shared.catalog import CATALOG
 from talaria.shared.messages import CallResult, ErrorReply, Timings, Usage
 
 TOOL = {"name": "get_weather", "description": "Weather in a city",
@@ -91,7 +92,7 @@ def test_max_tokens_beyond_the_context_is_cut_to_fit():
     body = {"model": "qwen3-tiny", "max_tokens": 10**6, "messages": [{"role": "user", "content": "hi"}]}
     req = decode(body)
     call = prepare(to_call_request(req, chat_turns(req)), "s", "anthropic", fit_max_tokens=True)
-    assert call.max_tokens + call.prompt_tokens == 32768
+    assert call.max_tokens + call.prompt_tokens == CATALOG["qwen3-tiny"].context_length
 
 
 @pytest.mark.parametrize("change,param", [

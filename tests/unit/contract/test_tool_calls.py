@@ -10,7 +10,12 @@ from talaria.services.gateway.openai_api import CHAT_DECODER, COMPLETION_DECODER
 from talaria.services.gateway.prepare import RequestError, prepare, tool_format
 from talaria.shared.tool_calls import TextUntilCalls, ToolCall, parse_calls, render_assistant
 from talaria.shared.messages import CallResult, ChatMessage, Timings, Usage
-from talaria.shared.tokenizer import decode
+from talaria.shared.catalog import CATALOG
+from talaria.shared.model_text import text_for
+
+
+def decode(ids):
+    return text_for(CATALOG["qwen3-tiny"]).tok.decode(ids[1:])
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
