@@ -18,6 +18,7 @@ import msgspec
 from aiohttp import web
 from msgspec import Struct
 
+from talaria.services.gateway.auth import TENANT, anthropic_error_body, client_session, scoped_session
 from talaria.services.gateway.openai_api import ChatInput
 from talaria.services.gateway.prepare import RequestError, bad, prepare, tool_format
 from talaria.services.gateway.sessions import InvalidSessionId, session_id_from
@@ -245,13 +246,8 @@ def message_body(result: CallResult, fmt: str | None) -> dict[str, Any]:
             "stop_sequence": result.stop_sequence if not calls else None, "usage": usage(result)}
 
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large",
-               429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
-
-
 def error_body(err: ErrorReply) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(err.status, "api_error"), "message": err.message}}
+    return anthropic_error_body(err.status, err.message)
 
 
 def error_response(err: ErrorReply) -> web.Response:
@@ -275,20 +271,16 @@ def sse(event: str, data: dict[str, Any]) -> bytes:
 
 
 class AnthropicApi:
-    def __init__(self, submitter: Submitter, log) -> None:
-        self.submitter, self.log = submitter, log
+    """Routes on the gateway's app: its middleware has checked the API key (`x-api-key` or
+    `Authorization: Bearer`, auth.py) and put the tenant on the request."""
+
+    def __init__(self, submitter: Submitter, log, prefix_sharing: str = "tenant") -> None:
+        self.submitter, self.log, self.prefix_sharing = submitter, log, prefix_sharing
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/v1/messages", self.messages), web.post("/v1/messages/count_tokens", self.count_tokens)]
 
-    def authorize(self, request: web.Request) -> ErrorReply | None:
-        """Hook for the gateway's API-key check (Anthropic clients send `x-api-key`): none on
-        this branch yet, so every caller is let through. Return an ErrorReply(401) to refuse."""
-        return None
-
     async def count_tokens(self, request: web.Request) -> web.Response:
-        if (denied := self.authorize(request)) is not None:
-            return error_response(denied)
         try:
             req = DECODER.decode(await request.read())
             chat = chat_turns(req)
@@ -302,13 +294,12 @@ class AnthropicApi:
         return web.json_response({"input_tokens": call.prompt_tokens})
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
-        if (denied := self.authorize(request)) is not None:
-            return error_response(denied)
         try:
             req = DECODER.decode(await request.read())
             call_req = to_call_request(req, chat_turns(req))
-            session_id = session_of(request.headers, req.metadata)
-            call = prepare(call_req, session_id, "anthropic", fit_max_tokens=True)
+            tenant = request.get(TENANT, "")
+            session_id = scoped_session(tenant, session_of(request.headers, req.metadata))
+            call = prepare(call_req, session_id, "anthropic", tenant, self.prefix_sharing, fit_max_tokens=True)
             fmt = tool_format(call_req)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             return error_response(decode_error(exc))
@@ -322,11 +313,13 @@ class AnthropicApi:
         if isinstance(reply, ErrorReply):
             return error_response(reply)
         return web.json_response(message_body(reply, fmt),
-                                 headers={"request-id": f"req_{reply.call_id}", "X-Session-Id": reply.session_id})
+                                 headers={"request-id": f"req_{reply.call_id}",
+                                          "X-Session-Id": client_session(call.tenant, reply.session_id)})
 
     async def _stream(self, request: web.Request, call, fmt: str | None) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "request-id": f"req_{call.call_id}", "X-Session-Id": call.session_id})
+                                           "request-id": f"req_{call.call_id}",
+                                           "X-Session-Id": client_session(call.tenant, call.session_id)})
         text = TextUntilCalls(fmt is not None, fmt or "hermes")
         state = {"blocks": 0, "text_open": False}
 

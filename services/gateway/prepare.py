@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 import uuid
 
+from talaria.services.gateway.auth import kv_scope
 from talaria.shared import subjects
 from talaria.shared.catalog import CATALOG
 from talaria.shared.messages import CallRequest, CallSubmitted, ErrorReply
@@ -36,9 +37,11 @@ def tool_format(req: CallRequest) -> str | None:
     return text_for(spec).tool_format
 
 
-def prepare(req: CallRequest, session_id: str, api: str, fit_max_tokens: bool = False) -> CallSubmitted:
-    """`fit_max_tokens`: a prompt that fits gets `max_tokens` cut to the context left (Anthropic
-    clients such as Claude Code ask for 32,000 whatever the model), instead of a 400."""
+def prepare(req: CallRequest, session_id: str, api: str, tenant: str = "", sharing: str = "tenant",
+            fit_max_tokens: bool = False) -> CallSubmitted:
+    """`session_id` is already scoped to `tenant` (auth.scoped_session). `fit_max_tokens`: a
+    prompt that fits gets `max_tokens` cut to the context left (Anthropic clients such as
+    Claude Code ask for 32,000 whatever the model), instead of a 400."""
     spec = CATALOG.get(req.model)
     if spec is None:
         raise RequestError(
@@ -76,6 +79,7 @@ def prepare(req: CallRequest, session_id: str, api: str, fit_max_tokens: bool = 
     call_id = req.call_id or uuid.uuid4().hex
     if not subjects.valid_token(call_id) or len(call_id) > 128:
         raise bad("`call_id` must be a NATS subject token (no '.', '*', '>' or spaces)", "call_id")
+    scope = kv_scope(sharing, tenant, session_id)
     max_tokens = req.max_tokens
     if fit_max_tokens and len(ids) < spec.context_length:
         max_tokens = min(max_tokens, spec.context_length - len(ids))
@@ -95,7 +99,7 @@ def prepare(req: CallRequest, session_id: str, api: str, fit_max_tokens: bool = 
         session_id=session_id,
         model=req.model,
         prompt_ids=ids,
-        block_hashes=block_hashes(ids),
+        block_hashes=block_hashes(ids, scope=scope),
         max_tokens=max_tokens,
         submitted_at=time.time(),
         temperature=req.temperature,
@@ -104,4 +108,6 @@ def prepare(req: CallRequest, session_id: str, api: str, fit_max_tokens: bool = 
         stop=list(req.stop),
         stream=req.stream,
         api=api,
+        tenant=tenant,
+        kv_scope=scope,
     )
