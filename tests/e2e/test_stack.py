@@ -110,7 +110,7 @@ def test_one_agent_session_end_to_end(tmp_path):
             answers.append(r)
             messages += [{"role": "assistant", "content": text}, {"role": "tool", "content": f"exit {i}"}]
         # Claude Code needs only ANTHROPIC_BASE_URL and a model name.
-        claude = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="unused", max_retries=0)
+        claude = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key=key, max_retries=0)  # x-api-key
         msg = claude.messages.create(model="qwen3-tiny", max_tokens=8, messages=messages[:1],
                                      extra_headers={"X-Claude-Code-Session-Id": "e2e-claude"})
         assert msg.content[0].type == "text" and 1 <= msg.usage.output_tokens <= 8
