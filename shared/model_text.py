@@ -23,6 +23,15 @@ from talaria.shared.messages import ChatMessage, ToolSpec
 from talaria.shared.tool_calls import choice_note, hermes_turns, with_system
 
 
+def _prefill(messages: list[ChatMessage]) -> str | None:
+    """A trailing assistant message with text and no calls is continued, not answered
+    (Anthropic's prefill; transformers' `continue_final_message`)."""
+    last = messages[-1] if messages else None
+    if last is not None and last.role == "assistant" and not last.tool_calls and last.content.strip():
+        return last.content.strip()
+    return None
+
+
 def _with_note(messages: list[ChatMessage], choice: str, forced: str | None) -> list[ChatMessage]:
     note = choice_note(choice, forced)
     return with_system(list(messages), note) if note else list(messages)
@@ -46,8 +55,12 @@ class ByteText:
     def render(self, messages: list[ChatMessage], tools: list[ToolSpec] | None = None,
                choice: str = "auto", forced: str | None = None) -> str:
         offered = tools if tools and choice != "none" else None
-        return byte_tok.render_chat(hermes_turns(_with_note(messages, choice, forced) if offered else messages,
+        prefill = _prefill(messages)
+        if prefill is not None:
+            messages = messages[:-1]
+        text = byte_tok.render_chat(hermes_turns(_with_note(messages, choice, forced) if offered else messages,
                                                  offered))
+        return text + prefill if prefill is not None else text
 
     def decoder(self) -> byte_tok.StreamDecoder:
         return byte_tok.StreamDecoder()
@@ -116,11 +129,17 @@ class HfText:
             raise ValueError(f"{self.path}: no chat template (tokenizer_config.json `chat_template`)")
         offered = tools if tools and choice != "none" else None
         msgs = _with_note(messages, choice, forced) if offered else messages
-        return self._template.render(
+        prefill = _prefill(msgs)
+        text = self._template.render(
             messages=[_as_dict(m) for m in msgs],
             tools=[{"type": "function", "function": {"name": t.name, "description": t.description,
                                                      "parameters": t.parameters}} for t in offered] if offered else None,
-            add_generation_prompt=True, **self.special)
+            add_generation_prompt=prefill is None, **self.special)
+        if prefill is not None:  # as transformers' continue_final_message: cut after the prefill
+            if prefill not in text:
+                raise ValueError("the chat template does not render the final assistant message verbatim")
+            text = text[: text.rindex(prefill) + len(prefill)]
+        return text
 
     def decoder(self) -> IncrementalDecoder:
         return IncrementalDecoder(self.tok)

@@ -17,6 +17,7 @@ from talaria.services.gateway.http_api import _to_call_request
 from talaria.services.gateway.openai_api import CHAT_DECODER
 from talaria.services.gateway.prepare import RequestError, prepare
 from talaria.shared.catalog import CATALOG
+from talaria.shared.model_text import text_for
 from talaria.shared.messages import CallResult, ErrorReply, Timings, Usage
 
 TOOL = {"name": "get_weather", "description": "Weather in a city",
@@ -57,6 +58,13 @@ def test_a_tool_session_renders_as_the_same_prompt_as_its_openai_twin():
                      {"role": "user", "content": "And tomorrow?"}]}
     req, _ = _to_call_request(CHAT_DECODER.decode(json.dumps(openai).encode()), chat=True)
     assert prompt_of(anthropic) == prepare(req, "s", "chat").prompt_ids
+
+
+def test_a_trailing_assistant_message_is_continued():
+    body = {"model": "qwen3-tiny", "max_tokens": 8, "messages": [
+        {"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi, I am"}]}
+    prompt = text_for(CATALOG["qwen3-tiny"]).tok.decode(prompt_of(body)[1:])
+    assert prompt == "<|user|>Say hi<|end|><|assistant|>Hi, I am"
 
 
 def test_the_answer_is_a_message_with_usage_split_by_cache():

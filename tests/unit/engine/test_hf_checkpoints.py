@@ -82,6 +82,10 @@ def test_chat_template_and_tokenizer_match_transformers(family, checkpoints):
     assert ours.encode(expected, chat=True) == theirs(expected, add_special_tokens=False)["input_ids"]
     assert ours.encode("plain text", chat=False) == theirs("plain text")["input_ids"]
     assert ours.tool_format == ("hermes" if family.startswith("qwen") else "json")
+    # A trailing assistant message is continued (Anthropic prefill), as continue_final_message does.
+    prefill = [{"role": "user", "content": "Fix it"}, {"role": "assistant", "content": "Sure, first"}]
+    expected = theirs.apply_chat_template(prefill, tokenize=False, continue_final_message=True)
+    assert ours.render([ChatMessage("user", "Fix it"), ChatMessage("assistant", "Sure, first")]) == expected
 
 
 @pytest.mark.parametrize("family", FAMILIES)
