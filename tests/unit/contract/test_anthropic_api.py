@@ -60,6 +60,14 @@ def test_a_tool_session_renders_as_the_same_prompt_as_its_openai_twin():
     assert prompt_of(anthropic) == prepare(req, "s", "chat").prompt_ids
 
 
+def test_system_messages_inside_the_conversation_are_system_turns():
+    body = {"model": "qwen3-tiny", "max_tokens": 8, "system": "Top.", "messages": [
+        {"role": "user", "content": "a"}, {"role": "system", "content": [{"type": "text", "text": "Mid."}]},
+        {"role": "user", "content": "b"}]}
+    prompt = text_for(CATALOG["qwen3-tiny"]).tok.decode(prompt_of(body)[1:])
+    assert prompt == "<|system|>Top.<|end|><|user|>a<|end|><|system|>Mid.<|end|><|user|>b<|end|><|assistant|>"
+
+
 def test_a_trailing_assistant_message_is_continued():
     body = {"model": "qwen3-tiny", "max_tokens": 8, "messages": [
         {"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi, I am"}]}
@@ -105,7 +113,7 @@ def test_max_tokens_beyond_the_context_is_cut_to_fit():
 
 @pytest.mark.parametrize("change,param", [
     ({"max_tokens": None}, "max_tokens"), ({"max_tokens": 0}, "max_tokens"), ({"temperature": 1.5}, "temperature"),
-    ({"top_k": 5}, "top_k"), ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format"), ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
+    ({"top_k": 5}, "top_k"), ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format"), ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages.0.content"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0"),
     ({"tools": [TOOL], "tool_choice": {"type": "tool"}}, "tool_choice.name"),
