@@ -38,6 +38,7 @@ from talaria.services.instance_agent.memory.hkvr_core import LayoutDescriptor, R
 from talaria.services.instance_agent.memory.staging import StagingExecutor
 from talaria.shared.catalog import CATALOG, ModelSpec
 from talaria.shared.model_text import text_for
+from talaria.shared.stats import ewma
 from talaria.shared.tokenizer import block_hashes
 
 EMA = 0.3  # weight of the newest sample in the measured rates
@@ -505,7 +506,7 @@ class TorchEngine:
             return
         r = tokens / seconds
         old = self._rates[kind]
-        self._rates[kind] = r if old == 0.0 else (1 - EMA) * old + EMA * r
+        self._rates[kind] = ewma(old or None, r, EMA)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
