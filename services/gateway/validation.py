@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import msgspec
 
-from talaria.services.gateway.openai_api import validation_error
 from talaria.shared import limits
 from talaria.shared.messages import MAX_NAME_LEN, MAX_TOKEN_LEN, CallRequest, CallSubmitted, ErrorReply, encode
 
@@ -23,17 +22,26 @@ def bad(message: str, param: str | None = None, code: str = "invalid_request") -
     return RequestError(ErrorReply(400, code, message, param=param))
 
 
-def decode(decoder: msgspec.json.Decoder, data: bytes):
-    """Decode a request body; errors become a RequestError (400) naming the field."""
+def decode_bounded(decoder: msgspec.json.Decoder, data: bytes):
+    """Decode, turning JSON nested past the decoder's depth into a RequestError (400);
+    msgspec's own errors propagate for the API to word them."""
     try:
         return decoder.decode(data)
     except RecursionError:  # msgspec recurses per nesting level, even inside ignored fields
         raise bad("request body is nested too deeply", code="invalid_json") from None
+
+
+def decode(decoder: msgspec.json.Decoder, data: bytes):
+    """Decode a request body; errors become a RequestError (400) naming the field."""
+    try:
+        return decode_bounded(decoder, data)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise RequestError(describe(exc)) from None
 
 
 def describe(exc: msgspec.ValidationError | msgspec.DecodeError) -> ErrorReply:
+    from talaria.services.gateway.openai_api import validation_error  # it imports prepare, which imports us
+
     reply = validation_error(exc)
     if "matching regex" in reply.message or "length <=" in reply.message or "length >=" in reply.message:
         limit = MAX_TOKEN_LEN if reply.param == "call_id" else MAX_NAME_LEN
