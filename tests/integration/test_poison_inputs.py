@@ -111,10 +111,10 @@ NATS_INPUTS = [
 ]
 
 
-async def post(settings, body, headers) -> tuple[int, str]:
+async def post(settings, body, headers, path="/v1/chat/completions") -> tuple[int, str]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=ANSWER_S)) as s:
-        async with s.post(f"http://127.0.0.1:{settings.http_port}/v1/chat/completions", data=data,
+        async with s.post(f"http://127.0.0.1:{settings.http_port}{path}", data=data,
                           headers={"Content-Type": "application/json", **headers}) as r:
             return r.status, await r.text()
 
@@ -165,6 +165,10 @@ async def test_hand_picked_poison_inputs_never_hang_or_5xx(stack, db):
             failures.append(f"NATS {name}: {type(res).__name__} {res}")
         else:
             _check_nats(name, expected, res, failures)
+    for path in ("/v1/completions", "/v1/messages", "/v1/messages/count_tokens"):
+        status, body = await post(settings, nested(500_000), {}, path)
+        if status != 400:
+            failures.append(f"HTTP nested 500k on {path}: {status} {body[:200]}")
     assert not failures, "\n".join(failures)
     await _normal_call_succeeds(settings, nc, db, "after-hand-picked")
 
