@@ -12,6 +12,9 @@ from talaria.shared import limits
 from talaria.shared.messages import MAX_NAME_LEN, MAX_TOKEN_LEN, CallRequest, CallSubmitted, ErrorReply, encode
 
 
+ID_FIELDS = ("call_id", "session_id", "model")  # the `Name`/`Token` fields of shared/messages.py
+
+
 class RequestError(Exception):
     def __init__(self, reply: ErrorReply) -> None:
         super().__init__(reply.message)
@@ -43,7 +46,7 @@ def describe(exc: msgspec.ValidationError | msgspec.DecodeError) -> ErrorReply:
     from talaria.services.gateway.openai_api import validation_error  # it imports prepare, which imports us
 
     reply = validation_error(exc)
-    if "matching regex" in reply.message or "length <=" in reply.message or "length >=" in reply.message:
+    if reply.param in ID_FIELDS and ("matching regex" in reply.message or "of length" in reply.message):
         limit = MAX_TOKEN_LEN if reply.param == "call_id" else MAX_NAME_LEN
         what = "; no '.', '*', '>' or spaces" if reply.param == "call_id" else ""
         reply = ErrorReply(400, "invalid_request", f"`{reply.param}` must be 1 to {limit} printable characters "
