@@ -2,7 +2,11 @@
 CallParked/DeadlineRisk raised a TypeError, so the events with them were dropped: a
 finished call's completion was never published and the agent hung)."""
 
+from types import SimpleNamespace
+
 import structlog
+
+from talaria.services.instance_agent.engine.contract import Capabilities
 
 from talaria.services.instance_agent.core import Outcome
 from talaria.services.instance_agent.runner import CallRunner
@@ -12,8 +16,10 @@ from talaria.shared.settings import Settings
 
 async def test_parked_and_risk_notes_are_logged_and_completions_still_published(tmp_path):
     settings = Settings(data_dir=tmp_path, instance_id="agent-t", models=("qwen3-tiny",))
-    # No engine, NATS or tracer: these outcomes touch none of them.
-    runner = CallRunner(settings, None, None, None, None, None, structlog.get_logger())
+    # These outcomes touch no engine, NATS or tracer: the engine stand-in only states capabilities.
+    engine = SimpleNamespace(capabilities=Capabilities(switch_with_calls_running=False, host_kv=True,
+                                                       d2d_staging=True, chunked_prefill=True))
+    runner = CallRunner(settings, engine, None, None, None, None, structlog.get_logger())
     completed = []
 
     async def record_completion(call_id):  # stands in for publishing over NATS
