@@ -17,6 +17,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from opentelemetry import trace
 
+from talaria.services.gateway.validation import check_size
 from talaria.shared import subjects
 from talaria.shared.logs import call_context
 from talaria.shared.bus import emit, emit_new
@@ -85,6 +86,9 @@ class Submitter:
         # The deadline rides with the call: past it nobody reads the answer, so agents drop it.
         call = replace(call, reply_to=f"{self.inbox}.{call.call_id}",
                        deadline_at=call.deadline_at or call.submitted_at + self.timeout_s)
+        too_large = check_size(call, self.nc.max_payload)
+        if too_large is not None:  # permanent: retrying cannot make it fit
+            return too_large
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._pending[call.call_id] = fut
         token_sub = None

@@ -4,22 +4,18 @@ from __future__ import annotations
 
 import torch
 
-from talaria.shared.tokenizer import EOS
 
-# Random-weight models would emit arbitrary bytes, most of them not valid UTF-8: a client
-# then sends U+FFFD back and the session's next prompt no longer repeats the answer's
-# bytes, so its KV prefix stops matching. The engine therefore emits only printable
-# ASCII, newline, tab and EOS, which round-trip through any JSON client unchanged.
-ALLOWED_OUTPUT = [9, 10, *range(32, 127), EOS]
-_masks: dict[tuple[int, str], torch.Tensor] = {}
+_masks: dict[tuple[int, int, str], torch.Tensor] = {}
 
 
-def output_mask(vocab: int, device: torch.device) -> torch.Tensor:
-    key = (vocab, str(device))
+def output_mask(allowed: tuple[int, ...], vocab: int, device: torch.device) -> torch.Tensor:
+    """-inf for every id outside `allowed` (the built-in models' printable-only output:
+    shared/model_text.py says why)."""
+    key = (id(allowed), vocab, str(device))
     mask = _masks.get(key)
     if mask is None:
         mask = torch.full((vocab,), float("-inf"), device=device)
-        mask[[t for t in ALLOWED_OUTPUT if t < vocab]] = 0.0
+        mask[[t for t in allowed if t < vocab]] = 0.0
         _masks[key] = mask
     return mask
 
@@ -29,18 +25,25 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator | 
     if seed is None:
         gen.seed()  # non-deterministic on purpose: the caller gave no seed
     else:
-        gen.manual_seed(seed)
+        gen.manual_seed(seed % 2**64)  # any int: torch takes only [0, 2**64)
     return gen
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> int:
-    """One token from logits [V]. temperature 0 is greedy (argmax, ties to the lowest id)."""
+    """One token from logits [V]. temperature 0 is greedy (argmax, ties to the lowest id).
+
+    Any temperature > 0 and top_p > 0 yields a token: a temperature so small that the
+    scaled logits overflow (1e-300) is its limit, greedy; a top_p below the top token's
+    probability (5e-324) keeps that token alone."""
     if temperature <= 0.0:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+        return int(torch.argmax(logits))
     if top_p < 1.0:
         sorted_p, order = probs.sort(descending=True)
-        keep = sorted_p.cumsum(0) - sorted_p < top_p  # smallest set reaching top_p; first always kept
+        keep = sorted_p.cumsum(0) - sorted_p < top_p  # smallest set reaching top_p
+        keep[0] = True  # the top token always (top_p may round to 0 in float32)
         sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
     return int(torch.multinomial(probs, 1, generator=gen))
@@ -57,6 +60,7 @@ class StopMatcher:
         self.text = ""  # final text (stop excluded once stopped)
         self._emitted = 0
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def push(self, piece: str) -> tuple[str, bool]:
         if self.stopped:
@@ -66,9 +70,9 @@ class StopMatcher:
             return self._release(len(self.text)), False
         window = max(len(s) for s in self.stops) + len(piece)
         start = max(0, len(self.text) - window)
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stops) if i >= 0]
         if hits:
-            cut = min(hits)
+            cut, self.matched = min(hits)
             self.text = self.text[:cut]
             self.stopped = True
             return self._release(cut), True
