@@ -18,6 +18,7 @@ import time
 import msgspec
 from msgspec.structs import replace
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
 
 from talaria.services.router.core import RouterCore
 from talaria.services.router.policy.base import PolicyConfig
@@ -103,12 +104,8 @@ class RouterService:
             await asyncio.wait_for(self.warm.wait(), WARMUP_S)
         except TimeoutError:
             pass  # some restored instance stayed silent: heartbeat loss will settle it
-        sub = await self.js.pull_subscribe_bind(DURABLE, stream=subjects.EVENTS_STREAM) \
-            if await self._consumer_exists() else await self.js.pull_subscribe(
-                "", durable=DURABLE, stream=subjects.EVENTS_STREAM,
-                config=ConsumerConfig(durable_name=DURABLE, ack_policy=AckPolicy.EXPLICIT,
-                                      deliver_policy=DeliverPolicy.ALL, filter_subjects=input_subjects(),
-                                      ack_wait=30, max_deliver=MAX_DELIVER))
+        await self._ensure_consumer()
+        sub = await self.js.pull_subscribe_bind(DURABLE, stream=subjects.EVENTS_STREAM)
         tasks = [asyncio.create_task(self._consume(sub, stop)), asyncio.create_task(self._tick(stop)),
                  asyncio.create_task(self._save_loop(store, stop)),
                  asyncio.create_task(heartbeat_loop(self.nc, "router", stop, self._health))]
@@ -139,12 +136,27 @@ class RouterService:
     def _health(self) -> dict[str, str]:
         return {"policy": self.core.policy.name, "instances": str(len(self.core.state.instances))}
 
-    async def _consumer_exists(self) -> bool:
+    async def _ensure_consumer(self) -> None:
+        """The durable input consumer. Inputs a killed predecessor had fetched but not acked
+        would come back only after `ack_wait` (30 s: a call submitted just before the kill would
+        time out); recreating the consumer from its ack floor delivers them at once. Submissions
+        already routed are skipped by the core, as for any redelivery."""
+        config = ConsumerConfig(durable_name=DURABLE, ack_policy=AckPolicy.EXPLICIT,
+                                deliver_policy=DeliverPolicy.ALL, filter_subjects=input_subjects(),
+                                ack_wait=30, max_deliver=MAX_DELIVER)
         try:
-            await self.js.consumer_info(subjects.EVENTS_STREAM, DURABLE)
-            return True
-        except Exception:
-            return False
+            info = await self.js.consumer_info(subjects.EVENTS_STREAM, DURABLE)
+        except NotFoundError:
+            info = None
+        if info is not None and not info.num_ack_pending:
+            return
+        if info is not None:
+            start = info.ack_floor.stream_seq + 1
+            self.log.warning("resuming the input consumer after its ack floor", resume_at=start,
+                             unacked=info.num_ack_pending)
+            await self.js.delete_consumer(subjects.EVENTS_STREAM, DURABLE)
+            config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, start
+        await self.js.add_consumer(subjects.EVENTS_STREAM, config=config)
 
     # ---- recovery ----------------------------------------------------------------------
 
