@@ -227,13 +227,15 @@ async def rows(db_url: str, prefix: str) -> tuple[dict, dict]:
     return by_session, {client_session(TENANT, r["session_id"]): dict(r) for r in sess}
 
 
-async def settle(db_url: str, prefix: str) -> tuple[dict, dict]:
-    """Wait until every row is final (telemetry projects asynchronously), at most SETTLE_S."""
+async def settle(db_url: str, prefix: str, answered: int) -> tuple[dict, dict]:
+    """Wait until every row is final and every answered call has its completed row (telemetry
+    projects asynchronously, and a restarted projector catches up), at most SETTLE_S."""
     deadline = time.monotonic() + SETTLE_S
     while True:
         by_session, sess = await rows(db_url, prefix)
         open_rows = sum(n for o in by_session.values() for k, n in o.items() if k not in ("completed", "failed"))
-        if open_rows == 0 or time.monotonic() > deadline:
+        completed = sum(o.get("completed", 0) for o in by_session.values())
+        if (open_rows == 0 and completed >= answered) or time.monotonic() > deadline:
             return by_session, sess
         await asyncio.sleep(0.5)  # re-query: the projection publishes no "row written" event
 
@@ -290,7 +292,8 @@ def run(faults: list[str], sessions: int, calls: int, data_dir: Path | None = No
             phase = Phase(fault)
             asyncio.run(load(up, phase, sessions, calls, injector(up, fault, phase), seed + n))
             load_end = time.monotonic()
-            by_session, sess = asyncio.run(settle(up.info()["database"] or db_url, f"{fault}-{seed + n}-"))
+            by_session, sess = asyncio.run(settle(up.info()["database"] or db_url, f"{fault}-{seed + n}-",
+                                                  sum(1 for a in phase.attempts if a.status == 200)))
             phase.rows_final_s = time.monotonic() - load_end
             result = score(phase, by_session, sess)
             results.append(result)
