@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import codecs
 import hashlib
+import struct
 from collections.abc import Iterable, Sequence
 
 BOS = 256
@@ -54,18 +55,23 @@ def render_chat(messages: Sequence[tuple[str, str]]) -> str:
 
 def block_hashes(ids: Sequence[int], block: int = HASH_BLOCK_TOKENS) -> list[int]:
     """Cumulative hashes of each full block: hash i covers ids[: (i+1)*block]."""
+    return chain_block_hashes(ids, block)[0]
+
+
+def chain_block_hashes(ids: Sequence[int], block: int = HASH_BLOCK_TOKENS,
+                       prev: bytes = b"") -> tuple[list[int], bytes]:
+    """`block_hashes` continued from the digest `prev` of the blocks before `ids` (b"" at
+    the start of a prompt): (hashes, digest to continue from). Chunked calls give the same
+    hashes as one call over the concatenation (the simulator extends a session's prompt)."""
     out: list[int] = []
-    prev = b""
     for start in range(0, len(ids) - block + 1, block):
         h = hashlib.blake2b(prev, digest_size=8)
-        h.update(bytes(_pack(ids[start : start + block])))
+        h.update(_pack(ids[start : start + block]))
         prev = h.digest()
         out.append(int.from_bytes(prev, "big") >> 1)  # 63 bits: fits a Postgres BIGINT
-    return out
+    return out, prev
 
 
-def _pack(ids: Sequence[int]) -> bytearray:
-    buf = bytearray()
-    for i in ids:
-        buf += i.to_bytes(2, "little")
-    return buf
+def _pack(ids: Sequence[int]) -> bytes:
+    """Each id as two little-endian bytes (what the hashes cover)."""
+    return struct.pack(f"<{len(ids)}H", *ids)
