@@ -1,7 +1,12 @@
 """The paper's experiments, one function each, plus `all`.
 
-    python -m talaria.sim.experiments fixed-replay|router|tau-sweep|scale|all|report \
+    python -m talaria.sim.experiments fixed-replay|router|tau-sweep|scale|matrix|all|report \
         [--json PATH] [--out results/] [--backend services|fast] [--quick] [--no-report]
+        [--workers N] [--cells SUBSTR,...]
+
+`matrix` (talaria/sim/matrix.py) runs every policy on the generated workload grid and
+writes matrix.json, matrix.md (the win table) and matrix_heatmap.png; `all` leaves it out
+(run it on its own).
 
 Every reported number comes from the `services` backend: the instance agent's own
 RoundScheduler driving each simulated instance. `fast` (the simulator's built-in copy of
@@ -223,9 +228,15 @@ def write_json(data: dict, path: Path) -> None:
 
 
 def run(names: list[str], out_dir: Path, json_path: Path | None, backend: str, quick: bool,
-        scale_sessions: int | None = None, scale: dict | None = None) -> dict:
+        scale_sessions: int | None = None, scale: dict | None = None, matrix: dict | None = None) -> dict:
     results: dict = {}
     for name in names:
+        if name == "matrix":
+            from talaria.sim.matrix import run_matrix, write_outputs
+
+            results[name] = run_matrix(**(matrix or {}))
+            _log(f"matrix: {results[name]['wall_s']:.0f} s wall; {write_outputs(results[name], out_dir)}")
+            continue
         if name == "fixed-replay":
             results[name] = fixed_replay_exp(backend)
             if backend == "services":
@@ -255,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("experiment", choices=[*EXPERIMENTS, "all", "report"],
+    parser.add_argument("experiment", choices=[*EXPERIMENTS, "matrix", "all", "report"],
                         help="one experiment, all of them, or `report` (rewrite the report from the JSONs)")
     parser.add_argument("--json", type=Path, default=None, help="write every result here too")
     parser.add_argument("--out", type=Path, default=Path("results"))
@@ -273,9 +284,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated subset of the scale policies; merged into an existing "
                              "scale.json of the same workload")
     parser.add_argument("--no-report", action="store_true")
+    parser.add_argument("--workers", type=int, default=2, help="matrix: parallel processes (default 2)")
+    parser.add_argument("--cells", default=None, help="matrix: only cells whose name contains one of these")
 
 
-REPORTED = ("fixed-replay", "router", "tau-sweep", "scale", "fixed-replay-crosscheck-fast")
+REPORTED = ("fixed-replay", "router", "tau-sweep", "scale", "fixed-replay-crosscheck-fast", "matrix")
 
 
 def load_results(out_dir: Path) -> dict:
@@ -300,7 +313,9 @@ def run_from_args(args) -> int:
             raise SystemExit(f"--scale-policies: unknown {', '.join(unknown)}; choose from {', '.join(SCALE_POLICIES)}")
         scale = {"arrival_rate_s": getattr(args, "scale_rate", None), "max_wall_s": getattr(args, "scale_cap_s", None),
                  "policies": [p.strip() for p in picked.split(",") if p.strip()] if picked else None}
-        run(names, args.out, args.json, args.backend, args.quick, args.scale_sessions, scale)
+        matrix = {"workers": getattr(args, "workers", 2),
+                  "only": [c.strip() for c in args.cells.split(",")] if getattr(args, "cells", None) else None}
+        run(names, args.out, args.json, args.backend, args.quick, args.scale_sessions, scale, matrix)
     if not args.no_report:
         from talaria.sim.report import write_report
 

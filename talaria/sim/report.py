@@ -308,6 +308,10 @@ def write_report(results: dict, out: Path, notes: str = NOTES) -> Path:
         lines += tau_section(results["tau-sweep"], out)
     if "scale" in results:
         lines += scale_section(results["scale"], out)
+    if "matrix" in results:
+        from talaria.sim.matrix import matrix_section
+
+        lines += matrix_section(results["matrix"])
     lines += goals_section(results)
     if "fixed-replay-crosscheck-fast" in results:
         lines += fixed_replay_section(
