@@ -341,3 +341,20 @@ def test_policy_config_is_validated():
         PolicyConfig(overload="drop")
     with pytest.raises(ValueError, match="gamma"):
         PolicyConfig(gamma=0.0)
+
+
+def test_decode_is_stretched_by_the_models_a_call_would_share_rounds_with():
+    # `a` has m1 active but rotates three models; `b` serves m2 only (m1 must be opened there)
+    def place(**cfg):
+        c = core(**cfg, **NO_LEASE)
+        c.observe(snap("a", models={"m1": "active", "m2": "absent", "m3": "absent"},
+                       queued={"m2": 1, "m3": 1}), 0.0)
+        c.observe(snap("b", active="m2", models={"m1": "absent", "m2": "active"}), 0.0)
+        audit, _ = decide(c, call("c1", max_tokens=1000), 0.0)
+        return audit, by_instance(audit)
+
+    audit, x = place(price_round_sharing=True)
+    assert (x["a"].decode_s, x["b"].decode_s) == pytest.approx((30.0, 20.0))  # 10 s x (1 + others)
+    assert audit.chosen == "b"  # opening m1 (2 s) beats a third slot in every round
+    audit, x = place()  # Eq. 1 as the paper writes it
+    assert x["a"].decode_s == x["b"].decode_s == pytest.approx(10.0) and audit.chosen == "a"
