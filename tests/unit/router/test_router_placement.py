@@ -258,6 +258,9 @@ def test_overload_reject_answers_with_retry_after():
     assert audit.action == "reject" and audit.retry_after_s == 2.5
     failed = one(out, CallFailed)
     assert (failed.status, failed.stage) == (503, "router") and "overload" in failed.reason
+    # the decision row says why: the best instance's predicted TTFT (100K queued tokens at
+    # 10K tok/s = 10 s ahead, + 0.1 s prefill) against the admission budget (0.9 x 10 s)
+    assert "best predicted TTFT 10.1 s, budget 9.0 s" in failed.reason
     assert not [e for e in out if isinstance(e, CallRouted)]
 
 
@@ -269,6 +272,7 @@ def test_overload_queue_routes_least_cost_up_to_bound_then_rejects():
     assert audit.action == "route" and audit.chosen == "a"
     audit, out = decide(c, call("c1", session="s2"), 0.0)  # a now holds 2 (1 + overlay)
     assert audit.action == "reject" and one(out, CallFailed).status == 503
+    assert "every instance already holds 2 calls" in one(out, CallFailed).reason
 
 
 def test_staleness_blocks_new_placements():
