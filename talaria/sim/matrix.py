@@ -137,8 +137,18 @@ def workload(cell: Cell, flags: InstanceFlags) -> tuple[list[Session], GapModel,
     return at_rate(base, rate), GapModel("recorded", None), shape
 
 
+# Flatness around the constants our configuration still has: each at half and double.
+SENSITIVITY = tuple(f"{OURS}[{knob}={v:g}]" for knob, base in (
+    ("new_session_backlog_weight", 2.0), ("new_session_running_s", 1.0), ("lease_charge_s", 0.25),
+) for v in (base / 2, base * 2))
+
+
 def policy_config(policy: str) -> tuple[str, PolicyConfig]:
-    """(registry name, config) of a matrix policy."""
+    """(registry name, config) of a matrix policy; `talaria[knob=value]` is our
+    configuration with one knob changed (the sensitivity runs)."""
+    if policy.startswith(f"{OURS}[") and policy.endswith("]"):
+        knob, value = policy[len(OURS) + 1:-1].split("=")
+        return "talaria", replace(policy_config(OURS)[1], **{knob: float(value)})
     if policy == PAPER:
         return "talaria", PolicyConfig(overload="reject", kv_home_admits=False, new_session_backlog_weight=1.0,
                                        new_session_running_s=0.0, prefix_placement=False,
@@ -308,7 +318,7 @@ def heat_map(matrix: dict, path: Path) -> str:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    pols = matrix["policies"]
+    pols = [p for p in matrix["policies"] if not p.startswith(f"{OURS}[")]
     names = [c["name"] for c in matrix["cells"]]
     grid = np.full((len(names), len(pols)), np.nan)
     for i, c in enumerate(matrix["cells"]):
@@ -332,6 +342,35 @@ def heat_map(matrix: dict, path: Path) -> str:
     return path.name
 
 
+def sensitivity(matrix: dict) -> list[dict]:
+    """Per sensitivity variant: geometric mean and worst cell of its SCT p50/p95 over ours."""
+    rows = []
+    for variant in [p for p in matrix["policies"] if p.startswith(f"{OURS}[")]:
+        r50, r95 = [], []
+        for cell in matrix["cells"]:
+            res = cell["results"]
+            if variant in res and OURS in res:
+                r50.append(_ratio(res[variant]["sct_p50"], res[OURS]["sct_p50"]))
+                r95.append(_ratio(res[variant]["sct_p95"], res[OURS]["sct_p95"]))
+        fin = [x for x in r95 if math.isfinite(x)]
+        rows.append({"variant": variant, "geomean_p50": _geomean(r50), "geomean_p95": _geomean(r95),
+                     "worst_p95": max(fin) if fin else math.inf, "best_p95": min(fin) if fin else math.inf,
+                     "cells": len(r95)})
+    return rows
+
+
+def sensitivity_table(matrix: dict) -> list[str]:
+    rows = sensitivity(matrix)
+    if not rows:
+        return []
+    return ["Sensitivity: our configuration with one remaining constant halved or doubled, over the same "
+            "cells (ratio to our configuration; 1.00× = flat):", "",
+            "| variant | SCT p50 (geomean) | SCT p95 (geomean) | SCT p95 best / worst cell | cells |",
+            "|---|---|---|---|---|",
+            *[f"| {r['variant']} | {_x(r['geomean_p50'])} | {_x(r['geomean_p95'])} | {_x(r['best_p95'])} / "
+              f"{_x(r['worst_p95'])} | {r['cells']} |" for r in rows], ""]
+
+
 def matrix_section(matrix: dict) -> list[str]:
     """The report's matrix section (sim_report.md)."""
     head = (__doc__ or "").split("\n\n", 1)[1].strip()
@@ -342,6 +381,7 @@ def matrix_section(matrix: dict) -> list[str]:
         "```", head, "```", "",
         win_table(matrix), "",
         "![matrix heat map](matrix_heatmap.png)", "",
+        *sensitivity_table(matrix),
         "Measured workload shape per cell (median depth / prompt / output, share of gaps > 5 s, "
         "capacity estimate):", "",
         "| cell | sessions | depth p50 | prompt p50 | output p50 | gaps > 5 s | capacity (sessions/s) |",
@@ -367,5 +407,6 @@ def write_outputs(matrix: dict, out_dir: Path) -> Path:
     md = out_dir / "matrix.md"
     md.write_text("# Workload matrix: talaria vs the best baseline per cell\n\n"
                   "Ratio = talaria / best baseline (below 1: talaria is faster); ✗ marks a missed goal.\n\n"
-                  + win_table(matrix) + "\n\n![heat map](matrix_heatmap.png)\n")
+                  + win_table(matrix) + "\n\n![heat map](matrix_heatmap.png)\n\n"
+                  + "\n".join(sensitivity_table(matrix)))
     return md

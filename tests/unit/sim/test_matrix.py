@@ -85,3 +85,19 @@ def test_one_small_cell_runs_every_policy_to_completion():
         r = run_one(cell, policy)
         assert r["complete"] and r["gave_up"] == 0 and r["calls"] > 0
         assert r["shape"]["capacity_sessions_s"] > 0
+
+
+def test_sensitivity_variants_change_one_knob_and_are_reported_against_ours():
+    from talaria.sim.matrix import SENSITIVITY, policy_config, sensitivity_table
+
+    name, pc = policy_config("talaria[new_session_backlog_weight=4]")
+    ours = policy_config(OURS)[1]
+    assert name == "talaria" and pc.new_session_backlog_weight == 4.0
+    assert pc.overload == ours.overload and pc.lease_charge_s == ours.lease_charge_s
+    assert len(SENSITIVITY) == 6
+    m = _fake(ours95=18.0)
+    m["policies"].append("talaria[lease_charge_s=0.5]")
+    for c in m["cells"]:
+        c["results"]["talaria[lease_charge_s=0.5]"] = {**c["results"][OURS], "sct_p95": 19.8}
+    table = "\n".join(sensitivity_table(m))
+    assert "| talaria[lease_charge_s=0.5] | 1.00× | 1.10× |" in table
