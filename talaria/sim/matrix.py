@@ -371,6 +371,28 @@ def sensitivity_table(matrix: dict) -> list[str]:
               f"{_x(r['worst_p95'])} | {r['cells']} |" for r in rows], ""]
 
 
+POLICY_NOTES = """\
+What each policy models (all see the same snapshots; every simulated call carries the block
+hashes the gateway would compute, so the prefix index is real; a 503 is retried by the agent):
+
+- least-pressure: the paper's least-loaded worker (§5.3): the instance with the least work
+  queued or running; blind to sessions, KV and residency.
+- session-sticky: the paper's sticky baseline: a session stays on the instance of its first
+  call (least-pressure for that first call).
+- prefix-aware: SGLang router's cache-aware policy with its defaults (cache threshold 0.5,
+  balance thresholds 32 / 1.0001) over the router's prefix index; the match rate is judged over
+  the ~12.5K tokens the index covers.
+- kv-cost: Dynamo's KV router cost (overlap weight 1: prefill blocks not cached + active
+  blocks), a host-tier block at half a miss, session affinity with a 30 s idle TTL.
+- talaria-paper: Algorithm 1 with Eq. 1 / Eq. 2 as the paper writes them, its admission rule,
+  fixed tau = 1 s, reject on overload (503 + Retry-After).
+- talaria: ours: the same plus a return admitted where its KV is, first calls priced for
+  their session, prefix placement, decode priced by the models it shares rounds with, and
+  queueing past admission (reject only when every instance already holds
+  max_queued_per_instance = 64 calls, the scheduler's batch bound; the 503 says why).
+"""
+
+
 def matrix_section(matrix: dict) -> list[str]:
     """The report's matrix section (sim_report.md)."""
     head = (__doc__ or "").split("\n\n", 1)[1].strip()
@@ -378,7 +400,7 @@ def matrix_section(matrix: dict) -> list[str]:
         "## Workload matrix", "",
         f"`talaria sim experiments matrix` ({len(matrix['cells'])} cells x {len(matrix['policies'])} policies, "
         f"{matrix['wall_s']:.0f} s wall with {matrix['workers']} worker processes).", "",
-        "```", head, "```", "",
+        "```", head, "```", "", POLICY_NOTES,
         win_table(matrix), "",
         "![matrix heat map](matrix_heatmap.png)", "",
         *sensitivity_table(matrix),
