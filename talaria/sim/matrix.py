@@ -398,8 +398,14 @@ def matrix_section(matrix: dict) -> list[str]:
     head = (__doc__ or "").split("\n\n", 1)[1].strip()
     return [
         "## Workload matrix", "",
-        f"`talaria sim experiments matrix` ({len(matrix['cells'])} cells x {len(matrix['policies'])} policies, "
-        f"{matrix['wall_s']:.0f} s wall with {matrix['workers']} worker processes).", "",
+        f"`talaria sim experiments matrix --sensitivity` ({sum(1 for c in matrix['cells'] if not c.get('weka'))} "
+        f"generated cells + {sum(1 for c in matrix['cells'] if c.get('weka'))} WEKA cells x "
+        f"{len([p for p in matrix['policies'] if not p.startswith(OURS + '[')])} policies in "
+        f"{matrix['wall_s']:.0f} s wall with {matrix['workers']} worker processes on the shared 2-core machine"
+        + (f"; the {len(SENSITIVITY)} sensitivity variants took another {matrix['sensitivity_wall_s']:.0f} s"
+           if matrix.get("sensitivity_wall_s") else "") + "). Most cells have 20 sessions, so a cell's p95 "
+        "is its 19th-slowest session: single cells are noisy (see the best / worst cells of the sensitivity "
+        "table) and the geometric means over the matrix are the robust numbers.", "",
         "```", head, "```", "", POLICY_NOTES,
         win_table(matrix), "",
         "![matrix heat map](matrix_heatmap.png)", "",
