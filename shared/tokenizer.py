@@ -53,16 +53,21 @@ def render_chat(messages: Sequence[tuple[str, str]]) -> str:
     return "".join(parts)
 
 
-def block_hashes(ids: Sequence[int], block: int = HASH_BLOCK_TOKENS) -> list[int]:
-    """Cumulative hashes of each full block: hash i covers ids[: (i+1)*block]."""
-    return chain_block_hashes(ids, block)[0]
+def block_hashes(ids: Sequence[int], block: int = HASH_BLOCK_TOKENS, scope: str = "") -> list[int]:
+    """Cumulative hashes of each full block: hash i covers ids[: (i+1)*block].
+
+    `scope` salts the chain (like vLLM's `cache_salt`): equal prompts in different scopes
+    (tenants) hash differently, so no cache, index or `cached_tokens` count matches across them.
+    """
+    prev = hashlib.blake2b(scope.encode(), digest_size=8).digest() if scope else b""
+    return chain_block_hashes(ids, block, prev)[0]
 
 
 def chain_block_hashes(ids: Sequence[int], block: int = HASH_BLOCK_TOKENS,
                        prev: bytes = b"") -> tuple[list[int], bytes]:
     """`block_hashes` continued from the digest `prev` of the blocks before `ids` (b"" at
-    the start of a prompt): (hashes, digest to continue from). Chunked calls give the same
-    hashes as one call over the concatenation (the simulator extends a session's prompt)."""
+    the start of an unscoped prompt): (hashes, digest to continue from). Chunked calls give
+    the same hashes as one call over the concatenation (the simulator extends a session's prompt)."""
     out: list[int] = []
     for start in range(0, len(ids) - block + 1, block):
         h = hashlib.blake2b(prev, digest_size=8)

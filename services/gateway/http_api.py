@@ -8,6 +8,7 @@ import time
 import msgspec
 from aiohttp import web
 
+from talaria.services.gateway.auth import TENANT, KeyStore, client_session, http_middleware, scoped_session
 from talaria.services.gateway.openai_api import (
     CHAT_DECODER,
     COMPLETION_DECODER,
@@ -35,13 +36,16 @@ def error_response(err: ErrorReply) -> web.Response:
 
 
 class HttpApi:
-    def __init__(self, submitter: Submitter, models, log) -> None:
+    def __init__(self, submitter: Submitter, models, log, keys: KeyStore | None = None,
+                 prefix_sharing: str = "tenant") -> None:
         self.submitter = submitter
         self.models = models  # callable -> list of (model, owned_by) currently served
         self.log = log
+        self.keys = keys or KeyStore()
+        self.prefix_sharing = prefix_sharing
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[http_middleware(self.keys)])
         app.add_routes([
             web.post("/v1/chat/completions", self.chat),
             web.post("/v1/completions", self.completions),
@@ -69,8 +73,9 @@ class HttpApi:
             body = await request.read()
             decoded = (CHAT_DECODER if chat else COMPLETION_DECODER).decode(body)
             req, include_usage = _to_call_request(decoded, chat)
-            session_id = session_id_from(request.headers, decoded.user)
-            call = prepare(req, session_id, "chat" if chat else "completion")
+            tenant = request.get(TENANT, "")
+            session_id = scoped_session(tenant, session_id_from(request.headers, decoded.user))
+            call = prepare(req, session_id, "chat" if chat else "completion", tenant, self.prefix_sharing)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             return error_response(validation_error(exc))
         except InvalidSessionId as exc:
@@ -83,11 +88,11 @@ class HttpApi:
         if isinstance(reply, ErrorReply):
             return error_response(reply)
         body = chat_response(reply) if chat else completion_response(reply)
-        return web.json_response(body, headers=_call_headers(reply))
+        return web.json_response(body, headers=_call_headers(reply, call.tenant))
 
     async def _stream(self, request, call, chat: bool, include_usage: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Session-Id": call.session_id, "X-Talaria-Call-Id": call.call_id})
+                                           "X-Session-Id": client_session(call.tenant, call.session_id), "X-Talaria-Call-Id": call.call_id})
         sent: list[str] = []
 
         async def send(obj: dict) -> None:
@@ -162,6 +167,6 @@ def _to_call_request(decoded, chat: bool) -> tuple[CallRequest, bool]:
     return req, include_usage
 
 
-def _call_headers(reply: CallResult) -> dict[str, str]:
-    return {"X-Session-Id": reply.session_id, "X-Talaria-Call-Id": reply.call_id,
+def _call_headers(reply: CallResult, tenant: str) -> dict[str, str]:
+    return {"X-Session-Id": client_session(tenant, reply.session_id), "X-Talaria-Call-Id": reply.call_id,
             "X-Talaria-Instance": reply.instance_id, "X-Talaria-Served-At": f"{time.time():.3f}"}

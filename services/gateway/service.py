@@ -8,6 +8,7 @@ import time
 import msgspec
 from aiohttp import web
 
+from talaria.services.gateway.auth import KeyStore
 from talaria.services.gateway.http_api import HttpApi
 from talaria.services.gateway.nats_api import NatsApi
 from talaria.services.gateway.submitter import Submitter
@@ -60,15 +61,18 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     log = logs.get("gateway")
     provider = tracing.setup("gateway", settings)
     tracer = provider.get_tracer("talaria.gateway")
-    nc, js = await connect(settings.nats_url, "talaria-gateway")
+    nc, js = await connect(settings.nats_url, "talaria-gateway", **settings.nats_options())
     submitter = Submitter(nc, js, tracer, settings.call_timeout_s, log)
     await submitter.start()
     served = ServedModels()
     await nc.subscribe(subjects.TELEMETRY_WILDCARD, cb=served.on_snapshot)
     await nc.subscribe(subjects.HEALTH_WILDCARD, cb=served.on_heartbeat)
-    nats_api = NatsApi(nc, submitter, log)
+    keys = KeyStore.from_settings(settings)
+    if not keys.enabled:
+        log.warning("no API keys configured: the gateway is open to anyone who can reach it")
+    nats_api = NatsApi(nc, submitter, log, keys, settings.prefix_sharing)
     await nats_api.start()
-    runner = web.AppRunner(HttpApi(submitter, served, log).app(), access_log=None)
+    runner = web.AppRunner(HttpApi(submitter, served, log, keys, settings.prefix_sharing).app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, settings.http_host, settings.http_port)
     await site.start()

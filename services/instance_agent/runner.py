@@ -204,7 +204,7 @@ class CallRunner:
             reqs.append(GenRequest(call_id=call.call_id, session_id=call.session_id, model=call.model,
                                    prompt_ids=list(call.prompt_ids), max_tokens=call.max_tokens,
                                    temperature=call.temperature, top_p=call.top_p, seed=call.seed,
-                                   stop=tuple(call.stop)))
+                                   stop=tuple(call.stop), kv_scope=call.kv_scope))
         started = time.time()
         for call_id in action.call_ids:
             running = self.calls[call_id]

@@ -217,7 +217,7 @@ class TorchEngine:
         pages = seq.pages[: math.ceil(seq.kv_len / ps)]
         for extra in seq.pages[len(pages):]:
             self.pool.unuse(extra)
-        hashes = block_hashes(committed, ps)
+        hashes = block_hashes(committed, ps, scope=seq.req.kv_scope)
         for h, page in zip(hashes, pages):
             self.index.insert(h, page)
         self.sessions.put(SessionEntry(seq.req.session_id, model, committed, list(pages)))
@@ -341,7 +341,7 @@ class TorchEngine:
         """Match device pages, then host pages; reserve the rest. Only the suffix is computed."""
         spec, ps, prompt = self.specs[req.model], self.page_size, list(req.prompt_ids)
         max_match = len(prompt) - 1  # the last prompt token is always computed (its logits)
-        hashes = block_hashes(prompt[:max_match], ps)
+        hashes = block_hashes(prompt[:max_match], ps, scope=req.kv_scope)
         shared, cow_src, cached = self._match_device(req.session_id, prompt, hashes, max_match)
         for p in shared:
             self.pool.use(p)
