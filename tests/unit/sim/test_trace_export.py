@@ -39,3 +39,14 @@ def test_since_accepts_durations_and_iso_times_and_explains_bad_input():
     assert parse_since("2026-01-01T00:00:00", now).tzinfo is not None
     with pytest.raises(ValueError, match="duration"):
         parse_since("yesterday", now)
+
+
+def test_the_cli_explains_bad_input_instead_of_crashing(tmp_path, capsys, monkeypatch):
+    from talaria.cli import main
+
+    monkeypatch.delenv("TALARIA_DATABASE_URL", raising=False)
+    assert main(["trace", "export", str(tmp_path / "o.jsonl"), "--since", "last tuesday"]) == 2
+    assert "--since" in capsys.readouterr().err
+    assert main(["trace", "export", str(tmp_path / "o.jsonl")]) == 2
+    assert "TALARIA_DATABASE_URL" in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()
