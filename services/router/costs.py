@@ -8,11 +8,12 @@
                         + round_remaining_s if m_r is not the active model (wait for the slot)
             prefill_s = (prompt - reusable prefix K) * prefill rate  (the new suffix only)
             decode_s  = max_tokens * decode rate
-                        x (1 + other models with work in i's rounds: active or queued,
-                        plus those routed since the snapshot) when price_round_sharing is
-                        on (ours): every such model takes a slot of each round, so r's
-                        decode stretches; it steers sessions to instances that rotate
-                        fewer models, and prices a move that would add a model to a rotation
+                        x (1 + k) + k * switch_s, where k = other models with work in i's
+                        rounds (active or queued, plus those routed since the snapshot),
+                        when price_round_sharing is on (ours): every such model takes a slot
+                        of each round and a switch before it, so r's decode stretches; it
+                        steers sessions to instances that rotate fewer models, and prices a
+                        move that would add a model to a rotation
     C_KV    0 if the prefix is on device, K * restore rate if host-restorable,
             K * prefill rate (profiled recompute) otherwise
     C_act   0 if m_r is active, advertised switch cost if resident/staged, open cost otherwise
@@ -201,7 +202,8 @@ class CostModel:
                 for om in view.overlay_models:
                     if om != model and om not in st.rotating:
                         others += 1
-                decode *= 1 + others
+                # ... and waits through one switch per other model in every round
+                decode = decode * (1 + others) + others * (snap.switch_s or cfg.default_open_s)
             act = st.act
             reason = ""
             # Only load ahead of r can make an instance inadmissible: a call whose own work

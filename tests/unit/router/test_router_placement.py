@@ -358,7 +358,9 @@ def test_decode_is_stretched_by_the_models_a_call_would_share_rounds_with():
         return audit, by_instance(audit)
 
     audit, x = place(price_round_sharing=True)
-    assert (x["a"].decode_s, x["b"].decode_s) == pytest.approx((30.0, 20.0))  # 10 s x (1 + others)
+    sw = PolicyConfig().default_open_s  # the snapshots report no switch time: the fallback
+    # 10 s x (1 + others), plus one switch per other model and round
+    assert (x["a"].decode_s, x["b"].decode_s) == pytest.approx((30.0 + 2 * sw, 20.0 + sw))
     assert audit.chosen == "b"  # opening m1 (2 s) beats a third slot in every round
     audit, x = place()  # Eq. 1 as the paper writes it
     assert x["a"].decode_s == x["b"].decode_s == pytest.approx(10.0) and audit.chosen == "a"
