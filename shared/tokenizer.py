@@ -78,5 +78,11 @@ def chain_block_hashes(ids: Sequence[int], block: int = HASH_BLOCK_TOKENS,
 
 
 def _pack(ids: Sequence[int]) -> bytes:
-    """Each id as two little-endian bytes (what the hashes cover)."""
-    return struct.pack(f"<{len(ids)}H", *ids)
+    # Two bytes per id; ids past 0xFFFE (large vocabularies) are escaped as 0xFFFF + 4 bytes,
+    # so the packing stays unambiguous and the built-in models' hashes are unchanged.
+    if max(ids, default=0) < 0xFFFF:
+        return struct.pack(f"<{len(ids)}H", *ids)  # the common case, without a Python loop
+    buf = bytearray()
+    for i in ids:
+        buf += i.to_bytes(2, "little") if i < 0xFFFF else b"\xff\xff" + i.to_bytes(4, "little")
+    return bytes(buf)

@@ -26,7 +26,7 @@ from talaria.shared import subjects
 from talaria.shared.catalog import CATALOG
 from talaria.shared.messages import REPLY_DECODER, CallRequest, CallResult, ErrorReply, encode
 from talaria.shared.settings import asyncpg_dsn
-from talaria.sim.metrics import nearest_rank
+from talaria.shared.stats import quantile
 from talaria.traces import GapModel, Session
 
 FILLER = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ 0123456789\n"
@@ -177,8 +177,8 @@ def summarise_rows(rows) -> dict:
     return {
         "sessions": len(by_session), "calls": len(rows),
         "completed": sum(r["outcome"] == "completed" for r in rows),
-        "sct_p50": nearest_rank(scts, 50), "sct_p95": nearest_rank(scts, 95),
-        "ttft_p50": nearest_rank(ttfts, 50), "ttft_p95": nearest_rank(ttfts, 95),
+        "sct_p50": quantile(scts, 0.50), "sct_p95": quantile(scts, 0.95),
+        "ttft_p50": quantile(ttfts, 0.50), "ttft_p95": quantile(ttfts, 0.95),
         "same_instance_returns": same / returns if returns else math.nan,
         "kv_source": kv,
     }

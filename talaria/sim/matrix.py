@@ -38,8 +38,9 @@ from pathlib import Path
 
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.sim.cluster import RunConfig, simulate
-from talaria.sim.instance import InstanceFlags
-from talaria.sim.metrics import nearest_rank, summarise
+from talaria.sim.executor import instance_config
+from talaria.shared.stats import quantile
+from talaria.sim.metrics import summarise
 from talaria.sim.profiles import PAPER_TP8, ROUTER_TP4, ServerProfile, catalogue
 from talaria.sim.workloads import agent_sessions, at_rate, fixed_replay, router_testbed
 from talaria.traces.format import Session
@@ -115,7 +116,7 @@ def capacity_s(sessions: list[Session], server: ServerProfile, instances: int, m
     return instances / mean_work
 
 
-def workload(cell: Cell, flags: InstanceFlags) -> tuple[list[Session], GapModel, dict]:
+def workload(cell: Cell, flags) -> tuple[list[Session], GapModel, dict]:
     """The cell's sessions, the gap model to replay them with, and what was measured."""
     if cell.weka == "fixed-replay":
         return fixed_replay(), GapModel("paper", 10.0, seed=cell.seed), {"arrival_rate_s": None}
@@ -129,9 +130,9 @@ def workload(cell: Cell, flags: InstanceFlags) -> tuple[list[Session], GapModel,
     calls = [c for s in base for c in s.calls]
     shape = {
         "capacity_sessions_s": cap, "arrival_rate_s": rate,
-        "depth_p50": nearest_rank([len(s.calls) for s in base], 50),
-        "prompt_p50": nearest_rank([c.prompt_tokens for c in calls], 50),
-        "output_p50": nearest_rank([c.output_tokens for c in calls], 50),
+        "depth_p50": quantile([len(s.calls) for s in base], 0.5),
+        "prompt_p50": quantile([c.prompt_tokens for c in calls], 0.5),
+        "output_p50": quantile([c.output_tokens for c in calls], 0.5),
         "gaps_over_5s": sum(1 for c in calls if c.call_index and c.gap_before_s > 5) / max(1, len(calls) - len(base)),
     }
     return at_rate(base, rate), GapModel("recorded", None), shape
@@ -163,7 +164,7 @@ KEEP = ("sct_p50", "sct_p95", "ttft_p50", "ttft_p95", "goodput_calls_s", "reject
 
 
 def run_one(cell: Cell, policy: str) -> dict:
-    flags = InstanceFlags.ablation("talaria")
+    flags = instance_config("talaria")
     sessions, gaps, shape = workload(cell, flags)
     name, pc = policy_config(policy)
     cfg = RunConfig(server_for(cell), cell.instances, name, pc, flags, gaps, label=f"{cell.name}/{policy}")

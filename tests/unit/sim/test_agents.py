@@ -10,7 +10,7 @@ from talaria.services.router.policy.base import PolicyConfig
 from talaria.shared.tokenizer import block_hashes
 from talaria.sim.agents import INDEXED_BLOCKS, PromptHashes, RetryPolicy
 from talaria.sim.cluster import RunConfig, simulate
-from talaria.sim.instance import InstanceFlags
+from talaria.sim.executor import instance_config
 from talaria.sim.metrics import summarise
 from talaria.sim.profiles import PAPER_TP8
 from talaria.sim.workloads import synthetic_catalogue
@@ -47,7 +47,7 @@ def _crowd(n=12):
 
 
 def _run(policy_config, retry, sessions):
-    return simulate(sessions, RunConfig(PAPER_TP8, 1, "talaria", policy_config, InstanceFlags.ablation("talaria"),
+    return simulate(sessions, RunConfig(PAPER_TP8, 1, "talaria", policy_config, instance_config("talaria"),
                                         GapModel("paper", 10.0, seed=0), retry=retry))
 
 
@@ -76,7 +76,7 @@ def test_a_session_that_gives_up_never_completes_and_scores_worse():
 
 def test_prefix_aware_follows_the_session_with_real_hashes():
     sessions = synthetic_catalogue(24, ["qwen3-235b"], arrival_rate_s=0.5, seed=2)
-    cfg = RunConfig(PAPER_TP8, 4, "prefix-aware", PolicyConfig(), InstanceFlags.ablation("talaria"),
+    cfg = RunConfig(PAPER_TP8, 4, "prefix-aware", PolicyConfig(), instance_config("talaria"),
                     GapModel("paper", 10.0, seed=0))
     s = summarise(simulate(sessions, cfg))
     # with empty hashes it could only balance load; with the gateway's hashes a session's

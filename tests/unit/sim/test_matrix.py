@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from talaria.sim.instance import InstanceFlags
+from talaria.sim.executor import instance_config
 from talaria.sim.matrix import (BASELINES, OURS, PAPER, POLICIES, Cell, capacity_s, cells, heat_map, run_one,
                                 server_for, session_work_s, wins, win_table, workload)
 from talaria.sim.workloads import agent_sessions, at_rate
@@ -46,7 +46,7 @@ def test_generated_shapes_follow_their_levels():
 def test_capacity_is_instances_over_the_session_work_bound():
     cell = Cell("t", depth=5, prompt=8_000, output=50, instances=4, load=0.5)
     server = server_for(cell)
-    flags = InstanceFlags.ablation("talaria")
+    flags = instance_config("talaria")
     sessions, _, shape = workload(cell, flags)
     base = agent_sessions(cell.sessions, list(server.models), 5, 8_000, 50, seed=cell.seed)
     work = [session_work_s(s, server, flags.max_batch) for s in base]
