@@ -28,6 +28,7 @@ from talaria.shared.tool_calls import TextUntilCalls, parse_calls
 from talaria.services.gateway.prepare import RequestError, prepare, tool_format
 from talaria.services.gateway.sessions import InvalidSessionId, session_id_from
 from talaria.services.gateway.submitter import Submitter
+from talaria.services.gateway.validation import decode
 from talaria.shared.messages import CallRequest, CallResult, ErrorReply, TokenChunk
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -77,7 +78,7 @@ class HttpApi:
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
             body = await request.read()
-            decoded = (CHAT_DECODER if chat else COMPLETION_DECODER).decode(body)
+            decoded = decode(CHAT_DECODER if chat else COMPLETION_DECODER, body)
             req, include_usage = _to_call_request(decoded, chat)
             tenant = request.get(TENANT, "")
             session_id = scoped_session(tenant, session_id_from(request.headers, decoded.user))

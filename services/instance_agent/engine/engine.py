@@ -314,17 +314,22 @@ class TorchEngine:
             raise
         for s in seqs:
             self.running[s.req.call_id] = s
-        t1 = time.perf_counter()
-        last = self._run_prefill(seqs)
-        now = time.perf_counter()
-        if self.on_logits is not None:
-            self.on_logits([s.req.call_id for s in seqs], torch.stack([last[s.req.call_id] for s in seqs]))
-        computed = sum(len(s.req.prompt_ids) - s.cached_tokens for s in seqs)
-        self._rate("prefill", computed, now - t1)
-        out = []
-        for s in seqs:
-            s.prefill_s += now - t1
-            out.append(s.take(last[s.req.call_id], now))
+        try:
+            t1 = time.perf_counter()
+            last = self._run_prefill(seqs)
+            now = time.perf_counter()
+            if self.on_logits is not None:
+                self.on_logits([s.req.call_id for s in seqs], torch.stack([last[s.req.call_id] for s in seqs]))
+            computed = sum(len(s.req.prompt_ids) - s.cached_tokens for s in seqs)
+            self._rate("prefill", computed, now - t1)
+            out = []
+            for s in seqs:
+                s.prefill_s += now - t1
+                out.append(s.take(last[s.req.call_id], now))
+        except Exception:  # nothing of a failed batch stays running or holds pages
+            for s in seqs:
+                self._release(s)
+            raise
         self._pump()
         return out
 
