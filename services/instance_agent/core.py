@@ -24,7 +24,7 @@ from talaria.services.instance_agent.scheduler import (
     CallAdmitted,
     CallFinished,
     CallParked,
-    CostModel,
+    StepCostModel,
     Decode,
     DeadlineRisk,
     KvState,
@@ -68,7 +68,7 @@ class Outcome:
 class AgentCore:
     """Routed calls in, scheduler work out; scheduler events in, wire records out."""
 
-    def __init__(self, instance_id: str, config: SchedulerConfig, models: Sequence[str], costs: CostModel) -> None:
+    def __init__(self, instance_id: str, config: SchedulerConfig, models: Sequence[str], costs: StepCostModel) -> None:
         self.instance_id = instance_id
         self.sched = RoundScheduler(config, list(models), costs)
         self.records: dict[str, CallRecord] = {}

@@ -19,7 +19,7 @@ import msgspec
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 from talaria.services.telemetry.sessions import SessionSpans
-from talaria.services.telemetry.store import PoisonEvent, PostgresStore, ProjectionStore
+from talaria.services.telemetry.store import PoisonEvent, PostgresStore, TelemetryStore
 from talaria.shared.nats_auth import sender_of, trusted
 from talaria.shared import logs, subjects, tracing
 from talaria.shared.health import heartbeat_loop
@@ -87,7 +87,7 @@ async def _flush_spans(spans: SessionSpans, now: float) -> None:
     await asyncio.get_running_loop().run_in_executor(None, spans.flush, now)
 
 
-async def _apply_until_committed(store: ProjectionStore, msgs, offset: int, spans: SessionSpans, log, stop) -> int | None:
+async def _apply_until_committed(store: TelemetryStore, msgs, offset: int, spans: SessionSpans, log, stop) -> int | None:
     """Apply one batch, retrying the same batch until it commits (Postgres may be down):
     moving on would let a later commit's offset skip these events for good."""
     delay = 0.5
@@ -133,7 +133,7 @@ async def _ensure_consumer(js, log) -> None:
     await js.add_consumer(subjects.EVENTS_STREAM, config=config)
 
 
-async def _apply_batch(store: ProjectionStore, msgs, offset: int, spans: SessionSpans, log) -> int:
+async def _apply_batch(store: TelemetryStore, msgs, offset: int, spans: SessionSpans, log) -> int:
     """Project every event of the batch (redelivered ones too: projections are idempotent)
     in one durable unit; returns the highest stream sequence seen."""
     observed = []

@@ -57,7 +57,7 @@ class ProjectionBatch(Protocol):
         """Count a skipped event into the batch's offset (it is done with, though not projected)."""
 
 
-class ProjectionStore(Protocol):
+class TelemetryStore(Protocol):
     def batch(self) -> contextlib.AbstractAsyncContextManager[ProjectionBatch]:
         """One atomic, durable unit: all of it is applied, with the covered offset, or none."""
 

@@ -25,7 +25,7 @@ from talaria.services.instance_agent.engine.contract import Capabilities
 from talaria.services.instance_agent.engine.errors import (
     ContextTooLong, EngineBusy, InvalidRequest, ModelNotActive, OutOfKvPages, UnknownCall, UnknownModel,
 )
-from talaria.services.instance_agent.engine.kv_cache import PagePool, PrefixIndex, SessionCache, SessionEntry
+from talaria.services.instance_agent.engine.kv_cache import PagePool, DevicePrefixIndex, SessionCache, DeviceKvSession
 from talaria.services.instance_agent.engine.model import SeqSlice, forward, paged_attention
 from talaria.services.instance_agent.engine.sampling import make_generator
 from talaria.services.instance_agent.engine.sequence import Sequence
@@ -105,7 +105,7 @@ class TorchEngine:
         self.kv: torch.Tensor | None = None
         self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self.pool: PagePool | None = None
-        self.index: PrefixIndex | None = None
+        self.index: DevicePrefixIndex | None = None
         self.sessions: SessionCache | None = None
         self.running: dict[str, Sequence] = {}
         self.switches: list[SwitchRecord] = []
@@ -228,7 +228,7 @@ class TorchEngine:
         hashes = block_hashes(committed, ps, scope=seq.req.kv_scope)
         for h, page in zip(hashes, pages):
             self.index.insert(h, page)
-        self.sessions.put(SessionEntry(seq.req.session_id, model, committed, list(pages)))
+        self.sessions.put(DeviceKvSession(seq.req.session_id, model, committed, list(pages)))
         if self.hkvr is not None and hashes:
             self._checkpoint(seq.req.session_id, committed, pages[: len(hashes)], hashes)
         for page in pages:

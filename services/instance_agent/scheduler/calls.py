@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from talaria.services.instance_agent.scheduler.errors import DuplicateCallError, UnknownCallError, UnknownModelError
+from talaria.services.instance_agent.scheduler.errors import DuplicateCallError, UnknownCallError, ModelNotServedError
 from talaria.services.instance_agent.scheduler.types import KvState, Work
 
 
@@ -66,7 +66,7 @@ class CallTable:
 
     def add(self, work: Work, now: float) -> CallState:
         if work.model not in self.queued:
-            raise UnknownModelError(work.model, self.models)
+            raise ModelNotServedError(work.model, self.models)
         if work.call_id in self._by_id:
             raise DuplicateCallError(work.call_id)
         self._seq += 1

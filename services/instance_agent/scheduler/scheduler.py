@@ -18,7 +18,7 @@ from talaria.services.instance_agent.scheduler.calls import CallState, CallTable
 from talaria.services.instance_agent.scheduler.config import SchedulerConfig
 from talaria.services.instance_agent.scheduler.costs import (
     CalibratedCosts,
-    CostModel,
+    StepCostModel,
     call_kv_bytes,
     call_prefill_s,
     charged_kv,
@@ -30,7 +30,7 @@ from talaria.services.instance_agent.scheduler.errors import (
     InvalidWorkError,
     SchedulerBusyError,
     UnknownCallError,
-    UnknownModelError,
+    ModelNotServedError,
 )
 from talaria.services.instance_agent.scheduler.reports import Reports
 from talaria.services.instance_agent.scheduler.cold_pool import ColdPool
@@ -58,7 +58,7 @@ class _Inflight:
 class RoundScheduler(ColdPool):
     """Orders the work of one instance. It never changes what a call computes, only when."""
 
-    def __init__(self, config: SchedulerConfig, models: Sequence[str], costs: CostModel) -> None:
+    def __init__(self, config: SchedulerConfig, models: Sequence[str], costs: StepCostModel) -> None:
         _check_models(config, tuple(models))
         self.config = config
         self.models = tuple(models)
@@ -80,7 +80,7 @@ class RoundScheduler(ColdPool):
     def submit(self, work: Work, now: float) -> None:
         """Accept a call routed here. Raises for a model not served or a call seen before."""
         if self.config.pool == "hot" and work.model != self.config.pinned_model:
-            raise UnknownModelError(work.model, (self.config.pinned_model,))
+            raise ModelNotServedError(work.model, (self.config.pinned_model,))
         budget = self.config.kv_budget_bytes
         if budget is not None and call_kv_bytes(self.costs, work) > budget:
             raise InvalidWorkError(work.call_id, f"needs more KV than the whole budget ({budget} B)")
@@ -328,7 +328,7 @@ class RoundScheduler(ColdPool):
         return self.costs.switch_s(from_model, to_model, self.config.staging)
 
 
-def _prefill_terms(base: CostModel, work: Work, hkvr: bool) -> tuple[float | None, float]:
+def _prefill_terms(base: StepCostModel, work: Work, hkvr: bool) -> tuple[float | None, float]:
     """(restore, prefill) of `call_prefill_s` before calibration; restore None: no restore term."""
     kv = charged_kv(work, hkvr)
     if kv == "none" or work.reusable_tokens == 0:
