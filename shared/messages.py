@@ -12,7 +12,9 @@ from typing import Annotated, Literal, Union
 import msgspec
 from msgspec import Meta, Struct
 
-KvSource = Literal["device", "host", "recompute", "none"]
+# The one definition of each KV vocabulary (the engine, scheduler and router import these).
+KvState = Literal["device", "host", "none"]  # where a session's KV sits now
+KvSource = Literal["device", "host", "recompute", "none"]  # where a call's prefix came from
 
 # Ids travel into Postgres rows and NATS subjects: every decoder below refuses ones that
 # are empty, unbounded or carry control characters (a NUL once froze the projection).
@@ -344,7 +346,7 @@ class ModelResidency(Struct, frozen=True):
 class SessionKv(Struct, frozen=True):
     session_id: Name
     model: Name
-    state: KvSource  # device | host
+    state: KvState
     kv_tokens: int = 0
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-KvSource = Literal["device", "host", "recompute"]
-KvState = Literal["device", "host", "none"]
+from talaria.shared.messages import KvSource, KvState  # noqa: F401 - re-exported for the engine
+
 SwitchPath = Literal["d2d_full", "d2d_partial", "host_only", "cold"]
 
 

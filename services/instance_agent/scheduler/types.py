@@ -7,12 +7,12 @@ audit log records events as they are.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Literal, Union, get_args
 
 from talaria.services.instance_agent.scheduler.errors import InvalidWorkError
+from talaria.shared.messages import KvState
 
-KvState = Literal["device", "host", "none"]
-KV_STATES: tuple[str, ...] = ("device", "host", "none")
+KV_STATES: tuple[str, ...] = get_args(KvState)
 Via = Literal["P", "SP", "hot"]
 
 
