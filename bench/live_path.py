@@ -39,16 +39,17 @@ def ok(reply) -> bool:
 
 # ---- returns ---------------------------------------------------------------------------------
 
-async def _pairs(stack, n: int, tag: str, out: dict[str, list[float]]) -> None:
+async def _pairs(stack, n: int, tag: str, out: dict[str, list[float]], models: list[str]) -> None:
     nc = await connect(stack)
     for i in range(n):
         sid = f"ret-{tag}-{i}"
         first = text_of_bytes(600, i)
-        r1, _, _ = await nats_call(nc, MODEL, sid, first, max_tokens=8)
+        model = models[i % len(models)]
+        r1, _, _ = await nats_call(nc, model, sid, first, max_tokens=8)
         if not ok(r1):
             out["errors"].append(1)
             continue
-        r2, _, _ = await nats_call(nc, MODEL, sid, [("user", first), ("assistant", r1.text),
+        r2, _, _ = await nats_call(nc, model, sid, [("user", first), ("assistant", r1.text),
                                                       ("user", f"tool result {i}: ok")], max_tokens=8)
         if not ok(r2):
             out["errors"].append(1)
@@ -90,7 +91,7 @@ def returns(args) -> str:
                 stop = asyncio.Event()
                 bg = [asyncio.create_task(_background(stack, k, stop)) for k in range(load)]
                 await asyncio.sleep(2.0 if load else 0)  # let the load settle
-                await _pairs(stack, args.pairs, label.replace(" ", ""), out)
+                await _pairs(stack, args.pairs, label.replace(" ", ""), out, args.models.split(","))
                 stop.set()
                 await asyncio.gather(*bg, return_exceptions=True)
 
@@ -340,6 +341,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("scenario", choices=[*SCENARIOS, "all"])
     p.add_argument("--pairs", type=int, default=12)
+    p.add_argument("--models", default=MODEL, help="returns: pairs cycle through these models")
     p.add_argument("--long-bytes", type=int, default=28_000)
     p.add_argument("--shorts", type=int, default=10)
     p.add_argument("--fill", type=int, default=20)

@@ -19,6 +19,9 @@ EVENTS_WILDCARD = "talaria.evt.>"
 
 API_CALL = "talaria.api.call"
 API_QUEUE_GROUP = "gateway"
+# Cancel a call in flight: a `CancelCall` (core NATS, every agent listens). The gateway sends
+# one when an HTTP client disconnects; a NATS API client may send one for its own call_id.
+API_CANCEL = "talaria.api.cancel"
 
 CALL_SUBMITTED = "talaria.evt.call.submitted"
 CALL_ROUTED_PREFIX = "talaria.evt.call.routed"

@@ -45,6 +45,7 @@ from talaria.shared import subjects
 from talaria.shared.bus import emit
 from talaria.shared.logs import call_context
 from talaria.shared.messages import (
+    CANCELLED_STATUS,
     CallCompleted,
     CallFailed,
     CallResult,
@@ -92,6 +93,7 @@ class Running:
     opened_model: bool = False
     streamed: int = 0
     tokens: list[str] = field(default_factory=list)
+    started_pub: asyncio.Future | None = None  # the CallStarted publish, off the prefill path
 
 
 class CallRunner:
@@ -111,6 +113,8 @@ class CallRunner:
         self.opened_for: set[str] = set()  # calls whose slot began with a model switch
         # Calls finished here recently: a redelivery of one (its ack was lost) is acked, not rerun.
         self.finished: OrderedDict[str, None] = OrderedDict()
+        # Cancels for calls not (yet) here: a call routed after its cancel is refused on arrival.
+        self.cancelled: OrderedDict[str, str] = OrderedDict()
 
     # ---- intake ------------------------------------------------------------------------
 
@@ -123,6 +127,10 @@ class CallRunner:
             return None  # redelivered while still here: keep the first copy
         if call.call_id in self.finished:
             asyncio.ensure_future(msg.ack())
+            return None
+        if call.call_id in self.cancelled:
+            self.calls[call.call_id] = Running(routed, msg, self.tracer.start_span("execute"))
+            asyncio.ensure_future(self._cancelled(call.call_id, self.cancelled.pop(call.call_id)))
             return None
         kv_state, reusable = self._kv_for(call.session_id, call.model, call.prompt_tokens)
         work = Work(call.call_id, call.session_id, call.model, prompt_tokens=max(1, call.prompt_tokens),
@@ -144,6 +152,36 @@ class CallRunner:
             return reusable_kv(self.engine, session_id, model, prompt_tokens)
         except Exception:  # the engine thread changed its tables under us: assume nothing
             return "none", 0
+
+    async def cancel(self, call_id: str, reason: str) -> None:
+        """Abort a call: out of the scheduler, its engine state released (its KV stays as the
+        session's cache), recorded as cancelled. A call not here yet is refused on arrival."""
+        if call_id in self.finished:
+            return
+        if call_id not in self.calls:
+            self.cancelled[call_id] = reason
+            while len(self.cancelled) > FINISHED_MEMORY:
+                self.cancelled.popitem(last=False)
+            return
+        events = []
+        try:
+            events = self.sched.abort(call_id, time.time())
+        except SchedulerError:
+            pass  # not in the scheduler (refused or already finishing)
+        await self._cancelled(call_id, reason)
+        await self._events(events)  # abort drains the outbox: publish what was in it
+
+    async def _cancelled(self, call_id: str, reason: str) -> None:
+        running = self.calls.get(call_id)
+        if running is None:
+            return
+        if running.started_at is not None:
+            try:  # after any step in flight: the engine thread runs one thing at a time
+                await self._run(self.engine.finish, call_id)
+            except EngineError:
+                pass  # the engine never admitted it
+        await self._fail(call_id, f"cancelled: {reason}", status=CANCELLED_STATUS, code="cancelled")
+        self.wakeup.set()
 
     # ---- the scheduling loop -----------------------------------------------------------
 
@@ -210,7 +248,10 @@ class CallRunner:
             running = self.calls[call_id]
             running.started_at = started
             running.span.add_event("prefill_start", {"session_prefill": action.session_prefill})
-            await emit(self.js, CallStarted(call_id, running.routed.call.session_id, self.instance_id, started))
+            # Published while the prefill runs: it is a progress marker (the projector keeps a
+            # final outcome over it whatever the order), and awaited before the call's outcome.
+            running.started_pub = asyncio.ensure_future(
+                emit(self.js, CallStarted(call_id, running.routed.call.session_id, self.instance_id, started)))
         steps = await self._run(self.engine.prefill, reqs)
         return self.sched.on_prefill_done(action, time.time(), await self._tokens(steps))
 
@@ -271,7 +312,9 @@ class CallRunner:
                         slots=list(event.slots), sp_admitted=event.sp_admitted, sp_parked=event.sp_parked,
                         deadline_risk=event.deadline_risk))
                 case CallParked() | DeadlineRisk():
-                    self.log.info("scheduler", event=type(event).__name__, **{
+                    # `kind`, not `event`: structlog's message argument is called `event`, and a
+                    # clash raised here and lost the events after this one (calls never finished).
+                    self.log.info("scheduler", kind=type(event).__name__, **{
                         k: v for k, v in event.__dict__.items() if k in ("call_id", "reason", "model")})
         if changed and time.monotonic() - self.last_snapshot >= SNAPSHOT_ON_CHANGE_MIN_S:
             await self.publish_snapshot()  # the router learns of freed capacity and new session KV now
@@ -310,26 +353,29 @@ class CallRunner:
             slot_wait_s=running.slot_wait_s, kv_tokens=result.prompt_tokens + len(result.token_ids),
             model_opened=opened, trace_id=f"{running.span.get_span_context().trace_id:032x}",
         )
-        await emit(self.js, completed)
+        # The durable record, the reply and the stream's end go out together; the message is
+        # acked only after all of them, so a crash before that still redelivers the call.
+        sends = [emit(self.js, completed)]
         if call.reply_to:
             n_out = len(result.token_ids)
-            await self.nc.publish(call.reply_to, encode(CallResult(
+            sends.append(self.nc.publish(call.reply_to, encode(CallResult(
                 call_id=call_id, session_id=call.session_id, call_index=routed.call_index, model=call.model,
                 instance_id=self.instance_id, text=result.text, finish_reason=result.finish_reason,
                 usage=Usage(result.prompt_tokens, n_out, result.prompt_tokens + n_out, result.cached_tokens),
                 timings=Timings(completed.queue_s, completed.ttft_s, result.prefill_s, result.decode_s,
                                 running.slot_wait_s, done - call.submitted_at),
                 kv_source=result.kv_source,
-            )))
+            ))))
         if call.stream:
-            await self.nc.publish(subjects.tokens(call_id), encode(TokenChunk(
-                call_id, running.streamed, "", done=True, finish_reason=result.finish_reason)))
+            sends.append(self.nc.publish(subjects.tokens(call_id), encode(TokenChunk(
+                call_id, running.streamed, "", done=True, finish_reason=result.finish_reason))))
+        await asyncio.gather(*sends, _settled(running.started_pub))
         await running.msg.ack()
         self._remember(call_id)
         self.log.info("call completed", tokens=len(result.token_ids), kv_source=result.kv_source,
                       ttft_s=round(completed.ttft_s, 4))
 
-    async def _fail(self, call_id: str, reason: str) -> None:
+    async def _fail(self, call_id: str, reason: str, status: int = 500, code: str = "engine_error") -> None:
         running = self.calls.pop(call_id, None)
         if running is None:
             return
@@ -338,10 +384,16 @@ class CallRunner:
             self.log.error("call failed", reason=reason)
         running.span.set_status(trace.Status(trace.StatusCode.ERROR, reason))
         running.span.end()
-        await emit(self.js, CallFailed(call_id, call.session_id, call.model, reason, "agent", time.time(),
-                                       status=500, instance_id=self.instance_id, call_index=routed.call_index))
+        await _settled(running.started_pub)
+        sends = [emit(self.js, CallFailed(call_id, call.session_id, call.model, reason, "agent", time.time(),
+                                          status=status, instance_id=self.instance_id,
+                                          call_index=routed.call_index))]
         if call.reply_to:
-            await self.nc.publish(call.reply_to, encode(ErrorReply(500, "engine_error", reason, call_id=call_id)))
+            sends.append(self.nc.publish(call.reply_to, encode(ErrorReply(status, code, reason, call_id=call_id))))
+        if call.stream:
+            sends.append(self.nc.publish(subjects.tokens(call_id), encode(TokenChunk(
+                call_id, running.streamed, "", done=True, finish_reason=code))))
+        await asyncio.gather(*sends)
         await running.msg.ack()
         self._remember(call_id)
 
@@ -382,3 +434,12 @@ class CallRunner:
                 await asyncio.wait_for(stop.wait(), self.settings.heartbeat_s)
             except TimeoutError:
                 pass
+
+
+async def _settled(fut: asyncio.Future | None) -> None:
+    """Wait for a background publish; its failure only loses a progress marker."""
+    if fut is not None:
+        try:
+            await fut
+        except Exception:
+            pass

@@ -28,7 +28,7 @@ def build_snapshot(settings, engine, sched, version: int, now: float) -> Instanc
         active_model=active, sessions=sessions, queued=dict(view.queued), queued_tokens=view.queued_tokens,
         running=sum(view.running.values()), round_remaining_s=view.round_remaining_s,
         deadline_risk=view.deadline_risk, kv_capacity_tokens=stats.kv_capacity_tokens,
-        kv_used_tokens=stats.kv_used_tokens, staging_free_bytes=stats.staging_free_bytes,
+        kv_used_tokens=stats.kv_used_tokens, kv_pinned_tokens=stats.kv_pinned_tokens, staging_free_bytes=stats.staging_free_bytes,
         hbm_bytes=stats.hbm_bytes, hbm_used_bytes=stats.hbm_used_bytes, prefill_tok_s=stats.prefill_tok_s,
         decode_tok_s=stats.decode_tok_s, restore_tok_s=stats.restore_tok_s, switch_s=view.switch_s,
         heartbeat_s=settings.heartbeat_s,

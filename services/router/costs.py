@@ -65,7 +65,7 @@ class _Static:
     fresh: bool = False  # before the overlay: serving here opens a new replica
     weights_fit: bool = True
     kv_cap: int = 0
-    kv_used: int = 0
+    kv_used: int = 0  # KV that running calls hold: idle sessions' KV is a cache, never a lock
 
 
 def _static_terms(cfg: PolicyConfig, view: InstanceView, model: str, prof, state: RouterState,
@@ -103,8 +103,11 @@ def _static_terms(cfg: PolicyConfig, view: InstanceView, model: str, prof, state
     # cold instance switching to m frees the previous model's pool (its KV moves to host).
     weights_fit = not (mstate not in ON_DEVICE and snap.hbm_bytes and res.weight_bytes > snap.hbm_bytes)
     fresh = mstate not in ON_DEVICE and mstate != "staged" and not snap.queued.get(model)
+    # Only KV held by running calls can refuse a call: idle sessions' KV is evicted (to the
+    # host registry when it is on) as the new call's pages are allocated, oldest first.
+    held = snap.kv_pinned_tokens if snap.kv_pinned_tokens >= 0 else snap.kv_used_tokens
     return _Static(key, "", pf, dec, restore, mstate, act, queue, fresh, weights_fit,
-                   snap.kv_capacity_tokens, snap.kv_used_tokens)
+                   snap.kv_capacity_tokens, held)
 
 
 class CostModel:

@@ -221,15 +221,23 @@ class RouterService:
             self.dirty = True
 
     async def _publish_all(self, outputs) -> None:
-        for out in outputs:
-            while True:
-                try:
-                    seq = await emit(self.js, out)
-                    break
-                except Exception as exc:
-                    self.log.warning("publish failed; retrying", event=type(out).__name__, error=str(exc))
-                    await asyncio.sleep(PUBLISH_RETRY_S)  # back off while NATS recovers
-            self.core.state.last_seq = max(self.core.state.last_seq, seq)
+        """All of one input's outputs at once: the input waits for the slowest ack, not the
+        sum of them. They are independent facts already folded into the state, and their
+        message ids make a retry (or a redelivered input's republish) a no-op."""
+        if len(outputs) == 1:
+            seqs = [await self._publish_one(outputs[0])]
+        else:
+            seqs = await asyncio.gather(*(self._publish_one(out) for out in outputs))
+        if seqs:
+            self.core.state.last_seq = max(self.core.state.last_seq, *seqs)
+
+    async def _publish_one(self, out) -> int:
+        while True:
+            try:
+                return await emit(self.js, out)
+            except Exception as exc:
+                self.log.warning("publish failed; retrying", kind=type(out).__name__, error=str(exc))
+                await asyncio.sleep(PUBLISH_RETRY_S)  # back off while NATS recovers
 
     async def _reply_if_rejected(self, call: CallSubmitted, outputs) -> None:
         for out in outputs:

@@ -15,6 +15,7 @@ from sqlalchemy.dialects.postgresql import insert
 from talaria.shared.db.schema import calls, lease_decisions, lease_events, rounds, sessions, switches
 from talaria.shared.messages import (
     CallCompleted,
+    CANCELLED_STATUS,
     CallFailed,
     CallRouted,
     CallStarted,
@@ -76,11 +77,14 @@ async def project(conn, event: Event, seq: int) -> None:
             ).on_conflict_do_nothing())
 
 
+FINAL = ["completed", "failed", "cancelled"]
+
+
 def _final_outcome():
     # Events can arrive out of order across subjects; never downgrade a finished call.
     from sqlalchemy import case
 
-    return case((calls.c.outcome.in_(["completed", "failed"]), calls.c.outcome), else_=None)
+    return case((calls.c.outcome.in_(FINAL), calls.c.outcome), else_=None)
 
 
 async def _submitted(conn, e: CallSubmitted) -> None:
@@ -128,14 +132,15 @@ async def _completed(conn, e: CallCompleted) -> None:
 
 
 async def _failed(conn, e: CallFailed) -> None:
-    values = dict(outcome="failed", error=e.reason, failed_stage=e.stage, status=e.status,
+    outcome = "cancelled" if e.status == CANCELLED_STATUS else "failed"
+    values = dict(outcome=outcome, error=e.reason, failed_stage=e.stage, status=e.status,
                   completed_at=ts(e.at))
     if e.instance_id:
         values["instance_id"] = e.instance_id
     if e.call_index is not None:
         values["call_index"] = e.call_index
     result = await conn.execute(update(calls).where(calls.c.call_id == e.call_id)
-                                .where(calls.c.outcome.notin_(["completed", "failed"])).values(**values))
+                                .where(calls.c.outcome.notin_(FINAL)).values(**values))
     if result.rowcount == 0:  # failed before its submission was projected: still recorded
         result = await conn.execute(insert(calls).values(
             call_id=e.call_id, session_id=e.session_id, model=e.model, submitted_at=ts(e.at), **values
@@ -147,7 +152,7 @@ async def _failed(conn, e: CallFailed) -> None:
         ).on_conflict_do_update(index_elements=[sessions.c.session_id],
                                 set_={"failed": sessions.c.failed + 1}))
     await conn.execute(update(lease_decisions).where(lease_decisions.c.call_id == e.call_id)
-                       .values(outcome="failed", completed_at=ts(e.at)))
+                       .values(outcome=outcome, completed_at=ts(e.at)))
 
 
 async def _decision(conn, e: RoutingDecision) -> None:

@@ -249,10 +249,12 @@ class TorchEngine:
 
     def stats(self) -> EngineStats:
         ps = self.page_size
-        cap = used = free_tail = 0
+        cap = used = free_tail = pinned = 0
         if self.pool is not None:
             cap = self.pool.num_pages * ps
             used = (self.pool.num_pages - self.pool.num_free) * ps
+            to_come = sum(s.pages_to_come() for s in list(self.running.values()))
+            pinned = min(cap, (self.pool.num_pages - self.pool.num_unused() + to_come) * ps)
             pb = self.page_bytes(self._active)
             top = self.bump.kv_base + (self.pool.highest_used() + 1) * pb
             free_tail = self.bump.runtime_base - top
@@ -273,6 +275,7 @@ class TorchEngine:
             host_hits=core.counters.hits if core else 0, host_misses=core.counters.misses if core else 0,
             host_evictions=core.counters.evictions if core else 0,
             weight_bytes={m: lay.nbytes for m, lay in self.layouts.items()},
+            kv_pinned_tokens=pinned,
         )
 
     def close(self) -> None:

@@ -51,6 +51,10 @@ class SchedulerConfig:
     max_slot_s: float | None = None  # cap on protected decode time per slot (None: round cap)
     max_decode_iters: int = 4096  # hard cap on protected decode iterations per slot
     ewma_alpha: float = 0.2  # weight of a new cost observation
+    # Chunked prefill: a prompt is computed in chunks sized from the round budget (Eq. 4's
+    # decode slack, see budget.chunk_s), so decodes and short calls interleave with a long
+    # prefill instead of waiting for all of it. Off: one Prefill computes whole prompts.
+    chunked_prefill: bool = False
 
     def __post_init__(self) -> None:
         if self.pool not in ("cold", "hot"):

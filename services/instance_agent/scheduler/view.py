@@ -22,7 +22,9 @@ def build_view(sched: RoundScheduler, now: float) -> SchedulerView:
         round_remaining_s=remaining,
         queued={m: len(q) for m, q in calls.queued.items()},
         running={m: len(r) for m, r in calls.running.items()},
-        queued_tokens=sum(c.work.prompt_tokens for q in calls.queued.values() for c in q.values()),
+        # Prefill work not started yet: queued prompts plus what chunked prefills have left.
+        queued_tokens=sum(c.work.prompt_tokens for q in calls.queued.values() for c in q.values())
+        + sum(c.prefill_left for r in calls.running.values() for c in r.values() if c.prefilling),
         kv_used_bytes=sum(sched.kv_used(m) for m in sched.models),
         deadline_risk=sched.deadline_risk,
         sp_admitted=sched.sp_admitted,
