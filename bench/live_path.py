@@ -112,23 +112,13 @@ def returns(args) -> str:
 
 # ---- head-of-line blocking and the queue estimate ---------------------------------------------
 
-async def _decisions(stack, call_ids) -> dict[str, dict]:
-    import asyncpg
+async def _audit(stack, name: str) -> list[dict]:
+    """Rows of an operator audit query; [] where this checkout does not have it."""
+    from talaria.audit import audits, query
 
-    from talaria.shared.settings import asyncpg_dsn
-
-    conn = await asyncpg.connect(asyncpg_dsn(stack.database_url))
-    try:
-        rows = await conn.fetch("SELECT call_id, chosen_instance, candidates FROM lease_decisions "
-                                "WHERE call_id = ANY($1::text[])", list(call_ids))
-    finally:
-        await conn.close()
-    out = {}
-    for r in rows:
-        cands = json.loads(r["candidates"]) if isinstance(r["candidates"], str) else r["candidates"]
-        chosen = next((c for c in cands if c["instance_id"] == r["chosen_instance"]), None)
-        out[r["call_id"]] = {"instance": r["chosen_instance"], "queue_est": chosen["queue_s"] if chosen else None}
-    return out
+    if name not in audits():
+        return []
+    return await query(stack.database_url, name, {})
 
 
 def hol(args) -> str:
@@ -153,15 +143,17 @@ def hol(args) -> str:
         long_r, long_lat, shorts = asyncio.run(go())
         ids = ["hol-long"] + [f"hol-short-{i}" for i in range(args.shorts)]
         rows = asyncio.run(call_rows(stack, ids))
-        dec = asyncio.run(_decisions(stack, ids))
+        audit = asyncio.run(_audit(stack, "queue_estimate"))
     long_inst = rows.get("hol-long", {}).get("instance_id")
     ttfts = [r.timings.ttft_s for r, _ in shorts if ok(r)]
     same = [r.timings.ttft_s for r, _ in shorts if ok(r) and r.instance_id == long_inst]
+    # The operator audit (ops/audit/queue_estimate.sql) gives estimated vs measured per call.
     errs = []
-    for cid in ids:
-        r, d = rows.get(cid), dec.get(cid)
-        if r and d and d["queue_est"] is not None and r["sta"] is not None:
-            errs.append(d["queue_est"] - (float(r["sta"]) - float(r["rou"])))
+    for row in audit:
+        if row["call_id"] in ids:
+            errs.append(float(row["error_s"]))
+            print(f"  {row['call_id']}: {row['instance_id']} queue estimated {row['queue_est_s']} s "
+                  f"(+{row['reserved_s']} s reserved), measured {row['queue_measured_s']} s", file=sys.stderr)
     abs_err = [abs(e) for e in errs]
     lines = [
         "| figure | value |", "|---|---|",

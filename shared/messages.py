@@ -239,6 +239,10 @@ class CandidateCost(Struct, frozen=True):
     model_state: str = "absent"  # active | resident | staged | absent
     feasible: bool = True
     reason: str = ""
+    # Soft reservations: live leases of other sessions here, each charged as a return's work.
+    # Kept apart from queue_s (the work queued now) so an audit compares queue_s with the
+    # queue the call met; total_s counts both.
+    reserved_s: float = 0.0
 
 
 class RoutingDecision(Struct, frozen=True, tag="decision"):

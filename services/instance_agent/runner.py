@@ -103,7 +103,7 @@ class CallRunner:
         self.instance_id = settings.instance_id
         config = SchedulerConfig(
             pool=settings.pool, pinned_model=settings.models[0] if settings.pool == "hot" else None,
-            sp=settings.sp, hkvr=settings.hkvr, staging=settings.staging,
+            sp=settings.sp, hkvr=settings.hkvr, staging=settings.staging, chunked_prefill=True,
         )
         self.sched = RoundScheduler(config, list(settings.models), INITIAL_COSTS)
         self.calls: dict[str, Running] = {}
@@ -236,24 +236,29 @@ class CallRunner:
         return events
 
     async def _prefill(self, action: Prefill):
-        reqs = []
+        reqs, more = [], []
+        started = time.time()
         for call_id in action.call_ids:
-            call = self.calls[call_id].routed.call
+            running = self.calls.get(call_id)
+            if running is None:
+                continue  # cancelled while queued for this action
+            if running.started_at is not None:
+                more.append(call_id)  # chunked prefill: this call's next chunk
+                continue
+            call = running.routed.call
             reqs.append(GenRequest(call_id=call.call_id, session_id=call.session_id, model=call.model,
                                    prompt_ids=list(call.prompt_ids), max_tokens=call.max_tokens,
                                    temperature=call.temperature, top_p=call.top_p, seed=call.seed,
                                    stop=tuple(call.stop)))
-        started = time.time()
-        for call_id in action.call_ids:
-            running = self.calls[call_id]
             running.started_at = started
             running.span.add_event("prefill_start", {"session_prefill": action.session_prefill})
             # Published while the prefill runs: it is a progress marker (the projector keeps a
             # final outcome over it whatever the order), and awaited before the call's outcome.
             running.started_pub = asyncio.ensure_future(
-                emit(self.js, CallStarted(call_id, running.routed.call.session_id, self.instance_id, started)))
-        steps = await self._run(self.engine.prefill, reqs)
-        return self.sched.on_prefill_done(action, time.time(), await self._tokens(steps))
+                emit(self.js, CallStarted(call_id, call.session_id, self.instance_id, started)))
+        steps = await self._run(self.engine.prefill, reqs, action.chunk_tokens, more)
+        firsts = [s.call_id for s in steps]
+        return self.sched.on_prefill_done(action, time.time(), await self._tokens(steps), first_tokens=firsts)
 
     async def _decode(self, action: Decode):
         steps = await self._run(self.engine.decode, list(action.call_ids))

@@ -3,7 +3,8 @@
     Cost(r, i) = dR_req(r, i) + C_KV(r, i) + C_act(m_r, i)          (paper Eq. 1, seconds)
 
     dR_req  queue_s   = (snapshot backlog + overlay tokens) * prefill rate
-                        + live leases on i * lease_charge_s          (lease admission units)
+                        (audited as queue_s: the work queued there)
+            reserved_s = live leases on i * lease_charge_s   (lease admission units)
                         + deadline_risk * penalty                    (underestimated instances)
                         + round_remaining_s if m_r is not the active model (wait for the slot)
             prefill_s = (prompt - reusable prefix K) * prefill rate  (the new suffix only)
@@ -22,7 +23,7 @@ Each term is charged once: the reusable prefix K is in C_KV only and the suffix 
 prefill_s only, so recompute is never counted twice; activation is never in dR_req.
 
 Admission (both must pass, else the candidate is kept in the audit with feasible=False):
-    round:  queue_s + prefill_s + kv_recovery_s + activation_s <= gamma * ttft_target
+    round:  queue_s + reserved_s + prefill_s + kv_recovery_s + activation_s <= gamma * ttft_target
             (the simulated load ahead of and including r's prefill in its slot; an instance
             with nothing ahead of r always passes, so an oversized call is never starved;
             with kv_home_admits, an instance holding r's own KV on device or host passes
@@ -185,7 +186,9 @@ class CostModel:
             if own_lease_on == iid:
                 leases -= 1
             overlay = view.overlay_tokens
-            queue = st.queue + overlay * pf + leases * charge
+            queued = st.queue + overlay * pf  # work queued there now (snapshot + routed since)
+            reserved = leases * charge  # returns other sessions' leases may bring
+            queue = queued + reserved
             prefill = (prompt - k_total) * pf
             decode = max_tokens * st.dec
             act = st.act
@@ -200,8 +203,8 @@ class CostModel:
                                         + prompt + max_tokens > st.kv_cap):
                 reason = "hbm"
             out.append(Priced(
-                CandidateCost(iid, queue + prefill + decode + kv_s + act + place, queue, prefill, decode, kv_s,
-                              act, place, kv_state, st.mstate, not reason, reason),
+                CandidateCost(iid, queue + prefill + decode + kv_s + act + place, queued, prefill, decode, kv_s,
+                              act, place, kv_state, st.mstate, not reason, reason, reserved_s=reserved),
                 st.fresh and not view.overlay_models.get(model),
                 view,
             ))
