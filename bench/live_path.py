@@ -122,7 +122,7 @@ async def _audit(stack, name: str) -> list[dict]:
 
 
 def hol(args) -> str:
-    with live_stack(agents=2) as stack:
+    with live_stack(agents=args.agents) as stack:
         async def go():
             nc = await connect(stack)
             await nats_call(nc, MODEL, "warm", "warm up", max_tokens=2)
@@ -156,7 +156,7 @@ def hol(args) -> str:
                   f"(+{row['reserved_s']} s reserved), measured {row['queue_measured_s']} s", file=sys.stderr)
     abs_err = [abs(e) for e in errs]
     lines = [
-        "| figure | value |", "|---|---|",
+        f"| figure ({args.agents} agent(s)) | value |", "|---|---|",
         f"| long prompt tokens / prefill (s) | {rows.get('hol-long', {}).get('prompt_tokens')} / "
         f"{(rows.get('hol-long', {}).get('prefill_s') or float('nan')):.2f} |",
         f"| short calls | {len(ttfts)} ok of {len(shorts)}; {len(same)} on the long call's instance |",
@@ -335,6 +335,7 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=12)
     p.add_argument("--models", default=MODEL, help="returns: pairs cycle through these models")
     p.add_argument("--long-bytes", type=int, default=28_000)
+    p.add_argument("--agents", type=int, default=2, help="hol: agents in the stack (1: all calls share it)")
     p.add_argument("--shorts", type=int, default=10)
     p.add_argument("--fill", type=int, default=20)
     p.add_argument("--new", type=int, default=20)
