@@ -113,7 +113,7 @@ def cmd_trace(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
     from talaria.audit import run_audit
 
-    return run_audit(settings, args.query, args.param, args.format)
+    return run_audit(settings, None if args.list else args.query, args.param, args.format)
 
 
 def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
@@ -194,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--traces-dir", default=None)
     au = sub.add_parser("audit", help="run an operator's SQL audit from ops/audit/")
     au.add_argument("query", nargs="?", help="audit name (default: list them)")
+    au.add_argument("--list", action="store_true", help="list the audits and what each answers")
     au.add_argument("--param", action="append", default=[], help="name=value for the query")
     au.add_argument("--format", choices=["table", "json"], default="table")
     rp = sub.add_parser("replay", help="replay a normalised trace against a live stack over NATS")
