@@ -184,6 +184,9 @@ def kv(args) -> str:
             return fill, new
 
         fill, new = asyncio.run(go())
+    for r, _, _ in fill:
+        if not ok(r):
+            print(f"  fill failed: {r.status} {r.message}", file=sys.stderr)
     codes = {}
     for r, _, _ in new:
         key = "ok" if ok(r) else f"{r.status} {r.message[:40]}"

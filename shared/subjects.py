@@ -39,10 +39,17 @@ ROUND_SUMMARY = "talaria.evt.round.summary"
 TELEMETRY_PREFIX = "talaria.telemetry"
 TELEMETRY_WILDCARD = "talaria.telemetry.*"
 TOKENS_PREFIX = "talaria.tokens"
+# A copy of each CallRouted on core NATS, sent before the durable one: the agent starts the
+# call from it at once; the JetStream copy (what the agent acks) keeps it durable.
+DISPATCH_PREFIX = "talaria.dispatch"
 
 
 def call_routed(instance_id: str) -> str:
     return f"{CALL_ROUTED_PREFIX}.{instance_id}"
+
+
+def dispatch(instance_id: str) -> str:
+    return f"{DISPATCH_PREFIX}.{instance_id}"
 
 
 def telemetry(instance_id: str) -> str:

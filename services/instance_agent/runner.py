@@ -84,7 +84,9 @@ def reusable_kv(engine, session_id: str, model: str, prompt_tokens: int) -> tupl
 @dataclass
 class Running:
     routed: CallRouted
-    msg: object  # the JetStream message, acked once the outcome is published
+    # The JetStream message, acked once the outcome is published; None while the call runs
+    # from its core-NATS fast copy and the durable copy has not arrived (it is acked on arrival).
+    msg: object | None
     span: trace.Span
     started_at: float | None = None
     first_token_at: float | None = None
@@ -124,9 +126,13 @@ class CallRunner:
         if call.model not in self.settings.models:
             return f"this instance does not serve {call.model}"
         if call.call_id in self.calls:
+            running = self.calls[call.call_id]
+            if running.msg is None:  # the durable copy of a call started from its fast copy
+                running.msg = msg
             return None  # redelivered while still here: keep the first copy
         if call.call_id in self.finished:
-            asyncio.ensure_future(msg.ack())
+            if msg is not None:
+                asyncio.ensure_future(msg.ack())
             return None
         if call.call_id in self.cancelled:
             self.calls[call.call_id] = Running(routed, msg, self.tracer.start_span("execute"))
@@ -375,7 +381,8 @@ class CallRunner:
             sends.append(self.nc.publish(subjects.tokens(call_id), encode(TokenChunk(
                 call_id, running.streamed, "", done=True, finish_reason=result.finish_reason))))
         await asyncio.gather(*sends, _settled(running.started_pub))
-        await running.msg.ack()
+        if running.msg is not None:
+            await running.msg.ack()
         self._remember(call_id)
         self.log.info("call completed", tokens=len(result.token_ids), kv_source=result.kv_source,
                       ttft_s=round(completed.ttft_s, 4))
@@ -399,7 +406,8 @@ class CallRunner:
             sends.append(self.nc.publish(subjects.tokens(call_id), encode(TokenChunk(
                 call_id, running.streamed, "", done=True, finish_reason=code))))
         await asyncio.gather(*sends)
-        await running.msg.ack()
+        if running.msg is not None:
+            await running.msg.ack()
         self._remember(call_id)
 
     def _remember(self, call_id: str) -> None:
@@ -413,7 +421,8 @@ class CallRunner:
         while not stop.is_set():
             for running in list(self.calls.values()):
                 try:
-                    await running.msg.in_progress()
+                    if running.msg is not None:
+                        await running.msg.in_progress()
                 except Exception:
                     pass
             try:

@@ -52,6 +52,18 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
         await _on_cancel(msg, runner, log)
 
     await nc.subscribe(subjects.API_CANCEL, cb=on_cancel)
+
+    async def on_dispatch(msg) -> None:
+        # The fast copy of a routed call: start it now. Anything odd is left to the durable
+        # copy, which refuses and records it (a refusal here would be recorded twice).
+        try:
+            routed = ROUTED_DECODER.decode(msg.data)
+            if routed.instance_id == runner.instance_id and routed.call.model in settings.models:
+                runner.accept(routed, None)
+        except Exception as exc:
+            log.warning("fast dispatch ignored", error=str(exc))
+
+    await nc.subscribe(subjects.dispatch(settings.instance_id), cb=on_dispatch)
     tasks = [
         asyncio.create_task(runner.heartbeat_loop(stop), name="heartbeat"),
         asyncio.create_task(runner.work_loop(stop), name="work"),

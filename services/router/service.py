@@ -32,6 +32,7 @@ from talaria.shared.messages import (
     EVENT_DECODER,
     SNAPSHOT_DECODER,
     CallFailed,
+    CallRouted,
     CallSubmitted,
     ErrorReply,
     encode,
@@ -212,6 +213,9 @@ class RouterService:
             with self.tracer.start_as_current_span("route", context=ctx) if isinstance(event, CallSubmitted) \
                     else _null():
                 outputs = self.core.handle(event, time.time())
+                for out in outputs:  # the fast copy first: the agent need not wait for the stream
+                    if isinstance(out, CallRouted):
+                        await self.nc.publish(subjects.dispatch(out.instance_id), encode(out))
                 # The state already counts these outputs, so they must reach the stream before
                 # the input is acked: retry (msg ids make retries idempotent) rather than drop.
                 await self._publish_all(outputs)
