@@ -17,6 +17,7 @@ acked only once its outcome is published, so a crashed agent's calls are redeliv
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -108,6 +109,9 @@ class CallRunner:
             sp=settings.sp, hkvr=settings.hkvr, staging=settings.staging, chunked_prefill=True,
         )
         self.sched = RoundScheduler(config, list(settings.models), INITIAL_COSTS)
+        # Set when a call arrives: a chunked prefill in flight ends at its next forward pass.
+        self.arrived = threading.Event()
+        engine.should_yield = self.arrived.is_set
         self.calls: dict[str, Running] = {}
         self.wakeup = asyncio.Event()
         self.version = 0
@@ -150,6 +154,7 @@ class CallRunner:
         span = self.tracer.start_span("execute", context=extract_context(getattr(msg, "headers", None)),
                                       attributes={"call.id": call.call_id, "instance.id": self.instance_id})
         self.calls[call.call_id] = Running(routed, msg, span)
+        self.arrived.set()
         self.wakeup.set()
         return None
 
@@ -262,6 +267,7 @@ class CallRunner:
             # final outcome over it whatever the order), and awaited before the call's outcome.
             running.started_pub = asyncio.ensure_future(
                 emit(self.js, CallStarted(call_id, call.session_id, self.instance_id, started)))
+        self.arrived.clear()
         steps = await self._run(self.engine.prefill, reqs, action.chunk_tokens, more)
         firsts = [s.call_id for s in steps]
         return self.sched.on_prefill_done(action, time.time(), await self._tokens(steps), first_tokens=firsts)

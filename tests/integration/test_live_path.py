@@ -126,3 +126,25 @@ async def test_a_large_body_is_parsed_off_the_loop_with_the_same_answer(stack):
                           headers={"Content-Type": "application/json"}) as r:
             status, body = r.status, await r.json()
     assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+
+
+async def test_a_call_started_from_its_fast_copy_is_acked_once_durably(stack, db):
+    settings, services = stack
+    nc = await with_agent(settings, services)
+    try:
+        for i in range(3):
+            req = m.CallRequest(model=MODEL, prompt=f"fast {i}", session_id="fast", max_tokens=2, temperature=0)
+            reply = m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, m.encode(req), timeout=30)).data)
+            assert isinstance(reply, m.CallResult), reply
+        await wait_rows(db, "SELECT * FROM calls WHERE session_id='fast' AND outcome='completed'", 3)
+        js = nc.jetstream()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while True:  # the durable copies are acked as they arrive: poll the consumer's state
+            info = await js.consumer_info(subjects.EVENTS_STREAM, "agent-agent-0")
+            if info.num_ack_pending == 0 or loop.time() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        assert info.num_ack_pending == 0 and info.num_redelivered == 0 and info.delivered.consumer_seq >= 3
+    finally:
+        await nc.close()

@@ -69,6 +69,9 @@ class TorchEngine:
         self.device = torch.device(device)
         self.page_size = page_size
         self.prefill_chunk = prefill_chunk
+        # Chunked prefill: asked between forward passes whether to end the chunk early (a
+        # driver sets it when a call arrives); the calls not done continue in a later chunk.
+        self.should_yield: Callable[[], bool] | None = None
         self.auto_stage = auto_stage
         self.specs: dict[str, ModelSpec] = {m: CATALOG[m] for m in models}
         self.layouts: dict[str, WeightLayout] = {m: weight_layout(s) for m, s in self.specs.items()}
@@ -438,6 +441,8 @@ class TorchEngine:
                     del todo[cid]
                 elif left[cid] <= 0:
                     del todo[cid]  # this chunk is done; the call continues in a later one
+            if chunk > 0 and todo and self.should_yield is not None and self.should_yield():
+                break  # new work arrived: end the chunk at this forward pass
         return last
 
     def _forward(self, parts: list[tuple[Sequence, int, int]]) -> torch.Tensor:

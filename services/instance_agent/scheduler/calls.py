@@ -116,6 +116,9 @@ class CallTable:
         n = self._n_active
         return n > 1 or (n == 1 and not self._live[model])
 
+    def queued_any(self) -> bool:
+        return any(self.queued.values())
+
     def running_ids(self, model: str) -> tuple[str, ...]:
         return tuple(self.running[model])
 

@@ -558,6 +558,11 @@ class RoundScheduler:
         return 0 if n >= longest else n
 
     def _chunk_budget_s(self, model: str) -> float:
+        """Eq. 4's slack while other work shares the instance; alone, Eq. 5's round cap (a
+        driver stops a chunk early when a call arrives, so nothing waits for all of it)."""
+        decodable, _ = self._split_running(model)
+        if not decodable and not self.calls.queued_any():
+            return self.config.round_cap_s
         slot = self.slot
         if slot is not None and slot.model == model:
             return chunk_s(slot.plan)

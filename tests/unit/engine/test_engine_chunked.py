@@ -37,3 +37,13 @@ def test_idle_sessions_kv_is_used_but_not_pinned(make_engine):
     assert stats.kv_pinned_tokens == 0  # ... but no running call holds it: evictable
     eng.prefill([GenRequest("c2", "s2", "qwen3-tiny", PROMPT, 4)])
     assert eng.stats().kv_pinned_tokens >= len(PROMPT)
+
+
+def test_a_chunk_ends_early_when_the_driver_asks(make_engine):
+    eng = make_engine(["qwen3-tiny"], hkvr=False, staging=False, prefill_chunk=64)
+    eng.should_yield = lambda: True  # a call arrived: end the chunk at the next forward pass
+    assert eng.prefill([GenRequest("long", "s", "qwen3-tiny", PROMPT, 2)], chunk_tokens=10_000) == []
+    assert eng.running["long"].kv_len == 64
+    eng.should_yield = None
+    [step] = eng.prefill([], chunk_tokens=10_000, more=["long"])
+    assert step.call_id == "long"

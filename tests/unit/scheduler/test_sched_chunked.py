@@ -83,18 +83,24 @@ def test_a_short_call_and_decodes_interleave_with_a_long_prefill():
     assert d.actions[chunks[-1]].chunk_tokens == 0 and 20_000 - sum(d.actions[i].chunk_tokens for i in chunks) <= 1_900
 
 
+def _first_long_chunk(tpot: float, with_running: bool) -> int:
+    d = ChunkDriver(make(("a",), costs=COSTS, chunked_prefill=True, tpot_target_s=tpot, ttft_target_s=2.0))
+    if with_running:
+        d.sched.submit(work("running", prompt=100, max_tokens=5_000), 0.0)
+        d.run_until(lambda: "running" in d.first_token_at)
+    d.sched.submit(work("long", prompt=50_000), d.now)
+    d.run_until(lambda: any(isinstance(a, Prefill) and "long" in a.call_ids for a in d.actions))
+    return d.actions[-1].chunk_tokens
+
+
 def test_chunk_size_follows_the_round_budget_not_a_constant():
-    sizes = {}
-    for tpot in (0.1, 0.2, 0.4):
-        sched = make(("a",), costs=COSTS, chunked_prefill=True, tpot_target_s=tpot)
-        sched.submit(work("long", prompt=50_000), 0.0)
-        action = sched.next_action(0.0)
-        while not isinstance(action, Prefill):
-            sched.on_switch_done(action, 0.0, 0.0)
-            action = sched.next_action(0.0)
-        sizes[tpot] = action.chunk_tokens
+    # Sharing the instance: Eq. 4's slack, T_TPOT - t_D.
+    sizes = {tpot: _first_long_chunk(tpot, True) for tpot in (0.1, 0.2, 0.4)}
     assert sizes[0.1] < sizes[0.2] < sizes[0.4]
     assert abs(sizes[0.2] - 1_900) <= 2  # (0.2 - 0.01) s at 10,000 tokens/s
+    # Alone: Eq. 5's round cap, gamma * T_TTFT = 1.8 s here (the driver ends a chunk early
+    # when a call arrives).
+    assert abs(_first_long_chunk(0.2, False) - 18_000) <= 2
 
 
 def test_without_chunking_a_prefill_is_whole_and_the_view_counts_prompt_left():
