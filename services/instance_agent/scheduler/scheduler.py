@@ -557,12 +557,33 @@ class RoundScheduler:
         n = chunk_tokens(lambda k: len(calls) * self.costs.prefill_s(model, k, ctx), budget, longest)
         return 0 if n >= longest else n
 
+    def prefill_ahead_tokens(self) -> int:
+        """Prompt tokens a call arriving now waits behind: every queued prompt, and of each
+        prefill under way what runs before the newcomer gets in. Without chunking that is
+        all it has left; with chunking, at most one shared-instance chunk."""
+        calls = self.calls
+        ahead = sum(c.work.prompt_tokens for q in calls.queued.values() for c in q.values())
+        for model, running in calls.running.items():
+            for c in running.values():
+                if c.prefilling:
+                    if self.config.chunked_prefill:
+                        budget = self._shared_chunk_s(model)
+                        n = chunk_tokens(lambda k: self.costs.prefill_s(model, k, c.work.prompt_tokens - c.prefill_left),
+                                         budget, c.prefill_left)
+                        ahead += min(c.prefill_left, n)
+                    else:
+                        ahead += c.prefill_left
+        return ahead
+
     def _chunk_budget_s(self, model: str) -> float:
         """Eq. 4's slack while other work shares the instance; alone, Eq. 5's round cap (a
         driver stops a chunk early when a call arrives, so nothing waits for all of it)."""
         decodable, _ = self._split_running(model)
         if not decodable and not self.calls.queued_any():
             return self.config.round_cap_s
+        return self._shared_chunk_s(model)
+
+    def _shared_chunk_s(self, model: str) -> float:
         slot = self.slot
         if slot is not None and slot.model == model:
             return chunk_s(slot.plan)

@@ -22,9 +22,7 @@ def build_view(sched: RoundScheduler, now: float) -> SchedulerView:
         round_remaining_s=remaining,
         queued={m: len(q) for m, q in calls.queued.items()},
         running={m: len(r) for m, r in calls.running.items()},
-        # Prefill work not started yet: queued prompts plus what chunked prefills have left.
-        queued_tokens=sum(c.work.prompt_tokens for q in calls.queued.values() for c in q.values())
-        + sum(c.prefill_left for r in calls.running.values() for c in r.values() if c.prefilling),
+        queued_tokens=sched.prefill_ahead_tokens(),
         kv_used_bytes=sum(sched.kv_used(m) for m in sched.models),
         deadline_risk=sched.deadline_risk,
         sp_admitted=sched.sp_admitted,
