@@ -545,7 +545,8 @@ class RoundScheduler:
         return Prefill(tuple(c.call_id for c in calls), model=model, chunk_tokens=self._chunk_for(model, calls))
 
     def _chunk_for(self, model: str, calls: Iterable[CallState]) -> int:
-        """Tokens per call of the next prefill chunk; 0 when every prompt fits in one."""
+        """Tokens per call of the next prefill chunk (a chunk that covers every prompt still
+        counts as one: the driver may end it early when a call arrives)."""
         if not self.config.chunked_prefill:
             return 0
         calls = list(calls)
@@ -554,8 +555,7 @@ class RoundScheduler:
             return 0
         budget = self._chunk_budget_s(model)
         ctx = max(c.work.prompt_tokens - c.prefill_left for c in calls)
-        n = chunk_tokens(lambda k: len(calls) * self.costs.prefill_s(model, k, ctx), budget, longest)
-        return 0 if n >= longest else n
+        return chunk_tokens(lambda k: len(calls) * self.costs.prefill_s(model, k, ctx), budget, longest)
 
     def prefill_ahead_tokens(self) -> int:
         """Prompt tokens a call arriving now waits behind: every queued prompt, and of each
