@@ -126,6 +126,9 @@ def hol(args) -> str:
         async def go():
             nc = await connect(stack)
             await nats_call(nc, MODEL, "warm", "warm up", max_tokens=2)
+            # Past the warm-up call's lease (tau = 1 s): a live lease makes round admission
+            # refuse a prompt whose own prefill exceeds the budget.
+            await asyncio.sleep(1.5)
             long_task = asyncio.create_task(
                 nats_call(nc, MODEL, "long", text_of_bytes(args.long_bytes), max_tokens=4, timeout=600,
                           call_id="hol-long"))
@@ -141,6 +144,8 @@ def hol(args) -> str:
             return long_r, long_lat, shorts
 
         long_r, long_lat, shorts = asyncio.run(go())
+        if not ok(long_r):
+            print(f"  long call failed: {long_r}", file=sys.stderr)
         ids = ["hol-long"] + [f"hol-short-{i}" for i in range(args.shorts)]
         rows = asyncio.run(call_rows(stack, ids))
         audit = asyncio.run(_audit(stack, "queue_estimate"))

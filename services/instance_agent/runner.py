@@ -270,7 +270,9 @@ class CallRunner:
         self.arrived.clear()
         steps = await self._run(self.engine.prefill, reqs, action.chunk_tokens, more)
         firsts = [s.call_id for s in steps]
-        return self.sched.on_prefill_done(action, time.time(), await self._tokens(steps), first_tokens=firsts)
+        left = self.engine.prompt_left(action.call_ids) if action.chunk_tokens else None
+        return self.sched.on_prefill_done(action, time.time(), await self._tokens(steps), first_tokens=firsts,
+                                          prompt_left=left)
 
     async def _decode(self, action: Decode):
         steps = await self._run(self.engine.decode, list(action.call_ids))

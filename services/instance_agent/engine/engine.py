@@ -233,6 +233,15 @@ class TorchEngine:
             self.pool.unuse(page)
         return seq.result(model)
 
+    def prompt_left(self, call_ids: Iterable[str]) -> dict[str, int]:
+        """Prompt tokens each running call still has to prefill (0 once it has its first token)."""
+        out = {}
+        for c in call_ids:
+            seq = self.running.get(c)
+            if seq is not None:
+                out[c] = 0 if seq.t_first is not None else max(0, len(seq.tokens) - seq.kv_len)
+        return out
+
     # -- state for telemetry -------------------------------------------------------------
 
     def kv_state(self, session_id: str, model: str) -> str:

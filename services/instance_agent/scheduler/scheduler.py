@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from itertools import islice
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from talaria.services.instance_agent.scheduler.admission import Limits, Selection, select
@@ -112,17 +112,29 @@ class RoundScheduler:
         return action
 
     def on_prefill_done(
-        self, action: Prefill, now: float, finished: Iterable[str] = (), first_tokens: Iterable[str] | None = None
+        self, action: Prefill, now: float, finished: Iterable[str] = (), first_tokens: Iterable[str] | None = None,
+        prompt_left: Mapping[str, int] | None = None,
     ) -> list[SchedulerEvent]:
         """The prefill ran. `first_tokens`: the calls whose prompt is now complete (they have
         their first token); default all of them. With chunked prefill the others continue
-        in a later Prefill. `finished`: calls that hit EOS/stop."""
+        in a later Prefill; `prompt_left` says how many prompt tokens each has left (a
+        driver may end a chunk early), default the chunk's worth fewer. `finished`: calls
+        that hit EOS/stop."""
         done = _finished_in(action, finished)
         flight = self._complete(action)
-        self.costs.observe("prefill", action.model, flight.predicted_s, now - flight.issued_at)
         firsts = None if first_tokens is None else frozenset(first_tokens)
         known = list(self._known(action.call_ids))
+        predicted = flight.predicted_s
+        if prompt_left is not None and action.chunk_tokens:
+            # Calibrate on the work that ran, not on the chunk that was asked for.
+            predicted = sum(self._left_cost(c, max(1, c.prefill_left - prompt_left.get(c.call_id, 0)))
+                            for c in known)
+        self.costs.observe("prefill", action.model, predicted, now - flight.issued_at)
         continuation = bool(known) and all(c.first_chunk_at is not None for c in known)
+        # The driver ended the chunk early: a call arrived, so protected decode ends here and
+        # a contended slot closes (the next slot's P admits the newcomer).
+        yielded = prompt_left is not None and action.chunk_tokens > 0 and any(
+            prompt_left.get(c.call_id, 0) > max(0, c.prefill_left - action.chunk_tokens) for c in known)
         for call in known:
             if call.first_chunk_at is None:  # admitted by this prefill
                 call.first_chunk_at = flight.issued_at
@@ -131,10 +143,16 @@ class RoundScheduler:
             if firsts is None or call.call_id in firsts:
                 call.generated = 1
                 call.prefill_left = 0
+            elif prompt_left is not None and call.call_id in prompt_left:
+                call.prefill_left = max(1, prompt_left[call.call_id])
             elif action.chunk_tokens:
                 call.prefill_left = max(1, call.prefill_left - action.chunk_tokens)
         slot = self.slot
-        if slot is not None:
+        if slot is not None and yielded:
+            slot.protected = min(slot.protected, slot.decodes)
+            slot.deadline = min(slot.deadline, now)
+            slot.last = "C"
+        elif slot is not None:
             if continuation:
                 # A chunk spends decode time: it counts as the decode steps it displaces, so
                 # protected decode runs out (and a contended slot closes) at the same pace.
@@ -551,8 +569,6 @@ class RoundScheduler:
             return 0
         calls = list(calls)
         longest = max((c.prefill_left for c in calls), default=0)
-        if longest <= 1:
-            return 0
         budget = self._chunk_budget_s(model)
         ctx = max(c.work.prompt_tokens - c.prefill_left for c in calls)
         return chunk_tokens(lambda k: len(calls) * self.costs.prefill_s(model, k, ctx), budget, longest)
