@@ -107,6 +107,7 @@ class CallRunner:
         config = SchedulerConfig(
             pool=settings.pool, pinned_model=settings.models[0] if settings.pool == "hot" else None,
             sp=settings.sp, hkvr=settings.hkvr, staging=settings.staging, chunked_prefill=True,
+            fill_by_switch=True,
         )
         self.sched = RoundScheduler(config, list(settings.models), INITIAL_COSTS)
         # Set when a call arrives: a chunked prefill in flight ends at its next forward pass.

@@ -130,6 +130,7 @@ def plan_slot(model: str, loads: dict[str, ModelLoad], switch_s: float, config: 
     over = max(0.0, predicted - cap)
     p_budget = max(0.0, p_m - over)
     leftover = max(0.0, cap - predicted) / len(loads)
+    fill = min(leftover, switch_s / len(loads)) if config.fill_by_switch else leftover
     return SlotPlan(
         model=model,
         protected_decode=d,
@@ -140,7 +141,7 @@ def plan_slot(model: str, loads: dict[str, ModelLoad], switch_s: float, config: 
         round_cap_s=cap,
         decode_slack_s=slack,
         switch_s=switch_s,
-        slot_budget_s=p_budget + d * t_m + leftover,
+        slot_budget_s=p_budget + d * t_m + fill,
         prefill_cut_s=demand - prefill,
     )
 

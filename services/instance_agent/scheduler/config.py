@@ -41,6 +41,11 @@ class SchedulerConfig:
     # budget is spent (paper §3.4: "the slot closes when the round budget is exhausted");
     # False closes it as soon as protected decode (Eq. 4's minimum) is done.
     fill_slot: bool = True
+    # Slot fill pays for switches: with this on, a slot fills past protected decode for at
+    # most the switch time per slot it amortises (switch_s / models in the round), not for
+    # its whole share of the round cap, so a waiting call of another model (a return, say)
+    # waits about one switch's worth, not seconds, when switches are cheap.
+    fill_by_switch: bool = False
     gamma: float = 0.9  # Eq. 5 margin: round <= gamma * ttft_target_s
     ttft_target_s: float = 10.0
     tpot_target_s: float = 0.2  # Eq. 4 average time per output token

@@ -130,3 +130,23 @@ def test_chunk_tokens_is_the_most_that_fits():
     assert chunk_tokens(lambda n: n * 0.001, 0.05, 1000) == 50
     assert chunk_tokens(lambda n: n * 0.001, 5.0, 1000) == 1000  # all fits
     assert chunk_tokens(lambda n: n * 1.0, 0.5, 1000) == 1  # always progress
+
+
+def test_slot_fill_by_switch_bounds_how_long_another_models_call_waits():
+    """A slot fills past protected decode for about one switch's worth, not its share of
+    the round cap, when fill_by_switch is on (the live agent's setting)."""
+    from talaria.services.instance_agent.scheduler import SwitchModel as Switch
+
+    costs = LinearCosts(prefill_tok_s=100_000.0, decode_base_s=0.01, switch_staged_s=0.05, switch_host_s=0.1,
+                        kv_bytes_per_token=1)
+    waits = {}
+    for fill_by_switch in (False, True):
+        # drain_on_switch off: the slot's own budget, not its running call, decides when it ends
+        d = ChunkDriver(make(("a", "b"), costs=costs, fill_by_switch=fill_by_switch, drain_on_switch=False))
+        d.sched.submit(work("a1", "a", prompt=100, max_tokens=300), 0.0)
+        d.run_until(lambda: "a1" in d.first_token_at)
+        t0 = d.now
+        d.sched.submit(work("b1", "b", prompt=100, max_tokens=2), t0)
+        d.run_until(lambda: isinstance(d.actions[-1], Switch) and d.actions[-1].to_model == "b")
+        waits[fill_by_switch] = d.now - t0
+    assert waits[True] < 0.5 < waits[False]
