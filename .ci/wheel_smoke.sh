@@ -47,12 +47,14 @@ for _ in $(seq 1 240); do
 done
 grep -q "talaria: ready" "$WORK/up.log" || { echo "wheel: talaria up not ready"; cat "$WORK/up.log"; exit 1; }
 URL=$(grep -o "gateway http://[0-9.:]*" "$WORK/up.log" | head -1 | cut -d' ' -f2)
-"$PY" - "$URL" <<'PY'
+KEY=$(cat "$WORK/data/api_key")  # `talaria up` generated it (README: Security)
+"$PY" - "$URL" "$KEY" <<'PY'
 import json, sys, urllib.request
-url = sys.argv[1]
+url, key = sys.argv[1], sys.argv[2]
 body = json.dumps({"model": "qwen3-tiny", "messages": [{"role": "user", "content": "hello"}],
                    "max_tokens": 4, "temperature": 0}).encode()
-req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json", "X-Session-Id": "wheel-smoke"})
+req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json", "X-Session-Id": "wheel-smoke",
+                                                                   "Authorization": f"Bearer {key}"})
 reply = json.load(urllib.request.urlopen(req, timeout=120))
 assert reply["usage"]["completion_tokens"] >= 1, reply
 print("wheel: talaria up served a call:", reply["usage"])

@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 from talaria.services.router.core import RouterCore  # noqa: E402
 from talaria.services.router.policy.base import PolicyConfig  # noqa: E402
 from talaria.services.router.policy.registry import create_policy, policy_names  # noqa: E402
+from talaria.shared.stats import quantile  # noqa: E402
 from talaria.shared.messages import (  # noqa: E402
     CallCompleted,
     CallRouted,
@@ -122,12 +123,6 @@ def measure(names: list[str], core: RouterCore, calls: list[CallSubmitted]) -> d
     return out
 
 
-def nearest_rank(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    rank = max(1, -(-int(round(q * len(ordered) * 1000)) // 1000))
-    return ordered[min(rank, len(ordered)) - 1]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sessions", type=int, default=10_000)
@@ -149,7 +144,7 @@ def main() -> None:
     for name in names:
         # median over repeats of each statistic: one noisy burst on the shared machine
         # should not decide the tail
-        per = [(nearest_rank(r[name], 0.50), nearest_rank(r[name], 0.99), statistics.fmean(r[name]),
+        per = [(quantile(r[name], 0.50), quantile(r[name], 0.99), statistics.fmean(r[name]),
                 max(r[name])) for r in runs]
         rows[name] = tuple(statistics.median(x[k] for x in per) for k in range(4))
         print(f"{name:15s} p50 {rows[name][0]:8.1f} us  p99 {rows[name][1]:8.1f} us  "
@@ -182,7 +177,7 @@ def main() -> None:
     lines += ["", "talaria by decision path:", "", "| path | n | p50 us | p99 us |", "|---|---|---|---|"]
     for key, us in by_path.items():
         if us:
-            lines.append(f"| {key} | {len(us)} | {nearest_rank(us, 0.5):.1f} | {nearest_rank(us, 0.99):.1f} |")
+            lines.append(f"| {key} | {len(us)} | {quantile(us, 0.5):.1f} | {quantile(us, 0.99):.1f} |")
     target = rows["talaria"][1] < 500.0
     lines += ["", f"Target p99 < 500 us for talaria: {'met' if target else 'NOT met'} "
               f"({rows['talaria'][1]:.1f} us)."]

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from talaria.services.router.policy.base import PolicyConfig  # noqa: E402
 from talaria.sim.cluster import RunConfig, simulate  # noqa: E402
 from talaria.sim.experiments import OVERLOAD, PAPER_GAPS  # noqa: E402
-from talaria.sim.instance import InstanceFlags  # noqa: E402
+from talaria.sim.executor import instance_config  # noqa: E402
 from talaria.sim.metrics import summarise  # noqa: E402
 from talaria.sim.profiles import PAPER_TP8, ROUTER_TP4, catalogue  # noqa: E402
 from talaria.sim.workloads import router_testbed, synthetic_catalogue  # noqa: E402
@@ -44,7 +44,7 @@ def testbed_p95(policy: str, overrides: dict, load: str, seeds: int) -> float:
     p95 = []
     for seed in range(seeds):
         cfg = RunConfig(ROUTER_TP4, 2, policy, PolicyConfig(lease_timeout_s=1.0, overload=OVERLOAD, **overrides),
-                        InstanceFlags.ablation("talaria"), replace(PAPER_GAPS, seed=seed), label=load)
+                        instance_config(), replace(PAPER_GAPS, seed=seed), label=load)
         p95.append(summarise(simulate(router_testbed(load), cfg))["sct_p95"])
     return sum(p95) / len(p95)
 
@@ -52,7 +52,7 @@ def testbed_p95(policy: str, overrides: dict, load: str, seeds: int) -> float:
 def scale_sct(policy: str, overrides: dict, sessions: int) -> tuple[float, float]:
     server = catalogue(PAPER_TP8, 20)
     work = synthetic_catalogue(sessions, list(server.models), 0.25, 1.0, 0)
-    cfg = RunConfig(server, 64, policy, PolicyConfig(overload=OVERLOAD, **overrides), InstanceFlags.ablation("talaria"),
+    cfg = RunConfig(server, 64, policy, PolicyConfig(overload=OVERLOAD, **overrides), instance_config(),
                     replace(PAPER_GAPS, seed=0), label=policy)
     s = summarise(simulate(work, cfg))
     return s["sct_p50"], s["sct_p95"]

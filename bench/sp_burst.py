@@ -13,7 +13,6 @@ returning calls' TTFT p50/p95 for SP on and off, and their ratio, from one run.
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import tempfile
@@ -26,6 +25,7 @@ import torch  # noqa: E402
 
 from talaria.services.instance_agent.engine import GenRequest, TorchEngine  # noqa: E402
 from talaria.services.instance_agent.runner import INITIAL_COSTS, reusable_kv  # noqa: E402
+from talaria.shared.stats import quantile  # noqa: E402
 from talaria.services.instance_agent.scheduler import (  # noqa: E402
     CallAdmitted, CallFinished, Decode, Idle, Prefill, RoundScheduler, SchedulerConfig, SwitchModel, Work,
 )
@@ -129,7 +129,7 @@ def scenario(data: Path, device: str, sp: bool, sessions: int, prefix: int, long
         d.run_until_idle(inject)
         ttft = sorted(d.first_token[c] - d.submitted[c] for c in burst)
         return {
-            "ttft_p50": nearest(ttft, 50), "ttft_p95": nearest(ttft, 95),
+            "ttft_p50": quantile(ttft, 0.50), "ttft_p95": quantile(ttft, 0.95),
             "via": {v: sum(d.via.get(c) == v for c in burst) for v in ("P", "SP")},
             "kv": sorted({d.results[c].kv_source for c in burst}),
             "texts": [d.results[c].text for c in burst],
@@ -137,10 +137,6 @@ def scenario(data: Path, device: str, sp: bool, sessions: int, prefix: int, long
         }
     finally:
         engine.close()
-
-
-def nearest(values: list[float], q: float) -> float:
-    return values[max(1, math.ceil(q * len(values) / 100)) - 1]
 
 
 def main() -> int:

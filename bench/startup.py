@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import statistics
 import subprocess
@@ -25,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from talaria.embedded import free_port  # noqa: E402
 
+KEY = "bench-startup-key-0123456789"  # configured, so `talaria up` does not generate one
 BODY = json.dumps({"model": "qwen3-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
                    "temperature": 0, "stream": True}).encode()
 
@@ -32,7 +34,7 @@ BODY = json.dumps({"model": "qwen3-tiny", "messages": [{"role": "user", "content
 def first_token(port: int, deadline: float) -> float:
     while time.monotonic() < deadline:
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=BODY,
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
         try:
             with urllib.request.urlopen(req, timeout=30) as r:
                 for line in r:
@@ -49,7 +51,8 @@ def one(agents: int) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.monotonic()
         proc = subprocess.Popen([sys.executable, "-m", "talaria.cli", "up", "--port", str(port), "--data-dir", tmp,
-                                 "--agents", str(agents)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                 "--agents", str(agents)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "TALARIA_API_KEYS": f"bench:{KEY}"})
         ready = None
         try:
             tok = first_token(port, t0 + 180)

@@ -10,6 +10,7 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 from nats.js.errors import BadRequestError
 
 from talaria.shared import subjects
+from talaria.shared.nats_auth import SENDER_HEADER, SERVICE_INBOX
 from talaria.shared.messages import encode
 from talaria.shared.tracing import inject_headers
 
@@ -17,13 +18,17 @@ STREAM_MAX_AGE_S = 7 * 24 * 3600
 DUPLICATE_WINDOW_S = 120
 
 
-async def connect(url: str, name: str) -> tuple[NATS, JetStreamContext]:
+async def connect(url: str, name: str, **auth) -> tuple[NATS, JetStreamContext]:
+    """`name` is also the `Talaria-Sender` of every event published through this connection
+    (nats_auth.sender_name); `auth` are the credentials (Settings.nats_options())."""
     nc = await nats.connect(
         url,
         name=name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
         connect_timeout=5,
+        inbox_prefix=SERVICE_INBOX,  # client users may read _INBOX.>, never services' inboxes
+        **auth,
     )
     js = nc.jetstream(timeout=10)
     await ensure_stream(js)
@@ -48,16 +53,30 @@ async def ensure_stream(js: JetStreamContext) -> None:
 
 
 async def publish_event(
-    js: JetStreamContext, subject: str, event: msgspec.Struct, *, msg_id: str | None = None
+    js: JetStreamContext, subject: str, event: msgspec.Struct, *, msg_id: str | None = None,
+    sender: str | None = None,
 ) -> int:
     """Publish one event durably; returns its stream sequence.
 
     `msg_id` makes retries idempotent: JetStream drops a duplicate within the window.
     The current trace context rides along in the headers.
     """
-    headers = inject_headers({"Nats-Msg-Id": msg_id} if msg_id else None)
-    ack = await js.publish(subject, encode(event), headers=headers)
+    ack = await js.publish(subject, encode(event), headers=_headers(js, msg_id, sender))
     return ack.seq
+
+
+def _headers(js: JetStreamContext, msg_id: str | None, sender: str | None = None) -> dict[str, str]:
+    """Dedupe id, trace context, and the sender (by default the connection's name) for sender
+    checks; only tests and tools that stand in for a service pass `sender`."""
+    base = {SENDER_HEADER: sender or js._nc.options.get("name") or ""}
+    if msg_id:
+        base["Nats-Msg-Id"] = msg_id
+    return inject_headers(base)
+
+
+async def publish_fast(js: JetStreamContext, subject: str, event: msgspec.Struct) -> None:
+    """Core-NATS copy of an event (no ack, no storage), with the same sender and trace headers."""
+    await js._nc.publish(subject, encode(event), headers=_headers(js, None))
 
 
 def event_subject(event: msgspec.Struct) -> str:
@@ -68,7 +87,7 @@ def event_subject(event: msgspec.Struct) -> str:
         case m.CallRouted():
             return subjects.call_routed(event.instance_id)
         case _:
-            return _SUBJECT_BY_TYPE[type(event).__name__]
+            return getattr(subjects, _SUBJECT_BY_TYPE[type(event).__name__])
 
 
 def event_msg_id(event: msgspec.Struct) -> str | None:
@@ -88,29 +107,28 @@ def event_msg_id(event: msgspec.Struct) -> str | None:
             return None
 
 
-_SUBJECT_BY_TYPE = {
-    "CallSubmitted": subjects.CALL_SUBMITTED,
-    "CallStarted": subjects.CALL_STARTED,
-    "CallCompleted": subjects.CALL_COMPLETED,
-    "CallFailed": subjects.CALL_FAILED,
-    "LeaseIssued": subjects.LEASE_ISSUED,
-    "LeaseConsumed": subjects.LEASE_CONSUMED,
-    "LeaseDiscarded": subjects.LEASE_DISCARDED,
-    "LeaseExpired": subjects.LEASE_EXPIRED,
-    "RoutingDecision": subjects.ROUTING_DECISION,
-    "SwitchDone": subjects.SWITCH_DONE,
-    "RoundSummary": subjects.ROUND_SUMMARY,
+_SUBJECT_BY_TYPE = {  # attribute names: subjects are read at call time (deployment prefix)
+    "CallSubmitted": "CALL_SUBMITTED",
+    "CallStarted": "CALL_STARTED",
+    "CallCompleted": "CALL_COMPLETED",
+    "CallFailed": "CALL_FAILED",
+    "LeaseIssued": "LEASE_ISSUED",
+    "LeaseConsumed": "LEASE_CONSUMED",
+    "LeaseDiscarded": "LEASE_DISCARDED",
+    "LeaseExpired": "LEASE_EXPIRED",
+    "RoutingDecision": "ROUTING_DECISION",
+    "SwitchDone": "SWITCH_DONE",
+    "RoundSummary": "ROUND_SUMMARY",
 }
 
 
-async def emit(js: JetStreamContext, event: msgspec.Struct) -> int:
-    return await publish_event(js, event_subject(event), event, msg_id=event_msg_id(event))
+async def emit(js: JetStreamContext, event: msgspec.Struct, sender: str | None = None) -> int:
+    return await publish_event(js, event_subject(event), event, msg_id=event_msg_id(event), sender=sender)
 
 
 async def emit_new(js: JetStreamContext, event: msgspec.Struct) -> int | None:
     """Like `emit`, but None when JetStream dropped it as a duplicate of a recent message."""
-    headers = inject_headers({"Nats-Msg-Id": msg_id} if (msg_id := event_msg_id(event)) else None)
-    ack = await js.publish(event_subject(event), encode(event), headers=headers)
+    ack = await js.publish(event_subject(event), encode(event), headers=_headers(js, event_msg_id(event)))
     return None if ack.duplicate else ack.seq
 
 

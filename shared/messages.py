@@ -43,6 +43,7 @@ class CallRequest(Struct, frozen=True):
     seed: int | None = None
     stop: list[str] = []
     stream: bool = False
+    api_key: str | None = None  # required when the gateway has API keys configured
 
 
 class Usage(Struct, frozen=True):
@@ -128,6 +129,8 @@ class CallSubmitted(Struct, frozen=True, tag="call.submitted"):
     stop: list[str] = []
     stream: bool = False
     api: str = "nats"
+    tenant: str = ""  # the API key's tenant; "" when the gateway has no keys
+    kv_scope: str = ""  # salt of block_hashes: KV prefixes are reused only within one scope
     # Simulator only: a token count without materialised ids (talaria/sim); 0 = use ids.
     prompt_tokens_hint: int = 0
 

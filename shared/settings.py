@@ -59,6 +59,16 @@ class Settings:
     log_json: bool = True
     traces_dir: Path | None = None  # spans as JSON lines when no OTLP endpoint is set
     otlp_endpoint: str | None = None
+    # -- security (README "Security") ----------------------------------------------------
+    deployment: str = "talaria"  # prefixes every NATS subject and the stream (shared/subjects.py)
+    nats_user: str | None = None  # NATS credentials: user+password, token, nkey seed file or creds file
+    nats_password: str | None = None
+    nats_token: str | None = None
+    nats_nkey_seed: Path | None = None
+    nats_creds: Path | None = None
+    api_keys: tuple[str, ...] = ()  # `tenant:sha256:<hex>` (or `tenant:<key>`, hashed on load)
+    api_keys_file: Path | None = None  # one `tenant sha256:<hex>` per line
+    prefix_sharing: str = "tenant"  # KV prefix reuse scope: tenant, session or global
 
     @property
     def traces_path(self) -> Path:
@@ -86,6 +96,7 @@ class Settings:
             async_database_url(self.database_url)
         if self.nats_url is not None and not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
             raise SettingsError("TALARIA_NATS_URL", self.nats_url, "a nats:// URL")
+        self._validate_security()
         if self.pool not in ("hot", "cold"):
             raise SettingsError("TALARIA_POOL", self.pool, "hot or cold")
         if self.overload not in ("reject", "queue"):
@@ -103,6 +114,65 @@ class Settings:
                 raise SettingsError(f"TALARIA_{name.upper()}", str(getattr(self, name)), "a positive number")
         if self.pool == "hot" and len(self.models) != 1:
             raise SettingsError("TALARIA_MODELS", ",".join(self.models), "exactly one model on a hot instance")
+
+
+    def _validate_security(self) -> None:
+        import re
+
+        if not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", self.deployment):
+            raise SettingsError("TALARIA_DEPLOYMENT", self.deployment,
+                                "1-32 lowercase letters, digits, '_' or '-', starting with a letter")
+        methods = [n for n in ("nats_user", "nats_token", "nats_nkey_seed", "nats_creds") if getattr(self, n)]
+        if len(methods) > 1:
+            raise SettingsError(f"TALARIA_{methods[1].upper()}", str(getattr(self, methods[1])),
+                                f"one NATS credential, not both {methods[0]} and {methods[1]}")
+        if self.nats_user and not self.nats_password:
+            raise SettingsError("TALARIA_NATS_PASSWORD", "", "a password for TALARIA_NATS_USER")
+        if self.nats_password and not self.nats_user:
+            raise SettingsError("TALARIA_NATS_USER", "", "a user for TALARIA_NATS_PASSWORD")
+        for name in ("nats_nkey_seed", "nats_creds", "api_keys_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise SettingsError(f"TALARIA_{name.upper()}", str(path), "an existing file")
+        if self.prefix_sharing not in ("tenant", "session", "global"):
+            raise SettingsError("TALARIA_PREFIX_SHARING", self.prefix_sharing, "tenant, session or global")
+        from talaria.services.gateway.auth import InvalidKeyEntry, parse_key_entry
+
+        for entry in self.api_keys:
+            try:
+                parse_key_entry(entry)
+            except InvalidKeyEntry as exc:
+                raise SettingsError("TALARIA_API_KEYS", _redact_key(entry), str(exc)) from None
+
+    def nats_options(self) -> dict[str, object]:
+        """Keyword arguments for `nats.connect` that authenticate this service."""
+        if self.nats_user:
+            return {"user": self.nats_user, "password": self.nats_password}
+        if self.nats_token:
+            return {"token": self.nats_token}
+        if self.nats_nkey_seed:
+            return {"nkeys_seed": str(self.nats_nkey_seed)}
+        if self.nats_creds:
+            return {"user_credentials": str(self.nats_creds)}
+        return {}
+
+
+def _redact_key(entry: str) -> str:
+    tenant, _, rest = entry.partition(":")
+    return f"{tenant}:{'sha256:…' if rest.startswith('sha256:') else '…'}"
+
+
+def redact_url(url: str | None) -> str | None:
+    """The URL with its password replaced by '***' (for logs and printed output)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    if not url:
+        return url
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
 
 
 def _parse(var: str, raw: str, typ: object) -> object:

@@ -1,8 +1,13 @@
 """NATS subject names: the only coupling between Talaria services.
 
     talaria.api.call                 request/reply API for agent runtimes (gateway answers)
+    talaria.api.cancel               CancelCall: abort a call in flight (every agent listens)
+    talaria.dispatch.<instance_id>   core-NATS fast copy of a CallRouted (the durable one is
+                                     on the stream; the agent starts from whichever comes first)
     talaria.tokens.<call_id>         streamed TokenChunk messages for one call
+    talaria.reply.gateway.<id>.<call> a call's reply (CallResult / ErrorReply) to the gateway
     talaria.telemetry.<instance_id>  InstanceSnapshot heartbeats (last value, not history)
+    talaria.health.<service>         service heartbeats
     talaria.evt.>                    the event log, captured by the JetStream stream EVENTS_STREAM
         call.submitted               gateway  -> router
         call.routed.<instance_id>    router   -> that instance agent (the dispatch itself)
@@ -10,38 +15,52 @@
         lease.issued / consumed / discarded / expired
         decision                     router's audit record of one placement
         switch.done / round.summary  instance agents
+
+`talaria` is the deployment name (TALARIA_DEPLOYMENT): `configure("blue")` makes every
+subject start with `blue.` and the stream `BLUE_EVENTS`, so two deployments can share one
+NATS without seeing each other's calls. It is set once per process (runtime.main) before
+any service starts; the names below are read at call time (`subjects.X`), never copied.
 """
 
 from __future__ import annotations
 
-EVENTS_STREAM = "TALARIA_EVENTS"
-EVENTS_WILDCARD = "talaria.evt.>"
-
-API_CALL = "talaria.api.call"
+DEPLOYMENT = "talaria"
 API_QUEUE_GROUP = "gateway"
-# Cancel a call in flight: a `CancelCall` (core NATS, every agent listens). The gateway sends
-# one when an HTTP client disconnects; a NATS API client may send one for its own call_id.
-API_CANCEL = "talaria.api.cancel"
 
-CALL_SUBMITTED = "talaria.evt.call.submitted"
-CALL_ROUTED_PREFIX = "talaria.evt.call.routed"
-CALL_STARTED = "talaria.evt.call.started"
-CALL_COMPLETED = "talaria.evt.call.completed"
-CALL_FAILED = "talaria.evt.call.failed"
-LEASE_ISSUED = "talaria.evt.lease.issued"
-LEASE_CONSUMED = "talaria.evt.lease.consumed"
-LEASE_DISCARDED = "talaria.evt.lease.discarded"
-LEASE_EXPIRED = "talaria.evt.lease.expired"
-ROUTING_DECISION = "talaria.evt.decision"
-SWITCH_DONE = "talaria.evt.switch.done"
-ROUND_SUMMARY = "talaria.evt.round.summary"
 
-TELEMETRY_PREFIX = "talaria.telemetry"
-TELEMETRY_WILDCARD = "talaria.telemetry.*"
-TOKENS_PREFIX = "talaria.tokens"
-# A copy of each CallRouted on core NATS, sent before the durable one: the agent starts the
-# call from it at once; the JetStream copy (what the agent acks) keeps it durable.
-DISPATCH_PREFIX = "talaria.dispatch"
+def stream_name(deployment: str) -> str:
+    return f"{deployment.upper().replace('-', '_')}_EVENTS"
+
+
+def configure(deployment: str) -> None:
+    """Name every subject and the stream after `deployment` (the default: `talaria`)."""
+    g = globals()
+    g["DEPLOYMENT"] = deployment
+    g["EVENTS_STREAM"] = stream_name(deployment)
+    g["EVENTS_WILDCARD"] = f"{deployment}.evt.>"
+    g["API_CALL"] = f"{deployment}.api.call"
+    g["API_CANCEL"] = f"{deployment}.api.cancel"
+    g["DISPATCH_PREFIX"] = f"{deployment}.dispatch"
+    evt = f"{deployment}.evt"
+    g.update(
+        CALL_SUBMITTED=f"{evt}.call.submitted", CALL_ROUTED_PREFIX=f"{evt}.call.routed",
+        CALL_STARTED=f"{evt}.call.started", CALL_COMPLETED=f"{evt}.call.completed",
+        CALL_FAILED=f"{evt}.call.failed", LEASE_ISSUED=f"{evt}.lease.issued",
+        LEASE_CONSUMED=f"{evt}.lease.consumed", LEASE_DISCARDED=f"{evt}.lease.discarded",
+        LEASE_EXPIRED=f"{evt}.lease.expired", ROUTING_DECISION=f"{evt}.decision",
+        SWITCH_DONE=f"{evt}.switch.done", ROUND_SUMMARY=f"{evt}.round.summary",
+        TELEMETRY_PREFIX=f"{deployment}.telemetry", TELEMETRY_WILDCARD=f"{deployment}.telemetry.*",
+        TOKENS_PREFIX=f"{deployment}.tokens", REPLY_PREFIX=f"{deployment}.reply",
+        HEALTH_PREFIX=f"{deployment}.health", HEALTH_WILDCARD=f"{deployment}.health.*",
+    )
+
+
+EVENTS_STREAM = EVENTS_WILDCARD = API_CALL = API_CANCEL = DISPATCH_PREFIX = ""
+CALL_SUBMITTED = CALL_ROUTED_PREFIX = CALL_STARTED = CALL_COMPLETED = CALL_FAILED = ""
+LEASE_ISSUED = LEASE_CONSUMED = LEASE_DISCARDED = LEASE_EXPIRED = ROUTING_DECISION = ""
+SWITCH_DONE = ROUND_SUMMARY = TELEMETRY_PREFIX = TELEMETRY_WILDCARD = TOKENS_PREFIX = ""
+REPLY_PREFIX = HEALTH_PREFIX = HEALTH_WILDCARD = ""  # a call's reply to the gateway: never a client inbox
+configure(DEPLOYMENT)
 
 
 def call_routed(instance_id: str) -> str:
@@ -60,13 +79,14 @@ def tokens(call_id: str) -> str:
     return f"{TOKENS_PREFIX}.{call_id}"
 
 
-def valid_token(value: str) -> bool:
-    """A subject token must not contain separators or wildcards."""
-    return bool(value) and not any(c in value for c in ".*> \t\r\n")
-
-HEALTH_PREFIX = "talaria.health"
-HEALTH_WILDCARD = "talaria.health.*"
+def reply_inbox(service: str, instance: str) -> str:
+    return f"{REPLY_PREFIX}.{service}.{instance}"
 
 
 def health(service: str) -> str:
     return f"{HEALTH_PREFIX}.{service}"
+
+
+def valid_token(value: str) -> bool:
+    """A subject token must not contain separators or wildcards."""
+    return bool(value) and not any(c in value for c in ".*> \t\r\n")

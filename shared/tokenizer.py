@@ -52,10 +52,14 @@ def render_chat(messages: Sequence[tuple[str, str]]) -> str:
     return "".join(parts)
 
 
-def block_hashes(ids: Sequence[int], block: int = HASH_BLOCK_TOKENS) -> list[int]:
-    """Cumulative hashes of each full block: hash i covers ids[: (i+1)*block]."""
+def block_hashes(ids: Sequence[int], block: int = HASH_BLOCK_TOKENS, scope: str = "") -> list[int]:
+    """Cumulative hashes of each full block: hash i covers ids[: (i+1)*block].
+
+    `scope` salts the chain (like vLLM's `cache_salt`): equal prompts in different scopes
+    (tenants) hash differently, so no cache, index or `cached_tokens` count matches across them.
+    """
     out: list[int] = []
-    prev = b""
+    prev = hashlib.blake2b(scope.encode(), digest_size=8).digest() if scope else b""
     for start in range(0, len(ids) - block + 1, block):
         h = hashlib.blake2b(prev, digest_size=8)
         h.update(bytes(_pack(ids[start : start + block])))

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from talaria.shared.settings import Settings, SettingsError
+from talaria.shared.settings import Settings, SettingsError, redact_url
 
 
 def _ablation_flags(p: argparse.ArgumentParser) -> None:
@@ -63,8 +64,14 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         stack.start(progress=lambda m: print(f"talaria: {m}", flush=True))
         print(f"talaria: ready in {time.monotonic() - t0:.1f}s — gateway {stack.gateway_url} "
               f"(policy {settings.policy}, {args.agents} cold agents, {len(args.hot)} hot)", flush=True)
-        print(f"talaria: NATS {stack.nats_url}  Postgres {stack.database_url}", flush=True)
-        print(f"talaria: try  curl -s {stack.gateway_url}/v1/chat/completions -H 'X-Session-Id: demo' "
+        print(f"talaria: NATS {redact_url(stack.nats_url)}  Postgres {redact_url(stack.database_url)}  "
+              f"(credentials in {settings.data_dir / 'stack.json'}, mode 0600)", flush=True)
+        auth = ""
+        if stack.api_key:
+            print(f"talaria: API key (tenant `default`, this run only; also in "
+                  f"{settings.data_dir / 'api_key'}): {stack.api_key}", flush=True)
+            auth = f"-H 'Authorization: Bearer {stack.api_key}' "
+        print(f"talaria: try  curl -s {stack.gateway_url}/v1/chat/completions {auth}-H 'X-Session-Id: demo' "
               "-H 'Content-Type: application/json' -d '{\"model\":\"qwen3-tiny\",\"messages\":"
               "[{\"role\":\"user\",\"content\":\"hello\"}],\"max_tokens\":16,\"temperature\":0}'", flush=True)
         print("talaria: Ctrl-C stops everything", flush=True)
@@ -98,8 +105,40 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     if not settings.database_url:
         print("talaria migrate: set TALARIA_DATABASE_URL", file=sys.stderr)
         return 2
-    upgrade(settings.database_url)
+    admin = os.environ.get("TALARIA_DATABASE_ADMIN_URL")
+    if admin:  # first set up the application role of TALARIA_DATABASE_URL (README: Security)
+        import asyncio
+        from urllib.parse import urlsplit
+
+        from talaria.shared.db.roles import ensure_app_role
+
+        app = urlsplit(settings.database_url)
+        if not app.username or not app.password:
+            print("talaria migrate: TALARIA_DATABASE_URL must name the application role and its password",
+                  file=sys.stderr)
+            return 2
+        asyncio.run(ensure_app_role(admin, app.username, app.password))
+    upgrade(settings.database_url)  # as the application role: it owns the schema
     print("talaria: schema is at head")
+    return 0
+
+
+def cmd_nats_config(args: argparse.Namespace, settings: Settings) -> int:
+    """The embedded server's users and permissions, for an operator's NATS (README: Security)."""
+    from talaria.shared.nats_auth import authorization_block, generate_users
+    from talaria.stack import write_private
+
+    agents = [a.strip() for a in args.agents.split(",") if a.strip()]
+    users = generate_users(agents)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_private(out / "auth.conf", json.dumps({"authorization": authorization_block(users, settings.deployment)},
+                                                indent=1))
+    for key, user in users.items():
+        env = {**user.env(), "TALARIA_DEPLOYMENT": settings.deployment}
+        write_private(out / f"{key}.env", "".join(f"{k}={v}\n" for k, v in env.items()))
+    print(f"talaria: wrote {out / 'auth.conf'} (include it from nats-server.conf) and "
+          f"{', '.join(f'{k}.env' for k in users)}: one per service, mode 0600")
     return 0
 
 
@@ -139,7 +178,7 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
             if not args.database:
                 print("talaria replay: --nats needs --database too", file=sys.stderr)
                 return 2
-            nats_url, db_url = args.nats, args.database
+            nats_url, db_url, api_key = args.nats, args.database, os.environ.get("TALARIA_API_KEY")
         else:
             data_dir = Path(args.data_dir) if args.data_dir else Path(tempfile.mkdtemp(prefix="talaria-replay-"))
             run_settings = _apply_ablation(settings.with_(policy=args.policy or settings.policy,
@@ -147,12 +186,12 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
             _check_policy(run_settings.policy)
             stack = Stack(run_settings, agents=args.agents).start(progress=lambda m: print(f"talaria: {m}",
                                                                                         file=sys.stderr))
-            nats_url, db_url = stack.nats_url, stack.database_url
+            nats_url, db_url, api_key = stack.client_nats_url, stack.database_url, stack.api_key
         run_id = f"replay-{uuid.uuid4().hex[:8]}"
         print(f"talaria replay: {len(sessions)} sessions, {sum(len(s.calls) for s in sessions)} calls, "
               f"{gaps.describe()}, token scale {cfg.token_scale:g}", file=sys.stderr)
         t0 = time.monotonic()
-        stats = asyncio.run(Replayer(nats_url, cfg, gaps, run_id).run(sessions))
+        stats = asyncio.run(Replayer(nats_url, cfg, gaps, run_id, api_key).run(sessions))
         metrics = asyncio.run(metrics_from_db(db_url, run_id, stats.calls_sent))
         result = {"run_id": run_id, "policy": args.policy or settings.policy, "gaps": gaps.describe(),
                   "ablations": {k: getattr(args, k) for k in ("no_sp", "no_hkvr", "no_staging", "round_only")},
@@ -189,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--models", default=None, help="comma-separated models each agent serves")
     _ablation_flags(up)
     sub.add_parser("migrate", help="apply database migrations to TALARIA_DATABASE_URL")
+    nc = sub.add_parser("nats-config", help="write per-service NATS users and permissions for an external NATS")
+    nc.add_argument("out", help="directory for auth.conf (include it in nats-server.conf) and one .env per service")
+    nc.add_argument("--agents", default="agent-0,agent-1", help="comma-separated instance ids")
     tr = sub.add_parser("trace", help="print a session's timeline from exported spans")
     tr.add_argument("session", nargs="?", help="session id (default: list sessions)")
     tr.add_argument("--traces-dir", default=None)
@@ -227,8 +269,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"talaria: configuration error: {exc}", file=sys.stderr)
         return 2
     from talaria.services.router.policy.registry import UnknownPolicyError
+    from talaria.shared import subjects
 
-    handlers = {"up": cmd_up, "migrate": cmd_migrate, "trace": cmd_trace, "audit": cmd_audit,
+    subjects.configure(settings.deployment)  # `talaria replay` speaks to this deployment
+
+    handlers = {"up": cmd_up, "migrate": cmd_migrate, "nats-config": cmd_nats_config, "trace": cmd_trace, "audit": cmd_audit,
                 "replay": cmd_replay}
     try:
         return handlers[args.command](args, settings)

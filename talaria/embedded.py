@@ -17,7 +17,7 @@ import sys
 import sysconfig
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -78,6 +78,8 @@ class EmbeddedNats:
     data_dir: Path
     port: int = 0
     proc: subprocess.Popen | None = None
+    users: dict | None = None  # nats_auth.generate_users(...): per-service users and permissions
+    prefix: str = "talaria"  # the deployment whose subjects the permissions name
 
     @property
     def url(self) -> str:
@@ -91,6 +93,8 @@ class EmbeddedNats:
             nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port),
             "-js", "-sd", str(self.data_dir / "jetstream"), "-l", str(log),
         ]
+        if self.users:
+            cmd += ["-c", str(self._write_auth_config())]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, start_new_session=True)
         try:
@@ -99,6 +103,19 @@ class EmbeddedNats:
             self.stop()
             raise
         return self
+
+    def _write_auth_config(self) -> Path:
+        """Users and permissions in a config file only the owner can read (JSON is valid
+        nats-server config; command-line flags still set the address, port and store)."""
+        import json
+
+        from talaria.shared.nats_auth import authorization_block
+
+        path = self.data_dir / "auth.conf"
+        with open(path, "w", opener=lambda p, flags: os.open(p, flags, 0o600)) as f:
+            json.dump({"authorization": authorization_block(self.users, self.prefix)}, f, indent=1)
+        path.chmod(0o600)
+        return path
 
     def stop(self) -> None:
         _stop(self.proc, signal.SIGTERM)
@@ -111,10 +128,33 @@ class EmbeddedPostgres:
     database: str = "talaria"
     proc: subprocess.Popen | None = None
     user: str | None = None
+    app_role: str | None = "talaria"  # services' login role (owns schema talaria only); None: admin only
+    passwords: dict[str, str] = field(default_factory=dict)  # role -> password, kept 0600 in data_dir
+
+    @property
+    def admin_url(self) -> str:
+        return f"postgresql://postgres:{self.passwords['postgres']}@127.0.0.1:{self.port}/{self.database}"
 
     @property
     def url(self) -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/{self.database}"
+        """What services use: the application role, never the superuser."""
+        if not self.app_role:
+            return self.admin_url
+        return f"postgresql://{self.app_role}:{self.passwords['app']}@127.0.0.1:{self.port}/{self.database}"
+
+    def _load_passwords(self) -> None:
+        """Generated once per data directory; only the owner can read the file."""
+        import json
+        import secrets
+
+        path = self.data_dir / "credentials.json"
+        if path.exists():
+            self.passwords = json.loads(path.read_text())
+        for role in ("postgres", "app"):
+            self.passwords.setdefault(role, secrets.token_urlsafe(24))
+        with open(path, "w", opener=lambda p, flags: os.open(p, flags, 0o600)) as f:
+            json.dump(self.passwords, f)
+        path.chmod(0o600)
 
     def start(self, timeout: float = 60.0) -> "EmbeddedPostgres":
         with warnings.catch_warnings():  # the wheel warns about XDG_RUNTIME_DIR on import
@@ -124,14 +164,28 @@ class EmbeddedPostgres:
         bin_dir = POSTGRES_BIN_PATH
         pgdata = self.data_dir.resolve() / "pgdata"
         pgdata.mkdir(parents=True, exist_ok=True)
+        self._load_passwords()
         if os.geteuid() == 0:
             self.user = _prepare_root(pgdata, bin_dir)
+        legacy = (pgdata / "PG_VERSION").exists() and not _password_required(pgdata / "pg_hba.conf")
         if not (pgdata / "PG_VERSION").exists():
-            subprocess.run(
-                [str(bin_dir / "initdb"), "-D", str(pgdata), "-U", "postgres", "--auth=trust",
-                 "--encoding=utf8", "--no-sync"],
-                check=True, user=self.user, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            )
+            pwfile = self.data_dir.resolve() / "initdb.pw"  # outside pgdata: initdb wants it empty
+            with open(pwfile, "w", opener=lambda p, flags: os.open(p, flags, 0o600)) as f:
+                f.write(self.passwords["postgres"])
+            if self.user:
+                import pwd
+
+                entry = pwd.getpwnam(self.user)
+                os.chown(pwfile, entry.pw_uid, entry.pw_gid)
+            try:
+                # TCP needs a password; the Unix socket lives in the 0700 data directory.
+                subprocess.run(
+                    [str(bin_dir / "initdb"), "-D", str(pgdata), "-U", "postgres", "--auth-local=trust",
+                     "--auth-host=scram-sha-256", f"--pwfile={pwfile}", "--encoding=utf8", "--no-sync"],
+                    check=True, user=self.user, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                )
+            finally:
+                pwfile.unlink(missing_ok=True)
         self.port = self.port or free_port()
         log = pgdata / "server.log"
         self.proc = subprocess.Popen(
@@ -143,20 +197,45 @@ class EmbeddedPostgres:
         )
         try:
             wait_for_port(self.port, self.proc, "postgres", timeout, log)
+            if legacy:  # a trust-auth cluster from an older Talaria: set the password, then require it
+                self._secure_legacy(bin_dir, pgdata, timeout)
             self._create_database(bin_dir, timeout)
+            if self.app_role:
+                from talaria.shared.db.roles import app_role_sql
+
+                self._psql(bin_dir, self.database, app_role_sql(self.app_role, self.passwords["app"], self.database))
         except BaseException:
             self.stop()
             raise
         return self
 
+    def _psql(self, bin_dir: Path, database: str, sql: str, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(bin_dir / "psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "-d", database,
+             "-v", "ON_ERROR_STOP=1", "-tAc", sql],
+            capture_output=True, text=True, check=check,
+            env={**os.environ, "PGPASSWORD": self.passwords["postgres"]},
+        )
+
+    def _secure_legacy(self, bin_dir: Path, pgdata: Path, timeout: float) -> None:
+        from talaria.shared.db.roles import _literal
+
+        deadline = time.monotonic() + timeout
+        while self._psql(bin_dir, "postgres", "SELECT 1", check=False).returncode != 0:
+            if time.monotonic() > deadline:
+                raise EmbeddedServerError("postgres", "not accepting connections")
+            time.sleep(0.1)
+        self._psql(bin_dir, "postgres", f"ALTER ROLE postgres PASSWORD {_literal(self.passwords['postgres'])}")
+        hba = pgdata / "pg_hba.conf"
+        hba.write_text("local all all trust\nhost all all 127.0.0.1/32 scram-sha-256\n"
+                       "host all all ::1/128 scram-sha-256\n")
+        self._psql(bin_dir, "postgres", "SELECT pg_reload_conf()")
+
     def _create_database(self, bin_dir: Path, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while True:
-            result = subprocess.run(
-                [str(bin_dir / "psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
-                 "-d", "postgres", "-tAc", f"SELECT 1 FROM pg_database WHERE datname='{self.database}'"],
-                capture_output=True, text=True,
-            )
+            result = self._psql(bin_dir, "postgres", f"SELECT 1 FROM pg_database WHERE datname='{self.database}'",
+                                check=False)
             if result.returncode == 0:
                 break
             if time.monotonic() > deadline:
@@ -166,11 +245,18 @@ class EmbeddedPostgres:
             subprocess.run(
                 [str(bin_dir / "createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
                  self.database],
-                check=True, capture_output=True,
+                check=True, capture_output=True, env={**os.environ, "PGPASSWORD": self.passwords["postgres"]},
             )
 
     def stop(self) -> None:
         _stop(self.proc, signal.SIGINT)  # SIGINT = fast shutdown: abort sessions, checkpoint
+
+
+def _password_required(hba: Path) -> bool:
+    """Do TCP connections need a password? (Clusters from before issue 14 trusted everyone.)"""
+    rules = [line.split() for line in hba.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    host = [r for r in rules if r[0].startswith("host")]
+    return bool(host) and all(r[-1] in ("scram-sha-256", "md5", "reject") for r in host)
 
 
 def _prepare_root(pgdata: Path, bin_dir: Path) -> str:

@@ -26,7 +26,7 @@ from talaria.shared import subjects
 from talaria.shared.catalog import CATALOG
 from talaria.shared.messages import REPLY_DECODER, CallRequest, CallResult, ErrorReply, encode
 from talaria.shared.settings import asyncpg_dsn
-from talaria.sim.metrics import nearest_rank
+from talaria.shared.stats import quantile
 from talaria.traces import GapModel, Session
 
 FILLER = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ 0123456789\n"
@@ -66,8 +66,10 @@ def model_map(sessions: list[Session], models: tuple[str, ...]) -> dict[str, str
 
 
 class Replayer:
-    def __init__(self, nats_url: str, cfg: ReplayConfig, gaps: GapModel, run_id: str) -> None:
+    def __init__(self, nats_url: str, cfg: ReplayConfig, gaps: GapModel, run_id: str,
+                 api_key: str | None = None) -> None:
         self.nats_url, self.cfg, self.gaps, self.run_id = nats_url, cfg, gaps, run_id
+        self.api_key = api_key
         self.stats = ReplayStats()
         self.total_calls = 0
 
@@ -112,7 +114,7 @@ class Replayer:
 
     async def _call(self, session_id: str, model: str, prompt: str, max_tokens: int):
         req = CallRequest(model=model, prompt=prompt, session_id=session_id, max_tokens=max_tokens,
-                          temperature=0.0, call_id=uuid.uuid4().hex)
+                          temperature=0.0, call_id=uuid.uuid4().hex, api_key=self.api_key)
         self.stats.calls_sent += 1
         try:
             msg = await self.nc.request(subjects.API_CALL, encode(req), timeout=self.cfg.call_timeout_s)
@@ -145,7 +147,8 @@ async def metrics_from_db(database_url: str, run_id: str, expect_calls: int, tim
             rows = await conn.fetch(
                 "SELECT session_id, call_index, instance_id, outcome, kv_source, ttft_s,"
                 " extract(epoch FROM submitted_at) AS sub, extract(epoch FROM completed_at) AS done"
-                " FROM calls WHERE session_id LIKE $1 || '-%' ORDER BY session_id, call_index", run_id)
+                " FROM calls WHERE session_id ~ ('(^|:)' || $1 || '-')"  # `tenant:` scopes session ids
+                " ORDER BY session_id, call_index", run_id)
             final = [r for r in rows if r["outcome"] in ("completed", "failed")]
             if len(final) >= expect_calls or time.monotonic() > deadline:
                 break
@@ -174,8 +177,8 @@ def summarise_rows(rows) -> dict:
     return {
         "sessions": len(by_session), "calls": len(rows),
         "completed": sum(r["outcome"] == "completed" for r in rows),
-        "sct_p50": nearest_rank(scts, 50), "sct_p95": nearest_rank(scts, 95),
-        "ttft_p50": nearest_rank(ttfts, 50), "ttft_p95": nearest_rank(ttfts, 95),
+        "sct_p50": quantile(scts, 0.50), "sct_p95": quantile(scts, 0.95),
+        "ttft_p50": quantile(ttfts, 0.50), "ttft_p95": quantile(ttfts, 0.95),
         "same_instance_returns": same / returns if returns else math.nan,
         "kv_source": kv,
     }

@@ -19,12 +19,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from talaria.shared.db.engine import upgrade
-from talaria.shared.settings import Settings
+from talaria.shared.nats_auth import generate_users
+from talaria.shared.settings import Settings, redact_url
 from talaria.embedded import EmbeddedNats, EmbeddedPostgres, free_port
 
 
 class StackError(RuntimeError):
     pass
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read (it holds credentials)."""
+    with open(path, "w", opener=lambda p, flags: os.open(p, flags, 0o600)) as f:
+        f.write(text)
+    path.chmod(0o600)
 
 
 def _reachable(what: str, url: str, timeout: float = 3.0) -> None:
@@ -52,6 +60,8 @@ class Stack:
     nats_url: str = ""
     database_url: str = ""
     gateway_url: str = ""
+    nats_users: dict = field(default_factory=dict)  # embedded NATS: one user per service
+    api_key: str | None = None  # generated when no keys are configured (printed once, saved 0600)
 
     def start(self, timeout: float = 120.0, progress=print) -> "Stack":
         data = self.settings.data_dir.resolve()
@@ -62,17 +72,38 @@ class Stack:
             try:
                 upgrade(self.database_url)
             except Exception as exc:
-                raise StackError(f"could not migrate the database at {self.database_url}: {exc}") from exc
+                raise StackError(f"could not migrate the database at {redact_url(self.database_url)}: {exc}") from exc
+            self._api_keys(data)
             self._services(data, progress)
             self._wait_ready(timeout, progress)
         except BaseException:
             self.stop()
             raise
-        (data / "stack.json").write_text(json.dumps(self.describe(), indent=2))
+        write_private(data / "stack.json", json.dumps(self.describe(), indent=2))  # holds credentials
         return self
+
+    def _api_keys(self, data: Path) -> None:
+        """No keys configured: generate one for this run; only its hash reaches the gateway."""
+        from talaria.services.gateway.auth import hash_key, new_key, write_key_file
+
+        if self.settings.api_keys or self.settings.api_keys_file:
+            return
+        self.api_key = new_key()
+        write_key_file(data / "api_keys", [("default", hash_key(self.api_key))])
+        write_private(data / "api_key", self.api_key + "\n")  # for scripts: `$(cat .talaria/api_key)`
+
+    @property
+    def client_nats_url(self) -> str:
+        """The NATS URL a NATS API client (e.g. `talaria replay`) connects with."""
+        client = self.nats_users.get("client")
+        if client is None:
+            return self.nats_url
+        scheme, _, rest = self.nats_url.partition("://")
+        return f"{scheme}://{client.name}:{client.password}@{rest}"
 
     def describe(self) -> dict[str, object]:
         return {"gateway": self.gateway_url, "nats": self.nats_url, "database": self.database_url,
+                "nats_client": self.client_nats_url, "api_key": self.api_key,
                 "data_dir": str(self.settings.data_dir.resolve()), "agents": self.agents,
                 "traces": str(self.settings.traces_path.resolve()),
                 "pids": {**{name: p.pid for name, p in self.procs.items()},
@@ -83,8 +114,9 @@ class Stack:
             self.nats_url = self.settings.nats_url
             _reachable("NATS", self.nats_url)
         else:
-            progress("starting embedded NATS (JetStream)")
-            nats = EmbeddedNats(data / "nats")
+            progress("starting embedded NATS (JetStream) with per-service users")
+            self.nats_users = generate_users(self._agent_ids())
+            nats = EmbeddedNats(data / "nats", users=self.nats_users, prefix=self.settings.deployment)
             self.embedded.append(nats)  # before start(): stop() must reach a half-started server
             self.nats_url = nats.start().url
         if self.settings.database_url:
@@ -94,6 +126,9 @@ class Stack:
             pg = EmbeddedPostgres(data / "postgres")
             self.embedded.append(pg)
             self.database_url = pg.start().url
+
+    def _agent_ids(self) -> list[str]:
+        return [f"agent-{i}" for i in range(self.agents)] + [f"hot-{m}" for m in self.hot]
 
     def _env(self, **extra: str) -> dict[str, str]:
         s = self.settings
@@ -106,8 +141,10 @@ class Stack:
             "TALARIA_HKVR": str(s.hkvr), "TALARIA_STAGING": str(s.staging),
             "TALARIA_MODELS": ",".join(s.models), "TALARIA_DEVICE": s.device,
             "TALARIA_HTTP_HOST": s.http_host, "TALARIA_SESSION_IDLE_S": str(s.session_idle_s),
-            "TALARIA_LOG_LEVEL": s.log_level, "PYTHONUNBUFFERED": "1",
+            "TALARIA_LOG_LEVEL": s.log_level, "TALARIA_DEPLOYMENT": s.deployment, "PYTHONUNBUFFERED": "1",
         })
+        if self.api_key is not None:
+            env["TALARIA_API_KEYS_FILE"] = str((s.data_dir / "api_keys").resolve())
         env.update(extra)
         return env
 
@@ -119,6 +156,9 @@ class Stack:
             self.log_files.append(out)
         # A session of its own: Ctrl-C reaches only `talaria up`, which then stops the
         # services first and the servers they write to last, in that order.
+        user = self.nats_users.get(name if name in ("gateway", "router", "telemetry") else f"agent-{name}")
+        if user is not None:  # embedded NATS: this service's own user (its permissions)
+            env = {**user.env(), **env}
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", module], env=self._env(**env), stdin=subprocess.DEVNULL,
             stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True,

@@ -41,8 +41,8 @@ def postgres_server(tmp_root):
         base = EXTERNAL_DB
         server = None
     else:
-        server = EmbeddedPostgres(tmp_root / "postgres", database="postgres").start()
-        base = server.url
+        server = EmbeddedPostgres(tmp_root / "postgres", database="postgres", app_role=None).start()
+        base = server.admin_url
     admin = _with_db(base, "postgres")
     asyncio.run(_recreate(admin, TEMPLATE))
     upgrade(_with_db(base, TEMPLATE))

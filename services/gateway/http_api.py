@@ -9,6 +9,7 @@ import time
 import msgspec
 from aiohttp import web
 
+from talaria.services.gateway.auth import TENANT, KeyStore, client_session, http_middleware, scoped_session
 from talaria.services.gateway.openai_api import (
     CHAT_DECODER,
     COMPLETION_DECODER,
@@ -39,14 +40,15 @@ def error_response(err: ErrorReply) -> web.Response:
     return web.json_response(error_body(err), status=err.status, headers=headers)
 
 
-def parse_request(body: bytes, chat: bool, headers) -> tuple[CallSubmitted, bool] | ErrorReply:
+def parse_request(body: bytes, chat: bool, headers, tenant: str = "",
+                  prefix_sharing: str = "tenant") -> tuple[CallSubmitted, bool] | ErrorReply:
     """Decode, validate and tokenise one HTTP body: (the call, include_usage) or the 4xx reply.
     Pure (no I/O), so it may run in a worker process."""
     try:
         decoded = (CHAT_DECODER if chat else COMPLETION_DECODER).decode(body)
         req, include_usage = _to_call_request(decoded, chat)
-        session_id = session_id_from(headers, decoded.user)
-        return prepare(req, session_id, "chat" if chat else "completion"), include_usage
+        session_id = scoped_session(tenant, session_id_from(headers, decoded.user))
+        return prepare(req, session_id, "chat" if chat else "completion", tenant, prefix_sharing), include_usage
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         return validation_error(exc)
     except InvalidSessionId as exc:
@@ -56,14 +58,17 @@ def parse_request(body: bytes, chat: bool, headers) -> tuple[CallSubmitted, bool
 
 
 class HttpApi:
-    def __init__(self, submitter: Submitter, models, log, parser_pool=None) -> None:
+    def __init__(self, submitter: Submitter, models, log, keys: KeyStore | None = None,
+                 prefix_sharing: str = "tenant", parser_pool=None) -> None:
         self.submitter = submitter
         self.models = models  # callable -> list of (model, owned_by) currently served
         self.log = log
+        self.keys = keys or KeyStore()
+        self.prefix_sharing = prefix_sharing
         self.parser_pool = parser_pool  # an executor for large bodies; None: parse inline
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[http_middleware(self.keys)])
         app.add_routes([
             web.post("/v1/chat/completions", self.chat),
             web.post("/v1/completions", self.completions),
@@ -91,12 +96,12 @@ class HttpApi:
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await request.read()
+        tenant = request.get(TENANT, "")
+        args = (body, chat, {k: v for k, v in request.headers.items()}, tenant, self.prefix_sharing)
         if self.parser_pool is not None and len(body) > OFFLOAD_BYTES:
-            headers = {k: v for k, v in request.headers.items()}
-            parsed = await asyncio.get_running_loop().run_in_executor(
-                self.parser_pool, parse_request, body, chat, headers)
+            parsed = await asyncio.get_running_loop().run_in_executor(self.parser_pool, parse_request, *args)
         else:
-            parsed = parse_request(body, chat, request.headers)
+            parsed = parse_request(*args)
         if isinstance(parsed, ErrorReply):
             return error_response(parsed)
         call, include_usage = parsed
@@ -106,11 +111,11 @@ class HttpApi:
         if isinstance(reply, ErrorReply):
             return error_response(reply)
         body = chat_response(reply) if chat else completion_response(reply)
-        return web.json_response(body, headers=_call_headers(reply))
+        return web.json_response(body, headers=_call_headers(reply, call.tenant))
 
     async def _stream(self, request, call, chat: bool, include_usage: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Session-Id": call.session_id, "X-Talaria-Call-Id": call.call_id})
+                                           "X-Session-Id": client_session(call.tenant, call.session_id), "X-Talaria-Call-Id": call.call_id})
         sent: list[str] = []
 
         async def send(obj: dict) -> None:
@@ -185,6 +190,6 @@ def _to_call_request(decoded, chat: bool) -> tuple[CallRequest, bool]:
     return req, include_usage
 
 
-def _call_headers(reply: CallResult) -> dict[str, str]:
-    return {"X-Session-Id": reply.session_id, "X-Talaria-Call-Id": reply.call_id,
+def _call_headers(reply: CallResult, tenant: str) -> dict[str, str]:
+    return {"X-Session-Id": client_session(tenant, reply.session_id), "X-Talaria-Call-Id": reply.call_id,
             "X-Talaria-Instance": reply.instance_id, "X-Talaria-Served-At": f"{time.time():.3f}"}

@@ -11,16 +11,19 @@ import uuid
 
 import msgspec
 
+from talaria.services.gateway.auth import KeyStore, Unauthenticated, client_session, scoped_session, unauthenticated_reply
 from talaria.services.gateway.prepare import RequestError, prepare
 from talaria.services.gateway.sessions import InvalidSessionId, check
 from talaria.services.gateway.submitter import Submitter
 from talaria.shared import subjects
-from talaria.shared.messages import CALL_REQUEST_DECODER, ErrorReply, encode
+from talaria.shared.messages import CALL_REQUEST_DECODER, CallResult, ErrorReply, encode, replace
 
 
 class NatsApi:
-    def __init__(self, nc, submitter: Submitter, log) -> None:
+    def __init__(self, nc, submitter: Submitter, log, keys: KeyStore | None = None,
+                 prefix_sharing: str = "tenant") -> None:
         self.nc, self.submitter, self.log = nc, submitter, log
+        self.keys, self.prefix_sharing = keys or KeyStore(), prefix_sharing
         self._tasks: set[asyncio.Task] = set()
         self._sub = None
 
@@ -45,8 +48,9 @@ class NatsApi:
             return
         try:
             req = CALL_REQUEST_DECODER.decode(msg.data)
+            tenant = self.keys.tenant_for_key(req.api_key)
             session_id = check(req.session_id) if req.session_id else f"anon-{uuid.uuid4().hex}"
-            call = prepare(req, session_id, "nats")
+            call = prepare(req, scoped_session(tenant, session_id), "nats", tenant, self.prefix_sharing)
         except msgspec.ValidationError as exc:
             reply = ErrorReply(400, "invalid_request", str(exc))
         except msgspec.DecodeError as exc:
@@ -55,6 +59,10 @@ class NatsApi:
             reply = ErrorReply(400, "invalid_session_id", str(exc), param="session_id")
         except RequestError as exc:
             reply = exc.reply
+        except Unauthenticated as exc:
+            reply = unauthenticated_reply(exc)
         else:
             reply = await self.submitter.submit(call)
+            if isinstance(reply, CallResult) and call.tenant:
+                reply = replace(reply, session_id=client_session(call.tenant, reply.session_id))
         await self.nc.publish(msg.reply, encode(reply))

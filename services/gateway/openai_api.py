@@ -128,6 +128,7 @@ def completion_chunk(call_id: str, model: str, text: str, finish_reason: str | N
 
 ERROR_TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
     404: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",

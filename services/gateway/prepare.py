@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 import uuid
 
+from talaria.services.gateway.auth import kv_scope
 from talaria.shared import subjects
 from talaria.shared.catalog import CATALOG
 from talaria.shared.messages import CallRequest, CallSubmitted, ErrorReply
@@ -26,7 +27,8 @@ def bad(message: str, param: str | None = None, code: str = "invalid_request") -
     return RequestError(ErrorReply(400, code, message, param=param))
 
 
-def prepare(req: CallRequest, session_id: str, api: str) -> CallSubmitted:
+def prepare(req: CallRequest, session_id: str, api: str, tenant: str = "", sharing: str = "tenant") -> CallSubmitted:
+    """`session_id` is already scoped to `tenant` (auth.scoped_session)."""
     spec = CATALOG.get(req.model)
     if spec is None:
         raise RequestError(
@@ -52,6 +54,7 @@ def prepare(req: CallRequest, session_id: str, api: str) -> CallSubmitted:
     if not subjects.valid_token(call_id) or len(call_id) > 128:
         raise bad("`call_id` must be a NATS subject token (no '.', '*', '>' or spaces)", "call_id")
     ids = encode(text)
+    scope = kv_scope(sharing, tenant, session_id)
     if len(ids) + req.max_tokens > spec.context_length:
         raise RequestError(
             ErrorReply(
@@ -68,7 +71,7 @@ def prepare(req: CallRequest, session_id: str, api: str) -> CallSubmitted:
         session_id=session_id,
         model=req.model,
         prompt_ids=ids,
-        block_hashes=block_hashes(ids),
+        block_hashes=block_hashes(ids, scope=scope),
         max_tokens=req.max_tokens,
         submitted_at=time.time(),
         temperature=req.temperature,
@@ -77,4 +80,6 @@ def prepare(req: CallRequest, session_id: str, api: str) -> CallSubmitted:
         stop=list(req.stop),
         stream=req.stream,
         api=api,
+        tenant=tenant,
+        kv_scope=scope,
     )

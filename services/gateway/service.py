@@ -10,6 +10,7 @@ from concurrent.futures import ProcessPoolExecutor
 import msgspec
 from aiohttp import web
 
+from talaria.services.gateway.auth import KeyStore
 from talaria.services.gateway.http_api import HttpApi
 from talaria.services.gateway.nats_api import NatsApi
 from talaria.services.gateway.submitter import Submitter
@@ -84,20 +85,23 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     log = logs.get("gateway")
     provider = tracing.setup("gateway", settings)
     tracer = provider.get_tracer("talaria.gateway")
-    nc, js = await connect(settings.nats_url, "talaria-gateway")
+    nc, js = await connect(settings.nats_url, "talaria-gateway", **settings.nats_options())
     submitter = Submitter(nc, js, tracer, settings.call_timeout_s, log)
     await submitter.start()
     served = ServedModels(settings.models, lambda: nc.is_connected)
     await nc.subscribe(subjects.TELEMETRY_WILDCARD, cb=served.on_snapshot)
     await nc.subscribe(subjects.HEALTH_WILDCARD, cb=served.on_heartbeat)
-    nats_api = NatsApi(nc, submitter, log)
+    keys = KeyStore.from_settings(settings)
+    if not keys.enabled:
+        log.warning("no API keys configured: the gateway is open to anyone who can reach it")
+    nats_api = NatsApi(nc, submitter, log, keys, settings.prefix_sharing)
     await nats_api.start()
     # handler_cancellation: a client that disconnects cancels its handler, which cancels the call.
     # One worker process parses large bodies: they queue among themselves, not on the loop.
     parser_pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
     await asyncio.get_running_loop().run_in_executor(parser_pool, int)  # start it now, not on a call
-    runner = web.AppRunner(HttpApi(submitter, served, log, parser_pool).app(), access_log=None,
-                           handler_cancellation=True)
+    api = HttpApi(submitter, served, log, keys, settings.prefix_sharing, parser_pool)
+    runner = web.AppRunner(api.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, settings.http_host, settings.http_port)
     await site.start()

@@ -41,7 +41,7 @@ TokenCallback = Callable[[TokenChunk], Awaitable[None]]
 class Submitter:
     def __init__(self, nc: NATS, js: JetStreamContext, tracer: trace.Tracer, timeout_s: float, log) -> None:
         self.nc, self.js, self.tracer, self.timeout_s, self.log = nc, js, tracer, timeout_s, log
-        self.inbox = f"_INBOX.gateway.{uuid.uuid4().hex}"
+        self.inbox = subjects.reply_inbox("gateway", uuid.uuid4().hex)  # only agents and the router may publish here
         self._pending: dict[str, asyncio.Future[Reply]] = {}
         self._sub = None
 

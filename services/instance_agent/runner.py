@@ -1,13 +1,15 @@
-"""CallRunner: drives the round scheduler with the torch engine; publishes what happens.
+"""CallRunner: the live executor of the agent core (core.py) on the torch engine.
 
-    routed call ──accept──▶ RoundScheduler.submit(Work)
-    loop: action = next_action(now)
-          SwitchModel → engine.switch_to      → SwitchDone event
+    routed call ──accept──▶ AgentCore.accept (→ RoundScheduler.submit)
+    loop: action = core.next_action(now)
+          SwitchModel → engine.switch_to      → core.switch_done  → SwitchDone event
           Prefill     → engine.prefill(batch) → first tokens (stream), CallStarted
           Decode      → engine.decode(batch)  → next tokens (stream)
-          Idle        → wait for the next call
-    scheduler events: CallFinished → engine.finish → CallCompleted + reply + ack;
-                      RoundEnded → RoundSummary event
+          Idle        → core.drain; wait for the next call
+    outcome: finished call → engine.finish → core.completed → CallCompleted + reply + ack;
+             RoundSummary → event
+
+The simulator's `SimExecutor` (talaria/sim/executor.py) runs the same core on a cost profile.
 
 The scheduler is pure and the engine blocking: engine calls run on the single engine
 thread, everything touching NATS stays on the event loop. A call's JetStream message is
@@ -20,26 +22,20 @@ import asyncio
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from opentelemetry import trace
 
+from talaria.services.instance_agent.core import AgentCore, Outcome
 from talaria.services.instance_agent.engine import EngineError, GenRequest
 from talaria.services.instance_agent.scheduler import (
-    CallAdmitted,
-    CallFinished,
-    CallParked,
     Decode,
-    DeadlineRisk,
     Idle,
     LinearCosts,
     Prefill,
-    RoundEnded,
-    RoundScheduler,
     SchedulerConfig,
     SchedulerError,
     SwitchModel,
-    Work,
 )
 from talaria.services.instance_agent.telemetry import build_snapshot
 from talaria.shared import subjects
@@ -47,14 +43,11 @@ from talaria.shared.bus import emit
 from talaria.shared.logs import call_context
 from talaria.shared.messages import (
     CANCELLED_STATUS,
-    CallCompleted,
     CallFailed,
     CallResult,
     CallRouted,
     CallStarted,
     ErrorReply,
-    RoundSummary,
-    SwitchDone,
     Timings,
     TokenChunk,
     Usage,
@@ -89,13 +82,8 @@ class Running:
     # from its core-NATS fast copy and the durable copy has not arrived (it is acked on arrival).
     msg: object | None
     span: trace.Span
-    started_at: float | None = None
-    first_token_at: float | None = None
-    slot_wait_s: float = 0.0
-    via: str = ""
-    opened_model: bool = False
-    streamed: int = 0
-    tokens: list[str] = field(default_factory=list)
+    streamed: int = 0  # its timeline (queue, slot wait, first token) is the core's CallRecord
+    in_engine: bool = False  # its prefill was handed to the engine (chunks continue it)
     started_pub: asyncio.Future | None = None  # the CallStarted publish, off the prefill path
 
 
@@ -109,7 +97,7 @@ class CallRunner:
             sp=settings.sp, hkvr=settings.hkvr, staging=settings.staging, chunked_prefill=True,
             fill_by_switch=True,
         )
-        self.sched = RoundScheduler(config, list(settings.models), INITIAL_COSTS)
+        self.core = AgentCore(self.instance_id, config, list(settings.models), INITIAL_COSTS)
         # Set when a call arrives: a chunked prefill in flight ends at its next forward pass.
         self.arrived = threading.Event()
         engine.should_yield = self.arrived.is_set
@@ -117,16 +105,22 @@ class CallRunner:
         self.wakeup = asyncio.Event()
         self.version = 0
         self.last_snapshot = 0.0
-        self.opened_for: set[str] = set()  # calls whose slot began with a model switch
         # Calls finished here recently: a redelivery of one (its ack was lost) is acked, not rerun.
         self.finished: OrderedDict[str, None] = OrderedDict()
         # Cancels for calls not (yet) here: a call routed after its cancel is refused on arrival.
         self.cancelled: OrderedDict[str, str] = OrderedDict()
 
+    @property
+    def sched(self):
+        """The core's RoundScheduler."""
+        return self.core.sched
+
     # ---- intake ------------------------------------------------------------------------
 
-    def accept(self, routed: CallRouted, msg) -> str | None:
-        """Queue a routed call; returns why it was refused, or None when accepted."""
+    def accept(self, routed: CallRouted, msg, headers=None) -> str | None:
+        """Queue a routed call; returns why it was refused, or None when accepted. `msg` is
+        its JetStream message, or None for the router's core-NATS fast copy (`headers` its
+        trace context); the call starts from whichever comes first."""
         call = routed.call
         if call.model not in self.settings.models:
             return f"this instance does not serve {call.model}"
@@ -144,15 +138,15 @@ class CallRunner:
             asyncio.ensure_future(self._cancelled(call.call_id, self.cancelled.pop(call.call_id)))
             return None
         kv_state, reusable = self._kv_for(call.session_id, call.model, call.prompt_tokens)
-        work = Work(call.call_id, call.session_id, call.model, prompt_tokens=max(1, call.prompt_tokens),
-                    reusable_tokens=reusable, kv_state=kv_state, max_tokens=call.max_tokens,
-                    arrived_at=call.submitted_at, continuation=routed.call_index > 0)
         try:
-            self.sched.submit(work, time.time())
+            self.core.accept(call.call_id, call.session_id, call.model, call_index=routed.call_index,
+                             prompt_tokens=call.prompt_tokens, max_tokens=call.max_tokens,
+                             submitted_at=call.submitted_at, kv_state=kv_state, reusable_tokens=reusable,
+                             now=time.time())
         except SchedulerError as exc:
             self.log.warning("scheduler refused call", call_id=call.call_id, error=str(exc))
             return f"the instance cannot schedule this call: {exc}"
-        span = self.tracer.start_span("execute", context=extract_context(getattr(msg, "headers", None)),
+        span = self.tracer.start_span("execute", context=extract_context(headers or getattr(msg, "headers", None)),
                                       attributes={"call.id": call.call_id, "instance.id": self.instance_id})
         self.calls[call.call_id] = Running(routed, msg, span)
         self.arrived.set()
@@ -175,19 +169,19 @@ class CallRunner:
             while len(self.cancelled) > FINISHED_MEMORY:
                 self.cancelled.popitem(last=False)
             return
-        events = []
+        outcome = Outcome()
         try:
-            events = self.sched.abort(call_id, time.time())
+            outcome = self.core.abort(call_id, time.time())
         except SchedulerError:
             pass  # not in the scheduler (refused or already finishing)
         await self._cancelled(call_id, reason)
-        await self._events(events)  # abort drains the outbox: publish what was in it
+        await self._events(outcome)  # abort drains the scheduler's outbox: publish what was in it
 
     async def _cancelled(self, call_id: str, reason: str) -> None:
         running = self.calls.get(call_id)
         if running is None:
             return
-        if running.started_at is not None:
+        if running.in_engine:
             try:  # after any step in flight: the engine thread runs one thing at a time
                 await self._run(self.engine.finish, call_id)
             except EngineError:
@@ -199,29 +193,29 @@ class CallRunner:
 
     async def work_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            action = self.sched.next_action(time.time())
+            action = self.core.next_action(time.time())
             try:
                 match action:
                     case Idle():
                         # Clear first: a call accepted while the events below are published
                         # must still wake us.
                         self.wakeup.clear()
-                        await self._events(self.sched.drain_events())
+                        await self._events(self.core.drain(time.time()))
                         await self._wait(stop, action.until)
                         continue
                     case SwitchModel():
-                        events = await self._switch(action)
+                        outcome = await self._switch(action)
                     case Prefill():
-                        events = await self._prefill(action)
+                        outcome = await self._prefill(action)
                     case Decode():
-                        events = await self._decode(action)
+                        outcome = await self._decode(action)
             except EngineError as exc:
-                events = await self._engine_failed(action, exc)
+                outcome = await self._engine_failed(action, exc)
             except Exception as exc:  # a bug or a NATS failure: fail this action's calls, keep serving
                 self.log.exception("step failed", action=type(action).__name__)
-                events = await self._engine_failed(action, exc)
+                outcome = await self._engine_failed(action, exc)
             try:
-                await self._events(events)
+                await self._events(outcome)
             except Exception:
                 self.log.exception("publishing scheduler events failed")
 
@@ -237,15 +231,13 @@ class CallRunner:
 
     async def _switch(self, action: SwitchModel):
         record = await self._run(self.engine.switch_to, action.to_model)
-        events = self.sched.on_switch_done(action, time.time(), record.total_s)
-        self.opened_for.update(c for c, r in self.calls.items() if r.routed.call.model == action.to_model)
-        await emit(self.js, SwitchDone(
-            instance_id=self.instance_id, from_model=action.from_model, to_model=action.to_model,
-            path=record.path, total_s=record.total_s, at=time.time(), phases=record.phases(),
-            bytes_staged=record.bytes_staged, bytes_uncovered=record.bytes_uncovered,
-        ))
+        outcome = self.core.switch_done(action, time.time(), record.total_s, path=record.path,
+                                        phases=record.phases(), bytes_staged=record.bytes_staged,
+                                        bytes_uncovered=record.bytes_uncovered)
+        await emit(self.js, outcome.switch)
+        outcome.switch = None
         await self.publish_snapshot()
-        return events
+        return outcome
 
     async def _prefill(self, action: Prefill):
         reqs, more = [], []
@@ -254,15 +246,15 @@ class CallRunner:
             running = self.calls.get(call_id)
             if running is None:
                 continue  # cancelled while queued for this action
-            if running.started_at is not None:
+            if running.in_engine:
                 more.append(call_id)  # chunked prefill: this call's next chunk
                 continue
             call = running.routed.call
             reqs.append(GenRequest(call_id=call.call_id, session_id=call.session_id, model=call.model,
                                    prompt_ids=list(call.prompt_ids), max_tokens=call.max_tokens,
                                    temperature=call.temperature, top_p=call.top_p, seed=call.seed,
-                                   stop=tuple(call.stop)))
-            running.started_at = started
+                                   stop=tuple(call.stop), kv_scope=call.kv_scope))
+            running.in_engine = True
             running.span.add_event("prefill_start", {"session_prefill": action.session_prefill})
             # Published while the prefill runs: it is a progress marker (the projector keeps a
             # final outcome over it whatever the order), and awaited before the call's outcome.
@@ -272,21 +264,19 @@ class CallRunner:
         steps = await self._run(self.engine.prefill, reqs, action.chunk_tokens, more)
         firsts = [s.call_id for s in steps]
         left = self.engine.prompt_left(action.call_ids) if action.chunk_tokens else None
-        return self.sched.on_prefill_done(action, time.time(), await self._tokens(steps), first_tokens=firsts,
-                                          prompt_left=left)
+        return self.core.prefill_done(action, time.time(), await self._tokens(steps), first_tokens=firsts,
+                                      prompt_left=left)
 
     async def _decode(self, action: Decode):
         steps = await self._run(self.engine.decode, list(action.call_ids))
-        return self.sched.on_decode_done(action, time.time(), await self._tokens(steps))
+        return self.core.decode_done(action, time.time(), await self._tokens(steps))
 
     async def _tokens(self, steps) -> set[str]:
-        now, finished = time.time(), set()
+        finished = set()
         for step in steps:
             running = self.calls.get(step.call_id)
             if running is None:
                 continue
-            if running.first_token_at is None:
-                running.first_token_at = now
             if step.text and running.routed.call.stream:
                 await self.nc.publish(subjects.tokens(step.call_id),
                                       encode(TokenChunk(step.call_id, running.streamed, step.text)))
@@ -297,45 +287,37 @@ class CallRunner:
 
     async def _engine_failed(self, action, exc: Exception):
         self.log.error("engine step failed", action=type(action).__name__, error=str(exc))
-        events = []
+        outcome = Outcome()
         for call_id in getattr(action, "call_ids", ()):
             try:
-                events += self.sched.abort(call_id, time.time())
+                aborted = self.core.abort(call_id, time.time())
+                outcome.finished += aborted.finished
+                outcome.rounds += aborted.rounds
+                outcome.notes += aborted.notes
             except SchedulerError:
-                pass  # already gone from the scheduler
+                self.core.forget(call_id)  # already gone from the scheduler
             try:
                 self.engine.finish(call_id)  # release its pages if the engine still holds it
             except Exception:
                 pass
             await self._fail(call_id, f"engine error: {exc}")
-        return events
+        return outcome
 
-    # ---- scheduler events --------------------------------------------------------------
+    # ---- the core's outcomes -----------------------------------------------------------
 
-    async def _events(self, events) -> None:
-        changed = False
-        for event in events:
-            match event:
-                case CallAdmitted():
-                    running = self.calls.get(event.call_id)
-                    if running is not None:
-                        running.slot_wait_s, running.via = event.slot_wait_s, event.via
-                case CallFinished(reason="aborted"):
-                    pass  # already failed and acked by whoever aborted it
-                case CallFinished():
-                    await self._complete(event.call_id)
-                    changed = True
-                case RoundEnded():
-                    await emit(self.js, RoundSummary(
-                        instance_id=self.instance_id, round_index=event.round_index, wall_s=event.wall_s,
-                        active_s=event.active_s, switch_s=event.switch_s, at=event.at or time.time(),
-                        slots=list(event.slots), sp_admitted=event.sp_admitted, sp_parked=event.sp_parked,
-                        deadline_risk=event.deadline_risk))
-                case CallParked() | DeadlineRisk():
-                    # `kind`, not `event`: structlog's message argument is called `event`, and a
-                    # clash raised here and lost the events after this one (calls never finished).
-                    self.log.info("scheduler", kind=type(event).__name__, **{
-                        k: v for k, v in event.__dict__.items() if k in ("call_id", "reason", "model")})
+    async def _events(self, outcome: Outcome) -> None:
+        for call_id in outcome.finished:
+            await self._complete(call_id)
+        for summary in outcome.rounds:
+            await emit(self.js, summary)
+        if outcome.switch is not None:
+            await emit(self.js, outcome.switch)
+        for event in outcome.notes:
+            # `kind`, not `event`: structlog's message argument is called `event`, and a
+            # clash raised here and lost the rest of the outcome (calls never finished).
+            self.log.info("scheduler", kind=type(event).__name__, **{
+                k: v for k, v in event.__dict__.items() if k in ("call_id", "reason", "model")})
+        changed = bool(outcome.finished)
         if changed and time.monotonic() - self.last_snapshot >= SNAPSHOT_ON_CHANGE_MIN_S:
             await self.publish_snapshot()  # the router learns of freed capacity and new session KV now
 
@@ -354,25 +336,17 @@ class CallRunner:
             await self._fail(call_id, f"engine error: {exc}")
             return
         routed, call, done = running.routed, running.routed.call, time.time()
-        started = running.started_at or done
-        first = running.first_token_at or done
-        opened = call_id in self.opened_for
-        self.opened_for.discard(call_id)
-        attrs = {"queue_s": started - call.submitted_at, "prefill_s": result.prefill_s,
-                 "decode_s": result.decode_s, "cached_tokens": result.cached_tokens, "kv_source": result.kv_source,
-                 "slot_wait_s": running.slot_wait_s, "admitted_via": running.via, "model_opened": opened}
-        running.span.set_attributes(attrs)
+        via = self.core.records[call_id].via
+        completed = self.core.completed(
+            call_id, done, prompt_tokens=result.prompt_tokens, output_tokens=len(result.token_ids),
+            finish_reason=result.finish_reason, cached_tokens=result.cached_tokens, kv_source=result.kv_source,
+            prefill_s=result.prefill_s, decode_s=result.decode_s,
+            trace_id=f"{running.span.get_span_context().trace_id:032x}")
+        running.span.set_attributes({
+            "queue_s": completed.queue_s, "prefill_s": result.prefill_s, "decode_s": result.decode_s,
+            "cached_tokens": result.cached_tokens, "kv_source": result.kv_source,
+            "slot_wait_s": completed.slot_wait_s, "admitted_via": via, "model_opened": completed.model_opened})
         running.span.end()
-        completed = CallCompleted(
-            call_id=call_id, session_id=call.session_id, call_index=routed.call_index, model=call.model,
-            instance_id=self.instance_id, prompt_tokens=result.prompt_tokens,
-            output_tokens=len(result.token_ids), finish_reason=result.finish_reason,
-            submitted_at=call.submitted_at, started_at=started, first_token_at=first, completed_at=done,
-            cached_tokens=result.cached_tokens, kv_source=result.kv_source, queue_s=started - call.submitted_at,
-            ttft_s=first - call.submitted_at, prefill_s=result.prefill_s, decode_s=result.decode_s,
-            slot_wait_s=running.slot_wait_s, kv_tokens=result.prompt_tokens + len(result.token_ids),
-            model_opened=opened, trace_id=f"{running.span.get_span_context().trace_id:032x}",
-        )
         # The durable record, the reply and the stream's end go out together; the message is
         # acked only after all of them, so a crash before that still redelivers the call.
         sends = [emit(self.js, completed)]
@@ -383,7 +357,7 @@ class CallRunner:
                 instance_id=self.instance_id, text=result.text, finish_reason=result.finish_reason,
                 usage=Usage(result.prompt_tokens, n_out, result.prompt_tokens + n_out, result.cached_tokens),
                 timings=Timings(completed.queue_s, completed.ttft_s, result.prefill_s, result.decode_s,
-                                running.slot_wait_s, done - call.submitted_at),
+                                completed.slot_wait_s, done - call.submitted_at),
                 kv_source=result.kv_source,
             ))))
         if call.stream:
@@ -401,6 +375,7 @@ class CallRunner:
         if running is None:
             return
         routed, call = running.routed, running.routed.call
+        self.core.forget(call_id)
         with call_context(call.session_id, call_id):
             self.log.error("call failed", reason=reason)
         running.span.set_status(trace.Status(trace.StatusCode.ERROR, reason))
@@ -445,7 +420,7 @@ class CallRunner:
         self.version += 1
         self.last_snapshot = time.monotonic()
         try:
-            snap = build_snapshot(self.settings, self.engine, self.sched, self.version, time.time())
+            snap = build_snapshot(self.settings, self.engine, self.core, self.version, time.time())
             await self.nc.publish(subjects.telemetry(self.instance_id), encode(snap))
         except Exception as exc:  # a torn read of engine tables; the next beat retries
             self.log.warning("snapshot failed", error=str(exc))

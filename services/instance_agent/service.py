@@ -18,6 +18,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from talaria.services.instance_agent.runner import CallRunner
 from talaria.shared import logs, subjects, tracing
 from talaria.shared.bus import close, connect, emit
+from talaria.shared.nats_auth import sender_of, trusted
 from talaria.shared.messages import CANCEL_DECODER, ROUTED_DECODER, CallFailed, CallRouted, ErrorReply, encode
 from talaria.shared.settings import Settings
 
@@ -31,7 +32,7 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
     loop = asyncio.get_running_loop()
     engine = await loop.run_in_executor(executor, _build_engine, settings)
-    nc, js = await connect(settings.nats_url, f"talaria-agent-{settings.instance_id}")
+    nc, js = await connect(settings.nats_url, f"talaria-agent-{settings.instance_id}", **settings.nats_options())
     runner = CallRunner(settings, engine, executor, nc, js, provider.get_tracer("talaria.agent"), log)
     stop = stop or asyncio.Event()
     durable = f"agent-{settings.instance_id}"
@@ -48,6 +49,7 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
             max_deliver=5,
         ),
     )
+
     async def on_cancel(msg) -> None:
         await _on_cancel(msg, runner, log)
 
@@ -58,8 +60,9 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
         # copy, which refuses and records it (a refusal here would be recorded twice).
         try:
             routed = ROUTED_DECODER.decode(msg.data)
-            if routed.instance_id == runner.instance_id and routed.call.model in settings.models:
-                runner.accept(routed, None)
+            if (routed.instance_id == runner.instance_id and routed.call.model in settings.models
+                    and trusted(msg, routed)):
+                runner.accept(routed, None, headers=msg.headers)
         except Exception as exc:
             log.warning("fast dispatch ignored", error=str(exc))
 
@@ -114,7 +117,10 @@ async def _fetch_loop(sub, runner: CallRunner, js, nc, log, stop: asyncio.Event)
                 log.error("undecodable routed call dropped", error=str(exc), seq=msg.metadata.sequence.stream)
                 await msg.term()
                 continue
-            if routed.instance_id != runner.instance_id:
+            if routed.instance_id != runner.instance_id or not trusted(msg, routed):
+                # Only the router dispatches: a CallRouted from anyone else is never run.
+                log.error("routed call not from the router dropped", call_id=routed.call.call_id,
+                          sender=sender_of(msg))
                 await msg.term()
                 continue
             try:

@@ -1,17 +1,20 @@
-"""The instance snapshot the router consumes: residency, session KV, queues, budgets, costs."""
+"""The live agent's snapshot inputs: model residency, session KV and memory, read from the engine.
+
+`AgentCore.snapshot` assembles the `InstanceSnapshot` (queues, round, risk from the
+scheduler), as it does for a simulated instance (talaria/sim/device_view.py).
+"""
 
 from __future__ import annotations
 
 from talaria.shared.messages import InstanceSnapshot, ModelResidency, SessionKv
 
 
-def build_snapshot(settings, engine, sched, version: int, now: float) -> InstanceSnapshot:
+def build_snapshot(settings, engine, core, version: int, now: float) -> InstanceSnapshot:
     stats = engine.stats()
-    view = sched.snapshot(now)
     active = engine.active_model
     staged = getattr(getattr(engine, "staging", None), "planner", None)
     staged_target = getattr(staged, "target", None) if staged is not None else None
-    costs = sched.costs
+    costs = core.sched.costs
     models = []
     for m in settings.models:
         state = "active" if m == active else ("staged" if m == staged_target else "resident")
@@ -23,13 +26,5 @@ def build_snapshot(settings, engine, sched, version: int, now: float) -> Instanc
             context_length=int(engine.specs[m].context_length),
         ))
     sessions = [SessionKv(s, m, st, n) for s, m, st, n in engine.session_states()]
-    return InstanceSnapshot(
-        instance_id=settings.instance_id, version=version, at=now, pool=settings.pool, models=models,
-        active_model=active, sessions=sessions, queued=dict(view.queued), queued_tokens=view.queued_tokens,
-        running=sum(view.running.values()), round_remaining_s=view.round_remaining_s,
-        deadline_risk=view.deadline_risk, kv_capacity_tokens=stats.kv_capacity_tokens,
-        kv_used_tokens=stats.kv_used_tokens, kv_pinned_tokens=stats.kv_pinned_tokens, staging_free_bytes=stats.staging_free_bytes,
-        hbm_bytes=stats.hbm_bytes, hbm_used_bytes=stats.hbm_used_bytes, prefill_tok_s=stats.prefill_tok_s,
-        decode_tok_s=stats.decode_tok_s, restore_tok_s=stats.restore_tok_s, switch_s=view.switch_s,
-        heartbeat_s=settings.heartbeat_s,
-    )
+    return core.snapshot(version, now, pool=settings.pool, active_model=active, models=models, sessions=sessions,
+                         memory=stats, heartbeat_s=settings.heartbeat_s)

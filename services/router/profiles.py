@@ -10,13 +10,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from talaria.shared.stats import ewma as _ewma
+
 ALPHA = 0.2  # EWMA weight of a new observation
 ARRIVAL_WINDOW_S = 10.0  # time constant of the decayed arrival count (Eq. 2 demand)
 GAP_KEEP = 256  # recent tool gaps kept per model for the adaptive lease
 
 
 def ewma(old: float, sample: float) -> float:
-    return sample if old <= 0.0 else (1.0 - ALPHA) * old + ALPHA * sample
+    """`shared/stats.ewma` with 0.0 meaning "no observation yet"."""
+    return _ewma(old if old > 0.0 else None, sample, ALPHA)
 
 
 @dataclass
@@ -70,10 +73,3 @@ class InstanceProfile:
         if switch_s > 0.0:
             self.switch_s = ewma(self.switch_s, switch_s)
         self.rounds += 1
-
-
-def quantile(values: list[float], q: float) -> float:
-    """Nearest-rank quantile (calibration.md: p_q = observation at rank ceil(q*N))."""
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q * len(ordered)))
-    return ordered[rank - 1]

@@ -26,7 +26,8 @@ from talaria.services.router.state import RouterState
 from talaria.shared import logs, subjects, tracing
 from talaria.shared.health import heartbeat_loop
 from talaria.shared.logs import call_context
-from talaria.shared.bus import close, connect, emit
+from talaria.shared.bus import close, connect, emit, publish_fast
+from talaria.shared.nats_auth import sender_of, trusted
 from talaria.shared.db.engine import create_engine
 from talaria.shared.messages import (
     EVENT_DECODER,
@@ -41,8 +42,13 @@ from talaria.shared.settings import Settings, SettingsError
 from talaria.shared.tracing import extract_context
 
 DURABLE = "router"
-INPUT_SUBJECTS = [subjects.CALL_SUBMITTED, subjects.CALL_COMPLETED, subjects.CALL_FAILED,
-                  subjects.ROUND_SUMMARY, subjects.SWITCH_DONE]
+
+
+def input_subjects() -> list[str]:
+    return [subjects.CALL_SUBMITTED, subjects.CALL_COMPLETED, subjects.CALL_FAILED,
+            subjects.ROUND_SUMMARY, subjects.SWITCH_DONE]
+
+
 FORGET_AFTER_S = 30.0  # an instance silent this long is dropped from the table (its leases too)
 TICK_S = 0.05
 # After a (re)start, listen to heartbeats before deciding: routing with an empty instance
@@ -77,7 +83,7 @@ class RouterService:
         self.tracer = provider.get_tracer("talaria.router")
         db = create_engine(self.settings.database_url)
         store = ProjectionStore(db)
-        self.nc, self.js = await connect(self.settings.nats_url, "talaria-router")
+        self.nc, self.js = await connect(self.settings.nats_url, "talaria-router", **self.settings.nats_options())
         await self._recover(store)
         gc.collect()
         gc.freeze()  # the recovered tables are long-lived: keep them out of every GC scan
@@ -87,7 +93,7 @@ class RouterService:
             if await self._consumer_exists() else await self.js.pull_subscribe(
                 "", durable=DURABLE, stream=subjects.EVENTS_STREAM,
                 config=ConsumerConfig(durable_name=DURABLE, ack_policy=AckPolicy.EXPLICIT,
-                                      deliver_policy=DeliverPolicy.ALL, filter_subjects=INPUT_SUBJECTS,
+                                      deliver_policy=DeliverPolicy.ALL, filter_subjects=input_subjects(),
                                       ack_wait=30, max_deliver=MAX_DELIVER))
         tasks = [asyncio.create_task(self._consume(sub, stop)), asyncio.create_task(self._tick(stop)),
                  asyncio.create_task(self._save_loop(store, stop)),
@@ -149,16 +155,19 @@ class RouterService:
                     break
                 for msg in msgs:
                     seq = msg.metadata.sequence.stream
-                    self._replay_one(msg.data, seq)
+                    self._replay_one(msg, seq)
                     replayed += 1
             await sub.unsubscribe()
         self.log.info("router recovered", from_seq=start, to_seq=last, replayed=replayed,
                       sessions=len(self.core.state.sessions))
 
-    def _replay_one(self, data: bytes, seq: int) -> None:
+    def _replay_one(self, msg, seq: int) -> None:
         try:
-            event = EVENT_DECODER.decode(data)
+            event = EVENT_DECODER.decode(msg.data)
         except msgspec.DecodeError:
+            return
+        if not trusted(msg, event):
+            self.core.state.last_seq = max(self.core.state.last_seq, seq)
             return
         # Submissions are decided by the live consumer (which skips calls already routed);
         # everything else, including our own past outputs, is folded back in.
@@ -196,6 +205,11 @@ class RouterService:
             self.log.error("undecodable event dropped", subject=msg.subject, error=str(exc))
             await msg.term()
             return
+        if not trusted(msg, event):  # e.g. a CallCompleted not from an agent: never folded in
+            self.log.error("event from a service that does not own it dropped", subject=msg.subject,
+                           sender=sender_of(msg), event_type=type(event).__name__)
+            await msg.term()
+            return
         call_id = getattr(event, "call_id", None)
         session_id = getattr(event, "session_id", None)
         try:
@@ -215,7 +229,7 @@ class RouterService:
                 outputs = self.core.handle(event, time.time())
                 for out in outputs:  # the fast copy first: the agent need not wait for the stream
                     if isinstance(out, CallRouted):
-                        await self.nc.publish(subjects.dispatch(out.instance_id), encode(out))
+                        await publish_fast(self.js, subjects.dispatch(out.instance_id), out)
                 # The state already counts these outputs, so they must reach the stream before
                 # the input is acked: retry (msg ids make retries idempotent) rather than drop.
                 await self._publish_all(outputs)

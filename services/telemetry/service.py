@@ -17,6 +17,7 @@ from sqlalchemy.dialects.postgresql import insert
 
 from talaria.services.telemetry.projector import project
 from talaria.services.telemetry.sessions import SessionSpans
+from talaria.shared.nats_auth import sender_of, trusted
 from talaria.shared import logs, subjects, tracing
 from talaria.shared.health import heartbeat_loop
 from talaria.shared.bus import close, connect
@@ -44,7 +45,7 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     log = logs.get("telemetry")
     stop = stop or asyncio.Event()
     db = create_engine(settings.database_url)
-    nc, js = await connect(settings.nats_url, "talaria-telemetry")
+    nc, js = await connect(settings.nats_url, "talaria-telemetry", **settings.nats_options())
     spans = SessionSpans(_exporter(settings), settings.session_idle_s)
     async with db.connect() as conn:
         row = (await conn.execute(select(projections.c.seq).where(projections.c.name == NAME))).first()
@@ -120,6 +121,11 @@ async def _apply_batch(db, msgs, offset: int, spans: SessionSpans, log) -> int:
                 event = EVENT_DECODER.decode(msg.data)
             except msgspec.DecodeError as exc:
                 log.error("undecodable event skipped", seq=seq, subject=msg.subject, error=str(exc))
+                offset = seq
+                continue
+            if not trusted(msg, event):  # only an event's owning service may write its row
+                log.error("event from a service that does not own it skipped", seq=seq, subject=msg.subject,
+                          sender=sender_of(msg), event_type=type(event).__name__)
                 offset = seq
                 continue
             try:

@@ -2,7 +2,7 @@
 
     talaria sim run --trace T.jsonl|fixed-replay --profile paper-tp8 --policy least-loaded \
         [--instances N] [--no-sp] [--no-hkvr] [--no-staging] [--round-only] [--tau S] \
-        [--gaps paper|recorded[:cap]|rescaled:F[:cap]] [--seed N] [--backend services|fast] [--json OUT]
+        [--gaps paper|recorded[:cap]|rescaled:F[:cap]] [--seed N] [--json OUT]
     talaria sim experiments fixed-replay|router|tau-sweep|scale|all|report [--out results/] [--json P]
     talaria sim convert WEKA.jsonl.xz OUT.jsonl [--subagents separate|drop] [--limit N]
 """
@@ -12,13 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.sim import experiments
 from talaria.sim.cluster import RunConfig, simulate
-from talaria.sim.instance import InstanceFlags
+from talaria.sim.executor import instance_config
 from talaria.sim.metrics import summarise
 from talaria.sim.profiles import PROFILES, get_profile
 from talaria.sim.workloads import fixed_replay
@@ -41,13 +40,13 @@ def _run(args) -> int:
         print(f"error: profile {server.name!r} has no model(s) {unknown}; known: {sorted(server.models)}",
               file=sys.stderr)
         return 2
-    flags = InstanceFlags.ablation("round-only" if args.round_only else "talaria")
-    flags = replace(flags, sp=flags.sp and not args.no_sp, hkvr=flags.hkvr and not args.no_hkvr,
-                    staging=flags.staging and not args.no_staging)
+    base = instance_config("round-only" if args.round_only else "talaria")
+    sched = base.with_(sp=base.sp and not args.no_sp, hkvr=base.hkvr and not args.no_hkvr,
+                       staging=base.staging and not args.no_staging)
     config = RunConfig(
         server, args.instances, args.policy,
         PolicyConfig(lease_timeout_s=args.tau, adaptive_lease=args.adaptive_lease),
-        flags, parse_gap_model(args.gaps, args.seed), backend=args.backend,
+        sched, parse_gap_model(args.gaps, args.seed),
         label=args.policy, progress=True,
     )
     summary = summarise(simulate(sessions, config))
@@ -86,7 +85,6 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--adaptive-lease", action="store_true")
     run.add_argument("--gaps", default="paper", help="paper | recorded[:cap] | rescaled:F[:cap]")
     run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--backend", choices=("services", "fast"), default="services")
     run.add_argument("--json", default=None)
     run.set_defaults(func=_run)
     exp = sub.add_parser("experiments", help="run the paper's experiments")

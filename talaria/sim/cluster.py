@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from talaria.services.instance_agent.scheduler import SchedulerConfig
 from talaria.services.router.core import RouterCore
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.policy.registry import create_policy
@@ -31,17 +32,15 @@ from talaria.shared.messages import (
     CallFailed,
     CallRouted,
     CallSubmitted,
-    InstanceSnapshot,
     LeaseConsumed,
     LeaseDiscarded,
     LeaseExpired,
     LeaseIssued,
-    ModelResidency,
     RoutingDecision,
-    SessionKv,
 )
 from talaria.sim.engine import EventLoop
-from talaria.sim.instance import InstanceFlags, Job, SimInstance
+from talaria.sim.device_view import DeviceView
+from talaria.sim.executor import Job, SimExecutor, instance_config
 from talaria.sim.profiles import ServerProfile
 from talaria.traces.format import Session
 from talaria.traces.gaps import GapModel
@@ -53,14 +52,14 @@ class RunConfig:
     instances: int = 1
     policy: str = "least-loaded"
     policy_config: PolicyConfig = field(default_factory=PolicyConfig)
-    flags: InstanceFlags = field(default_factory=InstanceFlags)
+    scheduler: SchedulerConfig = field(default_factory=instance_config)  # executor.instance_config
     gaps: GapModel = field(default_factory=GapModel)
     heartbeat_s: float = 0.5
-    backend: str = "services"  # services (the instance agent's RoundScheduler) | fast (cross-check only)
     label: str = ""
     progress: bool = False
     max_retries: int = 30  # a call rejected this many times fails (its session is abandoned)
     max_wall_s: float | None = None  # stop the run after this much wall time (result incomplete)
+    max_decode_steps: int = 4096  # simulator speed: decode tokens per event (exact, see executor.py)
 
 
 @dataclass
@@ -86,7 +85,7 @@ class RunResult:
     config: RunConfig
     sessions: list[Session]
     jobs: list[Job]
-    instances: list[SimInstance]
+    instances: list[SimExecutor]
     router: RouterCounters
     gaps_applied: dict[tuple[str, int], float]
     virtual_s: float
@@ -100,16 +99,14 @@ class Cluster:
         self.config = config
         self.loop = EventLoop()
         self.router = RouterCore(create_policy(config.policy, config.policy_config))
-        self.instances: dict[str, SimInstance] = {}
+        view = DeviceView(config.server)  # profile-only snapshot parts, computed once for all
+        self.instances: dict[str, SimExecutor] = {}
         for k in range(config.instances):
             iid = f"inst-{k:02d}"
-            self.instances[iid] = _make_instance(iid, config, self)
+            self.instances[iid] = SimExecutor(iid, config.server, config.scheduler, self, config.max_decode_steps, view)
         # per instance, in instance order: [instance, last snapshot time, version, state key,
         # last snapshot]; one list so the per-decision heartbeat scan is a single pass
         self._snap_recs: list[list] = [[inst, -1e18, 0, None, None] for inst in self.instances.values()]
-        self._snap_cache: dict[str, tuple[int, list[SessionKv]]] = {}
-        self._model_consts: dict[str, tuple] = {}
-        self._models_cache: dict[tuple, list[ModelResidency]] = {}
         self._snap_due = float("-inf")  # no snapshot refresh is due before this time
         self.counters = RouterCounters()
         self.jobs: list[Job] = []
@@ -134,8 +131,6 @@ class Cluster:
         self.stopped_early = bool(self.loop._heap)
         now = self.loop.now
         self._count(self.router.tick(now + 3600.0))
-        for inst in self.instances.values():
-            inst.settle(now)
         return RunResult(
             self.config,
             self.sessions,
@@ -242,29 +237,9 @@ class Cluster:
 
     # ---- instance sink ----------------------------------------------------------------
 
-    def first_token(self, job: Job, now: float):
-        return None
-
-    def completed(self, job: Job, now: float):
+    def completed(self, job: Job, done: CallCompleted, now: float):
+        """An instance finished `job`; `done` is its agent core's completion record."""
         self.jobs.append(job)
-        done = CallCompleted(
-            call_id=job.call_id,
-            session_id=job.session,
-            call_index=job.call_index,
-            model=job.model,
-            instance_id=job.instance,
-            prompt_tokens=job.prompt,
-            output_tokens=job.output,
-            finish_reason="length",
-            submitted_at=job.release_t,
-            started_at=job.admitted_t,
-            first_token_at=job.first_token_t,
-            completed_at=now,
-            cached_tokens=job.reusable if job.kv_source in ("device", "host") else 0,
-            kv_source=job.kv_source if job.kv_source != "none" else "none",
-            ttft_s=job.first_token_t - job.release_t,
-            kv_tokens=job.prompt + job.output,
-        )
         self._count(self.router.handle(done, now))
         session = self._by_id[job.session]
         nxt = job.call_index + 1
@@ -294,11 +269,11 @@ class Cluster:
                 # An instance whose state did not change re-sends its last snapshot with a
                 # new version and time (a heartbeat); fields that drift with time alone
                 # (round_remaining_s, staging progress) stay as of the last change.
-                key = (inst.token, inst.kv.version, inst.queued_tokens, inst.stage_target, inst.busy)
+                key = (inst.token, inst.kv.version, inst.sched.calls.seq, inst.staging.target, inst.busy)
                 if rec[3] == key:
                     snap = replace(rec[4], version=ver, at=now)
                 else:
-                    snap = self._snapshot(inst, ver, now)
+                    snap = inst.snapshot(ver, now, hb)
                     rec[3] = key
                 rec[4] = snap
                 observe(snap, now)
@@ -306,143 +281,12 @@ class Cluster:
         # `now - at >= hb` is still made per instance, so float rounding cannot skip one)
         self._snap_due = oldest + hb * (1.0 - 1e-9) if hb > 0 else float("-inf")
 
-    def _consts(self, server: ServerProfile, name: str) -> tuple:
-        """Per-model snapshot fields that depend on the profile only (computed once)."""
-        c = self._model_consts.get(name)
-        if c is None:
-            mp = server.model(name)
-            pool = server.kv_pool_bytes(mp.name)
-            open_s = server.switch(name, 0)[1]
-            c = self._model_consts[name] = (
-                mp,
-                pool,
-                pool // mp.kv_bytes_per_token,
-                25_000 / mp.prefill_s(25_000, 0),
-                1.0 / mp.decode_step_s(1, 0),
-                server.kv_restore_bytes_s / mp.kv_bytes_per_token,
-                open_s,
-                ModelResidency(model=name, state="active", switch_cost_s=0.0, open_cost_s=open_s,
-                               weight_bytes=mp.weight_bytes, context_length=mp.max_context),
-            )
-        return c
-
-    def _snapshot(self, inst: SimInstance, version: int, now: float) -> InstanceSnapshot:
-        server = inst.server
-        kv = inst.kv
-        cached = self._snap_cache.get(inst.id)
-        if cached is None or cached[0] != kv.version:
-            active_m = inst.active
-            # host entries are mirrored from the registry's change feed; only the device
-            # filter is redone here
-            host = kv.host.entries()
-            if active_m:
-                device = kv.device
-                sessions = [SessionKv(s, active_m, "device", t) for s, t in device.items()]
-                sessions += [e for e in host if not (e.model == active_m and e.session_id in device)]
-            else:
-                sessions = list(host)
-            self._snap_cache[inst.id] = (kv.version, sessions)
-        else:
-            sessions = cached[1]
-        models = self._models_list(inst, now)
-        active = inst.active or inst.switching_to
-        mp, pool, kv_cap, prefill_tok_s, decode_tok_s, restore_tok_s, switch_s, _ = self._consts(
-            server, active if active else next(iter(server.models)))
-        dev_tokens = kv.device_tokens
-        return InstanceSnapshot(
-            instance_id=inst.id,
-            version=version,
-            at=now,
-            pool="cold",
-            models=models,
-            active_model=active,
-            sessions=sessions,
-            queued={m: len(q) for m, q in inst.pending.items() if q},
-            queued_tokens=inst.queued_tokens,
-            running=sum([len(v) for v in inst.inflight.values()]),
-            round_remaining_s=inst.round_remaining_s(now),
-            deadline_risk=inst.deadline_risk,
-            kv_capacity_tokens=kv_cap,
-            kv_used_tokens=dev_tokens,
-            staging_free_bytes=max(0, pool - dev_tokens * mp.kv_bytes_per_token),
-            hbm_bytes=server.hbm_bytes,
-            hbm_used_bytes=mp.weight_bytes + dev_tokens * mp.kv_bytes_per_token,
-            prefill_tok_s=prefill_tok_s,
-            decode_tok_s=decode_tok_s,
-            restore_tok_s=restore_tok_s,
-            switch_s=switch_s,
-            heartbeat_s=self.config.heartbeat_s,
-        )
-
-    def _models_list(self, inst: SimInstance, now: float) -> list[ModelResidency]:
-        """The snapshot's residency list. Without a staging target it depends only on the
-        active / switching-to model, so the same list object is reused (the router then
-        reuses its per-snapshot lookup table too); a staged model's bytes grow with time."""
-        server = inst.server
-        resident = (inst.active, inst.switching_to, inst.stage_target)
-        if inst.stage_target is None:
-            cache = self._models_cache
-            models = cache.get(resident)
-            if models is None:
-                absent = self._absent_models(server)
-                models = cache[resident] = [
-                    absent[name] if name not in resident else self._residency(inst, name, now) for name in server.models
-                ]
-            return models
-        absent = self._absent_models(server)
-        return [absent[name] if name not in resident else self._residency(inst, name, now) for name in server.models]
-
-    def _absent_models(self, server: ServerProfile) -> dict[str, ModelResidency]:
-        """Residency entries of models that are neither active nor staged (never change)."""
-        cached = getattr(self, "_absent_cache", None)
-        if cached is None:
-            cached = self._absent_cache = {
-                name: ModelResidency(
-                    model=name,
-                    state="absent",
-                    switch_cost_s=server.switch(name, 0)[1],
-                    open_cost_s=server.switch(name, 0)[1],
-                    weight_bytes=mp.weight_bytes,
-                    context_length=mp.max_context,
-                )
-                for name, mp in server.models.items()
-            }
-        return cached
-
-    def _residency(self, inst: SimInstance, name: str, now: float) -> ModelResidency:
-        server = inst.server
-        if name == inst.active or name == inst.switching_to:
-            return self._consts(server, name)[7]
-        else:
-            staged = inst._staged_bytes(now, name)
-            state = "staged" if staged else "absent"
-            switch_s = server.switch(name, staged)[1]
-        mp = server.model(name)
-        return ModelResidency(
-            model=name,
-            state=state,
-            switch_cost_s=switch_s,
-            open_cost_s=server.switch(name, 0)[1],
-            weight_bytes=mp.weight_bytes,
-            context_length=mp.max_context,
-        )
-
 
 def _retry_after(events) -> float | None:
     for ev in events:
         if isinstance(ev, RoutingDecision) and ev.retry_after_s:
             return ev.retry_after_s
     return None
-
-
-def _make_instance(iid: str, config: RunConfig, sink) -> SimInstance:
-    if config.backend == "fast":
-        return SimInstance(iid, config.server, config.flags, sink)
-    if config.backend == "services":
-        from talaria.sim.services_backend import ServicesInstance
-
-        return ServicesInstance(iid, config.server, config.flags, sink)
-    raise ValueError(f"unknown backend {config.backend!r}; use services|fast")
 
 
 def simulate(sessions: list[Session], config: RunConfig) -> RunResult:

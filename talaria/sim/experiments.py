@@ -1,12 +1,10 @@
 """The paper's experiments, one function each, plus `all`.
 
     python -m talaria.sim.experiments fixed-replay|router|tau-sweep|scale|all|report \
-        [--json PATH] [--out results/] [--backend services|fast] [--quick] [--no-report]
+        [--json PATH] [--out results/] [--quick] [--no-report]
 
-Every reported number comes from the `services` backend: the instance agent's own
-RoundScheduler driving each simulated instance. `fast` (the simulator's built-in copy of
-the instance policy) runs only as a labelled cross-check of the fixed replay
-(`fixed-replay-crosscheck-fast.json`).
+Every simulated instance is the instance agent's own core (`AgentCore` and its
+RoundScheduler) on the simulator's executor (executor.py).
 
 Each writes `<out>/<experiment>.json` (one entry per configuration/policy with sct_p50,
 sct_p95, ttft_p50, ttft_p95 in seconds, `oracle`, counters such as avoidable_cold_opens)
@@ -29,7 +27,7 @@ from pathlib import Path
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.policy.registry import policy_names
 from talaria.sim.cluster import RunConfig, simulate
-from talaria.sim.instance import InstanceFlags
+from talaria.sim.executor import instance_config
 from talaria.sim.metrics import summarise
 from talaria.sim.profiles import PAPER_TP8, ROUTER_TP4, catalogue
 from talaria.sim.workloads import fixed_replay, router_testbed, synthetic_catalogue
@@ -69,14 +67,13 @@ def _slim(summary: dict) -> dict:
     return {k: v for k, v in summary.items() if k not in ("ttft_samples",)}
 
 
-def fixed_replay_exp(backend: str = "services", seed: int = 0) -> dict:
+def fixed_replay_exp(seed: int = 0) -> dict:
     sessions = fixed_replay()
     gaps = replace(PAPER_GAPS, seed=seed)
-    out: dict = {"experiment": "fixed-replay", "backend": backend, "configs": {}}
+    out: dict = {"experiment": "fixed-replay", "configs": {}}
     for name in CONFIGS:
-        _log(f"fixed-replay: {name} ({backend})")
-        cfg = RunConfig(PAPER_TP8, 1, FALLBACK, flags=InstanceFlags.ablation(name), gaps=gaps,
-                        backend=backend, label=name)
+        _log(f"fixed-replay: {name}")
+        cfg = RunConfig(PAPER_TP8, 1, FALLBACK, scheduler=instance_config(name), gaps=gaps, label=name)
         out["configs"][name] = summarise(simulate(sessions, cfg))
     t, r = out["configs"]["talaria"], out["configs"]["round-only"]
     paired = [
@@ -108,7 +105,7 @@ def router_exp(loads=("low", "medium", "high"), tau: float = 1.0, seed: int = 0,
             runs = {}
             for k in gap_seeds:
                 cfg = RunConfig(ROUTER_TP4, 2, policy, PolicyConfig(lease_timeout_s=tau, overload=OVERLOAD),
-                                InstanceFlags.ablation("talaria"), replace(PAPER_GAPS, seed=k),
+                                instance_config(), replace(PAPER_GAPS, seed=k),
                                 label=f"{load}/{policy}")
                 runs[k] = summarise(simulate(sessions, cfg))
             entry = runs[seed]
@@ -140,7 +137,7 @@ def tau_sweep_exp(load: str = "high", seed: int = 0) -> dict:
                                                                 overload=OVERLOAD)))
     for label, pc in points:
         _log(f"tau-sweep: tau={label}")
-        cfg = RunConfig(ROUTER_TP4, 2, policy, pc, InstanceFlags.ablation("talaria"), gaps,
+        cfg = RunConfig(ROUTER_TP4, 2, policy, pc, instance_config(), gaps,
                         label=f"tau={label}")
         out["points"][label] = summarise(simulate(sessions, cfg))
     return out
@@ -163,7 +160,7 @@ def scale_exp(sessions: int = 10_000, instances: int = 64, models: int = 20,
     }
     for policy in policies:
         _log(f"scale: {policy} ({sessions} sessions, {instances} instances, {models} models)")
-        cfg = RunConfig(server, instances, policy, PolicyConfig(overload=OVERLOAD), InstanceFlags.ablation("talaria"),
+        cfg = RunConfig(server, instances, policy, PolicyConfig(overload=OVERLOAD), instance_config(),
                         replace(PAPER_GAPS, seed=seed), label=f"scale/{policy}", progress=progress,
                         max_wall_s=max_wall_s)
         started = time.perf_counter()
@@ -222,14 +219,12 @@ def write_json(data: dict, path: Path) -> None:
     path.write_text(json.dumps(_clean(data), indent=1))
 
 
-def run(names: list[str], out_dir: Path, json_path: Path | None, backend: str, quick: bool,
+def run(names: list[str], out_dir: Path, json_path: Path | None, quick: bool,
         scale_sessions: int | None = None, scale: dict | None = None) -> dict:
     results: dict = {}
     for name in names:
         if name == "fixed-replay":
-            results[name] = fixed_replay_exp(backend)
-            if backend == "services":
-                results["fixed-replay-crosscheck-fast"] = fixed_replay_exp("fast")
+            results[name] = fixed_replay_exp()
         elif name == "scale" and quick:
             picked = (scale or {}).get("policies")
             results[name] = _merge_scale(out_dir / "scale.json", scale_exp(
@@ -259,9 +254,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="one experiment, all of them, or `report` (rewrite the report from the JSONs)")
     parser.add_argument("--json", type=Path, default=None, help="write every result here too")
     parser.add_argument("--out", type=Path, default=Path("results"))
-    parser.add_argument("--backend", choices=("services", "fast"), default="services",
-                        help="instance scheduler (services = the agent's RoundScheduler; "
-                             "fast = built-in cross-check, also run beside services for the fixed replay)")
     parser.add_argument("--quick", action="store_true", help="small scale run (tests, smoke)")
     parser.add_argument("--scale-sessions", type=int, default=None,
                         help="sessions of the scale run (default 10,000)")
@@ -275,7 +267,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-report", action="store_true")
 
 
-REPORTED = ("fixed-replay", "router", "tau-sweep", "scale", "fixed-replay-crosscheck-fast")
+REPORTED = ("fixed-replay", "router", "tau-sweep", "scale")
 
 
 def load_results(out_dir: Path) -> dict:
@@ -300,7 +292,7 @@ def run_from_args(args) -> int:
             raise SystemExit(f"--scale-policies: unknown {', '.join(unknown)}; choose from {', '.join(SCALE_POLICIES)}")
         scale = {"arrival_rate_s": getattr(args, "scale_rate", None), "max_wall_s": getattr(args, "scale_cap_s", None),
                  "policies": [p.strip() for p in picked.split(",") if p.strip()] if picked else None}
-        run(names, args.out, args.json, args.backend, args.quick, args.scale_sessions, scale)
+        run(names, args.out, args.json, args.quick, args.scale_sessions, scale)
     if not args.no_report:
         from talaria.sim.report import write_report
 

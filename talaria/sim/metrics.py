@@ -1,7 +1,7 @@
 """Metrics exactly as the paper defines them (§5.1, App. A).
 
-- Percentiles: nearest rank. For N observations sorted ascending, p_q is the observation
-  at rank ceil(q * N / 100) (1-based).
+- Percentiles: nearest rank (`shared/stats.quantile`). For N observations sorted ascending,
+  p_q is the observation at rank ceil(q * N / 100) (1-based).
 - SCT: per model-session, from the first call's release (its intended enqueue) to the
   final call's completion.
 - TTFT: schedule-aware, from a call's intended enqueue (release) to its first token, so
@@ -17,23 +17,13 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 
+from talaria.shared.stats import quantile
 from talaria.sim.cluster import RunResult
 from talaria.sim.profiles import ServerProfile
 from talaria.traces.format import Session
 from talaria.traces.gaps import GapModel
 
 GiB = 1024**3
-
-
-def nearest_rank(values: Sequence[float], q: float) -> float:
-    """p_q by the nearest-rank definition; NaN for no observations."""
-    if not 0 < q <= 100:
-        raise ValueError(f"percentile {q} not in (0, 100]")
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q * len(ordered) / 100 - 1e-12))
-    return ordered[rank - 1]
 
 
 def oracle_sct(session: Session, server: ServerProfile, gaps: GapModel) -> float:
@@ -53,7 +43,7 @@ def oracle_sct(session: Session, server: ServerProfile, gaps: GapModel) -> float
 
 
 def _pcts(values: Sequence[float]) -> dict[str, float]:
-    return {"p50": nearest_rank(values, 50), "p95": nearest_rank(values, 95), "n": len(values)}
+    return {"p50": quantile(values, 0.50), "p95": quantile(values, 0.95), "n": len(values)}
 
 
 def session_scts(result: RunResult) -> dict[str, float]:
@@ -76,12 +66,12 @@ def summarise(result: RunResult) -> dict:
     switches = [sw for inst in result.instances for sw in inst.switches]
     by_path: dict[str, list[float]] = defaultdict(list)
     for sw in switches:
-        by_path[sw.path].append(sw.seconds)
+        by_path[sw.path].append(sw.total_s)
     rounds = [r for inst in result.instances for r in inst.rounds]
     wall = sum(r.wall_s for r in rounds)
     switch_s = sum(r.switch_s for r in rounds)
-    sp_admitted = sum(i.sp_admitted for i in result.instances)
-    sp_parked = sum(i.sp_parked for i in result.instances)
+    sp_admitted = sum(i.sched.sp_admitted for i in result.instances)
+    sp_parked = sum(i.sched.sp_parked for i in result.instances)
     rc = result.router
     complete = len(scts) == len(result.sessions)
     sct_vals = list(scts.values())
@@ -95,23 +85,22 @@ def summarise(result: RunResult) -> dict:
         "policy": cfg.policy,
         "profile": cfg.server.name,
         "instances": cfg.instances,
-        "backend": cfg.backend,
-        "flags": {"sp": cfg.flags.sp, "hkvr": cfg.flags.hkvr, "staging": cfg.flags.staging},
+        "flags": {"sp": cfg.scheduler.sp, "hkvr": cfg.scheduler.hkvr, "staging": cfg.scheduler.staging},
         "lease_timeout_s": cfg.policy_config.lease_timeout_s,
         "adaptive_lease": cfg.policy_config.adaptive_lease,
         "gap_model": cfg.gaps.describe(),
         "sessions": len(result.sessions),
         "calls": len(result.jobs),
         "complete": complete,
-        "sct_p50": nearest_rank(sct_vals, 50),
-        "sct_p95": nearest_rank(sct_vals, 95),
-        "ttft_p50": nearest_rank(ttft, 50),
-        "ttft_p95": nearest_rank(ttft, 95),
-        "returning_ttft_p50": nearest_rank(ttft_ret, 50),
-        "returning_ttft_p95": nearest_rank(ttft_ret, 95),
+        "sct_p50": quantile(sct_vals, 0.50),
+        "sct_p95": quantile(sct_vals, 0.95),
+        "ttft_p50": quantile(ttft, 0.50),
+        "ttft_p95": quantile(ttft, 0.95),
+        "returning_ttft_p50": quantile(ttft_ret, 0.50),
+        "returning_ttft_p95": quantile(ttft_ret, 0.95),
         "oracle": {
-            "sct_p50": nearest_rank(oracle_vals, 50),
-            "sct_p95": nearest_rank(oracle_vals, 95),
+            "sct_p50": quantile(oracle_vals, 0.50),
+            "sct_p95": quantile(oracle_vals, 0.95),
             "violations": sum(1 for s in scts if scts[s] < oracle[s] - 1e-6),
         },
         "per_session": per_session,
@@ -120,12 +109,12 @@ def summarise(result: RunResult) -> dict:
         "admitted_via": dict(Counter(j.via for j in result.jobs)),
         "switch": {
             "count": len(switches),
-            "p50": nearest_rank([s.seconds for s in switches], 50),
-            "p95": nearest_rank([s.seconds for s in switches], 95),
-            "mean": sum(s.seconds for s in switches) / len(switches) if switches else math.nan,
+            "p50": quantile([s.total_s for s in switches], 0.50),
+            "p95": quantile([s.total_s for s in switches], 0.95),
+            "mean": sum(s.total_s for s in switches) / len(switches) if switches else math.nan,
             "by_path": {p: {**_pcts(v), "share": len(v) / len(switches)} for p, v in sorted(by_path.items())},
-            "samples": sorted(s.seconds for s in switches),
-            "total_s": sum(s.seconds for s in switches),
+            "samples": sorted(s.total_s for s in switches),
+            "total_s": sum(s.total_s for s in switches),
         },
         "rounds": {
             "count": len(rounds),
@@ -160,7 +149,7 @@ def summarise(result: RunResult) -> dict:
         / cfg.server.gpus
         / GiB,
         "hbm_cap_gib_per_gpu": cfg.server.hbm_per_gpu_bytes / GiB,
-        "deadline_risk": sum(i.deadline_risk for i in result.instances),
+        "deadline_risk": sum(i.sched.deadline_risk for i in result.instances),
         "host_kv_evictions": sum(i.kv.host_evictions for i in result.instances),
         "virtual_s": result.virtual_s,
         "sim_wall_s": result.wall_s,

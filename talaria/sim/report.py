@@ -260,19 +260,18 @@ NOTES = """How to read this report (details in talaria/sim/*.py docstrings):
   `--scale-cap-s S` (wall-clock cap per policy, reported as CAPPED) change it). Each experiment
   run alone (`fixed-replay|router|tau-sweep|scale`) rewrites its JSON and then this report from
   every JSON in the folder; `report` only rewrites the report.
-- Instance backend for EVERY table except the last: `services` = the instance agent's own
-  `RoundScheduler` (services/instance_agent/scheduler) making every instance decision; the
-  simulator only prices actions with the profile and keeps device-KV occupancy; the host KV
+- Instances: the instance agent's own core (`AgentCore`, services/instance_agent/core.py, with
+  its `RoundScheduler`) makes every instance decision and writes every record; the simulator's
+  executor only prices actions with the profile and keeps device-KV occupancy; the host KV
   registry is the agent's own `HkvrCore` (512-token sim pages) and weight staging the agent's own
   `StagingPlanner` (4 GiB sim chunks, written at H2D bandwidth, dirtied by KV growth). Decode runs
   as multi-step actions (`next_action(now, max_decode_steps=4096)`), cut at every scheduler
-  boundary and at each submission, so it equals one-token stepping (tested). The built-in `fast`
-  copy of the policy appears only in the final, labelled cross-check section.
+  boundary and at each submission, so it equals one-token stepping (tested).
 - Router: the project's `RouterCore` with registry policies, overload='queue' in every
   experiment (with 'reject' the talaria policy abandoned sessions whose first-call recompute
   exceeds gamma*T_TTFT, which shortened its SCTs unfairly); snapshots heartbeat at 0.5 s,
   lazily at decision times.
-- Scheduler settings (talaria/sim/instance.py InstanceFlags, each tagged): T_TTFT 10 s [paper
+- Scheduler settings (talaria/sim/executor.py instance_config, each tagged): T_TTFT 10 s [paper
   §2.4], gamma 0.9 [App. E: <1], T_TPOT 0.2 s [asm: no paper number; scheduler default],
   drain_on_switch False and fill_slot True [§3.4: Dfin spends the remaining protected budget,
   then the slot closes when the round budget is exhausted], SP batch 8, max batch 64 [asm].
@@ -298,9 +297,7 @@ def write_report(results: dict, out: Path, notes: str = NOTES) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     lines = ["# Talaria simulator report", "", notes, ""]
     if "fixed-replay" in results:
-        backend = results["fixed-replay"].get("backend", "services")
-        title = ("TP=8 fixed replay (instance agent's RoundScheduler, `services` backend)" if backend == "services"
-                 else f"TP=8 fixed replay (`{backend}` backend)")
+        title = "TP=8 fixed replay (the instance agent's core and RoundScheduler)"
         lines += fixed_replay_section(results["fixed-replay"], out, title, "fixed")
     if "router" in results:
         lines += router_section(results["router"], out)
@@ -309,12 +306,6 @@ def write_report(results: dict, out: Path, notes: str = NOTES) -> Path:
     if "scale" in results:
         lines += scale_section(results["scale"], out)
     lines += goals_section(results)
-    if "fixed-replay-crosscheck-fast" in results:
-        lines += fixed_replay_section(
-            results["fixed-replay-crosscheck-fast"], out,
-            "CROSS-CHECK ONLY, not a reported result: fixed replay on the simulator's built-in `fast` "
-            "copy of the instance policy", "crosscheck_fast",
-        )
     path = out / "sim_report.md"
     path.write_text("\n".join(lines) + "\n")
     return path

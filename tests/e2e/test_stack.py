@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import asyncpg
 import openai
@@ -28,6 +29,8 @@ from tests.integration.harness import wait_rows
 pytestmark = pytest.mark.e2e
 
 SESSION = "e2e-session-1"
+TENANT = "default"  # `talaria up` generates a key for tenant `default`
+SCOPED = f"{TENANT}:{SESSION}"  # session ids are namespaced by tenant inside the stack
 
 
 class Stack:
@@ -70,7 +73,7 @@ async def completed_rows(url: str, n: int) -> list:
     conn = await asyncpg.connect(asyncpg_dsn(url))
     try:
         return await wait_rows(conn, "SELECT * FROM calls WHERE session_id=$1 AND outcome='completed' "
-                               "ORDER BY call_index", n, SESSION, timeout=30.0)
+                               "ORDER BY call_index", n, SCOPED, timeout=30.0)
     finally:
         await conn.close()
 
@@ -80,8 +83,18 @@ def test_one_agent_session_end_to_end(tmp_path):
     stack = Stack(data_dir, port)
     try:
         stack.wait_for(r"ready in", timeout=120)
-        db_url = stack.wait_for(r"Postgres (\S+)", timeout=10).group(1)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        printed = stack.wait_for(r"Postgres (\S+)", timeout=10).group(1)
+        key = stack.wait_for(r"API key .*: (\S+)", timeout=10).group(1)
+        described = json.loads((data_dir / "stack.json").read_text())
+        password = urlsplit(described["database"]).password
+        assert not password or password not in "".join(stack.output)  # passwords are never printed
+        assert (data_dir / "stack.json").stat().st_mode & 0o777 == 0o600
+        assert described["api_key"] == key == (data_dir / "api_key").read_text().strip()
+        db_url = described["database"]
+        anonymous = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            anonymous.chat.completions.create(model="qwen3-tiny", messages=[{"role": "user", "content": "x"}])
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
         messages = [{"role": "user", "content": "Fix the failing test in parser.py"}]
         answers = []
         for i in range(3):
@@ -110,12 +123,12 @@ def test_one_agent_session_end_to_end(tmp_path):
                     psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
         spans = [s for s in read_spans(data_dir / "traces")
-                 if s["trace_id"] == f"{session_trace_id(SESSION):032x}"]
+                 if s["trace_id"] == f"{session_trace_id(SCOPED):032x}"]
         session_spans = [s for s in spans if s["name"] == "session"]
         call_spans = [s for s in spans if s["name"] == "call"]
         assert len(session_spans) == 1 and session_spans[0]["attributes"]["completed"] == 3
         assert len(call_spans) == 3
-        assert {s["parent_id"] for s in call_spans} == {f"{session_span_id(SESSION):016x}"}
+        assert {s["parent_id"] for s in call_spans} == {f"{session_span_id(SCOPED):016x}"}
         assert all("ttft_s" in s["attributes"] and "prefill_s" in s["attributes"] for s in call_spans)
         executes = [s for s in spans if s["name"] == "execute"]
         assert len(executes) == 3

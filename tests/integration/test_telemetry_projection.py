@@ -6,11 +6,18 @@ import pytest
 from talaria.services.telemetry.service import run as run_telemetry
 from talaria.shared import messages as m
 from talaria.shared import subjects
-from talaria.shared.bus import connect, emit
+from talaria.shared.bus import connect
+from talaria.shared.bus import emit as emit_as
+from talaria.shared.nats_auth import owner_sender
 from talaria.shared.settings import Settings
 from tests.integration.harness import Services, wait_rows
 
 pytestmark = pytest.mark.integration
+
+
+async def emit(js, event):
+    """Publish as the service that owns the event (the projector drops anyone else's)."""
+    return await emit_as(js, event, sender=owner_sender(event))
 
 
 def submitted(call_id, index_hint=0):

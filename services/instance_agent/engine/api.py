@@ -21,6 +21,7 @@ class GenRequest:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] | list[str] = ()
+    kv_scope: str = ""  # salts the KV block hashes: prefixes are shared only within one scope
 
 
 @dataclass

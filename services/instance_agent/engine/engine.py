@@ -36,6 +36,7 @@ from talaria.services.instance_agent.memory.hkvr import HostKvRegistry
 from talaria.services.instance_agent.memory.hkvr_core import LayoutDescriptor, RankReport
 from talaria.services.instance_agent.memory.staging import StagingExecutor
 from talaria.shared.catalog import CATALOG, ModelSpec
+from talaria.shared.stats import ewma
 from talaria.shared.tokenizer import block_hashes
 
 EMA = 0.3  # weight of the newest sample in the measured rates
@@ -223,7 +224,7 @@ class TorchEngine:
         pages = seq.pages[: math.ceil(seq.kv_len / ps)]
         for extra in seq.pages[len(pages):]:
             self.pool.unuse(extra)
-        hashes = block_hashes(committed, ps)
+        hashes = block_hashes(committed, ps, scope=seq.req.kv_scope)
         for h, page in zip(hashes, pages):
             self.index.insert(h, page)
         self.sessions.put(SessionEntry(seq.req.session_id, model, committed, list(pages)))
@@ -368,7 +369,7 @@ class TorchEngine:
         """Match device pages, then host pages; reserve the rest. Only the suffix is computed."""
         spec, ps, prompt = self.specs[req.model], self.page_size, list(req.prompt_ids)
         max_match = len(prompt) - 1  # the last prompt token is always computed (its logits)
-        hashes = block_hashes(prompt[:max_match], ps)
+        hashes = block_hashes(prompt[:max_match], ps, scope=req.kv_scope)
         shared, cow_src, cached = self._match_device(req.session_id, prompt, hashes, max_match)
         for p in shared:
             self.pool.use(p)
@@ -535,7 +536,7 @@ class TorchEngine:
             return
         r = tokens / seconds
         old = self._rates[kind]
-        self._rates[kind] = r if old == 0.0 else (1 - EMA) * old + EMA * r
+        self._rates[kind] = ewma(old or None, r, EMA)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -37,7 +37,7 @@ scheduler learns from the gap between its estimate and the reported completion t
 
 Package map:
     types.py      Work, actions, events, SchedulerView
-    config.py     SchedulerConfig and the paper's ablations (sp, hkvr, staging, round_only)
+    config.py     SchedulerConfig and the paper's ablations (talaria, no-sp, no-hkvr, h2d-only, round-only)
     costs.py      CostModel protocol, per-call prefill/restore cost, EWMA calibration
     budget.py     Eq. 3-5: protected decode, slot budgets, switch cycle
     admission.py  batch selection under batch, KV and time budgets (P, SP, hot)
@@ -45,7 +45,8 @@ Package map:
     rounds.py     round and slot bookkeeping
     reports.py    event outbox and the counters (sp_admitted, sp_parked, deadline_risk)
     view.py       snapshot() for telemetry
-    scheduler.py  RoundScheduler: the orchestration
+    scheduler.py  RoundScheduler: the driver API, hot pool, shared helpers
+    cold_pool.py  rounds and slots of a time-shared (cold) instance
 """
 
 from talaria.services.instance_agent.scheduler.budget import ModelLoad, SlotPlan, plan_slot

@@ -7,13 +7,14 @@ from typing import Literal
 
 from talaria.services.instance_agent.scheduler.errors import ConfigError
 
-# Paper §5 ablations: which mechanisms each configuration turns off.
+# Paper §5 ablations: which mechanisms each configuration turns off. The one table: the
+# simulator, its experiments and `talaria up --no-sp ...` use these names.
 ABLATIONS: dict[str, dict[str, bool]] = {
     "talaria": {"sp": True, "hkvr": True, "staging": True},
-    "no_sp": {"sp": False, "hkvr": True, "staging": True},
-    "no_hkvr": {"sp": True, "hkvr": False, "staging": True},
-    "h2d_only": {"sp": True, "hkvr": True, "staging": False},
-    "round_only": {"sp": False, "hkvr": False, "staging": False},
+    "no-sp": {"sp": False, "hkvr": True, "staging": True},
+    "no-hkvr": {"sp": True, "hkvr": False, "staging": True},
+    "h2d-only": {"sp": True, "hkvr": True, "staging": False},
+    "round-only": {"sp": False, "hkvr": False, "staging": False},
 }
 
 

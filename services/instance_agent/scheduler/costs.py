@@ -7,10 +7,13 @@ and corrects it with an EWMA of what the executor actually measured.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from talaria.services.instance_agent.scheduler.types import KvState, Work
+from talaria.shared.stats import ewma
 
 
 @runtime_checkable
@@ -80,11 +83,11 @@ class CalibratedCosts:
         key = (kind, model)
         # The prediction already includes the old factor; the ratio corrects the base.
         old = self.factors.get(key, 1.0)  # the profile itself is the prior
-        self.factors[key] = _ewma(old, measured_s / (predicted_s / old), self.alpha)
+        self.factors[key] = ewma(old, measured_s / (predicted_s / old), self.alpha)
 
     def observe_switch(self, from_model: str | None, to_model: str, staged: bool, measured_s: float) -> None:
         key = (from_model, to_model, staged)
-        self.switches[key] = _ewma(self.switches.get(key), measured_s, self.alpha)
+        self.switches[key] = ewma(self.switches.get(key), measured_s, self.alpha)
 
     def prefill_s(self, model: str, new_tokens: int, context_tokens: int) -> float:
         return self.base.prefill_s(model, new_tokens, context_tokens) * self._f("prefill", model)
@@ -106,10 +109,6 @@ class CalibratedCosts:
 
     def _f(self, kind: str, model: str) -> float:
         return self.factors.get((kind, model), 1.0)
-
-
-def _ewma(old: float | None, new: float, alpha: float) -> float:
-    return new if old is None else (1.0 - alpha) * old + alpha * new
 
 
 @dataclass(frozen=True)
@@ -142,3 +141,30 @@ class LinearCosts:
 
     def kv_bytes(self, model: str, tokens: int) -> int:
         return tokens * self.kv_bytes_per_token
+
+
+# ---- multi-step decode arithmetic (the scheduler, the simulator and the tests share it) ----
+
+
+def decode_steps_s(step_s: Callable[[int, float], float], batch: int, context: float, steps: int) -> float:
+    """`steps` decode iterations of `batch` calls holding `context` tokens, with
+    `step_s(batch, context)` one iteration. Context grows one token per call per step, so
+    the sum is `steps` steps at the mean context (exact for costs linear in context)."""
+    if steps == 1:
+        return step_s(batch, context)
+    return steps * step_s(batch, context + batch * (steps - 1) / 2)
+
+
+def first_step_reaching(duration_s: Callable[[int], float], target_s: float, max_steps: int) -> int:
+    """Fewest steps j in [1, max_steps] whose `duration_s(j)` reaches `target_s` (1e-9 s
+    slack), else max_steps: where a multi-step decode is cut for a deadline or an arrival.
+    `duration_s` grows with j; the guess from the first step's time is corrected both ways."""
+    step = duration_s(1)
+    if step <= 0:
+        return 1
+    j = max(1, min(max_steps, math.ceil(target_s / step - 1e-9)))
+    while j > 1 and duration_s(j - 1) >= target_s - 1e-9:
+        j -= 1
+    while j < max_steps and duration_s(j) < target_s - 1e-9:
+        j += 1
+    return j

@@ -8,18 +8,13 @@ and `abort` may come at any time, including while an action is executing.
 from __future__ import annotations
 
 import math
+from functools import partial
 from itertools import islice
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from talaria.services.instance_agent.scheduler.admission import Limits, Selection, select
-from talaria.services.instance_agent.scheduler.budget import (
-    ModelLoad,
-    chunk_s,
-    chunk_tokens,
-    plan_slot,
-    switch_cycle_s,
-)
+from talaria.services.instance_agent.scheduler.budget import ModelLoad, chunk_s, chunk_tokens
 from talaria.services.instance_agent.scheduler.calls import CallState, CallTable
 from talaria.services.instance_agent.scheduler.config import SchedulerConfig
 from talaria.services.instance_agent.scheduler.costs import (
@@ -28,6 +23,7 @@ from talaria.services.instance_agent.scheduler.costs import (
     call_kv_bytes,
     call_prefill_s,
     charged_kv,
+    decode_steps_s,
 )
 from talaria.services.instance_agent.scheduler.errors import (
     ActionMismatchError,
@@ -38,6 +34,7 @@ from talaria.services.instance_agent.scheduler.errors import (
     UnknownModelError,
 )
 from talaria.services.instance_agent.scheduler.reports import Reports
+from talaria.services.instance_agent.scheduler.cold_pool import ColdPool
 from talaria.services.instance_agent.scheduler.rounds import RoundState, Slot
 from talaria.services.instance_agent.scheduler.types import (
     Action,
@@ -47,14 +44,10 @@ from talaria.services.instance_agent.scheduler.types import (
     Prefill,
     SchedulerEvent,
     SchedulerView,
-    SlotOpened,
     SwitchModel,
     Work,
 )
 from talaria.services.instance_agent.scheduler.view import build_view
-
-_PARK_REASON = {"time": "sp_budget", "batch": "sp_batch"}
-
 
 @dataclass(frozen=True)
 class _Inflight:
@@ -63,7 +56,7 @@ class _Inflight:
     predicted_s: float
 
 
-class RoundScheduler:
+class RoundScheduler(ColdPool):
     """Orders the work of one instance. It never changes what a call computes, only when."""
 
     def __init__(self, config: SchedulerConfig, models: Sequence[str], costs: CostModel) -> None:
@@ -235,8 +228,7 @@ class RoundScheduler:
         return 0.0
 
     def _decode_s(self, action: Decode, steps: int) -> float:
-        """`steps` iterations; context grows by one token per call per step, so the sum
-        is `steps` steps at the mean context (exact for costs linear in context)."""
+        """`steps` iterations of `action` from its calls' current context (`decode_steps_s`)."""
         by_id = self.calls._by_id
         n = ctx = 0
         for i in action.call_ids:
@@ -244,19 +236,7 @@ class RoundScheduler:
             if c is not None:  # calls aborted while their step was in flight are skipped
                 n += 1
                 ctx += c.work.prompt_tokens + c.generated
-        if steps == 1:
-            return self.costs.decode_step_s(action.model, n, ctx)
-        return steps * self.costs.decode_step_s(action.model, n, ctx + n * (steps - 1) / 2)
-
-    def _steps_to(self, action: Decode, remaining_s: float) -> int:
-        """Fewest steps whose predicted time reaches `remaining_s` (context grows per step)."""
-        step = self._decode_s(action, 1)
-        if step <= 0:
-            return 1
-        k = max(1, math.ceil(remaining_s / step - 1e-9))
-        while k > 1 and self._decode_s(action, k - 1) >= remaining_s - 1e-9:
-            k -= 1
-        return k
+        return decode_steps_s(partial(self.costs.decode_step_s, action.model), n, ctx, steps)
 
     def snapshot(self, now: float) -> SchedulerView:
         return build_view(self, now)
@@ -306,213 +286,6 @@ class RoundScheduler:
 
     def kv_used(self, model: str) -> int:
         return sum(self._kv(c) for c in self.calls.running[model].values())
-
-    # ---- cold pool: rounds and slots ---------------------------------------------------
-
-    def _next_cold(self, now: float) -> Action:
-        # Each pass either returns or closes a slot; an active model's slot always yields
-        # an action (P admits its oldest call when nothing runs), so this ends quickly.
-        for _ in range(2 * len(self.models) + 2):
-            if self.slot is None:
-                model = self._target or self._pick_model(now)
-                if model is None:
-                    return Idle(None)
-                if model != self.device_model:
-                    self._target = model
-                    return SwitchModel(self.device_model, model, self.config.staging)
-                self._target = None
-                self._open_slot(model, now)
-            action = self._slot_action(now)
-            if action is not None:
-                return action
-            self._close_slot(now)
-        raise AssertionError("scheduler made no progress: an active slot yielded no action")
-
-    def _pick_model(self, now: float) -> str | None:
-        """Next active model not yet served this round, in rotation order; else a new round."""
-        active = self.active_in_rotation(self.device_model)
-        if self.round is not None:
-            for model in active:
-                if not self.round.served(model):
-                    return model
-            self._end_round(now)
-        if not active:
-            return None
-        self.round = RoundState(index=self.rounds_done, started_at=now)
-        return active[0]
-
-    def _open_slot(self, model: str, now: float) -> None:
-        rnd = self.round
-        assert rnd is not None  # a slot always opens inside a round
-        order = [model] + [m for m in self.active_in_rotation(model) if m != model]
-        loads = {m: self._load(m) for m in order}
-        plan = plan_slot(model, loads, switch_cycle_s(order, self.device_model, self._price), self.config)
-        self.slot = Slot(model, plan, now, plan.protected_decode, plan.prefill_budget_s, plan.sp_budget_s)
-        self.slot.deadline = now + plan.slot_budget_s if self.config.fill_slot else now
-        rnd.slots.append(model)
-        rnd.predicted_s = plan.predicted_round_s
-        self.reports.emit(
-            SlotOpened(
-                model, rnd.index, plan.protected_decode, plan.decode_step_s,
-                plan.prefill_budget_s, plan.sp_budget_s, plan.predicted_round_s, now,
-            )
-        )  # fmt: skip
-        if plan.over_budget:
-            self.reports.round_risk(model, "round_over_budget", plan.predicted_round_s, plan.round_cap_s, rnd, now)
-        if not plan.tpot_feasible:
-            tpot = self.config.tpot_target_s
-            self.reports.round_risk(model, "tpot_infeasible", tpot - plan.decode_slack_s, tpot, rnd, now)
-
-    def _slot_action(self, now: float) -> Action | None:
-        """P first, then decode; an SP step may follow any decode until protected decode runs out."""
-        slot = self.slot
-        assert slot is not None
-        if not slot.p_done:
-            slot.p_done = True
-            slot.p_mark = self.calls.seq  # later submissions arrived after P
-            selection = self._select_p(slot, now)
-            if selection.admitted:
-                return self._start_prefill(selection, "P", slot.model, now)
-        contended = self._contended(slot)
-        if slot.decode_left == 0 and not contended and self.calls.active(slot.model):
-            self._extend(slot, now)
-        elif slot.extended and contended:
-            slot.protected = min(slot.protected, slot.decodes)  # the extension ends: Dfin now
-            slot.deadline = min(slot.deadline, now)
-        # Slot fill amortises switches: it only applies while another model waits (a lone
-        # model's slot closes after protected decode so its queued work gets the next P).
-        open_ = slot.decode_left > 0 or (slot.filling(now) and self._others_active(slot.model))
-        if slot.at_decode_boundary and open_:
-            selection = self._select_sp(slot, now)
-            if selection is not None and selection.admitted:
-                return self._start_prefill(selection, "SP", slot.model, now)
-        decodable, filling = self._split_running(slot.model)
-        if (decodable or filling) and (open_ or self._must_drain(slot)):
-            if filling and (not decodable or slot.last != "C"):
-                return self._continue_prefill(filling, slot.model)  # chunks and decodes alternate
-            return self._decode(decodable, slot.model, slot, now)
-        return None
-
-    def _decode(self, ids: tuple[str, ...], model: str, slot: Slot | None, now: float) -> Decode:
-        """A Decode of up to `max_decode_steps` iterations, cut at the next boundary."""
-        k = self._max_steps
-        if k == 1:
-            return Decode(ids, model)
-        calls = [self.calls.get(i) for i in ids]
-        k = min(k, min(c.work.max_tokens - c.generated for c in calls))
-        if slot is not None:
-            if slot.sp_retry:
-                k = 1
-            elif not self._contended(slot):
-                # Nothing to act on until a submission (the driver stops at the next step
-                # boundary then); passing protected decode here is the `_extend` that
-                # single steps would have made at its end (done in on_decode_done).
-                slot.free_run = True
-            elif slot.decode_left > 0:
-                k = min(k, slot.decode_left)
-            elif slot.filling(now) and self._others_active(model):
-                k = min(k, self._steps_to(Decode(ids, model), slot.deadline - now))
-        elif self.calls.queued[model]:
-            k = 1  # hot pool: arrivals prefill at the next decode boundary
-        return Decode(ids, model, max(1, k))
-
-    def _others_active(self, model: str) -> bool:
-        return self.calls.any_active_except(model)
-
-    def _must_drain(self, slot: Slot) -> bool:
-        """Dfin runs on past protected decode when the next slot is another model's and the
-        engine cannot switch with calls running (`drain_on_switch`)."""
-        if not self.config.drain_on_switch:
-            return False
-        return self.calls.any_active_except(slot.model)
-
-    def _select_p(self, slot: Slot, now: float) -> Selection:
-        model = slot.model
-        limits = Limits(
-            free_slots=self.config.max_batch - len(self.calls.running[model]),
-            batch=self.config.max_batch,
-            kv_free_bytes=self._kv_free(model),
-            time_s=slot.prefill_left_s,
-            at_least_one=True,
-        )
-        selection = select(self.calls.queued[model].values(), limits, self._cost, self._kv)
-        slot.prefill_left_s = max(0.0, slot.prefill_left_s - selection.cost_s)
-        budget = slot.plan.prefill_budget_s
-        if short := selection.left_for("time"):
-            self.reports.risk(model, "prefill_shortfall", selection.cost_s, budget, self.round, now, short)
-        if full := selection.left_for("max_batch") + selection.left_for("kv_budget"):
-            self.reports.risk(model, "capacity", selection.cost_s, budget, self.round, now, full)
-        return selection
-
-    def _select_sp(self, slot: Slot, now: float) -> Selection | None:
-        if not self.config.sp:
-            return None
-        model = slot.model
-        eligible = [c for c in self.calls.queued[model].values() if self._sp_eligible(c, slot)]
-        if not eligible:
-            return None
-        limits = Limits(
-            free_slots=self.config.max_batch - len(self.calls.running[model]),
-            batch=self.config.sp_max_batch,
-            kv_free_bytes=self._kv_free(model),
-            time_s=slot.sp_left_s,
-        )
-        selection = select(eligible, limits, self._cost, self._kv, charge=slot.plan.sp_charge_s)
-        slot.sp_retry = selection.left_for("batch") > 0
-        for call, reason in selection.left:
-            self.reports.parked(call, _PARK_REASON.get(reason, reason), self.round, now)
-        if selection.admitted:
-            slot.sp_left_s -= slot.plan.sp_charge_s(selection.cost_s)
-            slot.protected += slot.plan.sp_extension(selection.cost_s)
-        return selection
-
-    def _sp_eligible(self, call: CallState, slot: Slot) -> bool:
-        """Paper §3.4: the active model, a continuation that arrived after P, reusable KV here."""
-        work = call.work
-        return (
-            call.seq > slot.p_mark
-            and work.continuation
-            and work.reusable_tokens > 0
-            and charged_kv(work, self.config.hkvr) != "none"
-        )
-
-    def _contended(self, slot: Slot) -> bool:
-        """Whether work other than this slot's decode and SP candidates is waiting."""
-        if self.calls.any_active_except(slot.model):
-            return True
-        # An SP candidate already parked (it did not fit the SP budget or batch) needs a P:
-        # it contends, so an extended slot ends and the next slot's P admits it. (Counting
-        # it as SP-served let an extended slot decode on for minutes while it waited.)
-        sp = self.config.sp
-        return any(
-            not (sp and not c.parked and self._sp_eligible(c, slot)) for c in self.calls.queued[slot.model].values()
-        )
-
-    def _extend(self, slot: Slot, now: float) -> None:
-        # Nothing to rotate to and nothing waiting for a P: closing would only open an
-        # identical slot. Rounds bound model revisit time, which means nothing without
-        # contention, so the round ends here and the slot decodes on (SP included) until
-        # work for a P or another model arrives; the next slot then opens a new round.
-        if self.round is not None:
-            self._end_round(now)
-        slot.extended = True
-        slot.protected = max(slot.protected, slot.decodes) + slot.plan.protected_decode
-        slot.sp_left_s = slot.plan.sp_budget_s
-
-    def _close_slot(self, now: float) -> None:
-        slot = self.slot
-        assert slot is not None
-        if self.config.sp and slot.p_done:
-            for call in list(self.calls.queued[slot.model].values()):
-                if self._sp_eligible(call, slot):
-                    self.reports.parked(call, "slot_closed", self.round, now)
-        self.slot = None
-
-    def _end_round(self, now: float) -> None:
-        assert self.round is not None
-        self.reports.round_ended(self.round, self.config.round_cap_s, now)
-        self.round = None
-        self.rounds_done += 1
 
     # ---- hot pool: plain continuous batching ------------------------------------------
 

@@ -12,14 +12,13 @@ if TYPE_CHECKING:
 
 def build_view(sched: RoundScheduler, now: float) -> SchedulerView:
     rnd, calls = sched.round, sched.calls
-    remaining = max(0.0, rnd.started_at + rnd.predicted_s - now) if rnd is not None else 0.0
     return SchedulerView(
         pool=sched.config.pool,
         active_model=sched.device_model,
         slot_model=sched.slot.model if sched.slot else None,
         phase=phase(sched),
         round_index=rnd.index if rnd is not None else sched.rounds_done,
-        round_remaining_s=remaining,
+        round_remaining_s=round_remaining_s(sched, now),
         queued={m: len(q) for m, q in calls.queued.items()},
         running={m: len(r) for m, r in calls.running.items()},
         queued_tokens=sched.prefill_ahead_tokens(),
@@ -29,6 +28,12 @@ def build_view(sched: RoundScheduler, now: float) -> SchedulerView:
         sp_parked=sched.sp_parked,
         switch_s=next_switch_s(sched),
     )
+
+
+def round_remaining_s(sched: RoundScheduler, now: float) -> float:
+    """Predicted time left in the current round (0 between rounds)."""
+    rnd = sched.round
+    return max(0.0, rnd.started_at + rnd.predicted_s - now) if rnd is not None else 0.0
 
 
 def phase(sched: RoundScheduler) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from talaria.services.router.leases import Lease
 from talaria.services.router.policy.base import PolicyConfig
-from talaria.services.router.profiles import quantile
+from talaria.shared.stats import quantile
 from talaria.services.router.state import RouterState
 from talaria.shared.messages import (
     CallCompleted,

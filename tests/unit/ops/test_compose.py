@@ -30,3 +30,15 @@ def test_every_service_module_named_in_compose_exists():
     for module in ("talaria.services.gateway", "talaria.services.router", "talaria.services.telemetry", "talaria.services.instance_agent"):
         assert module in text
         assert (ROOT / module.removeprefix("talaria.").replace(".", "/") / "__main__.py").exists()
+
+
+def test_nats_its_monitor_and_postgres_are_not_published_outside_compose():
+    import yaml
+
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    for name in ("nats", "postgres"):
+        assert "ports" not in services[name], f"{name} must stay on the internal network"
+    assert all(not p.startswith(("4222", "8222", "5432")) for s in services.values() for p in s.get("ports", []))
+    assert services["postgres"]["environment"]["POSTGRES_USER"] == "postgres"  # the app role is not it
+    assert "talaria:" in services["migrate"]["environment"]["TALARIA_DATABASE_URL"] or \
+        "TALARIA_DATABASE_ADMIN_URL" in services["migrate"]["environment"]

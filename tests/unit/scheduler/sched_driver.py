@@ -6,7 +6,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from talaria.services.instance_agent.scheduler.costs import call_prefill_s
+from talaria.services.instance_agent.scheduler.costs import call_prefill_s, first_step_reaching
 from talaria.services.instance_agent.scheduler import (
     Action,
     Decode,
@@ -106,7 +106,7 @@ class Driver:
             # a submission mid-action: stop at the first step boundary at or after it
             arrival = self._arrivals[0][0]
             if arrival < self.now + took:
-                steps = next(j for j in range(1, action.steps + 1) if self.now + self.duration(action, j) >= arrival)
+                steps = first_step_reaching(lambda j: self.duration(action, j), arrival - self.now, action.steps)
                 took = self.duration(action, steps)
         self.now += took
         self._arrive(self.now)

@@ -71,9 +71,9 @@ def test_staging_off_asks_for_host_only_switches_and_prices_them():
 
 
 def test_round_only_turns_all_three_off():
-    config = SchedulerConfig.ablation("round_only")
+    config = SchedulerConfig.ablation("round-only")
     assert (config.sp, config.hkvr, config.staging) == (False, False, False)
-    assert SchedulerConfig.ablation("no_sp", gamma=0.5).gamma == 0.5
+    assert SchedulerConfig.ablation("no-sp", gamma=0.5).gamma == 0.5
     with pytest.raises(Exception):
         SchedulerConfig.ablation("nope")
 

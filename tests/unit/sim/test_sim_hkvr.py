@@ -3,7 +3,7 @@
 from dataclasses import replace
 
 from talaria.services.instance_agent.memory.hkvr_core import HkvrCore
-from talaria.sim.instance import SIM_PAGE_TOKENS, KvStore
+from talaria.sim.memory import SIM_PAGE_TOKENS, KvStore
 from talaria.sim.profiles import PAPER_TP8
 
 

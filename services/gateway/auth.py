@@ -1,0 +1,185 @@
+"""API keys and tenants: the one check every client-facing API calls (OpenAI HTTP, an
+Anthropic-style API, the NATS API).
+
+A key is only ever stored as its SHA-256 hash (`TALARIA_API_KEYS`, `TALARIA_API_KEYS_FILE`),
+bound to one tenant. A presented key is hashed and looked up; unknown, missing or malformed
+keys raise `Unauthenticated`, which each API renders in its own error shape (401). With no
+keys configured the gateway is open and every call belongs to the empty tenant "".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from talaria.shared.messages import ErrorReply
+
+TENANT_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_HASH_PATTERN = re.compile(r"sha256:[0-9a-f]{64}")
+SCOPE_SEPARATOR = ":"  # tenant names cannot contain it, so `tenant:session` is unambiguous
+
+
+class InvalidKeyEntry(ValueError):
+    """A configured key entry is malformed (settings name the variable)."""
+
+
+class Unauthenticated(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def hash_key(key: str) -> str:
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_key() -> str:
+    return "tk-" + secrets.token_urlsafe(32)
+
+
+def parse_key_entry(entry: str) -> tuple[str, str]:
+    """`tenant:sha256:<hex>` or `tenant:<plaintext key>` -> (tenant, hash)."""
+    tenant, sep, rest = entry.strip().partition(":")
+    if not sep or not rest:
+        raise InvalidKeyEntry("entries `tenant:sha256:<hex>` or `tenant:<key>`")
+    if not TENANT_PATTERN.fullmatch(tenant):
+        raise InvalidKeyEntry("a tenant name of 1-64 letters, digits, '_' or '-'")
+    if rest.startswith("sha256:"):
+        if not _HASH_PATTERN.fullmatch(rest):
+            raise InvalidKeyEntry("sha256: followed by 64 lowercase hex digits")
+        return tenant, rest
+    if len(rest) < 16:
+        raise InvalidKeyEntry("a key of at least 16 characters")
+    return tenant, hash_key(rest)
+
+
+def read_key_file(path: Path) -> list[tuple[str, str]]:
+    """One `tenant sha256:<hex>` per line; '#' comments and blank lines are skipped."""
+    out = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        tenant, _, digest = line.partition(" ")
+        try:
+            out.append(parse_key_entry(f"{tenant}:{digest.strip()}"))
+        except InvalidKeyEntry as exc:
+            raise InvalidKeyEntry(f"{path}:{n}: {exc}") from None
+    return out
+
+
+def write_key_file(path: Path, entries: list[tuple[str, str]]) -> None:
+    """Write hashes only, readable by the owner only."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", opener=lambda p, flags: os.open(p, flags, 0o600)) as fd:
+        fd.writelines(f"{tenant} {digest}\n" for tenant, digest in entries)
+    path.chmod(0o600)
+
+
+@dataclass
+class KeyStore:
+    tenants: dict[str, str] = field(default_factory=dict)  # key hash -> tenant
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tenants)
+
+    @classmethod
+    def from_settings(cls, settings) -> "KeyStore":
+        entries = [parse_key_entry(e) for e in settings.api_keys]
+        if settings.api_keys_file is not None:
+            entries += read_key_file(settings.api_keys_file)
+        return cls({digest: tenant for tenant, digest in entries})
+
+    def tenant_for_key(self, key: str | None) -> str:
+        """The key's tenant; "" when no keys are configured."""
+        if not self.enabled:
+            return ""
+        if not key:
+            raise Unauthenticated("missing API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`")
+        tenant = self.tenants.get(hash_key(key))
+        if tenant is None:
+            raise Unauthenticated("invalid API key")
+        return tenant
+
+    def tenant_for(self, headers: Mapping[str, str]) -> str:
+        """From `Authorization: Bearer <key>` (OpenAI clients) or `x-api-key` (Anthropic-style)."""
+        key = headers.get("x-api-key") or headers.get("X-Api-Key")
+        auth = headers.get("Authorization") or headers.get("authorization")
+        if auth:
+            scheme, _, value = auth.partition(" ")
+            if scheme.lower() != "bearer" or not value.strip():
+                raise Unauthenticated("the Authorization header must be `Bearer <key>`")
+            key = value.strip()
+        return self.tenant_for_key(key)
+
+
+def scoped_session(tenant: str, session_id: str) -> str:
+    """The session id as services see it: the same header value from two tenants is two sessions."""
+    return f"{tenant}{SCOPE_SEPARATOR}{session_id}" if tenant else session_id
+
+
+def client_session(tenant: str, session_id: str) -> str:
+    """The session id as the client sent it."""
+    prefix = f"{tenant}{SCOPE_SEPARATOR}" if tenant else ""
+    return session_id[len(prefix):] if prefix and session_id.startswith(prefix) else session_id
+
+
+def kv_scope(sharing: str, tenant: str, session_id: str) -> str:
+    """The salt of a call's KV block hashes: prefix reuse happens only between calls with the
+    same scope (`tenant`: a tenant's own sessions; `session`: one session; `global`: everyone)."""
+    if sharing == "global":
+        return ""
+    if sharing == "session":
+        return f"session{SCOPE_SEPARATOR}{session_id}"
+    return f"tenant{SCOPE_SEPARATOR}{tenant}" if tenant else ""
+
+
+def unauthenticated_reply(exc: Unauthenticated) -> ErrorReply:
+    return ErrorReply(401, "invalid_api_key", exc.message)
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    """Anthropic's error shape, for an Anthropic-style API."""
+    kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+            404: "not_found_error", 429: "rate_limit_error", 503: "overloaded_error"}.get(status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+try:
+    from aiohttp.web import RequestKey
+
+    TENANT = RequestKey("tenant", str)
+except ImportError:  # older aiohttp: plain string keys
+    TENANT = "tenant"
+
+
+def http_middleware(keys: KeyStore):
+    """aiohttp middleware: every path but /healthz and /readyz needs a key when keys are configured; the
+    tenant lands in `request[TENANT]`. 401s use the shape of the API the path belongs to."""
+    from aiohttp import web
+
+    from talaria.services.gateway.openai_api import error_body
+
+    @web.middleware
+    async def authenticate(request, handler):
+        if request.path in OPEN_PATHS:
+            return await handler(request)
+        try:
+            request[TENANT] = keys.tenant_for(request.headers)
+        except Unauthenticated as exc:
+            if request.path.startswith("/v1/messages"):
+                body = anthropic_error_body(401, exc.message)
+            else:
+                body = error_body(unauthenticated_reply(exc))
+            return web.json_response(body, status=401, headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    return authenticate

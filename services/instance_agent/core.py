@@ -1,0 +1,208 @@
+"""AgentCore: the instance agent's pure core, driven by two executors.
+
+    routed call ──accept──▶ Work ──▶ RoundScheduler.submit
+    executor loop: action = core.next_action(now)
+                   runs it (torch engine on the wall clock | cost profile on a virtual clock)
+                   core.switch_done / prefill_done / decode_done(action, now, ...) → Outcome
+    Outcome: calls finished (executor releases them, then core.completed → CallCompleted),
+             RoundSummary and SwitchDone messages, notes (CallParked / DeadlineRisk)
+    core.snapshot(...) → InstanceSnapshot (the one snapshot builder)
+
+The core keeps what the scheduler does not: each call's timeline (queue, slot wait, first
+token, whether its slot began with a model switch) and the translation of scheduler
+events into the wire messages. It reads no clock and touches no engine, bus or profile,
+so the live `CallRunner` (services/instance_agent/runner.py) and the simulator's
+`SimExecutor` (talaria/sim/executor.py) publish the same records for the same schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from talaria.services.instance_agent.scheduler import (
+    CallAdmitted,
+    CallFinished,
+    CallParked,
+    CostModel,
+    Decode,
+    DeadlineRisk,
+    KvState,
+    Prefill,
+    RoundEnded,
+    RoundScheduler,
+    SchedulerConfig,
+    SwitchModel,
+    Work,
+)
+from talaria.services.instance_agent.scheduler.view import next_switch_s, round_remaining_s
+from talaria.shared.messages import CallCompleted, InstanceSnapshot, ModelResidency, RoundSummary, SessionKv, SwitchDone
+
+
+@dataclass(slots=True)
+class CallRecord:
+    """One call's timeline on this instance, from acceptance to completion."""
+
+    call_id: str
+    session_id: str
+    model: str
+    call_index: int
+    submitted_at: float  # the caller's submission: queue and TTFT count from here
+    started_at: float | None = None  # its prefill was issued
+    first_token_at: float | None = None
+    slot_wait_s: float = 0.0
+    via: str = ""  # P | SP | hot
+    opened_model: bool = False  # its slot began with a switch to its model
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What one completed action (or a drain) means for the outside world."""
+
+    finished: list[str] = field(default_factory=list)  # calls done (not aborted): release, then complete
+    rounds: list[RoundSummary] = field(default_factory=list)
+    switch: SwitchDone | None = None
+    notes: list[CallParked | DeadlineRisk] = field(default_factory=list)
+
+
+class AgentCore:
+    """Routed calls in, scheduler work out; scheduler events in, wire records out."""
+
+    def __init__(self, instance_id: str, config: SchedulerConfig, models: Sequence[str], costs: CostModel) -> None:
+        self.instance_id = instance_id
+        self.sched = RoundScheduler(config, list(models), costs)
+        self.records: dict[str, CallRecord] = {}
+
+    # ---- intake ------------------------------------------------------------------------
+
+    def accept(self, call_id: str, session_id: str, model: str, *, call_index: int, prompt_tokens: int,
+               max_tokens: int, submitted_at: float, kv_state: KvState, reusable_tokens: int, now: float,
+               arrived_at: float | None = None) -> Work:
+        """Submit a routed call; raises the scheduler's error when it cannot take it.
+        `arrived_at` (default `submitted_at`) starts the scheduler's slot wait."""
+        work = Work(call_id, session_id, model, prompt_tokens=max(1, prompt_tokens), reusable_tokens=reusable_tokens,
+                    kv_state=kv_state, max_tokens=max_tokens,
+                    arrived_at=submitted_at if arrived_at is None else arrived_at, continuation=call_index > 0)
+        self.sched.submit(work, now)
+        self.records[call_id] = CallRecord(call_id, session_id, model, call_index, submitted_at)
+        return work
+
+    # ---- the executor's side of the loop -----------------------------------------------
+
+    def next_action(self, now: float, max_decode_steps: int = 1):
+        action = self.sched.next_action(now, max_decode_steps)
+        if isinstance(action, Prefill):
+            for call_id in action.call_ids:
+                rec = self.records.get(call_id)
+                if rec is not None and rec.started_at is None:  # a later chunk does not restart it
+                    rec.started_at = now
+        return action
+
+    def switch_done(self, action: SwitchModel, now: float, total_s: float, *, path: str,
+                    phases: dict[str, float] | None = None, bytes_staged: int = 0,
+                    bytes_uncovered: int = 0, clock_measured: bool = False) -> Outcome:
+        """The device serves `action.to_model` after `total_s` seconds along `path`. The
+        scheduler learns `total_s`, or with `clock_measured` the time since it issued the
+        switch (a virtual clock that advanced by exactly the priced time)."""
+        for rec in self.records.values():
+            if rec.model == action.to_model:
+                rec.opened_model = True
+        events = self.sched.on_switch_done(action, now, None if clock_measured else total_s)
+        out = self._outcome(events, now)
+        out.switch = SwitchDone(
+            instance_id=self.instance_id, from_model=action.from_model, to_model=action.to_model, path=path,
+            total_s=total_s, at=now, phases=dict(phases or {}), bytes_staged=bytes_staged,
+            bytes_uncovered=bytes_uncovered)
+        return out
+
+    def prefill_done(self, action: Prefill, now: float, finished: Iterable[str] = (),
+                     first_tokens: Iterable[str] | None = None, prompt_left=None) -> Outcome:
+        """`first_tokens`: calls whose prompt is complete (default all); with chunked prefill
+        the others continue, and `prompt_left` says how much each has left."""
+        firsts = None if first_tokens is None else set(first_tokens)
+        for call_id in action.call_ids:
+            rec = self.records.get(call_id)
+            if rec is not None and rec.first_token_at is None and (firsts is None or call_id in firsts):
+                rec.first_token_at = now
+        events = self.sched.on_prefill_done(action, now, finished, first_tokens=firsts, prompt_left=prompt_left)
+        return self._outcome(events, now)
+
+    def decode_done(self, action: Decode, now: float, finished: Iterable[str] = (), steps: int | None = None) -> Outcome:
+        return self._outcome(self.sched.on_decode_done(action, now, finished, steps), now)
+
+    def drain(self, now: float) -> Outcome:
+        """Events raised outside an action (after an Idle)."""
+        return self._outcome(self.sched.drain_events(), now)
+
+    def abort(self, call_id: str, now: float) -> Outcome:
+        """Forget a call the executor failed (its record goes; the scheduler frees its place)."""
+        self.records.pop(call_id, None)
+        return self._outcome(self.sched.abort(call_id, now), now)
+
+    def forget(self, call_id: str) -> CallRecord | None:
+        return self.records.pop(call_id, None)
+
+    def _outcome(self, events, now: float) -> Outcome:
+        out = Outcome()
+        for event in events:
+            match event:
+                case CallAdmitted():
+                    rec = self.records.get(event.call_id)
+                    if rec is not None:
+                        rec.slot_wait_s, rec.via = event.slot_wait_s, event.via
+                case CallFinished(reason="aborted"):
+                    pass  # failed and reported by whoever aborted it
+                case CallFinished():
+                    out.finished.append(event.call_id)
+                case RoundEnded():
+                    out.rounds.append(RoundSummary(
+                        instance_id=self.instance_id, round_index=event.round_index, wall_s=event.wall_s,
+                        active_s=event.active_s, switch_s=event.switch_s, at=event.at or now,
+                        slots=list(event.slots), sp_admitted=event.sp_admitted, sp_parked=event.sp_parked,
+                        deadline_risk=event.deadline_risk))
+                case CallParked() | DeadlineRisk():
+                    out.notes.append(event)
+        return out
+
+    # ---- records -----------------------------------------------------------------------
+
+    def completed(self, call_id: str, now: float, *, prompt_tokens: int, output_tokens: int, finish_reason: str,
+                  cached_tokens: int = 0, kv_source: str = "none", prefill_s: float = 0.0, decode_s: float = 0.0,
+                  trace_id: str = "") -> CallCompleted:
+        """The completion record of a finished call from what the executor computed for it
+        (its timeline is dropped)."""
+        rec = self.records.pop(call_id)
+        started = rec.started_at if rec.started_at is not None else now
+        first = rec.first_token_at if rec.first_token_at is not None else now
+        return CallCompleted(
+            call_id=call_id, session_id=rec.session_id, call_index=rec.call_index, model=rec.model,
+            instance_id=self.instance_id, prompt_tokens=prompt_tokens, output_tokens=output_tokens,
+            finish_reason=finish_reason, submitted_at=rec.submitted_at, started_at=started,
+            first_token_at=first, completed_at=now, cached_tokens=cached_tokens,
+            kv_source=kv_source, queue_s=started - rec.submitted_at, ttft_s=first - rec.submitted_at,
+            prefill_s=prefill_s, decode_s=decode_s, slot_wait_s=rec.slot_wait_s,
+            kv_tokens=prompt_tokens + output_tokens, model_opened=rec.opened_model,
+            trace_id=trace_id,
+        )
+
+    def snapshot(self, version: int, now: float, *, pool: str, active_model: str | None,
+                 models: list[ModelResidency], sessions: list[SessionKv], memory, heartbeat_s: float) -> InstanceSnapshot:
+        """The instance snapshot the router consumes. Queues, round and risk come from the
+        scheduler (the fields of `scheduler.view` the router reads, without its per-call KV sum); residency, session KV and `memory` (capacity, use and measured rates, the
+        attributes of `engine.api.EngineStats`) from the executor's device."""
+        sched, calls = self.sched, self.sched.calls
+        return InstanceSnapshot(
+            instance_id=self.instance_id, version=version, at=now, pool=pool, models=models,
+            active_model=active_model, sessions=sessions, queued={m: len(q) for m, q in calls.queued.items()},
+            # With chunked prefill (the live agent) also the prefill a newcomer waits behind.
+            queued_tokens=sched.prefill_ahead_tokens() if sched.config.chunked_prefill
+            else sum(c.work.prompt_tokens for q in calls.queued.values() for c in q.values()),
+            running=sum(len(r) for r in calls.running.values()),
+            round_remaining_s=round_remaining_s(sched, now),
+            deadline_risk=sched.deadline_risk, kv_capacity_tokens=memory.kv_capacity_tokens,
+            kv_used_tokens=memory.kv_used_tokens, kv_pinned_tokens=getattr(memory, "kv_pinned_tokens", -1),
+            staging_free_bytes=memory.staging_free_bytes,
+            hbm_bytes=memory.hbm_bytes, hbm_used_bytes=memory.hbm_used_bytes, prefill_tok_s=memory.prefill_tok_s,
+            decode_tok_s=memory.decode_tok_s, restore_tok_s=memory.restore_tok_s, switch_s=next_switch_s(sched),
+            heartbeat_s=heartbeat_s,
+        )

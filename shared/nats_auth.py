@@ -1,0 +1,150 @@
+"""Who may publish and subscribe what on NATS, and which service owns each event.
+
+Two layers (README "Security"):
+- **server-side permissions**: the embedded NATS runs with one user per service (and per
+  instance agent) plus a `client` user for the NATS API; `permissions()` lists what each may
+  publish and subscribe. A client may publish only `talaria.api.call` and read only its own
+  inboxes and streamed tokens: it cannot read `talaria.evt.>` (prompts), use the JetStream API,
+  or publish events, routed calls or replies.
+- **sender checks**: every event carries a `Talaria-Sender` header (the publishing service);
+  an agent runs only `CallRouted` sent by the router and the projector records only events
+  from their owning service (`EVENT_OWNERS`). On a NATS with per-service permissions the
+  header cannot be forged; on an open NATS it still stops anything that does not set it.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+SENDER_HEADER = "Talaria-Sender"
+SERVICE_INBOX = "_TALARIA_INBOX"  # services' request inboxes (JetStream API, fetches); clients use _INBOX
+CLIENT_INBOX = "_INBOX"
+
+# Which service may publish each event type ("agent" = any instance agent; an agent's
+# events must also name that agent as `instance_id` where they carry one).
+EVENT_OWNERS: dict[str, frozenset[str]] = {
+    "CallSubmitted": frozenset({"gateway"}),
+    "CallRouted": frozenset({"router"}),
+    "CallStarted": frozenset({"agent"}),
+    "CallCompleted": frozenset({"agent"}),
+    "CallFailed": frozenset({"gateway", "router", "agent"}),
+    "LeaseIssued": frozenset({"router"}),
+    "LeaseConsumed": frozenset({"router"}),
+    "LeaseDiscarded": frozenset({"router"}),
+    "LeaseExpired": frozenset({"router"}),
+    "RoutingDecision": frozenset({"router"}),
+    "SwitchDone": frozenset({"agent"}),
+    "RoundSummary": frozenset({"agent"}),
+}
+
+
+def sender_name(role: str, instance_id: str | None = None) -> str:
+    """The NATS connection name (and `Talaria-Sender` value) of a service."""
+    return f"talaria-agent-{instance_id}" if role == "agent" else f"talaria-{role}"
+
+
+def parse_sender(sender: str | None) -> tuple[str, str | None]:
+    """`talaria-agent-agent-0` -> ("agent", "agent-0"); `talaria-router` -> ("router", None)."""
+    if not sender or not sender.startswith("talaria-"):
+        return "", None
+    rest = sender[len("talaria-"):]
+    if rest.startswith("agent-"):
+        return "agent", rest[len("agent-"):]
+    return rest, None
+
+
+def sender_of(msg) -> str | None:
+    return (msg.headers or {}).get(SENDER_HEADER)
+
+
+def trusted(msg, event) -> bool:
+    """Did `event` come from a service allowed to publish it?"""
+    owners = EVENT_OWNERS.get(type(event).__name__)
+    if owners is None:
+        return False
+    role, instance = parse_sender(sender_of(msg))
+    if role not in owners:
+        return False
+    if role == "agent":
+        claimed = getattr(event, "instance_id", None)
+        return claimed in (None, "", instance)
+    return True
+
+
+def owner_sender(event) -> str:
+    """The sender name of the service that owns `event` (for tests and tools standing in for it)."""
+    owners = EVENT_OWNERS[type(event).__name__]
+    if "agent" in owners and getattr(event, "instance_id", ""):
+        return sender_name("agent", event.instance_id)
+    return sender_name(sorted(owners - {"agent"})[0] if owners - {"agent"} else "agent", "unknown")
+
+
+def permissions(role: str, prefix: str = "talaria", instance_id: str | None = None) -> dict:
+    """NATS publish/subscribe permissions of one service user (nats-server config format)."""
+    from talaria.shared.subjects import stream_name
+
+    stream = stream_name(prefix)
+    evt = f"{prefix}.evt"
+    # JetStream API on this deployment's stream only: create/inspect it and its consumers,
+    # fetch and ack; no other stream, and no STREAM.DELETE / PURGE.
+    js = ["$JS.API.INFO", *(f"$JS.API.STREAM.{op}.{stream}" for op in ("INFO", "CREATE", "UPDATE")),
+          f"$JS.API.CONSUMER.*.{stream}", f"$JS.API.CONSUMER.*.{stream}.>", f"$JS.API.CONSUMER.*.*.{stream}.>",
+          f"$JS.ACK.{stream}.>"]
+    inbox = [f"{SERVICE_INBOX}.>"]
+    watch = [f"{prefix}.telemetry.*", f"{prefix}.health.*"]
+    if role == "gateway":
+        pub = [f"{evt}.call.submitted", f"{evt}.call.failed", f"{prefix}.health.gateway", f"{prefix}.api.cancel", *js]
+        sub = [f"{prefix}.api.call", f"{prefix}.reply.gateway.>", f"{prefix}.tokens.>", *watch, *inbox]
+        return {"publish": {"allow": pub}, "subscribe": {"allow": sub}, "allow_responses": True}
+    if role == "router":
+        pub = [f"{evt}.call.routed.*", f"{evt}.lease.>", f"{evt}.decision", f"{evt}.call.failed",
+               f"{prefix}.reply.>", f"{prefix}.health.router", f"{prefix}.dispatch.*", *js]
+        return {"publish": {"allow": pub}, "subscribe": {"allow": [*watch, *inbox]}}
+    if role == "telemetry":
+        return {"publish": {"allow": [f"{prefix}.health.telemetry", *js]},
+                "subscribe": {"allow": [*watch, *inbox]}}
+    if role == "agent":
+        if not instance_id:
+            raise ValueError("an agent user needs its instance id")
+        pub = [f"{evt}.call.started", f"{evt}.call.completed", f"{evt}.call.failed", f"{evt}.switch.done",
+               f"{evt}.round.summary", f"{prefix}.tokens.>", f"{prefix}.reply.>",
+               f"{prefix}.telemetry.{instance_id}", f"{prefix}.health.agent-{instance_id}", *js]
+        sub = [*watch, *inbox, f"{prefix}.api.cancel", f"{prefix}.dispatch.{instance_id}"]
+        return {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
+    if role == "client":
+        # A client may cancel a call by its id (ids are random unless the client chose them).
+        return {"publish": {"allow": [f"{prefix}.api.call", f"{prefix}.api.cancel"]},
+                "subscribe": {"allow": [f"{CLIENT_INBOX}.>", f"{prefix}.tokens.>", f"{prefix}.health.*"]},
+                "allow_responses": False}
+    raise ValueError(f"unknown NATS role {role!r}")
+
+
+@dataclass(frozen=True)
+class NatsUser:
+    name: str  # NATS user name = the service's sender name
+    password: str
+    role: str
+    instance_id: str | None = None
+
+    def env(self) -> dict[str, str]:
+        return {"TALARIA_NATS_USER": self.name, "TALARIA_NATS_PASSWORD": self.password}
+
+    def options(self) -> dict[str, str]:
+        return {"user": self.name, "password": self.password}
+
+
+def generate_users(agent_ids: list[str] | tuple[str, ...]) -> dict[str, NatsUser]:
+    """Fresh random credentials: one user per service, per agent, and one for NATS API clients."""
+    users = {}
+    for role in ("gateway", "router", "telemetry", "client"):
+        users[role] = NatsUser(sender_name(role), secrets.token_urlsafe(24), role)
+    for agent in agent_ids:
+        users[f"agent-{agent}"] = NatsUser(sender_name("agent", agent), secrets.token_urlsafe(24), "agent", agent)
+    return users
+
+
+def authorization_block(users: dict[str, NatsUser], prefix: str = "talaria") -> dict:
+    """The `authorization` section of a nats-server config (JSON is valid nats-server config)."""
+    return {"users": [{"user": u.name, "password": u.password,
+                       "permissions": permissions(u.role, prefix, u.instance_id)} for u in users.values()]}

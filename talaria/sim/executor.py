@@ -1,0 +1,318 @@
+"""The simulator's executor of the agent core: a cost profile on a virtual clock.
+
+The live agent's `CallRunner` runs `AgentCore` actions on the torch engine; `SimExecutor`
+runs the same core's actions by pricing them with the server profile. The core (and its
+`RoundScheduler`) decides everything an instance decides (which model, which calls, P or
+SP, how long a slot decodes, when to switch) and writes the records (`CallCompleted`,
+`RoundSummary`, `SwitchDone`, `InstanceSnapshot`); this module only prices each action,
+keeps the device KV / HKVR / staging state (memory.py) and reports completions back.
+
+Speed: decode runs as multi-step actions (`next_action(now, max_decode_steps=K)`); the
+scheduler cuts each at the next boundary it would act on. When a call is submitted while
+a multi-step decode runs, the executor stops that decode at the first step boundary at or
+after the submission and reports the steps it ran, so the schedule equals one-token-at-a-time
+stepping (tests/unit/scheduler/test_sched_multistep.py). A k-step decode costs the sum of
+its k step times (`decode_steps_s`: exact for the profile's decode cost, linear in context).
+
+Paper-mode switches (`drain_on_switch=False`, paper §3.4: D_fin spends the remaining
+protected budget, then the device switches with calls still running): running calls of
+the outgoing model keep their KV off-device (§4.2: the outgoing model's KV pool and radix
+tree are parked); when their model's slot comes back, that KV is restored at the KV
+restore bandwidth and the time is added to the switch that reopens the model [asm].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from talaria.services.instance_agent.core import AgentCore, Outcome
+from talaria.services.instance_agent.scheduler import Decode, Idle, Prefill, SchedulerConfig, SwitchModel
+from talaria.services.instance_agent.scheduler.costs import decode_steps_s, first_step_reaching
+from talaria.shared.messages import InstanceSnapshot, RoundSummary, SwitchDone
+from talaria.sim.device_view import DeviceView
+from talaria.sim.memory import KvStore, StagingState
+from talaria.sim.profiles import ProfileCosts, ServerProfile
+
+
+def instance_config(name: str = "talaria", **overrides) -> SchedulerConfig:
+    """A simulated instance's scheduler: paper configuration `name` (the one ablation table,
+    `scheduler.config.ABLATIONS`) with the paper's resumable switches. [cal] §3.4: D_fin
+    spends the remaining protected budget, then the device switches with calls still in
+    flight (their KV parked with the model); the torch engine cannot, so the live agent
+    keeps the scheduler default (`drain_on_switch=True`). Every other knob is the
+    scheduler's default (gamma 0.9, T_TTFT 10 s, T_TPOT 0.2 s, batch 64, SP batch 8)."""
+    return SchedulerConfig.ablation(name, **{"drain_on_switch": False, **overrides})
+
+
+@dataclass(slots=True, eq=False)
+class Job:
+    """One call on its way through an instance. Times are virtual seconds."""
+
+    call_id: str
+    session: str
+    model: str
+    call_index: int
+    prompt: int
+    reusable: int
+    output: int
+    release_t: float  # intended enqueue (schedule-aware TTFT starts here)
+    first_token_t: float = -1.0
+    done_t: float = -1.0
+    remaining: int = 0  # decode steps left
+    ctx: int = 0  # tokens in KV while decoding
+    kv_source: str = "none"
+    via: str = ""
+    instance: str = ""
+
+
+class SimExecutor:
+    """One simulated instance (GPU group). Handlers return the events they cause (engine.py);
+    `sink.completed(job, CallCompleted, now)` hears of every finished call."""
+
+    def __init__(self, instance_id: str, server: ServerProfile, config: SchedulerConfig, sink,
+                 max_decode_steps: int = 4096, view: DeviceView | None = None) -> None:
+        self.id = instance_id
+        self.server = server
+        self.config = config
+        self.sink = sink
+        self.models = list(server.models)
+        self.core = AgentCore(instance_id, config, self.models, ProfileCosts(server))
+        self.sched = self.core.sched
+        self.view = view or DeviceView(server)
+        self.max_steps = max(1, max_decode_steps)
+        self.active: str | None = None
+        self.switching_to: str | None = None
+        # Calls mid-decode, per model. A model switched away from parks its list (KV kept
+        # with the model's parked pool, paper §4.2 P1/P3); they resume in its next slot.
+        self.inflight: dict[str, list[Job]] = {m: [] for m in self.models}
+        self.jobs: dict[str, Job] = {}
+        self.kv = KvStore(server)
+        self.staging = StagingState(server)
+        self.busy = False
+        self.token = 0  # stale-event guard for the running action
+        self.action = None
+        self.action_start = 0.0
+        self._switch_cost: tuple[str, float, dict[str, float]] = ("", 0.0, {})
+        self.switches: list[SwitchDone] = []
+        self.rounds: list[RoundSummary] = []
+        self.hbm_peak_bytes = 0
+        self.last_peak_kv = 0  # KV high-water mark (bytes) since the last switch
+
+    def snapshot(self, version: int, now: float, heartbeat_s: float) -> InstanceSnapshot:
+        return self.view.snapshot(self, version, now, heartbeat_s)
+
+    # ---- inputs -----------------------------------------------------------------------
+
+    def submit(self, now: float, job: Job):
+        job.instance = self.id
+        source, avail = self._kv_for(job)
+        self.core.accept(job.call_id, job.session, job.model, call_index=job.call_index, prompt_tokens=job.prompt,
+                         max_tokens=job.output, submitted_at=job.release_t,
+                         kv_state=source if source in ("device", "host") else "none", reusable_tokens=avail,
+                         now=now, arrived_at=now)
+        self.jobs[job.call_id] = job
+        if not self.busy:
+            return self._drive(now)
+        if isinstance(self.action, Decode) and self.action.steps > 1:
+            return self._cut(now)
+        return None
+
+    # ---- the driving loop -------------------------------------------------------------
+
+    def _drive(self, now: float):
+        action = self.core.next_action(now, self.max_steps)
+        self.action = action
+        self.action_start = now
+        self.token += 1
+        if isinstance(action, Idle):
+            self.busy = False
+            self._record(self.core.drain(now), now)
+            if action.until is not None and action.until > now:
+                return [(action.until, self._wake, (self.token,))]
+            return None
+        self.busy = True
+        if isinstance(action, SwitchModel):
+            return self._switch(now, action)
+        if isinstance(action, Prefill):
+            return self._prefill(now, action)
+        assert isinstance(action, Decode)
+        return [(now + self._decode_s(action, action.steps), self._done, (self.token, None))]
+
+    def _decode_s(self, action: Decode, steps: int) -> float:
+        calls = [self.jobs[c] for c in action.call_ids]
+        mp = self.server.model(action.model)
+        return decode_steps_s(mp.decode_step_s, len(calls), sum(j.ctx for j in calls), steps)
+
+    def _cut(self, now: float):
+        """Stop the running multi-step decode at the first step boundary at or after `now`."""
+        action = self.action
+        j = first_step_reaching(lambda k: self._decode_s(action, k), now - self.action_start, action.steps)
+        if j >= action.steps:
+            return None
+        self.token += 1
+        return [(self.action_start + self._decode_s(action, j), self._done, (self.token, j))]
+
+    def _wake(self, now: float, token: int):
+        if token != self.token or self.busy:
+            return None
+        return self._drive(now)
+
+    def _switch(self, now: float, action: SwitchModel):
+        model = action.to_model
+        staged = self._staged_bytes(now, model) if action.staged else 0
+        path, seconds, phases = self.server.switch(model, staged)
+        # running calls of the target model (paper mode) get their parked KV back
+        resume = sum(j.ctx for j in self.inflight[model])
+        if resume:
+            restore = self.server.restore_s(model, resume)
+            phases = {**phases, "kv_resume": restore}
+            seconds += restore
+        self._switch_cost = (path, seconds, phases)
+        if self.active is not None:
+            for session in list(self.kv.device):
+                host = self.kv.host.get((self.active, session), 0) if self.config.hkvr else 0
+                self.sched.update_kv(session, self.active, "host" if host else "none", host)
+        self.kv.clear_device()
+        self.active, self.switching_to, self.staging.target = None, model, None
+        self._hbm(self.server.model(model).weight_bytes)
+        return [(now + seconds, self._done, (self.token, None))]
+
+    def _prefill(self, now: float, action: Prefill):
+        seconds = 0.0
+        for cid in action.call_ids:
+            job = self.jobs[cid]
+            cost, job.kv_source, _ = self._prefill_cost(job)
+            if job.kv_source == "host":
+                self.kv.touch_host(job.model, job.session)
+            seconds += cost
+        return [(now + seconds, self._done, (self.token, None))]
+
+    def _done(self, now: float, token: int, steps: int | None):
+        if token != self.token:
+            return None
+        action = self.action
+        if isinstance(action, SwitchModel):
+            self.active, self.switching_to = action.to_model, None
+            self.last_peak_kv = 0
+            for job in self.inflight[self.active]:
+                self._put_device(now, job.session, job.ctx)
+            path, seconds, phases = self._switch_cost
+            # the virtual clock is the scheduler's measurement, as the wall clock is live
+            outcome = self.core.switch_done(action, now, seconds, path=path, phases=phases, clock_measured=True)
+        elif isinstance(action, Prefill):
+            finished = []
+            for cid in action.call_ids:
+                job = self.jobs[cid]
+                job.first_token_t = now
+                job.ctx = job.prompt + 1
+                job.remaining = job.output - 1
+                self._put_device(now, job.session, job.ctx)
+                if job.remaining <= 0:
+                    finished.append(cid)
+                else:
+                    self.inflight[job.model].append(job)
+            outcome = self.core.prefill_done(action, now, finished)
+        else:
+            k = action.steps if steps is None else steps
+            finished = []
+            for cid in action.call_ids:
+                job = self.jobs[cid]
+                job.remaining -= k
+                job.ctx += k
+                self.kv.device[job.session] = job.ctx
+                if job.remaining <= 0:
+                    finished.append(cid)
+            self.kv.device_tokens += k * len(action.call_ids)
+            self.kv.version += 1
+            outcome = self.core.decode_done(action, now, finished, k)
+        out = self._record(outcome, now)
+        self._update_staging(now)
+        out.extend(self._drive(now) or ())
+        return out
+
+    def _record(self, outcome: Outcome, now: float) -> list:
+        """Keep the core's records; complete finished calls (their sink events return)."""
+        if outcome.switch is not None:
+            self.switches.append(outcome.switch)
+        self.rounds.extend(outcome.rounds)
+        out: list = []
+        for cid in outcome.finished:
+            job = self.jobs.pop(cid)
+            running = self.inflight[job.model]
+            if job in running:
+                running.remove(job)
+            out.extend(self._complete(now, job) or ())
+        return out
+
+    def _complete(self, now: float, job: Job):
+        job.done_t = now
+        tokens = job.prompt + job.output
+        self._put_device(now, job.session, tokens)
+        if self.config.hkvr:
+            self.kv.put_host(job.model, job.session, tokens)
+        job.via = self.core.records[job.call_id].via
+        cached = job.reusable if job.kv_source in ("device", "host") else 0
+        # No measured prefill/decode rates: the router prices with the profile's rates the
+        # snapshots advertise. [asm]
+        done = self.core.completed(job.call_id, now, prompt_tokens=job.prompt, output_tokens=job.output,
+                                   finish_reason="length", cached_tokens=cached, kv_source=job.kv_source)
+        return self.sink.completed(job, done, now)
+
+    def _update_staging(self, now: float) -> None:
+        """Stage the model the scheduler's rotation opens next (if staging is on)."""
+        if not self.config.staging or self.active is None:
+            return
+        if not self.sched.calls.any_active_except(self.active):
+            target = None  # O(1) common case: nothing of another model waits
+        else:
+            target = next((m for m in self.sched.active_in_rotation(self.active) if m != self.active), None)
+        self.staging.retarget(target, now)
+
+    # ---- prefill pricing ----------------------------------------------------------------
+
+    def _kv_for(self, job: Job) -> tuple[str, int]:
+        """(source, reusable tokens available) for `job` on this instance right now."""
+        if job.reusable <= 0:
+            return "none", 0
+        if self.active == job.model:
+            dev = self.kv.device.get(job.session, 0)
+            if dev:
+                return "device", min(job.reusable, dev)
+        if self.config.hkvr:
+            host = self.kv.host.get((job.model, job.session), 0)
+            if host:
+                return "host", min(job.reusable, host)
+        return "recompute", 0
+
+    def _prefill_cost(self, job: Job) -> tuple[float, str, int]:
+        source, avail = self._kv_for(job)
+        mp = self.server.model(job.model)
+        seconds = mp.prefill_s(max(1, job.prompt - avail), avail)
+        if source == "host":
+            seconds += self.server.restore_s(job.model, avail)
+        return seconds, source, avail
+
+    # ---- memory -----------------------------------------------------------------------
+
+    def _staged_bytes(self, now: float, model: str) -> int:
+        if not self.config.staging:
+            return 0
+        return self.staging.staged_bytes(now, model, self.active, self.last_peak_kv)
+
+    def _put_device(self, now: float, session: str, tokens: int) -> None:
+        model = self.active
+        if model is None:
+            return
+        mp = self.server.model(model)
+        capacity = self.server.kv_pool_bytes(model) // mp.kv_bytes_per_token
+        self.kv.put_device(session, tokens, capacity, {j.session for j in self.inflight[model]})
+        used = self.kv.device_tokens * mp.kv_bytes_per_token
+        if used > self.last_peak_kv:
+            self.last_peak_kv = used
+        target = self.staging.target
+        staged = self._staged_bytes(now, target) if target else 0
+        self._hbm(mp.weight_bytes + used + staged)
+
+    def _hbm(self, used: int) -> None:
+        if used > self.hbm_peak_bytes:
+            self.hbm_peak_bytes = used

@@ -1,0 +1,361 @@
+"""Each attack from issue 14, replayed against real NATS, Postgres and services: every one
+must be refused. (On the code before the issue each of these succeeded.)"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+
+import aiohttp
+import asyncpg
+import msgspec
+import nats
+import pytest
+
+from talaria.embedded import EmbeddedNats, free_port
+from talaria.services.gateway.service import run as run_gateway
+from talaria.services.instance_agent.service import run as run_agent
+from talaria.services.router.service import run as run_router
+from talaria.services.telemetry.service import run as run_telemetry
+from talaria.shared import messages as m
+from talaria.shared import subjects
+from talaria.shared.bus import connect, emit
+from talaria.shared.db.engine import upgrade
+from talaria.shared.db.roles import drop_app_role, ensure_app_role
+from talaria.shared.health import wait_for_router
+from talaria.shared.nats_auth import generate_users
+from talaria.shared.settings import Settings, asyncpg_dsn
+from tests.conftest import _with_db
+from tests.integration.harness import Services, wait_rows
+
+pytestmark = pytest.mark.integration
+
+KEYS = ("victim:victim-key-0123456789", "mallory:mallory-key-0123456789")
+CHAT = {"model": "qwen3-tiny", "max_tokens": 1, "temperature": 0}
+
+
+@pytest.fixture
+async def secure_nats(tmp_path):
+    """An embedded NATS with per-service users (as `talaria up` starts it), even in CI."""
+    users = generate_users(["agent-0"])
+    server = EmbeddedNats(tmp_path / "secure-nats", users=users).start()
+    yield server.url, users
+    server.stop()
+
+
+def as_user(settings: Settings, user) -> Settings:
+    return settings.with_(nats_user=user.name, nats_password=user.password)
+
+
+async def start_stack(services: Services, settings: Settings, users=None) -> None:
+    """Telemetry, router, gateway and one qwen3-tiny agent, each with its own NATS user."""
+    pick = (lambda s, name: as_user(s, users[name])) if users else (lambda s, name: s)
+    await services.start("telemetry", run_telemetry, pick(settings, "telemetry"))
+    await services.start("router", run_router, pick(settings, "router"))
+    await services.start("gateway", run_gateway, pick(settings, "gateway"))
+    await services.start("agent-0", run_agent, pick(settings.with_(instance_id="agent-0", models=("qwen3-tiny",)),
+                                                    "agent-agent-0"))
+
+
+async def chat(settings, content: str, key: str | None, session: str, **extra) -> tuple[int, dict]:
+    headers = {"X-Session-Id": session, **({"Authorization": f"Bearer {key}"} if key else {})}
+    body = {**CHAT, "messages": [{"role": "user", "content": content}], **extra}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"http://127.0.0.1:{settings.http_port}/v1/chat/completions", json=body,
+                          headers=headers) as r:
+            return r.status, await r.json()
+
+
+class Violations:
+    """Collects the server's permission-violation errors for one client connection."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+        self.changed = asyncio.Event()
+
+    async def on_error(self, exc: Exception) -> None:
+        self.seen.append(str(exc))
+        self.changed.set()
+
+    async def wait_for(self, fragment: str, timeout: float = 10.0) -> None:
+        async def find() -> None:
+            while not any(fragment in s for s in self.seen):
+                self.changed.clear()
+                await self.changed.wait()
+
+        await asyncio.wait_for(find(), timeout)
+
+
+async def router_ready(url: str, user) -> None:
+    nc = await nats.connect(url, **user.options())
+    try:
+        await wait_for_router(nc, instances=1)
+    finally:
+        await nc.close()
+
+
+def forged_routed(call_id: str) -> m.CallRouted:
+    call = m.CallSubmitted(call_id=call_id, session_id="forged", model="qwen3-tiny", prompt_ids=[256, 70, 79],
+                           block_hashes=[], max_tokens=2, submitted_at=1.0)
+    return m.CallRouted(call=call, call_index=0, instance_id="agent-0", policy="talaria", routed_at=1.0)
+
+
+def forged_completed(call_id: str) -> m.CallCompleted:
+    return m.CallCompleted(call_id, "forged", 0, "qwen3-tiny", "agent-0", 123_456, 1, "stop",
+                           1.0, 1.1, 1.2, 1.3)
+
+
+async def test_nats_client_cannot_read_prompts_or_forge_routes_completions_or_replies(
+        secure_nats, database_url, db, tmp_path):
+    url, users = secure_nats
+    settings = Settings(nats_url=url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
+                        session_idle_s=3600, call_timeout_s=60, api_keys=KEYS)
+    services = Services()
+    violations = Violations()
+    try:
+        # No credentials: no connection at all.
+        with pytest.raises(Exception, match="Authorization"):
+            await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=3)
+        await start_stack(services, settings, users)
+        await router_ready(url, users["client"])
+        mallory = await nats.connect(url, error_cb=violations.on_error, **users["client"].options())
+        # Read prompts: neither the event subjects nor the JetStream API are open to clients.
+        prompts = await mallory.subscribe(subjects.EVENTS_WILDCARD)
+        await violations.wait_for(f'subscription to "{subjects.EVENTS_WILDCARD}"')
+        with pytest.raises(Exception):
+            await mallory.jetstream(timeout=3).stream_info(subjects.EVENTS_STREAM)
+        # Forge a routed call, a completion, and a reply to the gateway.
+        await mallory.publish(subjects.call_routed("agent-0"), m.encode(forged_routed("forged-route")))
+        await violations.wait_for(f'publish to "{subjects.call_routed("agent-0")}"')
+        await mallory.publish(subjects.CALL_COMPLETED, m.encode(forged_completed("forged-done")))
+        await violations.wait_for(f'publish to "{subjects.CALL_COMPLETED}"')
+        reply_subject = subjects.reply_inbox("gateway", "x") + ".c1"
+        await mallory.publish(reply_subject, m.encode(m.ErrorReply(200, "FORGED ANSWER", "FORGED ANSWER")))
+        await violations.wait_for(f'publish to "{reply_subject}"')
+        # The real path still works, and the NATS API answers a client with a key.
+        status, body = await chat(settings, "the real secret prompt", "victim-key-0123456789", "v1")
+        assert status == 200, body
+        req = m.CallRequest(model="qwen3-tiny", prompt="hi", session_id="n1", max_tokens=1,
+                            api_key="victim-key-0123456789")
+        reply = m.REPLY_DECODER.decode((await mallory.request(subjects.API_CALL, m.encode(req), timeout=60)).data)
+        assert isinstance(reply, m.CallResult) and reply.session_id == "n1"
+        with pytest.raises(nats.errors.TimeoutError):
+            await prompts.next_msg(timeout=0.2)  # the prompt above never reached the subscriber
+        await wait_rows(db, "SELECT * FROM calls WHERE session_id='victim:n1' AND outcome='completed'", 1)
+        forged = await db.fetch("SELECT * FROM calls WHERE call_id LIKE 'forged%' OR prompt_tokens=123456")
+        assert forged == []
+        await mallory.close()
+    finally:
+        await services.close()
+
+
+async def test_events_not_from_their_owning_service_are_dropped_on_an_open_nats(
+        nats_url, database_url, db, tmp_path):
+    """Defence in depth where the NATS has no permissions: an agent runs only calls the router
+    sent, the projector records only events their owner sent."""
+    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
+                        session_idle_s=3600, call_timeout_s=60)
+    services = Services()
+    try:
+        await start_stack(services, settings)
+        nc, js = await connect(nats_url, "rogue")
+        await emit(js, forged_routed("forged-route"))
+        await emit(js, forged_completed("forged-done"))
+        await emit(js, forged_routed("forged-as-agent"), sender="talaria-agent-agent-0")  # not the router
+        await nc.close()
+        await router_ready(nats_url, type("anon", (), {"options": lambda self: {}})())
+        status, body = await chat(settings, "after the forgeries", None, "legit")
+        assert status == 200, body
+        await wait_rows(db, "SELECT * FROM calls WHERE session_id='legit' AND outcome='completed'", 1)
+        forged = await db.fetch("SELECT * FROM calls WHERE call_id LIKE 'forged%' OR prompt_tokens=123456")
+        assert forged == []
+    finally:
+        await services.close()
+
+
+async def test_http_api_refuses_calls_without_a_valid_key_in_each_apis_shape(nats_url, database_url, tmp_path):
+    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
+                        api_keys=KEYS)
+    services = Services()
+    base = f"http://127.0.0.1:{settings.http_port}"
+    try:
+        await services.start("gateway", run_gateway, settings)
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{base}/healthz") as r:
+                assert r.status == 200  # open: load balancers and `talaria up` poll it
+            for headers in ({}, {"Authorization": "Bearer wrong-key-0123456789"},
+                            {"Authorization": "Basic dmljdGltOng="}, {"x-api-key": "nope"}):
+                for path in ("/v1/chat/completions", "/v1/completions", "/v1/models"):
+                    method = s.get if path == "/v1/models" else s.post
+                    async with method(base + path, json={**CHAT, "prompt": "x"}, headers=headers) as r:
+                        body = await r.json()
+                        assert r.status == 401 and body["error"]["code"] == "invalid_api_key", (path, headers)
+                async with s.post(f"{base}/v1/messages", json={}, headers=headers) as r:
+                    body = await r.json()  # Anthropic-style clients get Anthropic's error shape
+                    assert r.status == 401 and body == {"type": "error", "error": {
+                        "type": "authentication_error", "message": body["error"]["message"]}}
+            for headers in ({"Authorization": "Bearer victim-key-0123456789"}, {"x-api-key": "victim-key-0123456789"}):
+                async with s.get(f"{base}/v1/models", headers=headers) as r:
+                    assert r.status == 200
+        nc = await nats.connect(nats_url)
+        try:
+            req = m.CallRequest(model="qwen3-tiny", prompt="x", max_tokens=1)
+            reply = m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, m.encode(req), timeout=10)).data)
+            assert isinstance(reply, m.ErrorReply) and reply.status == 401
+        finally:
+            await nc.close()
+    finally:
+        await services.close()
+
+
+async def cached(settings, content: str, key: str, session: str) -> int:
+    status, body = await chat(settings, content, key, session)
+    assert status == 200, body
+    return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+async def test_cached_tokens_oracle_is_closed_across_tenants(nats_url, database_url, tmp_path):
+    """The issue's attack: after the victim's call, guesses under the *same session id*
+    returned more cached tokens the more bytes of the secret they got right. Each guess here
+    is its tenant's first call ever, so any cached token could only be the victim's."""
+    guesses = ["PASSWORD=a", "PASSWORD=h", "PASSWORD=hunter1", "PASSWORD=hunter2"]
+    guess_keys = [f"guess{i}-key-0123456789" for i in range(len(guesses))]
+    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
+                        session_idle_s=3600, call_timeout_s=60, policy="least-loaded",
+                        api_keys=KEYS + tuple(f"guess{i}:{k}" for i, k in enumerate(guess_keys)))
+    services = Services()
+    secret = "PASSWORD=hunter2;" + "x" * 64
+    try:
+        await start_stack(services, settings)
+        await router_ready(nats_url, type("anon", (), {"options": lambda self: {}})())
+        await cached(settings, secret, "victim-key-0123456789", "shared-id")
+        leaked = [await cached(settings, g, k, "shared-id") for g, k in zip(guesses, guess_keys)]
+        leaked.append(await cached(settings, secret, "mallory-key-0123456789", "shared-id"))
+        assert leaked == [0] * (len(guesses) + 1)
+        # Within a tenant reuse still works: the victim's own next call hits its cache.
+        assert await cached(settings, secret + " next turn", "victim-key-0123456789", "shared-id") > len(secret) // 2
+    finally:
+        await services.close()
+
+
+async def test_app_role_cannot_run_programs_and_migrations_run_as_the_owner(postgres_server):
+    name, role = f"t_{uuid.uuid4().hex[:12]}", f"talaria_app_{uuid.uuid4().hex[:8]}"
+    admin = await asyncpg.connect(asyncpg_dsn(postgres_server))
+    await admin.execute(f'CREATE DATABASE "{name}"')
+    await admin.close()
+    admin_url = _with_db(postgres_server, name)
+    password = uuid.uuid4().hex
+    try:
+        await ensure_app_role(admin_url, role, password)
+        host = asyncpg_dsn(admin_url).split("@", 1)[1]
+        app_url = f"postgresql://{role}:{password}@{host}"
+        await asyncio.get_running_loop().run_in_executor(None, upgrade, app_url)  # as the owner
+        conn = await asyncpg.connect(asyncpg_dsn(app_url))
+        try:
+            assert await conn.fetchval("SELECT rolsuper FROM pg_roles WHERE rolname = current_user") is False
+            assert await conn.fetchval("SELECT count(*) FROM pg_tables WHERE schemaname='talaria'") >= 6
+            for attack in ("COPY (SELECT 1) TO PROGRAM 'id > /tmp/talaria-pwned'",
+                           "SELECT pg_read_file('/etc/passwd')", f"CREATE ROLE evil_{role} SUPERUSER",
+                           "CREATE TABLE public.x (a int)"):
+                with pytest.raises(asyncpg.exceptions.InsufficientPrivilegeError):
+                    await conn.execute(attack)
+        finally:
+            await conn.close()
+    finally:
+        await drop_app_role(admin_url, role)
+        admin = await asyncpg.connect(asyncpg_dsn(postgres_server))
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()
+
+
+async def test_two_deployments_share_one_nats_without_seeing_each_others_calls(nats_url, database_url, db, tmp_path):
+    """Deployment `blue` on the NATS that also holds deployment `talaria`'s stream: blue's
+    calls are served on blue's subjects and stream; nothing lands in talaria's."""
+    nc, js = await connect(nats_url, "talaria-test")  # creates TALARIA_EVENTS, as a `talaria` service would
+    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
+                        session_idle_s=3600, call_timeout_s=60, deployment="blue")
+    services = Services()
+    subjects.configure("blue")  # what runtime.main does in each of blue's processes
+    try:
+        with contextlib.suppress(Exception):
+            await js.delete_stream("BLUE_EVENTS")  # an external NATS may keep one from an earlier run
+        await start_stack(services, settings)
+        await router_ready(nats_url, type("anon", (), {"options": lambda self: {}})())
+        status, body = await chat(settings, "blue call", None, "blue-1")
+        assert status == 200, body
+        await wait_rows(db, "SELECT * FROM calls WHERE session_id='blue-1' AND outcome='completed'", 1)
+        assert (await js.stream_info("BLUE_EVENTS")).state.messages > 0
+        assert (await js.stream_info("TALARIA_EVENTS")).state.messages == 0
+    finally:
+        await services.close()
+        subjects.configure("talaria")
+        with contextlib.suppress(Exception):
+            await js.delete_stream("BLUE_EVENTS")
+        await nc.close()
+
+
+async def test_embedded_postgres_requires_passwords_even_on_a_data_dir_from_before(tmp_path):
+    """A `.talaria/` from before issue 14 holds a trust-auth cluster: its next start sets
+    passwords and requires them; services get the application role, never the superuser."""
+    import os
+    import subprocess
+
+    from talaria.embedded import EmbeddedPostgres, _prepare_root
+    from embedded_postgres._commands import POSTGRES_BIN_PATH
+
+    pgdata = (tmp_path / "pg").resolve() / "pgdata"
+    pgdata.mkdir(parents=True)
+    user = _prepare_root(pgdata, POSTGRES_BIN_PATH) if os.geteuid() == 0 else None
+    subprocess.run([str(POSTGRES_BIN_PATH / "initdb"), "-D", str(pgdata), "-U", "postgres", "--auth=trust",
+                    "--no-sync"], check=True, user=user, capture_output=True)
+    server = await asyncio.get_running_loop().run_in_executor(None, EmbeddedPostgres(tmp_path / "pg").start)
+    try:
+        assert (tmp_path / "pg" / "credentials.json").stat().st_mode & 0o777 == 0o600
+        conn = await asyncpg.connect(asyncpg_dsn(server.url))
+        assert await conn.fetchval("SELECT rolsuper FROM pg_roles WHERE rolname = current_user") is False
+        await conn.close()
+        with pytest.raises(asyncpg.exceptions.InvalidPasswordError):
+            await asyncpg.connect(f"postgresql://postgres@127.0.0.1:{server.port}/talaria")
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("kind", ["user", "token", "nkey"])
+async def test_external_nats_credentials_from_settings(kind, tmp_path):
+    """Each credential kind an external NATS may demand, read from the environment."""
+    import json
+    import os
+    import subprocess
+
+    import nkeys
+
+    from talaria.embedded import nats_server_binary, wait_for_port
+
+    env: dict[str, str] = {}
+    if kind == "user":
+        auth, env = {"users": [{"user": "svc", "password": "pw-123"}]}, {"TALARIA_NATS_USER": "svc",
+                                                                         "TALARIA_NATS_PASSWORD": "pw-123"}
+    elif kind == "token":
+        auth, env = {"token": "tok-123"}, {"TALARIA_NATS_TOKEN": "tok-123"}
+    else:
+        seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+        (tmp_path / "user.nk").write_bytes(seed)
+        public = nkeys.from_seed(bytearray(seed)).public_key.decode()
+        auth, env = {"users": [{"nkey": public}]}, {"TALARIA_NATS_NKEY_SEED": str(tmp_path / "user.nk")}
+    port = free_port()
+    (tmp_path / "nats.conf").write_text(json.dumps({"authorization": auth}))
+    proc = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd",
+                             str(tmp_path / "js"), "-c", str(tmp_path / "nats.conf"), "-l", str(tmp_path / "log")])
+    try:
+        wait_for_port(port, proc, "nats", 20, tmp_path / "log")
+        url = f"nats://127.0.0.1:{port}"
+        settings = Settings.from_env({"TALARIA_NATS_URL": url, **env})
+        nc, js = await connect(url, "talaria-gateway", **settings.nats_options())
+        assert (await js.stream_info(subjects.EVENTS_STREAM)).config.name == subjects.EVENTS_STREAM
+        await nc.close()
+        with pytest.raises(Exception):
+            await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=3)
+    finally:
+        proc.terminate()
+        proc.wait(10)
