@@ -35,6 +35,8 @@ def live_stack(agents: int = 2, **changes):
         settings = Settings.from_env({}).with_(data_dir=Path(tmp), http_port=free_port(), **changes)
         stack = Stack(settings, agents=agents, log_to_files=True)
         stack.start(progress=lambda m: print(f"  stack: {m}", file=sys.stderr, flush=True))
+        global API_KEY
+        API_KEY = getattr(stack, "api_key", None)
         try:
             yield stack
         except BaseException:
@@ -76,13 +78,22 @@ def text_of_bytes(n: int, seed: int = 0) -> str:
     return " ".join(out)[:n]
 
 
+API_KEY: str | None = None  # the running stack's API key, when it has one (set by live_stack)
+
+
+def http_headers(extra: dict | None = None) -> dict:
+    """Headers for the gateway: the stack's API key, when it has one."""
+    return {**({"Authorization": f"Bearer {API_KEY}"} if API_KEY else {}), **(extra or {})}
+
+
 async def nats_call(nc, model: str, session: str, content, max_tokens: int = 1,
                     timeout: float = 120.0, call_id: str | None = None):
     """One call over the NATS API; returns (reply, client latency in seconds, send time).
     `content`: the user text, or a list of (role, text) messages."""
     msgs = [ChatMessage("user", content)] if isinstance(content, str) else [ChatMessage(r, t) for r, t in content]
+    extra = {"api_key": API_KEY} if API_KEY and "api_key" in CallRequest.__struct_fields__ else {}
     req = CallRequest(model=model, session_id=session, max_tokens=max_tokens, temperature=0,
-                      messages=msgs, call_id=call_id or uuid.uuid4().hex)
+                      messages=msgs, call_id=call_id or uuid.uuid4().hex, **extra)
     t0 = time.time()
     msg = await nc.request("talaria.api.call", msgspec.json.encode(req), timeout=timeout)
     return REPLY_DECODER.decode(msg.data), time.time() - t0, t0
@@ -91,7 +102,7 @@ async def nats_call(nc, model: str, session: str, content, max_tokens: int = 1,
 async def connect(stack):
     import nats
 
-    return await nats.connect(stack.nats_url)
+    return await nats.connect(getattr(stack, "client_nats_url", None) or stack.nats_url)
 
 
 def run(coro):

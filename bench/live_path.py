@@ -28,7 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from live import call_rows, connect, live_stack, ms, nats_call, p50, pct, text_of_bytes  # noqa: E402
+import live  # noqa: E402
+from live import call_rows, connect, http_headers, live_stack, ms, nats_call, p50, pct, text_of_bytes  # noqa: E402
 
 MODEL = "qwen3-tiny"
 
@@ -211,7 +212,7 @@ def cancel(args) -> str:
             body = {"model": MODEL, "messages": [{"role": "user", "content": f"stream {i}"}],
                     "max_tokens": args.cancel_tokens, "temperature": 0, "stream": True}
             async with session.post(stack.gateway_url + "/v1/chat/completions", json=body,
-                                    headers={"X-Session-Id": f"cancel-{i}"}) as resp:
+                                    headers=http_headers({"X-Session-Id": f"cancel-{i}"})) as resp:
                 async for line in resp.content:
                     if line.startswith(b"data: {") and b'"content": "' in line and b'"content": ""' not in line:
                         break  # first real chunk: drop the connection
@@ -274,14 +275,14 @@ def bodies(args) -> str:
                 t = time.perf_counter()
                 async with s.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": f"hi {i}"}],
                                              "max_tokens": 1, "temperature": 0},
-                                  headers={"X-Session-Id": f"norm-{i}"}) as r:
+                                  headers=http_headers({"X-Session-Id": f"norm-{i}"})) as r:
                     await r.read()
                 lat.append(time.perf_counter() - t)
             return lat
 
         async def flood(s, stop: asyncio.Event, statuses: list[int]) -> None:
             while not stop.is_set():
-                async with s.post(url, data=big, headers={"Content-Type": "application/json"}) as r:
+                async with s.post(url, data=big, headers=http_headers({"Content-Type": "application/json"})) as r:
                     await r.read()
                     statuses.append(r.status)
 
@@ -312,7 +313,7 @@ def bodies(args) -> str:
 
 def _get(url: str) -> tuple[int, dict]:
     try:
-        with urllib.request.urlopen(url, timeout=5) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=http_headers()), timeout=5) as r:
             return r.status, json.load(r)
     except urllib.error.HTTPError as e:
         try:
