@@ -1,4 +1,5 @@
-"""The model catalogue: tiny random-weight models the torch engine serves.
+"""The model catalogue: tiny random-weight models the torch engine serves (and, registered at
+start, Hugging Face checkpoints: hf_config.py).
 
 Each entry fixes the architecture, the seed its weights are drawn from, and its
 context length. Weights are built from this config once and written as safetensors
@@ -11,11 +12,14 @@ from dataclasses import dataclass
 
 from talaria.shared.tokenizer import VOCAB_SIZE
 
+DEMO_VOCAB_SIZE = 4352  # the demo BPE's ids (about 4,100 used) rounded up; see demo_tokenizer.py
+DEMO_CONTEXT = 131072  # a coding agent's first request (60-100 KB) is 20-30k BPE tokens
+
 
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
-    arch: str  # dense (Qwen3-like) | moe (Qwen3-MoE-like) | gpt2 (LayerNorm, learned positions)
+    arch: str  # dense (Qwen3) | moe (Qwen3-MoE) | llama (Llama 3, Mistral) | gpt2 (LayerNorm, learned positions)
     hidden: int
     layers: int
     heads: int
@@ -28,16 +32,25 @@ class ModelSpec:
     experts_per_token: int = 0
     vocab_size: int = VOCAB_SIZE
     rope_theta: float = 10000.0
+    # Hugging Face checkpoints (shared/hf_config.py); the built-in models keep these defaults.
+    path: str | None = None  # a local Hugging Face model directory; None: weights from `seed`
+    norm_eps: float = 0.0  # 0: the engine's defaults (RMSNorm 1e-6, LayerNorm 1e-5)
+    rope_scaling: tuple[float, ...] = ()  # Llama 3: (factor, low_freq_factor, high_freq_factor, original_max)
+    norm_topk_prob: bool = True  # MoE: renormalise the top-k router weights
+    eos_ids: tuple[int, ...] = ()  # () : the byte tokenizer's EOS
+    tokenizer: str = "byte"  # built-ins: "byte" (tokenizer.py) or "bpe" (demo_tokenizer.py)
 
 
 CATALOG: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
-        ModelSpec("qwen3-tiny", "dense", 128, 4, 4, 2, 32, 384, 32768, seed=1),
+        ModelSpec("qwen3-tiny", "dense", 128, 4, 4, 2, 32, 384, DEMO_CONTEXT, seed=1,
+                  vocab_size=DEMO_VOCAB_SIZE, tokenizer="bpe"),
         ModelSpec(
-            "qwen3-moe-tiny", "moe", 128, 4, 4, 2, 32, 192, 32768, seed=2,
-            experts=8, experts_per_token=2,
+            "qwen3-moe-tiny", "moe", 128, 4, 4, 2, 32, 192, DEMO_CONTEXT, seed=2,
+            experts=8, experts_per_token=2, vocab_size=DEMO_VOCAB_SIZE, tokenizer="bpe",
         ),
+        # GPT-2's learned positions make a long context costly: it keeps the byte tokenizer.
         ModelSpec("gpt2-tiny", "gpt2", 128, 4, 4, 4, 32, 512, 8192, seed=3),
     )
 }
@@ -50,6 +63,11 @@ class UnknownModelError(KeyError):
 
     def __str__(self) -> str:
         return f"model {self.model!r} does not exist; known: {', '.join(sorted(CATALOG))}"
+
+
+def register(spec: ModelSpec) -> None:
+    """Add a model (a Hugging Face directory, see shared/hf_config.py) to this process's catalogue."""
+    CATALOG[spec.name] = spec
 
 
 def get_spec(name: str) -> ModelSpec:

@@ -15,9 +15,28 @@ from msgspec import Struct
 KvSource = Literal["device", "host", "recompute", "none"]
 
 
+class ToolCallMsg(Struct, frozen=True, forbid_unknown_fields=False):
+    """An assistant's earlier tool call: `arguments` is a JSON object as text."""
+
+    name: str
+    arguments: str = "{}"
+    id: str = ""
+
+
 class ChatMessage(Struct, frozen=True, forbid_unknown_fields=False):
     role: str
     content: str
+    tool_calls: list[ToolCallMsg] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns
+    name: str | None = None
+
+
+class ToolSpec(Struct, frozen=True, forbid_unknown_fields=False):
+    """A function the model may call; `parameters` is its JSON schema."""
+
+    name: str
+    description: str = ""
+    parameters: dict = {}
 
 
 # --------------------------------------------------------------------------------------
@@ -43,6 +62,9 @@ class CallRequest(Struct, frozen=True):
     seed: int | None = None
     stop: list[str] = []
     stream: bool = False
+    tools: list[ToolSpec] | None = None  # rendered by the model's chat template
+    tool_choice: str = "auto"  # auto | required | none | tool (stated in the prompt, not enforced)
+    forced_tool: str | None = None  # the tool's name when tool_choice is "tool"
     api_key: str | None = None  # required when the gateway has API keys configured
 
 
@@ -73,6 +95,7 @@ class CallResult(Struct, frozen=True, tag="result"):
     usage: Usage
     timings: Timings
     kv_source: KvSource = "none"
+    stop_sequence: str | None = None  # which of the call's `stop` strings ended it
 
 
 class ErrorReply(Struct, frozen=True, tag="error"):

@@ -47,6 +47,7 @@ class Settings:
     instance_id: str = field(default_factory=lambda: f"agent-{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
     models: tuple[str, ...] = ("qwen3-tiny", "qwen3-moe-tiny", "gpt2-tiny")
     pool: str = "cold"
+    engine: str = "torch"  # engine/registry.py; an unknown name fails the agent at start
     device: str = "cpu"
     sp: bool = True
     hkvr: bool = True
@@ -69,6 +70,27 @@ class Settings:
     api_keys: tuple[str, ...] = ()  # `tenant:sha256:<hex>` (or `tenant:<key>`, hashed on load)
     api_keys_file: Path | None = None  # one `tenant sha256:<hex>` per line
     prefix_sharing: str = "tenant"  # KV prefix reuse scope: tenant, session or global
+    # Hugging Face directories among the models: TALARIA_MODELS entries `name=/path` (hf_config.py)
+    model_dirs: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        from talaria.shared.catalog import register
+        from talaria.shared.hf_config import CheckpointError, load_spec, parse_models
+
+        names, dirs = parse_models(tuple(self.models))
+        dirs = {**dict(self.model_dirs), **dirs}
+        for name, path in dirs.items():
+            try:
+                register(load_spec(name, path))
+            except CheckpointError as exc:
+                raise SettingsError("TALARIA_MODELS", f"{name}={path}", f"a servable checkpoint: {exc}") from None
+        object.__setattr__(self, "models", names)
+        object.__setattr__(self, "model_dirs", tuple(dirs.items()))
+
+    def models_env(self) -> str:
+        """TALARIA_MODELS for child processes: names, with `=path` for checkpoint directories."""
+        dirs = dict(self.model_dirs)
+        return ",".join(f"{m}={dirs[m]}" if m in dirs else m for m in self.models)
 
     @property
     def traces_path(self) -> Path:
@@ -82,6 +104,8 @@ class Settings:
         env = os.environ if env is None else env
         values: dict[str, object] = {}
         for f in fields(cls):
+            if f.name == "model_dirs":  # filled from TALARIA_MODELS' name=/path entries
+                continue
             var = "OTEL_EXPORTER_OTLP_ENDPOINT" if f.name == "otlp_endpoint" else f"TALARIA_{f.name.upper()}"
             raw = env.get(var)
             if raw is None or raw == "":

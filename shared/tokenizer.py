@@ -69,7 +69,9 @@ def block_hashes(ids: Sequence[int], block: int = HASH_BLOCK_TOKENS, scope: str 
 
 
 def _pack(ids: Sequence[int]) -> bytearray:
+    # Two bytes per id; ids past 0xFFFE (large vocabularies) are escaped as 0xFFFF + 4 bytes,
+    # so the packing stays unambiguous and the built-in models' hashes are unchanged.
     buf = bytearray()
     for i in ids:
-        buf += i.to_bytes(2, "little")
+        buf += i.to_bytes(2, "little") if i < 0xFFFF else b"\xff\xff" + i.to_bytes(4, "little")
     return buf

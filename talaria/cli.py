@@ -38,9 +38,14 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         changes["data_dir"] = Path(args.data_dir)
     if args.policy is not None:
         changes["policy"] = args.policy
-    if args.models:
-        changes["models"] = tuple(m.strip() for m in args.models.split(",") if m.strip())
-    settings = _apply_ablation(settings.with_(**changes), args)
+    models = [m.strip() for m in (args.models or "").split(",") if m.strip()] + list(args.model)
+    if models:
+        changes["models"] = tuple(models)
+    try:
+        settings = _apply_ablation(settings.with_(**changes), args)
+    except SettingsError as exc:
+        print(f"talaria: {exc}", file=sys.stderr)
+        return 2
     _check_policy(settings.policy)
     from talaria.shared.catalog import CATALOG
 
@@ -226,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--data-dir", default=None, help="data directory (default .talaria)")
     up.add_argument("--policy", default=None, help="routing policy (default talaria)")
     up.add_argument("--models", default=None, help="comma-separated models each agent serves")
+    up.add_argument("--model", action="append", default=[], metavar="NAME=DIR",
+                    help="serve the Hugging Face checkpoint in DIR as NAME (repeatable; with --models: added)")
     _ablation_flags(up)
     sub.add_parser("migrate", help="apply database migrations to TALARIA_DATABASE_URL")
     nc = sub.add_parser("nats-config", help="write per-service NATS users and permissions for an external NATS")

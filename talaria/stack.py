@@ -139,7 +139,7 @@ class Stack:
             "TALARIA_POLICY": s.policy, "TALARIA_LEASE_TIMEOUT_S": str(s.lease_timeout_s),
             "TALARIA_ADAPTIVE_LEASE": str(s.adaptive_lease), "TALARIA_SP": str(s.sp),
             "TALARIA_HKVR": str(s.hkvr), "TALARIA_STAGING": str(s.staging),
-            "TALARIA_MODELS": ",".join(s.models), "TALARIA_DEVICE": s.device,
+            "TALARIA_MODELS": s.models_env(), "TALARIA_DEVICE": s.device,
             "TALARIA_HTTP_HOST": s.http_host, "TALARIA_SESSION_IDLE_S": str(s.session_idle_s),
             "TALARIA_LOG_LEVEL": s.log_level, "TALARIA_DEPLOYMENT": s.deployment, "PYTHONUNBUFFERED": "1",
         })

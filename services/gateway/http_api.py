@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP API (aiohttp): chat/completions, completions, models, healthz."""
+"""HTTP API (aiohttp): OpenAI chat/completions, completions, models, healthz; Anthropic messages."""
 
 from __future__ import annotations
 
@@ -9,22 +9,27 @@ import time
 import msgspec
 from aiohttp import web
 
+from talaria.services.gateway.anthropic_api import AnthropicApi
 from talaria.services.gateway.auth import TENANT, KeyStore, client_session, http_middleware, scoped_session
 from talaria.services.gateway.openai_api import (
     CHAT_DECODER,
     COMPLETION_DECODER,
     chat_chunk,
+    chat_messages,
     chat_response,
     completion_chunk,
     completion_response,
     error_body,
+    openai_tool_calls,
+    refuse_unsupported,
     stops,
     validation_error,
 )
-from talaria.services.gateway.prepare import RequestError, prepare
+from talaria.shared.tool_calls import TextUntilCalls, parse_calls
+from talaria.services.gateway.prepare import RequestError, prepare, tool_format
 from talaria.services.gateway.sessions import InvalidSessionId, session_id_from
 from talaria.services.gateway.submitter import Submitter
-from talaria.shared.messages import CallRequest, CallResult, CallSubmitted, ChatMessage, ErrorReply, TokenChunk
+from talaria.shared.messages import CallRequest, CallResult, CallSubmitted, ErrorReply, TokenChunk
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 # Bodies above this are parsed, validated and tokenised in a worker process, not on the event
@@ -41,14 +46,15 @@ def error_response(err: ErrorReply) -> web.Response:
 
 
 def parse_request(body: bytes, chat: bool, headers, tenant: str = "",
-                  prefix_sharing: str = "tenant") -> tuple[CallSubmitted, bool] | ErrorReply:
-    """Decode, validate and tokenise one HTTP body: (the call, include_usage) or the 4xx reply.
-    Pure (no I/O), so it may run in a worker process."""
+                  prefix_sharing: str = "tenant") -> tuple[CallSubmitted, bool, str | None] | ErrorReply:
+    """Decode, validate and tokenise one HTTP body: (the call, include_usage, its tool-call
+    format) or the 4xx reply. Pure (no I/O), so it may run in a worker process."""
     try:
         decoded = (CHAT_DECODER if chat else COMPLETION_DECODER).decode(body)
         req, include_usage = _to_call_request(decoded, chat)
         session_id = scoped_session(tenant, session_id_from(headers, decoded.user))
-        return prepare(req, session_id, "chat" if chat else "completion", tenant, prefix_sharing), include_usage
+        call = prepare(req, session_id, "chat" if chat else "completion", tenant, prefix_sharing)
+        return call, include_usage, tool_format(req)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         return validation_error(exc)
     except InvalidSessionId as exc:
@@ -75,6 +81,7 @@ class HttpApi:
             web.get("/v1/models", self.list_models),
             web.get("/healthz", self.healthz),
             web.get("/readyz", self.healthz),
+            *AnthropicApi(self.submitter, self.log, self.prefix_sharing).routes(),
         ])
         return app
 
@@ -104,19 +111,21 @@ class HttpApi:
             parsed = parse_request(*args)
         if isinstance(parsed, ErrorReply):
             return error_response(parsed)
-        call, include_usage = parsed
+        call, include_usage, fmt = parsed
         if call.stream:
-            return await self._stream(request, call, chat, include_usage)
+            return await self._stream(request, call, chat, include_usage, fmt)
         reply = await self.submitter.submit(call)
         if isinstance(reply, ErrorReply):
             return error_response(reply)
-        body = chat_response(reply) if chat else completion_response(reply)
+        body = chat_response(reply, fmt) if chat else completion_response(reply)
         return web.json_response(body, headers=_call_headers(reply, call.tenant))
 
-    async def _stream(self, request, call, chat: bool, include_usage: bool) -> web.StreamResponse:
+    async def _stream(self, request, call, chat: bool, include_usage: bool,
+                      fmt: str | None = None) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Session-Id": client_session(call.tenant, call.session_id), "X-Talaria-Call-Id": call.call_id})
-        sent: list[str] = []
+                                           "X-Session-Id": client_session(call.tenant, call.session_id),
+                                           "X-Talaria-Call-Id": call.call_id})
+        text = TextUntilCalls(fmt is not None, fmt or "hermes")  # tool calls go out whole, at the end
 
         async def send(obj: dict) -> None:
             if not resp.prepared:  # headers go out with the first event, so an early error keeps its status
@@ -126,9 +135,8 @@ class HttpApi:
             await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
         async def on_token(tok: TokenChunk) -> None:
-            if tok.text:
-                sent.append(tok.text)
-                await send(self._chunk(call, chat, tok.text, None, include_usage))
+            if piece := text.push(tok.text):
+                await send(self._chunk(call, chat, piece, None, include_usage))
 
         reply = await self.submitter.submit(call, on_token=on_token)
         if isinstance(reply, ErrorReply):
@@ -138,9 +146,16 @@ class HttpApi:
         else:
             # Tokens and the reply travel on different subjects: send whatever text the
             # stream missed, so the streamed answer always equals the final one.
-            streamed = "".join(sent)
-            rest = reply.text[len(streamed):] if reply.text.startswith(streamed) else ""
-            await send(self._chunk(call, chat, rest, reply.finish_reason, include_usage))
+            content, calls = parse_calls(reply.text, fmt) if fmt else (reply.text, [])
+            finish = reply.finish_reason
+            if calls:
+                if rest := text.rest(content):
+                    await send(self._chunk(call, chat, rest, None, include_usage))
+                deltas = [{"index": i, **c} for i, c in enumerate(openai_tool_calls(reply.call_id, calls))]
+                await send(self._chunk(call, chat, {"tool_calls": deltas}, None, include_usage))
+                await send(self._chunk(call, chat, "", "tool_calls", include_usage))
+            else:
+                await send(self._chunk(call, chat, text.rest(content), finish, include_usage))
             if include_usage:
                 final = self._chunk(call, chat, "", None, include_usage)
                 final["choices"] = []
@@ -162,15 +177,19 @@ class HttpApi:
         return body
 
 
+DEFAULT_MAX_TOKENS = {True: 256, False: 16}  # chat, completion (OpenAI's legacy default)
+
+
 def _to_call_request(decoded, chat: bool) -> tuple[CallRequest, bool]:
     if decoded.n != 1:
         raise RequestError(ErrorReply(400, "invalid_request", "only n=1 is supported", param="n"))
+    refuse_unsupported(decoded)
     max_tokens = decoded.max_tokens
     if chat and decoded.max_completion_tokens is not None:
         max_tokens = decoded.max_completion_tokens
     common = dict(
         model=decoded.model,
-        max_tokens=16 if max_tokens is None and not chat else (max_tokens or 256),
+        max_tokens=DEFAULT_MAX_TOKENS[chat] if max_tokens is None else max_tokens,  # 0 is refused
         temperature=decoded.temperature,
         top_p=decoded.top_p,
         seed=decoded.seed,
@@ -178,8 +197,9 @@ def _to_call_request(decoded, chat: bool) -> tuple[CallRequest, bool]:
         stream=decoded.stream,
     )
     if chat:
-        messages = [ChatMessage(m.role, m.text()) for m in decoded.messages]
-        req = CallRequest(messages=messages, **common)
+        chat_in = chat_messages(decoded)
+        req = CallRequest(messages=chat_in.messages, tools=chat_in.tools, tool_choice=chat_in.choice,
+                          forced_tool=chat_in.forced, **common)
     else:
         prompt = decoded.prompt if isinstance(decoded.prompt, str) else "".join(decoded.prompt[:1])
         if isinstance(decoded.prompt, list) and len(decoded.prompt) > 1:

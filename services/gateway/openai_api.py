@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from msgspec import Struct
 
-from talaria.shared.messages import CallResult, ErrorReply
+from talaria.services.gateway.prepare import bad
+from talaria.shared.messages import CallResult, ChatMessage, ErrorReply, ToolCallMsg, ToolSpec
+from talaria.shared.tool_calls import ToolCall, parse_calls
+
+
+TEXT_PART_TYPES = ("text", "input_text", "output_text")
 
 
 class TextPart(Struct, forbid_unknown_fields=False):
@@ -16,16 +22,54 @@ class TextPart(Struct, forbid_unknown_fields=False):
     text: str = ""
 
 
+class FunctionCallIn(Struct, forbid_unknown_fields=False):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallIn(Struct, forbid_unknown_fields=False):
+    function: FunctionCallIn
+    id: str = ""
+    type: str = "function"
+
+
 class ChatMessageIn(Struct, forbid_unknown_fields=False):
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content if p.type in ("text", "input_text"))
+        return "".join(p.text for p in self.content if p.type in TEXT_PART_TYPES)
+
+
+class FunctionDef(Struct, forbid_unknown_fields=False):
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = {}
+
+
+class ToolDef(Struct, forbid_unknown_fields=False):
+    function: FunctionDef
+    type: str = "function"
+
+
+class NamedFunction(Struct, forbid_unknown_fields=False):
+    name: str
+
+
+class ToolChoiceNamed(Struct, forbid_unknown_fields=False):
+    function: NamedFunction
+    type: str = "function"
+
+
+class ResponseFormat(Struct, forbid_unknown_fields=False):
+    type: str = "text"
 
 
 class StreamOptions(Struct, forbid_unknown_fields=False):
@@ -48,10 +92,22 @@ class _Common(Struct, forbid_unknown_fields=False):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessageIn] = []
     max_completion_tokens: int | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: str | ToolChoiceNamed | None = None
+    parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str] = ""
+    logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
 
 
 CHAT_DECODER = msgspec.json.Decoder(ChatCompletionRequest)
@@ -64,6 +120,76 @@ def stops(value: str | list[str] | None) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
 
 
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool", "function": "tool"}
+
+
+def refuse_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
+    """Fields we do not implement get a 400 naming them: silently ignoring one would hand
+    the client an answer it did not ask for."""
+    if req.logprobs:
+        raise bad("`logprobs` is not supported by this server", "logprobs", "unsupported_parameter")
+    if getattr(req, "top_logprobs", None):
+        raise bad("`top_logprobs` is not supported by this server", "top_logprobs", "unsupported_parameter")
+    if req.logit_bias:
+        raise bad("`logit_bias` is not supported by this server", "logit_bias", "unsupported_parameter")
+    fmt = getattr(req, "response_format", None)
+    if fmt is not None and fmt.type != "text":
+        raise bad(f"`response_format` {fmt.type!r} is not supported by this server (only 'text')",
+                  "response_format", "unsupported_parameter")
+    if isinstance(req, CompletionRequest):
+        if req.echo or req.suffix or (req.best_of or 1) != 1:
+            field = "echo" if req.echo else "suffix" if req.suffix else "best_of"
+            raise bad(f"`{field}` is not supported by this server", field, "unsupported_parameter")
+
+
+@dataclass(frozen=True)
+class ChatInput:
+    """A chat request's turns and tools, as the model's chat template takes them."""
+
+    messages: list[ChatMessage]
+    tools: list[ToolSpec] | None
+    choice: str = "auto"  # auto | required | none | tool
+    forced: str | None = None
+
+    @property
+    def tools_offered(self) -> bool:
+        return bool(self.tools) and self.choice != "none"
+
+
+def chat_messages(req: ChatCompletionRequest) -> ChatInput:
+    """OpenAI messages as chat turns, keeping assistant tool calls and tool results."""
+    turns: list[ChatMessage] = []
+    for i, m in enumerate(req.messages):
+        role = ROLES.get(m.role)
+        if role is None:
+            raise bad(f"unknown role {m.role!r} in messages[{i}]; expected one of: {', '.join(ROLES)}",
+                      f"messages[{i}].role")
+        if isinstance(m.content, list):
+            for part in m.content:
+                if part.type not in TEXT_PART_TYPES:
+                    raise bad(f"content part type {part.type!r} is not supported (text only)",
+                              f"messages[{i}].content", "unsupported_content")
+        calls = [ToolCallMsg(c.function.name, c.function.arguments, c.id) for c in m.tool_calls or []]
+        turns.append(ChatMessage(role, m.text(), tool_calls=calls or None,
+                                 tool_call_id=m.tool_call_id if role == "tool" else None,
+                                 name=m.name if role == "tool" else None))
+    choice, forced = "auto", None
+    if isinstance(req.tool_choice, ToolChoiceNamed):
+        choice, forced = "tool", req.tool_choice.function.name
+    elif req.tool_choice in ("required", "none"):
+        choice = req.tool_choice
+    elif req.tool_choice not in (None, "auto"):
+        raise bad(f"unknown tool_choice {req.tool_choice!r}", "tool_choice")
+    tools = [ToolSpec(t.function.name, t.function.description, t.function.parameters) for t in req.tools or []]
+    return ChatInput(turns, tools or None, choice, forced)
+
+
+def openai_tool_calls(call_id: str, calls: list[ToolCall]) -> list[dict[str, Any]]:
+    return [{"id": f"call_{call_id[:16]}_{i}", "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}} for i, c in enumerate(calls)]
+
+
 def usage(result: CallResult) -> dict[str, Any]:
     u = result.usage
     return {
@@ -74,7 +200,16 @@ def usage(result: CallResult) -> dict[str, Any]:
     }
 
 
-def chat_response(result: CallResult) -> dict[str, Any]:
+def chat_response(result: CallResult, tool_format: str | None = None) -> dict[str, Any]:
+    """`tool_format`: the model's tool-call form when tools were offered (else None)."""
+    message: dict[str, Any] = {"role": "assistant", "content": result.text}
+    finish = result.finish_reason
+    if tool_format:
+        content, calls = parse_calls(result.text, tool_format)
+        if calls:
+            message = {"role": "assistant", "content": content or None,
+                       "tool_calls": openai_tool_calls(result.call_id, calls)}
+            finish = "tool_calls"
     return {
         "id": f"chatcmpl-{result.call_id}",
         "object": "chat.completion",
@@ -83,8 +218,8 @@ def chat_response(result: CallResult) -> dict[str, Any]:
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": result.text},
-                "finish_reason": result.finish_reason,
+                "message": message,
+                "finish_reason": finish,
                 "logprobs": None,
             }
         ],

@@ -12,9 +12,11 @@ from talaria.services.gateway.auth import kv_scope
 from talaria.shared import subjects
 from talaria.shared.catalog import CATALOG
 from talaria.shared.messages import CallRequest, CallSubmitted, ErrorReply
-from talaria.shared.tokenizer import block_hashes, encode, render_chat
+from talaria.shared.model_text import text_for
+from talaria.shared.tokenizer import block_hashes
 
 MAX_STOP_STRINGS = 8
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class RequestError(Exception):
@@ -27,8 +29,19 @@ def bad(message: str, param: str | None = None, code: str = "invalid_request") -
     return RequestError(ErrorReply(400, code, message, param=param))
 
 
-def prepare(req: CallRequest, session_id: str, api: str, tenant: str = "", sharing: str = "tenant") -> CallSubmitted:
-    """`session_id` is already scoped to `tenant` (auth.scoped_session)."""
+def tool_format(req: CallRequest) -> str | None:
+    """The form the model writes tool calls in, when the request offers tools (else None)."""
+    spec = CATALOG.get(req.model)
+    if spec is None or not req.tools or req.tool_choice == "none":
+        return None
+    return text_for(spec).tool_format
+
+
+def prepare(req: CallRequest, session_id: str, api: str, tenant: str = "", sharing: str = "tenant",
+            fit_max_tokens: bool = False) -> CallSubmitted:
+    """`session_id` is already scoped to `tenant` (auth.scoped_session). `fit_max_tokens`: a
+    prompt that fits gets `max_tokens` cut to the context left (Anthropic clients such as
+    Claude Code ask for 32,000 whatever the model), instead of a 400."""
     spec = CATALOG.get(req.model)
     if spec is None:
         raise RequestError(
@@ -39,9 +52,22 @@ def prepare(req: CallRequest, session_id: str, api: str, tenant: str = "", shari
     if req.messages is not None:
         if not req.messages:
             raise bad("`messages` must not be empty", "messages")
-        text = render_chat([(m.role, m.content) for m in req.messages])
+        for i, m in enumerate(req.messages):
+            if m.role not in CHAT_ROLES:
+                raise bad(f"unknown role {m.role!r} in messages[{i}]; expected one of: {', '.join(CHAT_ROLES)}",
+                          f"messages[{i}].role")
+    model_text = text_for(spec)
+    if req.tool_choice not in ("auto", "required", "none", "tool") or (req.tool_choice == "tool") != bool(
+            req.forced_tool):
+        raise bad("`tool_choice` is auto, required, none, or tool with `forced_tool`", "tool_choice")
+    if req.messages is not None:
+        try:
+            text = model_text.render(req.messages, req.tools, req.tool_choice, req.forced_tool)
+        except Exception as exc:  # a template that raises (e.g. roles out of order) fails this call
+            raise bad(f"the chat template of `{req.model}` refused these messages: {exc}", "messages") from None
+        ids = model_text.encode(text, chat=True)
     else:
-        text = req.prompt or ""
+        ids = model_text.encode(req.prompt or "", chat=False)
     if req.max_tokens < 1:
         raise bad("`max_tokens` must be at least 1", "max_tokens")
     if not 0.0 <= req.temperature <= 2.0:
@@ -53,16 +79,18 @@ def prepare(req: CallRequest, session_id: str, api: str, tenant: str = "", shari
     call_id = req.call_id or uuid.uuid4().hex
     if not subjects.valid_token(call_id) or len(call_id) > 128:
         raise bad("`call_id` must be a NATS subject token (no '.', '*', '>' or spaces)", "call_id")
-    ids = encode(text)
     scope = kv_scope(sharing, tenant, session_id)
-    if len(ids) + req.max_tokens > spec.context_length:
+    max_tokens = req.max_tokens
+    if fit_max_tokens and len(ids) < spec.context_length:
+        max_tokens = min(max_tokens, spec.context_length - len(ids))
+    if len(ids) + max_tokens > spec.context_length:
         raise RequestError(
             ErrorReply(
                 400,
                 "context_length_exceeded",
                 f"This model's maximum context length is {spec.context_length} tokens. However, you "
-                f"requested {len(ids) + req.max_tokens} tokens ({len(ids)} in the prompt, "
-                f"{req.max_tokens} for the completion).",
+                f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, "
+                f"{max_tokens} for the completion).",
                 param="messages" if req.messages is not None else "prompt",
             )
         )
@@ -72,7 +100,7 @@ def prepare(req: CallRequest, session_id: str, api: str, tenant: str = "", shari
         model=req.model,
         prompt_ids=ids,
         block_hashes=block_hashes(ids, scope=scope),
-        max_tokens=req.max_tokens,
+        max_tokens=max_tokens,
         submitted_at=time.time(),
         temperature=req.temperature,
         top_p=req.top_p,

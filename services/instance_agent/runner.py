@@ -92,7 +92,8 @@ class CallRunner:
         self.settings, self.engine, self.executor = settings, engine, executor
         self.nc, self.js, self.tracer, self.log = nc, js, tracer, log
         self.instance_id = settings.instance_id
-        config = SchedulerConfig(
+        config = SchedulerConfig.for_engine(
+            engine.capabilities,
             pool=settings.pool, pinned_model=settings.models[0] if settings.pool == "hot" else None,
             sp=settings.sp, hkvr=settings.hkvr, staging=settings.staging, chunked_prefill=True,
             fill_by_switch=True,
@@ -358,7 +359,7 @@ class CallRunner:
                 usage=Usage(result.prompt_tokens, n_out, result.prompt_tokens + n_out, result.cached_tokens),
                 timings=Timings(completed.queue_s, completed.ttft_s, result.prefill_s, result.decode_s,
                                 completed.slot_wait_s, done - call.submitted_at),
-                kv_source=result.kv_source,
+                kv_source=result.kv_source, stop_sequence=result.stop_sequence,
             ))))
         if call.stream:
             sends.append(self.nc.publish(subjects.tokens(call_id), encode(TokenChunk(

@@ -91,11 +91,11 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
 def _build_engine(settings: Settings):
     import torch
 
-    from talaria.services.instance_agent.engine import TorchEngine
+    from talaria.services.instance_agent.engine.registry import build_engine
 
     torch.set_num_threads(max(1, settings.torch_threads))
-    engine = TorchEngine(settings.data_dir, list(settings.models), device=settings.device,
-                         hkvr=settings.hkvr, staging=settings.staging)
+    engine = build_engine(settings.engine, settings.data_dir, list(settings.models), device=settings.device,
+                          hkvr=settings.hkvr, staging=settings.staging)
     engine.ensure_weights()
     return engine
 

@@ -15,13 +15,16 @@ import threading
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import anthropic
 import asyncpg
 import openai
 import psutil
 import pytest
 
 from talaria.shared.settings import asyncpg_dsn
-from talaria.shared.tokenizer import encode, render_chat
+from talaria.shared.catalog import CATALOG
+from talaria.shared.model_text import text_for
+from talaria.shared.tokenizer import render_chat
 from talaria.shared.tracing import read_spans, session_span_id, session_trace_id
 from talaria.embedded import free_port
 from tests.integration.harness import wait_rows
@@ -65,7 +68,7 @@ def from_scratch(data_dir: Path, messages: list[dict], max_tokens: int) -> str:
     from talaria.services.instance_agent.engine import GenRequest, TorchEngine
 
     engine = TorchEngine(data_dir, ["qwen3-tiny"])
-    ids = encode(render_chat([(m["role"], m["content"]) for m in messages]))
+    ids = text_for(CATALOG["qwen3-tiny"]).encode(render_chat([(m["role"], m["content"]) for m in messages]))
     return engine.generate(GenRequest("ref", "ref", "qwen3-tiny", ids, max_tokens)).text
 
 
@@ -106,6 +109,12 @@ def test_one_agent_session_end_to_end(tmp_path):
             assert 1 <= n <= 12 and r.choices[0].finish_reason == ("length" if n == 12 else "stop")
             answers.append(r)
             messages += [{"role": "assistant", "content": text}, {"role": "tool", "content": f"exit {i}"}]
+        # Claude Code needs only ANTHROPIC_BASE_URL and a model name.
+        claude = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key=key, max_retries=0)  # x-api-key
+        msg = claude.messages.create(model="qwen3-tiny", max_tokens=8, messages=messages[:1],
+                                     extra_headers={"X-Claude-Code-Session-Id": "e2e-claude"})
+        assert msg.content[0].type == "text" and 1 <= msg.usage.output_tokens <= 8
+        assert msg.stop_reason in ("end_turn", "max_tokens")
         prompts = [a.usage.prompt_tokens for a in answers]
         assert prompts == sorted(prompts) and len(set(prompts)) == 3
 

@@ -1,6 +1,8 @@
 """The `torch` engine: small real models in plain torch with paged KV, prefix reuse,
 host KV restore and staged model switches.
 
+    contract.py   Engine (the Protocol the agent drives) and its declared Capabilities
+    registry.py   engines by name (TALARIA_ENGINE, default torch)
     api.py        GenRequest, GenResult, StepToken, SwitchRecord, EngineStats
     errors.py     error hierarchy (fields, no asserts on user input)
     weights.py    deterministic init, safetensors files, flat weight layouts

@@ -39,6 +39,7 @@ class GenResult:
     session_id: str = ""
     model: str = ""
     host_restored_tokens: int = 0
+    stop_sequence: str | None = None  # the stop string that ended the call, if one did
 
 
 @dataclass

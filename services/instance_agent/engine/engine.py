@@ -21,6 +21,7 @@ import torch
 
 from talaria.services.instance_agent.engine import switch as switching
 from talaria.services.instance_agent.engine.api import EngineStats, GenRequest, GenResult, StepToken, SwitchRecord
+from talaria.services.instance_agent.engine.contract import Capabilities
 from talaria.services.instance_agent.engine.errors import (
     ContextTooLong, EngineBusy, InvalidRequest, ModelNotActive, OutOfKvPages, UnknownCall, UnknownModel,
 )
@@ -36,6 +37,7 @@ from talaria.services.instance_agent.memory.hkvr import HostKvRegistry
 from talaria.services.instance_agent.memory.hkvr_core import LayoutDescriptor, RankReport
 from talaria.services.instance_agent.memory.staging import StagingExecutor
 from talaria.shared.catalog import CATALOG, ModelSpec
+from talaria.shared.model_text import text_for
 from talaria.shared.stats import ewma
 from talaria.shared.tokenizer import block_hashes
 
@@ -49,7 +51,7 @@ class TorchEngine:
         models: list[str],
         *,
         device: str = "cpu",
-        kv_pages: int = 1024,
+        kv_pages: int | None = None,
         page_size: int = 16,
         tp_ranks: int = 2,
         hkvr: bool = True,
@@ -60,7 +62,7 @@ class TorchEngine:
         prefill_chunk: int = 1024,
         preload_host: bool = True,
     ) -> None:
-        """kv_pages sizes the KV gap for the model with the largest pages; models with smaller
+        """kv_pages (default: one longest-context call) sizes the KV gap for the model with the largest pages; models with smaller
         pages (or smaller weights) get more. Host images are preloaded (the host model entry)
         unless preload_host=False, in which case a model's first open reads its file ('cold')."""
         unknown = [m for m in models if m not in CATALOG]
@@ -75,6 +77,8 @@ class TorchEngine:
         self.should_yield: Callable[[], bool] | None = None
         self.auto_stage = auto_stage
         self.specs: dict[str, ModelSpec] = {m: CATALOG[m] for m in models}
+        if kv_pages is None:  # room for one call of the longest context
+            kv_pages = max(1024, max(math.ceil(s.context_length / page_size) for s in self.specs.values()))
         self.layouts: dict[str, WeightLayout] = {m: weight_layout(s) for m, s in self.specs.items()}
         for m, s in self.specs.items():
             if s.kv_heads % tp_ranks:
@@ -93,6 +97,9 @@ class TorchEngine:
         slot = max(self.page_bytes(m) // tp_ranks for m in models)
         self.hkvr = HostKvRegistry(host_kv_pages, slot, self.device, tp_ranks) if hkvr else None
         self.staging = StagingExecutor(self.bump.buf, stage_chunk_bytes, self.device) if staging else None
+        # switch_to refuses while calls run (EngineBusy); host KV and staging as configured.
+        self.capabilities = Capabilities(switch_with_calls_running=False, host_kv=hkvr, d2d_staging=staging,
+                                         chunked_prefill=False)
         self.rank_fault: Callable[[RankReport], RankReport] | None = None  # test hook: a lagging/bad rank
         self.on_logits: Callable[[list[str], torch.Tensor], None] | None = None  # test/debug hook
 
@@ -398,7 +405,8 @@ class TorchEngine:
                 self._rate("restore", host_tokens, time.perf_counter() - t)
         self.sessions.drop(req.session_id)  # its pages are now held by this call
         gen = make_generator(req.seed, self.device) if req.temperature > 0 else None
-        return Sequence(req, spec.context_length, prompt, pages, cached, host_tokens, total_pages, t0, gen)
+        return Sequence(req, spec.context_length, prompt, pages, cached, host_tokens, total_pages, t0, gen,
+                        text=text_for(spec))
 
     def _match_device(
         self, session_id: str, prompt: list[int], hashes: list[int], max_match: int

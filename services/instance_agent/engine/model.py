@@ -5,8 +5,9 @@ rebinds views instead of rebuilding modules. Attention is pluggable: the engine'
 attention writes K/V into pool pages and attends over the gathered pages; the reference
 attention is plain causal attention over one contiguous sequence (tests compare them).
 
-    dense : RMSNorm, RoPE, GQA, per-head q/k RMSNorm, SwiGLU        (Qwen3-like)
-    moe   : as dense, MLP = top-k routed SwiGLU experts, renormalised (Qwen3-MoE-like)
+    dense : RMSNorm, RoPE, GQA, per-head q/k RMSNorm, SwiGLU        (Qwen3)
+    moe   : as dense, MLP = top-k routed SwiGLU experts              (Qwen3-MoE)
+    llama : as dense without q/k norm; Llama 3 RoPE scaling          (Llama 3, Mistral)
     gpt2  : LayerNorm, learned absolute positions, MHA with biases, GELU
 """
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -41,9 +44,28 @@ class SeqSlice:
 def rope_tables(spec: ModelSpec, device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [context_length, head_dim/2] (float32)."""
     hd = spec.head_dim
+    if spec.path is not None:
+        return _hf_rope_tables(spec, device)
     inv = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
     freqs = torch.arange(spec.context_length, dtype=torch.float64)[:, None] * inv[None, :]
     return freqs.cos().float().to(device), freqs.sin().float().to(device)
+
+
+def _hf_rope_tables(spec: ModelSpec, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """As transformers computes them (float32 inverse frequencies, Llama 3 scaling), so a
+    checkpoint's logits match its reference implementation."""
+    hd = spec.head_dim
+    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    if spec.rope_scaling:
+        factor, low, high, old_len = spec.rope_scaling
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        inv = torch.where(medium, smoothed, scaled)
+    freqs = torch.arange(spec.context_length, dtype=torch.float32)[:, None] * inv[None, :]
+    return freqs.cos().to(device), freqs.sin().to(device)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -53,18 +75,19 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
-def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + RMS_EPS) * w
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = RMS_EPS) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
 def _swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     return (F.silu(x @ gate) * (x @ up)) @ down
 
 
-def _moe(x: torch.Tensor, p: dict[str, torch.Tensor], pre: str, top_k: int) -> torch.Tensor:
+def _moe(x: torch.Tensor, p: dict[str, torch.Tensor], pre: str, top_k: int, renorm: bool = True) -> torch.Tensor:
     probs = torch.softmax(x @ p[pre + "router"], dim=-1)
     top_w, top_i = probs.topk(top_k, dim=-1)
-    top_w = top_w / top_w.sum(-1, keepdim=True)
+    if renorm:
+        top_w = top_w / top_w.sum(-1, keepdim=True)
     out = torch.zeros_like(x)
     gate, up, down = p[pre + "experts.gate"], p[pre + "experts.up"], p[pre + "experts.down"]
     for e in range(gate.shape[0]):
@@ -93,27 +116,29 @@ def forward(
     if logit_rows is not None:
         x = x[logit_rows]
     if spec.arch == "gpt2":
-        x = F.layer_norm(x, (spec.hidden,), p["final_norm"], p["final_norm.b"], LN_EPS)
+        x = F.layer_norm(x, (spec.hidden,), p["final_norm"], p["final_norm.b"], spec.norm_eps or LN_EPS)
     else:
-        x = _rms(x, p["final_norm"])
+        x = _rms(x, p["final_norm"], spec.norm_eps or RMS_EPS)
     return x @ p["lm_head"]
 
 
 def _qwen_body(spec, p, token_ids, positions, attn, rope) -> torch.Tensor:
-    nh, kvh, hd = spec.heads, spec.kv_heads, spec.head_dim
+    nh, kvh, hd, eps = spec.heads, spec.kv_heads, spec.head_dim, spec.norm_eps or RMS_EPS
     cos, sin = rope[0][positions], rope[1][positions]
     x = p["embed"][token_ids]
     t = x.shape[0]
     for layer in range(spec.layers):
         pre = f"layers.{layer}."
-        h = _rms(x, p[pre + "attn_norm"])
-        q = _rms((h @ p[pre + "q"]).view(t, nh, hd), p[pre + "q_norm"])
-        k = _rms((h @ p[pre + "k"]).view(t, kvh, hd), p[pre + "k_norm"])
+        h = _rms(x, p[pre + "attn_norm"], eps)
+        q = (h @ p[pre + "q"]).view(t, nh, hd)
+        k = (h @ p[pre + "k"]).view(t, kvh, hd)
+        if spec.arch != "llama":  # Qwen3's per-head q/k norm
+            q, k = _rms(q, p[pre + "q_norm"], eps), _rms(k, p[pre + "k_norm"], eps)
         v = (h @ p[pre + "v"]).view(t, kvh, hd)
         x = x + attn(layer, _rope(q, cos, sin), _rope(k, cos, sin), v) @ p[pre + "o"]
-        h = _rms(x, p[pre + "mlp_norm"])
+        h = _rms(x, p[pre + "mlp_norm"], eps)
         if spec.arch == "moe":
-            x = x + _moe(h, p, pre, spec.experts_per_token)
+            x = x + _moe(h, p, pre, spec.experts_per_token, spec.norm_topk_prob)
         else:
             x = x + _swiglu(h, p[pre + "gate"], p[pre + "up"], p[pre + "down"])
     return x
@@ -121,16 +146,17 @@ def _qwen_body(spec, p, token_ids, positions, attn, rope) -> torch.Tensor:
 
 def _gpt2_body(spec, p, token_ids, positions, attn) -> torch.Tensor:
     nh, kvh, hd, hid = spec.heads, spec.kv_heads, spec.head_dim, spec.hidden
+    eps = spec.norm_eps or LN_EPS
     x = p["embed"][token_ids] + p["wpe"][positions]
     t = x.shape[0]
     for layer in range(spec.layers):
         pre = f"layers.{layer}."
-        h = F.layer_norm(x, (hid,), p[pre + "ln1.w"], p[pre + "ln1.b"], LN_EPS)
+        h = F.layer_norm(x, (hid,), p[pre + "ln1.w"], p[pre + "ln1.b"], eps)
         qkv = h @ p[pre + "qkv.w"] + p[pre + "qkv.b"]
         q, k, v = qkv.split([nh * hd, kvh * hd, kvh * hd], dim=-1)
         o = attn(layer, q.view(t, nh, hd), k.view(t, kvh, hd), v.view(t, kvh, hd))
         x = x + o @ p[pre + "o.w"] + p[pre + "o.b"]
-        h = F.layer_norm(x, (hid,), p[pre + "ln2.w"], p[pre + "ln2.b"], LN_EPS)
+        h = F.layer_norm(x, (hid,), p[pre + "ln2.w"], p[pre + "ln2.b"], eps)
         x = x + F.gelu(h @ p[pre + "fc.w"] + p[pre + "fc.b"], approximate="tanh") @ p[pre + "proj.w"] + p[pre + "proj.b"]
     return x
 

@@ -4,22 +4,18 @@ from __future__ import annotations
 
 import torch
 
-from talaria.shared.tokenizer import EOS
 
-# Random-weight models would emit arbitrary bytes, most of them not valid UTF-8: a client
-# then sends U+FFFD back and the session's next prompt no longer repeats the answer's
-# bytes, so its KV prefix stops matching. The engine therefore emits only printable
-# ASCII, newline, tab and EOS, which round-trip through any JSON client unchanged.
-ALLOWED_OUTPUT = [9, 10, *range(32, 127), EOS]
-_masks: dict[tuple[int, str], torch.Tensor] = {}
+_masks: dict[tuple[int, int, str], torch.Tensor] = {}
 
 
-def output_mask(vocab: int, device: torch.device) -> torch.Tensor:
-    key = (vocab, str(device))
+def output_mask(allowed: tuple[int, ...], vocab: int, device: torch.device) -> torch.Tensor:
+    """-inf for every id outside `allowed` (the built-in models' printable-only output:
+    shared/model_text.py says why)."""
+    key = (id(allowed), vocab, str(device))
     mask = _masks.get(key)
     if mask is None:
         mask = torch.full((vocab,), float("-inf"), device=device)
-        mask[[t for t in ALLOWED_OUTPUT if t < vocab]] = 0.0
+        mask[[t for t in allowed if t < vocab]] = 0.0
         _masks[key] = mask
     return mask
 
@@ -57,6 +53,7 @@ class StopMatcher:
         self.text = ""  # final text (stop excluded once stopped)
         self._emitted = 0
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def push(self, piece: str) -> tuple[str, bool]:
         if self.stopped:
@@ -66,9 +63,9 @@ class StopMatcher:
             return self._release(len(self.text)), False
         window = max(len(s) for s in self.stops) + len(piece)
         start = max(0, len(self.text) - window)
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stops) if i >= 0]
         if hits:
-            cut = min(hits)
+            cut, self.matched = min(hits)
             self.text = self.text[:cut]
             self.stopped = True
             return self._release(cut), True

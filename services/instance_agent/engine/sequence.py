@@ -8,7 +8,7 @@ import torch
 
 from talaria.services.instance_agent.engine.api import GenRequest, GenResult, StepToken
 from talaria.services.instance_agent.engine.sampling import StopMatcher, output_mask, sample
-from talaria.shared.tokenizer import EOS, StreamDecoder
+from talaria.shared.model_text import BYTE_TEXT
 
 
 @dataclass
@@ -31,11 +31,14 @@ class Sequence:
     t_first: float | None = None
     finish_reason: str | None = None
     generated: list[int] = field(default_factory=list)
-    decoder: StreamDecoder = field(default_factory=StreamDecoder)
+    text: object = BYTE_TEXT  # the model's text side (shared/model_text.py): decoder, EOS ids
+    decoder: object = None
     stop: StopMatcher | None = None
 
     def __post_init__(self) -> None:
         self.stop = StopMatcher(tuple(self.req.stop))
+        self.decoder = self.text.decoder()
+        self.eos = frozenset(self.text.eos_ids)
         self.kv_len = self.cached_tokens
 
     @property
@@ -53,14 +56,15 @@ class Sequence:
 
     def take(self, logits: torch.Tensor, now: float) -> StepToken:
         """Sample from this call's logits, advance, and decide whether it finished."""
-        masked = logits + output_mask(logits.shape[-1], logits.device)
-        tok = sample(masked, self.req.temperature, self.req.top_p, self.gen)
+        if self.text.allowed_output is not None:
+            logits = logits + output_mask(self.text.allowed_output, logits.shape[-1], logits.device)
+        tok = sample(logits, self.req.temperature, self.req.top_p, self.gen)
         if self.t_first is None:
             self.t_first = now
         self.tokens.append(tok)
         self.generated.append(tok)
         text, stopped = self.stop.push(self.decoder.push(tok))
-        if stopped or tok == EOS:
+        if stopped or tok in self.eos:
             self.finish_reason = "stop"
         elif len(self.generated) >= self.req.max_tokens or len(self.tokens) >= self.context_length:
             self.finish_reason = "length"
@@ -76,4 +80,5 @@ class Sequence:
             cached_tokens=self.cached_tokens, kv_source=self.kv_source,  # type: ignore[arg-type]
             prefill_s=self.prefill_s, decode_s=self.decode_s, ttft_s=ttft,
             session_id=self.req.session_id, model=model, host_restored_tokens=self.host_tokens,
+            stop_sequence=self.stop.matched,
         )

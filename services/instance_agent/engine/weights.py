@@ -78,7 +78,10 @@ def tensor_shapes(spec: ModelSpec) -> list[tuple[str, tuple[int, ...], str]]:
         out += [
             (p + "attn_norm", (h,), "ones"),
             (p + "q", (h, q_out), proj), (p + "k", (h, kv_out), proj), (p + "v", (h, kv_out), proj),
-            (p + "q_norm", (spec.head_dim,), "ones"), (p + "k_norm", (spec.head_dim,), "ones"),
+        ]
+        if spec.arch != "llama":
+            out += [(p + "q_norm", (spec.head_dim,), "ones"), (p + "k_norm", (spec.head_dim,), "ones")]
+        out += [
             (p + "o", (q_out, h), proj),
             (p + "mlp_norm", (h,), "ones"),
         ]
@@ -128,7 +131,10 @@ def model_paths(data_dir: Path, name: str) -> tuple[Path, Path]:
 
 
 def ensure_weights_file(data_dir: Path, spec: ModelSpec) -> bool:
-    """Write the safetensors + json config once; True when they were written now."""
+    """Write the safetensors + json config once; True when they were written now. A Hugging
+    Face checkpoint is read where it is (hf_weights.py), never copied."""
+    if spec.path is not None:
+        return False
     st, cfg = model_paths(data_dir, spec.name)
     if st.exists() and cfg.exists() and _config_matches(cfg, spec):
         return False
@@ -149,16 +155,22 @@ def _config_matches(cfg: Path, spec: ModelSpec) -> bool:
         data = json.loads(cfg.read_text())
     except (OSError, ValueError):
         return False
-    return data.get("init_version") == INIT_VERSION and all(data.get(k) == v for k, v in asdict(spec).items())
+    want = json.loads(json.dumps(asdict(spec)))  # as written (tuples become lists)
+    return data.get("init_version") == INIT_VERSION and all(data.get(k) == v for k, v in want.items())
 
 
 def load_host_image(data_dir: Path, spec: ModelSpec, layout: WeightLayout, *, pin: bool) -> torch.Tensor:
     """Read the safetensors file into one flat uint8 host image in layout order."""
     st, _ = model_paths(data_dir, spec.name)
-    try:
-        tensors = load_file(str(st))
-    except Exception as err:  # safetensors raises several types; translate at the boundary
-        raise WeightsCorrupt(str(st), f"cannot read: {err}") from err
+    if spec.path is not None:
+        from talaria.services.instance_agent.engine.hf_weights import load_hf_tensors
+
+        st, tensors = Path(spec.path), load_hf_tensors(spec)
+    else:
+        try:
+            tensors = load_file(str(st))
+        except Exception as err:  # safetensors raises several types; translate at the boundary
+            raise WeightsCorrupt(str(st), f"cannot read: {err}") from err
     image = torch.zeros(layout.nbytes, dtype=torch.uint8, pin_memory=pin)
     views = layout.views(image)
     for slot in layout.slots:

@@ -36,7 +36,8 @@ class SchedulerConfig:
     # Switch away from a model only once its running calls have finished (Dfin drains them).
     # The torch engine refuses `switch_to` while calls run, so this is the default; False is
     # the paper's resumable mode (running calls decode on in the model's next slot), which
-    # needs an engine that parks running calls' KV across a switch.
+    # needs an engine that parks running calls' KV across a switch. The agent derives it
+    # from the engine's capabilities (`for_engine`).
     drain_on_switch: bool = True
     # A contended slot decodes on past its protected decode until its share of the round
     # budget is spent (paper §3.4: "the slot closes when the round budget is exhausted");
@@ -95,6 +96,16 @@ class SchedulerConfig:
         except KeyError:
             raise ConfigError("ablation", f"unknown {name!r}; known: {', '.join(ABLATIONS)}") from None
         return cls(**{**flags, **overrides})
+
+    @classmethod
+    def for_engine(cls, capabilities, **knobs) -> SchedulerConfig:
+        """A config whose mechanisms follow what the engine declares (engine/contract.py):
+        it drains before a switch unless the engine can switch with calls running, and
+        host KV / D2D staging are only used where the engine has them."""
+        knobs["drain_on_switch"] = not capabilities.switch_with_calls_running
+        knobs["hkvr"] = knobs.get("hkvr", True) and capabilities.host_kv
+        knobs["staging"] = knobs.get("staging", True) and capabilities.d2d_staging
+        return cls(**knobs)
 
     def with_(self, **changes) -> SchedulerConfig:
         return replace(self, **changes)

@@ -1,12 +1,15 @@
 """The gateway's request rules, shared by the HTTP and NATS APIs."""
 
+from pathlib import Path
+
 import pytest
 
 from talaria.services.gateway.prepare import RequestError, prepare
 from talaria.services.gateway.sessions import InvalidSessionId, session_id_from
 from talaria.shared.catalog import CATALOG
 from talaria.shared.messages import CallRequest, ChatMessage
-from talaria.shared.tokenizer import block_hashes, decode, encode, render_chat
+from talaria.shared.model_text import text_for
+from talaria.shared.tokenizer import block_hashes, encode, render_chat
 
 
 def chat(**kw):
@@ -17,7 +20,9 @@ def chat(**kw):
 
 def test_a_chat_call_is_tokenised_and_hashed():
     call = prepare(chat(), "s1", "chat")
-    assert decode(call.prompt_ids) == render_chat([("user", "hi")])
+    text = text_for(CATALOG["qwen3-tiny"])
+    assert call.prompt_ids == text.encode(render_chat([("user", "hi")]))
+    assert text.tok.decode(call.prompt_ids[1:]) == render_chat([("user", "hi")])
     assert call.block_hashes == block_hashes(call.prompt_ids)
     assert call.session_id == "s1" and call.max_tokens == 4
 
@@ -53,6 +58,15 @@ def test_session_id_comes_from_headers_then_user_then_a_fresh_one():
     assert one != two and one.startswith("anon-")
     with pytest.raises(InvalidSessionId):
         session_id_from({"X-Session-Id": "x" * 300})
+
+
+def test_the_demo_bpe_fits_a_coding_agents_first_request():
+    # Claude Code / Codex send 60-100 KB of system prompt and tool schemas on their first call.
+    system = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    while len(system) < 100_000:
+        system += system
+    call = prepare(chat(messages=[ChatMessage("system", system[:100_000]), ChatMessage("user", "hi")]), "s", "chat")
+    assert call.prompt_tokens < 40_000 < CATALOG["qwen3-tiny"].context_length
 
 
 def test_continuation_prompt_starts_with_previous_prompt_and_answer():

@@ -41,3 +41,16 @@ def test_plain_and_sqlalchemy_postgres_urls_are_accepted(url):
 def test_hot_instance_pins_exactly_one_model():
     with pytest.raises(SettingsError):
         Settings.from_env({"TALARIA_POOL": "hot", "TALARIA_MODELS": "qwen3-tiny,gpt2-tiny"})
+
+
+def test_a_checkpoint_directory_in_models_is_checked_at_start(tmp_path):
+    import json
+
+    import pytest
+
+    from talaria.shared.settings import Settings, SettingsError
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MambaForCausalLM"]}))
+    with pytest.raises(SettingsError, match="architectures") as info:
+        Settings.from_env({"TALARIA_MODELS": f"qwen3-tiny,mamba={tmp_path}"})
+    assert info.value.variable == "TALARIA_MODELS"

@@ -62,7 +62,7 @@ def test_invalid_requests(make_engine):
         eng.generate(GenRequest("c", "s", "llama-70b", PROMPT, 4))
     bad = [
         GenRequest("c", "s", "qwen3-tiny", [], 4),
-        GenRequest("c", "s", "qwen3-tiny", [999], 4),
+        GenRequest("c", "s", "qwen3-tiny", [10**6], 4),  # past the vocabulary
         GenRequest("c", "s", "qwen3-tiny", PROMPT, 0),
         GenRequest("c", "s", "qwen3-tiny", PROMPT, 4, temperature=-1),
         GenRequest("c", "s", "qwen3-tiny", PROMPT, 4, top_p=0),

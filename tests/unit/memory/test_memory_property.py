@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from talaria.services.instance_agent.engine.sampling import output_mask
+from talaria.shared.model_text import text_for
 from talaria.shared.tokenizer import EOS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -30,7 +31,8 @@ def reference(model: str, prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
     ids, out = list(prompt), []
     for _ in range(n):
         logits = reference_logits(eng.specs[model], params, ids)[-1]
-        nxt = int((logits + output_mask(logits.shape[-1], logits.device)).argmax())
+        allowed = text_for(eng.specs[model]).allowed_output
+        nxt = int((logits + output_mask(allowed, logits.shape[-1], logits.device)).argmax())
         out.append(nxt)
         ids.append(nxt)
         if nxt == EOS:  # the engine stops at EOS too (and reports it)

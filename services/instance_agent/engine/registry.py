@@ -1,0 +1,42 @@
+"""Engines by name (`TALARIA_ENGINE`, default `torch`): the one place an engine class is chosen."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from talaria.services.instance_agent.engine.contract import Engine
+
+# factory(data_dir, models, *, device, hkvr, staging) -> Engine
+EngineFactory = Callable[..., Engine]
+
+
+def _torch(data_dir: Path, models: list[str], **kw) -> Engine:
+    from talaria.services.instance_agent.engine.engine import TorchEngine
+
+    return TorchEngine(data_dir, models, **kw)
+
+
+ENGINES: dict[str, EngineFactory] = {"torch": _torch}
+
+
+class UnknownEngine(ValueError):
+    def __init__(self, name: str) -> None:
+        super().__init__(f"TALARIA_ENGINE={name!r}: no such engine; known: {', '.join(sorted(ENGINES))}")
+        self.name = name
+
+
+def register(name: str, factory: EngineFactory) -> None:
+    """Add an engine (e.g. a SGLang backend) under `name`."""
+    ENGINES[name] = factory
+
+
+def build_engine(name: str, data_dir: Path, models: list[str], **kw) -> Engine:
+    try:
+        factory = ENGINES[name]
+    except KeyError:
+        raise UnknownEngine(name) from None
+    engine = factory(data_dir, models, **kw)
+    if not isinstance(engine, Engine):
+        raise TypeError(f"engine {name!r} built a {type(engine).__name__}, which does not implement Engine")
+    return engine

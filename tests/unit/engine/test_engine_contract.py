@@ -1,0 +1,126 @@
+"""The engine contract (engine/contract.py): every registered engine passes these tests.
+
+They drive an engine exactly as the instance agent's runner does (prefill, decode, finish,
+switch_to, kv_state) and check what the runner and the scheduler rely on, including that
+each declared capability is real. A new engine registers itself and runs this file.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from talaria.services.instance_agent.engine.api import GenRequest
+from talaria.services.instance_agent.engine.contract import Capabilities, Engine
+from talaria.services.instance_agent.engine.errors import EngineError
+from talaria.services.instance_agent.engine.registry import ENGINES, UnknownEngine, build_engine
+from talaria.services.instance_agent.scheduler.config import SchedulerConfig
+from talaria.shared.tokenizer import encode
+
+A, B = "qwen3-tiny", "gpt2-tiny"
+PROMPT = encode("<|user|>Fix the failing test in parser.py<|end|><|assistant|>")
+
+
+# Each engine with its memory mechanisms on and off: what it declares must hold either way.
+@pytest.fixture(params=[(name, on) for name in sorted(ENGINES) for on in (True, False)],
+                ids=lambda p: f"{p[0]}-{'full' if p[1] else 'bare'}")
+def engine(request, data_dir):
+    name, on = request.param
+    eng = build_engine(name, data_dir, [A, B], device="cpu", hkvr=on, staging=on)
+    yield eng
+    eng.close()
+
+
+def run(engine: Engine, call_id: str, session: str, prompt: list[int], max_tokens: int = 8, model: str = A):
+    step = engine.prefill([GenRequest(call_id, session, model, list(prompt), max_tokens)])[0]
+    while not step.finished:
+        step = engine.decode([call_id])[0]
+    return engine.finish(call_id)
+
+
+def test_it_is_an_engine_and_declares_capabilities(engine):
+    assert isinstance(engine, Engine) and isinstance(engine.capabilities, Capabilities)
+
+
+def test_a_call_runs_through_prefill_decode_finish_deterministically(engine):
+    first = run(engine, "c1", "s1", PROMPT)
+    again = run(engine, "c2", "s2", PROMPT)
+    assert first.finish_reason in ("stop", "length") and 1 <= len(first.token_ids) <= 8
+    assert first.token_ids == again.token_ids and first.text == again.text  # greedy by default
+    assert first.prompt_tokens == len(PROMPT) and engine.active_model == A
+    assert engine.stats().running_calls == 0
+
+
+def test_a_sessions_next_call_reuses_its_kv_on_the_device(engine):
+    first = run(engine, "c1", "s1", PROMPT)
+    assert engine.kv_state("s1", A) == "device"
+    assert ("s1", A, "device") in {(s, m, st) for s, m, st, _ in engine.session_states()}
+    follow = PROMPT + first.token_ids + encode("<|tool|>exit 0<|end|><|assistant|>", bos=False)
+    second = run(engine, "c2", "s1", follow)
+    assert second.kv_source == "device" and second.cached_tokens >= len(PROMPT) - 1
+    fresh = run(engine, "c3", "s-fresh", follow)
+    assert fresh.token_ids == second.token_ids  # reuse changes timing, never output
+
+
+def test_an_unfinished_call_is_aborted_and_unknown_calls_are_errors(engine):
+    engine.prefill([GenRequest("c1", "s1", A, list(PROMPT), 50)])
+    assert engine.finish("c1").finish_reason == "abort"
+    with pytest.raises(EngineError):
+        engine.finish("c1")
+    with pytest.raises(EngineError):
+        engine.decode(["nope"])
+
+
+def test_bad_requests_fail_that_call_only(engine):
+    for bad in (GenRequest("x", "s", A, [], 4), GenRequest("x", "s", "no-such-model", list(PROMPT), 4),
+                GenRequest("x", "s", A, list(PROMPT), 0)):
+        with pytest.raises(EngineError):
+            engine.prefill([bad])
+    assert run(engine, "ok", "s", PROMPT).finish_reason in ("stop", "length")
+
+
+def test_switching_with_calls_running_matches_the_declared_capability(engine):
+    engine.prefill([GenRequest("c1", "s1", A, list(PROMPT), 50)])
+    if engine.capabilities.switch_with_calls_running:
+        engine.switch_to(B)
+        assert engine.active_model == B
+    else:
+        with pytest.raises(EngineError):
+            engine.switch_to(B)
+        assert engine.active_model == A
+    engine.finish("c1")
+    engine.switch_to(B)
+    assert engine.active_model == B
+
+
+def test_host_kv_restores_a_session_after_a_switch_with_the_same_output(engine):
+    first = run(engine, "c1", "s1", PROMPT)
+    follow = PROMPT + first.token_ids + encode("<|tool|>ok<|end|><|assistant|>", bos=False)
+    expected = run(engine, "ref", "s-ref", follow)
+    engine.switch_to(B)
+    if not engine.capabilities.host_kv:
+        assert engine.kv_state("s1", A) == "none"
+        return
+    assert engine.kv_state("s1", A) == "host"
+    restored = run(engine, "c2", "s1", follow)
+    assert restored.kv_source == "host" and restored.cached_tokens > 0
+    assert restored.token_ids == expected.token_ids
+
+
+def test_staging_matches_the_declared_capability(engine):
+    run(engine, "c1", "s1", PROMPT)
+    staged = engine.stage(B, wait=True)
+    assert (staged > 0) == engine.capabilities.d2d_staging
+
+
+def test_an_unknown_engine_name_fails_naming_the_variable(data_dir):
+    with pytest.raises(UnknownEngine, match="TALARIA_ENGINE"):
+        build_engine("no-such-engine", data_dir, [A])
+
+
+def test_scheduler_mechanisms_follow_the_capabilities():
+    torchlike = Capabilities(switch_with_calls_running=False, host_kv=True, d2d_staging=False, chunked_prefill=False)
+    config = SchedulerConfig.for_engine(torchlike, staging=True)
+    assert config.drain_on_switch and config.hkvr and not config.staging
+    parks = Capabilities(switch_with_calls_running=True, host_kv=False, d2d_staging=True, chunked_prefill=True)
+    config = SchedulerConfig.for_engine(parks, hkvr=True)
+    assert not config.drain_on_switch and not config.hkvr and config.staging

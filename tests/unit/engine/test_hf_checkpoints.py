@@ -1,0 +1,132 @@
+"""Hugging Face checkpoints in the torch engine match transformers: for each architecture,
+logits within 1e-4 of transformers' forward, and 64 greedy tokens identical, both computed
+from scratch and after the session's KV was restored from the host registry. The chat
+template renders (tools, tool calls, tool results) and tokenises exactly as transformers does."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from talaria.services.instance_agent.engine import GenRequest, TorchEngine  # noqa: E402
+from talaria.services.instance_agent.engine.model import reference_logits  # noqa: E402
+from talaria.shared.catalog import register  # noqa: E402
+from talaria.shared.hf_config import CheckpointError, load_spec  # noqa: E402
+from talaria.shared.messages import ChatMessage, ToolCallMsg, ToolSpec  # noqa: E402
+from talaria.shared.model_text import HfText, text_for  # noqa: E402
+from tests.unit.engine.hf_checkpoints import make_checkpoint  # noqa: E402
+
+FAMILIES = ["qwen3", "qwen3_moe", "llama", "gpt2"]
+GREEDY = 64
+TOOL = ToolSpec("read_file", "Read a file", {"type": "object", "properties": {"path": {"type": "string"}}})
+CONVERSATION = [
+    ChatMessage("system", "You are a careful coding agent."),
+    ChatMessage("user", "Fix the failing test in parser.py"),
+    ChatMessage("assistant", "", tool_calls=[ToolCallMsg("read_file", '{"path": "parser.py"}', "call_1")]),
+    ChatMessage("tool", "def parse(s): return s.split(',')", tool_call_id="call_1"),
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {f: make_checkpoint(f, root / f) for f in FAMILIES}
+
+
+def hf_model(path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def prompt_ids(family: str, path) -> list[int]:
+    text = text_for(load_spec(family, path))
+    if family == "gpt2":
+        return text.encode("Talaria routes each agent session to the instance holding its KV.", chat=False)
+    return text.encode(text.render(CONVERSATION, [TOOL]), chat=True)
+
+
+def hf_greedy(model, ids: list[int], n: int, eos: set[int]) -> list[int]:
+    out, ids = [], list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            tok = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            out.append(tok)
+            ids.append(tok)
+            if tok in eos:
+                break
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chat_template_and_tokenizer_match_transformers(family, checkpoints):
+    import transformers
+
+    if family == "gpt2":
+        pytest.skip("GPT-2 has no chat template")
+    path = checkpoints[family]
+    ours = HfText(path)
+    theirs = transformers.AutoTokenizer.from_pretrained(path)
+    msgs = [{"role": "system", "content": CONVERSATION[0].content}, {"role": "user", "content": CONVERSATION[1].content},
+            {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "id": "call_1", "function": {
+                "name": "read_file", "arguments": {"path": "parser.py"}}}]},
+            {"role": "tool", "content": CONVERSATION[3].content, "tool_call_id": "call_1"}]
+    tools = [{"type": "function", "function": {"name": TOOL.name, "description": TOOL.description,
+                                               "parameters": TOOL.parameters}}]
+    expected = theirs.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert ours.render(CONVERSATION, [TOOL]) == expected
+    assert ours.encode(expected, chat=True) == theirs(expected, add_special_tokens=False)["input_ids"]
+    assert ours.encode("plain text", chat=False) == theirs("plain text")["input_ids"]
+    assert ours.tool_format == ("hermes" if family.startswith("qwen") else "json")
+    # A trailing assistant message is continued (Anthropic prefill), as continue_final_message does.
+    prefill = [{"role": "user", "content": "Fix it"}, {"role": "assistant", "content": "Sure, first"}]
+    expected = theirs.apply_chat_template(prefill, tokenize=False, continue_final_message=True)
+    assert ours.render([ChatMessage("user", "Fix it"), ChatMessage("assistant", "Sure, first")]) == expected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_and_greedy_tokens_match_transformers_with_and_without_kv_restore(family, checkpoints, data_dir):
+    path = checkpoints[family]
+    spec = load_spec(f"hf-{family}", path)
+    register(spec)
+    ids = prompt_ids(family, path)
+    model = hf_model(path)
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits[0]
+
+    engine = TorchEngine(data_dir, [spec.name, "qwen3-tiny"], kv_pages=128, host_kv_pages=1024)
+    try:
+        params = engine.layouts[spec.name].views(engine._host_image(spec.name))
+        ours = reference_logits(spec, params, ids)
+        assert (ours - theirs).abs().max().item() < 1e-4
+
+        eos = set(spec.eos_ids)
+        first = engine.generate(GenRequest("c1", "s1", spec.name, ids, 8))
+        follow = ids + first.token_ids
+        expected = hf_greedy(model, follow, GREEDY, eos)
+        assert len(expected) == GREEDY or expected[-1] in eos
+
+        fresh = engine.generate(GenRequest("fresh", "s-fresh", spec.name, follow, GREEDY))
+        assert fresh.token_ids == expected
+        engine.switch_to("qwen3-tiny")  # the session's KV leaves the device; HKVR keeps it on the host
+        assert engine.kv_state("s1", spec.name) == "host"
+        restored = engine.generate(GenRequest("c2", "s1", spec.name, follow, GREEDY))
+        assert restored.kv_source == "host" and restored.cached_tokens >= 16
+        assert restored.token_ids == expected
+    finally:
+        engine.close()
+
+
+def test_unknown_architectures_fail_naming_the_field(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MambaForCausalLM"]}))
+    with pytest.raises(CheckpointError, match="architectures"):
+        load_spec("m", tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_act": "gelu"}))
+    with pytest.raises(CheckpointError, match="hidden_act"):
+        load_spec("m", tmp_path)
+    with pytest.raises(CheckpointError, match="config.json"):
+        load_spec("m", tmp_path / "missing")
