@@ -7,12 +7,24 @@ consumer can decode any of them with `EVENT_DECODER`.
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 import msgspec
-from msgspec import Struct
+from msgspec import Meta, Struct
 
 KvSource = Literal["device", "host", "recompute", "none"]
+
+# Ids travel into Postgres rows and NATS subjects: every decoder below refuses ones that
+# are empty, unbounded or carry control characters (a NUL once froze the projection).
+_CONTROLS = r"\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff"
+MAX_NAME_LEN = 256
+MAX_TOKEN_LEN = 128
+# Session ids, model names: printable text.
+Name = Annotated[str, Meta(min_length=1, max_length=MAX_NAME_LEN, pattern=rf"^[^{_CONTROLS}]+\Z")]
+# Call and instance ids also name NATS subjects: one subject token each.
+Token = Annotated[str, Meta(min_length=1, max_length=MAX_TOKEN_LEN, pattern=rf"^[^{_CONTROLS} .*>]+\Z")]
+# A reply subject: tokens joined by dots.
+Subject = Annotated[str, Meta(min_length=1, max_length=512, pattern=rf"^[^{_CONTROLS} *>]+\Z")]
 
 
 class ToolCallMsg(Struct, frozen=True, forbid_unknown_fields=False):
@@ -51,11 +63,11 @@ class CallRequest(Struct, frozen=True):
     and you must subscribe before sending the request.
     """
 
-    model: str
+    model: Name
     messages: list[ChatMessage] | None = None
     prompt: str | None = None
-    session_id: str | None = None
-    call_id: str | None = None
+    session_id: Name | None = None
+    call_id: Token | None = None
     max_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
@@ -85,11 +97,11 @@ class Timings(Struct, frozen=True):
 
 
 class CallResult(Struct, frozen=True, tag="result"):
-    call_id: str
-    session_id: str
+    call_id: Token
+    session_id: Name
     call_index: int
-    model: str
-    instance_id: str
+    model: Name
+    instance_id: Token
     text: str
     finish_reason: str
     usage: Usage
@@ -106,7 +118,7 @@ class ErrorReply(Struct, frozen=True, tag="error"):
     message: str
     param: str | None = None
     retry_after_s: float | None = None
-    call_id: str | None = None
+    call_id: Token | None = None
 
 
 Reply = Union[CallResult, ErrorReply]
@@ -125,7 +137,7 @@ class CancelCall(Struct, frozen=True):
 
 
 class TokenChunk(Struct, frozen=True):
-    call_id: str
+    call_id: Token
     index: int
     text: str
     done: bool = False
@@ -138,14 +150,14 @@ class TokenChunk(Struct, frozen=True):
 
 
 class CallSubmitted(Struct, frozen=True, tag="call.submitted"):
-    call_id: str
-    session_id: str
-    model: str
+    call_id: Token
+    session_id: Name
+    model: Name
     prompt_ids: list[int]
     block_hashes: list[int]
     max_tokens: int
     submitted_at: float
-    reply_to: str | None = None
+    reply_to: Subject | None = None
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
@@ -165,7 +177,7 @@ class CallSubmitted(Struct, frozen=True, tag="call.submitted"):
 class CallRouted(Struct, frozen=True, tag="call.routed"):
     call: CallSubmitted
     call_index: int
-    instance_id: str
+    instance_id: Token
     policy: str
     routed_at: float
     lease: str = "none"  # consumed | discarded | none
@@ -173,18 +185,18 @@ class CallRouted(Struct, frozen=True, tag="call.routed"):
 
 
 class CallStarted(Struct, frozen=True, tag="call.started"):
-    call_id: str
-    session_id: str
-    instance_id: str
+    call_id: Token
+    session_id: Name
+    instance_id: Token
     started_at: float
 
 
 class CallCompleted(Struct, frozen=True, tag="call.completed"):
-    call_id: str
-    session_id: str
+    call_id: Token
+    session_id: Name
     call_index: int
-    model: str
-    instance_id: str
+    model: Name
+    instance_id: Token
     prompt_tokens: int
     output_tokens: int
     finish_reason: str
@@ -205,55 +217,55 @@ class CallCompleted(Struct, frozen=True, tag="call.completed"):
 
 
 class CallFailed(Struct, frozen=True, tag="call.failed"):
-    call_id: str
-    session_id: str
-    model: str
+    call_id: Token
+    session_id: Name
+    model: Name
     reason: str
     stage: str  # gateway | router | agent
     at: float
     status: int = 500
-    instance_id: str | None = None
+    instance_id: Token | None = None
     call_index: int | None = None
 
 
 class LeaseIssued(Struct, frozen=True, tag="lease.issued"):
-    session_id: str
-    model: str
-    instance_id: str
-    call_id: str
+    session_id: Name
+    model: Name
+    instance_id: Token
+    call_id: Token
     issued_at: float
     expires_at: float
     kv_tokens: int = 0
 
 
 class LeaseConsumed(Struct, frozen=True, tag="lease.consumed"):
-    session_id: str
-    model: str
-    instance_id: str
-    call_id: str
+    session_id: Name
+    model: Name
+    instance_id: Token
+    call_id: Token
     at: float
 
 
 class LeaseDiscarded(Struct, frozen=True, tag="lease.discarded"):
-    session_id: str
-    model: str
-    instance_id: str
-    call_id: str
+    session_id: Name
+    model: Name
+    instance_id: Token
+    call_id: Token
     reason: str
     at: float
 
 
 class LeaseExpired(Struct, frozen=True, tag="lease.expired"):
-    session_id: str
-    model: str
-    instance_id: str
+    session_id: Name
+    model: Name
+    instance_id: Token
     at: float
 
 
 class CandidateCost(Struct, frozen=True):
     """One instance the policy considered, with its cost terms in seconds."""
 
-    instance_id: str
+    instance_id: Token
     total_s: float
     queue_s: float = 0.0
     prefill_s: float = 0.0
@@ -272,16 +284,16 @@ class CandidateCost(Struct, frozen=True):
 
 
 class RoutingDecision(Struct, frozen=True, tag="decision"):
-    call_id: str
-    session_id: str
+    call_id: Token
+    session_id: Name
     call_index: int
-    model: str
+    model: Name
     policy: str
     action: str  # route | reject
     decided_at: float
-    chosen: str | None = None
+    chosen: Token | None = None
     lease_outcome: str = "none"  # consumed | discarded | none
-    lease_instance: str | None = None
+    lease_instance: Token | None = None
     discard_reason: str | None = None
     candidates: list[CandidateCost] = []
     retry_after_s: float | None = None
@@ -291,9 +303,9 @@ class RoutingDecision(Struct, frozen=True, tag="decision"):
 
 
 class SwitchDone(Struct, frozen=True, tag="switch.done"):
-    instance_id: str
-    from_model: str | None
-    to_model: str
+    instance_id: Token
+    from_model: Name | None
+    to_model: Name
     path: str  # d2d_full | d2d_partial | host_only | cold
     total_s: float
     at: float
@@ -303,7 +315,7 @@ class SwitchDone(Struct, frozen=True, tag="switch.done"):
 
 
 class RoundSummary(Struct, frozen=True, tag="round.summary"):
-    instance_id: str
+    instance_id: Token
     round_index: int
     wall_s: float
     active_s: float
@@ -337,7 +349,7 @@ Event = Union[
 
 
 class ModelResidency(Struct, frozen=True):
-    model: str
+    model: Name
     state: str  # active | resident | staged | absent
     switch_cost_s: float = 0.0
     open_cost_s: float = 0.0
@@ -346,21 +358,21 @@ class ModelResidency(Struct, frozen=True):
 
 
 class SessionKv(Struct, frozen=True):
-    session_id: str
-    model: str
+    session_id: Name
+    model: Name
     state: KvSource  # device | host
     kv_tokens: int = 0
 
 
 class InstanceSnapshot(Struct, frozen=True):
-    instance_id: str
+    instance_id: Token
     version: int
     at: float
     pool: str = "cold"  # hot | cold
     models: list[ModelResidency] = []
-    active_model: str | None = None
+    active_model: Name | None = None
     sessions: list[SessionKv] = []
-    queued: dict[str, int] = {}
+    queued: dict[Name, int] = {}
     queued_tokens: int = 0
     running: int = 0
     round_remaining_s: float = 0.0
@@ -378,6 +390,9 @@ class InstanceSnapshot(Struct, frozen=True):
     restore_tok_s: float = 0.0
     switch_s: float = 0.0
     heartbeat_s: float = 0.5
+    # False while the agent's watchdog sees an engine step stuck: the router stops choosing it.
+    healthy: bool = True
+    unhealthy_reason: str = ""
 
 
 # --------------------------------------------------------------------------------------
@@ -407,7 +422,7 @@ def replace(message: Struct, **changes) -> Struct:
 class ServiceHeartbeat(Struct, frozen=True):
     """Liveness of router and telemetry on talaria.health.<service> (agents send snapshots)."""
 
-    service: str
+    service: Name
     at: float
     detail: dict[str, str] = {}
 

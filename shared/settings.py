@@ -54,6 +54,7 @@ class Settings:
     staging: bool = True
     heartbeat_s: float = 0.5
     call_timeout_s: float = 300.0
+    watchdog_min_s: float = 10.0  # the agent watchdog's floor for "stuck" (services/instance_agent/watchdog.py)
     session_idle_s: float = 60.0
     torch_threads: int = 1
     log_level: str = "info"
@@ -133,7 +134,7 @@ class Settings:
         if unknown or not self.models:
             raise SettingsError("TALARIA_MODELS", ",".join(self.models),
                                 f"models from the catalogue ({', '.join(sorted(CATALOG))})")
-        for name in ("lease_timeout_s", "heartbeat_s", "call_timeout_s", "session_idle_s"):
+        for name in ("lease_timeout_s", "heartbeat_s", "call_timeout_s", "session_idle_s", "watchdog_min_s"):
             if getattr(self, name) <= 0 and not (name == "lease_timeout_s" and self.lease_timeout_s == 0):
                 raise SettingsError(f"TALARIA_{name.upper()}", str(getattr(self, name)), "a positive number")
         if self.pool == "hot" and len(self.models) != 1:

@@ -21,6 +21,7 @@ from msgspec import Struct
 from talaria.services.gateway.auth import TENANT, anthropic_error_body, client_session, scoped_session
 from talaria.services.gateway.openai_api import ChatInput
 from talaria.services.gateway.prepare import RequestError, bad, prepare, tool_format
+from talaria.services.gateway.validation import decode_bounded
 from talaria.services.gateway.sessions import InvalidSessionId, session_id_from
 from talaria.services.gateway.submitter import Submitter
 from talaria.shared.messages import CallRequest, CallResult, ChatMessage, ErrorReply, TokenChunk, ToolCallMsg, ToolSpec
@@ -285,7 +286,7 @@ class AnthropicApi:
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         try:
-            req = DECODER.decode(await request.read())
+            req = decode_bounded(DECODER, await request.read())
             chat = chat_turns(req)
             call = prepare(CallRequest(model=req.model, messages=chat.messages, tools=chat.tools,
                                        tool_choice=chat.choice, forced_tool=chat.forced, max_tokens=1),
@@ -298,7 +299,7 @@ class AnthropicApi:
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         try:
-            req = DECODER.decode(await request.read())
+            req = decode_bounded(DECODER, await request.read())
             call_req = to_call_request(req, chat_turns(req))
             tenant = request.get(TENANT, "")
             session_id = scoped_session(tenant, session_of(request.headers, req.metadata))

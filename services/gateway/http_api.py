@@ -30,6 +30,7 @@ from talaria.services.gateway.prepare import RequestError, prepare, tool_format
 from talaria.services.gateway.sessions import InvalidSessionId, session_id_from
 from talaria.services.gateway.submitter import Submitter
 from talaria.shared.messages import CallRequest, CallResult, CallSubmitted, ErrorReply, TokenChunk
+from talaria.services.gateway.validation import decode
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 # Bodies above this are parsed, validated and tokenised in a worker process, not on the event
@@ -50,7 +51,7 @@ def parse_request(body: bytes, chat: bool, headers, tenant: str = "",
     """Decode, validate and tokenise one HTTP body: (the call, include_usage, its tool-call
     format) or the 4xx reply. Pure (no I/O), so it may run in a worker process."""
     try:
-        decoded = (CHAT_DECODER if chat else COMPLETION_DECODER).decode(body)
+        decoded = decode(CHAT_DECODER if chat else COMPLETION_DECODER, body)
         req, include_usage = _to_call_request(decoded, chat)
         session_id = scoped_session(tenant, session_id_from(headers, decoded.user))
         call = prepare(req, session_id, "chat" if chat else "completion", tenant, prefix_sharing)

@@ -9,12 +9,11 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-import msgspec
-
 from talaria.services.gateway.auth import KeyStore, Unauthenticated, client_session, scoped_session, unauthenticated_reply
 from talaria.services.gateway.prepare import RequestError, prepare
 from talaria.services.gateway.sessions import InvalidSessionId, check
 from talaria.services.gateway.submitter import Submitter
+from talaria.services.gateway.validation import decode
 from talaria.shared import subjects
 from talaria.shared.messages import CALL_REQUEST_DECODER, CallResult, ErrorReply, encode, replace
 
@@ -47,20 +46,19 @@ class NatsApi:
             self.log.warning("api call without reply subject dropped", subject=msg.subject)
             return
         try:
-            req = CALL_REQUEST_DECODER.decode(msg.data)
+            req = decode(CALL_REQUEST_DECODER, msg.data)
             tenant = self.keys.tenant_for_key(req.api_key)
             session_id = check(req.session_id) if req.session_id else f"anon-{uuid.uuid4().hex}"
             call = prepare(req, scoped_session(tenant, session_id), "nats", tenant, self.prefix_sharing)
-        except msgspec.ValidationError as exc:
-            reply = ErrorReply(400, "invalid_request", str(exc))
-        except msgspec.DecodeError as exc:
-            reply = ErrorReply(400, "invalid_json", f"message is not valid JSON: {exc}")
         except InvalidSessionId as exc:
             reply = ErrorReply(400, "invalid_session_id", str(exc), param="session_id")
         except RequestError as exc:
             reply = exc.reply
         except Unauthenticated as exc:
             reply = unauthenticated_reply(exc)
+        except Exception as exc:  # a bug, not the input's fault: still answer, never leave it waiting
+            self.log.exception("api call could not be prepared")
+            reply = ErrorReply(500, "internal_error", f"the gateway could not prepare this call: {exc}")
         else:
             reply = await self.submitter.submit(call)
             if isinstance(reply, CallResult) and call.tenant:

@@ -9,24 +9,15 @@ import time
 import uuid
 
 from talaria.services.gateway.auth import kv_scope
+from talaria.services.gateway.validation import RequestError, bad, check_request
 from talaria.shared import subjects
 from talaria.shared.catalog import CATALOG
-from talaria.shared.messages import CallRequest, CallSubmitted, ErrorReply
+from talaria.shared.messages import MAX_TOKEN_LEN, CallRequest, CallSubmitted, ErrorReply
 from talaria.shared.model_text import text_for
 from talaria.shared.tokenizer import block_hashes
 
-MAX_STOP_STRINGS = 8
+__all__ = ["RequestError", "bad", "prepare", "tool_format"]
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-class RequestError(Exception):
-    def __init__(self, reply: ErrorReply) -> None:
-        super().__init__(reply.message)
-        self.reply = reply
-
-
-def bad(message: str, param: str | None = None, code: str = "invalid_request") -> RequestError:
-    return RequestError(ErrorReply(400, code, message, param=param))
 
 
 def tool_format(req: CallRequest) -> str | None:
@@ -68,16 +59,9 @@ def prepare(req: CallRequest, session_id: str, api: str, tenant: str = "", shari
         ids = model_text.encode(text, chat=True)
     else:
         ids = model_text.encode(req.prompt or "", chat=False)
-    if req.max_tokens < 1:
-        raise bad("`max_tokens` must be at least 1", "max_tokens")
-    if not 0.0 <= req.temperature <= 2.0:
-        raise bad("`temperature` must be between 0 and 2", "temperature")
-    if not 0.0 < req.top_p <= 1.0:
-        raise bad("`top_p` must be in (0, 1]", "top_p")
-    if len(req.stop) > MAX_STOP_STRINGS or any(not s for s in req.stop):
-        raise bad(f"`stop` takes at most {MAX_STOP_STRINGS} non-empty strings", "stop")
+    check_request(req)
     call_id = req.call_id or uuid.uuid4().hex
-    if not subjects.valid_token(call_id) or len(call_id) > 128:
+    if not subjects.valid_token(call_id) or len(call_id) > MAX_TOKEN_LEN or not call_id.isprintable():
         raise bad("`call_id` must be a NATS subject token (no '.', '*', '>' or spaces)", "call_id")
     scope = kv_scope(sharing, tenant, session_id)
     max_tokens = req.max_tokens

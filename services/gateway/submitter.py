@@ -17,6 +17,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from opentelemetry import trace
 
+from talaria.services.gateway.validation import check_size
 from talaria.shared import subjects
 from talaria.shared.logs import call_context
 from talaria.shared.bus import emit, emit_new
@@ -75,6 +76,9 @@ class Submitter:
             return ErrorReply(409, "duplicate_call_id", f"call {call.call_id} is already in flight",
                               param="call_id", call_id=call.call_id)
         call = replace(call, reply_to=f"{self.inbox}.{call.call_id}")
+        too_large = check_size(call, self.nc.max_payload)
+        if too_large is not None:  # permanent: retrying cannot make it fit
+            return too_large
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._pending[call.call_id] = fut
         token_sub = None

@@ -38,6 +38,7 @@ from talaria.services.instance_agent.scheduler import (
     SwitchModel,
 )
 from talaria.services.instance_agent.telemetry import build_snapshot
+from talaria.services.instance_agent.watchdog import Watchdog
 from talaria.shared import subjects
 from talaria.shared.bus import emit
 from talaria.shared.logs import call_context
@@ -110,6 +111,10 @@ class CallRunner:
         self.finished: OrderedDict[str, None] = OrderedDict()
         # Cancels for calls not (yet) here: a call routed after its cancel is refused on arrival.
         self.cancelled: OrderedDict[str, str] = OrderedDict()
+        self.watchdog = Watchdog(min_stuck_s=settings.watchdog_min_s)
+        self.unhealthy = ""  # why new calls should go elsewhere (heartbeat flag); "" when healthy
+        self.step_calls: tuple[str, ...] = ()  # the calls of the engine step in flight
+        self.orphans: set[str] = set()  # failed by the watchdog; the engine may still hold them
 
     @property
     def sched(self):
@@ -194,7 +199,10 @@ class CallRunner:
 
     async def work_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
+            if self.orphans:
+                await self._release_orphans()
             action = self.core.next_action(time.time())
+            self.step_calls = tuple(getattr(action, "call_ids", ()))
             try:
                 match action:
                     case Idle():
@@ -228,7 +236,11 @@ class CallRunner:
             w.cancel()
 
     async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        self.watchdog.step_started(fn.__name__, self.step_calls, time.time())
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        finally:
+            self.watchdog.step_ended(time.time())
 
     async def _switch(self, action: SwitchModel):
         record = await self._run(self.engine.switch_to, action.to_model)
@@ -310,14 +322,14 @@ class CallRunner:
         for call_id in outcome.finished:
             await self._complete(call_id)
         for summary in outcome.rounds:
+            self.watchdog.round_ended(summary.wall_s)
             await emit(self.js, summary)
         if outcome.switch is not None:
             await emit(self.js, outcome.switch)
         for event in outcome.notes:
-            # `kind`, not `event`: structlog's message argument is called `event`, and a
-            # clash raised here and lost the rest of the outcome (calls never finished).
+            # structlog's first argument is already called `event`: name ours `kind`.
             self.log.info("scheduler", kind=type(event).__name__, **{
-                k: v for k, v in event.__dict__.items() if k in ("call_id", "reason", "model")})
+                k: v for k, v in vars(event).items() if k in ("call_id", "reason", "model")})
         changed = bool(outcome.finished)
         if changed and time.monotonic() - self.last_snapshot >= SNAPSHOT_ON_CHANGE_MIN_S:
             await self.publish_snapshot()  # the router learns of freed capacity and new session KV now
@@ -396,6 +408,7 @@ class CallRunner:
         self._remember(call_id)
 
     def _remember(self, call_id: str) -> None:
+        self.watchdog.call_done(call_id)
         self.finished[call_id] = None
         while len(self.finished) > FINISHED_MEMORY:
             self.finished.popitem(last=False)
@@ -415,13 +428,60 @@ class CallRunner:
             except TimeoutError:
                 pass
 
+    # ---- watchdog ----------------------------------------------------------------------
+
+    async def watchdog_loop(self, stop: asyncio.Event) -> None:
+        """Fail calls that stopped making progress; flag the agent unhealthy while an engine
+        step is stuck, so the router stops choosing it (see watchdog.py)."""
+        while not stop.is_set():
+            try:
+                await self.watch(time.time())
+            except Exception:
+                self.log.exception("watchdog check failed")
+            try:
+                await asyncio.wait_for(stop.wait(), self.settings.heartbeat_s)
+            except TimeoutError:
+                pass
+
+    async def watch(self, now: float) -> None:
+        verdict = self.watchdog.check(now)
+        if verdict.unhealthy != self.unhealthy:
+            (self.log.error if verdict.unhealthy else self.log.info)(
+                "agent health changed", unhealthy=verdict.unhealthy or None)
+            self.unhealthy = verdict.unhealthy
+            await self.publish_snapshot()
+        for call_id, why in verdict.fail_calls.items():
+            if call_id not in self.calls:
+                self.watchdog.call_done(call_id)
+                continue
+            try:
+                await self._events(self.core.abort(call_id, now))
+            except SchedulerError:
+                self.core.forget(call_id)  # already gone from the scheduler
+            self.orphans.add(call_id)  # released on the engine thread before the next step
+            await self._fail(call_id, why)
+
+    async def _release_orphans(self) -> None:
+        orphans, self.orphans = self.orphans, set()
+
+        def release() -> None:
+            for call_id in orphans:
+                if call_id in self.engine.running:
+                    try:
+                        self.engine.finish(call_id)
+                    except Exception:
+                        pass
+
+        await asyncio.get_running_loop().run_in_executor(self.executor, release)
+
     # ---- telemetry ---------------------------------------------------------------------
 
     async def publish_snapshot(self) -> None:
         self.version += 1
         self.last_snapshot = time.monotonic()
         try:
-            snap = build_snapshot(self.settings, self.engine, self.core, self.version, time.time())
+            snap = build_snapshot(self.settings, self.engine, self.core, self.version, time.time(),
+                                  unhealthy=self.unhealthy)
             await self.nc.publish(subjects.telemetry(self.instance_id), encode(snap))
         except Exception as exc:  # a torn read of engine tables; the next beat retries
             self.log.warning("snapshot failed", error=str(exc))

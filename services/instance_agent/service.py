@@ -18,6 +18,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from talaria.services.instance_agent.runner import CallRunner
 from talaria.shared import logs, subjects, tracing
 from talaria.shared.bus import close, connect, emit
+from talaria.shared.limits import call_problem
 from talaria.shared.nats_auth import sender_of, trusted
 from talaria.shared.messages import CANCEL_DECODER, ROUTED_DECODER, CallFailed, CallRouted, ErrorReply, encode
 from talaria.shared.settings import Settings
@@ -71,6 +72,7 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
         asyncio.create_task(runner.heartbeat_loop(stop), name="heartbeat"),
         asyncio.create_task(runner.work_loop(stop), name="work"),
         asyncio.create_task(runner.progress_loop(stop), name="progress"),
+        asyncio.create_task(runner.watchdog_loop(stop), name="watchdog"),
         asyncio.create_task(_fetch_loop(sub, runner, js, nc, log, stop), name="fetch"),
     ]
     await runner.publish_snapshot()
@@ -124,6 +126,11 @@ async def _fetch_loop(sub, runner: CallRunner, js, nc, log, stop: asyncio.Event)
                 await msg.term()
                 continue
             try:
+                problem = call_problem(routed.call)
+                if problem is not None:  # published past the gateway's checks: fail it alone
+                    await _refuse(js, nc, routed, f"invalid {problem[0]}: {problem[1]}", status=400)
+                    await msg.ack()
+                    continue
                 refused = runner.accept(routed, msg)
                 if refused is not None:
                     await _refuse(js, nc, routed, refused)
@@ -145,10 +152,11 @@ async def _on_cancel(msg, runner: CallRunner, log) -> None:
         log.exception("cancel failed", call_id=cancel.call_id)
 
 
-async def _refuse(js, nc, routed: CallRouted, reason: str) -> None:
+async def _refuse(js, nc, routed: CallRouted, reason: str, status: int = 503) -> None:
     call = routed.call
     await emit(js, CallFailed(call.call_id, call.session_id, call.model, reason, "agent", time.time(),
-                              status=503, instance_id=routed.instance_id, call_index=routed.call_index))
+                              status=status, instance_id=routed.instance_id, call_index=routed.call_index))
     if call.reply_to:
-        await nc.publish(call.reply_to, encode(ErrorReply(503, "not_served", reason, call_id=call.call_id,
-                                                          retry_after_s=1.0)))
+        reply = (ErrorReply(503, "not_served", reason, call_id=call.call_id, retry_after_s=1.0) if status == 503
+                 else ErrorReply(status, "invalid_request", reason, call_id=call.call_id))
+        await nc.publish(call.reply_to, encode(reply))

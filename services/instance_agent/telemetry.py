@@ -6,10 +6,12 @@ scheduler), as it does for a simulated instance (talaria/sim/device_view.py).
 
 from __future__ import annotations
 
+import msgspec
+
 from talaria.shared.messages import InstanceSnapshot, ModelResidency, SessionKv
 
 
-def build_snapshot(settings, engine, core, version: int, now: float) -> InstanceSnapshot:
+def build_snapshot(settings, engine, core, version: int, now: float, unhealthy: str = "") -> InstanceSnapshot:
     stats = engine.stats()
     active = engine.active_model
     staged = getattr(getattr(engine, "staging", None), "planner", None)
@@ -26,5 +28,8 @@ def build_snapshot(settings, engine, core, version: int, now: float) -> Instance
             context_length=int(engine.specs[m].context_length),
         ))
     sessions = [SessionKv(s, m, st, n) for s, m, st, n in engine.session_states()]
-    return core.snapshot(version, now, pool=settings.pool, active_model=active, models=models, sessions=sessions,
+    snap = core.snapshot(version, now, pool=settings.pool, active_model=active, models=models, sessions=sessions,
                          memory=stats, heartbeat_s=settings.heartbeat_s)
+    if unhealthy:  # the watchdog sees a stuck engine step: the router stops choosing us
+        snap = msgspec.structs.replace(snap, healthy=False, unhealthy_reason=unhealthy)
+    return snap

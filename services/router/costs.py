@@ -44,7 +44,7 @@ from talaria.services.router.state import RouterState, SessionEntry
 from talaria.shared.messages import CallSubmitted, CandidateCost
 
 GIB = float(1 << 30)
-HARD_REASONS = frozenset({"stale", "model_not_served", "hot_pool_pinned", "hbm"})
+HARD_REASONS = frozenset({"stale", "unhealthy", "model_not_served", "hot_pool_pinned", "hbm"})
 
 
 class Priced(NamedTuple):
@@ -150,6 +150,9 @@ class CostModel:
             iid = snap.instance_id
             if now - view.received_at > stale_after:
                 out.append(_infeasible(iid, "stale", view))
+                continue
+            if not snap.healthy:  # its watchdog sees a stuck engine step
+                out.append(_infeasible(iid, "unhealthy", view))
                 continue
             st = view.memo.get(model)
             if st is None or st.key != version:

@@ -1,15 +1,22 @@
-"""Event → Postgres projection. Idempotent: replaying an event changes nothing twice.
+"""Event → Postgres projection, idempotent: an event applied again, in any order relative to
+the others, changes nothing a second time (delivery is at-least-once and, after a crash,
+out of order).
+
+How each count stays exact: `sessions.calls` counts a call when its CallSubmitted is
+first applied (the `calls.api` column, set only by the submission, marks that);
+`completed` / `failed` count the one transition of a `calls` row into a final outcome;
+the first final outcome wins (a `failed` row never becomes `completed`). Rows keyed by
+stream sequence (lease events, switches, rounds) are inserted once per sequence.
 
 `project(conn, event, seq)` issues the SQL for one event inside the caller's
-transaction; the caller records the stream sequence in `projections` in the same
-transaction, so a crash never leaves a half-applied batch.
+transaction and says whether the event was new (so span bookkeeping counts it once).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 
-from sqlalchemy import func, update
+from sqlalchemy import case, func, update
 from sqlalchemy.dialects.postgresql import insert
 
 from talaria.shared.db.schema import calls, lease_decisions, lease_events, rounds, sessions, switches
@@ -36,11 +43,15 @@ def ts(epoch: float | None) -> dt.datetime | None:
     return None if epoch is None else dt.datetime.fromtimestamp(epoch, dt.timezone.utc)
 
 
-async def project(conn, event: Event, seq: int) -> None:
+FINAL = ("completed", "failed", "cancelled")
+
+
+async def project(conn, event: Event, seq: int) -> bool:
     match event:
         case CallSubmitted():
-            await _submitted(conn, event)
+            return await _submitted(conn, event)
         case CallRouted():
+            await _submitted(conn, event.call)  # a no-op unless the submission was not seen yet
             await conn.execute(
                 update(calls).where(calls.c.call_id == event.call.call_id).values(
                     call_index=event.call_index, instance_id=event.instance_id, routed_at=ts(event.routed_at),
@@ -55,9 +66,9 @@ async def project(conn, event: Event, seq: int) -> None:
                 )
             )
         case CallCompleted():
-            await _completed(conn, event)
+            return await _completed(conn, event)
         case CallFailed():
-            await _failed(conn, event)
+            return await _failed(conn, event)
         case RoutingDecision():
             await _decision(conn, event)
         case LeaseIssued() | LeaseConsumed() | LeaseDiscarded() | LeaseExpired():
@@ -75,84 +86,96 @@ async def project(conn, event: Event, seq: int) -> None:
                 sp_admitted=event.sp_admitted, sp_parked=event.sp_parked, deadline_risk=event.deadline_risk,
                 at=ts(event.at),
             ).on_conflict_do_nothing())
-
-
-FINAL = ["completed", "failed", "cancelled"]
+    return True
 
 
 def _final_outcome():
     # Events can arrive out of order across subjects; never downgrade a finished call.
-    from sqlalchemy import case
-
     return case((calls.c.outcome.in_(FINAL), calls.c.outcome), else_=None)
 
 
-async def _submitted(conn, e: CallSubmitted) -> None:
+def text_(value: str | None) -> str | None:
+    """Free text bound for Postgres, which refuses NUL in text."""
+    return None if value is None else value.replace("\x00", "\\x00")
+
+
+async def _bump_session(conn, session_id: str, at: dt.datetime | None, model: str, *, calls_: int = 0,
+                        completed: int = 0, failed: int = 0, instance: str | None = None) -> None:
+    """Add to a session's counts, creating its row if this is the first event seen of it."""
+    at = at or dt.datetime.now(dt.timezone.utc)
+    trace = trace_id_hex(session_trace_id(session_id))
+    set_ = {"calls": sessions.c.calls + calls_, "completed": sessions.c.completed + completed,
+            "failed": sessions.c.failed + failed,
+            "first_seen_at": func.least(sessions.c.first_seen_at, at),
+            "last_seen_at": func.greatest(sessions.c.last_seen_at, at)}
+    if calls_:
+        set_["last_model"] = model
+    if instance:
+        set_["last_instance"] = instance
+    await conn.execute(insert(sessions).values(
+        session_id=session_id, first_seen_at=at, last_seen_at=at, calls=calls_, completed=completed, failed=failed,
+        last_model=model, last_instance=instance, trace_id=trace,
+    ).on_conflict_do_update(index_elements=[sessions.c.session_id], set_=set_))
+
+
+async def _submitted(conn, e: CallSubmitted) -> bool:
+    """Create the call's row, or fill a row a later event created first; count the call once."""
     at = ts(e.submitted_at)
-    inserted = await conn.execute(insert(calls).values(
-        call_id=e.call_id, session_id=e.session_id, model=e.model, api=e.api, outcome="submitted",
-        prompt_tokens=e.prompt_tokens, submitted_at=at, trace_id=trace_id_hex(session_trace_id(e.session_id)),
-    ).on_conflict_do_nothing())
-    if inserted.rowcount == 0:
-        return  # seen before: count each call once
-    stmt = insert(sessions).values(
-        session_id=e.session_id, first_seen_at=at, last_seen_at=at, calls=1, last_model=e.model,
-        trace_id=trace_id_hex(session_trace_id(e.session_id)),
-    )
-    await conn.execute(stmt.on_conflict_do_update(
-        index_elements=[sessions.c.session_id],
-        set_={"last_seen_at": func.greatest(sessions.c.last_seen_at, at), "calls": sessions.c.calls + 1,
-              "last_model": e.model},
-    ))
+    submission = dict(api=e.api, prompt_tokens=e.prompt_tokens, submitted_at=at,
+                      trace_id=trace_id_hex(session_trace_id(e.session_id)))
+    stmt = insert(calls).values(call_id=e.call_id, session_id=e.session_id, model=e.model, outcome="submitted",
+                                **submission)
+    stmt = stmt.on_conflict_do_update(index_elements=[calls.c.call_id], set_=submission,
+                                      where=calls.c.api.is_(None)).returning(calls.c.call_id)
+    if (await conn.execute(stmt)).first() is None:
+        return False  # seen before: count each call once
+    await _bump_session(conn, e.session_id, at, e.model, calls_=1)
+    return True
 
 
-async def _completed(conn, e: CallCompleted) -> None:
+async def _finish(conn, call_id: str, values: dict, row: dict) -> bool:
+    """Move the call's row into its final outcome, once: True when this event did it."""
+    result = await conn.execute(update(calls).where(calls.c.call_id == call_id)
+                                .where(calls.c.outcome.notin_(FINAL)).values(**values))
+    if result.rowcount == 0:  # final already, or the first event seen of this call
+        result = await conn.execute(insert(calls).values(call_id=call_id, **row, **values)
+                                    .on_conflict_do_nothing())
+    return result.rowcount > 0
+
+
+async def _completed(conn, e: CallCompleted) -> bool:
     values = dict(
         call_index=e.call_index, instance_id=e.instance_id, outcome="completed",
         prompt_tokens=e.prompt_tokens, output_tokens=e.output_tokens, cached_tokens=e.cached_tokens,
-        kv_source=e.kv_source, finish_reason=e.finish_reason, started_at=ts(e.started_at),
+        kv_source=e.kv_source, finish_reason=text_(e.finish_reason), started_at=ts(e.started_at),
         first_token_at=ts(e.first_token_at), completed_at=ts(e.completed_at), queue_s=e.queue_s,
         ttft_s=e.ttft_s, prefill_s=e.prefill_s, decode_s=e.decode_s, slot_wait_s=e.slot_wait_s,
     )
-    result = await conn.execute(update(calls).where(calls.c.call_id == e.call_id)
-                                .where(calls.c.outcome != "completed").values(**values))
-    if result.rowcount == 0:  # completion seen before submission (replay from a later point)
-        result = await conn.execute(insert(calls).values(call_id=e.call_id, session_id=e.session_id,
-                                                         model=e.model, submitted_at=ts(e.submitted_at), **values)
-                                    .on_conflict_do_nothing())
-    if result.rowcount == 0:
-        return  # already completed: count it once
-    await conn.execute(update(sessions).where(sessions.c.session_id == e.session_id).values(
-        completed=sessions.c.completed + 1, last_instance=e.instance_id,
-        last_seen_at=func.greatest(sessions.c.last_seen_at, ts(e.completed_at)),
-    ))
+    row = dict(session_id=e.session_id, model=e.model, submitted_at=ts(e.submitted_at))
+    if not await _finish(conn, e.call_id, values, row):
+        return False  # already final: count it once, never flip failed -> completed
+    await _bump_session(conn, e.session_id, ts(e.completed_at), e.model, completed=1, instance=e.instance_id)
     await conn.execute(update(lease_decisions).where(lease_decisions.c.call_id == e.call_id).values(
         outcome="completed", ttft_s=e.ttft_s, kv_source=e.kv_source, completed_at=ts(e.completed_at),
     ))
+    return True
 
 
-async def _failed(conn, e: CallFailed) -> None:
+async def _failed(conn, e: CallFailed) -> bool:
     outcome = "cancelled" if e.status == CANCELLED_STATUS else "failed"
-    values = dict(outcome=outcome, error=e.reason, failed_stage=e.stage, status=e.status,
+    values = dict(outcome=outcome, error=text_(e.reason), failed_stage=text_(e.stage), status=e.status,
                   completed_at=ts(e.at))
     if e.instance_id:
         values["instance_id"] = e.instance_id
     if e.call_index is not None:
         values["call_index"] = e.call_index
-    result = await conn.execute(update(calls).where(calls.c.call_id == e.call_id)
-                                .where(calls.c.outcome.notin_(FINAL)).values(**values))
-    if result.rowcount == 0:  # failed before its submission was projected: still recorded
-        result = await conn.execute(insert(calls).values(
-            call_id=e.call_id, session_id=e.session_id, model=e.model, submitted_at=ts(e.at), **values
-        ).on_conflict_do_nothing())
-    if result.rowcount:
-        await conn.execute(insert(sessions).values(
-            session_id=e.session_id, first_seen_at=ts(e.at), last_seen_at=ts(e.at), calls=0, failed=1,
-            last_model=e.model, trace_id=trace_id_hex(session_trace_id(e.session_id)),
-        ).on_conflict_do_update(index_elements=[sessions.c.session_id],
-                                set_={"failed": sessions.c.failed + 1}))
+    row = dict(session_id=e.session_id, model=e.model, submitted_at=ts(e.at))
+    if not await _finish(conn, e.call_id, values, row):
+        return False
+    await _bump_session(conn, e.session_id, ts(e.at), e.model, failed=1)
     await conn.execute(update(lease_decisions).where(lease_decisions.c.call_id == e.call_id)
                        .values(outcome=outcome, completed_at=ts(e.at)))
+    return True
 
 
 async def _decision(conn, e: RoutingDecision) -> None:
@@ -162,10 +185,17 @@ async def _decision(conn, e: RoutingDecision) -> None:
     await conn.execute(insert(lease_decisions).values(
         call_id=e.call_id, session_id=e.session_id, call_index=e.call_index, model=e.model, policy=e.policy,
         action=e.action, decided_at=ts(e.decided_at), chosen_instance=e.chosen, lease_outcome=e.lease_outcome,
-        lease_instance=e.lease_instance, discard_reason=e.discard_reason, candidates=candidates,
+        lease_instance=e.lease_instance, discard_reason=text_(e.discard_reason), candidates=candidates,
         retry_after_s=e.retry_after_s, decision_us=e.decision_us, model_opened=e.model_opened,
         avoidable_cold_open=e.avoidable_cold_open,
     ).on_conflict_do_nothing())
+    # The call may have finished before its decision was projected: join its outcome in now.
+    await conn.execute(update(lease_decisions).where(
+        lease_decisions.c.call_id == e.call_id, lease_decisions.c.outcome.is_(None),
+        lease_decisions.c.call_id == calls.c.call_id,
+        calls.c.call_id == e.call_id, calls.c.outcome.in_(FINAL),
+    ).values(outcome=calls.c.outcome, ttft_s=calls.c.ttft_s, kv_source=calls.c.kv_source,
+             completed_at=calls.c.completed_at))
 
 
 async def _lease(conn, e, seq: int) -> None:
@@ -174,6 +204,6 @@ async def _lease(conn, e, seq: int) -> None:
     at = getattr(e, "issued_at", None) or getattr(e, "at")
     await conn.execute(insert(lease_events).values(
         seq=seq, kind=kind, session_id=e.session_id, model=e.model, instance_id=e.instance_id,
-        call_id=getattr(e, "call_id", None), reason=getattr(e, "reason", None), at=ts(at),
+        call_id=getattr(e, "call_id", None), reason=text_(getattr(e, "reason", None)), at=ts(at),
         expires_at=ts(getattr(e, "expires_at", None)),
     ).on_conflict_do_nothing())

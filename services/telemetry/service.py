@@ -1,7 +1,13 @@
 """Telemetry service: a durable consumer on talaria.evt.> projecting into Postgres.
 
-Each fetched batch is applied in one transaction together with the new stream
-offset, and acknowledged after commit: at-least-once delivery, exactly-once effect.
+Exactly-once effect from at-least-once delivery:
+- each fetched batch is applied in one transaction, committed with synchronous_commit on
+  (durable even when the server runs with it off), and only then is each event acked;
+- every projection is idempotent (projector.py), so an event delivered again, in any
+  order, after a crash or a lost ack, changes nothing a second time;
+- acks are explicit per event: acking one never acknowledges another still in flight;
+- an event that cannot be decoded or projected is quarantined (a row in
+  `quarantined_events`, an alert in the log) and skipped, so it cannot block the stream.
 """
 
 from __future__ import annotations
@@ -12,7 +18,8 @@ import time
 
 import msgspec
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from sqlalchemy import select
+from nats.js.errors import NotFoundError
+from sqlalchemy import func, select, text
 from sqlalchemy.dialects.postgresql import insert
 
 from talaria.services.telemetry.projector import project
@@ -22,13 +29,14 @@ from talaria.shared import logs, subjects, tracing
 from talaria.shared.health import heartbeat_loop
 from talaria.shared.bus import close, connect
 from talaria.shared.db.engine import create_engine
-from talaria.shared.db.schema import projections
+from talaria.shared.db.schema import projections, quarantined_events
 from talaria.shared.messages import EVENT_DECODER
 from talaria.shared.settings import Settings
 
 DURABLE = "telemetry"
 NAME = "telemetry"
 BATCH = 256
+ACK_WAIT_S = 30
 
 
 def _exporter(settings: Settings):
@@ -50,11 +58,8 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     async with db.connect() as conn:
         row = (await conn.execute(select(projections.c.seq).where(projections.c.name == NAME))).first()
     offset = row.seq if row else 0
-    sub = await js.pull_subscribe(
-        subjects.EVENTS_WILDCARD, durable=DURABLE, stream=subjects.EVENTS_STREAM,
-        config=ConsumerConfig(durable_name=DURABLE, ack_policy=AckPolicy.ALL, deliver_policy=DeliverPolicy.ALL,
-                              ack_wait=30, max_ack_pending=10_000),
-    )
+    await _ensure_consumer(js, log)
+    sub = await js.pull_subscribe(subjects.EVENTS_WILDCARD, durable=DURABLE, stream=subjects.EVENTS_STREAM)
     beat = asyncio.create_task(heartbeat_loop(nc, "telemetry", stop))
     log.info("telemetry ready", offset=offset)
     if ready is not None:
@@ -75,7 +80,8 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
             offset = await _apply_until_committed(db, msgs, offset, spans, log, stop)
             if offset is None:
                 break  # stopping with the batch uncommitted: it is redelivered on restart
-            await msgs[-1].ack()  # AckPolicy.ALL: acknowledges the whole batch
+            for msg in msgs:  # only now that the batch is durable
+                await msg.ack()
             await _flush_spans(spans, time.time())
     finally:
         await asyncio.get_running_loop().run_in_executor(None, lambda: spans.flush(time.time(), all_sessions=True))
@@ -110,42 +116,108 @@ async def _apply_until_committed(db, msgs, offset: int, spans: SessionSpans, log
                 delay = min(delay * 2, 10.0)
 
 
+async def _ensure_consumer(js, log) -> None:
+    """The durable consumer, with explicit acks, resuming right after its ack floor.
+
+    Events a killed predecessor had fetched but not acked would come back only after
+    `ack_wait`; recreating the consumer from its ack floor delivers them at once (those
+    acked above the floor come again too, which idempotent projections absorb). A consumer
+    left by an older version with AckPolicy.ALL (acking a later event silently acknowledged
+    earlier ones still in flight, losing them after a crash) is replaced the same way."""
+    config = ConsumerConfig(durable_name=DURABLE, ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
+                            ack_wait=ACK_WAIT_S, max_ack_pending=10_000, filter_subject=subjects.EVENTS_WILDCARD)
+    try:
+        info = await js.consumer_info(subjects.EVENTS_STREAM, DURABLE)
+    except NotFoundError:
+        info = None
+    if info is not None and info.config.ack_policy == AckPolicy.EXPLICIT and not info.num_ack_pending:
+        return
+    if info is not None:
+        start = info.ack_floor.stream_seq + 1
+        log.warning("resuming the telemetry consumer after its ack floor", resume_at=start,
+                    unacked=info.num_ack_pending, ack_policy=str(info.config.ack_policy))
+        await js.delete_consumer(subjects.EVENTS_STREAM, DURABLE)
+        config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, start
+    await js.add_consumer(subjects.EVENTS_STREAM, config=config)
+
+
 async def _apply_batch(db, msgs, offset: int, spans: SessionSpans, log) -> int:
+    """Project every event of the batch (redelivered ones too: projections are idempotent)
+    in one durable transaction; returns the highest stream sequence seen."""
     observed = []
     async with db.begin() as conn:
+        await conn.execute(text("SET LOCAL synchronous_commit = on"))
         for msg in msgs:
             seq = msg.metadata.sequence.stream
-            if seq <= offset:
-                continue  # already projected before a restart
+            offset = max(offset, seq)
             try:
                 event = EVENT_DECODER.decode(msg.data)
             except msgspec.DecodeError as exc:
-                log.error("undecodable event skipped", seq=seq, subject=msg.subject, error=str(exc))
-                offset = seq
+                await _quarantine(conn, log, msg, seq, f"undecodable: {exc}")
                 continue
             if not trusted(msg, event):  # only an event's owning service may write its row
                 log.error("event from a service that does not own it skipped", seq=seq, subject=msg.subject,
                           sender=sender_of(msg), event_type=type(event).__name__)
-                offset = seq
                 continue
             try:
                 async with conn.begin_nested():  # a savepoint: one bad event cannot sink the batch
-                    await project(conn, event, seq)
+                    new = await project(conn, event, seq)
             except Exception as exc:
-                if not _is_data_error(exc):
-                    raise  # connection trouble: retry the whole batch
-                log.error("event could not be projected; skipped", seq=seq, subject=msg.subject, error=str(exc))
-            observed.append(event)
-            offset = seq
+                if _is_transient(exc) or not await _alive(conn):
+                    raise  # the database's trouble, not this event's: retry the whole batch
+                await _quarantine(conn, log, msg, seq, f"{type(exc).__name__}: {exc}")
+                continue
+            if new:
+                observed.append(event)
         values = dict(name=NAME, seq=offset, saved_at=dt.datetime.now(dt.timezone.utc))
         await conn.execute(insert(projections).values(**values).on_conflict_do_update(
-            index_elements=[projections.c.name], set_=values))
+            index_elements=[projections.c.name],
+            set_=dict(seq=func.greatest(projections.c.seq, offset), saved_at=values["saved_at"])))
     for event in observed:  # only once the batch is committed
         spans.observe(event)
     return offset
 
 
-def _is_data_error(exc: Exception) -> bool:
-    from sqlalchemy.exc import DataError, IntegrityError, ProgrammingError
+async def _quarantine(conn, log, msg, seq: int, error: str) -> None:
+    """Record a poison event and move past it; an operator replays or drops it."""
+    error = error.replace("\x00", "\\x00")[:2000]
+    log.error("ALERT: poison event quarantined", alert=True, seq=seq, subject=msg.subject, error=error[:300])
+    await conn.execute(insert(quarantined_events).values(
+        seq=seq, subject=msg.subject.replace("\x00", ""), error=error, data=bytes(msg.data),
+        at=dt.datetime.now(dt.timezone.utc),
+    ).on_conflict_do_nothing())
 
-    return isinstance(exc, (DataError, IntegrityError, ProgrammingError))
+
+# SQLSTATE classes that say "the database, not this event": 08 connection, 40 rollback
+# (serialization, deadlock), 53 resources, 55 lock, 57 operator intervention, 58 system.
+TRANSIENT_SQLSTATE_CLASSES = {"08", "40", "53", "55", "57", "58"}
+
+
+def _is_transient(exc: Exception) -> bool:
+    from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+
+    if isinstance(exc, (OSError, ConnectionError, TimeoutError, InterfaceError, OperationalError)):
+        return True
+    if isinstance(exc, DBAPIError):
+        if exc.connection_invalidated:
+            return True
+        state = _sqlstate(exc)
+        return state is not None and state[:2] in TRANSIENT_SQLSTATE_CLASSES
+    return False  # unknown: the caller asks the connection whether it is still well
+
+
+async def _alive(conn) -> bool:
+    try:
+        await conn.execute(text("SELECT 1"))
+        return True
+    except Exception:
+        return False
+
+
+def _sqlstate(exc) -> str | None:
+    orig = getattr(exc, "orig", None)
+    for e in (orig, getattr(orig, "__cause__", None)):
+        state = getattr(e, "sqlstate", None) or getattr(e, "pgcode", None)
+        if state:
+            return str(state)
+    return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 from sqlalchemy import (
     BigInteger,
     Boolean,
+    LargeBinary,
     Column,
     DateTime,
     Float,
@@ -46,7 +47,7 @@ calls = Table(
     Column("call_index", Integer),
     Column("model", Text, nullable=False),
     Column("instance_id", Text),
-    Column("api", Text),
+    Column("api", Text),  # set by the submission alone: NULL until it is projected
     Column("outcome", Text, nullable=False),  # submitted | routed | running | completed | failed
     Column("prompt_tokens", Integer),
     Column("output_tokens", Integer),
@@ -150,4 +151,14 @@ projections = Table(
     Column("seq", BigInteger, nullable=False),  # last stream sequence folded in
     Column("state", JSONB),
     ts("saved_at", nullable=False),
+)
+
+quarantined_events = Table(
+    "quarantined_events",
+    metadata,
+    Column("seq", BigInteger, primary_key=True),  # JetStream stream sequence of the poison event
+    Column("subject", Text, nullable=False),
+    Column("error", Text, nullable=False),  # why it could not be decoded or projected
+    Column("data", LargeBinary, nullable=False),  # the raw message, for a replay once fixed
+    ts("at", nullable=False),
 )

@@ -47,7 +47,7 @@ async def test_every_audit_query_runs_and_explains_the_session(database_url):
         params = {p: "s1" for p in params_of(path.read_text())}
         results[name] = await query(database_url, name, params)
     assert set(results) >= {"why_return_missed", "avoidable_cold_opens_per_hour", "lease_hit_rate_by_model",
-                            "tau_effectiveness", "discard_reasons", "session_calls"}
+                            "tau_effectiveness", "discard_reasons", "session_calls", "quarantined_events"}
     why = results["why_return_missed"]
     assert [r["lease_outcome"] for r in why] == ["none", "consumed", "discarded"]
     assert why[2]["discard_reason"] == "expired" and why[2]["moved"] is True and why[2]["avoidable_cold_open"]
@@ -56,3 +56,4 @@ async def test_every_audit_query_runs_and_explains_the_session(database_url):
     assert results["avoidable_cold_opens_per_hour"][0]["avoidable_cold_opens"] == 1
     assert sum(r["returns"] for r in results["tau_effectiveness"]) == 2
     assert [r["call_index"] for r in results["session_calls"]] == [0, 1, 2]
+    assert results["quarantined_events"] == []

@@ -340,18 +340,23 @@ class TorchEngine:
             self.running[s.req.call_id] = s
         seqs = cont + seqs
         before = sum(s.kv_len for s in seqs)
-        t1 = time.perf_counter()
-        last = self._run_prefill(seqs, chunk)
-        now = time.perf_counter()
-        done = [s for s in seqs if s.req.call_id in last]
-        if self.on_logits is not None and done:
-            self.on_logits([s.req.call_id for s in done], torch.stack([last[s.req.call_id] for s in done]))
-        self._rate("prefill", sum(s.kv_len for s in seqs) - before, now - t1)
-        out = []
-        for s in seqs:
-            s.prefill_s += now - t1
-        for s in done:
-            out.append(s.take(last[s.req.call_id], now))
+        try:
+            t1 = time.perf_counter()
+            last = self._run_prefill(seqs, chunk)
+            now = time.perf_counter()
+            done = [s for s in seqs if s.req.call_id in last]
+            if self.on_logits is not None and done:
+                self.on_logits([s.req.call_id for s in done], torch.stack([last[s.req.call_id] for s in done]))
+            self._rate("prefill", sum(s.kv_len for s in seqs) - before, now - t1)
+            out = []
+            for s in seqs:
+                s.prefill_s += now - t1
+            for s in done:
+                out.append(s.take(last[s.req.call_id], now))
+        except Exception:  # nothing of a failed batch stays running or holds pages
+            for s in seqs:
+                self._release(s)
+            raise
         self._pump()
         return out
 

@@ -25,18 +25,25 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator | 
     if seed is None:
         gen.seed()  # non-deterministic on purpose: the caller gave no seed
     else:
-        gen.manual_seed(seed)
+        gen.manual_seed(seed % 2**64)  # any int: torch takes only [0, 2**64)
     return gen
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> int:
-    """One token from logits [V]. temperature 0 is greedy (argmax, ties to the lowest id)."""
+    """One token from logits [V]. temperature 0 is greedy (argmax, ties to the lowest id).
+
+    Any temperature > 0 and top_p > 0 yields a token: a temperature so small that the
+    scaled logits overflow (1e-300) is its limit, greedy; a top_p below the top token's
+    probability (5e-324) keeps that token alone."""
     if temperature <= 0.0:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+        return int(torch.argmax(logits))
     if top_p < 1.0:
         sorted_p, order = probs.sort(descending=True)
-        keep = sorted_p.cumsum(0) - sorted_p < top_p  # smallest set reaching top_p; first always kept
+        keep = sorted_p.cumsum(0) - sorted_p < top_p  # smallest set reaching top_p
+        keep[0] = True  # the top token always (top_p may round to 0 in float32)
         sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
     return int(torch.multinomial(probs, 1, generator=gen))

@@ -221,19 +221,26 @@ class HkvrCore:
         return [j for j, job in self.jobs.items() if model is None or job.model == model]
 
     def _publish(self, model: str, hashes: tuple[int, ...]) -> list[int]:
+        """Publish the leading whole (every rank committed) pages of `hashes`; each
+        publication also continues along the prefixes of the sessions waiting on it: a page a
+        later save committed first (it shares this prefix, its copy finished sooner) waits
+        for this one, and is published now rather than never."""
         out: list[int] = []
         published, pages, ranks = self.published, self.pages, range(self.ranks)
-        for h in hashes:
-            if (model, h) in published:
-                continue
-            for r in ranks:
-                page = pages.get((model, r, h))
-                if page is None or page.state != "committed":
-                    return out  # prefix property: nothing past a hole is restorable
-            published.add((model, h))
-            out.append(h)
-            for skey in self._waiting.pop((model, h), ()):
-                self._advance(skey, self.sessions[skey])
+        todo = [hashes]
+        while todo:
+            for h in todo.pop():
+                if (model, h) in published:
+                    continue
+                if any((page := pages.get((model, r, h))) is None or page.state != "committed" for r in ranks):
+                    break  # prefix property: nothing past a hole is restorable
+                published.add((model, h))
+                out.append(h)
+                for skey in self._waiting.pop((model, h), ()):
+                    pre = self.sessions[skey]
+                    self._advance(skey, pre)
+                    if pre.published < len(pre.hashes):
+                        todo.append(pre.hashes[pre.published:])
         return out
 
     # -- restore (H2D) -------------------------------------------------------------------

@@ -132,13 +132,14 @@ class PlacementPolicy(ABC):
     # ---- helpers shared by policies -------------------------------------------------
 
     def healthy(self, view: InstanceView, now: float) -> bool:
-        """Fresh telemetry: the instance may take new non-reserved placements."""
-        return now - view.received_at <= self.config.stale_after_s
+        """Fresh telemetry from an agent that says it is healthy (its watchdog sees no stuck
+        engine step): the instance may take new non-reserved placements."""
+        return view.snapshot.healthy and now - view.received_at <= self.config.stale_after_s
 
     def answers(self, view: InstanceView, now: float) -> bool:
-        """Still answering: its live leases are honoured. We take "answers" to mean a
+        """Still answering: its live leases are honoured. We take "answers" to mean a healthy
         snapshot no older than twice the staleness bound (one missed heartbeat window)."""
-        return now - view.received_at <= 2.0 * self.config.stale_after_s
+        return view.snapshot.healthy and now - view.received_at <= 2.0 * self.config.stale_after_s
 
     def serving(self, state: RouterState, model: str, now: float) -> list[InstanceView]:
         """Healthy instances that can serve `model` at all: it is in their catalogue, and a

@@ -40,7 +40,7 @@ def lease_problem(state: RouterState, lease: Lease, call: CallSubmitted, now: fl
     view = state.instances.get(lease.instance_id)
     if view is None:
         return "instance_gone"
-    if now - view.received_at > 2.0 * cfg.stale_after_s:
+    if now - view.received_at > 2.0 * cfg.stale_after_s or not view.snapshot.healthy:
         return "instance_unhealthy"
     if view.pinned is not None and view.pinned != call.model:
         return "hot_pool_pinned"

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from talaria.services.gateway.prepare import RequestError, prepare
-from talaria.services.gateway.sessions import InvalidSessionId, session_id_from
+from talaria.services.gateway.sessions import SESSION_HEADERS, InvalidSessionId, session_id_from
 from talaria.shared.catalog import CATALOG
 from talaria.shared.messages import CallRequest, ChatMessage
 from talaria.shared.model_text import text_for
@@ -43,11 +43,67 @@ def test_prompt_longer_than_the_context_is_400():
 @pytest.mark.parametrize("kw,param", [
     ({"max_tokens": 0}, "max_tokens"), ({"temperature": 3.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
     ({"messages": []}, "messages"), ({"call_id": "a.b"}, "call_id"), ({"stop": [""]}, "stop"),
+    ({"seed": 2**64}, "seed"), ({"seed": -(2**63) - 1}, "seed"), ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": float("inf")}, "top_p"), ({"stop": ["x" * 1025]}, "stop"), ({"stop": ["s"] * 9}, "stop"),
+    ({"call_id": "a\x00b"}, "call_id"), ({"call_id": "a\x0bb"}, "call_id"),
 ])
 def test_bad_fields_are_400_naming_the_field(kw, param):
     with pytest.raises(RequestError) as info:
         prepare(chat(**kw), "s", "chat")
     assert info.value.reply.status == 400 and info.value.reply.param == param
+
+
+def test_extreme_but_valid_sampling_values_are_accepted():
+    # The engine handles these (engine/sampling.py); only values outside the API's bounds are refused.
+    for kw in ({"temperature": 1e-300}, {"top_p": 5e-324}, {"seed": 2**63 - 1}, {"seed": -(2**63)}):
+        prepare(chat(**kw), "s", "chat")
+
+
+def test_deeply_nested_json_is_a_400_not_a_crash():
+    from talaria.services.gateway.openai_api import CHAT_DECODER
+    from talaria.services.gateway.validation import decode
+
+    body = b'{"model":"m","messages":[],"junk":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(RequestError) as info:
+        decode(CHAT_DECODER, body)
+    assert info.value.reply.status == 400 and info.value.reply.code == "invalid_json"
+
+
+def test_a_call_larger_than_one_bus_message_is_a_permanent_413():
+    from talaria.services.gateway.validation import check_size
+
+    call = prepare(chat(), "s", "chat")
+    assert check_size(call, 1 << 20) is None
+    reply = check_size(call, 64)
+    assert reply.status == 413 and reply.retry_after_s is None
+
+
+def test_every_decoder_refuses_ids_with_control_characters_or_unbounded():
+    import msgspec
+
+    from talaria.shared import messages as m
+
+    good = m.CallStarted("c1", "s1", "agent-0", 1.0)
+    assert m.EVENT_DECODER.decode(m.encode(good)) == good
+    for bad in (dict(call_id="c\x00"), dict(call_id="c d"), dict(call_id="c" * 129), dict(session_id=""),
+                dict(session_id="s\x0c"), dict(instance_id="a.b"), dict(session_id="s" * 257)):
+        with pytest.raises(msgspec.ValidationError):
+            m.EVENT_DECODER.decode(m.encode(msgspec.structs.replace(good, **bad)))
+    snap = m.InstanceSnapshot("agent-0", 1, 1.0, sessions=[m.SessionKv("s\x00", "qwen3-tiny", "device")])
+    with pytest.raises(msgspec.ValidationError):
+        m.SNAPSHOT_DECODER.decode(m.encode(snap))
+
+
+@pytest.mark.parametrize("i,j", [(i, j) for i in range(len(SESSION_HEADERS)) for j in range(i + 1, len(SESSION_HEADERS))])
+def test_the_earlier_listed_session_header_wins_whatever_the_order_sent(i, j):
+    # Pinned by issue 15: precedence between two session headers was untested.
+    from multidict import CIMultiDict
+
+    earlier, later = SESSION_HEADERS[i], SESSION_HEADERS[j]
+    for headers in ({later: "later", earlier: "earlier"}, {earlier: "earlier", later: "later"}):
+        assert session_id_from(CIMultiDict(headers), "user") == "earlier"
+        assert session_id_from({k.upper(): v for k, v in headers.items()}, None) == "earlier"
+    assert session_id_from({earlier: "", later: "later"}, None) == "later"  # an empty one does not count
 
 
 def test_session_id_comes_from_headers_then_user_then_a_fresh_one():

@@ -78,3 +78,48 @@ def test_eos_stops():
     step = seq.take(logits, 2.0)
     assert step.finished and step.finish_reason == "stop" and step.token_id == EOS
     assert seq.result("gpt2-tiny").text == "A"
+
+
+# ---- poison sampling parameters (issue 15: each once hung an agent) --------------------------
+
+
+def test_extreme_sampling_values_still_yield_a_token():
+    logits = torch.tensor([0.0, 3.0, 1.0, float("-inf")])
+    gen = torch.Generator().manual_seed(0)
+    assert sample(logits, 1e-300, 1.0, gen) == 1  # overflowing temperature: its limit, greedy
+    assert sample(logits, 5e-324, 1.0, gen) == 1
+    assert all(sample(logits, 1.0, 5e-324, gen) == 1 for _ in range(20))  # top_p below float32: top token
+
+
+def test_any_integer_seed_is_accepted_and_deterministic():
+    from talaria.services.instance_agent.engine.sampling import make_generator
+
+    for seed in (2**64, 2**70 + 3, -5, -(2**63)):
+        a, b = make_generator(seed, torch.device("cpu")), make_generator(seed, torch.device("cpu"))
+        assert torch.rand(3, generator=a).tolist() == torch.rand(3, generator=b).tolist()
+
+
+def test_poison_sampling_calls_complete_and_leave_the_engine_clean(make_engine):
+    eng = make_engine(["qwen3-tiny"])
+    for i, kw in enumerate([dict(temperature=1.0, seed=2**64), dict(temperature=1.0, top_p=5e-324),
+                            dict(temperature=1e-300)]):
+        assert eng.generate(GenRequest(f"p{i}", f"ps{i}", "qwen3-tiny", PROMPT, 3, **kw)).finish_reason
+    assert not eng.running
+
+
+def test_a_failed_prefill_releases_its_whole_batch(make_engine):
+    eng = make_engine(["qwen3-tiny"], hkvr=False, staging=False)  # no background copies: exact page counts
+    eng.generate(GenRequest("warm", "w", "qwen3-tiny", PROMPT, 2))
+    eng.sessions.drop("w")
+    free = eng.pool.num_unused()
+
+    def boom(call_ids, logits):
+        raise RuntimeError("injected sampling failure")
+
+    eng.on_logits = boom
+    reqs = [GenRequest(f"b{i}", f"bs{i}", "qwen3-tiny", PROMPT, 4) for i in range(2)]
+    with pytest.raises(RuntimeError):
+        eng.prefill(reqs)
+    assert not eng.running and eng.pool.num_unused() == free  # nothing stays running or held
+    eng.on_logits = None
+    assert eng.generate(GenRequest("after", "a", "qwen3-tiny", PROMPT, 2)).finish_reason

@@ -140,3 +140,40 @@ def test_restorable_prefix_index_matches_a_walk(ops, capacity, ranks):
     assert sorted(core.session_prefixes(PS)) == sorted(
         (sid, model, core.match(model, pre.hashes) * PS)
         for (sid, model), pre in core.sessions.items() if core.match(model, pre.hashes))
+
+
+# ---- pinned by issue 15 (a hand mutation run left these alive) ------------------------------
+
+
+def test_a_page_whose_copy_is_in_flight_is_never_published_by_another_save():
+    core = HkvrCore(16, ranks=1)
+    first = core.plan_save("m", "a", reports([1, 2], ranks=1), T)  # copies of 1, 2 in flight
+    second = core.plan_save("m", "b", reports([1, 2, 3], ranks=1), T)  # shares them; copies 3
+    assert [c.key[2] for c in second.copies] == [3]
+    assert core.complete(second.job_id) == []  # 3 is whole, but 1 and 2 are still copying
+    assert core.match("m", [1, 2, 3]) == 0 and core.session_tokens("b", "m", PS) == 0
+    core.complete(first.job_id)
+    assert core.match("m", [1, 2, 3]) == 3
+
+
+def test_shared_prefix_saves_completing_out_of_order_publish_the_later_ones_page():
+    # The later save's copy completes first: its new page is committed, and must be
+    # published once the earlier save commits the shared prefix (it was never, before).
+    core = HkvrCore(16, ranks=2)
+    first = core.plan_save("m", "a", reports([1, 2]), T)
+    second = core.plan_save("m", "b", reports([1, 2, 3, 4]), T)
+    core.complete(second.job_id)
+    assert sorted(core.complete(first.job_id)) == [1, 2, 3, 4]
+    assert core.match("m", [1, 2, 3, 4]) == 4
+    assert core.session_tokens("b", "m", PS) == 4 * PS and core.session_tokens("a", "m", PS) == 2 * PS
+
+
+def test_end_restore_releases_the_transfer_pin_and_keeps_the_cache_ref():
+    core = HkvrCore(2, ranks=1)
+    core.complete(core.plan_save("m", "a", reports([1, 2], ranks=1), T).job_id)
+    plan = core.begin_restore("m", [1, 2])
+    assert [core.pages[("m", 0, h)].pins for h in (1, 2)] == [1, 1]
+    core.end_restore(plan)
+    assert [(core.pages[("m", 0, h)].pins, core.pages[("m", 0, h)].refs) for h in (1, 2)] == [(0, 1), (0, 1)]
+    # Unpinned, the pages are reclaimable again: a new save under pressure may take them.
+    assert len(core.plan_save("m", "b", reports([7], ranks=1), T).copies) == 1

@@ -227,3 +227,18 @@ def test_lease_book_due_is_read_only_and_prunes_consumed_entries():
     assert book.live_on("a", 0.5) == 3 and book.live_for("m1", 0.5) == 3
     assert [lease.session_id for lease in book.due(10.0)] == ["s2", "s0", "s3"]
     assert len(book.heap) == 3  # the consumed entry was at the top and got pruned
+
+
+def test_a_discarded_lease_is_gone_from_the_state_and_charges_nothing():
+    # Pinned by issue 15: a fold that kept the discarded lease went unnoticed.
+    c = served_once()
+    c.handle(done("c0", "a", at=10.0), 10.0)
+    assert c.state.leases.live_on("a", 10.0) == 1
+    c.observe(snap("a", version=2, at=10.1, models={"m1": "active", "m2": "resident"}), 10.1)
+    out = c.handle(call("c1", model="m2", at=10.2), 10.2)
+    assert one(out, LeaseDiscarded).reason == "model_changed"
+    assert c.state.sessions["s1"].lease is None
+    assert c.state.leases.live_on("a", 10.2) == 0 and c.state.leases.live_for("m1", 10.2) == 0
+    # The session's next call finds no lease to consume or discard again.
+    audit = one(c.handle(call("c2", model="m1", at=10.3), 10.3), RoutingDecision)
+    assert audit.lease_outcome == "none"

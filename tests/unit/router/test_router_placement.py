@@ -11,7 +11,7 @@ from router_support import PAPER_EQ1, call, core, done, one, snap
 
 from talaria.services.router.costs import CostModel
 from talaria.services.router.policy.base import PolicyConfig
-from talaria.shared.messages import CallFailed, CallRouted, RoutingDecision
+from talaria.shared.messages import CallFailed, CallRouted, LeaseIssued, RoutingDecision
 
 NO_LEASE = dict(lease_timeout_s=0.0)
 
@@ -232,6 +232,21 @@ def test_eq2_gain_scales_with_observed_demand(spilled, opens):
     assert by_instance(audit)["b"].feasible is opens
 
 
+@pytest.mark.parametrize("leases, opens", [(0, False), (1, True)])
+def test_eq2_demand_counts_live_leases_as_reserved_returns(leases, opens):
+    # The setting of the test above, without spillover: one call's saving (2.5 s) is below
+    # the threshold (2.625 s), but a live lease for m2 is a return already expected, so the
+    # demand doubles and opening pays. (The leases sit on an instance not in the pool, so
+    # they charge no candidate's admission.)
+    c = core()
+    c.observe(snap("a", active="m2", models={"m2": "active"}, queued_tokens=25_000), 0.0)
+    c.observe(snap("b", **M2), 0.0)
+    for i in range(leases):
+        c.state.apply(LeaseIssued(f"ls{i}", "m2", "elsewhere", f"lc{i}", 0.0, 100.0))
+    audit, _ = decide(c, call("c0", model="m2"), 0.0)
+    assert (audit.chosen == "b") is opens
+
+
 def test_eq2_existing_replica_over_budget_means_open():
     c = core()
     c.observe(snap("a", active="m2", models={"m2": "active"}, queued_tokens=95_000), 0.0)
@@ -292,6 +307,35 @@ def test_staleness_blocks_new_placements():
     assert audit.chosen == "a"
     audit, _ = decide(c, call("c1", session="s2"), 2.001)  # now older than 2.0 s
     assert by_instance(audit)["a"].reason == "stale" and audit.chosen == "b"
+
+
+@pytest.mark.parametrize("policy", ["talaria", "least-loaded", "least-pressure", "prefix-aware", "kv-cost",
+                                    "session-sticky", "round-robin"])
+def test_an_instance_whose_heartbeat_says_unhealthy_is_not_chosen(policy):
+    import msgspec
+
+    c = core(policy)
+    c.observe(msgspec.structs.replace(snap("a"), healthy=False, unhealthy_reason="engine step stuck"), 0.0)
+    c.observe(snap("b", queued_tokens=20_000, running=3), 0.0)  # the worse choice, but healthy
+    audit, _ = decide(c, call("c0"), 0.0)
+    assert audit.chosen == "b"
+    c.observe(msgspec.structs.replace(snap("b", version=2), healthy=False), 0.0)
+    audit, out = decide(c, call("c1", session="s2"), 0.0)
+    assert audit.action == "reject" and one(out, CallFailed).status == 503
+
+
+def test_a_lease_on_an_instance_turned_unhealthy_is_discarded():
+    import msgspec
+
+    c = core(lease_timeout_s=5.0)
+    c.observe(snap("a"), 0.0)
+    c.observe(snap("b", queued_tokens=20_000), 0.0)
+    decide(c, call("c0"), 0.0)
+    c.handle(done("c0", "a", at=0.5), 0.5)
+    c.observe(msgspec.structs.replace(snap("a", version=2, at=0.6), healthy=False), 0.6)
+    audit, _ = decide(c, call("c1", at=0.7), 0.7)
+    assert audit.lease_outcome == "discarded" and audit.discard_reason == "instance_unhealthy"
+    assert audit.chosen == "b"
 
 
 # ---- beyond the paper: prefix placement of new sessions -------------------------------------

@@ -157,3 +157,17 @@ def test_update_kv_can_take_a_return_out_of_sp():
     d.run()
     assert "SP:a:r1" not in d.trace
     assert admitted(d, "r1").kv_state == "none"
+
+
+def test_a_return_that_arrived_before_p_never_enters_by_sp():
+    # Paper §3.4: SP serves continuations that arrive *after* the slot's P. r0 was queued
+    # before P, which had no room for it (max_batch); when a2 finishes mid-slot a place
+    # frees up, but r0 still waits for the next slot's P.
+    d = Driver(make(models=("a", "b"), max_batch=2))
+    d.submit(work("a1", "a", max_tokens=200))
+    d.submit(work("a2", "a", max_tokens=3))
+    d.submit(ret("r0", "a"))
+    d.submit(work("b1", "b", max_tokens=200))
+    d.run()
+    assert not [t for t in d.trace if t.startswith("SP:")]
+    assert admitted(d, "r0").via == "P" and d.trace.index("P:a:r0") > slot_end(d)

@@ -1,0 +1,39 @@
+"""The agent watchdog (pure): stuck steps flag the agent and fail that step's calls; a
+started call with no progress is failed; bounds follow the slowest step/round measured."""
+
+from talaria.services.instance_agent.watchdog import STUCK_FACTOR, Watchdog
+
+
+def test_a_step_far_slower_than_any_before_flags_the_agent_and_fails_its_calls():
+    w = Watchdog(min_stuck_s=1.0)
+    w.step_started("decode", ["a", "b"], 0.0)
+    w.step_ended(0.5)  # the slowest decode so far: 0.5 s -> stuck after 5 s
+    w.step_started("decode", ["a", "b"], 1.0)
+    assert w.check(1.0 + 0.5 * STUCK_FACTOR - 0.01).unhealthy == ""
+    v = w.check(1.0 + 0.5 * STUCK_FACTOR + 0.01)
+    assert v.unhealthy.startswith("engine decode step") and set(v.fail_calls) == {"a", "b"}
+    assert w.check(7.0).fail_calls == {}  # each call is failed once
+    assert w.check(7.0).unhealthy  # still flagged while the step has not returned
+    w.step_ended(8.0)
+    assert w.check(8.0).unhealthy == ""  # healthy again once it returns
+
+
+def test_the_floor_protects_the_first_slow_step():
+    w = Watchdog(min_stuck_s=3.0)
+    w.step_started("switch_to", [], 0.0)
+    assert w.check(2.9).unhealthy == ""
+    assert w.check(3.1).unhealthy
+
+
+def test_a_started_call_without_progress_is_failed_alone():
+    w = Watchdog(min_stuck_s=1.0)
+    w.round_ended(0.2)  # limit: max(1.0, 10 * 0.2) = 2 s
+    w.step_started("prefill", ["lost", "ok"], 0.0)
+    w.step_ended(0.1)
+    for t in (1.0, 2.0, 3.0):  # "ok" keeps decoding; "lost" never comes back
+        w.step_started("decode", ["ok"], t)
+        w.step_ended(t + 0.1)
+    v = w.check(3.2)
+    assert v.unhealthy == "" and v.fail_calls.keys() == {"lost"}
+    w.call_done("ok")
+    assert w.check(100.0).fail_calls == {}  # done calls are not watched
