@@ -101,7 +101,15 @@ class Talaria(PlacementPolicy):
         candidates = tuple(p.cost for p in priced)
         if not feasible:
             hard = all(p.cost.reason in HARD_REASONS for p in priced)
-            why = f"no healthy instance can serve {model}" if hard else "overload: no instance passes admission"
+            if hard:
+                why = f"no healthy instance can serve {model}"
+            else:  # say how far the best instance is from serving r in time, even after queueing
+                soft = [p.cost for p in priced if p.cost.reason not in HARD_REASONS]
+                ttft = min(c.queue_s + c.prefill_s + c.kv_recovery_s + c.activation_s for c in soft)
+                bound = (f"; every instance already holds {self.config.max_queued_per_instance} calls"
+                         if self.config.overload == "queue" else "")
+                why = (f"overload: no instance passes admission (best predicted TTFT {ttft:.1f} s, "
+                       f"budget {self.costs.budget:.1f} s){bound}")
             return self.reject(why, candidates)
         best = min(feasible, key=lambda p: (p.cost.total_s, p.cost.instance_id))
         opened = best.cost.model_state not in ON_DEVICE
