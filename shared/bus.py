@@ -74,6 +74,11 @@ def _headers(js: JetStreamContext, msg_id: str | None, sender: str | None = None
     return inject_headers(base)
 
 
+async def publish_fast(js: JetStreamContext, subject: str, event: msgspec.Struct) -> None:
+    """Core-NATS copy of an event (no ack, no storage), with the same sender and trace headers."""
+    await js._nc.publish(subject, encode(event), headers=_headers(js, None))
+
+
 def event_subject(event: msgspec.Struct) -> str:
     """The subject an event belongs on: `<deployment>.evt.<its tag>`; a routed call goes to its
     instance's own subject. The tag is the one name of an event type (no second map to keep)."""

@@ -125,6 +125,18 @@ class ErrorReply(Struct, frozen=True, tag="error"):
 
 Reply = Union[CallResult, ErrorReply]
 
+# A call's client went away or asked to stop (nginx's "client closed request"). A CallFailed
+# with this status is recorded with outcome `cancelled`, not `failed`.
+CANCELLED_STATUS = 499
+
+
+class CancelCall(Struct, frozen=True):
+    """Abort `call_id` wherever it is: its agent stops it, frees its slot and KV, and
+    records it as cancelled. A cancel for a call not yet delivered is remembered."""
+
+    call_id: str
+    reason: str = "cancelled by the client"
+
 
 class TokenChunk(Struct, frozen=True):
     call_id: Token
@@ -267,6 +279,10 @@ class CandidateCost(Struct, frozen=True):
     model_state: str = "absent"  # active | resident | staged | absent
     feasible: bool = True
     reason: str = ""
+    # Soft reservations: live leases of other sessions here, each charged as a return's work.
+    # Kept apart from queue_s (the work queued now) so an audit compares queue_s with the
+    # queue the call met; total_s counts both.
+    reserved_s: float = 0.0
 
 
 class RoutingDecision(Struct, frozen=True, tag="decision"):
@@ -365,6 +381,9 @@ class InstanceSnapshot(Struct, frozen=True):
     deadline_risk: int = 0
     kv_capacity_tokens: int = 0
     kv_used_tokens: int = 0
+    # Of kv_used_tokens, what running calls hold or reserved; the rest is idle sessions' KV,
+    # which the agent evicts (to the host registry) on demand. -1: not reported.
+    kv_pinned_tokens: int = -1
     staging_free_bytes: int = 0
     hbm_bytes: int = 0
     hbm_used_bytes: int = 0
@@ -390,6 +409,7 @@ EVENT_DECODER = msgspec.json.Decoder(Event)
 SUBMITTED_DECODER = msgspec.json.Decoder(CallSubmitted)
 ROUTED_DECODER = msgspec.json.Decoder(CallRouted)
 SNAPSHOT_DECODER = msgspec.json.Decoder(InstanceSnapshot)
+CANCEL_DECODER = msgspec.json.Decoder(CancelCall)
 
 
 def encode(message: Struct) -> bytes:

@@ -94,12 +94,12 @@ def permissions(role: str, prefix: str = "talaria", instance_id: str | None = No
     inbox = [f"{SERVICE_INBOX}.>"]
     watch = [f"{prefix}.telemetry.*", f"{prefix}.health.*"]
     if role == "gateway":
-        pub = [f"{evt}.call.submitted", f"{evt}.call.failed", f"{prefix}.health.gateway", *js]
+        pub = [f"{evt}.call.submitted", f"{evt}.call.failed", f"{prefix}.health.gateway", f"{prefix}.api.cancel", *js]
         sub = [f"{prefix}.api.call", f"{prefix}.reply.gateway.>", f"{prefix}.tokens.>", *watch, *inbox]
         return {"publish": {"allow": pub}, "subscribe": {"allow": sub}, "allow_responses": True}
     if role == "router":
         pub = [f"{evt}.call.routed.*", f"{evt}.lease.>", f"{evt}.decision", f"{evt}.call.failed",
-               f"{prefix}.reply.>", f"{prefix}.health.router", *js]
+               f"{prefix}.reply.>", f"{prefix}.health.router", f"{prefix}.dispatch.*", *js]
         return {"publish": {"allow": pub}, "subscribe": {"allow": [*watch, *inbox]}}
     if role == "telemetry":
         return {"publish": {"allow": [f"{prefix}.health.telemetry", *js]},
@@ -110,9 +110,11 @@ def permissions(role: str, prefix: str = "talaria", instance_id: str | None = No
         pub = [f"{evt}.call.started", f"{evt}.call.completed", f"{evt}.call.failed", f"{evt}.switch.done",
                f"{evt}.round.summary", f"{prefix}.tokens.>", f"{prefix}.reply.>",
                f"{prefix}.telemetry.{instance_id}", f"{prefix}.health.agent-{instance_id}", *js]
-        return {"publish": {"allow": pub}, "subscribe": {"allow": [*watch, *inbox]}}
+        sub = [*watch, *inbox, f"{prefix}.api.cancel", f"{prefix}.dispatch.{instance_id}"]
+        return {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
     if role == "client":
-        return {"publish": {"allow": [f"{prefix}.api.call"]},
+        # A client may cancel a call by its id (ids are random unless the client chose them).
+        return {"publish": {"allow": [f"{prefix}.api.call", f"{prefix}.api.cancel"]},
                 "subscribe": {"allow": [f"{CLIENT_INBOX}.>", f"{prefix}.tokens.>", f"{prefix}.health.*"]},
                 "allow_responses": False}
     raise ValueError(f"unknown NATS role {role!r}")

@@ -27,9 +27,11 @@ from talaria.shared.messages import (
     CallFailed,
     CallResult,
     CallSubmitted,
+    CancelCall,
     ErrorReply,
     Reply,
     TokenChunk,
+    encode,
     replace,
 )
 from talaria.shared.tracing import session_context, trace_id_hex
@@ -103,6 +105,9 @@ class Submitter:
                     reply = await asyncio.wait_for(fut, self.timeout_s)
                 except TimeoutError:
                     reply = await self._timed_out(call)
+                except asyncio.CancelledError:  # the client went away (HTTP disconnect)
+                    await self.cancel(call.call_id, "client disconnected")
+                    raise
                 _annotate(span, reply)
                 if isinstance(reply, CallResult):
                     self.log.info("call served", instance_id=reply.instance_id, kv_source=reply.kv_source,
@@ -114,6 +119,14 @@ class Submitter:
                 self._pending.pop(call.call_id, None)
                 if token_sub is not None:
                     await token_sub.unsubscribe()
+
+    async def cancel(self, call_id: str, reason: str) -> None:
+        """Tell the agents to abort `call_id` (they record it as cancelled)."""
+        try:
+            await self.nc.publish(subjects.API_CANCEL, encode(CancelCall(call_id, reason)))
+            self.log.info("call cancelled", call_id=call_id, reason=reason)
+        except Exception as exc:  # the bus is down: the call runs to its end, nothing is lost
+            self.log.warning("could not send cancel", call_id=call_id, error=str(exc))
 
     def _token_handler(self, on_token: TokenCallback):
         async def handle(msg) -> None:

@@ -3,7 +3,8 @@
     Cost(r, i) = dR_req(r, i) + C_KV(r, i) + C_act(m_r, i)          (paper Eq. 1, seconds)
 
     dR_req  queue_s   = (snapshot backlog + overlay tokens) * prefill rate
-                        + live leases on i * lease_charge_s          (lease admission units)
+                        (audited as queue_s: the work queued there)
+            reserved_s = live leases on i * lease_charge_s   (lease admission units)
                         + deadline_risk * penalty                    (underestimated instances)
                         + round_remaining_s if m_r is not the active model (wait for the slot)
             prefill_s = (prompt - reusable prefix K) * prefill rate  (the new suffix only)
@@ -28,7 +29,7 @@ Each term is charged once: the reusable prefix K is in C_KV only and the suffix 
 prefill_s only, so recompute is never counted twice; activation is never in dR_req.
 
 Admission (both must pass, else the candidate is kept in the audit with feasible=False):
-    round:  queue_s + prefill_s + kv_recovery_s + activation_s <= gamma * ttft_target
+    round:  queue_s + reserved_s + prefill_s + kv_recovery_s + activation_s <= gamma * ttft_target
             (the simulated load ahead of and including r's prefill in its slot; an instance
             with nothing ahead of r always passes, so an oversized call is never starved;
             with kv_home_admits, an instance holding r's own KV on device or host passes
@@ -71,7 +72,7 @@ class _Static:
     fresh: bool = False  # before the overlay: serving here opens a new replica
     weights_fit: bool = True
     kv_cap: int = 0
-    kv_used: int = 0
+    kv_used: int = 0  # KV that running calls hold: idle sessions' KV is a cache, never a lock
     rotating: frozenset = frozenset()  # models with work in i's rounds (active or queued), other than m
 
 
@@ -112,8 +113,11 @@ def _static_terms(cfg: PolicyConfig, view: InstanceView, model: str, prof, state
     fresh = mstate not in ON_DEVICE and mstate != "staged" and not snap.queued.get(model)
     rotating = frozenset(k for k, n in snap.queued.items() if n) | (
         {snap.active_model} if snap.active_model else set())
+    # Only KV held by running calls can refuse a call: idle sessions' KV is evicted (to the
+    # host registry when it is on) as the new call's pages are allocated, oldest first.
+    held = snap.kv_pinned_tokens if snap.kv_pinned_tokens >= 0 else snap.kv_used_tokens
     return _Static(key, "", pf, dec, restore, mstate, act, queue, fresh, weights_fit,
-                   snap.kv_capacity_tokens, snap.kv_used_tokens, rotating - {model})
+                   snap.kv_capacity_tokens, held, rotating - {model})
 
 
 class CostModel:
@@ -195,7 +199,9 @@ class CostModel:
             if own_lease_on == iid:
                 leases -= 1
             overlay = view.overlay_tokens
-            queue = st.queue + overlay * pf + leases * charge
+            queued = st.queue + overlay * pf  # work queued there now (snapshot + routed since)
+            reserved = leases * charge  # returns other sessions' leases may bring
+            queue = queued + reserved
             prefill = (prompt - k_total) * pf
             decode = max_tokens * st.dec
             if sharing:
@@ -220,8 +226,8 @@ class CostModel:
                                         + prompt + max_tokens > st.kv_cap):
                 reason = "hbm"
             out.append(Priced(
-                CandidateCost(iid, queue + prefill + decode + kv_s + act + place, queue, prefill, decode, kv_s,
-                              act, place, kv_state, st.mstate, not reason, reason),
+                CandidateCost(iid, queue + prefill + decode + kv_s + act + place, queued, prefill, decode, kv_s,
+                              act, place, kv_state, st.mstate, not reason, reason, reserved_s=reserved),
                 st.fresh and not view.overlay_models.get(model),
                 view,
             ))

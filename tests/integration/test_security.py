@@ -182,8 +182,10 @@ async def test_http_api_refuses_calls_without_a_valid_key_in_each_apis_shape(nat
     try:
         await services.start("gateway", run_gateway, settings)
         async with aiohttp.ClientSession() as s:
-            async with s.get(f"{base}/healthz") as r:
-                assert r.status == 200  # open: load balancers and `talaria up` poll it
+            for path in ("/healthz", "/readyz"):
+                async with s.get(f"{base}{path}") as r:
+                    # open: load balancers and `talaria up` poll it (503: nothing serves yet, issue 11)
+                    assert r.status == 503 and (await r.json())["checks"]["router"] == "no heartbeat"
             for headers in ({}, {"Authorization": "Bearer wrong-key-0123456789"},
                             {"Authorization": "Basic dmljdGltOng="}, {"x-api-key": "nope"}):
                 for path in ("/v1/chat/completions", "/v1/completions", "/v1/models"):

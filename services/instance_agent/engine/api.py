@@ -108,3 +108,6 @@ class EngineStats:
     host_misses: int = 0
     host_evictions: int = 0
     weight_bytes: dict[str, int] = field(default_factory=dict)
+    # KV that running calls hold or have reserved (plus copies in flight): the part of
+    # kv_used_tokens that cannot be evicted. The rest is idle sessions' cache.
+    kv_pinned_tokens: int = 0

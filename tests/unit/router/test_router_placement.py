@@ -154,6 +154,19 @@ def test_hbm_check_on_kv_pool():
     assert audit.chosen == "b"
 
 
+def test_idle_sessions_kv_never_refuses_a_call():
+    """Device KV is a cache: only what running calls pin counts against the pool."""
+    c = core()
+    # Full of idle sessions' KV (the agent evicts it, oldest first, as pages are needed) ...
+    c.observe(snap("a", kv_capacity_tokens=1500, kv_used_tokens=1500, kv_pinned_tokens=0), 0.0)
+    audit, _ = decide(c, call("c0", tokens=1000), 0.0)
+    assert by_instance(audit)["a"].feasible and audit.chosen == "a"
+    # ... but KV that running calls hold does refuse.
+    c.observe(snap("a", version=2, kv_capacity_tokens=1500, kv_used_tokens=1500, kv_pinned_tokens=1000), 0.0)
+    audit, _ = decide(c, call("c1", session="s2", tokens=1000), 0.0)
+    assert by_instance(audit)["a"].reason == "hbm"
+
+
 def test_hot_pool_never_serves_another_model():
     c = core()
     c.observe(snap("hot", pool="hot", active="m1", models={"m1": "active", "m2": "absent"}), 0.0)
