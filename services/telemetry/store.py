@@ -23,6 +23,7 @@ from sqlalchemy.dialects.postgresql import insert
 from talaria.services.telemetry.projector import FINAL, project, text_, ts
 from talaria.shared.db.schema import calls, lease_decisions, metadata, projections, quarantined_events, sessions
 from talaria.shared.messages import (
+    CANCELLED_STATUS,
     CallCompleted,
     CallFailed,
     CallRouted,
@@ -326,7 +327,8 @@ class _MemoryBatch(_Offset):
         return True
 
     def _failed(self, e: CallFailed) -> bool:
-        values = dict(outcome="failed", error=text_(e.reason), failed_stage=text_(e.stage), status=e.status,
+        outcome = "cancelled" if e.status == CANCELLED_STATUS else "failed"
+        values = dict(outcome=outcome, error=text_(e.reason), failed_stage=text_(e.stage), status=e.status,
                       completed_at=ts(e.at))
         if e.instance_id:
             values["instance_id"] = e.instance_id

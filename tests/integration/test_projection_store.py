@@ -88,6 +88,13 @@ async def test_a_failed_call_never_becomes_completed(store):
     assert (session["completed"], session["failed"]) == (0, 1)
 
 
+async def test_a_cancelled_call_says_so_and_stays_cancelled(store):
+    cancel = msgspec.structs.replace(failed(0), status=m.CANCELLED_STATUS, reason="client went away")
+    await apply(store, submitted(0), routed(0), decision(0), cancel, completed(0))
+    assert (await store.call("c0"))["outcome"] == "cancelled"
+    assert (await store.decision("c0"))["outcome"] == "cancelled"
+
+
 async def test_out_of_order_delivery_gives_the_same_rows(store):
     """The completion and the decision before the submission and the route."""
     await apply(store, completed(0), decision(0), routed(0), submitted(0))
