@@ -132,10 +132,16 @@ CANCELLED_STATUS = 499
 
 class CancelCall(Struct, frozen=True):
     """Abort `call_id` wherever it is: its agent stops it, frees its slot and KV, and
-    records it as cancelled. A cancel for a call not yet delivered is remembered."""
+    records it as cancelled. A cancel for a call not yet delivered is remembered.
 
-    call_id: str
-    reason: str = "cancelled by the client"
+    Clients send it (with their `api_key`) on `talaria.api.cancel` to the gateway, which
+    stamps the key's `tenant` and forwards it to the agents on `talaria.cancel`; an agent
+    cancels only a call of that tenant, so knowing a call id is not enough."""
+
+    call_id: Token
+    reason: Annotated[str, Meta(max_length=1024)] = "cancelled by the client"
+    api_key: str | None = None
+    tenant: str = ""
 
 
 class TokenChunk(Struct, frozen=True):

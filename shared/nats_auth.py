@@ -94,8 +94,8 @@ def permissions(role: str, prefix: str = "talaria", instance_id: str | None = No
     inbox = [f"{SERVICE_INBOX}.>"]
     watch = [f"{prefix}.telemetry.*", f"{prefix}.health.*"]
     if role == "gateway":
-        pub = [f"{evt}.call.submitted", f"{evt}.call.failed", f"{prefix}.health.gateway", f"{prefix}.api.cancel", *js]
-        sub = [f"{prefix}.api.call", f"{prefix}.reply.gateway.>", f"{prefix}.tokens.>", *watch, *inbox]
+        pub = [f"{evt}.call.submitted", f"{evt}.call.failed", f"{prefix}.health.gateway", f"{prefix}.cancel", *js]
+        sub = [f"{prefix}.api.call", f"{prefix}.api.cancel", f"{prefix}.reply.gateway.>", f"{prefix}.tokens.>", *watch, *inbox]
         return {"publish": {"allow": pub}, "subscribe": {"allow": sub}, "allow_responses": True}
     if role == "router":
         pub = [f"{evt}.call.routed.*", f"{evt}.lease.>", f"{evt}.decision", f"{evt}.call.failed",
@@ -110,10 +110,10 @@ def permissions(role: str, prefix: str = "talaria", instance_id: str | None = No
         pub = [f"{evt}.call.started", f"{evt}.call.completed", f"{evt}.call.failed", f"{evt}.switch.done",
                f"{evt}.round.summary", f"{prefix}.tokens.>", f"{prefix}.reply.>",
                f"{prefix}.telemetry.{instance_id}", f"{prefix}.health.agent-{instance_id}", *js]
-        sub = [*watch, *inbox, f"{prefix}.api.cancel", f"{prefix}.dispatch.{instance_id}"]
+        sub = [*watch, *inbox, f"{prefix}.cancel", f"{prefix}.dispatch.{instance_id}"]
         return {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
     if role == "client":
-        # A client may cancel a call by its id (ids are random unless the client chose them).
+        # A client's cancel goes to the gateway, which checks its key: only its own tenant's calls stop.
         return {"publish": {"allow": [f"{prefix}.api.call", f"{prefix}.api.cancel"]},
                 "subscribe": {"allow": [f"{CLIENT_INBOX}.>", f"{prefix}.tokens.>", f"{prefix}.health.*"]},
                 "allow_responses": False}

@@ -20,6 +20,7 @@ from opentelemetry import trace
 from talaria.services.gateway.validation import check_size
 from talaria.shared import subjects
 from talaria.shared.logs import call_context
+from talaria.shared.nats_auth import SENDER_HEADER
 from talaria.shared.bus import emit, emit_new
 from talaria.shared.messages import (
     REPLY_DECODER,
@@ -106,7 +107,7 @@ class Submitter:
                 except TimeoutError:
                     reply = await self._timed_out(call)
                 except asyncio.CancelledError:  # the client went away (HTTP disconnect)
-                    await self.cancel(call.call_id, "client disconnected")
+                    await self.cancel(call.call_id, "client disconnected", call.tenant)
                     raise
                 _annotate(span, reply)
                 if isinstance(reply, CallResult):
@@ -120,10 +121,11 @@ class Submitter:
                 if token_sub is not None:
                     await token_sub.unsubscribe()
 
-    async def cancel(self, call_id: str, reason: str) -> None:
-        """Tell the agents to abort `call_id` (they record it as cancelled)."""
+    async def cancel(self, call_id: str, reason: str, tenant: str) -> None:
+        """Tell the agents to abort `call_id` of `tenant` (they record it as cancelled)."""
         try:
-            await self.nc.publish(subjects.API_CANCEL, encode(CancelCall(call_id, reason)))
+            await self.nc.publish(subjects.CALL_CANCEL, encode(CancelCall(call_id, reason, tenant=tenant)),
+                                  headers={SENDER_HEADER: self.nc.options.get("name") or ""})
             self.log.info("call cancelled", call_id=call_id, reason=reason)
         except Exception as exc:  # the bus is down: the call runs to its end, nothing is lost
             self.log.warning("could not send cancel", call_id=call_id, error=str(exc))

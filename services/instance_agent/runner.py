@@ -110,7 +110,7 @@ class CallRunner:
         # Calls finished here recently: a redelivery of one (its ack was lost) is acked, not rerun.
         self.finished: OrderedDict[str, None] = OrderedDict()
         # Cancels for calls not (yet) here: a call routed after its cancel is refused on arrival.
-        self.cancelled: OrderedDict[str, str] = OrderedDict()
+        self.cancelled: OrderedDict[str, tuple[str, str]] = OrderedDict()  # call id -> (reason, tenant)
         self.watchdog = Watchdog(min_stuck_s=settings.watchdog_min_s)
         self.unhealthy = ""  # why new calls should go elsewhere (heartbeat flag); "" when healthy
         self.step_calls: tuple[str, ...] = ()  # the calls of the engine step in flight
@@ -139,9 +139,9 @@ class CallRunner:
             if msg is not None:
                 asyncio.ensure_future(msg.ack())
             return None
-        if call.call_id in self.cancelled:
+        if self.cancelled.get(call.call_id, ("", None))[1] == call.tenant:  # cancelled before it arrived
             self.calls[call.call_id] = Running(routed, msg, self.tracer.start_span("execute"))
-            asyncio.ensure_future(self._cancelled(call.call_id, self.cancelled.pop(call.call_id)))
+            asyncio.ensure_future(self._cancelled(call.call_id, self.cancelled.pop(call.call_id)[0]))
             return None
         kv_state, reusable = self._kv_for(call.session_id, call.model, call.prompt_tokens)
         try:
@@ -165,15 +165,19 @@ class CallRunner:
         except Exception:  # the engine thread changed its tables under us: assume nothing
             return "none", 0
 
-    async def cancel(self, call_id: str, reason: str) -> None:
-        """Abort a call: out of the scheduler, its engine state released (its KV stays as the
-        session's cache), recorded as cancelled. A call not here yet is refused on arrival."""
+    async def cancel(self, call_id: str, reason: str, tenant: str = "") -> None:
+        """Abort a call of `tenant`: out of the scheduler, its engine state released (its KV
+        stays as the session's cache), recorded as cancelled. A call not here yet is refused
+        on arrival if it is that tenant's. Another tenant's call is left alone."""
         if call_id in self.finished:
             return
         if call_id not in self.calls:
-            self.cancelled[call_id] = reason
+            self.cancelled[call_id] = (reason, tenant)
             while len(self.cancelled) > FINISHED_MEMORY:
                 self.cancelled.popitem(last=False)
+            return
+        if self.calls[call_id].routed.call.tenant != tenant:
+            self.log.warning("cancel from another tenant ignored", call_id=call_id)
             return
         outcome = Outcome()
         try:

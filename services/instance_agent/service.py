@@ -19,7 +19,7 @@ from talaria.services.instance_agent.runner import CallRunner
 from talaria.shared import logs, subjects, tracing
 from talaria.shared.bus import close, connect, emit
 from talaria.shared.limits import call_problem
-from talaria.shared.nats_auth import sender_of, trusted
+from talaria.shared.nats_auth import parse_sender, sender_of, trusted
 from talaria.shared.messages import CANCEL_DECODER, ROUTED_DECODER, CallFailed, CallRouted, ErrorReply, encode
 from talaria.shared.settings import Settings
 
@@ -54,7 +54,7 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     async def on_cancel(msg) -> None:
         await _on_cancel(msg, runner, log)
 
-    await nc.subscribe(subjects.API_CANCEL, cb=on_cancel)
+    await nc.subscribe(subjects.CALL_CANCEL, cb=on_cancel)
 
     async def on_dispatch(msg) -> None:
         # The fast copy of a routed call: start it now. Anything odd is left to the durable
@@ -146,8 +146,11 @@ async def _on_cancel(msg, runner: CallRunner, log) -> None:
     except msgspec.DecodeError as exc:
         log.warning("undecodable cancel dropped", error=str(exc))
         return
+    if parse_sender(sender_of(msg))[0] != "gateway":  # clients reach agents only through the gateway
+        log.warning("cancel not sent by the gateway dropped", call_id=cancel.call_id, sender=sender_of(msg))
+        return
     try:
-        await runner.cancel(cancel.call_id, cancel.reason)
+        await runner.cancel(cancel.call_id, cancel.reason, cancel.tenant)
     except Exception:  # one bad cancel must not stop the subscription
         log.exception("cancel failed", call_id=cancel.call_id)
 

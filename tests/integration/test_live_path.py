@@ -82,7 +82,7 @@ async def test_a_cancel_on_nats_aborts_the_call_and_frees_its_slot(stack, db):
                             max_tokens=4000, temperature=0, stream=True)
         pending = asyncio.ensure_future(nc.request(subjects.API_CALL, m.encode(req), timeout=60))
         await asyncio.wait_for(first.wait(), 30)
-        await nc.publish(subjects.API_CANCEL, m.encode(m.CancelCall("long-1", "test")))
+        await nc.request(subjects.API_CANCEL, m.encode(m.CancelCall("long-1", "test")), timeout=10)
         reply = m.REPLY_DECODER.decode((await pending).data)
         assert isinstance(reply, m.ErrorReply) and reply.status == m.CANCELLED_STATUS and reply.code == "cancelled"
         [row] = await wait_rows(db, "SELECT * FROM calls WHERE call_id='long-1' AND outcome='cancelled'", 1)
@@ -92,8 +92,8 @@ async def test_a_cancel_on_nats_aborts_the_call_and_frees_its_slot(stack, db):
         reply2 = m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, m.encode(req2), timeout=30)).data)
         assert isinstance(reply2, m.CallResult), reply2
         # A cancel that arrives before its call is remembered: the call is refused on arrival.
-        await nc.publish(subjects.API_CANCEL, m.encode(m.CancelCall("early-1", "test")))
-        await nc.flush()
+        ack = await nc.request(subjects.API_CANCEL, m.encode(m.CancelCall("early-1", "test")), timeout=10)
+        assert b"cancel_sent" in ack.data
         req3 = m.CallRequest(model=MODEL, prompt="x", session_id="c3", call_id="early-1", max_tokens=2)
         reply3 = m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, m.encode(req3), timeout=30)).data)
         assert isinstance(reply3, m.ErrorReply) and reply3.status == m.CANCELLED_STATUS
