@@ -15,6 +15,13 @@ from msgspec import Meta, Struct
 # The one definition of each KV vocabulary (the engine, scheduler and router import these).
 KvState = Literal["device", "host", "none"]  # where a session's KV sits now
 KvSource = Literal["device", "host", "recompute", "none"]  # where a call's prefix came from
+# The other closed vocabularies on the wire: a value outside them is a decode error, never a
+# string some consumer silently misreads.
+LeaseOutcome = Literal["consumed", "discarded", "none"]
+DecisionAction = Literal["route", "reject"]
+ModelState = Literal["active", "resident", "staged", "absent"]
+SwitchPath = Literal["d2d_full", "d2d_partial", "host_only", "cold"]
+Pool = Literal["hot", "cold"]
 
 # Ids travel into Postgres rows and NATS subjects: every decoder below refuses ones that
 # are empty, unbounded or carry control characters (a NUL once froze the projection).
@@ -188,7 +195,7 @@ class CallRouted(Struct, frozen=True, tag="call.routed"):
     instance_id: Token
     policy: str
     routed_at: float
-    lease: str = "none"  # consumed | discarded | none
+    lease: LeaseOutcome = "none"
     expected_kv: KvSource = "none"
 
 
@@ -282,7 +289,7 @@ class CandidateCost(Struct, frozen=True):
     activation_s: float = 0.0
     placement_s: float = 0.0  # first call of a session only: the session-placement term (ours)
     kv_state: KvSource = "none"
-    model_state: str = "absent"  # active | resident | staged | absent
+    model_state: ModelState = "absent"
     feasible: bool = True
     reason: str = ""
     # Soft reservations: live leases of other sessions here, each charged as a return's work.
@@ -297,10 +304,10 @@ class RoutingDecision(Struct, frozen=True, tag="decision"):
     call_index: int
     model: Name
     policy: str
-    action: str  # route | reject
+    action: DecisionAction
     decided_at: float
     chosen: Token | None = None
-    lease_outcome: str = "none"  # consumed | discarded | none
+    lease_outcome: LeaseOutcome = "none"
     lease_instance: Token | None = None
     discard_reason: str | None = None
     candidates: list[CandidateCost] = []
@@ -314,7 +321,7 @@ class SwitchDone(Struct, frozen=True, tag="switch.done"):
     instance_id: Token
     from_model: Name | None
     to_model: Name
-    path: str  # d2d_full | d2d_partial | host_only | cold
+    path: SwitchPath
     total_s: float
     at: float
     phases: dict[str, float] = {}
@@ -358,7 +365,7 @@ Event = Union[
 
 class ModelResidency(Struct, frozen=True):
     model: Name
-    state: str  # active | resident | staged | absent
+    state: ModelState
     switch_cost_s: float = 0.0
     open_cost_s: float = 0.0
     weight_bytes: int = 0
@@ -376,7 +383,7 @@ class InstanceSnapshot(Struct, frozen=True):
     instance_id: Token
     version: int
     at: float
-    pool: str = "cold"  # hot | cold
+    pool: Pool = "cold"
     models: list[ModelResidency] = []
     active_model: Name | None = None
     sessions: list[SessionKv] = []

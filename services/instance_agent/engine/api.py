@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
-from talaria.shared.messages import KvSource, KvState  # noqa: F401 - re-exported for the engine
+from talaria.shared.messages import KvSource, KvState, SwitchPath  # noqa: F401 - re-exported for the engine
 
-SwitchPath = Literal["d2d_full", "d2d_partial", "host_only", "cold"]
 
 
 @dataclass
