@@ -252,6 +252,10 @@ class LeaseIssued(Struct, frozen=True, tag="lease.issued"):
     expires_at: float
     kv_tokens: int = 0
 
+    def live(self, now: float) -> bool:
+        # Expiry is exclusive: a lease issued at t with timeout tau is dead at exactly t + tau.
+        return now < self.expires_at
+
 
 class LeaseConsumed(Struct, frozen=True, tag="lease.consumed"):
     session_id: Name

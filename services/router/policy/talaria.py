@@ -18,12 +18,11 @@ from dataclasses import replace as dc_replace
 
 from talaria.services.router.costs import HARD_REASONS, CostModel, Priced, eq1_total
 from talaria.services.router.instances import ON_DEVICE
-from talaria.services.router.leases import Lease
 from talaria.services.router.policy import soft_reservation as sr
 from talaria.services.router.policy.base import Decision, PlacementPolicy, PolicyConfig
 from talaria.services.router.policy.registry import register
 from talaria.services.router.state import RouterState, SessionEntry
-from talaria.shared.messages import CallCompleted, CallSubmitted, Event, replace
+from talaria.shared.messages import CallCompleted, CallSubmitted, Event, LeaseIssued, replace
 
 
 @register
@@ -58,7 +57,7 @@ class Talaria(PlacementPolicy):
                                 lease_instance=lease.instance_id,
                                 discard_reason=extra[0].reason)  # type: ignore[union-attr]
 
-    def _consume(self, state: RouterState, lease: Lease, call: CallSubmitted,
+    def _consume(self, state: RouterState, lease: LeaseIssued, call: CallSubmitted,
                  entry: SessionEntry | None, now: float) -> Decision:
         view = state.instances[lease.instance_id]
         # The lease bypasses admission (its unit was charged while live); price it for the audit.

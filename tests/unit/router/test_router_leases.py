@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from router_support import call, core, done, one, snap
 
-from talaria.services.router.leases import Lease, LeaseBook
+from talaria.services.router.leases import LeaseBook
 from talaria.shared.messages import (
     CallRouted,
     LeaseConsumed,
@@ -220,7 +220,7 @@ def test_adaptive_lease_clamps_to_bounds():
 def test_lease_book_due_is_read_only_and_prunes_consumed_entries():
     book = LeaseBook()
     for i, exp in enumerate([3.0, 1.0, 2.0, 5.0]):
-        book.add(Lease(f"s{i}", "m1", "a", f"c{i}", 0.0, exp))
+        book.add(LeaseIssued(f"s{i}", "m1", "a", f"c{i}", 0.0, exp))
     assert [lease.session_id for lease in book.due(2.0)] == ["s1", "s2"]
     assert len(book.heap) == 4 and book.live_on("a", 2.0) == 2  # due() changed nothing
     book.remove("s1")
