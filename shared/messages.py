@@ -319,6 +319,7 @@ class RoutingDecision(Struct, frozen=True, tag="decision"):
     model_opened: bool = False
     avoidable_cold_open: bool = False
     decision_us: float = 0.0
+    reason: Annotated[str, Meta(max_length=2048)] = ""  # why: a rejection names the bound it hit
 
 
 class SwitchDone(Struct, frozen=True, tag="switch.done"):

@@ -111,4 +111,5 @@ def _audit(
         model_opened=d.model_opened,
         avoidable_cold_open=d.avoidable_cold_open,
         decision_us=decision_us,
+        reason=d.reason,
     )

@@ -187,7 +187,7 @@ async def _decision(conn, e: RoutingDecision) -> None:
         action=e.action, decided_at=ts(e.decided_at), chosen_instance=e.chosen, lease_outcome=e.lease_outcome,
         lease_instance=e.lease_instance, discard_reason=text_(e.discard_reason), candidates=candidates,
         retry_after_s=e.retry_after_s, decision_us=e.decision_us, model_opened=e.model_opened,
-        avoidable_cold_open=e.avoidable_cold_open,
+        avoidable_cold_open=e.avoidable_cold_open, reason=text_(e.reason) or None,
     ).on_conflict_do_nothing())
     # The call may have finished before its decision was projected: join its outcome in now.
     await conn.execute(update(lease_decisions).where(

@@ -74,7 +74,7 @@ CALL_COLUMNS = ("session_id", "model", "call_index", "instance_id", "api", "outc
                 "output_tokens", "cached_tokens", "kv_source", "finish_reason", "error", "failed_stage", "status",
                 "submitted_at", "routed_at", "started_at", "completed_at", "ttft_s", "queue_s")
 SESSION_COLUMNS = ("calls", "completed", "failed", "last_model", "last_instance", "first_seen_at", "last_seen_at")
-DECISION_COLUMNS = ("chosen_instance", "lease_outcome", "action", "outcome", "ttft_s", "kv_source")
+DECISION_COLUMNS = ("chosen_instance", "lease_outcome", "action", "outcome", "ttft_s", "kv_source", "reason")
 
 
 # --------------------------------------------------------------------------------------
@@ -343,6 +343,7 @@ class _MemoryBatch(_Offset):
     def _decision(self, e: RoutingDecision) -> None:
         if e.call_id not in self.decisions:
             self.decisions[e.call_id] = dict(chosen_instance=e.chosen, lease_outcome=e.lease_outcome,
-                                             action=e.action, outcome=None, ttft_s=None, kv_source=None)
+                                             action=e.action, outcome=None, ttft_s=None, kv_source=None,
+                                             reason=text_(e.reason) or None)
         if self.decisions[e.call_id]["outcome"] is None:
             self._join_decision(e.call_id)

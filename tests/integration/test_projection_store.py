@@ -95,6 +95,14 @@ async def test_a_cancelled_call_says_so_and_stays_cancelled(store):
     assert (await store.decision("c0"))["outcome"] == "cancelled"
 
 
+async def test_a_rejection_row_says_why(store):
+    why = "overload: best predicted TTFT 10.1 s, budget 9.0 s"
+    reject = msgspec.structs.replace(decision(0), action="reject", chosen=None, reason=why)
+    await apply(store, submitted(0), reject)
+    row = await store.decision("c0")
+    assert (row["action"], row["chosen_instance"], row["reason"]) == ("reject", None, why)
+
+
 async def test_out_of_order_delivery_gives_the_same_rows(store):
     """The completion and the decision before the submission and the route."""
     await apply(store, completed(0), decision(0), routed(0), submitted(0))

@@ -289,6 +289,7 @@ def test_overload_reject_answers_with_retry_after():
     # the decision row says why: the best instance's predicted TTFT (100K queued tokens at
     # 10K tok/s = 10 s ahead, + 0.1 s prefill) against the admission budget (0.9 x 10 s)
     assert "best predicted TTFT 10.1 s, budget 9.0 s" in failed.reason
+    assert audit.reason == failed.reason  # and so does the audit row (lease_decisions.reason)
     assert not [e for e in out if isinstance(e, CallRouted)]
 
 
