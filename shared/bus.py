@@ -74,15 +74,19 @@ def _headers(js: JetStreamContext, msg_id: str | None, sender: str | None = None
     return inject_headers(base)
 
 
-def event_subject(event: msgspec.Struct) -> str:
-    """The subject an event belongs on (routed calls go to their instance's subject)."""
-    from talaria.shared import messages as m
+async def publish_fast(js: JetStreamContext, subject: str, event: msgspec.Struct) -> None:
+    """Core-NATS copy of an event (no ack, no storage), with the same sender and trace headers."""
+    await js._nc.publish(subject, encode(event), headers=_headers(js, None))
 
-    match event:
-        case m.CallRouted():
-            return subjects.call_routed(event.instance_id)
-        case _:
-            return getattr(subjects, _SUBJECT_BY_TYPE[type(event).__name__])
+
+def event_subject(event: msgspec.Struct) -> str:
+    """The subject an event belongs on: `<deployment>.evt.<its tag>`; a routed call goes to its
+    instance's own subject. The tag is the one name of an event type (no second map to keep)."""
+    tag = type(event).__struct_config__.tag
+    if not isinstance(tag, str):
+        raise TypeError(f"{type(event).__name__} is not an event (no tag)")
+    subject = f"{subjects.DEPLOYMENT}.evt.{tag}"
+    return f"{subject}.{event.instance_id}" if tag == "call.routed" else subject
 
 
 def event_msg_id(event: msgspec.Struct) -> str | None:
@@ -102,22 +106,6 @@ def event_msg_id(event: msgspec.Struct) -> str | None:
             return f"{type(event).__name__}:{event.session_id}:{event.call_id}"
         case _:
             return None
-
-
-_SUBJECT_BY_TYPE = {  # attribute names: subjects are read at call time (deployment prefix)
-    "CallSubmitted": "CALL_SUBMITTED",
-    "CallStarted": "CALL_STARTED",
-    "CallCompleted": "CALL_COMPLETED",
-    "CallFailed": "CALL_FAILED",
-    "LeaseIssued": "LEASE_ISSUED",
-    "LeaseConsumed": "LEASE_CONSUMED",
-    "LeaseDiscarded": "LEASE_DISCARDED",
-    "LeaseExpired": "LEASE_EXPIRED",
-    "RoutingDecision": "ROUTING_DECISION",
-    "SwitchDone": "SWITCH_DONE",
-    "RoundSummary": "ROUND_SUMMARY",
-    "InstanceLost": "INSTANCE_LOST",
-}
 
 
 async def emit(js: JetStreamContext, event: msgspec.Struct, sender: str | None = None) -> int:

@@ -12,7 +12,16 @@ from typing import Annotated, Literal, Union
 import msgspec
 from msgspec import Meta, Struct
 
-KvSource = Literal["device", "host", "recompute", "none"]
+# The one definition of each KV vocabulary (the engine, scheduler and router import these).
+KvState = Literal["device", "host", "none"]  # where a session's KV sits now
+KvSource = Literal["device", "host", "recompute", "none"]  # where a call's prefix came from
+# The other closed vocabularies on the wire: a value outside them is a decode error, never a
+# string some consumer silently misreads.
+LeaseOutcome = Literal["consumed", "discarded", "none"]
+DecisionAction = Literal["route", "reject"]
+ModelState = Literal["active", "resident", "staged", "absent"]
+SwitchPath = Literal["d2d_full", "d2d_partial", "host_only", "cold"]
+Pool = Literal["hot", "cold"]
 
 # Ids travel into Postgres rows and NATS subjects: every decoder below refuses ones that
 # are empty, unbounded or carry control characters (a NUL once froze the projection).
@@ -123,6 +132,24 @@ class ErrorReply(Struct, frozen=True, tag="error"):
 
 Reply = Union[CallResult, ErrorReply]
 
+# A call's client went away or asked to stop (nginx's "client closed request"). A CallFailed
+# with this status is recorded with outcome `cancelled`, not `failed`.
+CANCELLED_STATUS = 499
+
+
+class CancelCall(Struct, frozen=True):
+    """Abort `call_id` wherever it is: its agent stops it, frees its slot and KV, and
+    records it as cancelled. A cancel for a call not yet delivered is remembered.
+
+    Clients send it (with their `api_key`) on `talaria.api.cancel` to the gateway, which
+    stamps the key's `tenant` and forwards it to the agents on `talaria.cancel`; an agent
+    cancels only a call of that tenant, so knowing a call id is not enough."""
+
+    call_id: Token
+    reason: Annotated[str, Meta(max_length=1024)] = "cancelled by the client"
+    api_key: str | None = None
+    tenant: str = ""
+
 
 class TokenChunk(Struct, frozen=True):
     call_id: Token
@@ -171,7 +198,7 @@ class CallRouted(Struct, frozen=True, tag="call.routed"):
     instance_id: Token
     policy: str
     routed_at: float
-    lease: str = "none"  # consumed | discarded | none
+    lease: LeaseOutcome = "none"
     expected_kv: KvSource = "none"
     # The agent process the call was placed on (its snapshot's incarnation; "" = any). A
     # restarted agent drops calls placed on its predecessor: the router has failed them.
@@ -232,6 +259,10 @@ class LeaseIssued(Struct, frozen=True, tag="lease.issued"):
     expires_at: float
     kv_tokens: int = 0
 
+    def live(self, now: float) -> bool:
+        # Expiry is exclusive: a lease issued at t with timeout tau is dead at exactly t + tau.
+        return now < self.expires_at
+
 
 class LeaseConsumed(Struct, frozen=True, tag="lease.consumed"):
     session_id: Name
@@ -269,9 +300,13 @@ class CandidateCost(Struct, frozen=True):
     activation_s: float = 0.0
     placement_s: float = 0.0  # first call of a session only: the session-placement term (ours)
     kv_state: KvSource = "none"
-    model_state: str = "absent"  # active | resident | staged | absent
+    model_state: ModelState = "absent"
     feasible: bool = True
     reason: str = ""
+    # Soft reservations: live leases of other sessions here, each charged as a return's work.
+    # Kept apart from queue_s (the work queued now) so an audit compares queue_s with the
+    # queue the call met; total_s counts both.
+    reserved_s: float = 0.0
 
 
 class RoutingDecision(Struct, frozen=True, tag="decision"):
@@ -280,10 +315,10 @@ class RoutingDecision(Struct, frozen=True, tag="decision"):
     call_index: int
     model: Name
     policy: str
-    action: str  # route | reject
+    action: DecisionAction
     decided_at: float
     chosen: Token | None = None
-    lease_outcome: str = "none"  # consumed | discarded | none
+    lease_outcome: LeaseOutcome = "none"
     lease_instance: Token | None = None
     discard_reason: str | None = None
     candidates: list[CandidateCost] = []
@@ -291,6 +326,7 @@ class RoutingDecision(Struct, frozen=True, tag="decision"):
     model_opened: bool = False
     avoidable_cold_open: bool = False
     decision_us: float = 0.0
+    reason: Annotated[str, Meta(max_length=2048)] = ""  # why: a rejection names the bound it hit
 
 
 class InstanceLost(Struct, frozen=True, tag="instance.lost"):
@@ -308,7 +344,7 @@ class SwitchDone(Struct, frozen=True, tag="switch.done"):
     instance_id: Token
     from_model: Name | None
     to_model: Name
-    path: str  # d2d_full | d2d_partial | host_only | cold
+    path: SwitchPath
     total_s: float
     at: float
     phases: dict[str, float] = {}
@@ -353,7 +389,7 @@ Event = Union[
 
 class ModelResidency(Struct, frozen=True):
     model: Name
-    state: str  # active | resident | staged | absent
+    state: ModelState
     switch_cost_s: float = 0.0
     open_cost_s: float = 0.0
     weight_bytes: int = 0
@@ -363,7 +399,7 @@ class ModelResidency(Struct, frozen=True):
 class SessionKv(Struct, frozen=True):
     session_id: Name
     model: Name
-    state: KvSource  # device | host
+    state: KvState
     kv_tokens: int = 0
 
 
@@ -371,7 +407,7 @@ class InstanceSnapshot(Struct, frozen=True):
     instance_id: Token
     version: int
     at: float
-    pool: str = "cold"  # hot | cold
+    pool: Pool = "cold"
     models: list[ModelResidency] = []
     active_model: Name | None = None
     sessions: list[SessionKv] = []
@@ -382,6 +418,9 @@ class InstanceSnapshot(Struct, frozen=True):
     deadline_risk: int = 0
     kv_capacity_tokens: int = 0
     kv_used_tokens: int = 0
+    # Of kv_used_tokens, what running calls hold or reserved; the rest is idle sessions' KV,
+    # which the agent evicts (to the host registry) on demand. -1: not reported.
+    kv_pinned_tokens: int = -1
     staging_free_bytes: int = 0
     hbm_bytes: int = 0
     hbm_used_bytes: int = 0
@@ -410,6 +449,7 @@ EVENT_DECODER = msgspec.json.Decoder(Event)
 SUBMITTED_DECODER = msgspec.json.Decoder(CallSubmitted)
 ROUTED_DECODER = msgspec.json.Decoder(CallRouted)
 SNAPSHOT_DECODER = msgspec.json.Decoder(InstanceSnapshot)
+CANCEL_DECODER = msgspec.json.Decoder(CancelCall)
 
 
 def encode(message: Struct) -> bytes:

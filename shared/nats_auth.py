@@ -95,13 +95,13 @@ def permissions(role: str, prefix: str = "talaria", instance_id: str | None = No
     inbox = [f"{SERVICE_INBOX}.>"]
     watch = [f"{prefix}.telemetry.*", f"{prefix}.health.*"]
     if role == "gateway":
-        pub = [f"{evt}.call.submitted", f"{evt}.call.failed", f"{prefix}.health.gateway", *js]
-        sub = [f"{prefix}.api.call", f"{prefix}.reply.gateway.>", f"{prefix}.tokens.>", *watch, *inbox]
+        pub = [f"{evt}.call.submitted", f"{evt}.call.failed", f"{prefix}.health.gateway", f"{prefix}.cancel", *js]
+        sub = [f"{prefix}.api.call", f"{prefix}.api.cancel", f"{prefix}.reply.gateway.>", f"{prefix}.tokens.>", *watch, *inbox]
         return {"publish": {"allow": pub}, "subscribe": {"allow": sub}, "allow_responses": True}
     if role == "router":
         pub = [f"{evt}.call.routed.*", f"{evt}.lease.>", f"{evt}.decision", f"{evt}.call.failed",
                f"{evt}.instance.lost",
-               f"{prefix}.reply.>", f"{prefix}.health.router", *js]
+               f"{prefix}.reply.>", f"{prefix}.health.router", f"{prefix}.dispatch.*", *js]
         return {"publish": {"allow": pub}, "subscribe": {"allow": [*watch, *inbox]}}
     if role == "telemetry":
         return {"publish": {"allow": [f"{prefix}.health.telemetry", *js]},
@@ -113,9 +113,11 @@ def permissions(role: str, prefix: str = "talaria", instance_id: str | None = No
                f"{evt}.round.summary", f"{prefix}.tokens.>", f"{prefix}.reply.>",
                f"{prefix}.telemetry.{instance_id}", f"{prefix}.health.agent-{instance_id}", *js]
         # instance.lost: the router declared this process lost; it stops the calls listed
-        return {"publish": {"allow": pub}, "subscribe": {"allow": [*watch, f"{evt}.instance.lost", *inbox]}}
+        sub = [*watch, *inbox, f"{prefix}.cancel", f"{prefix}.dispatch.{instance_id}", f"{evt}.instance.lost"]
+        return {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
     if role == "client":
-        return {"publish": {"allow": [f"{prefix}.api.call"]},
+        # A client's cancel goes to the gateway, which checks its key: only its own tenant's calls stop.
+        return {"publish": {"allow": [f"{prefix}.api.call", f"{prefix}.api.cancel"]},
                 "subscribe": {"allow": [f"{CLIENT_INBOX}.>", f"{prefix}.tokens.>", f"{prefix}.health.*"]},
                 "allow_responses": False}
     raise ValueError(f"unknown NATS role {role!r}")

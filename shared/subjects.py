@@ -1,6 +1,10 @@
 """NATS subject names: the only coupling between Talaria services.
 
     talaria.api.call                 request/reply API for agent runtimes (gateway answers)
+    talaria.api.cancel               CancelCall from a client, with its API key (gateway answers)
+    talaria.cancel                   CancelCall stamped with the key's tenant (gateway -> every agent)
+    talaria.dispatch.<instance_id>   core-NATS fast copy of a CallRouted (the durable one is
+                                     on the stream; the agent starts from whichever comes first)
     talaria.tokens.<call_id>         streamed TokenChunk messages for one call
     talaria.reply.gateway.<id>.<call> a call's reply (CallResult / ErrorReply) to the gateway
     talaria.telemetry.<instance_id>  InstanceSnapshot heartbeats (last value, not history)
@@ -37,6 +41,9 @@ def configure(deployment: str) -> None:
     g["EVENTS_STREAM"] = stream_name(deployment)
     g["EVENTS_WILDCARD"] = f"{deployment}.evt.>"
     g["API_CALL"] = f"{deployment}.api.call"
+    g["API_CANCEL"] = f"{deployment}.api.cancel"  # clients -> gateway (checks the key)
+    g["CALL_CANCEL"] = f"{deployment}.cancel"  # gateway -> agents (tenant stamped)
+    g["DISPATCH_PREFIX"] = f"{deployment}.dispatch"
     evt = f"{deployment}.evt"
     g.update(
         CALL_SUBMITTED=f"{evt}.call.submitted", CALL_ROUTED_PREFIX=f"{evt}.call.routed",
@@ -52,7 +59,7 @@ def configure(deployment: str) -> None:
     )
 
 
-EVENTS_STREAM = EVENTS_WILDCARD = API_CALL = ""
+EVENTS_STREAM = EVENTS_WILDCARD = API_CALL = API_CANCEL = CALL_CANCEL = DISPATCH_PREFIX = ""
 CALL_SUBMITTED = CALL_ROUTED_PREFIX = CALL_STARTED = CALL_COMPLETED = CALL_FAILED = ""
 LEASE_ISSUED = LEASE_CONSUMED = LEASE_DISCARDED = LEASE_EXPIRED = ROUTING_DECISION = ""
 SWITCH_DONE = ROUND_SUMMARY = INSTANCE_LOST = TELEMETRY_PREFIX = TELEMETRY_WILDCARD = TOKENS_PREFIX = ""
@@ -62,6 +69,10 @@ configure(DEPLOYMENT)
 
 def call_routed(instance_id: str) -> str:
     return f"{CALL_ROUTED_PREFIX}.{instance_id}"
+
+
+def dispatch(instance_id: str) -> str:
+    return f"{DISPATCH_PREFIX}.{instance_id}"
 
 
 def telemetry(instance_id: str) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import codecs
 import hashlib
+import struct
 from collections.abc import Iterable, Sequence
 
 BOS = 256
@@ -58,20 +59,30 @@ def block_hashes(ids: Sequence[int], block: int = HASH_BLOCK_TOKENS, scope: str 
     `scope` salts the chain (like vLLM's `cache_salt`): equal prompts in different scopes
     (tenants) hash differently, so no cache, index or `cached_tokens` count matches across them.
     """
-    out: list[int] = []
     prev = hashlib.blake2b(scope.encode(), digest_size=8).digest() if scope else b""
+    return chain_block_hashes(ids, block, prev)[0]
+
+
+def chain_block_hashes(ids: Sequence[int], block: int = HASH_BLOCK_TOKENS,
+                       prev: bytes = b"") -> tuple[list[int], bytes]:
+    """`block_hashes` continued from the digest `prev` of the blocks before `ids` (b"" at
+    the start of an unscoped prompt): (hashes, digest to continue from). Chunked calls give
+    the same hashes as one call over the concatenation (the simulator extends a session's prompt)."""
+    out: list[int] = []
     for start in range(0, len(ids) - block + 1, block):
         h = hashlib.blake2b(prev, digest_size=8)
-        h.update(bytes(_pack(ids[start : start + block])))
+        h.update(_pack(ids[start : start + block]))
         prev = h.digest()
         out.append(int.from_bytes(prev, "big") >> 1)  # 63 bits: fits a Postgres BIGINT
-    return out
+    return out, prev
 
 
-def _pack(ids: Sequence[int]) -> bytearray:
+def _pack(ids: Sequence[int]) -> bytes:
     # Two bytes per id; ids past 0xFFFE (large vocabularies) are escaped as 0xFFFF + 4 bytes,
     # so the packing stays unambiguous and the built-in models' hashes are unchanged.
+    if max(ids, default=0) < 0xFFFF:
+        return struct.pack(f"<{len(ids)}H", *ids)  # the common case, without a Python loop
     buf = bytearray()
     for i in ids:
         buf += i.to_bytes(2, "little") if i < 0xFFFF else b"\xff\xff" + i.to_bytes(4, "little")
-    return buf
+    return bytes(buf)

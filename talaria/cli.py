@@ -154,6 +154,28 @@ def cmd_trace(args: argparse.Namespace, settings: Settings) -> int:
     return print_timeline(directory, args.session)
 
 
+def cmd_trace_export(argv: list[str]) -> int:
+    from talaria.trace_export import export, parse_since
+
+    p = argparse.ArgumentParser(prog="talaria trace export",
+                                description="the served calls as a normalised trace the simulator replays")
+    p.add_argument("out", help="output JSONL (replay: talaria sim run --trace OUT --policy P)")
+    p.add_argument("--since", default=None, help="ISO-8601 time or a duration back from now (30m, 2h, 1d)")
+    args = p.parse_args(argv)
+    try:
+        settings = Settings.from_env()
+        since = parse_since(args.since) if args.since else None
+    except (SettingsError, ValueError) as exc:
+        print(f"talaria trace export: {exc}", file=sys.stderr)
+        return 2
+    if not settings.database_url:
+        print("talaria trace export: set TALARIA_DATABASE_URL (`talaria up` prints it)", file=sys.stderr)
+        return 2
+    summary = export(settings.database_url, Path(args.out), since)
+    print(f"talaria: exported {summary['calls']} calls in {summary['sessions']} sessions to {summary['out']}")
+    return 0
+
+
 def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
     from talaria.audit import run_audit
 
@@ -238,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     nc = sub.add_parser("nats-config", help="write per-service NATS users and permissions for an external NATS")
     nc.add_argument("out", help="directory for auth.conf (include it in nats-server.conf) and one .env per service")
     nc.add_argument("--agents", default="agent-0,agent-1", help="comma-separated instance ids")
-    tr = sub.add_parser("trace", help="print a session's timeline from exported spans")
+    tr = sub.add_parser("trace", help="print a session's timeline from exported spans; "
+                        "`talaria trace export OUT.jsonl` writes the served calls as a replayable trace")
     tr.add_argument("session", nargs="?", help="session id (default: list sessions)")
     tr.add_argument("--traces-dir", default=None)
     au = sub.add_parser("audit", help="run an operator's SQL audit from ops/audit/")
@@ -269,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "sim":
         return cmd_sim(argv[1:])
+    if argv[:2] == ["trace", "export"]:
+        return cmd_trace_export(argv[2:])
     args = build_parser().parse_args(argv)
     try:
         settings = Settings.from_env()

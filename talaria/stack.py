@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -238,8 +239,11 @@ class Stack:
                     raise StackError(f"{name} exited with code {proc.returncode}; see "
                                      f"{self.settings.data_dir / 'logs' / (name + '.log')}")
             try:
-                with urllib.request.urlopen(self.gateway_url + "/healthz", timeout=1) as r:
-                    health = json.load(r)
+                try:
+                    with urllib.request.urlopen(self.gateway_url + "/healthz", timeout=1) as r:
+                        health = json.load(r)
+                except urllib.error.HTTPError as exc:  # 503 until ready: its body still says who is up
+                    health = json.load(exc)
                 ok = {"router", "telemetry"} <= set(health["services"]) and want_agents <= set(health["instances"])
                 if ok:
                     return
@@ -247,7 +251,7 @@ class Stack:
                 if state != last:
                     progress(f"waiting: services {list(state[0])}, instances {list(state[1])}")
                     last = state
-            except OSError:
+            except (OSError, ValueError):  # not up yet, or a body that is not JSON
                 pass
             time.sleep(0.2)  # polling an external readiness condition, not synchronising tests
         raise StackError(f"stack not ready after {timeout:.0f}s")

@@ -153,7 +153,7 @@ def anthropic_error_body(status: int, message: str) -> dict:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-OPEN_PATHS = frozenset({"/healthz"})
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 try:
     from aiohttp.web import RequestKey
 
@@ -163,7 +163,7 @@ except ImportError:  # older aiohttp: plain string keys
 
 
 def http_middleware(keys: KeyStore):
-    """aiohttp middleware: every path but /healthz needs a key when keys are configured; the
+    """aiohttp middleware: every path but /healthz and /readyz needs a key when keys are configured; the
     tenant lands in `request[TENANT]`. 401s use the shape of the API the path belongs to."""
     from aiohttp import web
 

@@ -9,13 +9,15 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import msgspec
+
 from talaria.services.gateway.auth import KeyStore, Unauthenticated, client_session, scoped_session, unauthenticated_reply
 from talaria.services.gateway.prepare import RequestError, prepare
 from talaria.services.gateway.sessions import InvalidSessionId, check
 from talaria.services.gateway.submitter import Submitter
 from talaria.services.gateway.validation import decode
 from talaria.shared import subjects
-from talaria.shared.messages import CALL_REQUEST_DECODER, CallResult, ErrorReply, encode, replace
+from talaria.shared.messages import CALL_REQUEST_DECODER, CANCEL_DECODER, CallResult, ErrorReply, encode, replace
 
 
 class NatsApi:
@@ -24,14 +26,17 @@ class NatsApi:
         self.nc, self.submitter, self.log = nc, submitter, log
         self.keys, self.prefix_sharing = keys or KeyStore(), prefix_sharing
         self._tasks: set[asyncio.Task] = set()
-        self._sub = None
+        self._sub = self._cancel_sub = None
 
     async def start(self) -> None:
         self._sub = await self.nc.subscribe(subjects.API_CALL, queue=subjects.API_QUEUE_GROUP, cb=self._on_msg)
+        self._cancel_sub = await self.nc.subscribe(subjects.API_CANCEL, queue=subjects.API_QUEUE_GROUP,
+                                                   cb=self._on_cancel)
 
     async def stop(self) -> None:
         if self._sub is not None:
             await self._sub.unsubscribe()
+            await self._cancel_sub.unsubscribe()
         for task in list(self._tasks):
             await task
 
@@ -40,6 +45,23 @@ class NatsApi:
         task = asyncio.create_task(self._handle(msg))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def _on_cancel(self, msg) -> None:
+        """A client's cancel: the key names the tenant, and only that tenant's call is stopped."""
+        try:
+            cancel = decode(CANCEL_DECODER, msg.data)
+            tenant = self.keys.tenant_for_key(cancel.api_key)
+        except RequestError as exc:
+            reply = exc.reply
+        except Unauthenticated as exc:
+            reply = unauthenticated_reply(exc)
+        else:
+            await self.submitter.cancel(cancel.call_id, cancel.reason, tenant)
+            if msg.reply:  # the agents record the outcome (`cancelled` row; the call's reply says 499)
+                await self.nc.publish(msg.reply, msgspec.json.encode({"type": "cancel_sent", "call_id": cancel.call_id}))
+            return
+        if msg.reply:
+            await self.nc.publish(msg.reply, encode(reply))
 
     async def _handle(self, msg) -> None:
         if not msg.reply:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import msgspec
 from aiohttp import web
@@ -23,9 +25,11 @@ STALE_AFTER_S = 3.0
 class ServedModels:
     """Which models live instances serve, from their telemetry heartbeats."""
 
-    def __init__(self) -> None:
+    def __init__(self, configured: tuple[str, ...] = (), nats_connected=lambda: True) -> None:
         self._snapshots: dict[str, tuple[float, InstanceSnapshot]] = {}
         self._services: dict[str, float] = {}
+        self.configured = tuple(configured)  # models the stack is configured to serve
+        self._nats_connected = nats_connected
 
     async def on_heartbeat(self, msg) -> None:
         try:
@@ -39,6 +43,26 @@ class ServedModels:
         live = sorted(s for s, seen in self._services.items() if now - seen <= STALE_AFTER_S)
         agents = sorted(i for i, (seen, _) in self._snapshots.items() if now - seen <= STALE_AFTER_S)
         return {"services": live, "instances": agents}
+
+    def readiness(self) -> tuple[bool, dict[str, object]]:
+        """(ready, report). Ready: NATS connected, the router alive, and at least one live
+        instance serving each configured model. Telemetry is reported, not required: calls
+        are served without it and its projection catches up from the stream."""
+        health = self.health()
+        by_model: dict[str, list[str]] = {m: [] for m in self.configured}
+        now = time.monotonic()
+        for iid, (seen, snap) in sorted(self._snapshots.items()):
+            if now - seen <= STALE_AFTER_S:
+                for m in snap.models:
+                    by_model.setdefault(m.model, []).append(iid)
+        checks = {
+            "nats": "ok" if self._nats_connected() else "disconnected",
+            "router": "ok" if "router" in health["services"] else "no heartbeat",
+            "telemetry": "ok" if "telemetry" in health["services"] else "no heartbeat",
+            **{f"model:{m}": "ok" if by_model.get(m) else "no instance" for m in self.configured},
+        }
+        ready = all(v == "ok" for k, v in checks.items() if k != "telemetry")
+        return ready, {"status": "ok" if ready else "not_ready", "checks": checks, "models": by_model, **health}
 
     async def on_snapshot(self, msg) -> None:
         try:
@@ -64,7 +88,7 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     nc, js = await connect(settings.nats_url, "talaria-gateway", **settings.nats_options())
     submitter = Submitter(nc, js, tracer, settings.call_timeout_s, log)
     await submitter.start()
-    served = ServedModels()
+    served = ServedModels(settings.models, lambda: nc.is_connected)
     await nc.subscribe(subjects.TELEMETRY_WILDCARD, cb=served.on_snapshot)
     await nc.subscribe(subjects.HEALTH_WILDCARD, cb=served.on_heartbeat)
     keys = KeyStore.from_settings(settings)
@@ -72,7 +96,12 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
         log.warning("no API keys configured: the gateway is open to anyone who can reach it")
     nats_api = NatsApi(nc, submitter, log, keys, settings.prefix_sharing)
     await nats_api.start()
-    runner = web.AppRunner(HttpApi(submitter, served, log, keys, settings.prefix_sharing).app(), access_log=None)
+    # handler_cancellation: a client that disconnects cancels its handler, which cancels the call.
+    # One worker process parses large bodies: they queue among themselves, not on the loop.
+    parser_pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+    await asyncio.get_running_loop().run_in_executor(parser_pool, int)  # start it now, not on a call
+    api = HttpApi(submitter, served, log, keys, settings.prefix_sharing, parser_pool)
+    runner = web.AppRunner(api.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, settings.http_host, settings.http_port)
     await site.start()
@@ -86,5 +115,6 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
         await submitter.stop()  # first: calls still waiting get a 503 now, not at their timeout
         await nats_api.stop()
         await runner.cleanup()
+        parser_pool.shutdown(wait=False, cancel_futures=True)
         await close(nc)
         provider.shutdown()

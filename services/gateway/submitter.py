@@ -20,6 +20,7 @@ from opentelemetry import trace
 from talaria.services.gateway.validation import check_size
 from talaria.shared import subjects
 from talaria.shared.logs import call_context
+from talaria.shared.nats_auth import SENDER_HEADER
 from talaria.shared.bus import emit, emit_new
 from talaria.shared.messages import (
     REPLY_DECODER,
@@ -27,9 +28,11 @@ from talaria.shared.messages import (
     CallFailed,
     CallResult,
     CallSubmitted,
+    CancelCall,
     ErrorReply,
     Reply,
     TokenChunk,
+    encode,
     replace,
 )
 from talaria.shared.tracing import session_context, trace_id_hex
@@ -116,6 +119,9 @@ class Submitter:
                     reply = await asyncio.wait_for(fut, self.timeout_s)
                 except TimeoutError:
                     reply = await self._timed_out(call)
+                except asyncio.CancelledError:  # the client went away (HTTP disconnect)
+                    await self.cancel(call.call_id, "client disconnected", call.tenant)
+                    raise
                 _annotate(span, reply)
                 if isinstance(reply, CallResult):
                     self.log.info("call served", instance_id=reply.instance_id, kv_source=reply.kv_source,
@@ -128,6 +134,15 @@ class Submitter:
                 self._calls.pop(call.call_id, None)
                 if token_sub is not None:
                     await token_sub.unsubscribe()
+
+    async def cancel(self, call_id: str, reason: str, tenant: str) -> None:
+        """Tell the agents to abort `call_id` of `tenant` (they record it as cancelled)."""
+        try:
+            await self.nc.publish(subjects.CALL_CANCEL, encode(CancelCall(call_id, reason, tenant=tenant)),
+                                  headers={SENDER_HEADER: self.nc.options.get("name") or ""})
+            self.log.info("call cancelled", call_id=call_id, reason=reason)
+        except Exception as exc:  # the bus is down: the call runs to its end, nothing is lost
+            self.log.warning("could not send cancel", call_id=call_id, error=str(exc))
 
     def _token_handler(self, on_token: TokenCallback):
         async def handle(msg) -> None:

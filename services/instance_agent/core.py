@@ -24,7 +24,7 @@ from talaria.services.instance_agent.scheduler import (
     CallAdmitted,
     CallFinished,
     CallParked,
-    CostModel,
+    StepCostModel,
     Decode,
     DeadlineRisk,
     KvState,
@@ -68,7 +68,7 @@ class Outcome:
 class AgentCore:
     """Routed calls in, scheduler work out; scheduler events in, wire records out."""
 
-    def __init__(self, instance_id: str, config: SchedulerConfig, models: Sequence[str], costs: CostModel) -> None:
+    def __init__(self, instance_id: str, config: SchedulerConfig, models: Sequence[str], costs: StepCostModel) -> None:
         self.instance_id = instance_id
         self.sched = RoundScheduler(config, list(models), costs)
         self.records: dict[str, CallRecord] = {}
@@ -94,7 +94,7 @@ class AgentCore:
         if isinstance(action, Prefill):
             for call_id in action.call_ids:
                 rec = self.records.get(call_id)
-                if rec is not None:
+                if rec is not None and rec.started_at is None:  # a later chunk does not restart it
                     rec.started_at = now
         return action
 
@@ -115,12 +115,17 @@ class AgentCore:
             bytes_uncovered=bytes_uncovered)
         return out
 
-    def prefill_done(self, action: Prefill, now: float, finished: Iterable[str] = ()) -> Outcome:
+    def prefill_done(self, action: Prefill, now: float, finished: Iterable[str] = (),
+                     first_tokens: Iterable[str] | None = None, prompt_left=None) -> Outcome:
+        """`first_tokens`: calls whose prompt is complete (default all); with chunked prefill
+        the others continue, and `prompt_left` says how much each has left."""
+        firsts = None if first_tokens is None else set(first_tokens)
         for call_id in action.call_ids:
             rec = self.records.get(call_id)
-            if rec is not None and rec.first_token_at is None:
+            if rec is not None and rec.first_token_at is None and (firsts is None or call_id in firsts):
                 rec.first_token_at = now
-        return self._outcome(self.sched.on_prefill_done(action, now, finished), now)
+        events = self.sched.on_prefill_done(action, now, finished, first_tokens=firsts, prompt_left=prompt_left)
+        return self._outcome(events, now)
 
     def decode_done(self, action: Decode, now: float, finished: Iterable[str] = (), steps: int | None = None) -> Outcome:
         return self._outcome(self.sched.on_decode_done(action, now, finished, steps), now)
@@ -189,11 +194,14 @@ class AgentCore:
         return InstanceSnapshot(
             instance_id=self.instance_id, version=version, at=now, pool=pool, models=models,
             active_model=active_model, sessions=sessions, queued={m: len(q) for m, q in calls.queued.items()},
-            queued_tokens=sum(c.work.prompt_tokens for q in calls.queued.values() for c in q.values()),
+            # With chunked prefill (the live agent) also the prefill a newcomer waits behind.
+            queued_tokens=sched.prefill_ahead_tokens() if sched.config.chunked_prefill
+            else sum(c.work.prompt_tokens for q in calls.queued.values() for c in q.values()),
             running=sum(len(r) for r in calls.running.values()),
             round_remaining_s=round_remaining_s(sched, now),
             deadline_risk=sched.deadline_risk, kv_capacity_tokens=memory.kv_capacity_tokens,
-            kv_used_tokens=memory.kv_used_tokens, staging_free_bytes=memory.staging_free_bytes,
+            kv_used_tokens=memory.kv_used_tokens, kv_pinned_tokens=getattr(memory, "kv_pinned_tokens", -1),
+            staging_free_bytes=memory.staging_free_bytes,
             hbm_bytes=memory.hbm_bytes, hbm_used_bytes=memory.hbm_used_bytes, prefill_tok_s=memory.prefill_tok_s,
             decode_tok_s=memory.decode_tok_s, restore_tok_s=memory.restore_tok_s, switch_s=next_switch_s(sched),
             heartbeat_s=heartbeat_s,

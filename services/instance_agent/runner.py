@@ -19,6 +19,7 @@ acked only once its outcome is published, so a crashed agent's calls are redeliv
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -45,6 +46,7 @@ from talaria.shared.bus import emit
 from talaria.shared.logs import call_context
 from talaria.shared.nats_auth import trusted
 from talaria.shared.messages import (
+    CANCELLED_STATUS,
     CallFailed,
     CallResult,
     CallRouted,
@@ -81,9 +83,13 @@ def reusable_kv(engine, session_id: str, model: str, prompt_tokens: int) -> tupl
 @dataclass
 class Running:
     routed: CallRouted
-    msg: object  # the JetStream message, acked once the outcome is published
+    # The JetStream message, acked once the outcome is published; None while the call runs
+    # from its core-NATS fast copy and the durable copy has not arrived (it is acked on arrival).
+    msg: object | None
     span: trace.Span
     streamed: int = 0  # its timeline (queue, slot wait, first token) is the core's CallRecord
+    in_engine: bool = False  # its prefill was handed to the engine (chunks continue it)
+    started_pub: asyncio.Future | None = None  # the CallStarted publish, off the prefill path
 
 
 class CallRunner:
@@ -97,15 +103,21 @@ class CallRunner:
         config = SchedulerConfig.for_engine(
             engine.capabilities,
             pool=settings.pool, pinned_model=settings.models[0] if settings.pool == "hot" else None,
-            sp=settings.sp, hkvr=settings.hkvr, staging=settings.staging,
+            sp=settings.sp, hkvr=settings.hkvr, staging=settings.staging, chunked_prefill=True,
+            fill_by_switch=True,
         )
         self.core = AgentCore(self.instance_id, config, list(settings.models), INITIAL_COSTS)
+        # Set when a call arrives: a chunked prefill in flight ends at its next forward pass.
+        self.arrived = threading.Event()
+        engine.should_yield = self.arrived.is_set
         self.calls: dict[str, Running] = {}
         self.wakeup = asyncio.Event()
         self.version = 0
         self.last_snapshot = 0.0
         # Calls finished here recently: a redelivery of one (its ack was lost) is acked, not rerun.
         self.finished: OrderedDict[str, None] = OrderedDict()
+        # Cancels for calls not (yet) here: a call routed after its cancel is refused on arrival.
+        self.cancelled: OrderedDict[str, tuple[str, str]] = OrderedDict()  # call id -> (reason, tenant)
         self.watchdog = Watchdog(min_stuck_s=settings.watchdog_min_s)
         self.unhealthy = ""  # why new calls should go elsewhere (heartbeat flag); "" when healthy
         self.step_calls: tuple[str, ...] = ()  # the calls of the engine step in flight
@@ -118,15 +130,25 @@ class CallRunner:
 
     # ---- intake ------------------------------------------------------------------------
 
-    def accept(self, routed: CallRouted, msg) -> str | None:
-        """Queue a routed call; returns why it was refused, or None when accepted."""
+    def accept(self, routed: CallRouted, msg, headers=None) -> str | None:
+        """Queue a routed call; returns why it was refused, or None when accepted. `msg` is
+        its JetStream message, or None for the router's core-NATS fast copy (`headers` its
+        trace context); the call starts from whichever comes first."""
         call = routed.call
         if call.model not in self.settings.models:
             return f"this instance does not serve {call.model}"
         if call.call_id in self.calls:
+            running = self.calls[call.call_id]
+            if running.msg is None:  # the durable copy of a call started from its fast copy
+                running.msg = msg
             return None  # redelivered while still here: keep the first copy
         if call.call_id in self.finished:
-            asyncio.ensure_future(msg.ack())
+            if msg is not None:
+                asyncio.ensure_future(msg.ack())
+            return None
+        if self.cancelled.get(call.call_id, ("", None))[1] == call.tenant:  # cancelled before it arrived
+            self.calls[call.call_id] = Running(routed, msg, self.tracer.start_span("execute"))
+            asyncio.ensure_future(self._cancelled(call.call_id, self.cancelled.pop(call.call_id)[0]))
             return None
         if routed.incarnation and routed.incarnation != self.incarnation:
             return (f"placed on a previous process of {self.instance_id}, which stopped before running it; "
@@ -140,9 +162,10 @@ class CallRunner:
         except SchedulerError as exc:
             self.log.warning("scheduler refused call", call_id=call.call_id, error=str(exc))
             return f"the instance cannot schedule this call: {exc}"
-        span = self.tracer.start_span("execute", context=extract_context(getattr(msg, "headers", None)),
+        span = self.tracer.start_span("execute", context=extract_context(headers or getattr(msg, "headers", None)),
                                       attributes={"call.id": call.call_id, "instance.id": self.instance_id})
         self.calls[call.call_id] = Running(routed, msg, span)
+        self.arrived.set()
         self.wakeup.set()
         return None
 
@@ -151,6 +174,40 @@ class CallRunner:
             return reusable_kv(self.engine, session_id, model, prompt_tokens)
         except Exception:  # the engine thread changed its tables under us: assume nothing
             return "none", 0
+
+    async def cancel(self, call_id: str, reason: str, tenant: str = "") -> None:
+        """Abort a call of `tenant`: out of the scheduler, its engine state released (its KV
+        stays as the session's cache), recorded as cancelled. A call not here yet is refused
+        on arrival if it is that tenant's. Another tenant's call is left alone."""
+        if call_id in self.finished:
+            return
+        if call_id not in self.calls:
+            self.cancelled[call_id] = (reason, tenant)
+            while len(self.cancelled) > FINISHED_MEMORY:
+                self.cancelled.popitem(last=False)
+            return
+        if self.calls[call_id].routed.call.tenant != tenant:
+            self.log.warning("cancel from another tenant ignored", call_id=call_id)
+            return
+        outcome = Outcome()
+        try:
+            outcome = self.core.abort(call_id, time.time())
+        except SchedulerError:
+            pass  # not in the scheduler (refused or already finishing)
+        await self._cancelled(call_id, reason)
+        await self._events(outcome)  # abort drains the scheduler's outbox: publish what was in it
+
+    async def _cancelled(self, call_id: str, reason: str) -> None:
+        running = self.calls.get(call_id)
+        if running is None:
+            return
+        if running.in_engine:
+            try:  # after any step in flight: the engine thread runs one thing at a time
+                await self._run(self.engine.finish, call_id)
+            except EngineError:
+                pass  # the engine never admitted it
+        await self._fail(call_id, f"cancelled: {reason}", status=CANCELLED_STATUS, code="cancelled")
+        self.wakeup.set()
 
     # ---- the scheduling loop -----------------------------------------------------------
 
@@ -255,20 +312,32 @@ class CallRunner:
         return outcome
 
     async def _prefill(self, action: Prefill):
-        reqs = []
+        reqs, more = [], []
+        started = time.time()
         for call_id in action.call_ids:
-            call = self.calls[call_id].routed.call
+            running = self.calls.get(call_id)
+            if running is None:
+                continue  # cancelled while queued for this action
+            if running.in_engine:
+                more.append(call_id)  # chunked prefill: this call's next chunk
+                continue
+            call = running.routed.call
             reqs.append(GenRequest(call_id=call.call_id, session_id=call.session_id, model=call.model,
                                    prompt_ids=list(call.prompt_ids), max_tokens=call.max_tokens,
                                    temperature=call.temperature, top_p=call.top_p, seed=call.seed,
                                    stop=tuple(call.stop), kv_scope=call.kv_scope))
-        started = time.time()
-        for call_id in action.call_ids:
-            running = self.calls[call_id]
+            running.in_engine = True
             running.span.add_event("prefill_start", {"session_prefill": action.session_prefill})
-            await emit(self.js, CallStarted(call_id, running.routed.call.session_id, self.instance_id, started))
-        steps = await self._run(self.engine.prefill, reqs)
-        return self.core.prefill_done(action, time.time(), await self._tokens(steps))
+            # Published while the prefill runs: it is a progress marker (the projector keeps a
+            # final outcome over it whatever the order), and awaited before the call's outcome.
+            running.started_pub = asyncio.ensure_future(
+                emit(self.js, CallStarted(call_id, call.session_id, self.instance_id, started)))
+        self.arrived.clear()
+        steps = await self._run(self.engine.prefill, reqs, action.chunk_tokens, more)
+        firsts = [s.call_id for s in steps]
+        left = self.engine.prompt_left(action.call_ids) if action.chunk_tokens else None
+        return self.core.prefill_done(action, time.time(), await self._tokens(steps), first_tokens=firsts,
+                                      prompt_left=left)
 
     async def _decode(self, action: Decode):
         steps = await self._run(self.engine.decode, list(action.call_ids))
@@ -360,21 +429,25 @@ class CallRunner:
             "cached_tokens": result.cached_tokens, "kv_source": result.kv_source,
             "slot_wait_s": completed.slot_wait_s, "admitted_via": via, "model_opened": completed.model_opened})
         running.span.end()
-        await emit(self.js, completed)
+        # The durable record, the reply and the stream's end go out together; the message is
+        # acked only after all of them, so a crash before that still redelivers the call.
+        sends = [emit(self.js, completed)]
         if call.reply_to:
             n_out = len(result.token_ids)
-            await self.nc.publish(call.reply_to, encode(CallResult(
+            sends.append(self.nc.publish(call.reply_to, encode(CallResult(
                 call_id=call_id, session_id=call.session_id, call_index=routed.call_index, model=call.model,
                 instance_id=self.instance_id, text=result.text, finish_reason=result.finish_reason,
                 usage=Usage(result.prompt_tokens, n_out, result.prompt_tokens + n_out, result.cached_tokens),
                 timings=Timings(completed.queue_s, completed.ttft_s, result.prefill_s, result.decode_s,
                                 completed.slot_wait_s, done - call.submitted_at),
                 kv_source=result.kv_source, stop_sequence=result.stop_sequence,
-            )))
+            ))))
         if call.stream:
-            await self.nc.publish(subjects.tokens(call_id), encode(TokenChunk(
-                call_id, running.streamed, "", done=True, finish_reason=result.finish_reason)))
-        await running.msg.ack()
+            sends.append(self.nc.publish(subjects.tokens(call_id), encode(TokenChunk(
+                call_id, running.streamed, "", done=True, finish_reason=result.finish_reason))))
+        await asyncio.gather(*sends, _settled(running.started_pub))
+        if running.msg is not None:
+            await running.msg.ack()
         self._remember(call_id)
         self.log.info("call completed", tokens=len(result.token_ids), kv_source=result.kv_source,
                       ttft_s=round(completed.ttft_s, 4))
@@ -389,13 +462,20 @@ class CallRunner:
             self.log.error("call failed", reason=reason)
         running.span.set_status(trace.Status(trace.StatusCode.ERROR, reason))
         running.span.end()
-        await emit(self.js, CallFailed(call_id, call.session_id, call.model, reason, "agent", time.time(),
-                                       status=status, instance_id=self.instance_id, call_index=routed.call_index))
+        await _settled(running.started_pub)
+        sends = [emit(self.js, CallFailed(call_id, call.session_id, call.model, reason, "agent", time.time(),
+                                          status=status, instance_id=self.instance_id,
+                                          call_index=routed.call_index))]
         if call.reply_to:
-            retry = 1.0 if status == 503 else None
-            await self.nc.publish(call.reply_to, encode(ErrorReply(status, code, reason, call_id=call_id,
-                                                                   retry_after_s=retry)))
-        await running.msg.ack()
+            retry = 1.0 if status == 503 else None  # 503: placed elsewhere it can run
+            sends.append(self.nc.publish(call.reply_to, encode(ErrorReply(status, code, reason, call_id=call_id,
+                                                                          retry_after_s=retry))))
+        if call.stream:
+            sends.append(self.nc.publish(subjects.tokens(call_id), encode(TokenChunk(
+                call_id, running.streamed, "", done=True, finish_reason=code))))
+        await asyncio.gather(*sends)
+        if running.msg is not None:
+            await running.msg.ack()
         self._remember(call_id)
 
     def _remember(self, call_id: str) -> None:
@@ -410,7 +490,8 @@ class CallRunner:
         while not stop.is_set():
             for running in list(self.calls.values()):
                 try:
-                    await running.msg.in_progress()
+                    if running.msg is not None:
+                        await running.msg.in_progress()
                 except Exception:
                     pass
             try:
@@ -489,3 +570,12 @@ class CallRunner:
 
 def _earliest(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else min(a, b)
+
+
+async def _settled(fut: asyncio.Future | None) -> None:
+    """Wait for a background publish; its failure only loses a progress marker."""
+    if fut is not None:
+        try:
+            await fut
+        except Exception:
+            pass

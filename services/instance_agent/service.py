@@ -19,8 +19,8 @@ from talaria.services.instance_agent.runner import CallRunner
 from talaria.shared import logs, subjects, tracing
 from talaria.shared.bus import close, connect, emit
 from talaria.shared.limits import call_problem
-from talaria.shared.nats_auth import sender_of, trusted
-from talaria.shared.messages import ROUTED_DECODER, CallFailed, CallRouted, ErrorReply, encode
+from talaria.shared.nats_auth import parse_sender, sender_of, trusted
+from talaria.shared.messages import CANCEL_DECODER, ROUTED_DECODER, CallFailed, CallRouted, ErrorReply, encode
 from talaria.shared.settings import Settings
 
 ACK_WAIT_S = 60.0  # held calls send in_progress() every 20 s, so only a dead agent's calls return
@@ -54,6 +54,24 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     # fails the predecessor's calls) by the time a predecessor's call is refused here.
     await runner.publish_snapshot()
     await nc.subscribe(subjects.INSTANCE_LOST, cb=runner.on_instance_lost)
+
+    async def on_cancel(msg) -> None:
+        await _on_cancel(msg, runner, log)
+
+    await nc.subscribe(subjects.CALL_CANCEL, cb=on_cancel)
+
+    async def on_dispatch(msg) -> None:
+        # The fast copy of a routed call: start it now. Anything odd is left to the durable
+        # copy, which refuses and records it (a refusal here would be recorded twice).
+        try:
+            routed = ROUTED_DECODER.decode(msg.data)
+            if (routed.instance_id == runner.instance_id and routed.call.model in settings.models
+                    and trusted(msg, routed)):
+                runner.accept(routed, None, headers=msg.headers)
+        except Exception as exc:
+            log.warning("fast dispatch ignored", error=str(exc))
+
+    await nc.subscribe(subjects.dispatch(settings.instance_id), cb=on_dispatch)
     tasks = [
         asyncio.create_task(runner.heartbeat_loop(stop), name="heartbeat"),
         asyncio.create_task(runner.work_loop(stop), name="work"),
@@ -124,6 +142,21 @@ async def _fetch_loop(sub, runner: CallRunner, js, nc, log, stop: asyncio.Event)
             except Exception:  # never let one message stop intake
                 log.exception("intake failed", call_id=routed.call.call_id)
                 await msg.nak(delay=1)
+
+
+async def _on_cancel(msg, runner: CallRunner, log) -> None:
+    try:
+        cancel = CANCEL_DECODER.decode(msg.data)
+    except msgspec.DecodeError as exc:
+        log.warning("undecodable cancel dropped", error=str(exc))
+        return
+    if parse_sender(sender_of(msg))[0] != "gateway":  # clients reach agents only through the gateway
+        log.warning("cancel not sent by the gateway dropped", call_id=cancel.call_id, sender=sender_of(msg))
+        return
+    try:
+        await runner.cancel(cancel.call_id, cancel.reason, cancel.tenant)
+    except Exception:  # one bad cancel must not stop the subscription
+        log.exception("cancel failed", call_id=cancel.call_id)
 
 
 async def _refuse(js, nc, routed: CallRouted, reason: str, status: int = 503) -> None:

@@ -142,4 +142,5 @@ def _audit(call: CallSubmitted, call_index: int, policy: str, d: Decision, now: 
         retry_after_s=d.retry_after_s,
         model_opened=d.model_opened,
         avoidable_cold_open=d.avoidable_cold_open,
+        reason=d.reason,
     )

@@ -3,11 +3,18 @@
     Cost(r, i) = dR_req(r, i) + C_KV(r, i) + C_act(m_r, i)          (paper Eq. 1, seconds)
 
     dR_req  queue_s   = (snapshot backlog + overlay tokens) * prefill rate
-                        + live leases on i * lease_charge_s          (lease admission units)
+                        (audited as queue_s: the work queued there)
+            reserved_s = live leases on i * lease_charge_s   (lease admission units)
                         + deadline_risk * penalty                    (underestimated instances)
                         + round_remaining_s if m_r is not the active model (wait for the slot)
             prefill_s = (prompt - reusable prefix K) * prefill rate  (the new suffix only)
             decode_s  = max_tokens * decode rate
+                        x (1 + k) + k * switch_s, where k = other models with work in i's
+                        rounds (active or queued, plus those routed since the snapshot),
+                        when price_round_sharing is on (ours): every such model takes a slot
+                        of each round and a switch before it, so r's decode stretches; it
+                        steers sessions to instances that rotate fewer models, and prices a
+                        move that would add a model to a rotation
     C_KV    0 if the prefix is on device, K * restore rate if host-restorable,
             K * prefill rate (profiled recompute) otherwise
     C_act   0 if m_r is active, advertised switch cost if resident/staged, open cost otherwise
@@ -22,7 +29,7 @@ Each term is charged once: the reusable prefix K is in C_KV only and the suffix 
 prefill_s only, so recompute is never counted twice; activation is never in dR_req.
 
 Admission (both must pass, else the candidate is kept in the audit with feasible=False):
-    round:  queue_s + prefill_s + kv_recovery_s + activation_s <= gamma * ttft_target
+    round:  queue_s + reserved_s + prefill_s + kv_recovery_s + activation_s <= gamma * ttft_target
             (the simulated load ahead of and including r's prefill in its slot; an instance
             with nothing ahead of r always passes, so an oversized call is never starved;
             with kv_home_admits, an instance holding r's own KV on device or host passes
@@ -65,7 +72,8 @@ class _Static:
     fresh: bool = False  # before the overlay: serving here opens a new replica
     weights_fit: bool = True
     kv_cap: int = 0
-    kv_used: int = 0
+    kv_used: int = 0  # KV that running calls hold: idle sessions' KV is a cache, never a lock
+    rotating: frozenset = frozenset()  # models with work in i's rounds (active or queued), other than m
 
 
 def _static_terms(cfg: PolicyConfig, view: InstanceView, model: str, prof, state: RouterState,
@@ -103,8 +111,13 @@ def _static_terms(cfg: PolicyConfig, view: InstanceView, model: str, prof, state
     # cold instance switching to m frees the previous model's pool (its KV moves to host).
     weights_fit = not (mstate not in ON_DEVICE and snap.hbm_bytes and res.weight_bytes > snap.hbm_bytes)
     fresh = mstate not in ON_DEVICE and mstate != "staged" and not snap.queued.get(model)
+    rotating = frozenset(k for k, n in snap.queued.items() if n) | (
+        {snap.active_model} if snap.active_model else set())
+    # Only KV held by running calls can refuse a call: idle sessions' KV is evicted (to the
+    # host registry when it is on) as the new call's pages are allocated, oldest first.
+    held = snap.kv_pinned_tokens if snap.kv_pinned_tokens >= 0 else snap.kv_used_tokens
     return _Static(key, "", pf, dec, restore, mstate, act, queue, fresh, weights_fit,
-                   snap.kv_capacity_tokens, snap.kv_used_tokens)
+                   snap.kv_capacity_tokens, held, rotating - {model})
 
 
 class CostModel:
@@ -136,6 +149,7 @@ class CostModel:
         known = min(prompt, entry.kv_tokens) if entry is not None else 0
         first_call = entry is None or entry.calls == 0
         backlog_w, running_s = cfg.new_session_backlog_weight, cfg.new_session_running_s
+        sharing = cfg.price_round_sharing
         last_here = entry.last_instance if entry is not None and entry.model == model else None
         lease_index = state.leases.by_instance
         prof = state.models.get(model)
@@ -185,14 +199,26 @@ class CostModel:
             if own_lease_on == iid:
                 leases -= 1
             overlay = view.overlay_tokens
-            queue = st.queue + overlay * pf + leases * charge
+            queued = st.queue + overlay * pf  # work queued there now (snapshot + routed since)
+            reserved = leases * charge  # returns other sessions' leases may bring
+            queue = queued + reserved
             prefill = (prompt - k_total) * pf
             decode = max_tokens * st.dec
+            if sharing:
+                # round sharing: each other model with work here takes a slot of every round,
+                # so r's decode is stretched by the number of models it rotates with
+                others = len(st.rotating)
+                for om in view.overlay_models:
+                    if om != model and om not in st.rotating:
+                        others += 1
+                # ... and waits through one switch per other model in every round
+                decode = decode * (1 + others) + others * (snap.switch_s or cfg.default_open_s)
             act = st.act
             reason = ""
             # Only load ahead of r can make an instance inadmissible: a call whose own work
             # exceeds the budget would otherwise be rejected everywhere, forever.
-            place = queue * (backlog_w - 1.0) + snap.running * running_s if first_call else 0.0
+            place = queue * (backlog_w - 1.0) + snap.running * (decode if running_s is None else running_s) \
+                if first_call else 0.0
             if queue > 0 and queue + prefill + kv_s + act > budget and not (
                     cfg.kv_home_admits and own and kv_state in ("device", "host") and k_have > 0):
                 reason = "round_admission"
@@ -200,8 +226,8 @@ class CostModel:
                                         + prompt + max_tokens > st.kv_cap):
                 reason = "hbm"
             out.append(Priced(
-                CandidateCost(iid, queue + prefill + decode + kv_s + act + place, queue, prefill, decode, kv_s,
-                              act, place, kv_state, st.mstate, not reason, reason),
+                CandidateCost(iid, queue + prefill + decode + kv_s + act + place, queued, prefill, decode, kv_s,
+                              act, place, kv_state, st.mstate, not reason, reason, reserved_s=reserved),
                 st.fresh and not view.overlay_models.get(model),
                 view,
             ))

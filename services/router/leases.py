@@ -1,6 +1,6 @@
 """Soft-reservation leases and their indexes. Pure data; changed only by `RouterState.apply`.
 
-A lease `(s, m, i, k, t_exp)` (paper §4.1) says: session `s`'s next call for model `m` is
+A lease `(s, m, i, k, t_exp)` (paper §4.1), held as the `LeaseIssued` event that installed it, says: session `s`'s next call for model `m` is
 expected on instance `i`, whose prefix handle is the completed call `k`; it is live while
 `now < t_exp`. While live it charges one admission unit against `i` in the load overlay.
 
@@ -22,39 +22,26 @@ import heapq
 from bisect import bisect_right, insort
 from dataclasses import dataclass, field
 
+import msgspec
 
-@dataclass(frozen=True)
-class Lease:
-    """Soft reservation: the session's next call for `model` is expected on `instance_id`."""
-
-    session_id: str
-    model: str
-    instance_id: str
-    call_id: str
-    issued_at: float
-    expires_at: float
-    kv_tokens: int = 0
-
-    def live(self, now: float) -> bool:
-        # Expiry is exclusive: a lease issued at t with timeout tau is dead at exactly t + tau.
-        return now < self.expires_at
+from talaria.shared.messages import LeaseIssued
 
 
 @dataclass
 class LeaseBook:
-    leases: dict[str, Lease] = field(default_factory=dict)  # session -> its one lease
+    leases: dict[str, LeaseIssued] = field(default_factory=dict)  # session -> its one lease
     by_instance: dict[str, list[float]] = field(default_factory=dict)
     by_model: dict[str, list[float]] = field(default_factory=dict)
     heap: list[tuple[float, str, str]] = field(default_factory=list)
 
-    def add(self, lease: Lease) -> None:
+    def add(self, lease: LeaseIssued) -> None:
         self.remove(lease.session_id)
         self.leases[lease.session_id] = lease
         insort(self.by_instance.setdefault(lease.instance_id, []), lease.expires_at)
         insort(self.by_model.setdefault(lease.model, []), lease.expires_at)
         heapq.heappush(self.heap, (lease.expires_at, lease.session_id, lease.call_id))
 
-    def remove(self, session_id: str) -> Lease | None:
+    def remove(self, session_id: str) -> LeaseIssued | None:
         lease = self.leases.pop(session_id, None)
         if lease is not None:
             _drop(self.by_instance, lease.instance_id, lease.expires_at)
@@ -72,7 +59,7 @@ class LeaseBook:
         expiries = self.by_model.get(model)
         return len(expiries) - bisect_right(expiries, now) if expiries else 0
 
-    def due(self, now: float) -> list[Lease]:
+    def due(self, now: float) -> list[LeaseIssued]:
         """Leases dead at `now` (expires_at <= now), oldest first. Read-only.
 
         Entries with key <= now form a subtree at the heap's root (a child is never
@@ -102,13 +89,13 @@ class LeaseBook:
             heapq.heappop(heap)
 
     def to_list(self) -> list[dict]:
-        return [lease.__dict__.copy() for lease in self.leases.values()]
+        return [msgspec.structs.asdict(lease) for lease in self.leases.values()]
 
     @classmethod
     def from_list(cls, rows: list[dict]) -> LeaseBook:
         book = cls()
         for row in rows:
-            book.add(Lease(**row))
+            book.add(LeaseIssued(**row))
         return book
 
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from talaria.shared.tokenizer import HASH_BLOCK_TOKENS
 
 SAMPLED: tuple[int, ...] = tuple(range(16)) + tuple(15 + 16 * k for k in range(1, 49))
+INDEXED_BLOCKS = SAMPLED[-1] + 1  # no block past this one is ever read
+INDEXED_TOKENS = INDEXED_BLOCKS * HASH_BLOCK_TOKENS  # the longest match the index can report
 
 
 @dataclass

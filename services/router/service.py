@@ -28,13 +28,14 @@ from talaria.services.router.state import RouterState
 from talaria.shared import logs, subjects, tracing
 from talaria.shared.health import heartbeat_loop
 from talaria.shared.logs import call_context
-from talaria.shared.bus import close, connect, emit
+from talaria.shared.bus import close, connect, emit, publish_fast
 from talaria.shared.nats_auth import sender_of, trusted
 from talaria.shared.db.engine import create_engine
 from talaria.shared.messages import (
     EVENT_DECODER,
     SNAPSHOT_DECODER,
     CallFailed,
+    CallRouted,
     CallSubmitted,
     ErrorReply,
     InstanceLost,
@@ -268,6 +269,9 @@ class RouterService:
                     decision_us = (time.perf_counter() - started) * 1e6
                     outputs = [replace(o, decision_us=decision_us) if isinstance(o, RoutingDecision) else o
                                for o in outputs]
+                for out in outputs:  # the fast copy first: the agent need not wait for the stream
+                    if isinstance(out, CallRouted):
+                        await publish_fast(self.js, subjects.dispatch(out.instance_id), out)
                 # The state already counts these outputs, so they must reach the stream before
                 # the input is acked: retry (msg ids make retries idempotent) rather than drop.
                 await self._publish_all(outputs)
@@ -275,17 +279,26 @@ class RouterService:
             self.dirty = True
 
     async def _publish_all(self, outputs) -> None:
+        """All of one input's outputs at once: the input waits for the slowest ack, not the
+        sum of them. They are independent facts already folded into the state, and their
+        message ids make a retry (or a redelivered input's republish) a no-op."""
+        if len(outputs) == 1:
+            seqs = [await self._publish_one(outputs[0])]
+        else:
+            seqs = await asyncio.gather(*(self._publish_one(out) for out in outputs))
+        if seqs:
+            self.seq = max(self.seq, *seqs)
         for out in outputs:
-            while True:
-                try:
-                    seq = await emit(self.js, out)
-                    break
-                except Exception as exc:
-                    self.log.warning("publish failed; retrying", event=type(out).__name__, error=str(exc))
-                    await asyncio.sleep(PUBLISH_RETRY_S)  # back off while NATS recovers
-            self.seq = max(self.seq, seq)
             if isinstance(out, CallFailed) and out.reply_to:
-                await self._reply_failed(out)
+                await self._reply_failed(out)  # a rejection, or a lost instance's call
+
+    async def _publish_one(self, out) -> int:
+        while True:
+            try:
+                return await emit(self.js, out)
+            except Exception as exc:
+                self.log.warning("publish failed; retrying", kind=type(out).__name__, error=str(exc))
+                await asyncio.sleep(PUBLISH_RETRY_S)  # back off while NATS recovers
 
     async def _reply_failed(self, failed: CallFailed) -> None:
         """The router owes this client its answer: a rejection, or its agent was lost."""

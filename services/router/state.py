@@ -22,7 +22,7 @@ from typing import NamedTuple
 import msgspec
 
 from talaria.services.router.instances import InstanceView
-from talaria.services.router.leases import Lease, LeaseBook
+from talaria.services.router.leases import LeaseBook
 from talaria.services.router.prefix_index import PrefixIndex
 from talaria.services.router.profiles import InstanceProfile, ModelProfile
 from talaria.shared.messages import (
@@ -39,7 +39,7 @@ from talaria.shared.messages import (
     RoundSummary,
 )
 
-__all__ = ["InFlight", "InstanceView", "Lease", "RouterState", "SessionEntry", "SnapshotReceived"]
+__all__ = ["InFlight", "InstanceView", "RouterState", "SessionEntry", "SnapshotReceived"]
 
 SESSION_GAPS_KEPT = 16
 ROUTED_KEPT = 100_000  # call ids remembered for redelivery dedupe (oldest forgotten first)
@@ -56,7 +56,7 @@ class SessionEntry:
     kv_tokens: int = 0
     last_used: float = 0.0
     calls: int = 0  # calls routed so far; the next call's index
-    lease: Lease | None = None
+    lease: LeaseIssued | None = None
     first_instance: str | None = None
     last_call_id: str | None = None  # last completed call
     last_completed_at: float | None = None  # cleared once the next call's gap is recorded
@@ -230,10 +230,8 @@ class RouterState:
             view.drop_overlay(call_id)
 
     def _install(self, event: LeaseIssued) -> None:
-        lease = Lease(event.session_id, event.model, event.instance_id, event.call_id,
-                      event.issued_at, event.expires_at, event.kv_tokens)
-        self.leases.add(lease)
-        self.session(event.session_id).lease = lease
+        self.leases.add(event)  # the book holds the event itself: no second lease shape
+        self.session(event.session_id).lease = event
 
     def _drop_lease(self, session_id: str, instance_id: str, model: str, at: float | None) -> None:
         entry = self.sessions.get(session_id)

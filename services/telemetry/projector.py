@@ -22,6 +22,7 @@ from sqlalchemy.dialects.postgresql import insert
 from talaria.shared.db.schema import calls, lease_decisions, lease_events, rounds, sessions, switches
 from talaria.shared.messages import (
     CallCompleted,
+    CANCELLED_STATUS,
     CallFailed,
     CallRouted,
     CallStarted,
@@ -42,7 +43,7 @@ def ts(epoch: float | None) -> dt.datetime | None:
     return None if epoch is None else dt.datetime.fromtimestamp(epoch, dt.timezone.utc)
 
 
-FINAL = ("completed", "failed")
+FINAL = ("completed", "failed", "cancelled")
 
 
 async def project(conn, event: Event, seq: int) -> bool:
@@ -161,7 +162,8 @@ async def _completed(conn, e: CallCompleted) -> bool:
 
 
 async def _failed(conn, e: CallFailed) -> bool:
-    values = dict(outcome="failed", error=text_(e.reason), failed_stage=text_(e.stage), status=e.status,
+    outcome = "cancelled" if e.status == CANCELLED_STATUS else "failed"
+    values = dict(outcome=outcome, error=text_(e.reason), failed_stage=text_(e.stage), status=e.status,
                   completed_at=ts(e.at))
     if e.instance_id:
         values["instance_id"] = e.instance_id
@@ -172,7 +174,7 @@ async def _failed(conn, e: CallFailed) -> bool:
         return False
     await _bump_session(conn, e.session_id, ts(e.at), e.model, failed=1)
     await conn.execute(update(lease_decisions).where(lease_decisions.c.call_id == e.call_id)
-                       .values(outcome="failed", completed_at=ts(e.at)))
+                       .values(outcome=outcome, completed_at=ts(e.at)))
     return True
 
 
@@ -185,7 +187,7 @@ async def _decision(conn, e: RoutingDecision) -> None:
         action=e.action, decided_at=ts(e.decided_at), chosen_instance=e.chosen, lease_outcome=e.lease_outcome,
         lease_instance=e.lease_instance, discard_reason=text_(e.discard_reason), candidates=candidates,
         retry_after_s=e.retry_after_s, decision_us=e.decision_us, model_opened=e.model_opened,
-        avoidable_cold_open=e.avoidable_cold_open,
+        avoidable_cold_open=e.avoidable_cold_open, reason=text_(e.reason) or None,
     ).on_conflict_do_nothing())
     # The call may have finished before its decision was projected: join its outcome in now.
     await conn.execute(update(lease_decisions).where(

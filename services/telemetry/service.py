@@ -13,28 +13,22 @@ Exactly-once effect from at-least-once delivery:
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import time
 
 import msgspec
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
-from sqlalchemy import func, select, text
-from sqlalchemy.dialects.postgresql import insert
-
-from talaria.services.telemetry.projector import project
 from talaria.services.telemetry.sessions import SessionSpans
+from talaria.services.telemetry.store import PoisonEvent, PostgresStore, TelemetryStore
 from talaria.shared.nats_auth import sender_of, trusted
 from talaria.shared import logs, subjects, tracing
 from talaria.shared.health import heartbeat_loop
 from talaria.shared.bus import close, connect
 from talaria.shared.db.engine import create_engine
-from talaria.shared.db.schema import projections, quarantined_events
 from talaria.shared.messages import EVENT_DECODER
 from talaria.shared.settings import Settings
 
 DURABLE = "telemetry"
-NAME = "telemetry"
 BATCH = 256
 ACK_WAIT_S = 30
 
@@ -52,12 +46,10 @@ def _exporter(settings: Settings):
 async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
     log = logs.get("telemetry")
     stop = stop or asyncio.Event()
-    db = create_engine(settings.database_url)
+    store = PostgresStore(create_engine(settings.database_url))
     nc, js = await connect(settings.nats_url, "talaria-telemetry", **settings.nats_options())
     spans = SessionSpans(_exporter(settings), settings.session_idle_s)
-    async with db.connect() as conn:
-        row = (await conn.execute(select(projections.c.seq).where(projections.c.name == NAME))).first()
-    offset = row.seq if row else 0
+    offset = await store.offset()
     await _ensure_consumer(js, log)
     sub = await js.pull_subscribe(subjects.EVENTS_WILDCARD, durable=DURABLE, stream=subjects.EVENTS_STREAM)
     beat = asyncio.create_task(heartbeat_loop(nc, "telemetry", stop))
@@ -77,7 +69,7 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
                 continue
             if not msgs:
                 continue
-            offset = await _apply_until_committed(db, msgs, offset, spans, log, stop)
+            offset = await _apply_until_committed(store, msgs, offset, spans, log, stop)
             if offset is None:
                 break  # stopping with the batch uncommitted: it is redelivered on restart
             for msg in msgs:  # only now that the batch is durable
@@ -87,7 +79,7 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
         await asyncio.get_running_loop().run_in_executor(None, lambda: spans.flush(time.time(), all_sessions=True))
         beat.cancel()
         await close(nc)
-        await db.dispose()
+        await store.close()
 
 
 async def _flush_spans(spans: SessionSpans, now: float) -> None:
@@ -95,13 +87,13 @@ async def _flush_spans(spans: SessionSpans, now: float) -> None:
     await asyncio.get_running_loop().run_in_executor(None, spans.flush, now)
 
 
-async def _apply_until_committed(db, msgs, offset: int, spans: SessionSpans, log, stop) -> int | None:
+async def _apply_until_committed(store: TelemetryStore, msgs, offset: int, spans: SessionSpans, log, stop) -> int | None:
     """Apply one batch, retrying the same batch until it commits (Postgres may be down):
     moving on would let a later commit's offset skip these events for good."""
     delay = 0.5
     while True:
         try:
-            return await _apply_batch(db, msgs, offset, spans, log)
+            return await _apply_batch(store, msgs, offset, spans, log)
         except Exception as exc:
             log.error("projection failed; retrying the same batch", error=str(exc), events=len(msgs))
             for msg in msgs:
@@ -141,83 +133,38 @@ async def _ensure_consumer(js, log) -> None:
     await js.add_consumer(subjects.EVENTS_STREAM, config=config)
 
 
-async def _apply_batch(db, msgs, offset: int, spans: SessionSpans, log) -> int:
+async def _apply_batch(store: TelemetryStore, msgs, offset: int, spans: SessionSpans, log) -> int:
     """Project every event of the batch (redelivered ones too: projections are idempotent)
-    in one durable transaction; returns the highest stream sequence seen."""
+    in one durable unit; returns the highest stream sequence seen."""
     observed = []
-    async with db.begin() as conn:
-        await conn.execute(text("SET LOCAL synchronous_commit = on"))
+    async with store.batch() as batch:
         for msg in msgs:
             seq = msg.metadata.sequence.stream
             offset = max(offset, seq)
             try:
                 event = EVENT_DECODER.decode(msg.data)
             except msgspec.DecodeError as exc:
-                await _quarantine(conn, log, msg, seq, f"undecodable: {exc}")
+                await _quarantine(batch, log, msg, seq, f"undecodable: {exc}")
                 continue
             if not trusted(msg, event):  # only an event's owning service may write its row
                 log.error("event from a service that does not own it skipped", seq=seq, subject=msg.subject,
                           sender=sender_of(msg), event_type=type(event).__name__)
+                batch.cover(seq)
                 continue
             try:
-                async with conn.begin_nested():  # a savepoint: one bad event cannot sink the batch
-                    new = await project(conn, event, seq)
-            except Exception as exc:
-                if _is_transient(exc) or not await _alive(conn):
-                    raise  # the database's trouble, not this event's: retry the whole batch
-                await _quarantine(conn, log, msg, seq, f"{type(exc).__name__}: {exc}")
+                new = await batch.project(event, seq)
+            except PoisonEvent as exc:
+                await _quarantine(batch, log, msg, seq, str(exc))
                 continue
             if new:
                 observed.append(event)
-        values = dict(name=NAME, seq=offset, saved_at=dt.datetime.now(dt.timezone.utc))
-        await conn.execute(insert(projections).values(**values).on_conflict_do_update(
-            index_elements=[projections.c.name],
-            set_=dict(seq=func.greatest(projections.c.seq, offset), saved_at=values["saved_at"])))
     for event in observed:  # only once the batch is committed
         spans.observe(event)
     return offset
 
 
-async def _quarantine(conn, log, msg, seq: int, error: str) -> None:
+async def _quarantine(batch, log, msg, seq: int, error: str) -> None:
     """Record a poison event and move past it; an operator replays or drops it."""
-    error = error.replace("\x00", "\\x00")[:2000]
-    log.error("ALERT: poison event quarantined", alert=True, seq=seq, subject=msg.subject, error=error[:300])
-    await conn.execute(insert(quarantined_events).values(
-        seq=seq, subject=msg.subject.replace("\x00", ""), error=error, data=bytes(msg.data),
-        at=dt.datetime.now(dt.timezone.utc),
-    ).on_conflict_do_nothing())
-
-
-# SQLSTATE classes that say "the database, not this event": 08 connection, 40 rollback
-# (serialization, deadlock), 53 resources, 55 lock, 57 operator intervention, 58 system.
-TRANSIENT_SQLSTATE_CLASSES = {"08", "40", "53", "55", "57", "58"}
-
-
-def _is_transient(exc: Exception) -> bool:
-    from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
-
-    if isinstance(exc, (OSError, ConnectionError, TimeoutError, InterfaceError, OperationalError)):
-        return True
-    if isinstance(exc, DBAPIError):
-        if exc.connection_invalidated:
-            return True
-        state = _sqlstate(exc)
-        return state is not None and state[:2] in TRANSIENT_SQLSTATE_CLASSES
-    return False  # unknown: the caller asks the connection whether it is still well
-
-
-async def _alive(conn) -> bool:
-    try:
-        await conn.execute(text("SELECT 1"))
-        return True
-    except Exception:
-        return False
-
-
-def _sqlstate(exc) -> str | None:
-    orig = getattr(exc, "orig", None)
-    for e in (orig, getattr(orig, "__cause__", None)):
-        state = getattr(e, "sqlstate", None) or getattr(e, "pgcode", None)
-        if state:
-            return str(state)
-    return None
+    log.error("ALERT: poison event quarantined", alert=True, seq=seq, subject=msg.subject,
+              error=error.replace("\x00", "\\x00")[:300])
+    await batch.quarantine(seq, msg.subject, error, bytes(msg.data))

@@ -90,6 +90,7 @@ lease_decisions = Table(
     Column("decision_us", Float),
     Column("model_opened", Boolean),
     Column("avoidable_cold_open", Boolean),
+    Column("reason", Text),  # why the policy decided so (a rejection names its bound); 0003
     # joined in when the call finishes
     Column("outcome", Text),
     Column("ttft_s", Float),

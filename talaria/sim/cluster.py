@@ -11,8 +11,10 @@ lazily, right before a routing decision, each instance whose last snapshot is ol
 router makes, without simulating idle heartbeats). `RouterCore.tick` runs before each
 decision and once at the end, so lease expiry is observed at decision times.
 
-A rejected call (overload policy) is resubmitted after the decision's `retry_after_s`; its
-schedule-aware TTFT keeps counting from the original release.
+A rejected call (503) is retried the way agents retry (talaria/sim/agents.py): after the
+decision's Retry-After, up to a bound; its schedule-aware TTFT keeps counting from the
+original release, and a call that gives up leaves its session incomplete (SCT = inf).
+Each call carries the block hashes the gateway would compute for its prompt.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from talaria.shared.messages import (
     LeaseIssued,
     RoutingDecision,
 )
+from talaria.sim.agents import PromptHashes, RetryPolicy
 from talaria.sim.engine import EventLoop
 from talaria.sim.device_view import DeviceView
 from talaria.sim.executor import Job, SimExecutor, instance_config
@@ -57,7 +60,7 @@ class RunConfig:
     heartbeat_s: float = 0.5
     label: str = ""
     progress: bool = False
-    max_retries: int = 30  # a call rejected this many times fails (its session is abandoned)
+    retry: RetryPolicy = field(default_factory=RetryPolicy)  # what a session does on a 503
     max_wall_s: float | None = None  # stop the run after this much wall time (result incomplete)
     max_decode_steps: int = 4096  # simulator speed: decode tokens per event (exact, see executor.py)
 
@@ -65,8 +68,9 @@ class RunConfig:
 @dataclass
 class RouterCounters:
     routed: int = 0
-    rejected: int = 0
-    failed_calls: int = 0
+    rejected: int = 0  # 503 answers (a call rejected twice counts twice)
+    retries: int = 0  # resubmissions after a 503
+    gave_up: int = 0  # calls that exhausted the retry bound (their sessions never complete)
     returns: int = 0
     same_instance_returns: int = 0
     model_residency_hits: int = 0
@@ -113,6 +117,8 @@ class Cluster:
         self.gaps_applied: dict[tuple[str, int], float] = {}
         self._last_instance: dict[str, str] = {}
         self._retries: dict[str, int] = {}
+        self._prompts = PromptHashes()
+        self._hashes: dict[str, list[int]] = {}  # call id -> its prompt's block hashes
         self._by_id = {s.id: s for s in sessions}
 
     # ---- run --------------------------------------------------------------------------
@@ -166,6 +172,8 @@ class Cluster:
             output=call.output_tokens,
             release_t=now,
         )
+        self._hashes[job.call_id] = self._prompts.for_call(
+            session_id, index, call.prompt_tokens, call.reusable_prefix_tokens)
         return self._route(now, job)
 
     def _route(self, now: float, job: Job):
@@ -176,7 +184,7 @@ class Cluster:
             session_id=job.session,
             model=job.model,
             prompt_ids=[],
-            block_hashes=[],
+            block_hashes=self._hashes[job.call_id],
             max_tokens=job.output,
             submitted_at=now,
             prompt_tokens_hint=job.prompt,
@@ -188,16 +196,20 @@ class Cluster:
         out = []
         for ev in events:
             if isinstance(ev, CallRouted):
+                del self._hashes[job.call_id]
                 self._measure_placement(job, ev.instance_id)
                 out.extend(self.instances[ev.instance_id].submit(now, job) or ())
             elif isinstance(ev, CallFailed):
                 self.counters.rejected += 1
                 self._retries[job.call_id] = tries = self._retries.get(job.call_id, 0) + 1
-                if tries > self.config.max_retries:
-                    self.counters.failed_calls += 1  # abandoned: the session ends here
+                wait = self.config.retry.wait_s(tries, _retry_after(events))
+                if wait is None:
+                    self.counters.gave_up += 1  # the session stops here, incomplete
+                    del self._hashes[job.call_id]
+                    self._prompts.forget(job.session)
                     continue
-                retry = _retry_after(events) or self.config.policy_config.retry_after_s
-                out.append((now + retry, self._route, (job,)))
+                self.counters.retries += 1
+                out.append((now + wait, self._route, (job,)))
         return out
 
     def _measure_placement(self, job: Job, chosen: str) -> None:
@@ -245,6 +257,7 @@ class Cluster:
         session = self._by_id[job.session]
         nxt = job.call_index + 1
         if nxt >= len(session.calls):
+            self._prompts.forget(job.session)
             return None
         gap = self.config.gaps.gap(session.calls[nxt])
         self.gaps_applied[(job.session, nxt)] = gap

@@ -1,7 +1,11 @@
 """The paper's experiments, one function each, plus `all`.
 
-    python -m talaria.sim.experiments fixed-replay|router|tau-sweep|scale|all|report \
-        [--json PATH] [--out results/] [--quick] [--no-report]
+    python -m talaria.sim.experiments fixed-replay|router|tau-sweep|scale|matrix|all|report \
+        [--json PATH] [--out results/] [--quick] [--no-report] [--workers N] [--cells SUBSTR,...]
+
+`matrix` (talaria/sim/matrix.py) runs every policy on the generated workload grid and
+writes matrix.json, matrix.md (the win table) and matrix_heatmap.png; `all` leaves it out
+(run it on its own).
 
 Every simulated instance is the instance agent's own core (`AgentCore` and its
 RoundScheduler) on the simulator's executor (executor.py).
@@ -67,6 +71,15 @@ def _slim(summary: dict) -> dict:
     return {k: v for k, v in summary.items() if k not in ("ttft_samples",)}
 
 
+def capacity_bound_profile(server):
+    """The capacity-aware bound: the same server's compute with memory and transfers out of
+    the way — HBM for every model's weights and every session's KV, weights and KV moved at
+    no cost, so a switch costs only its fixed phases (~34 ms) and every return finds its KV.
+    Rounds still time-share the models, which the oracle (no queueing at all) ignores."""
+    return replace(server, name=f"{server.name}-capacity-bound", hbm_per_gpu_bytes=server.hbm_per_gpu_bytes * 1000,
+                   host_bytes=server.host_bytes * 1000, h2d_bytes_s=1e18, d2d_bytes_s=1e18, kv_restore_bytes_s=1e18)
+
+
 def fixed_replay_exp(seed: int = 0) -> dict:
     sessions = fixed_replay()
     gaps = replace(PAPER_GAPS, seed=seed)
@@ -75,6 +88,10 @@ def fixed_replay_exp(seed: int = 0) -> dict:
         _log(f"fixed-replay: {name}")
         cfg = RunConfig(PAPER_TP8, 1, FALLBACK, scheduler=instance_config(name), gaps=gaps, label=name)
         out["configs"][name] = summarise(simulate(sessions, cfg))
+    _log("fixed-replay: capacity-bound")
+    cfg = RunConfig(capacity_bound_profile(PAPER_TP8), 1, FALLBACK, scheduler=instance_config("talaria"), gaps=gaps,
+                    label="capacity-bound")
+    out["configs"]["capacity-bound"] = summarise(simulate(sessions, cfg))
     t, r = out["configs"]["talaria"], out["configs"]["round-only"]
     paired = [
         (a["sct"], b["sct"]) for a, b in zip(t["per_session"], r["per_session"]) if a["sct"] and b["sct"]
@@ -85,6 +102,7 @@ def fixed_replay_exp(seed: int = 0) -> dict:
         "speedup_p50": r["sct_p50"] / t["sct_p50"],
         "speedup_p95": r["sct_p95"] / t["sct_p95"],
         "talaria_over_oracle_p50": t["sct_p50"] / t["oracle"]["sct_p50"],
+        "talaria_over_capacity_bound_p50": t["sct_p50"] / out["configs"]["capacity-bound"]["sct_p50"],
     }
     return out
 
@@ -220,9 +238,15 @@ def write_json(data: dict, path: Path) -> None:
 
 
 def run(names: list[str], out_dir: Path, json_path: Path | None, quick: bool,
-        scale_sessions: int | None = None, scale: dict | None = None) -> dict:
+        scale_sessions: int | None = None, scale: dict | None = None, matrix: dict | None = None) -> dict:
     results: dict = {}
     for name in names:
+        if name == "matrix":
+            from talaria.sim.matrix import run_matrix, write_outputs
+
+            results[name] = run_matrix(**(matrix or {}))
+            _log(f"matrix: {results[name]['wall_s']:.0f} s wall; {write_outputs(results[name], out_dir)}")
+            continue
         if name == "fixed-replay":
             results[name] = fixed_replay_exp()
         elif name == "scale" and quick:
@@ -250,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("experiment", choices=[*EXPERIMENTS, "all", "report"],
+    parser.add_argument("experiment", choices=[*EXPERIMENTS, "matrix", "all", "report"],
                         help="one experiment, all of them, or `report` (rewrite the report from the JSONs)")
     parser.add_argument("--json", type=Path, default=None, help="write every result here too")
     parser.add_argument("--out", type=Path, default=Path("results"))
@@ -265,9 +289,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated subset of the scale policies; merged into an existing "
                              "scale.json of the same workload")
     parser.add_argument("--no-report", action="store_true")
+    parser.add_argument("--workers", type=int, default=2, help="matrix: parallel processes (default 2)")
+    parser.add_argument("--cells", default=None, help="matrix: only cells whose name contains one of these")
+    parser.add_argument("--sensitivity", action="store_true",
+                        help="matrix: also run our configuration with each remaining constant halved and doubled")
 
 
-REPORTED = ("fixed-replay", "router", "tau-sweep", "scale")
+REPORTED = ("fixed-replay", "router", "tau-sweep", "scale", "matrix")
 
 
 def load_results(out_dir: Path) -> dict:
@@ -292,7 +320,12 @@ def run_from_args(args) -> int:
             raise SystemExit(f"--scale-policies: unknown {', '.join(unknown)}; choose from {', '.join(SCALE_POLICIES)}")
         scale = {"arrival_rate_s": getattr(args, "scale_rate", None), "max_wall_s": getattr(args, "scale_cap_s", None),
                  "policies": [p.strip() for p in picked.split(",") if p.strip()] if picked else None}
-        run(names, args.out, args.json, args.quick, args.scale_sessions, scale)
+        from talaria.sim.matrix import POLICIES, SENSITIVITY
+
+        matrix = {"workers": getattr(args, "workers", 2),
+                  "policies": POLICIES + (SENSITIVITY if getattr(args, "sensitivity", False) else ()),
+                  "only": [c.strip() for c in args.cells.split(",")] if getattr(args, "cells", None) else None}
+        run(names, args.out, args.json, args.quick, args.scale_sessions, scale, matrix)
     if not args.no_report:
         from talaria.sim.report import write_report
 

@@ -3,7 +3,11 @@
 - Percentiles: nearest rank (`shared/stats.quantile`). For N observations sorted ascending,
   p_q is the observation at rank ceil(q * N / 100) (1-based).
 - SCT: per model-session, from the first call's release (its intended enqueue) to the
-  final call's completion.
+  final call's completion. A session that gave up a call (talaria/sim/agents.py) never
+  completes: its SCT is inf, and so is the TTFT of the call it gave up, so no metric can
+  improve by dropping work.
+- Goodput: calls whose first token came within the router's TTFT target, per second of
+  the run (first release to last completion).
 - TTFT: schedule-aware, from a call's intended enqueue (release) to its first token, so
   it includes routing, queueing, slot waits and switches.
 - Oracle: a session's SCT if every call found its reusable KV on device, never queued and
@@ -47,13 +51,27 @@ def _pcts(values: Sequence[float]) -> dict[str, float]:
 
 
 def session_scts(result: RunResult) -> dict[str, float]:
+    """SCT of every session whose every call completed."""
     first: dict[str, float] = {}
     last: dict[str, float] = {}
+    done: Counter = Counter()
     for job in result.jobs:
         if job.call_index == 0:
             first[job.session] = job.release_t
         last[job.session] = max(last.get(job.session, 0.0), job.done_t)
-    return {s: last[s] - first[s] for s in first if s in last}
+        done[job.session] += 1
+    depth = {s.id: len(s.calls) for s in result.sessions}
+    return {s: last[s] - first[s] for s in first if s in last and done[s] == depth.get(s)}
+
+
+def goodput(result: RunResult, ttft_target_s: float) -> float:
+    """Calls with TTFT <= target per second from the first release to the last completion."""
+    if not result.jobs:
+        return 0.0
+    start = min(j.release_t for j in result.jobs)
+    end = max(j.done_t for j in result.jobs)
+    good = sum(1 for j in result.jobs if j.first_token_t - j.release_t <= ttft_target_s)
+    return good / (end - start) if end > start else math.nan
 
 
 def summarise(result: RunResult) -> dict:
@@ -61,7 +79,8 @@ def summarise(result: RunResult) -> dict:
     cfg = result.config
     scts = session_scts(result)
     oracle = {s.id: oracle_sct(s, cfg.server, cfg.gaps) for s in result.sessions}
-    ttft = [j.first_token_t - j.release_t for j in result.jobs]
+    rc = result.router
+    ttft = [j.first_token_t - j.release_t for j in result.jobs] + [math.inf] * rc.gave_up
     ttft_ret = [j.first_token_t - j.release_t for j in result.jobs if j.call_index > 0]
     switches = [sw for inst in result.instances for sw in inst.switches]
     by_path: dict[str, list[float]] = defaultdict(list)
@@ -72,9 +91,8 @@ def summarise(result: RunResult) -> dict:
     switch_s = sum(r.switch_s for r in rounds)
     sp_admitted = sum(i.sched.sp_admitted for i in result.instances)
     sp_parked = sum(i.sched.sp_parked for i in result.instances)
-    rc = result.router
     complete = len(scts) == len(result.sessions)
-    sct_vals = list(scts.values())
+    sct_vals = list(scts.values()) + [math.inf] * (len(result.sessions) - len(scts))
     oracle_vals = [oracle[s] for s in scts]
     per_session = [
         {"session": s, "model": sess.model, "sct": scts.get(s), "oracle": oracle[s]}
@@ -131,7 +149,8 @@ def summarise(result: RunResult) -> dict:
         "router": {
             "routed": rc.routed,
             "rejected": rc.rejected,
-            "failed_calls": rc.failed_calls,
+            "retries": rc.retries,
+            "gave_up": rc.gave_up,
             "same_instance_returns": rc.same_instance_returns / rc.returns if rc.returns else math.nan,
             "model_residency_hits": rc.model_residency_hits / rc.routed if rc.routed else math.nan,
             "model_opens_needed": rc.model_opens_needed,
@@ -145,6 +164,11 @@ def summarise(result: RunResult) -> dict:
             "mean_decision_us": rc.decision_us / rc.routed if rc.routed else math.nan,
         },
         "avoidable_cold_opens": rc.avoidable_cold_opens,
+        "rejected": rc.rejected,
+        "retries": rc.retries,
+        "gave_up": rc.gave_up,
+        "sessions_incomplete": len(result.sessions) - len(scts),
+        "goodput_calls_s": goodput(result, cfg.policy_config.ttft_target_s),
         "hbm_peak_gib_per_gpu": max((i.hbm_peak_bytes for i in result.instances), default=0)
         / cfg.server.gpus
         / GiB,

@@ -51,7 +51,7 @@ QWEN235_K, QWEN235_ALPHA = power_curve(25_000, 4.3 - PREFILL_C0_S, 100_000, 10.9
 
 
 @dataclass(frozen=True)
-class ModelProfile:
+class SimModelProfile:
     """One model on one server class. Times in seconds, sizes in bytes."""
 
     name: str
@@ -91,7 +91,7 @@ class ServerProfile:
     h2d_bytes_s: float  # aggregate over the group, weights
     d2d_bytes_s: float
     kv_restore_bytes_s: float
-    models: dict[str, ModelProfile] = field(default_factory=dict)
+    models: dict[str, SimModelProfile] = field(default_factory=dict)
     bump_fraction: float = 0.8  # [cal] App. E mem-fraction-bump
     runtime_reserve_bytes: int = 0  # CUDA graphs, workspaces (outside the bump buffer)
     source: str = ""
@@ -104,7 +104,7 @@ class ServerProfile:
     def bump_bytes(self) -> int:
         return int(self.hbm_bytes * self.bump_fraction)
 
-    def model(self, name: str) -> ModelProfile:
+    def model(self, name: str) -> SimModelProfile:
         try:
             return self.models[name]
         except KeyError:
@@ -127,20 +127,20 @@ class ServerProfile:
         phases = {"P1": P1_S, "P2": d2d + h2d, "P3": P3_S, "P4": P4_S, "P5": P5_S}
         return path, SWITCH_OVERHEAD_S + d2d + h2d, phases
 
-    def with_models(self, models: dict[str, ModelProfile]) -> ServerProfile:
+    def with_models(self, models: dict[str, SimModelProfile]) -> ServerProfile:
         return replace(self, models=dict(models))
 
 
 # ---- (1) the paper's TP=8 server ---------------------------------------------------------
 
-_QWEN235 = ModelProfile(
+_QWEN235 = SimModelProfile(
     "qwen3-235b",
     weight_bytes=470 * GB,  # [card] 235B params x 2 B (BF16)
     kv_bytes_per_token=94 * 4 * 128 * 2 * 2,  # [card] 94 layers, 4 KV heads, dim 128, K+V, BF16
     prefill_speed=1.0,  # [cal] the anchors are this model's
     source="recompute anchors 4.3 s / 10.9 s [cal]; decode [asm]",
 )
-_GLM5 = ModelProfile(
+_GLM5 = SimModelProfile(
     "glm5-nvfp4",
     weight_bytes=440 * GB,  # [asm] ~744B params at ~0.59 B/param (NVFP4 experts, BF16 rest)
     kv_bytes_per_token=78 * 576 * 2,  # [card-ish] MLA latent 512+64 per layer, 78 layers, BF16
@@ -148,7 +148,7 @@ _GLM5 = ModelProfile(
     decode_d0_s=0.016,  # [asm]
     source="[asm] scaled from Qwen3-235B",
 )
-_QWEN35 = ModelProfile(
+_QWEN35 = SimModelProfile(
     "qwen3.5-122b-a10b",
     weight_bytes=244 * GB,  # [card] 122B params x 2 B
     kv_bytes_per_token=12 * 2 * 256 * 2 * 2,  # [asm] hybrid: 12 of 48 layers full attention
@@ -177,7 +177,7 @@ PAPER_TP8 = ServerProfile(
 # ---- (2) the two-worker TP=4 router testbed ----------------------------------------------
 
 _TB_MODELS = (
-    ModelProfile(
+    SimModelProfile(
         "qwen3-32b",
         weight_bytes=65 * GB,  # [card] 32.8B x 2 B
         kv_bytes_per_token=64 * 8 * 128 * 2 * 2,  # [card] 64 layers, 8 KV heads, dim 128
@@ -185,7 +185,7 @@ _TB_MODELS = (
         decode_d0_s=0.018,
         source="[asm]",
     ),
-    ModelProfile(
+    SimModelProfile(
         "qwen2.5-32b-instruct",
         weight_bytes=65 * GB,  # [card]
         kv_bytes_per_token=64 * 8 * 128 * 2 * 2,  # [card]
@@ -193,7 +193,7 @@ _TB_MODELS = (
         decode_d0_s=0.018,
         source="[asm]",
     ),
-    ModelProfile(
+    SimModelProfile(
         "qwen3.5-35b-a3b",
         weight_bytes=70 * GB,  # [card] ~35B x 2 B
         kv_bytes_per_token=10 * 2 * 256 * 2 * 2,  # [asm] hybrid attention
@@ -226,7 +226,7 @@ ROUTER_TP4 = ServerProfile(
 _TINY_K, _TINY_ALPHA = power_curve(4096, 0.99876, 16384, 9.85909)
 _TINY_WEIGHTS = {"qwen3-tiny": 3_418_624, "qwen3-moe-tiny": 10_512_896, "gpt2-tiny": 7_633_920}  # [bench]
 _TINY = tuple(
-    ModelProfile(
+    SimModelProfile(
         name,
         weight_bytes=w,
         kv_bytes_per_token=4 * 2 * 32 * 2 * 4,  # [card] shared/catalog.py: 4 layers, 2 KV heads, dim 32, fp32
@@ -280,7 +280,7 @@ def catalogue(base: ServerProfile, n_models: int) -> ServerProfile:
 
 @dataclass(frozen=True)
 class ProfileCosts:
-    """Adapter: `ServerProfile` as the instance scheduler's `CostModel` protocol."""
+    """Adapter: `ServerProfile` as the instance scheduler's `StepCostModel` protocol."""
 
     server: ServerProfile
 

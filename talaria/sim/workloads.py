@@ -187,3 +187,96 @@ def synthetic_catalogue(
             prev_total = prompt + output
         out.append(Session(sid, tuple(calls)))
     return out
+
+
+HEAVY_GAP_P50_S = 0.39  # [cal] the paper's tool-gap median ...
+HEAVY_GAP_OVER_5S = 0.10  # ... with a heavy tail: 10 % of gaps exceed 5 s (issue 10)
+HEAVY_GAP_CAP_S = 120.0  # [asm] a tool that runs longer than 2 minutes is cut off
+Z90 = 1.2815515655446004
+
+
+def _gap(rng: random.Random, kind: str) -> float:
+    from talaria.traces.gaps import PAPER_GAP_P50_S, PAPER_GAP_P95_S
+
+    if kind == "paper":  # the paper's lognormal, capped at 10 s like GapModel("paper")
+        return min(10.0, _lognormal(rng, PAPER_GAP_P50_S, PAPER_GAP_P95_S))
+    if kind == "heavy":
+        sigma = math.log(5.0 / HEAVY_GAP_P50_S) / Z90
+        return min(HEAVY_GAP_CAP_S, rng.lognormvariate(math.log(HEAVY_GAP_P50_S), sigma))
+    raise ValueError(f"unknown gap kind {kind!r}; use paper|heavy")
+
+
+def agent_sessions(
+    sessions: int,
+    models: list[str],
+    depth: int,
+    prompt: int,
+    output: int,
+    gaps: str = "paper",
+    arrivals: str = "poisson",
+    zipf_s: float = 0.0,
+    seed: int = 0,
+    burst: int = 8,
+) -> list[Session]:
+    """Agent sessions with the given typical shape, started at a rate of ONE session per
+    second (scale the start times for another rate: `at_rate`). Each draw is lognormal
+    around the typical value [asm: shapes follow Fig. 2 of the paper, not fitted]:
+
+    depth    p50 `depth`, p95 2.3x, capped at 3x (>= 1)
+    prompt   the first prompt p50 `prompt`/2; each call appends the previous output plus a
+             tool result (p50 max(200, prompt/depth), p95 5x), so the context grows; past
+             2x `prompt` (or the model context) it is compacted to `prompt`/2 and that call
+             reuses nothing. Prompts thus sit around `prompt` at the median.
+    output   p50 `output`, p95 3x, capped at 4x and 4,096
+    gaps     baked into the trace (replay with recorded gaps, no cap): 'paper' = the
+             paper's lognormal (p50 0.39 s, p95 1.32 s, cap 10 s); 'heavy' = p50 0.39 s with
+             10 % of gaps above 5 s (cap 120 s)
+    arrivals 'poisson' = exponential inter-arrivals; 'bursts' = groups of `burst` sessions
+             within 0.5 s, the groups Poisson at 1/`burst` per second
+    models   weight 1/(k+1)**zipf_s (0 = equal)
+    """
+    if arrivals not in ("poisson", "bursts"):
+        raise ValueError(f"unknown arrivals {arrivals!r}; use poisson|bursts")
+    rng = random.Random(seed)
+    weights = [1.0 / (k + 1) ** zipf_s for k in range(len(models))]
+    ceiling = min(2 * prompt, CONTEXT_CAP)
+    tool_p50 = max(200, prompt // depth)
+    t = 0.0
+    out: list[Session] = []
+    for i in range(sessions):
+        if arrivals == "poisson":
+            t += rng.expovariate(1.0)
+            start = t
+        else:
+            if i % burst == 0:
+                t += rng.expovariate(1.0 / burst)
+            start = t + rng.uniform(0.0, 0.5)
+        model = rng.choices(models, weights)[0]
+        n = max(1, min(3 * depth, round(_lognormal(rng, depth, 2.3 * depth))))
+        sid = f"s{i:05d}"
+        calls = []
+        ctx = 0  # previous prompt + output (what the next call can reuse)
+        for idx in range(n):
+            out_tok = max(1, min(4 * output, 4096, round(_lognormal(rng, output, 3 * output))))
+            if idx == 0:
+                p, reuse = max(256, round(_lognormal(rng, prompt / 2, 2 * prompt))), 0
+                p = min(p, ceiling)
+            else:
+                p, reuse = ctx + max(16, round(_lognormal(rng, tool_p50, 5 * tool_p50))), ctx
+                if p + out_tok > ceiling:
+                    p, reuse = max(256, prompt // 2), 0  # compaction
+            calls.append(TraceCall(sid, idx, model, p, min(reuse, p - 1), out_tok,
+                                   start if idx == 0 else _gap(rng, gaps), "start" if idx == 0 else "tool",
+                                   "generated"))
+            ctx = p + out_tok
+        out.append(Session(sid, tuple(calls)))
+    return out
+
+
+def at_rate(sessions: list[Session], rate_s: float) -> list[Session]:
+    """The same sessions with their start times scaled from 1/s to `rate_s` sessions/s."""
+    scaled = []
+    for s in sessions:
+        first = replace(s.calls[0], gap_before_s=s.calls[0].gap_before_s / rate_s)
+        scaled.append(Session(s.id, (first, *s.calls[1:])))
+    return scaled

@@ -182,8 +182,10 @@ async def test_http_api_refuses_calls_without_a_valid_key_in_each_apis_shape(nat
     try:
         await services.start("gateway", run_gateway, settings)
         async with aiohttp.ClientSession() as s:
-            async with s.get(f"{base}/healthz") as r:
-                assert r.status == 200  # open: load balancers and `talaria up` poll it
+            for path in ("/healthz", "/readyz"):
+                async with s.get(f"{base}{path}") as r:
+                    # open: load balancers and `talaria up` poll it (503: nothing serves yet, issue 11)
+                    assert r.status == 503 and (await r.json())["checks"]["router"] == "no heartbeat"
             for headers in ({}, {"Authorization": "Bearer wrong-key-0123456789"},
                             {"Authorization": "Basic dmljdGltOng="}, {"x-api-key": "nope"}):
                 for path in ("/v1/chat/completions", "/v1/completions", "/v1/models"):
@@ -359,3 +361,47 @@ async def test_external_nats_credentials_from_settings(kind, tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+async def test_a_call_id_is_not_enough_to_cancel_another_tenants_call(nats_url, database_url, db, tmp_path):
+    """Cancels go through the gateway, which stamps the key's tenant; an agent stops only that
+    tenant's call. Mallory knows the victim's call id and still cannot stop it; the victim can."""
+    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
+                        call_timeout_s=60, policy="least-loaded", api_keys=KEYS)
+    services = Services()
+    try:
+        await start_stack(services, settings)
+        await router_ready(nats_url, type("anon", (), {"options": lambda self: {}})())
+        nc = await nats.connect(nats_url)
+        streaming = asyncio.Event()
+
+        async def on_token(msg):
+            streaming.set()
+
+        await nc.subscribe(subjects.tokens("victim-call"), cb=on_token)
+
+        async def victim_call(call_id: str, max_tokens: int):
+            req = m.CallRequest(model="qwen3-tiny", prompt="go on", session_id="v", call_id=call_id,
+                                max_tokens=max_tokens, temperature=0, stream=True, api_key="victim-key-0123456789")
+            return m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, m.encode(req), timeout=60)).data)
+
+        async def cancel(call_id: str, key: str | None):
+            msg = await nc.request(subjects.API_CANCEL, m.encode(m.CancelCall(call_id, "x", api_key=key)), timeout=10)
+            return msgspec.json.decode(msg.data)
+
+        pending = asyncio.ensure_future(victim_call("victim-call", 48))
+        await asyncio.wait_for(streaming.wait(), 30)
+        assert (await cancel("victim-call", None))["status"] == 401  # no key: refused at the gateway
+        assert (await cancel("victim-call", "mallory-key-0123456789"))["type"] == "cancel_sent"
+        reply = await pending
+        assert isinstance(reply, m.CallResult) and reply.usage.completion_tokens == 48, reply
+        # Mallory's early cancel of an id the victim will use later does not stop it either.
+        await cancel("victim-later", "mallory-key-0123456789")
+        assert isinstance(await victim_call("victim-later", 2), m.CallResult)
+        # The victim's own cancel works.
+        await cancel("victim-own", "victim-key-0123456789")
+        own = await victim_call("victim-own", 2)
+        assert isinstance(own, m.ErrorReply) and own.status == m.CANCELLED_STATUS
+        await nc.close()
+    finally:
+        await services.close()

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
-KvSource = Literal["device", "host", "recompute"]
-KvState = Literal["device", "host", "none"]
-SwitchPath = Literal["d2d_full", "d2d_partial", "host_only", "cold"]
+from talaria.shared.messages import KvSource, KvState, SwitchPath  # noqa: F401 - re-exported for the engine
+
 
 
 @dataclass
@@ -108,3 +106,6 @@ class EngineStats:
     host_misses: int = 0
     host_evictions: int = 0
     weight_bytes: dict[str, int] = field(default_factory=dict)
+    # KV that running calls hold or have reserved (plus copies in flight): the part of
+    # kv_used_tokens that cannot be evicted. The rest is idle sessions' cache.
+    kv_pinned_tokens: int = 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -25,7 +25,7 @@ from talaria.services.instance_agent.engine.contract import Capabilities
 from talaria.services.instance_agent.engine.errors import (
     ContextTooLong, EngineBusy, InvalidRequest, ModelNotActive, OutOfKvPages, UnknownCall, UnknownModel,
 )
-from talaria.services.instance_agent.engine.kv_cache import PagePool, PrefixIndex, SessionCache, SessionEntry
+from talaria.services.instance_agent.engine.kv_cache import PagePool, DevicePrefixIndex, SessionCache, DeviceKvSession
 from talaria.services.instance_agent.engine.model import SeqSlice, forward, paged_attention
 from talaria.services.instance_agent.engine.sampling import make_generator
 from talaria.services.instance_agent.engine.sequence import Sequence
@@ -72,6 +72,9 @@ class TorchEngine:
         self.device = torch.device(device)
         self.page_size = page_size
         self.prefill_chunk = prefill_chunk
+        # Chunked prefill: asked between forward passes whether to end the chunk early (a
+        # driver sets it when a call arrives); the calls not done continue in a later chunk.
+        self.should_yield: Callable[[], bool] | None = None
         self.auto_stage = auto_stage
         self.specs: dict[str, ModelSpec] = {m: CATALOG[m] for m in models}
         if kv_pages is None:  # room for one call of the longest context
@@ -105,7 +108,7 @@ class TorchEngine:
         self.kv: torch.Tensor | None = None
         self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self.pool: PagePool | None = None
-        self.index: PrefixIndex | None = None
+        self.index: DevicePrefixIndex | None = None
         self.sessions: SessionCache | None = None
         self.running: dict[str, Sequence] = {}
         self.switches: list[SwitchRecord] = []
@@ -192,9 +195,12 @@ class TorchEngine:
 
     # -- stepped API ---------------------------------------------------------------------
 
-    def prefill(self, reqs: list[GenRequest]) -> list[StepToken]:
-        """Admit and prefill `reqs` (all for one model; switches if nothing is running)."""
-        return self._prefill(reqs, time.perf_counter())
+    def prefill(self, reqs: list[GenRequest], chunk_tokens: int = 0, more: Iterable[str] = ()) -> list[StepToken]:
+        """Admit and prefill `reqs` (all for one model; switches if nothing is running), and
+        continue the prefill of running calls `more` (admitted by an earlier chunk).
+        `chunk_tokens` > 0 computes at most that many prompt tokens per call; only calls
+        whose prompt is then complete return their first token."""
+        return self._prefill(reqs, time.perf_counter(), chunk_tokens, tuple(more))
 
     def decode(self, call_ids: list[str]) -> list[StepToken]:
         """One batched decode step for each listed running, unfinished call."""
@@ -228,12 +234,21 @@ class TorchEngine:
         hashes = block_hashes(committed, ps, scope=seq.req.kv_scope)
         for h, page in zip(hashes, pages):
             self.index.insert(h, page)
-        self.sessions.put(SessionEntry(seq.req.session_id, model, committed, list(pages)))
+        self.sessions.put(DeviceKvSession(seq.req.session_id, model, committed, list(pages)))
         if self.hkvr is not None and hashes:
             self._checkpoint(seq.req.session_id, committed, pages[: len(hashes)], hashes)
         for page in pages:
             self.pool.unuse(page)
         return seq.result(model)
+
+    def prompt_left(self, call_ids: Iterable[str]) -> dict[str, int]:
+        """Prompt tokens each running call still has to prefill (0 once it has its first token)."""
+        out = {}
+        for c in call_ids:
+            seq = self.running.get(c)
+            if seq is not None:
+                out[c] = 0 if seq.t_first is not None else max(0, len(seq.tokens) - seq.kv_len)
+        return out
 
     # -- state for telemetry -------------------------------------------------------------
 
@@ -257,10 +272,12 @@ class TorchEngine:
 
     def stats(self) -> EngineStats:
         ps = self.page_size
-        cap = used = free_tail = 0
+        cap = used = free_tail = pinned = 0
         if self.pool is not None:
             cap = self.pool.num_pages * ps
             used = (self.pool.num_pages - self.pool.num_free) * ps
+            to_come = sum(s.pages_to_come() for s in list(self.running.values()))
+            pinned = min(cap, (self.pool.num_pages - self.pool.num_unused() + to_come) * ps)
             pb = self.page_bytes(self._active)
             top = self.bump.kv_base + (self.pool.highest_used() + 1) * pb
             free_tail = self.bump.runtime_base - top
@@ -281,6 +298,7 @@ class TorchEngine:
             host_hits=core.counters.hits if core else 0, host_misses=core.counters.misses if core else 0,
             host_evictions=core.counters.evictions if core else 0,
             weight_bytes={m: lay.nbytes for m, lay in self.layouts.items()},
+            kv_pinned_tokens=pinned,
         )
 
     def close(self) -> None:
@@ -291,15 +309,21 @@ class TorchEngine:
 
     # -- admission -----------------------------------------------------------------------
 
-    def _prefill(self, reqs: list[GenRequest], t0: float) -> list[StepToken]:
-        if not reqs:
+    def _prefill(self, reqs: list[GenRequest], t0: float, chunk: int = 0, more: tuple[str, ...] = ()) -> list[StepToken]:
+        if not reqs and not more:
             return []
+        cont = []
+        for call_id in more:
+            seq = self.running.get(call_id)
+            if seq is None or seq.kv_len >= len(seq.tokens):
+                raise UnknownCall(call_id, "not a call with prefill left")
+            cont.append(seq)
         for r in reqs:
             self._validate(r)
         models = {r.model for r in reqs}
         if len(models) > 1:
             raise ModelNotActive(sorted(models)[1], self._active)
-        if reqs[0].model != self._active:
+        if reqs and reqs[0].model != self._active:
             if self.running:
                 raise ModelNotActive(reqs[0].model, self._active)
             self.switch_to(reqs[0].model)
@@ -314,17 +338,20 @@ class TorchEngine:
             raise
         for s in seqs:
             self.running[s.req.call_id] = s
+        seqs = cont + seqs
+        before = sum(s.kv_len for s in seqs)
         try:
             t1 = time.perf_counter()
-            last = self._run_prefill(seqs)
+            last = self._run_prefill(seqs, chunk)
             now = time.perf_counter()
-            if self.on_logits is not None:
-                self.on_logits([s.req.call_id for s in seqs], torch.stack([last[s.req.call_id] for s in seqs]))
-            computed = sum(len(s.req.prompt_ids) - s.cached_tokens for s in seqs)
-            self._rate("prefill", computed, now - t1)
+            done = [s for s in seqs if s.req.call_id in last]
+            if self.on_logits is not None and done:
+                self.on_logits([s.req.call_id for s in done], torch.stack([last[s.req.call_id] for s in done]))
+            self._rate("prefill", sum(s.kv_len for s in seqs) - before, now - t1)
             out = []
             for s in seqs:
                 s.prefill_s += now - t1
+            for s in done:
                 out.append(s.take(last[s.req.call_id], now))
         except Exception:  # nothing of a failed batch stays running or holds pages
             for s in seqs:
@@ -413,21 +440,32 @@ class TorchEngine:
             raise UnknownCall(call_id)
         if seq.finished:
             raise UnknownCall(call_id, f"already finished ({seq.finish_reason}); call finish()")
+        if seq.t_first is None and seq.kv_len < len(seq.tokens):
+            raise UnknownCall(call_id, "still prefilling (chunked); it cannot decode yet")
         return seq
 
     # -- forward -------------------------------------------------------------------------
 
-    def _run_prefill(self, seqs: list[Sequence]) -> dict[str, torch.Tensor]:
-        """Chunked, batched prefill of each sequence's unmatched suffix; last-token logits."""
+    def _run_prefill(self, seqs: list[Sequence], chunk: int = 0) -> dict[str, torch.Tensor]:
+        """Batched prefill of each sequence's unmatched suffix, at most `chunk` tokens each
+        (0: all); last-token logits of the sequences whose prompt is complete."""
         todo = {s.req.call_id: s for s in seqs}
+        left = {i: (chunk if chunk > 0 else len(s.tokens)) for i, s in todo.items()}
         last: dict[str, torch.Tensor] = {}
         while todo:
-            parts = [(s, s.kv_len, min(self.prefill_chunk, len(s.tokens) - s.kv_len)) for s in todo.values()]
+            parts = [(s, s.kv_len, min(self.prefill_chunk, len(s.tokens) - s.kv_len, left[i]))
+                     for i, s in todo.items()]
             logits = self._forward(parts)
-            for i, (s, _, _) in enumerate(parts):
+            for i, (s, _, n) in enumerate(parts):
+                cid = s.req.call_id
+                left[cid] -= n
                 if s.kv_len == len(s.tokens):
-                    last[s.req.call_id] = logits[i]
-                    del todo[s.req.call_id]
+                    last[cid] = logits[i]
+                    del todo[cid]
+                elif left[cid] <= 0:
+                    del todo[cid]  # this chunk is done; the call continues in a later one
+            if chunk > 0 and todo and self.should_yield is not None and self.should_yield():
+                break  # new work arrived: end the chunk at this forward pass
         return last
 
     def _forward(self, parts: list[tuple[Sequence, int, int]]) -> torch.Tensor:

@@ -92,7 +92,7 @@ class PagePool:
         return -1
 
 
-class PrefixIndex:
+class DevicePrefixIndex:
     """Cumulative page hash -> device page, LRU. Holds one cache ref per entry."""
 
     def __init__(self, pool: PagePool) -> None:
@@ -135,7 +135,7 @@ class PrefixIndex:
 
 
 @dataclass
-class SessionEntry:
+class DeviceKvSession:
     """A finished call's KV kept for the session's return: tokens[i] has KV in pages[i // ps]."""
 
     session_id: str
@@ -149,18 +149,18 @@ class SessionCache:
 
     def __init__(self, pool: PagePool) -> None:
         self._pool = pool
-        self._map: OrderedDict[str, SessionEntry] = OrderedDict()
+        self._map: OrderedDict[str, DeviceKvSession] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._map)
 
-    def get(self, session_id: str) -> SessionEntry | None:
+    def get(self, session_id: str) -> DeviceKvSession | None:
         return self._map.get(session_id)
 
-    def entries(self) -> list[SessionEntry]:
+    def entries(self) -> list[DeviceKvSession]:
         return list(self._map.values())
 
-    def put(self, entry: SessionEntry) -> None:
+    def put(self, entry: DeviceKvSession) -> None:
         self.drop(entry.session_id)
         for page in entry.pages:
             self._pool.cache(page)

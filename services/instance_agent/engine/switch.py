@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from talaria.services.instance_agent.engine.api import SwitchRecord
-from talaria.services.instance_agent.engine.kv_cache import PagePool, PrefixIndex, SessionCache
+from talaria.services.instance_agent.engine.kv_cache import PagePool, DevicePrefixIndex, SessionCache
 from talaria.services.instance_agent.engine.model import rope_tables
 
 if TYPE_CHECKING:
@@ -126,6 +126,6 @@ def _publish(eng: TorchEngine, model: str, params, kv: torch.Tensor, rope) -> No
 
     eng.params, eng.kv, eng.rope = params, kv, rope
     eng.pool = PagePool(kv.shape[0], is_blocked=blocked, on_alloc=on_alloc)
-    eng.index = PrefixIndex(eng.pool)
+    eng.index = DevicePrefixIndex(eng.pool)
     eng.sessions = SessionCache(eng.pool)
     eng._active = model

@@ -38,7 +38,7 @@ scheduler learns from the gap between its estimate and the reported completion t
 Package map:
     types.py      Work, actions, events, SchedulerView
     config.py     SchedulerConfig and the paper's ablations (talaria, no-sp, no-hkvr, h2d-only, round-only)
-    costs.py      CostModel protocol, per-call prefill/restore cost, EWMA calibration
+    costs.py      StepCostModel protocol, per-call prefill/restore cost, EWMA calibration
     budget.py     Eq. 3-5: protected decode, slot budgets, switch cycle
     admission.py  batch selection under batch, KV and time budgets (P, SP, hot)
     calls.py      the call table: queued/running per model, token counts
@@ -51,7 +51,7 @@ Package map:
 
 from talaria.services.instance_agent.scheduler.budget import ModelLoad, SlotPlan, plan_slot
 from talaria.services.instance_agent.scheduler.config import ABLATIONS, SchedulerConfig
-from talaria.services.instance_agent.scheduler.costs import CalibratedCosts, CostModel, LinearCosts
+from talaria.services.instance_agent.scheduler.costs import CalibratedCosts, StepCostModel, LinearCosts
 from talaria.services.instance_agent.scheduler.errors import (
     ActionMismatchError,
     ConfigError,
@@ -60,7 +60,7 @@ from talaria.services.instance_agent.scheduler.errors import (
     SchedulerBusyError,
     SchedulerError,
     UnknownCallError,
-    UnknownModelError,
+    ModelNotServedError,
 )
 from talaria.services.instance_agent.scheduler.scheduler import RoundScheduler
 from talaria.services.instance_agent.scheduler.types import (
@@ -90,7 +90,7 @@ __all__ = [
     "CallFinished",
     "CallParked",
     "ConfigError",
-    "CostModel",
+    "StepCostModel",
     "DeadlineRisk",
     "Decode",
     "DuplicateCallError",
@@ -111,7 +111,7 @@ __all__ = [
     "SlotPlan",
     "SwitchModel",
     "UnknownCallError",
-    "UnknownModelError",
+    "ModelNotServedError",
     "Work",
     "plan_slot",
 ]

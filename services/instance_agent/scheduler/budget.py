@@ -85,6 +85,28 @@ class SlotPlan:
         return cost_s + self.sp_extension(cost_s) * self.decode_step_s
 
 
+def chunk_s(plan: SlotPlan) -> float:
+    """Time one prefill chunk may take: Eq. 4's decode slack, T_TPOT - sum t_D, which is
+    what a round can add between two decode steps and keep every running call's
+    time-per-token within target. With Eq. 4 infeasible, one decode step's time."""
+    return plan.decode_slack_s if plan.tpot_feasible else plan.decode_step_s
+
+
+def chunk_tokens(cost_of, budget_s: float, limit: int) -> int:
+    """Most tokens n <= limit whose predicted prefill `cost_of(n)` fits `budget_s` (at
+    least 1: a chunk always makes progress). `cost_of` must be non-decreasing."""
+    if limit <= 1 or cost_of(limit) <= budget_s:
+        return max(1, limit)
+    lo, hi = 1, limit  # cost_of(hi) > budget
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if cost_of(mid) <= budget_s:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def plan_slot(model: str, loads: dict[str, ModelLoad], switch_s: float, config: SchedulerConfig) -> SlotPlan:
     """The plan of `model`'s slot given the round's active `loads` (which include `model`)."""
     cap = config.round_cap_s
@@ -108,6 +130,7 @@ def plan_slot(model: str, loads: dict[str, ModelLoad], switch_s: float, config: 
     over = max(0.0, predicted - cap)
     p_budget = max(0.0, p_m - over)
     leftover = max(0.0, cap - predicted) / len(loads)
+    fill = min(leftover, switch_s / len(loads)) if config.fill_by_switch else leftover
     return SlotPlan(
         model=model,
         protected_decode=d,
@@ -118,7 +141,7 @@ def plan_slot(model: str, loads: dict[str, ModelLoad], switch_s: float, config: 
         round_cap_s=cap,
         decode_slack_s=slack,
         switch_s=switch_s,
-        slot_budget_s=p_budget + d * t_m + leftover,
+        slot_budget_s=p_budget + d * t_m + fill,
         prefill_cut_s=demand - prefill,
     )
 

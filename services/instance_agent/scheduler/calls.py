@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from talaria.services.instance_agent.scheduler.errors import DuplicateCallError, UnknownCallError, UnknownModelError
+from talaria.services.instance_agent.scheduler.errors import DuplicateCallError, UnknownCallError, ModelNotServedError
 from talaria.services.instance_agent.scheduler.types import KvState, Work
 
 
@@ -22,6 +22,8 @@ class CallState:
     via: str | None = None  # P | SP | hot, once admitted
     admitted_at: float | None = None
     parked: bool = False  # already counted once as an SP-parked return
+    prefill_left: int = 0  # chunked prefill: prompt tokens still to compute (an estimate)
+    first_chunk_at: float | None = None  # when its first prefill chunk was issued
     cost_memo: tuple | None = field(default=None, repr=False, compare=False)  # scheduler._cost cache
 
     @property
@@ -31,6 +33,11 @@ class CallState:
     @property
     def context_tokens(self) -> int:
         return self.work.prompt_tokens + self.generated
+
+    @property
+    def prefilling(self) -> bool:
+        """Admitted, but its prompt is not computed yet (chunked prefill in progress)."""
+        return self.via is not None and self.generated == 0
 
     @property
     def done_by_length(self) -> bool:
@@ -66,7 +73,7 @@ class CallTable:
 
     def add(self, work: Work, now: float) -> CallState:
         if work.model not in self.queued:
-            raise UnknownModelError(work.model, self.models)
+            raise ModelNotServedError(work.model, self.models)
         if work.call_id in self._by_id:
             raise DuplicateCallError(work.call_id)
         self._seq += 1
@@ -108,6 +115,9 @@ class CallTable:
         """Whether a model other than `model` has a queued or running call (O(1))."""
         n = self._n_active
         return n > 1 or (n == 1 and not self._live[model])
+
+    def queued_any(self) -> bool:
+        return any(self.queued.values())
 
     def running_ids(self, model: str) -> tuple[str, ...]:
         return tuple(self.running[model])

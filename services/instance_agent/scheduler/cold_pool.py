@@ -96,9 +96,11 @@ class ColdPool:
             selection = self._select_sp(slot, now)
             if selection is not None and selection.admitted:
                 return self._start_prefill(selection, "SP", slot.model, now)
-        running = self.calls.running_ids(slot.model)
-        if running and (open_ or self._must_drain(slot)):
-            return self._decode(running, slot.model, slot, now)
+        decodable, filling = self._split_running(slot.model)
+        if (decodable or filling) and (open_ or self._must_drain(slot)):
+            if filling and (not decodable or slot.last != "C"):
+                return self._continue_prefill(filling, slot.model)  # chunks and decodes alternate
+            return self._decode(decodable, slot.model, slot, now)
         return None
 
     def _decode(self, ids: tuple[str, ...], model: str, slot: Slot | None, now: float) -> Decode:

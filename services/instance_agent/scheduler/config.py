@@ -43,6 +43,11 @@ class SchedulerConfig:
     # budget is spent (paper §3.4: "the slot closes when the round budget is exhausted");
     # False closes it as soon as protected decode (Eq. 4's minimum) is done.
     fill_slot: bool = True
+    # Slot fill pays for switches: with this on, a slot fills past protected decode for at
+    # most the switch time per slot it amortises (switch_s / models in the round), not for
+    # its whole share of the round cap, so a waiting call of another model (a return, say)
+    # waits about one switch's worth, not seconds, when switches are cheap.
+    fill_by_switch: bool = False
     gamma: float = 0.9  # Eq. 5 margin: round <= gamma * ttft_target_s
     ttft_target_s: float = 10.0
     tpot_target_s: float = 0.2  # Eq. 4 average time per output token
@@ -53,6 +58,10 @@ class SchedulerConfig:
     max_slot_s: float | None = None  # cap on protected decode time per slot (None: round cap)
     max_decode_iters: int = 4096  # hard cap on protected decode iterations per slot
     ewma_alpha: float = 0.2  # weight of a new cost observation
+    # Chunked prefill: a prompt is computed in chunks sized from the round budget (Eq. 4's
+    # decode slack, see budget.chunk_s), so decodes and short calls interleave with a long
+    # prefill instead of waiting for all of it. Off: one Prefill computes whole prompts.
+    chunked_prefill: bool = False
 
     def __post_init__(self) -> None:
         if self.pool not in ("cold", "hot"):

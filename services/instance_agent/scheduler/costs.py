@@ -1,6 +1,6 @@
 """Cost predictions the scheduler charges to its budgets, and their online calibration.
 
-`CostModel` is what a driver supplies: the simulator passes its calibrated profile, the
+`StepCostModel` is what a driver supplies: the simulator passes its calibrated profile, the
 live agent passes a profile seeded from engine stats. `CalibratedCosts` wraps either
 and corrects it with an EWMA of what the executor actually measured.
 """
@@ -17,7 +17,7 @@ from talaria.shared.stats import ewma
 
 
 @runtime_checkable
-class CostModel(Protocol):
+class StepCostModel(Protocol):
     """Predicted durations (seconds) and KV footprint (bytes). Pure; never reads a clock."""
 
     def prefill_s(self, model: str, new_tokens: int, context_tokens: int) -> float:
@@ -43,7 +43,7 @@ def charged_kv(work: Work, hkvr: bool) -> KvState:
     return work.kv_state
 
 
-def call_prefill_s(costs: CostModel, work: Work, hkvr: bool) -> float:
+def call_prefill_s(costs: StepCostModel, work: Work, hkvr: bool) -> float:
     """Predicted restore + prefill time of one call (the SP_m,k term of Eq. 3 per call)."""
     kv = charged_kv(work, hkvr)
     if kv == "none" or work.reusable_tokens == 0:
@@ -54,7 +54,7 @@ def call_prefill_s(costs: CostModel, work: Work, hkvr: bool) -> float:
     return restore + costs.prefill_s(work.model, max(1, new), work.reusable_tokens)
 
 
-def call_kv_bytes(costs: CostModel, work: Work) -> int:
+def call_kv_bytes(costs: StepCostModel, work: Work) -> int:
     """Device KV a running call may grow to: its prompt plus every token it may generate."""
     return costs.kv_bytes(work.model, work.prompt_tokens + work.max_tokens)
 
@@ -69,7 +69,7 @@ class CalibratedCosts:
     because the paper's switch estimate follows staging coverage, not a static constant.
     """
 
-    base: CostModel
+    base: StepCostModel
     alpha: float = 0.2
     factors: dict[tuple[str, str], float] = field(default_factory=dict)
     switches: dict[tuple[str | None, str, bool], float] = field(default_factory=dict)

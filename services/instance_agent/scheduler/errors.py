@@ -18,7 +18,7 @@ class InvalidWorkError(SchedulerError, ValueError):
         self.problem = problem
 
 
-class UnknownModelError(SchedulerError, KeyError):
+class ModelNotServedError(SchedulerError, KeyError):
     def __init__(self, model: str, served: tuple[str, ...]) -> None:
         super().__init__(model)
         self.model = model

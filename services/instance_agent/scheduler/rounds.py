@@ -23,7 +23,7 @@ class Slot:
     p_done: bool = False
     p_mark: int = 0  # calls with seq > p_mark arrived after P: SP candidates
     decodes: int = 0
-    last: str = ""  # P | SP | D: what ran last; SP only follows a decode
+    last: str = ""  # P | SP | D | C (a prefill chunk): what ran last; SP follows a decode or chunk
     extended: bool = False  # decoding on past its round because nothing else waits
     deadline: float = float("inf")  # end of the slot's time budget (fill_slot)
     free_run: bool = False  # the decode in flight was issued uncontended, past protected decode allowed
@@ -31,7 +31,7 @@ class Slot:
 
     @property
     def at_decode_boundary(self) -> bool:
-        return self.last == "D"
+        return self.last in ("D", "C")
 
     def filling(self, now: float) -> bool:
         """Past protected decode but still inside the slot's time budget."""

@@ -7,18 +7,19 @@ and `abort` may come at any time, including while an action is executing.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from itertools import islice
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from talaria.services.instance_agent.scheduler.admission import Limits, Selection, select
-from talaria.services.instance_agent.scheduler.budget import ModelLoad
+from talaria.services.instance_agent.scheduler.budget import ModelLoad, chunk_s, chunk_tokens
 from talaria.services.instance_agent.scheduler.calls import CallState, CallTable
 from talaria.services.instance_agent.scheduler.config import SchedulerConfig
 from talaria.services.instance_agent.scheduler.costs import (
     CalibratedCosts,
-    CostModel,
+    StepCostModel,
     call_kv_bytes,
     call_prefill_s,
     charged_kv,
@@ -30,7 +31,7 @@ from talaria.services.instance_agent.scheduler.errors import (
     InvalidWorkError,
     SchedulerBusyError,
     UnknownCallError,
-    UnknownModelError,
+    ModelNotServedError,
 )
 from talaria.services.instance_agent.scheduler.reports import Reports
 from talaria.services.instance_agent.scheduler.cold_pool import ColdPool
@@ -58,7 +59,7 @@ class _Inflight:
 class RoundScheduler(ColdPool):
     """Orders the work of one instance. It never changes what a call computes, only when."""
 
-    def __init__(self, config: SchedulerConfig, models: Sequence[str], costs: CostModel) -> None:
+    def __init__(self, config: SchedulerConfig, models: Sequence[str], costs: StepCostModel) -> None:
         _check_models(config, tuple(models))
         self.config = config
         self.models = tuple(models)
@@ -80,7 +81,7 @@ class RoundScheduler(ColdPool):
     def submit(self, work: Work, now: float) -> None:
         """Accept a call routed here. Raises for a model not served or a call seen before."""
         if self.config.pool == "hot" and work.model != self.config.pinned_model:
-            raise UnknownModelError(work.model, (self.config.pinned_model,))
+            raise ModelNotServedError(work.model, (self.config.pinned_model,))
         budget = self.config.kv_budget_bytes
         if budget is not None and call_kv_bytes(self.costs, work) > budget:
             raise InvalidWorkError(work.call_id, f"needs more KV than the whole budget ({budget} B)")
@@ -103,18 +104,57 @@ class RoundScheduler(ColdPool):
             self._inflight = _Inflight(action, now, self.estimate_s(action))
         return action
 
-    def on_prefill_done(self, action: Prefill, now: float, finished: Iterable[str] = ()) -> list[SchedulerEvent]:
-        """The prefill ran; each call has its first token. `finished`: calls that hit EOS/stop."""
+    def on_prefill_done(
+        self, action: Prefill, now: float, finished: Iterable[str] = (), first_tokens: Iterable[str] | None = None,
+        prompt_left: Mapping[str, int] | None = None,
+    ) -> list[SchedulerEvent]:
+        """The prefill ran. `first_tokens`: the calls whose prompt is now complete (they have
+        their first token); default all of them. With chunked prefill the others continue
+        in a later Prefill; `prompt_left` says how many prompt tokens each has left (a
+        driver may end a chunk early), default the chunk's worth fewer. `finished`: calls
+        that hit EOS/stop."""
         done = _finished_in(action, finished)
         flight = self._complete(action)
-        self.costs.observe("prefill", action.model, flight.predicted_s, now - flight.issued_at)
-        for call in self._known(action.call_ids):
-            call.generated = 1
-            kv = charged_kv(call.work, self.config.hkvr)
-            self.reports.admitted(call, kv, flight.issued_at, self.round, now)
-        if self.slot is not None:
-            self.slot.last = "SP" if action.session_prefill else "P"
-        self._hot_last = "P"
+        firsts = None if first_tokens is None else frozenset(first_tokens)
+        known = list(self._known(action.call_ids))
+        predicted = flight.predicted_s
+        if prompt_left is not None and action.chunk_tokens:
+            # Calibrate on the work that ran, not on the chunk that was asked for.
+            predicted = sum(self._left_cost(c, max(1, c.prefill_left - prompt_left.get(c.call_id, 0)))
+                            for c in known)
+        self.costs.observe("prefill", action.model, predicted, now - flight.issued_at)
+        continuation = bool(known) and all(c.first_chunk_at is not None for c in known)
+        # The driver ended the chunk early: a call arrived, so protected decode ends here and
+        # a contended slot closes (the next slot's P admits the newcomer).
+        yielded = prompt_left is not None and action.chunk_tokens > 0 and any(
+            prompt_left.get(c.call_id, 0) > max(0, c.prefill_left - action.chunk_tokens) for c in known)
+        for call in known:
+            if call.first_chunk_at is None:  # admitted by this prefill
+                call.first_chunk_at = flight.issued_at
+                kv = charged_kv(call.work, self.config.hkvr)
+                self.reports.admitted(call, kv, flight.issued_at, self.round, now)
+            if firsts is None or call.call_id in firsts:
+                call.generated = 1
+                call.prefill_left = 0
+            elif prompt_left is not None and call.call_id in prompt_left:
+                call.prefill_left = max(1, prompt_left[call.call_id])
+            elif action.chunk_tokens:
+                call.prefill_left = max(1, call.prefill_left - action.chunk_tokens)
+        slot = self.slot
+        if slot is not None and yielded:
+            slot.protected = min(slot.protected, slot.decodes)
+            slot.deadline = min(slot.deadline, now)
+            slot.last = "C"
+        elif slot is not None:
+            if continuation:
+                # A chunk spends decode time: it counts as the decode steps it displaces, so
+                # protected decode runs out (and a contended slot closes) at the same pace.
+                slot.last = "C"
+                step = slot.plan.decode_step_s
+                slot.decodes += max(1, math.ceil(flight.predicted_s / step - 1e-9)) if step > 0 else 1
+            else:
+                slot.last = "SP" if action.session_prefill else "P"
+        self._hot_last = "C" if continuation else "P"
         self._finish(action.call_ids, done, now)
         return self.drain_events()
 
@@ -176,8 +216,11 @@ class RoundScheduler(ColdPool):
     def estimate_s(self, action: Action) -> float:
         """Predicted duration of `action` under the current (calibrated) costs."""
         match action:
+            case Prefill(call_ids=ids, chunk_tokens=chunk) if chunk > 0:
+                return sum(self._chunk_cost(c, chunk) for c in self._known(ids))
             case Prefill(call_ids=ids):
-                return sum(self._cost(c) for c in self._known(ids))
+                return sum(self._cost(c) if c.first_chunk_at is None else self._left_cost(c, c.prefill_left)
+                           for c in self._known(ids))
             case Decode():
                 return self._decode_s(action, action.steps)
             case SwitchModel(from_model=a, to_model=b, staged=staged):
@@ -251,6 +294,7 @@ class RoundScheduler(ColdPool):
         model = self.config.pinned_model
         assert model is not None
         running = self.calls.running_ids(model)
+        decodable, filling = self._split_running(model)
         if self.calls.queued[model] and (self._hot_last != "P" or not running):
             limits = Limits(
                 free_slots=self.config.max_batch - len(running),
@@ -261,8 +305,10 @@ class RoundScheduler(ColdPool):
             selection = select(self.calls.queued[model].values(), limits, self._cost, self._kv)
             if selection.admitted:
                 return self._start_prefill(selection, "hot", model, now)
-        if running:
-            return self._decode(running, model, None, now)
+        if filling and (not decodable or self._hot_last != "C"):
+            return self._continue_prefill(filling, model)
+        if decodable:
+            return self._decode(decodable, model, None, now)
         return Idle(None)
 
     # ---- shared helpers ---------------------------------------------------------------
@@ -270,7 +316,84 @@ class RoundScheduler(ColdPool):
     def _start_prefill(self, selection: Selection, via: str, model: str, now: float) -> Prefill:
         for call in selection.admitted:
             self.calls.start(call.call_id, via, now)
-        return Prefill(selection.ids, session_prefill=via == "SP", model=model)
+            call.prefill_left = _compute_tokens(call.work, self.config.hkvr)
+        chunk = self._chunk_for(model, selection.admitted)
+        return Prefill(selection.ids, session_prefill=via == "SP", model=model, chunk_tokens=chunk)
+
+    # ---- chunked prefill ----------------------------------------------------------------
+
+    def _split_running(self, model: str) -> tuple[tuple[str, ...], tuple[CallState, ...]]:
+        """(running calls that decode, running calls still prefilling), admission order."""
+        running = self.calls.running[model]
+        if not self.config.chunked_prefill:
+            return tuple(running), ()
+        filling = tuple(c for c in running.values() if c.prefilling)
+        if not filling:
+            return tuple(running), ()
+        return tuple(i for i, c in running.items() if not c.prefilling), filling
+
+    def _continue_prefill(self, calls: tuple[CallState, ...], model: str) -> Prefill:
+        return Prefill(tuple(c.call_id for c in calls), model=model, chunk_tokens=self._chunk_for(model, calls))
+
+    def _chunk_for(self, model: str, calls: Iterable[CallState]) -> int:
+        """Tokens per call of the next prefill chunk (a chunk that covers every prompt still
+        counts as one: the driver may end it early when a call arrives)."""
+        if not self.config.chunked_prefill:
+            return 0
+        calls = list(calls)
+        longest = max((c.prefill_left for c in calls), default=0)
+        budget = self._chunk_budget_s(model)
+        ctx = max(c.work.prompt_tokens - c.prefill_left for c in calls)
+        return chunk_tokens(lambda k: len(calls) * self.costs.prefill_s(model, k, ctx), budget, longest)
+
+    def prefill_ahead_tokens(self) -> int:
+        """Prompt tokens a call arriving now waits behind: every queued prompt, and of each
+        prefill under way what runs before the newcomer gets in. Without chunking that is
+        all it has left; with chunking, at most one shared-instance chunk."""
+        calls = self.calls
+        ahead = sum(c.work.prompt_tokens for q in calls.queued.values() for c in q.values())
+        for model, running in calls.running.items():
+            for c in running.values():
+                if c.prefilling:
+                    if self.config.chunked_prefill:
+                        budget = self._shared_chunk_s(model)
+                        n = chunk_tokens(lambda k: self.costs.prefill_s(model, k, c.work.prompt_tokens - c.prefill_left),
+                                         budget, c.prefill_left)
+                        ahead += min(c.prefill_left, n)
+                    else:
+                        ahead += c.prefill_left
+        return ahead
+
+    def _chunk_budget_s(self, model: str) -> float:
+        """Eq. 4's slack while other work shares the instance; alone, Eq. 5's round cap (a
+        driver stops a chunk early when a call arrives, so nothing waits for all of it)."""
+        decodable, _ = self._split_running(model)
+        if not decodable and not self.calls.queued_any():
+            return self.config.round_cap_s
+        return self._shared_chunk_s(model)
+
+    def _shared_chunk_s(self, model: str) -> float:
+        slot = self.slot
+        if slot is not None and slot.model == model:
+            return chunk_s(slot.plan)
+        step = self._load(model).decode_step_s  # hot pool: the same rule, without a plan
+        slack = self.config.tpot_target_s - step
+        return slack if slack > 0 else step
+
+    def _chunk_cost(self, call: CallState, chunk: int) -> float:
+        """Predicted time of one chunk of `call` (with its restore, on its first chunk)."""
+        if call.first_chunk_at is None:
+            left = call.prefill_left or _compute_tokens(call.work, self.config.hkvr)
+            if chunk >= left:
+                return self._cost(call)
+            restore, _ = _prefill_terms(self.costs.base, call.work, self.config.hkvr)
+            f = self.costs.factors.get(("prefill", call.work.model), 1.0)
+            return (restore or 0.0) * f + self._left_cost(call, chunk, left)
+        return self._left_cost(call, min(chunk, call.prefill_left))
+
+    def _left_cost(self, call: CallState, tokens: int, left: int | None = None) -> float:
+        left = call.prefill_left if left is None else left
+        return self.costs.prefill_s(call.work.model, max(1, tokens), max(0, call.work.prompt_tokens - left))
 
     def _finish(self, ids: tuple[str, ...], engine_done: frozenset[str], now: float) -> None:
         for call in list(self._known(ids)):
@@ -302,7 +425,10 @@ class RoundScheduler(ColdPool):
         for c in queued:
             ctx_q += c.work.prompt_tokens
         step = self.costs.decode_step_s(model, batch, ctx + ctx_q)
-        return ModelLoad(decode_step_s=step, prefill_s=sum([self._cost(c) for c in queued]))
+        prefill = sum([self._cost(c) for c in queued])
+        if self.config.chunked_prefill:  # prompts still being computed in chunks
+            prefill += sum(self._left_cost(c, c.prefill_left) for c in running.values() if c.prefilling)
+        return ModelLoad(decode_step_s=step, prefill_s=prefill)
 
     def _cost(self, call: CallState) -> float:
         """`call_prefill_s`, with the profile's (uncalibrated) terms memoised per `Work`:
@@ -328,7 +454,7 @@ class RoundScheduler(ColdPool):
         return self.costs.switch_s(from_model, to_model, self.config.staging)
 
 
-def _prefill_terms(base: CostModel, work: Work, hkvr: bool) -> tuple[float | None, float]:
+def _prefill_terms(base: StepCostModel, work: Work, hkvr: bool) -> tuple[float | None, float]:
     """(restore, prefill) of `call_prefill_s` before calibration; restore None: no restore term."""
     kv = charged_kv(work, hkvr)
     if kv == "none" or work.reusable_tokens == 0:
@@ -336,6 +462,13 @@ def _prefill_terms(base: CostModel, work: Work, hkvr: bool) -> tuple[float | Non
     new = work.prompt_tokens - work.reusable_tokens
     restore = base.restore_s(work.model, work.reusable_tokens) if kv == "host" else None
     return restore, base.prefill_s(work.model, max(1, new), work.reusable_tokens)
+
+
+def _compute_tokens(work: Work, hkvr: bool) -> int:
+    """Prompt tokens a call computes (the rest is reused KV); at least the last one."""
+    if charged_kv(work, hkvr) == "none":
+        return work.prompt_tokens
+    return max(1, work.prompt_tokens - work.reusable_tokens)
 
 
 def _finished_in(action: Prefill | Decode, finished: Iterable[str]) -> frozenset[str]:

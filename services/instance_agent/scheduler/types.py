@@ -7,12 +7,12 @@ audit log records events as they are.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Literal, Union, get_args
 
 from talaria.services.instance_agent.scheduler.errors import InvalidWorkError
+from talaria.shared.messages import KvState
 
-KvState = Literal["device", "host", "none"]
-KV_STATES: tuple[str, ...] = ("device", "host", "none")
+KV_STATES: tuple[str, ...] = get_args(KvState)
 Via = Literal["P", "SP", "hot"]
 
 
@@ -64,11 +64,18 @@ class SwitchModel:
 
 @dataclass(frozen=True)
 class Prefill:
-    """Prefill (restoring reusable KV first) and emit each call's first token."""
+    """Prefill (restoring reusable KV first) and emit each call's first token.
+
+    `chunk_tokens` > 0 (chunked prefill): compute at most that many more prompt tokens of
+    each call; a call whose prompt is then complete emits its first token, the others
+    continue in a later Prefill listing them again (the executor reports which calls got
+    their first token). 0: every call's whole prompt.
+    """
 
     call_ids: tuple[str, ...]
     session_prefill: bool = False
     model: str = ""
+    chunk_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ def build_view(sched: RoundScheduler, now: float) -> SchedulerView:
         round_remaining_s=round_remaining_s(sched, now),
         queued={m: len(q) for m, q in calls.queued.items()},
         running={m: len(r) for m, r in calls.running.items()},
-        queued_tokens=sum(c.work.prompt_tokens for q in calls.queued.values() for c in q.values()),
+        queued_tokens=sched.prefill_ahead_tokens(),
         kv_used_bytes=sum(sched.kv_used(m) for m in sched.models),
         deadline_risk=sched.deadline_risk,
         sp_admitted=sched.sp_admitted,

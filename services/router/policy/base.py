@@ -50,7 +50,11 @@ class PolicyConfig:
     # Chosen on the router testbed (8 gap seeds) and checked on the 1,000-session scale
     # workload: results/sim_report.md lists the sensitivity. 1.0 / 0.0 turn it off.
     new_session_backlog_weight: float = 2.0
-    new_session_running_s: float = 1.0
+    new_session_running_s: float | None = 1.0  # None: derived, the call's own decode time
+    # Beyond the paper (ours): r's decode term is stretched by the number of models it will
+    # share i's rounds with (each takes a slot per round), so sessions consolidate by model
+    # instead of adding a model to a busy instance's rotation. Counted from the snapshot.
+    price_round_sharing: bool = True
     retry_after_s: float = 1.0
     max_queued_per_instance: int = 64  # `queue` mode: route past admission up to this bound
     deadline_risk_penalty_s: float = 0.5  # per deadline-risk call an instance reports (ours)

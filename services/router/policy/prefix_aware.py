@@ -14,6 +14,9 @@ balance_rel_threshold 1.0001):
 
 Differences, on purpose: sgl-router's trees hold raw text characters; ours index
 cumulative block hashes at sampled positions (prefix_index.py), one tree per model.
+The index sees at most the first INDEXED_TOKENS (~12.5K) tokens of a prompt, so the match
+rate is judged over that horizon: a 100K-token continuation whose indexed prefix fully
+matches counts as a full match (sgl-router's full-text tree would see the same).
 Load = calls queued or running plus those routed since the last snapshot. Like the
 original it is blind to model residency; it issues no leases.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 from talaria.services.router.policy.base import Decision, PlacementPolicy
 from talaria.services.router.policy.least_pressure import load_candidates
 from talaria.services.router.policy.registry import register
+from talaria.services.router.prefix_index import INDEXED_TOKENS
 from talaria.services.router.state import RouterState
 from talaria.shared.messages import CallSubmitted
 
@@ -45,7 +49,7 @@ class PrefixAware(PlacementPolicy):
                             reason="imbalanced: shortest queue")
         hits = state.prefix.match(call.model, call.block_hashes)
         matched = {i: hits[i][0] for i in loads if i in hits}
-        prompt = max(1, call.prompt_tokens)
+        prompt = max(1, min(call.prompt_tokens, INDEXED_TOKENS))
         if matched:
             best = min(matched, key=lambda i: (-matched[i], loads[i], i))
             if matched[best] / prompt > cfg.cache_threshold:

@@ -13,7 +13,6 @@ instance_unhealthy (snapshot older than 2 * stale_after_s), hot_pool_pinned, kv_
 
 from __future__ import annotations
 
-from talaria.services.router.leases import Lease
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.shared.stats import quantile
 from talaria.services.router.state import RouterState
@@ -30,7 +29,7 @@ MIN_SESSION_GAPS = 3  # below this, the adaptive lease uses the model's gaps
 MIN_MODEL_GAPS = 8  # below this, it uses the configured tau
 
 
-def lease_problem(state: RouterState, lease: Lease, call: CallSubmitted, now: float,
+def lease_problem(state: RouterState, lease: LeaseIssued, call: CallSubmitted, now: float,
                   cfg: PolicyConfig) -> str | None:
     """Why the lease cannot be consumed by `call`, or None when it can."""
     if not lease.live(now):
@@ -52,11 +51,11 @@ def lease_problem(state: RouterState, lease: Lease, call: CallSubmitted, now: fl
     return "kv_missing"
 
 
-def consumed(lease: Lease, call: CallSubmitted, now: float) -> LeaseConsumed:
+def consumed(lease: LeaseIssued, call: CallSubmitted, now: float) -> LeaseConsumed:
     return LeaseConsumed(lease.session_id, lease.model, lease.instance_id, call.call_id, now)
 
 
-def discarded(lease: Lease, call: CallSubmitted, reason: str, now: float) -> LeaseDiscarded:
+def discarded(lease: LeaseIssued, call: CallSubmitted, reason: str, now: float) -> LeaseDiscarded:
     return LeaseDiscarded(lease.session_id, lease.model, lease.instance_id, call.call_id, reason, now)
 
 

@@ -18,12 +18,11 @@ from dataclasses import replace as dc_replace
 
 from talaria.services.router.costs import HARD_REASONS, CostModel, Priced, eq1_total
 from talaria.services.router.instances import ON_DEVICE
-from talaria.services.router.leases import Lease
 from talaria.services.router.policy import soft_reservation as sr
 from talaria.services.router.policy.base import Decision, PlacementPolicy, PolicyConfig
 from talaria.services.router.policy.registry import register
 from talaria.services.router.state import RouterState, SessionEntry
-from talaria.shared.messages import CallCompleted, CallSubmitted, Event, replace
+from talaria.shared.messages import CallCompleted, CallSubmitted, Event, LeaseIssued, replace
 
 
 @register
@@ -58,7 +57,7 @@ class Talaria(PlacementPolicy):
                                 lease_instance=lease.instance_id,
                                 discard_reason=extra[0].reason)  # type: ignore[union-attr]
 
-    def _consume(self, state: RouterState, lease: Lease, call: CallSubmitted,
+    def _consume(self, state: RouterState, lease: LeaseIssued, call: CallSubmitted,
                  entry: SessionEntry | None, now: float) -> Decision:
         view = state.instances[lease.instance_id]
         # The lease bypasses admission (its unit was charged while live); price it for the audit.
@@ -101,7 +100,15 @@ class Talaria(PlacementPolicy):
         candidates = tuple(p.cost for p in priced)
         if not feasible:
             hard = all(p.cost.reason in HARD_REASONS for p in priced)
-            why = f"no healthy instance can serve {model}" if hard else "overload: no instance passes admission"
+            if hard:
+                why = f"no healthy instance can serve {model}"
+            else:  # say how far the best instance is from serving r in time, even after queueing
+                soft = [p.cost for p in priced if p.cost.reason not in HARD_REASONS]
+                ttft = min(c.queue_s + c.prefill_s + c.kv_recovery_s + c.activation_s for c in soft)
+                bound = (f"; every instance already holds {self.config.max_queued_per_instance} calls"
+                         if self.config.overload == "queue" else "")
+                why = (f"overload: no instance passes admission (best predicted TTFT {ttft:.1f} s, "
+                       f"budget {self.costs.budget:.1f} s){bound}")
             return self.reject(why, candidates)
         best = min(feasible, key=lambda p: (p.cost.total_s, p.cost.instance_id))
         opened = best.cost.model_state not in ON_DEVICE

@@ -75,3 +75,19 @@ def test_subject_tokens_reject_separators_and_wildcards():
     assert subjects.valid_token("abc-123_x")
     for bad in ("a.b", "a*", ">", "a b", ""):
         assert not subjects.valid_token(bad)
+
+
+@pytest.mark.parametrize("event", EVENTS, ids=lambda e: type(e).__name__)
+def test_an_events_subject_is_its_tag_under_the_deployment(event):
+    """Subjects come from the message tags: the subject constants and the tags never disagree."""
+    constant = {"call.submitted": subjects.CALL_SUBMITTED, "call.started": subjects.CALL_STARTED,
+                "call.completed": subjects.CALL_COMPLETED, "call.failed": subjects.CALL_FAILED,
+                "lease.issued": subjects.LEASE_ISSUED, "lease.consumed": subjects.LEASE_CONSUMED,
+                "lease.discarded": subjects.LEASE_DISCARDED, "lease.expired": subjects.LEASE_EXPIRED,
+                "decision": subjects.ROUTING_DECISION, "switch.done": subjects.SWITCH_DONE,
+                "round.summary": subjects.ROUND_SUMMARY}
+    tag = type(event).__struct_config__.tag
+    if tag == "call.routed":
+        assert event_subject(event) == subjects.call_routed(event.instance_id)
+    else:
+        assert event_subject(event) == constant[tag]

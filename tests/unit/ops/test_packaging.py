@@ -37,3 +37,13 @@ def test_data_files_resolve_through_the_package():
     assert "session_calls" in audits()
     assert (MIGRATIONS_DIR / "env.py").is_file()
     assert FIXED_REPLAY_FILE.is_file()
+
+
+def test_class_names_are_unique_across_the_code_base():
+    """One name, one concept: a reader (or a grep) never lands on the wrong class."""
+    seen: dict[str, list[str]] = {}
+    for folder in ("shared", "services", "talaria"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for name in re.findall(r"^class (\w+)", path.read_text(), re.M):
+                seen.setdefault(name, []).append(str(path.relative_to(ROOT)))
+    assert {n: p for n, p in seen.items() if len(p) > 1} == {}

@@ -20,7 +20,7 @@ def snap(iid: str, *, version: int = 1, at: float = 0.0, models=None, active: st
          pool: str = "cold", sessions=(), queued=None, queued_tokens: int = 0, running: int = 0,
          round_remaining_s: float = 0.0, switch_cost_s: float = 1.0, open_cost_s: float = 2.0,
          weight_gib: float = 10.0, hbm_gib: float = 80.0, hbm_used_gib: float = 20.0,
-         kv_capacity_tokens: int = 0, kv_used_tokens: int = 0, deadline_risk: int = 0,
+         kv_capacity_tokens: int = 0, kv_used_tokens: int = 0, kv_pinned_tokens: int = -1, deadline_risk: int = 0,
          prefill_tok_s: float = 10_000.0, decode_tok_s: float = 100.0,
          restore_tok_s: float = 100_000.0, incarnation: str = "", heartbeat_s: float = 0.5) -> InstanceSnapshot:
     """`models`: {name: state}; default {"m1": "active" if active == "m1" else "absent"}."""
@@ -36,7 +36,7 @@ def snap(iid: str, *, version: int = 1, at: float = 0.0, models=None, active: st
         sessions=[SessionKv(s, m, st, t) for s, m, st, t in sessions], queued=queued or {},
         queued_tokens=queued_tokens, running=running, round_remaining_s=round_remaining_s,
         deadline_risk=deadline_risk, kv_capacity_tokens=kv_capacity_tokens,
-        kv_used_tokens=kv_used_tokens, hbm_bytes=int(hbm_gib * GIB), hbm_used_bytes=int(hbm_used_gib * GIB),
+        kv_used_tokens=kv_used_tokens, kv_pinned_tokens=kv_pinned_tokens, hbm_bytes=int(hbm_gib * GIB), hbm_used_bytes=int(hbm_used_gib * GIB),
         staging_free_bytes=0, prefill_tok_s=prefill_tok_s, decode_tok_s=decode_tok_s,
         restore_tok_s=restore_tok_s, incarnation=incarnation, heartbeat_s=heartbeat_s,
     )
@@ -57,8 +57,9 @@ def done(call_id: str, instance: str, *, session: str = "s1", model: str = "m1",
 
 
 # The tests check the paper's Eq. 1 term by term, so the first-call session-placement term
-# (ours, PolicyConfig.new_session_*) is off unless a test turns it on.
-PAPER_EQ1 = dict(new_session_backlog_weight=1.0, new_session_running_s=0.0)
+# and the round-sharing stretch of decode (ours, PolicyConfig.new_session_*,
+# price_round_sharing) are off unless a test turns them on.
+PAPER_EQ1 = dict(new_session_backlog_weight=1.0, new_session_running_s=0.0, price_round_sharing=False)
 
 
 def core(policy: str = "talaria", **config) -> RouterCore:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from router_support import call, core, done, one, snap
 
-from talaria.services.router.leases import Lease, LeaseBook
+from talaria.services.router.leases import LeaseBook
 from talaria.shared.messages import (
     CallRouted,
     LeaseConsumed,
@@ -154,7 +154,8 @@ def test_live_lease_charges_one_admission_unit():
     c.handle(done("c0", "a", at=10.0), 10.0)
     audit = one(c.handle(call("n1", session="s2", at=10.1), 10.1), RoutingDecision)
     by = {x.instance_id: x for x in audit.candidates}
-    assert by["a"].queue_s == pytest.approx(0.5) and by["b"].queue_s == 0.0
+    assert by["a"].reserved_s == pytest.approx(0.5) and by["b"].reserved_s == 0.0
+    assert by["a"].queue_s == 0.0  # reserved, not queued: the audit compares queue_s with the queue met
     assert audit.chosen == "b"
 
 
@@ -163,7 +164,7 @@ def test_session_own_lease_is_not_charged_against_itself_when_discarded():
     c.handle(done("c0", "a", at=10.0), 10.0)
     out = c.handle(call("c1", model="m1", at=11.5), 11.5)  # expired: discarded, not yet ticked
     by = {x.instance_id: x for x in one(out, RoutingDecision).candidates}
-    assert by["a"].queue_s == 0.0  # the lease was dead anyway; nothing charged
+    assert by["a"].reserved_s == 0.0  # the lease was dead anyway; nothing charged
 
 
 def test_no_lease_for_a_completion_overtaken_by_a_newer_call_or_redelivered():
@@ -219,7 +220,7 @@ def test_adaptive_lease_clamps_to_bounds():
 def test_lease_book_due_is_read_only_and_prunes_consumed_entries():
     book = LeaseBook()
     for i, exp in enumerate([3.0, 1.0, 2.0, 5.0]):
-        book.add(Lease(f"s{i}", "m1", "a", f"c{i}", 0.0, exp))
+        book.add(LeaseIssued(f"s{i}", "m1", "a", f"c{i}", 0.0, exp))
     assert [lease.session_id for lease in book.due(2.0)] == ["s1", "s2"]
     assert len(book.heap) == 4 and book.live_on("a", 2.0) == 2  # due() changed nothing
     book.remove("s1")

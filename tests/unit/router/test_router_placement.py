@@ -154,6 +154,19 @@ def test_hbm_check_on_kv_pool():
     assert audit.chosen == "b"
 
 
+def test_idle_sessions_kv_never_refuses_a_call():
+    """Device KV is a cache: only what running calls pin counts against the pool."""
+    c = core()
+    # Full of idle sessions' KV (the agent evicts it, oldest first, as pages are needed) ...
+    c.observe(snap("a", kv_capacity_tokens=1500, kv_used_tokens=1500, kv_pinned_tokens=0), 0.0)
+    audit, _ = decide(c, call("c0", tokens=1000), 0.0)
+    assert by_instance(audit)["a"].feasible and audit.chosen == "a"
+    # ... but KV that running calls hold does refuse.
+    c.observe(snap("a", version=2, kv_capacity_tokens=1500, kv_used_tokens=1500, kv_pinned_tokens=1000), 0.0)
+    audit, _ = decide(c, call("c1", session="s2", tokens=1000), 0.0)
+    assert by_instance(audit)["a"].reason == "hbm"
+
+
 def test_hot_pool_never_serves_another_model():
     c = core()
     c.observe(snap("hot", pool="hot", active="m1", models={"m1": "active", "m2": "absent"}), 0.0)
@@ -273,6 +286,10 @@ def test_overload_reject_answers_with_retry_after():
     assert audit.action == "reject" and audit.retry_after_s == 2.5
     failed = one(out, CallFailed)
     assert (failed.status, failed.stage) == (503, "router") and "overload" in failed.reason
+    # the decision row says why: the best instance's predicted TTFT (100K queued tokens at
+    # 10K tok/s = 10 s ahead, + 0.1 s prefill) against the admission budget (0.9 x 10 s)
+    assert "best predicted TTFT 10.1 s, budget 9.0 s" in failed.reason
+    assert audit.reason == failed.reason  # and so does the audit row (lease_decisions.reason)
     assert not [e for e in out if isinstance(e, CallRouted)]
 
 
@@ -284,6 +301,7 @@ def test_overload_queue_routes_least_cost_up_to_bound_then_rejects():
     assert audit.action == "route" and audit.chosen == "a"
     audit, out = decide(c, call("c1", session="s2"), 0.0)  # a now holds 2 (1 + overlay)
     assert audit.action == "reject" and one(out, CallFailed).status == 503
+    assert "every instance already holds 2 calls" in one(out, CallFailed).reason
 
 
 def test_staleness_blocks_new_placements():
@@ -385,3 +403,22 @@ def test_policy_config_is_validated():
         PolicyConfig(overload="drop")
     with pytest.raises(ValueError, match="gamma"):
         PolicyConfig(gamma=0.0)
+
+
+def test_decode_is_stretched_by_the_models_a_call_would_share_rounds_with():
+    # `a` has m1 active but rotates three models; `b` serves m2 only (m1 must be opened there)
+    def place(**cfg):
+        c = core(**cfg, **NO_LEASE)
+        c.observe(snap("a", models={"m1": "active", "m2": "absent", "m3": "absent"},
+                       queued={"m2": 1, "m3": 1}), 0.0)
+        c.observe(snap("b", active="m2", models={"m1": "absent", "m2": "active"}), 0.0)
+        audit, _ = decide(c, call("c1", max_tokens=1000), 0.0)
+        return audit, by_instance(audit)
+
+    audit, x = place(price_round_sharing=True)
+    sw = PolicyConfig().default_open_s  # the snapshots report no switch time: the fallback
+    # 10 s x (1 + others), plus one switch per other model and round
+    assert (x["a"].decode_s, x["b"].decode_s) == pytest.approx((30.0 + 2 * sw, 20.0 + sw))
+    assert audit.chosen == "b"  # opening m1 (2 s) beats a third slot in every round
+    audit, x = place()  # Eq. 1 as the paper writes it
+    assert x["a"].decode_s == x["b"].decode_s == pytest.approx(10.0) and audit.chosen == "a"

@@ -5,13 +5,13 @@ from __future__ import annotations
 import math
 
 from sched_driver import COSTS, Driver, make, ret, work
-from talaria.services.instance_agent.scheduler import CalibratedCosts, CostModel, Decode, LinearCosts, Prefill
+from talaria.services.instance_agent.scheduler import CalibratedCosts, StepCostModel, Decode, LinearCosts, Prefill
 from talaria.services.instance_agent.scheduler.costs import call_prefill_s, charged_kv
 
 
 def test_linear_costs_satisfy_the_protocol():
-    assert isinstance(COSTS, CostModel)
-    assert isinstance(CalibratedCosts(COSTS), CostModel)
+    assert isinstance(COSTS, StepCostModel)
+    assert isinstance(CalibratedCosts(COSTS), StepCostModel)
 
 
 def test_per_call_cost_depends_on_where_the_prefix_lives():

@@ -13,7 +13,7 @@ from talaria.services.instance_agent.scheduler import (
     InvalidWorkError,
     SchedulerConfig,
     UnknownCallError,
-    UnknownModelError,
+    ModelNotServedError,
     Work,
 )
 
@@ -36,7 +36,7 @@ def test_invalid_work_is_refused(fields):
 
 def test_unknown_model_and_duplicate_calls_are_refused():
     s = make(models=("a", "b"))
-    with pytest.raises(UnknownModelError) as info:
+    with pytest.raises(ModelNotServedError) as info:
         s.submit(work("x", "z"), 0.0)
     assert info.value.served == ("a", "b")
     s.submit(work("x", "a"), 0.0)

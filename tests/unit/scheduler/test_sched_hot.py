@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sched_driver import Driver, make, ret, work
-from talaria.services.instance_agent.scheduler import CallAdmitted, ConfigError, RoundEnded, UnknownModelError
+from talaria.services.instance_agent.scheduler import CallAdmitted, ConfigError, RoundEnded, ModelNotServedError
 
 
 def hot(**config):
@@ -45,7 +45,7 @@ def test_hot_pool_respects_max_batch():
 
 def test_hot_pool_refuses_other_models():
     s = hot()
-    with pytest.raises(UnknownModelError):
+    with pytest.raises(ModelNotServedError):
         s.submit(work("x", "b"), 0.0)
 
 

@@ -1,0 +1,107 @@
+"""Control-plane overhead of a live call, hop by hop (issue 11, ask 5).
+
+    python bench/control_overhead.py [--calls 60] [--concurrency 16] [--out results/control_overhead.md]
+
+Overhead = client latency minus the agent's prefill + decode (engine time), for 1-token
+calls on an idle one-agent stack, first sequential, then from `--concurrency` sessions at
+once. The hops come from the `calls` row timestamps (one machine, one clock):
+
+    client -> gateway submit      submitted_at - client send
+    submit -> routed              routed_at - submitted_at          (JetStream + router + its publishes)
+    routed -> started             started_at - routed_at            (agent intake + scheduler queue)
+    agent not computing           (completed_at - started_at) - prefill_s - decode_s
+    completed -> client           client receive - completed_at     (completion publish + reply)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from live import call_rows, connect, live_stack, ms, nats_call, p50, pct  # noqa: E402
+
+MODEL = "qwen3-tiny"
+HOPS = ("client_to_submit", "submit_to_routed", "routed_to_started", "agent_not_computing", "completed_to_client")
+
+
+async def measure(stack, n: int, concurrency: int) -> dict[str, list[float]]:
+    nc = await connect(stack)
+    sent: dict[str, tuple[float, float]] = {}  # call_id -> (send, latency)
+    ids: list[str] = []
+    lost: list[str] = []
+
+    async def session(k: int, calls: int) -> None:
+        for i in range(calls):
+            call_id = f"ovh-{concurrency}-{k}-{i}"
+            try:
+                reply, lat, t0 = await nats_call(nc, MODEL, f"ovh-{concurrency}-{k}", f"ping {i}",
+                                                 call_id=call_id, timeout=20)
+            except Exception:  # no reply: counted, not measured
+                lost.append(call_id)
+                continue
+            if type(reply).__name__ == "CallResult":
+                sent[call_id] = (t0, lat)
+                ids.append(call_id)
+
+    await nats_call(nc, MODEL, "warmup", "warm up", max_tokens=2)  # opens the model on the agent
+    per = max(1, n // concurrency)
+    await asyncio.gather(*(session(k, per) for k in range(concurrency)))
+    rows = await call_rows(stack, ids)
+    await nc.close()
+    out: dict[str, list[float]] = {h: [] for h in ("latency", "overhead", *HOPS)}
+    for cid in ids:
+        r = rows.get(cid)
+        if r is None or r["sta"] is None:
+            continue
+        t0, lat = sent[cid]
+        engine = (r["prefill_s"] or 0) + (r["decode_s"] or 0)
+        out["latency"].append(lat)
+        out["overhead"].append(lat - engine)
+        out["client_to_submit"].append(float(r["sub"]) - t0)
+        out["submit_to_routed"].append(float(r["rou"]) - float(r["sub"]))
+        out["routed_to_started"].append(float(r["sta"]) - float(r["rou"]))
+        out["agent_not_computing"].append(float(r["com"]) - float(r["sta"]) - engine)
+        out["completed_to_client"].append(t0 + lat - float(r["com"]))
+    out["lost"] = lost
+    return out
+
+
+def table(results: dict[int, dict[str, list[float]]]) -> str:
+    lines = ["| figure (ms) | " + " | ".join(f"c={c} p50 | c={c} p95" for c in results) + " |",
+             "|---|" + "---|---|" * len(results)]
+    for key in ("latency", "overhead", *HOPS):
+        cells = []
+        for res in results.values():
+            cells += [ms(p50(res[key])), ms(pct(res[key], 0.95))]
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    lines.append("| calls measured / without reply (20 s) | "
+                 + " | ".join(f"{len(r['latency'])} | {len(r['lost'])}" for r in results.values()) + " |")
+    return "\n".join(lines)
+
+
+def measure_all(args) -> str:
+    with live_stack(agents=1) as stack:
+        results = {1: asyncio.run(measure(stack, args.calls, 1))}
+        results[args.concurrency] = asyncio.run(measure(stack, args.calls * 2, args.concurrency))
+    return table(results)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--calls", type=int, default=60)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--out", default=None, help="append the table to this Markdown file")
+    args = p.parse_args()
+    text = measure_all(args)
+    print(text)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(text + "\n\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""One contract, two stores: the Postgres projection and the in-memory one give the same rows.
+
+Each test applies a sequence of events (some re-delivered, some out of order) to a store and
+checks what an operator would read. Both stores run every test, so the SQL in projector.py and
+the fold in store.py cannot drift apart.
+"""
+
+import msgspec
+import pytest
+
+from talaria.services.telemetry.store import MemoryStore, PoisonEvent, PostgresStore
+from talaria.shared import messages as m
+from talaria.shared.db.engine import create_engine
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(params=["postgres", "memory"])
+async def store(request, database_url):
+    s = MemoryStore() if request.param == "memory" else PostgresStore(create_engine(database_url))
+    yield s
+    await s.close()
+
+
+def submitted(i: int, session: str = "s1") -> m.CallSubmitted:
+    return m.CallSubmitted(call_id=f"c{i}", session_id=session, model="qwen3-tiny", prompt_ids=[256] * 10,
+                           block_hashes=[], max_tokens=4, submitted_at=1000.0 + i)
+
+
+def routed(i: int) -> m.CallRouted:
+    return m.CallRouted(call=submitted(i), call_index=i, instance_id="agent-0", policy="talaria",
+                        routed_at=1000.1 + i)
+
+
+def completed(i: int, session: str = "s1") -> m.CallCompleted:
+    return m.CallCompleted(f"c{i}", session, i, "qwen3-tiny", "agent-0", 10, 4, "length", 1000.0 + i,
+                           1000.2 + i, 1000.3 + i, 1000.5 + i, cached_tokens=6, kv_source="device",
+                           queue_s=0.01, ttft_s=0.2)
+
+
+def failed(i: int, session: str = "s1") -> m.CallFailed:
+    return m.CallFailed(call_id=f"c{i}", session_id=session, model="qwen3-tiny", stage="agent", reason="boom",
+                        status=500, at=1000.4 + i)
+
+
+def decision(i: int) -> m.RoutingDecision:
+    return m.RoutingDecision(f"c{i}", "s1", i, "qwen3-tiny", "talaria", "route", 1000.1 + i, chosen="agent-0",
+                             lease_outcome="consumed")
+
+
+async def apply(store, *events) -> list[bool]:
+    out = []
+    async with store.batch() as batch:
+        for seq, event in enumerate(events, start=1 + await store.offset()):
+            out.append(await batch.project(event, seq))
+    return out
+
+
+async def test_one_call_start_to_finish(store):
+    started = m.CallStarted(call_id="c0", session_id="s1", instance_id="agent-0", started_at=1000.2)
+    await apply(store, submitted(0), routed(0), decision(0), started, completed(0))
+    call = await store.call("c0")
+    assert (call["outcome"], call["instance_id"], call["call_index"], call["prompt_tokens"]) == \
+        ("completed", "agent-0", 0, 10)
+    assert (call["output_tokens"], call["cached_tokens"], call["kv_source"], call["ttft_s"]) == (4, 6, "device", 0.2)
+    assert call["routed_at"] is not None and call["started_at"] is not None
+    session = await store.session("s1")
+    assert (session["calls"], session["completed"], session["failed"], session["last_instance"]) == \
+        (1, 1, 0, "agent-0")
+    assert (await store.decision("c0"))["outcome"] == "completed"
+    assert await store.offset() == 5
+
+
+async def test_every_event_applied_twice_counts_once(store):
+    events = [submitted(0), routed(0), decision(0), completed(0), submitted(1), failed(1)]
+    first = await apply(store, *events)
+    again = await apply(store, *events)
+    assert first[0] and first[3] and first[5]
+    assert not again[0] and not again[3] and not again[5]
+    session = await store.session("s1")
+    assert (session["calls"], session["completed"], session["failed"]) == (2, 1, 1)
+
+
+async def test_a_failed_call_never_becomes_completed(store):
+    await apply(store, submitted(0), failed(0), completed(0))
+    assert (await store.call("c0"))["outcome"] == "failed"
+    session = await store.session("s1")
+    assert (session["completed"], session["failed"]) == (0, 1)
+
+
+async def test_a_cancelled_call_says_so_and_stays_cancelled(store):
+    cancel = msgspec.structs.replace(failed(0), status=m.CANCELLED_STATUS, reason="client went away")
+    await apply(store, submitted(0), routed(0), decision(0), cancel, completed(0))
+    assert (await store.call("c0"))["outcome"] == "cancelled"
+    assert (await store.decision("c0"))["outcome"] == "cancelled"
+
+
+async def test_a_rejection_row_says_why(store):
+    why = "overload: best predicted TTFT 10.1 s, budget 9.0 s"
+    reject = msgspec.structs.replace(decision(0), action="reject", chosen=None, reason=why)
+    await apply(store, submitted(0), reject)
+    row = await store.decision("c0")
+    assert (row["action"], row["chosen_instance"], row["reason"]) == ("reject", None, why)
+
+
+async def test_out_of_order_delivery_gives_the_same_rows(store):
+    """The completion and the decision before the submission and the route."""
+    await apply(store, completed(0), decision(0), routed(0), submitted(0))
+    call = await store.call("c0")
+    assert (call["outcome"], call["api"], call["prompt_tokens"]) == ("completed", "nats", 10)
+    session = await store.session("s1")
+    assert (session["calls"], session["completed"]) == (1, 1)
+    assert (await store.decision("c0"))["outcome"] == "completed"
+
+
+async def test_rows_keyed_by_sequence_are_written_once(store):
+    lease = m.LeaseIssued(session_id="s1", model="qwen3-tiny", instance_id="agent-0", call_id="c0",
+                          issued_at=1000.0, expires_at=1001.0)
+    async with store.batch() as batch:
+        await batch.project(lease, 7)
+        await batch.project(lease, 7)  # the same stream message delivered again
+        await batch.project(lease, 8)
+    assert await store.rows("lease_events") == 2
+
+
+async def test_a_failing_batch_leaves_nothing_behind(store):
+    with pytest.raises(RuntimeError):
+        async with store.batch() as batch:
+            await batch.project(submitted(0), 1)
+            raise RuntimeError("the consumer died mid-batch")
+    assert await store.call("c0") is None
+    assert await store.rows("sessions") == 0
+    assert await store.offset() == 0
+
+
+async def test_a_poison_event_is_quarantined_and_the_batch_commits(store):
+    async with store.batch() as batch:
+        await batch.project(submitted(0), 1)
+        await batch.quarantine(2, "talaria.evt.call.completed", "undecodable", b"\x00garbage")
+    assert (await store.call("c0"))["outcome"] == "submitted"
+    assert await store.rows("quarantined_events") == 1
+    assert await store.offset() == 2
+
+
+async def test_postgres_refusing_an_event_makes_it_poison(database_url):
+    """A value Postgres refuses (an infinite timestamp, standing in for any data error) is the
+    event's fault: PoisonEvent, and the batch's other events commit."""
+    store = PostgresStore(create_engine(database_url))
+    try:
+        bad = msgspec.structs.replace(submitted(1), submitted_at=float("inf"))  # no timestamp for inf
+        async with store.batch() as batch:
+            await batch.project(submitted(0), 1)
+            with pytest.raises(PoisonEvent):
+                await batch.project(bad, 2)
+        assert (await store.call("c0"))["outcome"] == "submitted"
+        assert await store.call("c1") is None
+    finally:
+        await store.close()

@@ -1,0 +1,49 @@
+"""Chunked prefill in the engine: a prompt computed in chunks, with other calls decoding
+in between, yields exactly the tokens of a whole prefill; idle KV is reported as evictable."""
+
+import pytest
+
+from talaria.services.instance_agent.engine import GenRequest
+from talaria.services.instance_agent.engine.errors import UnknownCall
+from talaria.shared.tokenizer import encode
+
+PROMPT = encode("Summarise the failing test output and propose a patch for the parser. " * 6)
+
+
+def test_chunks_with_decodes_between_give_the_whole_prefills_tokens(make_engine):
+    ref = make_engine(["qwen3-tiny"], hkvr=False, staging=False)
+    want = ref.generate(GenRequest("ref", "ref", "qwen3-tiny", PROMPT, 6)).token_ids
+
+    eng = make_engine(["qwen3-tiny"], hkvr=False, staging=False)
+    eng.prefill([GenRequest("other", "o", "qwen3-tiny", encode("hello"), 20)])
+    assert eng.prefill([GenRequest("long", "s", "qwen3-tiny", PROMPT, 6)], chunk_tokens=100) == []
+    with pytest.raises(UnknownCall):
+        eng.decode(["long"])  # still prefilling: it has no first token to feed back
+    steps = []
+    while not steps:
+        eng.decode(["other"])  # another call decodes between the chunks
+        steps = eng.prefill([], chunk_tokens=100, more=["long"])
+    assert [s.call_id for s in steps] == ["long"]
+    while not steps[-1].finished:
+        steps = eng.decode(["long"])
+    assert eng.finish("long").token_ids == want
+
+
+def test_idle_sessions_kv_is_used_but_not_pinned(make_engine):
+    eng = make_engine(["qwen3-tiny"], hkvr=False)  # no D2H copy in flight (those pin pages briefly)
+    eng.generate(GenRequest("c1", "s1", "qwen3-tiny", PROMPT, 4))
+    stats = eng.stats()
+    assert stats.kv_used_tokens > 0  # the session's KV stays on device for its return ...
+    assert stats.kv_pinned_tokens == 0  # ... but no running call holds it: evictable
+    eng.prefill([GenRequest("c2", "s2", "qwen3-tiny", PROMPT, 4)])
+    assert eng.stats().kv_pinned_tokens >= len(PROMPT)
+
+
+def test_a_chunk_ends_early_when_the_driver_asks(make_engine):
+    eng = make_engine(["qwen3-tiny"], hkvr=False, staging=False, prefill_chunk=64)
+    eng.should_yield = lambda: True  # a call arrived: end the chunk at the next forward pass
+    assert eng.prefill([GenRequest("long", "s", "qwen3-tiny", PROMPT, 2)], chunk_tokens=10_000) == []
+    assert eng.running["long"].kv_len == 64
+    eng.should_yield = None
+    [step] = eng.prefill([], chunk_tokens=10_000, more=["long"])
+    assert step.call_id == "long"

@@ -1,0 +1,103 @@
+"""The workload matrix: every factor level present, capacity from the profile, load scales
+arrivals, and the win table / goals are computed the way the report states them."""
+
+import math
+
+import pytest
+
+from talaria.sim.executor import instance_config
+from talaria.sim.matrix import (BASELINES, OURS, PAPER, POLICIES, Cell, capacity_s, cells, heat_map, run_one,
+                                server_for, session_work_s, wins, win_table, workload)
+from talaria.sim.workloads import agent_sessions, at_rate
+
+
+def test_every_level_of_every_factor_appears_in_at_least_24_cells():
+    grid = [c for c in cells() if not c.weka]
+    assert len(grid) >= 24
+    levels = {f: {getattr(c, f) for c in grid} for f in ("depth", "prompt", "output", "gaps", "arrivals",
+                                                          "catalogue", "instances")}
+    assert levels == {"depth": {5, 30, 100}, "prompt": {8_000, 25_000, 100_000}, "output": {50, 250, 1_000},
+                      "gaps": {"paper", "heavy"}, "arrivals": {"poisson", "bursts"}, "catalogue": {3, 20},
+                      "instances": {1, 4, 16}}
+    loads = {c.load for c in grid}
+    assert min(loads) == pytest.approx(0.3) and max(loads) == pytest.approx(1.2)
+    assert {c.weka for c in cells() if c.weka} == {"fixed-replay", "router-testbed"}
+    assert len({c.seed for c in grid}) == len(grid)  # each cell its own seed
+
+
+def test_generated_shapes_follow_their_levels():
+    heavy = agent_sessions(40, ["a"], depth=30, prompt=25_000, output=250, gaps="heavy", seed=1)
+    gaps = [c.gap_before_s for s in heavy for c in s.calls if c.call_index]
+    assert 0.06 < sum(g > 5 for g in gaps) / len(gaps) < 0.14
+    paper = agent_sessions(40, ["a"], depth=30, prompt=25_000, output=250, gaps="paper", seed=1)
+    assert max(c.gap_before_s for s in paper for c in s.calls if c.call_index) <= 10.0
+    prompts = sorted(c.prompt_tokens for s in paper for c in s.calls)
+    assert 12_000 < prompts[len(prompts) // 2] < 50_000
+    bursts = agent_sessions(16, ["a"], 5, 8_000, 50, arrivals="bursts", seed=2)
+    starts = [s.calls[0].gap_before_s for s in bursts]
+    assert max(starts[:8]) - min(starts[:8]) <= 0.5  # a burst arrives together
+    fast = at_rate(paper, 4.0)
+    assert fast[5].calls[0].gap_before_s == pytest.approx(paper[5].calls[0].gap_before_s / 4)
+    assert fast[5].calls[1:] == paper[5].calls[1:]
+    with pytest.raises(ValueError):
+        agent_sessions(1, ["a"], 5, 8_000, 50, gaps="weird")
+
+
+def test_capacity_is_instances_over_the_session_work_bound():
+    cell = Cell("t", depth=5, prompt=8_000, output=50, instances=4, load=0.5)
+    server = server_for(cell)
+    flags = instance_config("talaria")
+    sessions, _, shape = workload(cell, flags)
+    base = agent_sessions(cell.sessions, list(server.models), 5, 8_000, 50, seed=cell.seed)
+    work = [session_work_s(s, server, flags.max_batch) for s in base]
+    assert all(w > 0 for w in work)
+    assert capacity_s(base, server, 4, flags.max_batch) == pytest.approx(4 / (sum(work) / len(work)))
+    assert shape["arrival_rate_s"] == pytest.approx(0.5 * shape["capacity_sessions_s"])
+    assert capacity_s(base, server, 8, flags.max_batch) == pytest.approx(2 * shape["capacity_sessions_s"])
+
+
+def _fake(ours95, paper_rej=3):
+    res = {b: {"sct_p50": 10.0 + k, "sct_p95": 20.0 + k, "goodput_calls_s": 1.0, "rejected": 0, "gave_up": 0}
+           for k, b in enumerate(BASELINES)}
+    res[OURS] = {"sct_p50": 9.0, "sct_p95": ours95, "goodput_calls_s": 1.1, "rejected": 0, "gave_up": 0}
+    res[PAPER] = {"sct_p50": 12.0, "sct_p95": math.inf, "goodput_calls_s": 0.5, "rejected": paper_rej, "gave_up": 1}
+    return {"policies": list(POLICIES), "baselines": list(BASELINES), "workers": 1, "wall_s": 1.0,
+            "cells": [{"name": "c1", "load": 1.0, "results": res},
+                      {"name": "c2", "load": 1.2, "results": {**res, OURS: {**res[OURS], "goodput_calls_s": 0.9}}}]}
+
+
+def test_win_table_compares_with_the_best_baseline_and_states_the_goals(tmp_path):
+    w = wins(_fake(ours95=18.0))
+    r = w["rows"][0]
+    assert r["best_p95"] == BASELINES[0] and r["ratio_p95"] == pytest.approx(18 / 20)
+    assert r["ok_sct"] and r["ok_reject"] and w["rows"][1]["ok_goodput"] is False
+    assert w["goals"]["sct_within_2pct"] == 2 and w["goals"]["goodput_at_120"] == 1
+    assert w["geomean_p95_vs"][BASELINES[0]] == pytest.approx(0.9)
+    assert not wins(_fake(ours95=21.0))["rows"][0]["ok_sct"]  # 5 % worse than the best baseline: missed
+    table = win_table(_fake(ours95=18.0))
+    assert "| c1 | 100 % |" in table and "0.90×" in table and "✗" in table
+    assert heat_map(_fake(ours95=18.0), tmp_path / "h.png") == "h.png" and (tmp_path / "h.png").stat().st_size > 0
+
+
+def test_one_small_cell_runs_every_policy_to_completion():
+    cell = Cell("tiny", depth=5, prompt=8_000, output=50, instances=2, load=0.6, seed=3)
+    for policy in (OURS, "session-sticky"):
+        r = run_one(cell, policy)
+        assert r["complete"] and r["gave_up"] == 0 and r["calls"] > 0
+        assert r["shape"]["capacity_sessions_s"] > 0
+
+
+def test_sensitivity_variants_change_one_knob_and_are_reported_against_ours():
+    from talaria.sim.matrix import SENSITIVITY, policy_config, sensitivity_table
+
+    name, pc = policy_config("talaria[new_session_backlog_weight=4]")
+    ours = policy_config(OURS)[1]
+    assert name == "talaria" and pc.new_session_backlog_weight == 4.0
+    assert pc.overload == ours.overload and pc.lease_charge_s == ours.lease_charge_s
+    assert len(SENSITIVITY) == 6
+    m = _fake(ours95=18.0)
+    m["policies"].append("talaria[lease_charge_s=0.5]")
+    for c in m["cells"]:
+        c["results"]["talaria[lease_charge_s=0.5]"] = {**c["results"][OURS], "sct_p95": 19.8}
+    table = "\n".join(sensitivity_table(m))
+    assert "| talaria[lease_charge_s=0.5] | 1.00× | 1.10× |" in table
