@@ -327,7 +327,10 @@ CAUSES = {
                           "acknowledged events whose transaction the crash undid (see kill-telemetry).",
     "kill-agent": "the dead agent's calls wait for heartbeat loss (4 beats = 2 s), then the client's "
                   "Retry-After (1 s, HTTP's smallest), then a survivor that just took twice the load.",
-    "nats-pause": "not a service fault: every call waits for the 5 s pause itself.",
+    "nats-pause": "not a service fault (every call waits out the 5 s pause), but some calls ended in 504 "
+                  "after the 30 s call timeout: an agent's engine kept one call 'running' (\"cannot switch "
+                  "model: 1 call(s) still running\") after the pause and its session's calls behind it waited; "
+                  "seen only after merging the fast-dispatch / chunked-prefill live path, cause not yet found.",
 }
 
 
@@ -355,7 +358,7 @@ def write_markdown(results: list[dict], sessions: int, calls: int, path: Path, c
               "being down (refused connections, then 503 `no_capacity` while the gateway is up before the "
               "agents). nats-pause is not a service fault (calls wait out the 5 s pause). Measured on the "
               "shared 2-core CPU machine; per-session details in `faults.json`.", ""]
-    missed = [r for r in results if not goals_met(r)]
+    missed = [r for r in results if not goals_met(r) or r["gave_up"]]
     if missed:
         lines += ["## Misses and their causes", ""]
         lines += [f"- **{r['fault']}**: {CAUSES.get(r['fault'], 'cause not yet known')}" for r in missed]
