@@ -184,7 +184,8 @@ class CallSubmitted(Struct, frozen=True, tag="call.submitted"):
     deadline_at: float = 0.0
     tenant: str = ""  # the API key's tenant; "" when the gateway has no keys
     kv_scope: str = ""  # salt of block_hashes: KV prefixes are reused only within one scope
-    # Simulator only: a token count without materialised ids (talaria/sim); 0 = use ids.
+    # A token count without materialised ids: the simulator's calls, and the stream's copy of a
+    # routed call (its ids stay in the CallSubmitted); 0 = use ids.
     prompt_tokens_hint: int = 0
 
     @property
@@ -203,6 +204,15 @@ class CallRouted(Struct, frozen=True, tag="call.routed"):
     # The agent process the call was placed on (its snapshot's incarnation; "" = any). A
     # restarted agent drops calls placed on its predecessor: the router has failed them.
     incarnation: str = ""
+    # On the stream, `call` comes without its prompt ids: they are stored once, in the
+    # CallSubmitted at this stream sequence (0: `call` is complete, as on the fast dispatch copy).
+    submitted_seq: int = 0
+
+    def by_reference(self, submitted_seq: int) -> "CallRouted":
+        """The stream's copy: the prompt ids stay in the CallSubmitted at `submitted_seq`."""
+        call = self.call
+        slim = msgspec.structs.replace(call, prompt_ids=[], prompt_tokens_hint=call.prompt_tokens)
+        return msgspec.structs.replace(self, call=slim, submitted_seq=submitted_seq)
 
 
 class CallStarted(Struct, frozen=True, tag="call.started"):

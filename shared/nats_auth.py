@@ -111,7 +111,8 @@ def permissions(role: str, prefix: str = "talaria", instance_id: str | None = No
             raise ValueError("an agent user needs its instance id")
         pub = [f"{evt}.call.started", f"{evt}.call.completed", f"{evt}.call.failed", f"{evt}.switch.done",
                f"{evt}.round.summary", f"{prefix}.tokens.>", f"{prefix}.reply.>",
-               f"{prefix}.telemetry.{instance_id}", f"{prefix}.health.agent-{instance_id}", *js]
+               f"{prefix}.telemetry.{instance_id}", f"{prefix}.health.agent-{instance_id}",
+               f"$JS.API.STREAM.MSG.GET.{stream}", *js]  # a routed call's prompt, read by reference
         # instance.lost: the router declared this process lost; it stops the calls listed
         sub = [*watch, *inbox, f"{prefix}.cancel", f"{prefix}.dispatch.{instance_id}", f"{evt}.instance.lost"]
         return {"publish": {"allow": pub}, "subscribe": {"allow": sub}}

@@ -10,6 +10,7 @@ import msgspec
 from aiohttp import web
 
 from talaria.services.gateway.anthropic_api import AnthropicApi
+from talaria.services.gateway.http_errors import json_errors
 from talaria.services.gateway.auth import TENANT, KeyStore, client_session, http_middleware, scoped_session
 from talaria.services.gateway.openai_api import (
     CHAT_DECODER,
@@ -75,7 +76,7 @@ class HttpApi:
         self.parser_pool = parser_pool  # an executor for large bodies; None: parse inline
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[http_middleware(self.keys)])
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_errors, http_middleware(self.keys)])
         app.add_routes([
             web.post("/v1/chat/completions", self.chat),
             web.post("/v1/completions", self.completions),

@@ -20,7 +20,16 @@ from talaria.shared import logs, subjects, tracing
 from talaria.shared.bus import close, connect, emit
 from talaria.shared.limits import call_problem
 from talaria.shared.nats_auth import parse_sender, sender_of, trusted
-from talaria.shared.messages import CANCEL_DECODER, ROUTED_DECODER, CallFailed, CallRouted, ErrorReply, encode
+from talaria.shared.messages import (
+    CANCEL_DECODER,
+    EVENT_DECODER,
+    ROUTED_DECODER,
+    CallFailed,
+    CallRouted,
+    CallSubmitted,
+    ErrorReply,
+    encode,
+)
 from talaria.shared.settings import Settings
 
 ACK_WAIT_S = 60.0  # held calls send in_progress() every 20 s, so only a dead agent's calls return
@@ -130,6 +139,10 @@ async def _fetch_loop(sub, runner: CallRunner, js, nc, log, stop: asyncio.Event)
                 await msg.term()
                 continue
             try:
+                routed = await _with_prompt(js, runner, routed)
+                if routed is None:  # its submission is gone from the stream: the client may retry
+                    await msg.ack()
+                    continue
                 problem = call_problem(routed.call)
                 if problem is not None:  # published past the gateway's checks: fail it alone
                     await _refuse(js, nc, routed, f"invalid {problem[0]}: {problem[1]}", status=400)
@@ -157,6 +170,26 @@ async def _on_cancel(msg, runner: CallRunner, log) -> None:
         await runner.cancel(cancel.call_id, cancel.reason, cancel.tenant)
     except Exception:  # one bad cancel must not stop the subscription
         log.exception("cancel failed", call_id=cancel.call_id)
+
+
+async def _with_prompt(js, runner: CallRunner, routed: CallRouted) -> CallRouted | None:
+    """The stream's copy of a routed call refers to its CallSubmitted for the prompt ids (they
+    are stored once). Usually the fast copy already started the call and nothing is fetched;
+    otherwise (a restart, a lost fast copy) the submission is read back from the stream."""
+    call = routed.call
+    if call.prompt_ids or not routed.submitted_seq or call.call_id in runner.calls or call.call_id in runner.finished:
+        return routed
+    try:
+        raw = await js.get_msg(subjects.EVENTS_STREAM, routed.submitted_seq)
+        submitted = EVENT_DECODER.decode(raw.data)
+    except Exception as exc:
+        await _refuse(js, runner.nc, routed, f"its submission could not be read back from the stream: {exc}")
+        return None
+    if (not isinstance(submitted, CallSubmitted) or submitted.call_id != call.call_id
+            or not trusted(raw, submitted)):
+        await _refuse(js, runner.nc, routed, "its stream reference does not name its gateway submission", status=400)
+        return None
+    return msgspec.structs.replace(routed, call=submitted, submitted_seq=0)
 
 
 async def _refuse(js, nc, routed: CallRouted, reason: str, status: int = 503) -> None:

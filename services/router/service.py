@@ -272,6 +272,9 @@ class RouterService:
                 for out in outputs:  # the fast copy first: the agent need not wait for the stream
                     if isinstance(out, CallRouted):
                         await publish_fast(self.js, subjects.dispatch(out.instance_id), out)
+                if isinstance(event, CallSubmitted):  # the stream keeps the prompt ids once
+                    seq = msg.metadata.sequence.stream
+                    outputs = [o.by_reference(seq) if isinstance(o, CallRouted) else o for o in outputs]
                 # The state already counts these outputs, so they must reach the stream before
                 # the input is acked: retry (msg ids make retries idempotent) rather than drop.
                 await self._publish_all(outputs)

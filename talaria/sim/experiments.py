@@ -242,7 +242,8 @@ def run(names: list[str], out_dir: Path, json_path: Path | None, quick: bool,
     results: dict = {}
     for name in names:
         if name == "matrix":
-            from talaria.sim.matrix import run_matrix, write_outputs
+            from talaria.sim.matrix import run_matrix
+            from talaria.sim.matrix_report import write_outputs
 
             results[name] = run_matrix(**(matrix or {}))
             _log(f"matrix: {results[name]['wall_s']:.0f} s wall; {write_outputs(results[name], out_dir)}")

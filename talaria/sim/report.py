@@ -315,7 +315,7 @@ def write_report(results: dict, out: Path, notes: str = NOTES) -> Path:
     if "scale" in results:
         lines += scale_section(results["scale"], out)
     if "matrix" in results:
-        from talaria.sim.matrix import matrix_section
+        from talaria.sim.matrix_report import matrix_section
 
         lines += matrix_section(results["matrix"])
     lines += goals_section(results)

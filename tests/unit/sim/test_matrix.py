@@ -6,8 +6,9 @@ import math
 import pytest
 
 from talaria.sim.executor import instance_config
-from talaria.sim.matrix import (BASELINES, OURS, PAPER, POLICIES, Cell, capacity_s, cells, heat_map, run_one,
-                                server_for, session_work_s, wins, win_table, workload)
+from talaria.sim.matrix import (BASELINES, OURS, PAPER, POLICIES, Cell, capacity_s, cells, run_one, server_for,
+                                session_work_s, workload)
+from talaria.sim.matrix_report import heat_map, wins, win_table
 from talaria.sim.workloads import agent_sessions, at_rate
 
 
@@ -88,7 +89,8 @@ def test_one_small_cell_runs_every_policy_to_completion():
 
 
 def test_sensitivity_variants_change_one_knob_and_are_reported_against_ours():
-    from talaria.sim.matrix import SENSITIVITY, policy_config, sensitivity_table
+    from talaria.sim.matrix import SENSITIVITY, policy_config
+    from talaria.sim.matrix_report import sensitivity_table
 
     name, pc = policy_config("talaria[new_session_backlog_weight=4]")
     ours = policy_config(OURS)[1]
