@@ -143,7 +143,9 @@ async def _finish(conn, call_id: str, values: dict, row: dict) -> bool:
     return result.rowcount > 0
 
 
-async def _completed(conn, e: CallCompleted) -> bool:
+def completed_values(e: CallCompleted) -> tuple[dict, dict]:
+    """(the final columns, the row's identity should the completion be its first event);
+    shared with the in-memory store so both write the same columns."""
     values = dict(
         call_index=e.call_index, instance_id=e.instance_id, outcome="completed",
         prompt_tokens=e.prompt_tokens, output_tokens=e.output_tokens, cached_tokens=e.cached_tokens,
@@ -151,7 +153,23 @@ async def _completed(conn, e: CallCompleted) -> bool:
         first_token_at=ts(e.first_token_at), completed_at=ts(e.completed_at), queue_s=e.queue_s,
         ttft_s=e.ttft_s, prefill_s=e.prefill_s, decode_s=e.decode_s, slot_wait_s=e.slot_wait_s,
     )
-    row = dict(session_id=e.session_id, model=e.model, submitted_at=ts(e.submitted_at))
+    return values, dict(session_id=e.session_id, model=e.model, submitted_at=ts(e.submitted_at))
+
+
+def failed_values(e: CallFailed) -> tuple[dict, dict]:
+    """As `completed_values`; a client's cancel (status 499) is outcome `cancelled`."""
+    outcome = "cancelled" if e.status == CANCELLED_STATUS else "failed"
+    values = dict(outcome=outcome, error=text_(e.reason), failed_stage=text_(e.stage), status=e.status,
+                  completed_at=ts(e.at))
+    if e.instance_id:
+        values["instance_id"] = e.instance_id
+    if e.call_index is not None:
+        values["call_index"] = e.call_index
+    return values, dict(session_id=e.session_id, model=e.model, submitted_at=ts(e.at))
+
+
+async def _completed(conn, e: CallCompleted) -> bool:
+    values, row = completed_values(e)
     if not await _finish(conn, e.call_id, values, row):
         return False  # already final: count it once, never flip failed -> completed
     await _bump_session(conn, e.session_id, ts(e.completed_at), e.model, completed=1, instance=e.instance_id)
@@ -162,14 +180,8 @@ async def _completed(conn, e: CallCompleted) -> bool:
 
 
 async def _failed(conn, e: CallFailed) -> bool:
-    outcome = "cancelled" if e.status == CANCELLED_STATUS else "failed"
-    values = dict(outcome=outcome, error=text_(e.reason), failed_stage=text_(e.stage), status=e.status,
-                  completed_at=ts(e.at))
-    if e.instance_id:
-        values["instance_id"] = e.instance_id
-    if e.call_index is not None:
-        values["call_index"] = e.call_index
-    row = dict(session_id=e.session_id, model=e.model, submitted_at=ts(e.at))
+    values, row = failed_values(e)
+    outcome = values["outcome"]
     if not await _finish(conn, e.call_id, values, row):
         return False
     await _bump_session(conn, e.session_id, ts(e.at), e.model, failed=1)

@@ -20,10 +20,9 @@ from typing import Protocol
 from sqlalchemy import func, select, text
 from sqlalchemy.dialects.postgresql import insert
 
-from talaria.services.telemetry.projector import FINAL, project, text_, ts
+from talaria.services.telemetry.projector import FINAL, completed_values, failed_values, project, text_, ts
 from talaria.shared.db.schema import calls, lease_decisions, metadata, projections, quarantined_events, sessions
 from talaria.shared.messages import (
-    CANCELLED_STATUS,
     CallCompleted,
     CallFailed,
     CallRouted,
@@ -313,28 +312,14 @@ class _MemoryBatch(_Offset):
             decision.update({c: call.get(c) for c in ("outcome", "ttft_s", "kv_source", "completed_at")})
 
     def _completed(self, e: CallCompleted) -> bool:
-        values = dict(
-            call_index=e.call_index, instance_id=e.instance_id, outcome="completed", prompt_tokens=e.prompt_tokens,
-            output_tokens=e.output_tokens, cached_tokens=e.cached_tokens, kv_source=e.kv_source,
-            finish_reason=text_(e.finish_reason), started_at=ts(e.started_at), first_token_at=ts(e.first_token_at),
-            completed_at=ts(e.completed_at), queue_s=e.queue_s, ttft_s=e.ttft_s, prefill_s=e.prefill_s,
-            decode_s=e.decode_s, slot_wait_s=e.slot_wait_s)
-        if not self._finish(e.call_id, values, dict(session_id=e.session_id, model=e.model,
-                                                     submitted_at=ts(e.submitted_at))):
+        if not self._finish(e.call_id, *completed_values(e)):
             return False
         self._bump(e.session_id, ts(e.completed_at), e.model, completed=1, instance=e.instance_id)
         self._join_decision(e.call_id)
         return True
 
     def _failed(self, e: CallFailed) -> bool:
-        outcome = "cancelled" if e.status == CANCELLED_STATUS else "failed"
-        values = dict(outcome=outcome, error=text_(e.reason), failed_stage=text_(e.stage), status=e.status,
-                      completed_at=ts(e.at))
-        if e.instance_id:
-            values["instance_id"] = e.instance_id
-        if e.call_index is not None:
-            values["call_index"] = e.call_index
-        if not self._finish(e.call_id, values, dict(session_id=e.session_id, model=e.model, submitted_at=ts(e.at))):
+        if not self._finish(e.call_id, *failed_values(e)):
             return False
         self._bump(e.session_id, ts(e.at), e.model, failed=1)
         self._join_decision(e.call_id)
