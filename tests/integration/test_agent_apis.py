@@ -114,8 +114,8 @@ async def test_an_openai_agent_session_keeps_tool_calls_in_the_prompt(served):
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + 40  # the call and its result are in the prompt
     assert second.usage.prompt_tokens_details.cached_tokens >= 16
     with pytest.raises(openai.BadRequestError) as info:
-        await client.chat.completions.create(messages=messages, logprobs=True, **kw)
-    assert info.value.body["param"] == "logprobs"
+        await client.chat.completions.create(messages=messages, logit_bias={"99999999": 5}, **kw)
+    assert info.value.body["param"] == "logit_bias"
 
 
 @pytest.fixture
