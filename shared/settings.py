@@ -43,7 +43,7 @@ class Settings:
     policy: str = "talaria"
     lease_timeout_s: float = 1.0
     adaptive_lease: bool = False
-    overload: str = "reject"
+    overload: str = "queue"
     instance_id: str = field(default_factory=lambda: f"agent-{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
     models: tuple[str, ...] = ("qwen3-tiny", "qwen3-moe-tiny", "gpt2-tiny")
     pool: str = "cold"

@@ -38,7 +38,7 @@ class PolicyConfig:
     gamma: float = 0.9  # simulated round load must stay <= gamma * ttft_target
     ttft_target_s: float = 10.0
     stale_after_s: float = 2.0  # older snapshots: no new non-reserved placements
-    overload: str = "reject"  # reject | queue
+    overload: str = "queue"  # queue (ours: reject only past the queue bound) | reject (the paper)
     # Beyond the paper (ours): a return whose KV is on an instance passes that instance's
     # round admission. Its own work there is a restore or nothing; failing it would send the
     # session to an idle instance to recompute and open its model (measured: router testbed
