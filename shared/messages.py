@@ -87,6 +87,19 @@ class CallRequest(Struct, frozen=True):
     tool_choice: str = "auto"  # auto | required | none | tool (stated in the prompt, not enforced)
     forced_tool: str | None = None  # the tool's name when tool_choice is "tool"
     api_key: str | None = None  # required when the gateway has API keys configured
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit (limits.py bounds)
+    logprobs: bool = False  # return each generated token's log-probability
+    top_logprobs: int = 0  # and that many most likely alternatives (needs `logprobs`)
+
+
+class TokenLogprob(Struct, frozen=True, array_like=True):
+    """One generated token's log-probability and its `top_logprobs` alternatives (ids and
+    logprobs, most likely first). Array-like and rounded: a call carries one per token."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
 
 
 class Usage(Struct, frozen=True):
@@ -117,6 +130,7 @@ class CallResult(Struct, frozen=True, tag="result"):
     timings: Timings
     kv_source: KvSource = "none"
     stop_sequence: str | None = None  # which of the call's `stop` strings ended it
+    logprobs: list[TokenLogprob] | None = None  # one per generated token, when the call asked
 
 
 class ErrorReply(Struct, frozen=True, tag="error"):
@@ -157,6 +171,7 @@ class TokenChunk(Struct, frozen=True):
     text: str
     done: bool = False
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # the tokens generated since the last chunk, when asked
 
 
 # --------------------------------------------------------------------------------------
@@ -187,6 +202,9 @@ class CallSubmitted(Struct, frozen=True, tag="call.submitted"):
     # A token count without materialised ids: the simulator's calls, and the stream's copy of a
     # routed call (its ids stay in the CallSubmitted); 0 = use ids.
     prompt_tokens_hint: int = 0
+    logit_bias: dict[int, float] | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     @property
     def prompt_tokens(self) -> int:

@@ -18,6 +18,7 @@ from talaria.services.gateway.openai_api import (
     chat_chunk,
     chat_messages,
     chat_response,
+    logit_bias,
     completion_chunk,
     completion_response,
     error_body,
@@ -136,9 +137,20 @@ class HttpApi:
                     await send(self._chunk(call, chat, {"role": "assistant", "content": ""}, None, include_usage))
             await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
+        pending: list = []  # logprobs of tokens whose text is not sent yet
+        sent = 0  # logprobs sent so far
+
+        def take_logprobs(rest: list | None = None) -> list | None:
+            nonlocal sent, pending
+            out = pending if rest is None else rest[sent:]
+            pending = []
+            sent += len(out)
+            return out or None
+
         async def on_token(tok: TokenChunk) -> None:
+            pending.extend(tok.logprobs or ())
             if piece := text.push(tok.text):
-                await send(self._chunk(call, chat, piece, None, include_usage))
+                await send(self._chunk(call, chat, piece, None, include_usage, take_logprobs()))
 
         reply = await self.submitter.submit(call, on_token=on_token)
         if isinstance(reply, ErrorReply):
@@ -148,16 +160,19 @@ class HttpApi:
         else:
             # Tokens and the reply travel on different subjects: send whatever text the
             # stream missed, so the streamed answer always equals the final one.
+            # Likewise the logprobs: the reply holds them all, the stream sent the first `sent`.
             content, calls = parse_calls(reply.text, fmt) if fmt else (reply.text, [])
             finish = reply.finish_reason
+            lps = take_logprobs(reply.logprobs) if reply.logprobs is not None else None
             if calls:
-                if rest := text.rest(content):
-                    await send(self._chunk(call, chat, rest, None, include_usage))
                 deltas = [{"index": i, **c} for i, c in enumerate(openai_tool_calls(reply.call_id, calls))]
-                await send(self._chunk(call, chat, {"tool_calls": deltas}, None, include_usage))
+                if rest := text.rest(content):
+                    await send(self._chunk(call, chat, rest, None, include_usage, lps))
+                    lps = None
+                await send(self._chunk(call, chat, {"tool_calls": deltas}, None, include_usage, lps))
                 await send(self._chunk(call, chat, "", "tool_calls", include_usage))
             else:
-                await send(self._chunk(call, chat, text.rest(content), finish, include_usage))
+                await send(self._chunk(call, chat, text.rest(content), finish, include_usage, lps))
             if include_usage:
                 final = self._chunk(call, chat, "", None, include_usage)
                 final["choices"] = []
@@ -168,10 +183,10 @@ class HttpApi:
         return resp
 
     @staticmethod
-    def _chunk(call, chat: bool, content, finish: str | None, include_usage: bool) -> dict:
+    def _chunk(call, chat: bool, content, finish: str | None, include_usage: bool, logprobs=None) -> dict:
         if chat:
             delta = content if isinstance(content, dict) else ({"content": content} if content else {})
-            body = chat_chunk(call.call_id, call.model, delta, finish)
+            body = chat_chunk(call.call_id, call.model, delta, finish, logprobs)
         else:
             body = completion_chunk(call.call_id, call.model, content, finish)
         if include_usage:
@@ -197,8 +212,10 @@ def _to_call_request(decoded, chat: bool) -> tuple[CallRequest, bool]:
         seed=decoded.seed,
         stop=stops(decoded.stop),
         stream=decoded.stream,
+        logit_bias=logit_bias(decoded.logit_bias),
     )
     if chat:
+        common.update(logprobs=bool(decoded.logprobs), top_logprobs=decoded.top_logprobs or 0)
         chat_in = chat_messages(decoded)
         req = CallRequest(messages=chat_in.messages, tools=chat_in.tools, tool_choice=chat_in.choice,
                           forced_tool=chat_in.forced, **common)

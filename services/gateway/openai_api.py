@@ -10,7 +10,10 @@ import msgspec
 from msgspec import Struct
 
 from talaria.services.gateway.prepare import bad
-from talaria.shared.messages import CallResult, ChatMessage, ErrorReply, ToolCallMsg, ToolSpec
+from talaria.shared import tokenizer as byte_tok
+from talaria.shared.catalog import CATALOG
+from talaria.shared.messages import CallResult, ChatMessage, ErrorReply, TokenLogprob, ToolCallMsg, ToolSpec
+from talaria.shared.model_text import text_for
 from talaria.shared.tool_calls import ToolCall, parse_calls
 
 
@@ -126,13 +129,11 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 
 def refuse_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
     """Fields we do not implement get a 400 naming them: silently ignoring one would hand
-    the client an answer it did not ask for."""
-    if req.logprobs:
-        raise bad("`logprobs` is not supported by this server", "logprobs", "unsupported_parameter")
-    if getattr(req, "top_logprobs", None):
-        raise bad("`top_logprobs` is not supported by this server", "top_logprobs", "unsupported_parameter")
-    if req.logit_bias:
-        raise bad("`logit_bias` is not supported by this server", "logit_bias", "unsupported_parameter")
+    the client an answer it did not ask for. (Chat's `logprobs`/`top_logprobs` and both
+    APIs' `logit_bias` are implemented; the legacy completions `logprobs` is not.)"""
+    if isinstance(req, CompletionRequest) and req.logprobs:
+        raise bad("`logprobs` is not supported on /v1/completions (use chat completions)", "logprobs",
+                  "unsupported_parameter")
     fmt = getattr(req, "response_format", None)
     if fmt is not None and fmt.type != "text":
         raise bad(f"`response_format` {fmt.type!r} is not supported by this server (only 'text')",
@@ -185,6 +186,44 @@ def chat_messages(req: ChatCompletionRequest) -> ChatInput:
     return ChatInput(turns, tools or None, choice, forced)
 
 
+def logit_bias(value: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's `logit_bias` keys are token ids written as strings (bounds: shared/limits.py)."""
+    if not value:
+        return None
+    try:
+        return {int(k): float(v) for k, v in value.items()}
+    except ValueError:
+        raise bad("`logit_bias` keys must be token ids (integers)", "logit_bias") from None
+
+
+def token_bytes(model: str, token_id: int) -> bytes:
+    """The bytes one token stands for (special tokens as their name; b"" if the model is unknown)."""
+    spec = CATALOG.get(model)
+    if spec is None:
+        return b""
+    text = text_for(spec)
+    tok = getattr(text, "tok", None)
+    if tok is not None:
+        return tok.decode([token_id], skip_special_tokens=False).encode()
+    if token_id < 256:
+        return bytes([token_id])  # byte-level: a token may be part of a UTF-8 character
+    return {byte_tok.BOS: b"<|bos|>", byte_tok.EOS: b"<|end|>"}.get(token_id, b"")
+
+
+def logprobs_content(model: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    """`choices[i].logprobs` in OpenAI's chat shape, or None when the call did not ask."""
+    if logprobs is None:
+        return None
+
+    def entry(tid: int, lp: float) -> dict[str, Any]:
+        raw = token_bytes(model, tid)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(raw)}
+
+    return {"content": [{**entry(t.token_id, t.logprob),
+                         "top_logprobs": [entry(i, v) for i, v in zip(t.top_ids, t.top_logprobs)]}
+                        for t in logprobs], "refusal": None}
+
+
 def openai_tool_calls(call_id: str, calls: list[ToolCall]) -> list[dict[str, Any]]:
     return [{"id": f"call_{call_id[:16]}_{i}", "type": "function",
              "function": {"name": c.name, "arguments": c.arguments}} for i, c in enumerate(calls)]
@@ -220,7 +259,7 @@ def chat_response(result: CallResult, tool_format: str | None = None) -> dict[st
                 "index": 0,
                 "message": message,
                 "finish_reason": finish,
-                "logprobs": None,
+                "logprobs": logprobs_content(result.model, result.logprobs),
             }
         ],
         "usage": usage(result),
@@ -241,13 +280,15 @@ def completion_response(result: CallResult) -> dict[str, Any]:
     }
 
 
-def chat_chunk(call_id: str, model: str, delta: dict, finish_reason: str | None) -> dict[str, Any]:
+def chat_chunk(call_id: str, model: str, delta: dict, finish_reason: str | None,
+               logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
     return {
         "id": f"chatcmpl-{call_id}",
         "object": "chat.completion.chunk",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
+                     "logprobs": logprobs_content(model, logprobs)}],
     }
 
 

@@ -59,7 +59,7 @@ def prepare(req: CallRequest, session_id: str, api: str, tenant: str = "", shari
         ids = model_text.encode(text, chat=True)
     else:
         ids = model_text.encode(req.prompt or "", chat=False)
-    check_request(req)
+    check_request(req, spec.vocab_size)
     call_id = req.call_id or uuid.uuid4().hex
     if not subjects.valid_token(call_id) or len(call_id) > MAX_TOKEN_LEN or not call_id.isprintable():
         raise bad("`call_id` must be a NATS subject token (no '.', '*', '>' or spaces)", "call_id")
@@ -94,4 +94,7 @@ def prepare(req: CallRequest, session_id: str, api: str, tenant: str = "", shari
         api=api,
         tenant=tenant,
         kv_scope=scope,
+        logit_bias=dict(req.logit_bias) if req.logit_bias else None,
+        logprobs=req.logprobs,
+        top_logprobs=req.top_logprobs,
     )

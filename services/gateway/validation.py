@@ -54,9 +54,10 @@ def describe(exc: msgspec.ValidationError | msgspec.DecodeError) -> ErrorReply:
     return reply
 
 
-def check_request(req: CallRequest) -> None:
-    """Sampling parameters and stop strings within the API's bounds (shared/limits.py)."""
-    problem = limits.call_problem(req)
+def check_request(req: CallRequest, vocab_size: int | None = None) -> None:
+    """Sampling parameters, stop strings and logit_bias/logprobs within the API's bounds
+    (shared/limits.py); `logit_bias` ids inside `vocab_size`."""
+    problem = limits.call_problem(req, vocab_size)
     if problem is not None:
         field, message = problem
         raise bad(message, field)

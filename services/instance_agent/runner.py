@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 from opentelemetry import trace
@@ -90,6 +90,7 @@ class Running:
     streamed: int = 0  # its timeline (queue, slot wait, first token) is the core's CallRecord
     in_engine: bool = False  # its prefill was handed to the engine (chunks continue it)
     started_pub: asyncio.Future | None = None  # the CallStarted publish, off the prefill path
+    logprobs: list = field(default_factory=list)  # a streamed call's logprobs not yet in a chunk
 
 
 class CallRunner:
@@ -325,7 +326,8 @@ class CallRunner:
             reqs.append(GenRequest(call_id=call.call_id, session_id=call.session_id, model=call.model,
                                    prompt_ids=list(call.prompt_ids), max_tokens=call.max_tokens,
                                    temperature=call.temperature, top_p=call.top_p, seed=call.seed,
-                                   stop=tuple(call.stop), kv_scope=call.kv_scope))
+                                   stop=tuple(call.stop), kv_scope=call.kv_scope, logit_bias=call.logit_bias,
+                                   logprobs=call.logprobs, top_logprobs=call.top_logprobs))
             running.in_engine = True
             running.span.add_event("prefill_start", {"session_prefill": action.session_prefill})
             # Published while the prefill runs: it is a progress marker (the projector keeps a
@@ -349,9 +351,14 @@ class CallRunner:
             running = self.calls.get(step.call_id)
             if running is None:
                 continue
+            if step.logprob is not None and running.routed.call.stream:
+                running.logprobs.append(step.logprob)
             if step.text and running.routed.call.stream:
+                # A chunk carries the logprobs of the tokens since the last one (text held back
+                # for a stop string releases several tokens' text at once).
+                lps, running.logprobs = running.logprobs or None, []
                 await self.nc.publish(subjects.tokens(step.call_id),
-                                      encode(TokenChunk(step.call_id, running.streamed, step.text)))
+                                      encode(TokenChunk(step.call_id, running.streamed, step.text, logprobs=lps)))
                 running.streamed += 1
             if step.finished:
                 finished.add(step.call_id)
@@ -440,7 +447,7 @@ class CallRunner:
                 usage=Usage(result.prompt_tokens, n_out, result.prompt_tokens + n_out, result.cached_tokens),
                 timings=Timings(completed.queue_s, completed.ttft_s, result.prefill_s, result.decode_s,
                                 completed.slot_wait_s, done - call.submitted_at),
-                kv_source=result.kv_source, stop_sequence=result.stop_sequence,
+                kv_source=result.kv_source, stop_sequence=result.stop_sequence, logprobs=result.logprobs,
             ))))
         if call.stream:
             sends.append(self.nc.publish(subjects.tokens(call_id), encode(TokenChunk(

@@ -114,8 +114,8 @@ async def test_an_openai_agent_session_keeps_tool_calls_in_the_prompt(served):
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + 40  # the call and its result are in the prompt
     assert second.usage.prompt_tokens_details.cached_tokens >= 16
     with pytest.raises(openai.BadRequestError) as info:
-        await client.chat.completions.create(messages=messages, logprobs=True, **kw)
-    assert info.value.body["param"] == "logprobs"
+        await client.chat.completions.create(messages=messages, logit_bias={"99999999": 5}, **kw)
+    assert info.value.body["param"] == "logit_bias"
 
 
 @pytest.fixture
@@ -177,3 +177,30 @@ async def test_tool_calls_parsed_from_a_served_checkpoint_through_both_apis(tool
     async with an.messages.stream(messages=history, **akw) as stream:
         final = await stream.get_final_message()
     assert final.stop_reason == "tool_use" and final.content[-1].input == {"path": "parser.py"}
+
+
+async def test_openai_logprobs_and_logit_bias_plain_and_streamed(served):
+    from talaria.shared.catalog import CATALOG
+    from talaria.shared.model_text import text_for
+
+    client = openai.AsyncOpenAI(base_url=f"{served}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Say something."}]
+    kw = dict(model="qwen3-tiny", max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    plain = await client.chat.completions.create(messages=messages, **kw, extra_headers={"session_id": "lp-1"})
+    content = plain.choices[0].logprobs.content
+    assert len(content) == plain.usage.completion_tokens == 5
+    assert "".join(c.token for c in content) == plain.choices[0].message.content
+    for c in content:  # greedy: the chosen token is the most likely one, listed first
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token
+        assert c.top_logprobs[0].logprob == c.logprob <= 0 and bytes(c.bytes).decode() == c.token
+    chunks = [ch async for ch in await client.chat.completions.create(
+        messages=messages, stream=True, **kw, extra_headers={"session_id": "lp-2"})]
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+
+    # A +100 bias forces a token the greedy answer did not contain.
+    tid = text_for(CATALOG["qwen3-tiny"]).encode("Z", chat=False)[-1]
+    forced = await client.chat.completions.create(messages=messages, logit_bias={str(tid): 100},
+                                                  **kw, extra_headers={"session_id": "lp-3"})
+    assert forced.choices[0].message.content == "Z" * 5
+    assert all(c.token == "Z" and c.logprob > -1e-3 for c in forced.choices[0].logprobs.content)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from talaria.shared.messages import KvSource, KvState, SwitchPath  # noqa: F401 - re-exported for the engine
+from talaria.shared.messages import KvSource, KvState, SwitchPath, TokenLogprob  # noqa: F401 - re-exported
 
 
 
@@ -20,6 +20,9 @@ class GenRequest:
     seed: int | None = None
     stop: tuple[str, ...] | list[str] = ()
     kv_scope: str = ""  # salts the KV block hashes: prefixes are shared only within one scope
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    logprobs: bool = False  # report each generated token's logprob ...
+    top_logprobs: int = 0  # ... and this many most likely alternatives
 
 
 @dataclass
@@ -38,6 +41,7 @@ class GenResult:
     model: str = ""
     host_restored_tokens: int = 0
     stop_sequence: str | None = None  # the stop string that ended the call, if one did
+    logprobs: list[TokenLogprob] | None = None  # one per generated token, when the request asked
 
 
 @dataclass
@@ -47,6 +51,7 @@ class StepToken:
     text: str  # incremental text released by this token (stop-string hold-back applied)
     finished: bool
     finish_reason: str | None
+    logprob: TokenLogprob | None = None  # when the request asked for logprobs
 
 
 @dataclass

@@ -37,6 +37,7 @@ from talaria.services.instance_agent.memory.hkvr import HostKvRegistry
 from talaria.services.instance_agent.memory.hkvr_core import LayoutDescriptor, RankReport
 from talaria.services.instance_agent.memory.staging import StagingExecutor
 from talaria.shared.catalog import CATALOG, ModelSpec
+from talaria.shared.limits import logprob_problem
 from talaria.shared.model_text import text_for
 from talaria.shared.stats import ewma
 from talaria.shared.tokenizer import block_hashes
@@ -376,6 +377,9 @@ class TorchEngine:
             raise InvalidRequest(r.call_id, "temperature", "must be >= 0")
         if not 0.0 < r.top_p <= 1.0:
             raise InvalidRequest(r.call_id, "top_p", "must be in (0, 1]")
+        problem = logprob_problem(r.logit_bias, r.logprobs, r.top_logprobs, r.max_tokens, spec.vocab_size)
+        if problem is not None:
+            raise InvalidRequest(r.call_id, *problem)
 
     def _admit(self, req: GenRequest, t0: float) -> Sequence:
         """Match device pages, then host pages; reserve the rest. Only the suffix is computed."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from talaria.shared.messages import TokenLogprob
+
 
 _masks: dict[tuple[int, int, str], torch.Tensor] = {}
 
@@ -18,6 +20,32 @@ def output_mask(allowed: tuple[int, ...], vocab: int, device: torch.device) -> t
         mask[[t for t in allowed if t < vocab]] = 0.0
         _masks[key] = mask
     return mask
+
+
+def bias_vector(bias: dict[int, float], vocab: int, device: torch.device) -> torch.Tensor:
+    """OpenAI's `logit_bias` as a dense [V] addend (ids were checked against the vocabulary)."""
+    vec = torch.zeros(vocab, device=device)
+    ids = [t for t in bias if 0 <= t < vocab]
+    vec[ids] = torch.tensor([float(bias[t]) for t in ids], device=device)
+    return vec
+
+
+LOGPROB_FLOOR = -9999.0  # what OpenAI reports for an impossible token (JSON has no -inf)
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """`token`'s log-probability under `logits` [V] and the `top` most likely ids. The caller
+    passes the logits after masking and `logit_bias`, before temperature and top-p: the
+    model's distribution as the request reshaped it, whatever the sampler then drew."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+
+    def r(x: float) -> float:
+        return round(max(x, LOGPROB_FLOOR), 5)  # rounded: a call carries one per token
+
+    if top > 0:
+        vals, ids = torch.topk(logp, min(top, logp.shape[-1]))
+        return TokenLogprob(token, r(float(logp[token])), ids.tolist(), [r(v) for v in vals.tolist()])
+    return TokenLogprob(token, r(float(logp[token])))
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from talaria.services.instance_agent.engine.api import GenRequest, GenResult, StepToken
-from talaria.services.instance_agent.engine.sampling import StopMatcher, output_mask, sample
+from talaria.services.instance_agent.engine.sampling import StopMatcher, bias_vector, output_mask, sample, token_logprob
 from talaria.shared.model_text import BYTE_TEXT
 
 
@@ -34,6 +34,8 @@ class Sequence:
     text: object = BYTE_TEXT  # the model's text side (shared/model_text.py): decoder, EOS ids
     decoder: object = None
     stop: StopMatcher | None = None
+    logprobs: list = field(default_factory=list)  # TokenLogprob per generated token, when asked
+    bias: torch.Tensor | None = None  # req.logit_bias as a [V] addend, built on first use
 
     def __post_init__(self) -> None:
         self.stop = StopMatcher(tuple(self.req.stop))
@@ -58,7 +60,14 @@ class Sequence:
         """Sample from this call's logits, advance, and decide whether it finished."""
         if self.text.allowed_output is not None:
             logits = logits + output_mask(self.text.allowed_output, logits.shape[-1], logits.device)
+        if self.req.logit_bias:
+            if self.bias is None:
+                self.bias = bias_vector(self.req.logit_bias, logits.shape[-1], logits.device)
+            logits = logits + self.bias
         tok = sample(logits, self.req.temperature, self.req.top_p, self.gen)
+        lp = token_logprob(logits, tok, self.req.top_logprobs) if self.req.logprobs else None
+        if lp is not None:
+            self.logprobs.append(lp)
         if self.t_first is None:
             self.t_first = now
         self.tokens.append(tok)
@@ -70,7 +79,7 @@ class Sequence:
             self.finish_reason = "length"
         if self.finished and not stopped:
             text += self.stop.flush(self.decoder.flush())
-        return StepToken(self.req.call_id, tok, text, self.finished, self.finish_reason)
+        return StepToken(self.req.call_id, tok, text, self.finished, self.finish_reason, lp)
 
     def result(self, model: str) -> GenResult:
         ttft = (self.t_first - self.t_start) if self.t_first is not None else 0.0
@@ -80,5 +89,5 @@ class Sequence:
             cached_tokens=self.cached_tokens, kv_source=self.kv_source,  # type: ignore[arg-type]
             prefill_s=self.prefill_s, decode_s=self.decode_s, ttft_s=ttft,
             session_id=self.req.session_id, model=model, host_restored_tokens=self.host_tokens,
-            stop_sequence=self.stop.matched,
+            stop_sequence=self.stop.matched, logprobs=list(self.logprobs) if self.req.logprobs else None,
         )

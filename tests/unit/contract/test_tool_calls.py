@@ -96,8 +96,10 @@ def test_openai_response_carries_parsed_tool_calls():
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"logprobs": True}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
-    ({"logit_bias": {"65": 10}}, "logit_bias"), ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 20, "max_tokens": 4000}, "top_logprobs"),
+    ({"logit_bias": {"999999": 10}}, "logit_bias"), ({"logit_bias": {"65": 101}}, "logit_bias"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"), ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"max_tokens": 0}, "max_tokens"), ({"max_completion_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
