@@ -49,17 +49,34 @@ class Services:
         self.running.clear()
 
 
-async def wait_rows(conn, sql: str, n: int, *args, timeout: float = 20.0) -> list:
-    """Re-query until `sql` returns at least n rows; fail on timeout.
+async def wait_until(probe, what: str, timeout: float = 20.0, every: float = 0.05):
+    """Re-run the async `probe` until it returns something truthy (returned); fail on timeout.
 
-    Telemetry projects events into Postgres asynchronously and publishes no "row written"
-    event, so a deadline-bounded re-query is the synchronisation available.
+    For state another process owns and announces with no event (rows telemetry projected,
+    a consumer's ack floor, a lock wait, an endpoint's readiness): a deadline-bounded
+    re-read is the synchronisation available.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
+        value = await probe()
+        if value:
+            return value
+        assert loop.time() < deadline, f"timed out after {timeout:g} s waiting for {what}"
+        await asyncio.sleep(every)
+
+
+async def acked(js, durable: str, seq: int) -> bool:
+    """Whether consumer `durable` has acknowledged every event up to stream sequence `seq`."""
+    from talaria.shared import subjects
+
+    return (await js.consumer_info(subjects.EVENTS_STREAM, durable)).ack_floor.stream_seq >= seq
+
+
+async def wait_rows(conn, sql: str, n: int, *args, timeout: float = 20.0) -> list:
+    """Re-query until `sql` returns at least n rows; fail on timeout."""
+    async def enough():
         rows = await conn.fetch(sql, *args)
-        if len(rows) >= n:
-            return rows
-        assert loop.time() < deadline, f"only {len(rows)} of {n} rows for: {sql}"
-        await asyncio.sleep(0.05)
+        return rows if len(rows) >= n else None
+
+    return await wait_until(enough, f"{n} rows for: {sql}", timeout)

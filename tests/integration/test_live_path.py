@@ -19,7 +19,7 @@ from talaria.shared import subjects
 from talaria.shared.health import wait_for_router
 from talaria.shared.settings import Settings
 from talaria.embedded import free_port
-from tests.integration.harness import Services, wait_rows
+from tests.integration.harness import Services, wait_rows, wait_until
 
 pytestmark = pytest.mark.integration
 MODEL = "qwen3-tiny"
@@ -58,13 +58,11 @@ async def test_readiness_is_503_until_every_configured_model_is_served(stack):
         assert body["checks"][f"model:{MODEL}"] == "no instance" and body["checks"]["nats"] == "ok"
     nc = await with_agent(settings, services)
     await nc.close()
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 20
-    while True:  # the gateway hears the agent's heartbeat on its own schedule: poll the endpoint
+    async def ready():  # the gateway hears the agent's heartbeat on its own schedule: poll the endpoint
         status, body = await get(settings, "/readyz")
-        if status == 200 or loop.time() > deadline:
-            break
-        await asyncio.sleep(0.1)
+        return (status, body) if status == 200 else None
+
+    status, body = await wait_until(ready, "/readyz to say ready", every=0.1)
     assert status == 200 and body["checks"][f"model:{MODEL}"] == "ok" and body["models"][MODEL] == ["agent-0"]
 
 
@@ -138,13 +136,11 @@ async def test_a_call_started_from_its_fast_copy_is_acked_once_durably(stack, db
             assert isinstance(reply, m.CallResult), reply
         await wait_rows(db, "SELECT * FROM calls WHERE session_id='fast' AND outcome='completed'", 3)
         js = nc.jetstream()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 10
-        while True:  # the durable copies are acked as they arrive: poll the consumer's state
+        async def settled():  # the durable copies are acked as they arrive: poll the consumer's state
             info = await js.consumer_info(subjects.EVENTS_STREAM, "agent-agent-0")
-            if info.num_ack_pending == 0 or loop.time() > deadline:
-                break
-            await asyncio.sleep(0.1)
+            return info if info.num_ack_pending == 0 else None
+
+        info = await wait_until(settled, "the agent's consumer to ack everything", timeout=10, every=0.1)
         assert info.num_ack_pending == 0 and info.num_redelivered == 0 and info.delivered.consumer_seq >= 3
     finally:
         await nc.close()

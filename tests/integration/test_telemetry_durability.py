@@ -14,12 +14,11 @@ import pytest
 from talaria.embedded import EmbeddedPostgres
 from talaria.services.telemetry.service import run as run_telemetry
 from talaria.shared import messages as m
-from talaria.shared import subjects
 from talaria.shared.bus import connect, emit
 from talaria.shared.nats_auth import owner_sender
 from talaria.shared.db.engine import upgrade
 from talaria.shared.settings import Settings, asyncpg_dsn
-from tests.integration.harness import Services
+from tests.integration.harness import Services, acked, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -42,11 +41,7 @@ async def test_acked_events_survive_an_immediate_postgres_shutdown(nats_url, tmp
         last = 0
         for i in range(N):
             last = await emit(js, decision(i), sender=owner_sender(decision(i)))
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 30
-        while (await js.consumer_info(subjects.EVENTS_STREAM, "telemetry")).ack_floor.stream_seq < last:
-            assert loop.time() < deadline, "events were never acked"
-            await asyncio.sleep(0.005)
+        await wait_until(lambda: acked(js, "telemetry", last), "the events to be acked", timeout=30, every=0.005)
         pg.proc.send_signal(signal.SIGQUIT)  # immediate shutdown: no checkpoint, unflushed WAL is gone
         await asyncio.to_thread(pg.proc.wait, 30)
         await services.close()

@@ -12,7 +12,12 @@ from talaria.shared.bus import connect, event_subject, publish_event
 from talaria.shared.bus import emit as emit_as
 from talaria.shared.nats_auth import owner_sender
 from talaria.shared.settings import Settings, asyncpg_dsn
-from tests.integration.harness import Services, wait_rows
+from tests.integration.harness import Services, acked, wait_rows, wait_until
+
+
+async def lock_waits(db) -> int:
+    """Transactions waiting for the test's lock on `calls` (the projection's, held mid-batch)."""
+    return await db.fetchval("SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'calls'::regclass")
 
 pytestmark = pytest.mark.integration
 
@@ -152,20 +157,13 @@ async def test_events_are_acked_only_after_their_transaction_commits(nats_url, d
         await tx.start()
         await lock.execute("LOCK TABLE calls IN ACCESS EXCLUSIVE MODE")  # the projection's writes now wait
         seq = await republish(js, submitted("held"))
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 20
         # The projection's transaction now waits for the lock: the event is delivered, not committed.
-        while not await db.fetchval("SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'calls'::regclass"):
-            assert loop.time() < deadline, "the event was never applied"
-            await asyncio.sleep(0.05)
+        await wait_until(lambda: lock_waits(db), "the event to be applied")
         info = await js.consumer_info(subjects.EVENTS_STREAM, "telemetry")
         assert info.num_ack_pending == 1 and info.ack_floor.stream_seq < seq  # not acked
         await tx.rollback()
         await wait_rows(db, "SELECT 1 FROM calls WHERE call_id='held'", 1)
-        deadline = loop.time() + 20
-        while (await js.consumer_info(subjects.EVENTS_STREAM, "telemetry")).ack_floor.stream_seq < seq:
-            assert loop.time() < deadline, "the committed event was never acked"
-            await asyncio.sleep(0.05)
+        await wait_until(lambda: acked(js, "telemetry", seq), "the committed event to be acked")
     finally:
         await lock.close()
         await services.close()
@@ -222,11 +220,7 @@ async def test_telemetry_killed_mid_batch_loses_nothing_after_a_restart(nats_url
         await lock.execute("LOCK TABLE calls IN ACCESS EXCLUSIVE MODE")
         for i in range(3, 6):
             await republish(js, submitted(f"k{i}", i))
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 20
-        while not await db.fetchval("SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'calls'::regclass"):
-            assert loop.time() < deadline, "the events were never fetched"
-            await asyncio.sleep(0.05)
+        await wait_until(lambda: lock_waits(db), "the events to be fetched")
         procs[0].send_signal(signal.SIGKILL)
         await asyncio.to_thread(procs[0].wait, 10)
         await tx.rollback()
