@@ -7,10 +7,13 @@ s/token, restore 1e-5 s/token; switch 1 s, open 2 s; budget gamma*ttft = 0.9 * 1
 from __future__ import annotations
 
 import pytest
-from router_support import PAPER_EQ1, call, core, done, one, snap
+from router_support import PAPER_EQ1, call, core, done, of_type, one, snap
 
 from talaria.services.router.costs import CostModel
+from talaria.services.router.core import RouterCore
 from talaria.services.router.policy.base import PolicyConfig
+from talaria.services.router.policy.registry import create_policy
+from talaria.shared.settings import Settings
 from talaria.shared.messages import CallFailed, CallRouted, LeaseIssued, RoutingDecision
 
 NO_LEASE = dict(lease_timeout_s=0.0)
@@ -302,6 +305,16 @@ def test_overload_queue_routes_least_cost_up_to_bound_then_rejects():
     audit, out = decide(c, call("c1", session="s2"), 0.0)  # a now holds 2 (1 + overlay)
     assert audit.action == "reject" and one(out, CallFailed).status == 503
     assert "every instance already holds 2 calls" in one(out, CallFailed).reason
+
+
+def test_the_default_overload_rule_queues_what_the_matrix_measured():
+    """Shipped default = the configuration the workload matrix evaluated: an overloaded call is
+    queued on the least-cost instance, not refused (the paper's `reject` is opt-in)."""
+    c = RouterCore(create_policy("talaria", PolicyConfig()))
+    c.observe(snap("a", queued_tokens=100_000), 0.0)
+    audit, out = decide(c, call("c0"), 0.0)
+    assert audit.action == "route" and audit.chosen == "a" and not of_type(out, CallFailed)
+    assert Settings().overload == PolicyConfig().overload
 
 
 def test_staleness_blocks_new_placements():
