@@ -2,7 +2,9 @@
 
     Cost(r, i) = dR_req(r, i) + C_KV(r, i) + C_act(m_r, i)          (paper Eq. 1, seconds)
 
-    dR_req  queue_s   = (snapshot backlog + overlay tokens) * prefill rate
+    dR_req  queue_s   = the agent's predicted prefill ahead (its calibrated costs: a queued
+                        prompt whose prefix is on device costs its new tokens only)
+                        + overlay tokens still to compute * prefill rate
                         (audited as queue_s: the work queued there)
             reserved_s = live leases on i * lease_charge_s   (lease admission units)
                         + deadline_risk * penalty                    (underestimated instances)
@@ -104,7 +106,10 @@ def _static_terms(cfg: PolicyConfig, view: InstanceView, model: str, prof, state
     else:
         measured = iprof.switch_s if iprof is not None else 0.0
         act = res.open_cost_s or res.switch_cost_s or snap.switch_s or measured or cfg.default_open_s
-    queue = snap.queued_tokens * pf + snap.deadline_risk * cfg.deadline_risk_penalty_s
+    # The agent's own prediction of the prefill ahead when it reports one (it knows which
+    # queued prompts find their prefix on device); else every queued prompt token.
+    ahead = snap.queued_prefill_s if snap.queued_prefill_s >= 0 else snap.queued_tokens * pf
+    queue = ahead + snap.deadline_risk * cfg.deadline_risk_penalty_s
     if mstate != "active" and snap.active_model is not None:
         queue += snap.round_remaining_s
     # HBM: an absent model's weights must fit at all; r's KV must fit the KV pool, where a
@@ -199,7 +204,7 @@ class CostModel:
             if own_lease_on == iid:
                 leases -= 1
             overlay = view.overlay_tokens
-            queued = st.queue + overlay * pf  # work queued there now (snapshot + routed since)
+            queued = st.queue + view.overlay_new_tokens * pf  # work queued there now (snapshot + routed since)
             reserved = leases * charge  # returns other sessions' leases may bring
             queue = queued + reserved
             prefill = (prompt - k_total) * pf

@@ -192,6 +192,10 @@ class RouterState:
             del entry.gaps[:-SESSION_GAPS_KEPT]
             self.model(call.model).observe_gap(gap)
         entry.last_completed_at = None
+        # What the call must compute there: its session's KV is reused where the router
+        # expects it (device or host), so only the new tokens queue as prefill work.
+        reused = min(call.prompt_tokens, entry.kv_tokens) if event.expected_kv in ("device", "host") \
+            and entry.model == call.model else 0
         entry.calls = max(entry.calls, event.call_index + 1)
         entry.model = call.model
         if entry.first_instance is None:
@@ -203,7 +207,7 @@ class RouterState:
         view = self.instances.get(event.instance_id)
         if view is not None:
             view.inflight.add(call.call_id)
-            view.add_overlay(call.call_id, tokens, call.model)
+            view.add_overlay(call.call_id, tokens, call.model, tokens - reused)
         self.prefix.insert(event.instance_id, call.model, call.session_id, call.block_hashes)
 
     def _completed(self, event: CallCompleted) -> None:
@@ -284,14 +288,14 @@ def _view_to_dict(view: InstanceView) -> dict:
     return {
         "snapshot": msgspec.to_builtins(view.snapshot),
         "received_at": view.received_at,
-        "overlay": [[c, t, m] for c, (t, m) in view.overlay.items()],
+        "overlay": [[c, t, m, n] for c, (t, m, n) in view.overlay.items()],
         "inflight": sorted(view.inflight),
     }
 
 
 def _view_from_dict(row: dict) -> InstanceView:
     view = InstanceView(msgspec.convert(row["snapshot"], InstanceSnapshot), row["received_at"])
-    for call_id, tokens, model in row.get("overlay", []):
-        view.add_overlay(call_id, tokens, model)
+    for call_id, tokens, model, *new in row.get("overlay", []):  # rows before `new` lack it
+        view.add_overlay(call_id, tokens, model, new[0] if new else None)
     view.inflight = set(row.get("inflight", []))
     return view
