@@ -10,22 +10,29 @@
                         + deadline_risk * penalty                    (underestimated instances)
                         + round_remaining_s if m_r is not the active model (wait for the slot)
             prefill_s = (prompt - reusable prefix K) * prefill rate  (the new suffix only)
-            decode_s  = max_tokens * decode rate
-                        x (1 + k) + k * switch_s, where k = other models with work in i's
-                        rounds (active or queued, plus those routed since the snapshot),
-                        when price_round_sharing is on (ours): every such model takes a slot
-                        of each round and a switch before it, so r's decode stretches; it
+            decode_s  = max_tokens * decode rate (the model's measured rate)
+                        + stretch, with price_round_sharing (ours):
+                        stretch = decode * k + k * switch_s, k = other models in i's rounds
+                        (active or queued, routed since the snapshot, or with sessions that
+                        live on i between calls, homes.py): every such model takes a slot of
+                        each round and a switch before it, so r's decode stretches; it
                         steers sessions to instances that rotate fewer models, and prices a
                         move that would add a model to a rotation
     C_KV    0 if the prefix is on device, K * restore rate if host-restorable,
             K * prefill rate (profiled recompute) otherwise
     C_act   0 if m_r is active, advertised switch cost if resident/staged, open cost otherwise
 
-    placement_s (ours, a session's first call only) = queue_s * (new_session_backlog_weight - 1)
-            + calls running on i * new_session_running_s: the first call places the whole
-            session (leases keep its later calls there), so it also pays for the backlog
-            and occupancy those calls will share. It ranks candidates; admission and Eq. 2
-            use the Eq. 1 terms only (Eq. 2's demand already counts the later calls).
+    placement_s (ours) = the session's later calls x stretch: where r goes, the session
+            stays (leases, KV), so each later call pays that rotation again. Later calls are
+            measured, not tuned: a return expects about as many more as it made, a first call
+            the calls per session its model has shown so far. So a long session leaves a
+            crowded rotation once the recompute pays for itself, and a new one joins the
+            instance whose rotation its whole session would stretch least.
+            A first call also pays queue_s * (new_session_backlog_weight - 1) + calls
+            running on i * new_session_running_s (tuned constants, flat in the matrix's
+            sensitivity table): the backlog and occupancy its later calls will share.
+            placement_s ranks candidates; admission and Eq. 2 use the Eq. 1 terms only
+            (Eq. 2's demand already counts the later calls).
 
 Each term is charged once: the reusable prefix K is in C_KV only and the suffix in
 prefill_s only, so recompute is never counted twice; activation is never in dR_req.
@@ -159,6 +166,10 @@ class CostModel:
         lease_index = state.leases.by_instance
         prof = state.models.get(model)
         version = prof.version if prof is not None else -1
+        # Calls the session is expected to make after this one, each paying the rotation it
+        # joins here: a return expects about as many more as it made (entry.calls); a first
+        # call, the calls per session measured for its model so far.
+        later = entry.calls if not first_call else (prof.calls_per_session() - 1.0 if prof is not None else 0.0)
         out: list[Priced] = []
         for view in views:
             snap = view.snapshot
@@ -209,21 +220,29 @@ class CostModel:
             queue = queued + reserved
             prefill = (prompt - k_total) * pf
             decode = max_tokens * st.dec
+            stretch = 0.0
             if sharing:
                 # round sharing: each other model with work here takes a slot of every round,
-                # so r's decode is stretched by the number of models it rotates with
+                # so r's decode is stretched by the number of models it rotates with: those
+                # with work queued or running, routed since the snapshot, or whose sessions
+                # live here between calls (they bring the model back within a tool gap)
                 others = len(st.rotating)
                 for om in view.overlay_models:
                     if om != model and om not in st.rotating:
                         others += 1
+                for om in state.live_sessions(iid, now):
+                    if om != model and om not in st.rotating and om not in view.overlay_models:
+                        others += 1
                 # ... and waits through one switch per other model in every round
-                decode = decode * (1 + others) + others * (snap.switch_s or cfg.default_open_s)
+                stretch = decode * others + others * (snap.switch_s or cfg.default_open_s)
+                decode += stretch
             act = st.act
             reason = ""
             # Only load ahead of r can make an instance inadmissible: a call whose own work
             # exceeds the budget would otherwise be rejected everywhere, forever.
             place = queue * (backlog_w - 1.0) + snap.running * (decode if running_s is None else running_s) \
                 if first_call else 0.0
+            place += later * stretch  # the session keeps paying this rotation here
             if queue > 0 and queue + prefill + kv_s + act > budget and not (
                     cfg.kv_home_admits and own and kv_state in ("device", "host") and k_have > 0):
                 reason = "round_admission"

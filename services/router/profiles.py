@@ -30,6 +30,8 @@ class ModelProfile:
     arrivals: float = 0.0  # exponentially decayed count of arrivals
     arrivals_at: float = 0.0
     gaps: list[float] = field(default_factory=list)  # recent tool gaps, oldest first
+    sessions_seen: int = 0  # sessions whose first call was routed
+    calls_seen: int = 0  # calls routed
     version: int = 0  # bumped whenever a rate the cost model reads changes
 
     def observe_completion(self, prompt: int, cached: int, output: int, prefill_s: float,
@@ -55,6 +57,15 @@ class ModelProfile:
     def arrival_rate(self, now: float) -> float:
         """Calls per second of this model, from decayed routed and rejected arrivals."""
         return self.arrivals_at_time(now) / ARRIVAL_WINDOW_S
+
+    def calls_per_session(self) -> float:
+        """Calls routed per session seen so far (at least 1)."""
+        return max(1.0, self.calls_seen / self.sessions_seen) if self.sessions_seen else 1.0
+
+    def idle_horizon_s(self) -> float:
+        """How long a session of this model may sit in a tool gap and still be coming back:
+        the longest recent gap (0 before any was measured: only running sessions count)."""
+        return max(self.gaps) if self.gaps else 0.0
 
     def observe_gap(self, gap_s: float) -> None:
         self.gaps.append(gap_s)

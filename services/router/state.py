@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import msgspec
 
+from talaria.services.router.homes import HomeBook
 from talaria.services.router.instances import InstanceView
 from talaria.services.router.leases import LeaseBook
 from talaria.services.router.prefix_index import PrefixIndex
@@ -99,6 +100,7 @@ class RouterState:
     models: dict[str, ModelProfile] = field(default_factory=dict)
     instance_profiles: dict[str, InstanceProfile] = field(default_factory=dict)
     prefix: PrefixIndex = field(default_factory=PrefixIndex)
+    homes: HomeBook = field(default_factory=HomeBook)  # where each live session lives
     routed_total: int = 0
 
     def session(self, session_id: str) -> SessionEntry:
@@ -112,6 +114,14 @@ class RouterState:
         if prof is None:
             prof = self.models[name] = ModelProfile()
         return prof
+
+    def idle_horizon_s(self, model: str) -> float:
+        prof = self.models.get(model)
+        return prof.idle_horizon_s() if prof is not None else 0.0
+
+    def live_sessions(self, instance_id: str, now: float) -> dict[str, int]:
+        """Sessions per model that live on the instance now (homes.py)."""
+        return self.homes.live_models(instance_id, now, self.idle_horizon_s)
 
     def leases_on(self, instance_id: str, now: float) -> int:
         """Live leases charged against the instance (indexed: O(log leases))."""
@@ -130,7 +140,7 @@ class RouterState:
             case CallCompleted():
                 self._completed(event)
             case CallFailed():
-                self._finished(event.call_id)
+                self._finished(event.call_id, event.at)
                 if event.stage != "router" and event.call_id not in self.routed:
                     self._remember(event.call_id, "")  # its client has its answer: never place it
                 if event.stage == "router":
@@ -173,8 +183,9 @@ class RouterState:
         if view is not None and view.snapshot.incarnation == event.incarnation:
             del self.instances[event.instance_id]
             self.prefix.forget_instance(event.instance_id)
+            self.homes.forget_instance(event.instance_id)
         for call_id in event.calls:
-            self._finished(call_id)
+            self._finished(call_id, event.at)
 
     def _remember(self, call_id: str, instance_id: str) -> None:
         self.routed[call_id] = instance_id
@@ -203,15 +214,20 @@ class RouterState:
         tokens = call.prompt_tokens
         self.inflight_calls[call.call_id] = InFlight(event.instance_id, tokens, call.model, call.session_id,
                                                      event.call_index, call.reply_to)
-        self.model(call.model).observe_arrival(event.routed_at)
+        prof = self.model(call.model)
+        prof.observe_arrival(event.routed_at)
+        prof.calls_seen += 1
+        prof.sessions_seen += event.call_index == 0
         view = self.instances.get(event.instance_id)
         if view is not None:
             view.inflight.add(call.call_id)
             view.add_overlay(call.call_id, tokens, call.model, tokens - reused)
         self.prefix.insert(event.instance_id, call.model, call.session_id, call.block_hashes)
+        self.homes.prune(event.instance_id, event.routed_at, self.idle_horizon_s)
+        self.homes.routed(call.session_id, event.instance_id, call.model, event.routed_at)
 
     def _completed(self, event: CallCompleted) -> None:
-        self._finished(event.call_id)
+        self._finished(event.call_id, event.completed_at)
         entry = self.session(event.session_id)
         entry.model = event.model
         entry.last_instance = event.instance_id
@@ -224,10 +240,11 @@ class RouterState:
             event.prefill_s, event.decode_s, event.ttft_s,
         )
 
-    def _finished(self, call_id: str) -> None:
+    def _finished(self, call_id: str, at: float) -> None:
         placed = self.inflight_calls.pop(call_id, None)
         if placed is None:
             return
+        self.homes.ended(placed.session_id, placed.instance_id, at)
         view = self.instances.get(placed[0])
         if view is not None:
             view.inflight.discard(call_id)
@@ -262,6 +279,7 @@ class RouterState:
             "routed": dict(self.routed),
             "models": {m: dict(vars(p), gaps=list(p.gaps)) for m, p in self.models.items()},
             "instance_profiles": {i: dict(vars(p)) for i, p in self.instance_profiles.items()},
+            "homes": self.homes.to_list(),
         }
 
     @classmethod
@@ -281,6 +299,7 @@ class RouterState:
         state.routed = dict(data.get("routed", {}))
         state.models = {m: ModelProfile(**p) for m, p in data.get("models", {}).items()}
         state.instance_profiles = {i: InstanceProfile(**p) for i, p in data.get("instance_profiles", {}).items()}
+        state.homes = HomeBook.from_list(data.get("homes", []))
         return state
 
 
