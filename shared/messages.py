@@ -34,6 +34,10 @@ Name = Annotated[str, Meta(min_length=1, max_length=MAX_NAME_LEN, pattern=rf"^[^
 Token = Annotated[str, Meta(min_length=1, max_length=MAX_TOKEN_LEN, pattern=rf"^[^{_CONTROLS} .*>]+\Z")]
 # A reply subject: tokens joined by dots.
 Subject = Annotated[str, Meta(min_length=1, max_length=512, pattern=rf"^[^{_CONTROLS} *>]+\Z")]
+# A client's idempotency key (services/gateway/idempotency.py): printable ASCII, as an HTTP
+# header value can carry it; Stripe's bound. It is hashed before it names anything.
+MAX_IDEMPOTENCY_KEY_LEN = 255
+IdempotencyKey = Annotated[str, Meta(min_length=1, max_length=MAX_IDEMPOTENCY_KEY_LEN, pattern=r"^[\x20-\x7e]+\Z")]
 
 
 class ToolCallMsg(Struct, frozen=True, forbid_unknown_fields=False):
@@ -90,6 +94,9 @@ class CallRequest(Struct, frozen=True):
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit (limits.py bounds)
     logprobs: bool = False  # return each generated token's log-probability
     top_logprobs: int = 0  # and that many most likely alternatives (needs `logprobs`)
+    # Send the same key with every retry of one call: a retry attaches to the original (its
+    # stored answer, or its outcome when it finishes) instead of running it again.
+    idempotency_key: IdempotencyKey | None = None
 
 
 class TokenLogprob(Struct, frozen=True, array_like=True):

@@ -308,6 +308,7 @@ ERROR_TYPES = {
     404: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
+    422: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
