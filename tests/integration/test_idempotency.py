@@ -213,3 +213,22 @@ async def test_a_call_whose_gateway_died_before_submitting_it_runs_once_for_the_
     assert status == 200 and h["X-Talaria-Call-Id"] == claimed.call_id  # re-submitted under its claim
     await wait_rows(db, "SELECT 1 FROM calls WHERE session_id = 'tenant-a:idem-6' AND outcome = 'completed'", 1)
     assert len(await call_rows(db, "idem-6")) == 1
+
+
+async def test_a_client_that_drops_a_keyed_call_mid_stream_gets_it_on_retry(stack, nats_url, db):
+    """Without a key a disconnect cancels the call; with one the client's retry attaches to it."""
+    settings, services = stack
+    await start_agent(settings, services, nats_url)
+    body = {**chat_body(stream=True), "max_tokens": 64}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"http://127.0.0.1:{settings.http_port}/v1/chat/completions", json=body,
+                          headers=headers("idem-7", "key-7")) as r:
+            assert r.status == 200
+            call_id = r.headers["X-Talaria-Call-Id"]
+            await r.content.readline()  # the first event: the call is running
+    status, sse, h = await post(settings, body, headers("idem-7", "key-7"))
+    assert status == 200 and h["X-Talaria-Call-Id"] == call_id
+    [row] = await wait_rows(db, "SELECT outcome FROM calls WHERE session_id = 'tenant-a:idem-7' "
+                                "AND outcome IN ('completed', 'cancelled', 'failed')", 1)
+    assert row["outcome"] == "completed"
+    assert len(await call_rows(db, "idem-7")) == 1
