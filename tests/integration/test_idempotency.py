@@ -26,6 +26,7 @@ from talaria.shared.health import wait_for_router
 from talaria.shared.settings import Settings
 from talaria.embedded import free_port
 from tests.integration.harness import Services, wait_rows, wait_until
+from tests.integration.test_security import Violations, router_ready, secure_nats, start_stack  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.integration
 
@@ -232,3 +233,32 @@ async def test_a_client_that_drops_a_keyed_call_mid_stream_gets_it_on_retry(stac
                                 "AND outcome IN ('completed', 'cancelled', 'failed')", 1)
     assert row["outcome"] == "completed"
     assert len(await call_rows(db, "idem-7")) == 1
+
+
+async def test_keys_work_under_per_service_nats_permissions(secure_nats, database_url, db, tmp_path):
+    """As `talaria up` runs it: the gateway's own user claims keys and reads kept replies; a NATS
+    client cannot read them."""
+    url, users = secure_nats
+    settings = Settings(nats_url=url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
+                        session_idle_s=3600, call_timeout_s=60, api_keys=(KEY_A,))
+    services = Services()
+    try:
+        await start_stack(services, settings, users)
+        await router_ready(url, users["client"])
+        status, first, _ = await post(settings, chat_body(), headers("idem-8", "key-8"))
+        status2, again, h = await post(settings, chat_body(), headers("idem-8", "key-8"))
+        assert (status, status2) == (200, 200) and again["id"] == first["id"] and h["Idempotent-Replayed"] == "true"
+        violations = Violations()
+        client = await nats.connect(url, error_cb=violations.on_error, **users["client"].options())
+        try:
+            await client.subscribe(f"{subjects.IDEMPOTENT_REPLIES}.*")
+            await violations.wait_for(f'subscription to "{subjects.IDEMPOTENT_REPLIES}.*"')
+            await client.publish(f"{subjects.IDEMPOTENCY_KEYS}.x", b"{}")
+            await violations.wait_for(f'publish to "{subjects.IDEMPOTENCY_KEYS}.x"')
+        finally:
+            await client.close()
+        await wait_rows(db, "SELECT 1 FROM calls WHERE session_id = 'tenant-a:idem-8' AND outcome = 'completed'", 1)
+        assert len(await call_rows(db, "idem-8")) == 1
+    finally:
+        await services.close()
+
