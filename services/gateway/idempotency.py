@@ -217,10 +217,10 @@ class IdempotentCalls:
 
         sub = await self.nc.subscribe(call.reply_to, cb=on_reply)  # before looking: nothing falls between
         try:
+            too_large = check_size(call, self.nc.max_payload)
+            if too_large is not None:  # its owner answered 413 without submitting it
+                return too_large
             if republish:
-                too_large = check_size(call, self.nc.max_payload)
-                if too_large is not None:
-                    return too_large
                 if await emit_new(self.js, call) is not None:
                     self.log.warning("idempotent call re-submitted: its gateway died before submitting it",
                                      call_id=call.call_id)

@@ -2,6 +2,8 @@
 
 The reply is a CallResult or an ErrorReply (tagged by `"type"`). To stream, set
 `call_id` and subscribe to `talaria.tokens.<call_id>` before sending the request.
+Send the same `idempotency_key` with each retry of a call (idempotency.py): a given
+`call_id` names its first attempt; an attempt re-run after a failure gets a new id.
 """
 
 from __future__ import annotations
