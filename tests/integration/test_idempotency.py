@@ -244,12 +244,12 @@ async def test_keys_work_under_per_service_nats_permissions(secure_nats, databas
     services = Services()
     try:
         await start_stack(services, settings, users)
-        await router_ready(url, users["client"])
+        await router_ready(url, users["client-mallory"])
         status, first, _ = await post(settings, chat_body(), headers("idem-8", "key-8"))
         status2, again, h = await post(settings, chat_body(), headers("idem-8", "key-8"))
         assert (status, status2) == (200, 200) and again["id"] == first["id"] and h["Idempotent-Replayed"] == "true"
         violations = Violations()
-        client = await nats.connect(url, error_cb=violations.on_error, **users["client"].options())
+        client = await nats.connect(url, error_cb=violations.on_error, **users["client-mallory"].options())
         try:
             await client.subscribe(f"{subjects.IDEMPOTENT_REPLIES}.*")
             await violations.wait_for(f'subscription to "{subjects.IDEMPOTENT_REPLIES}.*"')
