@@ -72,7 +72,7 @@ class IdempotencyRecord(msgspec.Struct, frozen=True):
     attempt: int = 0
 
 
-class Decision(Enum):
+class KeyDecision(Enum):
     MISMATCH = "mismatch"  # a different request under the same key: 422
     REPLAY = "replay"  # the call completed: its stored result
     TAKE_OVER = "take_over"  # the attempt failed: run a new one under the key
@@ -80,19 +80,19 @@ class Decision(Enum):
     ATTACH_REPUBLISH = "attach_republish"  # running, or its submission lost with its gateway
 
 
-def decide(record: IdempotencyRecord, fingerprint: str, outcome: Reply | None, now: float) -> Decision:
+def decide(record: IdempotencyRecord, fingerprint: str, outcome: Reply | None, now: float) -> KeyDecision:
     """What a request with a claimed key does. Pure: (claim, this request, stored answer, now)."""
     if record.fingerprint != fingerprint:
-        return Decision.MISMATCH
+        return KeyDecision.MISMATCH
     if isinstance(outcome, CallResult):
-        return Decision.REPLAY
+        return KeyDecision.REPLAY
     if outcome is not None or now >= record.deadline_at:
         # An error reply, or no answer by the deadline (an agent finishing later records it
         # failed and answers 504): either way that attempt did not and will not complete.
-        return Decision.TAKE_OVER
+        return KeyDecision.TAKE_OVER
     if now - record.created_at < REPUBLISH_WITHIN_S:
-        return Decision.ATTACH_REPUBLISH
-    return Decision.ATTACH
+        return KeyDecision.ATTACH_REPUBLISH
+    return KeyDecision.ATTACH
 
 
 def check_key(value: str) -> str:
@@ -169,14 +169,14 @@ class IdempotentCalls:
                 record = msgspec.json.decode(raw.data, type=IdempotencyRecord)
                 outcome = await self.stored(record.call_id)
                 decision = decide(record, fp, outcome, time.time())
-                if decision is Decision.MISMATCH:
+                if decision is KeyDecision.MISMATCH:
                     return ErrorReply(422, "idempotency_key_reused",
                                       f"this `{KEY_HEADER}` was used for a different request (call "
                                       f"{record.call_id}); send a new key with a new request",
                                       param=KEY_HEADER, call_id=record.call_id)
-                if decision is Decision.REPLAY:
+                if decision is KeyDecision.REPLAY:
                     return Claim(self, self._attached(call, record), owner=False, outcome=outcome)
-                if decision is Decision.TAKE_OVER:
+                if decision is KeyDecision.TAKE_OVER:
                     if own.call_id == record.call_id:  # a client-chosen call id reused: the new attempt needs its own
                         own = self._own(replace(call, call_id=uuid.uuid4().hex))
                     if await self._write(subject, self._record(own, fp, record.attempt + 1), last=raw.seq):
@@ -185,7 +185,7 @@ class IdempotentCalls:
                         return Claim(self, own, owner=True)
                     continue
                 return Claim(self, self._attached(call, record), owner=False,
-                             republish=decision is Decision.ATTACH_REPUBLISH)
+                             republish=decision is KeyDecision.ATTACH_REPUBLISH)
         except Exception as exc:  # the bus is down: nothing was accepted
             self.log.error("idempotency claim failed", error=str(exc))
             return ErrorReply(503, "bus_unavailable", f"could not look up the {KEY_HEADER}: {exc}",

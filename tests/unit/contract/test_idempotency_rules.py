@@ -9,7 +9,7 @@ import pytest
 from talaria.services.gateway.http_api import parse_request
 from talaria.services.gateway.idempotency import (
     REPUBLISH_WITHIN_S,
-    Decision,
+    KeyDecision,
     IdempotencyRecord,
     check_key,
     decide,
@@ -107,25 +107,25 @@ RESULT = m.CallResult("c1", "s", 0, "qwen3-tiny", "agent-0", "hi", "stop", m.Usa
 
 
 def test_a_different_request_under_a_claimed_key_is_refused_even_after_it_completed():
-    assert decide(RECORD, "other", None, 910.0) is Decision.MISMATCH
-    assert decide(RECORD, "other", RESULT, 910.0) is Decision.MISMATCH
+    assert decide(RECORD, "other", None, 910.0) is KeyDecision.MISMATCH
+    assert decide(RECORD, "other", RESULT, 910.0) is KeyDecision.MISMATCH
 
 
 def test_a_completed_call_is_replayed_even_after_its_deadline():
-    assert decide(RECORD, "fp", RESULT, 910.0) is Decision.REPLAY
-    assert decide(RECORD, "fp", RESULT, 5000.0) is Decision.REPLAY
+    assert decide(RECORD, "fp", RESULT, 910.0) is KeyDecision.REPLAY
+    assert decide(RECORD, "fp", RESULT, 5000.0) is KeyDecision.REPLAY
 
 
 def test_a_failed_attempt_is_taken_over():
     failed = m.ErrorReply(503, "instance_lost", "gone", retry_after_s=1.0, call_id="c1")
-    assert decide(RECORD, "fp", failed, 910.0) is Decision.TAKE_OVER
-    assert decide(RECORD, "fp", None, RECORD.deadline_at) is Decision.TAKE_OVER  # no answer by its deadline
+    assert decide(RECORD, "fp", failed, 910.0) is KeyDecision.TAKE_OVER
+    assert decide(RECORD, "fp", None, RECORD.deadline_at) is KeyDecision.TAKE_OVER  # no answer by its deadline
 
 
 def test_a_running_call_is_attached_to_and_a_young_claim_resubmitted():
-    assert decide(RECORD, "fp", None, RECORD.created_at + 1.0) is Decision.ATTACH_REPUBLISH
+    assert decide(RECORD, "fp", None, RECORD.created_at + 1.0) is KeyDecision.ATTACH_REPUBLISH
     old = RECORD.created_at + REPUBLISH_WITHIN_S
-    assert decide(RECORD, "fp", None, old) is Decision.ATTACH  # outside JetStream's duplicate window: never
+    assert decide(RECORD, "fp", None, old) is KeyDecision.ATTACH  # outside JetStream's duplicate window: never
 
 
 def test_the_window_must_outlast_the_call_timeout():
