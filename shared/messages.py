@@ -218,7 +218,6 @@ class CallRouted(Struct, frozen=True, tag="call.routed"):
     policy: str
     routed_at: float
     lease: LeaseOutcome = "none"
-    expected_kv: KvSource = "none"
     # The agent process the call was placed on (its snapshot's incarnation; "" = any). A
     # restarted agent drops calls placed on its predecessor: the router has failed them.
     incarnation: str = ""
@@ -353,6 +352,7 @@ class RoutingDecision(Struct, frozen=True, tag="decision"):
     retry_after_s: float | None = None
     model_opened: bool = False
     avoidable_cold_open: bool = False
+    expected_kv: KvSource = "none"  # where the router expects the chosen instance to find r's prefix
     decision_us: float = 0.0
     reason: Annotated[str, Meta(max_length=2048)] = ""  # why: a rejection names the bound it hit
 
