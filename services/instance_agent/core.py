@@ -36,7 +36,8 @@ from talaria.services.instance_agent.scheduler import (
     Work,
 )
 from talaria.services.instance_agent.scheduler.view import next_switch_s, round_remaining_s
-from talaria.shared.messages import CallCompleted, InstanceSnapshot, ModelResidency, RoundSummary, SessionKv, SwitchDone
+from talaria.shared.events import CallCompleted, RoundSummary, SwitchDone
+from talaria.shared.snapshots import InstanceSnapshot, ModelResidency, SessionKv
 
 
 @dataclass(slots=True)

@@ -45,19 +45,9 @@ from talaria.shared import subjects
 from talaria.shared.bus import emit
 from talaria.shared.logs import call_context
 from talaria.shared.nats_auth import trusted
-from talaria.shared.messages import (
-    CANCELLED_STATUS,
-    CallFailed,
-    CallResult,
-    CallRouted,
-    CallStarted,
-    ErrorReply,
-    InstanceLost,
-    Timings,
-    TokenChunk,
-    Usage,
-    encode,
-)
+from talaria.shared.events import CallFailed, CallRouted, CallStarted, InstanceLost
+from talaria.shared.messages import CANCELLED_STATUS, CallResult, ErrorReply, Timings, TokenChunk, Usage
+from talaria.shared.wire import encode
 from talaria.shared.tracing import extract_context
 
 FINISHED_MEMORY = 10_000

@@ -20,16 +20,9 @@ from talaria.shared import logs, subjects, tracing
 from talaria.shared.bus import close, connect, emit
 from talaria.shared.limits import call_problem
 from talaria.shared.nats_auth import parse_sender, sender_of, trusted
-from talaria.shared.messages import (
-    CANCEL_DECODER,
-    EVENT_DECODER,
-    ROUTED_DECODER,
-    CallFailed,
-    CallRouted,
-    CallSubmitted,
-    ErrorReply,
-    encode,
-)
+from talaria.shared.events import CallFailed, CallRouted, CallSubmitted, EVENT_DECODER, ROUTED_DECODER
+from talaria.shared.messages import CANCEL_DECODER, ErrorReply
+from talaria.shared.wire import encode
 from talaria.shared.settings import Settings
 
 ACK_WAIT_S = 60.0  # held calls send in_progress() every 20 s, so only a dead agent's calls return

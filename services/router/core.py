@@ -10,14 +10,8 @@ from talaria.services.router.instances import InstanceView
 from talaria.services.router.leases import settlement
 from talaria.services.router.policy.base import PlacementPolicy
 from talaria.services.router.state import RouterState, SnapshotReceived
-from talaria.shared.messages import (
-    CallFailed,
-    CallRouted,
-    CallSubmitted,
-    Event,
-    InstanceLost,
-    InstanceSnapshot,
-)
+from talaria.shared.events import CallFailed, CallRouted, CallSubmitted, Event, InstanceLost
+from talaria.shared.snapshots import InstanceSnapshot
 
 # An agent is declared lost after this many of its own heartbeat intervals without a snapshot
 # (the interval is in each snapshot, so the bound follows the agent's configuration).

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from talaria.shared.messages import LeaseConsumed, LeaseDiscarded, LeaseIssued, RoutingDecision
+from talaria.shared.events import LeaseConsumed, LeaseDiscarded, LeaseIssued, RoutingDecision
 
 
 @dataclass

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from talaria.services.router.state import InstanceView, RouterState
-from talaria.shared.messages import CallSubmitted, Event, RoutingDecision
+from talaria.shared.events import CallSubmitted, Event, RoutingDecision
 
 
 OVERLOAD_MODES = ("reject", "queue")

@@ -24,7 +24,7 @@ from __future__ import annotations
 from talaria.services.router.policy.base import PlacementPolicy
 from talaria.services.router.policy.registry import register
 from talaria.services.router.state import RouterState
-from talaria.shared.messages import CallSubmitted, CandidateCost, RoutingDecision
+from talaria.shared.events import CallSubmitted, CandidateCost, RoutingDecision
 from talaria.shared.tokenizer import HASH_BLOCK_TOKENS as BLOCK
 
 

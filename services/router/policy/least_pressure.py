@@ -11,7 +11,7 @@ from talaria.services.router.instances import InstanceView
 from talaria.services.router.policy.base import PlacementPolicy
 from talaria.services.router.policy.registry import register
 from talaria.services.router.state import RouterState
-from talaria.shared.messages import CallSubmitted, CandidateCost, RoutingDecision
+from talaria.shared.events import CallSubmitted, CandidateCost, RoutingDecision
 
 
 def load_of(view: InstanceView) -> tuple[int, int]:

@@ -28,7 +28,7 @@ from talaria.services.router.policy.least_pressure import load_candidates
 from talaria.services.router.policy.registry import register
 from talaria.services.router.prefix_index import INDEXED_TOKENS
 from talaria.services.router.state import RouterState
-from talaria.shared.messages import CallSubmitted, RoutingDecision
+from talaria.shared.events import CallSubmitted, RoutingDecision
 
 
 @register

@@ -17,13 +17,7 @@ from __future__ import annotations
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.shared.stats import quantile
 from talaria.services.router.state import RouterState
-from talaria.shared.messages import (
-    CallCompleted,
-    CallSubmitted,
-    LeaseDiscarded,
-    LeaseExpired,
-    LeaseIssued,
-)
+from talaria.shared.events import CallCompleted, CallSubmitted, LeaseDiscarded, LeaseExpired, LeaseIssued
 
 MIN_SESSION_GAPS = 3  # below this, the adaptive lease uses the model's gaps
 MIN_MODEL_GAPS = 8  # below this, it uses the configured tau

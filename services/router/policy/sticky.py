@@ -14,7 +14,7 @@ from talaria.services.router.policy.base import PlacementPolicy
 from talaria.services.router.policy.least_pressure import least_loaded, load_candidates
 from talaria.services.router.policy.registry import register
 from talaria.services.router.state import RouterState
-from talaria.shared.messages import CallSubmitted, RoutingDecision
+from talaria.shared.events import CallSubmitted, RoutingDecision
 
 
 @register

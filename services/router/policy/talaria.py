@@ -20,7 +20,8 @@ from talaria.services.router.policy import soft_reservation as sr
 from talaria.services.router.policy.base import PlacementPolicy, PolicyConfig
 from talaria.services.router.policy.registry import register
 from talaria.services.router.state import RouterState, SessionEntry
-from talaria.shared.messages import CallCompleted, CallSubmitted, Event, LeaseIssued, RoutingDecision, replace
+from talaria.shared.events import CallCompleted, CallSubmitted, Event, LeaseIssued, RoutingDecision
+from talaria.shared.wire import replace
 
 
 @register

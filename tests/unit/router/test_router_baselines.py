@@ -13,7 +13,7 @@ from talaria.services.router.policy.registry import (
     policy_names,
     register,
 )
-from talaria.shared.messages import CallRouted, LeaseIssued, RoutingDecision
+from talaria.shared.events import CallRouted, LeaseIssued, RoutingDecision
 
 BASELINES = ["least-pressure", "least-loaded", "session-sticky", "round-robin", "prefix-aware", "kv-cost"]
 

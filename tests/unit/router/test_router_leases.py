@@ -6,7 +6,7 @@ import pytest
 from router_support import call, core, done, one, snap
 
 from talaria.services.router.leases import LeaseBook
-from talaria.shared.messages import (
+from talaria.shared.events import (
     CallRouted,
     LeaseConsumed,
     LeaseDiscarded,

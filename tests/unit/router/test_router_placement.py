@@ -14,7 +14,7 @@ from talaria.services.router.core import RouterCore
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.policy.registry import create_policy
 from talaria.shared.settings import Settings
-from talaria.shared.messages import CallFailed, CallRouted, LeaseIssued, RoutingDecision
+from talaria.shared.events import CallFailed, CallRouted, LeaseIssued, RoutingDecision
 
 NO_LEASE = dict(lease_timeout_s=0.0)
 
