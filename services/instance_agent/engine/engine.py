@@ -32,7 +32,7 @@ from talaria.services.instance_agent.engine.weights import (
 )
 from talaria.services.instance_agent.memory.bump import BumpBuffer
 from talaria.services.instance_agent.memory.hkvr import HostKvRegistry
-from talaria.services.instance_agent.memory.hkvr_core import LayoutDescriptor, RankReport
+from talaria.services.instance_agent.memory.host_pages import LayoutDescriptor, RankReport
 from talaria.services.instance_agent.memory.staging import StagingExecutor
 from talaria.shared.catalog import CATALOG, ModelSpec
 from talaria.shared.stats import ewma
