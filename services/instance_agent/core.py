@@ -131,6 +131,11 @@ class AgentCore:
     def decode_done(self, action: Decode, now: float, finished: Iterable[str] = (), steps: int | None = None) -> Outcome:
         return self._outcome(self.sched.on_decode_done(action, now, finished, steps), now)
 
+    def action_failed(self, action, now: float) -> Outcome:
+        """The executor could not run `action` and failed what it had to: the scheduler can
+        choose again (without this it would wait for the action forever)."""
+        return self._outcome(self.sched.on_action_failed(action, now), now)
+
     def drain(self, now: float) -> Outcome:
         """Events raised outside an action (after an Idle)."""
         return self._outcome(self.sched.drain_events(), now)

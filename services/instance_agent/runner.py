@@ -29,7 +29,7 @@ import msgspec
 from opentelemetry import trace
 
 from talaria.services.instance_agent.core import AgentCore, Outcome
-from talaria.services.instance_agent.engine import EngineError, GenRequest
+from talaria.services.instance_agent.engine import EngineBusy, EngineError, GenRequest
 from talaria.services.instance_agent.scheduler import (
     Decode,
     Idle,
@@ -81,6 +81,7 @@ class Running:
     in_engine: bool = False  # its prefill was handed to the engine (chunks continue it)
     started_pub: asyncio.Future | None = None  # the CallStarted publish, off the prefill path
     logprobs: list = field(default_factory=list)  # a streamed call's logprobs not yet in a chunk
+    ending: bool = False  # a cancel or drop is releasing it (the stray sweep leaves it to them)
 
 
 class CallRunner:
@@ -105,19 +106,29 @@ class CallRunner:
         self.wakeup = asyncio.Event()
         self.version = 0
         self.last_snapshot = 0.0
-        # Calls finished here recently: a redelivery of one (its ack was lost) is acked, not rerun.
+        # A call is in at most one of: `calls` (queued or running), `closing` (its outcome is
+        # being published: a copy arriving then, e.g. the durable one after a NATS pause, is
+        # attached to it, never run again), `finished` (recently done: a redelivery is acked).
+        self.closing: dict[str, Running] = {}
         self.finished: OrderedDict[str, None] = OrderedDict()
         # Cancels for calls not (yet) here: a call routed after its cancel is refused on arrival.
         self.cancelled: OrderedDict[str, tuple[str, str]] = OrderedDict()  # call id -> (reason, tenant)
         self.watchdog = Watchdog(min_stuck_s=settings.watchdog_min_s)
         self.unhealthy = ""  # why new calls should go elsewhere (heartbeat flag); "" when healthy
         self.step_calls: tuple[str, ...] = ()  # the calls of the engine step in flight
-        self.orphans: set[str] = set()  # failed by the watchdog; the engine may still hold them
+        # Look, before the next step, for engine entries no call here runs any more (failed by
+        # the watchdog or an engine error, or leaked by a bug): they hold pages and block switches.
+        self.sweep_due = False
 
     @property
     def sched(self):
         """The core's RoundScheduler."""
         return self.core.sched
+
+    def holds(self, call_id: str) -> bool:
+        """Whether a copy of this call needs nothing more: it is queued, running, finishing or
+        finished here."""
+        return call_id in self.calls or call_id in self.closing or call_id in self.finished
 
     # ---- intake ------------------------------------------------------------------------
 
@@ -128,10 +139,10 @@ class CallRunner:
         call = routed.call
         if call.model not in self.settings.models:
             return f"this instance does not serve {call.model}"
-        if call.call_id in self.calls:
-            running = self.calls[call.call_id]
-            if running.msg is None:  # the durable copy of a call started from its fast copy
-                running.msg = msg
+        running = self.calls.get(call.call_id) or self.closing.get(call.call_id)
+        if running is not None:
+            if running.msg is None:  # the durable copy of a call started from its fast copy:
+                running.msg = msg  # acked once the call's outcome is out
             return None  # redelivered while still here: keep the first copy
         if call.call_id in self.finished:
             if msg is not None:
@@ -170,8 +181,8 @@ class CallRunner:
         """Abort a call of `tenant`: out of the scheduler, its engine state released (its KV
         stays as the session's cache), recorded as cancelled. A call not here yet is refused
         on arrival if it is that tenant's. Another tenant's call is left alone."""
-        if call_id in self.finished:
-            return
+        if call_id in self.finished or call_id in self.closing:
+            return  # its outcome is out (or going out)
         if call_id not in self.calls:
             self.cancelled[call_id] = (reason, tenant)
             while len(self.cancelled) > FINISHED_MEMORY:
@@ -192,9 +203,10 @@ class CallRunner:
         running = self.calls.get(call_id)
         if running is None:
             return
+        running.ending = True
         if running.in_engine:
             try:  # after any step in flight: the engine thread runs one thing at a time
-                await self._run(self.engine.finish, call_id)
+                await self._on_engine(self.engine.finish, call_id)
             except EngineError:
                 pass  # the engine never admitted it
         await self._fail(call_id, f"cancelled: {reason}", status=CANCELLED_STATUS, code="cancelled")
@@ -208,9 +220,17 @@ class CallRunner:
                 await self._drop_expired(time.time())
             except Exception:
                 self.log.exception("dropping expired calls failed")
-            if self.orphans:
-                await self._release_orphans()
-            action = self.core.next_action(time.time())
+            if self.sweep_due:
+                try:
+                    await self._sweep()
+                except Exception:
+                    self.log.exception("releasing stray engine state failed")
+            try:
+                action = self.core.next_action(time.time())
+            except Exception:  # a scheduler bug: keep the loop (the agent) alive, retry next beat
+                self.log.exception("scheduler failed to choose an action")
+                await self._wait(stop, time.time() + self.settings.heartbeat_s)
+                continue
             self.step_calls = tuple(getattr(action, "call_ids", ()))
             try:
                 match action:
@@ -268,12 +288,13 @@ class CallRunner:
     async def _drop(self, call_id: str, reason: str, *, status: int, code: str) -> None:
         if call_id not in self.calls:
             return
+        self.calls[call_id].ending = True
         try:
             await self._events(self.core.abort(call_id, time.time()))
         except SchedulerError:
             self.core.forget(call_id)  # not (or no longer) in the scheduler
         try:
-            await self._run(self.engine.finish, call_id)  # release its pages if the engine holds it
+            await self._on_engine(self.engine.finish, call_id)  # release its pages if the engine holds it
         except Exception:
             pass
         await self._fail(call_id, reason, status=status, code=code)
@@ -286,11 +307,17 @@ class CallRunner:
             w.cancel()
 
     async def _run(self, fn, *args):
+        """An engine step of the work loop, timed by the watchdog."""
         self.watchdog.step_started(fn.__name__, self.step_calls, time.time())
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+            return await self._on_engine(fn, *args)
         finally:
             self.watchdog.step_ended(time.time())
+
+    async def _on_engine(self, fn, *args):
+        """On the engine thread, after any step in flight (cancels and drops: not a step of
+        the loop, so the watchdog's view of the step in flight stays whole)."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     async def _switch(self, action: SwitchModel):
         record = await self._run(self.engine.switch_to, action.to_model)
@@ -355,28 +382,35 @@ class CallRunner:
         return finished
 
     async def _engine_failed(self, action, exc: Exception):
+        """Fail the calls `action` was for, release what the engine holds of them, and end the
+        action in the scheduler (else it waits for it forever and the agent stops working).
+        A switch refused because the engine still holds calls is tried again once the sweep
+        has freed them (nothing here runs them); another failed switch fails the calls that
+        were waiting for it."""
         self.log.error("engine step failed", action=type(action).__name__, error=str(exc))
         outcome = Outcome()
-        for call_id in getattr(action, "call_ids", ()):
+        failed = list(getattr(action, "call_ids", ()))
+        if isinstance(action, SwitchModel) and not isinstance(exc, EngineBusy):
+            failed = list(self.sched.calls.queued.get(action.to_model, ()))
+        for call_id in failed:
             try:
-                aborted = self.core.abort(call_id, time.time())
-                outcome.finished += aborted.finished
-                outcome.rounds += aborted.rounds
-                outcome.notes += aborted.notes
+                _merge(outcome, self.core.abort(call_id, time.time()))
             except SchedulerError:
                 self.core.forget(call_id)  # already gone from the scheduler
-            try:
-                self.engine.finish(call_id)  # release its pages if the engine still holds it
-            except Exception:
-                pass
             await self._fail(call_id, f"engine error: {exc}")
+        _merge(outcome, self.core.action_failed(action, time.time()))
+        self.sweep_due = True  # the engine's state of the failed calls goes before the next step
         return outcome
 
     # ---- the core's outcomes -----------------------------------------------------------
 
     async def _events(self, outcome: Outcome) -> None:
         for call_id in outcome.finished:
-            await self._complete(call_id)
+            try:
+                await self._complete(call_id)
+            except Exception:  # one call's failure must not strand the others (done, held by the engine)
+                self.log.exception("completing a call failed", call_id=call_id)
+                self.sweep_due = True
         for summary in outcome.rounds:
             self.watchdog.round_ended(summary.wall_s)
             await emit(self.js, summary)
@@ -403,15 +437,18 @@ class CallRunner:
             await self._fail(call_id, "finished after its deadline (the client stopped waiting)", status=504,
                              code="deadline_passed")
             return
-        del self.calls[call_id]
+        self._close(call_id)
         with call_context(running.routed.call.session_id, call_id):
-            await self._publish_completion(call_id, running)
+            try:
+                await self._publish_completion(call_id, running)
+            finally:
+                self.closing.pop(call_id, None)  # published, or not: then a redelivery runs it again
 
     async def _publish_completion(self, call_id: str, running: Running) -> None:
         try:
             result = await self._run(self.engine.finish, call_id)
         except EngineError as exc:
-            self.calls[call_id] = running
+            self.calls[call_id] = self.closing.pop(call_id)
             await self._fail(call_id, f"engine error: {exc}")
             return
         routed, call, done = running.routed, running.routed.call, time.time()
@@ -443,16 +480,20 @@ class CallRunner:
             sends.append(self.nc.publish(subjects.tokens(call.tenant, call_id), encode(TokenChunk(
                 call_id, running.streamed, "", done=True, finish_reason=result.finish_reason))))
         await asyncio.gather(*sends, _settled(running.started_pub))
-        if running.msg is not None:
-            await running.msg.ack()
-        self._remember(call_id)
+        await self._closed(call_id, running)
         self.log.info("call completed", tokens=len(result.token_ids), kv_source=result.kv_source,
                       ttft_s=round(completed.ttft_s, 4))
 
     async def _fail(self, call_id: str, reason: str, *, status: int = 500, code: str = "engine_error") -> None:
-        running = self.calls.pop(call_id, None)
+        running = self._close(call_id)
         if running is None:
             return
+        try:
+            await self._publish_failure(call_id, running, reason, status, code)
+        finally:
+            self.closing.pop(call_id, None)
+
+    async def _publish_failure(self, call_id: str, running: Running, reason: str, status: int, code: str) -> None:
         routed, call = running.routed, running.routed.call
         self.core.forget(call_id)
         with call_context(call.session_id, call_id):
@@ -471,9 +512,22 @@ class CallRunner:
             sends.append(self.nc.publish(subjects.tokens(call.tenant, call_id), encode(TokenChunk(
                 call_id, running.streamed, "", done=True, finish_reason=code))))
         await asyncio.gather(*sends)
+        await self._closed(call_id, running)
+
+    def _close(self, call_id: str) -> Running | None:
+        """Take a call out of `calls` while its outcome is published (see `closing`)."""
+        running = self.calls.pop(call_id, None)
+        if running is not None:
+            self.closing[call_id] = running
+        return running
+
+    async def _closed(self, call_id: str, running: Running) -> None:
+        """Its outcome is out: finished from now on, and its message (the durable copy may
+        have been attached while it was closing) acked."""
+        self.closing.pop(call_id, None)
+        self._remember(call_id)
         if running.msg is not None:
             await running.msg.ack()
-        self._remember(call_id)
 
     def _remember(self, call_id: str) -> None:
         self.watchdog.call_done(call_id)
@@ -518,29 +572,42 @@ class CallRunner:
                 "agent health changed", unhealthy=verdict.unhealthy or None)
             self.unhealthy = verdict.unhealthy
             await self.publish_snapshot()
+        self.sweep_due = True  # each beat: an engine entry nothing here runs is released
         for call_id, why in verdict.fail_calls.items():
             if call_id not in self.calls:
                 self.watchdog.call_done(call_id)
                 continue
+            self.calls[call_id].ending = True
             try:
                 await self._events(self.core.abort(call_id, now))
             except SchedulerError:
                 self.core.forget(call_id)  # already gone from the scheduler
-            self.orphans.add(call_id)  # released on the engine thread before the next step
-            await self._fail(call_id, why)
+            await self._fail(call_id, why)  # its engine state goes in the sweep before the next step
 
-    async def _release_orphans(self) -> None:
-        orphans, self.orphans = self.orphans, set()
+    async def _sweep(self) -> None:
+        """Release every engine entry the scheduler no longer runs and no completion or cancel
+        is finishing: its pages come back, and a switch is possible again (the engine refuses
+        one while it holds any call). A call of the runner stranded that way is failed."""
+        self.sweep_due = False
 
-        def release() -> None:
-            for call_id in orphans:
-                if call_id in self.engine.running:
-                    try:
-                        self.engine.finish(call_id)
-                    except Exception:
-                        pass
+        def release() -> list[str]:  # on the engine thread: no step runs meanwhile
+            freed = []
+            for call_id in list(self.engine.running):
+                running = self.calls.get(call_id)
+                if call_id in self.sched.calls or call_id in self.closing or (running is not None and running.ending):
+                    continue
+                try:
+                    self.engine.finish(call_id)
+                except Exception:
+                    pass
+                freed.append(call_id)
+            return freed
 
-        await asyncio.get_running_loop().run_in_executor(self.executor, release)
+        for call_id in await self._on_engine(release):
+            if call_id in self.calls:
+                self.log.error("engine held a call the scheduler no longer runs; failing it", call_id=call_id)
+                await self._fail(call_id, "the agent lost track of this call; retry it", status=503,
+                                 code="instance_error")
 
     # ---- telemetry ---------------------------------------------------------------------
 
@@ -563,6 +630,12 @@ class CallRunner:
                 await asyncio.wait_for(stop.wait(), self.settings.heartbeat_s)
             except TimeoutError:
                 pass
+
+
+def _merge(into: Outcome, more: Outcome) -> None:
+    into.finished += more.finished
+    into.rounds += more.rounds
+    into.notes += more.notes
 
 
 def _earliest(a: float | None, b: float | None) -> float | None:

@@ -170,7 +170,7 @@ async def _with_prompt(js, runner: CallRunner, routed: CallRouted) -> CallRouted
     are stored once). Usually the fast copy already started the call and nothing is fetched;
     otherwise (a restart, a lost fast copy) the submission is read back from the stream."""
     call = routed.call
-    if call.prompt_ids or not routed.submitted_seq or call.call_id in runner.calls or call.call_id in runner.finished:
+    if call.prompt_ids or not routed.submitted_seq or runner.holds(call.call_id):
         return routed
     try:
         raw = await js.get_msg(subjects.EVENTS_STREAM, routed.submitted_seq)

@@ -17,10 +17,13 @@ pytestmark = pytest.mark.integration
 
 
 class RunnerState:
-    """The three things `_with_prompt` reads of a CallRunner (a plain holder, no behaviour)."""
+    """What `_with_prompt` reads of a CallRunner: its connection and which calls it holds."""
 
     def __init__(self, nc) -> None:
-        self.nc, self.calls, self.finished = nc, {}, set()
+        self.nc, self.calls = nc, {}
+
+    def holds(self, call_id: str) -> bool:
+        return call_id in self.calls
 
 
 def submitted(call_id: str) -> CallSubmitted:

@@ -192,6 +192,14 @@ class RoundScheduler(ColdPool, HotPool, ChunkedPrefill, WorkCosts):
             self.round.switch_s += took
         return self.drain_events()
 
+    def on_action_failed(self, action: Action, now: float) -> list[SchedulerEvent]:
+        """The executor could not run `action` (it aborts the calls it fails): the action is no
+        longer in flight and the device is unchanged; a failed switch is chosen afresh."""
+        self._complete(action)
+        if isinstance(action, SwitchModel):
+            self._target = None
+        return self.drain_events()
+
     def abort(self, call_id: str, now: float) -> list[SchedulerEvent]:
         """Forget a call (client gone, engine failure). Safe while it is in flight."""
         call = self.calls.get(call_id)
