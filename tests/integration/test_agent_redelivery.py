@@ -24,7 +24,8 @@ import pytest
 from talaria.services.instance_agent import runner as runner_module
 from talaria.services.instance_agent import service as agent_service
 from talaria.services.instance_agent.engine import GenRequest
-from talaria.shared import messages as m
+from talaria.shared.events import CallCompleted, CallRouted, CallSubmitted
+from talaria.shared.messages import CallResult, REPLY_DECODER
 from talaria.shared import subjects
 from talaria.shared.bus import connect, emit, publish_fast
 from talaria.shared.nats_auth import owner_sender
@@ -78,26 +79,26 @@ class Stack:
         await self.services.close()
         await self.nc.close()
 
-    async def submit(self, call_id: str, model: str, session: str) -> tuple[m.CallRouted, int]:
+    async def submit(self, call_id: str, model: str, session: str) -> tuple[CallRouted, int]:
         """The gateway's submission (its stream sequence is what the durable copy refers to)."""
         inbox = f"_INBOX.test.{call_id}"
         self.replies[call_id] = asyncio.Queue()
 
         async def on_reply(msg):
-            await self.replies[call_id].put(m.REPLY_DECODER.decode(msg.data))
+            await self.replies[call_id].put(REPLY_DECODER.decode(msg.data))
 
         await self.nc.subscribe(inbox, cb=on_reply)
-        call = m.CallSubmitted(call_id=call_id, session_id=session, model=model, prompt_ids=[5, 6, 7, 8, 9],
+        call = CallSubmitted(call_id=call_id, session_id=session, model=model, prompt_ids=[5, 6, 7, 8, 9],
                                block_hashes=[], max_tokens=4, submitted_at=time.time(), reply_to=inbox,
                                deadline_at=time.time() + 60)
         seq = await emit(self.js, call, sender=owner_sender(call))
-        routed = m.CallRouted(call=call, call_index=0, instance_id=AGENT, policy="talaria", routed_at=time.time())
+        routed = CallRouted(call=call, call_index=0, instance_id=AGENT, policy="talaria", routed_at=time.time())
         return routed, seq
 
-    async def fast_copy(self, routed: m.CallRouted) -> None:
+    async def fast_copy(self, routed: CallRouted) -> None:
         await publish_fast(self.js, subjects.dispatch(AGENT), routed)
 
-    async def durable_copy(self, routed: m.CallRouted, submitted_seq: int) -> int:
+    async def durable_copy(self, routed: CallRouted, submitted_seq: int) -> int:
         return await emit(self.js, routed.by_reference(submitted_seq))
 
     async def route(self, call_id: str, model: str, session: str) -> None:
@@ -127,7 +128,7 @@ def hold_completion_publish(monkeypatch, call_id: str):
     emit_real = runner_module.emit
 
     async def paused_emit(js, event, *a, **k):
-        if isinstance(event, m.CallCompleted) and event.call_id == call_id:
+        if isinstance(event, CallCompleted) and event.call_id == call_id:
             held.set()
             await resume.wait()
         return await emit_real(js, event, *a, **k)
@@ -171,13 +172,13 @@ async def test_a_durable_copy_arriving_while_its_call_finishes_is_acked_never_ru
     routed_seq = await stack.durable_copy(routed, seq)  # ...when its durable copy comes
     await asyncio.wait_for(_durable_arrived(stack, "x"), 30)
     resume()
-    assert isinstance(await stack.reply("x"), m.CallResult)
+    assert isinstance(await stack.reply("x"), CallResult)
     # Later calls, one needing a model switch: had x been admitted again, it would have run
     # before the switch (its model is the active one).
     await stack.route("y", "gpt2-tiny", "s-y")
-    assert isinstance(await stack.reply("y"), m.CallResult)
+    assert isinstance(await stack.reply("y"), CallResult)
     await stack.route("z", "qwen3-tiny", "s-z")
-    assert isinstance(await stack.reply("z"), m.CallResult)
+    assert isinstance(await stack.reply("z"), CallResult)
     assert stack.prefilled["x"] == 1, "x ran again from its durable copy"
     assert stack.replies["x"].empty()  # one answer
     assert stack.copies["x"] == [False, True]
@@ -197,11 +198,11 @@ async def test_an_engine_entry_nobody_runs_cannot_wedge_the_agent(stack):
     # Warm up on qwen3-tiny, then leak an engine entry for it: no call of the runner or the
     # scheduler owns it (the kind of state a lost completion used to leave behind).
     await stack.route("w", "qwen3-tiny", "s-w")
-    assert isinstance(await stack.reply("w"), m.CallResult)
+    assert isinstance(await stack.reply("w"), CallResult)
     leak = GenRequest(call_id="leaked", session_id="s-leak", model="qwen3-tiny", prompt_ids=[1, 2, 3], max_tokens=8)
     await asyncio.get_running_loop().run_in_executor(stack.runner.executor, stack.runner.engine.prefill, [leak])
     assert "leaked" in stack.runner.engine.running
     # A call for the other model needs a switch, which the engine refuses while it holds a call.
     await stack.route("y", "gpt2-tiny", "s-y")
-    assert isinstance(await stack.reply("y", timeout=30), m.CallResult)
+    assert isinstance(await stack.reply("y", timeout=30), CallResult)
     assert "leaked" not in stack.runner.engine.running
