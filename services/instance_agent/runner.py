@@ -14,6 +14,10 @@ The simulator's `SimExecutor` (talaria/sim/executor.py) runs the same core on a 
 The scheduler is pure and the engine blocking: engine calls run on the single engine
 thread, everything touching NATS stays on the event loop. A call's JetStream message is
 acked only once its outcome is published, so a crashed agent's calls are redelivered.
+
+Here: intake, cancels, the work loop, snapshots. The steps are in engine_steps.py, the
+outcomes (events, replies, acks) in call_outcomes.py, the drops (deadlines, lost
+placements, the watchdog, stray engine entries) in call_drops.py.
 """
 
 from __future__ import annotations
@@ -28,8 +32,11 @@ from dataclasses import dataclass, field
 import msgspec
 from opentelemetry import trace
 
+from talaria.services.instance_agent.call_drops import CallDrops
+from talaria.services.instance_agent.call_outcomes import FINISHED_MEMORY, CallOutcomes
 from talaria.services.instance_agent.core import AgentCore, Outcome
-from talaria.services.instance_agent.engine import EngineBusy, EngineError, GenRequest
+from talaria.services.instance_agent.engine import EngineError
+from talaria.services.instance_agent.engine_steps import EngineSteps
 from talaria.services.instance_agent.scheduler import (
     Decode,
     Idle,
@@ -42,17 +49,10 @@ from talaria.services.instance_agent.scheduler import (
 from talaria.services.instance_agent.telemetry import build_snapshot
 from talaria.services.instance_agent.watchdog import Watchdog
 from talaria.shared import subjects
-from talaria.shared.bus import emit
-from talaria.shared.logs import call_context
-from talaria.shared.nats_auth import trusted
-from talaria.shared.events import CallFailed, CallRouted, CallStarted, InstanceLost
-from talaria.shared.messages import CANCELLED_STATUS, CallResult, ErrorReply, Timings, TokenChunk, Usage
-from talaria.shared.wire import encode
+from talaria.shared.events import CallRouted
+from talaria.shared.messages import CANCELLED_STATUS
 from talaria.shared.tracing import extract_context
-
-FINISHED_MEMORY = 10_000
-SNAPSHOT_ON_CHANGE_MIN_S = 0.05  # besides the heartbeat, on change, at most this often
-IN_PROGRESS_EVERY_S = 20.0
+from talaria.shared.wire import encode
 
 # Starting guesses for the tiny CPU models; CalibratedCosts corrects them from measurements.
 INITIAL_COSTS = LinearCosts(prefill_tok_s=5_000.0, restore_tok_s=200_000.0, decode_base_s=0.005,
@@ -84,7 +84,11 @@ class Running:
     ending: bool = False  # a cancel or drop is releasing it (the stray sweep leaves it to them)
 
 
-class CallRunner:
+class CallRunner(EngineSteps, CallOutcomes, CallDrops):
+    """Intake, the work loop and telemetry here; the engine steps (engine_steps.py), the
+    outcomes and acks (call_outcomes.py) and the drops (call_drops.py) are mixins over the
+    same state."""
+
     def __init__(self, settings, engine, executor, nc, js, tracer: trace.Tracer, log) -> None:
         self.settings, self.engine, self.executor = settings, engine, executor
         self.nc, self.js, self.tracer, self.log = nc, js, tracer, log
@@ -257,48 +261,6 @@ class CallRunner:
             except Exception:
                 self.log.exception("publishing scheduler events failed")
 
-    # ---- deadlines and lost placements: never run work nobody waits for --------------------
-
-    def _next_deadline(self) -> float | None:
-        return min((r.routed.call.deadline_at for r in self.calls.values() if r.routed.call.deadline_at),
-                   default=None)
-
-    async def _drop_expired(self, now: float) -> None:
-        """Calls whose client stopped waiting (the deadline the gateway set has passed; it
-        answered 504) are dropped before another step is spent on them, and recorded."""
-        for call_id, running in list(self.calls.items()):
-            deadline = running.routed.call.deadline_at
-            if deadline and now >= deadline:
-                await self._drop(call_id, f"dropped: its deadline passed {now - deadline:.1f}s ago "
-                                          "(the client stopped waiting)", status=504, code="deadline_passed")
-
-    async def on_instance_lost(self, msg) -> None:
-        """The router declared this very process lost (heartbeats late) and failed its calls
-        with 503: stop them here too, so none completes after its client was told to retry."""
-        try:
-            lost = msgspec.json.decode(msg.data, type=InstanceLost)
-        except msgspec.DecodeError:
-            return
-        if not trusted(msg, lost) or lost.instance_id != self.instance_id or lost.incarnation != self.incarnation:
-            return
-        self.log.warning("the router declared this agent lost; dropping its calls", calls=len(lost.calls))
-        for call_id in lost.calls:
-            await self._drop(call_id, lost.reason, status=503, code="instance_lost")
-
-    async def _drop(self, call_id: str, reason: str, *, status: int, code: str) -> None:
-        if call_id not in self.calls:
-            return
-        self.calls[call_id].ending = True
-        try:
-            await self._events(self.core.abort(call_id, time.time()))
-        except SchedulerError:
-            self.core.forget(call_id)  # not (or no longer) in the scheduler
-        try:
-            await self._on_engine(self.engine.finish, call_id)  # release its pages if the engine holds it
-        except Exception:
-            pass
-        await self._fail(call_id, reason, status=status, code=code)
-
     async def _wait(self, stop: asyncio.Event, until: float | None) -> None:
         timeout = None if until is None else max(0.0, until - time.time())
         waiters = [asyncio.ensure_future(self.wakeup.wait()), asyncio.ensure_future(stop.wait())]
@@ -318,296 +280,6 @@ class CallRunner:
         """On the engine thread, after any step in flight (cancels and drops: not a step of
         the loop, so the watchdog's view of the step in flight stays whole)."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-
-    async def _switch(self, action: SwitchModel):
-        record = await self._run(self.engine.switch_to, action.to_model)
-        outcome = self.core.switch_done(action, time.time(), record.total_s, path=record.path,
-                                        phases=record.phases(), bytes_staged=record.bytes_staged,
-                                        bytes_uncovered=record.bytes_uncovered)
-        await emit(self.js, outcome.switch)
-        outcome.switch = None
-        await self.publish_snapshot()
-        return outcome
-
-    async def _prefill(self, action: Prefill):
-        reqs, more = [], []
-        started = time.time()
-        for call_id in action.call_ids:
-            running = self.calls.get(call_id)
-            if running is None:
-                continue  # cancelled while queued for this action
-            if running.in_engine:
-                more.append(call_id)  # chunked prefill: this call's next chunk
-                continue
-            call = running.routed.call
-            reqs.append(GenRequest(call_id=call.call_id, session_id=call.session_id, model=call.model,
-                                   prompt_ids=list(call.prompt_ids), max_tokens=call.max_tokens,
-                                   temperature=call.temperature, top_p=call.top_p, seed=call.seed,
-                                   stop=tuple(call.stop), kv_scope=call.kv_scope, logit_bias=call.logit_bias,
-                                   logprobs=call.logprobs, top_logprobs=call.top_logprobs))
-            running.in_engine = True
-            running.span.add_event("prefill_start", {"session_prefill": action.session_prefill})
-            # Published while the prefill runs: it is a progress marker (the projector keeps a
-            # final outcome over it whatever the order), and awaited before the call's outcome.
-            running.started_pub = asyncio.ensure_future(
-                emit(self.js, CallStarted(call_id, call.session_id, self.instance_id, started)))
-        self.arrived.clear()
-        steps = await self._run(self.engine.prefill, reqs, action.chunk_tokens, more)
-        firsts = [s.call_id for s in steps]
-        left = self.engine.prompt_left(action.call_ids) if action.chunk_tokens else None
-        return self.core.prefill_done(action, time.time(), await self._tokens(steps), first_tokens=firsts,
-                                      prompt_left=left)
-
-    async def _decode(self, action: Decode):
-        steps = await self._run(self.engine.decode, list(action.call_ids))
-        return self.core.decode_done(action, time.time(), await self._tokens(steps))
-
-    async def _tokens(self, steps) -> set[str]:
-        finished = set()
-        for step in steps:
-            running = self.calls.get(step.call_id)
-            if running is None:
-                continue
-            if step.logprob is not None and running.routed.call.stream:
-                running.logprobs.append(step.logprob)
-            if step.text and running.routed.call.stream:
-                # A chunk carries the logprobs of the tokens since the last one (text held back
-                # for a stop string releases several tokens' text at once).
-                lps, running.logprobs = running.logprobs or None, []
-                await self.nc.publish(subjects.tokens(running.routed.call.tenant, step.call_id),
-                                      encode(TokenChunk(step.call_id, running.streamed, step.text, logprobs=lps)))
-                running.streamed += 1
-            if step.finished:
-                finished.add(step.call_id)
-        return finished
-
-    async def _engine_failed(self, action, exc: Exception):
-        """Fail the calls `action` was for, release what the engine holds of them, and end the
-        action in the scheduler (else it waits for it forever and the agent stops working).
-        A switch refused because the engine still holds calls is tried again once the sweep
-        has freed them (nothing here runs them); another failed switch fails the calls that
-        were waiting for it."""
-        self.log.error("engine step failed", action=type(action).__name__, error=str(exc))
-        outcome = Outcome()
-        failed = list(getattr(action, "call_ids", ()))
-        if isinstance(action, SwitchModel) and not isinstance(exc, EngineBusy):
-            failed = list(self.sched.calls.queued.get(action.to_model, ()))
-        for call_id in failed:
-            try:
-                _merge(outcome, self.core.abort(call_id, time.time()))
-            except SchedulerError:
-                self.core.forget(call_id)  # already gone from the scheduler
-            await self._fail(call_id, f"engine error: {exc}")
-        _merge(outcome, self.core.action_failed(action, time.time()))
-        self.sweep_due = True  # the engine's state of the failed calls goes before the next step
-        return outcome
-
-    # ---- the core's outcomes -----------------------------------------------------------
-
-    async def _events(self, outcome: Outcome) -> None:
-        for call_id in outcome.finished:
-            try:
-                await self._complete(call_id)
-            except Exception:  # one call's failure must not strand the others (done, held by the engine)
-                self.log.exception("completing a call failed", call_id=call_id)
-                self.sweep_due = True
-        for summary in outcome.rounds:
-            self.watchdog.round_ended(summary.wall_s)
-            await emit(self.js, summary)
-        if outcome.switch is not None:
-            await emit(self.js, outcome.switch)
-        for event in outcome.notes:
-            # structlog's first argument is already called `event`: name ours `kind`.
-            self.log.info("scheduler", kind=type(event).__name__, **{
-                k: v for k, v in vars(event).items() if k in ("call_id", "reason", "model")})
-        changed = bool(outcome.finished)
-        if changed and time.monotonic() - self.last_snapshot >= SNAPSHOT_ON_CHANGE_MIN_S:
-            await self.publish_snapshot()  # the router learns of freed capacity and new session KV now
-
-    async def _complete(self, call_id: str) -> None:
-        running = self.calls.get(call_id)
-        if running is None:
-            return
-        deadline = running.routed.call.deadline_at
-        if deadline and time.time() >= deadline:  # its client got a 504: never flip that to completed
-            try:
-                await self._run(self.engine.finish, call_id)
-            except Exception:
-                pass
-            await self._fail(call_id, "finished after its deadline (the client stopped waiting)", status=504,
-                             code="deadline_passed")
-            return
-        self._close(call_id)
-        with call_context(running.routed.call.session_id, call_id):
-            try:
-                await self._publish_completion(call_id, running)
-            finally:
-                self.closing.pop(call_id, None)  # published, or not: then a redelivery runs it again
-
-    async def _publish_completion(self, call_id: str, running: Running) -> None:
-        try:
-            result = await self._run(self.engine.finish, call_id)
-        except EngineError as exc:
-            self.calls[call_id] = self.closing.pop(call_id)
-            await self._fail(call_id, f"engine error: {exc}")
-            return
-        routed, call, done = running.routed, running.routed.call, time.time()
-        via = self.core.records[call_id].via
-        completed = self.core.completed(
-            call_id, done, prompt_tokens=result.prompt_tokens, output_tokens=len(result.token_ids),
-            finish_reason=result.finish_reason, cached_tokens=result.cached_tokens, kv_source=result.kv_source,
-            prefill_s=result.prefill_s, decode_s=result.decode_s,
-            trace_id=f"{running.span.get_span_context().trace_id:032x}")
-        running.span.set_attributes({
-            "queue_s": completed.queue_s, "prefill_s": result.prefill_s, "decode_s": result.decode_s,
-            "cached_tokens": result.cached_tokens, "kv_source": result.kv_source,
-            "slot_wait_s": completed.slot_wait_s, "admitted_via": via, "model_opened": completed.model_opened})
-        running.span.end()
-        # The durable record, the reply and the stream's end go out together; the message is
-        # acked only after all of them, so a crash before that still redelivers the call.
-        sends = [emit(self.js, completed)]
-        if call.reply_to:
-            n_out = len(result.token_ids)
-            sends.append(self.nc.publish(call.reply_to, encode(CallResult(
-                call_id=call_id, session_id=call.session_id, call_index=routed.call_index, model=call.model,
-                instance_id=self.instance_id, text=result.text, finish_reason=result.finish_reason,
-                usage=Usage(result.prompt_tokens, n_out, result.prompt_tokens + n_out, result.cached_tokens),
-                timings=Timings(completed.queue_s, completed.ttft_s, result.prefill_s, result.decode_s,
-                                completed.slot_wait_s, done - call.submitted_at),
-                kv_source=result.kv_source, stop_sequence=result.stop_sequence, logprobs=result.logprobs,
-            ))))
-        if call.stream:
-            sends.append(self.nc.publish(subjects.tokens(call.tenant, call_id), encode(TokenChunk(
-                call_id, running.streamed, "", done=True, finish_reason=result.finish_reason))))
-        await asyncio.gather(*sends, _settled(running.started_pub))
-        await self._closed(call_id, running)
-        self.log.info("call completed", tokens=len(result.token_ids), kv_source=result.kv_source,
-                      ttft_s=round(completed.ttft_s, 4))
-
-    async def _fail(self, call_id: str, reason: str, *, status: int = 500, code: str = "engine_error") -> None:
-        running = self._close(call_id)
-        if running is None:
-            return
-        try:
-            await self._publish_failure(call_id, running, reason, status, code)
-        finally:
-            self.closing.pop(call_id, None)
-
-    async def _publish_failure(self, call_id: str, running: Running, reason: str, status: int, code: str) -> None:
-        routed, call = running.routed, running.routed.call
-        self.core.forget(call_id)
-        with call_context(call.session_id, call_id):
-            self.log.error("call failed", reason=reason)
-        running.span.set_status(trace.Status(trace.StatusCode.ERROR, reason))
-        running.span.end()
-        await _settled(running.started_pub)
-        sends = [emit(self.js, CallFailed(call_id, call.session_id, call.model, reason, "agent", time.time(),
-                                          status=status, instance_id=self.instance_id,
-                                          call_index=routed.call_index))]
-        if call.reply_to:
-            retry = 1.0 if status == 503 else None  # 503: placed elsewhere it can run
-            sends.append(self.nc.publish(call.reply_to, encode(ErrorReply(status, code, reason, call_id=call_id,
-                                                                          retry_after_s=retry))))
-        if call.stream:
-            sends.append(self.nc.publish(subjects.tokens(call.tenant, call_id), encode(TokenChunk(
-                call_id, running.streamed, "", done=True, finish_reason=code))))
-        await asyncio.gather(*sends)
-        await self._closed(call_id, running)
-
-    def _close(self, call_id: str) -> Running | None:
-        """Take a call out of `calls` while its outcome is published (see `closing`)."""
-        running = self.calls.pop(call_id, None)
-        if running is not None:
-            self.closing[call_id] = running
-        return running
-
-    async def _closed(self, call_id: str, running: Running) -> None:
-        """Its outcome is out: finished from now on, and its message (the durable copy may
-        have been attached while it was closing) acked."""
-        self.closing.pop(call_id, None)
-        self._remember(call_id)
-        if running.msg is not None:
-            await running.msg.ack()
-
-    def _remember(self, call_id: str) -> None:
-        self.watchdog.call_done(call_id)
-        self.finished[call_id] = None
-        while len(self.finished) > FINISHED_MEMORY:
-            self.finished.popitem(last=False)
-
-    async def progress_loop(self, stop: asyncio.Event) -> None:
-        """Tell JetStream that held calls are still being worked on, so none is redelivered
-        while it waits for its slot (the consumer's ack_wait is shorter than a long queue)."""
-        while not stop.is_set():
-            for running in list(self.calls.values()):
-                try:
-                    if running.msg is not None:
-                        await running.msg.in_progress()
-                except Exception:
-                    pass
-            try:
-                await asyncio.wait_for(stop.wait(), IN_PROGRESS_EVERY_S)
-            except TimeoutError:
-                pass
-
-    # ---- watchdog ----------------------------------------------------------------------
-
-    async def watchdog_loop(self, stop: asyncio.Event) -> None:
-        """Fail calls that stopped making progress; flag the agent unhealthy while an engine
-        step is stuck, so the router stops choosing it (see watchdog.py)."""
-        while not stop.is_set():
-            try:
-                await self.watch(time.time())
-            except Exception:
-                self.log.exception("watchdog check failed")
-            try:
-                await asyncio.wait_for(stop.wait(), self.settings.heartbeat_s)
-            except TimeoutError:
-                pass
-
-    async def watch(self, now: float) -> None:
-        verdict = self.watchdog.check(now)
-        if verdict.unhealthy != self.unhealthy:
-            (self.log.error if verdict.unhealthy else self.log.info)(
-                "agent health changed", unhealthy=verdict.unhealthy or None)
-            self.unhealthy = verdict.unhealthy
-            await self.publish_snapshot()
-        self.sweep_due = True  # each beat: an engine entry nothing here runs is released
-        for call_id, why in verdict.fail_calls.items():
-            if call_id not in self.calls:
-                self.watchdog.call_done(call_id)
-                continue
-            self.calls[call_id].ending = True
-            try:
-                await self._events(self.core.abort(call_id, now))
-            except SchedulerError:
-                self.core.forget(call_id)  # already gone from the scheduler
-            await self._fail(call_id, why)  # its engine state goes in the sweep before the next step
-
-    async def _sweep(self) -> None:
-        """Release every engine entry the scheduler no longer runs and no completion or cancel
-        is finishing: its pages come back, and a switch is possible again (the engine refuses
-        one while it holds any call). A call of the runner stranded that way is failed."""
-        self.sweep_due = False
-
-        def release() -> list[str]:  # on the engine thread: no step runs meanwhile
-            freed = []
-            for call_id in list(self.engine.running):
-                running = self.calls.get(call_id)
-                if call_id in self.sched.calls or call_id in self.closing or (running is not None and running.ending):
-                    continue
-                try:
-                    self.engine.finish(call_id)
-                except Exception:
-                    pass
-                freed.append(call_id)
-            return freed
-
-        for call_id in await self._on_engine(release):
-            if call_id in self.calls:
-                self.log.error("engine held a call the scheduler no longer runs; failing it", call_id=call_id)
-                await self._fail(call_id, "the agent lost track of this call; retry it", status=503,
-                                 code="instance_error")
 
     # ---- telemetry ---------------------------------------------------------------------
 
@@ -632,20 +304,5 @@ class CallRunner:
                 pass
 
 
-def _merge(into: Outcome, more: Outcome) -> None:
-    into.finished += more.finished
-    into.rounds += more.rounds
-    into.notes += more.notes
-
-
 def _earliest(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else min(a, b)
-
-
-async def _settled(fut: asyncio.Future | None) -> None:
-    """Wait for a background publish; its failure only loses a progress marker."""
-    if fut is not None:
-        try:
-            await fut
-        except Exception:
-            pass

@@ -21,7 +21,7 @@ from collections import Counter
 
 import pytest
 
-from talaria.services.instance_agent import runner as runner_module
+from talaria.services.instance_agent import call_outcomes
 from talaria.services.instance_agent import service as agent_service
 from talaria.services.instance_agent.engine import GenRequest
 from talaria.shared.events import CallCompleted, CallRouted, CallSubmitted
@@ -125,7 +125,7 @@ def hold_completion_publish(monkeypatch, call_id: str):
     """The NATS pause as the agent sees it: the call's completion record does not get out
     until `resume` is set; `held` is set when the agent is waiting on it."""
     held, resume = asyncio.Event(), asyncio.Event()
-    emit_real = runner_module.emit
+    emit_real = call_outcomes.emit
 
     async def paused_emit(js, event, *a, **k):
         if isinstance(event, CallCompleted) and event.call_id == call_id:
@@ -133,7 +133,7 @@ def hold_completion_publish(monkeypatch, call_id: str):
             await resume.wait()
         return await emit_real(js, event, *a, **k)
 
-    monkeypatch.setattr(runner_module, "emit", paused_emit)
+    monkeypatch.setattr(call_outcomes, "emit", paused_emit)
     return held, resume.set
 
 
