@@ -100,7 +100,11 @@ class EngineSteps:
                 merge_outcomes(outcome, self.core.abort(call_id, time.time()))
             except SchedulerError:
                 self.core.forget(call_id)  # already gone from the scheduler
-            await self._fail(call_id, f"engine error: {exc}")
-        merge_outcomes(outcome, self.core.action_failed(action, time.time()))
+            try:
+                await self._fail(call_id, f"engine error: {exc}")
+            except Exception:  # e.g. NATS down: the loop must go on regardless
+                self.log.exception("failing a call failed", call_id=call_id)
+        if self.sched.inflight is action:  # not when it failed after the scheduler heard it done
+            merge_outcomes(outcome, self.core.action_failed(action, time.time()))
         self.sweep_due = True  # the engine's state of the failed calls goes before the next step
         return outcome

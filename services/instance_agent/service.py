@@ -86,8 +86,15 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     if ready is not None:
         ready.set()
     try:
-        await stop.wait()
+        stopped = asyncio.ensure_future(stop.wait())
+        done, _ = await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        for task in (done - {stopped}) if not stop.is_set() else ():
+            # A core task died (e.g. the work loop): an agent that still heartbeats but runs
+            # nothing would hold its calls until their 504; exit non-zero so it is restarted.
+            task.result()
+            raise RuntimeError(f"agent task {task.get_name()} ended unexpectedly")
     finally:
+        stop.set()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

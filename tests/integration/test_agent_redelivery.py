@@ -206,3 +206,17 @@ async def test_an_engine_entry_nobody_runs_cannot_wedge_the_agent(stack):
     await stack.route("y", "gpt2-tiny", "s-y")
     assert isinstance(await stack.reply("y", timeout=30), CallResult)
     assert "leaked" not in stack.runner.engine.running
+
+
+async def test_an_agent_whose_work_loop_dies_exits_rather_than_heartbeat_with_no_one_working(
+        nats_url, tmp_path, monkeypatch):
+    # Its heartbeats would keep the router placing calls on it, each waiting for its 504;
+    # exiting non-zero lets the supervisor restart it (and the router fail its calls, 503).
+    async def broken(self, stop):
+        raise RuntimeError("work loop bug")
+
+    monkeypatch.setattr(agent_service.CallRunner, "work_loop", broken)
+    settings = Settings(nats_url=nats_url, data_dir=tmp_path, instance_id=AGENT, models=("qwen3-tiny",),
+                        hkvr=False, staging=False)
+    with pytest.raises(RuntimeError, match="work loop bug"):
+        await asyncio.wait_for(agent_service.run(settings), 120)

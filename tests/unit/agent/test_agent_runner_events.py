@@ -10,7 +10,7 @@ from talaria.services.instance_agent.engine.contract import Capabilities
 
 from talaria.services.instance_agent.core import Outcome
 from talaria.services.instance_agent.runner import CallRunner
-from talaria.services.instance_agent.scheduler import CallParked, DeadlineRisk
+from talaria.services.instance_agent.scheduler import CallParked, DeadlineRisk, Idle
 from talaria.shared.settings import Settings
 
 
@@ -50,3 +50,14 @@ async def test_a_completion_that_fails_does_not_strand_the_calls_finished_with_i
     await runner._events(Outcome(finished=["bad", "c2", "c3"]))
     assert completed == ["c2", "c3"]
     assert runner.sweep_due  # what the engine still holds of "bad" is released before the next step
+
+
+async def test_a_failure_outside_an_action_in_flight_is_survived(tmp_path):
+    # The work loop hands every failure to _engine_failed; one while idle (e.g. publishing a
+    # drained event with NATS down) has no action in flight to end, and must not raise.
+    settings = Settings(data_dir=tmp_path, instance_id="agent-t", models=("qwen3-tiny",))
+    engine = SimpleNamespace(capabilities=Capabilities(switch_with_calls_running=False, host_kv=True,
+                                                       d2d_staging=True, chunked_prefill=True))
+    runner = CallRunner(settings, engine, None, None, None, None, structlog.get_logger())
+    outcome = await runner._engine_failed(Idle(None), TimeoutError("nats: timeout"))
+    assert outcome.finished == [] and runner.sweep_due
