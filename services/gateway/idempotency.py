@@ -39,17 +39,9 @@ from nats.js.errors import APIError, BadRequestError, NotFoundError
 from talaria.services.gateway.validation import RequestError, bad, check_size
 from talaria.shared import subjects
 from talaria.shared.bus import DUPLICATE_WINDOW_S, emit, emit_new
-from talaria.shared.messages import (
-    MAX_IDEMPOTENCY_KEY_LEN,
-    REPLY_DECODER,
-    CallFailed,
-    CallResult,
-    CallSubmitted,
-    ErrorReply,
-    Reply,
-    encode,
-    replace,
-)
+from talaria.shared.events import CallFailed, CallSubmitted
+from talaria.shared.messages import REPLY_DECODER, CallResult, ErrorReply, Reply
+from talaria.shared.wire import MAX_IDEMPOTENCY_KEY_LEN, encode, replace
 
 KEY_HEADER = "Idempotency-Key"  # OpenAI's spelling (its SDK's agents endpoints) and the IETF draft's
 KEY_PATTERN = re.compile(rf"[\x20-\x7e]{{1,{MAX_IDEMPOTENCY_KEY_LEN}}}")

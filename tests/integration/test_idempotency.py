@@ -21,6 +21,7 @@ from talaria.services.router.service import run as run_router
 from talaria.services.telemetry.service import run as run_telemetry
 from talaria.shared import logs, subjects
 from talaria.shared import messages as m
+from talaria.shared.wire import encode, replace
 from talaria.shared.bus import close, connect, emit_new
 from talaria.shared.health import wait_for_router
 from talaria.shared.settings import Settings
@@ -152,13 +153,13 @@ async def test_nats_api_honours_idempotency_key(stack, nats_url, db):
                             api_key=KEY_A.split(":", 1)[1], idempotency_key="nats-key")
 
         async def ask(r):
-            return m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, m.encode(r), timeout=60)).data)
+            return m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(r), timeout=60)).data)
 
         first, second = await ask(req), await ask(req)
         assert isinstance(first, m.CallResult) and first == second
-        other = await ask(m.replace(req, prompt="bye"))
+        other = await ask(replace(req, prompt="bye"))
         assert isinstance(other, m.ErrorReply) and other.status == 422
-        bad = await ask(m.replace(req, idempotency_key="tab\there"))
+        bad = await ask(replace(req, idempotency_key="tab\there"))
         assert isinstance(bad, m.ErrorReply) and bad.status == 400 and bad.param == "idempotency_key"
     finally:
         await nc.close()

@@ -22,6 +22,7 @@ from talaria.services.gateway.idempotency import (
 from talaria.services.gateway.prepare import RequestError
 from talaria.services.gateway.validation import decode
 from talaria.shared import messages as m
+from talaria.shared.wire import encode, replace
 from talaria.shared import subjects
 from talaria.shared.nats_auth import permissions
 from talaria.shared.settings import Settings, SettingsError
@@ -84,7 +85,7 @@ def test_any_change_the_client_made_is_another_request(change):
 
 def test_a_named_session_and_the_api_are_part_of_the_request():
     assert fingerprint(chat_call({"X-Session-Id": "s1"})) != fingerprint(chat_call({"X-Session-Id": "s2"}))
-    assert fingerprint(chat_call()) != fingerprint(m.replace(chat_call(), api="anthropic"))
+    assert fingerprint(chat_call()) != fingerprint(replace(chat_call(), api="anthropic"))
 
 
 def test_keys_are_scoped_to_the_tenant_and_hashed_into_one_subject_token():
