@@ -22,7 +22,7 @@ from talaria.services.gateway.idempotency import (
 from talaria.services.gateway.prepare import RequestError
 from talaria.services.gateway.validation import decode
 from talaria.shared import messages as m
-from talaria.shared.wire import encode, replace
+from talaria.shared.wire import replace
 from talaria.shared import subjects
 from talaria.shared.nats_auth import permissions
 from talaria.shared.settings import Settings, SettingsError
