@@ -15,6 +15,7 @@ import asyncio
 import itertools
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -22,7 +23,8 @@ from aiohttp import web
 from talaria.services.gateway.auth import TENANT, client_session, scoped_session
 from talaria.services.gateway.openai_api import error_body, openai_tool_calls
 from talaria.services.gateway.prepare import RequestError, prepare, tool_format
-from talaria.services.gateway.responses_input import DECODER, chat_input, echo, refuse_unsupported, to_call_request
+from talaria.services.gateway.responses_input import (DECODER, chat_input, echo, namespaces, refuse_unsupported,
+                                                      to_call_request)
 from talaria.services.gateway.sessions import InvalidSessionId, session_id_from
 from talaria.services.gateway.submitter import Submitter
 from talaria.services.gateway.validation import decode
@@ -33,19 +35,27 @@ from talaria.shared.tool_calls import TextUntilCalls, ToolCall, parse_calls
 PARAM_NAMES = {"messages": "input", "max_tokens": "max_output_tokens"}
 
 
+@dataclass(frozen=True)
+class Parsed:
+    call: CallSubmitted
+    fmt: str | None  # the model's tool-call form when tools are offered
+    fields: dict  # the request fields a Response repeats
+    namespaces: tuple[str, ...] = ()  # namespace tools: their functions' calls are named `ns.name`
+
+
 def parse_request(body: bytes, headers: dict[str, str], tenant: str = "",
-                  prefix_sharing: str = "tenant") -> tuple[CallSubmitted, str | None, dict] | ErrorReply:
-    """Decode, validate and tokenise one body: (the call, its tool-call format, the fields the
-    Response repeats) or the 4xx reply. Pure (no I/O), so it may run in a worker process."""
+                  prefix_sharing: str = "tenant") -> Parsed | ErrorReply:
+    """Decode, validate and tokenise one body, or say what is wrong (a 4xx reply). Pure
+    (no I/O), so it may run in a worker process."""
     try:
         req = decode(DECODER, body)
         refuse_unsupported(req)
         call_req = to_call_request(req, chat_input(req))
-        # Codex CLI sends a `session_id` header, and its conversation id as `prompt_cache_key`.
+        # Codex CLI sends a `session-id` header, and its conversation id as `prompt_cache_key`.
         session_id = scoped_session(tenant, session_id_from(headers, req.prompt_cache_key or req.user))
         call = prepare(call_req, session_id, "responses", tenant, prefix_sharing,
                        fit_max_tokens=req.max_output_tokens is None)
-        return call, tool_format(call_req), echo(req)
+        return Parsed(call, tool_format(call_req), echo(req), tuple(namespaces(req.tools)))
     except InvalidSessionId as exc:
         return ErrorReply(400, "invalid_session_id", str(exc), param="session_id")
     except RequestError as exc:
@@ -68,10 +78,18 @@ def message_item(call_id: str, text: str | None, status: str) -> dict[str, Any]:
             "content": [] if text is None else [output_text(text)]}
 
 
-def function_call_items(call_id: str, calls: list[ToolCall], status: str = "completed") -> list[dict[str, Any]]:
-    return [{"id": f"fc_{call_id}_{i}", "type": "function_call", "status": status, "call_id": c["id"],
-             "name": c["function"]["name"], "arguments": c["function"]["arguments"]}
-            for i, c in enumerate(openai_tool_calls(call_id, calls))]
+def function_call_items(call_id: str, calls: list[ToolCall], namespaces: tuple[str, ...] = (),
+                        status: str = "completed") -> list[dict[str, Any]]:
+    items = []
+    for i, c in enumerate(openai_tool_calls(call_id, calls)):
+        name = c["function"]["name"]
+        item = {"id": f"fc_{call_id}_{i}", "type": "function_call", "status": status, "call_id": c["id"],
+                "name": name, "arguments": c["function"]["arguments"]}
+        space, _, short = name.partition(".")
+        if short and space in namespaces:  # a namespace tool's function, named `namespace.name` to the model
+            item.update(name=short, namespace=space)
+        items.append(item)
+    return items
 
 
 def outcome(result: CallResult, calls: list[ToolCall]) -> str:
@@ -102,11 +120,12 @@ def response_body(call: CallSubmitted, fields: dict, status: str, output: list[d
     return body
 
 
-def result_body(call: CallSubmitted, fields: dict, result: CallResult, fmt: str | None) -> dict[str, Any]:
-    content, calls = parse_calls(result.text, fmt) if fmt else (result.text, [])
+def result_body(parsed: Parsed, result: CallResult) -> dict[str, Any]:
+    content, calls = parse_calls(result.text, parsed.fmt) if parsed.fmt else (result.text, [])
     status = outcome(result, calls)
     output = [message_item(result.call_id, content, status)] if content or not calls else []
-    return response_body(call, fields, status, output + function_call_items(result.call_id, calls), result)
+    output += function_call_items(result.call_id, calls, parsed.namespaces)
+    return response_body(parsed.call, parsed.fields, status, output, result)
 
 
 def error_response(err: ErrorReply) -> web.Response:
@@ -140,13 +159,13 @@ class ResponsesApi:
             parsed = parse_request(*args)
         if isinstance(parsed, ErrorReply):
             return error_response(parsed)
-        call, fmt, fields = parsed
+        call = parsed.call
         if call.stream:
-            return await ResponseStream(request, call, fmt, fields).run(self.submitter)
+            return await ResponseStream(request, parsed).run(self.submitter)
         reply = await self.submitter.submit(call)
         if isinstance(reply, ErrorReply):
             return error_response(reply)
-        return web.json_response(result_body(call, fields, reply, fmt), headers={
+        return web.json_response(result_body(parsed, reply), headers={
             "X-Session-Id": client_session(call.tenant, reply.session_id), "X-Talaria-Call-Id": reply.call_id,
             "X-Talaria-Instance": reply.instance_id})
 
@@ -156,15 +175,17 @@ class ResponseStream:
     then the finished items and response.completed. Headers go out with the first event, so a
     call refused before any token keeps its HTTP status."""
 
-    def __init__(self, request: web.Request, call: CallSubmitted, fmt: str | None, fields: dict) -> None:
-        self.request, self.call, self.fmt, self.fields = request, call, fmt, fields
+    def __init__(self, request: web.Request, parsed: Parsed) -> None:
+        self.request, self.call, self.fmt = request, parsed.call, parsed.fmt
+        self.fields, self.namespaces = parsed.fields, parsed.namespaces
         self.resp = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-            "X-Session-Id": client_session(call.tenant, call.session_id), "X-Talaria-Call-Id": call.call_id})
-        self.text = TextUntilCalls(fmt is not None, fmt or "hermes")
+            "X-Session-Id": client_session(self.call.tenant, self.call.session_id),
+            "X-Talaria-Call-Id": self.call.call_id})
+        self.text = TextUntilCalls(self.fmt is not None, self.fmt or "hermes")
         self.seq = itertools.count()
         self.message_open = False
-        self.item_id = f"msg_{call.call_id}"
+        self.item_id = f"msg_{self.call.call_id}"
 
     async def run(self, submitter: Submitter) -> web.StreamResponse:
         async def on_token(tok: TokenChunk) -> None:
@@ -215,7 +236,7 @@ class ResponseStream:
             await self._send("response.content_part.done", part=output_text(content), **at)
             output.append(message_item(reply.call_id, content, status))
             await self._send("response.output_item.done", output_index=0, item=output[0])
-        for item in function_call_items(reply.call_id, calls):
+        for item in function_call_items(reply.call_id, calls, self.namespaces):
             index, at = len(output), {"item_id": item["id"], "output_index": len(output)}
             await self._send("response.output_item.added", output_index=index,
                              item={**item, "status": "in_progress", "arguments": ""})

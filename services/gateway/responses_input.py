@@ -18,7 +18,6 @@ from msgspec import Struct
 
 from talaria.services.gateway.openai_api import ROLES, TEXT_PART_TYPES, ChatInput
 from talaria.services.gateway.validation import bad
-from talaria.shared.catalog import CATALOG
 from talaria.shared.messages import CallRequest, ChatMessage, ToolCallMsg, ToolSpec
 
 
@@ -36,6 +35,7 @@ class InputItem(Struct, forbid_unknown_fields=False):
     call_id: str | None = None  # function_call, function_call_output
     name: str | None = None  # function_call
     arguments: str | None = None  # function_call
+    namespace: str | None = None  # function_call: the namespace tool it belongs to
     output: str | list[Part] | None = None  # function_call_output
 
 
@@ -45,6 +45,7 @@ class ToolIn(Struct, forbid_unknown_fields=False):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None  # accepted: arguments are the model's text, parsed, not constrained
+    tools: list[ToolIn] | None = None  # a namespace's functions
 
 
 class ToolChoiceIn(Struct, forbid_unknown_fields=False):
@@ -155,7 +156,7 @@ def chat_input(req: ResponsesRequest) -> ChatInput:
         elif item.type == "function_call":
             if not item.name or not item.call_id:
                 raise bad(f"a function_call needs `name` and `call_id` ({where})", where)
-            call = ToolCallMsg(item.name, item.arguments or "{}", item.call_id)
+            call = ToolCallMsg(qualified(item.namespace, item.name), item.arguments or "{}", item.call_id)
             last = turns[-1] if turns else None
             if last is not None and last.role == "assistant":  # the message it came with, as in chat
                 turns[-1] = msgspec.structs.replace(last, tool_calls=[*(last.tool_calls or []), call])
@@ -173,15 +174,39 @@ def chat_input(req: ResponsesRequest) -> ChatInput:
 
 
 def tools(given: list[ToolIn]) -> list[ToolSpec]:
+    """Function tools, and the functions of `namespace` tools under qualified names
+    (`namespace.name`: the model calls them so, the answer splits them back)."""
     out = []
-    for i, t in enumerate(given):
+
+    def function(t: ToolIn, where: str, namespace: ToolIn | None = None) -> None:
         if t.type != "function":
-            raise bad(f"tool type {t.type!r} is not supported: this server runs no built-in tools; "
-                      "give `function` tools", f"tools[{i}].type", "unsupported_tool")
+            raise bad(f"tool type {t.type!r} is not supported: this server runs no hosted tools; give `function` "
+                      "tools (Codex CLI: web_search = \"disabled\" in config.toml)", f"{where}.type",
+                      "unsupported_tool")
         if not t.name:
-            raise bad("a function tool needs a `name`", f"tools[{i}].name")
-        out.append(ToolSpec(t.name, t.description or "", t.parameters or {}))
+            raise bad("a function tool needs a `name`", f"{where}.name")
+        if namespace is None:
+            out.append(ToolSpec(t.name, t.description or "", t.parameters or {}))
+        else:
+            about = " ".join(d for d in (namespace.description, t.description) if d)
+            out.append(ToolSpec(qualified(namespace.name, t.name), about, t.parameters or {}))
+
+    for i, t in enumerate(given):
+        if t.type == "namespace" and t.name:
+            for j, inner in enumerate(t.tools or []):
+                function(inner, f"tools[{i}].tools[{j}]", t)
+        else:
+            function(t, f"tools[{i}]")
     return out
+
+
+def qualified(namespace: str | None, name: str) -> str:
+    return f"{namespace}.{name}" if namespace else name
+
+
+def namespaces(given: list[ToolIn] | None) -> list[str]:
+    """The namespaces whose functions the model may call (see `tools`)."""
+    return [t.name for t in given or [] if t.type == "namespace" and t.name]
 
 
 def tool_choice(choice: str | ToolChoiceIn | None) -> tuple[str, str | None]:
@@ -193,13 +218,19 @@ def tool_choice(choice: str | ToolChoiceIn | None) -> tuple[str, str | None]:
     raise bad(f"unknown tool_choice {shown!r}: auto, none, required or {{type: function, name}}", "tool_choice")
 
 
+# Without `max_output_tokens` OpenAI lets the answer run to the context's end, but here the
+# engine reserves KV for prompt + max tokens up front and the router places a call only where
+# that fits beside the KV already held: asking for the whole context made a Codex session's
+# second call unplaceable (its first call's KV still held; measured, README). So the default
+# is what Claude Code asks of /v1/messages whatever the model, cut to the context left.
+DEFAULT_MAX_OUTPUT_TOKENS = 32_000
+
+
 def to_call_request(req: ResponsesRequest, chat: ChatInput) -> CallRequest:
-    """Without `max_output_tokens` the answer may use the whole context (OpenAI's meaning):
-    ask for all of it and let prepare(fit_max_tokens=True) cut it to what the prompt leaves."""
-    spec = CATALOG.get(req.model)  # an unknown model is prepare()'s 404
-    whole = spec.context_length if spec is not None else 1
+    """Without `max_output_tokens` the caller lets prepare(fit_max_tokens=True) cut the
+    default to what the prompt leaves of the context."""
     return CallRequest(model=req.model, messages=chat.messages, tools=chat.tools, tool_choice=chat.choice,
-                       forced_tool=chat.forced, max_tokens=req.max_output_tokens or whole,
+                       forced_tool=chat.forced, max_tokens=req.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS,
                        temperature=1.0 if req.temperature is None else req.temperature,
                        top_p=1.0 if req.top_p is None else req.top_p, stream=req.stream)
 

@@ -120,3 +120,18 @@ async def test_a_function_tool_round_trip_from_a_served_checkpoint(toolbot):
                                      "max_output_tokens": 16, "temperature": 0}, "tb-raw")
     [done] = [e for e in raw if e.type == "response.function_call_arguments.done"]
     assert done.arguments == '{"path": "parser.py"}' and raw[-1].response.output[0].call_id
+
+
+async def test_a_large_body_for_a_served_checkpoint_is_parsed_in_the_worker_too(toolbot):
+    """Bodies over 64 KiB are parsed in the gateway's worker process, which must know the
+    checkpoints (TALARIA_MODELS=name=/path) too: Codex's input passes 64 KiB within a session.
+    Too long for toolbot's 2,048 positions, so the answer is a 400 naming the context: found,
+    measured, refused (not a 404 `model_not_found`)."""
+    big = "word " * 14_000  # 70 KB
+    async with aiohttp.ClientSession() as s:
+        for path, body in (("/v1/responses", {"model": "toolbot", "input": big, "max_output_tokens": 4}),
+                           ("/v1/chat/completions", {"model": "toolbot", "max_tokens": 4,
+                                                     "messages": [{"role": "user", "content": big}]})):
+            async with s.post(f"{toolbot}{path}", json=body) as r:
+                error = (await r.json())["error"]
+                assert r.status == 400 and error["code"] == "context_length_exceeded", (path, error)
