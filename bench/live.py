@@ -102,7 +102,10 @@ async def nats_call(nc, model: str, session: str, content, max_tokens: int = 1,
 async def connect(stack):
     import nats
 
-    return await nats.connect(getattr(stack, "client_nats_url", None) or stack.nats_url)
+    from talaria.shared.nats_auth import client_options
+
+    url = getattr(stack, "client_nats_url", None) or stack.nats_url
+    return await nats.connect(url, **client_options(url))
 
 
 def run(coro):

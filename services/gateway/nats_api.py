@@ -1,7 +1,8 @@
 """The agent-runtime API on NATS: request `talaria.api.call` with a CallRequest (JSON).
 
 The reply is a CallResult or an ErrorReply (tagged by `"type"`). To stream, set
-`call_id` and subscribe to `talaria.tokens.<call_id>` before sending the request.
+`call_id` and subscribe to `talaria.tokens.<tenant>.<call_id>` before sending the request
+(`subjects.tokens`); a tenant's NATS user may read only its own tenant's tokens and inboxes.
 """
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ class Submitter:
             try:
                 if on_token is not None:
                     token_sub = await self.nc.subscribe(
-                        subjects.tokens(call.call_id), cb=self._token_handler(on_token)
+                        subjects.tokens(call.tenant, call.call_id), cb=self._token_handler(on_token)
                     )
                 try:
                     if await emit_new(self.js, call) is None:

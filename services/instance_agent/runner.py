@@ -357,7 +357,7 @@ class CallRunner:
                 # A chunk carries the logprobs of the tokens since the last one (text held back
                 # for a stop string releases several tokens' text at once).
                 lps, running.logprobs = running.logprobs or None, []
-                await self.nc.publish(subjects.tokens(step.call_id),
+                await self.nc.publish(subjects.tokens(running.routed.call.tenant, step.call_id),
                                       encode(TokenChunk(step.call_id, running.streamed, step.text, logprobs=lps)))
                 running.streamed += 1
             if step.finished:
@@ -450,7 +450,7 @@ class CallRunner:
                 kv_source=result.kv_source, stop_sequence=result.stop_sequence, logprobs=result.logprobs,
             ))))
         if call.stream:
-            sends.append(self.nc.publish(subjects.tokens(call_id), encode(TokenChunk(
+            sends.append(self.nc.publish(subjects.tokens(call.tenant, call_id), encode(TokenChunk(
                 call_id, running.streamed, "", done=True, finish_reason=result.finish_reason))))
         await asyncio.gather(*sends, _settled(running.started_pub))
         if running.msg is not None:
@@ -478,7 +478,7 @@ class CallRunner:
             sends.append(self.nc.publish(call.reply_to, encode(ErrorReply(status, code, reason, call_id=call_id,
                                                                           retry_after_s=retry))))
         if call.stream:
-            sends.append(self.nc.publish(subjects.tokens(call_id), encode(TokenChunk(
+            sends.append(self.nc.publish(subjects.tokens(call.tenant, call_id), encode(TokenChunk(
                 call_id, running.streamed, "", done=True, finish_reason=code))))
         await asyncio.gather(*sends)
         if running.msg is not None:

@@ -103,7 +103,7 @@ async def test_nats_api_serves_a_call_and_streams_its_tokens(stack, nats_url):
         async def on_token(msg):
             got.append(m.TOKEN_DECODER.decode(msg.data))
 
-        await nc.subscribe(subjects.tokens("call-stream-1"), cb=on_token)
+        await nc.subscribe(subjects.tokens("", "call-stream-1"), cb=on_token)
         req = m.CallRequest(model="qwen3-tiny", prompt="hello", session_id="nats-s1", call_id="call-stream-1",
                             max_tokens=6, temperature=0, stream=True)
         reply = m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, m.encode(req), timeout=60)).data)

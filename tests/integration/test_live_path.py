@@ -75,7 +75,7 @@ async def test_a_cancel_on_nats_aborts_the_call_and_frees_its_slot(stack, db):
         async def on_token(msg):
             first.set()
 
-        await nc.subscribe(subjects.tokens("long-1"), cb=on_token)
+        await nc.subscribe(subjects.tokens("", "long-1"), cb=on_token)
         req = m.CallRequest(model=MODEL, prompt="write forever", session_id="c1", call_id="long-1",
                             max_tokens=4000, temperature=0, stream=True)
         pending = asyncio.ensure_future(nc.request(subjects.API_CALL, m.encode(req), timeout=60))

@@ -37,8 +37,9 @@ CHAT = {"model": "qwen3-tiny", "max_tokens": 1, "temperature": 0}
 
 @pytest.fixture
 async def secure_nats(tmp_path):
-    """An embedded NATS with per-service users (as `talaria up` starts it), even in CI."""
-    users = generate_users(["agent-0"])
+    """An embedded NATS with per-service users and one client user per tenant of KEYS (as
+    `talaria up` starts it), even in CI."""
+    users = generate_users(["agent-0"], [key.split(":")[0] for key in KEYS])
     server = EmbeddedNats(tmp_path / "secure-nats", users=users).start()
     yield server.url, users
     server.stop()
@@ -80,11 +81,14 @@ class Violations:
 
     async def wait_for(self, fragment: str, timeout: float = 10.0) -> None:
         async def find() -> None:
-            while not any(fragment in s for s in self.seen):
+            while not any(fragment.lower() in s.lower() for s in self.seen):  # the client lowercases some
                 self.changed.clear()
                 await self.changed.wait()
 
-        await asyncio.wait_for(find(), timeout)
+        try:
+            await asyncio.wait_for(find(), timeout)
+        except TimeoutError:
+            raise AssertionError(f"no violation {fragment!r} in {self.seen}") from None
 
 
 async def router_ready(url: str, user) -> None:
@@ -118,8 +122,8 @@ async def test_nats_client_cannot_read_prompts_or_forge_routes_completions_or_re
         with pytest.raises(Exception, match="Authorization"):
             await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=3)
         await start_stack(services, settings, users)
-        await router_ready(url, users["client"])
-        mallory = await nats.connect(url, error_cb=violations.on_error, **users["client"].options())
+        await router_ready(url, users["client-mallory"])
+        mallory = await nats.connect(url, error_cb=violations.on_error, **users["client-mallory"].options())
         # Read prompts: neither the event subjects nor the JetStream API are open to clients.
         prompts = await mallory.subscribe(subjects.EVENTS_WILDCARD)
         await violations.wait_for(f'subscription to "{subjects.EVENTS_WILDCARD}"')
@@ -146,6 +150,55 @@ async def test_nats_client_cannot_read_prompts_or_forge_routes_completions_or_re
         forged = await db.fetch("SELECT * FROM calls WHERE call_id LIKE 'forged%' OR prompt_tokens=123456")
         assert forged == []
         await mallory.close()
+    finally:
+        await services.close()
+
+
+async def test_a_tenants_nats_client_cannot_read_another_tenants_tokens_or_replies(
+        secure_nats, database_url, db, tmp_path):
+    """Each tenant has its own NATS API user, fenced to its own inboxes and token streams:
+    Mallory cannot sniff the victim's streamed tokens or replies; both still get their own."""
+    url, users = secure_nats
+    settings = Settings(nats_url=url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
+                        session_idle_s=3600, call_timeout_s=60, api_keys=KEYS)
+    services = Services()
+    violations = Violations()
+    try:
+        await start_stack(services, settings, users)
+        await router_ready(url, users["client-victim"])
+        mallory = await nats.connect(url, error_cb=violations.on_error, **users["client-mallory"].options())
+        victim = await nats.connect(url, **users["client-victim"].options())
+        for subject in (f"{subjects.TOKENS_PREFIX}.>", subjects.tokens("victim", "v-call"), "_INBOX.>",
+                        "_INBOX.victim.>"):
+            await mallory.subscribe(subject)
+            await violations.wait_for(f'subscription to "{subject}"')
+        streamed = []
+        done = asyncio.Event()
+
+        async def on_token(msg):
+            chunk = m.TOKEN_DECODER.decode(msg.data)
+            streamed.append(chunk)
+            if chunk.done:
+                done.set()
+
+        await victim.subscribe(subjects.tokens("victim", "v-call"), cb=on_token)
+        req = m.CallRequest(model="qwen3-tiny", prompt="the victim's secret", session_id="v", call_id="v-call",
+                            max_tokens=4, temperature=0, stream=True, api_key="victim-key-0123456789")
+        reply = m.REPLY_DECODER.decode((await victim.request(subjects.API_CALL, m.encode(req), timeout=60)).data)
+        assert isinstance(reply, m.CallResult), reply
+        await asyncio.wait_for(done.wait(), 30)
+        assert "".join(c.text for c in streamed) == reply.text
+        own = m.CallRequest(model="qwen3-tiny", prompt="hi", session_id="m", max_tokens=1,
+                            api_key="mallory-key-0123456789")
+        assert isinstance(m.REPLY_DECODER.decode((await mallory.request(subjects.API_CALL, m.encode(own),
+                                                                        timeout=60)).data), m.CallResult)
+        # The fence is the user's, not a convention: the default inbox prefix is refused too.
+        plain = await nats.connect(url, error_cb=violations.on_error,
+                                   **{k: v for k, v in users["client-mallory"].options().items() if k != "inbox_prefix"})
+        with pytest.raises(Exception):
+            await plain.request(subjects.API_CALL, m.encode(own), timeout=3)
+        for nc in (mallory, victim, plain):
+            await nc.close()
     finally:
         await services.close()
 
@@ -378,7 +431,7 @@ async def test_a_call_id_is_not_enough_to_cancel_another_tenants_call(nats_url, 
         async def on_token(msg):
             streaming.set()
 
-        await nc.subscribe(subjects.tokens("victim-call"), cb=on_token)
+        await nc.subscribe(subjects.tokens("victim", "victim-call"), cb=on_token)
 
         async def victim_call(call_id: str, max_tokens: int):
             req = m.CallRequest(model="qwen3-tiny", prompt="go on", session_id="v", call_id=call_id,
