@@ -39,13 +39,13 @@ class InputItem(Struct, forbid_unknown_fields=False):
     output: str | list[Part] | None = None  # function_call_output
 
 
-class ToolIn(Struct, forbid_unknown_fields=False):
+class ResponseTool(Struct, forbid_unknown_fields=False):
     type: str
     name: str | None = None
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None  # accepted: arguments are the model's text, parsed, not constrained
-    tools: list[ToolIn] | None = None  # a namespace's functions
+    tools: list[ResponseTool] | None = None  # a namespace's functions
 
 
 class ToolChoiceIn(Struct, forbid_unknown_fields=False):
@@ -66,7 +66,7 @@ class ResponsesRequest(Struct, forbid_unknown_fields=False):
     model: str
     input: str | list[InputItem]
     instructions: str | None = None
-    tools: list[ToolIn] | None = None
+    tools: list[ResponseTool] | None = None
     tool_choice: str | ToolChoiceIn | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = None
@@ -173,12 +173,12 @@ def chat_input(req: ResponsesRequest) -> ChatInput:
     return ChatInput(turns, tools(req.tools or []) or None, choice, forced)
 
 
-def tools(given: list[ToolIn]) -> list[ToolSpec]:
+def tools(given: list[ResponseTool]) -> list[ToolSpec]:
     """Function tools, and the functions of `namespace` tools under qualified names
     (`namespace.name`: the model calls them so, the answer splits them back)."""
     out = []
 
-    def function(t: ToolIn, where: str, namespace: ToolIn | None = None) -> None:
+    def function(t: ResponseTool, where: str, namespace: ResponseTool | None = None) -> None:
         if t.type != "function":
             raise bad(f"tool type {t.type!r} is not supported: this server runs no hosted tools; give `function` "
                       "tools (Codex CLI: web_search = \"disabled\" in config.toml)", f"{where}.type",
@@ -204,7 +204,7 @@ def qualified(namespace: str | None, name: str) -> str:
     return f"{namespace}.{name}" if namespace else name
 
 
-def namespaces(given: list[ToolIn] | None) -> list[str]:
+def namespaces(given: list[ResponseTool] | None) -> list[str]:
     """The namespaces whose functions the model may call (see `tools`)."""
     return [t.name for t in given or [] if t.type == "namespace" and t.name]
 
