@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import msgspec  # noqa: E402
 
-from talaria.shared.messages import REPLY_DECODER, CallRequest, ChatMessage  # noqa: E402
+from talaria.shared.messages import CallRequest, ChatMessage, REPLY_DECODER  # noqa: E402
 from talaria.shared.settings import Settings  # noqa: E402
 from talaria.embedded import free_port  # noqa: E402
 

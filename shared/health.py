@@ -6,7 +6,8 @@ import asyncio
 import time
 
 from talaria.shared import subjects
-from talaria.shared.messages import ServiceHeartbeat, encode
+from talaria.shared.snapshots import ServiceHeartbeat
+from talaria.shared.wire import encode
 
 INTERVAL_S = 0.5
 
@@ -27,7 +28,7 @@ async def heartbeat_loop(nc, service: str, stop: asyncio.Event, detail=None) -> 
 
 async def wait_for_router(nc, instances: int, timeout: float = 30.0) -> None:
     """Until the router reports it has heard from at least `instances` instances."""
-    from talaria.shared.messages import HEARTBEAT_DECODER
+    from talaria.shared.snapshots import HEARTBEAT_DECODER
 
     sub = await nc.subscribe(subjects.health("router"))
     try:

@@ -24,7 +24,8 @@ import nats
 
 from talaria.shared import subjects
 from talaria.shared.catalog import CATALOG
-from talaria.shared.messages import REPLY_DECODER, CallRequest, CallResult, ErrorReply, encode
+from talaria.shared.messages import CallRequest, CallResult, ErrorReply, REPLY_DECODER
+from talaria.shared.wire import encode
 from talaria.shared.nats_auth import client_options
 from talaria.shared.settings import asyncpg_dsn
 from talaria.shared.stats import quantile

@@ -18,7 +18,8 @@ from talaria.services.gateway.sessions import InvalidSessionId, check
 from talaria.services.gateway.submitter import Submitter
 from talaria.services.gateway.validation import decode
 from talaria.shared import subjects
-from talaria.shared.messages import CALL_REQUEST_DECODER, CANCEL_DECODER, CallResult, ErrorReply, encode, replace
+from talaria.shared.messages import CALL_REQUEST_DECODER, CANCEL_DECODER, CallResult, ErrorReply
+from talaria.shared.wire import encode, replace
 
 
 class NatsApi:

@@ -28,8 +28,10 @@ from talaria.services.gateway.responses_input import (DECODER, chat_input, echo,
 from talaria.services.gateway.sessions import InvalidSessionId, session_id_from
 from talaria.services.gateway.submitter import Submitter
 from talaria.services.gateway.validation import decode
-from talaria.shared.messages import CallResult, CallSubmitted, ErrorReply, TokenChunk, replace
+from talaria.shared.events import CallSubmitted
+from talaria.shared.messages import CallResult, ErrorReply, TokenChunk
 from talaria.shared.tool_calls import TextUntilCalls, ToolCall, parse_calls
+from talaria.shared.wire import replace
 
 # prepare() names the chat fields; a Responses client knows them by these names.
 PARAM_NAMES = {"messages": "input", "max_tokens": "max_output_tokens"}

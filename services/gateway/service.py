@@ -17,7 +17,7 @@ from talaria.services.gateway.submitter import Submitter
 from talaria.shared import logs, subjects, tracing
 from talaria.shared.bus import close, connect
 from talaria.shared.catalog import CATALOG, register_all
-from talaria.shared.messages import HEARTBEAT_DECODER, SNAPSHOT_DECODER, InstanceSnapshot
+from talaria.shared.snapshots import HEARTBEAT_DECODER, InstanceSnapshot, SNAPSHOT_DECODER
 from talaria.shared.settings import Settings
 
 STALE_AFTER_S = 3.0

@@ -22,19 +22,17 @@ from talaria.shared import subjects
 from talaria.shared.logs import call_context
 from talaria.shared.nats_auth import SENDER_HEADER
 from talaria.shared.bus import emit, emit_new
+from talaria.shared.events import CallFailed, CallSubmitted
 from talaria.shared.messages import (
-    REPLY_DECODER,
-    TOKEN_DECODER,
-    CallFailed,
     CallResult,
-    CallSubmitted,
     CancelCall,
     ErrorReply,
+    REPLY_DECODER,
     Reply,
+    TOKEN_DECODER,
     TokenChunk,
-    encode,
-    replace,
 )
+from talaria.shared.wire import encode, replace
 from talaria.shared.tracing import session_context, trace_id_hex
 
 TokenCallback = Callable[[TokenChunk], Awaitable[None]]

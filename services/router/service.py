@@ -31,17 +31,17 @@ from talaria.shared.logs import call_context
 from talaria.shared.bus import close, connect, emit, publish_fast
 from talaria.shared.nats_auth import sender_of, trusted
 from talaria.shared.db.engine import create_engine
-from talaria.shared.messages import (
-    EVENT_DECODER,
-    SNAPSHOT_DECODER,
+from talaria.shared.events import (
     CallFailed,
     CallRouted,
     CallSubmitted,
-    ErrorReply,
+    EVENT_DECODER,
     InstanceLost,
     RoutingDecision,
-    encode,
 )
+from talaria.shared.messages import ErrorReply
+from talaria.shared.snapshots import SNAPSHOT_DECODER
+from talaria.shared.wire import encode
 from talaria.shared.settings import Settings, SettingsError
 from talaria.shared.tracing import extract_context
 

@@ -17,7 +17,7 @@ from talaria.services.gateway.auth import (
     scoped_session,
     write_key_file,
 )
-from talaria.shared import messages as m
+from talaria.shared.events import CallCompleted, CallRouted, CallSubmitted
 from talaria.shared.nats_auth import client_options, generate_users, owner_sender, permissions, trusted
 from talaria.shared.subjects import tokens
 from talaria.shared.settings import Settings, SettingsError, redact_url
@@ -56,9 +56,9 @@ def _msg(sender):
 
 
 def test_events_are_trusted_only_from_their_owning_service():
-    call = m.CallSubmitted("c", "s", "qwen3-tiny", [1], [], 1, 0.0)
-    routed = m.CallRouted(call, 0, "agent-0", "talaria", 0.0)
-    done = m.CallCompleted("c", "s", 0, "qwen3-tiny", "agent-0", 1, 1, "stop", 0.0, 0.0, 0.0, 0.0)
+    call = CallSubmitted("c", "s", "qwen3-tiny", [1], [], 1, 0.0)
+    routed = CallRouted(call, 0, "agent-0", "talaria", 0.0)
+    done = CallCompleted("c", "s", 0, "qwen3-tiny", "agent-0", 1, 1, "stop", 0.0, 0.0, 0.0, 0.0)
     assert trusted(_msg("talaria-router"), routed)
     assert not trusted(_msg("talaria-agent-agent-0"), routed) and not trusted(_msg(None), routed)
     assert trusted(_msg("talaria-agent-agent-0"), done)
