@@ -1,4 +1,4 @@
-"""HTTP API (aiohttp): OpenAI chat/completions, completions, models, healthz; Anthropic messages."""
+"""HTTP API (aiohttp): OpenAI chat/completions, completions, responses, models, healthz; Anthropic messages."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from talaria.services.gateway.openai_api import (
 )
 from talaria.shared.tool_calls import TextUntilCalls, parse_calls
 from talaria.services.gateway.prepare import RequestError, prepare, tool_format
+from talaria.services.gateway.responses_api import ResponsesApi
 from talaria.services.gateway.sessions import InvalidSessionId, session_id_from
 from talaria.services.gateway.submitter import Submitter
 from talaria.shared.events import CallSubmitted
@@ -88,6 +89,8 @@ class HttpApi:
             web.get("/healthz", self.healthz),
             web.get("/readyz", self.healthz),
             *AnthropicApi(self.submitter, self.log, self.prefix_sharing, self.idempotency).routes(),
+            *ResponsesApi(self.submitter, self.log, self.prefix_sharing, self.parser_pool, OFFLOAD_BYTES,
+                          self.idempotency).routes(),
         ])
         return app
 

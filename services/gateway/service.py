@@ -17,6 +17,7 @@ from talaria.services.gateway.nats_api import NatsApi
 from talaria.services.gateway.submitter import Submitter
 from talaria.shared import logs, subjects, tracing
 from talaria.shared.bus import close, connect
+from talaria.shared.catalog import CATALOG, register_all
 from talaria.shared.snapshots import HEARTBEAT_DECODER, InstanceSnapshot, SNAPSHOT_DECODER
 from talaria.shared.settings import Settings
 
@@ -101,7 +102,10 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     await nats_api.start()
     # handler_cancellation: a client that disconnects cancels its handler, which cancels the call.
     # One worker process parses large bodies: they queue among themselves, not on the loop.
-    parser_pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+    # A spawned worker starts with the built-in catalogue only: give it the checkpoints served here.
+    checkpoints = tuple(CATALOG[name] for name, _ in settings.model_dirs)
+    parser_pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                                      initializer=register_all, initargs=(checkpoints,))
     await asyncio.get_running_loop().run_in_executor(parser_pool, int)  # start it now, not on a call
     api = HttpApi(submitter, served, log, keys, settings.prefix_sharing, parser_pool, idempotency)
     runner = web.AppRunner(api.app(), access_log=None, handler_cancellation=True)

@@ -263,3 +263,17 @@ async def test_keys_work_under_per_service_nats_permissions(secure_nats, databas
     finally:
         await services.close()
 
+
+
+async def test_responses_api_honours_the_key(stack, nats_url, db):
+    settings, services = stack
+    await start_agent(settings, services, nats_url)
+    body = {"model": "qwen3-tiny", "input": "list the files", "max_output_tokens": 5, "temperature": 0}
+    status, first, h1 = await post(settings, body, headers("idem-9", "key-9"), "/v1/responses")
+    status2, again, h2 = await post(settings, body, headers("idem-9", "key-9"), "/v1/responses")
+    assert (status, status2) == (200, 200), (first, again)
+    assert again["id"] == first["id"] and again["output"] == first["output"] and h2["Idempotent-Replayed"] == "true"
+    status, err, _ = await post(settings, {**body, "input": "other"}, headers("idem-9", "key-9"), "/v1/responses")
+    assert status == 422 and err["error"]["code"] == "idempotency_key_reused"
+    await wait_rows(db, "SELECT 1 FROM calls WHERE session_id = 'tenant-a:idem-9' AND outcome = 'completed'", 1)
+    assert len(await call_rows(db, "idem-9")) == 1
