@@ -1,39 +1,19 @@
-"""Wire messages: msgspec Structs, JSON on the wire, one Decoder per subject.
+"""The agent-runtime call API on talaria.api.call (request/reply), its token stream on
+talaria.tokens.<call_id> and cancellation on talaria.api.cancel: what a client sends and
+receives (msgspec Structs, JSON; one decoder per subject).
 
-Schema evolution rule (msgspec docs): new fields always get defaults, so older
-producers stay decodable. Events are tagged (`"type"` field) so one stream
-consumer can decode any of them with `EVENT_DECODER`.
+The stream's events are in events.py, instance telemetry in snapshots.py, the id types,
+vocabularies and `encode` in wire.py.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Union
 
 import msgspec
 from msgspec import Meta, Struct
 
-# The one definition of each KV vocabulary (the engine, scheduler and router import these).
-KvState = Literal["device", "host", "none"]  # where a session's KV sits now
-KvSource = Literal["device", "host", "recompute", "none"]  # where a call's prefix came from
-# The other closed vocabularies on the wire: a value outside them is a decode error, never a
-# string some consumer silently misreads.
-LeaseOutcome = Literal["consumed", "discarded", "none"]
-DecisionAction = Literal["route", "reject"]
-ModelState = Literal["active", "resident", "staged", "absent"]
-SwitchPath = Literal["d2d_full", "d2d_partial", "host_only", "cold"]
-Pool = Literal["hot", "cold"]
-
-# Ids travel into Postgres rows and NATS subjects: every decoder below refuses ones that
-# are empty, unbounded or carry control characters (a NUL once froze the projection).
-_CONTROLS = r"\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff"
-MAX_NAME_LEN = 256
-MAX_TOKEN_LEN = 128
-# Session ids, model names: printable text.
-Name = Annotated[str, Meta(min_length=1, max_length=MAX_NAME_LEN, pattern=rf"^[^{_CONTROLS}]+\Z")]
-# Call and instance ids also name NATS subjects: one subject token each.
-Token = Annotated[str, Meta(min_length=1, max_length=MAX_TOKEN_LEN, pattern=rf"^[^{_CONTROLS} .*>]+\Z")]
-# A reply subject: tokens joined by dots.
-Subject = Annotated[str, Meta(min_length=1, max_length=512, pattern=rf"^[^{_CONTROLS} *>]+\Z")]
+from talaria.shared.wire import IdempotencyKey, KvSource, Name, Token
 
 
 class ToolCallMsg(Struct, frozen=True, forbid_unknown_fields=False):
@@ -58,11 +38,6 @@ class ToolSpec(Struct, frozen=True, forbid_unknown_fields=False):
     name: str
     description: str = ""
     parameters: dict = {}
-
-
-# --------------------------------------------------------------------------------------
-# Agent-runtime API on talaria.api.call (request/reply)
-# --------------------------------------------------------------------------------------
 
 
 class CallRequest(Struct, frozen=True):
@@ -90,6 +65,9 @@ class CallRequest(Struct, frozen=True):
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit (limits.py bounds)
     logprobs: bool = False  # return each generated token's log-probability
     top_logprobs: int = 0  # and that many most likely alternatives (needs `logprobs`)
+    # Send the same key with every retry of one call: a retry attaches to the original (its
+    # stored answer, or its outcome when it finishes) instead of running it again.
+    idempotency_key: IdempotencyKey | None = None
 
 
 class TokenLogprob(Struct, frozen=True, array_like=True):
@@ -174,331 +152,7 @@ class TokenChunk(Struct, frozen=True):
     logprobs: list[TokenLogprob] | None = None  # the tokens generated since the last chunk, when asked
 
 
-# --------------------------------------------------------------------------------------
-# Events on talaria.evt.> (JetStream)
-# --------------------------------------------------------------------------------------
-
-
-class CallSubmitted(Struct, frozen=True, tag="call.submitted"):
-    call_id: Token
-    session_id: Name
-    model: Name
-    prompt_ids: list[int]
-    block_hashes: list[int]
-    max_tokens: int
-    submitted_at: float
-    reply_to: Subject | None = None
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = []
-    stream: bool = False
-    api: str = "nats"
-    # When the client stops waiting (epoch s; 0 = never): work still queued or running after
-    # it is dropped by the agent, recorded as a failed call (nobody would read the answer).
-    deadline_at: float = 0.0
-    tenant: str = ""  # the API key's tenant; "" when the gateway has no keys
-    kv_scope: str = ""  # salt of block_hashes: KV prefixes are reused only within one scope
-    # A token count without materialised ids: the simulator's calls, and the stream's copy of a
-    # routed call (its ids stay in the CallSubmitted); 0 = use ids.
-    prompt_tokens_hint: int = 0
-    logit_bias: dict[int, float] | None = None
-    logprobs: bool = False
-    top_logprobs: int = 0
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self.prompt_tokens_hint if self.prompt_tokens_hint > 0 else len(self.prompt_ids)
-
-
-class CallRouted(Struct, frozen=True, tag="call.routed"):
-    call: CallSubmitted
-    call_index: int
-    instance_id: Token
-    policy: str
-    routed_at: float
-    lease: LeaseOutcome = "none"
-    expected_kv: KvSource = "none"
-    # The agent process the call was placed on (its snapshot's incarnation; "" = any). A
-    # restarted agent drops calls placed on its predecessor: the router has failed them.
-    incarnation: str = ""
-    # On the stream, `call` comes without its prompt ids: they are stored once, in the
-    # CallSubmitted at this stream sequence (0: `call` is complete, as on the fast dispatch copy).
-    submitted_seq: int = 0
-
-    def by_reference(self, submitted_seq: int) -> "CallRouted":
-        """The stream's copy: the prompt ids stay in the CallSubmitted at `submitted_seq`."""
-        call = self.call
-        slim = msgspec.structs.replace(call, prompt_ids=[], prompt_tokens_hint=call.prompt_tokens)
-        return msgspec.structs.replace(self, call=slim, submitted_seq=submitted_seq)
-
-
-class CallStarted(Struct, frozen=True, tag="call.started"):
-    call_id: Token
-    session_id: Name
-    instance_id: Token
-    started_at: float
-
-
-class CallCompleted(Struct, frozen=True, tag="call.completed"):
-    call_id: Token
-    session_id: Name
-    call_index: int
-    model: Name
-    instance_id: Token
-    prompt_tokens: int
-    output_tokens: int
-    finish_reason: str
-    submitted_at: float
-    started_at: float
-    first_token_at: float
-    completed_at: float
-    cached_tokens: int = 0
-    kv_source: KvSource = "none"
-    queue_s: float = 0.0
-    ttft_s: float = 0.0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    slot_wait_s: float = 0.0
-    kv_tokens: int = 0
-    model_opened: bool = False
-    trace_id: str = ""
-
-
-class CallFailed(Struct, frozen=True, tag="call.failed"):
-    call_id: Token
-    session_id: Name
-    model: Name
-    reason: str
-    stage: str  # gateway | router | agent
-    at: float
-    status: int = 500
-    instance_id: Token | None = None
-    call_index: int | None = None
-    reply_to: str | None = None  # set when whoever folds it owes the client this answer
-
-
-class LeaseIssued(Struct, frozen=True, tag="lease.issued"):
-    session_id: Name
-    model: Name
-    instance_id: Token
-    call_id: Token
-    issued_at: float
-    expires_at: float
-    kv_tokens: int = 0
-
-    def live(self, now: float) -> bool:
-        # Expiry is exclusive: a lease issued at t with timeout tau is dead at exactly t + tau.
-        return now < self.expires_at
-
-
-class LeaseConsumed(Struct, frozen=True, tag="lease.consumed"):
-    session_id: Name
-    model: Name
-    instance_id: Token
-    call_id: Token
-    at: float
-
-
-class LeaseDiscarded(Struct, frozen=True, tag="lease.discarded"):
-    session_id: Name
-    model: Name
-    instance_id: Token
-    call_id: Token
-    reason: str
-    at: float
-
-
-class LeaseExpired(Struct, frozen=True, tag="lease.expired"):
-    session_id: Name
-    model: Name
-    instance_id: Token
-    at: float
-
-
-class CandidateCost(Struct, frozen=True):
-    """One instance the policy considered, with its cost terms in seconds."""
-
-    instance_id: Token
-    total_s: float
-    queue_s: float = 0.0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    kv_recovery_s: float = 0.0
-    activation_s: float = 0.0
-    placement_s: float = 0.0  # the session-placement term (ours): what its later calls pay here
-    kv_state: KvSource = "none"
-    model_state: ModelState = "absent"
-    feasible: bool = True
-    reason: str = ""
-    # Soft reservations: live leases of other sessions here, each charged as a return's work.
-    # Kept apart from queue_s (the work queued now) so an audit compares queue_s with the
-    # queue the call met; total_s counts both.
-    reserved_s: float = 0.0
-
-
-class RoutingDecision(Struct, frozen=True, tag="decision"):
-    call_id: Token
-    session_id: Name
-    call_index: int
-    model: Name
-    policy: str
-    action: DecisionAction
-    decided_at: float
-    chosen: Token | None = None
-    lease_outcome: LeaseOutcome = "none"
-    lease_instance: Token | None = None
-    discard_reason: str | None = None
-    candidates: list[CandidateCost] = []
-    retry_after_s: float | None = None
-    model_opened: bool = False
-    avoidable_cold_open: bool = False
-    decision_us: float = 0.0
-    reason: Annotated[str, Meta(max_length=2048)] = ""  # why: a rejection names the bound it hit
-
-
-class InstanceLost(Struct, frozen=True, tag="instance.lost"):
-    """The router declared an agent process gone (heartbeats stopped, or a new incarnation
-    replaced it). Its in-flight `calls` were failed with a retryable 503 in the same step."""
-
-    instance_id: str
-    incarnation: str
-    reason: str
-    at: float
-    calls: list[str] = []
-
-
-class SwitchDone(Struct, frozen=True, tag="switch.done"):
-    instance_id: Token
-    from_model: Name | None
-    to_model: Name
-    path: SwitchPath
-    total_s: float
-    at: float
-    phases: dict[str, float] = {}
-    bytes_staged: int = 0
-    bytes_uncovered: int = 0
-
-
-class RoundSummary(Struct, frozen=True, tag="round.summary"):
-    instance_id: Token
-    round_index: int
-    wall_s: float
-    active_s: float
-    switch_s: float
-    at: float
-    slots: list[str] = []
-    sp_admitted: int = 0
-    sp_parked: int = 0
-    deadline_risk: int = 0
-
-
-Event = Union[
-    CallSubmitted,
-    CallRouted,
-    CallStarted,
-    CallCompleted,
-    CallFailed,
-    LeaseIssued,
-    LeaseConsumed,
-    LeaseDiscarded,
-    LeaseExpired,
-    RoutingDecision,
-    SwitchDone,
-    RoundSummary,
-    InstanceLost,
-]
-
-
-# --------------------------------------------------------------------------------------
-# Instance telemetry snapshots on talaria.telemetry.<instance_id>
-# --------------------------------------------------------------------------------------
-
-
-class ModelResidency(Struct, frozen=True):
-    model: Name
-    state: ModelState
-    switch_cost_s: float = 0.0
-    open_cost_s: float = 0.0
-    weight_bytes: int = 0
-    context_length: int = 0
-
-
-class SessionKv(Struct, frozen=True):
-    session_id: Name
-    model: Name
-    state: KvState
-    kv_tokens: int = 0
-
-
-class InstanceSnapshot(Struct, frozen=True):
-    instance_id: Token
-    version: int
-    at: float
-    pool: Pool = "cold"
-    models: list[ModelResidency] = []
-    active_model: Name | None = None
-    sessions: list[SessionKv] = []
-    queued: dict[Name, int] = {}
-    queued_tokens: int = 0
-    # Predicted seconds of restore + prefill a call arriving now waits behind (queued_tokens
-    # priced with the agent's calibrated costs, counting only what each call must compute:
-    # a prompt whose prefix is on device costs its new tokens). -1: not reported.
-    queued_prefill_s: float = -1.0
-    running: int = 0
-    round_remaining_s: float = 0.0
-    deadline_risk: int = 0
-    kv_capacity_tokens: int = 0
-    kv_used_tokens: int = 0
-    # Of kv_used_tokens, what running calls hold or reserved; the rest is idle sessions' KV,
-    # which the agent evicts (to the host registry) on demand. -1: not reported.
-    kv_pinned_tokens: int = -1
-    staging_free_bytes: int = 0
-    hbm_bytes: int = 0
-    hbm_used_bytes: int = 0
-    prefill_tok_s: float = 0.0
-    decode_tok_s: float = 0.0
-    restore_tok_s: float = 0.0
-    switch_s: float = 0.0
-    heartbeat_s: float = 0.5
-    # Random per agent process: a new one means a restart, whose snapshots replace the old
-    # view at once whatever their `version` (which restarts at 1).
-    incarnation: str = ""
-    # False while the agent's watchdog sees an engine step stuck: the router stops choosing it.
-    healthy: bool = True
-    unhealthy_reason: str = ""
-
-
-# --------------------------------------------------------------------------------------
-# Codecs: one encoder, one decoder per subject
-# --------------------------------------------------------------------------------------
-
-ENCODER = msgspec.json.Encoder()
 CALL_REQUEST_DECODER = msgspec.json.Decoder(CallRequest)
 REPLY_DECODER = msgspec.json.Decoder(Reply)
 TOKEN_DECODER = msgspec.json.Decoder(TokenChunk)
-EVENT_DECODER = msgspec.json.Decoder(Event)
-SUBMITTED_DECODER = msgspec.json.Decoder(CallSubmitted)
-ROUTED_DECODER = msgspec.json.Decoder(CallRouted)
-SNAPSHOT_DECODER = msgspec.json.Decoder(InstanceSnapshot)
 CANCEL_DECODER = msgspec.json.Decoder(CancelCall)
-
-
-def encode(message: Struct) -> bytes:
-    return ENCODER.encode(message)
-
-
-def replace(message: Struct, **changes) -> Struct:
-    return msgspec.structs.replace(message, **changes)
-
-
-
-class ServiceHeartbeat(Struct, frozen=True):
-    """Liveness of router and telemetry on talaria.health.<service> (agents send snapshots)."""
-
-    service: Name
-    at: float
-    detail: dict[str, str] = {}
-
-
-HEARTBEAT_DECODER = msgspec.json.Decoder(ServiceHeartbeat)

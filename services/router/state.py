@@ -26,19 +26,19 @@ from talaria.services.router.instances import InstanceView
 from talaria.services.router.leases import LeaseBook
 from talaria.services.router.prefix_index import PrefixIndex
 from talaria.services.router.profiles import InstanceProfile, ModelProfile
-from talaria.shared.messages import (
+from talaria.shared.events import (
     CallCompleted,
     CallFailed,
     CallRouted,
     Event,
     InstanceLost,
-    InstanceSnapshot,
     LeaseConsumed,
     LeaseDiscarded,
     LeaseExpired,
     LeaseIssued,
     RoundSummary,
 )
+from talaria.shared.snapshots import InstanceSnapshot
 
 __all__ = ["InFlight", "InstanceView", "RouterState", "SessionEntry", "SnapshotReceived"]
 
@@ -203,10 +203,10 @@ class RouterState:
             del entry.gaps[:-SESSION_GAPS_KEPT]
             self.model(call.model).observe_gap(gap)
         entry.last_completed_at = None
-        # What the call must compute there: its session's KV is reused where the router
-        # expects it (device or host), so only the new tokens queue as prefill work.
-        reused = min(call.prompt_tokens, entry.kv_tokens) if event.expected_kv in ("device", "host") \
-            and entry.model == call.model else 0
+        # What the call must compute there: a session back where its last call ran reuses
+        # its KV there (device or host), so only its new tokens queue as prefill work.
+        reused = min(call.prompt_tokens, entry.kv_tokens) \
+            if entry.last_instance == event.instance_id and entry.model == call.model else 0
         entry.calls = max(entry.calls, event.call_index + 1)
         entry.model = call.model
         if entry.first_instance is None:

@@ -11,7 +11,7 @@ import pytest
 from router_support import call, core, done, one, snap
 
 from talaria.services.router.policy.base import PolicyConfig
-from talaria.shared.messages import RoutingDecision
+from talaria.shared.events import RoutingDecision
 
 NO_LEASE = dict(lease_timeout_s=0.0)
 SW = PolicyConfig().default_open_s
