@@ -5,10 +5,9 @@
     dR_req  queue_s   = the agent's predicted prefill ahead (its calibrated costs: a queued
                         prompt whose prefix is on device costs its new tokens only)
                         + overlay tokens still to compute * prefill rate
+                        + round_remaining_s if m_r is not the active model (wait for the slot)
                         (audited as queue_s: the work queued there)
             reserved_s = live leases on i * lease_charge_s   (lease admission units)
-                        + deadline_risk * penalty                    (underestimated instances)
-                        + round_remaining_s if m_r is not the active model (wait for the slot)
             prefill_s = (prompt - reusable prefix K) * prefill rate  (the new suffix only)
             decode_s  = max_tokens * decode rate (the model's measured rate)
                         + stretch, with price_round_sharing (ours):
@@ -116,7 +115,9 @@ def _static_terms(cfg: PolicyConfig, view: InstanceView, model: str, prof, state
     # The agent's own prediction of the prefill ahead when it reports one (it knows which
     # queued prompts find their prefix on device); else every queued prompt token.
     ahead = snap.queued_prefill_s if snap.queued_prefill_s >= 0 else snap.queued_tokens * pf
-    queue = ahead + snap.deadline_risk * cfg.deadline_risk_penalty_s
+    # (Not the snapshot's deadline_risk: that is the agent's lifetime count of risk events,
+    # so charging it as a level penalised an instance for its whole history.)
+    queue = ahead
     if mstate != "active" and snap.active_model is not None:
         queue += snap.round_remaining_s
     # HBM: an absent model's weights must fit at all; r's KV must fit the KV pool, where a

@@ -100,6 +100,16 @@ def test_queue_is_the_prefill_the_agent_predicts_not_every_queued_prompt_token()
     assert audit.chosen == "a"
 
 
+def test_an_instances_past_deadline_risks_do_not_price_it():
+    # The snapshot's deadline_risk counts every risk event since the agent started: a level
+    # charge on it priced an instance by its history, not by what is queued there now.
+    c = core()
+    c.observe(snap("a", deadline_risk=200, queued_prefill_s=0.5), 0.0)
+    c.observe(snap("b", queued_prefill_s=1.0), 0.0)
+    audit, _ = decide(c, call("c0"), 0.0)
+    assert by_instance(audit)["a"].queue_s == pytest.approx(0.5) and audit.chosen == "a"
+
+
 def test_overlay_queues_only_what_a_routed_call_must_compute():
     c = core(**NO_LEASE)
     c.observe(snap("a"), 0.0)
