@@ -170,6 +170,7 @@ class CostModel:
         # Calls the session is expected to make after this one, each paying the rotation it
         # joins here: a return expects about as many more as it made (entry.calls); a first
         # call, the calls per session measured for its model so far.
+        live_models = state.live_models
         later = entry.calls if not first_call else (prof.calls_per_session() - 1.0 if prof is not None else 0.0)
         out: list[Priced] = []
         for view in views:
@@ -231,7 +232,7 @@ class CostModel:
                 for om in view.overlay_models:
                     if om != model and om not in st.rotating:
                         others += 1
-                for om in state.live_sessions(iid, now):
+                for om in live_models(iid, now):
                     if om != model and om not in st.rotating and om not in view.overlay_models:
                         others += 1
                 # ... and waits through one switch per other model in every round

@@ -101,6 +101,7 @@ class RouterState:
     instance_profiles: dict[str, InstanceProfile] = field(default_factory=dict)
     prefix: PrefixIndex = field(default_factory=PrefixIndex)
     homes: HomeBook = field(default_factory=HomeBook)  # where each live session lives
+    horizon_epoch: int = 0  # bumped when a model's idle horizon changes (not state: a cache key)
     routed_total: int = 0
 
     def session(self, session_id: str) -> SessionEntry:
@@ -119,9 +120,9 @@ class RouterState:
         prof = self.models.get(model)
         return prof.idle_horizon_s() if prof is not None else 0.0
 
-    def live_sessions(self, instance_id: str, now: float) -> dict[str, int]:
-        """Sessions per model that live on the instance now (homes.py)."""
-        return self.homes.live_models(instance_id, now, self.idle_horizon_s)
+    def live_models(self, instance_id: str, now: float) -> tuple[str, ...]:
+        """Models with a session that lives on the instance now (homes.py)."""
+        return self.homes.live_models(instance_id, now, self.idle_horizon_s, self.horizon_epoch)
 
     def leases_on(self, instance_id: str, now: float) -> int:
         """Live leases charged against the instance (indexed: O(log leases))."""
@@ -201,7 +202,8 @@ class RouterState:
             gap = max(0.0, call.submitted_at - entry.last_completed_at)
             entry.gaps.append(gap)
             del entry.gaps[:-SESSION_GAPS_KEPT]
-            self.model(call.model).observe_gap(gap)
+            if self.model(call.model).observe_gap(gap):
+                self.horizon_epoch += 1  # a session's idle horizon changed: homes.py's cache
         entry.last_completed_at = None
         # What the call must compute there: a session back where its last call ran reuses
         # its KV there (device or host), so only its new tokens queue as prefill work.

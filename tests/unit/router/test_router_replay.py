@@ -169,8 +169,8 @@ def test_to_dict_round_trips_through_json_and_routes_identically():
                          (e.chosen, e.action, e.lease_outcome, e.candidates) for e in evs]
     for iid in INSTANCES:  # homes are derived on restore: the same live sessions
         for t in (now, now + 2.0, now + 30.0):
-            assert restored.state.live_sessions(iid, t) == live.state.live_sessions(iid, t)
-    assert any(live.state.live_sessions(iid, now) for iid in INSTANCES)
+            assert restored.state.live_models(iid, t) == live.state.live_models(iid, t)
+    assert any(live.state.live_models(iid, now) for iid in INSTANCES)
     a = live.handle(nxt, now + 0.1)
     b = restored.handle(nxt, now + 0.1)
     assert strip(a) == strip(b)

@@ -42,13 +42,13 @@ def test_a_session_lives_on_its_instance_through_its_tool_gaps():
     t = run_session(c, "s1", "m2", "a", calls=3, start=0.0, gap=0.8)  # gaps of 0.8 s measured
     done_at = t - 0.8
     assert c.state.idle_horizon_s("m2") == pytest.approx(0.8)
-    assert c.state.live_sessions("a", done_at + 0.7) == {"m2": 1}  # within its longest gap
-    assert c.state.live_sessions("a", done_at + 0.9) == {}  # idle longer than any gap: ended
+    assert c.state.live_models("a", done_at + 0.7) == ("m2",)  # within its longest gap
+    assert c.state.live_models("a", done_at + 0.9) == ()  # idle longer than any gap: ended
     c.observe(snap("b", at=done_at + 0.1, active="m2", models={"m2": "active"}), done_at + 0.1)
     c.handle(call("s1-3", session="s1", model="m2", at=done_at + 0.2), done_at + 0.2)  # it moves
-    home = c.state.homes.home_of["s1"]
+    home = c.state.homes.home_of["s1"][0]
     other = "a" if home == "b" else "b"
-    assert c.state.live_sessions(home, done_at + 0.3) == {"m2": 1} and c.state.live_sessions(other, done_at + 0.3) == {}
+    assert c.state.live_models(home, done_at + 0.3) == ("m2",) and c.state.live_models(other, done_at + 0.3) == ()
 
 
 def test_a_model_whose_sessions_are_between_calls_still_counts_in_the_rotation():
