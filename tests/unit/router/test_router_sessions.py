@@ -104,3 +104,17 @@ def test_a_first_call_prices_the_rotation_for_the_calls_its_model_shows_per_sess
     stretch = x["a"].decode_s - 1.0  # 100 tokens at 1e-2 s, plus one other slot and switch
     assert stretch == pytest.approx(1.0 + SW)
     assert x["a"].placement_s == pytest.approx(2.0 * stretch)  # the 2 calls it will still make
+
+
+def test_the_idle_horizon_is_the_longest_gap_still_in_the_window():
+    import random
+
+    from talaria.services.router.profiles import GAP_KEEP, ModelProfile
+
+    rng = random.Random(3)
+    prof = ModelProfile()
+    for k in range(3 * GAP_KEEP):
+        gap = rng.expovariate(1.0) * (20.0 if k == GAP_KEEP // 2 else 1.0)  # one long gap, then it ages out
+        prof.observe_gap(gap)
+        assert prof.idle_horizon_s() == max(prof.gaps)
+    assert ModelProfile(gaps=[0.5, 3.0]).idle_horizon_s() == 3.0  # a profile stored without gap_max
