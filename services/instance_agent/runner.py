@@ -69,14 +69,20 @@ INITIAL_COSTS = LinearCosts(prefill_tok_s=5_000.0, restore_tok_s=200_000.0, deco
                             switch_staged_s=0.02, switch_host_s=0.05, kv_bytes_per_token=4096)
 
 
-def reusable_kv(engine, session_id: str, model: str, prompt_tokens: int) -> tuple[str, int]:
+def reusable_kv(engine, session_id: str, model: str, prompt_tokens: int,
+                prompt_ids=None) -> tuple[str, int]:
     """(where the session's KV is, how many prompt tokens of it can be reused) on `engine`;
-    at least the last prompt token is always computed, so it yields the first logits."""
+    at least the last prompt token is always computed, so it yields the first logits.
+    With `prompt_ids`, device KV counts only as far as it matches the prompt: a prompt that
+    does not extend the last one would otherwise be priced (and chunked) as almost free."""
     state = engine.kv_state(session_id, model)
     if state == "none":
         return "none", 0
-    held = max((n for s, m, st, n in engine.session_states()
-                if s == session_id and m == model and st == state), default=0)
+    if state == "device" and prompt_ids is not None and hasattr(engine, "device_prefix"):
+        held = engine.device_prefix(session_id, model, prompt_ids)
+    else:
+        held = max((n for s, m, st, n in engine.session_states()
+                    if s == session_id and m == model and st == state), default=0)
     return state, min(held, prompt_tokens - 1)
 
 
@@ -154,7 +160,7 @@ class CallRunner:
         if routed.incarnation and routed.incarnation != self.incarnation:
             return (f"placed on a previous process of {self.instance_id}, which stopped before running it; "
                     "retry the call")
-        kv_state, reusable = self._kv_for(call.session_id, call.model, call.prompt_tokens)
+        kv_state, reusable = self._kv_for(call.session_id, call.model, call.prompt_tokens, call.prompt_ids)
         try:
             self.core.accept(call.call_id, call.session_id, call.model, call_index=routed.call_index,
                              prompt_tokens=call.prompt_tokens, max_tokens=call.max_tokens,
@@ -170,9 +176,9 @@ class CallRunner:
         self.wakeup.set()
         return None
 
-    def _kv_for(self, session_id: str, model: str, prompt_tokens: int) -> tuple[str, int]:
+    def _kv_for(self, session_id: str, model: str, prompt_tokens: int, prompt_ids) -> tuple[str, int]:
         try:
-            return reusable_kv(self.engine, session_id, model, prompt_tokens)
+            return reusable_kv(self.engine, session_id, model, prompt_tokens, prompt_ids)
         except Exception:  # the engine thread changed its tables under us: assume nothing
             return "none", 0
 

@@ -261,6 +261,15 @@ class TorchEngine:
                 return "host"
         return "none"
 
+    def device_prefix(self, session_id: str, model: str, prompt_ids: list[int]) -> int:
+        """Leading tokens of `prompt_ids` the session's device KV holds (what admission reuses
+        from it), 0 when it holds none for `model`. A prompt that does not extend the session's
+        last one (a re-rendered turn) reuses only the common prefix."""
+        entry = self.sessions.get(session_id) if model == self._active and self.sessions is not None else None
+        if entry is None or entry.model != model:
+            return 0
+        return _common_prefix(entry.tokens, prompt_ids)
+
     def session_states(self) -> list[tuple[str, str, str, int]]:
         out = []
         if self.sessions is not None:
@@ -556,9 +565,11 @@ class TorchEngine:
         self._rates[kind] = ewma(old or None, r, EMA)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def _common_prefix(a, b) -> int:
     n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    i, block = 0, 256
+    while i < n and a[i:i + block] == b[i:i + block]:  # slices compare in C: a long session is cheap
+        i += block
+    while i < n and a[i] == b[i]:
+        i += 1
+    return min(i, n)
