@@ -16,6 +16,8 @@ from talaria.shared.tracing import inject_headers
 
 STREAM_MAX_AGE_S = 7 * 24 * 3600
 DUPLICATE_WINDOW_S = 120
+RECONNECT_WAIT_S = 0.5  # between reconnect attempts; also a publisher's wait before retrying
+PUBLISH_TIMEOUT_S = 10.0  # a JetStream publish (or other API call) waits this long for its ack
 
 
 async def connect(url: str, name: str, **auth) -> tuple[NATS, JetStreamContext]:
@@ -25,12 +27,12 @@ async def connect(url: str, name: str, **auth) -> tuple[NATS, JetStreamContext]:
         url,
         name=name,
         max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
+        reconnect_time_wait=RECONNECT_WAIT_S,
         connect_timeout=5,
         inbox_prefix=SERVICE_INBOX,  # client users may read _INBOX.>, never services' inboxes
         **auth,
     )
-    js = nc.jetstream(timeout=10)
+    js = nc.jetstream(timeout=PUBLISH_TIMEOUT_S)
     await ensure_stream(js)
     return nc, js
 

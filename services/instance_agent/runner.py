@@ -30,6 +30,7 @@ from opentelemetry import trace
 
 from talaria.services.instance_agent.core import AgentCore, Outcome
 from talaria.services.instance_agent.engine import EngineError, GenRequest
+from talaria.services.instance_agent.outcomes import OutcomeSender
 from talaria.services.instance_agent.scheduler import (
     Decode,
     Idle,
@@ -123,6 +124,8 @@ class CallRunner:
         self.last_snapshot = 0.0
         # Calls finished here recently: a redelivery of one (its ack was lost) is acked, not rerun.
         self.finished: OrderedDict[str, None] = OrderedDict()
+        self.outcomes = OutcomeSender(nc, js, log, self._remember)  # records stored off the loop
+        self.released: dict[str, object] = {}  # finished calls the engine step released: result or error
         # Cancels for calls not (yet) here: a call routed after its cancel is refused on arrival.
         self.cancelled: OrderedDict[str, tuple[str, str]] = OrderedDict()  # call id -> (reason, tenant)
         self.watchdog = Watchdog(min_stuck_s=settings.watchdog_min_s)
@@ -149,6 +152,8 @@ class CallRunner:
             if running.msg is None:  # the durable copy of a call started from its fast copy
                 running.msg = msg
             return None  # redelivered while still here: keep the first copy
+        if self.outcomes.attach(call.call_id, msg):  # its record is being stored: acked with it
+            return None
         if call.call_id in self.finished:
             if msg is not None:
                 asyncio.ensure_future(msg.ack())
@@ -186,7 +191,7 @@ class CallRunner:
         """Abort a call of `tenant`: out of the scheduler, its engine state released (its KV
         stays as the session's cache), recorded as cancelled. A call not here yet is refused
         on arrival if it is that tenant's. Another tenant's call is left alone."""
-        if call_id in self.finished:
+        if call_id in self.finished or self.outcomes.holds(call_id):
             return
         if call_id not in self.calls:
             self.cancelled[call_id] = (reason, tenant)
@@ -301,8 +306,8 @@ class CallRunner:
         for w in waiters:
             w.cancel()
 
-    async def _run(self, fn, *args):
-        self.watchdog.step_started(fn.__name__, self.step_calls, time.time())
+    async def _run(self, fn, *args, kind: str | None = None):
+        self.watchdog.step_started(kind or fn.__name__, self.step_calls, time.time())
         try:
             return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
         finally:
@@ -341,15 +346,27 @@ class CallRunner:
             running.started_pub = asyncio.ensure_future(
                 emit(self.js, CallStarted(call_id, call.session_id, self.instance_id, started)))
         self.arrived.clear()
-        steps = await self._run(self.engine.prefill, reqs, action.chunk_tokens, more)
+        steps = await self._step(self.engine.prefill, reqs, action.chunk_tokens, more)
         firsts = [s.call_id for s in steps]
         left = self.engine.prompt_left(action.call_ids) if action.chunk_tokens else None
         return self.core.prefill_done(action, time.time(), await self._tokens(steps), first_tokens=firsts,
                                       prompt_left=left)
 
     async def _decode(self, action: Decode):
-        steps = await self._run(self.engine.decode, list(action.call_ids))
+        steps = await self._step(self.engine.decode, list(action.call_ids))
         return self.core.decode_done(action, time.time(), await self._tokens(steps))
+
+    async def _step(self, step, *args):
+        """An engine step (prefill or decode); the calls it finished are released on the
+        engine thread in the same trip, so completing them costs no second hand-off."""
+        steps, released = await self._run(self._step_and_release, step, *args, kind=step.__name__)
+        self.released.update((c, r) for c, r in released.items() if c in self.calls)
+        return steps
+
+    def _step_and_release(self, step, *args):
+        steps = step(*args)
+        done = [s.call_id for s in steps if s.finished]
+        return steps, (self._finish_all(done) if done else {})
 
     async def _tokens(self, steps) -> set[str]:
         finished = set()
@@ -391,8 +408,8 @@ class CallRunner:
     # ---- the core's outcomes -----------------------------------------------------------
 
     async def _events(self, outcome: Outcome) -> None:
-        for call_id in outcome.finished:
-            await self._complete(call_id)
+        if outcome.finished:
+            await self._complete(outcome.finished)
         for summary in outcome.rounds:
             self.watchdog.round_ended(summary.wall_s)
             await emit(self.js, summary)
@@ -406,30 +423,43 @@ class CallRunner:
         if changed and time.monotonic() - self.last_snapshot >= SNAPSHOT_ON_CHANGE_MIN_S:
             await self.publish_snapshot()  # the router learns of freed capacity and new session KV now
 
-    async def _complete(self, call_id: str) -> None:
-        running = self.calls.get(call_id)
-        if running is None:
+    async def _complete(self, call_ids: list[str]) -> None:
+        """Release the finished calls on the engine (one step for all of them), then send
+        each one's outcome; the loop goes on while their records are stored."""
+        ids = [c for c in call_ids if c in self.calls]
+        if not ids:
             return
-        deadline = running.routed.call.deadline_at
-        if deadline and time.time() >= deadline:  # its client got a 504: never flip that to completed
-            try:
-                await self._run(self.engine.finish, call_id)
-            except Exception:
-                pass
-            await self._fail(call_id, "finished after its deadline (the client stopped waiting)", status=504,
-                             code="deadline_passed")
-            return
-        del self.calls[call_id]
-        with call_context(running.routed.call.session_id, call_id):
-            await self._publish_completion(call_id, running)
+        results = {c: self.released.pop(c) for c in ids if c in self.released}
+        todo = [c for c in ids if c not in results]
+        if todo:
+            results.update(await self._run(self._finish_all, todo, kind="finish"))
+        for call_id in ids:
+            running = self.calls.get(call_id)
+            if running is None:  # cancelled or failed while the engine released it
+                continue
+            result = results[call_id]
+            deadline = running.routed.call.deadline_at
+            if deadline and time.time() >= deadline:  # its client got a 504: never flip that to completed
+                await self._fail(call_id, "finished after its deadline (the client stopped waiting)", status=504,
+                                 code="deadline_passed")
+            elif isinstance(result, EngineError):
+                await self._fail(call_id, f"engine error: {result}")
+            else:
+                del self.calls[call_id]
+                with call_context(running.routed.call.session_id, call_id):
+                    await self._publish_completion(call_id, running, result)
 
-    async def _publish_completion(self, call_id: str, running: Running) -> None:
-        try:
-            result = await self._run(self.engine.finish, call_id)
-        except EngineError as exc:
-            self.calls[call_id] = running
-            await self._fail(call_id, f"engine error: {exc}")
-            return
+    def _finish_all(self, call_ids: list[str]) -> dict:
+        """On the engine thread: each call's GenResult, or the EngineError finishing it raised."""
+        out: dict = {}
+        for call_id in call_ids:
+            try:
+                out[call_id] = self.engine.finish(call_id)
+            except EngineError as exc:
+                out[call_id] = exc
+        return out
+
+    async def _publish_completion(self, call_id: str, running: Running, result) -> None:
         routed, call, done = running.routed, running.routed.call, time.time()
         via = self.core.records[call_id].via
         completed = self.core.completed(
@@ -442,12 +472,12 @@ class CallRunner:
             "cached_tokens": result.cached_tokens, "kv_source": result.kv_source,
             "slot_wait_s": completed.slot_wait_s, "admitted_via": via, "model_opened": completed.model_opened})
         running.span.end()
-        # The durable record, the reply and the stream's end go out together; the message is
-        # acked only after all of them, so a crash before that still redelivers the call.
-        sends = [emit(self.js, completed)]
+        # The reply and the stream's end go out now; the durable record follows, and the
+        # message is acked only after it is stored, so a crash before that still redelivers.
+        replies = []
         if call.reply_to:
             n_out = len(result.token_ids)
-            sends.append(self.nc.publish(call.reply_to, encode(CallResult(
+            replies.append((call.reply_to, encode(CallResult(
                 call_id=call_id, session_id=call.session_id, call_index=routed.call_index, model=call.model,
                 instance_id=self.instance_id, text=result.text, finish_reason=result.finish_reason,
                 usage=Usage(result.prompt_tokens, n_out, result.prompt_tokens + n_out, result.cached_tokens),
@@ -456,17 +486,16 @@ class CallRunner:
                 kv_source=result.kv_source, stop_sequence=result.stop_sequence, logprobs=result.logprobs,
             ))))
         if call.stream:
-            sends.append(self.nc.publish(subjects.tokens(call_id), encode(TokenChunk(
+            replies.append((subjects.tokens(call_id), encode(TokenChunk(
                 call_id, running.streamed, "", done=True, finish_reason=result.finish_reason))))
-        await asyncio.gather(*sends, _settled(running.started_pub))
-        if running.msg is not None:
-            await running.msg.ack()
-        self._remember(call_id)
+        await self.outcomes.send(call_id, running, completed, replies)
         self.log.info("call completed", tokens=len(result.token_ids), kv_source=result.kv_source,
                       ttft_s=round(completed.ttft_s, 4))
 
     async def _fail(self, call_id: str, reason: str, *, status: int = 500, code: str = "engine_error") -> None:
+        """Fail a call: the reply now, and (unlike a completion) wait until its record is stored."""
         running = self.calls.pop(call_id, None)
+        self.released.pop(call_id, None)
         if running is None:
             return
         routed, call = running.routed, running.routed.call
@@ -475,21 +504,17 @@ class CallRunner:
             self.log.error("call failed", reason=reason)
         running.span.set_status(trace.Status(trace.StatusCode.ERROR, reason))
         running.span.end()
-        await _settled(running.started_pub)
-        sends = [emit(self.js, CallFailed(call_id, call.session_id, call.model, reason, "agent", time.time(),
-                                          status=status, instance_id=self.instance_id,
-                                          call_index=routed.call_index))]
+        replies = []
         if call.reply_to:
             retry = 1.0 if status == 503 else None  # 503: placed elsewhere it can run
-            sends.append(self.nc.publish(call.reply_to, encode(ErrorReply(status, code, reason, call_id=call_id,
-                                                                          retry_after_s=retry))))
+            replies.append((call.reply_to, encode(ErrorReply(status, code, reason, call_id=call_id,
+                                                             retry_after_s=retry))))
         if call.stream:
-            sends.append(self.nc.publish(subjects.tokens(call_id), encode(TokenChunk(
+            replies.append((subjects.tokens(call_id), encode(TokenChunk(
                 call_id, running.streamed, "", done=True, finish_reason=code))))
-        await asyncio.gather(*sends)
-        if running.msg is not None:
-            await running.msg.ack()
-        self._remember(call_id)
+        failed = CallFailed(call_id, call.session_id, call.model, reason, "agent", time.time(), status=status,
+                            instance_id=self.instance_id, call_index=routed.call_index)
+        await (await self.outcomes.send(call_id, running, failed, replies))
 
     def _remember(self, call_id: str) -> None:
         self.watchdog.call_done(call_id)
@@ -583,12 +608,3 @@ class CallRunner:
 
 def _earliest(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else min(a, b)
-
-
-async def _settled(fut: asyncio.Future | None) -> None:
-    """Wait for a background publish; its failure only loses a progress marker."""
-    if fut is not None:
-        try:
-            await fut
-        except Exception:
-            pass

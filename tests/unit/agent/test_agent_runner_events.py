@@ -22,8 +22,8 @@ async def test_parked_and_risk_notes_are_logged_and_completions_still_published(
     runner = CallRunner(settings, engine, None, None, None, None, structlog.get_logger())
     completed = []
 
-    async def record_completion(call_id):  # stands in for publishing over NATS
-        completed.append(call_id)
+    async def record_completion(call_ids):  # stands in for publishing over NATS
+        completed.extend(call_ids)
 
     runner._complete = record_completion
     await runner._events(Outcome(finished=["c2"], notes=[
