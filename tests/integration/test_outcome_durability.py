@@ -1,0 +1,168 @@
+"""The agent answers a call before its record is stored (issue 11: the stream ack is off
+the scheduling loop), and the durability guarantee is what it was: the call's JetStream
+message is acked only once its CallCompleted is stored, so an agent that dies in between
+leaves the call to be redelivered; and the durable copy of a call that arrives while its
+record is being stored is acked with it, never run a second time."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import nats
+import pytest
+import structlog
+from nats.js.api import AckPolicy, ConsumerConfig
+
+from talaria.embedded import free_port
+from talaria.services.gateway.service import run as run_gateway
+from talaria.services.instance_agent import outcomes, service as agent_service
+from talaria.services.instance_agent.outcomes import OutcomeSender
+from talaria.services.instance_agent.service import run as run_agent
+from talaria.services.router.service import run as run_router
+from talaria.services.telemetry.service import run as run_telemetry
+from talaria.shared import messages as m
+from talaria.shared import subjects
+from talaria.shared.bus import connect, emit
+from talaria.shared.health import wait_for_router
+from talaria.shared.nats_auth import owner_sender
+from talaria.shared.settings import Settings
+from tests.integration.harness import Services, wait_rows, wait_until
+
+pytestmark = pytest.mark.integration
+MODEL = "qwen3-tiny"
+ACK_WAIT_S = 1.0  # the test consumer's: a message not acked comes back this soon
+
+
+def completed(call_id: str) -> m.CallCompleted:
+    return m.CallCompleted(call_id=call_id, session_id="s1", call_index=0, model=MODEL, instance_id="agent-0",
+                           prompt_tokens=4, output_tokens=1, finish_reason="length", submitted_at=1000.0,
+                           started_at=1000.1, first_token_at=1000.2, completed_at=1000.3)
+
+
+def routed(call_id: str) -> m.CallRouted:
+    call = m.CallSubmitted(call_id=call_id, session_id="s1", model=MODEL, prompt_ids=[5, 6, 7, 8],
+                           block_hashes=[11], max_tokens=1, submitted_at=1000.0)
+    return m.CallRouted(call=call, call_index=0, instance_id="agent-0", policy="talaria", routed_at=1000.1)
+
+
+def hold_records(monkeypatch, call_id: str) -> asyncio.Event:
+    """Hold the agent's store of `call_id`'s record until the returned event is set."""
+    release, real = asyncio.Event(), outcomes.emit
+
+    async def held(js, record, *a, **kw):
+        if getattr(record, "call_id", None) == call_id:
+            await release.wait()
+        return await real(js, record, *a, **kw)
+
+    monkeypatch.setattr(outcomes, "emit", held)
+    return release
+
+
+async def stored_records(js, call_id: str) -> list:
+    sub = await js.pull_subscribe(subjects.CALL_COMPLETED, stream=subjects.EVENTS_STREAM,
+                                  config=ConsumerConfig(ack_policy=AckPolicy.NONE))
+    try:
+        msgs = await sub.fetch(100, timeout=1)
+    except asyncio.TimeoutError:
+        msgs = []
+    await sub.unsubscribe()
+    return [e for e in (m.EVENT_DECODER.decode(x.data) for x in msgs) if e.call_id == call_id]
+
+
+@pytest.mark.parametrize("agent_dies", [False, True])
+async def test_the_call_is_acked_only_once_its_record_is_stored(nats_url, monkeypatch, agent_dies):
+    nc, js = await connect(nats_url, "talaria-agent-agent-0")
+    try:
+        await emit(js, routed("c1"), sender=owner_sender(routed("c1")))
+        sub = await js.pull_subscribe(subjects.call_routed("agent-0"), durable="t", stream=subjects.EVENTS_STREAM,
+                                      config=ConsumerConfig(durable_name="t", ack_wait=ACK_WAIT_S))
+        [msg] = await sub.fetch(1, timeout=5)
+        release = hold_records(monkeypatch, "c1")
+        replies = await nc.subscribe("test.reply.c1")
+        stored: list[str] = []
+        sender = OutcomeSender(nc, js, structlog.get_logger(), stored.append)
+        task = await sender.send("c1", SimpleNamespace(msg=None, started_pub=None), completed("c1"),
+                                 [("test.reply.c1", b"the answer")])
+        assert (await replies.next_msg(timeout=5)).data == b"the answer"  # answered before it is stored
+        assert sender.attach("c1", msg) and sender.holds("c1")  # its durable copy: acked with the record
+        assert (await js.consumer_info(subjects.EVENTS_STREAM, "t")).num_ack_pending == 1
+        if agent_dies:  # before the record is stored: nothing acked, nothing recorded
+            await sender.drain(timeout=0)
+            assert stored == [] and not sender.holds("c1") and await stored_records(js, "c1") == []
+            [again] = await sub.fetch(1, timeout=ACK_WAIT_S + 10)  # so the call comes back: not lost
+            assert m.EVENT_DECODER.decode(again.data).call.call_id == "c1" and again.metadata.num_delivered == 2
+        else:
+            release.set()
+            await task
+            assert stored == ["c1"] and not sender.holds("c1")
+            assert len(await stored_records(js, "c1")) == 1
+            assert (await js.consumer_info(subjects.EVENTS_STREAM, "t")).num_ack_pending == 0
+    finally:
+        await nc.close()
+
+
+@pytest.fixture
+async def stack(nats_url, database_url, tmp_path):
+    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="talaria",
+                        http_port=free_port(), session_idle_s=3600, call_timeout_s=60, models=(MODEL,))
+    services = Services()
+    await services.start("telemetry", run_telemetry, settings)
+    await services.start("router", run_router, settings)
+    await services.start("gateway", run_gateway, settings)
+    yield settings, services
+    await services.close()
+
+
+async def test_a_durable_copy_arriving_while_the_record_is_stored_is_not_run_again(stack, db, monkeypatch):
+    """The agent starts calls from the router's core-NATS fast copy; the JetStream copy can
+    arrive after the call finished, while its record is still being stored."""
+    settings, services = stack
+    call_id = "late-durable"
+    release = hold_records(monkeypatch, call_id)
+    replied, durable_in = asyncio.Event(), asyncio.Event()
+    real_with_prompt = agent_service._with_prompt
+
+    async def after_the_reply(js, runner, routed_call):  # the durable copy comes late
+        if routed_call.call.call_id == call_id:
+            await replied.wait()
+            durable_in.set()  # the intake accepts it right after this returns
+        return await real_with_prompt(js, runner, routed_call)
+
+    monkeypatch.setattr(agent_service, "_with_prompt", after_the_reply)
+    await services.start("agent-0", run_agent, settings.with_(instance_id="agent-0"))
+    nc = await nats.connect(settings.nats_url)
+    results = []
+
+    async def on_reply(msg):  # every answer any agent sends for the call
+        reply = m.REPLY_DECODER.decode(msg.data)
+        if reply.call_id == call_id:
+            results.append(reply)
+            replied.set()
+
+    try:
+        await wait_for_router(nc, instances=1)
+        await nc.subscribe(f"{subjects.REPLY_PREFIX}.>", cb=on_reply)
+        req = m.CallRequest(model=MODEL, prompt="late copy", session_id="late", max_tokens=1, temperature=0,
+                            call_id=call_id)
+        reply = m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, m.encode(req), timeout=30)).data)
+        assert isinstance(reply, m.CallResult), reply
+        await asyncio.wait_for(durable_in.wait(), 10)
+        js = nc.jetstream()
+        info = await js.consumer_info(subjects.EVENTS_STREAM, "agent-agent-0")
+        assert info.num_ack_pending == 1  # held: its record is not stored yet
+        release.set()
+
+        async def settled():
+            info = await js.consumer_info(subjects.EVENTS_STREAM, "agent-agent-0")
+            return info if info.num_ack_pending == 0 else None
+
+        info = await wait_until(settled, "the durable copy to be acked after the record", timeout=10, every=0.05)
+        await nc.flush()  # every answer the agent sent before its ack has reached us
+        assert [type(r).__name__ for r in results] == ["CallResult"]  # answered once: never run again
+        assert info.num_redelivered == 0
+        rows = await wait_rows(db, "SELECT outcome FROM calls WHERE call_id = $1 AND outcome <> 'running'", 1,
+                               call_id)
+        assert [r["outcome"] for r in rows] == ["completed"]
+    finally:
+        await nc.close()
