@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 import nats
 from nats.aio.client import Client as NATS
@@ -112,6 +114,13 @@ def event_msg_id(event: msgspec.Struct) -> str | None:
 
 async def emit(js: JetStreamContext, event: msgspec.Struct, sender: str | None = None) -> int:
     return await publish_event(js, event_subject(event), event, msg_id=event_msg_id(event), sender=sender)
+
+
+async def emit_async(js: JetStreamContext, event: msgspec.Struct, sender: str | None = None) -> asyncio.Future:
+    """Like `emit`, without waiting for the ack: returns its future (a PubAck). Events
+    published one after another are stored in that order."""
+    return await js.publish_async(event_subject(event), encode(event),
+                                  headers=_headers(js, event_msg_id(event), sender))
 
 
 async def emit_new(js: JetStreamContext, event: msgspec.Struct) -> int | None:

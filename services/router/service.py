@@ -1,9 +1,13 @@
 """Router service: the asyncio shell around RouterCore.
 
 Inputs come from a durable JetStream consumer (call submitted / completed / failed),
-snapshots from `talaria.telemetry.*`. Each input is folded, its output events are
-published, and only then is the input acknowledged, so a crash re-delivers rather
-than loses it; RouterCore's dedupe (a call is routed once) makes re-delivery safe.
+snapshots from `talaria.telemetry.*`. Each input is folded, a routed call's core-NATS
+fast copy goes to its agent at once, and the input's output events are published to the
+stream while the next input is folded (started in order, so the stream keeps the order
+the state applied them in); the input is acked only once all of its outputs are stored,
+so a crash re-delivers rather than loses it, and RouterCore's dedupe (a call is routed
+once) makes re-delivery safe. A projection save waits until every folded input's outputs
+are stored, so a saved state never counts an output the stream lacks.
 
 Restart: load the last projection (state + stream sequence) from Postgres, replay
 the stream after that sequence through `RouterState.apply`, then resume consuming.
@@ -28,7 +32,7 @@ from talaria.services.router.state import RouterState
 from talaria.shared import logs, subjects, tracing
 from talaria.shared.health import heartbeat_loop
 from talaria.shared.logs import call_context
-from talaria.shared.bus import close, connect, emit, publish_fast
+from talaria.shared.bus import PUBLISH_TIMEOUT_S, close, connect, emit, emit_async, publish_fast
 from talaria.shared.nats_auth import sender_of, trusted
 from talaria.shared.db.engine import create_engine
 from talaria.shared.messages import (
@@ -85,6 +89,7 @@ class RouterService:
         self.listening_since = time.time()  # restored views are not "silent" before this
         self.warm = asyncio.Event()  # every restored instance heard from again
         self.expected: set[str] = set()
+        self.storing: set[asyncio.Task] = set()  # inputs' outputs being stored (then the input is acked)
 
     async def run(self, ready: asyncio.Event | None, stop: asyncio.Event) -> None:
         provider = tracing.setup("router", self.settings)
@@ -127,9 +132,12 @@ class RouterService:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             try:
-                await self._save(store)
+                await self._save(store, drain_s=PUBLISH_TIMEOUT_S)
             except Exception as exc:  # the replay on the next start covers what is not saved
                 self.log.warning("final projection save failed", error=str(exc))
+            for task in self.storing:  # not stored: their inputs stay unacked and come back
+                task.cancel()
+            await asyncio.gather(*self.storing, return_exceptions=True)
             await close(self.nc)
             await db.dispose()
             provider.shutdown()
@@ -251,14 +259,28 @@ class RouterService:
         session_id = getattr(event, "session_id", None)
         try:
             with call_context(session_id, call_id) if call_id and session_id else _null():
-                await self._handle_event(event, msg)
+                outputs, acks = await self._handle_event(event, msg)
         except Exception:  # never let one input stop the router: it is redelivered
             self.log.exception("input failed; will be redelivered", subject=msg.subject)
             await msg.nak(delay=1)
             return
-        await msg.ack()
+        if not outputs:
+            await msg.ack()
+            return
+        # Its outputs are on their way (published in order); their acks are awaited while
+        # the next input is folded, and this input is acked only once all are stored.
+        task = asyncio.create_task(self._store_then_ack(outputs, acks, msg))
+        self.storing.add(task)
+        task.add_done_callback(self.storing.discard)
 
-    async def _handle_event(self, event, msg) -> None:
+    async def _store_then_ack(self, outputs, acks, msg) -> None:
+        await self._stored(outputs, acks)
+        try:
+            await msg.ack()
+        except Exception as exc:  # redelivered; the core skips it as already handled
+            self.log.warning("ack failed", subject=msg.subject, error=str(exc))
+
+    async def _handle_event(self, event, msg) -> tuple[list, list]:
         async with self.lock:
             ctx = extract_context(msg.headers)
             with self.tracer.start_as_current_span("route", context=ctx) if isinstance(event, CallSubmitted) \
@@ -275,20 +297,42 @@ class RouterService:
                 if isinstance(event, CallSubmitted):  # the stream keeps the prompt ids once
                     seq = msg.metadata.sequence.stream
                     outputs = [o.by_reference(seq) if isinstance(o, CallRouted) else o for o in outputs]
-                # The state already counts these outputs, so they must reach the stream before
-                # the input is acked: retry (msg ids make retries idempotent) rather than drop.
-                await self._publish_all(outputs)
+            # The state already counts these outputs, so they must reach the stream before the
+            # input is acked: published now, in the order the state applied them.
+            acks = await self._start(outputs)
             self.seq = max(self.seq, msg.metadata.sequence.stream)
             self.dirty = True
+        return outputs, acks
 
     async def _publish_all(self, outputs) -> None:
-        """All of one input's outputs at once: the input waits for the slowest ack, not the
-        sum of them. They are independent facts already folded into the state, and their
-        message ids make a retry (or a redelivered input's republish) a no-op."""
-        if len(outputs) == 1:
-            seqs = [await self._publish_one(outputs[0])]
-        else:
-            seqs = await asyncio.gather(*(self._publish_one(out) for out in outputs))
+        await self._stored(outputs, await self._start(outputs))
+
+    async def _start(self, outputs) -> list:
+        """Publish each output now, in order (the stream stores them in that order); the
+        futures of their acks. Never raises: a publish that could not start is retried."""
+        acks = []
+        for out in outputs:
+            try:
+                acks.append(await emit_async(self.js, out))
+            except Exception as exc:
+                failed = asyncio.get_running_loop().create_future()
+                failed.set_exception(exc)
+                acks.append(failed)
+        return acks
+
+    async def _stored(self, outputs, acks) -> None:
+        """Wait until every output is stored: the input waits for the slowest ack, not the sum
+        of them. They are facts already folded into the state, and their message ids make a
+        retry (or a redelivered input's republish) a no-op."""
+        seqs = []
+        for out, ack in zip(outputs, acks):
+            try:
+                seqs.append((await asyncio.wait_for(ack, PUBLISH_TIMEOUT_S)).seq)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.log.warning("publish failed; retrying", kind=type(out).__name__, error=str(exc))
+                seqs.append(await self._publish_one(out))
         if seqs:
             self.seq = max(self.seq, *seqs)
         for out in outputs:
@@ -345,12 +389,18 @@ class RouterService:
                 pass
             if self.dirty:
                 try:
-                    await self._save(store)
+                    await self._save(store, drain_s=SAVE_EVERY_S)
                 except Exception as exc:  # Postgres is off the hot path: routing goes on
                     self.log.warning("projection save failed", error=str(exc))
 
-    async def _save(self, store: ProjectionStore) -> None:
+    async def _save(self, store: ProjectionStore, drain_s: float) -> None:
         async with self.lock:  # a consistent cut: never in the middle of handling an input
+            # ... and never ahead of the stream: every folded input's outputs are stored first.
+            if self.storing:
+                _, pending = await asyncio.wait(list(self.storing), timeout=drain_s)
+                if pending:  # the bus is slow or down: try later; a restart replays this state
+                    self.log.warning("projection not saved: outputs still unstored", inputs=len(pending))
+                    return
             seq, snapshot = self.seq, self.core.state.to_dict()
             self.dirty = False
         await store.save_dict(seq, snapshot)

@@ -27,7 +27,7 @@ from talaria.shared.bus import connect, emit
 from talaria.shared.health import wait_for_router
 from talaria.shared.nats_auth import owner_sender
 from talaria.shared.settings import Settings
-from tests.integration.harness import Services, wait_rows, wait_until
+from tests.integration.harness import Services, acked, wait_rows, wait_until
 
 pytestmark = pytest.mark.integration
 MODEL = "qwen3-tiny"
@@ -165,4 +165,89 @@ async def test_a_durable_copy_arriving_while_the_record_is_stored_is_not_run_aga
                                call_id)
         assert [r["outcome"] for r in rows] == ["completed"]
     finally:
+        await nc.close()
+
+
+def hold_router_outputs(monkeypatch, call_id: str) -> None:
+    """The router's outputs for `call_id` never reach the stream (its bus hangs for them)."""
+    from talaria.services.router import service as router_service
+
+    real_async, real = router_service.emit_async, router_service.emit
+
+    def for_call(event) -> bool:
+        return call_id in (getattr(event, "call_id", None), getattr(getattr(event, "call", None), "call_id", None))
+
+    async def held_async(js, event, *a, **kw):
+        if for_call(event):
+            return asyncio.get_running_loop().create_future()  # an ack that never comes
+        return await real_async(js, event, *a, **kw)
+
+    async def held(js, event, *a, **kw):
+        if for_call(event):
+            await asyncio.Event().wait()
+        return await real(js, event, *a, **kw)
+
+    monkeypatch.setattr(router_service, "emit_async", held_async)
+    monkeypatch.setattr(router_service, "emit", held)
+    monkeypatch.setattr(router_service, "PUBLISH_TIMEOUT_S", 0.5)  # a stop need not wait long for them
+
+
+async def submission_seq(js, call_id: str) -> int:
+    sub = await js.pull_subscribe(subjects.CALL_SUBMITTED, stream=subjects.EVENTS_STREAM,
+                                  config=ConsumerConfig(ack_policy=AckPolicy.NONE))
+    try:
+        msgs = await sub.fetch(100, timeout=1)
+    finally:
+        await sub.unsubscribe()
+    [seq] = [x.metadata.sequence.stream for x in msgs if m.EVENT_DECODER.decode(x.data).call_id == call_id]
+    return seq
+
+
+async def test_a_router_that_dies_before_storing_its_outputs_has_not_acked_the_call(
+        nats_url, database_url, db, tmp_path, monkeypatch):
+    """The router folds the next input while one input's outputs are stored (the agent runs
+    the call from the fast copy meanwhile); the input is acked only once they are stored, so
+    a router that dies first gets the call back on restart: recorded, answered once."""
+    from talaria.services.router import service as router_service
+
+    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="talaria",
+                        http_port=free_port(), session_idle_s=3600, call_timeout_s=60, models=(MODEL,))
+    call_id = "router-dies"
+    services = Services()
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    answers = []
+
+    async def on_reply(msg):
+        if m.REPLY_DECODER.decode(msg.data).call_id == call_id:
+            answers.append(msg)
+
+    try:
+        await services.start("telemetry", run_telemetry, settings)
+        hold_router_outputs(monkeypatch, call_id)
+        router = await services.start("router", run_router, settings)
+        await services.start("gateway", run_gateway, settings)
+        await services.start("agent-0", run_agent, settings.with_(instance_id="agent-0"))
+        await wait_for_router(nc, instances=1)
+        await nc.subscribe(f"{subjects.REPLY_PREFIX}.>", cb=on_reply)
+        req = m.CallRequest(model=MODEL, prompt="router dies", session_id="rd", max_tokens=1, temperature=0,
+                            call_id=call_id)
+        reply = m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, m.encode(req), timeout=30)).data)
+        assert isinstance(reply, m.CallResult), reply  # served from the fast copy: the stream did not gate it
+        seq = await submission_seq(js, call_id)
+        info = await js.consumer_info(subjects.EVENTS_STREAM, router_service.DURABLE)
+        assert info.ack_floor.stream_seq < seq  # not acked: its outputs are not stored
+
+        await router.close()  # dies with the outputs unstored (its final save skips that state)
+        services.running.remove(router)
+        monkeypatch.undo()
+        await services.start("router", run_router, settings)  # the bus works again
+        await wait_until(lambda: acked(js, router_service.DURABLE, seq), "the restarted router to ack the call")
+        rows = await wait_rows(db, "SELECT outcome FROM calls WHERE call_id = $1 AND outcome <> 'running'", 1,
+                               call_id)
+        assert [r["outcome"] for r in rows] == ["completed"]  # not lost
+        await nc.flush()
+        assert len(answers) == 1  # and not run a second time
+    finally:
+        await services.close()
         await nc.close()
