@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import msgspec  # noqa: E402
 
-from talaria.shared.messages import REPLY_DECODER, CallRequest, ChatMessage  # noqa: E402
+from talaria.shared.messages import CallRequest, ChatMessage, REPLY_DECODER  # noqa: E402
 from talaria.shared.settings import Settings  # noqa: E402
 from talaria.embedded import free_port  # noqa: E402
 
@@ -102,7 +102,10 @@ async def nats_call(nc, model: str, session: str, content, max_tokens: int = 1,
 async def connect(stack):
     import nats
 
-    return await nats.connect(getattr(stack, "client_nats_url", None) or stack.nats_url)
+    from talaria.shared.nats_auth import client_options
+
+    url = getattr(stack, "client_nats_url", None) or stack.nats_url
+    return await nats.connect(url, **client_options(url))
 
 
 def run(coro):

@@ -32,14 +32,8 @@ from talaria.services.router.core import RouterCore  # noqa: E402
 from talaria.services.router.policy.base import PolicyConfig  # noqa: E402
 from talaria.services.router.policy.registry import create_policy, policy_names  # noqa: E402
 from talaria.shared.stats import quantile  # noqa: E402
-from talaria.shared.messages import (  # noqa: E402
-    CallCompleted,
-    CallRouted,
-    CallSubmitted,
-    InstanceSnapshot,
-    ModelResidency,
-    SessionKv,
-)
+from talaria.shared.events import CallCompleted, CallRouted, CallSubmitted  # noqa: E402
+from talaria.shared.snapshots import InstanceSnapshot, ModelResidency, SessionKv  # noqa: E402
 
 GIB = 1 << 30
 MODELS = [f"model-{k}" for k in range(8)]

@@ -25,14 +25,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from talaria.shared import subjects  # noqa: E402
-from talaria.shared.nats_auth import SERVICE_INBOX  # noqa: E402
+from talaria.shared.nats_auth import SERVICE_INBOX, client_options  # noqa: E402
 from talaria.shared.messages import CallRequest, ChatMessage, REPLY_DECODER  # noqa: E402
 from talaria.shared.settings import Settings  # noqa: E402
 from talaria.stack import Stack  # noqa: E402
 
 
 async def drive(nats_url: str, api_key: str | None, sessions: int, calls: int) -> int:
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect(nats_url, **client_options(nats_url))
     sent = 0
 
     async def session(s: int) -> None:

@@ -13,7 +13,7 @@ from nats.js.errors import BadRequestError
 
 from talaria.shared import subjects
 from talaria.shared.nats_auth import SENDER_HEADER, SERVICE_INBOX
-from talaria.shared.messages import encode
+from talaria.shared.wire import encode
 from talaria.shared.tracing import inject_headers
 
 STREAM_MAX_AGE_S = 7 * 24 * 3600
@@ -95,18 +95,29 @@ def event_subject(event: msgspec.Struct) -> str:
 
 def event_msg_id(event: msgspec.Struct) -> str | None:
     """A natural dedupe key for events that must be published at most once."""
-    from talaria.shared import messages as m
+    from talaria.shared.events import (
+        CallCompleted,
+        CallFailed,
+        CallRouted,
+        CallStarted,
+        CallSubmitted,
+        InstanceLost,
+        LeaseConsumed,
+        LeaseDiscarded,
+        LeaseIssued,
+        RoutingDecision,
+    )
 
     match event:
-        case m.CallSubmitted() | m.CallStarted() | m.CallCompleted() | m.CallFailed():
+        case CallSubmitted() | CallStarted() | CallCompleted() | CallFailed():
             return f"{type(event).__name__}:{event.call_id}"
-        case m.CallRouted():
+        case CallRouted():
             return f"CallRouted:{event.call.call_id}"
-        case m.RoutingDecision():
+        case RoutingDecision():
             return f"RoutingDecision:{event.call_id}"
-        case m.InstanceLost():
+        case InstanceLost():
             return f"InstanceLost:{event.instance_id}:{event.incarnation}"
-        case m.LeaseIssued() | m.LeaseConsumed() | m.LeaseDiscarded():
+        case LeaseIssued() | LeaseConsumed() | LeaseDiscarded():
             return f"{type(event).__name__}:{event.session_id}:{event.call_id}"
         case _:
             return None

@@ -6,7 +6,8 @@ import asyncio
 import time
 
 from talaria.shared import subjects
-from talaria.shared.messages import ServiceHeartbeat, encode
+from talaria.shared.snapshots import ServiceHeartbeat
+from talaria.shared.wire import encode
 
 INTERVAL_S = 0.5
 
@@ -25,9 +26,52 @@ async def heartbeat_loop(nc, service: str, stop: asyncio.Event, detail=None) -> 
             pass
 
 
+class BusHearing:
+    """When did this connection last hear the NATS server answer a PING? A service that judges
+    others by their silence (the router) must know when the silence is its own.
+
+    One PING in flight at a time and never timed out: nats-py leaves a timed-out flush's future
+    in its PONG queue, and the late PONG then raises inside its read loop, which kills the
+    connection's reader for good."""
+
+    NEVER_S = 24 * 3600.0  # the flush timeout: in practice, until the PONG or a closed connection
+
+    def __init__(self, nc, every_s: float, gap_s: float, log=None) -> None:
+        """PING every `every_s`; an answer later than `gap_s` after the last one ends a deaf spell."""
+        self.nc, self.every_s, self.gap_s, self.log = nc, every_s, gap_s, log
+        self.heard_at = self.regained_at = time.time()
+
+    def hears(self, now: float) -> bool:
+        return now - self.heard_at <= self.gap_s
+
+    def silence_counts_from(self, since: float) -> float:
+        """Others' silence counts only from when we could hear again (what they sent while we
+        were deaf arrives after our own PONG, so they get their full grace from then)."""
+        return max(since, self.regained_at)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.nc.flush(timeout=self.NEVER_S)
+            except Exception:
+                pass  # closed or reconnecting: not heard; try again
+            else:
+                now = time.time()
+                if now - self.heard_at > self.gap_s:
+                    self.regained_at = now
+                    if self.log is not None:
+                        self.log.warning("NATS answered again: others' silence counted from now",
+                                         deaf_s=round(now - self.heard_at, 2))
+                self.heard_at = now
+            try:
+                await asyncio.wait_for(stop.wait(), self.every_s)
+            except TimeoutError:
+                pass
+
+
 async def wait_for_router(nc, instances: int, timeout: float = 30.0) -> None:
     """Until the router reports it has heard from at least `instances` instances."""
-    from talaria.shared.messages import HEARTBEAT_DECODER
+    from talaria.shared.snapshots import HEARTBEAT_DECODER
 
     sub = await nc.subscribe(subjects.health("router"))
     try:

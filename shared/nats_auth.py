@@ -3,9 +3,11 @@
 Two layers (README "Security"):
 - **server-side permissions**: the embedded NATS runs with one user per service (and per
   instance agent) plus a `client` user for the NATS API; `permissions()` lists what each may
-  publish and subscribe. A client may publish only `talaria.api.call` and read only its own
-  inboxes and streamed tokens: it cannot read `talaria.evt.>` (prompts), use the JetStream API,
-  or publish events, routed calls or replies.
+  publish and subscribe. A client may publish only `talaria.api.call` / `talaria.api.cancel`
+  and read only its own inboxes and streamed tokens: it cannot read `talaria.evt.>` (prompts),
+  use the JetStream API, or publish events, routed calls or replies. With API keys there is one
+  client user per tenant, fenced to `_INBOX.<tenant>.>` and `talaria.tokens.<tenant>.>`, so one
+  tenant cannot read another's replies or streamed tokens.
 - **sender checks**: every event carries a `Talaria-Sender` header (the publishing service);
   an agent runs only `CallRouted` sent by the router and the projector records only events
   from their owning service (`EVENT_OWNERS`). On a NATS with per-service permissions the
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
+
+from talaria.shared.subjects import client_inbox_prefix
 
 SENDER_HEADER = "Talaria-Sender"
 SERVICE_INBOX = "_TALARIA_INBOX"  # services' request inboxes (JetStream API, fetches); clients use _INBOX
@@ -81,7 +85,8 @@ def owner_sender(event) -> str:
     return sender_name(sorted(owners - {"agent"})[0] if owners - {"agent"} else "agent", "unknown")
 
 
-def permissions(role: str, prefix: str = "talaria", instance_id: str | None = None) -> dict:
+def permissions(role: str, prefix: str = "talaria", instance_id: str | None = None,
+                tenant: str | None = None) -> dict:
     """NATS publish/subscribe permissions of one service user (nats-server config format)."""
     from talaria.shared.subjects import stream_name
 
@@ -118,8 +123,12 @@ def permissions(role: str, prefix: str = "talaria", instance_id: str | None = No
         return {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
     if role == "client":
         # A client's cancel goes to the gateway, which checks its key: only its own tenant's calls stop.
+        # A tenant's user reads only its own inboxes and token streams; the tenant-less user (a
+        # gateway without API keys, where every call is the one open tenant's) reads all of them.
+        reads = ([f"{client_inbox_prefix(tenant)}.>", f"{prefix}.tokens.{tenant}.>"] if tenant
+                 else [f"{CLIENT_INBOX}.>", f"{prefix}.tokens.>"])
         return {"publish": {"allow": [f"{prefix}.api.call", f"{prefix}.api.cancel"]},
-                "subscribe": {"allow": [f"{CLIENT_INBOX}.>", f"{prefix}.tokens.>", f"{prefix}.health.*"]},
+                "subscribe": {"allow": [*reads, f"{prefix}.health.*"]},
                 "allow_responses": False}
     raise ValueError(f"unknown NATS role {role!r}")
 
@@ -130,19 +139,44 @@ class NatsUser:
     password: str
     role: str
     instance_id: str | None = None
+    tenant: str | None = None  # a NATS API client user's tenant
 
     def env(self) -> dict[str, str]:
         return {"TALARIA_NATS_USER": self.name, "TALARIA_NATS_PASSWORD": self.password}
 
     def options(self) -> dict[str, str]:
-        return {"user": self.name, "password": self.password}
+        """`nats.connect` keyword arguments; a tenant's client must use its own inbox prefix."""
+        extra = {"inbox_prefix": client_inbox_prefix(self.tenant)} if self.tenant else {}
+        return {"user": self.name, "password": self.password, **extra}
 
 
-def generate_users(agent_ids: list[str] | tuple[str, ...]) -> dict[str, NatsUser]:
-    """Fresh random credentials: one user per service, per agent, and one for NATS API clients."""
+def client_options(url: str) -> dict[str, str]:
+    """`nats.connect` options for a NATS API client connecting with `url`: a tenant's client
+    user (`talaria-client-<tenant>` in the URL) may read only its tenant's inbox prefix."""
+    from urllib.parse import urlsplit
+
+    user = urlsplit(url).username or ""
+    prefix = sender_name("client") + "-"
+    return {"inbox_prefix": client_inbox_prefix(user[len(prefix):])} if user.startswith(prefix) else {}
+
+
+def client_user_key(tenant: str) -> str:
+    """Where `generate_users` files a tenant's NATS API client user."""
+    return f"client-{tenant}"
+
+
+def generate_users(agent_ids: list[str] | tuple[str, ...], tenants: list[str] | tuple[str, ...] = ()
+                   ) -> dict[str, NatsUser]:
+    """Fresh random credentials: one user per service and per agent, and for NATS API clients
+    one per tenant (`client-<tenant>`) or, with no tenants, one shared `client`."""
     users = {}
-    for role in ("gateway", "router", "telemetry", "client"):
+    for role in ("gateway", "router", "telemetry"):
         users[role] = NatsUser(sender_name(role), secrets.token_urlsafe(24), role)
+    for tenant in dict.fromkeys(tenants):
+        users[client_user_key(tenant)] = NatsUser(f"talaria-client-{tenant}", secrets.token_urlsafe(24),
+                                                  "client", tenant=tenant)
+    if not tenants:
+        users["client"] = NatsUser(sender_name("client"), secrets.token_urlsafe(24), "client")
     for agent in agent_ids:
         users[f"agent-{agent}"] = NatsUser(sender_name("agent", agent), secrets.token_urlsafe(24), "agent", agent)
     return users
@@ -151,4 +185,4 @@ def generate_users(agent_ids: list[str] | tuple[str, ...]) -> dict[str, NatsUser
 def authorization_block(users: dict[str, NatsUser], prefix: str = "talaria") -> dict:
     """The `authorization` section of a nats-server config (JSON is valid nats-server config)."""
     return {"users": [{"user": u.name, "password": u.password,
-                       "permissions": permissions(u.role, prefix, u.instance_id)} for u in users.values()]}
+                       "permissions": permissions(u.role, prefix, u.instance_id, u.tenant)} for u in users.values()]}

@@ -5,7 +5,8 @@
     talaria.cancel                   CancelCall stamped with the key's tenant (gateway -> every agent)
     talaria.dispatch.<instance_id>   core-NATS fast copy of a CallRouted (the durable one is
                                      on the stream; the agent starts from whichever comes first)
-    talaria.tokens.<call_id>         streamed TokenChunk messages for one call
+    talaria.tokens.<tenant>.<call_id> streamed TokenChunk messages for one call (`_` = no tenant;
+                                     a NATS API client may read only its own tenant's)
     talaria.reply.gateway.<id>.<call> a call's reply (CallResult / ErrorReply) to the gateway
     talaria.telemetry.<instance_id>  InstanceSnapshot heartbeats (last value, not history)
     talaria.health.<service>         service heartbeats
@@ -79,8 +80,18 @@ def telemetry(instance_id: str) -> str:
     return f"{TELEMETRY_PREFIX}.{instance_id}"
 
 
-def tokens(call_id: str) -> str:
-    return f"{TOKENS_PREFIX}.{call_id}"
+OPEN_TENANT = "_"  # the tenant token of a gateway without API keys (tenant names are never empty)
+
+
+def tokens(tenant: str, call_id: str) -> str:
+    """One call's token stream, under its tenant so NATS permissions can fence tenants apart."""
+    return f"{TOKENS_PREFIX}.{tenant or OPEN_TENANT}.{call_id}"
+
+
+def client_inbox_prefix(tenant: str | None) -> str:
+    """The reply inbox prefix a NATS API client of `tenant` must connect with (`inbox_prefix=`):
+    its user may subscribe to no other inbox, so it cannot read other tenants' replies."""
+    return f"_INBOX.{tenant}" if tenant else "_INBOX"
 
 
 def reply_inbox(service: str, instance: str) -> str:

@@ -133,8 +133,12 @@ def cmd_nats_config(args: argparse.Namespace, settings: Settings) -> int:
     from talaria.shared.nats_auth import authorization_block, generate_users
     from talaria.stack import write_private
 
+    from talaria.services.gateway.auth import KeyStore
+
     agents = [a.strip() for a in args.agents.split(",") if a.strip()]
-    users = generate_users(agents)
+    # One NATS API client user per tenant of the configured API keys (none configured: one shared).
+    tenants = sorted(set(KeyStore.from_settings(settings).tenants.values()))
+    users = generate_users(agents, tenants)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_private(out / "auth.conf", json.dumps({"authorization": authorization_block(users, settings.deployment)},
@@ -259,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("migrate", help="apply database migrations to TALARIA_DATABASE_URL")
     nc = sub.add_parser("nats-config", help="write per-service NATS users and permissions for an external NATS")
     nc.add_argument("out", help="directory for auth.conf (include it in nats-server.conf) and one .env per service")
-    nc.add_argument("--agents", default="agent-0,agent-1", help="comma-separated instance ids")
+    nc.add_argument("--agents", default="agent-0,agent-1", help="comma-separated instance ids "
+                    "(NATS API client users: one per tenant of TALARIA_API_KEYS / TALARIA_API_KEYS_FILE)")
     tr = sub.add_parser("trace", help="print a session's timeline from exported spans; "
                         "`talaria trace export OUT.jsonl` writes the served calls as a replayable trace")
     tr.add_argument("session", nargs="?", help="session id (default: list sessions)")

@@ -24,7 +24,9 @@ import nats
 
 from talaria.shared import subjects
 from talaria.shared.catalog import CATALOG
-from talaria.shared.messages import REPLY_DECODER, CallRequest, CallResult, ErrorReply, encode
+from talaria.shared.messages import CallRequest, CallResult, ErrorReply, REPLY_DECODER
+from talaria.shared.wire import encode
+from talaria.shared.nats_auth import client_options
 from talaria.shared.settings import asyncpg_dsn
 from talaria.shared.stats import quantile
 from talaria.traces import GapModel, Session
@@ -76,7 +78,7 @@ class Replayer:
     async def run(self, sessions: list[Session], progress=True) -> ReplayStats:
         self.total_calls = sum(len(s.calls) for s in sessions)
         mapping = model_map(sessions, self.cfg.models)
-        self.nc = await nats.connect(self.nats_url)
+        self.nc = await nats.connect(self.nats_url, **client_options(self.nats_url))
         ticker = asyncio.create_task(self._progress(len(sessions))) if progress else None
         try:
             await asyncio.gather(*(self._session(s, mapping[s.model]) for s in sessions))

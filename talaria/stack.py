@@ -92,13 +92,13 @@ class Stack:
         data.mkdir(parents=True, exist_ok=True)
         try:
             self._stop_leftovers(data, progress)
+            self._api_keys(data)  # before NATS: each tenant gets its own NATS API client user
             self._servers(data, progress)
             progress("applying migrations")
             try:
                 upgrade(self.database_url)
             except Exception as exc:
                 raise StackError(f"could not migrate the database at {redact_url(self.database_url)}: {exc}") from exc
-            self._api_keys(data)
             self._services(data, progress)
             self._wait_ready(timeout, progress)
         except BaseException:
@@ -133,18 +133,34 @@ class Stack:
         write_key_file(data / "api_keys", [("default", hash_key(self.api_key))])
         write_private(data / "api_key", self.api_key + "\n")  # for scripts: `$(cat .talaria/api_key)`
 
+    def tenants(self) -> list[str]:
+        """The tenants of the configured API keys (`default` for the key generated for this run)."""
+        from talaria.services.gateway.auth import KeyStore
+
+        if self.api_key is not None:
+            return ["default"]
+        return sorted(set(KeyStore.from_settings(self.settings).tenants.values()))
+
+    @property
+    def client_nats_urls(self) -> dict[str, str]:
+        """tenant -> the NATS URL (with that tenant's user) a NATS API client connects with
+        (`nats_auth.client_options(url)` adds the inbox prefix its user is fenced to)."""
+        scheme, _, rest = self.nats_url.partition("://")
+        return {u.tenant or "": f"{scheme}://{u.name}:{u.password}@{rest}"
+                for u in self.nats_users.values() if u.role == "client"}
+
     @property
     def client_nats_url(self) -> str:
-        """The NATS URL a NATS API client (e.g. `talaria replay`) connects with."""
-        client = self.nats_users.get("client")
-        if client is None:
+        """The NATS URL a NATS API client (e.g. `talaria replay`) connects with: the generated
+        key's tenant, else the first tenant's; the plain URL on an external NATS."""
+        urls = self.client_nats_urls
+        if not urls:
             return self.nats_url
-        scheme, _, rest = self.nats_url.partition("://")
-        return f"{scheme}://{client.name}:{client.password}@{rest}"
+        return urls.get("default") or urls[sorted(urls)[0]]
 
     def describe(self) -> dict[str, object]:
         return {"gateway": self.gateway_url, "nats": self.nats_url, "database": self.database_url,
-                "nats_client": self.client_nats_url, "api_key": self.api_key,
+                "nats_client": self.client_nats_url, "nats_clients": self.client_nats_urls, "api_key": self.api_key,
                 "data_dir": str(self.settings.data_dir.resolve()), "agents": self.agents,
                 "traces": str(self.settings.traces_path.resolve()),
                 "pids": {**{name: p.pid for name, p in self.procs.items()},
@@ -156,7 +172,7 @@ class Stack:
             _reachable("NATS", self.nats_url)
         else:
             progress("starting embedded NATS (JetStream) with per-service users")
-            self.nats_users = generate_users(self._agent_ids())
+            self.nats_users = generate_users(self._agent_ids(), self.tenants())
             nats = EmbeddedNats(data / "nats", users=self.nats_users, prefix=self.settings.deployment)
             self.embedded.append(nats)  # before start(): stop() must reach a half-started server
             self.nats_url = nats.start().url

@@ -24,7 +24,15 @@ from talaria.services.gateway.prepare import RequestError, bad, prepare, tool_fo
 from talaria.services.gateway.validation import decode_bounded
 from talaria.services.gateway.sessions import InvalidSessionId, session_id_from
 from talaria.services.gateway.submitter import Submitter
-from talaria.shared.messages import CallRequest, CallResult, ChatMessage, ErrorReply, TokenChunk, ToolCallMsg, ToolSpec
+from talaria.shared.messages import (
+    CallRequest,
+    CallResult,
+    ChatMessage,
+    ErrorReply,
+    TokenChunk,
+    ToolCallMsg,
+    ToolSpec,
+)
 from talaria.shared.tool_calls import TextUntilCalls, ToolCall, parse_calls
 
 # --------------------------------------------------------------------------------------

@@ -31,7 +31,8 @@ from talaria.shared.tool_calls import TextUntilCalls, parse_calls
 from talaria.services.gateway.prepare import RequestError, prepare, tool_format
 from talaria.services.gateway.sessions import InvalidSessionId, session_id_from
 from talaria.services.gateway.submitter import Submitter
-from talaria.shared.messages import CallRequest, CallResult, CallSubmitted, ErrorReply, TokenChunk
+from talaria.shared.events import CallSubmitted
+from talaria.shared.messages import CallRequest, CallResult, ErrorReply, TokenChunk
 from talaria.services.gateway.validation import decode
 
 MAX_BODY_BYTES = 8 * 1024 * 1024

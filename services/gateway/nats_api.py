@@ -1,7 +1,8 @@
 """The agent-runtime API on NATS: request `talaria.api.call` with a CallRequest (JSON).
 
 The reply is a CallResult or an ErrorReply (tagged by `"type"`). To stream, set
-`call_id` and subscribe to `talaria.tokens.<call_id>` before sending the request.
+`call_id` and subscribe to `talaria.tokens.<tenant>.<call_id>` before sending the request
+(`subjects.tokens`); a tenant's NATS user may read only its own tenant's tokens and inboxes.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from talaria.services.gateway.sessions import InvalidSessionId, check
 from talaria.services.gateway.submitter import Submitter
 from talaria.services.gateway.validation import decode
 from talaria.shared import subjects
-from talaria.shared.messages import CALL_REQUEST_DECODER, CANCEL_DECODER, CallResult, ErrorReply, encode, replace
+from talaria.shared.messages import CALL_REQUEST_DECODER, CANCEL_DECODER, CallResult, ErrorReply
+from talaria.shared.wire import encode, replace
 
 
 class NatsApi:

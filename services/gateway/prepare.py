@@ -12,7 +12,9 @@ from talaria.services.gateway.auth import kv_scope
 from talaria.services.gateway.validation import RequestError, bad, check_request
 from talaria.shared import subjects
 from talaria.shared.catalog import CATALOG
-from talaria.shared.messages import MAX_TOKEN_LEN, CallRequest, CallSubmitted, ErrorReply
+from talaria.shared.events import CallSubmitted
+from talaria.shared.messages import CallRequest, ErrorReply
+from talaria.shared.wire import MAX_TOKEN_LEN
 from talaria.shared.model_text import text_for
 from talaria.shared.tokenizer import block_hashes
 

@@ -16,7 +16,7 @@ from talaria.services.gateway.nats_api import NatsApi
 from talaria.services.gateway.submitter import Submitter
 from talaria.shared import logs, subjects, tracing
 from talaria.shared.bus import close, connect
-from talaria.shared.messages import HEARTBEAT_DECODER, SNAPSHOT_DECODER, InstanceSnapshot
+from talaria.shared.snapshots import HEARTBEAT_DECODER, InstanceSnapshot, SNAPSHOT_DECODER
 from talaria.shared.settings import Settings
 
 STALE_AFTER_S = 3.0

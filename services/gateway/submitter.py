@@ -22,19 +22,17 @@ from talaria.shared import subjects
 from talaria.shared.logs import call_context
 from talaria.shared.nats_auth import SENDER_HEADER
 from talaria.shared.bus import emit, emit_new
+from talaria.shared.events import CallFailed, CallSubmitted
 from talaria.shared.messages import (
-    REPLY_DECODER,
-    TOKEN_DECODER,
-    CallFailed,
     CallResult,
-    CallSubmitted,
     CancelCall,
     ErrorReply,
+    REPLY_DECODER,
     Reply,
+    TOKEN_DECODER,
     TokenChunk,
-    encode,
-    replace,
 )
+from talaria.shared.wire import encode, replace
 from talaria.shared.tracing import session_context, trace_id_hex
 
 TokenCallback = Callable[[TokenChunk], Awaitable[None]]
@@ -103,7 +101,7 @@ class Submitter:
             try:
                 if on_token is not None:
                     token_sub = await self.nc.subscribe(
-                        subjects.tokens(call.call_id), cb=self._token_handler(on_token)
+                        subjects.tokens(call.tenant, call.call_id), cb=self._token_handler(on_token)
                     )
                 try:
                     if await emit_new(self.js, call) is None:

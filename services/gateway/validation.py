@@ -9,10 +9,12 @@ from __future__ import annotations
 import msgspec
 
 from talaria.shared import limits
-from talaria.shared.messages import MAX_NAME_LEN, MAX_TOKEN_LEN, CallRequest, CallSubmitted, ErrorReply, encode
+from talaria.shared.events import CallSubmitted
+from talaria.shared.messages import CallRequest, ErrorReply
+from talaria.shared.wire import MAX_NAME_LEN, MAX_TOKEN_LEN, encode
 
 
-ID_FIELDS = ("call_id", "session_id", "model")  # the `Name`/`Token` fields of shared/messages.py
+ID_FIELDS = ("call_id", "session_id", "model")  # the `Name`/`Token` fields (shared/wire.py)
 
 
 class RequestError(Exception):

@@ -36,7 +36,8 @@ from talaria.services.instance_agent.scheduler import (
     Work,
 )
 from talaria.services.instance_agent.scheduler.view import next_switch_s, round_remaining_s
-from talaria.shared.messages import CallCompleted, InstanceSnapshot, ModelResidency, RoundSummary, SessionKv, SwitchDone
+from talaria.shared.events import CallCompleted, RoundSummary, SwitchDone
+from talaria.shared.snapshots import InstanceSnapshot, ModelResidency, SessionKv
 
 
 @dataclass(slots=True)
@@ -129,6 +130,11 @@ class AgentCore:
 
     def decode_done(self, action: Decode, now: float, finished: Iterable[str] = (), steps: int | None = None) -> Outcome:
         return self._outcome(self.sched.on_decode_done(action, now, finished, steps), now)
+
+    def action_failed(self, action, now: float) -> Outcome:
+        """The executor could not run `action` and failed what it had to: the scheduler can
+        choose again (without this it would wait for the action forever)."""
+        return self._outcome(self.sched.on_action_failed(action, now), now)
 
     def drain(self, now: float) -> Outcome:
         """Events raised outside an action (after an Idle)."""

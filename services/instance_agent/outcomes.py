@@ -1,21 +1,19 @@
-"""A call's outcome leaves the agent without holding up the scheduling loop.
+"""A finished call's record is stored without holding up the scheduling loop.
 
 The client's reply (and a stream's end) go out on core NATS at once. The durable record
-(CallCompleted / CallFailed) is published to JetStream by a background task, after the
-call's CallStarted, retried until the stream has it (its message id makes a retry a
-no-op), and only then is the call's JetStream message acked. So the engine loop never
-waits for a stream ack, and the guarantee is what it was: a call whose record is not
-stored is not acked, and a dead agent's call is redelivered.
-
-While a record is being stored, the call is neither running nor finished: the durable copy
-of its CallRouted may still arrive (it races the core-NATS fast copy the call ran from),
-and must be acked with the record, not run a second time.
+(CallCompleted) is published to JetStream by a background task, after the call's
+CallStarted, retried until the stream has it (its message id makes a retry a no-op), and
+only then is `on_stored` run (the runner's `_closed`: the call counts as finished and its
+JetStream message is acked). So the engine loop never waits for a stream ack, and the
+guarantee is what it was: a call whose record is not stored is not acked, and a dead
+agent's call is redelivered. While the record is stored the call is `closing`: a copy of
+it arriving then is attached and acked with it (runner.accept).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import msgspec
 
@@ -23,40 +21,26 @@ from talaria.shared.bus import RECONNECT_WAIT_S, emit
 
 
 class OutcomeSender:
-    def __init__(self, nc, js, log, on_stored: Callable[[str], None]) -> None:
+    def __init__(self, nc, js, log) -> None:
         self.nc, self.js, self.log = nc, js, log
-        self.on_stored = on_stored  # the call is finished: a later copy of it is acked, not run
-        self.storing: dict[str, object] = {}  # call id -> its Running (msg, started_pub)
         self._tasks: set[asyncio.Task] = set()
 
-    def holds(self, call_id: str) -> bool:
-        return call_id in self.storing
-
-    def attach(self, call_id: str, msg) -> bool:
-        """The durable copy of a call whose record is being stored: acked with it. False
-        when the call is not being stored."""
-        running = self.storing.get(call_id)
-        if running is None:
-            return False
-        if msg is not None and running.msg is None:
-            running.msg = msg
-        return True
-
-    async def send(self, call_id: str, running, record: msgspec.Struct,
-                   replies: list[tuple[str, bytes]]) -> asyncio.Task:
-        """Reply now; store `record` and ack the call's message in the background (the
-        returned task; await it to wait for the store)."""
-        self.storing[call_id] = running
+    async def send(self, call_id: str, started_pub: asyncio.Future | None, record: msgspec.Struct,
+                   replies: list[tuple[str, bytes]], on_stored: Callable[[], Awaitable[None]],
+                   on_dropped: Callable[[], None]) -> asyncio.Task:
+        """Reply now; store `record` in the background, then `on_stored()`. `on_dropped()`
+        runs instead when the store is given up (the agent stops): the call stays unacked.
+        Returns the task (await it to wait for the store)."""
         for subject, data in replies:
             await self.nc.publish(subject, data)
-        task = asyncio.create_task(self._store(call_id, running, record))
+        task = asyncio.create_task(self._store(call_id, started_pub, record, on_stored, on_dropped))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _store(self, call_id: str, running, record: msgspec.Struct) -> None:
+    async def _store(self, call_id: str, started_pub, record, on_stored, on_dropped) -> None:
         try:
-            await _settled(running.started_pub)  # the record follows the call's start in the stream
+            await _settled(started_pub)  # the record follows the call's start in the stream
             while True:
                 try:
                     await emit(self.js, record)
@@ -64,16 +48,13 @@ class OutcomeSender:
                 except Exception as exc:  # the bus is down: it reconnects; the record must get there
                     self.log.warning("outcome not stored yet; retrying", call_id=call_id, error=str(exc))
                     await asyncio.sleep(RECONNECT_WAIT_S)
-        except asyncio.CancelledError:  # shutdown: unacked, so the call is redelivered
-            self.storing.pop(call_id, None)
+        except asyncio.CancelledError:  # the agent stops: unacked, so the call is redelivered
+            on_dropped()
             raise
-        self.storing.pop(call_id, None)
-        self.on_stored(call_id)  # no await since the pop: a late copy finds it finished
-        if running.msg is not None:
-            try:
-                await running.msg.ack()
-            except Exception as exc:  # redelivered later, and acked then as finished
-                self.log.warning("ack failed", call_id=call_id, error=str(exc))
+        try:
+            await on_stored()
+        except Exception as exc:  # e.g. the ack: redelivered later, and acked then as finished
+            self.log.warning("acking a stored outcome failed", call_id=call_id, error=str(exc))
 
     async def drain(self, timeout: float) -> None:
         """Wait for the records in flight (at shutdown); those not stored by `timeout` stay

@@ -20,16 +20,9 @@ from talaria.shared import logs, subjects, tracing
 from talaria.shared.bus import PUBLISH_TIMEOUT_S, close, connect, emit
 from talaria.shared.limits import call_problem
 from talaria.shared.nats_auth import parse_sender, sender_of, trusted
-from talaria.shared.messages import (
-    CANCEL_DECODER,
-    EVENT_DECODER,
-    ROUTED_DECODER,
-    CallFailed,
-    CallRouted,
-    CallSubmitted,
-    ErrorReply,
-    encode,
-)
+from talaria.shared.events import CallFailed, CallRouted, CallSubmitted, EVENT_DECODER, ROUTED_DECODER
+from talaria.shared.messages import CANCEL_DECODER, ErrorReply
+from talaria.shared.wire import encode
 from talaria.shared.settings import Settings
 
 ACK_WAIT_S = 60.0  # held calls send in_progress() every 20 s, so only a dead agent's calls return
@@ -93,8 +86,15 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     if ready is not None:
         ready.set()
     try:
-        await stop.wait()
+        stopped = asyncio.ensure_future(stop.wait())
+        done, _ = await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        for task in (done - {stopped}) if not stop.is_set() else ():
+            # A core task died (e.g. the work loop): an agent that still heartbeats but runs
+            # nothing would hold its calls until their 504; exit non-zero so it is restarted.
+            task.result()
+            raise RuntimeError(f"agent task {task.get_name()} ended unexpectedly")
     finally:
+        stop.set()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -178,7 +178,7 @@ async def _with_prompt(js, runner: CallRunner, routed: CallRouted) -> CallRouted
     are stored once). Usually the fast copy already started the call and nothing is fetched;
     otherwise (a restart, a lost fast copy) the submission is read back from the stream."""
     call = routed.call
-    if call.prompt_ids or not routed.submitted_seq or call.call_id in runner.calls or call.call_id in runner.finished:
+    if call.prompt_ids or not routed.submitted_seq or runner.holds(call.call_id):
         return routed
     try:
         raw = await js.get_msg(subjects.EVENTS_STREAM, routed.submitted_seq)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from talaria.shared.messages import InstanceSnapshot, ModelResidency, SessionKv
+from talaria.shared.snapshots import InstanceSnapshot, ModelResidency, SessionKv
 
 
 def build_snapshot(settings, engine, core, version: int, now: float, unhealthy: str = "") -> InstanceSnapshot:

@@ -7,17 +7,11 @@ and the tests call the same methods with a virtual clock.
 from __future__ import annotations
 
 from talaria.services.router.instances import InstanceView
-from talaria.services.router.policy.base import Decision, PlacementPolicy
+from talaria.services.router.leases import settlement
+from talaria.services.router.policy.base import PlacementPolicy
 from talaria.services.router.state import RouterState, SnapshotReceived
-from talaria.shared.messages import (
-    CallFailed,
-    CallRouted,
-    CallSubmitted,
-    Event,
-    InstanceLost,
-    InstanceSnapshot,
-    RoutingDecision,
-)
+from talaria.shared.events import CallFailed, CallRouted, CallSubmitted, Event, InstanceLost
+from talaria.shared.snapshots import InstanceSnapshot
 
 # An agent is declared lost after this many of its own heartbeat intervals without a snapshot
 # (the interval is in each snapshot, so the bound follows the agent's configuration).
@@ -90,22 +84,21 @@ class RouterCore:
         if call.call_id in self.state.routed:
             return []  # redelivered after a restart: already routed once, never twice
         entry = self.state.sessions.get(call.session_id)
-        call_index = entry.calls if entry is not None else 0
+        # The policy returns the audit record itself; the lease event it records comes first.
         decision = self.policy.decide(self.state, call, now)
-        audit = _audit(call, call_index, self.policy.name, decision, now)  # decision_us: the shell times it
-        events: list[Event] = [*decision.extra_events, audit]
-        if decision.action == "route" and decision.instance_id is not None:
-            view = self.state.instances.get(decision.instance_id)
+        events: list[Event] = [*settlement(entry.lease if entry is not None else None, decision), decision]
+        call_index = decision.call_index
+        if decision.action == "route" and decision.chosen is not None:
+            view = self.state.instances.get(decision.chosen)
             events.append(
                 CallRouted(
                     incarnation=view.snapshot.incarnation if view is not None else "",
                     call=call,
                     call_index=call_index,
-                    instance_id=decision.instance_id,
+                    instance_id=decision.chosen,
                     policy=self.policy.name,
                     routed_at=now,
                     lease=decision.lease_outcome,
-                    expected_kv=decision.expected_kv,  # type: ignore[arg-type]
                 )
             )
         else:
@@ -124,23 +117,3 @@ class RouterCore:
             )
         return events
 
-
-def _audit(call: CallSubmitted, call_index: int, policy: str, d: Decision, now: float) -> RoutingDecision:
-    return RoutingDecision(
-        call_id=call.call_id,
-        session_id=call.session_id,
-        call_index=call_index,
-        model=call.model,
-        policy=policy,
-        action=d.action,
-        decided_at=now,
-        chosen=d.instance_id,
-        lease_outcome=d.lease_outcome,
-        lease_instance=d.lease_instance,
-        discard_reason=d.discard_reason,
-        candidates=list(d.candidates),
-        retry_after_s=d.retry_after_s,
-        model_opened=d.model_opened,
-        avoidable_cold_open=d.avoidable_cold_open,
-        reason=d.reason,
-    )

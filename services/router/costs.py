@@ -47,7 +47,7 @@ from typing import NamedTuple
 from talaria.services.router.instances import ON_DEVICE, InstanceView
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.state import RouterState, SessionEntry
-from talaria.shared.messages import CallSubmitted, CandidateCost
+from talaria.shared.events import CallSubmitted, CandidateCost
 
 GIB = float(1 << 30)
 HARD_REASONS = frozenset({"stale", "unhealthy", "model_not_served", "hot_pool_pinned", "hbm"})

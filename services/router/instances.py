@@ -13,7 +13,7 @@ from dataclasses import InitVar, dataclass, field
 
 import msgspec
 
-from talaria.shared.messages import InstanceSnapshot, ModelResidency, SessionKv
+from talaria.shared.snapshots import InstanceSnapshot, ModelResidency, SessionKv
 
 ON_DEVICE = ("active", "resident")  # weights in HBM: no open needed
 

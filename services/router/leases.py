@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from talaria.shared.messages import LeaseIssued
+from talaria.shared.events import LeaseConsumed, LeaseDiscarded, LeaseIssued, RoutingDecision
 
 
 @dataclass
@@ -97,6 +97,18 @@ class LeaseBook:
         for row in rows:
             book.add(LeaseIssued(**row))
         return book
+
+
+def settlement(lease: LeaseIssued | None, decision: RoutingDecision) -> list[LeaseConsumed | LeaseDiscarded]:
+    """The lease event a routing decision records: the session's lease consumed by, or
+    discarded (with the decision's reason) for, the decided call; none without a lease."""
+    if lease is None or decision.lease_outcome == "none":
+        return []
+    at, call_id = decision.decided_at, decision.call_id
+    if decision.lease_outcome == "consumed":
+        return [LeaseConsumed(lease.session_id, lease.model, lease.instance_id, call_id, at)]
+    return [LeaseDiscarded(lease.session_id, lease.model, lease.instance_id, call_id,
+                           decision.discard_reason or "", at)]
 
 
 def _drop(index: dict[str, list[float]], key: str, expires_at: float) -> None:

@@ -30,22 +30,22 @@ from talaria.services.router.policy.registry import create_policy
 from talaria.services.router.projection import ProjectionStore
 from talaria.services.router.state import RouterState
 from talaria.shared import logs, subjects, tracing
-from talaria.shared.health import heartbeat_loop
+from talaria.shared.health import INTERVAL_S as HEARTBEAT_INTERVAL_S, BusHearing, heartbeat_loop
 from talaria.shared.logs import call_context
 from talaria.shared.bus import PUBLISH_TIMEOUT_S, close, connect, emit, emit_async, publish_fast
 from talaria.shared.nats_auth import sender_of, trusted
 from talaria.shared.db.engine import create_engine
-from talaria.shared.messages import (
-    EVENT_DECODER,
-    SNAPSHOT_DECODER,
+from talaria.shared.events import (
     CallFailed,
     CallRouted,
     CallSubmitted,
-    ErrorReply,
+    EVENT_DECODER,
     InstanceLost,
     RoutingDecision,
-    encode,
 )
+from talaria.shared.messages import ErrorReply
+from talaria.shared.snapshots import SNAPSHOT_DECODER
+from talaria.shared.wire import encode
 from talaria.shared.settings import Settings, SettingsError
 from talaria.shared.tracing import extract_context
 
@@ -112,7 +112,9 @@ class RouterService:
             pass  # some restored instance stayed silent: heartbeat loss will settle it
         await self._ensure_consumer()
         sub = await self.js.pull_subscribe_bind(DURABLE, stream=subjects.EVENTS_STREAM)
+        self.hearing = BusHearing(self.nc, TICK_S, HEARTBEAT_INTERVAL_S, self.log)
         tasks = [asyncio.create_task(self._consume(sub, stop)), asyncio.create_task(self._tick(stop)),
+                 asyncio.create_task(self.hearing.run(stop)),
                  asyncio.create_task(self._save_loop(store, stop)),
                  asyncio.create_task(heartbeat_loop(self.nc, "router", stop, self._health))]
         self.log.info("router ready", policy=self.core.policy.name, seq=self.seq)
@@ -371,7 +373,10 @@ class RouterService:
     async def _tick_once(self) -> None:
         async with self.lock:
             now = time.time()
-            lost = self.core.check_liveness(now, self.listening_since)
+            # While the bus does not answer us within a heartbeat (NATS paused, partitioned or
+            # slow), agents' silence is ours, not theirs: no instance is declared lost.
+            lost = (self.core.check_liveness(now, self.hearing.silence_counts_from(self.listening_since))
+                    if self.hearing.hears(now) else [])
             for event in lost:
                 if isinstance(event, InstanceLost):
                     self.log.warning("instance lost", instance_id=event.instance_id, reason=event.reason,

@@ -25,19 +25,19 @@ from talaria.services.router.instances import InstanceView
 from talaria.services.router.leases import LeaseBook
 from talaria.services.router.prefix_index import PrefixIndex
 from talaria.services.router.profiles import InstanceProfile, ModelProfile
-from talaria.shared.messages import (
+from talaria.shared.events import (
     CallCompleted,
     CallFailed,
     CallRouted,
     Event,
     InstanceLost,
-    InstanceSnapshot,
     LeaseConsumed,
     LeaseDiscarded,
     LeaseExpired,
     LeaseIssued,
     RoundSummary,
 )
+from talaria.shared.snapshots import InstanceSnapshot
 
 __all__ = ["InFlight", "InstanceView", "RouterState", "SessionEntry", "SnapshotReceived"]
 

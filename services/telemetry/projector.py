@@ -20,9 +20,8 @@ from sqlalchemy import case, func, update
 from sqlalchemy.dialects.postgresql import insert
 
 from talaria.shared.db.schema import calls, lease_decisions, lease_events, rounds, sessions, switches
-from talaria.shared.messages import (
+from talaria.shared.events import (
     CallCompleted,
-    CANCELLED_STATUS,
     CallFailed,
     CallRouted,
     CallStarted,
@@ -36,6 +35,7 @@ from talaria.shared.messages import (
     RoutingDecision,
     SwitchDone,
 )
+from talaria.shared.messages import CANCELLED_STATUS
 from talaria.shared.tracing import session_trace_id, trace_id_hex
 
 

@@ -25,7 +25,7 @@ from talaria.shared import logs, subjects, tracing
 from talaria.shared.health import heartbeat_loop
 from talaria.shared.bus import close, connect
 from talaria.shared.db.engine import create_engine
-from talaria.shared.messages import EVENT_DECODER
+from talaria.shared.events import EVENT_DECODER
 from talaria.shared.settings import Settings
 
 DURABLE = "telemetry"

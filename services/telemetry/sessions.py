@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 
-from talaria.shared.messages import CallCompleted, CallFailed, CallSubmitted, Event
+from talaria.shared.events import CallCompleted, CallFailed, CallSubmitted, Event
 from talaria.shared.tracing import session_span_id, session_trace_id
 
 

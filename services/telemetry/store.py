@@ -22,7 +22,7 @@ from sqlalchemy.dialects.postgresql import insert
 
 from talaria.services.telemetry.projector import FINAL, completed_values, failed_values, project, text_, ts
 from talaria.shared.db.schema import calls, lease_decisions, metadata, projections, quarantined_events, sessions
-from talaria.shared.messages import (
+from talaria.shared.events import (
     CallCompleted,
     CallFailed,
     CallRouted,

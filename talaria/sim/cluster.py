@@ -29,7 +29,7 @@ from talaria.services.instance_agent.scheduler import SchedulerConfig
 from talaria.services.router.core import RouterCore
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.policy.registry import create_policy
-from talaria.shared.messages import (
+from talaria.shared.events import (
     CallCompleted,
     CallFailed,
     CallRouted,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from talaria.shared.messages import InstanceSnapshot, ModelResidency, SessionKv
+from talaria.shared.snapshots import InstanceSnapshot, ModelResidency, SessionKv
 from talaria.sim.profiles import ServerProfile
 
 if TYPE_CHECKING:

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from talaria.services.instance_agent.core import AgentCore, Outcome
 from talaria.services.instance_agent.scheduler import Decode, Idle, Prefill, SchedulerConfig, SwitchModel
 from talaria.services.instance_agent.scheduler.costs import decode_steps_s, first_step_reaching
-from talaria.shared.messages import InstanceSnapshot, RoundSummary, SwitchDone
+from talaria.shared.events import RoundSummary, SwitchDone
+from talaria.shared.snapshots import InstanceSnapshot
 from talaria.sim.device_view import DeviceView
 from talaria.sim.memory import KvStore, StagingState
 from talaria.sim.profiles import ProfileCosts, ServerProfile

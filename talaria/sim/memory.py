@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from talaria.services.instance_agent.memory.hkvr_core import HkvrCore, LayoutDescriptor, RankReport
+from talaria.services.instance_agent.memory.hkvr_core import HkvrCore
+from talaria.services.instance_agent.memory.host_pages import LayoutDescriptor, RankReport
 from talaria.services.instance_agent.memory.staging_plan import StagingPlanner
-from talaria.shared.messages import SessionKv
+from talaria.shared.snapshots import SessionKv
 from talaria.sim.profiles import ServerProfile
 
 # The simulated host KV registry is the instance agent's own bookkeeping (memory/hkvr_core.py),

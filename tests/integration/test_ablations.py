@@ -12,7 +12,8 @@ from talaria.services.gateway.service import run as run_gateway
 from talaria.services.instance_agent.service import run as run_agent
 from talaria.services.router.service import run as run_router
 from talaria.services.telemetry.service import run as run_telemetry
-from talaria.shared import messages as m
+from talaria.shared.messages import CallRequest, CallResult, REPLY_DECODER
+from talaria.shared.wire import encode
 from talaria.shared import subjects
 from talaria.shared.health import wait_for_router
 from talaria.shared.settings import Settings
@@ -28,9 +29,9 @@ async def session(nc, run: str, sid: int) -> list[str]:
     model = MODELS[sid % 2]
     prompt, answers = f"task {sid}: make the tests pass\n", []
     for i in range(3):
-        req = m.CallRequest(model=model, prompt=prompt, session_id=f"{run}-{sid}", max_tokens=6, temperature=0)
-        reply = m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, m.encode(req), timeout=120)).data)
-        assert isinstance(reply, m.CallResult), reply
+        req = CallRequest(model=model, prompt=prompt, session_id=f"{run}-{sid}", max_tokens=6, temperature=0)
+        reply = REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(req), timeout=120)).data)
+        assert isinstance(reply, CallResult), reply
         answers.append(reply.text)
         prompt += reply.text + f"\n[tool {i}] ok\n"
     return answers

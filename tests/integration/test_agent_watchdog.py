@@ -15,7 +15,9 @@ from talaria.services.gateway.service import run as run_gateway
 from talaria.services.instance_agent import service as agent_service
 from talaria.services.router.service import run as run_router
 from talaria.services.telemetry.service import run as run_telemetry
-from talaria.shared import messages as m
+from talaria.shared.messages import CallRequest, CallResult, ErrorReply, REPLY_DECODER
+from talaria.shared.snapshots import SNAPSHOT_DECODER
+from talaria.shared.wire import encode
 from talaria.shared import subjects
 from talaria.shared.health import wait_for_router
 from talaria.shared.settings import Settings
@@ -55,18 +57,18 @@ async def test_a_stuck_engine_step_fails_its_call_flags_the_agent_and_the_stack_
         health: dict[str, asyncio.Queue] = {"agent-0": asyncio.Queue(), "agent-1": asyncio.Queue()}
 
         async def on_snapshot(msg):
-            snap = m.SNAPSHOT_DECODER.decode(msg.data)
+            snap = SNAPSHOT_DECODER.decode(msg.data)
             await health[snap.instance_id].put(snap)
 
         await nc.subscribe(subjects.TELEMETRY_WILDCARD, cb=on_snapshot)
 
         async def call(call_id, session):
-            req = m.CallRequest(model="qwen3-tiny", prompt="hello", session_id=session, call_id=call_id,
+            req = CallRequest(model="qwen3-tiny", prompt="hello", session_id=session, call_id=call_id,
                                 max_tokens=4)
-            return m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, m.encode(req), timeout=30)).data)
+            return REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(req), timeout=30)).data)
 
         stuck = await call("stuck-1", "w-stuck")
-        assert isinstance(stuck, m.ErrorReply) and stuck.status == 500 and "watchdog" in stuck.message
+        assert isinstance(stuck, ErrorReply) and stuck.status == 500 and "watchdog" in stuck.message
 
         async def first(instance, pred):
             while not pred(snap := await health[instance].get()):
@@ -80,12 +82,12 @@ async def test_a_stuck_engine_step_fails_its_call_flags_the_agent_and_the_stack_
         # While it is stuck, new calls go to the other agent and succeed.
         for i in range(4):
             reply = await call(f"ok-{i}", f"w-ok-{i}")
-            assert isinstance(reply, m.CallResult) and reply.instance_id != sick, reply
+            assert isinstance(reply, CallResult) and reply.instance_id != sick, reply
         gate.set()  # the step returns: the agent releases the failed call and is healthy again
         healed = await asyncio.wait_for(first(sick, lambda s: s.healthy and s.running == 0), 10)
         assert healed.unhealthy_reason == ""
         reply = await call("ok-after", "w-after")
-        assert isinstance(reply, m.CallResult)
+        assert isinstance(reply, CallResult)
     finally:
         gate.set()
         await nc.close()

@@ -13,7 +13,15 @@ from talaria.services.gateway.service import run as run_gateway
 from talaria.services.instance_agent.service import run as run_agent
 from talaria.services.router.service import run as run_router
 from talaria.services.telemetry.service import run as run_telemetry
-from talaria.shared import messages as m
+from talaria.shared.messages import (
+    CallRequest,
+    CallResult,
+    ErrorReply,
+    REPLY_DECODER,
+    TOKEN_DECODER,
+    TokenChunk,
+)
+from talaria.shared.wire import encode
 from talaria.shared import subjects
 from talaria.shared.health import wait_for_router
 from talaria.shared.settings import Settings
@@ -92,25 +100,25 @@ async def test_nats_api_serves_a_call_and_streams_its_tokens(stack, nats_url):
     nc = await nats.connect(nats_url)
     try:
         await wait_for_router(nc, instances=1)  # it routes only to instances it has heard from
-        got: list[m.TokenChunk] = []
+        got: list[TokenChunk] = []
         done = asyncio.Event()
 
         async def on_token(msg):
-            got.append(m.TOKEN_DECODER.decode(msg.data))
+            got.append(TOKEN_DECODER.decode(msg.data))
 
-        await nc.subscribe(subjects.tokens("call-stream-1"), cb=on_token)
-        req = m.CallRequest(model="qwen3-tiny", prompt="hello", session_id="nats-s1", call_id="call-stream-1",
+        await nc.subscribe(subjects.tokens("", "call-stream-1"), cb=on_token)
+        req = CallRequest(model="qwen3-tiny", prompt="hello", session_id="nats-s1", call_id="call-stream-1",
                             max_tokens=6, temperature=0, stream=True)
-        reply = m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, m.encode(req), timeout=60)).data)
-        assert isinstance(reply, m.CallResult), reply
+        reply = REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(req), timeout=60)).data)
+        assert isinstance(reply, CallResult), reply
         n = reply.usage.completion_tokens
         assert 1 <= n <= 6 and reply.finish_reason == ("length" if n == 6 else "stop")
         assert reply.session_id == "nats-s1"
         await nc.flush()
         assert "".join(t.text for t in got) == reply.text[: len("".join(t.text for t in got))]
         assert got, "no tokens streamed"
-        bad = m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, b"\xff not json", timeout=10)).data)
-        assert isinstance(bad, m.ErrorReply) and bad.status == 400
+        bad = REPLY_DECODER.decode((await nc.request(subjects.API_CALL, b"\xff not json", timeout=10)).data)
+        assert isinstance(bad, ErrorReply) and bad.status == 400
         done.set()
     finally:
         await nc.close()

@@ -3,7 +3,15 @@
 import pytest
 
 from talaria.services.telemetry.projector import project
-from talaria.shared import messages as m
+from talaria.shared.events import (
+    CallCompleted,
+    CallSubmitted,
+    CandidateCost,
+    LeaseConsumed,
+    LeaseDiscarded,
+    LeaseIssued,
+    RoutingDecision,
+)
 from talaria.shared.db.engine import create_engine
 from talaria.audit import audits, params_of, query
 
@@ -12,7 +20,7 @@ pytestmark = pytest.mark.integration
 
 def events():
     def sub(i):
-        return m.CallSubmitted(call_id=f"c{i}", session_id="s1", model="qwen3-tiny", prompt_ids=[256] * 10,
+        return CallSubmitted(call_id=f"c{i}", session_id="s1", model="qwen3-tiny", prompt_ids=[256] * 10,
                                block_hashes=[], max_tokens=4, submitted_at=1000.0 + 2 * i)
 
     out = []
@@ -20,19 +28,19 @@ def events():
         lease = "consumed" if i == 1 else ("discarded" if i == 2 else "none")
         out += [
             sub(i),
-            m.RoutingDecision(f"c{i}", "s1", i, "qwen3-tiny", "talaria", "route", 1000.0 + 2 * i,
+            RoutingDecision(f"c{i}", "s1", i, "qwen3-tiny", "talaria", "route", 1000.0 + 2 * i,
                               chosen="agent-0" if i < 2 else "agent-1", lease_outcome=lease,
                               lease_instance="agent-0" if i else None,
                               discard_reason="expired" if i == 2 else None,
-                              candidates=[m.CandidateCost("agent-0", 0.1), m.CandidateCost("agent-1", 0.7)],
+                              candidates=[CandidateCost("agent-0", 0.1), CandidateCost("agent-1", 0.7)],
                               model_opened=i == 2, avoidable_cold_open=i == 2),
-            m.CallCompleted(f"c{i}", "s1", i, "qwen3-tiny", "agent-0" if i < 2 else "agent-1", 10, 4, "length",
+            CallCompleted(f"c{i}", "s1", i, "qwen3-tiny", "agent-0" if i < 2 else "agent-1", 10, 4, "length",
                             1000.0 + 2 * i, 1000.1 + 2 * i, 1000.2 + 2 * i, 1000.5 + 2 * i,
                             kv_source="device" if i == 1 else "recompute", ttft_s=0.2),
-            m.LeaseIssued("s1", "qwen3-tiny", "agent-0", f"c{i}", 1000.5 + 2 * i, 1001.5 + 2 * i),
+            LeaseIssued("s1", "qwen3-tiny", "agent-0", f"c{i}", 1000.5 + 2 * i, 1001.5 + 2 * i),
         ]
-    out.append(m.LeaseConsumed("s1", "qwen3-tiny", "agent-0", "c1", 1002.0))
-    out.append(m.LeaseDiscarded("s1", "qwen3-tiny", "agent-0", "c2", "expired", 1004.0))
+    out.append(LeaseConsumed("s1", "qwen3-tiny", "agent-0", "c1", 1002.0))
+    out.append(LeaseDiscarded("s1", "qwen3-tiny", "agent-0", "c2", "expired", 1004.0))
     return out
 
 

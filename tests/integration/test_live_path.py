@@ -14,7 +14,15 @@ from talaria.services.gateway.service import run as run_gateway
 from talaria.services.instance_agent.service import run as run_agent
 from talaria.services.router.service import run as run_router
 from talaria.services.telemetry.service import run as run_telemetry
-from talaria.shared import messages as m
+from talaria.shared.messages import (
+    CANCELLED_STATUS,
+    CallRequest,
+    CallResult,
+    CancelCall,
+    ErrorReply,
+    REPLY_DECODER,
+)
+from talaria.shared.wire import encode
 from talaria.shared import subjects
 from talaria.shared.health import wait_for_router
 from talaria.shared.settings import Settings
@@ -75,26 +83,26 @@ async def test_a_cancel_on_nats_aborts_the_call_and_frees_its_slot(stack, db):
         async def on_token(msg):
             first.set()
 
-        await nc.subscribe(subjects.tokens("long-1"), cb=on_token)
-        req = m.CallRequest(model=MODEL, prompt="write forever", session_id="c1", call_id="long-1",
+        await nc.subscribe(subjects.tokens("", "long-1"), cb=on_token)
+        req = CallRequest(model=MODEL, prompt="write forever", session_id="c1", call_id="long-1",
                             max_tokens=4000, temperature=0, stream=True)
-        pending = asyncio.ensure_future(nc.request(subjects.API_CALL, m.encode(req), timeout=60))
+        pending = asyncio.ensure_future(nc.request(subjects.API_CALL, encode(req), timeout=60))
         await asyncio.wait_for(first.wait(), 30)
-        await nc.request(subjects.API_CANCEL, m.encode(m.CancelCall("long-1", "test")), timeout=10)
-        reply = m.REPLY_DECODER.decode((await pending).data)
-        assert isinstance(reply, m.ErrorReply) and reply.status == m.CANCELLED_STATUS and reply.code == "cancelled"
+        await nc.request(subjects.API_CANCEL, encode(CancelCall("long-1", "test")), timeout=10)
+        reply = REPLY_DECODER.decode((await pending).data)
+        assert isinstance(reply, ErrorReply) and reply.status == CANCELLED_STATUS and reply.code == "cancelled"
         [row] = await wait_rows(db, "SELECT * FROM calls WHERE call_id='long-1' AND outcome='cancelled'", 1)
         assert row["failed_stage"] == "agent"
         # The slot and the KV refs are free: the next call runs at once and completes.
-        req2 = m.CallRequest(model=MODEL, prompt="next", session_id="c2", max_tokens=2, temperature=0)
-        reply2 = m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, m.encode(req2), timeout=30)).data)
-        assert isinstance(reply2, m.CallResult), reply2
+        req2 = CallRequest(model=MODEL, prompt="next", session_id="c2", max_tokens=2, temperature=0)
+        reply2 = REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(req2), timeout=30)).data)
+        assert isinstance(reply2, CallResult), reply2
         # A cancel that arrives before its call is remembered: the call is refused on arrival.
-        ack = await nc.request(subjects.API_CANCEL, m.encode(m.CancelCall("early-1", "test")), timeout=10)
+        ack = await nc.request(subjects.API_CANCEL, encode(CancelCall("early-1", "test")), timeout=10)
         assert b"cancel_sent" in ack.data
-        req3 = m.CallRequest(model=MODEL, prompt="x", session_id="c3", call_id="early-1", max_tokens=2)
-        reply3 = m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, m.encode(req3), timeout=30)).data)
-        assert isinstance(reply3, m.ErrorReply) and reply3.status == m.CANCELLED_STATUS
+        req3 = CallRequest(model=MODEL, prompt="x", session_id="c3", call_id="early-1", max_tokens=2)
+        reply3 = REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(req3), timeout=30)).data)
+        assert isinstance(reply3, ErrorReply) and reply3.status == CANCELLED_STATUS
     finally:
         await nc.close()
 
@@ -131,9 +139,9 @@ async def test_a_call_started_from_its_fast_copy_is_acked_once_durably(stack, db
     nc = await with_agent(settings, services)
     try:
         for i in range(3):
-            req = m.CallRequest(model=MODEL, prompt=f"fast {i}", session_id="fast", max_tokens=2, temperature=0)
-            reply = m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, m.encode(req), timeout=30)).data)
-            assert isinstance(reply, m.CallResult), reply
+            req = CallRequest(model=MODEL, prompt=f"fast {i}", session_id="fast", max_tokens=2, temperature=0)
+            reply = REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(req), timeout=30)).data)
+            assert isinstance(reply, CallResult), reply
         await wait_rows(db, "SELECT * FROM calls WHERE session_id='fast' AND outcome='completed'", 3)
         js = nc.jetstream()
         async def settled():  # the durable copies are acked as they arrive: poll the consumer's state

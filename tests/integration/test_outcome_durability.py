@@ -21,29 +21,32 @@ from talaria.services.instance_agent.outcomes import OutcomeSender
 from talaria.services.instance_agent.service import run as run_agent
 from talaria.services.router.service import run as run_router
 from talaria.services.telemetry.service import run as run_telemetry
+from talaria.shared import events as ev
 from talaria.shared import messages as m
 from talaria.shared import subjects
 from talaria.shared.bus import connect, emit
 from talaria.shared.health import wait_for_router
 from talaria.shared.nats_auth import owner_sender
 from talaria.shared.settings import Settings
+from talaria.shared.wire import encode
 from tests.integration.harness import Services, acked, wait_rows, wait_until
 
 pytestmark = pytest.mark.integration
 MODEL = "qwen3-tiny"
 ACK_WAIT_S = 1.0  # the test consumer's: a message not acked comes back this soon
+FINAL_ROW = "SELECT outcome FROM calls WHERE call_id = $1 AND outcome NOT IN ('submitted', 'routed', 'running')"
 
 
-def completed(call_id: str) -> m.CallCompleted:
-    return m.CallCompleted(call_id=call_id, session_id="s1", call_index=0, model=MODEL, instance_id="agent-0",
+def completed(call_id: str) -> ev.CallCompleted:
+    return ev.CallCompleted(call_id=call_id, session_id="s1", call_index=0, model=MODEL, instance_id="agent-0",
                            prompt_tokens=4, output_tokens=1, finish_reason="length", submitted_at=1000.0,
                            started_at=1000.1, first_token_at=1000.2, completed_at=1000.3)
 
 
-def routed(call_id: str) -> m.CallRouted:
-    call = m.CallSubmitted(call_id=call_id, session_id="s1", model=MODEL, prompt_ids=[5, 6, 7, 8],
+def routed(call_id: str) -> ev.CallRouted:
+    call = ev.CallSubmitted(call_id=call_id, session_id="s1", model=MODEL, prompt_ids=[5, 6, 7, 8],
                            block_hashes=[11], max_tokens=1, submitted_at=1000.0)
-    return m.CallRouted(call=call, call_index=0, instance_id="agent-0", policy="talaria", routed_at=1000.1)
+    return ev.CallRouted(call=call, call_index=0, instance_id="agent-0", policy="talaria", routed_at=1000.1)
 
 
 def hold_records(monkeypatch, call_id: str) -> asyncio.Event:
@@ -67,7 +70,7 @@ async def stored_records(js, call_id: str) -> list:
     except asyncio.TimeoutError:
         msgs = []
     await sub.unsubscribe()
-    return [e for e in (m.EVENT_DECODER.decode(x.data) for x in msgs) if e.call_id == call_id]
+    return [e for e in (ev.EVENT_DECODER.decode(x.data) for x in msgs) if e.call_id == call_id]
 
 
 @pytest.mark.parametrize("agent_dies", [False, True])
@@ -80,22 +83,26 @@ async def test_the_call_is_acked_only_once_its_record_is_stored(nats_url, monkey
         [msg] = await sub.fetch(1, timeout=5)
         release = hold_records(monkeypatch, "c1")
         replies = await nc.subscribe("test.reply.c1")
-        stored: list[str] = []
-        sender = OutcomeSender(nc, js, structlog.get_logger(), stored.append)
-        task = await sender.send("c1", SimpleNamespace(msg=None, started_pub=None), completed("c1"),
-                                 [("test.reply.c1", b"the answer")])
+        stored, dropped = [], []
+
+        async def closed():  # what the runner does once the record is stored: ack the call
+            stored.append("c1")
+            await msg.ack()
+
+        sender = OutcomeSender(nc, js, structlog.get_logger())
+        task = await sender.send("c1", None, completed("c1"), [("test.reply.c1", b"the answer")],
+                                 on_stored=closed, on_dropped=lambda: dropped.append("c1"))
         assert (await replies.next_msg(timeout=5)).data == b"the answer"  # answered before it is stored
-        assert sender.attach("c1", msg) and sender.holds("c1")  # its durable copy: acked with the record
         assert (await js.consumer_info(subjects.EVENTS_STREAM, "t")).num_ack_pending == 1
         if agent_dies:  # before the record is stored: nothing acked, nothing recorded
             await sender.drain(timeout=0)
-            assert stored == [] and not sender.holds("c1") and await stored_records(js, "c1") == []
+            assert (stored, dropped) == ([], ["c1"]) and await stored_records(js, "c1") == []
             [again] = await sub.fetch(1, timeout=ACK_WAIT_S + 10)  # so the call comes back: not lost
-            assert m.EVENT_DECODER.decode(again.data).call.call_id == "c1" and again.metadata.num_delivered == 2
+            assert ev.EVENT_DECODER.decode(again.data).call.call_id == "c1" and again.metadata.num_delivered == 2
         else:
             release.set()
             await task
-            assert stored == ["c1"] and not sender.holds("c1")
+            assert (stored, dropped) == (["c1"], [])
             assert len(await stored_records(js, "c1")) == 1
             assert (await js.consumer_info(subjects.EVENTS_STREAM, "t")).num_ack_pending == 0
     finally:
@@ -145,7 +152,7 @@ async def test_a_durable_copy_arriving_while_the_record_is_stored_is_not_run_aga
         await nc.subscribe(f"{subjects.REPLY_PREFIX}.>", cb=on_reply)
         req = m.CallRequest(model=MODEL, prompt="late copy", session_id="late", max_tokens=1, temperature=0,
                             call_id=call_id)
-        reply = m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, m.encode(req), timeout=30)).data)
+        reply = m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(req), timeout=30)).data)
         assert isinstance(reply, m.CallResult), reply
         await asyncio.wait_for(durable_in.wait(), 10)
         js = nc.jetstream()
@@ -161,8 +168,7 @@ async def test_a_durable_copy_arriving_while_the_record_is_stored_is_not_run_aga
         await nc.flush()  # every answer the agent sent before its ack has reached us
         assert [type(r).__name__ for r in results] == ["CallResult"]  # answered once: never run again
         assert info.num_redelivered == 0
-        rows = await wait_rows(db, "SELECT outcome FROM calls WHERE call_id = $1 AND outcome <> 'running'", 1,
-                               call_id)
+        rows = await wait_rows(db, FINAL_ROW, 1, call_id)
         assert [r["outcome"] for r in rows] == ["completed"]
     finally:
         await nc.close()
@@ -199,7 +205,7 @@ async def submission_seq(js, call_id: str) -> int:
         msgs = await sub.fetch(100, timeout=1)
     finally:
         await sub.unsubscribe()
-    [seq] = [x.metadata.sequence.stream for x in msgs if m.EVENT_DECODER.decode(x.data).call_id == call_id]
+    [seq] = [x.metadata.sequence.stream for x in msgs if ev.EVENT_DECODER.decode(x.data).call_id == call_id]
     return seq
 
 
@@ -232,7 +238,7 @@ async def test_a_router_that_dies_before_storing_its_outputs_has_not_acked_the_c
         await nc.subscribe(f"{subjects.REPLY_PREFIX}.>", cb=on_reply)
         req = m.CallRequest(model=MODEL, prompt="router dies", session_id="rd", max_tokens=1, temperature=0,
                             call_id=call_id)
-        reply = m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, m.encode(req), timeout=30)).data)
+        reply = m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(req), timeout=30)).data)
         assert isinstance(reply, m.CallResult), reply  # served from the fast copy: the stream did not gate it
         seq = await submission_seq(js, call_id)
         info = await js.consumer_info(subjects.EVENTS_STREAM, router_service.DURABLE)
@@ -243,8 +249,7 @@ async def test_a_router_that_dies_before_storing_its_outputs_has_not_acked_the_c
         monkeypatch.undo()
         await services.start("router", run_router, settings)  # the bus works again
         await wait_until(lambda: acked(js, router_service.DURABLE, seq), "the restarted router to ack the call")
-        rows = await wait_rows(db, "SELECT outcome FROM calls WHERE call_id = $1 AND outcome <> 'running'", 1,
-                               call_id)
+        rows = await wait_rows(db, FINAL_ROW, 1, call_id)
         assert [r["outcome"] for r in rows] == ["completed"]  # not lost
         await nc.flush()
         assert len(answers) == 1  # and not run a second time

@@ -22,7 +22,7 @@ from talaria.services.gateway.service import run as run_gateway
 from talaria.services.instance_agent.service import run as run_agent
 from talaria.services.router.service import run as run_router
 from talaria.services.telemetry.service import run as run_telemetry
-from talaria.shared import messages as m
+from talaria.shared.messages import CallResult, ErrorReply, REPLY_DECODER, Reply
 from talaria.shared import subjects
 from talaria.shared.health import wait_for_router
 from talaria.shared.settings import Settings
@@ -119,14 +119,14 @@ async def post(settings, body, headers, path="/v1/chat/completions") -> tuple[in
             return r.status, await r.text()
 
 
-async def nats_call(nc, fields: dict | bytes) -> m.Reply | None:
+async def nats_call(nc, fields: dict | bytes) -> Reply | None:
     data = fields if isinstance(fields, bytes) else json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 4,
                                                                  **fields}).encode()
     try:
         msg = await nc.request(subjects.API_CALL, data, timeout=ANSWER_S)
     except nats.errors.MaxPayloadError:
         return None  # the client itself refuses to send it: nothing reached the stack
-    return m.REPLY_DECODER.decode(msg.data)
+    return REPLY_DECODER.decode(msg.data)
 
 
 def _check_http(name: str, expected: int, status: int, body: str, failures: list[str]) -> None:
@@ -135,7 +135,7 @@ def _check_http(name: str, expected: int, status: int, body: str, failures: list
 
 
 def _check_nats(name: str, expected: int, reply, failures: list[str]) -> None:
-    status = reply.status if isinstance(reply, m.ErrorReply) else 200
+    status = reply.status if isinstance(reply, ErrorReply) else 200
     if status != expected:
         failures.append(f"NATS {name}: {status} (expected {expected}) {reply!r:.300}")
 
@@ -144,7 +144,7 @@ async def _normal_call_succeeds(settings, nc, db, session: str) -> None:
     status, body = await post(settings, chat(temperature=0), {"X-Session-Id": session})
     assert status == 200, body
     reply = await nats_call(nc, {"session_id": session + "-nats", "temperature": 0.7, "seed": 7})
-    assert isinstance(reply, m.CallResult), reply
+    assert isinstance(reply, CallResult), reply
     # The projection still moves: both calls land as completed rows.
     await wait_rows(db, "SELECT 1 FROM calls WHERE session_id LIKE $1 AND outcome='completed'", 2, session + "%")
 
@@ -226,7 +226,7 @@ async def test_generated_inputs_never_hang_or_5xx(stack, db):
                 fields = {k: v for k, v in body.items() if k not in ("messages", "user", "n", "stream")}
                 fields.update(session_id=session or None, call_id=(session or None) and f"g{i}-{session}")
                 reply = await nats_call(nc, fields)
-                if isinstance(reply, m.ErrorReply) and reply.status >= 500:
+                if isinstance(reply, ErrorReply) and reply.status >= 500:
                     failures.append(f"NATS {fields!r}: {reply.status} {reply.message[:200]}")
 
     await asyncio.wait_for(asyncio.gather(*(one(i, b, s) for i, (b, s) in enumerate(cases))), 4 * ANSWER_S)

@@ -9,7 +9,16 @@ import msgspec
 import pytest
 
 from talaria.services.telemetry.store import MemoryStore, PoisonEvent, PostgresStore
-from talaria.shared import messages as m
+from talaria.shared.events import (
+    CallCompleted,
+    CallFailed,
+    CallRouted,
+    CallStarted,
+    CallSubmitted,
+    LeaseIssued,
+    RoutingDecision,
+)
+from talaria.shared.messages import CANCELLED_STATUS
 from talaria.shared.db.engine import create_engine
 
 pytestmark = pytest.mark.integration
@@ -22,29 +31,29 @@ async def store(request, database_url):
     await s.close()
 
 
-def submitted(i: int, session: str = "s1") -> m.CallSubmitted:
-    return m.CallSubmitted(call_id=f"c{i}", session_id=session, model="qwen3-tiny", prompt_ids=[256] * 10,
+def submitted(i: int, session: str = "s1") -> CallSubmitted:
+    return CallSubmitted(call_id=f"c{i}", session_id=session, model="qwen3-tiny", prompt_ids=[256] * 10,
                            block_hashes=[], max_tokens=4, submitted_at=1000.0 + i)
 
 
-def routed(i: int) -> m.CallRouted:
-    return m.CallRouted(call=submitted(i), call_index=i, instance_id="agent-0", policy="talaria",
+def routed(i: int) -> CallRouted:
+    return CallRouted(call=submitted(i), call_index=i, instance_id="agent-0", policy="talaria",
                         routed_at=1000.1 + i)
 
 
-def completed(i: int, session: str = "s1") -> m.CallCompleted:
-    return m.CallCompleted(f"c{i}", session, i, "qwen3-tiny", "agent-0", 10, 4, "length", 1000.0 + i,
+def completed(i: int, session: str = "s1") -> CallCompleted:
+    return CallCompleted(f"c{i}", session, i, "qwen3-tiny", "agent-0", 10, 4, "length", 1000.0 + i,
                            1000.2 + i, 1000.3 + i, 1000.5 + i, cached_tokens=6, kv_source="device",
                            queue_s=0.01, ttft_s=0.2)
 
 
-def failed(i: int, session: str = "s1") -> m.CallFailed:
-    return m.CallFailed(call_id=f"c{i}", session_id=session, model="qwen3-tiny", stage="agent", reason="boom",
+def failed(i: int, session: str = "s1") -> CallFailed:
+    return CallFailed(call_id=f"c{i}", session_id=session, model="qwen3-tiny", stage="agent", reason="boom",
                         status=500, at=1000.4 + i)
 
 
-def decision(i: int) -> m.RoutingDecision:
-    return m.RoutingDecision(f"c{i}", "s1", i, "qwen3-tiny", "talaria", "route", 1000.1 + i, chosen="agent-0",
+def decision(i: int) -> RoutingDecision:
+    return RoutingDecision(f"c{i}", "s1", i, "qwen3-tiny", "talaria", "route", 1000.1 + i, chosen="agent-0",
                              lease_outcome="consumed")
 
 
@@ -57,7 +66,7 @@ async def apply(store, *events) -> list[bool]:
 
 
 async def test_one_call_start_to_finish(store):
-    started = m.CallStarted(call_id="c0", session_id="s1", instance_id="agent-0", started_at=1000.2)
+    started = CallStarted(call_id="c0", session_id="s1", instance_id="agent-0", started_at=1000.2)
     await apply(store, submitted(0), routed(0), decision(0), started, completed(0))
     call = await store.call("c0")
     assert (call["outcome"], call["instance_id"], call["call_index"], call["prompt_tokens"]) == \
@@ -89,7 +98,7 @@ async def test_a_failed_call_never_becomes_completed(store):
 
 
 async def test_a_cancelled_call_says_so_and_stays_cancelled(store):
-    cancel = msgspec.structs.replace(failed(0), status=m.CANCELLED_STATUS, reason="client went away")
+    cancel = msgspec.structs.replace(failed(0), status=CANCELLED_STATUS, reason="client went away")
     await apply(store, submitted(0), routed(0), decision(0), cancel, completed(0))
     assert (await store.call("c0"))["outcome"] == "cancelled"
     assert (await store.decision("c0"))["outcome"] == "cancelled"
@@ -114,7 +123,7 @@ async def test_out_of_order_delivery_gives_the_same_rows(store):
 
 
 async def test_rows_keyed_by_sequence_are_written_once(store):
-    lease = m.LeaseIssued(session_id="s1", model="qwen3-tiny", instance_id="agent-0", call_id="c0",
+    lease = LeaseIssued(session_id="s1", model="qwen3-tiny", instance_id="agent-0", call_id="c0",
                           issued_at=1000.0, expires_at=1001.0)
     async with store.batch() as batch:
         await batch.project(lease, 7)

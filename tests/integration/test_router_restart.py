@@ -16,7 +16,9 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from talaria.services.gateway.service import run as run_gateway
 from talaria.services.instance_agent.service import run as run_agent
 from talaria.services.telemetry.service import run as run_telemetry
-from talaria.shared import messages as m
+from talaria.shared.events import EVENT_DECODER
+from talaria.shared.messages import CallRequest, CallResult, REPLY_DECODER
+from talaria.shared.wire import encode
 from talaria.shared import subjects
 from talaria.shared.health import wait_for_router
 from talaria.shared.settings import Settings
@@ -34,10 +36,10 @@ def start_router(settings: Settings) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "talaria.services.router"], env=env)
 
 
-async def call(nc, session: str, prompt: str) -> m.CallResult:
-    req = m.CallRequest(model="qwen3-tiny", prompt=prompt, session_id=session, max_tokens=4, temperature=0)
-    reply = m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, m.encode(req), timeout=90)).data)
-    assert isinstance(reply, m.CallResult), reply
+async def call(nc, session: str, prompt: str) -> CallResult:
+    req = CallRequest(model="qwen3-tiny", prompt=prompt, session_id=session, max_tokens=4, temperature=0)
+    reply = REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(req), timeout=90)).data)
+    assert isinstance(reply, CallResult), reply
     return reply
 
 
@@ -50,7 +52,7 @@ async def stream_events(js, subject: str) -> list:
             msgs = await sub.fetch(100, timeout=1.0)
         except asyncio.TimeoutError:
             break
-        out += [m.EVENT_DECODER.decode(x.data) for x in msgs]
+        out += [EVENT_DECODER.decode(x.data) for x in msgs]
     await sub.unsubscribe()
     return out
 
@@ -74,7 +76,7 @@ async def test_router_killed_and_restarted_loses_nothing_and_keeps_its_leases(na
         await call(nc, "B", "session B, first call")
         leases = {}
         while len(leases) < 2:
-            lease = m.EVENT_DECODER.decode((await issued.next_msg(timeout=10)).data)
+            lease = EVENT_DECODER.decode((await issued.next_msg(timeout=10)).data)
             leases[lease.session_id] = lease
         assert leases["A"].instance_id == first_a.instance_id
 
@@ -88,7 +90,7 @@ async def test_router_killed_and_restarted_loses_nothing_and_keeps_its_leases(na
         assert second_a.instance_id == first_a.instance_id and second_a.call_index == 1
         assert second_a.kv_source == "device"
         # B's lease survived the restart and lapses on schedule, reported by the new router.
-        lapsed = m.EVENT_DECODER.decode((await expired.next_msg(timeout=TAU_S + 20)).data)
+        lapsed = EVENT_DECODER.decode((await expired.next_msg(timeout=TAU_S + 20)).data)
         assert lapsed.session_id == "B" and lapsed.at >= leases["B"].expires_at
 
         routed = await stream_events(js, f"{subjects.CALL_ROUTED_PREFIX}.>")

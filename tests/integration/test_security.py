@@ -18,7 +18,17 @@ from talaria.services.gateway.service import run as run_gateway
 from talaria.services.instance_agent.service import run as run_agent
 from talaria.services.router.service import run as run_router
 from talaria.services.telemetry.service import run as run_telemetry
-from talaria.shared import messages as m
+from talaria.shared.events import CallCompleted, CallRouted, CallSubmitted
+from talaria.shared.messages import (
+    CANCELLED_STATUS,
+    CallRequest,
+    CallResult,
+    CancelCall,
+    ErrorReply,
+    REPLY_DECODER,
+    TOKEN_DECODER,
+)
+from talaria.shared.wire import encode
 from talaria.shared import subjects
 from talaria.shared.bus import connect, emit
 from talaria.shared.db.engine import upgrade
@@ -37,8 +47,9 @@ CHAT = {"model": "qwen3-tiny", "max_tokens": 1, "temperature": 0}
 
 @pytest.fixture
 async def secure_nats(tmp_path):
-    """An embedded NATS with per-service users (as `talaria up` starts it), even in CI."""
-    users = generate_users(["agent-0"])
+    """An embedded NATS with per-service users and one client user per tenant of KEYS (as
+    `talaria up` starts it), even in CI."""
+    users = generate_users(["agent-0"], [key.split(":")[0] for key in KEYS])
     server = EmbeddedNats(tmp_path / "secure-nats", users=users).start()
     yield server.url, users
     server.stop()
@@ -80,11 +91,14 @@ class Violations:
 
     async def wait_for(self, fragment: str, timeout: float = 10.0) -> None:
         async def find() -> None:
-            while not any(fragment in s for s in self.seen):
+            while not any(fragment.lower() in s.lower() for s in self.seen):  # the client lowercases some
                 self.changed.clear()
                 await self.changed.wait()
 
-        await asyncio.wait_for(find(), timeout)
+        try:
+            await asyncio.wait_for(find(), timeout)
+        except TimeoutError:
+            raise AssertionError(f"no violation {fragment!r} in {self.seen}") from None
 
 
 async def router_ready(url: str, user) -> None:
@@ -95,14 +109,14 @@ async def router_ready(url: str, user) -> None:
         await nc.close()
 
 
-def forged_routed(call_id: str) -> m.CallRouted:
-    call = m.CallSubmitted(call_id=call_id, session_id="forged", model="qwen3-tiny", prompt_ids=[256, 70, 79],
+def forged_routed(call_id: str) -> CallRouted:
+    call = CallSubmitted(call_id=call_id, session_id="forged", model="qwen3-tiny", prompt_ids=[256, 70, 79],
                            block_hashes=[], max_tokens=2, submitted_at=1.0)
-    return m.CallRouted(call=call, call_index=0, instance_id="agent-0", policy="talaria", routed_at=1.0)
+    return CallRouted(call=call, call_index=0, instance_id="agent-0", policy="talaria", routed_at=1.0)
 
 
-def forged_completed(call_id: str) -> m.CallCompleted:
-    return m.CallCompleted(call_id, "forged", 0, "qwen3-tiny", "agent-0", 123_456, 1, "stop",
+def forged_completed(call_id: str) -> CallCompleted:
+    return CallCompleted(call_id, "forged", 0, "qwen3-tiny", "agent-0", 123_456, 1, "stop",
                            1.0, 1.1, 1.2, 1.3)
 
 
@@ -118,34 +132,83 @@ async def test_nats_client_cannot_read_prompts_or_forge_routes_completions_or_re
         with pytest.raises(Exception, match="Authorization"):
             await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=3)
         await start_stack(services, settings, users)
-        await router_ready(url, users["client"])
-        mallory = await nats.connect(url, error_cb=violations.on_error, **users["client"].options())
+        await router_ready(url, users["client-mallory"])
+        mallory = await nats.connect(url, error_cb=violations.on_error, **users["client-mallory"].options())
         # Read prompts: neither the event subjects nor the JetStream API are open to clients.
         prompts = await mallory.subscribe(subjects.EVENTS_WILDCARD)
         await violations.wait_for(f'subscription to "{subjects.EVENTS_WILDCARD}"')
         with pytest.raises(Exception):
             await mallory.jetstream(timeout=3).stream_info(subjects.EVENTS_STREAM)
         # Forge a routed call, a completion, and a reply to the gateway.
-        await mallory.publish(subjects.call_routed("agent-0"), m.encode(forged_routed("forged-route")))
+        await mallory.publish(subjects.call_routed("agent-0"), encode(forged_routed("forged-route")))
         await violations.wait_for(f'publish to "{subjects.call_routed("agent-0")}"')
-        await mallory.publish(subjects.CALL_COMPLETED, m.encode(forged_completed("forged-done")))
+        await mallory.publish(subjects.CALL_COMPLETED, encode(forged_completed("forged-done")))
         await violations.wait_for(f'publish to "{subjects.CALL_COMPLETED}"')
         reply_subject = subjects.reply_inbox("gateway", "x") + ".c1"
-        await mallory.publish(reply_subject, m.encode(m.ErrorReply(200, "FORGED ANSWER", "FORGED ANSWER")))
+        await mallory.publish(reply_subject, encode(ErrorReply(200, "FORGED ANSWER", "FORGED ANSWER")))
         await violations.wait_for(f'publish to "{reply_subject}"')
         # The real path still works, and the NATS API answers a client with a key.
         status, body = await chat(settings, "the real secret prompt", "victim-key-0123456789", "v1")
         assert status == 200, body
-        req = m.CallRequest(model="qwen3-tiny", prompt="hi", session_id="n1", max_tokens=1,
+        req = CallRequest(model="qwen3-tiny", prompt="hi", session_id="n1", max_tokens=1,
                             api_key="victim-key-0123456789")
-        reply = m.REPLY_DECODER.decode((await mallory.request(subjects.API_CALL, m.encode(req), timeout=60)).data)
-        assert isinstance(reply, m.CallResult) and reply.session_id == "n1"
+        reply = REPLY_DECODER.decode((await mallory.request(subjects.API_CALL, encode(req), timeout=60)).data)
+        assert isinstance(reply, CallResult) and reply.session_id == "n1"
         with pytest.raises(nats.errors.TimeoutError):
             await prompts.next_msg(timeout=0.2)  # the prompt above never reached the subscriber
         await wait_rows(db, "SELECT * FROM calls WHERE session_id='victim:n1' AND outcome='completed'", 1)
         forged = await db.fetch("SELECT * FROM calls WHERE call_id LIKE 'forged%' OR prompt_tokens=123456")
         assert forged == []
         await mallory.close()
+    finally:
+        await services.close()
+
+
+async def test_a_tenants_nats_client_cannot_read_another_tenants_tokens_or_replies(
+        secure_nats, database_url, db, tmp_path):
+    """Each tenant has its own NATS API user, fenced to its own inboxes and token streams:
+    Mallory cannot sniff the victim's streamed tokens or replies; both still get their own."""
+    url, users = secure_nats
+    settings = Settings(nats_url=url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
+                        session_idle_s=3600, call_timeout_s=60, api_keys=KEYS)
+    services = Services()
+    violations = Violations()
+    try:
+        await start_stack(services, settings, users)
+        await router_ready(url, users["client-victim"])
+        mallory = await nats.connect(url, error_cb=violations.on_error, **users["client-mallory"].options())
+        victim = await nats.connect(url, **users["client-victim"].options())
+        for subject in (f"{subjects.TOKENS_PREFIX}.>", subjects.tokens("victim", "v-call"), "_INBOX.>",
+                        "_INBOX.victim.>"):
+            await mallory.subscribe(subject)
+            await violations.wait_for(f'subscription to "{subject}"')
+        streamed = []
+        done = asyncio.Event()
+
+        async def on_token(msg):
+            chunk = TOKEN_DECODER.decode(msg.data)
+            streamed.append(chunk)
+            if chunk.done:
+                done.set()
+
+        await victim.subscribe(subjects.tokens("victim", "v-call"), cb=on_token)
+        req = CallRequest(model="qwen3-tiny", prompt="the victim's secret", session_id="v", call_id="v-call",
+                            max_tokens=4, temperature=0, stream=True, api_key="victim-key-0123456789")
+        reply = REPLY_DECODER.decode((await victim.request(subjects.API_CALL, encode(req), timeout=60)).data)
+        assert isinstance(reply, CallResult), reply
+        await asyncio.wait_for(done.wait(), 30)
+        assert "".join(c.text for c in streamed) == reply.text
+        own = CallRequest(model="qwen3-tiny", prompt="hi", session_id="m", max_tokens=1,
+                            api_key="mallory-key-0123456789")
+        assert isinstance(REPLY_DECODER.decode((await mallory.request(subjects.API_CALL, encode(own),
+                                                                        timeout=60)).data), CallResult)
+        # The fence is the user's, not a convention: the default inbox prefix is refused too.
+        plain = await nats.connect(url, error_cb=violations.on_error,
+                                   **{k: v for k, v in users["client-mallory"].options().items() if k != "inbox_prefix"})
+        with pytest.raises(Exception):
+            await plain.request(subjects.API_CALL, encode(own), timeout=3)
+        for nc in (mallory, victim, plain):
+            await nc.close()
     finally:
         await services.close()
 
@@ -202,9 +265,9 @@ async def test_http_api_refuses_calls_without_a_valid_key_in_each_apis_shape(nat
                     assert r.status == 200
         nc = await nats.connect(nats_url)
         try:
-            req = m.CallRequest(model="qwen3-tiny", prompt="x", max_tokens=1)
-            reply = m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, m.encode(req), timeout=10)).data)
-            assert isinstance(reply, m.ErrorReply) and reply.status == 401
+            req = CallRequest(model="qwen3-tiny", prompt="x", max_tokens=1)
+            reply = REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(req), timeout=10)).data)
+            assert isinstance(reply, ErrorReply) and reply.status == 401
         finally:
             await nc.close()
     finally:
@@ -378,15 +441,15 @@ async def test_a_call_id_is_not_enough_to_cancel_another_tenants_call(nats_url, 
         async def on_token(msg):
             streaming.set()
 
-        await nc.subscribe(subjects.tokens("victim-call"), cb=on_token)
+        await nc.subscribe(subjects.tokens("victim", "victim-call"), cb=on_token)
 
         async def victim_call(call_id: str, max_tokens: int):
-            req = m.CallRequest(model="qwen3-tiny", prompt="go on", session_id="v", call_id=call_id,
+            req = CallRequest(model="qwen3-tiny", prompt="go on", session_id="v", call_id=call_id,
                                 max_tokens=max_tokens, temperature=0, stream=True, api_key="victim-key-0123456789")
-            return m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, m.encode(req), timeout=60)).data)
+            return REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(req), timeout=60)).data)
 
         async def cancel(call_id: str, key: str | None):
-            msg = await nc.request(subjects.API_CANCEL, m.encode(m.CancelCall(call_id, "x", api_key=key)), timeout=10)
+            msg = await nc.request(subjects.API_CANCEL, encode(CancelCall(call_id, "x", api_key=key)), timeout=10)
             return msgspec.json.decode(msg.data)
 
         pending = asyncio.ensure_future(victim_call("victim-call", 48))
@@ -394,14 +457,14 @@ async def test_a_call_id_is_not_enough_to_cancel_another_tenants_call(nats_url, 
         assert (await cancel("victim-call", None))["status"] == 401  # no key: refused at the gateway
         assert (await cancel("victim-call", "mallory-key-0123456789"))["type"] == "cancel_sent"
         reply = await pending
-        assert isinstance(reply, m.CallResult) and reply.usage.completion_tokens == 48, reply
+        assert isinstance(reply, CallResult) and reply.usage.completion_tokens == 48, reply
         # Mallory's early cancel of an id the victim will use later does not stop it either.
         await cancel("victim-later", "mallory-key-0123456789")
-        assert isinstance(await victim_call("victim-later", 2), m.CallResult)
+        assert isinstance(await victim_call("victim-later", 2), CallResult)
         # The victim's own cancel works.
         await cancel("victim-own", "victim-key-0123456789")
         own = await victim_call("victim-own", 2)
-        assert isinstance(own, m.ErrorReply) and own.status == m.CANCELLED_STATUS
+        assert isinstance(own, ErrorReply) and own.status == CANCELLED_STATUS
         await nc.close()
     finally:
         await services.close()

@@ -7,7 +7,8 @@ copy is lost (a restart, a dropped message) the durable copy is completed from t
 import pytest
 
 from talaria.services.instance_agent.service import _with_prompt
-from talaria.shared import messages as m
+from talaria.shared.events import CallRouted, CallSubmitted, EVENT_DECODER
+from talaria.shared.wire import encode
 from talaria.shared import subjects
 from talaria.shared.bus import connect, emit
 from talaria.shared.nats_auth import owner_sender, sender_name
@@ -16,19 +17,22 @@ pytestmark = pytest.mark.integration
 
 
 class RunnerState:
-    """The three things `_with_prompt` reads of a CallRunner (a plain holder, no behaviour)."""
+    """What `_with_prompt` reads of a CallRunner: its connection and which calls it holds."""
 
     def __init__(self, nc) -> None:
-        self.nc, self.calls, self.finished = nc, {}, set()
+        self.nc, self.calls = nc, {}
+
+    def holds(self, call_id: str) -> bool:
+        return call_id in self.calls
 
 
-def submitted(call_id: str) -> m.CallSubmitted:
-    return m.CallSubmitted(call_id=call_id, session_id="s1", model="qwen3-tiny", prompt_ids=[5, 6, 7, 8],
+def submitted(call_id: str) -> CallSubmitted:
+    return CallSubmitted(call_id=call_id, session_id="s1", model="qwen3-tiny", prompt_ids=[5, 6, 7, 8],
                            block_hashes=[11], max_tokens=4, submitted_at=1000.0)
 
 
-def routed(call: m.CallSubmitted, seq: int) -> m.CallRouted:
-    return m.CallRouted(call=call, call_index=0, instance_id="agent-0", policy="talaria",
+def routed(call: CallSubmitted, seq: int) -> CallRouted:
+    return CallRouted(call=call, call_index=0, instance_id="agent-0", policy="talaria",
                         routed_at=1000.1).by_reference(seq)
 
 
@@ -39,7 +43,7 @@ async def test_the_stream_copy_is_completed_from_the_submission(nats_url):
         seq = await emit(js, call, sender=owner_sender(call))
         ref = routed(call, seq)
         assert ref.call.prompt_ids == [] and ref.call.prompt_tokens == 4  # the stream's copy is slim
-        assert len(m.encode(ref)) < len(m.encode(routed(call, 0))) + 16
+        assert len(encode(ref)) < len(encode(routed(call, 0))) + 16
         full = await _with_prompt(js, RunnerState(nc), ref)
         assert full.call == call and full.submitted_seq == 0
         # Already running from the fast copy: nothing to fetch.
@@ -59,7 +63,7 @@ async def test_a_reference_to_anything_but_the_gateways_submission_is_refused(na
         assert await _with_prompt(js, RunnerState(nc), routed(submitted("c2"), forged)) is None
         assert await _with_prompt(js, RunnerState(nc), routed(submitted("c3"), other)) is None
         assert await _with_prompt(js, RunnerState(nc), routed(submitted("c4"), 10_000)) is None  # not there
-        failed = [m.EVENT_DECODER.decode(x.data) for x in await failures.fetch(3, timeout=5)]
+        failed = [EVENT_DECODER.decode(x.data) for x in await failures.fetch(3, timeout=5)]
         assert [(f.call_id, f.status) for f in failed] == [("c2", 400), ("c3", 400), ("c4", 503)]
     finally:
         await nc.close()

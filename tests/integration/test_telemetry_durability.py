@@ -13,7 +13,7 @@ import pytest
 
 from talaria.embedded import EmbeddedPostgres
 from talaria.services.telemetry.service import run as run_telemetry
-from talaria.shared import messages as m
+from talaria.shared.events import CandidateCost, RoutingDecision
 from talaria.shared.bus import connect, emit
 from talaria.shared.nats_auth import owner_sender
 from talaria.shared.db.engine import upgrade
@@ -25,9 +25,9 @@ pytestmark = pytest.mark.integration
 N = 40
 
 
-def decision(i: int) -> m.RoutingDecision:
-    return m.RoutingDecision(f"d{i}", "s1", i, "qwen3-tiny", "least-loaded", "route", 100.0 + i, chosen="agent-0",
-                             candidates=[m.CandidateCost("agent-0", 0.5)])
+def decision(i: int) -> RoutingDecision:
+    return RoutingDecision(f"d{i}", "s1", i, "qwen3-tiny", "least-loaded", "route", 100.0 + i, chosen="agent-0",
+                             candidates=[CandidateCost("agent-0", 0.5)])
 
 
 async def test_acked_events_survive_an_immediate_postgres_shutdown(nats_url, tmp_path):

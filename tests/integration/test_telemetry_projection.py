@@ -6,7 +6,17 @@ import asyncpg
 import pytest
 
 from talaria.services.telemetry.service import run as run_telemetry
-from talaria.shared import messages as m
+from talaria.shared.events import (
+    CallCompleted,
+    CallFailed,
+    CallRouted,
+    CallSubmitted,
+    CandidateCost,
+    LeaseExpired,
+    LeaseIssued,
+    RoutingDecision,
+)
+from talaria.shared.wire import encode
 from talaria.shared import subjects
 from talaria.shared.bus import connect, event_subject, publish_event
 from talaria.shared.bus import emit as emit_as
@@ -28,7 +38,7 @@ async def emit(js, event):
 
 
 def submitted(call_id, index_hint=0):
-    return m.CallSubmitted(call_id=call_id, session_id="s1", model="qwen3-tiny", prompt_ids=[256, 1, 2],
+    return CallSubmitted(call_id=call_id, session_id="s1", model="qwen3-tiny", prompt_ids=[256, 1, 2],
                            block_hashes=[], max_tokens=4, submitted_at=100.0 + index_hint)
 
 
@@ -37,13 +47,13 @@ async def test_calls_and_decisions_are_projected_once_even_when_replayed(nats_ur
     nc, js = await connect(nats_url, "test")
     for i in range(3):
         await emit(js, submitted(f"c{i}", i))
-        await emit(js, m.RoutingDecision(f"c{i}", "s1", i, "qwen3-tiny", "least-loaded", "route", 100.0 + i,
-                                         chosen="agent-0", candidates=[m.CandidateCost("agent-0", 0.5)]))
-        await emit(js, m.CallRouted(call=submitted(f"c{i}", i), call_index=i, instance_id="agent-0",
+        await emit(js, RoutingDecision(f"c{i}", "s1", i, "qwen3-tiny", "least-loaded", "route", 100.0 + i,
+                                         chosen="agent-0", candidates=[CandidateCost("agent-0", 0.5)]))
+        await emit(js, CallRouted(call=submitted(f"c{i}", i), call_index=i, instance_id="agent-0",
                                     policy="least-loaded", routed_at=100.1 + i))
-        await emit(js, m.CallCompleted(f"c{i}", "s1", i, "qwen3-tiny", "agent-0", 3, 4, "length",
+        await emit(js, CallCompleted(f"c{i}", "s1", i, "qwen3-tiny", "agent-0", 3, 4, "length",
                                        100.0 + i, 100.2 + i, 100.3 + i, 100.5 + i, kv_source="device"))
-    await emit(js, m.LeaseIssued("s1", "qwen3-tiny", "agent-0", "c2", 102.5, 103.5))
+    await emit(js, LeaseIssued("s1", "qwen3-tiny", "agent-0", "c2", 102.5, 103.5))
     services = Services()
     try:
         await services.start("telemetry", run_telemetry, settings)
@@ -60,7 +70,7 @@ async def test_calls_and_decisions_are_projected_once_even_when_replayed(nats_ur
         # delivered again, and the committed offset must keep anything from counting twice.
         await js.delete_consumer(subjects.EVENTS_STREAM, "telemetry")
         await services.start("telemetry", run_telemetry, settings)
-        await emit(js, m.CallFailed("c9", "s1", "qwen3-tiny", "gateway timeout", "gateway", 110.0, status=504))
+        await emit(js, CallFailed("c9", "s1", "qwen3-tiny", "gateway timeout", "gateway", 110.0, status=504))
         failed = await wait_rows(db, "SELECT * FROM calls WHERE call_id='c9'", 1)
         assert failed[0]["outcome"] == "failed" and failed[0]["failed_stage"] == "gateway"
         session = await db.fetchrow("SELECT * FROM sessions WHERE session_id='s1'")
@@ -77,7 +87,7 @@ async def republish(js, event) -> int:
 
 
 def completed(call_id, at=100.5, session="s1"):
-    return m.CallCompleted(call_id, session, 0, "qwen3-tiny", "agent-0", 3, 4, "length", 100.0, 100.2, 100.3, at,
+    return CallCompleted(call_id, session, 0, "qwen3-tiny", "agent-0", 3, 4, "length", 100.0, 100.2, 100.3, at,
                            kv_source="device")
 
 
@@ -93,16 +103,16 @@ async def test_republished_and_reordered_events_count_once_and_failed_never_flip
             await republish(js, event)
         # r2: failed by the gateway's timeout, then the agent's completion arrives anyway.
         await republish(js, submitted("r2"))
-        await republish(js, m.CallFailed("r2", "s1", "qwen3-tiny", "no reply", "gateway", 101.0, status=504))
+        await republish(js, CallFailed("r2", "s1", "qwen3-tiny", "no reply", "gateway", 101.0, status=504))
         await republish(js, completed("r2", at=102.0))
         # r3: completion and decision delivered before the submission (a redelivery reorders).
         await republish(js, completed("r3"))
-        await republish(js, m.RoutingDecision("r3", "s1", 0, "qwen3-tiny", "least-loaded", "route", 100.0,
-                                              chosen="agent-0", candidates=[m.CandidateCost("agent-0", 0.5)]))
-        await republish(js, m.CallRouted(call=submitted("r3"), call_index=0, instance_id="agent-0",
+        await republish(js, RoutingDecision("r3", "s1", 0, "qwen3-tiny", "least-loaded", "route", 100.0,
+                                              chosen="agent-0", candidates=[CandidateCost("agent-0", 0.5)]))
+        await republish(js, CallRouted(call=submitted("r3"), call_index=0, instance_id="agent-0",
                                          policy="least-loaded", routed_at=100.1))
         await republish(js, submitted("r3"))
-        await republish(js, m.LeaseExpired("s1", "qwen3-tiny", "agent-0", 103.0))  # the last event: a marker
+        await republish(js, LeaseExpired("s1", "qwen3-tiny", "agent-0", 103.0))  # the last event: a marker
         await wait_rows(db, "SELECT 1 FROM lease_events WHERE kind='expired'", 1)
         rows = {r["call_id"]: r for r in await db.fetch("SELECT * FROM calls")}
         assert rows["r1"]["outcome"] == "completed"
@@ -125,11 +135,11 @@ async def test_a_poison_event_is_quarantined_and_the_stream_moves_on(nats_url, d
     try:
         await services.start("telemetry", run_telemetry, settings)
         # A NUL in an id (the decoder refuses it) and one in JSON Postgres refuses (jsonb has no \u0000).
-        nul_id = m.encode(submitted("ok"))
+        nul_id = encode(submitted("ok"))
         nul_id = nul_id.replace(b'"call_id":"ok"', b'"call_id":"a\\u0000b"')
         bad_seq = (await js.publish(subjects.CALL_SUBMITTED, nul_id)).seq
-        jsonb = m.RoutingDecision("p2", "s1", 0, "qwen3-tiny", "least-loaded", "route", 100.0,
-                                  candidates=[m.CandidateCost("agent-0", 0.5, reason="x\x00y")])
+        jsonb = RoutingDecision("p2", "s1", 0, "qwen3-tiny", "least-loaded", "route", 100.0,
+                                  candidates=[CandidateCost("agent-0", 0.5, reason="x\x00y")])
         jsonb_seq = await republish(js, jsonb)
         await republish(js, submitted("after"))
         await republish(js, completed("after"))

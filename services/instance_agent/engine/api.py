@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from talaria.shared.messages import KvSource, KvState, SwitchPath, TokenLogprob  # noqa: F401 - re-exported
+from talaria.shared.messages import TokenLogprob  # noqa: F401 - re-exported
+from talaria.shared.wire import KvSource, KvState, SwitchPath  # noqa: F401 - re-exported
 
 
 

@@ -1,9 +1,10 @@
 """TorchEngine: small real models served from a bump-managed buffer with paged KV.
 
-One call's path:  prefill(reqs) -> admit (match device session/prefix pages, then host
-pages via HKVR, reserve the rest) -> chunked batched prefill of the unmatched suffix ->
-first token;  decode(ids) -> one batched step;  finish(id) -> index full pages, keep the
-session entry on device, checkpoint full pages to HKVR asynchronously.
+One call's path:  prefill(reqs) -> admit (admission.py: match device session/prefix pages,
+then host pages via HKVR, reserve the rest) -> chunked batched prefill of the unmatched
+suffix (forward_pass.py) -> first token;  decode(ids) -> one batched step;  finish(id) ->
+index full pages, keep the session entry on device, checkpoint full pages to HKVR
+asynchronously. Model switches: switch.py; what it reports: report.py.
 
 Threading: NOT thread-safe. The instance agent calls every method from one worker thread.
 Copies run on internal copier threads (CPU) or streams (CUDA), but all bookkeeping —
@@ -19,26 +20,21 @@ from pathlib import Path
 
 import torch
 
+from talaria.services.instance_agent.engine import admission, forward_pass, report
 from talaria.services.instance_agent.engine import switch as switching
 from talaria.services.instance_agent.engine.api import EngineStats, GenRequest, GenResult, StepToken, SwitchRecord
 from talaria.services.instance_agent.engine.contract import Capabilities
-from talaria.services.instance_agent.engine.errors import (
-    ContextTooLong, EngineBusy, InvalidRequest, ModelNotActive, OutOfKvPages, UnknownCall, UnknownModel,
-)
+from talaria.services.instance_agent.engine.errors import EngineBusy, UnknownCall, UnknownModel
 from talaria.services.instance_agent.engine.kv_cache import PagePool, DevicePrefixIndex, SessionCache, DeviceKvSession
-from talaria.services.instance_agent.engine.model import SeqSlice, forward, paged_attention
-from talaria.services.instance_agent.engine.sampling import make_generator
 from talaria.services.instance_agent.engine.sequence import Sequence
 from talaria.services.instance_agent.engine.weights import (
     WeightLayout, align_up, ensure_weights_file, load_host_image, weight_layout,
 )
 from talaria.services.instance_agent.memory.bump import BumpBuffer
 from talaria.services.instance_agent.memory.hkvr import HostKvRegistry
-from talaria.services.instance_agent.memory.hkvr_core import LayoutDescriptor, RankReport
+from talaria.services.instance_agent.memory.host_pages import LayoutDescriptor, RankReport
 from talaria.services.instance_agent.memory.staging import StagingExecutor
 from talaria.shared.catalog import CATALOG, ModelSpec
-from talaria.shared.limits import logprob_problem
-from talaria.shared.model_text import text_for
 from talaria.shared.stats import ewma
 from talaria.shared.tokenizer import block_hashes
 
@@ -185,7 +181,7 @@ class TorchEngine:
         self._spec(req.model)
         if req.model != self._active:
             self.switch_to(req.model)
-        step = self._prefill([req], t0)[0]
+        step = forward_pass.prefill_step(self, [req], t0)[0]
         while True:
             if on_token is not None:
                 on_token(step.token_id, step.text)
@@ -201,16 +197,16 @@ class TorchEngine:
         continue the prefill of running calls `more` (admitted by an earlier chunk).
         `chunk_tokens` > 0 computes at most that many prompt tokens per call; only calls
         whose prompt is then complete return their first token."""
-        return self._prefill(reqs, time.perf_counter(), chunk_tokens, tuple(more))
+        return forward_pass.prefill_step(self, reqs, time.perf_counter(), chunk_tokens, tuple(more))
 
     def decode(self, call_ids: list[str]) -> list[StepToken]:
         """One batched decode step for each listed running, unfinished call."""
-        seqs = [self._running_seq(c) for c in call_ids]
+        seqs = [admission.running_seq(self, c) for c in call_ids]
         if not seqs:
             return []
         self._poll()
         t0 = time.perf_counter()
-        logits = self._forward([(s, s.kv_len, 1) for s in seqs])
+        logits = forward_pass.forward_batch(self, [(s, s.kv_len, 1) for s in seqs])
         if self.on_logits is not None:
             self.on_logits(call_ids, logits)
         now = time.perf_counter()
@@ -251,274 +247,25 @@ class TorchEngine:
                 out[c] = 0 if seq.t_first is not None else max(0, len(seq.tokens) - seq.kv_len)
         return out
 
-    # -- state for telemetry -------------------------------------------------------------
+    # -- state for telemetry (report.py) --------------------------------------------------
 
     def kv_state(self, session_id: str, model: str) -> str:
-        if model == self._active and self.sessions is not None and self.sessions.get(session_id):
-            return "device"
-        if self.hkvr is not None and model in self.specs:
-            if self.hkvr.core.session_tokens(session_id, model, self.page_size) > 0:
-                return "host"
-        return "none"
+        return report.kv_state(self, session_id, model)
 
     def device_prefix(self, session_id: str, model: str, prompt_ids: list[int]) -> int:
-        """Leading tokens of `prompt_ids` the session's device KV holds (what admission reuses
-        from it), 0 when it holds none for `model`. A prompt that does not extend the session's
-        last one (a re-rendered turn) reuses only the common prefix."""
-        entry = self.sessions.get(session_id) if model == self._active and self.sessions is not None else None
-        if entry is None or entry.model != model:
-            return 0
-        return _common_prefix(entry.tokens, prompt_ids)
+        return report.device_prefix(self, session_id, model, prompt_ids)
 
     def session_states(self) -> list[tuple[str, str, str, int]]:
-        out = []
-        if self.sessions is not None:
-            out = [(e.session_id, e.model, "device", len(e.tokens)) for e in self.sessions.entries()]
-        on_device = {(s, m) for s, m, _, _ in out}
-        if self.hkvr is not None:
-            out += [(s, m, "host", n) for s, m, n in self.hkvr.core.session_prefixes(self.page_size)
-                    if (s, m) not in on_device]
-        return out
+        return report.session_states(self)
 
     def stats(self) -> EngineStats:
-        ps = self.page_size
-        cap = used = free_tail = pinned = 0
-        if self.pool is not None:
-            cap = self.pool.num_pages * ps
-            used = (self.pool.num_pages - self.pool.num_free) * ps
-            to_come = sum(s.pages_to_come() for s in list(self.running.values()))
-            pinned = min(cap, (self.pool.num_pages - self.pool.num_unused() + to_come) * ps)
-            pb = self.page_bytes(self._active)
-            top = self.bump.kv_base + (self.pool.highest_used() + 1) * pb
-            free_tail = self.bump.runtime_base - top
-        core = self.hkvr.core if self.hkvr is not None else None
-        weights = self.layouts[self._active].nbytes if self._active else 0
-        used_bytes = weights + (used // ps) * (self.page_bytes(self._active) if self._active else 0)
-        return EngineStats(
-            active_model=self._active, kv_capacity_tokens=cap, kv_used_tokens=used,
-            prefill_tok_s=self._rates["prefill"], decode_tok_s=self._rates["decode"],
-            restore_tok_s=self._rates["restore"],
-            last_switch_s=self.switches[-1].total_s if self.switches else 0.0,
-            hbm_bytes=self.bump.size, hbm_used_bytes=used_bytes + (self.bump.size - self.bump.runtime_base),
-            staging_free_bytes=free_tail if self.staging is not None else 0,
-            staged_bytes=self.staging.planner.staged_bytes() if self.staging is not None else 0,
-            running_calls=len(self.running),
-            host_kv_capacity_pages=core.capacity if core else 0,
-            host_kv_used_pages=core.used_pages if core else 0,
-            host_hits=core.counters.hits if core else 0, host_misses=core.counters.misses if core else 0,
-            host_evictions=core.counters.evictions if core else 0,
-            weight_bytes={m: lay.nbytes for m, lay in self.layouts.items()},
-            kv_pinned_tokens=pinned,
-        )
+        return report.stats(self)
 
     def close(self) -> None:
         if self.hkvr is not None:
             self.hkvr.close()
         if self.staging is not None:
             self.staging.close()
-
-    # -- admission -----------------------------------------------------------------------
-
-    def _prefill(self, reqs: list[GenRequest], t0: float, chunk: int = 0, more: tuple[str, ...] = ()) -> list[StepToken]:
-        if not reqs and not more:
-            return []
-        cont = []
-        for call_id in more:
-            seq = self.running.get(call_id)
-            if seq is None or seq.kv_len >= len(seq.tokens):
-                raise UnknownCall(call_id, "not a call with prefill left")
-            cont.append(seq)
-        for r in reqs:
-            self._validate(r)
-        models = {r.model for r in reqs}
-        if len(models) > 1:
-            raise ModelNotActive(sorted(models)[1], self._active)
-        if reqs and reqs[0].model != self._active:
-            if self.running:
-                raise ModelNotActive(reqs[0].model, self._active)
-            self.switch_to(reqs[0].model)
-        self._poll()
-        seqs: list[Sequence] = []
-        try:
-            for r in reqs:
-                seqs.append(self._admit(r, t0))
-        except Exception:
-            for s in seqs:
-                self._release(s)
-            raise
-        for s in seqs:
-            self.running[s.req.call_id] = s
-        seqs = cont + seqs
-        before = sum(s.kv_len for s in seqs)
-        try:
-            t1 = time.perf_counter()
-            last = self._run_prefill(seqs, chunk)
-            now = time.perf_counter()
-            done = [s for s in seqs if s.req.call_id in last]
-            if self.on_logits is not None and done:
-                self.on_logits([s.req.call_id for s in done], torch.stack([last[s.req.call_id] for s in done]))
-            self._rate("prefill", sum(s.kv_len for s in seqs) - before, now - t1)
-            out = []
-            for s in seqs:
-                s.prefill_s += now - t1
-            for s in done:
-                out.append(s.take(last[s.req.call_id], now))
-        except Exception:  # nothing of a failed batch stays running or holds pages
-            for s in seqs:
-                self._release(s)
-            raise
-        self._pump()
-        return out
-
-    def _validate(self, r: GenRequest) -> None:
-        spec = self._spec(r.model)
-        if r.call_id in self.running:
-            raise InvalidRequest(r.call_id, "call_id", "a call with this id is already running")
-        if not r.prompt_ids:
-            raise InvalidRequest(r.call_id, "prompt_ids", "empty prompt")
-        if any((not isinstance(t, int)) or t < 0 or t >= spec.vocab_size for t in r.prompt_ids):
-            raise InvalidRequest(r.call_id, "prompt_ids", f"token ids must be ints in [0, {spec.vocab_size})")
-        if len(r.prompt_ids) > spec.context_length:
-            raise ContextTooLong(r.model, len(r.prompt_ids), spec.context_length)
-        if r.max_tokens < 1:
-            raise InvalidRequest(r.call_id, "max_tokens", "must be >= 1")
-        if not r.temperature >= 0.0:
-            raise InvalidRequest(r.call_id, "temperature", "must be >= 0")
-        if not 0.0 < r.top_p <= 1.0:
-            raise InvalidRequest(r.call_id, "top_p", "must be in (0, 1]")
-        problem = logprob_problem(r.logit_bias, r.logprobs, r.top_logprobs, r.max_tokens, spec.vocab_size)
-        if problem is not None:
-            raise InvalidRequest(r.call_id, *problem)
-
-    def _admit(self, req: GenRequest, t0: float) -> Sequence:
-        """Match device pages, then host pages; reserve the rest. Only the suffix is computed."""
-        spec, ps, prompt = self.specs[req.model], self.page_size, list(req.prompt_ids)
-        max_match = len(prompt) - 1  # the last prompt token is always computed (its logits)
-        hashes = block_hashes(prompt[:max_match], ps, scope=req.kv_scope)
-        shared, cow_src, cached = self._match_device(req.session_id, prompt, hashes, max_match)
-        for p in shared:
-            self.pool.use(p)
-        kv_tokens = min(len(prompt) + req.max_tokens - 1, spec.context_length)
-        total_pages = math.ceil(kv_tokens / ps)
-        new_pages = total_pages - len(shared)
-        available = self.pool.num_unused() - sum(s.pages_to_come() for s in self.running.values())
-        if new_pages > available:
-            for p in shared:
-                self.pool.unuse(p)
-            raise OutOfKvPages(req.model, new_pages, max(0, available))
-        pages, host_tokens = list(shared), 0
-        if cow_src is not None:  # partial page: copy, never write into a shared page
-            self.pool.use(cow_src)  # so the allocator's eviction cannot hand it out meanwhile
-            page = self._alloc_page()
-            self.kv[page].copy_(self.kv[cow_src])
-            self.pool.unuse(cow_src)
-            pages.append(page)
-        elif self.hkvr is not None and len(shared) < len(hashes):
-            t = time.perf_counter()
-            restored = self.hkvr.restore(req.model, hashes[len(shared):], self.kv, self._alloc_page)
-            pages += restored
-            host_tokens = len(restored) * ps
-            cached += host_tokens
-            if restored:
-                self._rate("restore", host_tokens, time.perf_counter() - t)
-        self.sessions.drop(req.session_id)  # its pages are now held by this call
-        gen = make_generator(req.seed, self.device) if req.temperature > 0 else None
-        return Sequence(req, spec.context_length, prompt, pages, cached, host_tokens, total_pages, t0, gen,
-                        text=text_for(spec))
-
-    def _match_device(
-        self, session_id: str, prompt: list[int], hashes: list[int], max_match: int
-    ) -> tuple[list[int], int | None, int]:
-        """(shared full pages, page to copy-on-write for a partial tail, cached tokens).
-        The session's own entry is matched first; the prefix index may extend it."""
-        ps = self.page_size
-        from_index = self.index.match(hashes)
-        entry = self.sessions.get(session_id)
-        if entry is not None and entry.model == self._active:
-            n = min(_common_prefix(entry.tokens, prompt), max_match)
-            if n > len(from_index) * ps:
-                full = n // ps
-                cow = entry.pages[full] if n % ps else None
-                return list(entry.pages[:full]), cow, n
-        return from_index, None, len(from_index) * ps
-
-    def _release(self, seq: Sequence) -> None:
-        self.running.pop(seq.req.call_id, None)
-        for p in seq.pages:
-            self.pool.unuse(p)
-
-    def _running_seq(self, call_id: str) -> Sequence:
-        seq = self.running.get(call_id)
-        if seq is None:
-            raise UnknownCall(call_id)
-        if seq.finished:
-            raise UnknownCall(call_id, f"already finished ({seq.finish_reason}); call finish()")
-        if seq.t_first is None and seq.kv_len < len(seq.tokens):
-            raise UnknownCall(call_id, "still prefilling (chunked); it cannot decode yet")
-        return seq
-
-    # -- forward -------------------------------------------------------------------------
-
-    def _run_prefill(self, seqs: list[Sequence], chunk: int = 0) -> dict[str, torch.Tensor]:
-        """Batched prefill of each sequence's unmatched suffix, at most `chunk` tokens each
-        (0: all); last-token logits of the sequences whose prompt is complete."""
-        todo = {s.req.call_id: s for s in seqs}
-        left = {i: (chunk if chunk > 0 else len(s.tokens)) for i, s in todo.items()}
-        last: dict[str, torch.Tensor] = {}
-        while todo:
-            parts = [(s, s.kv_len, min(self.prefill_chunk, len(s.tokens) - s.kv_len, left[i]))
-                     for i, s in todo.items()]
-            logits = self._forward(parts)
-            for i, (s, _, n) in enumerate(parts):
-                cid = s.req.call_id
-                left[cid] -= n
-                if s.kv_len == len(s.tokens):
-                    last[cid] = logits[i]
-                    del todo[cid]
-                elif left[cid] <= 0:
-                    del todo[cid]  # this chunk is done; the call continues in a later one
-            if chunk > 0 and todo and self.should_yield is not None and self.should_yield():
-                break  # new work arrived: end the chunk at this forward pass
-        return last
-
-    def _forward(self, parts: list[tuple[Sequence, int, int]]) -> torch.Tensor:
-        """Compute tokens[p0:p0+n] of each part at positions p0.. ; logits of each part's last row."""
-        ps, dev = self.page_size, self.device
-        ids, pos, wpages, woffs, slices, last = [], [], [], [], [], []
-        row = 0
-        for seq, p0, n in parts:
-            while len(seq.pages) * ps < p0 + n:
-                seq.pages.append(self._alloc_page())
-            ids += seq.tokens[p0 : p0 + n]
-            pos += range(p0, p0 + n)
-            wpages += [seq.pages[p // ps] for p in range(p0, p0 + n)]
-            woffs += [p % ps for p in range(p0, p0 + n)]
-            table = torch.tensor(seq.pages[: math.ceil((p0 + n) / ps)], dtype=torch.long, device=dev)
-            slices.append(SeqSlice(row, n, p0 + n, table))
-            row += n
-            last.append(row - 1)
-        def t(x):
-            return torch.tensor(x, dtype=torch.long, device=dev)
-        attn = paged_attention(self.kv, slices, t(wpages), t(woffs))
-        spec = self.specs[self._active]
-        with torch.inference_mode():
-            logits = forward(spec, self.params, t(ids), t(pos), attn, self.rope, t(last))
-        for seq, p0, n in parts:
-            seq.kv_len = p0 + n
-        return logits
-
-    def _alloc_page(self) -> int:
-        """Lowest free page; evicts index-only prefixes, then LRU sessions, if it must."""
-        while True:
-            page = self.pool.alloc()
-            if page is not None:
-                return page
-            if self.index.evict_one() or self.sessions.evict_lru():
-                continue
-            if self.staging is not None and self.staging.planner.writing():
-                self.staging.wait_all()  # pages were only blocked by writes in flight
-                continue
-            raise OutOfKvPages(self._active or "", 1, 0)
 
     # -- HKVR and staging plumbing ---------------------------------------------------------
 
@@ -563,13 +310,3 @@ class TorchEngine:
         r = tokens / seconds
         old = self._rates[kind]
         self._rates[kind] = ewma(old or None, r, EMA)
-
-
-def _common_prefix(a, b) -> int:
-    n = min(len(a), len(b))
-    i, block = 0, 256
-    while i < n and a[i:i + block] == b[i:i + block]:  # slices compare in C: a long session is cheap
-        i += block
-    while i < n and a[i] == b[i]:
-        i += 1
-    return min(i, n)

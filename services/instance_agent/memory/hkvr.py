@@ -21,13 +21,8 @@ from collections.abc import Callable
 import torch
 
 from talaria.services.instance_agent.memory.copier import Completion, Copier
-from talaria.services.instance_agent.memory.hkvr_core import (
-    HkvrCore,
-    LayoutDescriptor,
-    PageCopy,
-    RankReport,
-    SavePlan,
-)
+from talaria.services.instance_agent.memory.hkvr_core import HkvrCore
+from talaria.services.instance_agent.memory.host_pages import LayoutDescriptor, PageCopy, RankReport, SavePlan
 
 
 class HostKvRegistry:

@@ -3,7 +3,7 @@
 The part of `RoundScheduler` (scheduler.py) that decides, for a time-shared instance, which
 model's slot runs, what its P admits, when an SP step may follow a decode, and when the
 slot closes. A mixin: it reads and writes the scheduler's state (`calls`, `slot`, `round`,
-`reports`, `config`) and uses its cost helpers (`_cost`, `_kv`, `_kv_free`, `_price`, `_load`).
+`reports`, `config`) and uses its cost helpers (work_costs.py: `_cost`, `_kv`, `_kv_free`, `_price`, `_load`).
 """
 
 from __future__ import annotations

@@ -8,23 +8,15 @@ and `abort` may come at any time, including while an action is executing.
 from __future__ import annotations
 
 import math
-from functools import partial
-from itertools import islice
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from talaria.services.instance_agent.scheduler.admission import Limits, Selection, select
-from talaria.services.instance_agent.scheduler.budget import ModelLoad, chunk_s, chunk_tokens
+from talaria.services.instance_agent.scheduler.admission import Selection
 from talaria.services.instance_agent.scheduler.calls import CallState, CallTable
+from talaria.services.instance_agent.scheduler.chunked_prefill import ChunkedPrefill
+from talaria.services.instance_agent.scheduler.cold_pool import ColdPool
 from talaria.services.instance_agent.scheduler.config import SchedulerConfig
-from talaria.services.instance_agent.scheduler.costs import (
-    CalibratedCosts,
-    StepCostModel,
-    call_kv_bytes,
-    call_prefill_s,
-    charged_kv,
-    decode_steps_s,
-)
+from talaria.services.instance_agent.scheduler.costs import CalibratedCosts, StepCostModel, call_kv_bytes, charged_kv
 from talaria.services.instance_agent.scheduler.errors import (
     ActionMismatchError,
     ConfigError,
@@ -33,8 +25,8 @@ from talaria.services.instance_agent.scheduler.errors import (
     UnknownCallError,
     ModelNotServedError,
 )
+from talaria.services.instance_agent.scheduler.hot_pool import HotPool
 from talaria.services.instance_agent.scheduler.reports import Reports
-from talaria.services.instance_agent.scheduler.cold_pool import ColdPool
 from talaria.services.instance_agent.scheduler.rounds import RoundState, Slot
 from talaria.services.instance_agent.scheduler.types import (
     Action,
@@ -48,6 +40,8 @@ from talaria.services.instance_agent.scheduler.types import (
     Work,
 )
 from talaria.services.instance_agent.scheduler.view import build_view
+from talaria.services.instance_agent.scheduler.work_costs import WorkCosts, compute_tokens
+
 
 @dataclass(frozen=True)
 class _Inflight:
@@ -56,8 +50,12 @@ class _Inflight:
     predicted_s: float
 
 
-class RoundScheduler(ColdPool):
-    """Orders the work of one instance. It never changes what a call computes, only when."""
+class RoundScheduler(ColdPool, HotPool, ChunkedPrefill, WorkCosts):
+    """Orders the work of one instance. It never changes what a call computes, only when.
+
+    The driver API and the bookkeeping of actions in flight live here; the pool policies
+    (cold_pool.py, hot_pool.py), chunk sizing (chunked_prefill.py) and the pricing of work
+    (work_costs.py) are mixins over the same state."""
 
     def __init__(self, config: SchedulerConfig, models: Sequence[str], costs: StepCostModel) -> None:
         _check_models(config, tuple(models))
@@ -194,6 +192,14 @@ class RoundScheduler(ColdPool):
             self.round.switch_s += took
         return self.drain_events()
 
+    def on_action_failed(self, action: Action, now: float) -> list[SchedulerEvent]:
+        """The executor could not run `action` (it aborts the calls it fails): the action is no
+        longer in flight and the device is unchanged; a failed switch is chosen afresh."""
+        self._complete(action)
+        if isinstance(action, SwitchModel):
+            self._target = None
+        return self.drain_events()
+
     def abort(self, call_id: str, now: float) -> list[SchedulerEvent]:
         """Forget a call (client gone, engine failure). Safe while it is in flight."""
         call = self.calls.get(call_id)
@@ -226,17 +232,6 @@ class RoundScheduler(ColdPool):
             case SwitchModel(from_model=a, to_model=b, staged=staged):
                 return self.costs.switch_s(a, b, staged)
         return 0.0
-
-    def _decode_s(self, action: Decode, steps: int) -> float:
-        """`steps` iterations of `action` from its calls' current context (`decode_steps_s`)."""
-        by_id = self.calls._by_id
-        n = ctx = 0
-        for i in action.call_ids:
-            c = by_id.get(i)
-            if c is not None:  # calls aborted while their step was in flight are skipped
-                n += 1
-                ctx += c.work.prompt_tokens + c.generated
-        return decode_steps_s(partial(self.costs.decode_step_s, action.model), n, ctx, steps)
 
     def snapshot(self, now: float) -> SchedulerView:
         return build_view(self, now)
@@ -284,116 +279,14 @@ class RoundScheduler(ColdPool):
         live = calls._live
         return [m for m in self._rotation(after) if live[m]]
 
-    def kv_used(self, model: str) -> int:
-        return sum(self._kv(c) for c in self.calls.running[model].values())
-
-    # ---- hot pool: plain continuous batching ------------------------------------------
-
-    def _next_hot(self, now: float) -> Action:
-        """Prefill arrivals at each decode boundary, then decode everything running."""
-        model = self.config.pinned_model
-        assert model is not None
-        running = self.calls.running_ids(model)
-        decodable, filling = self._split_running(model)
-        if self.calls.queued[model] and (self._hot_last != "P" or not running):
-            limits = Limits(
-                free_slots=self.config.max_batch - len(running),
-                batch=self.config.max_batch,
-                kv_free_bytes=self._kv_free(model),
-                time_s=None,
-            )
-            selection = select(self.calls.queued[model].values(), limits, self._cost, self._kv)
-            if selection.admitted:
-                return self._start_prefill(selection, "hot", model, now)
-        if filling and (not decodable or self._hot_last != "C"):
-            return self._continue_prefill(filling, model)
-        if decodable:
-            return self._decode(decodable, model, None, now)
-        return Idle(None)
-
     # ---- shared helpers ---------------------------------------------------------------
 
     def _start_prefill(self, selection: Selection, via: str, model: str, now: float) -> Prefill:
         for call in selection.admitted:
             self.calls.start(call.call_id, via, now)
-            call.prefill_left = _compute_tokens(call.work, self.config.hkvr)
+            call.prefill_left = compute_tokens(call.work, self.config.hkvr)
         chunk = self._chunk_for(model, selection.admitted)
         return Prefill(selection.ids, session_prefill=via == "SP", model=model, chunk_tokens=chunk)
-
-    # ---- chunked prefill ----------------------------------------------------------------
-
-    def _split_running(self, model: str) -> tuple[tuple[str, ...], tuple[CallState, ...]]:
-        """(running calls that decode, running calls still prefilling), admission order."""
-        running = self.calls.running[model]
-        if not self.config.chunked_prefill:
-            return tuple(running), ()
-        filling = tuple(c for c in running.values() if c.prefilling)
-        if not filling:
-            return tuple(running), ()
-        return tuple(i for i, c in running.items() if not c.prefilling), filling
-
-    def _continue_prefill(self, calls: tuple[CallState, ...], model: str) -> Prefill:
-        return Prefill(tuple(c.call_id for c in calls), model=model, chunk_tokens=self._chunk_for(model, calls))
-
-    def _chunk_for(self, model: str, calls: Iterable[CallState]) -> int:
-        """Tokens per call of the next prefill chunk (a chunk that covers every prompt still
-        counts as one: the driver may end it early when a call arrives)."""
-        if not self.config.chunked_prefill:
-            return 0
-        calls = list(calls)
-        longest = max((c.prefill_left for c in calls), default=0)
-        budget = self._chunk_budget_s(model)
-        ctx = max(c.work.prompt_tokens - c.prefill_left for c in calls)
-        return chunk_tokens(lambda k: len(calls) * self.costs.prefill_s(model, k, ctx), budget, longest)
-
-    def prefill_ahead_tokens(self) -> int:
-        """Prompt tokens a call arriving now waits behind: every queued prompt, and of each
-        prefill under way what runs before the newcomer gets in. Without chunking that is
-        all it has left; with chunking, at most one shared-instance chunk."""
-        calls = self.calls
-        ahead = sum(c.work.prompt_tokens for q in calls.queued.values() for c in q.values())
-        for model, running in calls.running.items():
-            for c in running.values():
-                if c.prefilling:
-                    if self.config.chunked_prefill:
-                        budget = self._shared_chunk_s(model)
-                        n = chunk_tokens(lambda k: self.costs.prefill_s(model, k, c.work.prompt_tokens - c.prefill_left),
-                                         budget, c.prefill_left)
-                        ahead += min(c.prefill_left, n)
-                    else:
-                        ahead += c.prefill_left
-        return ahead
-
-    def _chunk_budget_s(self, model: str) -> float:
-        """Eq. 4's slack while other work shares the instance; alone, Eq. 5's round cap (a
-        driver stops a chunk early when a call arrives, so nothing waits for all of it)."""
-        decodable, _ = self._split_running(model)
-        if not decodable and not self.calls.queued_any():
-            return self.config.round_cap_s
-        return self._shared_chunk_s(model)
-
-    def _shared_chunk_s(self, model: str) -> float:
-        slot = self.slot
-        if slot is not None and slot.model == model:
-            return chunk_s(slot.plan)
-        step = self._load(model).decode_step_s  # hot pool: the same rule, without a plan
-        slack = self.config.tpot_target_s - step
-        return slack if slack > 0 else step
-
-    def _chunk_cost(self, call: CallState, chunk: int) -> float:
-        """Predicted time of one chunk of `call` (with its restore, on its first chunk)."""
-        if call.first_chunk_at is None:
-            left = call.prefill_left or _compute_tokens(call.work, self.config.hkvr)
-            if chunk >= left:
-                return self._cost(call)
-            restore, _ = _prefill_terms(self.costs.base, call.work, self.config.hkvr)
-            f = self.costs.factors.get(("prefill", call.work.model), 1.0)
-            return (restore or 0.0) * f + self._left_cost(call, chunk, left)
-        return self._left_cost(call, min(chunk, call.prefill_left))
-
-    def _left_cost(self, call: CallState, tokens: int, left: int | None = None) -> float:
-        left = call.prefill_left if left is None else left
-        return self.costs.prefill_s(call.work.model, max(1, tokens), max(0, call.work.prompt_tokens - left))
 
     def _finish(self, ids: tuple[str, ...], engine_done: frozenset[str], now: float) -> None:
         for call in list(self._known(ids)):
@@ -411,64 +304,6 @@ class RoundScheduler(ColdPool):
     def _known(self, ids: Iterable[str]) -> Iterable[CallState]:
         # Calls aborted while their step was in flight are skipped.
         return (self.calls.get(i) for i in ids if i in self.calls)
-
-    def _load(self, model: str) -> ModelLoad:
-        """Predicted decode step and P cost of `model` once its P has admitted what fits."""
-        running = self.calls.running[model]
-        free = max(0, self.config.max_batch - len(running))
-        queued = list(islice(self.calls.queued[model].values(), free))
-        batch = max(1, len(running) + len(queued))
-        ctx = 0
-        for c in running.values():
-            ctx += c.work.prompt_tokens + c.generated
-        ctx_q = 0
-        for c in queued:
-            ctx_q += c.work.prompt_tokens
-        step = self.costs.decode_step_s(model, batch, ctx + ctx_q)
-        prefill = sum([self._cost(c) for c in queued])
-        if self.config.chunked_prefill:  # prompts still being computed in chunks
-            prefill += sum(self._left_cost(c, c.prefill_left) for c in running.values() if c.prefilling)
-        return ModelLoad(decode_step_s=step, prefill_s=prefill)
-
-    def _cost(self, call: CallState) -> float:
-        """`call_prefill_s`, with the profile's (uncalibrated) terms memoised per `Work`:
-        the same products and sum as `CalibratedCosts`, so the result is bit-identical."""
-        work = call.work
-        memo = call.cost_memo
-        if memo is None or memo[0] is not work:
-            memo = call.cost_memo = (work, *_prefill_terms(self.costs.base, work, self.config.hkvr))
-        restore, prefill = memo[1], memo[2]
-        f = self.costs.factors.get(("prefill", work.model), 1.0)
-        if restore is None:
-            return prefill * f
-        return restore * f + prefill * f
-
-    def _kv(self, call: CallState) -> int:
-        return call_kv_bytes(self.costs, call.work)
-
-    def _kv_free(self, model: str) -> int | None:
-        budget = self.config.kv_budget_bytes
-        return None if budget is None else max(0, budget - self.kv_used(model))
-
-    def _price(self, from_model: str | None, to_model: str) -> float:
-        return self.costs.switch_s(from_model, to_model, self.config.staging)
-
-
-def _prefill_terms(base: StepCostModel, work: Work, hkvr: bool) -> tuple[float | None, float]:
-    """(restore, prefill) of `call_prefill_s` before calibration; restore None: no restore term."""
-    kv = charged_kv(work, hkvr)
-    if kv == "none" or work.reusable_tokens == 0:
-        return None, base.prefill_s(work.model, work.prompt_tokens, 0)
-    new = work.prompt_tokens - work.reusable_tokens
-    restore = base.restore_s(work.model, work.reusable_tokens) if kv == "host" else None
-    return restore, base.prefill_s(work.model, max(1, new), work.reusable_tokens)
-
-
-def _compute_tokens(work: Work, hkvr: bool) -> int:
-    """Prompt tokens a call computes (the rest is reused KV); at least the last one."""
-    if charged_kv(work, hkvr) == "none":
-        return work.prompt_tokens
-    return max(1, work.prompt_tokens - work.reusable_tokens)
 
 
 def _finished_in(action: Prefill | Decode, finished: Iterable[str]) -> frozenset[str]:

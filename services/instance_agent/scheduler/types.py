@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Union, get_args
 
 from talaria.services.instance_agent.scheduler.errors import InvalidWorkError
-from talaria.shared.messages import KvState
+from talaria.shared.wire import KvState
 
 KV_STATES: tuple[str, ...] = get_args(KvState)
 Via = Literal["P", "SP", "hot"]
@@ -182,7 +182,7 @@ SchedulerEvent = Union[
 
 @dataclass(frozen=True)
 class SchedulerView:
-    """Telemetry snapshot (maps onto `talaria.shared.messages.InstanceSnapshot`)."""
+    """Telemetry snapshot (maps onto `talaria.shared.snapshots.InstanceSnapshot`)."""
 
     pool: str
     active_model: str | None

@@ -1,4 +1,4 @@
-"""Telemetry snapshot of a scheduler (maps onto `talaria.shared.messages.InstanceSnapshot`)."""
+"""Telemetry snapshot of a scheduler (maps onto `talaria.shared.snapshots.InstanceSnapshot`)."""
 
 from __future__ import annotations
 

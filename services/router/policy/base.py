@@ -1,7 +1,8 @@
-"""The placement-policy contract: `(state, event, now) -> decision`, pure.
+"""The placement-policy contract: `(state, call, now) -> RoutingDecision`, pure.
 
-A policy never mutates `RouterState`; it returns data. `RouterCore` turns a decision
-into events and folds them into the state, so live routing, the simulator and unit
+A policy never mutates `RouterState`; it returns the audit record itself (the
+`RoutingDecision` that goes on the stream). `RouterCore` derives the lease and dispatch
+events from it and folds them into the state, so live routing, the simulator and unit
 tests all run the same code.
 """
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from talaria.services.router.state import InstanceView, RouterState
-from talaria.shared.messages import CallSubmitted, CandidateCost, Event
+from talaria.shared.events import CallSubmitted, Event, RoutingDecision
 
 
 OVERLOAD_MODES = ("reject", "queue")
@@ -95,24 +96,6 @@ class PolicyConfig:
         return self.replica_penalty_by_model.get(model, self.replica_penalty_s)
 
 
-@dataclass(frozen=True)
-class Decision:
-    """What to do with one submitted call. `instance_id` is None when rejected."""
-
-    action: str  # route | reject
-    instance_id: str | None = None
-    candidates: tuple[CandidateCost, ...] = ()
-    lease_outcome: str = "none"  # consumed | discarded | none
-    lease_instance: str | None = None
-    discard_reason: str | None = None
-    retry_after_s: float | None = None
-    expected_kv: str = "none"
-    model_opened: bool = False
-    avoidable_cold_open: bool = False
-    reason: str = ""
-    extra_events: tuple[Event, ...] = field(default=())
-
-
 class PlacementPolicy(ABC):
     """A routing policy. Subclasses set `name` and implement `decide`."""
 
@@ -122,8 +105,9 @@ class PlacementPolicy(ABC):
         self.config = config or PolicyConfig()
 
     @abstractmethod
-    def decide(self, state: RouterState, call: CallSubmitted, now: float) -> Decision:
-        """Choose an instance for `call`. Must not mutate `state`."""
+    def decide(self, state: RouterState, call: CallSubmitted, now: float) -> RoutingDecision:
+        """Choose an instance for `call` and say why (the audit record). Must not mutate
+        `state`. Build the record with `route` / `reject`."""
 
     def react(self, state: RouterState, event: Event, now: float) -> list[Event]:
         """Events this policy emits in response to `event` (e.g. a lease on completion)."""
@@ -154,11 +138,26 @@ class PlacementPolicy(ABC):
             if model in v.models and (v.pinned is None or v.pinned == model) and self.healthy(v, now)
         ]
 
-    def reject(self, reason: str, candidates=(), extra_events=()) -> Decision:
-        return Decision(
-            action="reject",
-            candidates=tuple(candidates),
-            retry_after_s=self.config.retry_after_s,
-            reason=reason,
-            extra_events=tuple(extra_events),
+    def route(self, state: RouterState, call: CallSubmitted, now: float, instance_id: str,
+              candidates=(), **fields) -> RoutingDecision:
+        """The record of routing `call` to `instance_id`; `fields` are further record fields."""
+        return self._record(state, call, now, "route", chosen=instance_id, candidates=list(candidates), **fields)
+
+    def reject(self, state: RouterState, call: CallSubmitted, now: float, reason: str,
+               candidates=()) -> RoutingDecision:
+        return self._record(state, call, now, "reject", candidates=list(candidates),
+                            retry_after_s=self.config.retry_after_s, reason=reason)
+
+    def _record(self, state: RouterState, call: CallSubmitted, now: float, action: str,
+                **fields) -> RoutingDecision:
+        entry = state.sessions.get(call.session_id)
+        return RoutingDecision(
+            call_id=call.call_id,
+            session_id=call.session_id,
+            call_index=entry.calls if entry is not None else 0,  # calls routed before this one
+            model=call.model,
+            policy=self.name,
+            action=action,  # type: ignore[arg-type]
+            decided_at=now,  # decision_us is measured by the shell, not here
+            **fields,
         )

@@ -21,10 +21,10 @@ Blind to model residency; issues no leases.
 
 from __future__ import annotations
 
-from talaria.services.router.policy.base import Decision, PlacementPolicy
+from talaria.services.router.policy.base import PlacementPolicy
 from talaria.services.router.policy.registry import register
 from talaria.services.router.state import RouterState
-from talaria.shared.messages import CallSubmitted, CandidateCost
+from talaria.shared.events import CallSubmitted, CandidateCost, RoutingDecision
 from talaria.shared.tokenizer import HASH_BLOCK_TOKENS as BLOCK
 
 
@@ -32,16 +32,16 @@ from talaria.shared.tokenizer import HASH_BLOCK_TOKENS as BLOCK
 class KvCost(PlacementPolicy):
     name = "kv-cost"
 
-    def decide(self, state: RouterState, call: CallSubmitted, now: float) -> Decision:
+    def decide(self, state: RouterState, call: CallSubmitted, now: float) -> RoutingDecision:
         cfg = self.config
         views = self.serving(state, call.model, now)
         if not views:
-            return self.reject(f"no healthy instance serves {call.model}")
+            return self.reject(state, call, now, f"no healthy instance serves {call.model}")
         entry = state.sessions.get(call.session_id)
         if entry is not None and entry.last_instance and now - entry.last_used < cfg.affinity_ttl_s:
             for v in views:
                 if v.instance_id == entry.last_instance:
-                    return Decision(action="route", instance_id=v.instance_id, reason="session affinity")
+                    return self.route(state, call, now, v.instance_id, reason="session affinity")
         prompt = call.prompt_tokens
         request_blocks = -(-prompt // BLOCK)
         hits = state.prefix.match(call.model, call.block_hashes)
@@ -66,5 +66,4 @@ class KvCost(PlacementPolicy):
                                             decode_s=float(decode_blocks), kv_state=kv_state,
                                             model_state=v.model_state(call.model)))
         best = min(candidates, key=lambda c: (c.total_s, c.instance_id))
-        return Decision(action="route", instance_id=best.instance_id, candidates=tuple(candidates),
-                        expected_kv=best.kv_state)
+        return self.route(state, call, now, best.instance_id, candidates, expected_kv=best.kv_state)

@@ -8,10 +8,10 @@ KV and model residency. Issues no leases.
 from __future__ import annotations
 
 from talaria.services.router.instances import InstanceView
-from talaria.services.router.policy.base import Decision, PlacementPolicy
+from talaria.services.router.policy.base import PlacementPolicy
 from talaria.services.router.policy.registry import register
 from talaria.services.router.state import RouterState
-from talaria.shared.messages import CallSubmitted, CandidateCost
+from talaria.shared.events import CallSubmitted, CandidateCost, RoutingDecision
 
 
 def load_of(view: InstanceView) -> tuple[int, int]:
@@ -37,12 +37,11 @@ def load_candidates(views: list[InstanceView], model: str) -> tuple[CandidateCos
 class LeastPressure(PlacementPolicy):
     name = "least-pressure"
 
-    def decide(self, state: RouterState, call: CallSubmitted, now: float) -> Decision:
+    def decide(self, state: RouterState, call: CallSubmitted, now: float) -> RoutingDecision:
         views = self.serving(state, call.model, now)
         if not views:
-            return self.reject(f"no healthy instance serves {call.model}")
-        return Decision(action="route", instance_id=least_loaded(views).instance_id,
-                        candidates=load_candidates(views, call.model))
+            return self.reject(state, call, now, f"no healthy instance serves {call.model}")
+        return self.route(state, call, now, least_loaded(views).instance_id, load_candidates(views, call.model))
 
 
 @register

@@ -23,39 +23,36 @@ original it is blind to model residency; it issues no leases.
 
 from __future__ import annotations
 
-from talaria.services.router.policy.base import Decision, PlacementPolicy
+from talaria.services.router.policy.base import PlacementPolicy
 from talaria.services.router.policy.least_pressure import load_candidates
 from talaria.services.router.policy.registry import register
 from talaria.services.router.prefix_index import INDEXED_TOKENS
 from talaria.services.router.state import RouterState
-from talaria.shared.messages import CallSubmitted
+from talaria.shared.events import CallSubmitted, RoutingDecision
 
 
 @register
 class PrefixAware(PlacementPolicy):
     name = "prefix-aware"
 
-    def decide(self, state: RouterState, call: CallSubmitted, now: float) -> Decision:
+    def decide(self, state: RouterState, call: CallSubmitted, now: float) -> RoutingDecision:
         cfg = self.config
         views = self.serving(state, call.model, now)
         if not views:
-            return self.reject(f"no healthy instance serves {call.model}")
+            return self.reject(state, call, now, f"no healthy instance serves {call.model}")
         loads = {v.instance_id: v.queued_calls() for v in views}
         lo, hi = min(loads.values()), max(loads.values())
         candidates = load_candidates(views, call.model)
         if hi - lo > cfg.balance_abs_threshold and hi > lo * cfg.balance_rel_threshold:
             chosen = min(loads, key=lambda i: (loads[i], i))
-            return Decision(action="route", instance_id=chosen, candidates=candidates,
-                            reason="imbalanced: shortest queue")
+            return self.route(state, call, now, chosen, candidates, reason="imbalanced: shortest queue")
         hits = state.prefix.match(call.model, call.block_hashes)
         matched = {i: hits[i][0] for i in loads if i in hits}
         prompt = max(1, min(call.prompt_tokens, INDEXED_TOKENS))
         if matched:
             best = min(matched, key=lambda i: (-matched[i], loads[i], i))
             if matched[best] / prompt > cfg.cache_threshold:
-                return Decision(action="route", instance_id=best, candidates=candidates,
-                                expected_kv="device", reason="prefix match")
+                return self.route(state, call, now, best, candidates, expected_kv="device", reason="prefix match")
         chosen = min(loads, key=lambda i: (state.prefix.size(i), loads[i], i))
-        return Decision(action="route", instance_id=chosen, candidates=candidates,
-                        reason="smallest tree")
+        return self.route(state, call, now, chosen, candidates, reason="smallest tree")
 

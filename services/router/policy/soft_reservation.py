@@ -2,8 +2,9 @@
 
     CallCompleted ──► LeaseIssued(expires_at = completed_at + tau)     (only here)
     return, same session + model ──► live? model same? instance answers? KV valid?
-          yes ──► LeaseConsumed, route to the lease's instance
-          no  ──► LeaseDiscarded(reason), normal placement
+          yes ──► record lease_outcome=consumed, route to the lease's instance
+          no  ──► record lease_outcome=discarded (discard_reason), normal placement
+    (RouterCore turns the record's outcome into LeaseConsumed / LeaseDiscarded: leases.settlement)
     tick(now) ──► LeaseExpired for every lease with expires_at <= now
 
 Routing never refreshes a lease; only the next completion installs a successor.
@@ -16,14 +17,7 @@ from __future__ import annotations
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.shared.stats import quantile
 from talaria.services.router.state import RouterState
-from talaria.shared.messages import (
-    CallCompleted,
-    CallSubmitted,
-    LeaseConsumed,
-    LeaseDiscarded,
-    LeaseExpired,
-    LeaseIssued,
-)
+from talaria.shared.events import CallCompleted, CallSubmitted, LeaseDiscarded, LeaseExpired, LeaseIssued
 
 MIN_SESSION_GAPS = 3  # below this, the adaptive lease uses the model's gaps
 MIN_MODEL_GAPS = 8  # below this, it uses the configured tau
@@ -49,14 +43,6 @@ def lease_problem(state: RouterState, lease: LeaseIssued, call: CallSubmitted, n
     if view.snapshot.at < lease.issued_at:
         return None  # the snapshot predates the completion that made the KV: nothing to judge
     return "kv_missing"
-
-
-def consumed(lease: LeaseIssued, call: CallSubmitted, now: float) -> LeaseConsumed:
-    return LeaseConsumed(lease.session_id, lease.model, lease.instance_id, call.call_id, now)
-
-
-def discarded(lease: LeaseIssued, call: CallSubmitted, reason: str, now: float) -> LeaseDiscarded:
-    return LeaseDiscarded(lease.session_id, lease.model, lease.instance_id, call.call_id, reason, now)
 
 
 def successor(state: RouterState, done: CallCompleted, cfg: PolicyConfig) -> list:

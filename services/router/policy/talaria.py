@@ -14,15 +14,14 @@ and tau can adapt to the session's observed tool gaps (PolicyConfig.adaptive_lea
 
 from __future__ import annotations
 
-from dataclasses import replace as dc_replace
-
 from talaria.services.router.costs import HARD_REASONS, CostModel, Priced, eq1_total
 from talaria.services.router.instances import ON_DEVICE
 from talaria.services.router.policy import soft_reservation as sr
-from talaria.services.router.policy.base import Decision, PlacementPolicy, PolicyConfig
+from talaria.services.router.policy.base import PlacementPolicy, PolicyConfig
 from talaria.services.router.policy.registry import register
 from talaria.services.router.state import RouterState, SessionEntry
-from talaria.shared.messages import CallCompleted, CallSubmitted, Event, LeaseIssued, replace
+from talaria.shared.events import CallCompleted, CallSubmitted, Event, LeaseIssued, RoutingDecision
+from talaria.shared.wire import replace
 
 
 @register
@@ -35,45 +34,41 @@ class Talaria(PlacementPolicy):
 
     # ---- Algorithm 1 ------------------------------------------------------------------
 
-    def decide(self, state: RouterState, call: CallSubmitted, now: float) -> Decision:
+    def decide(self, state: RouterState, call: CallSubmitted, now: float) -> RoutingDecision:
         entry = state.sessions.get(call.session_id)
         lease = entry.lease if entry is not None else None
-        extra: tuple[Event, ...] = ()
+        problem = None
         if lease is not None:
             problem = sr.lease_problem(state, lease, call, now, self.config)
             if problem is None:
                 return self._consume(state, lease, call, entry, now)
-            extra = (sr.discarded(lease, call, problem, now),)
         own = lease.instance_id if lease is not None else None
         hit = None
         if self.config.prefix_placement and call.block_hashes and (entry is None or entry.kv_tokens == 0):
             hit = state.prefix.match(call.model, call.block_hashes)
         priced = self.costs.price_all(state, state.instances.values(), call, entry, now, own, hit)
         priced = self._replica_rule(state, call.model, priced, now)
-        decision = self._choose(call.model, priced, now)
+        decision = self._choose(state, call, priced, now)
         if lease is None:
             return decision
-        return dc_replace(decision, extra_events=extra, lease_outcome="discarded",
-                                lease_instance=lease.instance_id,
-                                discard_reason=extra[0].reason)  # type: ignore[union-attr]
+        return replace(decision, lease_outcome="discarded", lease_instance=lease.instance_id,
+                       discard_reason=problem)
 
     def _consume(self, state: RouterState, lease: LeaseIssued, call: CallSubmitted,
-                 entry: SessionEntry | None, now: float) -> Decision:
+                 entry: SessionEntry | None, now: float) -> RoutingDecision:
         view = state.instances[lease.instance_id]
         # The lease bypasses admission (its unit was charged while live); price it for the audit.
         p = self.costs.price(state, view, call, entry, now, own_lease_on=lease.instance_id)
         cost = replace(p.cost, feasible=True, reason="lease")
         opened = cost.model_state not in ON_DEVICE
-        return Decision(
-            action="route",
-            instance_id=lease.instance_id,
+        return self.route(
+            state, call, now, lease.instance_id,
             candidates=(cost,),
             lease_outcome="consumed",
             lease_instance=lease.instance_id,
             expected_kv=cost.kv_state,
             model_opened=opened,
             avoidable_cold_open=opened and self._resident_elsewhere(state, call.model, lease.instance_id, now),
-            extra_events=(sr.consumed(lease, call, now),),
         )
 
     def _replica_rule(self, state: RouterState, model: str, priced: list[Priced], now: float) -> list[Priced]:
@@ -90,7 +85,9 @@ class Talaria(PlacementPolicy):
             out.append(p)
         return out
 
-    def _choose(self, model: str, priced: list[Priced], now: float) -> Decision:
+    def _choose(self, state: RouterState, call: CallSubmitted, priced: list[Priced],
+                now: float) -> RoutingDecision:
+        model = call.model
         feasible = [p for p in priced if p.cost.feasible]
         reason = ""
         if not feasible and self.config.overload == "queue":
@@ -109,12 +106,11 @@ class Talaria(PlacementPolicy):
                          if self.config.overload == "queue" else "")
                 why = (f"overload: no instance passes admission (best predicted TTFT {ttft:.1f} s, "
                        f"budget {self.costs.budget:.1f} s){bound}")
-            return self.reject(why, candidates)
+            return self.reject(state, call, now, why, candidates)
         best = min(feasible, key=lambda p: (p.cost.total_s, p.cost.instance_id))
         opened = best.cost.model_state not in ON_DEVICE
-        return Decision(
-            action="route",
-            instance_id=best.cost.instance_id,
+        return self.route(
+            state, call, now, best.cost.instance_id,
             candidates=candidates,
             expected_kv=best.cost.kv_state,
             model_opened=opened,

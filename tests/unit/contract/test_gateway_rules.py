@@ -81,17 +81,19 @@ def test_a_call_larger_than_one_bus_message_is_a_permanent_413():
 def test_every_decoder_refuses_ids_with_control_characters_or_unbounded():
     import msgspec
 
-    from talaria.shared import messages as m
+    from talaria.shared import wire
+    from talaria.shared.events import CallStarted, EVENT_DECODER
+    from talaria.shared.snapshots import InstanceSnapshot, SNAPSHOT_DECODER, SessionKv
 
-    good = m.CallStarted("c1", "s1", "agent-0", 1.0)
-    assert m.EVENT_DECODER.decode(m.encode(good)) == good
+    good = CallStarted("c1", "s1", "agent-0", 1.0)
+    assert EVENT_DECODER.decode(wire.encode(good)) == good
     for bad in (dict(call_id="c\x00"), dict(call_id="c d"), dict(call_id="c" * 129), dict(session_id=""),
                 dict(session_id="s\x0c"), dict(instance_id="a.b"), dict(session_id="s" * 257)):
         with pytest.raises(msgspec.ValidationError):
-            m.EVENT_DECODER.decode(m.encode(msgspec.structs.replace(good, **bad)))
-    snap = m.InstanceSnapshot("agent-0", 1, 1.0, sessions=[m.SessionKv("s\x00", "qwen3-tiny", "device")])
+            EVENT_DECODER.decode(wire.encode(msgspec.structs.replace(good, **bad)))
+    snap = InstanceSnapshot("agent-0", 1, 1.0, sessions=[SessionKv("s\x00", "qwen3-tiny", "device")])
     with pytest.raises(msgspec.ValidationError):
-        m.SNAPSHOT_DECODER.decode(m.encode(snap))
+        SNAPSHOT_DECODER.decode(wire.encode(snap))
 
 
 @pytest.mark.parametrize("i,j", [(i, j) for i in range(len(SESSION_HEADERS)) for j in range(i + 1, len(SESSION_HEADERS))])

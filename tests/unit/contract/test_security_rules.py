@@ -17,8 +17,9 @@ from talaria.services.gateway.auth import (
     scoped_session,
     write_key_file,
 )
-from talaria.shared import messages as m
-from talaria.shared.nats_auth import owner_sender, permissions, trusted
+from talaria.shared.events import CallCompleted, CallRouted, CallSubmitted
+from talaria.shared.nats_auth import client_options, generate_users, owner_sender, permissions, trusted
+from talaria.shared.subjects import tokens
 from talaria.shared.settings import Settings, SettingsError, redact_url
 from talaria.shared.tokenizer import block_hashes
 
@@ -55,9 +56,9 @@ def _msg(sender):
 
 
 def test_events_are_trusted_only_from_their_owning_service():
-    call = m.CallSubmitted("c", "s", "qwen3-tiny", [1], [], 1, 0.0)
-    routed = m.CallRouted(call, 0, "agent-0", "talaria", 0.0)
-    done = m.CallCompleted("c", "s", 0, "qwen3-tiny", "agent-0", 1, 1, "stop", 0.0, 0.0, 0.0, 0.0)
+    call = CallSubmitted("c", "s", "qwen3-tiny", [1], [], 1, 0.0)
+    routed = CallRouted(call, 0, "agent-0", "talaria", 0.0)
+    done = CallCompleted("c", "s", 0, "qwen3-tiny", "agent-0", 1, 1, "stop", 0.0, 0.0, 0.0, 0.0)
     assert trusted(_msg("talaria-router"), routed)
     assert not trusted(_msg("talaria-agent-agent-0"), routed) and not trusted(_msg(None), routed)
     assert trusted(_msg("talaria-agent-agent-0"), done)
@@ -76,6 +77,10 @@ def test_nats_clients_may_only_call_the_api_and_read_their_inboxes():
     assert "talaria.telemetry.agent-0" in agent and not any("routed" in s or "submitted" in s for s in agent)
     with pytest.raises(ValueError):
         permissions("agent")
+    # A tenant's client reads only its tenant's inboxes and token streams.
+    acme = permissions("client", tenant="acme")
+    assert acme["subscribe"]["allow"] == ["_INBOX.acme.>", "talaria.tokens.acme.>", "talaria.health.*"]
+    assert acme["publish"] == client["publish"]
     blue = [s for role in ("gateway", "router", "telemetry", "client") for kind in ("publish", "subscribe")
             for s in permissions(role, "blue")[kind]["allow"]]
     assert not any(s.startswith("talaria.") or "TALARIA_EVENTS" in s for s in blue)  # deployments disjoint
@@ -117,3 +122,14 @@ def test_nats_config_command_writes_private_users_for_an_external_nats(tmp_path)
     assert names == {"talaria-gateway", "talaria-router", "talaria-telemetry", "talaria-client", "talaria-agent-a0"}
     assert all(p.stat().st_mode & 0o777 == 0o600 for p in tmp_path.iterdir())
     assert "TALARIA_NATS_USER=talaria-router" in (tmp_path / "router.env").read_text()
+
+
+def test_with_tenants_every_nats_client_user_is_a_tenants_own():
+    users = generate_users(["agent-0"], ["acme", "globex"])
+    clients = {k: u for k, u in users.items() if u.role == "client"}
+    assert set(clients) == {"client-acme", "client-globex"}  # no shared user that reads everyone's
+    assert clients["client-acme"].options()["inbox_prefix"] == "_INBOX.acme"
+    assert client_options("nats://talaria-client-acme:pw@127.0.0.1:4222") == {"inbox_prefix": "_INBOX.acme"}
+    assert client_options("nats://127.0.0.1:4222") == {}
+    assert tokens("acme", "c1") == "talaria.tokens.acme.c1" and tokens("", "c1") == "talaria.tokens._.c1"
+    assert set(generate_users([])) == {"gateway", "router", "telemetry", "client"}  # open gateway: one client user

@@ -3,7 +3,8 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from talaria.services.instance_agent.memory.hkvr_core import HkvrCore, LayoutDescriptor, RankReport, agreed_prefix
+from talaria.services.instance_agent.memory.hkvr_core import HkvrCore
+from talaria.services.instance_agent.memory.host_pages import LayoutDescriptor, RankReport, agreed_prefix
 
 PS = 16
 T = LayoutDescriptor("m", 0, 0, 0, PS, "float32", "gqa", (4, 2, PS, 1, 32))

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from talaria.services.instance_agent.engine import GenRequest, TorchEngine
 from talaria.services.instance_agent.engine.model import reference_logits
-from talaria.services.instance_agent.memory.hkvr_core import RankReport
+from talaria.services.instance_agent.memory.host_pages import RankReport
 
 MODELS = ["qwen3-tiny", "gpt2-tiny", "qwen3-moe-tiny"]
 DATA = Path(tempfile.mkdtemp(prefix="talaria-prop-"))

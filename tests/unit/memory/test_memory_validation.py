@@ -5,7 +5,7 @@ must equal a from-scratch run; the hit must be recorded as device or host."""
 import torch
 
 from talaria.services.instance_agent.engine import GenRequest
-from talaria.services.instance_agent.memory.hkvr_core import RankReport
+from talaria.services.instance_agent.memory.host_pages import RankReport
 from talaria.shared.tokenizer import encode
 
 TASK = encode("Issue 1234: astropy units round-trip fails for composite units. " * 2)

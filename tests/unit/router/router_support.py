@@ -5,13 +5,8 @@ from __future__ import annotations
 from talaria.services.router.core import RouterCore
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.policy.registry import create_policy
-from talaria.shared.messages import (
-    CallCompleted,
-    CallSubmitted,
-    InstanceSnapshot,
-    ModelResidency,
-    SessionKv,
-)
+from talaria.shared.events import CallCompleted, CallSubmitted
+from talaria.shared.snapshots import InstanceSnapshot, ModelResidency, SessionKv
 
 GIB = 1 << 30
 

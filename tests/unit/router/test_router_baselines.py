@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from router_support import call, core, done, one, snap
 
-from talaria.services.router.policy.base import Decision, PlacementPolicy
+from talaria.services.router.policy.base import PlacementPolicy
 from talaria.services.router.policy.registry import (
     REGISTRY,
     UnknownPolicyError,
@@ -13,7 +13,7 @@ from talaria.services.router.policy.registry import (
     policy_names,
     register,
 )
-from talaria.shared.messages import CallRouted, LeaseIssued, RoutingDecision
+from talaria.shared.events import CallRouted, LeaseIssued, RoutingDecision
 
 BASELINES = ["least-pressure", "least-loaded", "session-sticky", "round-robin", "prefix-aware", "kv-cost"]
 
@@ -40,7 +40,7 @@ def test_registry_refuses_duplicate_names():
     class Dup(PlacementPolicy):
         name = "talaria"
 
-        def decide(self, state, call, now) -> Decision:
+        def decide(self, state, call, now) -> RoutingDecision:
             raise AssertionError
 
     with pytest.raises(ValueError, match="already registered"):
@@ -155,3 +155,20 @@ def test_kv_cost_session_affinity_within_idle_ttl():
     c.observe(snap("a", version=2, at=9.0), 9.0)
     c.observe(snap("b", version=3, at=9.0, kv_used_tokens=50_000), 9.0)
     assert routed_to(c, call("c2", at=9.0), 9.0) == "a"  # idle 5.5 s: cost decides
+
+
+@pytest.mark.parametrize("name", ["talaria", *BASELINES])
+def test_the_audit_on_the_stream_is_the_record_the_policy_returned(name):
+    """One decision shape: `decide` returns the RoutingDecision itself and the core publishes
+    it unchanged (nothing is copied field by field), for a lease return and a new session."""
+    c = core(name)
+    c.observe(snap("a"), 0.0)
+    c.observe(snap("b"), 0.0)
+    first = routed_to(c, call("c0"))
+    c.handle(done("c0", first, at=1.0), 1.0)
+    for the_call in (call("c1", at=1.2), call("n0", session="s2", at=1.2)):
+        record = c.policy.decide(c.state, the_call, 1.2)
+        out = c.handle(the_call, 1.2)
+        assert one(out, RoutingDecision) == record
+        assert record.policy == name and record.call_index == (1 if the_call.call_id == "c1" else 0)
+        assert one(out, CallRouted).instance_id == record.chosen

@@ -6,7 +6,7 @@ import pytest
 from router_support import call, core, done, one, snap
 
 from talaria.services.router.leases import LeaseBook
-from talaria.shared.messages import (
+from talaria.shared.events import (
     CallRouted,
     LeaseConsumed,
     LeaseDiscarded,
@@ -56,7 +56,7 @@ def test_host_restorable_prefix_also_consumes():
     c.observe(snap("a", version=2, at=10.2, sessions=[("s1", "m1", "host", 1010)]), 10.2)
     out = c.handle(call("c1", at=10.4), 10.4)
     assert one(out, LeaseConsumed).instance_id == "a"
-    assert one(out, CallRouted).expected_kv == "host"
+    assert one(out, RoutingDecision).expected_kv == "host"
 
 
 def test_routing_does_not_refresh_lease_successor_comes_from_next_completion():

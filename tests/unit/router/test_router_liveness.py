@@ -7,7 +7,7 @@ from __future__ import annotations
 from router_support import call, core, of_type, one, snap
 
 from talaria.services.router.core import LOST_AFTER_BEATS
-from talaria.shared.messages import CallFailed, CallRouted, InstanceLost
+from talaria.shared.events import CallFailed, CallRouted, InstanceLost
 
 
 def test_a_restarted_agent_serves_at_once_although_its_version_restarts():

@@ -12,16 +12,16 @@ from router_support import call, core, done, of_type, snap
 from talaria.services.router.core import RouterCore
 from talaria.services.router.policy.registry import create_policy
 from talaria.services.router.state import RouterState, SnapshotReceived
-from talaria.shared.messages import (
-    EVENT_DECODER,
+from talaria.shared.events import (
     CallFailed,
     CallRouted,
     CallSubmitted,
+    EVENT_DECODER,
     InstanceLost,
     RoundSummary,
     RoutingDecision,
-    encode,
 )
+from talaria.shared.wire import encode
 
 INSTANCES = ("i0", "i1", "i2")
 

@@ -96,3 +96,31 @@ def test_first_step_reaching_is_the_fewest_steps_that_reach_the_target(target):
     duration = lambda j: decode_steps_s(step_s, 2, 1000, j)  # noqa: E731
     brute = next((j for j in range(1, 51) if duration(j) >= target - 1e-9), 50)
     assert first_step_reaching(duration, target, 50) == brute
+
+
+def test_a_failed_action_ends_so_the_core_can_choose_again():
+    # Issue 15: an engine step that raised left its action in flight, so every later
+    # next_action raised SchedulerBusyError and the agent's work loop died.
+    c = core()
+    accept(c, "c1", "a")
+    switch = c.next_action(0.0)
+    assert isinstance(switch, SwitchModel)
+    c.action_failed(switch, 0.1)  # e.g. the engine still held a call: the switch is chosen afresh
+    assert c.next_action(0.2) == switch
+    c.switch_done(switch, 0.3, 0.1, path="d2d")
+    prefill = c.next_action(0.3)
+    assert isinstance(prefill, Prefill)
+    c.abort("c1", 0.4)  # the executor failed the prefill's call
+    c.action_failed(prefill, 0.4)
+    assert isinstance(c.next_action(0.5), Idle)
+    accept(c, "c2", "b", at=0.6)  # and it keeps serving
+    assert isinstance(c.next_action(0.6), SwitchModel)
+
+
+def test_a_failed_switch_whose_calls_were_failed_is_not_tried_again():
+    c = core()
+    accept(c, "c1", "b")
+    switch = c.next_action(0.0)
+    c.abort("c1", 0.1)  # the executor failed the calls waiting for model b
+    c.action_failed(switch, 0.1)
+    assert isinstance(c.next_action(0.2), Idle)

@@ -1,0 +1,72 @@
+"""Instance telemetry snapshots on talaria.telemetry.<instance_id> (last-value, not events)
+and the service heartbeats on talaria.health.<service>.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from msgspec import Struct
+
+from talaria.shared.wire import KvState, ModelState, Name, Pool, Token
+
+
+class ModelResidency(Struct, frozen=True):
+    model: Name
+    state: ModelState
+    switch_cost_s: float = 0.0
+    open_cost_s: float = 0.0
+    weight_bytes: int = 0
+    context_length: int = 0
+
+
+class SessionKv(Struct, frozen=True):
+    session_id: Name
+    model: Name
+    state: KvState
+    kv_tokens: int = 0
+
+
+class InstanceSnapshot(Struct, frozen=True):
+    instance_id: Token
+    version: int
+    at: float
+    pool: Pool = "cold"
+    models: list[ModelResidency] = []
+    active_model: Name | None = None
+    sessions: list[SessionKv] = []
+    queued: dict[Name, int] = {}
+    queued_tokens: int = 0
+    running: int = 0
+    round_remaining_s: float = 0.0
+    deadline_risk: int = 0
+    kv_capacity_tokens: int = 0
+    kv_used_tokens: int = 0
+    # Of kv_used_tokens, what running calls hold or reserved; the rest is idle sessions' KV,
+    # which the agent evicts (to the host registry) on demand. -1: not reported.
+    kv_pinned_tokens: int = -1
+    staging_free_bytes: int = 0
+    hbm_bytes: int = 0
+    hbm_used_bytes: int = 0
+    prefill_tok_s: float = 0.0
+    decode_tok_s: float = 0.0
+    restore_tok_s: float = 0.0
+    switch_s: float = 0.0
+    heartbeat_s: float = 0.5
+    # Random per agent process: a new one means a restart, whose snapshots replace the old
+    # view at once whatever their `version` (which restarts at 1).
+    incarnation: str = ""
+    # False while the agent's watchdog sees an engine step stuck: the router stops choosing it.
+    healthy: bool = True
+    unhealthy_reason: str = ""
+
+
+class ServiceHeartbeat(Struct, frozen=True):
+    """Liveness of router and telemetry on talaria.health.<service> (agents send snapshots)."""
+
+    service: Name
+    at: float
+    detail: dict[str, str] = {}
+
+
+SNAPSHOT_DECODER = msgspec.json.Decoder(InstanceSnapshot)
+HEARTBEAT_DECODER = msgspec.json.Decoder(ServiceHeartbeat)
