@@ -50,15 +50,25 @@ def routed(call_id: str) -> ev.CallRouted:
 
 
 def hold_records(monkeypatch, call_id: str) -> asyncio.Event:
-    """Hold the agent's store of `call_id`'s record until the returned event is set."""
-    release, real = asyncio.Event(), outcomes.emit
+    """The agent's record of `call_id` reaches the stream only once the returned event is set."""
+    release, real_async = asyncio.Event(), outcomes.emit_async
 
     async def held(js, record, *a, **kw):
-        if getattr(record, "call_id", None) == call_id:
-            await release.wait()
-        return await real(js, record, *a, **kw)
+        if getattr(record, "call_id", None) != call_id:
+            return await real_async(js, record, *a, **kw)
+        ack = asyncio.get_running_loop().create_future()
 
-    monkeypatch.setattr(outcomes, "emit", held)
+        async def later():
+            await release.wait()
+            try:
+                ack.set_result(await (await real_async(js, record, *a, **kw)))
+            except Exception as exc:
+                ack.set_exception(exc)
+
+        asyncio.ensure_future(later())
+        return ack
+
+    monkeypatch.setattr(outcomes, "emit_async", held)
     return release
 
 
