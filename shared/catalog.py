@@ -70,6 +70,12 @@ def register(spec: ModelSpec) -> None:
     CATALOG[spec.name] = spec
 
 
+def register_all(specs: tuple[ModelSpec, ...]) -> None:
+    """`register` each: how a worker process learns the checkpoints its parent serves."""
+    for spec in specs:
+        register(spec)
+
+
 def get_spec(name: str) -> ModelSpec:
     try:
         return CATALOG[name]

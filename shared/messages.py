@@ -13,7 +13,7 @@ from typing import Annotated, Union
 import msgspec
 from msgspec import Meta, Struct
 
-from talaria.shared.wire import KvSource, Name, Token
+from talaria.shared.wire import IdempotencyKey, KvSource, Name, Token
 
 
 class ToolCallMsg(Struct, frozen=True, forbid_unknown_fields=False):
@@ -65,6 +65,9 @@ class CallRequest(Struct, frozen=True):
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit (limits.py bounds)
     logprobs: bool = False  # return each generated token's log-probability
     top_logprobs: int = 0  # and that many most likely alternatives (needs `logprobs`)
+    # Send the same key with every retry of one call: a retry attaches to the original (its
+    # stored answer, or its outcome when it finishes) instead of running it again.
+    idempotency_key: IdempotencyKey | None = None
 
 
 class TokenLogprob(Struct, frozen=True, array_like=True):

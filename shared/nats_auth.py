@@ -88,7 +88,7 @@ def owner_sender(event) -> str:
 def permissions(role: str, prefix: str = "talaria", instance_id: str | None = None,
                 tenant: str | None = None) -> dict:
     """NATS publish/subscribe permissions of one service user (nats-server config format)."""
-    from talaria.shared.subjects import stream_name
+    from talaria.shared.subjects import idempotency_stream_name, stream_name
 
     stream = stream_name(prefix)
     evt = f"{prefix}.evt"
@@ -100,7 +100,11 @@ def permissions(role: str, prefix: str = "talaria", instance_id: str | None = No
     inbox = [f"{SERVICE_INBOX}.>"]
     watch = [f"{prefix}.telemetry.*", f"{prefix}.health.*"]
     if role == "gateway":
-        pub = [f"{evt}.call.submitted", f"{evt}.call.failed", f"{prefix}.health.gateway", f"{prefix}.cancel", *js]
+        # Its idempotency stream too (gateway/idempotency.py): claims on keys, kept replies.
+        idem = idempotency_stream_name(prefix)
+        idem_js = [f"$JS.API.STREAM.{op}.{idem}" for op in ("INFO", "CREATE", "UPDATE", "MSG.GET")]
+        pub = [f"{evt}.call.submitted", f"{evt}.call.failed", f"{prefix}.health.gateway", f"{prefix}.cancel",
+               f"{prefix}.idem.key.*", *js, *idem_js]
         sub = [f"{prefix}.api.call", f"{prefix}.api.cancel", f"{prefix}.reply.gateway.>", f"{prefix}.tokens.>", *watch, *inbox]
         return {"publish": {"allow": pub}, "subscribe": {"allow": sub}, "allow_responses": True}
     if role == "router":

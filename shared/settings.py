@@ -54,6 +54,9 @@ class Settings:
     staging: bool = True
     heartbeat_s: float = 0.5
     call_timeout_s: float = 300.0
+    # How long an Idempotency-Key is remembered (gateway/idempotency.py): Stripe's 24 h. It must
+    # outlast the call timeout, or a retry of a call still running could run it again.
+    idempotency_window_s: float = 86400.0
     watchdog_min_s: float = 10.0  # the agent watchdog's floor for "stuck" (services/instance_agent/watchdog.py)
     session_idle_s: float = 60.0
     torch_threads: int = 1
@@ -137,6 +140,9 @@ class Settings:
         for name in ("lease_timeout_s", "heartbeat_s", "call_timeout_s", "session_idle_s", "watchdog_min_s"):
             if getattr(self, name) <= 0 and not (name == "lease_timeout_s" and self.lease_timeout_s == 0):
                 raise SettingsError(f"TALARIA_{name.upper()}", str(getattr(self, name)), "a positive number")
+        if self.idempotency_window_s <= self.call_timeout_s:
+            raise SettingsError("TALARIA_IDEMPOTENCY_WINDOW_S", str(self.idempotency_window_s),
+                                f"more seconds than TALARIA_CALL_TIMEOUT_S ({self.call_timeout_s:g})")
         if self.pool == "hot" and len(self.models) != 1:
             raise SettingsError("TALARIA_MODELS", ",".join(self.models), "exactly one model on a hot instance")
 

@@ -8,6 +8,9 @@
     talaria.tokens.<tenant>.<call_id> streamed TokenChunk messages for one call (`_` = no tenant;
                                      a NATS API client may read only its own tenant's)
     talaria.reply.gateway.<id>.<call> a call's reply (CallResult / ErrorReply) to the gateway
+    talaria.reply.gateway.idem.<call> the reply of a call sent with an idempotency key: kept,
+                                     with the key's claim on talaria.idem.key.<hash>, by the
+                                     JetStream stream IDEMPOTENCY_STREAM (gateway/idempotency.py)
     talaria.telemetry.<instance_id>  InstanceSnapshot heartbeats (last value, not history)
     talaria.health.<service>         service heartbeats
     talaria.evt.>                    the event log, captured by the JetStream stream EVENTS_STREAM
@@ -35,6 +38,10 @@ def stream_name(deployment: str) -> str:
     return f"{deployment.upper().replace('-', '_')}_EVENTS"
 
 
+def idempotency_stream_name(deployment: str) -> str:
+    return f"{deployment.upper().replace('-', '_')}_IDEMPOTENCY"
+
+
 def configure(deployment: str) -> None:
     """Name every subject and the stream after `deployment` (the default: `talaria`)."""
     g = globals()
@@ -45,6 +52,9 @@ def configure(deployment: str) -> None:
     g["API_CANCEL"] = f"{deployment}.api.cancel"  # clients -> gateway (checks the key)
     g["CALL_CANCEL"] = f"{deployment}.cancel"  # gateway -> agents (tenant stamped)
     g["DISPATCH_PREFIX"] = f"{deployment}.dispatch"
+    g["IDEMPOTENCY_STREAM"] = idempotency_stream_name(deployment)
+    g["IDEMPOTENCY_KEYS"] = f"{deployment}.idem.key"
+    g["IDEMPOTENT_REPLIES"] = f"{deployment}.reply.gateway.idem"  # never a gateway inbox id (uuid hex)
     evt = f"{deployment}.evt"
     g.update(
         CALL_SUBMITTED=f"{evt}.call.submitted", CALL_ROUTED_PREFIX=f"{evt}.call.routed",
@@ -65,6 +75,7 @@ CALL_SUBMITTED = CALL_ROUTED_PREFIX = CALL_STARTED = CALL_COMPLETED = CALL_FAILE
 LEASE_ISSUED = LEASE_CONSUMED = LEASE_DISCARDED = LEASE_EXPIRED = ROUTING_DECISION = ""
 SWITCH_DONE = ROUND_SUMMARY = INSTANCE_LOST = TELEMETRY_PREFIX = TELEMETRY_WILDCARD = TOKENS_PREFIX = ""
 REPLY_PREFIX = HEALTH_PREFIX = HEALTH_WILDCARD = ""  # a call's reply to the gateway: never a client inbox
+IDEMPOTENCY_STREAM = IDEMPOTENCY_KEYS = IDEMPOTENT_REPLIES = ""
 configure(DEPLOYMENT)
 
 

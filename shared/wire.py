@@ -34,6 +34,10 @@ Name = Annotated[str, Meta(min_length=1, max_length=MAX_NAME_LEN, pattern=rf"^[^
 Token = Annotated[str, Meta(min_length=1, max_length=MAX_TOKEN_LEN, pattern=rf"^[^{_CONTROLS} .*>]+\Z")]
 # A reply subject: tokens joined by dots.
 Subject = Annotated[str, Meta(min_length=1, max_length=512, pattern=rf"^[^{_CONTROLS} *>]+\Z")]
+# A client's idempotency key (services/gateway/idempotency.py): printable ASCII, as an HTTP
+# header value can carry it; Stripe's bound. It is hashed before it names anything.
+MAX_IDEMPOTENCY_KEY_LEN = 255
+IdempotencyKey = Annotated[str, Meta(min_length=1, max_length=MAX_IDEMPOTENCY_KEY_LEN, pattern=r"^[\x20-\x7e]+\Z")]
 
 
 ENCODER = msgspec.json.Encoder()

@@ -76,10 +76,11 @@ async def nats_url(tmp_path):
 
         nc = await nats.connect(EXTERNAL_NATS)
         js = nc.jetstream()
-        try:
-            await js.delete_stream(subjects.EVENTS_STREAM)
-        except Exception:
-            pass
+        for stream in (subjects.EVENTS_STREAM, subjects.IDEMPOTENCY_STREAM):  # keys are reused across runs
+            try:
+                await js.delete_stream(stream)
+            except Exception:
+                pass
         await nc.close()
         yield EXTERNAL_NATS
         return

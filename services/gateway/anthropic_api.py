@@ -19,6 +19,7 @@ from aiohttp import web
 from msgspec import Struct
 
 from talaria.services.gateway.auth import TENANT, anthropic_error_body, client_session, scoped_session
+from talaria.services.gateway.idempotency import IdempotentCalls, claim_for, key_from, replayed
 from talaria.services.gateway.openai_api import ChatInput
 from talaria.services.gateway.prepare import RequestError, bad, prepare, tool_format
 from talaria.services.gateway.validation import decode_bounded
@@ -286,8 +287,10 @@ class AnthropicApi:
     """Routes on the gateway's app: its middleware has checked the API key (`x-api-key` or
     `Authorization: Bearer`, auth.py) and put the tenant on the request."""
 
-    def __init__(self, submitter: Submitter, log, prefix_sharing: str = "tenant") -> None:
+    def __init__(self, submitter: Submitter, log, prefix_sharing: str = "tenant",
+                 idempotency: IdempotentCalls | None = None) -> None:
         self.submitter, self.log, self.prefix_sharing = submitter, log, prefix_sharing
+        self.idempotency = idempotency
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/v1/messages", self.messages), web.post("/v1/messages/count_tokens", self.count_tokens)]
@@ -313,25 +316,33 @@ class AnthropicApi:
             session_id = scoped_session(tenant, session_of(request.headers, req.metadata))
             call = prepare(call_req, session_id, "anthropic", tenant, self.prefix_sharing, fit_max_tokens=True)
             fmt = tool_format(call_req)
+            key = key_from(request.headers)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             return error_response(decode_error(exc))
         except InvalidSessionId as exc:
             return error_response(ErrorReply(400, "invalid_session_id", str(exc)))
         except RequestError as exc:
             return error_response(exc.reply)
+        claim = await claim_for(self.idempotency, call, key)
+        if isinstance(claim, ErrorReply):
+            return error_response(claim)
+        if claim is not None:
+            call = claim.call  # a retry answers as the call it attaches to
         if req.stream:
-            return await self._stream(request, call, fmt)
-        reply = await self.submitter.submit(call)
+            return await self._stream(request, call, fmt, claim)
+        reply = await (claim.run() if claim else self.submitter.submit(call))
         if isinstance(reply, ErrorReply):
             return error_response(reply)
         return web.json_response(message_body(reply, fmt),
                                  headers={"request-id": f"req_{reply.call_id}",
-                                          "X-Session-Id": client_session(call.tenant, reply.session_id)})
+                                          "X-Session-Id": client_session(call.tenant, reply.session_id),
+                                          **replayed(claim)})
 
-    async def _stream(self, request: web.Request, call, fmt: str | None) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, call, fmt: str | None, claim=None) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "request-id": f"req_{call.call_id}",
-                                           "X-Session-Id": client_session(call.tenant, call.session_id)})
+                                           "X-Session-Id": client_session(call.tenant, call.session_id),
+                                           **replayed(claim)})
         text = TextUntilCalls(fmt is not None, fmt or "hermes")
         state = {"blocks": 0, "text_open": False}
 
@@ -361,7 +372,7 @@ class AnthropicApi:
             if piece := text.push(tok.text):
                 await send_text(piece)
 
-        reply = await self.submitter.submit(call, on_token=on_token)
+        reply = await (claim.run(on_token) if claim else self.submitter.submit(call, on_token=on_token))
         if isinstance(reply, ErrorReply):
             if not resp.prepared:
                 return error_response(reply)

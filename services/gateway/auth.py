@@ -149,6 +149,7 @@ def anthropic_error_body(status: int, message: str) -> dict:
     """Anthropic's error shape, for an Anthropic-style API."""
     kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
             404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large",
+            422: "invalid_request_error",
             429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}.get(status, "api_error")
     return {"type": "error", "error": {"type": kind, "message": message}}
 

@@ -1,4 +1,4 @@
-"""HTTP API (aiohttp): OpenAI chat/completions, completions, models, healthz; Anthropic messages."""
+"""HTTP API (aiohttp): OpenAI chat/completions, completions, responses, models, healthz; Anthropic messages."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import msgspec
 from aiohttp import web
 
 from talaria.services.gateway.anthropic_api import AnthropicApi
+from talaria.services.gateway.idempotency import IdempotentCalls, claim_for, key_from, replayed
 from talaria.services.gateway.http_errors import json_errors
 from talaria.services.gateway.auth import TENANT, KeyStore, client_session, http_middleware, scoped_session
 from talaria.services.gateway.openai_api import (
@@ -29,6 +30,7 @@ from talaria.services.gateway.openai_api import (
 )
 from talaria.shared.tool_calls import TextUntilCalls, parse_calls
 from talaria.services.gateway.prepare import RequestError, prepare, tool_format
+from talaria.services.gateway.responses_api import ResponsesApi
 from talaria.services.gateway.sessions import InvalidSessionId, session_id_from
 from talaria.services.gateway.submitter import Submitter
 from talaria.shared.events import CallSubmitted
@@ -69,13 +71,14 @@ def parse_request(body: bytes, chat: bool, headers, tenant: str = "",
 
 class HttpApi:
     def __init__(self, submitter: Submitter, models, log, keys: KeyStore | None = None,
-                 prefix_sharing: str = "tenant", parser_pool=None) -> None:
+                 prefix_sharing: str = "tenant", parser_pool=None, idempotency: IdempotentCalls | None = None) -> None:
         self.submitter = submitter
         self.models = models  # callable -> list of (model, owned_by) currently served
         self.log = log
         self.keys = keys or KeyStore()
         self.prefix_sharing = prefix_sharing
         self.parser_pool = parser_pool  # an executor for large bodies; None: parse inline
+        self.idempotency = idempotency  # honours Idempotency-Key; None: the header is ignored
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_errors, http_middleware(self.keys)])
@@ -85,7 +88,9 @@ class HttpApi:
             web.get("/v1/models", self.list_models),
             web.get("/healthz", self.healthz),
             web.get("/readyz", self.healthz),
-            *AnthropicApi(self.submitter, self.log, self.prefix_sharing).routes(),
+            *AnthropicApi(self.submitter, self.log, self.prefix_sharing, self.idempotency).routes(),
+            *ResponsesApi(self.submitter, self.log, self.prefix_sharing, self.parser_pool, OFFLOAD_BYTES,
+                          self.idempotency).routes(),
         ])
         return app
 
@@ -116,19 +121,27 @@ class HttpApi:
         if isinstance(parsed, ErrorReply):
             return error_response(parsed)
         call, include_usage, fmt = parsed
+        try:
+            claim = await claim_for(self.idempotency, call, key_from(request.headers))
+        except RequestError as exc:
+            return error_response(exc.reply)
+        if isinstance(claim, ErrorReply):
+            return error_response(claim)
+        if claim is not None:
+            call = claim.call  # a retry answers as the call it attaches to
         if call.stream:
-            return await self._stream(request, call, chat, include_usage, fmt)
-        reply = await self.submitter.submit(call)
+            return await self._stream(request, call, chat, include_usage, fmt, claim)
+        reply = await (claim.run() if claim else self.submitter.submit(call))
         if isinstance(reply, ErrorReply):
             return error_response(reply)
         body = chat_response(reply, fmt) if chat else completion_response(reply)
-        return web.json_response(body, headers=_call_headers(reply, call.tenant))
+        return web.json_response(body, headers=_call_headers(reply, call.tenant, claim))
 
     async def _stream(self, request, call, chat: bool, include_usage: bool,
-                      fmt: str | None = None) -> web.StreamResponse:
+                      fmt: str | None = None, claim=None) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Session-Id": client_session(call.tenant, call.session_id),
-                                           "X-Talaria-Call-Id": call.call_id})
+                                           "X-Talaria-Call-Id": call.call_id, **replayed(claim)})
         text = TextUntilCalls(fmt is not None, fmt or "hermes")  # tool calls go out whole, at the end
 
         async def send(obj: dict) -> None:
@@ -153,7 +166,7 @@ class HttpApi:
             if piece := text.push(tok.text):
                 await send(self._chunk(call, chat, piece, None, include_usage, take_logprobs()))
 
-        reply = await self.submitter.submit(call, on_token=on_token)
+        reply = await (claim.run(on_token) if claim else self.submitter.submit(call, on_token=on_token))
         if isinstance(reply, ErrorReply):
             if not resp.prepared:
                 return error_response(reply)
@@ -230,6 +243,7 @@ def _to_call_request(decoded, chat: bool) -> tuple[CallRequest, bool]:
     return req, include_usage
 
 
-def _call_headers(reply: CallResult, tenant: str) -> dict[str, str]:
+def _call_headers(reply: CallResult, tenant: str, claim=None) -> dict[str, str]:
     return {"X-Session-Id": client_session(tenant, reply.session_id), "X-Talaria-Call-Id": reply.call_id,
-            "X-Talaria-Instance": reply.instance_id, "X-Talaria-Served-At": f"{time.time():.3f}"}
+            "X-Talaria-Instance": reply.instance_id, "X-Talaria-Served-At": f"{time.time():.3f}",
+            **replayed(claim)}

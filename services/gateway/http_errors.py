@@ -21,7 +21,7 @@ async def json_errors(request: web.Request, handler):
             raise
         message = f"{exc.reason}: {request.method} {request.path}"
         if exc.status == 404:
-            message += " (this gateway serves /v1/chat/completions, /v1/completions, /v1/messages, /v1/models)"
+            message += " (this gateway serves /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/models)"
         if request.path.startswith("/v1/messages"):
             body = anthropic_error_body(exc.status, message)
         else:

@@ -3,6 +3,8 @@
 The reply is a CallResult or an ErrorReply (tagged by `"type"`). To stream, set
 `call_id` and subscribe to `talaria.tokens.<tenant>.<call_id>` before sending the request
 (`subjects.tokens`); a tenant's NATS user may read only its own tenant's tokens and inboxes.
+Send the same `idempotency_key` with each retry of a call (idempotency.py): a given
+`call_id` names its first attempt; an attempt re-run after a failure gets a new id.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import uuid
 import msgspec
 
 from talaria.services.gateway.auth import KeyStore, Unauthenticated, client_session, scoped_session, unauthenticated_reply
+from talaria.services.gateway.idempotency import IdempotentCalls, claim_for
 from talaria.services.gateway.prepare import RequestError, prepare
 from talaria.services.gateway.sessions import InvalidSessionId, check
 from talaria.services.gateway.submitter import Submitter
@@ -24,8 +27,9 @@ from talaria.shared.wire import encode, replace
 
 class NatsApi:
     def __init__(self, nc, submitter: Submitter, log, keys: KeyStore | None = None,
-                 prefix_sharing: str = "tenant") -> None:
+                 prefix_sharing: str = "tenant", idempotency: IdempotentCalls | None = None) -> None:
         self.nc, self.submitter, self.log = nc, submitter, log
+        self.idempotency = idempotency  # honours `idempotency_key`; None: it is ignored
         self.keys, self.prefix_sharing = keys or KeyStore(), prefix_sharing
         self._tasks: set[asyncio.Task] = set()
         self._sub = self._cancel_sub = None
@@ -84,7 +88,11 @@ class NatsApi:
             self.log.exception("api call could not be prepared")
             reply = ErrorReply(500, "internal_error", f"the gateway could not prepare this call: {exc}")
         else:
-            reply = await self.submitter.submit(call)
+            claim = await claim_for(self.idempotency, call, req.idempotency_key)
+            if isinstance(claim, ErrorReply):
+                reply = claim
+            else:
+                reply = await (claim.run() if claim else self.submitter.submit(call))
             if isinstance(reply, CallResult) and call.tenant:
                 reply = replace(reply, session_id=client_session(call.tenant, reply.session_id))
         await self.nc.publish(msg.reply, encode(reply))

@@ -308,6 +308,7 @@ ERROR_TYPES = {
     404: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
+    422: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
@@ -332,6 +333,8 @@ def validation_error(exc: msgspec.ValidationError | msgspec.DecodeError) -> Erro
     param = None
     if "at `$." in text:
         param = text.rsplit("at `$.", 1)[1].rstrip("`").split("[")[0].split(".")[0]
+    elif text.startswith("Object missing required field `"):  # a top-level field: name it
+        param = text.split("`")[1]
     if isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError):
         return ErrorReply(400, "invalid_json", f"request body is not valid JSON: {text}")
     return ErrorReply(400, "invalid_request", text, param=param)

@@ -12,10 +12,12 @@ from aiohttp import web
 
 from talaria.services.gateway.auth import KeyStore
 from talaria.services.gateway.http_api import HttpApi
+from talaria.services.gateway.idempotency import IdempotentCalls
 from talaria.services.gateway.nats_api import NatsApi
 from talaria.services.gateway.submitter import Submitter
 from talaria.shared import logs, subjects, tracing
 from talaria.shared.bus import close, connect
+from talaria.shared.catalog import CATALOG, register_all
 from talaria.shared.snapshots import HEARTBEAT_DECODER, InstanceSnapshot, SNAPSHOT_DECODER
 from talaria.shared.settings import Settings
 
@@ -88,19 +90,24 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     nc, js = await connect(settings.nats_url, "talaria-gateway", **settings.nats_options())
     submitter = Submitter(nc, js, tracer, settings.call_timeout_s, log)
     await submitter.start()
+    idempotency = IdempotentCalls(submitter, settings.idempotency_window_s)
+    await idempotency.start()
     served = ServedModels(settings.models, lambda: nc.is_connected)
     await nc.subscribe(subjects.TELEMETRY_WILDCARD, cb=served.on_snapshot)
     await nc.subscribe(subjects.HEALTH_WILDCARD, cb=served.on_heartbeat)
     keys = KeyStore.from_settings(settings)
     if not keys.enabled:
         log.warning("no API keys configured: the gateway is open to anyone who can reach it")
-    nats_api = NatsApi(nc, submitter, log, keys, settings.prefix_sharing)
+    nats_api = NatsApi(nc, submitter, log, keys, settings.prefix_sharing, idempotency)
     await nats_api.start()
     # handler_cancellation: a client that disconnects cancels its handler, which cancels the call.
     # One worker process parses large bodies: they queue among themselves, not on the loop.
-    parser_pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+    # A spawned worker starts with the built-in catalogue only: give it the checkpoints served here.
+    checkpoints = tuple(CATALOG[name] for name, _ in settings.model_dirs)
+    parser_pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                                      initializer=register_all, initargs=(checkpoints,))
     await asyncio.get_running_loop().run_in_executor(parser_pool, int)  # start it now, not on a call
-    api = HttpApi(submitter, served, log, keys, settings.prefix_sharing, parser_pool)
+    api = HttpApi(submitter, served, log, keys, settings.prefix_sharing, parser_pool, idempotency)
     runner = web.AppRunner(api.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, settings.http_host, settings.http_port)

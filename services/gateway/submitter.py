@@ -17,6 +17,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from opentelemetry import trace
 
+from talaria.services.gateway.idempotency import is_outcome_subject
 from talaria.services.gateway.validation import check_size
 from talaria.shared import subjects
 from talaria.shared.logs import call_context
@@ -58,7 +59,10 @@ class Submitter:
                                           retry_after_s=1.0, call_id=call_id))
         # Record each as failed: a call not placed yet is then never placed (its client has
         # its 503 and retries), even when the router consumes the submission after a restart.
+        # Not a call with an idempotency key: its client's retry attaches to it, so it runs on.
         for call in list(self._calls.values()):
+            if is_outcome_subject(call.reply_to):
+                continue
             try:
                 await emit(self.js, CallFailed(call.call_id, call.session_id, call.model, "the gateway stopped",
                                                "gateway", time.time(), status=503))
@@ -85,20 +89,24 @@ class Submitter:
             return ErrorReply(409, "duplicate_call_id", f"call {call.call_id} is already in flight",
                               param="call_id", call_id=call.call_id)
         # The deadline rides with the call: past it nobody reads the answer, so agents drop it.
-        call = replace(call, reply_to=f"{self.inbox}.{call.call_id}",
+        # A call with an idempotency key comes with its reply subject (its answer is kept there).
+        kept = is_outcome_subject(call.reply_to)
+        call = replace(call, reply_to=call.reply_to if kept else f"{self.inbox}.{call.call_id}",
                        deadline_at=call.deadline_at or call.submitted_at + self.timeout_s)
         too_large = check_size(call, self.nc.max_payload)
         if too_large is not None:  # permanent: retrying cannot make it fit
             return too_large
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._pending[call.call_id] = fut
-        token_sub = None
+        token_sub = reply_sub = None
         attrs = {"session.id": call.session_id, "call.id": call.call_id, "model": call.model,
                  "prompt_tokens": call.prompt_tokens, "api": call.api}
         with self.tracer.start_as_current_span(
             "call", context=session_context(call.session_id), kind=trace.SpanKind.SERVER, attributes=attrs
         ) as span:
             try:
+                if kept:
+                    reply_sub = await self.nc.subscribe(call.reply_to, cb=self._on_reply)
                 if on_token is not None:
                     token_sub = await self.nc.subscribe(
                         subjects.tokens(call.tenant, call.call_id), cb=self._token_handler(on_token)
@@ -118,7 +126,8 @@ class Submitter:
                 except TimeoutError:
                     reply = await self._timed_out(call)
                 except asyncio.CancelledError:  # the client went away (HTTP disconnect)
-                    await self.cancel(call.call_id, "client disconnected", call.tenant)
+                    if not kept:  # with a key, its retry attaches to the call: let it run
+                        await self.cancel(call.call_id, "client disconnected", call.tenant)
                     raise
                 _annotate(span, reply)
                 if isinstance(reply, CallResult):
@@ -132,6 +141,8 @@ class Submitter:
                 self._calls.pop(call.call_id, None)
                 if token_sub is not None:
                     await token_sub.unsubscribe()
+                if reply_sub is not None:
+                    await reply_sub.unsubscribe()
 
     async def cancel(self, call_id: str, reason: str, tenant: str) -> None:
         """Tell the agents to abort `call_id` of `tenant` (they record it as cancelled)."""

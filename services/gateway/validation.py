@@ -11,7 +11,7 @@ import msgspec
 from talaria.shared import limits
 from talaria.shared.events import CallSubmitted
 from talaria.shared.messages import CallRequest, ErrorReply
-from talaria.shared.wire import MAX_NAME_LEN, MAX_TOKEN_LEN, encode
+from talaria.shared.wire import MAX_IDEMPOTENCY_KEY_LEN, MAX_NAME_LEN, MAX_TOKEN_LEN, encode
 
 
 ID_FIELDS = ("call_id", "session_id", "model")  # the `Name`/`Token` fields (shared/wire.py)
@@ -48,6 +48,9 @@ def describe(exc: msgspec.ValidationError | msgspec.DecodeError) -> ErrorReply:
     from talaria.services.gateway.openai_api import validation_error  # it imports prepare, which imports us
 
     reply = validation_error(exc)
+    if reply.param == "idempotency_key":
+        return ErrorReply(400, "invalid_idempotency_key", "`idempotency_key` must be 1 to "
+                          f"{MAX_IDEMPOTENCY_KEY_LEN} printable ASCII characters", param=reply.param)
     if reply.param in ID_FIELDS and ("matching regex" in reply.message or "of length" in reply.message):
         limit = MAX_TOKEN_LEN if reply.param == "call_id" else MAX_NAME_LEN
         what = "; no '.', '*', '>' or spaces" if reply.param == "call_id" else ""

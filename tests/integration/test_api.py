@@ -67,14 +67,19 @@ async def test_bad_requests_get_openai_errors_naming_the_field(stack):
 
 
 async def test_unknown_routes_and_methods_answer_json_in_each_apis_shape(stack):
-    """Codex CLI asks for /v1/responses: it must read a JSON 404 naming the route, not text."""
+    """An SDK must read a JSON 404 naming the route, not text: e.g. retrieving a stored
+    response, which this stateless server does not keep."""
     settings, _ = stack
-    status, body, _ = await post(settings, "/v1/responses", b"{}")
-    assert status == 404 and body["error"]["code"] == "not_found" and "/v1/responses" in body["error"]["message"]
+    status, body, _ = await post(settings, "/v1/responses/resp_1/cancel", b"{}")
+    assert status == 404 and body["error"]["code"] == "not_found" and "/v1/responses/resp_1" in body["error"]["message"]
+    status, body, _ = await post(settings, "/v1/responses", b"{}")  # served: a body without `model` is a 400
+    assert status == 400 and body["error"]["param"] == "model"
     async with aiohttp.ClientSession() as s:
         async with s.get(f"http://127.0.0.1:{settings.http_port}/v1/chat/completions") as r:
             assert r.status == 405 and (await r.json())["error"]["code"] == "method_not_allowed"
             assert "POST" in r.headers["Allow"]
+        async with s.get(f"http://127.0.0.1:{settings.http_port}/v1/responses/resp_1") as r:
+            assert r.status == 404 and (await r.json())["error"]["code"] == "not_found"
         async with s.get(f"http://127.0.0.1:{settings.http_port}/v1/messages") as r:
             body = await r.json()
             assert r.status == 405 and body["type"] == "error" and body["error"]["type"] == "api_error"

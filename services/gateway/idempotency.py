@@ -1,0 +1,305 @@
+"""Idempotency keys: a client's retry of a call attaches to the original instead of running it again.
+
+A client sends `Idempotency-Key` (HTTP header; `idempotency_key` on the NATS API) with a
+call and the same key with each retry of it (as Stripe's and OpenAI's APIs take it). The key
+is scoped to the API key's tenant. The first request with a key claims it; a later one with
+the same key and the same request:
+- gets the stored answer if the call completed (even if no gateway was listening then);
+- waits for the outcome if the call is still running (streamed: one piece at the end);
+- runs the call anew if the earlier attempt failed (an error reply, or its deadline passed
+  with no answer): a failed attempt never completed, so nothing runs twice.
+The same key with a different request is a 422. A key is remembered for the window
+(`TALARIA_IDEMPOTENCY_WINDOW_S`, default 24 h, always longer than the call timeout).
+
+State lives in one JetStream stream, so any gateway process (a restarted one included)
+finds the original call (docs/design.md, "Idempotency keys"):
+- `<dep>.idem.key.<sha256(tenant, key)>`: the claim (which call id, the request's
+  fingerprint, its deadline), written with an expected last-subject sequence, so of two
+  requests racing for a key exactly one wins and a take-over replaces exactly the attempt
+  it saw;
+- `<dep>.reply.gateway.idem.<call_id>`: the call's reply subject. Agents and the router
+  answer there as on any reply subject, and the stream keeps that answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+
+import msgspec
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import APIError, BadRequestError, NotFoundError
+
+from talaria.services.gateway.validation import RequestError, bad, check_size
+from talaria.shared import subjects
+from talaria.shared.bus import DUPLICATE_WINDOW_S, emit, emit_new
+from talaria.shared.events import CallFailed, CallSubmitted
+from talaria.shared.messages import REPLY_DECODER, CallResult, ErrorReply, Reply
+from talaria.shared.wire import MAX_IDEMPOTENCY_KEY_LEN, encode, replace
+
+KEY_HEADER = "Idempotency-Key"  # OpenAI's spelling (its SDK's agents endpoints) and the IETF draft's
+KEY_PATTERN = re.compile(rf"[\x20-\x7e]{{1,{MAX_IDEMPOTENCY_KEY_LEN}}}")
+ANONYMOUS_SESSION = re.compile(r"(?:^|:)anon-[0-9a-f]{32}\Z")  # sessions.py / nats_api.py make these
+WRONG_LAST_SEQUENCE = (10071, 10164)  # JetStream: the subject moved on since the sequence we expected
+# A young claim may not have its submission published yet (its gateway died in between):
+# an attaching retry re-publishes it under the same message id. That is a no-op only inside
+# JetStream's duplicate window; half of it leaves the other half for clock skew between gateways.
+REPUBLISH_WITHIN_S = DUPLICATE_WINDOW_S / 2
+CLAIM_RACES = 4  # each lost race means another request for the key made progress
+
+
+class IdempotencyRecord(msgspec.Struct, frozen=True):
+    """The claim on a key: read only by gateways (the stream is theirs)."""
+
+    call_id: str
+    fingerprint: str
+    deadline_at: float  # the call's own: past it, it can no longer complete
+    created_at: float
+    attempt: int = 0
+
+
+class KeyDecision(Enum):
+    MISMATCH = "mismatch"  # a different request under the same key: 422
+    REPLAY = "replay"  # the call completed: its stored result
+    TAKE_OVER = "take_over"  # the attempt failed: run a new one under the key
+    ATTACH = "attach"  # running: wait for its outcome
+    ATTACH_REPUBLISH = "attach_republish"  # running, or its submission lost with its gateway
+
+
+def decide(record: IdempotencyRecord, fingerprint: str, outcome: Reply | None, now: float) -> KeyDecision:
+    """What a request with a claimed key does. Pure: (claim, this request, stored answer, now)."""
+    if record.fingerprint != fingerprint:
+        return KeyDecision.MISMATCH
+    if isinstance(outcome, CallResult):
+        return KeyDecision.REPLAY
+    if outcome is not None or now >= record.deadline_at:
+        # An error reply, or no answer by the deadline (an agent finishing later records it
+        # failed and answers 504): either way that attempt did not and will not complete.
+        return KeyDecision.TAKE_OVER
+    if now - record.created_at < REPUBLISH_WITHIN_S:
+        return KeyDecision.ATTACH_REPUBLISH
+    return KeyDecision.ATTACH
+
+
+def check_key(value: str) -> str:
+    if not KEY_PATTERN.fullmatch(value):
+        raise bad(f"`{KEY_HEADER}` must be 1 to {MAX_IDEMPOTENCY_KEY_LEN} printable ASCII characters",
+                  KEY_HEADER, "invalid_idempotency_key")
+    return value
+
+
+def key_from(headers: Mapping[str, str]) -> str | None:
+    """The request's key (a case-insensitive header), checked; None when it sent none."""
+    value = headers.get(KEY_HEADER)
+    if value is None:
+        value = next((v for k, v in headers.items() if k.lower() == KEY_HEADER.lower()), None)
+    return None if value is None else check_key(value)
+
+
+def fingerprint(call: CallSubmitted) -> str:
+    """What the client asked for, not what the gateway stamped: ids, times and the delivery form
+    (`stream`) are left out, and so is a session the gateway made up for a call without one."""
+    session = "" if ANONYMOUS_SESSION.search(call.session_id) else call.session_id
+    asked = (call.api, call.model, session, call.prompt_ids, call.max_tokens, call.temperature, call.top_p,
+             call.seed, call.stop, sorted((call.logit_bias or {}).items()), call.logprobs, call.top_logprobs)
+    return hashlib.sha256(msgspec.json.encode(asked)).hexdigest()
+
+
+def key_subject(tenant: str, key: str) -> str:
+    digest = hashlib.sha256(f"{tenant}\n{key}".encode()).hexdigest()  # tenant names have no newline
+    return f"{subjects.IDEMPOTENCY_KEYS}.{digest}"
+
+
+def outcome_subject(call_id: str) -> str:
+    return f"{subjects.IDEMPOTENT_REPLIES}.{call_id}"
+
+
+def is_outcome_subject(subject: str | None) -> bool:
+    return bool(subject) and subject.startswith(f"{subjects.IDEMPOTENT_REPLIES}.")
+
+
+class IdempotentCalls:
+    """Claims keys and runs (or attaches to) their calls through the gateway's Submitter."""
+
+    def __init__(self, submitter, window_s: float) -> None:
+        self.submitter, self.window_s = submitter, window_s
+        self.nc, self.js, self.log = submitter.nc, submitter.js, submitter.log
+
+    async def start(self) -> None:
+        config = StreamConfig(
+            name=subjects.IDEMPOTENCY_STREAM,
+            subjects=[f"{subjects.IDEMPOTENCY_KEYS}.*", f"{subjects.IDEMPOTENT_REPLIES}.*"],
+            retention=RetentionPolicy.LIMITS, storage=StorageType.FILE, discard=DiscardPolicy.OLD,
+            max_age=self.window_s,
+            max_msgs_per_subject=1,  # a key's current claim; a call's answer
+        )
+        try:
+            await self.js.add_stream(config)
+        except BadRequestError:
+            await self.js.update_stream(config)
+
+    async def claim(self, call: CallSubmitted, key: str) -> "Claim | ErrorReply":
+        """Claim `key` for `call`, or find the call it already names."""
+        subject, fp = key_subject(call.tenant, key), fingerprint(call)
+        own = self._own(call)
+        try:
+            if await self._write(subject, self._record(own, fp, 0), last=0):
+                return Claim(self, own, owner=True)
+            for _ in range(CLAIM_RACES):
+                try:
+                    raw = await self.js.get_last_msg(subjects.IDEMPOTENCY_STREAM, subject)
+                except NotFoundError:  # expired a moment ago
+                    if await self._write(subject, self._record(own, fp, 0), last=0):
+                        return Claim(self, own, owner=True)
+                    continue
+                record = msgspec.json.decode(raw.data, type=IdempotencyRecord)
+                outcome = await self.stored(record.call_id)
+                decision = decide(record, fp, outcome, time.time())
+                if decision is KeyDecision.MISMATCH:
+                    return ErrorReply(422, "idempotency_key_reused",
+                                      f"this `{KEY_HEADER}` was used for a different request (call "
+                                      f"{record.call_id}); send a new key with a new request",
+                                      param=KEY_HEADER, call_id=record.call_id)
+                if decision is KeyDecision.REPLAY:
+                    return Claim(self, self._attached(call, record), owner=False, outcome=outcome)
+                if decision is KeyDecision.TAKE_OVER:
+                    if own.call_id == record.call_id:  # a client-chosen call id reused: the new attempt needs its own
+                        own = self._own(replace(call, call_id=uuid.uuid4().hex))
+                    if await self._write(subject, self._record(own, fp, record.attempt + 1), last=raw.seq):
+                        self.log.info("idempotent call re-run", call_id=own.call_id, failed=record.call_id,
+                                      attempt=record.attempt + 1)
+                        return Claim(self, own, owner=True)
+                    continue
+                return Claim(self, self._attached(call, record), owner=False,
+                             republish=decision is KeyDecision.ATTACH_REPUBLISH)
+        except Exception as exc:  # the bus is down: nothing was accepted
+            self.log.error("idempotency claim failed", error=str(exc))
+            return ErrorReply(503, "bus_unavailable", f"could not look up the {KEY_HEADER}: {exc}",
+                              retry_after_s=1.0)
+        return ErrorReply(409, "idempotency_key_busy", f"requests with this `{KEY_HEADER}` keep racing; retry",
+                          param=KEY_HEADER, retry_after_s=1.0)
+
+    async def stored(self, call_id: str) -> Reply | None:
+        """The answer the call got, if it has one."""
+        try:
+            raw = await self.js.get_last_msg(subjects.IDEMPOTENCY_STREAM, outcome_subject(call_id))
+        except NotFoundError:
+            return None
+        try:
+            return REPLY_DECODER.decode(raw.data)
+        except msgspec.DecodeError as exc:
+            return ErrorReply(502, "bad_reply", f"undecodable stored reply: {exc}", call_id=call_id)
+
+    async def attach(self, call: CallSubmitted, republish: bool) -> Reply:
+        """Wait for the outcome of `call`, which another request (maybe a dead gateway's) owns."""
+        got: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+
+        async def on_reply(msg) -> None:
+            if not got.done():
+                try:
+                    got.set_result(REPLY_DECODER.decode(msg.data))
+                except msgspec.DecodeError as exc:
+                    got.set_result(ErrorReply(502, "bad_reply", f"undecodable reply: {exc}", call_id=call.call_id))
+
+        sub = await self.nc.subscribe(call.reply_to, cb=on_reply)  # before looking: nothing falls between
+        try:
+            too_large = check_size(call, self.nc.max_payload)
+            if too_large is not None:  # its owner answered 413 without submitting it
+                return too_large
+            if republish:
+                if await emit_new(self.js, call) is not None:
+                    self.log.warning("idempotent call re-submitted: its gateway died before submitting it",
+                                     call_id=call.call_id)
+            stored = await self.stored(call.call_id)
+            if stored is not None:
+                return stored
+            self.log.info("retry attached to its running call", call_id=call.call_id)
+            try:
+                return await asyncio.wait_for(got, max(0.0, call.deadline_at - time.time()))
+            except TimeoutError:
+                return await self._timed_out(call)
+        except Exception as exc:
+            self.log.error("attaching to an idempotent call failed", call_id=call.call_id, error=str(exc))
+            return ErrorReply(503, "bus_unavailable", f"could not wait for call {call.call_id}: {exc}",
+                              retry_after_s=1.0, call_id=call.call_id)
+        finally:
+            await sub.unsubscribe()
+
+    async def _timed_out(self, call: CallSubmitted) -> ErrorReply:
+        """What its own gateway would have said and recorded at the deadline."""
+        reason = "no reply by the call's deadline"
+        try:
+            await emit(self.js, CallFailed(call.call_id, call.session_id, call.model, reason, "gateway",
+                                           time.time(), status=504))
+        except Exception as exc:
+            self.log.error("could not record timeout", call_id=call.call_id, error=str(exc))
+        return ErrorReply(504, "timeout", reason, call_id=call.call_id)
+
+    def _own(self, call: CallSubmitted) -> CallSubmitted:
+        """`call` as the key's owner runs it: answered on its kept reply subject, with its deadline."""
+        return replace(call, reply_to=outcome_subject(call.call_id),
+                       deadline_at=call.deadline_at or call.submitted_at + self.submitter.timeout_s)
+
+    @staticmethod
+    def _attached(call: CallSubmitted, record: IdempotencyRecord) -> CallSubmitted:
+        """This request as the call it attaches to (the original's id, reply subject, deadline)."""
+        return replace(call, call_id=record.call_id, reply_to=outcome_subject(record.call_id),
+                       deadline_at=record.deadline_at)
+
+    @staticmethod
+    def _record(call: CallSubmitted, fp: str, attempt: int) -> IdempotencyRecord:
+        return IdempotencyRecord(call.call_id, fp, call.deadline_at, time.time(), attempt)
+
+    async def _write(self, subject: str, record: IdempotencyRecord, last: int) -> bool:
+        """Publish `record` if the subject's last message is still `last` (0: none); False if not."""
+        try:
+            await self.js.publish(subject, encode(record), stream=subjects.IDEMPOTENCY_STREAM,
+                                  headers={"Nats-Expected-Last-Subject-Sequence": str(last)})
+            return True
+        except APIError as err:
+            if err.err_code in WRONG_LAST_SEQUENCE:
+                return False
+            raise
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A request's place under its key. `call` is the call it runs or attaches to: its id is
+    the one to show the client (`chatcmpl-<id>`), whoever runs it."""
+
+    calls: IdempotentCalls
+    call: CallSubmitted
+    owner: bool
+    outcome: Reply | None = None
+    republish: bool = False
+
+    @property
+    def replayed(self) -> bool:
+        return not self.owner
+
+    async def run(self, on_token=None) -> Reply:
+        """The call's reply. Only the owner streams tokens: a retry that attaches mid-call would
+        see them from the middle, so it gets the answer whole at the end."""
+        if self.outcome is not None:
+            return self.outcome
+        if self.owner:
+            return await self.calls.submitter.submit(self.call, on_token)
+        return await self.calls.attach(self.call, self.republish)
+
+
+async def claim_for(calls: IdempotentCalls | None, call: CallSubmitted, key: str | None) -> Claim | ErrorReply | None:
+    """The claim for a request that sent `key`; None when it sent none (or the gateway has no store)."""
+    if key is None or calls is None:
+        return None
+    return await calls.claim(call, key)
+
+
+def replayed(claim: Claim | None) -> dict[str, str]:
+    """Response headers: `Idempotent-Replayed: true` (Stripe's) when another request ran the call."""
+    return {"Idempotent-Replayed": "true"} if claim is not None and claim.replayed else {}
