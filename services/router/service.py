@@ -25,6 +25,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from talaria.services.router.core import RouterCore
+from talaria.services.router.outputs import RouterOutputs
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.policy.registry import create_policy
 from talaria.services.router.projection import ProjectionStore
@@ -32,20 +33,17 @@ from talaria.services.router.state import RouterState
 from talaria.shared import logs, subjects, tracing
 from talaria.shared.health import INTERVAL_S as HEARTBEAT_INTERVAL_S, BusHearing, heartbeat_loop
 from talaria.shared.logs import call_context
-from talaria.shared.bus import PUBLISH_TIMEOUT_S, close, connect, emit, emit_async, publish_fast
+from talaria.shared.bus import PUBLISH_TIMEOUT_S, close, connect, publish_fast
 from talaria.shared.nats_auth import sender_of, trusted
 from talaria.shared.db.engine import create_engine
 from talaria.shared.events import (
-    CallFailed,
     CallRouted,
     CallSubmitted,
     EVENT_DECODER,
     InstanceLost,
     RoutingDecision,
 )
-from talaria.shared.messages import ErrorReply
 from talaria.shared.snapshots import SNAPSHOT_DECODER
-from talaria.shared.wire import encode
 from talaria.shared.settings import Settings, SettingsError
 from talaria.shared.tracing import extract_context
 
@@ -64,7 +62,6 @@ TICK_S = 0.05
 WARMUP_S = 1.2
 SAVE_EVERY_S = 2.0
 MAX_DELIVER = 20  # a message that keeps failing is given up (and logged) rather than looping
-PUBLISH_RETRY_S = 0.5
 
 
 def policy_config(settings: Settings) -> PolicyConfig:
@@ -75,7 +72,7 @@ def policy_config(settings: Settings) -> PolicyConfig:
     )
 
 
-class RouterService:
+class RouterService(RouterOutputs):
     def __init__(self, settings: Settings, log) -> None:
         self.settings, self.log = settings, log
         try:
@@ -275,13 +272,6 @@ class RouterService:
         self.storing.add(task)
         task.add_done_callback(self.storing.discard)
 
-    async def _store_then_ack(self, outputs, acks, msg) -> None:
-        await self._stored(outputs, acks)
-        try:
-            await msg.ack()
-        except Exception as exc:  # redelivered; the core skips it as already handled
-            self.log.warning("ack failed", subject=msg.subject, error=str(exc))
-
     async def _handle_event(self, event, msg) -> tuple[list, list]:
         async with self.lock:
             ctx = extract_context(msg.headers)
@@ -305,59 +295,6 @@ class RouterService:
             self.seq = max(self.seq, msg.metadata.sequence.stream)
             self.dirty = True
         return outputs, acks
-
-    async def _publish_all(self, outputs) -> None:
-        await self._stored(outputs, await self._start(outputs))
-
-    async def _start(self, outputs) -> list:
-        """Publish each output now, in order (the stream stores them in that order); the
-        futures of their acks. Never raises: a publish that could not start is retried."""
-        acks = []
-        for out in outputs:
-            try:
-                acks.append(await emit_async(self.js, out))
-            except Exception as exc:
-                failed = asyncio.get_running_loop().create_future()
-                failed.set_exception(exc)
-                acks.append(failed)
-        return acks
-
-    async def _stored(self, outputs, acks) -> None:
-        """Wait until every output is stored: the input waits for the slowest ack, not the sum
-        of them. They are facts already folded into the state, and their message ids make a
-        retry (or a redelivered input's republish) a no-op."""
-        seqs = []
-        for out, ack in zip(outputs, acks):
-            try:
-                seqs.append((await asyncio.wait_for(ack, PUBLISH_TIMEOUT_S)).seq)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self.log.warning("publish failed; retrying", kind=type(out).__name__, error=str(exc))
-                seqs.append(await self._publish_one(out))
-        if seqs:
-            self.seq = max(self.seq, *seqs)
-        for out in outputs:
-            if isinstance(out, CallFailed) and out.reply_to:
-                await self._reply_failed(out)  # a rejection, or a lost instance's call
-
-    async def _publish_one(self, out) -> int:
-        while True:
-            try:
-                return await emit(self.js, out)
-            except Exception as exc:
-                self.log.warning("publish failed; retrying", kind=type(out).__name__, error=str(exc))
-                await asyncio.sleep(PUBLISH_RETRY_S)  # back off while NATS recovers
-
-    async def _reply_failed(self, failed: CallFailed) -> None:
-        """The router owes this client its answer: a rejection, or its agent was lost."""
-        retry = getattr(self.core.policy.config, "retry_after_s", 1.0)
-        code = "no_capacity" if failed.stage == "router" else "instance_lost"
-        try:
-            await self.nc.publish(failed.reply_to, encode(
-                ErrorReply(failed.status, code, failed.reason, retry_after_s=retry, call_id=failed.call_id)))
-        except Exception as exc:  # the failure is recorded; the gateway's timeout answers the client
-            self.log.warning("could not answer the client", call_id=failed.call_id, error=str(exc))
 
     async def _tick(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -401,11 +338,8 @@ class RouterService:
     async def _save(self, store: ProjectionStore, drain_s: float) -> None:
         async with self.lock:  # a consistent cut: never in the middle of handling an input
             # ... and never ahead of the stream: every folded input's outputs are stored first.
-            if self.storing:
-                _, pending = await asyncio.wait(list(self.storing), timeout=drain_s)
-                if pending:  # the bus is slow or down: try later; a restart replays this state
-                    self.log.warning("projection not saved: outputs still unstored", inputs=len(pending))
-                    return
+            if not await self._outputs_stored(drain_s):  # the bus is slow or down: try later
+                return
             seq, snapshot = self.seq, self.core.state.to_dict()
             self.dirty = False
         await store.save_dict(seq, snapshot)

@@ -186,9 +186,9 @@ async def test_a_durable_copy_arriving_while_the_record_is_stored_is_not_run_aga
 
 def hold_router_outputs(monkeypatch, call_id: str) -> None:
     """The router's outputs for `call_id` never reach the stream (its bus hangs for them)."""
-    from talaria.services.router import service as router_service
+    from talaria.services.router import outputs as router_outputs, service as router_service
 
-    real_async, real = router_service.emit_async, router_service.emit
+    real_async, real = router_outputs.emit_async, router_outputs.emit
 
     def for_call(event) -> bool:
         return call_id in (getattr(event, "call_id", None), getattr(getattr(event, "call", None), "call_id", None))
@@ -203,8 +203,9 @@ def hold_router_outputs(monkeypatch, call_id: str) -> None:
             await asyncio.Event().wait()
         return await real(js, event, *a, **kw)
 
-    monkeypatch.setattr(router_service, "emit_async", held_async)
-    monkeypatch.setattr(router_service, "emit", held)
+    monkeypatch.setattr(router_outputs, "emit_async", held_async)
+    monkeypatch.setattr(router_outputs, "emit", held)
+    monkeypatch.setattr(router_outputs, "PUBLISH_TIMEOUT_S", 0.5)  # retried sooner
     monkeypatch.setattr(router_service, "PUBLISH_TIMEOUT_S", 0.5)  # a stop need not wait long for them
 
 
