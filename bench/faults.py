@@ -182,6 +182,10 @@ async def load(up: UpProcess, phase: Phase, sessions: int, calls: int, inject, s
         tasks = [asyncio.create_task(run_session(http, url, key, phase, f"{phase.fault}-{seed}-s{k}", calls,
                                                  random.Random(rng.random()))) for k in range(sessions)]
         await asyncio.sleep(FAULT_AT_S)
+        # ... at a moment a call is in flight: a call takes ~10 ms against 200-500 ms of tool
+        # time, so an instant picked blindly often finds none (and tests nothing in flight).
+        while not any(a.end == 0.0 for a in phase.attempts) and not all(t.done() for t in tasks):
+            await asyncio.sleep(0.001)
         phase.fault_at = time.monotonic()
         await asyncio.get_running_loop().run_in_executor(None, inject)
         await asyncio.gather(*tasks)
