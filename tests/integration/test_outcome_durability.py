@@ -267,3 +267,40 @@ async def test_a_router_that_dies_before_storing_its_outputs_has_not_acked_the_c
     finally:
         await services.close()
         await nc.close()
+
+
+async def test_a_call_run_from_its_durable_copy_is_acked_only_after_its_record(stack, db, monkeypatch):
+    """The usual order on a loaded agent: the durable copy is in hand while the call runs. Its
+    client is answered at once; the copy is acked only once the record is stored."""
+    settings, services = stack
+    call_id = "durable-first"
+    release = hold_records(monkeypatch, call_id)
+
+    class FastCopyLost(agent_service.CallRunner):
+        def accept(self, routed, msg, headers=None):
+            if msg is None and routed.call.call_id == call_id:
+                return None  # the core-NATS fast copy never arrived: the call runs from the durable one
+            return super().accept(routed, msg, headers)
+
+    monkeypatch.setattr(agent_service, "CallRunner", FastCopyLost)
+    await services.start("agent-0", run_agent, settings.with_(instance_id="agent-0"))
+    nc = await nats.connect(settings.nats_url)
+    try:
+        await wait_for_router(nc, instances=1)
+        req = m.CallRequest(model=MODEL, prompt="durable first", session_id="df", max_tokens=1, temperature=0,
+                            call_id=call_id)
+        reply = m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(req), timeout=30)).data)
+        assert isinstance(reply, m.CallResult), reply  # answered while its record is held
+        js = nc.jetstream()
+        assert (await js.consumer_info(subjects.EVENTS_STREAM, "agent-agent-0")).num_ack_pending == 1
+        release.set()
+
+        async def settled():
+            info = await js.consumer_info(subjects.EVENTS_STREAM, "agent-agent-0")
+            return info if info.num_ack_pending == 0 else None
+
+        await wait_until(settled, "the call acked once its record is stored", timeout=10, every=0.05)
+        rows = await wait_rows(db, FINAL_ROW, 1, call_id)
+        assert [r["outcome"] for r in rows] == ["completed"]
+    finally:
+        await nc.close()
