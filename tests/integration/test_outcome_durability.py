@@ -124,9 +124,7 @@ async def stack(nats_url, database_url, tmp_path):
     settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="talaria",
                         http_port=free_port(), session_idle_s=3600, call_timeout_s=60, models=(MODEL,))
     services = Services()
-    await services.start("telemetry", run_telemetry, settings)
-    await services.start("router", run_router, settings)
-    await services.start("gateway", run_gateway, settings)
+    await services.start_control_plane(settings)
     yield settings, services
     await services.close()
 
