@@ -1,13 +1,15 @@
-"""Sensitivity of the talaria policy's two rules beyond the paper, in the simulator (not a test).
+"""Sensitivity of the talaria policy's rules beyond the paper, in the simulator (not a test).
 
     python bench/router_sensitivity.py [--seeds 8] [--scale-sessions 1000] [--out results/router_sensitivity.md]
 
-Rows switch `PolicyConfig.kv_home_admits` and the session-placement term
-(`new_session_backlog_weight`, `new_session_running_s`) on and off. Columns: router testbed SCT
-p95 at low / medium / high load (mean over gap seeds, beside session-sticky, the best baseline
-there), and SCT p50 / p95 of one run of the scale workload (64 instances, 20 Zipf models) with
-`--scale-sessions` sessions beside least-pressure. The placement constants were chosen on the
-router testbed; the scale workload is the out-of-sample check.
+Rows add the rules one at a time: `PolicyConfig.kv_home_admits`, `price_round_sharing` (decode
+priced by the rotation it joins, over the calls the session will still make: no constant)
+and the first-call placement constants (`new_session_backlog_weight`, `new_session_running_s`),
+then vary those constants. Columns: router testbed SCT p95 at low / medium / high load (mean
+over gap seeds, beside session-sticky, the best baseline there), and SCT p50 / p95 of one
+run of the scale workload (64 instances, 20 Zipf models) with `--scale-sessions` sessions
+beside least-pressure. The placement constants were chosen on the router testbed; the scale
+workload is the out-of-sample check.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from talaria.sim.workloads import router_testbed, synthetic_catalogue  # noqa: E
 
 OFF = dict(new_session_backlog_weight=1.0, new_session_running_s=0.0)
 VARIANTS = [  # (label, policy, PolicyConfig overrides)
-    ("paper Eq. 1 + admission (both rules off)", "talaria", dict(kv_home_admits=False, **OFF)),
-    ("+ return admitted where its KV is", "talaria", dict(OFF)),
+    ("paper Eq. 1 + admission (rules off)", "talaria", dict(kv_home_admits=False, price_round_sharing=False, **OFF)),
+    ("+ return admitted where its KV is", "talaria", dict(price_round_sharing=False, **OFF)),
+    ("+ decode priced by the rotation, over the session's calls", "talaria", dict(OFF)),
     ("+ placement: backlog x2, 1 s per running call (default)", "talaria", {}),
     ("+ placement: backlog x1, 1 s per running call", "talaria", dict(new_session_backlog_weight=1.0)),
     ("+ placement: backlog x2, 0 s per running call", "talaria", dict(new_session_running_s=0.0)),

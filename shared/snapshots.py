@@ -36,6 +36,10 @@ class InstanceSnapshot(Struct, frozen=True):
     sessions: list[SessionKv] = []
     queued: dict[Name, int] = {}
     queued_tokens: int = 0
+    # Predicted seconds of restore + prefill a call arriving now waits behind (queued_tokens
+    # priced with the agent's calibrated costs, counting only what each call must compute:
+    # a prompt whose prefix is on device costs its new tokens). -1: not reported.
+    queued_prefill_s: float = -1.0
     running: int = 0
     round_remaining_s: float = 0.0
     deadline_risk: int = 0

@@ -2,28 +2,36 @@
 
     Cost(r, i) = dR_req(r, i) + C_KV(r, i) + C_act(m_r, i)          (paper Eq. 1, seconds)
 
-    dR_req  queue_s   = (snapshot backlog + overlay tokens) * prefill rate
+    dR_req  queue_s   = the agent's predicted prefill ahead (its calibrated costs: a queued
+                        prompt whose prefix is on device costs its new tokens only)
+                        + overlay tokens still to compute * prefill rate
+                        + round_remaining_s if m_r is not the active model (wait for the slot)
                         (audited as queue_s: the work queued there)
             reserved_s = live leases on i * lease_charge_s   (lease admission units)
-                        + deadline_risk * penalty                    (underestimated instances)
-                        + round_remaining_s if m_r is not the active model (wait for the slot)
             prefill_s = (prompt - reusable prefix K) * prefill rate  (the new suffix only)
-            decode_s  = max_tokens * decode rate
-                        x (1 + k) + k * switch_s, where k = other models with work in i's
-                        rounds (active or queued, plus those routed since the snapshot),
-                        when price_round_sharing is on (ours): every such model takes a slot
-                        of each round and a switch before it, so r's decode stretches; it
+            decode_s  = max_tokens * decode rate (the model's measured rate)
+                        + stretch, with price_round_sharing (ours):
+                        stretch = decode * k + k * switch_s, k = other models in i's rounds
+                        (active or queued, routed since the snapshot, or with sessions that
+                        live on i between calls, homes.py): every such model takes a slot of
+                        each round and a switch before it, so r's decode stretches; it
                         steers sessions to instances that rotate fewer models, and prices a
                         move that would add a model to a rotation
     C_KV    0 if the prefix is on device, K * restore rate if host-restorable,
             K * prefill rate (profiled recompute) otherwise
     C_act   0 if m_r is active, advertised switch cost if resident/staged, open cost otherwise
 
-    placement_s (ours, a session's first call only) = queue_s * (new_session_backlog_weight - 1)
-            + calls running on i * new_session_running_s: the first call places the whole
-            session (leases keep its later calls there), so it also pays for the backlog
-            and occupancy those calls will share. It ranks candidates; admission and Eq. 2
-            use the Eq. 1 terms only (Eq. 2's demand already counts the later calls).
+    placement_s (ours) = the session's later calls x stretch: where r goes, the session
+            stays (leases, KV), so each later call pays that rotation again. Later calls are
+            measured, not tuned: a return expects about as many more as it made, a first call
+            the calls per session its model has shown so far. So a long session leaves a
+            crowded rotation once the recompute pays for itself, and a new one joins the
+            instance whose rotation its whole session would stretch least.
+            A first call also pays queue_s * (new_session_backlog_weight - 1) + calls
+            running on i * new_session_running_s (tuned constants, flat in the matrix's
+            sensitivity table): the backlog and occupancy its later calls will share.
+            placement_s ranks candidates; admission and Eq. 2 use the Eq. 1 terms only
+            (Eq. 2's demand already counts the later calls).
 
 Each term is charged once: the reusable prefix K is in C_KV only and the suffix in
 prefill_s only, so recompute is never counted twice; activation is never in dR_req.
@@ -104,7 +112,12 @@ def _static_terms(cfg: PolicyConfig, view: InstanceView, model: str, prof, state
     else:
         measured = iprof.switch_s if iprof is not None else 0.0
         act = res.open_cost_s or res.switch_cost_s or snap.switch_s or measured or cfg.default_open_s
-    queue = snap.queued_tokens * pf + snap.deadline_risk * cfg.deadline_risk_penalty_s
+    # The agent's own prediction of the prefill ahead when it reports one (it knows which
+    # queued prompts find their prefix on device); else every queued prompt token.
+    ahead = snap.queued_prefill_s if snap.queued_prefill_s >= 0 else snap.queued_tokens * pf
+    # (Not the snapshot's deadline_risk: that is the agent's lifetime count of risk events,
+    # so charging it as a level penalised an instance for its whole history.)
+    queue = ahead
     if mstate != "active" and snap.active_model is not None:
         queue += snap.round_remaining_s
     # HBM: an absent model's weights must fit at all; r's KV must fit the KV pool, where a
@@ -154,6 +167,11 @@ class CostModel:
         lease_index = state.leases.by_instance
         prof = state.models.get(model)
         version = prof.version if prof is not None else -1
+        # Calls the session is expected to make after this one, each paying the rotation it
+        # joins here: a return expects about as many more as it made (entry.calls); a first
+        # call, the calls per session measured for its model so far.
+        live_models = state.live_models
+        later = entry.calls if not first_call else (prof.calls_per_session() - 1.0 if prof is not None else 0.0)
         out: list[Priced] = []
         for view in views:
             snap = view.snapshot
@@ -199,26 +217,34 @@ class CostModel:
             if own_lease_on == iid:
                 leases -= 1
             overlay = view.overlay_tokens
-            queued = st.queue + overlay * pf  # work queued there now (snapshot + routed since)
+            queued = st.queue + view.overlay_new_tokens * pf  # work queued there now (snapshot + routed since)
             reserved = leases * charge  # returns other sessions' leases may bring
             queue = queued + reserved
             prefill = (prompt - k_total) * pf
             decode = max_tokens * st.dec
+            stretch = 0.0
             if sharing:
                 # round sharing: each other model with work here takes a slot of every round,
-                # so r's decode is stretched by the number of models it rotates with
+                # so r's decode is stretched by the number of models it rotates with: those
+                # with work queued or running, routed since the snapshot, or whose sessions
+                # live here between calls (they bring the model back within a tool gap)
                 others = len(st.rotating)
                 for om in view.overlay_models:
                     if om != model and om not in st.rotating:
                         others += 1
+                for om in live_models(iid, now):
+                    if om != model and om not in st.rotating and om not in view.overlay_models:
+                        others += 1
                 # ... and waits through one switch per other model in every round
-                decode = decode * (1 + others) + others * (snap.switch_s or cfg.default_open_s)
+                stretch = decode * others + others * (snap.switch_s or cfg.default_open_s)
+                decode += stretch
             act = st.act
             reason = ""
             # Only load ahead of r can make an instance inadmissible: a call whose own work
             # exceeds the budget would otherwise be rejected everywhere, forever.
             place = queue * (backlog_w - 1.0) + snap.running * (decode if running_s is None else running_s) \
                 if first_call else 0.0
+            place += later * stretch  # the session keeps paying this rotation here
             if queue > 0 and queue + prefill + kv_s + act > budget and not (
                     cfg.kv_home_admits and own and kv_state in ("device", "host") and k_have > 0):
                 reason = "round_admission"

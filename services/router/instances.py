@@ -28,8 +28,9 @@ class InstanceView:
 
     snapshot: InstanceSnapshot
     received_at: float
-    overlay: dict[str, tuple[int, str]] = field(default_factory=dict)  # call -> (tokens, model)
-    overlay_tokens: int = 0
+    overlay: dict[str, tuple[int, str, int]] = field(default_factory=dict)  # call -> (tokens, model, new)
+    overlay_tokens: int = 0  # prompt tokens (the KV they will hold)
+    overlay_new_tokens: int = 0  # of those, what must be computed (the prefix found is reused)
     overlay_models: dict[str, int] = field(default_factory=dict)
     inflight: set[str] = field(default_factory=set)  # every unfinished call placed here
     models: dict[str, ModelResidency] = field(init=False)
@@ -66,6 +67,7 @@ class InstanceView:
         self.received_at = received_at
         self.overlay = {}
         self.overlay_tokens = 0
+        self.overlay_new_tokens = 0
         self.overlay_models = {}
         return True
 
@@ -94,19 +96,22 @@ class InstanceView:
         m = self.models.get(model)
         return m.state if m is not None else "absent"
 
-    def add_overlay(self, call_id: str, tokens: int, model: str) -> None:
+    def add_overlay(self, call_id: str, tokens: int, model: str, new_tokens: int | None = None) -> None:
         if call_id in self.overlay:
             return
-        self.overlay[call_id] = (tokens, model)
+        new = tokens if new_tokens is None else new_tokens
+        self.overlay[call_id] = (tokens, model, new)
         self.overlay_tokens += tokens
+        self.overlay_new_tokens += new
         self.overlay_models[model] = self.overlay_models.get(model, 0) + 1
 
     def drop_overlay(self, call_id: str) -> None:
         placed = self.overlay.pop(call_id, None)
         if placed is None:
             return
-        tokens, model = placed
+        tokens, model, new = placed
         self.overlay_tokens -= tokens
+        self.overlay_new_tokens -= new
         left = self.overlay_models.get(model, 0) - 1
         if left > 0:
             self.overlay_models[model] = left

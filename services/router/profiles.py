@@ -30,7 +30,14 @@ class ModelProfile:
     arrivals: float = 0.0  # exponentially decayed count of arrivals
     arrivals_at: float = 0.0
     gaps: list[float] = field(default_factory=list)  # recent tool gaps, oldest first
+    sessions_seen: int = 0  # sessions whose first call was routed
+    calls_seen: int = 0  # calls routed
+    gap_max: float = 0.0  # the longest of `gaps`
     version: int = 0  # bumped whenever a rate the cost model reads changes
+
+    def __post_init__(self) -> None:
+        if self.gaps and not self.gap_max:
+            self.gap_max = max(self.gaps)  # a profile stored before gap_max existed
 
     def observe_completion(self, prompt: int, cached: int, output: int, prefill_s: float,
                            decode_s: float, ttft_s: float) -> None:
@@ -56,10 +63,26 @@ class ModelProfile:
         """Calls per second of this model, from decayed routed and rejected arrivals."""
         return self.arrivals_at_time(now) / ARRIVAL_WINDOW_S
 
-    def observe_gap(self, gap_s: float) -> None:
+    def calls_per_session(self) -> float:
+        """Calls routed per session seen so far (at least 1)."""
+        return max(1.0, self.calls_seen / self.sessions_seen) if self.sessions_seen else 1.0
+
+    def idle_horizon_s(self) -> float:
+        """How long a session of this model may sit in a tool gap and still be coming back:
+        the longest recent gap (0 before any was measured: only running sessions count)."""
+        return self.gap_max
+
+    def observe_gap(self, gap_s: float) -> bool:
+        """Fold one tool gap; True when the longest recent gap changed."""
+        before = self.gap_max
         self.gaps.append(gap_s)
         if len(self.gaps) > GAP_KEEP:
+            dropped = self.gaps[: len(self.gaps) - GAP_KEEP]
             del self.gaps[: len(self.gaps) - GAP_KEEP]
+            if max(dropped) >= self.gap_max:
+                self.gap_max = max(self.gaps)
+        self.gap_max = max(self.gap_max, gap_s)
+        return self.gap_max != before
 
 
 @dataclass

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import msgspec
 
+from talaria.services.router.homes import HomeBook
 from talaria.services.router.instances import InstanceView
 from talaria.services.router.leases import LeaseBook
 from talaria.services.router.prefix_index import PrefixIndex
@@ -99,6 +100,8 @@ class RouterState:
     models: dict[str, ModelProfile] = field(default_factory=dict)
     instance_profiles: dict[str, InstanceProfile] = field(default_factory=dict)
     prefix: PrefixIndex = field(default_factory=PrefixIndex)
+    homes: HomeBook = field(default_factory=HomeBook)  # where each live session lives
+    horizon_epoch: int = 0  # bumped when a model's idle horizon changes (not state: a cache key)
     routed_total: int = 0
 
     def session(self, session_id: str) -> SessionEntry:
@@ -112,6 +115,14 @@ class RouterState:
         if prof is None:
             prof = self.models[name] = ModelProfile()
         return prof
+
+    def idle_horizon_s(self, model: str) -> float:
+        prof = self.models.get(model)
+        return prof.idle_horizon_s() if prof is not None else 0.0
+
+    def live_models(self, instance_id: str, now: float) -> tuple[str, ...]:
+        """Models with a session that lives on the instance now (homes.py)."""
+        return self.homes.live_models(instance_id, now, self.idle_horizon_s, self.horizon_epoch)
 
     def leases_on(self, instance_id: str, now: float) -> int:
         """Live leases charged against the instance (indexed: O(log leases))."""
@@ -130,7 +141,7 @@ class RouterState:
             case CallCompleted():
                 self._completed(event)
             case CallFailed():
-                self._finished(event.call_id)
+                self._finished(event.call_id, event.at)
                 if event.stage != "router" and event.call_id not in self.routed:
                     self._remember(event.call_id, "")  # its client has its answer: never place it
                 if event.stage == "router":
@@ -173,8 +184,9 @@ class RouterState:
         if view is not None and view.snapshot.incarnation == event.incarnation:
             del self.instances[event.instance_id]
             self.prefix.forget_instance(event.instance_id)
+            self.homes.forget_instance(event.instance_id)
         for call_id in event.calls:
-            self._finished(call_id)
+            self._finished(call_id, event.at)
 
     def _remember(self, call_id: str, instance_id: str) -> None:
         self.routed[call_id] = instance_id
@@ -190,8 +202,13 @@ class RouterState:
             gap = max(0.0, call.submitted_at - entry.last_completed_at)
             entry.gaps.append(gap)
             del entry.gaps[:-SESSION_GAPS_KEPT]
-            self.model(call.model).observe_gap(gap)
+            if self.model(call.model).observe_gap(gap):
+                self.horizon_epoch += 1  # a session's idle horizon changed: homes.py's cache
         entry.last_completed_at = None
+        # What the call must compute there: a session back where its last call ran reuses
+        # its KV there (device or host), so only its new tokens queue as prefill work.
+        reused = min(call.prompt_tokens, entry.kv_tokens) \
+            if entry.last_instance == event.instance_id and entry.model == call.model else 0
         entry.calls = max(entry.calls, event.call_index + 1)
         entry.model = call.model
         if entry.first_instance is None:
@@ -199,15 +216,20 @@ class RouterState:
         tokens = call.prompt_tokens
         self.inflight_calls[call.call_id] = InFlight(event.instance_id, tokens, call.model, call.session_id,
                                                      event.call_index, call.reply_to)
-        self.model(call.model).observe_arrival(event.routed_at)
+        prof = self.model(call.model)
+        prof.observe_arrival(event.routed_at)
+        prof.calls_seen += 1
+        prof.sessions_seen += event.call_index == 0
         view = self.instances.get(event.instance_id)
         if view is not None:
             view.inflight.add(call.call_id)
-            view.add_overlay(call.call_id, tokens, call.model)
+            view.add_overlay(call.call_id, tokens, call.model, tokens - reused)
         self.prefix.insert(event.instance_id, call.model, call.session_id, call.block_hashes)
+        self.homes.prune(event.instance_id, event.routed_at, self.idle_horizon_s)
+        self.homes.routed(call.session_id, event.instance_id, call.model, event.routed_at)
 
     def _completed(self, event: CallCompleted) -> None:
-        self._finished(event.call_id)
+        self._finished(event.call_id, event.completed_at)
         entry = self.session(event.session_id)
         entry.model = event.model
         entry.last_instance = event.instance_id
@@ -220,10 +242,11 @@ class RouterState:
             event.prefill_s, event.decode_s, event.ttft_s,
         )
 
-    def _finished(self, call_id: str) -> None:
+    def _finished(self, call_id: str, at: float) -> None:
         placed = self.inflight_calls.pop(call_id, None)
         if placed is None:
             return
+        self.homes.ended(placed.session_id, placed.instance_id, at)
         view = self.instances.get(placed[0])
         if view is not None:
             view.inflight.discard(call_id)
@@ -258,6 +281,7 @@ class RouterState:
             "routed": dict(self.routed),
             "models": {m: dict(vars(p), gaps=list(p.gaps)) for m, p in self.models.items()},
             "instance_profiles": {i: dict(vars(p)) for i, p in self.instance_profiles.items()},
+            "homes": self.homes.to_list(),
         }
 
     @classmethod
@@ -277,6 +301,7 @@ class RouterState:
         state.routed = dict(data.get("routed", {}))
         state.models = {m: ModelProfile(**p) for m, p in data.get("models", {}).items()}
         state.instance_profiles = {i: InstanceProfile(**p) for i, p in data.get("instance_profiles", {}).items()}
+        state.homes = HomeBook.from_list(data.get("homes", []))
         return state
 
 
@@ -284,14 +309,14 @@ def _view_to_dict(view: InstanceView) -> dict:
     return {
         "snapshot": msgspec.to_builtins(view.snapshot),
         "received_at": view.received_at,
-        "overlay": [[c, t, m] for c, (t, m) in view.overlay.items()],
+        "overlay": [[c, t, m, n] for c, (t, m, n) in view.overlay.items()],
         "inflight": sorted(view.inflight),
     }
 
 
 def _view_from_dict(row: dict) -> InstanceView:
     view = InstanceView(msgspec.convert(row["snapshot"], InstanceSnapshot), row["received_at"])
-    for call_id, tokens, model in row.get("overlay", []):
-        view.add_overlay(call_id, tokens, model)
+    for call_id, tokens, model, *new in row.get("overlay", []):  # rows before `new` lack it
+        view.add_overlay(call_id, tokens, model, new[0] if new else None)
     view.inflight = set(row.get("inflight", []))
     return view

@@ -64,6 +64,8 @@ class Job:
     kv_source: str = "none"
     via: str = ""
     instance: str = ""
+    prefill_s: float = 0.0  # time of the prefill actions it was in (the live engine's measure)
+    decode_s: float = 0.0  # time of the decode steps it was in
 
 
 class SimExecutor:
@@ -204,6 +206,7 @@ class SimExecutor:
             finished = []
             for cid in action.call_ids:
                 job = self.jobs[cid]
+                job.prefill_s += now - self.action_start
                 job.first_token_t = now
                 job.ctx = job.prompt + 1
                 job.remaining = job.output - 1
@@ -218,6 +221,7 @@ class SimExecutor:
             finished = []
             for cid in action.call_ids:
                 job = self.jobs[cid]
+                job.decode_s += now - self.action_start
                 job.remaining -= k
                 job.ctx += k
                 self.kv.device[job.session] = job.ctx
@@ -253,10 +257,11 @@ class SimExecutor:
             self.kv.put_host(job.model, job.session, tokens)
         job.via = self.core.records[job.call_id].via
         cached = job.reusable if job.kv_source in ("device", "host") else 0
-        # No measured prefill/decode rates: the router prices with the profile's rates the
-        # snapshots advertise. [asm]
+        # Measured as the live engine measures them: every call of a batched prefill or decode
+        # step is charged the step's time, so the router's per-model rates are learned.
         done = self.core.completed(job.call_id, now, prompt_tokens=job.prompt, output_tokens=job.output,
-                                   finish_reason="length", cached_tokens=cached, kv_source=job.kv_source)
+                                   finish_reason="length", cached_tokens=cached, kv_source=job.kv_source,
+                                   prefill_s=job.prefill_s, decode_s=job.decode_s)
         return self.sink.completed(job, done, now)
 
     def _update_staging(self, now: float) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from talaria.sim import matrix as matrix_design
 from talaria.sim.matrix import OURS, PAPER, SENSITIVITY
 
 def _ratio(a, b):
@@ -195,7 +196,7 @@ hashes the gateway would compute, so the prefix index is real; a 503 is retried 
 
 def matrix_section(matrix: dict) -> list[str]:
     """The report's matrix section (sim_report.md)."""
-    head = (__doc__ or "").split("\n\n", 1)[1].strip()
+    head = (matrix_design.__doc__ or "").split("\n\n", 1)[-1].strip()  # the grid's design (matrix.py)
     return [
         "## Workload matrix", "",
         f"`talaria sim experiments matrix --sensitivity` ({sum(1 for c in matrix['cells'] if not c.get('weka'))} "

@@ -47,17 +47,29 @@ class ChunkedPrefill:
         all it has left; with chunking, at most one shared-instance chunk."""
         calls = self.calls
         ahead = sum(c.work.prompt_tokens for q in calls.queued.values() for c in q.values())
-        for model, running in calls.running.items():
+        return ahead + sum(n for _, _, n in self._prefill_under_way())
+
+    def prefill_ahead_s(self) -> float:
+        """The same work in predicted seconds: what each queued call must compute (a prefix
+        on device costs nothing, a host prefix its restore), with the calibrated costs."""
+        calls = self.calls
+        ahead = sum(self._cost(c) for q in calls.queued.values() for c in q.values())
+        for model, c, n in self._prefill_under_way():
+            ahead += self.costs.prefill_s(model, n, c.work.prompt_tokens - c.prefill_left)
+        return ahead
+
+    def _prefill_under_way(self):
+        """(model, call, prompt tokens a newcomer waits for) of each admitted call still prefilling."""
+        for model, running in self.calls.running.items():
             for c in running.values():
-                if c.prefilling:
+                if c.prefilling and c.prefill_left:
                     if self.config.chunked_prefill:
                         budget = self._shared_chunk_s(model)
                         n = chunk_tokens(lambda k: self.costs.prefill_s(model, k, c.work.prompt_tokens - c.prefill_left),
                                          budget, c.prefill_left)
-                        ahead += min(c.prefill_left, n)
+                        yield model, c, min(c.prefill_left, n)
                     else:
-                        ahead += c.prefill_left
-        return ahead
+                        yield model, c, c.prefill_left
 
     def _chunk_budget_s(self, model: str) -> float:
         """Eq. 4's slack while other work shares the instance; alone, Eq. 5's round cap (a

@@ -58,7 +58,6 @@ class PolicyConfig:
     price_round_sharing: bool = True
     retry_after_s: float = 1.0
     max_queued_per_instance: int = 64  # `queue` mode: route past admission up to this bound
-    deadline_risk_penalty_s: float = 0.5  # per deadline-risk call an instance reports (ours)
     # replica opening, Eq. 2
     replica_penalty_s: float = 0.5  # nu_m default
     replica_penalty_by_model: dict[str, float] = field(default_factory=dict)

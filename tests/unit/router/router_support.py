@@ -12,7 +12,8 @@ GIB = 1 << 30
 
 
 def snap(iid: str, *, version: int = 1, at: float = 0.0, models=None, active: str | None = "m1",
-         pool: str = "cold", sessions=(), queued=None, queued_tokens: int = 0, running: int = 0,
+         pool: str = "cold", sessions=(), queued=None, queued_tokens: int = 0, queued_prefill_s: float = -1.0,
+         running: int = 0,
          round_remaining_s: float = 0.0, switch_cost_s: float = 1.0, open_cost_s: float = 2.0,
          weight_gib: float = 10.0, hbm_gib: float = 80.0, hbm_used_gib: float = 20.0,
          kv_capacity_tokens: int = 0, kv_used_tokens: int = 0, kv_pinned_tokens: int = -1, deadline_risk: int = 0,
@@ -29,7 +30,7 @@ def snap(iid: str, *, version: int = 1, at: float = 0.0, models=None, active: st
     return InstanceSnapshot(
         instance_id=iid, version=version, at=at, pool=pool, models=residency, active_model=active,
         sessions=[SessionKv(s, m, st, t) for s, m, st, t in sessions], queued=queued or {},
-        queued_tokens=queued_tokens, running=running, round_remaining_s=round_remaining_s,
+        queued_tokens=queued_tokens, queued_prefill_s=queued_prefill_s, running=running, round_remaining_s=round_remaining_s,
         deadline_risk=deadline_risk, kv_capacity_tokens=kv_capacity_tokens,
         kv_used_tokens=kv_used_tokens, kv_pinned_tokens=kv_pinned_tokens, hbm_bytes=int(hbm_gib * GIB), hbm_used_bytes=int(hbm_used_gib * GIB),
         staging_free_bytes=0, prefill_tok_s=prefill_tok_s, decode_tok_s=decode_tok_s,

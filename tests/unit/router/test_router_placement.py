@@ -87,6 +87,44 @@ def test_overlay_counts_calls_routed_since_snapshot_until_next_snapshot():
     assert c.state.instances["a"].snapshot.version == 2
 
 
+def test_queue_is_the_prefill_the_agent_predicts_not_every_queued_prompt_token():
+    # `a` queues 100K prompt tokens, but its agent predicts 0.5 s of prefill ahead (the
+    # prompts find their prefixes on device); `b` queues 30K tokens of real recompute.
+    c = core()
+    c.observe(snap("a", queued_tokens=100_000, queued_prefill_s=0.5), 0.0)
+    c.observe(snap("b", queued_tokens=30_000), 0.0)  # an agent that does not report it
+    audit, _ = decide(c, call("c0"), 0.0)
+    x = by_instance(audit)
+    assert x["a"].queue_s == pytest.approx(0.5) and x["a"].feasible
+    assert x["b"].queue_s == pytest.approx(30_000 * 1e-4)
+    assert audit.chosen == "a"
+
+
+def test_an_instances_past_deadline_risks_do_not_price_it():
+    # The snapshot's deadline_risk counts every risk event since the agent started: a level
+    # charge on it priced an instance by its history, not by what is queued there now.
+    c = core()
+    c.observe(snap("a", deadline_risk=200, queued_prefill_s=0.5), 0.0)
+    c.observe(snap("b", queued_prefill_s=1.0), 0.0)
+    audit, _ = decide(c, call("c0"), 0.0)
+    assert by_instance(audit)["a"].queue_s == pytest.approx(0.5) and audit.chosen == "a"
+
+
+def test_overlay_queues_only_what_a_routed_call_must_compute():
+    c = core(**NO_LEASE)
+    c.observe(snap("a"), 0.0)
+    c.handle(call("c0", tokens=8000), 0.0)
+    c.handle(done("c0", "a", prompt=8000, output=10, at=1.0), 1.0)  # s1 holds 8,010 KV tokens on a
+    c.observe(snap("a", version=2, at=1.0, sessions=[("s1", "m1", "device", 8010)]), 1.0)
+    c.handle(call("c1", tokens=9000, at=1.5), 1.5)  # its prefix is on device: 990 new tokens
+    view = c.state.instances["a"]
+    assert (view.overlay_tokens, view.overlay_new_tokens) == (9000, 990)
+    c.handle(call("c2", session="s2", tokens=4000, at=1.6), 1.6)  # a new session computes it all
+    assert view.overlay_new_tokens == 990 + 4000
+    audit, _ = decide(c, call("c3", session="s3", at=1.7), 1.7)
+    assert by_instance(audit)["a"].queue_s == pytest.approx(4990 * 1e-4)
+
+
 def test_round_admission_rejects_an_overloaded_candidate():
     c = core()
     c.observe(snap("a", queued_tokens=100_000), 0.0)  # 10 s of backlog > 9 s budget

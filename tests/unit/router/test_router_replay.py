@@ -139,6 +139,7 @@ def assert_same_state(rebuilt: RouterState, live: RouterState) -> None:
     assert rebuilt.models.keys() == live.models.keys()
     assert rebuilt.instance_profiles == live.instance_profiles
     assert rebuilt.instances.keys() == live.instances.keys()
+    assert rebuilt.homes == live.homes
     for iid, view in live.instances.items():
         other = rebuilt.instances[iid]
         for name in ("snapshot", "received_at", "overlay", "overlay_tokens", "overlay_models", "inflight",
@@ -166,6 +167,10 @@ def test_to_dict_round_trips_through_json_and_routes_identically():
     nxt = call("after-restart", session="s3", at=now + 0.1)
     strip = lambda evs: [e if not isinstance(e, RoutingDecision) else  # noqa: E731
                          (e.chosen, e.action, e.lease_outcome, e.candidates) for e in evs]
+    for iid in INSTANCES:  # homes are derived on restore: the same live sessions
+        for t in (now, now + 2.0, now + 30.0):
+            assert restored.state.live_models(iid, t) == live.state.live_models(iid, t)
+    assert any(live.state.live_models(iid, now) for iid in INSTANCES)
     a = live.handle(nxt, now + 0.1)
     b = restored.handle(nxt, now + 0.1)
     assert strip(a) == strip(b)

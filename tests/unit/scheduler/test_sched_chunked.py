@@ -3,10 +3,12 @@ decodes and short calls interleave with it (issue 11)."""
 
 from __future__ import annotations
 
+import pytest
+
 from talaria.services.instance_agent.scheduler import Decode, Idle, LinearCosts, Prefill, SwitchModel
 from talaria.services.instance_agent.scheduler.budget import chunk_tokens
 
-from tests.unit.scheduler.sched_driver import make, work
+from tests.unit.scheduler.sched_driver import make, ret, work
 
 # 10,000 prompt tokens a second, 10 ms decode steps: Eq. 4's slack at T_TPOT 0.2 s is
 # 0.19 s with one model decoding, so a chunk is ~1,900 tokens.
@@ -111,6 +113,21 @@ def test_without_chunking_a_prefill_is_whole_and_the_view_counts_prompt_left():
     assert action.chunk_tokens == 0
     # The prefill in flight is still work ahead of any new call: the router must see it.
     assert sched.snapshot(0.0).queued_tokens == 20_000
+
+
+def test_prefill_ahead_in_seconds_counts_only_what_each_queued_call_computes():
+    # A return whose 19,000-token prefix is on device computes 1,000 tokens; one whose prefix
+    # is on host restores it (20x cheaper per token here) and computes the rest; a new call
+    # computes all. Counting prompt tokens (queued_tokens) charges all three as recomputes.
+    sched = make(("a", "b"), costs=COSTS, initial_model="b")
+    sched.submit(work("busy", "b", max_tokens=50), 0.0)
+    assert isinstance(sched.next_action(0.0), Prefill)  # b's slot is busy: a's calls queue
+    sched.submit(ret("dev", prompt=20_000, reuse=19_000), 0.0)
+    sched.submit(ret("host", kv="host", prompt=20_000, reuse=19_000), 0.0)
+    sched.submit(work("new", prompt=20_000), 0.0)
+    assert sched.prefill_ahead_tokens() == 60_000 + 100  # + b's prefill under way
+    expected = 1_000 / 10_000 + (19_000 / 200_000 + 1_000 / 10_000) + 20_000 / 10_000 + 100 / 10_000
+    assert sched.prefill_ahead_s() == pytest.approx(expected)
 
 
 def test_the_view_counts_what_a_newcomer_waits_behind():

@@ -80,6 +80,15 @@ def test_win_table_compares_with_the_best_baseline_and_states_the_goals(tmp_path
     assert heat_map(_fake(ours95=18.0), tmp_path / "h.png") == "h.png" and (tmp_path / "h.png").stat().st_size > 0
 
 
+def test_the_report_section_carries_the_grid_design():
+    from talaria.sim.matrix_report import matrix_section
+
+    fake = {**_fake(ours95=18.0), "cells": [{**c, "results": {k: {**v, "shape": {}} for k, v in c["results"].items()}}
+                                            for c in _fake(ours95=18.0)["cells"]]}
+    text = "\n".join(matrix_section(fake))
+    assert "capacity = instances / mean session work" in text and "| c1 | 100 % |" in text
+
+
 def test_one_small_cell_runs_every_policy_to_completion():
     cell = Cell("tiny", depth=5, prompt=8_000, output=50, instances=2, load=0.6, seed=3)
     for policy in (OURS, "session-sticky"):

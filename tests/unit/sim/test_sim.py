@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from talaria.sim.cluster import RunConfig, simulate
+from talaria.sim.cluster import Cluster, RunConfig, simulate
 from talaria.sim.engine import EventLoop
 from talaria.sim.experiments import main as experiments_main
 from talaria.sim.executor import SimExecutor, instance_config
@@ -207,8 +207,13 @@ def test_tau_sweep_shows_the_lease_effect_under_the_paper_admission_rule(tmp_pat
 
     res = tau_sweep_exp()
     same = {k: v["router"]["same_instance_returns"] for k, v in res["points"].items()}
-    assert same["0, paper admission"] < same["1, paper admission"]  # the lease keeps returns home
+    # The lease keeps a return home while its home is over the round budget. With the
+    # agent's own prefill-ahead estimate (queued_prefill_s) a home rarely is in this
+    # testbed, so the paper-admission rows differ little; the lease must never lose one.
+    assert same["0, paper admission"] <= same["1, paper admission"]
     assert same["0"] >= same["0, paper admission"]  # kv_home_admits does part of its job
+    unused = {k: v["router"]["unused_leases"] for k, v in res["points"].items()}
+    assert unused["0"] == 0 < unused["5"] <= unused["1"] <= unused["0.5"]  # longer tau: fewer wasted
     assert any("| 0, paper admission |" in line for line in tau_section(res, tmp_path))
     assert (tmp_path / "tau_sweep.png").exists()
 
@@ -217,3 +222,22 @@ def test_quantile_does_not_move_up_a_rank_on_float_error():
     # 0.9 * 70 = 63.00000000000001 in floats: without the tolerance the router's adaptive
     # lease took rank 64 (the bug the shared quantile fixed when three copies became one).
     assert quantile(list(range(1, 71)), 0.9) == 63
+
+
+def test_completions_carry_measured_times_so_the_router_learns_each_models_rates():
+    # The live engine charges every call of a batched prefill or decode step that step's
+    # time; the simulated instance does the same, so the router's per-model profiles are
+    # measured, not the active model's advertised rate applied to every model.
+    sessions = [_small(n_calls=3, sid="q", model="qwen3-235b"), _small(n_calls=3, sid="g", model="glm5-nvfp4")]
+    cluster = Cluster(sessions, RunConfig(PAPER_TP8, 1, "talaria", gaps=GapModel("recorded", 10.0)))
+    r = cluster.run()
+    for job in r.jobs:
+        assert job.prefill_s > 0 and job.decode_s > 0
+        assert job.decode_s <= job.done_t - job.first_token_t + 1e-9  # its steps, not the waits between
+    profiles = cluster.router.state.models
+    q, g = PAPER_TP8.model("qwen3-235b"), PAPER_TP8.model("glm5-nvfp4")
+    for name, mp in (("qwen3-235b", q), ("glm5-nvfp4", g)):
+        learned = profiles[name].decode_s_per_tok
+        # 19 steps over 20 output tokens (the first comes from the prefill), at batch 1 or 2
+        assert 0.9 * mp.decode_step_s(1, 0) <= learned <= mp.decode_step_s(2, 10_000)
+    assert profiles["qwen3-235b"].decode_s_per_tok != profiles["glm5-nvfp4"].decode_s_per_tok
