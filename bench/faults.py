@@ -182,6 +182,10 @@ async def load(up: UpProcess, phase: Phase, sessions: int, calls: int, inject, s
         tasks = [asyncio.create_task(run_session(http, url, key, phase, f"{phase.fault}-{seed}-s{k}", calls,
                                                  random.Random(rng.random()))) for k in range(sessions)]
         await asyncio.sleep(FAULT_AT_S)
+        # ... at a moment a call is in flight: a call takes ~10 ms against 200-500 ms of tool
+        # time, so an instant picked blindly often finds none (and tests nothing in flight).
+        while not any(a.end == 0.0 for a in phase.attempts) and not all(t.done() for t in tasks):
+            await asyncio.sleep(0.001)
         phase.fault_at = time.monotonic()
         await asyncio.get_running_loop().run_in_executor(None, inject)
         await asyncio.gather(*tasks)
@@ -334,15 +338,10 @@ CAUSES = {
                           "acknowledged events whose transaction the crash undid (see kill-telemetry).",
     "kill-agent": "the dead agent's calls wait for heartbeat loss (4 beats = 2 s), then the client's "
                   "Retry-After (1 s, HTTP's smallest), then a survivor that just took twice the load.",
-    "nats-pause": "not a service fault, and no call waits for its 504 any more (see the note above). A "
-                  "row can still be wrong: the router's liveness check ran while the broker was stopped, found "
-                  "an agent silent for 2 s (no heartbeat can cross a stopped broker) and failed its in-flight "
-                  "calls with 503; one of them had already finished on the agent, whose 200 reached the gateway "
-                  "first (the client has its answer) while the router's CallFailed reached the stream first, so "
-                  "its row stays `failed`. The router measures an agent's silence across a stall of the broker "
-                  "itself; not fixed here (it needs the router to count silence only while it hears the broker, "
-                  "e.g. its own heartbeat's echo). A race (whether the router's liveness tick runs during the "
-                  "pause): 1 of 6 runs after the agent fix; the other 5 had 120/120 and no errors.",
+    "nats-pause": "not a service fault, and no call waits for its 504 any more (see the note above). An "
+                  "earlier miss (one row `failed` for a call whose client had its 200) came from the router "
+                  "counting an agent's silence across a stall of the broker itself; it now counts silence only "
+                  "while it hears NATS (`shared/health.py BusHearing`, test_router_hearing.py).",
 }
 
 

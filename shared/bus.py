@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 import nats
 from nats.aio.client import Client as NATS
@@ -16,6 +18,8 @@ from talaria.shared.tracing import inject_headers
 
 STREAM_MAX_AGE_S = 7 * 24 * 3600
 DUPLICATE_WINDOW_S = 120
+RECONNECT_WAIT_S = 0.5  # between reconnect attempts; also a publisher's wait before retrying
+PUBLISH_TIMEOUT_S = 10.0  # a JetStream publish (or other API call) waits this long for its ack
 
 
 async def connect(url: str, name: str, **auth) -> tuple[NATS, JetStreamContext]:
@@ -25,12 +29,12 @@ async def connect(url: str, name: str, **auth) -> tuple[NATS, JetStreamContext]:
         url,
         name=name,
         max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
+        reconnect_time_wait=RECONNECT_WAIT_S,
         connect_timeout=5,
         inbox_prefix=SERVICE_INBOX,  # client users may read _INBOX.>, never services' inboxes
         **auth,
     )
-    js = nc.jetstream(timeout=10)
+    js = nc.jetstream(timeout=PUBLISH_TIMEOUT_S)
     await ensure_stream(js)
     return nc, js
 
@@ -121,6 +125,13 @@ def event_msg_id(event: msgspec.Struct) -> str | None:
 
 async def emit(js: JetStreamContext, event: msgspec.Struct, sender: str | None = None) -> int:
     return await publish_event(js, event_subject(event), event, msg_id=event_msg_id(event), sender=sender)
+
+
+async def emit_async(js: JetStreamContext, event: msgspec.Struct, sender: str | None = None) -> asyncio.Future:
+    """Like `emit`, without waiting for the ack: returns its future (a PubAck). Events
+    published one after another are stored in that order."""
+    return await js.publish_async(event_subject(event), encode(event),
+                                  headers=_headers(js, event_msg_id(event), sender))
 
 
 async def emit_new(js: JetStreamContext, event: msgspec.Struct) -> int | None:

@@ -1,5 +1,6 @@
 """The runner's outcomes: what the core reports (finished calls, round summaries, switches)
-published, a call's completion or failure sent (record, reply, stream end) and only then
+published, a call's completion or failure sent (reply and stream end at once, then its
+record: a completion's in the background, outcomes.py) and only once the record is stored
 its message acked, and what it remembers of finished calls so a late copy is never run.
 
 A mixin of `CallRunner` (runner.py), like the scheduler's `ColdPool`: it reads the runner's
@@ -60,10 +61,11 @@ class CallOutcomes:
             return
         deadline = running.routed.call.deadline_at
         if deadline and time.time() >= deadline:  # its client got a 504: never flip that to completed
-            try:
-                await self._run(self.engine.finish, call_id)
-            except Exception:
-                pass
+            if self.released.pop(call_id, None) is None:
+                try:
+                    await self._run(self.engine.finish, call_id)
+                except Exception:
+                    pass
             await self._fail(call_id, "finished after its deadline (the client stopped waiting)", status=504,
                              code="deadline_passed")
             return
@@ -71,12 +73,17 @@ class CallOutcomes:
         with call_context(running.routed.call.session_id, call_id):
             try:
                 await self._publish_completion(call_id, running)
-            finally:
-                self.closing.pop(call_id, None)  # published, or not: then a redelivery runs it again
+            except BaseException:
+                self.closing.pop(call_id, None)  # not sent: a redelivery runs it again
+                raise
 
     async def _publish_completion(self, call_id: str, running: Running) -> None:
+        result = self.released.pop(call_id, None)  # the engine step that finished it released it
         try:
-            result = await self._run(self.engine.finish, call_id)
+            if result is None:
+                result = await self._run(self.engine.finish, call_id)
+            elif isinstance(result, EngineError):
+                raise result
         except EngineError as exc:
             self.calls[call_id] = self.closing.pop(call_id)
             await self._fail(call_id, f"engine error: {exc}")
@@ -93,12 +100,12 @@ class CallOutcomes:
             "cached_tokens": result.cached_tokens, "kv_source": result.kv_source,
             "slot_wait_s": completed.slot_wait_s, "admitted_via": via, "model_opened": completed.model_opened})
         running.span.end()
-        # The durable record, the reply and the stream's end go out together; the message is
-        # acked only after all of them, so a crash before that still redelivers the call.
-        sends = [emit(self.js, completed)]
+        # The reply and the stream's end go out now; the durable record follows (outcomes.py),
+        # and the message is acked only after it is stored, so a crash before that redelivers.
+        replies = []
         if call.reply_to:
             n_out = len(result.token_ids)
-            sends.append(self.nc.publish(call.reply_to, encode(CallResult(
+            replies.append((call.reply_to, encode(CallResult(
                 call_id=call_id, session_id=call.session_id, call_index=routed.call_index, model=call.model,
                 instance_id=self.instance_id, text=result.text, finish_reason=result.finish_reason,
                 usage=Usage(result.prompt_tokens, n_out, result.prompt_tokens + n_out, result.cached_tokens),
@@ -107,14 +114,16 @@ class CallOutcomes:
                 kv_source=result.kv_source, stop_sequence=result.stop_sequence, logprobs=result.logprobs,
             ))))
         if call.stream:
-            sends.append(self.nc.publish(subjects.tokens(call.tenant, call_id), encode(TokenChunk(
+            replies.append((subjects.tokens(call.tenant, call_id), encode(TokenChunk(
                 call_id, running.streamed, "", done=True, finish_reason=result.finish_reason))))
-        await asyncio.gather(*sends, settled(running.started_pub))
-        await self._closed(call_id, running)
+        await self.outcomes.send(call_id, running.started_pub, completed, replies,
+                                 on_stored=lambda: self._closed(call_id, running),
+                                 on_dropped=lambda: self.closing.pop(call_id, None))
         self.log.info("call completed", tokens=len(result.token_ids), kv_source=result.kv_source,
                       ttft_s=round(completed.ttft_s, 4))
 
     async def _fail(self, call_id: str, reason: str, *, status: int = 500, code: str = "engine_error") -> None:
+        self.released.pop(call_id, None)
         running = self._close(call_id)
         if running is None:
             return

@@ -12,7 +12,7 @@ import time
 
 from talaria.services.instance_agent.call_outcomes import merge_outcomes
 from talaria.services.instance_agent.core import Outcome
-from talaria.services.instance_agent.engine import EngineBusy, GenRequest
+from talaria.services.instance_agent.engine import EngineBusy, EngineError, GenRequest
 from talaria.services.instance_agent.scheduler import Decode, Prefill, SchedulerError, SwitchModel
 from talaria.shared import subjects
 from talaria.shared.bus import emit
@@ -55,15 +55,35 @@ class EngineSteps:
             running.started_pub = asyncio.ensure_future(
                 emit(self.js, CallStarted(call_id, call.session_id, self.instance_id, started)))
         self.arrived.clear()
-        steps = await self._run(self.engine.prefill, reqs, action.chunk_tokens, more)
+        steps = await self._step(self.engine.prefill, reqs, action.chunk_tokens, more)
         firsts = [s.call_id for s in steps]
         left = self.engine.prompt_left(action.call_ids) if action.chunk_tokens else None
         return self.core.prefill_done(action, time.time(), await self._tokens(steps), first_tokens=firsts,
                                       prompt_left=left)
 
     async def _decode(self, action: Decode):
-        steps = await self._run(self.engine.decode, list(action.call_ids))
+        steps = await self._step(self.engine.decode, list(action.call_ids))
         return self.core.decode_done(action, time.time(), await self._tokens(steps))
+
+    async def _step(self, step, *args):
+        """An engine step (prefill or decode); the calls it finished are released on the
+        engine thread in the same trip, so completing them costs no second hand-off."""
+        steps, released = await self._run(self._step_and_release, step, *args, kind=step.__name__)
+        self.released.update((c, r) for c, r in released.items() if c in self.calls)
+        return steps
+
+    def _step_and_release(self, step, *args):
+        """On the engine thread: the step, then each call it finished released (its GenResult,
+        or the EngineError releasing it raised)."""
+        steps = step(*args)
+        released = {}
+        for s in steps:
+            if s.finished:
+                try:
+                    released[s.call_id] = self.engine.finish(s.call_id)
+                except EngineError as exc:
+                    released[s.call_id] = exc
+        return steps, released
 
     async def _tokens(self, steps) -> set[str]:
         finished = set()

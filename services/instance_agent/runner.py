@@ -37,6 +37,7 @@ from talaria.services.instance_agent.call_outcomes import FINISHED_MEMORY, CallO
 from talaria.services.instance_agent.core import AgentCore, Outcome
 from talaria.services.instance_agent.engine import EngineError
 from talaria.services.instance_agent.engine_steps import EngineSteps
+from talaria.services.instance_agent.outcomes import OutcomeSender
 from talaria.services.instance_agent.scheduler import (
     Decode,
     Idle,
@@ -59,14 +60,20 @@ INITIAL_COSTS = LinearCosts(prefill_tok_s=5_000.0, restore_tok_s=200_000.0, deco
                             switch_staged_s=0.02, switch_host_s=0.05, kv_bytes_per_token=4096)
 
 
-def reusable_kv(engine, session_id: str, model: str, prompt_tokens: int) -> tuple[str, int]:
+def reusable_kv(engine, session_id: str, model: str, prompt_tokens: int,
+                prompt_ids=None) -> tuple[str, int]:
     """(where the session's KV is, how many prompt tokens of it can be reused) on `engine`;
-    at least the last prompt token is always computed, so it yields the first logits."""
+    at least the last prompt token is always computed, so it yields the first logits.
+    With `prompt_ids`, device KV counts only as far as it matches the prompt: a prompt that
+    does not extend the last one would otherwise be priced (and chunked) as almost free."""
     state = engine.kv_state(session_id, model)
     if state == "none":
         return "none", 0
-    held = max((n for s, m, st, n in engine.session_states()
-                if s == session_id and m == model and st == state), default=0)
+    if state == "device" and prompt_ids is not None and hasattr(engine, "device_prefix"):
+        held = engine.device_prefix(session_id, model, prompt_ids)
+    else:
+        held = max((n for s, m, st, n in engine.session_states()
+                    if s == session_id and m == model and st == state), default=0)
     return state, min(held, prompt_tokens - 1)
 
 
@@ -115,6 +122,8 @@ class CallRunner(EngineSteps, CallOutcomes, CallDrops):
         # attached to it, never run again), `finished` (recently done: a redelivery is acked).
         self.closing: dict[str, Running] = {}
         self.finished: OrderedDict[str, None] = OrderedDict()
+        self.outcomes = OutcomeSender(nc, js, log)  # completion records stored off the loop
+        self.released: dict[str, object] = {}  # finished calls the engine step released: result or error
         # Cancels for calls not (yet) here: a call routed after its cancel is refused on arrival.
         self.cancelled: OrderedDict[str, tuple[str, str]] = OrderedDict()  # call id -> (reason, tenant)
         self.watchdog = Watchdog(min_stuck_s=settings.watchdog_min_s)
@@ -159,7 +168,7 @@ class CallRunner(EngineSteps, CallOutcomes, CallDrops):
         if routed.incarnation and routed.incarnation != self.incarnation:
             return (f"placed on a previous process of {self.instance_id}, which stopped before running it; "
                     "retry the call")
-        kv_state, reusable = self._kv_for(call.session_id, call.model, call.prompt_tokens)
+        kv_state, reusable = self._kv_for(call.session_id, call.model, call.prompt_tokens, call.prompt_ids)
         try:
             self.core.accept(call.call_id, call.session_id, call.model, call_index=routed.call_index,
                              prompt_tokens=call.prompt_tokens, max_tokens=call.max_tokens,
@@ -175,9 +184,9 @@ class CallRunner(EngineSteps, CallOutcomes, CallDrops):
         self.wakeup.set()
         return None
 
-    def _kv_for(self, session_id: str, model: str, prompt_tokens: int) -> tuple[str, int]:
+    def _kv_for(self, session_id: str, model: str, prompt_tokens: int, prompt_ids) -> tuple[str, int]:
         try:
-            return reusable_kv(self.engine, session_id, model, prompt_tokens)
+            return reusable_kv(self.engine, session_id, model, prompt_tokens, prompt_ids)
         except Exception:  # the engine thread changed its tables under us: assume nothing
             return "none", 0
 
@@ -268,9 +277,9 @@ class CallRunner(EngineSteps, CallOutcomes, CallDrops):
         for w in waiters:
             w.cancel()
 
-    async def _run(self, fn, *args):
+    async def _run(self, fn, *args, kind: str | None = None):
         """An engine step of the work loop, timed by the watchdog."""
-        self.watchdog.step_started(fn.__name__, self.step_calls, time.time())
+        self.watchdog.step_started(kind or fn.__name__, self.step_calls, time.time())
         try:
             return await self._on_engine(fn, *args)
         finally:

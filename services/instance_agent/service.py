@@ -17,7 +17,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from talaria.services.instance_agent.runner import CallRunner
 from talaria.shared import logs, subjects, tracing
-from talaria.shared.bus import close, connect, emit
+from talaria.shared.bus import PUBLISH_TIMEOUT_S, close, connect, emit
 from talaria.shared.limits import call_problem
 from talaria.shared.nats_auth import parse_sender, sender_of, trusted
 from talaria.shared.events import CallFailed, CallRouted, CallSubmitted, EVENT_DECODER, ROUTED_DECODER
@@ -98,6 +98,7 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await runner.outcomes.drain(PUBLISH_TIMEOUT_S)  # records in flight: stored, or redelivered
         await close(nc)
         executor.shutdown(wait=True, cancel_futures=True)
         provider.shutdown()

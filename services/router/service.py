@@ -1,9 +1,13 @@
 """Router service: the asyncio shell around RouterCore.
 
 Inputs come from a durable JetStream consumer (call submitted / completed / failed),
-snapshots from `talaria.telemetry.*`. Each input is folded, its output events are
-published, and only then is the input acknowledged, so a crash re-delivers rather
-than loses it; RouterCore's dedupe (a call is routed once) makes re-delivery safe.
+snapshots from `talaria.telemetry.*`. Each input is folded, a routed call's core-NATS
+fast copy goes to its agent at once, and the input's output events are published to the
+stream while the next input is folded (started in order, so the stream keeps the order
+the state applied them in); the input is acked only once all of its outputs are stored,
+so a crash re-delivers rather than loses it, and RouterCore's dedupe (a call is routed
+once) makes re-delivery safe. A projection save waits until every folded input's outputs
+are stored, so a saved state never counts an output the stream lacks.
 
 Restart: load the last projection (state + stream sequence) from Postgres, replay
 the stream after that sequence through `RouterState.apply`, then resume consuming.
@@ -21,6 +25,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from talaria.services.router.core import RouterCore
+from talaria.services.router.outputs import RouterOutputs
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.policy.registry import create_policy
 from talaria.services.router.projection import ProjectionStore
@@ -28,20 +33,17 @@ from talaria.services.router.state import RouterState
 from talaria.shared import logs, subjects, tracing
 from talaria.shared.health import INTERVAL_S as HEARTBEAT_INTERVAL_S, BusHearing, heartbeat_loop
 from talaria.shared.logs import call_context
-from talaria.shared.bus import close, connect, emit, publish_fast
+from talaria.shared.bus import PUBLISH_TIMEOUT_S, close, connect, publish_fast
 from talaria.shared.nats_auth import sender_of, trusted
 from talaria.shared.db.engine import create_engine
 from talaria.shared.events import (
-    CallFailed,
     CallRouted,
     CallSubmitted,
     EVENT_DECODER,
     InstanceLost,
     RoutingDecision,
 )
-from talaria.shared.messages import ErrorReply
 from talaria.shared.snapshots import SNAPSHOT_DECODER
-from talaria.shared.wire import encode
 from talaria.shared.settings import Settings, SettingsError
 from talaria.shared.tracing import extract_context
 
@@ -60,7 +62,6 @@ TICK_S = 0.05
 WARMUP_S = 1.2
 SAVE_EVERY_S = 2.0
 MAX_DELIVER = 20  # a message that keeps failing is given up (and logged) rather than looping
-PUBLISH_RETRY_S = 0.5
 
 
 def policy_config(settings: Settings) -> PolicyConfig:
@@ -71,7 +72,7 @@ def policy_config(settings: Settings) -> PolicyConfig:
     )
 
 
-class RouterService:
+class RouterService(RouterOutputs):
     def __init__(self, settings: Settings, log) -> None:
         self.settings, self.log = settings, log
         try:
@@ -85,6 +86,7 @@ class RouterService:
         self.listening_since = time.time()  # restored views are not "silent" before this
         self.warm = asyncio.Event()  # every restored instance heard from again
         self.expected: set[str] = set()
+        self.storing: set[asyncio.Task] = set()  # inputs' outputs being stored (then the input is acked)
 
     async def run(self, ready: asyncio.Event | None, stop: asyncio.Event) -> None:
         provider = tracing.setup("router", self.settings)
@@ -129,9 +131,12 @@ class RouterService:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             try:
-                await self._save(store)
+                await self._save(store, drain_s=PUBLISH_TIMEOUT_S)
             except Exception as exc:  # the replay on the next start covers what is not saved
                 self.log.warning("final projection save failed", error=str(exc))
+            for task in self.storing:  # not stored: their inputs stay unacked and come back
+                task.cancel()
+            await asyncio.gather(*self.storing, return_exceptions=True)
             await close(self.nc)
             await db.dispose()
             provider.shutdown()
@@ -253,14 +258,21 @@ class RouterService:
         session_id = getattr(event, "session_id", None)
         try:
             with call_context(session_id, call_id) if call_id and session_id else _null():
-                await self._handle_event(event, msg)
+                outputs, acks = await self._handle_event(event, msg)
         except Exception:  # never let one input stop the router: it is redelivered
             self.log.exception("input failed; will be redelivered", subject=msg.subject)
             await msg.nak(delay=1)
             return
-        await msg.ack()
+        if not outputs:
+            await msg.ack()
+            return
+        # Its outputs are on their way (published in order); their acks are awaited while
+        # the next input is folded, and this input is acked only once all are stored.
+        task = asyncio.create_task(self._store_then_ack(outputs, acks, msg))
+        self.storing.add(task)
+        task.add_done_callback(self.storing.discard)
 
-    async def _handle_event(self, event, msg) -> None:
+    async def _handle_event(self, event, msg) -> tuple[list, list]:
         async with self.lock:
             ctx = extract_context(msg.headers)
             with self.tracer.start_as_current_span("route", context=ctx) if isinstance(event, CallSubmitted) \
@@ -277,43 +289,12 @@ class RouterService:
                 if isinstance(event, CallSubmitted):  # the stream keeps the prompt ids once
                     seq = msg.metadata.sequence.stream
                     outputs = [o.by_reference(seq) if isinstance(o, CallRouted) else o for o in outputs]
-                # The state already counts these outputs, so they must reach the stream before
-                # the input is acked: retry (msg ids make retries idempotent) rather than drop.
-                await self._publish_all(outputs)
+            # The state already counts these outputs, so they must reach the stream before the
+            # input is acked: published now, in the order the state applied them.
+            acks = await self._start(outputs)
             self.seq = max(self.seq, msg.metadata.sequence.stream)
             self.dirty = True
-
-    async def _publish_all(self, outputs) -> None:
-        """All of one input's outputs at once: the input waits for the slowest ack, not the
-        sum of them. They are independent facts already folded into the state, and their
-        message ids make a retry (or a redelivered input's republish) a no-op."""
-        if len(outputs) == 1:
-            seqs = [await self._publish_one(outputs[0])]
-        else:
-            seqs = await asyncio.gather(*(self._publish_one(out) for out in outputs))
-        if seqs:
-            self.seq = max(self.seq, *seqs)
-        for out in outputs:
-            if isinstance(out, CallFailed) and out.reply_to:
-                await self._reply_failed(out)  # a rejection, or a lost instance's call
-
-    async def _publish_one(self, out) -> int:
-        while True:
-            try:
-                return await emit(self.js, out)
-            except Exception as exc:
-                self.log.warning("publish failed; retrying", kind=type(out).__name__, error=str(exc))
-                await asyncio.sleep(PUBLISH_RETRY_S)  # back off while NATS recovers
-
-    async def _reply_failed(self, failed: CallFailed) -> None:
-        """The router owes this client its answer: a rejection, or its agent was lost."""
-        retry = getattr(self.core.policy.config, "retry_after_s", 1.0)
-        code = "no_capacity" if failed.stage == "router" else "instance_lost"
-        try:
-            await self.nc.publish(failed.reply_to, encode(
-                ErrorReply(failed.status, code, failed.reason, retry_after_s=retry, call_id=failed.call_id)))
-        except Exception as exc:  # the failure is recorded; the gateway's timeout answers the client
-            self.log.warning("could not answer the client", call_id=failed.call_id, error=str(exc))
+        return outputs, acks
 
     async def _tick(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -350,12 +331,15 @@ class RouterService:
                 pass
             if self.dirty:
                 try:
-                    await self._save(store)
+                    await self._save(store, drain_s=SAVE_EVERY_S)
                 except Exception as exc:  # Postgres is off the hot path: routing goes on
                     self.log.warning("projection save failed", error=str(exc))
 
-    async def _save(self, store: ProjectionStore) -> None:
+    async def _save(self, store: ProjectionStore, drain_s: float) -> None:
         async with self.lock:  # a consistent cut: never in the middle of handling an input
+            # ... and never ahead of the stream: every folded input's outputs are stored first.
+            if not await self._outputs_stored(drain_s):  # the bus is slow or down: try later
+                return
             seq, snapshot = self.seq, self.core.state.to_dict()
             self.dirty = False
         await store.save_dict(seq, snapshot)

@@ -42,6 +42,17 @@ class Services:
         self.running.append(running)
         return running
 
+    async def start_control_plane(self, settings: Settings) -> None:
+        """Telemetry, router and gateway, in the order they depend on each other; the tests
+        add the agents they need."""
+        from talaria.services.gateway.service import run as run_gateway
+        from talaria.services.router.service import run as run_router
+        from talaria.services.telemetry.service import run as run_telemetry
+
+        await self.start("telemetry", run_telemetry, settings)
+        await self.start("router", run_router, settings)
+        await self.start("gateway", run_gateway, settings)
+
     async def close(self) -> None:
         for r in reversed(self.running):
             with contextlib.suppress(Exception):

@@ -8,10 +8,7 @@ import asyncio
 import nats
 import pytest
 
-from talaria.services.gateway.service import run as run_gateway
 from talaria.services.instance_agent.service import run as run_agent
-from talaria.services.router.service import run as run_router
-from talaria.services.telemetry.service import run as run_telemetry
 from talaria.shared.messages import CallRequest, CallResult, REPLY_DECODER
 from talaria.shared.wire import encode
 from talaria.shared import subjects
@@ -41,9 +38,7 @@ async def run_workload(settings: Settings, run: str, **agent_flags) -> list[list
     services = Services()
     nc = await nats.connect(settings.nats_url)
     try:
-        await services.start("telemetry", run_telemetry, settings)
-        await services.start("router", run_router, settings)
-        await services.start("gateway", run_gateway, settings)
+        await services.start_control_plane(settings)
         await services.start("agent", run_agent, settings.with_(instance_id=f"agent-{run}", models=MODELS,
                                                                  **agent_flags))
         await wait_for_router(nc, instances=1)

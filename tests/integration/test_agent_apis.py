@@ -9,10 +9,7 @@ import nats
 import openai
 import pytest
 
-from talaria.services.gateway.service import run as run_gateway
 from talaria.services.instance_agent.service import run as run_agent
-from talaria.services.router.service import run as run_router
-from talaria.services.telemetry.service import run as run_telemetry
 from talaria.shared.health import wait_for_router
 from talaria.shared.settings import Settings
 from talaria.embedded import free_port
@@ -29,9 +26,7 @@ async def served(nats_url, database_url, tmp_path):
     settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="talaria",
                         http_port=free_port(), session_idle_s=3600, call_timeout_s=60)
     services = Services()
-    await services.start("telemetry", run_telemetry, settings)
-    await services.start("router", run_router, settings)
-    await services.start("gateway", run_gateway, settings)
+    await services.start_control_plane(settings)
     await services.start("agent-0", run_agent, settings.with_(instance_id="agent-0", models=("qwen3-tiny",)))
     nc = await nats.connect(nats_url)
     await wait_for_router(nc, instances=1)
@@ -130,9 +125,7 @@ async def toolbot(nats_url, database_url, tmp_path):
                         http_port=free_port(), session_idle_s=3600, call_timeout_s=60, models=(f"toolbot={path}",))
     assert settings.models == ("toolbot",) and settings.models_env() == f"toolbot={path}"
     services = Services()
-    await services.start("telemetry", run_telemetry, settings)
-    await services.start("router", run_router, settings)
-    await services.start("gateway", run_gateway, settings)
+    await services.start_control_plane(settings)
     await services.start("agent-0", run_agent, settings.with_(instance_id="agent-0"))
     nc = await nats.connect(nats_url)
     await wait_for_router(nc, instances=1)

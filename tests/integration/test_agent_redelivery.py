@@ -21,7 +21,7 @@ from collections import Counter
 
 import pytest
 
-from talaria.services.instance_agent import call_outcomes
+from talaria.services.instance_agent import outcomes
 from talaria.services.instance_agent import service as agent_service
 from talaria.services.instance_agent.engine import GenRequest
 from talaria.shared.events import CallCompleted, CallRouted, CallSubmitted
@@ -125,15 +125,25 @@ def hold_completion_publish(monkeypatch, call_id: str):
     """The NATS pause as the agent sees it: the call's completion record does not get out
     until `resume` is set; `held` is set when the agent is waiting on it."""
     held, resume = asyncio.Event(), asyncio.Event()
-    emit_real = call_outcomes.emit
+    emit_real = outcomes.emit_async  # a completion's record is published from there
 
     async def paused_emit(js, event, *a, **k):
-        if isinstance(event, CallCompleted) and event.call_id == call_id:
-            held.set()
-            await resume.wait()
-        return await emit_real(js, event, *a, **k)
+        if not (isinstance(event, CallCompleted) and event.call_id == call_id):
+            return await emit_real(js, event, *a, **k)
+        held.set()
+        ack = asyncio.get_running_loop().create_future()
 
-    monkeypatch.setattr(call_outcomes, "emit", paused_emit)
+        async def after_the_pause():
+            await resume.wait()
+            try:
+                ack.set_result(await (await emit_real(js, event, *a, **k)))
+            except Exception as exc:
+                ack.set_exception(exc)
+
+        asyncio.ensure_future(after_the_pause())
+        return ack
+
+    monkeypatch.setattr(outcomes, "emit_async", paused_emit)
     return held, resume.set
 
 

@@ -11,10 +11,7 @@ import nats
 import pytest
 
 from talaria.embedded import free_port
-from talaria.services.gateway.service import run as run_gateway
 from talaria.services.instance_agent import service as agent_service
-from talaria.services.router.service import run as run_router
-from talaria.services.telemetry.service import run as run_telemetry
 from talaria.shared.messages import CallRequest, CallResult, ErrorReply, REPLY_DECODER
 from talaria.shared.snapshots import SNAPSHOT_DECODER
 from talaria.shared.wire import encode
@@ -47,9 +44,7 @@ async def test_a_stuck_engine_step_fails_its_call_flags_the_agent_and_the_stack_
     services = Services()
     nc = await nats.connect(nats_url)
     try:
-        await services.start("telemetry", run_telemetry, settings)
-        await services.start("router", run_router, settings)
-        await services.start("gateway", run_gateway, settings)
+        await services.start_control_plane(settings)
         for i in range(2):
             await services.start(f"agent-{i}", agent_service.run,
                                  settings.with_(instance_id=f"agent-{i}", models=("qwen3-tiny",)))

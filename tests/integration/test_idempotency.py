@@ -14,11 +14,8 @@ import pytest
 
 from talaria.services.gateway.http_api import parse_request
 from talaria.services.gateway.idempotency import IdempotentCalls, outcome_subject
-from talaria.services.gateway.service import run as run_gateway
 from talaria.services.gateway.submitter import Submitter
 from talaria.services.instance_agent.service import run as run_agent
-from talaria.services.router.service import run as run_router
-from talaria.services.telemetry.service import run as run_telemetry
 from talaria.shared import logs, subjects
 from talaria.shared import messages as m
 from talaria.shared.wire import encode, replace
@@ -41,9 +38,7 @@ async def stack(nats_url, database_url, tmp_path):
                         http_port=free_port(), session_idle_s=3600, call_timeout_s=30,
                         api_keys=(KEY_A, KEY_B))
     services = Services()
-    await services.start("telemetry", run_telemetry, settings)
-    await services.start("router", run_router, settings)
-    await services.start("gateway", run_gateway, settings)
+    await services.start_control_plane(settings)
     yield settings, services
     await services.close()
 

@@ -10,10 +10,7 @@ import msgspec
 import nats
 import pytest
 
-from talaria.services.gateway.service import run as run_gateway
 from talaria.services.instance_agent.service import run as run_agent
-from talaria.services.router.service import run as run_router
-from talaria.services.telemetry.service import run as run_telemetry
 from talaria.shared.messages import (
     CANCELLED_STATUS,
     CallRequest,
@@ -38,9 +35,7 @@ async def stack(nats_url, database_url, tmp_path):
     settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="talaria",
                         http_port=free_port(), session_idle_s=3600, call_timeout_s=60, models=(MODEL,))
     services = Services()
-    await services.start("telemetry", run_telemetry, settings)
-    await services.start("router", run_router, settings)
-    await services.start("gateway", run_gateway, settings)
+    await services.start_control_plane(settings)
     yield settings, services
     await services.close()
 

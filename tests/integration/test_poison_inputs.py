@@ -18,10 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
 from talaria.embedded import free_port
-from talaria.services.gateway.service import run as run_gateway
 from talaria.services.instance_agent.service import run as run_agent
-from talaria.services.router.service import run as run_router
-from talaria.services.telemetry.service import run as run_telemetry
 from talaria.shared.messages import CallResult, ErrorReply, REPLY_DECODER, Reply
 from talaria.shared import subjects
 from talaria.shared.health import wait_for_router
@@ -39,9 +36,7 @@ async def stack(nats_url, database_url, tmp_path):
     settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="least-loaded",
                         http_port=free_port(), session_idle_s=3600, call_timeout_s=60)
     services = Services()
-    await services.start("telemetry", run_telemetry, settings)
-    await services.start("router", run_router, settings)
-    await services.start("gateway", run_gateway, settings)
+    await services.start_control_plane(settings)
     await services.start("agent-0", run_agent, settings.with_(instance_id="agent-0", models=(MODEL,)))
     nc = await nats.connect(nats_url)
     await wait_for_router(nc, instances=1)

@@ -10,10 +10,7 @@ import nats
 import pytest
 
 from talaria.embedded import free_port
-from talaria.services.gateway.service import run as run_gateway
 from talaria.services.instance_agent.service import run as run_agent
-from talaria.services.router.service import run as run_router
-from talaria.services.telemetry.service import run as run_telemetry
 from talaria.shared.health import wait_for_router
 from talaria.shared.settings import Settings
 from talaria.sim.cli import main as sim_main
@@ -29,9 +26,7 @@ async def test_a_live_session_exports_and_replays_with_the_same_call_count(nats_
                         http_port=free_port(), session_idle_s=3600, call_timeout_s=60)
     services = Services()
     try:
-        await services.start("telemetry", run_telemetry, settings)
-        await services.start("router", run_router, settings)
-        await services.start("gateway", run_gateway, settings)
+        await services.start_control_plane(settings)
         await services.start("agent-0", run_agent, settings.with_(instance_id="agent-0", models=("qwen3-tiny",)))
         nc = await nats.connect(nats_url)
         await wait_for_router(nc, instances=1)

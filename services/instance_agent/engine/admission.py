@@ -134,7 +134,9 @@ def alloc_page(eng: TorchEngine) -> int:
 
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    i, block = 0, 256
+    while i < n and a[i:i + block] == b[i:i + block]:  # slices compare in C: a long session is cheap
+        i += block
+    while i < n and a[i] == b[i]:
+        i += 1
+    return min(i, n)

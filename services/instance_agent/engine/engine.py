@@ -252,6 +252,9 @@ class TorchEngine:
     def kv_state(self, session_id: str, model: str) -> str:
         return report.kv_state(self, session_id, model)
 
+    def device_prefix(self, session_id: str, model: str, prompt_ids: list[int]) -> int:
+        return report.device_prefix(self, session_id, model, prompt_ids)
+
     def session_states(self) -> list[tuple[str, str, str, int]]:
         return report.session_states(self)
 

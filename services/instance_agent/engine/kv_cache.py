@@ -33,6 +33,11 @@ class PagePool:
         self.use_refs = [0] * num_pages
         self._free = list(range(num_pages))  # a heap: lowest address first
         self._is_blocked, self._on_alloc = is_blocked, on_alloc
+        # Kept as pages change hands, so the counts a snapshot and every admission read
+        # cost O(1) instead of a scan of the whole pool (milliseconds on the event loop).
+        self._in_free = bytearray(b"\x01") * num_pages
+        self._unused = num_pages  # pages with no use ref
+        self._taken: list[int] = []  # a heap of -page for pages not free (lazy: checked on read)
 
     def alloc(self) -> int | None:
         """Lowest free, unblocked page (taken with one use ref), or None."""
@@ -47,16 +52,22 @@ class PagePool:
         for s in skipped:
             heapq.heappush(self._free, s)
         if page is not None:
-            self.use_refs[page] = 1
+            self._in_free[page] = 0
+            self._take(page)
+            self.use(page)
             self._on_alloc(page)
         return page
 
     def use(self, page: int) -> None:
+        if self.use_refs[page] == 0:
+            self._unused -= 1
         self.use_refs[page] += 1
 
     def unuse(self, page: int) -> None:
         assert self.use_refs[page] > 0, f"page {page} has no use ref"
         self.use_refs[page] -= 1
+        if self.use_refs[page] == 0:
+            self._unused += 1
         self._maybe_free(page)
 
     def cache(self, page: int) -> None:
@@ -68,8 +79,15 @@ class PagePool:
         self._maybe_free(page)
 
     def _maybe_free(self, page: int) -> None:
-        if self.cache_refs[page] == 0 and self.use_refs[page] == 0:
+        if self.cache_refs[page] == 0 and self.use_refs[page] == 0 and not self._in_free[page]:
+            self._in_free[page] = 1
             heapq.heappush(self._free, page)
+
+    def _take(self, page: int) -> None:
+        heapq.heappush(self._taken, -page)
+        if len(self._taken) > 2 * self.num_pages:  # stale entries of pages freed since: rebuild
+            self._taken = [-p for p in range(self.num_pages) if not self._in_free[p]]
+            heapq.heapify(self._taken)
 
     @property
     def num_free(self) -> int:
@@ -77,7 +95,7 @@ class PagePool:
 
     def num_unused(self) -> int:
         """Pages no call or copy holds: free now or after evicting cached prefixes."""
-        return sum(1 for u in self.use_refs if u == 0)
+        return self._unused
 
     def used_pages(self) -> list[int]:
         free = set(self._free)
@@ -85,11 +103,10 @@ class PagePool:
 
     def highest_used(self) -> int:
         """Index of the highest page not free (-1 when the pool is empty)."""
-        free = set(self._free)
-        for p in range(self.num_pages - 1, -1, -1):
-            if p not in free:
-                return p
-        return -1
+        taken = self._taken
+        while taken and self._in_free[-taken[0]]:
+            heapq.heappop(taken)
+        return -taken[0] if taken else -1
 
 
 class DevicePrefixIndex:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from talaria.services.instance_agent.engine.admission import common_prefix
 from talaria.services.instance_agent.engine.api import EngineStats
 
 if TYPE_CHECKING:
@@ -21,6 +22,16 @@ def kv_state(eng: TorchEngine, session_id: str, model: str) -> str:
         if eng.hkvr.core.session_tokens(session_id, model, eng.page_size) > 0:
             return "host"
     return "none"
+
+
+def device_prefix(eng: TorchEngine, session_id: str, model: str, prompt_ids: list[int]) -> int:
+    """Leading tokens of `prompt_ids` the session's device KV holds (what admission reuses
+    from it), 0 when it holds none for `model`. A prompt that does not extend the session's
+    last one (a re-rendered turn) reuses only the common prefix."""
+    entry = eng.sessions.get(session_id) if model == eng.active_model and eng.sessions is not None else None
+    if entry is None or entry.model != model:
+        return 0
+    return common_prefix(entry.tokens, prompt_ids)
 
 
 def session_states(eng: TorchEngine) -> list[tuple[str, str, str, int]]:

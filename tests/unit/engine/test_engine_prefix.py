@@ -40,3 +40,20 @@ def test_identical_prompt_recomputes_only_last_token(make_engine):
     b = eng.generate(GenRequest("c2", "s1", "qwen3-moe-tiny", SYSTEM, 6))
     assert b.cached_tokens == len(SYSTEM) - 1
     assert a.token_ids == b.token_ids
+
+
+def test_reusable_estimate_is_what_admission_reuses(make_engine):
+    """The runner tells the scheduler how much of a return's prompt its device KV covers; a
+    prompt that does not extend the last one (a re-rendered turn) reuses only the common
+    prefix, so pricing the whole held KV would make the scheduler chunk it as nearly free."""
+    from talaria.services.instance_agent.runner import reusable_kv
+
+    eng = make_engine(["qwen3-tiny"])
+    first = eng.generate(GenRequest("c1", "s1", "qwen3-tiny", SYSTEM + encode(" first turn", bos=False), 4))
+    extended = SYSTEM + encode(" first turn", bos=False) + first.token_ids[:-1] + encode(" more", bos=False)
+    rewritten = SYSTEM + encode(" another turn entirely", bos=False)
+    for call_id, prompt in (("c2", extended), ("c3", rewritten)):
+        state, reusable = reusable_kv(eng, "s1", "qwen3-tiny", len(prompt), prompt)
+        got = eng.generate(GenRequest(call_id, "s1", "qwen3-tiny", prompt, 1))
+        assert state == "device" and got.kv_source == "device"
+        assert reusable == got.cached_tokens, call_id

@@ -1,0 +1,88 @@
+"""A finished call's record is stored without holding up the scheduling loop.
+
+The durable record (CallCompleted) is published to JetStream first, without waiting for its
+ack, so it reaches the stream ahead of anything the client does next (the router learns of
+the completion before the session's next call); the client's reply (and a stream's end) go
+out on core NATS right after. A background task waits for the record's ack, publishing it
+again until the stream has it (its message id makes a retry a no-op), and only then is
+`on_stored` run (the runner's `_closed`: the call counts as finished and its
+JetStream message is acked). So the engine loop never waits for a stream ack, and the
+guarantee is what it was: a call whose record is not stored is not acked, and a dead
+agent's call is redelivered. While the record is stored the call is `closing`: a copy of
+it arriving then is attached and acked with it (runner.accept).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import msgspec
+
+from talaria.shared.bus import PUBLISH_TIMEOUT_S, RECONNECT_WAIT_S, emit, emit_async
+
+
+class OutcomeSender:
+    def __init__(self, nc, js, log) -> None:
+        self.nc, self.js, self.log = nc, js, log
+        self._tasks: set[asyncio.Task] = set()
+
+    async def send(self, call_id: str, started_pub: asyncio.Future | None, record: msgspec.Struct,
+                   replies: list[tuple[str, bytes]], on_stored: Callable[[], Awaitable[None]],
+                   on_dropped: Callable[[], None]) -> asyncio.Task:
+        """Publish `record`, reply, and wait for the record's ack in the background, then
+        `on_stored()`. `on_dropped()` runs instead when the store is given up (the agent
+        stops): the call stays unacked. Returns the task (await it to wait for the store)."""
+        try:
+            ack = await emit_async(self.js, record)
+        except Exception as exc:  # not even queued (the connection is closed): the task retries
+            ack = asyncio.get_running_loop().create_future()
+            ack.set_exception(exc)
+        for subject, data in replies:
+            await self.nc.publish(subject, data)
+        task = asyncio.create_task(self._store(call_id, started_pub, record, ack, on_stored, on_dropped))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _store(self, call_id: str, started_pub, record, ack, on_stored, on_dropped) -> None:
+        try:
+            await _settled(started_pub)
+            try:
+                await asyncio.wait_for(ack, PUBLISH_TIMEOUT_S)
+            except Exception as exc:  # lost or refused: publish it again until it is stored
+                self.log.warning("outcome not stored yet; retrying", call_id=call_id, error=str(exc))
+                while True:
+                    try:
+                        await emit(self.js, record)
+                        break
+                    except Exception as exc:  # the bus is down: it reconnects; the record must get there
+                        self.log.warning("outcome not stored yet; retrying", call_id=call_id, error=str(exc))
+                        await asyncio.sleep(RECONNECT_WAIT_S)
+        except asyncio.CancelledError:  # the agent stops: unacked, so the call is redelivered
+            on_dropped()
+            raise
+        try:
+            await on_stored()
+        except Exception as exc:  # e.g. the ack: redelivered later, and acked then as finished
+            self.log.warning("acking a stored outcome failed", call_id=call_id, error=str(exc))
+
+    async def drain(self, timeout: float) -> None:
+        """Wait for the records in flight (at shutdown); those not stored by `timeout` stay
+        unacked, so their calls are redelivered."""
+        tasks = list(self._tasks)
+        if not tasks:
+            return
+        _, pending = await asyncio.wait(tasks, timeout=timeout)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def _settled(fut: asyncio.Future | None) -> None:
+    """Wait for a background publish; its failure only loses a progress marker."""
+    if fut is not None:
+        try:
+            await fut
+        except Exception:
+            pass

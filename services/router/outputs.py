@@ -1,0 +1,88 @@
+"""The router's outputs on their way to the stream: published in the order the state applied
+them (the stream stores them in that order), their acks awaited while the next input is
+folded, the input acked once all of them are stored, a rejected client answered.
+
+A mixin of `RouterService` (service.py): it reads the service's `js`, `nc`, `log`, `core`,
+`seq` and `storing` (the inputs whose outputs are being stored).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from talaria.shared.bus import PUBLISH_TIMEOUT_S, RECONNECT_WAIT_S, emit, emit_async
+from talaria.shared.events import CallFailed
+from talaria.shared.messages import ErrorReply
+from talaria.shared.wire import encode
+
+
+class RouterOutputs:
+    async def _store_then_ack(self, outputs, acks, msg) -> None:
+        await self._stored(outputs, acks)
+        try:
+            await msg.ack()
+        except Exception as exc:  # redelivered; the core skips it as already handled
+            self.log.warning("ack failed", subject=msg.subject, error=str(exc))
+
+    async def _publish_all(self, outputs) -> None:
+        await self._stored(outputs, await self._start(outputs))
+
+    async def _start(self, outputs) -> list:
+        """Publish each output now, in order (the stream stores them in that order); the
+        futures of their acks. Never raises: a publish that could not start is retried."""
+        acks = []
+        for out in outputs:
+            try:
+                acks.append(await emit_async(self.js, out))
+            except Exception as exc:
+                failed = asyncio.get_running_loop().create_future()
+                failed.set_exception(exc)
+                acks.append(failed)
+        return acks
+
+    async def _stored(self, outputs, acks) -> None:
+        """Wait until every output is stored: the input waits for the slowest ack, not the sum
+        of them. They are facts already folded into the state, and their message ids make a
+        retry (or a redelivered input's republish) a no-op."""
+        seqs = []
+        for out, ack in zip(outputs, acks):
+            try:
+                seqs.append((await asyncio.wait_for(ack, PUBLISH_TIMEOUT_S)).seq)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.log.warning("publish failed; retrying", kind=type(out).__name__, error=str(exc))
+                seqs.append(await self._publish_one(out))
+        if seqs:
+            self.seq = max(self.seq, *seqs)
+        for out in outputs:
+            if isinstance(out, CallFailed) and out.reply_to:
+                await self._reply_failed(out)  # a rejection, or a lost instance's call
+
+    async def _publish_one(self, out) -> int:
+        while True:
+            try:
+                return await emit(self.js, out)
+            except Exception as exc:
+                self.log.warning("publish failed; retrying", kind=type(out).__name__, error=str(exc))
+                await asyncio.sleep(RECONNECT_WAIT_S)  # back off while NATS recovers
+
+    async def _reply_failed(self, failed: CallFailed) -> None:
+        """The router owes this client its answer: a rejection, or its agent was lost."""
+        retry = getattr(self.core.policy.config, "retry_after_s", 1.0)
+        code = "no_capacity" if failed.stage == "router" else "instance_lost"
+        try:
+            await self.nc.publish(failed.reply_to, encode(
+                ErrorReply(failed.status, code, failed.reason, retry_after_s=retry, call_id=failed.call_id)))
+        except Exception as exc:  # the failure is recorded; the gateway's timeout answers the client
+            self.log.warning("could not answer the client", call_id=failed.call_id, error=str(exc))
+
+    async def _outputs_stored(self, timeout: float) -> bool:
+        """Wait up to `timeout` until every folded input's outputs are stored (a projection
+        saved before that would count outputs the stream lacks)."""
+        if not self.storing:
+            return True
+        _, pending = await asyncio.wait(list(self.storing), timeout=timeout)
+        if pending:  # a restart replays this state instead
+            self.log.warning("projection not saved: outputs still unstored", inputs=len(pending))
+        return not pending
