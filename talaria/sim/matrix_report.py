@@ -206,7 +206,8 @@ def matrix_section(matrix: dict) -> list[str]:
         + (f"; the {len(SENSITIVITY)} sensitivity variants took another {matrix['sensitivity_wall_s']:.0f} s"
            if matrix.get("sensitivity_wall_s") else "") + "). Most cells have 20 sessions, so a cell's p95 "
         "is its 19th-slowest session: single cells are noisy (see the best / worst cells of the sensitivity "
-        "table) and the geometric means over the matrix are the robust numbers.", "",
+        "table) and the geometric means over the matrix are the robust numbers; matrix_seeds.md "
+        "(`python bench/matrix_seeds.py`) runs the same grid over 8 workload seeds.", "",
         "```", head, "```", "", POLICY_NOTES,
         win_table(matrix), "",
         "![matrix heat map](matrix_heatmap.png)", "",
