@@ -4,8 +4,7 @@
 
 Rows add the rules one at a time: `PolicyConfig.kv_home_admits`, `price_round_sharing` (decode
 priced by the rotation it joins, over the calls the session will still make: no constant)
-and the first-call placement constants (`new_session_backlog_weight`, `new_session_running_s`),
-then vary those constants. Columns: router testbed SCT p95 at low / medium / high load (mean
+and the first-call placement constant (`new_session_running_s`), then vary it. Columns: router testbed SCT p95 at low / medium / high load (mean
 over gap seeds, beside session-sticky, the best baseline there), and SCT p50 / p95 of one
 run of the scale workload (64 instances, 20 Zipf models) with `--scale-sessions` sessions
 beside least-pressure. The placement constants were chosen on the router testbed; the scale
@@ -29,15 +28,14 @@ from talaria.sim.metrics import summarise  # noqa: E402
 from talaria.sim.profiles import PAPER_TP8, ROUTER_TP4, catalogue  # noqa: E402
 from talaria.sim.workloads import router_testbed, synthetic_catalogue  # noqa: E402
 
-OFF = dict(new_session_backlog_weight=1.0, new_session_running_s=0.0)
+OFF = dict(new_session_running_s=0.0)
 VARIANTS = [  # (label, policy, PolicyConfig overrides)
     ("paper Eq. 1 + admission (rules off)", "talaria", dict(kv_home_admits=False, price_round_sharing=False, **OFF)),
     ("+ return admitted where its KV is", "talaria", dict(price_round_sharing=False, **OFF)),
     ("+ decode priced by the rotation, over the session's calls", "talaria", dict(OFF)),
-    ("+ placement: backlog x2, 1 s per running call (default)", "talaria", {}),
-    ("+ placement: backlog x1, 1 s per running call", "talaria", dict(new_session_backlog_weight=1.0)),
-    ("+ placement: backlog x2, 0 s per running call", "talaria", dict(new_session_running_s=0.0)),
-    ("+ placement: backlog x2, 2 s per running call", "talaria", dict(new_session_running_s=2.0)),
+    ("+ placement: 1 s per call running where a session starts (default)", "talaria", {}),
+    ("placement: 0.5 s per running call", "talaria", dict(new_session_running_s=0.5)),
+    ("placement: 2 s per running call", "talaria", dict(new_session_running_s=2.0)),
     ("session-sticky (best router-testbed baseline)", "session-sticky", {}),
     ("least-pressure", "least-pressure", {}),
 ]

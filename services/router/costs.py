@@ -27,9 +27,9 @@
             the calls per session its model has shown so far. So a long session leaves a
             crowded rotation once the recompute pays for itself, and a new one joins the
             instance whose rotation its whole session would stretch least.
-            A first call also pays queue_s * (new_session_backlog_weight - 1) + calls
-            running on i * new_session_running_s (tuned constants, flat in the matrix's
-            sensitivity table): the backlog and occupancy its later calls will share.
+            A first call also pays the calls running on i * new_session_running_s (a tuned
+            constant, flat in the matrix's sensitivity table): the occupancy its later calls
+            will share.
             placement_s ranks candidates; admission and Eq. 2 use the Eq. 1 terms only
             (Eq. 2's demand already counts the later calls).
 
@@ -161,7 +161,7 @@ class CostModel:
         own_key = (call.session_id, model)
         known = min(prompt, entry.kv_tokens) if entry is not None else 0
         first_call = entry is None or entry.calls == 0
-        backlog_w, running_s = cfg.new_session_backlog_weight, cfg.new_session_running_s
+        running_s = cfg.new_session_running_s
         sharing = cfg.price_round_sharing
         last_here = entry.last_instance if entry is not None and entry.model == model else None
         lease_index = state.leases.by_instance
@@ -242,7 +242,7 @@ class CostModel:
             reason = ""
             # Only load ahead of r can make an instance inadmissible: a call whose own work
             # exceeds the budget would otherwise be rejected everywhere, forever.
-            place = queue * (backlog_w - 1.0) + snap.running * (decode if running_s is None else running_s) \
+            place = snap.running * (decode if running_s is None else running_s) \
                 if first_call else 0.0
             place += later * stretch  # the session keeps paying this rotation here
             if queue > 0 and queue + prefill + kv_s + act > budget and not (

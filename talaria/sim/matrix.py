@@ -139,7 +139,7 @@ def workload(cell: Cell, flags) -> tuple[list[Session], GapModel, dict]:
 
 # Flatness around the constants our configuration still has: each at half and double.
 SENSITIVITY = tuple(f"{OURS}[{knob}={v:g}]" for knob, base in (
-    ("new_session_backlog_weight", 2.0), ("new_session_running_s", 1.0), ("lease_charge_s", 0.25),
+    ("new_session_running_s", 1.0), ("lease_charge_s", 0.25),
 ) for v in (base / 2, base * 2))
 
 
@@ -150,7 +150,7 @@ def policy_config(policy: str) -> tuple[str, PolicyConfig]:
         knob, value = policy[len(OURS) + 1:-1].split("=")
         return "talaria", replace(policy_config(OURS)[1], **{knob: float(value)})
     if policy == PAPER:
-        return "talaria", PolicyConfig(overload="reject", kv_home_admits=False, new_session_backlog_weight=1.0,
+        return "talaria", PolicyConfig(overload="reject", kv_home_admits=False,
                                        new_session_running_s=0.0, prefix_placement=False,
                                        price_round_sharing=False)
     if policy == OURS:

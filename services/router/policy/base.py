@@ -46,15 +46,16 @@ class PolicyConfig:
     # SCT p95 over 8 gap seeds, high load 186.8 -> 181.5 s, medium 182.7 -> 180.6 s).
     kv_home_admits: bool = True
     # Beyond the paper (ours): a session's first call places the whole session (leases keep
-    # its later calls there), so it prices the backlog it joins this many times over, plus
-    # `new_session_running_s` per call already running there (each will share its slots).
-    # Chosen on the router testbed (8 gap seeds) and checked on the 1,000-session scale
-    # workload: results/sim_report.md lists the sensitivity. 1.0 / 0.0 turn it off.
-    new_session_backlog_weight: float = 2.0
+    # its later calls there), so it also pays `new_session_running_s` per call already
+    # running there (each will share its slots). Chosen on the router testbed; the matrix's
+    # sensitivity table and results/router_sensitivity.md show it flat. 0.0 turns it off.
+    # (A weight on the backlog it joins, chosen with it, was dropped: once decode was priced
+    # over the session's calls it only cost, matrix over 8 seeds cells behind 12 -> 9.)
     new_session_running_s: float | None = 1.0  # None: derived, the call's own decode time
     # Beyond the paper (ours): r's decode term is stretched by the number of models it will
     # share i's rounds with (each takes a slot per round), so sessions consolidate by model
-    # instead of adding a model to a busy instance's rotation. Counted from the snapshot.
+    # instead of adding a model to a busy instance's rotation; the stretch is paid again by
+    # each call the session will still make there (costs.py placement_s). No constant.
     price_round_sharing: bool = True
     retry_after_s: float = 1.0
     max_queued_per_instance: int = 64  # `queue` mode: route past admission up to this bound

@@ -55,7 +55,7 @@ def done(call_id: str, instance: str, *, session: str = "s1", model: str = "m1",
 # The tests check the paper's Eq. 1 term by term, so the first-call session-placement term
 # and the round-sharing stretch of decode (ours, PolicyConfig.new_session_*,
 # price_round_sharing) are off unless a test turns them on.
-PAPER_EQ1 = dict(new_session_backlog_weight=1.0, new_session_running_s=0.0, price_round_sharing=False)
+PAPER_EQ1 = dict(new_session_running_s=0.0, price_round_sharing=False)
 
 
 def core(policy: str = "talaria", **config) -> RouterCore:

@@ -153,7 +153,7 @@ def test_a_return_passes_round_admission_where_its_kv_is():
     assert by_instance(audit)["a"].reason == "round_admission"
 
 
-def test_a_first_call_prices_the_backlog_and_occupancy_its_session_will_share():
+def test_a_first_call_prices_the_occupancy_its_session_will_share():
     # `a`: 1 s of backlog, nothing running. `b`: 0.5 s of backlog, 3 calls running.
     def place(session, **cfg):
         c = core(**cfg, **NO_LEASE)
@@ -164,16 +164,16 @@ def test_a_first_call_prices_the_backlog_and_occupancy_its_session_will_share():
         audit, _ = decide(c, call("c1", session=session), 0.2)
         return audit, by_instance(audit)
 
-    audit, x = place("new", new_session_backlog_weight=2.0, new_session_running_s=1.0)
-    assert (x["a"].queue_s, x["a"].placement_s) == pytest.approx((1.0, 1.0))
-    assert (x["b"].queue_s, x["b"].placement_s) == pytest.approx((0.5, 0.5 + 3 * 1.0))
+    audit, x = place("new", new_session_running_s=1.0)
+    assert (x["a"].queue_s, x["a"].placement_s) == pytest.approx((1.0, 0.0))
+    assert (x["b"].queue_s, x["b"].placement_s) == pytest.approx((0.5, 3 * 1.0))
     assert audit.chosen == "a"
     audit, x = place("new")  # the paper's Eq. 1 alone
     assert x["b"].placement_s == 0.0 and audit.chosen == "b"
-    audit, x = place("old", new_session_backlog_weight=2.0, new_session_running_s=1.0)
+    audit, x = place("old", new_session_running_s=1.0)
     assert x["b"].placement_s == 0.0  # a known session's later call: Eq. 1 as is
-    c = core(new_session_backlog_weight=100.0, **NO_LEASE)  # admission sees the real backlog
-    c.observe(snap("a", queued_tokens=10_000), 0.0)
+    c = core(new_session_running_s=100.0, **NO_LEASE)  # admission sees only Eq. 1's terms
+    c.observe(snap("a", queued_tokens=10_000, running=3), 0.0)
     audit, _ = decide(c, call("c2", session="new"), 0.0)
     assert by_instance(audit)["a"].feasible
 

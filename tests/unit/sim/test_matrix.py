@@ -101,11 +101,11 @@ def test_sensitivity_variants_change_one_knob_and_are_reported_against_ours():
     from talaria.sim.matrix import SENSITIVITY, policy_config
     from talaria.sim.matrix_report import sensitivity_table
 
-    name, pc = policy_config("talaria[new_session_backlog_weight=4]")
+    name, pc = policy_config("talaria[new_session_running_s=4]")
     ours = policy_config(OURS)[1]
-    assert name == "talaria" and pc.new_session_backlog_weight == 4.0
+    assert name == "talaria" and pc.new_session_running_s == 4.0
     assert pc.overload == ours.overload and pc.lease_charge_s == ours.lease_charge_s
-    assert len(SENSITIVITY) == 6
+    assert len(SENSITIVITY) == 4
     m = _fake(ours95=18.0)
     m["policies"].append("talaria[lease_charge_s=0.5]")
     for c in m["cells"]:
