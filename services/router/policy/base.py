@@ -43,7 +43,7 @@ class PolicyConfig:
     # Beyond the paper (ours): a return whose KV is on an instance passes that instance's
     # round admission. Its own work there is a restore or nothing; failing it would send the
     # session to an idle instance to recompute and open its model (measured: router testbed
-    # SCT p95 over 8 gap seeds, high load 186.8 -> 181.5 s, medium 182.7 -> 180.6 s).
+    # SCT p95 over 8 gap seeds, medium 171.6 -> 169.2 s, high 177.7 -> 176.3 s).
     kv_home_admits: bool = True
     # Beyond the paper (ours): a session's first call places the whole session (leases keep
     # its later calls there), so it also pays `new_session_running_s` per call already
