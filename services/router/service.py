@@ -120,7 +120,8 @@ class RouterService(RouterOutputs):
         try:
             stopped = asyncio.ensure_future(stop.wait())
             done, _ = await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
-            for task in done - {stopped}:
+            # Tasks end with `stop` too (in the same loop turn): only one that ended first died.
+            for task in (done - {stopped}) if not stop.is_set() else ():
                 task.result()  # a core task died: raise, so the process exits non-zero
                 raise RuntimeError(f"router task {task.get_name()} ended unexpectedly")
         finally:

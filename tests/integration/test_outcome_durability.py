@@ -257,8 +257,10 @@ async def test_a_router_that_dies_before_storing_its_outputs_has_not_acked_the_c
         services.running.remove(router)
         monkeypatch.undo()
         await services.start("router", run_router, settings)  # the bus works again
-        await wait_until(lambda: acked(js, router_service.DURABLE, seq), "the restarted router to ack the call")
-        rows = await wait_rows(db, FINAL_ROW, 1, call_id)
+        # A restart replays the stream and waits for the agent's heartbeat: slow on a loaded machine.
+        await wait_until(lambda: acked(js, router_service.DURABLE, seq), "the restarted router to ack the call",
+                         timeout=60)
+        rows = await wait_rows(db, FINAL_ROW, 1, call_id, timeout=60)
         assert [r["outcome"] for r in rows] == ["completed"]  # not lost
         await nc.flush()
         assert len(answers) == 1  # and not run a second time
