@@ -30,6 +30,7 @@ from talaria.shared.nats_auth import owner_sender
 from talaria.shared.settings import Settings
 from talaria.shared.wire import encode
 from tests.integration.harness import Services, acked, wait_rows, wait_until
+from tests.integration.test_live_path import stack  # noqa: F401  (the same control plane)
 
 pytestmark = pytest.mark.integration
 MODEL = "qwen3-tiny"
@@ -117,16 +118,6 @@ async def test_the_call_is_acked_only_once_its_record_is_stored(nats_url, monkey
             assert (await js.consumer_info(subjects.EVENTS_STREAM, "t")).num_ack_pending == 0
     finally:
         await nc.close()
-
-
-@pytest.fixture
-async def stack(nats_url, database_url, tmp_path):
-    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="talaria",
-                        http_port=free_port(), session_idle_s=3600, call_timeout_s=60, models=(MODEL,))
-    services = Services()
-    await services.start_control_plane(settings)
-    yield settings, services
-    await services.close()
 
 
 async def test_a_durable_copy_arriving_while_the_record_is_stored_is_not_run_again(stack, db, monkeypatch):
