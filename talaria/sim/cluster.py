@@ -63,6 +63,7 @@ class RunConfig:
     retry: RetryPolicy = field(default_factory=RetryPolicy)  # what a session does on a 503
     max_wall_s: float | None = None  # stop the run after this much wall time (result incomplete)
     max_decode_steps: int = 4096  # simulator speed: decode tokens per event (exact, see executor.py)
+    log_actions: bool = False  # keep each instance's executed actions (schedule_bound.py)
 
 
 @dataclass
@@ -108,6 +109,8 @@ class Cluster:
         for k in range(config.instances):
             iid = f"inst-{k:02d}"
             self.instances[iid] = SimExecutor(iid, config.server, config.scheduler, self, config.max_decode_steps, view)
+            if config.log_actions:
+                self.instances[iid].log = []
         # per instance, in instance order: [instance, last snapshot time, version, state key,
         # last snapshot]; one list so the per-decision heartbeat scan is a single pass
         self._snap_recs: list[list] = [[inst, -1e18, 0, None, None] for inst in self.instances.values()]

@@ -16,9 +16,12 @@ its k step times (`decode_steps_s`: exact for the profile's decode cost, linear 
 
 Paper-mode switches (`drain_on_switch=False`, paper §3.4: D_fin spends the remaining
 protected budget, then the device switches with calls still running): running calls of
-the outgoing model keep their KV off-device (§4.2: the outgoing model's KV pool and radix
-tree are parked); when their model's slot comes back, that KV is restored at the KV
-restore bandwidth and the time is added to the switch that reopens the model [asm].
+the outgoing model keep their KV parked (§4.2). With `park_kv` (every configuration but
+round-only) it stays on device while HBM has room (the agent's own `ParkedKv` planner,
+memory/parked_kv.py), moved out of the incoming weights' way and back into the pool at the
+D2D rate; what the planner offloads under pressure (or all of it, without `park_kv`) is
+restored at the KV restore bandwidth when the model's slot comes back, and the time is
+added to the switch that reopens the model [asm].
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from talaria.services.instance_agent.core import AgentCore, Outcome
+from talaria.services.instance_agent.memory.parked_kv import ParkedKv, Unparked, parking_room
 from talaria.services.instance_agent.scheduler import Decode, Idle, Prefill, SchedulerConfig, SwitchModel
 from talaria.services.instance_agent.scheduler.costs import decode_steps_s, first_step_reaching
 from talaria.shared.events import RoundSummary, SwitchDone
@@ -43,6 +47,19 @@ def instance_config(name: str = "talaria", **overrides) -> SchedulerConfig:
     keeps the scheduler default (`drain_on_switch=True`). Every other knob is the
     scheduler's default (gamma 0.9, T_TTFT 10 s, T_TPOT 0.2 s, batch 64, SP batch 8)."""
     return SchedulerConfig.ablation(name, **{"drain_on_switch": False, **overrides})
+
+
+@dataclass(frozen=True, slots=True)
+class LoggedAction:
+    """One executed action: its calls, times, the weight/KV transfer seconds in it (switch:
+    everything but the fixed phases P1, P3-P5; prefill: host KV restores) and the calls it
+    finished."""
+
+    call_ids: tuple[str, ...]
+    start: float
+    end: float
+    transfer_s: float
+    finished: tuple[str, ...]
 
 
 @dataclass(slots=True, eq=False)
@@ -91,6 +108,9 @@ class SimExecutor:
         self.jobs: dict[str, Job] = {}
         self.kv = KvStore(server)
         self.staging = StagingState(server)
+        self.parked = ParkedKv()  # running calls' KV of switched-out models kept on device
+        self.log: list[LoggedAction] | None = None  # executed actions, when a caller asks
+        self._transfer_s = 0.0  # weight/KV transfer seconds inside the running prefill
         self.busy = False
         self.token = 0  # stale-event guard for the running action
         self.action = None
@@ -164,12 +184,9 @@ class SimExecutor:
         model = action.to_model
         staged = self._staged_bytes(now, model) if action.staged else 0
         path, seconds, phases = self.server.switch(model, staged)
-        # running calls of the target model (paper mode) get their parked KV back
-        resume = sum(j.ctx for j in self.inflight[model])
-        if resume:
-            restore = self.server.restore_s(model, resume)
-            phases = {**phases, "kv_resume": restore}
-            seconds += restore
+        kv_phases = {k: v for k, v in self._switch_kv(model).items() if v > 0}
+        phases = {**phases, **kv_phases}
+        seconds += sum(kv_phases.values())
         self._switch_cost = (path, seconds, phases)
         if self.active is not None:
             for session in list(self.kv.device):
@@ -177,16 +194,50 @@ class SimExecutor:
                 self.sched.update_kv(session, self.active, "host" if host else "none", host)
         self.kv.clear_device()
         self.active, self.switching_to, self.staging.target = None, model, None
-        self._hbm(self.server.model(model).weight_bytes)
+        self._hbm(self.server.model(model).weight_bytes + self.parked.bytes)
         return [(now + seconds, self._done, (self.token, None))]
 
+    def _switch_kv(self, model: str) -> dict[str, float]:
+        """KV phases of a switch to `model` (paper mode: calls run across switches). Its
+        running calls get their KV back: D2D from the parked region, or restored from host
+        (offloaded, or `park_kv` off). The outgoing model's running calls are parked
+        (memory/parked_kv.py): kept on device within the room HBM accounting leaves, D2D."""
+        d2d = self.server.d2d_bytes_s
+        mp = self.server.model(model)
+        back = self.parked.unpark(model) if self.config.park_kv else Unparked()
+        on_dev = sum(back.device.get(j.session, 0) for j in self.inflight[model])
+        restore = sum(j.ctx for j in self.inflight[model] if j.session not in back.device)
+        park_s = 0.0
+        out = self.active
+        if self.config.park_kv and out is not None and self.inflight[out]:
+            bpt = self.server.model(out).kv_bytes_per_token
+            moving = {j.session: j.ctx * bpt for j in self.inflight[out]}
+            own = sum(j.ctx for j in self.inflight[model]) * mp.kv_bytes_per_token
+            self.parked.park(out, moving, parking_room(self.server.kv_pool_bytes(model), own, self._reserve(model)))
+            park_s = sum(self.parked.on_device(out, s) for s in moving) / d2d
+        return {"kv_park": park_s, "kv_unpark": on_dev / d2d,
+                "kv_resume": self.server.restore_s(model, restore) if restore else 0.0}
+
+    def _reserve(self, model: str) -> int:
+        """Staging reserve while `model` is active: the largest weights the rotation may stage."""
+        if not self.config.staging:
+            return 0
+        return max((m.weight_bytes for n, m in self.server.models.items() if n != model), default=0)
+
+    def _fit_parked(self) -> None:
+        """The active model's KV grew: offload parked KV (oldest first) it would overrun."""
+        if self.parked.bytes and self.active is not None:
+            used = self.kv.device_tokens * self.server.model(self.active).kv_bytes_per_token
+            self.parked.fit(parking_room(self.server.kv_pool_bytes(self.active), used, self._reserve(self.active)))
+
     def _prefill(self, now: float, action: Prefill):
-        seconds = 0.0
+        seconds, self._transfer_s = 0.0, 0.0
         for cid in action.call_ids:
             job = self.jobs[cid]
-            cost, job.kv_source, _ = self._prefill_cost(job)
+            cost, job.kv_source, avail = self._prefill_cost(job)
             if job.kv_source == "host":
                 self.kv.touch_host(job.model, job.session)
+                self._transfer_s += self.server.restore_s(job.model, avail)
             seconds += cost
         return [(now + seconds, self._done, (self.token, None))]
 
@@ -229,11 +280,23 @@ class SimExecutor:
                     finished.append(cid)
             self.kv.device_tokens += k * len(action.call_ids)
             self.kv.version += 1
+            self._fit_parked()
             outcome = self.core.decode_done(action, now, finished, k)
+        if self.log is not None:  # for the schedule bound (schedule_bound.py)
+            self.log.append(self._logged(action, now, outcome.finished))
         out = self._record(outcome, now)
         self._update_staging(now)
         out.extend(self._drive(now) or ())
         return out
+
+    def _logged(self, action, now: float, finished) -> LoggedAction:
+        if isinstance(action, SwitchModel):
+            fixed = sum(v for k, v in self._switch_cost[2].items() if k in ("P1", "P3", "P4", "P5"))
+            transfer = max(0.0, now - self.action_start - fixed)
+        else:
+            transfer = self._transfer_s if isinstance(action, Prefill) else 0.0
+        calls = () if isinstance(action, SwitchModel) else tuple(action.call_ids)
+        return LoggedAction(calls, self.action_start, now, transfer, tuple(finished))
 
     def _record(self, outcome: Outcome, now: float) -> list:
         """Keep the core's records; complete finished calls (their sink events return)."""
@@ -312,12 +375,13 @@ class SimExecutor:
         mp = self.server.model(model)
         capacity = self.server.kv_pool_bytes(model) // mp.kv_bytes_per_token
         self.kv.put_device(session, tokens, capacity, {j.session for j in self.inflight[model]})
+        self._fit_parked()
         used = self.kv.device_tokens * mp.kv_bytes_per_token
         if used > self.last_peak_kv:
             self.last_peak_kv = used
         target = self.staging.target
         staged = self._staged_bytes(now, target) if target else 0
-        self._hbm(mp.weight_bytes + used + staged)
+        self._hbm(mp.weight_bytes + used + staged + self.parked.bytes)
 
     def _hbm(self, used: int) -> None:
         if used > self.hbm_peak_bytes:

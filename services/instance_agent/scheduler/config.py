@@ -10,11 +10,12 @@ from talaria.services.instance_agent.scheduler.errors import ConfigError
 # Paper §5 ablations: which mechanisms each configuration turns off. The one table: the
 # simulator, its experiments and `talaria up --no-sp ...` use these names.
 ABLATIONS: dict[str, dict[str, bool]] = {
-    "talaria": {"sp": True, "hkvr": True, "staging": True},
-    "no-sp": {"sp": False, "hkvr": True, "staging": True},
-    "no-hkvr": {"sp": True, "hkvr": False, "staging": True},
-    "h2d-only": {"sp": True, "hkvr": True, "staging": False},
-    "round-only": {"sp": False, "hkvr": False, "staging": False},
+    "talaria": {"sp": True, "hkvr": True, "staging": True, "park_kv": True},
+    "no-sp": {"sp": False, "hkvr": True, "staging": True, "park_kv": True},
+    "no-hkvr": {"sp": True, "hkvr": False, "staging": True, "park_kv": True},
+    "h2d-only": {"sp": True, "hkvr": True, "staging": False, "park_kv": True},
+    # the paper's baseline: none of Talaria's mechanisms, running calls' KV parked off-device
+    "round-only": {"sp": False, "hkvr": False, "staging": False, "park_kv": False},
 }
 
 
@@ -33,6 +34,9 @@ class SchedulerConfig:
     sp: bool = True  # mid-slot session-prefill; off: returns wait for the next slot's P
     hkvr: bool = True  # host-restorable KV; off: host KV counts as missing (recompute)
     staging: bool = True  # D2D-staged switch; off: SwitchModel(staged=False), host-only cost
+    # Resumable switches only: a switched-out model's running calls keep their KV on device
+    # while HBM has room (memory/parked_kv.py); off: it is offloaded and restored on reopen.
+    park_kv: bool = True
     # Switch away from a model only once its running calls have finished (Dfin drains them).
     # The torch engine refuses `switch_to` while calls run, so this is the default; False is
     # the paper's resumable mode (running calls decode on in the model's next slot), which
