@@ -4,7 +4,8 @@
 would be, which the cost profile prices.
 
 - One model's weights are on device at a time; switching releases the active model's device
-  KV (its host copy survives only with HKVR).
+  KV (its host copy survives only with HKVR), except its running calls' KV, which the
+  executor parks through the agent's `ParkedKv` (memory/parked_kv.py).
 - Staging: while a model serves, the next model in rotation is pre-staged in the background
   at the H2D rate into the KV pool's free tail (pool less the KV high-water mark since the
   last switch). At the switch, staged bytes move by D2D, the rest by H2D.

@@ -5,4 +5,5 @@
     host_pages.py its records: page layout, rank reports and agreement, host pages, copy plans
     hkvr.py      host KV registry on tensors: host page pool, async D2H, H2D restore
     staging.py   D2D weight staging: pure chunk planner + the executor that copies chunks
+    parked_kv.py running calls' KV of switched-out models kept on device while HBM has room, pure
 """
