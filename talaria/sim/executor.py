@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from talaria.services.instance_agent.core import AgentCore, Outcome
-from talaria.services.instance_agent.memory.parked_kv import ParkedKv, Unparked, parking_room
+from talaria.services.instance_agent.memory.parked_kv import ParkedKv, Unparked, parking_room, staging_reserve
 from talaria.services.instance_agent.scheduler import Decode, Idle, Prefill, SchedulerConfig, SwitchModel
 from talaria.services.instance_agent.scheduler.costs import decode_steps_s, first_step_reaching
 from talaria.shared.events import RoundSummary, SwitchDone
@@ -109,6 +109,7 @@ class SimExecutor:
         self.kv = KvStore(server)
         self.staging = StagingState(server)
         self.parked = ParkedKv()  # running calls' KV of switched-out models kept on device
+        self._weights = {n: m.weight_bytes for n, m in server.models.items()}
         self.log: list[LoggedAction] | None = None  # executed actions, when a caller asks
         self._transfer_s = 0.0  # weight/KV transfer seconds inside the running prefill
         self.busy = False
@@ -220,9 +221,7 @@ class SimExecutor:
 
     def _reserve(self, model: str) -> int:
         """Staging reserve while `model` is active: the largest weights the rotation may stage."""
-        if not self.config.staging:
-            return 0
-        return max((m.weight_bytes for n, m in self.server.models.items() if n != model), default=0)
+        return staging_reserve(self._weights, model, self.config.staging)
 
     def _fit_parked(self) -> None:
         """The active model's KV grew: offload parked KV (oldest first) it would overrun."""

@@ -29,8 +29,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from talaria.services.router.policy.base import PolicyConfig
-from talaria.shared.stats import quantile
 from talaria.services.router.policy.registry import policy_names
+from talaria.shared.stats import quantile
 from talaria.sim.cluster import RunConfig, simulate
 from talaria.sim.executor import instance_config
 from talaria.sim.metrics import summarise

@@ -307,8 +307,10 @@ NOTES = """How to read this report (details in talaria/sim/*.py docstrings):
   §2.4], gamma 0.9 [App. E: <1], T_TPOT 0.2 s [asm: no paper number; scheduler default],
   drain_on_switch False and fill_slot True [§3.4: Dfin spends the remaining protected budget,
   then the slot closes when the round budget is exhausted], SP batch 8, max batch 64 [asm].
-  In-flight calls of a switched-out model keep their KV off-device; reopening the model adds
-  their KV restore to the switch [asm].
+  In-flight calls of a switched-out model keep their KV on device while HBM has room (the
+  agent's memory/parked_kv.py; two D2D moves per park [asm]); what it offloads under pressure,
+  and all of it in round-only (the paper's baseline), is restored on the reopening switch
+  at the KV restore rate (half the weight H2D rate [asm]).
 - Gaps: the paper's lognormal (p50 0.39 s, p95 1.32 s), capped at 10 s. Fixed replay: 10 WEKA
   sessions (320 calls) x 3 models; prompt/reuse tokens x0.25 (paper p50 25K), outputs as
   recorded (p50 ~230 tokens, capped 2,048).

@@ -48,6 +48,12 @@ def parking_room(pool_bytes: int, active_kv_bytes: int, staging_reserve_bytes: i
     return max(0, pool_bytes - active_kv_bytes - staging_reserve_bytes)
 
 
+def staging_reserve(weight_bytes: Mapping[str, int], active: str, staging: bool) -> int:
+    """The staging slots' share of the pool while `active` serves: the weights of the largest
+    other model (any of them may be the rotation's next), none without staging."""
+    return max((w for m, w in weight_bytes.items() if m != active), default=0) if staging else 0
+
+
 class ParkedKv:
     """Parked running-call KV of models that are not active, oldest parked first."""
 

@@ -1,11 +1,15 @@
 """Parked running-call KV: kept on device within the room, offloaded oldest-parked first."""
 
-from talaria.services.instance_agent.memory.parked_kv import ParkedKv, parking_room
+from talaria.services.instance_agent.memory.parked_kv import ParkedKv, parking_room, staging_reserve
 
 
 def test_room_is_what_neither_active_kv_nor_staging_needs():
     assert parking_room(1000, 300, 500) == 200
     assert parking_room(1000, 600, 500) == 0  # never negative
+    weights = {"a": 400, "b": 300, "c": 200}
+    assert staging_reserve(weights, "a", staging=True) == 300  # the largest other model
+    assert staging_reserve(weights, "b", staging=True) == 400
+    assert staging_reserve(weights, "a", staging=False) == 0
 
 
 def test_kept_on_device_while_it_fits_and_handed_back_on_reopen():

@@ -4,11 +4,12 @@ under HBM pressure it is restored from host. The schedule bound bounds every ses
 
 from dataclasses import replace
 
-from talaria.sim.cluster import RunConfig, simulate
 from talaria.services.instance_agent.memory.parked_kv import parking_room
+
+from talaria.sim.cluster import RunConfig, simulate
 from talaria.sim.executor import SimExecutor, instance_config
 from talaria.sim.metrics import session_scts
-from talaria.sim.profiles import GiB, PAPER_TP8
+from talaria.sim.profiles import PAPER_TP8, GiB
 from talaria.sim.schedule_bound import schedule_bound_scts
 from talaria.sim.workloads import fixed_replay
 from talaria.traces.gaps import GapModel
