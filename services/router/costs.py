@@ -104,8 +104,9 @@ def _static_terms(cfg: PolicyConfig, view: InstanceView, model: str, prof, state
     here = snap.active_model == model
     pf = 1.0 / snap.prefill_tok_s if here and snap.prefill_tok_s > 0 else 0.0
     restore = 1.0 / snap.restore_tok_s if here and snap.restore_tok_s > 0 else 0.0
+    # Decode: what completions measured (a call's time per token, its batch included) first.
     dec = (prof.decode_s_per_tok if prof is not None else 0.0) or (
-        1.0 / snap.decode_tok_s if here and snap.decode_tok_s > 0 else cfg.default_decode_s_per_tok)
+        1.0 / snap.decode_tok_s if here and snap.decode_tok_s > 0 else 0.0)
     mstate = view.model_state(model)
     if mstate == "active":
         act = 0.0
@@ -175,7 +176,7 @@ class CostModel:
         # call, the calls per session measured for its model so far.
         live_models = state.live_models
         later = entry.calls if not first_call else (prof.calls_per_session() - 1.0 if prof is not None else 0.0)
-        model_pf, model_restore = _model_rates(cfg, prof)
+        model_pf, model_dec, model_restore = _model_rates(cfg, prof)
         out: list[Priced] = []
         for view in views:
             snap = view.snapshot
@@ -225,7 +226,7 @@ class CostModel:
             reserved = leases * charge  # returns other sessions' leases may bring
             queue = queued + reserved
             prefill = (prompt - k_total) * pf
-            decode = max_tokens * st.dec
+            decode = max_tokens * (st.dec or model_dec)
             stretch = 0.0
             if sharing:
                 # round sharing: each other model with work here takes a slot of every round,
@@ -294,13 +295,14 @@ class CostModel:
         return max(0.0, saving) * demand, threshold
 
 
-def _model_rates(cfg: PolicyConfig, prof) -> tuple[float, float]:
-    """(prefill, restore) seconds per token of a model on an instance where it is not
-    active: as the engines running it measured them (snapshots), else the fallbacks.
+def _model_rates(cfg: PolicyConfig, prof) -> tuple[float, float, float]:
+    """(prefill, decode, restore) seconds per token of a model on an instance where it is
+    not active: as the engines running it measured them (snapshots), else the fallbacks.
     Never another model's rate (what a snapshot reports belongs to its active model)."""
     if prof is None:
-        return cfg.default_prefill_s_per_tok, cfg.default_restore_s_per_tok
+        return cfg.default_prefill_s_per_tok, cfg.default_decode_s_per_tok, cfg.default_restore_s_per_tok
     return (prof.prefill_rate() or cfg.default_prefill_s_per_tok,
+            prof.engine_decode_s_per_tok or cfg.default_decode_s_per_tok,
             prof.engine_restore_s_per_tok or cfg.default_restore_s_per_tok)
 
 
