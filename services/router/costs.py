@@ -33,6 +33,15 @@
             placement_s ranks candidates; admission and Eq. 2 use the Eq. 1 terms only
             (Eq. 2's demand already counts the later calls).
 
+Rates (seconds per token) are the model's own, never another's: where m_r is active, what
+i's engine reports (step tokens / step time); elsewhere, what the engines running m_r
+report (ModelProfile.engine_*, folded from snapshots). A snapshot's rates belong to its
+active model, and a completion's prefill_s is the time of every step it shared (batch
+mates, a host restore), so prefill_s / its own new tokens overstated the rate up to ~18x
+for short suffixes (measured in the matrix) and priced recompute and admission from noise.
+Completion-derived rates remain the fallback for prefill (agents that report none), and
+the first choice for decode (a call's time per token, its batch included).
+
 Each term is charged once: the reusable prefix K is in C_KV only and the suffix in
 prefill_s only, so recompute is never counted twice; activation is never in dR_req.
 
