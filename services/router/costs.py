@@ -40,7 +40,8 @@ active model, and a completion's prefill_s is the time of every step it shared (
 mates, a host restore), so prefill_s / its own new tokens overstated the rate up to ~18x
 for short suffixes (measured in the matrix) and priced recompute and admission from noise.
 Completion-derived rates remain the fallback for prefill (agents that report none), and
-the first choice for decode (a call's time per token, its batch included).
+the first choice for decode (a call's time per token, its batch included; before any
+completion: i's engine rate where m_r is active there, else the configured default).
 
 Each term is charged once: the reusable prefix K is in C_KV only and the suffix in
 prefill_s only, so recompute is never counted twice; activation is never in dR_req.
@@ -113,9 +114,10 @@ def _static_terms(cfg: PolicyConfig, view: InstanceView, model: str, prof, state
     here = snap.active_model == model
     pf = 1.0 / snap.prefill_tok_s if here and snap.prefill_tok_s > 0 else 0.0
     restore = 1.0 / snap.restore_tok_s if here and snap.restore_tok_s > 0 else 0.0
-    # Decode: what completions measured (a call's time per token, its batch included) first.
+    # Decode: what completions measured (a call's time per token, its batch included); before
+    # any, the engine's own rate where the model is active, else the configured fallback.
     dec = (prof.decode_s_per_tok if prof is not None else 0.0) or (
-        1.0 / snap.decode_tok_s if here and snap.decode_tok_s > 0 else 0.0)
+        1.0 / snap.decode_tok_s if here and snap.decode_tok_s > 0 else cfg.default_decode_s_per_tok)
     mstate = view.model_state(model)
     if mstate == "active":
         act = 0.0
@@ -185,7 +187,7 @@ class CostModel:
         # call, the calls per session measured for its model so far.
         live_models = state.live_models
         later = entry.calls if not first_call else (prof.calls_per_session() - 1.0 if prof is not None else 0.0)
-        model_pf, model_dec, model_restore = _model_rates(cfg, prof)
+        model_pf, model_restore = _model_rates(cfg, prof)
         out: list[Priced] = []
         for view in views:
             snap = view.snapshot
@@ -235,7 +237,7 @@ class CostModel:
             reserved = leases * charge  # returns other sessions' leases may bring
             queue = queued + reserved
             prefill = (prompt - k_total) * pf
-            decode = max_tokens * (st.dec or model_dec)
+            decode = max_tokens * st.dec
             stretch = 0.0
             if sharing:
                 # round sharing: each other model with work here takes a slot of every round,
@@ -304,14 +306,13 @@ class CostModel:
         return max(0.0, saving) * demand, threshold
 
 
-def _model_rates(cfg: PolicyConfig, prof) -> tuple[float, float, float]:
-    """(prefill, decode, restore) seconds per token of a model on an instance where it is
-    not active: as the engines running it measured them (snapshots), else the fallbacks.
+def _model_rates(cfg: PolicyConfig, prof) -> tuple[float, float]:
+    """(prefill, restore) seconds per token of a model on an instance where it is not
+    active: as the engines running it measured them (snapshots), else the fallbacks.
     Never another model's rate (what a snapshot reports belongs to its active model)."""
     if prof is None:
-        return cfg.default_prefill_s_per_tok, cfg.default_decode_s_per_tok, cfg.default_restore_s_per_tok
+        return cfg.default_prefill_s_per_tok, cfg.default_restore_s_per_tok
     return (prof.prefill_rate() or cfg.default_prefill_s_per_tok,
-            prof.engine_decode_s_per_tok or cfg.default_decode_s_per_tok,
             prof.engine_restore_s_per_tok or cfg.default_restore_s_per_tok)
 
 

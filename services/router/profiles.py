@@ -40,7 +40,6 @@ class ModelProfile:
     # overstate the rate many times over for a short suffix; the cost model prefers these.
     engine_prefill_s_per_tok: float = 0.0
     engine_restore_s_per_tok: float = 0.0
-    engine_decode_s_per_tok: float = 0.0  # only until a completion measured the decode
 
     def __post_init__(self) -> None:
         if self.gaps and not self.gap_max:
@@ -58,13 +57,11 @@ class ModelProfile:
         if ttft_s > 0.0:
             self.ttft_s = ewma(self.ttft_s, ttft_s)
 
-    def observe_engine(self, prefill_tok_s: float, decode_tok_s: float, restore_tok_s: float) -> None:
+    def observe_engine(self, prefill_tok_s: float, restore_tok_s: float) -> None:
         """Fold the rates a snapshot reports for this model (it is the active one there).
         Read per decision, not memoised, so no version bump."""
         if prefill_tok_s > 0.0:
             self.engine_prefill_s_per_tok = ewma(self.engine_prefill_s_per_tok, 1.0 / prefill_tok_s)
-        if decode_tok_s > 0.0:
-            self.engine_decode_s_per_tok = ewma(self.engine_decode_s_per_tok, 1.0 / decode_tok_s)
         if restore_tok_s > 0.0:
             self.engine_restore_s_per_tok = ewma(self.engine_restore_s_per_tok, 1.0 / restore_tok_s)
 

@@ -169,8 +169,7 @@ class RouterState:
         if old is not None and snapshot.version < old.snapshot.version:
             return  # out-of-order heartbeat
         if snapshot.active_model:  # the rates it reports are its active model's
-            self.model(snapshot.active_model).observe_engine(snapshot.prefill_tok_s, snapshot.decode_tok_s,
-                                                             snapshot.restore_tok_s)
+            self.model(snapshot.active_model).observe_engine(snapshot.prefill_tok_s, snapshot.restore_tok_s)
         if old is not None and old.restamp(snapshot, now):
             return  # a heartbeat re-send: same view, new version/time, overlay reset
         view = InstanceView(snapshot, now, prior=old)

@@ -499,6 +499,10 @@ def test_decode_is_stretched_by_the_models_a_call_would_share_rounds_with():
         c.observe(snap("a", models={"m1": "active", "m2": "absent", "m3": "absent"},
                        queued={"m2": 1, "m3": 1}), 0.0)
         c.observe(snap("b", active="m2", models={"m1": "absent", "m2": "active"}), 0.0)
+        # m1's decode rate as completions measured it (10 ms per token), so it prices m1 on
+        # both instances (b's snapshot rate is m2's, never m1's)
+        c.handle(call("w0", session="w"), 0.0)
+        c.handle(done("w0", "a", session="w", output=11, decode_s=0.11, at=0.0), 0.0)
         audit, _ = decide(c, call("c1", max_tokens=1000), 0.0)
         return audit, by_instance(audit)
 
