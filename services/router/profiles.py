@@ -1,8 +1,9 @@
 """Latency profiles the cost model reads, refreshed by EWMA from completions and rounds.
 
-Everything is folded from events (`CallCompleted`, `RoundSummary`, `CallRouted`), so a
-replayed router has the same profiles as the live one. Rates are seconds per token; 0 means
-"no observation yet" and the cost model falls back to the instance's advertised rate.
+Everything is folded from the router's inputs (`CallCompleted`, `RoundSummary`,
+`CallRouted`, snapshots for the engine rates), so a replayed router has the same profiles as
+the live one. Rates are seconds per token; 0 means "no observation yet" and the cost model
+falls back (costs.py: never to another model's rate).
 """
 
 from __future__ import annotations
