@@ -55,7 +55,7 @@ class EngineSteps:
             running.started_pub = asyncio.ensure_future(
                 emit(self.js, CallStarted(call_id, call.session_id, self.instance_id, started)))
         self.arrived.clear()
-        steps = await self._step(self.engine.prefill, reqs, action.chunk_tokens, more)
+        steps = await self._step(self.engine.prefill, reqs, action.chunk_tokens, more, action.pass_tokens)
         firsts = [s.call_id for s in steps]
         left = self.engine.prompt_left(action.call_ids) if action.chunk_tokens else None
         return self.core.prefill_done(action, time.time(), await self._tokens(steps), first_tokens=firsts,
