@@ -1,6 +1,6 @@
 """The workload matrix over several workload seeds: how robust the win table is (not a test).
 
-    python bench/matrix_seeds.py [--seeds 8] [--workers 2] [--out results/matrix_seeds.md]
+    python bench/matrix_seeds.py [--seeds 8] [--workers 2] [--out results/matrix_seeds.md] [--cells SUBSTR,...]
 
 Each generated matrix cell has ~20 sessions, so its SCT p95 is one session's luck and a
 single seed's win table says little about one cell. This runs the generated cells and the
@@ -15,6 +15,7 @@ baseline. Seed 0 is the published matrix (results/matrix.md).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -45,10 +46,13 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("results/matrix_seeds.md"))
+    ap.add_argument("--json", type=Path, default=None, help="also write every (seed, cell, policy) SCT p50/p95 here")
+    ap.add_argument("--cells", default="", help="only cells whose name contains one of these (comma-separated)")
     args = ap.parse_args()
     policies = (*BASELINES, OURS)
+    only = [c for c in args.cells.split(",") if c]
     tasks = [(seed, c.name, p) for seed in range(args.seeds) for c in cells(seed)
-             if c.weka != "fixed-replay" for p in policies]
+             if c.weka != "fixed-replay" and (not only or any(o in c.name for o in only)) for p in policies]
     started = time.perf_counter()
     res: dict[tuple[int, str], dict[str, tuple[float, float]]] = defaultdict(dict)
     with ProcessPoolExecutor(args.workers) as pool:
@@ -57,6 +61,9 @@ def main() -> int:
             if k % 50 == 0:
                 print(f"  {k}/{len(tasks)}", file=sys.stderr, flush=True)
     wall = time.perf_counter() - started
+    if args.json is not None:
+        args.json.write_text(json.dumps([{"seed": seed, "cell": name, "sct": got} for (seed, name), got in
+                                         sorted(res.items())], indent=1))
     per_seed: dict[int, list] = defaultdict(list)
     missed_cells: dict[str, int] = defaultdict(int)
     for (seed, name), got in res.items():
@@ -77,7 +84,8 @@ def main() -> int:
     text = "\n".join([
         "# Workload matrix over workload seeds",
         "",
-        f"`python bench/matrix_seeds.py --seeds {args.seeds}` ({len(tasks)} runs, {wall:.0f} s wall with "
+        f"`python bench/matrix_seeds.py --seeds {args.seeds}"
+        + (f" --cells {args.cells}" if only else "") + f"` ({len(tasks)} runs, {wall:.0f} s wall with "
         f"{args.workers} processes on the shared 2-core machine). Generated cells and the router-testbed "
         "cell of talaria.sim.matrix, each seed drawing new sessions, arrivals and gaps; ratios are "
         "talaria / best baseline of the same cell and seed (below 1: talaria faster). Seed 0 is "

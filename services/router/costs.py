@@ -33,6 +33,16 @@
             placement_s ranks candidates; admission and Eq. 2 use the Eq. 1 terms only
             (Eq. 2's demand already counts the later calls).
 
+Rates (seconds per token) are the model's own, never another's: where m_r is active, what
+i's engine reports (step tokens / step time); elsewhere, what the engines running m_r
+report (ModelProfile.engine_*, folded from snapshots). A snapshot's rates belong to its
+active model, and a completion's prefill_s is the time of every step it shared (batch
+mates, a host restore), so prefill_s / its own new tokens overstated the rate up to ~18x
+for short suffixes (measured in the matrix) and priced recompute and admission from noise.
+Completion-derived rates remain the fallback for prefill (agents that report none), and
+the first choice for decode (a call's time per token, its batch included; before any
+completion: i's engine rate where m_r is active there, else the configured default).
+
 Each term is charged once: the reusable prefix K is in C_KV only and the suffix in
 prefill_s only, so recompute is never counted twice; activation is never in dR_req.
 
@@ -71,9 +81,9 @@ class Priced(NamedTuple):
 class _Static:
     key: int
     hard: str  # "" or a HARD_REASONS member
-    pf: float = 0.0  # seconds per prefilled token
+    pf: float = 0.0  # seconds per prefilled token as this instance measures it (0: not active here)
     dec: float = 0.0  # seconds per decoded token
-    restore: float = 0.0  # seconds per host-restored token
+    restore: float = 0.0  # seconds per host-restored token, likewise
     mstate: str = "absent"
     act: float = 0.0  # C_act
     queue: float = 0.0  # snapshot backlog + deadline risk + wait for the active slot
@@ -99,11 +109,15 @@ def _static_terms(cfg: PolicyConfig, view: InstanceView, model: str, prof, state
         return _Static(key, "model_not_served")
     if view.pinned is not None and view.pinned != model:
         return _Static(key, "hot_pool_pinned")
-    pf = (prof.prefill_s_per_tok if prof is not None else 0.0) or (
-        1.0 / snap.prefill_tok_s if snap.prefill_tok_s > 0 else cfg.default_prefill_s_per_tok)
+    # A snapshot's rates are its active model's: they price `model` only where it is active
+    # (0 here: price_all uses the model's rate as engines measured it, _model_rates).
+    here = snap.active_model == model
+    pf = 1.0 / snap.prefill_tok_s if here and snap.prefill_tok_s > 0 else 0.0
+    restore = 1.0 / snap.restore_tok_s if here and snap.restore_tok_s > 0 else 0.0
+    # Decode: what completions measured (a call's time per token, its batch included); before
+    # any, the engine's own rate where the model is active, else the configured fallback.
     dec = (prof.decode_s_per_tok if prof is not None else 0.0) or (
-        1.0 / snap.decode_tok_s if snap.decode_tok_s > 0 else cfg.default_decode_s_per_tok)
-    restore = 1.0 / snap.restore_tok_s if snap.restore_tok_s > 0 else cfg.default_restore_s_per_tok
+        1.0 / snap.decode_tok_s if here and snap.decode_tok_s > 0 else cfg.default_decode_s_per_tok)
     mstate = view.model_state(model)
     if mstate == "active":
         act = 0.0
@@ -114,7 +128,8 @@ def _static_terms(cfg: PolicyConfig, view: InstanceView, model: str, prof, state
         act = res.open_cost_s or res.switch_cost_s or snap.switch_s or measured or cfg.default_open_s
     # The agent's own prediction of the prefill ahead when it reports one (it knows which
     # queued prompts find their prefix on device); else every queued prompt token.
-    ahead = snap.queued_prefill_s if snap.queued_prefill_s >= 0 else snap.queued_tokens * pf
+    ahead = snap.queued_prefill_s if snap.queued_prefill_s >= 0 else snap.queued_tokens * (
+        pf or _model_rates(cfg, prof)[0])
     # (Not the snapshot's deadline_risk: that is the agent's lifetime count of risk events,
     # so charging it as a level penalised an instance for its whole history.)
     queue = ahead
@@ -172,6 +187,7 @@ class CostModel:
         # call, the calls per session measured for its model so far.
         live_models = state.live_models
         later = entry.calls if not first_call else (prof.calls_per_session() - 1.0 if prof is not None else 0.0)
+        model_pf, model_restore = _model_rates(cfg, prof)
         out: list[Priced] = []
         for view in views:
             snap = view.snapshot
@@ -188,7 +204,7 @@ class CostModel:
             if st.hard:
                 out.append(_infeasible(iid, st.hard, view))
                 continue
-            pf = st.pf
+            pf = st.pf or model_pf
             # ---- KV recovery: how much of the prompt is reusable here, and from where
             kvmap = view._kv if view._kv is not None else view.kv
             kv = kvmap.get(own_key)
@@ -207,7 +223,7 @@ class CostModel:
             if kv_state == "device":
                 kv_s = (k_total - k_have) * pf
             elif kv_state == "host":
-                kv_s = k_have * st.restore + (k_total - k_have) * pf
+                kv_s = k_have * (st.restore or model_restore) + (k_total - k_have) * pf
             else:
                 kv_s = k_total * pf
                 kv_state = "recompute" if k_total > 0 else "none"
@@ -288,6 +304,16 @@ class CostModel:
         rate = prof.arrival_rate(now) if prof is not None else 0.0
         demand = 1.0 + rate * self.cfg.control_window_s + state.leases.live_for(model, now)
         return max(0.0, saving) * demand, threshold
+
+
+def _model_rates(cfg: PolicyConfig, prof) -> tuple[float, float]:
+    """(prefill, restore) seconds per token of a model on an instance where it is not
+    active: as the engines running it measured them (snapshots), else the fallbacks.
+    Never another model's rate (what a snapshot reports belongs to its active model)."""
+    if prof is None:
+        return cfg.default_prefill_s_per_tok, cfg.default_restore_s_per_tok
+    return (prof.prefill_rate() or cfg.default_prefill_s_per_tok,
+            prof.engine_restore_s_per_tok or cfg.default_restore_s_per_tok)
 
 
 def eq1_total(c: CandidateCost) -> float:

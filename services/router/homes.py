@@ -48,7 +48,7 @@ class _ModelHomes:
 class HomeBook:
     by_instance: dict[str, dict[str, _ModelHomes]] = field(default_factory=dict)
     home_of: dict[str, tuple[str, str]] = field(default_factory=dict)  # session -> (instance, model)
-    # instance -> (its homes' version, epoch, valid until, live models): a cache, not state
+    # instance -> (its homes' version, epoch, valid until, live models, computed at): a cache
     _live: dict[str, tuple] = field(default_factory=dict, compare=False, repr=False)
     _versions: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 
@@ -106,7 +106,9 @@ class HomeBook:
         horizon does (the cache must not outlive it)."""
         version = self._versions.get(instance_id, 0)
         cached = self._live.get(instance_id)
-        if cached is not None and cached[0] == version and cached[1] == epoch and now <= cached[2]:
+        # valid from when it was computed until the first live model expires (not before:
+        # a session idle at `now` may have been live earlier)
+        if cached is not None and cached[0] == version and cached[1] == epoch and cached[4] <= now <= cached[2]:
             return cached[3]
         live, until = [], float("inf")
         for m, homes in self.by_instance.get(instance_id, {}).items():
@@ -117,7 +119,7 @@ class HomeBook:
                 live.append(m)
                 until = min(until, homes.latest + h)
         out = tuple(live)
-        self._live[instance_id] = (version, epoch, until, out)
+        self._live[instance_id] = (version, epoch, until, out, now)
         return out
 
     def to_list(self) -> list[list]:

@@ -1,8 +1,9 @@
 """Latency profiles the cost model reads, refreshed by EWMA from completions and rounds.
 
-Everything is folded from events (`CallCompleted`, `RoundSummary`, `CallRouted`), so a
-replayed router has the same profiles as the live one. Rates are seconds per token; 0 means
-"no observation yet" and the cost model falls back to the instance's advertised rate.
+Everything is folded from the router's inputs (`CallCompleted`, `RoundSummary`,
+`CallRouted`, snapshots for the engine rates), so a replayed router has the same profiles as
+the live one. Rates are seconds per token; 0 means "no observation yet" and the cost model
+falls back (costs.py: never to another model's rate).
 """
 
 from __future__ import annotations
@@ -33,7 +34,13 @@ class ModelProfile:
     sessions_seen: int = 0  # sessions whose first call was routed
     calls_seen: int = 0  # calls routed
     gap_max: float = 0.0  # the longest of `gaps`
-    version: int = 0  # bumped whenever a rate the cost model reads changes
+    version: int = 0  # bumped whenever a completion-derived rate the cost model reads changes
+    # What engines running this model report in their snapshots (step tokens / step time,
+    # EWMA): the compute rate itself. A completion's prefill_s is the time of every step
+    # it shared (batch mates, a host restore), so prefill_s / its own new tokens can
+    # overstate the rate many times over for a short suffix; the cost model prefers these.
+    engine_prefill_s_per_tok: float = 0.0
+    engine_restore_s_per_tok: float = 0.0
 
     def __post_init__(self) -> None:
         if self.gaps and not self.gap_max:
@@ -50,6 +57,18 @@ class ModelProfile:
             self.version += 1
         if ttft_s > 0.0:
             self.ttft_s = ewma(self.ttft_s, ttft_s)
+
+    def observe_engine(self, prefill_tok_s: float, restore_tok_s: float) -> None:
+        """Fold the rates a snapshot reports for this model (it is the active one there).
+        Read per decision, not memoised, so no version bump."""
+        if prefill_tok_s > 0.0:
+            self.engine_prefill_s_per_tok = ewma(self.engine_prefill_s_per_tok, 1.0 / prefill_tok_s)
+        if restore_tok_s > 0.0:
+            self.engine_restore_s_per_tok = ewma(self.engine_restore_s_per_tok, 1.0 / restore_tok_s)
+
+    def prefill_rate(self) -> float:
+        """Seconds per prefilled token: the engines' measure, else the completions' (0: none)."""
+        return self.engine_prefill_s_per_tok or self.prefill_s_per_tok
 
     def observe_arrival(self, at: float) -> None:
         self.arrivals = self.arrivals_at_time(at) + 1.0

@@ -168,6 +168,8 @@ class RouterState:
             old = None  # a new process: its view starts afresh whatever the versions say
         if old is not None and snapshot.version < old.snapshot.version:
             return  # out-of-order heartbeat
+        if snapshot.active_model:  # the rates it reports are its active model's
+            self.model(snapshot.active_model).observe_engine(snapshot.prefill_tok_s, snapshot.restore_tok_s)
         if old is not None and old.restamp(snapshot, now):
             return  # a heartbeat re-send: same view, new version/time, overlay reset
         view = InstanceView(snapshot, now, prior=old)

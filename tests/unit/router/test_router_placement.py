@@ -435,8 +435,9 @@ def test_a_prefix_another_session_left_does_not_pass_admission():
 
 
 def test_latency_profile_refreshes_from_completions_by_ewma():
+    # an agent that reports no engine rates: the completions' prefill rate is the fallback
     c = core(**NO_LEASE)
-    c.observe(snap("a"), 0.0)
+    c.observe(snap("a", prefill_tok_s=0.0), 0.0)
     c.handle(call("c0"), 0.0)
     c.handle(done("c0", "a", prompt=1000, at=1.0, prefill_s=0.5, decode_s=0.2, output=10), 1.0)
     prof = c.state.models["m1"]
@@ -444,9 +445,44 @@ def test_latency_profile_refreshes_from_completions_by_ewma():
     c.handle(call("c1", session="s2"), 1.0)
     c.handle(done("c1", "a", session="s2", prompt=1000, at=2.0, prefill_s=1.0), 2.0)
     assert prof.prefill_s_per_tok == pytest.approx(0.8 * 5e-4 + 0.2 * 1e-3)
-    c.observe(snap("a", version=2, at=2.0), 2.0)
+    c.observe(snap("a", version=2, at=2.0, prefill_tok_s=0.0), 2.0)
     audit, _ = decide(c, call("c2", session="s3", tokens=1000), 2.0)
     assert by_instance(audit)["a"].prefill_s == pytest.approx(1000 * prof.prefill_s_per_tok)
+
+
+def test_a_model_is_priced_at_its_own_engine_rate_never_the_active_models():
+    # `a` runs m1 (fast), `b` runs m2 (5x slower per token). A call for m2 on `a` must pay
+    # m2's rate as b's engine measures it, not the m1 rate a's snapshot reports.
+    c = core(**NO_LEASE)
+    two = {"m1": "absent", "m2": "absent"}
+    c.observe(snap("a", active="m1", models=two, prefill_tok_s=10_000.0, restore_tok_s=100_000.0), 0.0)
+    c.observe(snap("b", active="m2", models=two, prefill_tok_s=2_000.0, restore_tok_s=20_000.0), 0.0)
+    audit, _ = decide(c, call("c1", model="m2", tokens=4000), 0.0)
+    x = by_instance(audit)
+    assert x["a"].prefill_s == pytest.approx(4000 / 2_000.0)  # m2's rate, measured on b
+    assert x["b"].prefill_s == pytest.approx(4000 / 2_000.0)
+    # ... and so is a host restore of m2's KV on `a`
+    c.observe(snap("a", version=2, active="m1", models=two, sessions=[("s9", "m2", "host", 4000)]), 0.0)
+    c.handle(done("p0", "a", session="s9", model="m2", prompt=3990, output=10, at=0.0), 0.0)
+    audit, _ = decide(c, call("c2", session="s9", model="m2", tokens=5000), 0.0)
+    a = by_instance(audit)["a"]
+    assert a.kv_state == "host" and a.kv_recovery_s == pytest.approx(4000 / 20_000.0)
+
+
+def test_completions_that_shared_a_step_do_not_inflate_the_prefill_price():
+    # A return with a 100-token suffix, prefilled in a step with a 30K-token prompt (or after
+    # a host restore), reports that whole step: 3 s / 100 tokens = 30 ms per token. The
+    # engine's own step rate (10,000 tokens/s) keeps pricing the prefill.
+    c = core(**NO_LEASE)
+    c.observe(snap("a"), 0.0)
+    c.observe(snap("b"), 0.0)
+    for k in range(5):
+        c.handle(call(f"r{k}", session=f"s{k}"), 0.0)
+        c.handle(done(f"r{k}", "a", session=f"s{k}", prompt=1100, cached_tokens=1000, prefill_s=3.0, at=1.0), 1.0)
+    assert c.state.models["m1"].prefill_s_per_tok > 1e-2  # what the completions say
+    audit, _ = decide(c, call("n1", session="new", tokens=20_000), 1.0)
+    x = by_instance(audit)
+    assert x["a"].prefill_s == pytest.approx(20_000 / 10_000.0) == x["b"].prefill_s
 
 
 def test_policy_config_is_validated():
@@ -463,6 +499,10 @@ def test_decode_is_stretched_by_the_models_a_call_would_share_rounds_with():
         c.observe(snap("a", models={"m1": "active", "m2": "absent", "m3": "absent"},
                        queued={"m2": 1, "m3": 1}), 0.0)
         c.observe(snap("b", active="m2", models={"m1": "absent", "m2": "active"}), 0.0)
+        # m1's decode rate as completions measured it (10 ms per token), so it prices m1 on
+        # both instances (b's snapshot rate is m2's, never m1's)
+        c.handle(call("w0", session="w"), 0.0)
+        c.handle(done("w0", "a", session="w", output=11, decode_s=0.11, at=0.0), 0.0)
         audit, _ = decide(c, call("c1", max_tokens=1000), 0.0)
         return audit, by_instance(audit)
 
