@@ -47,7 +47,7 @@ class OutcomeSender:
 
     async def _store(self, call_id: str, started_pub, record, ack, on_stored, on_dropped) -> None:
         try:
-            await _settled(started_pub)
+            await settled(started_pub)
             try:
                 await asyncio.wait_for(ack, PUBLISH_TIMEOUT_S)
             except Exception as exc:  # lost or refused: publish it again until it is stored
@@ -79,10 +79,11 @@ class OutcomeSender:
         await asyncio.gather(*pending, return_exceptions=True)
 
 
-async def _settled(fut: asyncio.Future | None) -> None:
-    """Wait for a background publish; its failure only loses a progress marker."""
+async def settled(fut: asyncio.Future | None) -> None:
+    """Wait for a progress marker's publish (a CallStarted's ack), at most as long as any
+    publish waits for its ack; its failure only loses the marker."""
     if fut is not None:
         try:
-            await fut
+            await asyncio.wait_for(fut, PUBLISH_TIMEOUT_S)
         except Exception:
             pass
