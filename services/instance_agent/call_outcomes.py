@@ -51,9 +51,9 @@ class CallOutcomes:
                 note()
         for summary in outcome.rounds:
             self.watchdog.round_ended(summary.wall_s)
-            await emit(self.js, summary)
+            await self.outcomes.note(summary)
         if outcome.switch is not None:
-            await emit(self.js, outcome.switch)
+            await self.outcomes.note(outcome.switch)
         for event in outcome.notes:
             # structlog's first argument is already called `event`: name ours `kind`.
             self.log.info("scheduler", kind=type(event).__name__, **{

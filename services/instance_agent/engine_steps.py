@@ -14,7 +14,7 @@ from talaria.services.instance_agent.core import Outcome
 from talaria.services.instance_agent.engine import EngineBusy, EngineError, GenRequest
 from talaria.services.instance_agent.scheduler import Decode, Prefill, SchedulerError, SwitchModel
 from talaria.shared import subjects
-from talaria.shared.bus import emit, emit_async
+from talaria.shared.bus import emit_async
 from talaria.shared.events import CallStarted
 from talaria.shared.messages import TokenChunk
 from talaria.shared.wire import encode
@@ -26,7 +26,7 @@ class EngineSteps:
         outcome = self.core.switch_done(action, time.time(), record.total_s, path=record.path,
                                         phases=record.phases(), bytes_staged=record.bytes_staged,
                                         bytes_uncovered=record.bytes_uncovered)
-        await emit(self.js, outcome.switch)
+        await self.outcomes.note(outcome.switch)
         outcome.switch = None
         await self.publish_snapshot()
         return outcome

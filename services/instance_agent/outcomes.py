@@ -45,6 +45,25 @@ class OutcomeSender:
         task.add_done_callback(self._tasks.discard)
         return task
 
+    async def note(self, event: msgspec.Struct) -> None:
+        """Publish a scheduler record (RoundSummary, SwitchDone) without holding up the loop for
+        its ack: a background task waits for it. As when the loop waited, a record the stream
+        refuses is logged and lost (it carries no message id that would make a retry safe)."""
+        try:
+            ack = await emit_async(self.js, event)
+        except Exception as exc:
+            self.log.warning("scheduler record not published", kind=type(event).__name__, error=str(exc))
+            return
+        task = asyncio.create_task(self._noted(event, ack))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _noted(self, event, ack) -> None:
+        try:
+            await asyncio.wait_for(ack, PUBLISH_TIMEOUT_S)
+        except Exception as exc:
+            self.log.warning("scheduler record not stored", kind=type(event).__name__, error=str(exc))
+
     async def _store(self, call_id: str, started_pub, record, ack, on_stored, on_dropped) -> None:
         try:
             await settled(started_pub)

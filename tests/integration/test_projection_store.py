@@ -165,3 +165,40 @@ async def test_postgres_refusing_an_event_makes_it_poison(database_url):
         assert await store.call("c1") is None
     finally:
         await store.close()
+
+
+async def test_a_poison_event_in_a_batch_without_savepoints_is_quarantined_alone(database_url):
+    """The telemetry service applies a batch without a savepoint per event first; an event
+    Postgres refuses sends the batch through again with them, so only that event is
+    quarantined and the others commit (with the batch's offset)."""
+    from types import SimpleNamespace
+
+    from talaria.services.telemetry.service import _apply_batch
+    from talaria.services.telemetry.store import NeedsIsolation
+    from talaria.shared.nats_auth import SENDER_HEADER, owner_sender
+    from talaria.shared.wire import encode
+    import structlog
+
+    def msg(event, seq):
+        return SimpleNamespace(data=encode(event), subject="talaria.evt.call.submitted",
+                               headers={SENDER_HEADER: owner_sender(event)},
+                               metadata=SimpleNamespace(sequence=SimpleNamespace(stream=seq)))
+
+    store = PostgresStore(create_engine(database_url))
+    try:
+        bad = msgspec.structs.replace(submitted(1), submitted_at=1e13)  # past year 9999: no timestamp
+        with pytest.raises(NeedsIsolation):  # alone, the fast pass cannot tell whose fault it was
+            async with store.batch(isolated=False) as batch:
+                await batch.project(submitted(0), 1)
+                await batch.project(bad, 2)
+        assert await store.call("c0") is None  # and it left nothing behind
+        seen = []
+        offset = await _apply_batch(store, [msg(submitted(0), 1), msg(bad, 2), msg(submitted(2), 3)], 0,
+                                    SimpleNamespace(observe=seen.append), structlog.get_logger())
+        assert offset == 3 and await store.offset() == 3
+        assert (await store.call("c0"))["outcome"] == (await store.call("c2"))["outcome"] == "submitted"
+        assert await store.call("c1") is None
+        assert await store.rows("quarantined_events") == 1
+        assert [e.call_id for e in seen] == ["c0", "c2"]
+    finally:
+        await store.close()
