@@ -9,7 +9,8 @@ again until the stream has it (its message id makes a retry a no-op), and only t
 JetStream message is acked). So the engine loop never waits for a stream ack, and the
 guarantee is what it was: a call whose record is not stored is not acked, and a dead
 agent's call is redelivered. While the record is stored the call is `closing`: a copy of
-it arriving then is attached and acked with it (runner.accept).
+it arriving then is attached and acked with it (runner.accept). Scheduler records
+(RoundSummary, SwitchDone) go out the same way (`note`), without the loop waiting for acks.
 """
 
 from __future__ import annotations
