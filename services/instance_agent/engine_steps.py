@@ -52,7 +52,7 @@ class EngineSteps:
             new.append(running)
         self.arrived.clear()
         try:
-            steps = await self._step(self.engine.prefill, reqs, action.chunk_tokens, more)
+            steps = await self._step(self.engine.prefill, reqs, action.chunk_tokens, more, action.pass_tokens)
         finally:
             await self._started(new, started)
         firsts = [s.call_id for s in steps]

@@ -129,6 +129,7 @@ class CallRunner(EngineSteps, CallOutcomes, CallDrops):
         self.watchdog = Watchdog(min_stuck_s=settings.watchdog_min_s)
         self.unhealthy = ""  # why new calls should go elsewhere (heartbeat flag); "" when healthy
         self.step_calls: tuple[str, ...] = ()  # the calls of the engine step in flight
+        self.step_predicted_s = 0.0  # the scheduler's estimate of that step (for the watchdog)
         # Look, before the next step, for engine entries no call here runs any more (failed by
         # the watchdog or an engine error, or leaked by a bug): they hold pages and block switches.
         self.sweep_due = False
@@ -245,6 +246,7 @@ class CallRunner(EngineSteps, CallOutcomes, CallDrops):
                 await self._wait(stop, time.time() + self.settings.heartbeat_s)
                 continue
             self.step_calls = tuple(getattr(action, "call_ids", ()))
+            self.step_predicted_s = self.core.sched.estimate_s(action)
             try:
                 match action:
                     case Idle():
@@ -279,7 +281,7 @@ class CallRunner(EngineSteps, CallOutcomes, CallDrops):
 
     async def _run(self, fn, *args, kind: str | None = None):
         """An engine step of the work loop, timed by the watchdog."""
-        self.watchdog.step_started(kind or fn.__name__, self.step_calls, time.time())
+        self.watchdog.step_started(kind or fn.__name__, self.step_calls, time.time(), self.step_predicted_s)
         try:
             return await self._on_engine(fn, *args)
         finally:

@@ -9,8 +9,10 @@ Two kinds of stuck, two answers (the runner applies them):
   the longest round so far (e.g. its completion got lost in a bug): that call is failed
   and the agent keeps serving the others.
 
-"Far longer" is STUCK_FACTOR times the slowest measured step or round, never below
-MIN_STUCK_S (the first cold weight load has no measurement to compare with). The factor
+"Far longer" is STUCK_FACTOR times the slowest measured step or round, or the scheduler's
+prediction for the step in flight (a first long prefill chunk may be planned up to the
+round cap), never below MIN_STUCK_S (the first cold weight load has no measurement to
+compare with). The factor
 is not tuned on an experiment: an order of magnitude is what separates "slow" from "not
 coming back". The floor is a setting (TALARIA_WATCHDOG_MIN_S).
 """
@@ -35,13 +37,15 @@ class Watchdog:
     slowest_step_s: dict[str, float] = field(default_factory=dict)  # per step kind
     slowest_round_s: float = 0.0
     step: tuple[str, float, tuple[str, ...]] | None = None  # (kind, started, call ids) in flight
+    step_predicted_s: float = 0.0  # the scheduler's estimate of the step in flight
     progress: dict[str, float] = field(default_factory=dict)  # started call -> last progress
     reported: set[str] = field(default_factory=set)  # calls already failed by a verdict
 
     # ---- what happens -------------------------------------------------------------------
 
-    def step_started(self, kind: str, call_ids, now: float) -> None:
+    def step_started(self, kind: str, call_ids, now: float, predicted_s: float = 0.0) -> None:
         self.step = (kind, now, tuple(call_ids))
+        self.step_predicted_s = predicted_s
         for c in call_ids:
             self.progress.setdefault(c, now)
 
@@ -65,7 +69,8 @@ class Watchdog:
     # ---- bounds and the verdict ---------------------------------------------------------
 
     def step_limit_s(self, kind: str) -> float:
-        return max(self.min_stuck_s, STUCK_FACTOR * self.slowest_step_s.get(kind, 0.0))
+        expected = max(self.slowest_step_s.get(kind, 0.0), self.step_predicted_s if self.step else 0.0)
+        return max(self.min_stuck_s, STUCK_FACTOR * expected)
 
     def call_limit_s(self) -> float:
         slowest = max([self.slowest_round_s, *self.slowest_step_s.values()], default=0.0)

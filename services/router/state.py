@@ -195,6 +195,10 @@ class RouterState:
 
     def _routed(self, event: CallRouted) -> None:
         call = event.call
+        if call.call_id in self.routed and call.call_id not in self.inflight_calls:
+            # It ended before its routing reached the stream (the agent ran the fast copy):
+            # nothing is in flight, and the session already moved on with its completion.
+            return
         self._remember(call.call_id, event.instance_id)
         self.routed_total += 1
         entry = self.session(call.session_id)
@@ -229,6 +233,10 @@ class RouterState:
         self.homes.routed(call.session_id, event.instance_id, call.model, event.routed_at)
 
     def _completed(self, event: CallCompleted) -> None:
+        if event.call_id not in self.routed:
+            # The agent ran the fast dispatch copy, and the router stopped before its routing
+            # was stored: the redelivered submission must not place (and run) it again.
+            self._remember(event.call_id, event.instance_id)
         self._finished(event.call_id, event.completed_at)
         entry = self.session(event.session_id)
         entry.model = event.model

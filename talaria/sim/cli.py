@@ -1,8 +1,10 @@
 """`talaria sim ...`: run one simulation, the experiments, or the trace converter.
 
-    talaria sim run --trace T.jsonl|fixed-replay --profile paper-tp8 --policy least-loaded \
+    talaria sim run --trace T.jsonl[.xz]|fixed-replay --profile paper-tp8 --policy least-loaded \
         [--instances N] [--no-sp] [--no-hkvr] [--no-staging] [--round-only] [--tau S] \
-        [--gaps paper|recorded[:cap]|rescaled:F[:cap]] [--seed N] [--json OUT]
+        [--gaps paper|recorded[:cap]|rescaled:F[:cap]] [--model-map auto|A=B,...] [--seed N] [--json OUT]
+
+A raw WEKA kv-cache-tester file is converted on the way in (traces/weka.py).
     talaria sim experiments fixed-replay|router|tau-sweep|scale|all|report [--out results/] [--json P]
     talaria sim convert WEKA.jsonl.xz OUT.jsonl [--subagents separate|drop] [--limit N]
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 from talaria.services.router.policy.base import PolicyConfig
@@ -20,8 +23,8 @@ from talaria.sim.cluster import RunConfig, simulate
 from talaria.sim.executor import instance_config
 from talaria.sim.metrics import summarise
 from talaria.sim.profiles import PROFILES, get_profile
-from talaria.sim.workloads import fixed_replay
-from talaria.traces.format import TraceFormatError, load_trace
+from talaria.sim.workloads import fixed_replay, on_model
+from talaria.traces.format import Session, TraceFormatError, load_trace
 from talaria.traces.gaps import parse_gap_model
 
 
@@ -35,10 +38,15 @@ def _run(args) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     server = get_profile(args.profile)
+    try:
+        sessions = map_models(sessions, args.model_map, sorted(server.models))
+    except ValueError as exc:
+        print(f"error: --model-map: {exc}", file=sys.stderr)
+        return 2
     unknown = sorted({s.model for s in sessions} - set(server.models))
     if unknown:
-        print(f"error: profile {server.name!r} has no model(s) {unknown}; known: {sorted(server.models)}",
-              file=sys.stderr)
+        print(f"error: profile {server.name!r} has no model(s) {unknown}; known: {sorted(server.models)}; "
+              "map them with --model-map auto or --model-map TRACE=SERVED,...", file=sys.stderr)
         return 2
     base = instance_config("round-only" if args.round_only else "talaria")
     sched = base.with_(sp=base.sp and not args.no_sp, hkvr=base.hkvr and not args.no_hkvr,
@@ -59,6 +67,29 @@ def _run(args) -> int:
     if args.json:
         experiments.write_json(summary, Path(args.json))
     return 0
+
+
+def map_models(sessions: list[Session], spec: str | None, served: list[str]) -> list[Session]:
+    """Replay a trace's models as served ones. `auto`: trace models the profile lacks, most
+    calls first, onto the profile's models in turn (one model per session is kept);
+    `A=B,C=D`: explicit. None: unchanged."""
+    if not spec:
+        return sessions
+    if spec == "auto":
+        calls = Counter(s.model for s in sessions for _ in s.calls)
+        missing = [m for m, _ in calls.most_common() if m not in served]
+        mapping = {m: served[k % len(served)] for k, m in enumerate(missing)}
+    else:
+        mapping = {}
+        for pair in spec.split(","):
+            src, sep, dst = pair.partition("=")
+            if not sep or not src.strip() or not dst.strip():
+                raise ValueError(f"{pair!r} is not TRACE_MODEL=SERVED_MODEL (or use 'auto')")
+            if dst.strip() not in served:
+                raise ValueError(f"{dst.strip()!r} is not served by this profile; known: {served}")
+            mapping[src.strip()] = dst.strip()
+    return [on_model(s, mapping[s.model], s.calls[0].gap_before_s, suffix=False) if s.model in mapping else s
+            for s in sessions]
 
 
 def _convert(args) -> int:
@@ -84,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--tau", type=float, default=1.0, help="lease timeout (s)")
     run.add_argument("--adaptive-lease", action="store_true")
     run.add_argument("--gaps", default="paper", help="paper | recorded[:cap] | rescaled:F[:cap]")
+    run.add_argument("--model-map", default=None,
+                     help="replay trace models as served ones: 'auto' or TRACE=SERVED,... (default: none)")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--json", default=None)
     run.set_defaults(func=_run)

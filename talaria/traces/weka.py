@@ -62,11 +62,21 @@ class ConvertSummary:
         return d
 
 
-def _open_text(path: str | Path) -> IO[str]:
+def open_text(path: str | Path) -> IO[str]:
     path = Path(path)
     if path.suffix == ".xz":
         return lzma.open(path, "rt", encoding="utf-8")
     return path.open("r", encoding="utf-8")
+
+
+def looks_like_weka(first_line: str) -> bool:
+    """A WEKA conversation line: an object with `id` and a `requests` list (a normalised
+    trace line has `session` instead)."""
+    try:
+        obj = json.loads(first_line)
+    except ValueError:
+        return False
+    return isinstance(obj, dict) and "session" not in obj and isinstance(obj.get("requests"), list) and "id" in obj
 
 
 def _lcp(a: list[int], b: list[int]) -> int:
@@ -181,7 +191,7 @@ def convert_file(
 ) -> ConvertSummary:
     """Convert a WEKA JSONL(.xz) file into a normalised JSONL file, streaming."""
     summary = ConvertSummary()
-    with _open_text(src) as stream, Path(dst).open("w", encoding="utf-8") as out:
+    with open_text(src) as stream, Path(dst).open("w", encoding="utf-8") as out:
         for session in iter_converted(stream, summary, subagents):
             dump_calls(session, out)
             if limit is not None and summary.traces >= limit:
@@ -194,5 +204,5 @@ def iter_weka_sessions(
 ) -> Iterator[list[TraceCall]]:
     """Stream converted sessions straight from a WEKA file (no intermediate file)."""
     summary = ConvertSummary()
-    with _open_text(src) as stream:
+    with open_text(src) as stream:
         yield from iter_converted(stream, summary, subagents)

@@ -192,12 +192,14 @@ class TorchEngine:
 
     # -- stepped API ---------------------------------------------------------------------
 
-    def prefill(self, reqs: list[GenRequest], chunk_tokens: int = 0, more: Iterable[str] = ()) -> list[StepToken]:
+    def prefill(self, reqs: list[GenRequest], chunk_tokens: int = 0, more: Iterable[str] = (),
+                pass_tokens: int = 0) -> list[StepToken]:
         """Admit and prefill `reqs` (all for one model; switches if nothing is running), and
         continue the prefill of running calls `more` (admitted by an earlier chunk).
         `chunk_tokens` > 0 computes at most that many prompt tokens per call; only calls
-        whose prompt is then complete return their first token."""
-        return forward_pass.prefill_step(self, reqs, time.perf_counter(), chunk_tokens, tuple(more))
+        whose prompt is then complete return their first token. `pass_tokens` > 0 caps a
+        forward pass below `prefill_chunk` (`should_yield` is asked between passes)."""
+        return forward_pass.prefill_step(self, reqs, time.perf_counter(), chunk_tokens, tuple(more), pass_tokens)
 
     def decode(self, call_ids: list[str]) -> list[StepToken]:
         """One batched decode step for each listed running, unfinished call."""

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 
 def prefill_step(eng: TorchEngine, reqs: list[GenRequest], t0: float, chunk: int = 0,
-                 more: tuple[str, ...] = ()) -> list[StepToken]:
+                 more: tuple[str, ...] = (), pass_tokens: int = 0) -> list[StepToken]:
     """Admit `reqs` and prefill them with the running calls `more` that have prompt left;
     first tokens of the calls whose prompt is now complete (see TorchEngine.prefill)."""
     if not reqs and not more:
@@ -61,7 +61,7 @@ def prefill_step(eng: TorchEngine, reqs: list[GenRequest], t0: float, chunk: int
     before = sum(s.kv_len for s in seqs)
     try:
         t1 = time.perf_counter()
-        last = run_prefill(eng, seqs, chunk)
+        last = run_prefill(eng, seqs, chunk, pass_tokens)
         now = time.perf_counter()
         done = [s for s in seqs if s.req.call_id in last]
         if eng.on_logits is not None and done:
@@ -80,14 +80,16 @@ def prefill_step(eng: TorchEngine, reqs: list[GenRequest], t0: float, chunk: int
     return out
 
 
-def run_prefill(eng: TorchEngine, seqs: list[Sequence], chunk: int = 0) -> dict[str, torch.Tensor]:
+def run_prefill(eng: TorchEngine, seqs: list[Sequence], chunk: int = 0, pass_tokens: int = 0) -> dict[str, torch.Tensor]:
     """Batched prefill of each sequence's unmatched suffix, at most `chunk` tokens each
-    (0: all); last-token logits of the sequences whose prompt is complete."""
+    (0: all), in forward passes of at most `pass_tokens` (0: `prefill_chunk`) tokens each;
+    last-token logits of the sequences whose prompt is complete."""
     todo = {s.req.call_id: s for s in seqs}
     left = {i: (chunk if chunk > 0 else len(s.tokens)) for i, s in todo.items()}
+    per_pass = min(eng.prefill_chunk, pass_tokens) if pass_tokens > 0 else eng.prefill_chunk
     last: dict[str, torch.Tensor] = {}
     while todo:
-        parts = [(s, s.kv_len, min(eng.prefill_chunk, len(s.tokens) - s.kv_len, left[i]))
+        parts = [(s, s.kv_len, min(per_pass, len(s.tokens) - s.kv_len, left[i]))
                  for i, s in todo.items()]
         logits = forward_batch(eng, parts)
         for i, (s, _, n) in enumerate(parts):

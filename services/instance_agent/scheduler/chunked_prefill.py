@@ -28,18 +28,25 @@ class ChunkedPrefill:
         return tuple(i for i, c in running.items() if not c.prefilling), filling
 
     def _continue_prefill(self, calls: tuple[CallState, ...], model: str) -> Prefill:
-        return Prefill(tuple(c.call_id for c in calls), model=model, chunk_tokens=self._chunk_for(model, calls))
+        chunk, per_pass = self._chunk_for(model, calls)
+        return Prefill(tuple(c.call_id for c in calls), model=model, chunk_tokens=chunk, pass_tokens=per_pass)
 
-    def _chunk_for(self, model: str, calls: Iterable[CallState]) -> int:
-        """Tokens per call of the next prefill chunk (a chunk that covers every prompt still
-        counts as one: the driver may end it early when a call arrives)."""
+    def _chunk_for(self, model: str, calls: Iterable[CallState]) -> tuple[int, int]:
+        """(tokens per call of the next prefill chunk, tokens per call per forward pass).
+        A chunk that covers every prompt still counts as one: the driver ends it early when
+        a call arrives, after the pass in flight, so a pass is sized like a shared chunk."""
         if not self.config.chunked_prefill:
-            return 0
+            return 0, 0
         calls = list(calls)
         longest = max((c.prefill_left for c in calls), default=0)
-        budget = self._chunk_budget_s(model)
         ctx = max(c.work.prompt_tokens - c.prefill_left for c in calls)
-        return chunk_tokens(lambda k: len(calls) * self.costs.prefill_s(model, k, ctx), budget, longest)
+
+        def fits(budget: float) -> int:
+            return chunk_tokens(lambda k: len(calls) * self.costs.prefill_s(model, k, ctx), budget, longest)
+
+        budget, shared = self._chunk_budget_s(model), self._shared_chunk_s(model)
+        chunk = fits(budget)
+        return chunk, (chunk if budget == shared else min(chunk, fits(shared)))
 
     def prefill_ahead_tokens(self) -> int:
         """Prompt tokens a call arriving now waits behind: every queued prompt, and of each

@@ -285,8 +285,9 @@ class RoundScheduler(ColdPool, HotPool, ChunkedPrefill, WorkCosts):
         for call in selection.admitted:
             self.calls.start(call.call_id, via, now)
             call.prefill_left = compute_tokens(call.work, self.config.hkvr)
-        chunk = self._chunk_for(model, selection.admitted)
-        return Prefill(selection.ids, session_prefill=via == "SP", model=model, chunk_tokens=chunk)
+        chunk, per_pass = self._chunk_for(model, selection.admitted)
+        return Prefill(selection.ids, session_prefill=via == "SP", model=model, chunk_tokens=chunk,
+                       pass_tokens=per_pass)
 
     def _finish(self, ids: tuple[str, ...], engine_done: frozenset[str], now: float) -> None:
         for call in list(self._known(ids)):

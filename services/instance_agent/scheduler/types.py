@@ -70,12 +70,18 @@ class Prefill:
     each call; a call whose prompt is then complete emits its first token, the others
     continue in a later Prefill listing them again (the executor reports which calls got
     their first token). 0: every call's whole prompt.
+
+    `pass_tokens` > 0: at most that many tokens of each call per forward pass, the chunk a
+    shared instance would allow (Eq. 4's slack), so a call that arrives while a long chunk
+    runs alone waits at most one such pass before the driver ends the chunk. 0: the
+    engine's own pass size.
     """
 
     call_ids: tuple[str, ...]
     session_prefill: bool = False
     model: str = ""
     chunk_tokens: int = 0
+    pass_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,18 @@ def test_the_floor_protects_the_first_slow_step():
     assert w.check(3.1).unhealthy
 
 
+def test_a_step_planned_long_is_judged_against_its_plan():
+    # The first chunk of a long prompt is planned up to the round cap (9 s): past the floor,
+    # but not stuck until far longer than planned.
+    w = Watchdog(min_stuck_s=3.0)
+    w.step_started("prefill", ["long"], 0.0, predicted_s=9.0)
+    assert w.check(12.0).unhealthy == ""
+    assert w.check(9.0 * STUCK_FACTOR + 0.1).unhealthy
+    w.step_ended(100.0)
+    w.step_started("prefill", ["short"], 100.0, predicted_s=0.01)  # the next plan is its own
+    assert w.step_limit_s("prefill") == STUCK_FACTOR * 100.0  # the slowest step measured so far
+
+
 def test_a_started_call_without_progress_is_failed_alone():
     w = Watchdog(min_stuck_s=1.0)
     w.round_ended(0.2)  # limit: max(1.0, 10 * 0.2) = 2 s

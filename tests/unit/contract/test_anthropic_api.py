@@ -5,14 +5,8 @@ import json
 
 import pytest
 
-from talaria.services.gateway.anthropic_api import (
-    DECODER,
-    chat_turns,
-    error_body,
-    message_body,
-    session_of,
-    to_call_request,
-)
+from talaria.services.gateway.anthropic_api import error_body, message_body
+from talaria.services.gateway.anthropic_input import DECODER, chat_turns, session_of, to_call_request
 from talaria.services.gateway.http_api import _to_call_request
 from talaria.services.gateway.openai_api import CHAT_DECODER
 from talaria.services.gateway.prepare import RequestError, prepare
@@ -96,7 +90,7 @@ def test_a_tool_call_in_the_output_is_a_tool_use_block():
 
 
 def test_claude_code_session_ids_come_from_its_header_or_metadata():
-    from talaria.services.gateway.anthropic_api import Metadata
+    from talaria.services.gateway.anthropic_input import Metadata
 
     assert session_of({"X-Claude-Code-Session-Id": "cc-1"}, None) == "cc-1"
     user = "user_ab12_account_1234_session_5f0c8f4e-7d1a-4c3b-9e2a-0123456789ab"

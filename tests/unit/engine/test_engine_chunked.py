@@ -39,6 +39,13 @@ def test_idle_sessions_kv_is_used_but_not_pinned(make_engine):
     assert eng.stats().kv_pinned_tokens >= len(PROMPT)
 
 
+def test_a_chunk_ends_after_the_pass_size_the_scheduler_asked_for(make_engine):
+    eng = make_engine(["qwen3-tiny"], hkvr=False, staging=False, prefill_chunk=64)
+    eng.should_yield = lambda: True
+    assert eng.prefill([GenRequest("long", "s", "qwen3-tiny", PROMPT, 2)], chunk_tokens=10_000, pass_tokens=16) == []
+    assert eng.running["long"].kv_len == 16  # one pass of 16, not the engine's 64
+
+
 def test_a_chunk_ends_early_when_the_driver_asks(make_engine):
     eng = make_engine(["qwen3-tiny"], hkvr=False, staging=False, prefill_chunk=64)
     eng.should_yield = lambda: True  # a call arrived: end the chunk at the next forward pass

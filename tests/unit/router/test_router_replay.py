@@ -7,7 +7,7 @@ import json
 import random
 
 import pytest
-from router_support import call, core, done, of_type, snap
+from router_support import call, core, done, of_type, one, snap
 
 from talaria.services.router.core import RouterCore
 from talaria.services.router.policy.registry import create_policy
@@ -193,3 +193,31 @@ def test_a_redelivered_submission_is_never_routed_twice():
     for event in first:
         rebuilt.state.apply(event)
     assert rebuilt.handle(call("c1"), 1.0) == []
+
+
+def test_a_call_completed_before_its_routing_was_stored_is_never_placed_again():
+    """The router sent the fast copy and stopped before its CallRouted reached the stream;
+    the agent ran the call. After a restart the stream holds the completion but no routing:
+    the redelivered submission must neither run the call again nor count it in flight."""
+    c = core()
+    c.observe(snap("a"), 0.0)
+    c.handle(call("c1"), 0.0)  # routed, but these outputs are lost with the old process
+    rebuilt = RouterCore(c.policy)
+    rebuilt.observe(snap("a"), 0.0)
+    rebuilt.handle(done("c1", "a"), 1.0)  # replayed from the stream
+    assert rebuilt.handle(call("c1"), 1.5) == []
+    assert rebuilt.state.inflight_calls == {}
+    assert not rebuilt.state.instances["a"].inflight
+
+
+def test_a_routing_replayed_after_its_completion_counts_nothing_in_flight():
+    """On the stream a fast 1-token call's completion can precede its CallRouted."""
+    c = core()
+    c.observe(snap("a"), 0.0)
+    routed = one(c.handle(call("c1"), 0.0), CallRouted)
+    state = RouterState()
+    state.apply(SnapshotReceived(snap("a"), 0.0))
+    state.apply(done("c1", "a"))
+    state.apply(routed)
+    assert state.inflight_calls == {}
+    assert state.sessions["s1"].last_completed_at == 1.0  # the completion still stands

@@ -103,6 +103,25 @@ def test_chunk_size_follows_the_round_budget_not_a_constant():
     assert abs(_first_long_chunk(0.2, False) - 18_000) <= 2
 
 
+def test_a_chunk_alone_runs_in_passes_a_newcomer_would_wait_for():
+    # Alone, a chunk spans the round cap (18,000 tokens) but each forward pass only what a
+    # shared chunk may take (Eq. 4's slack, 1,900 tokens): a call arriving mid-chunk waits
+    # one such pass, which is what the view tells the router it waits behind.
+    d = ChunkDriver(make(("a",), costs=COSTS, chunked_prefill=True, tpot_target_s=0.2, ttft_target_s=2.0))
+    d.sched.submit(work("long", prompt=50_000), 0.0)
+    d.run_until(lambda: any(isinstance(a, Prefill) and "long" in a.call_ids for a in d.actions))
+    alone = d.actions[-1]
+    assert abs(alone.chunk_tokens - 18_000) <= 2 and abs(alone.pass_tokens - 1_900) <= 2
+    # Sharing the instance, the chunk is already that small: one pass.
+    d = ChunkDriver(make(("a",), costs=COSTS, chunked_prefill=True, tpot_target_s=0.2, ttft_target_s=2.0))
+    d.sched.submit(work("running", prompt=100, max_tokens=5_000), 0.0)
+    d.run_until(lambda: "running" in d.first_token_at)
+    d.sched.submit(work("long", prompt=50_000), d.now)
+    d.run_until(lambda: any(isinstance(a, Prefill) and "long" in a.call_ids for a in d.actions))
+    shared = d.actions[-1]
+    assert shared.pass_tokens == shared.chunk_tokens
+
+
 def test_without_chunking_a_prefill_is_whole_and_the_view_counts_prompt_left():
     sched = make(("a",), costs=COSTS)
     sched.submit(work("long", prompt=20_000), 0.0)

@@ -1,11 +1,13 @@
 """Trace format validation, the WEKA converter, and gap models."""
 
 import json
+import lzma
 import math
 from pathlib import Path
 
 import pytest
 
+from talaria.sim.cli import map_models
 from talaria.traces.format import TraceCall, TraceFormatError, load_trace, save_sessions, sessions_from_calls
 from talaria.traces.gaps import GapModel, lognormal_from_quantiles, parse_gap_model
 from talaria.traces.weka import convert_file
@@ -83,6 +85,31 @@ def test_weka_converter_on_fixture(tmp_path):
     assert sub[1].reusable_prefix_tokens == 64 and sub[0].model.startswith("claude-haiku")
     dropped = convert_file(DATA / "weka_mini.jsonl", dst, subagents="drop")
     assert dropped.subagents_dropped == 1 and dropped.sessions == 2
+
+
+def test_a_raw_weka_file_loads_as_its_conversion_and_xz_is_read(tmp_path):
+    dst = tmp_path / "out.jsonl"
+    convert_file(DATA / "weka_mini.jsonl", dst)
+    assert load_trace(DATA / "weka_mini.jsonl") == load_trace(dst)
+    packed = tmp_path / "out.jsonl.xz"
+    with lzma.open(packed, "wt", encoding="utf-8") as out:
+        out.write(dst.read_text())
+    assert load_trace(packed) == load_trace(dst)
+
+
+def test_model_map_replays_trace_models_as_served_ones():
+    calls = [TraceCall("a", 0, "big", 100, 0, 5, 0.0, "start"), TraceCall("a", 1, "big", 150, 105, 5, 0.3),
+             TraceCall("b", 0, "small", 100, 0, 5, 2.0, "start"), TraceCall("c", 0, "x", 100, 0, 5, 0.0, "start")]
+    sessions = sessions_from_calls(calls)
+    auto = map_models(sessions, "auto", ["x", "y"])  # the most used absent model takes the first
+    assert [s.calls[0].model for s in auto] == ["x", "y", "x"]
+    assert [s.id for s in auto] == ["a", "b", "c"] and auto[1].calls[0].gap_before_s == 2.0
+    explicit = map_models(sessions, "big=y", ["x", "y"])
+    assert [s.calls[-1].model for s in explicit] == ["y", "small", "x"]
+    assert map_models(sessions, None, ["x"]) is sessions
+    for bad in ("big", "big=z", "=y"):
+        with pytest.raises(ValueError):
+            map_models(sessions, bad, ["x", "y"])
 
 
 def test_gap_models():
