@@ -173,11 +173,12 @@ async def test_a_poison_event_in_a_batch_without_savepoints_is_quarantined_alone
     quarantined and the others commit (with the batch's offset)."""
     from types import SimpleNamespace
 
+    import structlog
+
     from talaria.services.telemetry.service import _apply_batch
     from talaria.services.telemetry.store import NeedsIsolation
     from talaria.shared.nats_auth import SENDER_HEADER, owner_sender
     from talaria.shared.wire import encode
-    import structlog
 
     def msg(event, seq):
         return SimpleNamespace(data=encode(event), subject="talaria.evt.call.submitted",
