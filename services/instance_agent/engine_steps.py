@@ -7,6 +7,7 @@ state (`calls`, `core`, `engine`, `nc`, `js`) and uses its `_run`, `_fail` and `
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from talaria.services.instance_agent.call_outcomes import merge_outcomes
@@ -14,7 +15,7 @@ from talaria.services.instance_agent.core import Outcome
 from talaria.services.instance_agent.engine import EngineBusy, EngineError, GenRequest
 from talaria.services.instance_agent.scheduler import Decode, Prefill, SchedulerError, SwitchModel
 from talaria.shared import subjects
-from talaria.shared.bus import emit_async
+from talaria.shared.bus import emit
 from talaria.shared.events import CallStarted
 from talaria.shared.messages import TokenChunk
 from talaria.shared.wire import encode
@@ -32,7 +33,7 @@ class EngineSteps:
         return outcome
 
     async def _prefill(self, action: Prefill):
-        reqs, more, new = [], [], []
+        reqs, more = [], []
         started = time.time()
         for call_id in action.call_ids:
             running = self.calls.get(call_id)
@@ -49,30 +50,16 @@ class EngineSteps:
                                    logprobs=call.logprobs, top_logprobs=call.top_logprobs))
             running.in_engine = True
             running.span.add_event("prefill_start", {"session_prefill": action.session_prefill})
-            new.append(running)
+            # Published while the prefill runs: it is a progress marker (the projector keeps a
+            # final outcome over it whatever the order), and awaited before the call's outcome.
+            running.started_pub = asyncio.ensure_future(
+                emit(self.js, CallStarted(call_id, call.session_id, self.instance_id, started)))
         self.arrived.clear()
-        try:
-            steps = await self._step(self.engine.prefill, reqs, action.chunk_tokens, more, action.pass_tokens)
-        finally:
-            await self._started(new, started)
+        steps = await self._step(self.engine.prefill, reqs, action.chunk_tokens, more, action.pass_tokens)
         firsts = [s.call_id for s in steps]
         left = self.engine.prompt_left(action.call_ids) if action.chunk_tokens else None
         return self.core.prefill_done(action, time.time(), await self._tokens(steps), first_tokens=firsts,
                                       prompt_left=left)
-
-    async def _started(self, new: list, started: float) -> None:
-        """CallStarted of the calls whose prefill began at `started`, published once the engine
-        step is back: a progress marker (the projector keeps a final outcome over it whatever
-        the order) that neither delays the step nor competes with it for the event loop and
-        the GIL; a 1-token call's marker leaves in one write with its completion. Its ack is
-        awaited before the call's outcome is acked."""
-        for running in new:
-            call = running.routed.call
-            try:
-                running.started_pub = await emit_async(
-                    self.js, CallStarted(call.call_id, call.session_id, self.instance_id, started))
-            except Exception as exc:  # not even queued: only a progress marker is lost
-                self.log.warning("CallStarted not published", call_id=call.call_id, error=str(exc))
 
     async def _decode(self, action: Decode):
         steps = await self._step(self.engine.decode, list(action.call_ids))

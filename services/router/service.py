@@ -33,7 +33,7 @@ from talaria.services.router.state import RouterState
 from talaria.shared import logs, subjects, tracing
 from talaria.shared.health import INTERVAL_S as HEARTBEAT_INTERVAL_S, BusHearing, heartbeat_loop
 from talaria.shared.logs import call_context
-from talaria.shared.bus import PUBLISH_TIMEOUT_S, close, connect, publish_fast, written
+from talaria.shared.bus import PUBLISH_TIMEOUT_S, close, connect, publish_fast
 from talaria.shared.nats_auth import sender_of, trusted
 from talaria.shared.db.engine import create_engine
 from talaria.shared.events import (
@@ -284,11 +284,9 @@ class RouterService(RouterOutputs):
                     decision_us = (time.perf_counter() - started) * 1e6
                     outputs = [replace(o, decision_us=decision_us) if isinstance(o, RoutingDecision) else o
                                for o in outputs]
-                fast = [o for o in outputs if isinstance(o, CallRouted)]
-                for out in fast:  # the fast copy first: the agent need not wait for the stream
-                    await publish_fast(self.js, subjects.dispatch(out.instance_id), out)
-                if fast:  # and written now, not after the durable outputs are encoded
-                    await written()
+                for out in outputs:  # the fast copy first: the agent need not wait for the stream
+                    if isinstance(out, CallRouted):
+                        await publish_fast(self.js, subjects.dispatch(out.instance_id), out)
                 if isinstance(event, CallSubmitted):  # the stream keeps the prompt ids once
                     seq = msg.metadata.sequence.stream
                     outputs = [o.by_reference(seq) if isinstance(o, CallRouted) else o for o in outputs]
