@@ -19,7 +19,7 @@ import msgspec
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 from talaria.services.telemetry.sessions import SessionSpans
-from talaria.services.telemetry.store import NeedsIsolation, PoisonEvent, PostgresStore, TelemetryStore
+from talaria.services.telemetry.store import PoisonEvent, PostgresStore, TelemetryStore
 from talaria.shared.nats_auth import sender_of, trusted
 from talaria.shared import logs, subjects, tracing
 from talaria.shared.health import heartbeat_loop
@@ -135,18 +135,9 @@ async def _ensure_consumer(js, log) -> None:
 
 async def _apply_batch(store: TelemetryStore, msgs, offset: int, spans: SessionSpans, log) -> int:
     """Project every event of the batch (redelivered ones too: projections are idempotent)
-    in one durable unit; returns the highest stream sequence seen. First without a savepoint
-    per event (half the statements; the projector's CPU competes with the calls it records);
-    an event that fails sends the batch through again with them, so it alone is quarantined."""
-    try:
-        return await _apply_once(store, msgs, offset, spans, log, isolated=False)
-    except NeedsIsolation:
-        return await _apply_once(store, msgs, offset, spans, log, isolated=True)
-
-
-async def _apply_once(store: TelemetryStore, msgs, offset: int, spans: SessionSpans, log, isolated: bool) -> int:
+    in one durable unit; returns the highest stream sequence seen."""
     observed = []
-    async with store.batch(isolated) as batch:
+    async with store.batch() as batch:
         for msg in msgs:
             seq = msg.metadata.sequence.stream
             offset = max(offset, seq)

@@ -46,11 +46,6 @@ class PoisonEvent(Exception):
     """This event, not the store, is at fault: quarantine it and go on."""
 
 
-class NeedsIsolation(Exception):
-    """An event failed in a batch applied without per-event savepoints, and the transaction
-    cannot tell whose fault it was: apply the batch again with them (`batch(isolated=True)`)."""
-
-
 class ProjectionBatch(Protocol):
     async def project(self, event: Event, seq: int) -> bool:
         """Apply one event; True when it changed something for the first time. Raises
@@ -63,10 +58,8 @@ class ProjectionBatch(Protocol):
 
 
 class TelemetryStore(Protocol):
-    def batch(self, isolated: bool = True) -> contextlib.AbstractAsyncContextManager[ProjectionBatch]:
-        """One atomic, durable unit: all of it is applied, with the covered offset, or none.
-        `isolated=False`: no per-event isolation; an event that fails raises NeedsIsolation
-        (or a transient error), and the caller applies the batch again isolated."""
+    def batch(self) -> contextlib.AbstractAsyncContextManager[ProjectionBatch]:
+        """One atomic, durable unit: all of it is applied, with the covered offset, or none."""
 
     async def offset(self) -> int: ...
     async def call(self, call_id: str) -> dict | None: ...
@@ -97,11 +90,11 @@ class PostgresStore:
         self.engine = engine
 
     @contextlib.asynccontextmanager
-    async def batch(self, isolated: bool = True) -> AsyncIterator[ProjectionBatch]:
+    async def batch(self) -> AsyncIterator[ProjectionBatch]:
         async with self.engine.begin() as conn:
             # Durable before the caller acks, even when the server runs with it off.
             await conn.execute(text("SET LOCAL synchronous_commit = on"))
-            b = _PgBatch(conn, isolated)
+            b = _PgBatch(conn)
             yield b
             now = dt.datetime.now(dt.timezone.utc)
             await conn.execute(insert(projections).values(name=NAME, seq=b.offset, saved_at=now).on_conflict_do_update(
@@ -143,18 +136,11 @@ class _Offset:
 
 
 class _PgBatch(_Offset):
-    def __init__(self, conn, isolated: bool = True) -> None:
-        self.conn, self.isolated = conn, isolated
+    def __init__(self, conn) -> None:
+        self.conn = conn
 
     async def project(self, event: Event, seq: int) -> bool:
         self.cover(seq)
-        if not self.isolated:  # two statements fewer per event; a failure aborts the transaction
-            try:
-                return await project(self.conn, event, seq)
-            except Exception as exc:
-                if _is_transient(exc):
-                    raise
-                raise NeedsIsolation(f"{type(exc).__name__}: {exc}") from exc
         try:
             async with self.conn.begin_nested():  # a savepoint: one bad event cannot sink the batch
                 return await project(self.conn, event, seq)
@@ -212,7 +198,7 @@ class MemoryStore:
         self._offset = 0
 
     @contextlib.asynccontextmanager
-    async def batch(self, isolated: bool = True) -> AsyncIterator[ProjectionBatch]:
+    async def batch(self) -> AsyncIterator[ProjectionBatch]:
         staged = _MemoryBatch({name: {k: dict(v) for k, v in rows.items()} for name, rows in self.tables.items()})
         yield staged
         self.tables = staged.tables  # all or nothing, like the transaction
