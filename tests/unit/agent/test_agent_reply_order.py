@@ -6,7 +6,6 @@ import asyncio
 from types import SimpleNamespace
 
 import structlog
-
 from talaria.services.gateway.submitter import Submitter
 from talaria.services.instance_agent import call_outcomes, outcomes
 from talaria.services.instance_agent.core import Outcome
@@ -76,7 +75,9 @@ async def test_the_gateway_answers_before_its_own_bookkeeping(monkeypatch):
 
     class Nc:
         max_payload = 1 << 20
-        options = {"name": "talaria-gateway"}
+
+        def __init__(self):
+            self.options = {"name": "talaria-gateway"}
 
         async def subscribe(self, subject, cb=None):
             return SimpleNamespace(unsubscribe=lambda: asyncio.sleep(0))
