@@ -79,11 +79,12 @@ class CallOutcomes:
                              code="deadline_passed")
             return None
         self._close(call_id)
-        try:
-            return await self._publish_completion(call_id, running)
-        except BaseException:
-            self.closing.pop(call_id, None)  # not sent: a redelivery runs it again
-            raise
+        with call_context(running.routed.call.session_id, call_id):
+            try:
+                return await self._publish_completion(call_id, running)
+            except BaseException:
+                self.closing.pop(call_id, None)  # not sent: a redelivery runs it again
+                raise
 
     async def _publish_completion(self, call_id: str, running: Running):
         result = self.released.pop(call_id, None)  # the engine step that finished it released it
@@ -94,8 +95,7 @@ class CallOutcomes:
                 raise result
         except EngineError as exc:
             self.calls[call_id] = self.closing.pop(call_id)
-            with call_context(call_id=call_id, session_id=running.routed.call.session_id):
-                await self._fail(call_id, f"engine error: {exc}")
+            await self._fail(call_id, f"engine error: {exc}")
             return None
         routed, call, done = running.routed, running.routed.call, time.time()
         via = self.core.records[call_id].via

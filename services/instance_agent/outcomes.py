@@ -100,10 +100,9 @@ class OutcomeSender:
 
 
 async def settled(fut: asyncio.Future | None) -> None:
-    """Wait for a progress marker's publish (a CallStarted's ack), at most as long as any
-    publish waits for its ack; its failure only loses the marker."""
+    """Wait for a background publish; its failure only loses a progress marker."""
     if fut is not None:
         try:
-            await asyncio.wait_for(fut, PUBLISH_TIMEOUT_S)
+            await fut
         except Exception:
             pass
