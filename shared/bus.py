@@ -69,6 +69,15 @@ async def publish_event(
     return ack.seq
 
 
+async def written() -> None:
+    """Let the NATS client write what was just published before this task goes on.
+
+    A publish only queues its bytes and wakes the client's flusher task; the write happens
+    when the publishing task next yields. One loop turn runs the flusher (woken first), so
+    a reply leaves before the bookkeeping that follows it, not after."""
+    await asyncio.sleep(0)
+
+
 def _headers(js: JetStreamContext, msg_id: str | None, sender: str | None = None) -> dict[str, str]:
     """Dedupe id, trace context, and the sender (by default the connection's name) for sender
     checks; only tests and tools that stand in for a service pass `sender`."""
@@ -134,9 +143,11 @@ async def emit_async(js: JetStreamContext, event: msgspec.Struct, sender: str | 
                                   headers=_headers(js, event_msg_id(event), sender))
 
 
-async def emit_new(js: JetStreamContext, event: msgspec.Struct) -> int | None:
-    """Like `emit`, but None when JetStream dropped it as a duplicate of a recent message."""
-    ack = await js.publish(event_subject(event), encode(event), headers=_headers(js, event_msg_id(event)))
+async def emit_new(js: JetStreamContext, event: msgspec.Struct, data: bytes | None = None) -> int | None:
+    """Like `emit`, but None when JetStream dropped it as a duplicate of a recent message.
+    `data`: the event already encoded (the gateway measured its size with it)."""
+    ack = await js.publish(event_subject(event), encode(event) if data is None else data,
+                           headers=_headers(js, event_msg_id(event)))
     return None if ack.duplicate else ack.seq
 
 

@@ -283,13 +283,14 @@ class Claim:
     def replayed(self) -> bool:
         return not self.owner
 
-    async def run(self, on_token=None) -> Reply:
+    async def run(self, on_token=None, on_reply=None) -> Reply:
         """The call's reply. Only the owner streams tokens: a retry that attaches mid-call would
-        see them from the middle, so it gets the answer whole at the end."""
+        see them from the middle, so it gets the answer whole at the end. `on_reply`: as for
+        `Submitter.submit` (the owner's answer, as soon as it is in hand)."""
         if self.outcome is not None:
             return self.outcome
         if self.owner:
-            return await self.calls.submitter.submit(self.call, on_token)
+            return await self.calls.submitter.submit(self.call, on_token, on_reply)
         return await self.calls.attach(self.call, self.republish)
 
 

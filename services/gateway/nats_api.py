@@ -88,11 +88,21 @@ class NatsApi:
             self.log.exception("api call could not be prepared")
             reply = ErrorReply(500, "internal_error", f"the gateway could not prepare this call: {exc}")
         else:
+            answered = False
+
+            async def answer(reply) -> None:  # as soon as the call's reply is in hand
+                nonlocal answered
+                answered = True
+                if isinstance(reply, CallResult) and call.tenant:
+                    reply = replace(reply, session_id=client_session(call.tenant, reply.session_id))
+                await self.nc.publish(msg.reply, encode(reply))
+
             claim = await claim_for(self.idempotency, call, req.idempotency_key)
             if isinstance(claim, ErrorReply):
                 reply = claim
             else:
-                reply = await (claim.run() if claim else self.submitter.submit(call))
-            if isinstance(reply, CallResult) and call.tenant:
-                reply = replace(reply, session_id=client_session(call.tenant, reply.session_id))
+                reply = await (claim.run(on_reply=answer) if claim else self.submitter.submit(call, on_reply=answer))
+            if not answered:
+                await answer(reply)
+            return
         await self.nc.publish(msg.reply, encode(reply))

@@ -22,7 +22,7 @@ from talaria.services.gateway.validation import check_size
 from talaria.shared import subjects
 from talaria.shared.logs import call_context
 from talaria.shared.nats_auth import SENDER_HEADER
-from talaria.shared.bus import emit, emit_new
+from talaria.shared.bus import emit, emit_new, written
 from talaria.shared.events import CallFailed, CallSubmitted
 from talaria.shared.messages import (
     CallResult,
@@ -37,6 +37,7 @@ from talaria.shared.wire import encode, replace
 from talaria.shared.tracing import session_context, trace_id_hex
 
 TokenCallback = Callable[[TokenChunk], Awaitable[None]]
+ReplyCallback = Callable[[Reply], Awaitable[None]]
 
 
 class Submitter:
@@ -80,11 +81,16 @@ class Submitter:
             self.log.error("undecodable reply", call_id=call_id, error=str(exc))
             fut.set_result(ErrorReply(502, "bad_reply", f"undecodable reply from the serving instance: {exc}"))
 
-    async def submit(self, call: CallSubmitted, on_token: TokenCallback | None = None) -> Reply:
+    async def submit(self, call: CallSubmitted, on_token: TokenCallback | None = None,
+                     on_reply: ReplyCallback | None = None) -> Reply:
+        """The call's reply. `on_reply`, when given, gets the answer of a submitted call as
+        soon as it is in hand, ahead of the gateway's own logging and span (the NATS API
+        forwards it from there); a call refused before submission is only returned."""
         with call_context(call.session_id, call.call_id):
-            return await self._submit(call, on_token)
+            return await self._submit(call, on_token, on_reply)
 
-    async def _submit(self, call: CallSubmitted, on_token: TokenCallback | None) -> Reply:
+    async def _submit(self, call: CallSubmitted, on_token: TokenCallback | None,
+                      on_reply: ReplyCallback | None) -> Reply:
         if call.call_id in self._pending:
             return ErrorReply(409, "duplicate_call_id", f"call {call.call_id} is already in flight",
                               param="call_id", call_id=call.call_id)
@@ -93,7 +99,8 @@ class Submitter:
         kept = is_outcome_subject(call.reply_to)
         call = replace(call, reply_to=call.reply_to if kept else f"{self.inbox}.{call.call_id}",
                        deadline_at=call.deadline_at or call.submitted_at + self.timeout_s)
-        too_large = check_size(call, self.nc.max_payload)
+        data = encode(call)  # once: its size is checked on the bytes that are published
+        too_large = check_size(call, self.nc.max_payload, data)
         if too_large is not None:  # permanent: retrying cannot make it fit
             return too_large
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
@@ -112,7 +119,7 @@ class Submitter:
                         subjects.tokens(call.tenant, call.call_id), cb=self._token_handler(on_token)
                     )
                 try:
-                    if await emit_new(self.js, call) is None:
+                    if await emit_new(self.js, call, data) is None:
                         return ErrorReply(409, "duplicate_call_id",
                                           f"call {call.call_id} was already submitted", param="call_id",
                                           call_id=call.call_id)
@@ -129,6 +136,9 @@ class Submitter:
                     if not kept:  # with a key, its retry attaches to the call: let it run
                         await self.cancel(call.call_id, "client disconnected", call.tenant)
                     raise
+                if on_reply is not None:  # the client's answer leaves before the bookkeeping below
+                    await on_reply(reply)
+                    await written()
                 _annotate(span, reply)
                 if isinstance(reply, CallResult):
                     self.log.info("call served", instance_id=reply.instance_id, kv_source=reply.kv_source,

@@ -68,9 +68,10 @@ def check_request(req: CallRequest, vocab_size: int | None = None) -> None:
         raise bad(message, field)
 
 
-def check_size(call: CallSubmitted, max_payload: int) -> ErrorReply | None:
-    """A call must fit one bus message (it travels whole to the router and the agent)."""
-    size = len(encode(call))
+def check_size(call: CallSubmitted, max_payload: int, data: bytes | None = None) -> ErrorReply | None:
+    """A call must fit one bus message (it travels whole to the router and the agent).
+    `data`: the call already encoded (then it is not encoded again)."""
+    size = len(encode(call) if data is None else data)
     if max_payload and size > max_payload:
         return ErrorReply(413, "request_too_large", f"the call encodes to {size} bytes; the bus carries at most "
                           f"{max_payload} per message (shorten the prompt or `stop`)", call_id=call.call_id)

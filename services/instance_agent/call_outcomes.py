@@ -17,8 +17,9 @@ from opentelemetry import trace
 
 from talaria.services.instance_agent.core import Outcome
 from talaria.services.instance_agent.engine import EngineError
+from talaria.services.instance_agent.outcomes import settled
 from talaria.shared import subjects
-from talaria.shared.bus import emit
+from talaria.shared.bus import emit, written
 from talaria.shared.events import CallFailed
 from talaria.shared.logs import call_context
 from talaria.shared.messages import CallResult, ErrorReply, Timings, TokenChunk, Usage
@@ -36,17 +37,23 @@ class CallOutcomes:
     # ---- the core's outcomes -----------------------------------------------------------
 
     async def _events(self, outcome: Outcome) -> None:
+        noted = []
         for call_id in outcome.finished:
             try:
-                await self._complete(call_id)
+                noted.append(await self._complete(call_id))
             except Exception:  # one call's failure must not strand the others (done, held by the engine)
                 self.log.exception("completing a call failed", call_id=call_id)
                 self.sweep_due = True
+        if outcome.finished:
+            await written()  # the replies (and records) leave now, in one write, before the bookkeeping
+        for note in noted:
+            if note is not None:
+                note()
         for summary in outcome.rounds:
             self.watchdog.round_ended(summary.wall_s)
-            await emit(self.js, summary)
+            await self.outcomes.note(summary)
         if outcome.switch is not None:
-            await emit(self.js, outcome.switch)
+            await self.outcomes.note(outcome.switch)
         for event in outcome.notes:
             # structlog's first argument is already called `event`: name ours `kind`.
             self.log.info("scheduler", kind=type(event).__name__, **{
@@ -55,10 +62,12 @@ class CallOutcomes:
         if changed and time.monotonic() - self.last_snapshot >= SNAPSHOT_ON_CHANGE_MIN_S:
             await self.publish_snapshot()  # the router learns of freed capacity and new session KV now
 
-    async def _complete(self, call_id: str) -> None:
+    async def _complete(self, call_id: str):
+        """Complete a finished call; returns its bookkeeping (span, log line) for after the
+        replies are written, or None."""
         running = self.calls.get(call_id)
         if running is None:
-            return
+            return None
         deadline = running.routed.call.deadline_at
         if deadline and time.time() >= deadline:  # its client got a 504: never flip that to completed
             if self.released.pop(call_id, None) is None:
@@ -68,16 +77,16 @@ class CallOutcomes:
                     pass
             await self._fail(call_id, "finished after its deadline (the client stopped waiting)", status=504,
                              code="deadline_passed")
-            return
+            return None
         self._close(call_id)
         with call_context(running.routed.call.session_id, call_id):
             try:
-                await self._publish_completion(call_id, running)
+                return await self._publish_completion(call_id, running)
             except BaseException:
                 self.closing.pop(call_id, None)  # not sent: a redelivery runs it again
                 raise
 
-    async def _publish_completion(self, call_id: str, running: Running) -> None:
+    async def _publish_completion(self, call_id: str, running: Running):
         result = self.released.pop(call_id, None)  # the engine step that finished it released it
         try:
             if result is None:
@@ -87,7 +96,7 @@ class CallOutcomes:
         except EngineError as exc:
             self.calls[call_id] = self.closing.pop(call_id)
             await self._fail(call_id, f"engine error: {exc}")
-            return
+            return None
         routed, call, done = running.routed, running.routed.call, time.time()
         via = self.core.records[call_id].via
         completed = self.core.completed(
@@ -95,13 +104,8 @@ class CallOutcomes:
             finish_reason=result.finish_reason, cached_tokens=result.cached_tokens, kv_source=result.kv_source,
             prefill_s=result.prefill_s, decode_s=result.decode_s,
             trace_id=f"{running.span.get_span_context().trace_id:032x}")
-        running.span.set_attributes({
-            "queue_s": completed.queue_s, "prefill_s": result.prefill_s, "decode_s": result.decode_s,
-            "cached_tokens": result.cached_tokens, "kv_source": result.kv_source,
-            "slot_wait_s": completed.slot_wait_s, "admitted_via": via, "model_opened": completed.model_opened})
-        running.span.end()
-        # The reply and the stream's end go out now; the durable record follows (outcomes.py),
-        # and the message is acked only after it is stored, so a crash before that redelivers.
+        # The record and the reply (and a stream's end) go out now (outcomes.py); the message
+        # is acked only once the record is stored, so a crash before that redelivers.
         replies = []
         if call.reply_to:
             n_out = len(result.token_ids)
@@ -119,8 +123,18 @@ class CallOutcomes:
         await self.outcomes.send(call_id, running.started_pub, completed, replies,
                                  on_stored=lambda: self._closed(call_id, running),
                                  on_dropped=lambda: self.closing.pop(call_id, None))
-        self.log.info("call completed", tokens=len(result.token_ids), kv_source=result.kv_source,
-                      ttft_s=round(completed.ttft_s, 4))
+
+        def note() -> None:  # once the replies are written: off the path to the client
+            running.span.set_attributes({
+                "queue_s": completed.queue_s, "prefill_s": result.prefill_s, "decode_s": result.decode_s,
+                "cached_tokens": result.cached_tokens, "kv_source": result.kv_source,
+                "slot_wait_s": completed.slot_wait_s, "admitted_via": via, "model_opened": completed.model_opened})
+            running.span.end()
+            with call_context(call.session_id, call_id):
+                self.log.info("call completed", tokens=len(result.token_ids), kv_source=result.kv_source,
+                              ttft_s=round(completed.ttft_s, 4))
+
+        return note
 
     async def _fail(self, call_id: str, reason: str, *, status: int = 500, code: str = "engine_error") -> None:
         self.released.pop(call_id, None)
@@ -196,10 +210,3 @@ def merge_outcomes(into: Outcome, more: Outcome) -> None:
     into.notes += more.notes
 
 
-async def settled(fut: asyncio.Future | None) -> None:
-    """Wait for a background publish; its failure only loses a progress marker."""
-    if fut is not None:
-        try:
-            await fut
-        except Exception:
-            pass

@@ -27,7 +27,7 @@ class EngineSteps:
         outcome = self.core.switch_done(action, time.time(), record.total_s, path=record.path,
                                         phases=record.phases(), bytes_staged=record.bytes_staged,
                                         bytes_uncovered=record.bytes_uncovered)
-        await emit(self.js, outcome.switch)
+        await self.outcomes.note(outcome.switch)
         outcome.switch = None
         await self.publish_snapshot()
         return outcome

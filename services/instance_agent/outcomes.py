@@ -9,7 +9,8 @@ again until the stream has it (its message id makes a retry a no-op), and only t
 JetStream message is acked). So the engine loop never waits for a stream ack, and the
 guarantee is what it was: a call whose record is not stored is not acked, and a dead
 agent's call is redelivered. While the record is stored the call is `closing`: a copy of
-it arriving then is attached and acked with it (runner.accept).
+it arriving then is attached and acked with it (runner.accept). Scheduler records
+(RoundSummary, SwitchDone) go out the same way (`note`), without the loop waiting for acks.
 """
 
 from __future__ import annotations
@@ -45,9 +46,28 @@ class OutcomeSender:
         task.add_done_callback(self._tasks.discard)
         return task
 
+    async def note(self, event: msgspec.Struct) -> None:
+        """Publish a scheduler record (RoundSummary, SwitchDone) without holding up the loop for
+        its ack: a background task waits for it. As when the loop waited, a record the stream
+        refuses is logged and lost (it carries no message id that would make a retry safe)."""
+        try:
+            ack = await emit_async(self.js, event)
+        except Exception as exc:
+            self.log.warning("scheduler record not published", kind=type(event).__name__, error=str(exc))
+            return
+        task = asyncio.create_task(self._noted(event, ack))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _noted(self, event, ack) -> None:
+        try:
+            await asyncio.wait_for(ack, PUBLISH_TIMEOUT_S)
+        except Exception as exc:
+            self.log.warning("scheduler record not stored", kind=type(event).__name__, error=str(exc))
+
     async def _store(self, call_id: str, started_pub, record, ack, on_stored, on_dropped) -> None:
         try:
-            await _settled(started_pub)
+            await settled(started_pub)
             try:
                 await asyncio.wait_for(ack, PUBLISH_TIMEOUT_S)
             except Exception as exc:  # lost or refused: publish it again until it is stored
@@ -79,7 +99,7 @@ class OutcomeSender:
         await asyncio.gather(*pending, return_exceptions=True)
 
 
-async def _settled(fut: asyncio.Future | None) -> None:
+async def settled(fut: asyncio.Future | None) -> None:
     """Wait for a background publish; its failure only loses a progress marker."""
     if fut is not None:
         try:
