@@ -241,3 +241,19 @@ def test_completions_carry_measured_times_so_the_router_learns_each_models_rates
         # 19 steps over 20 output tokens (the first comes from the prefill), at batch 1 or 2
         assert 0.9 * mp.decode_step_s(1, 0) <= learned <= mp.decode_step_s(2, 10_000)
     assert profiles["qwen3-235b"].decode_s_per_tok != profiles["glm5-nvfp4"].decode_s_per_tok
+
+
+def test_the_event_loop_takes_float_rounding_as_now_and_refuses_the_past():
+    from talaria.sim.engine import PAST_TOLERANCE_S, EventLoop
+
+    loop, seen = EventLoop(), []
+
+    def later(t):
+        seen.append(t)
+        return [(t - 3.5e-10, lambda t2: seen.append(t2), ())]  # the same instant, rounded
+
+    loop.push(731.5378002468838, later)
+    loop.run()
+    assert seen == [731.5378002468838, 731.5378002468838]
+    with pytest.raises(ValueError, match="in the past"):
+        loop.push(loop.now - 10 * PAST_TOLERANCE_S, later)
