@@ -28,6 +28,24 @@ MODEL = "qwen3-tiny"
 HOPS = ("client_to_submit", "submit_to_routed", "routed_to_started", "agent_not_computing", "completed_to_client")
 
 
+def figures(sent: dict, rows: dict) -> dict[str, list[float]]:
+    """Latency, overhead and each hop (ms lists) of the calls sent: call_id -> (send, latency)."""
+    out: dict[str, list[float]] = {h: [] for h in ("latency", "overhead", *HOPS)}
+    for cid, (t0, lat) in sent.items():
+        r = rows.get(cid)
+        if r is None or r["sta"] is None:
+            continue
+        engine = (r["prefill_s"] or 0) + (r["decode_s"] or 0)
+        out["latency"].append(lat)
+        out["overhead"].append(lat - engine)
+        out["client_to_submit"].append(float(r["sub"]) - t0)
+        out["submit_to_routed"].append(float(r["rou"]) - float(r["sub"]))
+        out["routed_to_started"].append(float(r["sta"]) - float(r["rou"]))
+        out["agent_not_computing"].append(float(r["com"]) - float(r["sta"]) - engine)
+        out["completed_to_client"].append(t0 + lat - float(r["com"]))
+    return out
+
+
 async def measure(stack, n: int, concurrency: int) -> dict[str, list[float]]:
     nc = await connect(stack)
     sent: dict[str, tuple[float, float]] = {}  # call_id -> (send, latency)
@@ -52,20 +70,7 @@ async def measure(stack, n: int, concurrency: int) -> dict[str, list[float]]:
     await asyncio.gather(*(session(k, per) for k in range(concurrency)))
     rows = await call_rows(stack, ids)
     await nc.close()
-    out: dict[str, list[float]] = {h: [] for h in ("latency", "overhead", *HOPS)}
-    for cid in ids:
-        r = rows.get(cid)
-        if r is None or r["sta"] is None:
-            continue
-        t0, lat = sent[cid]
-        engine = (r["prefill_s"] or 0) + (r["decode_s"] or 0)
-        out["latency"].append(lat)
-        out["overhead"].append(lat - engine)
-        out["client_to_submit"].append(float(r["sub"]) - t0)
-        out["submit_to_routed"].append(float(r["rou"]) - float(r["sub"]))
-        out["routed_to_started"].append(float(r["sta"]) - float(r["rou"]))
-        out["agent_not_computing"].append(float(r["com"]) - float(r["sta"]) - engine)
-        out["completed_to_client"].append(t0 + lat - float(r["com"]))
+    out = figures({cid: sent[cid] for cid in ids}, rows)
     out["lost"] = lost
     return out
 

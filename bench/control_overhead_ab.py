@@ -24,25 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import live  # noqa: E402
-from control_overhead import HOPS, MODEL  # noqa: E402
+from control_overhead import HOPS, MODEL, figures  # noqa: E402
 from live import call_rows, connect, live_stack, p50, pct  # noqa: E402
-
-
-def figures(sent: dict, rows: dict) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {h: [] for h in ("latency", "overhead", *HOPS)}
-    for cid, (t0, lat) in sent.items():
-        r = rows.get(cid)
-        if r is None or r["sta"] is None:
-            continue
-        engine = (r["prefill_s"] or 0) + (r["decode_s"] or 0)
-        out["latency"].append(lat)
-        out["overhead"].append(lat - engine)
-        out["client_to_submit"].append(float(r["sub"]) - t0)
-        out["submit_to_routed"].append(float(r["rou"]) - float(r["sub"]))
-        out["routed_to_started"].append(float(r["sta"]) - float(r["rou"]))
-        out["agent_not_computing"].append(float(r["com"]) - float(r["sta"]) - engine)
-        out["completed_to_client"].append(t0 + lat - float(r["com"]))
-    return out
 
 
 async def measure(stacks, calls: int, blocks: int, seed: int = 0) -> list[tuple[dict, dict]]:
