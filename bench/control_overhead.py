@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 from pathlib import Path
 
@@ -46,7 +47,7 @@ def figures(sent: dict, rows: dict) -> dict[str, list[float]]:
     return out
 
 
-async def measure(stack, n: int, concurrency: int) -> dict[str, list[float]]:
+async def measure(stack, n: int, concurrency: int, gap_s: float = 0.0) -> dict[str, list[float]]:
     nc = await connect(stack)
     sent: dict[str, tuple[float, float]] = {}  # call_id -> (send, latency)
     ids: list[str] = []
@@ -64,6 +65,8 @@ async def measure(stack, n: int, concurrency: int) -> dict[str, list[float]]:
             if type(reply).__name__ == "CallResult":
                 sent[call_id] = (t0, lat)
                 ids.append(call_id)
+            if gap_s:  # the agent's tool time before its next call
+                await asyncio.sleep(gap_s)
 
     await nats_call(nc, MODEL, "warmup", "warm up", max_tokens=2)  # opens the model on the agent
     per = max(1, n // concurrency)
@@ -88,17 +91,64 @@ def table(results: dict[int, dict[str, list[float]]]) -> str:
     return "\n".join(lines)
 
 
+def _processes(stack) -> dict[str, list]:
+    """Each process of the stack (services, embedded NATS, Postgres with its backends)."""
+    import psutil
+
+    pids = {name: p.pid for name, p in stack.procs.items()}
+    pids.update({type(s).__name__.replace("Embedded", "").lower(): s.proc.pid
+                 for s in stack.embedded if s.proc is not None})
+    out = {}
+    for name, pid in pids.items():
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            out[name] = [proc, *proc.children(recursive=True)]
+    return out
+
+
+def _cpu_s(procs: dict[str, list]) -> dict[str, float]:
+    import psutil
+
+    out = {}
+    for name, group in procs.items():
+        total = 0.0
+        for proc in group:
+            with contextlib.suppress(psutil.Error):
+                t = proc.cpu_times()
+                total += t.user + t.system
+        out[name] = total
+    return out
+
+
+def cpu_table(per_call_ms: dict[str, float], calls: int) -> str:
+    """CPU milliseconds each process spent per call over the sequential run: what the stack
+    burns for one call on its shared cores (load-independent, unlike the latencies)."""
+    lines = [f"| CPU per call, c=1 ({calls} calls, ms) | " + " | ".join(per_call_ms) + " | all |",
+             "|---|" + "---|" * (len(per_call_ms) + 1),
+             "| | " + " | ".join(f"{v:.2f}" for v in per_call_ms.values())
+             + f" | {sum(per_call_ms.values()):.2f} |"]
+    return "\n".join(lines)
+
+
 def measure_all(args) -> str:
     with live_stack(agents=1) as stack:
-        results = {1: asyncio.run(measure(stack, args.calls, 1))}
-        results[args.concurrency] = asyncio.run(measure(stack, args.calls * 2, args.concurrency))
-    return table(results)
+        gap = args.gap_ms / 1000
+        procs = _processes(stack)
+        before = _cpu_s(procs)
+        results = {1: asyncio.run(measure(stack, args.calls, 1, gap))}
+        after = _cpu_s(procs)
+        results[args.concurrency] = asyncio.run(measure(stack, args.calls * 2, args.concurrency, gap))
+    calls = len(results[1]["latency"]) or 1
+    cpu = {name: (after[name] - before[name]) * 1000 / calls for name in before if name in after}
+    return table(results) + "\n\n" + cpu_table(cpu, calls)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=60)
     p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--gap-ms", type=float, default=0.0,
+                   help="think time between a session's calls (an agent's tool run); 0: back to back")
     p.add_argument("--out", default=None, help="append the table to this Markdown file")
     args = p.parse_args()
     text = measure_all(args)

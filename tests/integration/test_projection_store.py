@@ -8,7 +8,7 @@ the fold in store.py cannot drift apart.
 import msgspec
 import pytest
 
-from talaria.services.telemetry.store import MemoryStore, PoisonEvent, PostgresStore
+from talaria.services.telemetry.store import EventRefused, MemoryStore, PoisonEvent, PostgresStore
 from talaria.shared.events import (
     CallCompleted,
     CallFailed,
@@ -163,5 +163,33 @@ async def test_postgres_refusing_an_event_makes_it_poison(database_url):
                 await batch.project(bad, 2)
         assert (await store.call("c0"))["outcome"] == "submitted"
         assert await store.call("c1") is None
+    finally:
+        await store.close()
+
+
+async def test_a_batch_without_isolation_uses_no_savepoint_and_fails_whole(database_url):
+    """The cheap path: no SAVEPOINT per event; an event Postgres refuses undoes the whole
+    batch (EventRefused), so the caller can apply it again event by event."""
+    from sqlalchemy import event as sa_event
+
+    engine = create_engine(database_url)
+    statements: list[str] = []
+    sa_event.listen(engine.sync_engine, "before_cursor_execute",
+                    lambda conn, cursor, stmt, *args: statements.append(stmt))
+    store = PostgresStore(engine)
+    try:
+        async with store.batch(isolate=False) as batch:
+            for i in range(3):
+                await batch.project(submitted(i), i + 1)
+        assert not [s for s in statements if "SAVEPOINT" in s.upper()]
+        assert (await store.call("c2"))["outcome"] == "submitted"
+
+        bad = msgspec.structs.replace(submitted(4), submitted_at=float("inf"))
+        with pytest.raises(EventRefused):
+            async with store.batch(isolate=False) as batch:
+                await batch.project(submitted(3), 4)
+                await batch.project(bad, 5)
+        assert await store.call("c3") is None  # undone with the batch
+        assert await store.offset() == 3
     finally:
         await store.close()
