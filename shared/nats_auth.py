@@ -104,8 +104,9 @@ def permissions(role: str, prefix: str = "talaria", instance_id: str | None = No
         idem = idempotency_stream_name(prefix)
         idem_js = [f"$JS.API.STREAM.{op}.{idem}" for op in ("INFO", "CREATE", "UPDATE", "MSG.GET")]
         pub = [f"{evt}.call.submitted", f"{evt}.call.failed", f"{prefix}.health.gateway", f"{prefix}.cancel",
-               f"{prefix}.idem.key.*", *js, *idem_js]
-        sub = [f"{prefix}.api.call", f"{prefix}.api.cancel", f"{prefix}.reply.gateway.>", f"{prefix}.tokens.>", *watch, *inbox]
+               f"{prefix}.idem.key.*", f"{prefix}.idem.waiting.*", *js, *idem_js]
+        sub = [f"{prefix}.api.call", f"{prefix}.api.cancel", f"{prefix}.reply.gateway.>", f"{prefix}.tokens.>",
+               f"{prefix}.idem.waiting.*", *watch, *inbox]
         return {"publish": {"allow": pub}, "subscribe": {"allow": sub}, "allow_responses": True}
     if role == "router":
         pub = [f"{evt}.call.routed.*", f"{evt}.lease.>", f"{evt}.decision", f"{evt}.call.failed",

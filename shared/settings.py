@@ -57,6 +57,10 @@ class Settings:
     # How long an Idempotency-Key is remembered (gateway/idempotency.py): Stripe's 24 h. It must
     # outlast the call timeout, or a retry of a call still running could run it again.
     idempotency_window_s: float = 86400.0
+    # A keyed call whose every waiting client went away runs this long for a retry to attach,
+    # then is cancelled (gateway/idempotency.py). The openai and anthropic SDKs retry a dropped
+    # connection after at most 8 s of backoff, and give the new connection 5 s: 8 + 5, rounded up.
+    idempotent_orphan_s: float = 15.0
     watchdog_min_s: float = 10.0  # the agent watchdog's floor for "stuck" (services/instance_agent/watchdog.py)
     session_idle_s: float = 60.0
     # Telemetry projects events at most this often (a batch per wait): rows lag by up to this
@@ -146,6 +150,8 @@ class Settings:
         for name in ("lease_timeout_s", "heartbeat_s", "call_timeout_s", "session_idle_s", "watchdog_min_s"):
             if getattr(self, name) <= 0 and not (name == "lease_timeout_s" and self.lease_timeout_s == 0):
                 raise SettingsError(f"TALARIA_{name.upper()}", str(getattr(self, name)), "a positive number")
+        if self.idempotent_orphan_s < 0:
+            raise SettingsError("TALARIA_IDEMPOTENT_ORPHAN_S", str(self.idempotent_orphan_s), "zero or more seconds")
         if self.idempotency_window_s <= self.call_timeout_s:
             raise SettingsError("TALARIA_IDEMPOTENCY_WINDOW_S", str(self.idempotency_window_s),
                                 f"more seconds than TALARIA_CALL_TIMEOUT_S ({self.call_timeout_s:g})")

@@ -11,6 +11,8 @@
     talaria.reply.gateway.idem.<call> the reply of a call sent with an idempotency key: kept,
                                      with the key's claim on talaria.idem.key.<hash>, by the
                                      JetStream stream IDEMPOTENCY_STREAM (gateway/idempotency.py)
+    talaria.idem.waiting.<call>      core NATS: every gateway request waiting for that keyed call
+                                     answers a probe here (no responders: nobody waits for it)
     talaria.telemetry.<instance_id>  InstanceSnapshot heartbeats (last value, not history)
     talaria.health.<service>         service heartbeats
     talaria.evt.>                    the event log, captured by the JetStream stream EVENTS_STREAM
@@ -55,6 +57,7 @@ def configure(deployment: str) -> None:
     g["IDEMPOTENCY_STREAM"] = idempotency_stream_name(deployment)
     g["IDEMPOTENCY_KEYS"] = f"{deployment}.idem.key"
     g["IDEMPOTENT_REPLIES"] = f"{deployment}.reply.gateway.idem"  # never a gateway inbox id (uuid hex)
+    g["IDEMPOTENT_WAITING"] = f"{deployment}.idem.waiting"  # gateways answer for a keyed call's waiters
     evt = f"{deployment}.evt"
     g.update(
         CALL_SUBMITTED=f"{evt}.call.submitted", CALL_ROUTED_PREFIX=f"{evt}.call.routed",
@@ -75,7 +78,7 @@ CALL_SUBMITTED = CALL_ROUTED_PREFIX = CALL_STARTED = CALL_COMPLETED = CALL_FAILE
 LEASE_ISSUED = LEASE_CONSUMED = LEASE_DISCARDED = LEASE_EXPIRED = ROUTING_DECISION = ""
 SWITCH_DONE = ROUND_SUMMARY = INSTANCE_LOST = TELEMETRY_PREFIX = TELEMETRY_WILDCARD = TOKENS_PREFIX = ""
 REPLY_PREFIX = HEALTH_PREFIX = HEALTH_WILDCARD = ""  # a call's reply to the gateway: never a client inbox
-IDEMPOTENCY_STREAM = IDEMPOTENCY_KEYS = IDEMPOTENT_REPLIES = ""
+IDEMPOTENCY_STREAM = IDEMPOTENCY_KEYS = IDEMPOTENT_REPLIES = IDEMPOTENT_WAITING = ""
 configure(DEPLOYMENT)
 
 

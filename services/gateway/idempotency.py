@@ -10,6 +10,9 @@ the same key and the same request:
   with no answer): a failed attempt never completed, so nothing runs twice.
 The same key with a different request is a 422. A key is remembered for the window
 (`TALARIA_IDEMPOTENCY_WINDOW_S`, default 24 h, always longer than the call timeout).
+A client that disconnects does not cancel its keyed call at once: its retry may come and
+attach. When every request waiting for the call has gone, the call is cancelled after a grace
+(`TALARIA_IDEMPOTENT_ORPHAN_S`) in which none attached.
 
 State lives in one JetStream stream, so any gateway process (a restarted one included)
 finds the original call (docs/design.md, "Idempotency keys"):
@@ -19,6 +22,10 @@ finds the original call (docs/design.md, "Idempotency keys"):
   it saw;
 - `<dep>.reply.gateway.idem.<call_id>`: the call's reply subject. Agents and the router
   answer there as on any reply subject, and the stream keeps that answer.
+Who waits for a call is core NATS: each waiting request (the owner's, each retry attached to
+it, on any gateway) answers probes on `<dep>.idem.waiting.<call_id>`, and keeps answering for
+the grace after its client left. The last to stop answering probes once: no responders, no
+answer kept, then nobody is waiting or can still come back, and it cancels the call.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from enum import Enum
 
 import msgspec
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.errors import NoRespondersError
 from nats.js.errors import APIError, BadRequestError, NotFoundError
 
 from talaria.services.gateway.validation import RequestError, bad, check_size
@@ -52,6 +60,10 @@ WRONG_LAST_SEQUENCE = (10071, 10164)  # JetStream: the subject moved on since th
 # JetStream's duplicate window; half of it leaves the other half for clock skew between gateways.
 REPUBLISH_WITHIN_S = DUPLICATE_WINDOW_S / 2
 CLAIM_RACES = 4  # each lost race means another request for the key made progress
+ORPHANED = "no client waiting for it"  # the reason of the cancel sent for a call nobody waits for
+# A gateway answers a probe from its event loop at once; one that does not within this is
+# overloaded or cut off, and counts as waiting (the call then runs to its end, as it did before).
+PROBE_TIMEOUT_S = 2.0
 
 
 class IdempotencyRecord(msgspec.Struct, frozen=True):
@@ -124,12 +136,23 @@ def is_outcome_subject(subject: str | None) -> bool:
     return bool(subject) and subject.startswith(f"{subjects.IDEMPOTENT_REPLIES}.")
 
 
+def waiting_subject(call_id: str) -> str:
+    return f"{subjects.IDEMPOTENT_WAITING}.{call_id}"
+
+
+def orphan_cancelled(reply: Reply) -> bool:
+    """The agent's answer to a call cancelled because nobody was waiting for it."""
+    return isinstance(reply, ErrorReply) and reply.code == "cancelled" and reply.message.endswith(ORPHANED)
+
+
 class IdempotentCalls:
     """Claims keys and runs (or attaches to) their calls through the gateway's Submitter."""
 
-    def __init__(self, submitter, window_s: float) -> None:
-        self.submitter, self.window_s = submitter, window_s
+    def __init__(self, submitter, window_s: float, orphan_s: float = 15.0) -> None:
+        self.submitter, self.window_s, self.orphan_s = submitter, window_s, orphan_s
         self.nc, self.js, self.log = submitter.nc, submitter.js, submitter.log
+        self._watches: set[asyncio.Task] = set()  # calls whose client left here, in their grace
+        self._stopping = False
 
     async def start(self) -> None:
         config = StreamConfig(
@@ -143,6 +166,48 @@ class IdempotentCalls:
             await self.js.add_stream(config)
         except BadRequestError:
             await self.js.update_stream(config)
+
+    async def stop(self) -> None:
+        """Drop the graces in progress: a stopping gateway leaves keyed calls running (a client
+        of its own it cut off retries elsewhere and attaches)."""
+        self._stopping = True
+        for task in list(self._watches):
+            task.cancel()
+        await asyncio.gather(*self._watches, return_exceptions=True)
+
+    async def waiting(self, call_id: str):
+        """Answer probes for `call_id` while this request waits for it (the subscription)."""
+        async def here(msg) -> None:
+            if msg.reply:
+                await self.nc.publish(msg.reply, b"")
+
+        return await self.nc.subscribe(waiting_subject(call_id), cb=here)
+
+    def left(self, call: CallSubmitted, presence) -> None:
+        """This request's client went away: its presence lasts the grace, then the call is
+        cancelled if nobody else waits for it."""
+        task = asyncio.ensure_future(self._orphan_after_grace(call, presence))
+        self._watches.add(task)
+        task.add_done_callback(self._watches.discard)
+        if self._stopping:
+            task.cancel()
+
+    async def _orphan_after_grace(self, call: CallSubmitted, presence) -> None:
+        try:
+            await asyncio.sleep(self.orphan_s)  # a retry attaching meanwhile (anywhere) sees us in a probe
+        finally:
+            await _quietly_unsubscribe(presence)
+        try:
+            if time.time() >= call.deadline_at or await self.stored(call.call_id) is not None:
+                return  # it has its answer, or will never have one
+            try:  # our unsubscribe is ahead of this on the connection: only others can answer
+                await self.nc.request(waiting_subject(call.call_id), b"", timeout=PROBE_TIMEOUT_S)
+                return  # someone waits: the last of them to leave decides
+            except NoRespondersError:
+                pass
+            await self.submitter.cancel(call.call_id, ORPHANED, call.tenant)
+        except Exception as exc:  # the bus is down: the call runs to its end, as without a grace
+            self.log.warning("could not check who waits for a keyed call", call_id=call.call_id, error=str(exc))
 
     async def claim(self, call: CallSubmitted, key: str) -> "Claim | ErrorReply":
         """Claim `key` for `call`, or find the call it already names."""
@@ -177,7 +242,7 @@ class IdempotentCalls:
                         return Claim(self, own, owner=True)
                     continue
                 return Claim(self, self._attached(call, record), owner=False,
-                             republish=decision is KeyDecision.ATTACH_REPUBLISH)
+                             republish=decision is KeyDecision.ATTACH_REPUBLISH, request=call, key=key)
         except Exception as exc:  # the bus is down: nothing was accepted
             self.log.error("idempotency claim failed", error=str(exc))
             return ErrorReply(503, "bus_unavailable", f"could not look up the {KEY_HEADER}: {exc}",
@@ -278,6 +343,8 @@ class Claim:
     owner: bool
     outcome: Reply | None = None
     republish: bool = False
+    request: CallSubmitted | None = None  # the request as it came (before it became `call`)
+    key: str | None = None
 
     @property
     def replayed(self) -> bool:
@@ -289,9 +356,28 @@ class Claim:
         `Submitter.submit` (the owner's answer, as soon as it is in hand)."""
         if self.outcome is not None:
             return self.outcome
-        if self.owner:
-            return await self.calls.submitter.submit(self.call, on_token, on_reply)
-        return await self.calls.attach(self.call, self.republish)
+        try:
+            presence = await self.calls.waiting(self.call.call_id)  # before submitting or looking
+        except Exception as exc:  # the bus is down: nothing was submitted
+            return ErrorReply(503, "bus_unavailable", f"could not wait for call {self.call.call_id}: {exc}",
+                              retry_after_s=1.0, call_id=self.call.call_id)
+        try:
+            if self.owner:
+                reply = await self.calls.submitter.submit(self.call, on_token, on_reply)
+            else:
+                reply = await self.calls.attach(self.call, self.republish)
+        except asyncio.CancelledError:  # the client went away: the presence stays for the grace
+            self.calls.left(self.call, presence)
+            presence = None
+            raise
+        finally:
+            if presence is not None:
+                await _quietly_unsubscribe(presence)
+        if orphan_cancelled(reply) and not self.owner and self.request is not None:
+            # Attached just after the last waiter's grace ran out: this retry runs it anew.
+            again = await self.calls.claim(self.request, self.key)
+            return again if isinstance(again, ErrorReply) else await again.run(on_token, on_reply)
+        return reply
 
 
 async def claim_for(calls: IdempotentCalls | None, call: CallSubmitted, key: str | None) -> Claim | ErrorReply | None:
@@ -304,3 +390,10 @@ async def claim_for(calls: IdempotentCalls | None, call: CallSubmitted, key: str
 def replayed(claim: Claim | None) -> dict[str, str]:
     """Response headers: `Idempotent-Replayed: true` (Stripe's) when another request ran the call."""
     return {"Idempotent-Replayed": "true"} if claim is not None and claim.replayed else {}
+
+
+async def _quietly_unsubscribe(sub) -> None:
+    try:
+        await sub.unsubscribe()
+    except Exception:  # the connection is closing: the server drops the subscription with it
+        pass

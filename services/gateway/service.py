@@ -90,7 +90,7 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     nc, js = await connect(settings.nats_url, "talaria-gateway", **settings.nats_options())
     submitter = Submitter(nc, js, tracer, settings.call_timeout_s, log)
     await submitter.start()
-    idempotency = IdempotentCalls(submitter, settings.idempotency_window_s)
+    idempotency = IdempotentCalls(submitter, settings.idempotency_window_s, settings.idempotent_orphan_s)
     await idempotency.start()
     served = ServedModels(settings.models, lambda: nc.is_connected)
     await nc.subscribe(subjects.TELEMETRY_WILDCARD, cb=served.on_snapshot)
@@ -122,6 +122,7 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
         await submitter.stop()  # first: calls still waiting get a 503 now, not at their timeout
         await nats_api.stop()
         await runner.cleanup()
+        await idempotency.stop()  # after the handlers: the keyed calls they were waiting for run on
         parser_pool.shutdown(wait=False, cancel_futures=True)
         await close(nc)
         provider.shutdown()

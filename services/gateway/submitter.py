@@ -133,7 +133,7 @@ class Submitter:
                 except TimeoutError:
                     reply = await self._timed_out(call)
                 except asyncio.CancelledError:  # the client went away (HTTP disconnect)
-                    if not kept:  # with a key, its retry attaches to the call: let it run
+                    if not kept:  # with a key, a retry may attach: Claim.run gives it a grace first
                         await self.cancel(call.call_id, "client disconnected", call.tenant)
                     raise
                 if on_reply is not None:  # the client's answer leaves before the bookkeeping below

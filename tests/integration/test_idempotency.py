@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import aiohttp
 import nats
 import pytest
 
 from talaria.services.gateway.http_api import parse_request
-from talaria.services.gateway.idempotency import IdempotentCalls, outcome_subject
+from talaria.services.gateway.idempotency import ORPHANED, IdempotentCalls, outcome_subject
 from talaria.services.gateway.submitter import Submitter
 from talaria.services.instance_agent.service import run as run_agent
 from talaria.shared import logs, subjects
@@ -31,14 +32,30 @@ pytestmark = pytest.mark.integration
 KEY_A, KEY_B = "tenant-a:k-0123456789abcdef", "tenant-b:k-fedcba9876543210"
 
 
-@pytest.fixture
-async def stack(nats_url, database_url, tmp_path):
+async def control_plane(nats_url, database_url, tmp_path, **changes):
     """Gateway (two tenants' keys), router, telemetry; agents are added by the tests."""
     settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="least-loaded",
                         http_port=free_port(), session_idle_s=3600, call_timeout_s=30,
-                        api_keys=(KEY_A, KEY_B))
+                        api_keys=(KEY_A, KEY_B)).with_(**changes)
     services = Services()
     await services.start_control_plane(settings)
+    return settings, services
+
+
+@pytest.fixture
+async def stack(nats_url, database_url, tmp_path):
+    settings, services = await control_plane(nats_url, database_url, tmp_path)
+    yield settings, services
+    await services.close()
+
+
+GRACE_S = 1.0  # short, so a call outlives it; a retry in these tests attaches within milliseconds
+
+
+@pytest.fixture
+async def short_grace_stack(nats_url, database_url, tmp_path):
+    settings, services = await control_plane(nats_url, database_url, tmp_path, idempotent_orphan_s=GRACE_S,
+                                             call_timeout_s=120)  # room for a long call on a busy machine
     yield settings, services
     await services.close()
 
@@ -272,3 +289,43 @@ async def test_responses_api_honours_the_key(stack, nats_url, db):
     assert status == 422 and err["error"]["code"] == "idempotency_key_reused"
     await wait_rows(db, "SELECT 1 FROM calls WHERE session_id = 'tenant-a:idem-9' AND outcome = 'completed'", 1)
     assert len(await call_rows(db, "idem-9")) == 1
+
+
+async def drop_mid_stream(settings, body: dict, hdrs: dict) -> tuple[str, float]:
+    """Start a streamed call, read its first event and hang up: (its call id, when)."""
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"http://127.0.0.1:{settings.http_port}/v1/chat/completions",
+                          json={**body, "stream": True}, headers=hdrs) as r:
+            assert r.status == 200
+            call_id = r.headers["X-Talaria-Call-Id"]
+            await r.content.readline()  # the first event: the call is running
+    return call_id, time.monotonic()
+
+
+LONG = {**chat_body("write forever"), "max_tokens": 4000}  # runs until it is cancelled
+
+
+async def test_a_keyed_call_nobody_waits_for_is_cancelled_after_the_grace(short_grace_stack, nats_url, db):
+    """Its client went away and no retry came: after the grace the agent aborts it (row `cancelled`)."""
+    settings, services = short_grace_stack
+    await start_agent(settings, services, nats_url)
+    call_id, _ = await drop_mid_stream(settings, LONG, headers("idem-10", "key-10"))
+    [row] = await wait_rows(db, "SELECT outcome, error, status FROM calls WHERE call_id = $1 "
+                                "AND outcome IN ('completed', 'cancelled', 'failed')", 1, call_id)
+    assert row["outcome"] == "cancelled" and row["status"] == m.CANCELLED_STATUS and ORPHANED in row["error"]
+
+
+async def test_a_retry_within_the_grace_keeps_the_keyed_call_running_and_gets_its_answer(
+        short_grace_stack, nats_url, db):
+    settings, services = short_grace_stack
+    await start_agent(settings, services, nats_url)
+    body = {**LONG, "max_tokens": 2500}  # a few seconds here: longer than the grace
+    call_id, left_at = await drop_mid_stream(settings, body, headers("idem-11", "key-11"))
+    status, answer, h = await post(settings, body, headers("idem-11", "key-11"))  # the SDK's retry
+    assert status == 200, answer
+    assert h["X-Talaria-Call-Id"] == call_id and h["Idempotent-Replayed"] == "true"
+    assert time.monotonic() - left_at > GRACE_S, "the call ended within the grace: this test needs a longer one"
+    rows = await wait_rows(db, "SELECT call_id, outcome FROM calls WHERE session_id = 'tenant-a:idem-11' "
+                               "AND outcome IN ('completed', 'cancelled', 'failed')", 1)
+    assert [(r["call_id"], r["outcome"]) for r in rows] == [(call_id, "completed")]
+    assert len(await call_rows(db, "idem-11")) == 1

@@ -8,6 +8,7 @@ import pytest
 
 from talaria.services.gateway.http_api import parse_request
 from talaria.services.gateway.idempotency import (
+    ORPHANED,
     REPUBLISH_WITHIN_S,
     KeyDecision,
     IdempotencyRecord,
@@ -17,7 +18,9 @@ from talaria.services.gateway.idempotency import (
     is_outcome_subject,
     key_from,
     key_subject,
+    orphan_cancelled,
     outcome_subject,
+    waiting_subject,
 )
 from talaria.services.gateway.prepare import RequestError
 from talaria.services.gateway.validation import decode
@@ -123,6 +126,34 @@ def test_a_failed_attempt_is_taken_over():
     assert decide(RECORD, "fp", None, RECORD.deadline_at) is KeyDecision.TAKE_OVER  # no answer by its deadline
 
 
+def test_a_cancelled_attempt_is_taken_over_never_replayed():
+    """A call cancelled because its clients left (or on a cancel) never completed: a retry runs it
+    anew instead of getting the 499, even well before the deadline."""
+    for reason in (ORPHANED, "client disconnected"):
+        cancelled = m.ErrorReply(m.CANCELLED_STATUS, "cancelled", f"cancelled: {reason}", call_id="c1")
+        assert decide(RECORD, "fp", cancelled, RECORD.created_at + 1.0) is KeyDecision.TAKE_OVER
+
+
+def test_a_cancel_for_want_of_waiters_is_told_apart_from_other_ends():
+    """The agent answers `cancelled: <reason>`; only the orphan's reason sends a retry that had
+    attached just too late back to claim the key again."""
+    assert orphan_cancelled(m.ErrorReply(m.CANCELLED_STATUS, "cancelled", f"cancelled: {ORPHANED}"))
+    assert not orphan_cancelled(m.ErrorReply(m.CANCELLED_STATUS, "cancelled", "cancelled: client disconnected"))
+    assert not orphan_cancelled(m.ErrorReply(503, "instance_lost", ORPHANED))
+    assert not orphan_cancelled(RESULT)
+    assert subjects.valid_token(waiting_subject("c1").rsplit(".", 1)[1])
+    assert not is_outcome_subject(waiting_subject("c1"))  # core NATS: not kept by the stream
+
+
+def test_the_orphan_grace_defaults_above_the_sdks_longest_retry_and_is_never_negative():
+    # openai / anthropic SDKs: backoff at most 8 s, then a 5 s connect timeout
+    assert Settings().idempotent_orphan_s >= 8.0 + 5.0
+    assert Settings.from_env({"TALARIA_IDEMPOTENT_ORPHAN_S": "0.5"}).idempotent_orphan_s == 0.5
+    with pytest.raises(SettingsError) as err:
+        Settings.from_env({"TALARIA_IDEMPOTENT_ORPHAN_S": "-1"})
+    assert err.value.variable == "TALARIA_IDEMPOTENT_ORPHAN_S"
+
+
 def test_a_running_call_is_attached_to_and_a_young_claim_resubmitted():
     assert decide(RECORD, "fp", None, RECORD.created_at + 1.0) is KeyDecision.ATTACH_REPUBLISH
     old = RECORD.created_at + REPUBLISH_WITHIN_S
@@ -140,6 +171,9 @@ def test_only_the_gateway_may_claim_keys_and_read_kept_replies():
     gateway = permissions("gateway")
     assert "talaria.idem.key.*" in gateway["publish"]["allow"]
     assert "$JS.API.STREAM.MSG.GET.TALARIA_IDEMPOTENCY" in gateway["publish"]["allow"]
+    # who waits for a keyed call: gateways answer probes there and probe it
+    assert "talaria.idem.waiting.*" in gateway["publish"]["allow"]
+    assert "talaria.idem.waiting.*" in gateway["subscribe"]["allow"]
     for role in ("router", "telemetry", "client"):
         allowed = permissions(role)["publish"]["allow"] + permissions(role)["subscribe"]["allow"]
         assert not any("idem" in s or "IDEMPOTENCY" in s for s in allowed), role
