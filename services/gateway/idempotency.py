@@ -333,7 +333,7 @@ class IdempotentCalls:
             raise
 
 
-@dataclass(frozen=True)
+@dataclass
 class Claim:
     """A request's place under its key. `call` is the call it runs or attaches to: its id is
     the one to show the client (`chatcmpl-<id>`), whoever runs it."""
@@ -376,7 +376,10 @@ class Claim:
         if orphan_cancelled(reply) and not self.owner and self.request is not None:
             # Attached just after the last waiter's grace ran out: this retry runs it anew.
             again = await self.calls.claim(self.request, self.key)
-            return again if isinstance(again, ErrorReply) else await again.run(on_token, on_reply)
+            if isinstance(again, ErrorReply):
+                return again
+            self.owner = again.owner  # so `replayed` (the response header) says whether this request ran it
+            return await again.run(on_token, on_reply)
         return reply
 
 

@@ -14,7 +14,7 @@ import nats
 import pytest
 
 from talaria.services.gateway.http_api import parse_request
-from talaria.services.gateway.idempotency import ORPHANED, IdempotentCalls, outcome_subject
+from talaria.services.gateway.idempotency import ORPHANED, IdempotentCalls, outcome_subject, waiting_subject
 from talaria.services.gateway.submitter import Submitter
 from talaria.services.instance_agent.service import run as run_agent
 from talaria.shared import logs, subjects
@@ -329,3 +329,34 @@ async def test_a_retry_within_the_grace_keeps_the_keyed_call_running_and_gets_it
                                "AND outcome IN ('completed', 'cancelled', 'failed')", 1)
     assert [(r["call_id"], r["outcome"]) for r in rows] == [(call_id, "completed")]
     assert len(await call_rows(db, "idem-11")) == 1
+
+
+async def test_a_retry_that_attached_as_its_call_was_given_up_runs_it_anew(stack, nats_url, db):
+    """The race the probe leaves: a retry attaches just after the last waiter's grace ran out and
+    its probe found nobody. The call's cancel reaches the agent; the retry claims the key again
+    (the cancelled attempt is taken over) and answers from the new run, not with the 499."""
+    settings, services = stack
+    await start_agent(settings, services, nats_url)
+    body = {**LONG, "max_tokens": 2500}
+    orphan = await dead_gateway(nats_url, settings, body, "idem-12", "key-12", submit=True)
+    retry = asyncio.ensure_future(post(settings, body, headers("idem-12", "key-12")))
+    nc, js = await connect(nats_url, "talaria-gateway")  # the sender agents take cancels from
+    try:
+        async def attached():
+            try:
+                return await nc.request(waiting_subject(orphan.call_id), b"", timeout=1)
+            except nats.errors.NoRespondersError:
+                return None
+
+        await wait_until(attached, "the retry to wait for the call")
+        await Submitter(nc, js, None, settings.call_timeout_s, logs.get("test")).cancel(
+            orphan.call_id, ORPHANED, "tenant-a")  # what the last waiter's grace sends
+    finally:
+        await close(nc)
+    status, answer, h = await retry
+    assert status == 200, answer
+    assert h["X-Talaria-Call-Id"] != orphan.call_id and "Idempotent-Replayed" not in h
+    rows = await wait_rows(db, "SELECT call_id, outcome FROM calls WHERE session_id = 'tenant-a:idem-12' "
+                               "AND outcome IN ('completed', 'cancelled', 'failed')", 2)
+    assert {(r["call_id"], r["outcome"]) for r in rows} == {(orphan.call_id, "cancelled"),
+                                                            (h["X-Talaria-Call-Id"], "completed")}
