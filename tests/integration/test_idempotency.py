@@ -360,3 +360,29 @@ async def test_a_retry_that_attached_as_its_call_was_given_up_runs_it_anew(stack
                                "AND outcome IN ('completed', 'cancelled', 'failed')", 2)
     assert {(r["call_id"], r["outcome"]) for r in rows} == {(orphan.call_id, "cancelled"),
                                                             (h["X-Talaria-Call-Id"], "completed")}
+
+
+async def test_the_orphan_grace_works_under_per_service_nats_permissions(secure_nats, database_url, db, tmp_path):
+    """As `talaria up` runs it: the gateway's user may answer and send probes on the waiting
+    subject (a retry that attached keeps the call; a call nobody waits for is cancelled)."""
+    url, users = secure_nats
+    settings = Settings(nats_url=url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
+                        session_idle_s=3600, call_timeout_s=120, api_keys=(KEY_A,), idempotent_orphan_s=GRACE_S)
+    services = Services()
+    try:
+        await start_stack(services, settings, users)
+        await router_ready(url, users["client-mallory"])
+        body = {**LONG, "max_tokens": 2500}
+        kept, left_at = await drop_mid_stream(settings, body, headers("idem-13", "key-13"))
+        status, answer, h = await post(settings, body, headers("idem-13", "key-13"))
+        assert status == 200 and h["X-Talaria-Call-Id"] == kept, answer
+        assert time.monotonic() - left_at > GRACE_S, "the call ended within the grace: this test needs a longer one"
+        dropped, _ = await drop_mid_stream(settings, LONG, headers("idem-14", "key-14"))
+        [row] = await wait_rows(db, "SELECT outcome, error FROM calls WHERE call_id = $1 "
+                                    "AND outcome IN ('completed', 'cancelled', 'failed')", 1, dropped)
+        assert row["outcome"] == "cancelled" and ORPHANED in row["error"]
+        rows = await wait_rows(db, "SELECT call_id, outcome FROM calls WHERE session_id = 'tenant-a:idem-13' "
+                                   "AND outcome IN ('completed', 'cancelled', 'failed')", 1)
+        assert [(r["call_id"], r["outcome"]) for r in rows] == [(kept, "completed")]
+    finally:
+        await services.close()
