@@ -59,7 +59,8 @@ class Settings:
     idempotency_window_s: float = 86400.0
     # A keyed call whose every waiting client went away runs this long for a retry to attach,
     # then is cancelled (gateway/idempotency.py). The openai and anthropic SDKs retry a dropped
-    # connection after at most 8 s of backoff, and give the new connection 5 s: 8 + 5, rounded up.
+    # connection after at most 8 s of backoff and give the new connection 5 s; 2 s more for the
+    # retried request to reach a gateway and claim its key.
     idempotent_orphan_s: float = 15.0
     watchdog_min_s: float = 10.0  # the agent watchdog's floor for "stuck" (services/instance_agent/watchdog.py)
     session_idle_s: float = 60.0

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 import msgspec
-from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.errors import NoRespondersError
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import APIError, BadRequestError, NotFoundError
 
 from talaria.services.gateway.validation import RequestError, bad, check_size
