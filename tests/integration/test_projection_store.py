@@ -193,3 +193,15 @@ async def test_a_batch_without_isolation_uses_no_savepoint_and_fails_whole(datab
         assert await store.offset() == 3
     finally:
         await store.close()
+
+
+async def test_a_session_names_its_latest_submitted_model_and_serving_instance(store):
+    """`last_model` moves with submissions only, `last_instance` with completions only."""
+    second = msgspec.structs.replace(submitted(1), model="gpt2-tiny")
+    await apply(store, submitted(0), completed(0), second)
+    session = await store.session("s1")
+    assert (session["last_model"], session["last_instance"]) == ("gpt2-tiny", "agent-0")
+    late = msgspec.structs.replace(completed(2), model="qwen3-moe-tiny", instance_id="agent-1")
+    await apply(store, late)  # a completion whose submission was never seen
+    session = await store.session("s1")
+    assert (session["last_model"], session["last_instance"]) == ("gpt2-tiny", "agent-1")
