@@ -139,8 +139,12 @@ def _static_terms(cfg: PolicyConfig, view: InstanceView, model: str, prof, state
     # cold instance switching to m frees the previous model's pool (its KV moves to host).
     weights_fit = not (mstate not in ON_DEVICE and snap.hbm_bytes and res.weight_bytes > snap.hbm_bytes)
     fresh = mstate not in ON_DEVICE and mstate != "staged" and not snap.queued.get(model)
+    # The active model rotates with r only while it has work here (calls running or queued):
+    # an idle instance's last model is swapped out once (C_act) and never comes back on its
+    # own. Sessions that will bring it back are counted from the router's homes (price_all).
+    idle = snap.running == 0 and not snap.queued.get(snap.active_model or "")
     rotating = frozenset(k for k, n in snap.queued.items() if n) | (
-        {snap.active_model} if snap.active_model else set())
+        {snap.active_model} if snap.active_model and not idle else set())
     # Only KV held by running calls can refuse a call: idle sessions' KV is evicted (to the
     # host registry when it is on) as the new call's pages are allocated, oldest first.
     held = snap.kv_pinned_tokens if snap.kv_pinned_tokens >= 0 else snap.kv_used_tokens
