@@ -15,10 +15,10 @@
                         (queued, active with calls running or queued, routed since the
                         snapshot, or with sessions that live on i between calls, homes.py;
                         an idle instance's last model whose sessions there have been idle
-                        past every measured gap counts 1 / (gaps + 1), _comeback): every such model takes a slot of
-                        each round and a switch before it, so r's decode stretches; it
-                        steers sessions to instances that rotate fewer models, and prices a
-                        move that would add a model to a rotation
+                        past every measured gap counts 1 / (gaps + 1), _comeback): every
+                        such model takes a slot of each round and a switch before it, so
+                        r's decode stretches; it steers sessions to instances that rotate
+                        fewer models, and prices a move that would add a model to a rotation
     C_KV    0 if the prefix is on device, K * restore rate if host-restorable,
             K * prefill rate (profiled recompute) otherwise
     C_act   0 if m_r is active, advertised switch cost if resident/staged, open cost otherwise
