@@ -59,6 +59,9 @@ class Settings:
     idempotency_window_s: float = 86400.0
     watchdog_min_s: float = 10.0  # the agent watchdog's floor for "stuck" (services/instance_agent/watchdog.py)
     session_idle_s: float = 60.0
+    # Telemetry projects events at most this often (a batch per wait): rows lag by up to this
+    # much, and the projector wakes once per wait instead of once per event, off the call path.
+    projection_interval_s: float = 0.1
     torch_threads: int = 1
     log_level: str = "info"
     log_json: bool = True
@@ -137,6 +140,9 @@ class Settings:
         if unknown or not self.models:
             raise SettingsError("TALARIA_MODELS", ",".join(self.models),
                                 f"models from the catalogue ({', '.join(sorted(CATALOG))})")
+        if self.projection_interval_s < 0:
+            raise SettingsError("TALARIA_PROJECTION_INTERVAL_S", str(self.projection_interval_s),
+                                "zero (project each event as it comes) or a positive number of seconds")
         for name in ("lease_timeout_s", "heartbeat_s", "call_timeout_s", "session_idle_s", "watchdog_min_s"):
             if getattr(self, name) <= 0 and not (name == "lease_timeout_s" and self.lease_timeout_s == 0):
                 raise SettingsError(f"TALARIA_{name.upper()}", str(getattr(self, name)), "a positive number")

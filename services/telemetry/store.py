@@ -46,6 +46,11 @@ class PoisonEvent(Exception):
     """This event, not the store, is at fault: quarantine it and go on."""
 
 
+class EventRefused(Exception):
+    """An event failed in a batch applied without a savepoint per event: the transaction is
+    lost, so the caller applies the batch again with `isolate=True` to find the culprit."""
+
+
 class ProjectionBatch(Protocol):
     async def project(self, event: Event, seq: int) -> bool:
         """Apply one event; True when it changed something for the first time. Raises
@@ -58,8 +63,10 @@ class ProjectionBatch(Protocol):
 
 
 class TelemetryStore(Protocol):
-    def batch(self) -> contextlib.AbstractAsyncContextManager[ProjectionBatch]:
-        """One atomic, durable unit: all of it is applied, with the covered offset, or none."""
+    def batch(self, isolate: bool = True) -> contextlib.AbstractAsyncContextManager[ProjectionBatch]:
+        """One atomic, durable unit: all of it is applied, with the covered offset, or none.
+        `isolate=False` skips the per-event isolation (cheaper); an event that fails then
+        raises EventRefused and the whole batch is undone."""
 
     async def offset(self) -> int: ...
     async def call(self, call_id: str) -> dict | None: ...
@@ -90,11 +97,11 @@ class PostgresStore:
         self.engine = engine
 
     @contextlib.asynccontextmanager
-    async def batch(self) -> AsyncIterator[ProjectionBatch]:
+    async def batch(self, isolate: bool = True) -> AsyncIterator[ProjectionBatch]:
         async with self.engine.begin() as conn:
             # Durable before the caller acks, even when the server runs with it off.
             await conn.execute(text("SET LOCAL synchronous_commit = on"))
-            b = _PgBatch(conn)
+            b = _PgBatch(conn, isolate)
             yield b
             now = dt.datetime.now(dt.timezone.utc)
             await conn.execute(insert(projections).values(name=NAME, seq=b.offset, saved_at=now).on_conflict_do_update(
@@ -136,11 +143,19 @@ class _Offset:
 
 
 class _PgBatch(_Offset):
-    def __init__(self, conn) -> None:
+    def __init__(self, conn, isolate: bool) -> None:
         self.conn = conn
+        self.isolate = isolate
 
     async def project(self, event: Event, seq: int) -> bool:
         self.cover(seq)
+        if not self.isolate:  # no savepoint: two round trips fewer per event
+            try:
+                return await project(self.conn, event, seq)
+            except Exception as exc:
+                if _is_transient(exc):
+                    raise
+                raise EventRefused(f"{type(exc).__name__}: {exc}") from exc
         try:
             async with self.conn.begin_nested():  # a savepoint: one bad event cannot sink the batch
                 return await project(self.conn, event, seq)
@@ -198,7 +213,8 @@ class MemoryStore:
         self._offset = 0
 
     @contextlib.asynccontextmanager
-    async def batch(self) -> AsyncIterator[ProjectionBatch]:
+    async def batch(self, isolate: bool = True) -> AsyncIterator[ProjectionBatch]:
+        # Each event is isolated here at no cost, so `isolate` changes nothing.
         staged = _MemoryBatch({name: {k: dict(v) for k, v in rows.items()} for name, rows in self.tables.items()})
         yield staged
         self.tables = staged.tables  # all or nothing, like the transaction

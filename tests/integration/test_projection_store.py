@@ -8,7 +8,7 @@ the fold in store.py cannot drift apart.
 import msgspec
 import pytest
 
-from talaria.services.telemetry.store import MemoryStore, PoisonEvent, PostgresStore
+from talaria.services.telemetry.store import EventRefused, MemoryStore, PoisonEvent, PostgresStore
 from talaria.shared.events import (
     CallCompleted,
     CallFailed,
@@ -165,3 +165,43 @@ async def test_postgres_refusing_an_event_makes_it_poison(database_url):
         assert await store.call("c1") is None
     finally:
         await store.close()
+
+
+async def test_a_batch_without_isolation_uses_no_savepoint_and_fails_whole(database_url):
+    """The cheap path: no SAVEPOINT per event; an event Postgres refuses undoes the whole
+    batch (EventRefused), so the caller can apply it again event by event."""
+    from sqlalchemy import event as sa_event
+
+    engine = create_engine(database_url)
+    statements: list[str] = []
+    sa_event.listen(engine.sync_engine, "before_cursor_execute",
+                    lambda conn, cursor, stmt, *args: statements.append(stmt))
+    store = PostgresStore(engine)
+    try:
+        async with store.batch(isolate=False) as batch:
+            for i in range(3):
+                await batch.project(submitted(i), i + 1)
+        assert not [s for s in statements if "SAVEPOINT" in s.upper()]
+        assert (await store.call("c2"))["outcome"] == "submitted"
+
+        bad = msgspec.structs.replace(submitted(4), submitted_at=float("inf"))
+        with pytest.raises(EventRefused):
+            async with store.batch(isolate=False) as batch:
+                await batch.project(submitted(3), 4)
+                await batch.project(bad, 5)
+        assert await store.call("c3") is None  # undone with the batch
+        assert await store.offset() == 3
+    finally:
+        await store.close()
+
+
+async def test_a_session_names_its_latest_submitted_model_and_serving_instance(store):
+    """`last_model` moves with submissions only, `last_instance` with completions only."""
+    second = msgspec.structs.replace(submitted(1), model="gpt2-tiny")
+    await apply(store, submitted(0), completed(0), second)
+    session = await store.session("s1")
+    assert (session["last_model"], session["last_instance"]) == ("gpt2-tiny", "agent-0")
+    late = msgspec.structs.replace(completed(2), model="qwen3-moe-tiny", instance_id="agent-1")
+    await apply(store, late)  # a completion whose submission was never seen
+    session = await store.session("s1")
+    assert (session["last_model"], session["last_instance"]) == ("gpt2-tiny", "agent-1")

@@ -25,7 +25,7 @@ def test_environment_is_parsed_into_typed_fields():
 @pytest.mark.parametrize("var,value", [
     ("TALARIA_HTTP_PORT", "eighty"), ("TALARIA_SP", "maybe"), ("TALARIA_POOL", "lukewarm"),
     ("TALARIA_DATABASE_URL", "mysql://x/y"), ("TALARIA_NATS_URL", "http://x"),
-    ("TALARIA_MODELS", "gpt-5"), ("TALARIA_CALL_TIMEOUT_S", "-1"),
+    ("TALARIA_MODELS", "gpt-5"), ("TALARIA_CALL_TIMEOUT_S", "-1"), ("TALARIA_PROJECTION_INTERVAL_S", "-0.1"),
 ])
 def test_bad_values_name_the_variable(var, value):
     with pytest.raises(SettingsError) as info:
