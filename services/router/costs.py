@@ -12,11 +12,13 @@
             decode_s  = max_tokens * decode rate (the model's measured rate)
                         + stretch, with price_round_sharing (ours):
                         stretch = decode * k + k * switch_s, k = other models in i's rounds
-                        (active or queued, routed since the snapshot, or with sessions that
-                        live on i between calls, homes.py): every such model takes a slot of
-                        each round and a switch before it, so r's decode stretches; it
-                        steers sessions to instances that rotate fewer models, and prices a
-                        move that would add a model to a rotation
+                        (queued, active with calls running or queued, routed since the
+                        snapshot, or with sessions that live on i between calls, homes.py;
+                        an idle instance's last model whose sessions there have been idle
+                        past every measured gap counts 1 / (gaps + 1), _comeback): every
+                        such model takes a slot of each round and a switch before it, so
+                        r's decode stretches; it steers sessions to instances that rotate
+                        fewer models, and prices a move that would add a model to a rotation
     C_KV    0 if the prefix is on device, K * restore rate if host-restorable,
             K * prefill rate (profiled recompute) otherwise
     C_act   0 if m_r is active, advertised switch cost if resident/staged, open cost otherwise
@@ -92,6 +94,7 @@ class _Static:
     kv_cap: int = 0
     kv_used: int = 0  # KV that running calls hold: idle sessions' KV is a cache, never a lock
     rotating: frozenset = frozenset()  # models with work in i's rounds (active or queued), other than m
+    idle_active: str | None = None  # the active model, when it has no work here (not in rotating)
 
 
 def _static_terms(cfg: PolicyConfig, view: InstanceView, model: str, prof, state: RouterState,
@@ -139,13 +142,19 @@ def _static_terms(cfg: PolicyConfig, view: InstanceView, model: str, prof, state
     # cold instance switching to m frees the previous model's pool (its KV moves to host).
     weights_fit = not (mstate not in ON_DEVICE and snap.hbm_bytes and res.weight_bytes > snap.hbm_bytes)
     fresh = mstate not in ON_DEVICE and mstate != "staged" and not snap.queued.get(model)
+    # The active model rotates with r only while it has work here (calls running or queued):
+    # an idle instance's last model is swapped out once (C_act) and never comes back on its
+    # own. Its sessions that may bring it back are counted from the router's homes in
+    # price_all: live ones fully, ones idle past every measured gap by _comeback.
+    idle = snap.running == 0 and not snap.queued.get(snap.active_model or "")
     rotating = frozenset(k for k, n in snap.queued.items() if n) | (
-        {snap.active_model} if snap.active_model else set())
+        {snap.active_model} if snap.active_model and not idle else set())
     # Only KV held by running calls can refuse a call: idle sessions' KV is evicted (to the
     # host registry when it is on) as the new call's pages are allocated, oldest first.
     held = snap.kv_pinned_tokens if snap.kv_pinned_tokens >= 0 else snap.kv_used_tokens
     return _Static(key, "", pf, dec, restore, mstate, act, queue, fresh, weights_fit,
-                   snap.kv_capacity_tokens, held, rotating - {model})
+                   snap.kv_capacity_tokens, held, rotating - {model},
+                   snap.active_model if idle and snap.active_model != model else None)
 
 
 class CostModel:
@@ -251,6 +260,8 @@ class CostModel:
                 for om in live_models(iid, now):
                     if om != model and om not in st.rotating and om not in view.overlay_models:
                         others += 1
+                if st.idle_active is not None and st.idle_active not in view.overlay_models:
+                    others += _comeback(state, iid, st.idle_active, now, live_models(iid, now))
                 # ... and waits through one switch per other model in every round
                 stretch = decode * others + others * (snap.switch_s or cfg.default_open_s)
                 decode += stretch
@@ -304,6 +315,22 @@ class CostModel:
         rate = prof.arrival_rate(now) if prof is not None else 0.0
         demand = 1.0 + rate * self.cfg.control_window_s + state.leases.live_for(model, now)
         return max(0.0, saving) * demand, threshold
+
+
+def _comeback(state: RouterState, iid: str, model: str, now: float, live) -> float:
+    """The share of a round slot an idle instance's last model `model` still claims there,
+    beyond its live sessions (counted already, homes.py): a session of it that ran there and
+    has been idle longer than every tool gap measured for the model is most likely done, yet
+    returns with the chance that the next gap exceeds all n measured ones, 1 / (n + 1) (the
+    rule of succession; 1 before any gap was measured). 0 when none of its sessions is
+    known to have run there."""
+    if model in live:
+        return 0.0
+    homes = state.homes.by_instance.get(iid, {}).get(model)
+    if homes is None or not homes.idle_since:
+        return 0.0
+    prof = state.models.get(model)
+    return 1.0 / (1 + (len(prof.gaps) if prof is not None else 0))
 
 
 def _model_rates(cfg: PolicyConfig, prof) -> tuple[float, float]:

@@ -493,12 +493,13 @@ def test_policy_config_is_validated():
 
 
 def test_decode_is_stretched_by_the_models_a_call_would_share_rounds_with():
-    # `a` has m1 active but rotates three models; `b` serves m2 only (m1 must be opened there)
+    # `a` has m1 active but rotates three models; `b` serves m2 only, one call of it running
+    # (m1 must be opened there)
     def place(**cfg):
         c = core(**cfg, **NO_LEASE)
         c.observe(snap("a", models={"m1": "active", "m2": "absent", "m3": "absent"},
                        queued={"m2": 1, "m3": 1}), 0.0)
-        c.observe(snap("b", active="m2", models={"m1": "absent", "m2": "active"}), 0.0)
+        c.observe(snap("b", active="m2", models={"m1": "absent", "m2": "active"}, running=1), 0.0)
         # m1's decode rate as completions measured it (10 ms per token), so it prices m1 on
         # both instances (b's snapshot rate is m2's, never m1's)
         c.handle(call("w0", session="w"), 0.0)
@@ -513,3 +514,22 @@ def test_decode_is_stretched_by_the_models_a_call_would_share_rounds_with():
     assert audit.chosen == "b"  # opening m1 (2 s) beats a third slot in every round
     audit, x = place()  # Eq. 1 as the paper writes it
     assert x["a"].decode_s == x["b"].decode_s == pytest.approx(10.0) and audit.chosen == "a"
+
+
+def test_an_idle_instance_s_last_model_does_not_rotate_with_the_call():
+    # `b` last ran m2 but has nothing running or queued and no session living there: serving
+    # m1 there swaps m2 out once (activation) and m2 never takes a slot again, so m1's decode
+    # is not stretched; `c` has a call of m2 running, so m2 keeps a slot in every round there.
+    c = core(price_round_sharing=True, **NO_LEASE)
+    c.observe(snap("b", active="m2", models={"m1": "absent", "m2": "active"}), 0.0)
+    c.observe(snap("c", active="m2", models={"m1": "absent", "m2": "active"}, running=1), 0.0)
+    c.observe(snap("d", active="m2", models={"m1": "absent", "m2": "active"}, queued={"m2": 1}), 0.0)
+    c.handle(call("w0", session="w"), 0.0)  # measure m1's decode: 10 ms per token
+    c.handle(done("w0", "b", session="w", output=11, decode_s=0.11, at=0.0), 0.0)
+    c.observe(snap("b", version=2, active="m2", models={"m1": "absent", "m2": "active"}), 0.0)
+    audit, _ = decide(c, call("c1", max_tokens=1000), 0.0)
+    x = by_instance(audit)
+    sw = PolicyConfig().default_open_s
+    assert x["b"].decode_s == pytest.approx(10.0)
+    assert x["c"].decode_s == x["d"].decode_s == pytest.approx(20.0 + sw)
+    assert audit.chosen == "b"

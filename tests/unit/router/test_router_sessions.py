@@ -66,6 +66,23 @@ def test_a_model_whose_sessions_are_between_calls_still_counts_in_the_rotation()
     assert stretch(True) == pytest.approx(2 * 1.0 + SW)  # one other slot per round, one switch
 
 
+def test_an_idle_instance_s_last_model_claims_a_slot_only_while_its_sessions_may_return():
+    # s2 (m2) made 3 calls on `a` (2 tool gaps of 1 s measured) and went idle; `a` has
+    # nothing running or queued, m2 still active. Within the longest gap s2 lives there (a
+    # full slot per round); idle past every measured gap it returns with chance 1 / (2 + 1).
+    def stretch(idle_s: float):
+        c = core(price_round_sharing=True, **NO_LEASE)
+        t = run_session(c, "s2", "m2", "a", calls=3, start=0.0, gap=1.0)
+        now = t - 1.0 + idle_s  # the last call completed at t - 1.0
+        c.observe(snap("a", version=999, at=now, active="m2", models={"m1": "resident", "m2": "active"}), now)
+        audit = one(c.handle(call("c1", session="new", max_tokens=100, at=now), now), RoutingDecision)
+        return audit.candidates[0].decode_s
+
+    alone = 100 * PolicyConfig().default_decode_s_per_tok  # m1's decode: no rate measured yet
+    assert stretch(0.5) == pytest.approx(2 * alone + SW)  # s2 is between calls: m2 rotates
+    assert stretch(5.0) == pytest.approx(alone + (alone + SW) / 3)
+
+
 def _return_after(calls_made: int):
     """s1 (150K-token context) has made `calls_made` calls on `a`, which now rotates three
     models; `b` runs m1 alone and would recompute s1's context (15 s). Where does its next
