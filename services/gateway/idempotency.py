@@ -22,10 +22,9 @@ finds the original call (docs/design.md, "Idempotency keys"):
   it saw;
 - `<dep>.reply.gateway.idem.<call_id>`: the call's reply subject. Agents and the router
   answer there as on any reply subject, and the stream keeps that answer.
-Who waits for a call is core NATS: each waiting request (the owner's, each retry attached to
-it, on any gateway) answers probes on `<dep>.idem.waiting.<call_id>`, and keeps answering for
-the grace after its client left. The last to stop answering probes once: no responders, no
-answer kept, then nobody is waiting or can still come back, and it cancels the call.
+Each request waiting for a call (the owner, each attached retry, on any gateway) answers probes
+on `<dep>.idem.waiting.<call_id>` until the grace after its client left; the last to stop probes
+once, and with no responders and no answer kept it cancels the call.
 """
 
 from __future__ import annotations
@@ -61,9 +60,8 @@ WRONG_LAST_SEQUENCE = (10071, 10164)  # JetStream: the subject moved on since th
 REPUBLISH_WITHIN_S = DUPLICATE_WINDOW_S / 2
 CLAIM_RACES = 4  # each lost race means another request for the key made progress
 ORPHANED = "no client waiting for it"  # the reason of the cancel sent for a call nobody waits for
-# A gateway answers a probe from its event loop at once; one that does not within this is
-# overloaded or cut off, and counts as waiting (the call then runs to its end, as it did before).
-PROBE_TIMEOUT_S = 2.0
+# A gateway answers a probe from its event loop at once; one silent this long is overloaded or
+PROBE_TIMEOUT_S = 2.0  # cut off, and counts as waiting (the call then runs to its end, as before)
 
 
 class IdempotencyRecord(msgspec.Struct, frozen=True):
@@ -399,4 +397,4 @@ async def _quietly_unsubscribe(sub) -> None:
     try:
         await sub.unsubscribe()
     except Exception:  # the connection is closing: the server drops the subscription with it
-        pass
+        return
