@@ -64,8 +64,9 @@ class Settings:
     idempotent_orphan_s: float = 15.0
     watchdog_min_s: float = 10.0  # the agent watchdog's floor for "stuck" (services/instance_agent/watchdog.py)
     session_idle_s: float = 60.0
-    # Telemetry projects events at most this often (a batch per wait): rows lag by up to this
-    # much, and the projector wakes once per wait instead of once per event, off the call path.
+    # After a batch that did not fill, telemetry waits this long before fetching the next, so
+    # it wakes once per interval, not once per event (rows lag by about this much more; a
+    # backlog is projected without waiting).
     projection_interval_s: float = 0.1
     torch_threads: int = 1
     log_level: str = "info"

@@ -8,10 +8,10 @@
     talaria.tokens.<tenant>.<call_id> streamed TokenChunk messages for one call (`_` = no tenant;
                                      a NATS API client may read only its own tenant's)
     talaria.reply.gateway.<id>.<call> a call's reply (CallResult / ErrorReply) to the gateway
-    talaria.reply.gateway.idem.<call> the reply of a call sent with an idempotency key: kept,
+    talaria.reply.gateway.idem.<t>-<call> the reply of a keyed call (t: its tenant's tag): kept,
                                      with the key's claim on talaria.idem.key.<hash>, by the
                                      JetStream stream IDEMPOTENCY_STREAM (gateway/idempotency.py)
-    talaria.idem.waiting.<call>      core NATS: every gateway request waiting for that keyed call
+    talaria.idem.waiting.<t>-<call>  core NATS: every gateway request waiting for that keyed call
                                      answers a probe here (no responders: nobody waits for it)
     talaria.telemetry.<instance_id>  InstanceSnapshot heartbeats (last value, not history)
     talaria.health.<service>         service heartbeats

@@ -17,7 +17,8 @@ import msgspec
 from aiohttp import web
 
 from talaria.services.gateway.auth import TENANT, anthropic_error_body, client_session, scoped_session
-from talaria.services.gateway.idempotency import IdempotentCalls, claim_for, key_from, replayed
+from talaria.services.gateway.idempotency import IdempotentCalls, claim_for, replayed
+from talaria.services.gateway.idempotency_rules import key_from
 from talaria.services.gateway.anthropic_input import DECODER, chat_turns, session_of, to_call_request
 from talaria.services.gateway.prepare import RequestError, prepare, tool_format
 from talaria.services.gateway.validation import decode_bounded

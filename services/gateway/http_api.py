@@ -10,7 +10,8 @@ import msgspec
 from aiohttp import web
 
 from talaria.services.gateway.anthropic_api import AnthropicApi
-from talaria.services.gateway.idempotency import IdempotentCalls, claim_for, key_from, replayed
+from talaria.services.gateway.idempotency import IdempotentCalls, claim_for, replayed
+from talaria.services.gateway.idempotency_rules import key_from
 from talaria.services.gateway.http_errors import json_errors
 from talaria.services.gateway.auth import TENANT, KeyStore, client_session, http_middleware, scoped_session
 from talaria.services.gateway.openai_api import (

@@ -1,4 +1,5 @@
 """Idempotency keys: a client's retry of a call attaches to the original instead of running it again.
+(The pure rules, record and subjects are in idempotency_rules.py; this is the protocol.)
 
 A client sends `Idempotency-Key` (HTTP header; `idempotency_key` on the NATS API) with a
 call and the same key with each retry of it (as Stripe's and OpenAI's APIs take it). The key
@@ -20,127 +21,48 @@ finds the original call (docs/design.md, "Idempotency keys"):
   fingerprint, its deadline), written with an expected last-subject sequence, so of two
   requests racing for a key exactly one wins and a take-over replaces exactly the attempt
   it saw;
-- `<dep>.reply.gateway.idem.<call_id>`: the call's reply subject. Agents and the router
+- `<dep>.reply.gateway.idem.<tag>-<call_id>` (tag: of the tenant): the reply subject. Agents and the router
   answer there as on any reply subject, and the stream keeps that answer.
 Each request waiting for a call (the owner, each attached retry, on any gateway) answers probes
-on `<dep>.idem.waiting.<call_id>` until the grace after its client left; the last to stop probes
+on `<dep>.idem.waiting.<tag>-<call_id>` until the grace after its client left; the last to stop probes
 once, and with no responders and no answer kept it cancels the call.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import re
 import time
 import uuid
-from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import Enum
 
 import msgspec
 from nats.errors import NoRespondersError
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import APIError, BadRequestError, NotFoundError
 
-from talaria.services.gateway.validation import RequestError, bad, check_size
+from talaria.services.gateway.idempotency_rules import (
+    KEY_HEADER,
+    ORPHANED,
+    IdempotencyRecord,
+    KeyDecision,
+    decide,
+    fingerprint,
+    key_subject,
+    orphan_cancelled,
+    outcome_subject,
+    waiting_subject,
+)
+from talaria.services.gateway.validation import check_size
 from talaria.shared import subjects
-from talaria.shared.bus import DUPLICATE_WINDOW_S, emit, emit_new
+from talaria.shared.bus import emit, emit_new
 from talaria.shared.events import CallFailed, CallSubmitted
-from talaria.shared.messages import REPLY_DECODER, CallResult, ErrorReply, Reply
-from talaria.shared.wire import MAX_IDEMPOTENCY_KEY_LEN, encode, replace
+from talaria.shared.messages import REPLY_DECODER, ErrorReply, Reply
+from talaria.shared.wire import encode, replace
 
-KEY_HEADER = "Idempotency-Key"  # OpenAI's spelling (its SDK's agents endpoints) and the IETF draft's
-KEY_PATTERN = re.compile(rf"[\x20-\x7e]{{1,{MAX_IDEMPOTENCY_KEY_LEN}}}")
-ANONYMOUS_SESSION = re.compile(r"(?:^|:)anon-[0-9a-f]{32}\Z")  # sessions.py / nats_api.py make these
 WRONG_LAST_SEQUENCE = (10071, 10164)  # JetStream: the subject moved on since the sequence we expected
-# A young claim may not have its submission published yet (its gateway died in between):
-# an attaching retry re-publishes it under the same message id. That is a no-op only inside
-# JetStream's duplicate window; half of it leaves the other half for clock skew between gateways.
-REPUBLISH_WITHIN_S = DUPLICATE_WINDOW_S / 2
 CLAIM_RACES = 4  # each lost race means another request for the key made progress
-ORPHANED = "no client waiting for it"  # the reason of the cancel sent for a call nobody waits for
 # A gateway answers a probe from its event loop at once; one silent this long is overloaded or
 PROBE_TIMEOUT_S = 2.0  # cut off, and counts as waiting (the call then runs to its end, as before)
-
-
-class IdempotencyRecord(msgspec.Struct, frozen=True):
-    """The claim on a key: read only by gateways (the stream is theirs)."""
-
-    call_id: str
-    fingerprint: str
-    deadline_at: float  # the call's own: past it, it can no longer complete
-    created_at: float
-    attempt: int = 0
-
-
-class KeyDecision(Enum):
-    MISMATCH = "mismatch"  # a different request under the same key: 422
-    REPLAY = "replay"  # the call completed: its stored result
-    TAKE_OVER = "take_over"  # the attempt failed: run a new one under the key
-    ATTACH = "attach"  # running: wait for its outcome
-    ATTACH_REPUBLISH = "attach_republish"  # running, or its submission lost with its gateway
-
-
-def decide(record: IdempotencyRecord, fingerprint: str, outcome: Reply | None, now: float) -> KeyDecision:
-    """What a request with a claimed key does. Pure: (claim, this request, stored answer, now)."""
-    if record.fingerprint != fingerprint:
-        return KeyDecision.MISMATCH
-    if isinstance(outcome, CallResult):
-        return KeyDecision.REPLAY
-    if outcome is not None or now >= record.deadline_at:
-        # An error reply, or no answer by the deadline (an agent finishing later records it
-        # failed and answers 504): either way that attempt did not and will not complete.
-        return KeyDecision.TAKE_OVER
-    if now - record.created_at < REPUBLISH_WITHIN_S:
-        return KeyDecision.ATTACH_REPUBLISH
-    return KeyDecision.ATTACH
-
-
-def check_key(value: str) -> str:
-    if not KEY_PATTERN.fullmatch(value):
-        raise bad(f"`{KEY_HEADER}` must be 1 to {MAX_IDEMPOTENCY_KEY_LEN} printable ASCII characters",
-                  KEY_HEADER, "invalid_idempotency_key")
-    return value
-
-
-def key_from(headers: Mapping[str, str]) -> str | None:
-    """The request's key (a case-insensitive header), checked; None when it sent none."""
-    value = headers.get(KEY_HEADER)
-    if value is None:
-        value = next((v for k, v in headers.items() if k.lower() == KEY_HEADER.lower()), None)
-    return None if value is None else check_key(value)
-
-
-def fingerprint(call: CallSubmitted) -> str:
-    """What the client asked for, not what the gateway stamped: ids, times and the delivery form
-    (`stream`) are left out, and so is a session the gateway made up for a call without one."""
-    session = "" if ANONYMOUS_SESSION.search(call.session_id) else call.session_id
-    asked = (call.api, call.model, session, call.prompt_ids, call.max_tokens, call.temperature, call.top_p,
-             call.seed, call.stop, sorted((call.logit_bias or {}).items()), call.logprobs, call.top_logprobs)
-    return hashlib.sha256(msgspec.json.encode(asked)).hexdigest()
-
-
-def key_subject(tenant: str, key: str) -> str:
-    digest = hashlib.sha256(f"{tenant}\n{key}".encode()).hexdigest()  # tenant names have no newline
-    return f"{subjects.IDEMPOTENCY_KEYS}.{digest}"
-
-
-def outcome_subject(call_id: str) -> str:
-    return f"{subjects.IDEMPOTENT_REPLIES}.{call_id}"
-
-
-def is_outcome_subject(subject: str | None) -> bool:
-    return bool(subject) and subject.startswith(f"{subjects.IDEMPOTENT_REPLIES}.")
-
-
-def waiting_subject(call_id: str) -> str:
-    return f"{subjects.IDEMPOTENT_WAITING}.{call_id}"
-
-
-def orphan_cancelled(reply: Reply) -> bool:
-    """The agent's answer to a call cancelled because nobody was waiting for it."""
-    return isinstance(reply, ErrorReply) and reply.code == "cancelled" and reply.message.endswith(ORPHANED)
 
 
 class IdempotentCalls:
@@ -173,22 +95,23 @@ class IdempotentCalls:
             task.cancel()
         await asyncio.gather(*self._watches, return_exceptions=True)
 
-    async def waiting(self, call_id: str):
+    async def waiting(self, tenant: str | None, call_id: str):
         """Answer probes for `call_id` while this request waits for it (the subscription)."""
         async def here(msg) -> None:
             if msg.reply:
                 await self.nc.publish(msg.reply, b"")
 
-        return await self.nc.subscribe(waiting_subject(call_id), cb=here)
+        return await self.nc.subscribe(waiting_subject(tenant, call_id), cb=here)
 
     def left(self, call: CallSubmitted, presence) -> None:
         """This request's client went away: its presence lasts the grace, then the call is
         cancelled if nobody else waits for it."""
+        if self._stopping:  # the call runs to its end, as before graces
+            asyncio.ensure_future(_quietly_unsubscribe(presence))
+            return
         task = asyncio.ensure_future(self._orphan_after_grace(call, presence))
         self._watches.add(task)
         task.add_done_callback(self._watches.discard)
-        if self._stopping:
-            task.cancel()
 
     async def _orphan_after_grace(self, call: CallSubmitted, presence) -> None:
         try:
@@ -196,10 +119,10 @@ class IdempotentCalls:
         finally:
             await _quietly_unsubscribe(presence)
         try:
-            if time.time() >= call.deadline_at or await self.stored(call.call_id) is not None:
+            if time.time() >= call.deadline_at or await self.stored(call.tenant, call.call_id) is not None:
                 return  # it has its answer, or will never have one
             try:  # our unsubscribe is ahead of this on the connection: only others can answer
-                await self.nc.request(waiting_subject(call.call_id), b"", timeout=PROBE_TIMEOUT_S)
+                await self.nc.request(waiting_subject(call.tenant, call.call_id), b"", timeout=PROBE_TIMEOUT_S)
                 return  # someone waits: the last of them to leave decides
             except NoRespondersError:
                 pass
@@ -213,16 +136,16 @@ class IdempotentCalls:
         own = self._own(call)
         try:
             if await self._write(subject, self._record(own, fp, 0), last=0):
-                return Claim(self, own, owner=True)
+                return Claim(self, own, owner=True, request=call, key=key)
             for _ in range(CLAIM_RACES):
                 try:
                     raw = await self.js.get_last_msg(subjects.IDEMPOTENCY_STREAM, subject)
                 except NotFoundError:  # expired a moment ago
                     if await self._write(subject, self._record(own, fp, 0), last=0):
-                        return Claim(self, own, owner=True)
+                        return Claim(self, own, owner=True, request=call, key=key)
                     continue
                 record = msgspec.json.decode(raw.data, type=IdempotencyRecord)
-                outcome = await self.stored(record.call_id)
+                outcome = await self.stored(call.tenant, record.call_id)
                 decision = decide(record, fp, outcome, time.time())
                 if decision is KeyDecision.MISMATCH:
                     return ErrorReply(422, "idempotency_key_reused",
@@ -237,7 +160,7 @@ class IdempotentCalls:
                     if await self._write(subject, self._record(own, fp, record.attempt + 1), last=raw.seq):
                         self.log.info("idempotent call re-run", call_id=own.call_id, failed=record.call_id,
                                       attempt=record.attempt + 1)
-                        return Claim(self, own, owner=True)
+                        return Claim(self, own, owner=True, request=call, key=key)
                     continue
                 return Claim(self, self._attached(call, record), owner=False,
                              republish=decision is KeyDecision.ATTACH_REPUBLISH, request=call, key=key)
@@ -248,10 +171,10 @@ class IdempotentCalls:
         return ErrorReply(409, "idempotency_key_busy", f"requests with this `{KEY_HEADER}` keep racing; retry",
                           param=KEY_HEADER, retry_after_s=1.0)
 
-    async def stored(self, call_id: str) -> Reply | None:
-        """The answer the call got, if it has one."""
+    async def stored(self, tenant: str | None, call_id: str) -> Reply | None:
+        """The answer `tenant`'s call got, if it has one."""
         try:
-            raw = await self.js.get_last_msg(subjects.IDEMPOTENCY_STREAM, outcome_subject(call_id))
+            raw = await self.js.get_last_msg(subjects.IDEMPOTENCY_STREAM, outcome_subject(tenant, call_id))
         except NotFoundError:
             return None
         try:
@@ -279,7 +202,7 @@ class IdempotentCalls:
                 if await emit_new(self.js, call) is not None:
                     self.log.warning("idempotent call re-submitted: its gateway died before submitting it",
                                      call_id=call.call_id)
-            stored = await self.stored(call.call_id)
+            stored = await self.stored(call.tenant, call.call_id)
             if stored is not None:
                 return stored
             self.log.info("retry attached to its running call", call_id=call.call_id)
@@ -306,13 +229,13 @@ class IdempotentCalls:
 
     def _own(self, call: CallSubmitted) -> CallSubmitted:
         """`call` as the key's owner runs it: answered on its kept reply subject, with its deadline."""
-        return replace(call, reply_to=outcome_subject(call.call_id),
+        return replace(call, reply_to=outcome_subject(call.tenant, call.call_id),
                        deadline_at=call.deadline_at or call.submitted_at + self.submitter.timeout_s)
 
     @staticmethod
     def _attached(call: CallSubmitted, record: IdempotencyRecord) -> CallSubmitted:
         """This request as the call it attaches to (the original's id, reply subject, deadline)."""
-        return replace(call, call_id=record.call_id, reply_to=outcome_subject(record.call_id),
+        return replace(call, call_id=record.call_id, reply_to=outcome_subject(call.tenant, record.call_id),
                        deadline_at=record.deadline_at)
 
     @staticmethod
@@ -355,7 +278,7 @@ class Claim:
         if self.outcome is not None:
             return self.outcome
         try:
-            presence = await self.calls.waiting(self.call.call_id)  # before submitting or looking
+            presence = await self.calls.waiting(self.call.tenant, self.call.call_id)  # before submitting or looking
         except Exception as exc:  # the bus is down: nothing was submitted
             return ErrorReply(503, "bus_unavailable", f"could not wait for call {self.call.call_id}: {exc}",
                               retry_after_s=1.0, call_id=self.call.call_id)
@@ -371,8 +294,9 @@ class Claim:
         finally:
             if presence is not None:
                 await _quietly_unsubscribe(presence)
-        if orphan_cancelled(reply) and not self.owner and self.request is not None:
-            # Attached just after the last waiter's grace ran out: this retry runs it anew.
+        if orphan_cancelled(reply) and self.request is not None:
+            # Given up just as this request came (or while its gateway could not answer probes,
+            # e.g. reconnecting to NATS): the client is still here, so it runs the call anew.
             again = await self.calls.claim(self.request, self.key)
             if isinstance(again, ErrorReply):
                 return again

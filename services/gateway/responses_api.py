@@ -27,7 +27,8 @@ from talaria.services.gateway.prepare import RequestError, prepare, tool_format
 from talaria.services.gateway.responses_input import (DECODER, chat_input, echo, namespaces, refuse_unsupported,
                                                       to_call_request)
 from talaria.services.gateway.sessions import InvalidSessionId, session_id_from
-from talaria.services.gateway.idempotency import IdempotentCalls, claim_for, key_from, replayed
+from talaria.services.gateway.idempotency import IdempotentCalls, claim_for, replayed
+from talaria.services.gateway.idempotency_rules import key_from
 from talaria.services.gateway.submitter import Submitter
 from talaria.services.gateway.validation import decode
 from talaria.shared.events import CallSubmitted

@@ -17,7 +17,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from opentelemetry import trace
 
-from talaria.services.gateway.idempotency import is_outcome_subject
+from talaria.services.gateway.idempotency_rules import is_outcome_subject, reply_call_id
 from talaria.services.gateway.validation import check_size
 from talaria.shared import subjects
 from talaria.shared.logs import call_context
@@ -71,7 +71,7 @@ class Submitter:
                 self.log.error("could not record a call cut off by the stop", call_id=call.call_id, error=str(exc))
 
     async def _on_reply(self, msg) -> None:
-        call_id = msg.subject.rsplit(".", 1)[-1]
+        call_id = reply_call_id(msg.subject)
         fut = self._pending.get(call_id)
         if fut is None or fut.done():
             return

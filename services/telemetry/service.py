@@ -10,9 +10,9 @@ Exactly-once effect from at-least-once delivery:
   `quarantined_events`, an alert in the log) and skipped, so it cannot block the stream.
 
 Projection is off the call path but shares its CPUs: after a batch that did not fill, the
-projector waits `projection_interval_s` before the next fetch, so a call's seven events are
-projected in one transaction with their neighbours' instead of one wake-up each (rows lag by
-up to that interval; under a backlog batches fill and there is no wait).
+projector waits `projection_interval_s` before the next fetch, so the events of the calls in
+between are projected in one transaction instead of one wake-up each (rows lag by about that
+interval more; under a backlog batches fill and there is no wait).
 """
 
 from __future__ import annotations

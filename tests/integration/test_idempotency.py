@@ -14,7 +14,8 @@ import nats
 import pytest
 
 from talaria.services.gateway.http_api import parse_request
-from talaria.services.gateway.idempotency import ORPHANED, IdempotentCalls, outcome_subject, waiting_subject
+from talaria.services.gateway.idempotency import IdempotentCalls
+from talaria.services.gateway.idempotency_rules import ORPHANED, outcome_subject, waiting_subject
 from talaria.services.gateway.submitter import Submitter
 from talaria.services.instance_agent.service import run as run_agent
 from talaria.shared import logs, subjects
@@ -204,7 +205,7 @@ async def test_a_call_whose_gateway_died_is_answered_to_the_retry_from_its_store
     try:  # the agent answered while no gateway listened: the stream kept it
         async def kept():
             try:
-                return await js.get_last_msg(subjects.IDEMPOTENCY_STREAM, outcome_subject(orphan.call_id))
+                return await js.get_last_msg(subjects.IDEMPOTENCY_STREAM, outcome_subject(orphan.tenant, orphan.call_id))
             except nats.js.errors.NotFoundError:
                 return None
 
@@ -344,7 +345,7 @@ async def test_a_retry_that_attached_as_its_call_was_given_up_runs_it_anew(stack
     try:
         async def attached():
             try:
-                return await nc.request(waiting_subject(orphan.call_id), b"", timeout=1)
+                return await nc.request(waiting_subject(orphan.tenant, orphan.call_id), b"", timeout=1)
             except nats.errors.NoRespondersError:
                 return None
 
@@ -359,6 +360,29 @@ async def test_a_retry_that_attached_as_its_call_was_given_up_runs_it_anew(stack
     rows = await wait_rows(db, "SELECT call_id, outcome FROM calls WHERE session_id = 'tenant-a:idem-12' "
                                "AND outcome IN ('completed', 'cancelled', 'failed')", 2)
     assert {(r["call_id"], r["outcome"]) for r in rows} == {(orphan.call_id, "cancelled"),
+                                                            (h["X-Talaria-Call-Id"], "completed")}
+
+
+async def test_an_owner_whose_call_was_given_up_while_its_client_waits_runs_it_anew(stack, nats_url, db):
+    """An attached retry's grace can end while the owner's gateway cannot answer probes (e.g.
+    reconnecting to NATS): the owner's client is still there, so it runs the call anew instead
+    of answering 499."""
+    settings, services = stack
+    await start_agent(settings, services, nats_url)
+    owner = asyncio.ensure_future(post(settings, {**LONG, "max_tokens": 2500}, headers("idem-13", "key-13")))
+    [first] = await wait_rows(db, "SELECT call_id FROM calls WHERE session_id = 'tenant-a:idem-13'", 1)
+    nc, js = await connect(nats_url, "talaria-gateway")
+    try:
+        await Submitter(nc, js, None, settings.call_timeout_s, logs.get("test")).cancel(
+            first["call_id"], ORPHANED, "tenant-a")  # what another waiter's grace sends
+    finally:
+        await close(nc)
+    status, answer, h = await owner
+    assert status == 200, answer
+    assert h["X-Talaria-Call-Id"] != first["call_id"] and "Idempotent-Replayed" not in h
+    rows = await wait_rows(db, "SELECT call_id, outcome FROM calls WHERE session_id = 'tenant-a:idem-13' "
+                               "AND outcome IN ('completed', 'cancelled', 'failed')", 2)
+    assert {(r["call_id"], r["outcome"]) for r in rows} == {(first["call_id"], "cancelled"),
                                                             (h["X-Talaria-Call-Id"], "completed")}
 
 

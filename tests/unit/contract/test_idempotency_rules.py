@@ -7,7 +7,7 @@ import json
 import pytest
 
 from talaria.services.gateway.http_api import parse_request
-from talaria.services.gateway.idempotency import (
+from talaria.services.gateway.idempotency_rules import (
     ORPHANED,
     REPUBLISH_WITHIN_S,
     KeyDecision,
@@ -20,6 +20,7 @@ from talaria.services.gateway.idempotency import (
     key_subject,
     orphan_cancelled,
     outcome_subject,
+    reply_call_id,
     waiting_subject,
 )
 from talaria.services.gateway.prepare import RequestError
@@ -100,7 +101,7 @@ def test_keys_are_scoped_to_the_tenant_and_hashed_into_one_subject_token():
 
 
 def test_kept_replies_are_reply_subjects_apart_from_every_gateway_inbox():
-    s = outcome_subject("c1")
+    s = outcome_subject("tenant-a", "c1")
     assert is_outcome_subject(s) and s.startswith(f"{subjects.REPLY_PREFIX}.gateway.")
     assert not is_outcome_subject(subjects.reply_inbox("gateway", "0123abcd") + ".c1")
     assert not is_outcome_subject(None)
@@ -141,8 +142,8 @@ def test_a_cancel_for_want_of_waiters_is_told_apart_from_other_ends():
     assert not orphan_cancelled(m.ErrorReply(m.CANCELLED_STATUS, "cancelled", "cancelled: client disconnected"))
     assert not orphan_cancelled(m.ErrorReply(503, "instance_lost", ORPHANED))
     assert not orphan_cancelled(RESULT)
-    assert subjects.valid_token(waiting_subject("c1").rsplit(".", 1)[1])
-    assert not is_outcome_subject(waiting_subject("c1"))  # core NATS: not kept by the stream
+    assert subjects.valid_token(waiting_subject("tenant-a", "c1").rsplit(".", 1)[1])
+    assert not is_outcome_subject(waiting_subject("tenant-a", "c1"))  # core NATS: not kept by the stream
 
 
 def test_the_orphan_grace_defaults_above_the_sdks_longest_retry_and_is_never_negative():
@@ -178,3 +179,16 @@ def test_only_the_gateway_may_claim_keys_and_read_kept_replies():
         allowed = permissions(role)["publish"]["allow"] + permissions(role)["subscribe"]["allow"]
         assert not any("idem" in s or "IDEMPOTENCY" in s for s in allowed), role
     assert not any("TALARIA_" in s for s in permissions("gateway", "blue")["publish"]["allow"])
+
+
+def test_a_kept_answer_and_its_waiters_are_scoped_to_the_tenant():
+    """Clients may choose call ids: tenant b reusing tenant a's id must neither overwrite a's kept
+    answer (a's retry would replay b's) nor answer the probes for a's call."""
+    assert outcome_subject("tenant-a", "c1") != outcome_subject("tenant-b", "c1")
+    assert waiting_subject("tenant-a", "c1") != waiting_subject("tenant-b", "c1")
+    assert outcome_subject("tenant-a", "c1") == outcome_subject("tenant-a", "c1")
+
+
+def test_a_reply_names_its_call_on_an_inbox_and_on_a_kept_subject():
+    assert reply_call_id(subjects.reply_inbox("gateway", "0123abcd") + ".c-1") == "c-1"
+    assert reply_call_id(outcome_subject("tenant-a", "c-1")) == "c-1"

@@ -9,7 +9,8 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import NotFoundError
 
-from talaria.services.gateway.idempotency import ORPHANED, IdempotentCalls, outcome_subject, waiting_subject
+from talaria.services.gateway.idempotency import IdempotentCalls
+from talaria.services.gateway.idempotency_rules import ORPHANED, outcome_subject, waiting_subject
 from talaria.shared import logs
 from talaria.shared import messages as m
 from talaria.shared.events import CallSubmitted
@@ -19,7 +20,7 @@ from talaria.shared.wire import encode
 def keyed_call(deadline_in_s: float = 60.0) -> CallSubmitted:
     now = time.time()
     return CallSubmitted("c1", "tenant-a:s", "qwen3-tiny", [1, 2], [], 4, now, tenant="tenant-a",
-                         reply_to=outcome_subject("c1"), deadline_at=now + deadline_in_s)
+                         reply_to=outcome_subject("tenant-a", "c1"), deadline_at=now + deadline_in_s)
 
 
 class Presence:
@@ -70,7 +71,7 @@ async def after_grace(bus: Bus, call: CallSubmitted | None = None) -> tuple[Gate
 async def test_a_call_nobody_waits_for_is_cancelled_for_its_tenant_after_the_grace():
     bus = Bus()
     gateway, presence = await after_grace(bus)
-    assert bus.probes == [(waiting_subject("c1"), True)]  # after our presence went: only others answer
+    assert bus.probes == [(waiting_subject("tenant-a", "c1"), True)]  # after our presence went: only others answer
     assert gateway.cancels == [("c1", ORPHANED, "tenant-a")]
 
 
@@ -103,8 +104,9 @@ async def test_a_stopping_gateway_drops_its_graces_without_cancelling():
     await calls.stop()
     assert task.cancelled() and presence.unsubscribed and not calls._watches
     assert gateway.cancels == [] and bus.probes == []
-    calls.left(keyed_call(), Presence())  # a handler cut off by the stop itself
-    [late] = calls._watches
-    assert late.cancelling()
-    await asyncio.gather(late, return_exceptions=True)
+    late = Presence()
+    calls.left(keyed_call(), late)  # a handler cut off by the stop itself
+    assert not calls._watches
+    await asyncio.sleep(0)
+    assert late.unsubscribed  # nothing lingers
     assert gateway.cancels == [] and bus.probes == []
