@@ -24,9 +24,17 @@ from talaria.shared.db.engine import create_engine
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(params=["postgres", "memory"])
+class UnisolatedPostgresStore(PostgresStore):
+    """The telemetry service's first try at a batch: no savepoint per event."""
+
+    def batch(self, isolate: bool = False):
+        return super().batch(isolate)
+
+
+@pytest.fixture(params=["postgres", "postgres-unisolated", "memory"])
 async def store(request, database_url):
-    s = MemoryStore() if request.param == "memory" else PostgresStore(create_engine(database_url))
+    kinds = {"memory": MemoryStore, "postgres": PostgresStore, "postgres-unisolated": UnisolatedPostgresStore}
+    s = MemoryStore() if request.param == "memory" else kinds[request.param](create_engine(database_url))
     yield s
     await s.close()
 
