@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 
 from talaria.shared.bus import PUBLISH_TIMEOUT_S, RECONNECT_WAIT_S, emit, emit_async
-from talaria.shared.events import CallFailed
+from talaria.shared.events import CallFailed, CallSubmitted
 from talaria.shared.messages import ErrorReply
 from talaria.shared.wire import encode
 
@@ -76,6 +76,19 @@ class RouterOutputs:
                 ErrorReply(failed.status, code, failed.reason, retry_after_s=retry, call_id=failed.call_id)))
         except Exception as exc:  # the failure is recorded; the gateway's timeout answers the client
             self.log.warning("could not answer the client", call_id=failed.call_id, error=str(exc))
+
+    async def _refuse_reused(self, call: CallSubmitted) -> None:
+        """A new call under the id of one already decided: answered 409, and nothing is folded
+        or recorded for it (its rows belong to the first call of that id)."""
+        self.log.warning("call id reused by a new submission; refused", call_id=call.call_id)
+        if not call.reply_to:
+            return
+        try:
+            await self.nc.publish(call.reply_to, encode(ErrorReply(
+                409, "duplicate_call_id", f"call id {call.call_id} was already used for an earlier call; "
+                "send each call with a new `call_id`", param="call_id", call_id=call.call_id)))
+        except Exception as exc:  # the gateway's timeout answers the client
+            self.log.warning("could not answer the client", call_id=call.call_id, error=str(exc))
 
     async def _outputs_stored(self, timeout: float) -> bool:
         """Wait up to `timeout` until every folded input's outputs are stored (a projection

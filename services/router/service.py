@@ -257,6 +257,10 @@ class RouterService(RouterOutputs):
             return
         call_id = getattr(event, "call_id", None)
         session_id = getattr(event, "session_id", None)
+        if isinstance(event, CallSubmitted) and self.core.state.reused(call_id, msg.metadata.sequence.stream):
+            await self._refuse_reused(event)  # past JetStream's duplicate window, the gateway could not tell
+            await msg.ack()
+            return
         try:
             with call_context(session_id, call_id) if call_id and session_id else _null():
                 outputs, acks = await self._handle_event(event, msg)
@@ -290,6 +294,7 @@ class RouterService(RouterOutputs):
                 if isinstance(event, CallSubmitted):  # the stream keeps the prompt ids once
                     seq = msg.metadata.sequence.stream
                     outputs = [o.by_reference(seq) if isinstance(o, CallRouted) else o for o in outputs]
+                    self.core.state.decided(event.call_id, seq)
             # The state already counts these outputs, so they must reach the stream before the
             # input is acked: published now, in the order the state applied them.
             acks = await self._start(outputs)

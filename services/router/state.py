@@ -96,6 +96,9 @@ class RouterState:
     # call_id -> instance ("" for a call failed before it was placed): a call is decided once,
     # and one whose client already got an error is never placed later (redelivery, restart).
     routed: dict[str, str] = field(default_factory=dict)
+    # call_id -> stream sequence of the submission that was decided: the same message again is
+    # a redelivery; another message with that id is a client reusing it (answered 409).
+    submission_seq: dict[str, int] = field(default_factory=dict)
     inflight_calls: dict[str, InFlight] = field(default_factory=dict)
     models: dict[str, ModelProfile] = field(default_factory=dict)
     instance_profiles: dict[str, InstanceProfile] = field(default_factory=dict)
@@ -193,7 +196,19 @@ class RouterState:
     def _remember(self, call_id: str, instance_id: str) -> None:
         self.routed[call_id] = instance_id
         if len(self.routed) > ROUTED_KEPT:
-            del self.routed[next(iter(self.routed))]  # oldest first
+            oldest = next(iter(self.routed))  # oldest first
+            del self.routed[oldest]
+            self.submission_seq.pop(oldest, None)
+
+    def decided(self, call_id: str, seq: int) -> None:
+        """The submission of `call_id` at stream sequence `seq` was decided (routed or failed)."""
+        if call_id in self.routed and seq > 0:
+            self.submission_seq[call_id] = seq
+
+    def reused(self, call_id: str, seq: int) -> bool:
+        """A submission at `seq` carries the id of a call decided from another message."""
+        first = self.submission_seq.get(call_id)
+        return first is not None and seq > 0 and first != seq
 
     def _routed(self, event: CallRouted) -> None:
         call = event.call
@@ -202,6 +217,7 @@ class RouterState:
             # nothing is in flight, and the session already moved on with its completion.
             return
         self._remember(call.call_id, event.instance_id)
+        self.decided(call.call_id, event.submitted_seq)  # the stream's copy names it (replay)
         self.routed_total += 1
         entry = self.session(call.session_id)
         if entry.last_completed_at is not None and entry.model == call.model:
@@ -289,6 +305,7 @@ class RouterState:
             "instances": [_view_to_dict(v) for v in self.instances.values()],
             "inflight_calls": {c: list(p) for c, p in self.inflight_calls.items()},
             "routed": dict(self.routed),
+            "submission_seq": dict(self.submission_seq),
             "models": {m: dict(vars(p), gaps=list(p.gaps)) for m, p in self.models.items()},
             "instance_profiles": {i: dict(vars(p)) for i, p in self.instance_profiles.items()},
             "homes": self.homes.to_list(),
@@ -309,6 +326,7 @@ class RouterState:
             state.instances[view.instance_id] = view
         state.inflight_calls = {c: InFlight(*p) for c, p in data.get("inflight_calls", {}).items()}
         state.routed = dict(data.get("routed", {}))
+        state.submission_seq = dict(data.get("submission_seq", {}))
         state.models = {m: ModelProfile(**p) for m, p in data.get("models", {}).items()}
         state.instance_profiles = {i: InstanceProfile(**p) for i, p in data.get("instance_profiles", {}).items()}
         state.homes = HomeBook.from_list(data.get("homes", []))

@@ -146,3 +146,37 @@ async def test_streamed_chat_matches_openai_chunks_and_the_final_answer(stack):
     assert finishes == [plain.choices[0].finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
     assert all(c.usage is None for c in chunks[:-1])
+
+
+async def test_a_call_id_reused_after_the_duplicate_window_is_refused_409_not_dropped(stack, nats_url, db):
+    """Past JetStream's 2-minute duplicate window the gateway cannot see a reused call id; the
+    router, which decided the first call of that id, answers 409 at once (it used to drop the
+    submission as a redelivery, leaving the client to its timeout) and records nothing for it."""
+    import time
+
+    from talaria.shared.bus import connect, close, publish_event
+    from talaria.shared.events import CallSubmitted
+    from talaria.shared.nats_auth import sender_name
+
+    settings, services = stack
+    await services.start("agent-0", run_agent, settings.with_(instance_id="agent-0", models=("qwen3-tiny",)))
+    nc = await nats.connect(nats_url)
+    gw, js = await connect(nats_url, sender_name("gateway"))  # stands in for a gateway
+    try:
+        await wait_for_router(nc, instances=1)
+        req = CallRequest(model="qwen3-tiny", prompt="hello", session_id="reuse-s1", call_id="reused-1",
+                          max_tokens=2, temperature=0)
+        first = REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(req), timeout=60)).data)
+        assert isinstance(first, CallResult), first
+        inbox = f"{subjects.REPLY_PREFIX}.gateway.test.reused-1"
+        replies = await nc.subscribe(inbox)
+        later = CallSubmitted("reused-1", "reuse-s2", "qwen3-tiny", [1, 2, 3], [], 2, time.time(), reply_to=inbox)
+        await publish_event(js, subjects.CALL_SUBMITTED, later, msg_id="a-later-submission")  # a new message
+        refused = REPLY_DECODER.decode((await replies.next_msg(timeout=20)).data)
+        assert isinstance(refused, ErrorReply) and (refused.status, refused.code) == (409, "duplicate_call_id")
+        [row] = await wait_rows(db, "SELECT session_id, outcome FROM calls WHERE call_id = 'reused-1' "
+                                    "AND outcome = 'completed'", 1)
+        assert row["session_id"] == "reuse-s1"  # the first call's row, untouched
+    finally:
+        await close(gw)
+        await nc.close()

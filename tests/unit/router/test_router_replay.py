@@ -221,3 +221,16 @@ def test_a_routing_replayed_after_its_completion_counts_nothing_in_flight():
     state.apply(routed)
     assert state.inflight_calls == {}
     assert state.sessions["s1"].last_completed_at == 1.0  # the completion still stands
+
+
+def test_a_reused_call_id_is_told_apart_from_a_redelivered_submission():
+    """The same message again (a restart's replay) is dropped as before; another message under a
+    decided call's id is a client reusing the id, which the service answers 409. Survives a save."""
+    state = RouterState()
+    state.routed["c1"] = "agent-0"
+    state.decided("c1", 7)
+    state.decided("c2", 8)  # never decided: nothing to remember
+    assert not state.reused("c1", 7) and state.reused("c1", 9)
+    assert not state.reused("c2", 9) and not state.reused("c1", 0)
+    restored = RouterState.from_dict(state.to_dict())
+    assert restored.reused("c1", 9) and not restored.reused("c1", 7)
