@@ -282,9 +282,20 @@ class Claim:
         except Exception as exc:  # the bus is down: nothing was submitted
             return ErrorReply(503, "bus_unavailable", f"could not wait for call {self.call.call_id}: {exc}",
                               retry_after_s=1.0, call_id=self.call.call_id)
+        streamed = False  # a re-run cannot follow tokens already sent
+
+        async def token(chunk) -> None:
+            nonlocal streamed
+            streamed = True
+            await on_token(chunk)
+
+        async def answer(reply: Reply) -> None:
+            if not (orphan_cancelled(reply) and self.request is not None and not streamed):
+                await on_reply(reply)  # else the re-run below answers
+
         try:
             if self.owner:
-                reply = await self.calls.submitter.submit(self.call, on_token, on_reply)
+                reply = await self.calls.submitter.submit(self.call, on_token and token, on_reply and answer)
             else:
                 reply = await self.calls.attach(self.call, self.republish)
         except asyncio.CancelledError:  # the client went away: the presence stays for the grace
@@ -294,13 +305,16 @@ class Claim:
         finally:
             if presence is not None:
                 await _quietly_unsubscribe(presence)
-        if orphan_cancelled(reply) and self.request is not None:
+        if orphan_cancelled(reply) and self.request is not None and not streamed:
             # Given up just as this request came (or while its gateway could not answer probes,
             # e.g. reconnecting to NATS): the client is still here, so it runs the call anew.
             again = await self.calls.claim(self.request, self.key)
             if isinstance(again, ErrorReply):
+                if on_reply is not None:
+                    await on_reply(again)
                 return again
-            self.owner = again.owner  # so `replayed` (the response header) says whether this request ran it
+            # The call this request answers as now (its id and `replayed` go into the response).
+            self.owner, self.call = again.owner, again.call
             return await again.run(on_token, on_reply)
         return reply
 
@@ -310,6 +324,16 @@ async def claim_for(calls: IdempotentCalls | None, call: CallSubmitted, key: str
     if key is None or calls is None:
         return None
     return await calls.claim(call, key)
+
+
+def restamp(resp, claim: Claim | None, **ids: str) -> None:
+    """Right before a streamed response's headers go out: the ids of the call it answers as now
+    and whether another request ran it (a keyed call given up at the edge re-runs, new id)."""
+    if claim is None:
+        return
+    resp.headers.update(ids)
+    resp.headers.popall("Idempotent-Replayed", None)
+    resp.headers.update(replayed(claim))
 
 
 def replayed(claim: Claim | None) -> dict[str, str]:

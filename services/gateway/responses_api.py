@@ -27,7 +27,7 @@ from talaria.services.gateway.prepare import RequestError, prepare, tool_format
 from talaria.services.gateway.responses_input import (DECODER, chat_input, echo, namespaces, refuse_unsupported,
                                                       to_call_request)
 from talaria.services.gateway.sessions import InvalidSessionId, session_id_from
-from talaria.services.gateway.idempotency import IdempotentCalls, claim_for, replayed
+from talaria.services.gateway.idempotency import IdempotentCalls, claim_for, replayed, restamp
 from talaria.services.gateway.idempotency_rules import key_from
 from talaria.services.gateway.submitter import Submitter
 from talaria.services.gateway.validation import decode
@@ -190,7 +190,7 @@ class ResponseStream:
     call refused before any token keeps its HTTP status."""
 
     def __init__(self, request: web.Request, parsed: Parsed, claim=None) -> None:
-        self.request, self.call, self.fmt = request, parsed.call, parsed.fmt
+        self.request, self._call, self.fmt = request, parsed.call, parsed.fmt
         self.fields, self.namespaces, self.claim = parsed.fields, parsed.namespaces, claim
         self.resp = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -199,7 +199,15 @@ class ResponseStream:
         self.text = TextUntilCalls(self.fmt is not None, self.fmt or "hermes")
         self.seq = itertools.count()
         self.message_open = False
-        self.item_id = f"msg_{self.call.call_id}"
+
+    @property
+    def call(self):
+        """The call this answers as (a keyed retry given up at the edge re-runs it, new id)."""
+        return self.claim.call if self.claim is not None else self._call
+
+    @property
+    def item_id(self) -> str:
+        return f"msg_{self.call.call_id}"
 
     async def run(self, submitter: Submitter) -> web.StreamResponse:
         async def on_token(tok: TokenChunk) -> None:
@@ -219,6 +227,7 @@ class ResponseStream:
 
     async def _send(self, kind: str, **fields: Any) -> None:
         if not self.resp.prepared:
+            restamp(self.resp, self.claim, **{"X-Talaria-Call-Id": self.call.call_id})
             await self.resp.prepare(self.request)
             start = response_body(self.call, self.fields, "in_progress", [])
             await self._send("response.created", response=start)

@@ -332,15 +332,17 @@ async def test_a_retry_within_the_grace_keeps_the_keyed_call_running_and_gets_it
     assert len(await call_rows(db, "idem-11")) == 1
 
 
-async def test_a_retry_that_attached_as_its_call_was_given_up_runs_it_anew(stack, nats_url, db):
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_retry_that_attached_as_its_call_was_given_up_runs_it_anew(stack, nats_url, db, stream):
     """The race the probe leaves: a retry attaches just after the last waiter's grace ran out and
     its probe found nobody. The call's cancel reaches the agent; the retry claims the key again
-    (the cancelled attempt is taken over) and answers from the new run, not with the 499."""
+    (the cancelled attempt is taken over) and answers from the new run, not with the 499. A
+    streamed retry's headers and chunk ids name the new run too."""
     settings, services = stack
     await start_agent(settings, services, nats_url)
     body = {**LONG, "max_tokens": 2500}
     orphan = await dead_gateway(nats_url, settings, body, "idem-12", "key-12", submit=True)
-    retry = asyncio.ensure_future(post(settings, body, headers("idem-12", "key-12")))
+    retry = asyncio.ensure_future(post(settings, {**body, "stream": stream}, headers("idem-12", "key-12")))
     nc, js = await connect(nats_url, "talaria-gateway")  # the sender agents take cancels from
     try:
         async def attached():
@@ -357,6 +359,8 @@ async def test_a_retry_that_attached_as_its_call_was_given_up_runs_it_anew(stack
     status, answer, h = await retry
     assert status == 200, answer
     assert h["X-Talaria-Call-Id"] != orphan.call_id and "Idempotent-Replayed" not in h
+    if stream:
+        assert f"chatcmpl-{h['X-Talaria-Call-Id']}" in answer and orphan.call_id not in answer
     rows = await wait_rows(db, "SELECT call_id, outcome FROM calls WHERE session_id = 'tenant-a:idem-12' "
                                "AND outcome IN ('completed', 'cancelled', 'failed')", 2)
     assert {(r["call_id"], r["outcome"]) for r in rows} == {(orphan.call_id, "cancelled"),
