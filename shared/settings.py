@@ -146,14 +146,12 @@ class Settings:
         if unknown or not self.models:
             raise SettingsError("TALARIA_MODELS", ",".join(self.models),
                                 f"models from the catalogue ({', '.join(sorted(CATALOG))})")
-        if self.projection_interval_s < 0:
-            raise SettingsError("TALARIA_PROJECTION_INTERVAL_S", str(self.projection_interval_s),
-                                "zero (project each event as it comes) or a positive number of seconds")
+        for name in ("projection_interval_s", "idempotent_orphan_s"):  # 0: no wait, no grace
+            if getattr(self, name) < 0:
+                raise SettingsError(f"TALARIA_{name.upper()}", str(getattr(self, name)), "zero or more seconds")
         for name in ("lease_timeout_s", "heartbeat_s", "call_timeout_s", "session_idle_s", "watchdog_min_s"):
             if getattr(self, name) <= 0 and not (name == "lease_timeout_s" and self.lease_timeout_s == 0):
                 raise SettingsError(f"TALARIA_{name.upper()}", str(getattr(self, name)), "a positive number")
-        if self.idempotent_orphan_s < 0:
-            raise SettingsError("TALARIA_IDEMPOTENT_ORPHAN_S", str(self.idempotent_orphan_s), "zero or more seconds")
         if self.idempotency_window_s <= self.call_timeout_s:
             raise SettingsError("TALARIA_IDEMPOTENCY_WINDOW_S", str(self.idempotency_window_s),
                                 f"more seconds than TALARIA_CALL_TIMEOUT_S ({self.call_timeout_s:g})")

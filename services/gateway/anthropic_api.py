@@ -17,7 +17,7 @@ import msgspec
 from aiohttp import web
 
 from talaria.services.gateway.auth import TENANT, anthropic_error_body, client_session, scoped_session
-from talaria.services.gateway.idempotency import IdempotentCalls, claim_for, replayed, restamp
+from talaria.services.gateway.idempotency import IdempotentCalls, answers_as, claim_for, replayed, restamp
 from talaria.services.gateway.idempotency_rules import key_from
 from talaria.services.gateway.anthropic_input import DECODER, chat_turns, session_of, to_call_request
 from talaria.services.gateway.prepare import RequestError, prepare, tool_format
@@ -148,21 +148,17 @@ class AnthropicApi:
                                            **replayed(claim)})
         text = TextUntilCalls(fmt is not None, fmt or "hermes")
         state = {"blocks": 0, "text_open": False}
-        first = call
-
-        def answering():  # the call this answers as (a keyed retry given up at the edge re-runs it)
-            return claim.call if claim is not None else first
 
         async def start() -> None:
             # Headers go out with the first event, so an error before any token keeps its status.
             if resp.prepared:
                 return
-            restamp(resp, claim, **{"request-id": f"req_{answering().call_id}"})
+            now = answers_as(claim, call)
+            restamp(resp, claim, **{"request-id": f"req_{now.call_id}"})
             await resp.prepare(request)
-            call = answering()
-            message = {"id": f"msg_{call.call_id}", "type": "message", "role": "assistant", "model": call.model,
+            message = {"id": f"msg_{now.call_id}", "type": "message", "role": "assistant", "model": now.model,
                        "content": [], "stop_reason": None, "stop_sequence": None,
-                       "usage": {"input_tokens": call.prompt_tokens, "output_tokens": 0,
+                       "usage": {"input_tokens": now.prompt_tokens, "output_tokens": 0,
                                  "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}
             await resp.write(sse("message_start", {"type": "message_start", "message": message}))
             await resp.write(sse("ping", {"type": "ping"}))
@@ -182,7 +178,7 @@ class AnthropicApi:
                 await send_text(piece)
 
         reply = await (claim.run(on_token) if claim else self.submitter.submit(call, on_token=on_token))
-        call = answering()
+        call = answers_as(claim, call)
         if isinstance(reply, ErrorReply):
             if not resp.prepared:
                 return error_response(reply)

@@ -10,7 +10,7 @@ import msgspec
 from aiohttp import web
 
 from talaria.services.gateway.anthropic_api import AnthropicApi
-from talaria.services.gateway.idempotency import IdempotentCalls, claim_for, replayed, restamp
+from talaria.services.gateway.idempotency import IdempotentCalls, answers_as, claim_for, replayed, restamp
 from talaria.services.gateway.idempotency_rules import key_from
 from talaria.services.gateway.http_errors import json_errors
 from talaria.services.gateway.auth import TENANT, KeyStore, client_session, http_middleware, scoped_session
@@ -145,16 +145,13 @@ class HttpApi:
                                            "X-Talaria-Call-Id": call.call_id, **replayed(claim)})
         text = TextUntilCalls(fmt is not None, fmt or "hermes")  # tool calls go out whole, at the end
 
-        def answering():  # the call this answers as (a keyed retry given up at the edge re-runs it)
-            return claim.call if claim is not None else call
-
         async def send(obj: dict) -> None:
             if not resp.prepared:  # headers go out with the first event, so an early error keeps its status
-                restamp(resp, claim, **{"X-Talaria-Call-Id": answering().call_id})
+                restamp(resp, claim, **{"X-Talaria-Call-Id": answers_as(claim, call).call_id})
                 await resp.prepare(request)
                 if chat:
-                    await send(self._chunk(answering(), chat, {"role": "assistant", "content": ""}, None,
-                                           include_usage))
+                    role = {"role": "assistant", "content": ""}
+                    await send(self._chunk(answers_as(claim, call), chat, role, None, include_usage))
             await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
         pending: list = []  # logprobs of tokens whose text is not sent yet
@@ -170,10 +167,10 @@ class HttpApi:
         async def on_token(tok: TokenChunk) -> None:
             pending.extend(tok.logprobs or ())
             if piece := text.push(tok.text):
-                await send(self._chunk(answering(), chat, piece, None, include_usage, take_logprobs()))
+                await send(self._chunk(answers_as(claim, call), chat, piece, None, include_usage, take_logprobs()))
 
         reply = await (claim.run(on_token) if claim else self.submitter.submit(call, on_token=on_token))
-        call = answering()
+        call = answers_as(claim, call)
         if isinstance(reply, ErrorReply):
             if not resp.prepared:
                 return error_response(reply)

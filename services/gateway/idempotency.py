@@ -326,6 +326,12 @@ async def claim_for(calls: IdempotentCalls | None, call: CallSubmitted, key: str
     return await calls.claim(call, key)
 
 
+def answers_as(claim: Claim | None, call: CallSubmitted) -> CallSubmitted:
+    """The call a request answers as now: its claim's (a keyed retry given up at the edge
+    re-runs it under a new id), else its own."""
+    return claim.call if claim is not None else call
+
+
 def restamp(resp, claim: Claim | None, **ids: str) -> None:
     """Right before a streamed response's headers go out: the ids of the call it answers as now
     and whether another request ran it (a keyed call given up at the edge re-runs, new id)."""

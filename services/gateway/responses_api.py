@@ -27,7 +27,7 @@ from talaria.services.gateway.prepare import RequestError, prepare, tool_format
 from talaria.services.gateway.responses_input import (DECODER, chat_input, echo, namespaces, refuse_unsupported,
                                                       to_call_request)
 from talaria.services.gateway.sessions import InvalidSessionId, session_id_from
-from talaria.services.gateway.idempotency import IdempotentCalls, claim_for, replayed, restamp
+from talaria.services.gateway.idempotency import IdempotentCalls, answers_as, claim_for, replayed, restamp
 from talaria.services.gateway.idempotency_rules import key_from
 from talaria.services.gateway.submitter import Submitter
 from talaria.services.gateway.validation import decode
@@ -202,8 +202,7 @@ class ResponseStream:
 
     @property
     def call(self):
-        """The call this answers as (a keyed retry given up at the edge re-runs it, new id)."""
-        return self.claim.call if self.claim is not None else self._call
+        return answers_as(self.claim, self._call)
 
     @property
     def item_id(self) -> str:
