@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import weakref
+from collections.abc import Callable
 
 import msgspec
 import nats
@@ -56,6 +58,26 @@ async def ensure_stream(js: JetStreamContext) -> None:
         await js.update_stream(config)
 
 
+# What each connection's events are also shown to (a service's metrics): what a service
+# records and what it counts cannot drift apart, and no emitting code path needs a hook.
+_TAPS: "weakref.WeakKeyDictionary[NATS, Callable[[msgspec.Struct], None]]" = weakref.WeakKeyDictionary()
+
+
+def tap(js: JetStreamContext, observe: Callable[[msgspec.Struct], None]) -> None:
+    """Show `observe` every event published through `js`'s connection from now on (before its
+    ack: a retried publish is shown again, so `observe` counts by id where that matters)."""
+    _TAPS[js._nc] = observe
+
+
+def _show(js: JetStreamContext, event: msgspec.Struct) -> None:
+    observe = _TAPS.get(js._nc)
+    if observe is not None:
+        try:
+            observe(event)
+        except Exception:  # a metric must never cost an event
+            pass
+
+
 async def publish_event(
     js: JetStreamContext, subject: str, event: msgspec.Struct, *, msg_id: str | None = None,
     sender: str | None = None,
@@ -65,6 +87,7 @@ async def publish_event(
     `msg_id` makes retries idempotent: JetStream drops a duplicate within the window.
     The current trace context rides along in the headers.
     """
+    _show(js, event)
     ack = await js.publish(subject, encode(event), headers=_headers(js, msg_id, sender))
     return ack.seq
 
@@ -139,6 +162,7 @@ async def emit(js: JetStreamContext, event: msgspec.Struct, sender: str | None =
 async def emit_async(js: JetStreamContext, event: msgspec.Struct, sender: str | None = None) -> asyncio.Future:
     """Like `emit`, without waiting for the ack: returns its future (a PubAck). Events
     published one after another are stored in that order."""
+    _show(js, event)
     return await js.publish_async(event_subject(event), encode(event),
                                   headers=_headers(js, event_msg_id(event), sender))
 
@@ -146,6 +170,7 @@ async def emit_async(js: JetStreamContext, event: msgspec.Struct, sender: str | 
 async def emit_new(js: JetStreamContext, event: msgspec.Struct, data: bytes | None = None) -> int | None:
     """Like `emit`, but None when JetStream dropped it as a duplicate of a recent message.
     `data`: the event already encoded (the gateway measured its size with it)."""
+    _show(js, event)
     ack = await js.publish(event_subject(event), encode(event) if data is None else data,
                            headers=_headers(js, event_msg_id(event)))
     return None if ack.duplicate else ack.seq

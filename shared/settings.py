@@ -73,6 +73,11 @@ class Settings:
     log_json: bool = True
     traces_dir: Path | None = None  # spans as JSON lines when no OTLP endpoint is set
     otlp_endpoint: str | None = None
+    # GET /metrics (shared/metrics.py) on its own port for router, telemetry and agents (the
+    # gateway serves it on its API port): unset = no listener, 0 = a free port (logged and
+    # written to <data_dir>/metrics/<service>.url).
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
     # -- security (README "Security") ----------------------------------------------------
     deployment: str = "talaria"  # prefixes every NATS subject and the stream (shared/subjects.py)
     nats_user: str | None = None  # NATS credentials: user+password, token, nkey seed file or creds file
@@ -140,6 +145,8 @@ class Settings:
             raise SettingsError("TALARIA_OVERLOAD", self.overload, "reject or queue")
         if not 0 < self.http_port < 65536 and self.http_port != 0:
             raise SettingsError("TALARIA_HTTP_PORT", str(self.http_port), "a TCP port")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise SettingsError("TALARIA_METRICS_PORT", str(self.metrics_port), "a TCP port, or 0 for a free one")
         from talaria.shared.catalog import CATALOG
 
         unknown = [m for m in self.models if m not in CATALOG]

@@ -71,6 +71,8 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         stack.start(progress=lambda m: print(f"talaria: {m}", flush=True))
         print(f"talaria: ready in {time.monotonic() - t0:.1f}s — gateway {stack.gateway_url} "
               f"(policy {settings.policy}, {args.agents} cold agents, {len(args.hot)} hot)", flush=True)
+        print(f"talaria: metrics (GET /metrics) {', '.join(f'{n} {u}' for n, u in sorted(stack.metrics.items()))}; "
+              f"Prometheus config {settings.data_dir / 'prometheus.yml'}", flush=True)
         print(f"talaria: NATS {redact_url(stack.nats_url)}  Postgres {redact_url(stack.database_url)}  "
               f"(credentials in {settings.data_dir / 'stack.json'}, mode 0600)", flush=True)
         auth = ""

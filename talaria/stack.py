@@ -57,6 +57,18 @@ def write_private(path: Path, text: str) -> None:
     path.chmod(0o600)
 
 
+def write_prometheus_config(path: Path, targets: dict[str, str]) -> None:
+    """A Prometheus scrape config for this stack: one job, each service a target labelled
+    `service` (`prometheus --config.file=<data_dir>/prometheus.yml`)."""
+    from urllib.parse import urlsplit
+
+    lines = ["# Written by `talaria up`: where each service serves GET /metrics.", "global:",
+             "  scrape_interval: 5s", "scrape_configs:", "  - job_name: talaria", "    static_configs:"]
+    for name, url in sorted(targets.items()):
+        lines += [f"      - targets: ['{urlsplit(url).netloc}']", f"        labels: {{service: '{name}'}}"]
+    path.write_text("\n".join(lines) + "\n")
+
+
 def _reachable(what: str, url: str, timeout: float = 3.0) -> None:
     """Fail fast with a clear message instead of services retrying a dead address forever."""
     import socket
@@ -86,6 +98,7 @@ class Stack:
     gateway_url: str = ""
     nats_users: dict = field(default_factory=dict)  # embedded NATS: one user per service
     api_key: str | None = None  # generated when no keys are configured (printed once, saved 0600)
+    metrics: dict[str, str] = field(default_factory=dict)  # service -> its GET /metrics URL
 
     def start(self, timeout: float = 120.0, progress=print) -> "Stack":
         data = self.settings.data_dir.resolve()
@@ -162,7 +175,8 @@ class Stack:
         return {"gateway": self.gateway_url, "nats": self.nats_url, "database": self.database_url,
                 "nats_client": self.client_nats_url, "nats_clients": self.client_nats_urls, "api_key": self.api_key,
                 "data_dir": str(self.settings.data_dir.resolve()), "agents": self.agents,
-                "traces": str(self.settings.traces_path.resolve()),
+                "traces": str(self.settings.traces_path.resolve()), "metrics": self.metrics,
+                "prometheus_config": str(self.settings.data_dir.resolve() / "prometheus.yml"),
                 "pids": {**{name: p.pid for name, p in self.procs.items()},
                          **{type(s).__name__: s.proc.pid for s in self.embedded if s.proc is not None}}}
 
@@ -202,7 +216,7 @@ class Stack:
             "TALARIA_HKVR": str(s.hkvr), "TALARIA_STAGING": str(s.staging),
             "TALARIA_MODELS": s.models_env(), "TALARIA_DEVICE": s.device,
             "TALARIA_HTTP_HOST": s.http_host, "TALARIA_SESSION_IDLE_S": str(s.session_idle_s),
-            "TALARIA_LOG_LEVEL": s.log_level, "TALARIA_DEPLOYMENT": s.deployment, "PYTHONUNBUFFERED": "1",
+            "TALARIA_LOG_LEVEL": s.log_level, "TALARIA_METRICS_HOST": s.http_host, "TALARIA_DEPLOYMENT": s.deployment, "PYTHONUNBUFFERED": "1",
         })
         if self.api_key is not None:
             env["TALARIA_API_KEYS_FILE"] = str((s.data_dir / "api_keys").resolve())
@@ -210,6 +224,10 @@ class Stack:
         return env
 
     def _spawn(self, name: str, module: str, data: Path, **env: str) -> None:
+        if name != "gateway" and "TALARIA_METRICS_PORT" not in env:  # the gateway serves it on its API port
+            port = free_port()  # fixed for the service's life: a restart comes back on it
+            env["TALARIA_METRICS_PORT"] = str(port)
+            self.metrics[name] = f"http://{self.settings.http_host}:{port}/metrics"
         logs = data / "logs"
         logs.mkdir(exist_ok=True)
         out = (logs / f"{name}.log").open("ab") if self.log_to_files else None
@@ -244,6 +262,8 @@ class Stack:
             self._spawn(f"hot-{model}", "talaria.services.instance_agent", data, TALARIA_INSTANCE_ID=f"hot-{model}",
                         TALARIA_POOL="hot", TALARIA_MODELS=model)
         self._spawn("gateway", "talaria.services.gateway", data, TALARIA_HTTP_PORT=str(port))
+        self.metrics["gateway"] = f"{self.gateway_url}/metrics"
+        write_prometheus_config(data / "prometheus.yml", self.metrics)
 
     def _wait_ready(self, timeout: float, progress) -> None:
         deadline = time.monotonic() + timeout

@@ -154,7 +154,8 @@ def anthropic_error_body(status: int, message: str) -> dict:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+# /metrics: Prometheus scrapes without a key; it names models and counts, never a session.
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 try:
     from aiohttp.web import RequestKey
 
@@ -164,7 +165,7 @@ except ImportError:  # older aiohttp: plain string keys
 
 
 def http_middleware(keys: KeyStore):
-    """aiohttp middleware: every path but /healthz and /readyz needs a key when keys are configured; the
+    """aiohttp middleware: every path but /healthz, /readyz and /metrics needs a key when keys are configured; the
     tenant lands in `request[TENANT]`. 401s use the shape of the API the path belongs to."""
     from aiohttp import web
 

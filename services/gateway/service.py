@@ -18,6 +18,7 @@ from talaria.services.gateway.submitter import Submitter
 from talaria.shared import logs, subjects, tracing
 from talaria.shared.bus import close, connect
 from talaria.shared.catalog import CATALOG, register_all
+from talaria.shared.metrics import FrontendMetrics, handler as metrics_handler
 from talaria.shared.snapshots import HEARTBEAT_DECODER, InstanceSnapshot, SNAPSHOT_DECODER
 from talaria.shared.settings import Settings
 
@@ -88,7 +89,8 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     provider = tracing.setup("gateway", settings)
     tracer = provider.get_tracer("talaria.gateway")
     nc, js = await connect(settings.nats_url, "talaria-gateway", **settings.nats_options())
-    submitter = Submitter(nc, js, tracer, settings.call_timeout_s, log)
+    metrics = FrontendMetrics()
+    submitter = Submitter(nc, js, tracer, settings.call_timeout_s, log, metrics)
     await submitter.start()
     idempotency = IdempotentCalls(submitter, settings.idempotency_window_s, settings.idempotent_orphan_s)
     await idempotency.start()
@@ -108,7 +110,9 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
                                       initializer=register_all, initargs=(checkpoints,))
     await asyncio.get_running_loop().run_in_executor(parser_pool, int)  # start it now, not on a call
     api = HttpApi(submitter, served, log, keys, settings.prefix_sharing, parser_pool, idempotency)
-    runner = web.AppRunner(api.app(), access_log=None, handler_cancellation=True)
+    app = api.app()
+    app.router.add_get("/metrics", metrics_handler(metrics))  # Prometheus, on the API port
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, settings.http_host, settings.http_port)
     await site.start()

@@ -21,10 +21,12 @@ from talaria.services.gateway.idempotency_rules import is_outcome_subject, reply
 from talaria.services.gateway.validation import check_size
 from talaria.shared import subjects
 from talaria.shared.logs import call_context
+from talaria.shared.metrics import FrontendMetrics
 from talaria.shared.nats_auth import SENDER_HEADER
 from talaria.shared.bus import emit, emit_new, written
 from talaria.shared.events import CallFailed, CallSubmitted
 from talaria.shared.messages import (
+    CANCELLED_STATUS,
     CallResult,
     CancelCall,
     ErrorReply,
@@ -41,8 +43,10 @@ ReplyCallback = Callable[[Reply], Awaitable[None]]
 
 
 class Submitter:
-    def __init__(self, nc: NATS, js: JetStreamContext, tracer: trace.Tracer, timeout_s: float, log) -> None:
+    def __init__(self, nc: NATS, js: JetStreamContext, tracer: trace.Tracer, timeout_s: float, log,
+                 metrics: FrontendMetrics | None = None) -> None:
         self.nc, self.js, self.tracer, self.timeout_s, self.log = nc, js, tracer, timeout_s, log
+        self.metrics = metrics or FrontendMetrics()
         self.inbox = subjects.reply_inbox("gateway", uuid.uuid4().hex)  # only agents and the router may publish here
         self._pending: dict[str, asyncio.Future[Reply]] = {}
         self._calls: dict[str, CallSubmitted] = {}  # accepted and still waiting, for stop()
@@ -87,7 +91,18 @@ class Submitter:
         soon as it is in hand, ahead of the gateway's own logging and span (the NATS API
         forwards it from there); a call refused before submission is only returned."""
         with call_context(call.session_id, call.call_id):
-            return await self._submit(call, on_token, on_reply)
+            watch = self.metrics.call(call.model, call.api)
+            if on_token is not None:
+                on_token = _timed(on_token, watch)
+            reply: Reply | None = None
+            try:
+                reply = await self._submit(call, on_token, on_reply)
+                return reply
+            finally:  # no reply: the client went away (499, as for a cancel)
+                if isinstance(reply, CallResult):
+                    watch.answered(200, reply.usage, reply.timings)
+                else:
+                    watch.answered(reply.status if reply is not None else CANCELLED_STATUS)
 
     async def _submit(self, call: CallSubmitted, on_token: TokenCallback | None,
                       on_reply: ReplyCallback | None) -> Reply:
@@ -182,6 +197,15 @@ class Submitter:
         except Exception as exc:
             self.log.error("could not record timeout", call_id=call.call_id, error=str(exc))
         return ErrorReply(504, "timeout", reason, call_id=call.call_id)
+
+
+def _timed(on_token: TokenCallback, watch) -> TokenCallback:
+    async def timed(chunk: TokenChunk) -> None:
+        if chunk.text:  # the closing chunk carries no token
+            watch.token()
+        await on_token(chunk)
+
+    return timed
 
 
 def _annotate(span: trace.Span, reply: Reply) -> None:

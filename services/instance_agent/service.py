@@ -16,8 +16,10 @@ import msgspec
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from talaria.services.instance_agent.runner import CallRunner
-from talaria.shared import logs, subjects, tracing
-from talaria.shared.bus import PUBLISH_TIMEOUT_S, close, connect, emit
+from talaria.services.instance_agent.telemetry import build_snapshot
+from talaria.shared import logs, metrics, subjects, tracing
+from talaria.shared.bus import PUBLISH_TIMEOUT_S, close, connect, emit, tap
+from talaria.shared.metrics import AgentMetrics
 from talaria.shared.limits import call_problem
 from talaria.shared.nats_auth import parse_sender, sender_of, trusted
 from talaria.shared.events import CallFailed, CallRouted, CallSubmitted, EVENT_DECODER, ROUTED_DECODER
@@ -37,6 +39,11 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     engine = await loop.run_in_executor(executor, _build_engine, settings)
     nc, js = await connect(settings.nats_url, f"talaria-agent-{settings.instance_id}", **settings.nats_options())
     runner = CallRunner(settings, engine, executor, nc, js, provider.get_tracer("talaria.agent"), log)
+    meter = AgentMetrics(settings.instance_id)  # fed by what the agent emits, its steps and snapshot
+    tap(js, meter.observe)
+    runner.watchdog.on_step = meter.engine_step
+    meter.snapshot_gauges(lambda: build_snapshot(settings, engine, runner.core, runner.version, time.time()))
+    metrics_runner = await metrics.serve(meter, f"agent-{settings.instance_id}", settings, log)
     stop = stop or asyncio.Event()
     durable = f"agent-{settings.instance_id}"
     sub = await js.pull_subscribe(
@@ -100,6 +107,8 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
         await asyncio.gather(*tasks, return_exceptions=True)
         await runner.outcomes.drain(PUBLISH_TIMEOUT_S)  # records in flight: stored, or redelivered
         await close(nc)
+        if metrics_runner is not None:
+            await metrics_runner.cleanup()
         executor.shutdown(wait=True, cancel_futures=True)
         provider.shutdown()
 

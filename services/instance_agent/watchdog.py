@@ -19,6 +19,7 @@ coming back". The floor is a setting (TALARIA_WATCHDOG_MIN_S).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 STUCK_FACTOR = 10.0
@@ -40,6 +41,7 @@ class Watchdog:
     step_predicted_s: float = 0.0  # the scheduler's estimate of the step in flight
     progress: dict[str, float] = field(default_factory=dict)  # started call -> last progress
     reported: set[str] = field(default_factory=set)  # calls already failed by a verdict
+    on_step: Callable[[str, float], None] | None = None  # (kind, seconds) of each step that ended (metrics)
 
     # ---- what happens -------------------------------------------------------------------
 
@@ -54,6 +56,8 @@ class Watchdog:
             return
         kind, started, call_ids = self.step
         self.slowest_step_s[kind] = max(self.slowest_step_s.get(kind, 0.0), now - started)
+        if self.on_step is not None:
+            self.on_step(kind, now - started)
         for c in call_ids:
             if c in self.progress:
                 self.progress[c] = now

@@ -9,6 +9,7 @@ A mixin of `RouterService` (service.py): it reads the service's `js`, `nc`, `log
 from __future__ import annotations
 
 import asyncio
+import time
 
 from talaria.shared.bus import PUBLISH_TIMEOUT_S, RECONNECT_WAIT_S, emit, emit_async
 from talaria.shared.events import CallFailed, CallSubmitted
@@ -18,7 +19,9 @@ from talaria.shared.wire import encode
 
 class RouterOutputs:
     async def _store_then_ack(self, outputs, acks, msg) -> None:
+        started = time.perf_counter()
         await self._stored(outputs, acks)
+        self.metrics.phase.labels("store").observe(time.perf_counter() - started)
         try:
             await msg.ack()
         except Exception as exc:  # redelivered; the core skips it as already handled
@@ -30,6 +33,7 @@ class RouterOutputs:
     async def _start(self, outputs) -> list:
         """Publish each output now, in order (the stream stores them in that order); the
         futures of their acks. Never raises: a publish that could not start is retried."""
+        self.metrics.observe_all(outputs)  # every output goes out here, once
         acks = []
         for out in outputs:
             try:

@@ -30,7 +30,8 @@ from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.policy.registry import create_policy
 from talaria.services.router.projection import ProjectionStore
 from talaria.services.router.state import RouterState
-from talaria.shared import logs, subjects, tracing
+from talaria.shared import logs, metrics, subjects, tracing
+from talaria.shared.metrics import RouterMetrics
 from talaria.shared.health import INTERVAL_S as HEARTBEAT_INTERVAL_S, BusHearing, heartbeat_loop
 from talaria.shared.logs import call_context
 from talaria.shared.bus import PUBLISH_TIMEOUT_S, close, connect, publish_fast
@@ -87,6 +88,15 @@ class RouterService(RouterOutputs):
         self.warm = asyncio.Event()  # every restored instance heard from again
         self.expected: set[str] = set()
         self.storing: set[asyncio.Task] = set()  # inputs' outputs being stored (then the input is acked)
+        self.metrics = RouterMetrics()
+        self.metrics.scrape_gauge("talaria_router_leases_active", "Live leases (soft reservations) by model",
+                                  ("model",), self._live_leases)
+        self.metrics.scrape_gauge("talaria_router_instances", "Instances in the router's view",
+                                  (), lambda: {(): len(self.core.state.instances)})
+
+    def _live_leases(self) -> dict:
+        book, now = self.core.state.leases, time.time()
+        return {(m,): book.live_for(m, now) for m in book.by_model}
 
     async def run(self, ready: asyncio.Event | None, stop: asyncio.Event) -> None:
         provider = tracing.setup("router", self.settings)
@@ -94,6 +104,7 @@ class RouterService(RouterOutputs):
         db = create_engine(self.settings.database_url)
         store = ProjectionStore(db)
         self.nc, self.js = await connect(self.settings.nats_url, "talaria-router", **self.settings.nats_options())
+        metrics_runner = await metrics.serve(self.metrics, "router", self.settings, self.log)
         await self._recover(store)
         gc.collect()
         gc.freeze()  # the recovered tables are long-lived: keep them out of every GC scan
@@ -139,6 +150,8 @@ class RouterService(RouterOutputs):
                 task.cancel()
             await asyncio.gather(*self.storing, return_exceptions=True)
             await close(self.nc)
+            if metrics_runner is not None:
+                await metrics_runner.cleanup()
             await db.dispose()
             provider.shutdown()
 
@@ -284,13 +297,17 @@ class RouterService(RouterOutputs):
                     else _null():
                 started = time.perf_counter()
                 outputs = self.core.handle(event, time.time())
+                self.metrics.observe(event)  # a completion: how far off its queue estimate was
                 if isinstance(event, CallSubmitted):  # the audit row's decision time, measured here
                     decision_us = (time.perf_counter() - started) * 1e6
+                    self.metrics.phase.labels("decide").observe(decision_us / 1e6)
                     outputs = [replace(o, decision_us=decision_us) if isinstance(o, RoutingDecision) else o
                                for o in outputs]
                 for out in outputs:  # the fast copy first: the agent need not wait for the stream
                     if isinstance(out, CallRouted):
+                        sent = time.perf_counter()
                         await publish_fast(self.js, subjects.dispatch(out.instance_id), out)
+                        self.metrics.phase.labels("dispatch").observe(time.perf_counter() - sent)
                 if isinstance(event, CallSubmitted):  # the stream keeps the prompt ids once
                     seq = msg.metadata.sequence.stream
                     outputs = [o.by_reference(seq) if isinstance(o, CallRouted) else o for o in outputs]

@@ -27,7 +27,8 @@ from nats.js.errors import NotFoundError
 from talaria.services.telemetry.sessions import SessionSpans
 from talaria.services.telemetry.store import EventRefused, PoisonEvent, PostgresStore, TelemetryStore
 from talaria.shared.nats_auth import sender_of, trusted
-from talaria.shared import logs, subjects, tracing
+from talaria.shared import logs, metrics, subjects, tracing
+from talaria.shared.metrics import TelemetryMetrics
 from talaria.shared.health import heartbeat_loop
 from talaria.shared.bus import close, connect
 from talaria.shared.db.engine import create_engine
@@ -55,6 +56,8 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     store = PostgresStore(create_engine(settings.database_url))
     nc, js = await connect(settings.nats_url, "talaria-telemetry", **settings.nats_options())
     spans = SessionSpans(_exporter(settings), settings.session_idle_s)
+    meter = TelemetryMetrics()
+    metrics_runner = await metrics.serve(meter, "telemetry", settings, log)
     offset = await store.offset()
     await _ensure_consumer(js, log)
     sub = await js.pull_subscribe(subjects.EVENTS_WILDCARD, durable=DURABLE, stream=subjects.EVENTS_STREAM)
@@ -78,6 +81,7 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
             offset = await _apply_until_committed(store, msgs, offset, spans, log, stop)
             if offset is None:
                 break  # stopping with the batch uncommitted: it is redelivered on restart
+            meter.committed(msgs)
             for msg in msgs:  # only now that the batch is durable
                 await msg.ack()
             await _flush_spans(spans, time.time())
@@ -88,6 +92,8 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
         await asyncio.get_running_loop().run_in_executor(None, lambda: spans.flush(time.time(), all_sessions=True))
         beat.cancel()
         await close(nc)
+        if metrics_runner is not None:
+            await metrics_runner.cleanup()
         await store.close()
 
 
