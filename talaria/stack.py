@@ -224,10 +224,11 @@ class Stack:
         return env
 
     def _spawn(self, name: str, module: str, data: Path, **env: str) -> None:
-        if name != "gateway" and "TALARIA_METRICS_PORT" not in env:  # the gateway serves it on its API port
-            port = free_port()  # fixed for the service's life: a restart comes back on it
-            env["TALARIA_METRICS_PORT"] = str(port)
-            self.metrics[name] = f"http://{self.settings.http_host}:{port}/metrics"
+        extra = {}
+        if name != "gateway":  # the gateway serves GET /metrics on its API port
+            if name not in self.metrics:  # a port for the service's life: a restart comes back on it
+                self.metrics[name] = f"http://{self.settings.http_host}:{free_port()}/metrics"
+            extra["TALARIA_METRICS_PORT"] = self.metrics[name].rsplit(":", 1)[1].split("/")[0]
         logs = data / "logs"
         logs.mkdir(exist_ok=True)
         out = (logs / f"{name}.log").open("ab") if self.log_to_files else None
@@ -239,7 +240,7 @@ class Stack:
         if user is not None:  # embedded NATS: this service's own user (its permissions)
             env = {**user.env(), **env}
         proc = subprocess.Popen(
-            [sys.executable, "-m", module], env=self._env(**env), stdin=subprocess.DEVNULL,
+            [sys.executable, "-m", module], env=self._env(**extra, **env), stdin=subprocess.DEVNULL,
             stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True,
         )
         self.procs[name] = proc

@@ -77,3 +77,49 @@ def test_frontend_ttft_is_the_first_streamed_token_and_itl_the_gaps():
     plain.answered(200, Usage(3, 5, 8), Timings(ttft_s=0.3, decode_s=0.4), now=1.0)
     assert sample(m, "talaria_frontend_time_to_first_token_seconds_count") == 2
     assert sample(m, "talaria_frontend_inter_token_latency_seconds_sum") == 0.75 + 0.1
+
+
+def defined_series() -> set[str]:
+    """Every sample name the four services can expose (counters with _total, histograms'
+    _bucket/_sum/_count), from the definitions themselves."""
+    from talaria.shared.metrics import TelemetryMetrics
+
+    agent = AgentMetrics("i")
+    agent.snapshot_gauges(lambda: None)
+    registries = [FrontendMetrics(), RouterMetrics(), agent, TelemetryMetrics()]
+    names = set()
+    for m in registries:
+        for collector in list(m.registry._collector_to_names):
+            for fam in collector.describe():
+                suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}.get(fam.type, ("",))
+                names |= {fam.name + s for s in suffixes}
+    names |= {"talaria_router_leases_active", "talaria_router_instances"}  # scrape gauges of the router service
+    return names
+
+
+def test_the_dashboard_queries_only_series_that_exist():
+    import json
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    dashboard = json.loads((root / "ops" / "grafana" / "talaria.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    exprs += [v["query"] for v in dashboard["templating"]["list"]]
+    used = {n for e in exprs for n in re.findall(r"talaria_[a-z_]+", e)}
+    assert used and used <= defined_series(), used - defined_series()
+    provisioned = (root / "ops" / "grafana" / "provisioning" / "datasources" / "prometheus.yaml").read_text()
+    uids = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p.get("targets", [])}
+    assert uids == {"talaria-prometheus"} and "uid: talaria-prometheus" in provisioned
+
+
+def test_compose_prometheus_scrapes_every_talaria_service_of_compose():
+    yaml = __import__("pytest").importorskip("yaml")
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    services = yaml.safe_load((root / "docker-compose.yml").read_text())["services"]
+    talaria = {n for n, s in services.items() if str(s.get("command", [""])[0]).startswith("talaria.services.")}
+    config = yaml.safe_load((root / "ops" / "prometheus" / "prometheus.yml").read_text())
+    targets = {t.split(":")[0] for sc in config["scrape_configs"] for c in sc["static_configs"] for t in c["targets"]}
+    assert talaria and talaria == targets
