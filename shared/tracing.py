@@ -4,6 +4,12 @@ A session's trace id and its root span id are derived from the session id, so ev
 service can attach call spans to the same trace without coordination; telemetry emits
 the session span itself with exactly those ids once the session goes idle.
 
+Names follow the OpenTelemetry GenAI semantic conventions (gen-ai-spans.md): the gateway's
+span of a call is `{gen_ai.operation.name} {gen_ai.request.model}` (e.g. `chat qwen3-tiny`)
+with the `gen_ai.*` request, response and usage attributes, `gen_ai.conversation.id` = the
+session; what is Talaria's own (scheduling, KV placement, timings) is under `talaria.`. The
+router's `route`, the agent's `execute` and telemetry's `session` span use the same keys.
+
 Export: OTLP/HTTP when OTEL_EXPORTER_OTLP_ENDPOINT is set, else JSON lines under the
 traces directory (one file per process) that `talaria trace` and the tests read.
 """
@@ -26,6 +32,67 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from talaria.shared.settings import Settings
+
+
+GEN_AI_PROVIDER = "talaria"  # gen_ai.provider.name: the serving system that answers
+
+
+def operation(api: str) -> str:
+    """gen_ai.operation.name of a call that came in through `api` (its CallSubmitted.api)."""
+    return "text_completion" if api == "completion" else "chat"
+
+
+def call_span_name(api: str, model: str) -> str:
+    return f"{operation(api)} {model}"
+
+
+def request_attributes(call) -> dict:
+    """A CallSubmitted's attributes: the GenAI request, the session as the conversation."""
+    attrs = {
+        "gen_ai.operation.name": operation(call.api), "gen_ai.provider.name": GEN_AI_PROVIDER,
+        "gen_ai.request.model": call.model, "gen_ai.conversation.id": call.session_id,
+        "gen_ai.request.max_tokens": call.max_tokens, "gen_ai.request.temperature": call.temperature,
+        "gen_ai.request.top_p": call.top_p,
+        "talaria.call.id": call.call_id, "talaria.api": call.api, "talaria.prompt_tokens": call.prompt_tokens,
+    }
+    if call.seed is not None:
+        attrs["gen_ai.request.seed"] = call.seed
+    return attrs
+
+
+def result_attributes(reply) -> dict:
+    """A CallResult's attributes: the GenAI response and usage, Talaria's placement and timings."""
+    t, u = reply.timings, reply.usage
+    return {
+        "gen_ai.response.id": reply.call_id, "gen_ai.response.model": reply.model,
+        "gen_ai.response.finish_reasons": [reply.finish_reason],
+        "gen_ai.usage.input_tokens": u.prompt_tokens, "gen_ai.usage.output_tokens": u.completion_tokens,
+        "gen_ai.usage.cache_read.input_tokens": u.cached_tokens,
+        "talaria.call.index": reply.call_index, "talaria.instance.id": reply.instance_id,
+        "talaria.kv_source": reply.kv_source, "talaria.queue_s": t.queue_s, "talaria.ttft_s": t.ttft_s,
+        "talaria.prefill_s": t.prefill_s, "talaria.decode_s": t.decode_s, "talaria.slot_wait_s": t.slot_wait_s,
+    }
+
+
+def decision_attributes(decision) -> dict:
+    """The router's RoutingDecision on its `route` span."""
+    attrs = {"talaria.route.action": decision.action, "talaria.route.policy": decision.policy,
+             "talaria.route.lease_outcome": decision.lease_outcome, "talaria.route.expected_kv": decision.expected_kv,
+             "talaria.route.model_opened": decision.model_opened, "talaria.route.candidates": len(decision.candidates)}
+    if decision.chosen:
+        attrs["talaria.instance.id"] = decision.chosen
+    return attrs
+
+
+def execute_attributes(call, instance_id: str) -> dict:
+    """An agent's `execute` span of a call."""
+    return {"gen_ai.request.model": call.model, "gen_ai.conversation.id": call.session_id,
+            "talaria.call.id": call.call_id, "talaria.instance.id": instance_id}
+
+
+def error_attributes(reply) -> dict:
+    """An ErrorReply's: `error.type` (the OTel general attribute) is its code."""
+    return {"error.type": reply.code, "talaria.http.status": reply.status}
 
 
 def session_trace_id(session_id: str) -> int:

@@ -17,7 +17,7 @@ def print_timeline(directory: Path, session_id: str | None) -> int:
         return 1
     spans = read_spans(directory)
     if session_id is None:
-        sessions = sorted({s["attributes"].get("session.id") for s in spans if s["name"] == "call"} - {None})
+        sessions = sorted({s["attributes"].get("gen_ai.conversation.id") for s in spans} - {None})
         print("\n".join(sessions) if sessions else "no sessions traced yet")
         return 0
     trace_id = f"{session_trace_id(session_id):032x}"
@@ -39,10 +39,12 @@ def print_timeline(directory: Path, session_id: str | None) -> int:
 
 def _print(span: dict, children, t0: float, depth: int) -> None:
     attrs = span["attributes"]
-    keys = ("call.index", "model", "instance.id", "kv_source", "queue_s", "ttft_s", "prefill_s", "decode_s")
-    detail = " ".join(f"{k}={_fmt(attrs[k])}" for k in keys if k in attrs)
+    keys = ("talaria.call.index", "gen_ai.request.model", "talaria.instance.id", "talaria.kv_source",
+            "talaria.queue_s", "talaria.ttft_s", "talaria.prefill_s", "talaria.decode_s")
+    detail = " ".join(f"{k.split('.', 1)[1] if k.startswith('talaria.') else 'model'}={_fmt(attrs[k])}"
+                      for k in keys if k in attrs)
     print(f"{'  ' * depth}+{span['start'] - t0:8.3f}s {span['end'] - span['start']:8.3f}s  "
-          f"{span['name']:<8} [{span['service']}] {detail}")
+          f"{span['name']:<20} [{span['service']}] {detail}")
     for child in sorted(children.get(span["span_id"], []), key=lambda s: s["start"]):
         _print(child, children, t0, depth + 1)
 

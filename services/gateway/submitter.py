@@ -36,7 +36,14 @@ from talaria.shared.messages import (
     TokenChunk,
 )
 from talaria.shared.wire import encode, replace
-from talaria.shared.tracing import session_context, trace_id_hex
+from talaria.shared.tracing import (
+    call_span_name,
+    error_attributes,
+    request_attributes,
+    result_attributes,
+    session_context,
+    trace_id_hex,
+)
 
 TokenCallback = Callable[[TokenChunk], Awaitable[None]]
 ReplyCallback = Callable[[Reply], Awaitable[None]]
@@ -121,10 +128,9 @@ class Submitter:
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._pending[call.call_id] = fut
         token_sub = reply_sub = None
-        attrs = {"session.id": call.session_id, "call.id": call.call_id, "model": call.model,
-                 "prompt_tokens": call.prompt_tokens, "api": call.api}
         with self.tracer.start_as_current_span(
-            "call", context=session_context(call.session_id), kind=trace.SpanKind.SERVER, attributes=attrs
+            call_span_name(call.api, call.model), context=session_context(call.session_id),
+            kind=trace.SpanKind.SERVER, attributes=request_attributes(call),
         ) as span:
             try:
                 if kept:
@@ -209,16 +215,9 @@ def _timed(on_token: TokenCallback, watch) -> TokenCallback:
 
 
 def _annotate(span: trace.Span, reply: Reply) -> None:
-    span.set_attribute("trace.session", trace_id_hex(span.get_span_context().trace_id))
+    span.set_attribute("talaria.session.trace_id", trace_id_hex(span.get_span_context().trace_id))
     if isinstance(reply, CallResult):
-        t = reply.timings
-        span.set_attributes({
-            "call.index": reply.call_index, "instance.id": reply.instance_id,
-            "finish_reason": reply.finish_reason, "completion_tokens": reply.usage.completion_tokens,
-            "cached_tokens": reply.usage.cached_tokens, "kv_source": reply.kv_source,
-            "queue_s": t.queue_s, "ttft_s": t.ttft_s, "prefill_s": t.prefill_s, "decode_s": t.decode_s,
-            "slot_wait_s": t.slot_wait_s,
-        })
+        span.set_attributes(result_attributes(reply))
     else:
         span.set_status(trace.Status(trace.StatusCode.ERROR, reply.message))
-        span.set_attributes({"error.code": reply.code, "http.status": reply.status})
+        span.set_attributes(error_attributes(reply))

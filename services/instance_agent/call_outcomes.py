@@ -125,10 +125,14 @@ class CallOutcomes:
                                  on_dropped=lambda: self.closing.pop(call_id, None))
 
         def note() -> None:  # once the replies are written: off the path to the client
-            running.span.set_attributes({
-                "queue_s": completed.queue_s, "prefill_s": result.prefill_s, "decode_s": result.decode_s,
-                "cached_tokens": result.cached_tokens, "kv_source": result.kv_source,
-                "slot_wait_s": completed.slot_wait_s, "admitted_via": via, "model_opened": completed.model_opened})
+            running.span.set_attributes({  # the GenAI usage keys; ours under talaria. (shared/tracing.py)
+                "gen_ai.usage.input_tokens": completed.prompt_tokens,
+                "gen_ai.usage.output_tokens": completed.output_tokens,
+                "gen_ai.usage.cache_read.input_tokens": result.cached_tokens,
+                "talaria.queue_s": completed.queue_s, "talaria.prefill_s": result.prefill_s,
+                "talaria.decode_s": result.decode_s, "talaria.kv_source": result.kv_source,
+                "talaria.slot_wait_s": completed.slot_wait_s, "talaria.admitted_via": via,
+                "talaria.model_opened": completed.model_opened})
             running.span.end()
             with call_context(call.session_id, call_id):
                 self.log.info("call completed", tokens=len(result.token_ids), kv_source=result.kv_source,

@@ -52,7 +52,7 @@ from talaria.services.instance_agent.watchdog import Watchdog
 from talaria.shared import subjects
 from talaria.shared.events import CallRouted
 from talaria.shared.messages import CANCELLED_STATUS
-from talaria.shared.tracing import extract_context
+from talaria.shared.tracing import execute_attributes, extract_context
 from talaria.shared.wire import encode
 
 # Starting guesses for the tiny CPU models; CalibratedCosts corrects them from measurements.
@@ -179,7 +179,7 @@ class CallRunner(EngineSteps, CallOutcomes, CallDrops):
             self.log.warning("scheduler refused call", call_id=call.call_id, error=str(exc))
             return f"the instance cannot schedule this call: {exc}"
         span = self.tracer.start_span("execute", context=extract_context(headers or getattr(msg, "headers", None)),
-                                      attributes={"call.id": call.call_id, "instance.id": self.instance_id})
+                                      attributes=execute_attributes(call, self.instance_id))
         self.calls[call.call_id] = Running(routed, msg, span)
         self.arrived.set()
         self.wakeup.set()

@@ -293,14 +293,17 @@ class RouterService(RouterOutputs):
     async def _handle_event(self, event, msg) -> tuple[list, list]:
         async with self.lock:
             ctx = extract_context(msg.headers)
-            with self.tracer.start_as_current_span("route", context=ctx) if isinstance(event, CallSubmitted) \
-                    else _null():
+            with self.tracer.start_as_current_span("route", context=ctx, attributes=tracing.request_attributes(event)) \
+                    if isinstance(event, CallSubmitted) else _null() as span:
                 started = time.perf_counter()
                 outputs = self.core.handle(event, time.time())
                 self.metrics.observe(event)  # a completion: how far off its queue estimate was
                 if isinstance(event, CallSubmitted):  # the audit row's decision time, measured here
                     decision_us = (time.perf_counter() - started) * 1e6
                     self.metrics.phase.labels("decide").observe(decision_us / 1e6)
+                    for out in outputs:
+                        if isinstance(out, RoutingDecision):
+                            span.set_attributes(tracing.decision_attributes(out))
                     outputs = [replace(o, decision_us=decision_us) if isinstance(o, RoutingDecision) else o
                                for o in outputs]
                 for out in outputs:  # the fast copy first: the agent need not wait for the stream

@@ -83,8 +83,9 @@ class SessionSpans:
             kind=SpanKind.INTERNAL,
             start_time=int(s.start * 1e9),
             end_time=int(max(s.end, s.start) * 1e9),
-            attributes={
-                "session.id": s.session_id, "calls": s.calls, "completed": s.completed, "failed": s.failed,
-                "models": sorted(s.models), "instances": sorted(s.instances),
+            attributes={  # the session is the GenAI conversation; its counts are ours
+                "gen_ai.conversation.id": s.session_id, "talaria.session.calls": s.calls,
+                "talaria.session.completed": s.completed, "talaria.session.failed": s.failed,
+                "talaria.session.models": sorted(s.models), "talaria.session.instances": sorted(s.instances),
             },
         )

@@ -134,11 +134,11 @@ def test_one_agent_session_end_to_end(tmp_path):
         spans = [s for s in read_spans(data_dir / "traces")
                  if s["trace_id"] == f"{session_trace_id(SCOPED):032x}"]
         session_spans = [s for s in spans if s["name"] == "session"]
-        call_spans = [s for s in spans if s["name"] == "call"]
-        assert len(session_spans) == 1 and session_spans[0]["attributes"]["completed"] == 3
+        call_spans = [s for s in spans if s["name"] == "chat qwen3-tiny"]
+        assert len(session_spans) == 1 and session_spans[0]["attributes"]["talaria.session.completed"] == 3
         assert len(call_spans) == 3
         assert {s["parent_id"] for s in call_spans} == {f"{session_span_id(SCOPED):016x}"}
-        assert all("ttft_s" in s["attributes"] and "prefill_s" in s["attributes"] for s in call_spans)
+        assert all("talaria.ttft_s" in s["attributes"] and "talaria.prefill_s" in s["attributes"] for s in call_spans)
         executes = [s for s in spans if s["name"] == "execute"]
         assert len(executes) == 3
     finally:

@@ -46,5 +46,5 @@ async def test_call_spans_are_exported_over_otlp(nats_url, database_url, tmp_pat
         await services.close()  # shutting the tracer provider down flushes the batch
         await runner.cleanup()
     body = b"".join(received)
-    assert b"otlp-session" in body and b"call" in body
+    assert b"otlp-session" in body and b"text_completion qwen3-tiny" in body
     assert not (tmp_path / "traces").exists()  # nothing written locally when OTLP is on
