@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import weakref
 from collections.abc import Callable
 
@@ -11,7 +12,7 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError
+from nats.js.errors import BadRequestError, NoStreamResponseError
 
 from talaria.shared import subjects
 from talaria.shared.nats_auth import SENDER_HEADER, SERVICE_INBOX
@@ -22,13 +23,36 @@ STREAM_MAX_AGE_S = 7 * 24 * 3600
 DUPLICATE_WINDOW_S = 120
 RECONNECT_WAIT_S = 0.5  # between reconnect attempts; also a publisher's wait before retrying
 PUBLISH_TIMEOUT_S = 10.0  # a JetStream publish (or other API call) waits this long for its ack
+# A stream leader's failover on a cluster (nats-server/server/raft.go): a follower waits a
+# random 4-9 s election timeout for a lost leader, then campaigns for up to 0.8 s; twice that
+# covers one failed round. A replicated publish is answered within a RAFT heartbeat (1 s) when
+# its leader lives: one unanswered after two heartbeats is sent again.
+FAILOVER_S = 2 * (9.0 + 0.8)
+ATTEMPT_S = 2 * 1.0
 
 
-async def connect(url: str, name: str, **auth) -> tuple[NATS, JetStreamContext]:
+def servers(url: str) -> list[str]:
+    """The servers of a NATS URL: one, or a cluster's members comma-separated (any one is
+    enough to connect; the client learns the others and fails over among them)."""
+    return [u.strip() for u in url.split(",") if u.strip()]
+
+
+# Stream and KV replicas of each connection's streams (TALARIA_NATS_REPLICAS: 3 on a 3-node
+# cluster, so a stream survives one node's loss). Every service of a deployment must agree:
+# `ensure_stream` updates an existing stream to its own count.
+_REPLICAS: "weakref.WeakKeyDictionary[NATS, int]" = weakref.WeakKeyDictionary()
+
+
+def replicas(js: JetStreamContext) -> int:
+    return _REPLICAS.get(js._nc, 1)
+
+
+async def connect(url: str, name: str, replicas: int = 1, **auth) -> tuple[NATS, JetStreamContext]:
     """`name` is also the `Talaria-Sender` of every event published through this connection
-    (nats_auth.sender_name); `auth` are the credentials (Settings.nats_options())."""
+    (nats_auth.sender_name); `auth` are the credentials (Settings.nats_options()); `replicas`
+    of the streams it creates (Settings.nats_replicas)."""
     nc = await nats.connect(
-        url,
+        servers(url),
         name=name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=RECONNECT_WAIT_S,
@@ -37,6 +61,7 @@ async def connect(url: str, name: str, **auth) -> tuple[NATS, JetStreamContext]:
         **auth,
     )
     js = nc.jetstream(timeout=PUBLISH_TIMEOUT_S)
+    _REPLICAS[nc] = replicas
     await ensure_stream(js)
     return nc, js
 
@@ -51,6 +76,7 @@ async def ensure_stream(js: JetStreamContext) -> None:
         discard=DiscardPolicy.OLD,
         max_age=STREAM_MAX_AGE_S,
         duplicate_window=DUPLICATE_WINDOW_S,
+        num_replicas=replicas(js),
     )
     try:
         await js.add_stream(config)
@@ -88,8 +114,33 @@ async def publish_event(
     The current trace context rides along in the headers.
     """
     _show(js, event)
-    ack = await js.publish(subject, encode(event), headers=_headers(js, msg_id, sender))
-    return ack.seq
+    return (await stored(js, subject, encode(event), _headers(js, msg_id, sender))).seq
+
+
+async def stored(js: JetStreamContext, subject: str, data: bytes, headers: dict[str, str]):
+    """`js.publish`, tried again through a stream leader's failover, for up to FAILOVER_S.
+
+    On a cluster, a stream whose leader died answers nobody until its replicas elect another:
+    a publish then gets "no responders" at once (nothing was stored), or, sent to the old
+    leader just before it died, no answer at all (it may or may not be stored). Either way it
+    is sent again; its message id makes a second copy a no-op, and a copy of our own earlier
+    attempt that JetStream reports as a duplicate is our publish, stored. Without this the
+    gateway would refuse every call of an election with a 503, and a lost answer would hold
+    a publisher for the whole PUBLISH_TIMEOUT_S."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + max(PUBLISH_TIMEOUT_S, FAILOVER_S)
+    wait, unanswered = 0.05, False
+    while True:
+        try:
+            ack = await js.publish(subject, data, timeout=min(ATTEMPT_S, max(0.0, deadline - loop.time())),
+                                   headers=headers)
+            return dataclasses.replace(ack, duplicate=False) if unanswered and ack.duplicate else ack
+        except (NoStreamResponseError, asyncio.TimeoutError, nats.errors.TimeoutError):
+            if loop.time() + wait > deadline:
+                raise
+            unanswered = True
+            await asyncio.sleep(wait)  # no event says "a leader is elected": retry, backing off
+            wait = min(2 * wait, RECONNECT_WAIT_S)
 
 
 async def written() -> None:
@@ -171,8 +222,8 @@ async def emit_new(js: JetStreamContext, event: msgspec.Struct, data: bytes | No
     """Like `emit`, but None when JetStream dropped it as a duplicate of a recent message.
     `data`: the event already encoded (the gateway measured its size with it)."""
     _show(js, event)
-    ack = await js.publish(event_subject(event), encode(event) if data is None else data,
-                           headers=_headers(js, event_msg_id(event)))
+    ack = await stored(js, event_subject(event), encode(event) if data is None else data,
+                       _headers(js, event_msg_id(event)))
     return None if ack.duplicate else ack.seq
 
 

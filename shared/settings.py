@@ -35,7 +35,8 @@ def asyncpg_dsn(url: str) -> str:
 
 @dataclass(frozen=True)
 class Settings:
-    nats_url: str | None = None  # None: `talaria up` starts an embedded server
+    nats_url: str | None = None  # None: `talaria up` starts an embedded server; a cluster: comma-separated
+    nats_replicas: int = 1  # replicas of each JetStream stream (3 on a 3-node cluster: one node may die)
     database_url: str | None = None  # None: `talaria up` starts an embedded PostgreSQL
     data_dir: Path = Path(".talaria")
     http_host: str = "127.0.0.1"
@@ -136,8 +137,11 @@ class Settings:
     def validate(self) -> None:
         if self.database_url is not None:
             async_database_url(self.database_url)
-        if self.nats_url is not None and not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
-            raise SettingsError("TALARIA_NATS_URL", self.nats_url, "a nats:// URL")
+        if self.nats_url is not None and not all(u.strip().startswith(("nats://", "tls://", "ws://", "wss://"))
+                                                 for u in self.nats_url.split(",")):
+            raise SettingsError("TALARIA_NATS_URL", self.nats_url, "a nats:// URL (a cluster's: comma-separated)")
+        if not 1 <= self.nats_replicas <= 5:  # JetStream's limit
+            raise SettingsError("TALARIA_NATS_REPLICAS", str(self.nats_replicas), "1 to 5 replicas")
         self._validate_security()
         if self.pool not in ("hot", "cold"):
             raise SettingsError("TALARIA_POOL", self.pool, "hot or cold")

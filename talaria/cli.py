@@ -54,7 +54,10 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     if unknown:
         print(f"talaria: --hot {unknown[0]}: unknown model; known: {', '.join(sorted(CATALOG))}", file=sys.stderr)
         return 2
-    stack = Stack(settings, agents=args.agents, hot=tuple(args.hot))
+    if not 1 <= args.nats_cluster <= 5:
+        print(f"talaria: --nats-cluster {args.nats_cluster}: 1 to 5 servers", file=sys.stderr)
+        return 2
+    stack = Stack(settings, agents=args.agents, hot=tuple(args.hot), nats_cluster=args.nats_cluster)
     stopping = False
 
     def on_signal(signum, frame):
@@ -253,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start the whole stack (embedded NATS/Postgres unless URLs are set)")
     up.add_argument("--agents", type=int, default=2, help="instance agents to start (default 2)")
+    up.add_argument("--nats-cluster", type=int, default=1, metavar="N",
+                    help="embedded NATS as an N-node JetStream cluster, streams replicated N times (3: one "
+                         "node may die without a stall of more than a few seconds; default 1)")
     up.add_argument("--hot", action="append", default=[], metavar="MODEL",
                     help="add a hot-pool agent pinned to MODEL (repeatable); --agents are the cold pool")
     up.add_argument("--port", type=int, default=None, help="gateway HTTP port (default 8000; 0 = any free)")

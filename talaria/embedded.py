@@ -130,6 +130,12 @@ class EmbeddedNats:
     proc: subprocess.Popen | None = None
     users: dict | None = None  # nats_auth.generate_users(...): per-service users and permissions
     prefix: str = "talaria"  # the deployment whose subjects the permissions name
+    # A member of a JetStream cluster (EmbeddedNatsCluster): its name, its route port and the
+    # route ports of all members (its own included: nats-server ignores a route to itself).
+    name: str = "nats"
+    cluster_port: int = 0
+    routes: tuple[int, ...] = ()
+    monitor_port: int = 0
 
     @property
     def url(self) -> str:
@@ -154,6 +160,10 @@ class EmbeddedNats:
         ]
         if self.users:
             cmd += ["-c", str(self._write_auth_config())]
+        if self.cluster_port:
+            cmd += ["-n", self.name, "--cluster_name", "talaria", "--cluster", f"nats://127.0.0.1:{self.cluster_port}",
+                    "--routes", ",".join(f"nats://127.0.0.1:{p}" for p in self.routes),
+                    "-m", str(self.monitor_port)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, start_new_session=True)
         try:
@@ -178,6 +188,68 @@ class EmbeddedNats:
 
     def stop(self) -> None:
         _stop(self.proc, signal.SIGTERM)
+
+
+@dataclass
+class EmbeddedNatsCluster:
+    """`size` JetStream servers routed to each other (RAFT-replicated streams need a quorum:
+    3 survive one node's loss). Each member is an EmbeddedNats under `<data_dir>/node-<i>` on
+    fixed ports, so a member restarted by the supervisor rejoins as itself."""
+
+    data_dir: Path
+    size: int = 3
+    users: dict | None = None
+    prefix: str = "talaria"
+    nodes: list[EmbeddedNats] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        """Every member, comma-separated (shared/bus.py connects to the first that answers)."""
+        return ",".join(n.url for n in self.nodes)
+
+    def start(self, timeout: float = 30.0) -> "EmbeddedNatsCluster":
+        if self.size < 1:
+            raise EmbeddedServerError("nats", f"a cluster needs at least one node, not {self.size}")
+        if not self.nodes:
+            routes = tuple(free_port() for _ in range(self.size))
+            self.nodes = [EmbeddedNats(self.data_dir / f"node-{i}", port=free_port(), users=self.users,
+                                       prefix=self.prefix, name=f"nats-{i}", cluster_port=routes[i], routes=routes,
+                                       monitor_port=free_port()) for i in range(self.size)]
+        try:
+            for node in self.nodes:
+                node.start(timeout)
+            wait_for_jetstream(self.nodes, timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+def wait_for_jetstream(nodes: list[EmbeddedNats], timeout: float) -> None:
+    """Until every member's monitor says JetStream is healthy (the cluster elected its meta
+    leader): a stream created before that is refused."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    pending = list(nodes)
+    while pending:
+        node = pending[0]
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{node.monitor_port}/healthz", timeout=1) as r:
+                if r.status == 200:
+                    pending.pop(0)
+                    continue
+        except (OSError, urllib.error.URLError):
+            pass
+        if time.monotonic() > deadline:
+            raise EmbeddedServerError("nats", f"{node.name}: JetStream not healthy after {timeout:.0f}s",
+                                      node.data_dir / "nats.log")
+        time.sleep(0.1)  # polling another process's readiness: there is no event to wait on
 
 
 @dataclass

@@ -13,6 +13,7 @@ import sys
 import urllib.request
 
 from talaria.shared import subjects
+from talaria.shared.bus import servers
 
 TIMEOUT_S = 3.0  # heartbeats come every 0.5 s: several must be missed to fail
 
@@ -23,7 +24,7 @@ async def _heard(subject: str, timeout: float) -> bool:
     from talaria.shared.settings import Settings
 
     settings = Settings.from_env()  # the service's own NATS URL and credentials
-    nc = await nats.connect(settings.nats_url or "nats://127.0.0.1:4222", connect_timeout=timeout,
+    nc = await nats.connect(servers(settings.nats_url or "nats://127.0.0.1:4222"), connect_timeout=timeout,
                             allow_reconnect=False, **settings.nats_options())
     try:
         sub = await nc.subscribe(subject)

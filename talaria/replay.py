@@ -23,6 +23,7 @@ import asyncpg
 import nats
 
 from talaria.shared import subjects
+from talaria.shared.bus import servers
 from talaria.shared.catalog import CATALOG
 from talaria.shared.messages import CallRequest, CallResult, ErrorReply, REPLY_DECODER
 from talaria.shared.wire import encode
@@ -78,7 +79,7 @@ class Replayer:
     async def run(self, sessions: list[Session], progress=True) -> ReplayStats:
         self.total_calls = sum(len(s.calls) for s in sessions)
         mapping = model_map(sessions, self.cfg.models)
-        self.nc = await nats.connect(self.nats_url, **client_options(self.nats_url))
+        self.nc = await nats.connect(servers(self.nats_url), **client_options(self.nats_url))
         ticker = asyncio.create_task(self._progress(len(sessions))) if progress else None
         try:
             await asyncio.gather(*(self._session(s, mapping[s.model]) for s in sessions))

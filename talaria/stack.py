@@ -24,7 +24,15 @@ from pathlib import Path
 from talaria.shared.db.engine import upgrade
 from talaria.shared.nats_auth import generate_users
 from talaria.shared.settings import Settings, redact_url
-from talaria.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedServerError, free_port, stop_stale
+from talaria.embedded import (
+    EmbeddedNats,
+    EmbeddedNatsCluster,
+    EmbeddedPostgres,
+    EmbeddedServerError,
+    free_port,
+    stop_stale,
+)
+from talaria.shared.bus import servers
 
 # Restart backoff: the first restart after RESTART_MIN_S, doubling while a process keeps
 # dying within STABLE_S of its start, at most RESTART_MAX_S apart.
@@ -57,6 +65,12 @@ def write_private(path: Path, text: str) -> None:
     path.chmod(0o600)
 
 
+def _server_key(server) -> str:
+    """stack.json's name of an embedded server (a cluster member: EmbeddedNats:<its name>)."""
+    name = type(server).__name__
+    return f"{name}:{server.name}" if isinstance(server, EmbeddedNats) and server.cluster_port else name
+
+
 def write_prometheus_config(path: Path, targets: dict[str, str]) -> None:
     """A Prometheus scrape config for this stack: one job, each service a target labelled
     `service` (`prometheus --config.file=<data_dir>/prometheus.yml`)."""
@@ -87,6 +101,7 @@ class Stack:
     settings: Settings
     agents: int = 2
     hot: tuple[str, ...] = ()  # one extra hot-pool agent pinned to each of these models
+    nats_cluster: int = 1  # embedded NATS: this many JetStream servers, streams replicated on all (at most 5)
     log_to_files: bool = True
     embedded: list = field(default_factory=list)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
@@ -132,7 +147,7 @@ class Stack:
         except (OSError, ValueError):
             return
         for name, pid in pids.items():
-            program = "talaria.services" if name not in ("EmbeddedNats", "EmbeddedPostgres") else str(data)
+            program = str(data) if name.startswith("Embedded") else "talaria.services"
             if isinstance(pid, int) and stop_stale(pid, program):
                 progress(f"stopped {name} (pid {pid}) left running by an earlier run")
 
@@ -158,9 +173,11 @@ class Stack:
     def client_nats_urls(self) -> dict[str, str]:
         """tenant -> the NATS URL (with that tenant's user) a NATS API client connects with
         (`nats_auth.client_options(url)` adds the inbox prefix its user is fenced to)."""
-        scheme, _, rest = self.nats_url.partition("://")
-        return {u.tenant or "": f"{scheme}://{u.name}:{u.password}@{rest}"
-                for u in self.nats_users.values() if u.role == "client"}
+        def with_user(u) -> str:  # each member of a cluster with the same user
+            return ",".join(f"{scheme}://{u.name}:{u.password}@{rest}"
+                            for scheme, _, rest in (s.partition("://") for s in servers(self.nats_url)))
+
+        return {u.tenant or "": with_user(u) for u in self.nats_users.values() if u.role == "client"}
 
     @property
     def client_nats_url(self) -> str:
@@ -178,20 +195,23 @@ class Stack:
                 "traces": str(self.settings.traces_path.resolve()), "metrics": self.metrics,
                 "prometheus_config": str(self.settings.data_dir.resolve() / "prometheus.yml"),
                 "pids": {**{name: p.pid for name, p in self.procs.items()},
-                         **{type(s).__name__: s.proc.pid for s in self.embedded if s.proc is not None}}}
+                         **{_server_key(s): s.proc.pid for s in self.embedded if s.proc is not None}}}
 
     def _servers(self, data: Path, progress) -> None:
         if self.settings.nats_url:
             self.nats_url = self.settings.nats_url
-            _reachable("NATS", self.nats_url)
+            _reachable("NATS", servers(self.nats_url)[0])
         else:
-            progress("starting embedded NATS (JetStream) with per-service users")
             self.nats_users = generate_users(self._agent_ids(), self.tenants())
-            nats = EmbeddedNats(data / "nats", users=self.nats_users, prefix=self.settings.deployment)
-            self.embedded.append(nats)  # before start(): stop() must reach a half-started server
-            self.nats_url = nats.start().url
-            if nats.stale:
-                progress(f"stopped a NATS server (pid {nats.stale}) left running by an earlier run")
+            if self.nats_cluster > 1:
+                self._nats_cluster(data, progress)
+            else:
+                progress("starting embedded NATS (JetStream) with per-service users")
+                nats = EmbeddedNats(data / "nats", users=self.nats_users, prefix=self.settings.deployment)
+                self.embedded.append(nats)  # before start(): stop() must reach a half-started server
+                self.nats_url = nats.start().url
+                if nats.stale:
+                    progress(f"stopped a NATS server (pid {nats.stale}) left running by an earlier run")
         if self.settings.database_url:
             self.database_url = self.settings.database_url
         else:
@@ -201,6 +221,20 @@ class Stack:
             self.database_url = pg.start().url
             if pg.stale:
                 progress(f"stopped a PostgreSQL server (pid {pg.stale}) left running by an earlier run")
+
+    def _nats_cluster(self, data: Path, progress) -> None:
+        """A JetStream cluster of `nats_cluster` members; every stream gets that many replicas
+        (TALARIA_NATS_REPLICAS), so a majority keeps it: 3 members survive one's loss."""
+        if not 1 < self.nats_cluster <= 5:
+            raise StackError(f"--nats-cluster {self.nats_cluster}: 1 to 5 servers (JetStream replicates at most 5x)")
+        progress(f"starting an embedded {self.nats_cluster}-node NATS JetStream cluster with per-service users")
+        cluster = EmbeddedNatsCluster(data / "nats-cluster", self.nats_cluster, users=self.nats_users,
+                                      prefix=self.settings.deployment)
+        try:
+            cluster.start()
+        finally:  # each member supervised (restarted on its ports) like a single server
+            self.embedded.extend(cluster.nodes)
+        self.nats_url = cluster.url
 
     def _agent_ids(self) -> list[str]:
         return [f"agent-{i}" for i in range(self.agents)] + [f"hot-{m}" for m in self.hot]
@@ -216,6 +250,7 @@ class Stack:
             "TALARIA_HKVR": str(s.hkvr), "TALARIA_STAGING": str(s.staging),
             "TALARIA_MODELS": s.models_env(), "TALARIA_DEVICE": s.device,
             "TALARIA_HTTP_HOST": s.http_host, "TALARIA_SESSION_IDLE_S": str(s.session_idle_s),
+            "TALARIA_NATS_REPLICAS": str(self.nats_cluster if not s.nats_url else s.nats_replicas),
             "TALARIA_LOG_LEVEL": s.log_level, "TALARIA_METRICS_HOST": s.http_host, "TALARIA_DEPLOYMENT": s.deployment, "PYTHONUNBUFFERED": "1",
         })
         if self.api_key is not None:
@@ -324,7 +359,7 @@ class Stack:
         """An embedded server that died comes back on its old port and data (services reconnect)."""
         changed = False
         for server in self.embedded:
-            name = type(server).__name__.removeprefix("Embedded").lower()
+            name = server.name if isinstance(server, EmbeddedNats) else type(server).__name__.removeprefix("Embedded").lower()
             if server.proc is None or server.proc.poll() is None:
                 continue
             due = self.server_restart_at.get(name)

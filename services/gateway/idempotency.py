@@ -54,7 +54,7 @@ from talaria.services.gateway.idempotency_rules import (
 )
 from talaria.services.gateway.validation import check_size
 from talaria.shared import subjects
-from talaria.shared.bus import emit, emit_new
+from talaria.shared.bus import emit, emit_new, replicas
 from talaria.shared.events import CallFailed, CallSubmitted
 from talaria.shared.messages import REPLY_DECODER, ErrorReply, Reply
 from talaria.shared.wire import encode, replace
@@ -81,6 +81,7 @@ class IdempotentCalls:
             retention=RetentionPolicy.LIMITS, storage=StorageType.FILE, discard=DiscardPolicy.OLD,
             max_age=self.window_s,
             max_msgs_per_subject=1,  # a key's current claim; a call's answer
+            num_replicas=replicas(self.js),
         )
         try:
             await self.js.add_stream(config)

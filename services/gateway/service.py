@@ -88,7 +88,8 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     log = logs.get("gateway")
     provider = tracing.setup("gateway", settings)
     tracer = provider.get_tracer("talaria.gateway")
-    nc, js = await connect(settings.nats_url, "talaria-gateway", **settings.nats_options())
+    nc, js = await connect(settings.nats_url, "talaria-gateway",
+                           replicas=settings.nats_replicas, **settings.nats_options())
     metrics = FrontendMetrics()
     submitter = Submitter(nc, js, tracer, settings.call_timeout_s, log, metrics)
     await submitter.start()

@@ -37,7 +37,8 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
     loop = asyncio.get_running_loop()
     engine = await loop.run_in_executor(executor, _build_engine, settings)
-    nc, js = await connect(settings.nats_url, f"talaria-agent-{settings.instance_id}", **settings.nats_options())
+    nc, js = await connect(settings.nats_url, f"talaria-agent-{settings.instance_id}",
+                           replicas=settings.nats_replicas, **settings.nats_options())
     runner = CallRunner(settings, engine, executor, nc, js, provider.get_tracer("talaria.agent"), log)
     meter = AgentMetrics(settings.instance_id)  # fed by what the agent emits, its steps and snapshot
     tap(js, meter.observe)

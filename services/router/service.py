@@ -85,6 +85,9 @@ class RouterService(RouterOutputs):
         self.dirty = False
         self.seq = 0  # JetStream sequence of the last input folded in (saved with the state)
         self.listening_since = time.time()  # restored views are not "silent" before this
+        # The end of the last stretch the lock was held waiting on the stream (a broker
+        # failover): snapshots that arrived meanwhile were not folded, so silence counts from it.
+        self.unblocked_at = 0.0
         self.warm = asyncio.Event()  # every restored instance heard from again
         self.expected: set[str] = set()
         self.storing: set[asyncio.Task] = set()  # inputs' outputs being stored (then the input is acked)
@@ -103,7 +106,8 @@ class RouterService(RouterOutputs):
         self.tracer = provider.get_tracer("talaria.router")
         db = create_engine(self.settings.database_url)
         store = ProjectionStore(db)
-        self.nc, self.js = await connect(self.settings.nats_url, "talaria-router", **self.settings.nats_options())
+        self.nc, self.js = await connect(self.settings.nats_url, "talaria-router",
+                                         replicas=self.settings.nats_replicas, **self.settings.nats_options())
         metrics_runner = await metrics.serve(self.metrics, "router", self.settings, self.log)
         await self._recover(store)
         gc.collect()
@@ -338,8 +342,8 @@ class RouterService(RouterOutputs):
             now = time.time()
             # While the bus does not answer us within a heartbeat (NATS paused, partitioned or
             # slow), agents' silence is ours, not theirs: no instance is declared lost.
-            lost = (self.core.check_liveness(now, self.hearing.silence_counts_from(self.listening_since))
-                    if self.hearing.hears(now) else [])
+            since = self.hearing.silence_counts_from(max(self.listening_since, self.unblocked_at))
+            lost = self.core.check_liveness(now, since) if self.hearing.hears(now) else []
             for event in lost:
                 if isinstance(event, InstanceLost):
                     self.log.warning("instance lost", instance_id=event.instance_id, reason=event.reason,
@@ -347,7 +351,15 @@ class RouterService(RouterOutputs):
             outputs = lost + self.core.tick(now)
             if outputs:
                 await self._publish_all(outputs)
+                self._waited_on_bus(now)
                 self.dirty = True
+
+    def _waited_on_bus(self, started: float) -> None:
+        """Called with the lock held since `started` for the stream's acks: past a tick, the
+        snapshots that came meanwhile waited for the lock, and instances' silence is ours."""
+        now = time.time()
+        if now - started > TICK_S:
+            self.unblocked_at = now
 
     async def _save_loop(self, store: ProjectionStore, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -364,7 +376,10 @@ class RouterService(RouterOutputs):
     async def _save(self, store: ProjectionStore, drain_s: float) -> None:
         async with self.lock:  # a consistent cut: never in the middle of handling an input
             # ... and never ahead of the stream: every folded input's outputs are stored first.
-            if not await self._outputs_stored(drain_s):  # the bus is slow or down: try later
+            started = time.time()
+            stored = await self._outputs_stored(drain_s)
+            self._waited_on_bus(started)
+            if not stored:  # the bus is slow or down: try later
                 return
             seq, snapshot = self.seq, self.core.state.to_dict()
             self.dirty = False
