@@ -19,9 +19,10 @@ def test_compose_file_parses_and_has_every_service():
         return out.stdout
 
     services = set(compose("config", "--services").split())
-    assert {"nats", "postgres", "jaeger", "migrate", "gateway", "router", "telemetry", "agent-0"} <= services
+    assert {"nats-0", "nats-1", "nats-2", "postgres", "jaeger", "prometheus", "grafana", "migrate", "gateway",
+            "router", "telemetry", "agent-0"} <= services
     resolved = compose("config")
-    assert "TALARIA_NATS_URL: nats://nats:4222" in resolved
+    assert "TALARIA_NATS_URL: nats://nats-0:4222,nats://nats-1:4222,nats://nats-2:4222" in resolved
     assert "OTEL_EXPORTER_OTLP_ENDPOINT: http://jaeger:4318" in resolved
 
 
@@ -61,9 +62,26 @@ def test_nats_its_monitor_and_postgres_are_not_published_outside_compose():
     import yaml
 
     services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
-    for name in ("nats", "postgres"):
+    for name in ("nats-0", "nats-1", "nats-2", "postgres"):
         assert "ports" not in services[name], f"{name} must stay on the internal network"
-    assert all(not p.startswith(("4222", "8222", "5432")) for s in services.values() for p in s.get("ports", []))
+    assert all(not p.startswith(("4222", "6222", "8222", "5432")) for s in services.values() for p in s.get("ports", []))
     assert services["postgres"]["environment"]["POSTGRES_USER"] == "postgres"  # the app role is not it
     assert "talaria:" in services["migrate"]["environment"]["TALARIA_DATABASE_URL"] or \
         "TALARIA_DATABASE_ADMIN_URL" in services["migrate"]["environment"]
+
+
+def test_compose_runs_a_three_node_nats_cluster_with_streams_replicated_on_all():
+    import yaml
+
+    doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services, env = doc["services"], doc["x-talaria-env"]
+    nodes = sorted(n for n in services if n.startswith("nats-"))
+    assert nodes == ["nats-0", "nats-1", "nats-2"]
+    routes = {",".join(f"nats://{n}:6222" for n in nodes)}
+    for n in nodes:
+        cmd = services[n]["command"]
+        assert cmd[cmd.index("-n") + 1] == n and {cmd[cmd.index("--routes") + 1]} == routes
+    assert env["TALARIA_NATS_URL"] == ",".join(f"nats://{n}:4222" for n in nodes)
+    assert env["TALARIA_NATS_REPLICAS"] == "3"
+    for name in ("gateway", "router", "telemetry", "agent-0"):
+        assert set(nodes) <= set(services[name]["depends_on"])
