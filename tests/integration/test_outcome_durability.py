@@ -194,7 +194,7 @@ def hold_router_outputs(monkeypatch, call_id: str) -> None:
 
     monkeypatch.setattr(router_outputs, "emit_async", held_async)
     monkeypatch.setattr(router_outputs, "emit", held)
-    monkeypatch.setattr(router_outputs, "PUBLISH_TIMEOUT_S", 0.5)  # retried sooner
+    monkeypatch.setattr(router_outputs, "ATTEMPT_S", 0.5)  # retried sooner
     monkeypatch.setattr(router_service, "PUBLISH_TIMEOUT_S", 0.5)  # a stop need not wait long for them
 
 
