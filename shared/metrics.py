@@ -166,6 +166,7 @@ class FrontendCall:
         self.first: float | None = None
         self.last: float | None = None
         self.done = False
+        self._itl = metrics.itl.labels(model)  # looked up once: it is observed per token
         metrics.inflight.labels(model).inc()
 
     def token(self, now: float | None = None) -> None:
@@ -174,7 +175,7 @@ class FrontendCall:
             self.first = now
             self.m.ttft.labels(self.model).observe(now - self.started)
         elif self.last is not None:
-            self.m.itl.labels(self.model).observe(now - self.last)
+            self._itl.observe(now - self.last)
         self.last = now
 
     def answered(self, status: int, usage=None, timings=None, now: float | None = None) -> None:
@@ -297,6 +298,7 @@ class AgentMetrics(ServiceMetrics):
         self.step = self.histogram("talaria_agent_engine_step_seconds", "Engine steps by kind", i + ("kind",),
                                    buckets=FAST_BUCKETS + (2.5, 5.0, 10.0, 30.0))
         self._seen = _Seen()
+        self._steps: dict[str, object] = {}  # kind -> its histogram child (observed per step)
 
     def observe(self, event) -> None:
         """An event this agent emitted."""
@@ -322,7 +324,10 @@ class AgentMetrics(ServiceMetrics):
                 self.switch.labels(iid, event.path).observe(event.total_s)
 
     def engine_step(self, kind: str, seconds: float) -> None:
-        self.step.labels(self.instance_id, kind).observe(seconds)
+        child = self._steps.get(kind)
+        if child is None:
+            child = self._steps[kind] = self.step.labels(self.instance_id, kind)
+        child.observe(seconds)
 
     def snapshot_gauges(self, snapshot: Callable[[], object]) -> None:
         """Gauges from the agent's own snapshot (what its heartbeat reports), read per scrape."""

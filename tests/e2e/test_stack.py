@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -94,6 +95,10 @@ def test_one_agent_session_end_to_end(tmp_path):
         assert (data_dir / "stack.json").stat().st_mode & 0o777 == 0o600
         assert described["api_key"] == key == (data_dir / "api_key").read_text().strip()
         db_url = described["database"]
+        # Every service's GET /metrics is recorded, and Prometheus is told where.
+        assert set(described["metrics"]) == {"gateway", "router", "telemetry", "agent-0", "agent-1"}
+        scrape_config = (data_dir / "prometheus.yml").read_text()
+        assert all(f"'{urlsplit(u).netloc}'" in scrape_config for u in described["metrics"].values())
         anonymous = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             anonymous.chat.completions.create(model="qwen3-tiny", messages=[{"role": "user", "content": "x"}])
@@ -117,6 +122,12 @@ def test_one_agent_session_end_to_end(tmp_path):
         assert msg.stop_reason in ("end_turn", "max_tokens")
         prompts = [a.usage.prompt_tokens for a in answers]
         assert prompts == sorted(prompts) and len(set(prompts)) == 3
+
+        for name, url in described["metrics"].items():
+            with urllib.request.urlopen(url, timeout=5) as r:  # open like /healthz: no key
+                assert r.status == 200 and b"# TYPE talaria_" in r.read(), name
+        with urllib.request.urlopen(described["metrics"]["gateway"], timeout=5) as r:
+            assert b'talaria_frontend_requests_total{endpoint="chat",model="qwen3-tiny",status="200"} 3.0' in r.read()
 
         rows = asyncio.run(completed_rows(db_url, 3))
         assert [r["call_index"] for r in rows] == [0, 1, 2]
