@@ -123,20 +123,23 @@ async def stored(js: JetStreamContext, subject: str, data: bytes, headers: dict[
     On a cluster, a stream whose leader died answers nobody until its replicas elect another:
     a publish then gets "no responders" at once (nothing was stored), or, sent to the old
     leader just before it died, no answer at all (it may or may not be stored). Either way it
-    is sent again; its message id makes a second copy a no-op, and a copy of our own earlier
-    attempt that JetStream reports as a duplicate is our publish, stored. Without this the
-    gateway would refuse every call of an election with a 503, and a lost answer would hold
-    a publisher for the whole PUBLISH_TIMEOUT_S."""
+    is sent again: after "no responders" always; after no answer only with a message id,
+    which makes a second copy a no-op (a copy of our own earlier attempt that JetStream
+    reports as a duplicate is our publish, stored); an event without one gets a single
+    PUBLISH_TIMEOUT_S attempt, as before. Without this the gateway would refuse every call of
+    an election with a 503, and a lost answer would hold a publisher for PUBLISH_TIMEOUT_S."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + max(PUBLISH_TIMEOUT_S, FAILOVER_S)
+    resend = "Nats-Msg-Id" in headers
     wait, unanswered = 0.05, False
     while True:
+        attempt = ATTEMPT_S if resend else PUBLISH_TIMEOUT_S
         try:
-            ack = await js.publish(subject, data, timeout=min(ATTEMPT_S, max(0.0, deadline - loop.time())),
+            ack = await js.publish(subject, data, timeout=min(attempt, max(0.0, deadline - loop.time())),
                                    headers=headers)
             return dataclasses.replace(ack, duplicate=False) if unanswered and ack.duplicate else ack
-        except (NoStreamResponseError, asyncio.TimeoutError, nats.errors.TimeoutError):
-            if loop.time() + wait > deadline:
+        except (NoStreamResponseError, asyncio.TimeoutError, nats.errors.TimeoutError) as exc:
+            if loop.time() + wait > deadline or not (resend or isinstance(exc, NoStreamResponseError)):
                 raise
             unanswered = True
             await asyncio.sleep(wait)  # no event says "a leader is elected": retry, backing off

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from talaria.shared.bus import ATTEMPT_S, RECONNECT_WAIT_S, emit, emit_async
+from talaria.shared.bus import ATTEMPT_S, PUBLISH_TIMEOUT_S, RECONNECT_WAIT_S, emit, emit_async, event_msg_id
 from talaria.shared.events import CallFailed, CallSubmitted
 from talaria.shared.messages import ErrorReply
 from talaria.shared.wire import encode
@@ -51,9 +51,10 @@ class RouterOutputs:
         seqs = []
         for out, ack in zip(outputs, acks):
             try:
-                # Past ATTEMPT_S the ack is taken as lost (a stream leader's failover) and the
-                # output published again (its message id makes a second copy a no-op).
-                seqs.append((await asyncio.wait_for(ack, ATTEMPT_S)).seq)
+                # With a message id (a second copy is a no-op), past ATTEMPT_S the ack is taken
+                # as lost (a stream leader's failover) and the output published again.
+                wait_s = ATTEMPT_S if event_msg_id(out) else PUBLISH_TIMEOUT_S
+                seqs.append((await asyncio.wait_for(ack, wait_s)).seq)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

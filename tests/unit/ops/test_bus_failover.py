@@ -1,0 +1,56 @@
+"""shared/bus.py `stored`: what is sent again through a stream leader's failover. The
+JetStream context is a test double (a failover's unanswered publish cannot be staged
+deterministically on a real server); the integration test of the rule is
+tests/integration/test_nats_cluster.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from nats.js.api import PubAck
+from nats.js.errors import NoStreamResponseError
+
+from talaria.shared import bus
+
+
+class ScriptedJetStream:
+    """Test double: answers each publish with the next outcome of `script` (an exception to
+    raise, or a PubAck)."""
+
+    def __init__(self, script) -> None:
+        self.script, self.sent = list(script), []
+
+    async def publish(self, subject, data, timeout=None, headers=None):
+        self.sent.append(timeout)
+        outcome = self.script.pop(0)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+
+@pytest.fixture(autouse=True)
+def fast(monkeypatch):
+    monkeypatch.setattr(bus, "RECONNECT_WAIT_S", 0.01)
+
+
+async def test_no_responders_is_sent_again_until_a_leader_answers():
+    js = ScriptedJetStream([NoStreamResponseError(), NoStreamResponseError(), PubAck(stream="S", seq=7)])
+    ack = await bus.stored(js, "s", b"x", {})  # no message id: still safe, nothing was stored
+    assert ack.seq == 7 and len(js.sent) == 3
+
+
+async def test_an_unanswered_publish_is_sent_again_only_with_a_message_id():
+    js = ScriptedJetStream([asyncio.TimeoutError(), PubAck(stream="S", seq=7, duplicate=True)])
+    ack = await bus.stored(js, "s", b"x", {"Nats-Msg-Id": "CallCompleted:c1"})
+    assert ack.seq == 7 and not ack.duplicate  # the duplicate is our own first attempt, stored
+    assert js.sent[0] == bus.ATTEMPT_S
+    bare = ScriptedJetStream([asyncio.TimeoutError(), PubAck(stream="S", seq=8)])
+    with pytest.raises(asyncio.TimeoutError):  # it may be stored: a second copy would be a second event
+        await bus.stored(bare, "s", b"x", {})
+    assert bare.sent == [bus.PUBLISH_TIMEOUT_S]
+
+
+async def test_a_duplicate_on_the_first_attempt_stays_a_duplicate():
+    js = ScriptedJetStream([PubAck(stream="S", seq=3, duplicate=True)])
+    assert (await bus.stored(js, "s", b"x", {"Nats-Msg-Id": "CallSubmitted:c1"})).duplicate
