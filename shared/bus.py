@@ -141,7 +141,7 @@ async def stored(js: JetStreamContext, subject: str, data: bytes, headers: dict[
         except (NoStreamResponseError, asyncio.TimeoutError, nats.errors.TimeoutError) as exc:
             if loop.time() + wait > deadline or not (resend or isinstance(exc, NoStreamResponseError)):
                 raise
-            unanswered = True
+            unanswered = unanswered or not isinstance(exc, NoStreamResponseError)  # may be stored
             await asyncio.sleep(wait)  # no event says "a leader is elected": retry, backing off
             wait = min(2 * wait, RECONNECT_WAIT_S)
 
