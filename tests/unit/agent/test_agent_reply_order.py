@@ -68,7 +68,7 @@ async def test_the_gateway_answers_before_its_own_bookkeeping(monkeypatch):
         warning = error = info
 
     class Js:
-        async def publish(self, subject, data, headers=None):
+        async def publish(self, subject, data, timeout=None, headers=None):
             order.append("submitted")
             asyncio.get_running_loop().call_soon(deliver)  # the agent's reply arrives
             return SimpleNamespace(seq=1, duplicate=False)
