@@ -21,6 +21,7 @@ the event, so the live services and the unit tests share them.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -153,6 +154,34 @@ class FrontendMetrics(ServiceMetrics):
         self.input_tokens = self.counter("talaria_frontend_input_tokens_total", "Prompt tokens of answered calls", m)
         self.output_tokens = self.counter("talaria_frontend_output_tokens_total", "Generated tokens", m)
         self.cached_tokens = self.counter("talaria_frontend_cached_input_tokens_total", "Prompt tokens reused from KV", m)
+        self.http = self.counter("talaria_frontend_http_responses_total",
+                                 "Every HTTP response by route and status, refusals before submission included "
+                                 "(400, 401, 404, 413)", ("route", "status"))
+
+    def http_middleware(self):
+        """aiohttp middleware counting every response by its route's pattern (bounded: never
+        the raw path) and status."""
+        from aiohttp import web
+
+        @web.middleware
+        async def count(request, handler):
+            status = 500
+            try:
+                response = await handler(request)
+                status = response.status
+                return response
+            except web.HTTPException as exc:
+                status = exc.status
+                raise
+            except asyncio.CancelledError:  # the client went away
+                status = 499
+                raise
+            finally:
+                resource = request.match_info.route.resource
+                route = resource.canonical if resource is not None else "unmatched"
+                self.http.labels(route, str(status)).inc()
+
+        return count
 
     def call(self, model: str, endpoint: str, started: float | None = None) -> "FrontendCall":
         return FrontendCall(self, model, endpoint, time.monotonic() if started is None else started)

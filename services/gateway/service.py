@@ -112,6 +112,7 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     await asyncio.get_running_loop().run_in_executor(parser_pool, int)  # start it now, not on a call
     api = HttpApi(submitter, served, log, keys, settings.prefix_sharing, parser_pool, idempotency)
     app = api.app()
+    app.middlewares.insert(0, metrics.http_middleware())  # outermost: 401s and 4xx counted too
     app.router.add_get("/metrics", metrics_handler(metrics))  # Prometheus, on the API port
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()

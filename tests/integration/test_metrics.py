@@ -34,6 +34,7 @@ EXPECTED = {
         "talaria_frontend_input_tokens": ("counter", {"model"}),
         "talaria_frontend_output_tokens": ("counter", {"model"}),
         "talaria_frontend_cached_input_tokens": ("counter", {"model"}),
+        "talaria_frontend_http_responses": ("counter", {"route", "status"}),
     },
     "router": {
         "talaria_router_decisions": ("counter", {"model", "outcome", "path"}),
@@ -97,6 +98,8 @@ async def test_every_service_exposes_its_metrics_after_calls(nats_url, database_
         await nc.close()
         base = f"http://127.0.0.1:{settings.http_port}"
         async with aiohttp.ClientSession() as s:
+            async with s.post(f"{base}/v1/chat/completions", json={"model": "nope", "messages": []}) as r:
+                assert r.status in (400, 404)  # refused before submission: counted all the same
             for stream in (False, True):  # a plain call, then the session's streamed second call
                 body = {"model": MODEL, "messages": [{"role": "user", "content": f"hello {stream}"}],
                         "max_tokens": 4, "temperature": 0, "stream": stream}
@@ -136,6 +139,8 @@ async def test_every_service_exposes_its_metrics_after_calls(nats_url, database_
 
     gw, router, agent = scraped["gateway"], scraped["router"], scraped["agent-agent-0"]
     assert value(gw["talaria_frontend_requests"], "_total", model=MODEL, status="200") == 2
+    assert value(gw["talaria_frontend_http_responses"], "_total", route="/v1/chat/completions", status="200") == 2
+    assert value(gw["talaria_frontend_http_responses"], "_total", route="/v1/chat/completions") == 3
     assert value(gw["talaria_frontend_inflight_requests"]) == 0
     assert value(gw["talaria_frontend_time_to_first_token_seconds"], "_count") == 2
     assert value(gw["talaria_frontend_output_tokens"], "_total") > 0
