@@ -38,11 +38,11 @@ SCOPED = f"{TENANT}:{SESSION}"  # session ids are namespaced by tenant inside th
 
 
 class Stack:
-    def __init__(self, data_dir: Path, port: int) -> None:
+    def __init__(self, data_dir: Path, port: int, *flags: str, agents: int = 2) -> None:
         env = dict(os.environ, TALARIA_SESSION_IDLE_S="3600", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "talaria.cli", "up", "--port", str(port), "--data-dir", str(data_dir),
-             "--agents", "2"],
+             "--agents", str(agents), *flags],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         )
         self.lines: queue.Queue[str | None] = queue.Queue()
