@@ -412,9 +412,23 @@ class TelemetryMetrics(ServiceMetrics):
         self.pending.set(msgs[-1].metadata.num_pending or 0)
         self.batches.inc()
         for m in msgs:
-            kind = m.subject.split(".evt.", 1)[-1].split(".", 2)
-            self.projected.labels(".".join(kind[:2]) if kind[0] in ("call", "lease", "switch", "round")
-                                  else kind[0]).inc()
+            self.projected.labels(event_type(m.subject)).inc()
+
+
+def _tags() -> tuple[str, ...]:
+    from talaria.shared.events import Event
+
+    return tuple(sorted((t.__struct_config__.tag for t in Event.__args__), key=len, reverse=True))
+
+
+EVENT_TAGS = _tags()  # longest first: `call.routed` before a shorter tag it starts with
+
+
+def event_type(subject: str) -> str:
+    """The event type of a stream subject (`<deployment>.evt.<tag>[.<instance>]`): bounded by
+    the event types, never an instance id; "other" for a subject no event type owns."""
+    rest = subject.split(".evt.", 1)[-1]
+    return next((t for t in EVENT_TAGS if rest == t or rest.startswith(t + ".")), "other")
 
 
 # ---- the listener ---------------------------------------------------------------------------

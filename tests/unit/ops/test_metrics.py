@@ -123,3 +123,12 @@ def test_compose_prometheus_scrapes_every_talaria_service_of_compose():
     config = yaml.safe_load((root / "ops" / "prometheus" / "prometheus.yml").read_text())
     targets = {t.split(":")[0] for sc in config["scrape_configs"] for c in sc["static_configs"] for t in c["targets"]}
     assert talaria and talaria == targets
+
+
+def test_a_stream_subject_is_counted_by_its_event_type_never_its_instance():
+    from talaria.shared.metrics import event_type
+
+    assert event_type("talaria.evt.call.routed.agent-0") == "call.routed"
+    assert event_type("blue.evt.instance.lost") == "instance.lost"
+    assert event_type("talaria.evt.decision") == "decision"
+    assert event_type("talaria.evt.something.new") == "other"
