@@ -15,6 +15,11 @@ A rejected call (503) is retried the way agents retry (talaria/sim/agents.py): a
 decision's Retry-After, up to a bound; its schedule-aware TTFT keeps counting from the
 original release, and a call that gives up leaves its session incomplete (SCT = inf).
 Each call carries the block hashes the gateway would compute for its prompt.
+
+No oracle: a call is submitted with its client's `max_tokens` (the trace's, else a client
+default, traces/caps.py), never its true output length, which only the instance executing
+it learns (it stops there, as a live engine stops at EOS). Every policy sees what a live
+router sees.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from talaria.sim.engine import EventLoop
 from talaria.sim.device_view import DeviceView
 from talaria.sim.executor import Job, SimExecutor, instance_config
 from talaria.sim.profiles import ServerProfile
+from talaria.traces.caps import client_cap
 from talaria.traces.format import Session
 from talaria.traces.gaps import GapModel
 
@@ -174,6 +180,7 @@ class Cluster:
             reusable=call.reusable_prefix_tokens,
             output=call.output_tokens,
             release_t=now,
+            max_tokens=client_cap(call, self.config.server.model(call.model).max_context),
         )
         self._hashes[job.call_id] = self._prompts.for_call(
             session_id, index, call.prompt_tokens, call.reusable_prefix_tokens)
@@ -188,7 +195,7 @@ class Cluster:
             model=job.model,
             prompt_ids=[],
             block_hashes=self._hashes[job.call_id],
-            max_tokens=job.output,
+            max_tokens=job.max_tokens,
             submitted_at=now,
             prompt_tokens_hint=job.prompt,
         )
