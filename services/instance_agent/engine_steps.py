@@ -47,7 +47,8 @@ class EngineSteps:
                                    prompt_ids=list(call.prompt_ids), max_tokens=call.max_tokens,
                                    temperature=call.temperature, top_p=call.top_p, seed=call.seed,
                                    stop=tuple(call.stop), kv_scope=call.kv_scope, logit_bias=call.logit_bias,
-                                   logprobs=call.logprobs, top_logprobs=call.top_logprobs))
+                                   logprobs=call.logprobs, top_logprobs=call.top_logprobs,
+                                   kv_output_tokens=running.routed.kv_output_tokens))
             running.in_engine = True
             running.span.add_event("prefill_start", {"session_prefill": action.session_prefill})
             # Published while the prefill runs: it is a progress marker (the projector keeps a

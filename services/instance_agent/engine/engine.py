@@ -207,12 +207,27 @@ class TorchEngine:
         if not seqs:
             return []
         self._poll()
+        # A call past its reserved pages grows into unreserved ones; with none left it ends
+        # here with what it has ("length", as at the context limit), never failing the step.
+        ended = []
+        for s in seqs:
+            if admission.needs_page(self, s):
+                page = admission.grow_page(self, s)
+                if page is None:
+                    ended.append(s.end_for_kv())
+                else:
+                    s.pages.append(page)
+        if ended:
+            seqs = [s for s in seqs if not s.finished]
+            call_ids = [s.req.call_id for s in seqs]
+            if not seqs:
+                return ended
         t0 = time.perf_counter()
         logits = forward_pass.forward_batch(self, [(s, s.kv_len, 1) for s in seqs])
         if self.on_logits is not None:
             self.on_logits(call_ids, logits)
         now = time.perf_counter()
-        out = [s.take(logits[i], now) for i, s in enumerate(seqs)]
+        out = ended + [s.take(logits[i], now) for i, s in enumerate(seqs)]
         for s in seqs:
             s.decode_s += now - t0
         self._rate("decode", len(seqs), now - t0)
