@@ -8,8 +8,11 @@ The router is the project's own `RouterCore` with a policy from the registry, dr
 the virtual clock. Instances report `InstanceSnapshot`s the way live agents heartbeat:
 lazily, right before a routing decision, each instance whose last snapshot is older than
 `heartbeat_s` sends a fresh one (equivalent to periodic heartbeats for every decision the
-router makes, without simulating idle heartbeats). `RouterCore.tick` runs before each
-decision and once at the end, so lease expiry is observed at decision times.
+router makes, without simulating idle heartbeats). Like a live agent, an instance also
+sends one when a call finishes there, at most every SNAPSHOT_ON_CHANGE_MIN_S (the router
+learns of freed capacity and the session's KV at once, not a heartbeat later).
+`RouterCore.tick` runs before each decision and once at the end, so lease expiry is
+observed at decision times.
 
 A rejected call (503) is retried the way agents retry (talaria/sim/agents.py): after the
 decision's Retry-After, up to a bound; its schedule-aware TTFT keeps counting from the
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from talaria.services.instance_agent.call_outcomes import SNAPSHOT_ON_CHANGE_MIN_S
 from talaria.services.instance_agent.scheduler import SchedulerConfig
 from talaria.services.router.core import RouterCore
 from talaria.services.router.policy.base import PolicyConfig
@@ -120,6 +124,7 @@ class Cluster:
         # per instance, in instance order: [instance, last snapshot time, version, state key,
         # last snapshot]; one list so the per-decision heartbeat scan is a single pass
         self._snap_recs: list[list] = [[inst, -1e18, 0, None, None] for inst in self.instances.values()]
+        self._snap_rec = {rec[0].id: rec for rec in self._snap_recs}
         self._snap_due = float("-inf")  # no snapshot refresh is due before this time
         self.counters = RouterCounters()
         self.jobs: list[Job] = []
@@ -264,6 +269,9 @@ class Cluster:
         """An instance finished `job`; `done` is its agent core's completion record."""
         self.jobs.append(job)
         self._count(self.router.handle(done, now))
+        rec = self._snap_rec[job.instance]
+        if now - rec[1] >= SNAPSHOT_ON_CHANGE_MIN_S:  # the agent's snapshot on change
+            self._send_snapshot(rec, now)
         session = self._by_id[job.session]
         nxt = job.call_index + 1
         if nxt >= len(session.calls):
@@ -279,31 +287,32 @@ class Cluster:
         hb = self.config.heartbeat_s
         if now < self._snap_due:
             return  # no instance's snapshot is heartbeat_s old yet (the scan would send none)
-        observe = self.router.observe
-        replace = msgspec.structs.replace
         oldest = now
         for rec in self._snap_recs:
             if now - rec[1] < hb:
                 if rec[1] < oldest:
                     oldest = rec[1]
             else:
-                inst = rec[0]
-                ver = rec[2] = rec[2] + 1
-                rec[1] = now
-                # An instance whose state did not change re-sends its last snapshot with a
-                # new version and time (a heartbeat); fields that drift with time alone
-                # (round_remaining_s, staging progress) stay as of the last change.
-                key = (inst.token, inst.kv.version, inst.sched.calls.seq, inst.staging.target, inst.busy)
-                if rec[3] == key:
-                    snap = replace(rec[4], version=ver, at=now)
-                else:
-                    snap = inst.snapshot(ver, now, hb)
-                    rec[3] = key
-                rec[4] = snap
-                observe(snap, now)
+                self._send_snapshot(rec, now)
         # earliest time a later scan can find a due instance (a lower bound: the exact test
         # `now - at >= hb` is still made per instance, so float rounding cannot skip one)
         self._snap_due = oldest + hb * (1.0 - 1e-9) if hb > 0 else float("-inf")
+
+    def _send_snapshot(self, rec: list, now: float) -> None:
+        inst = rec[0]
+        ver = rec[2] = rec[2] + 1
+        rec[1] = now
+        # An instance whose state did not change re-sends its last snapshot with a new
+        # version and time (a heartbeat); fields that drift with time alone
+        # (round_remaining_s, staging progress) stay as of the last change.
+        key = (inst.token, inst.kv.version, inst.sched.calls.seq, inst.staging.target, inst.busy)
+        if rec[3] == key:
+            snap = msgspec.structs.replace(rec[4], version=ver, at=now)
+        else:
+            snap = inst.snapshot(ver, now, self.config.heartbeat_s)
+            rec[3] = key
+        rec[4] = snap
+        self.router.observe(snap, now)
 
 
 def _retry_after(events) -> float | None:
