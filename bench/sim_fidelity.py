@@ -57,6 +57,7 @@ MODELS = ["qwen3-tiny", "qwen3-moe-tiny", "gpt2-tiny"]
 POLICIES = ("talaria", "least-pressure", "prefix-aware")
 TOLERANCE = 0.20  # the issue's bar: each policy's SCT p50 / p95 within 20 %
 MAX_OUTPUT = 64  # ReplayConfig.max_output_tokens: the cap the replayer sends
+PROBE_TOKENS = 48  # decode steps of the overhead probe (enough for a stable median)
 GAPS = GapModel("recorded", None)  # the workload's own gaps, live and simulated
 
 
@@ -89,13 +90,20 @@ def run_live(policy: str, sessions: list[Session], agents: int, work: Path) -> d
                 for m in MODELS for k in range(2 * agents)]
         asyncio.run(Replayer(stack.client_nats_url, replace(cfg, models=tuple(MODELS)), GAPS, f"warm-{run_id}",
                              stack.api_key).run(_one_model_each(warm), progress=False))
+        # The agent's own work per decode step (the loop, token publishing; not in the engine's
+        # decode_s): one call alone per model, so no other call's work is in its wall time.
+        for k, m in enumerate(MODELS):
+            probe = Session(f"p{k}", (TraceCall(f"p{k}", 0, m, 256, 0, PROBE_TOKENS, 0.0),))
+            asyncio.run(Replayer(stack.client_nats_url, replace(cfg, models=(m,)), GAPS, f"probe-{run_id}",
+                                 stack.api_key).run([probe], progress=False))
+        probe_calls = asyncio.run(_per_call(stack.database_url, f"probe-{run_id}", expect=len(MODELS)))
         since = datetime.now(timezone.utc)
         t0 = time.monotonic()
         stats = asyncio.run(Replayer(stack.client_nats_url, cfg, GAPS, run_id, stack.api_key).run(sessions))
         wall = time.monotonic() - t0
         metrics = asyncio.run(metrics_from_db(stack.database_url, run_id, stats.calls_sent))
         rows = [r for r in asyncio.run(fetch_rows(stack.database_url, since)) if run_id in r["session_id"]]
-        per_call = asyncio.run(_per_call(stack.database_url, run_id))
+        per_call = asyncio.run(_per_call(stack.database_url, run_id, expect=stats.calls_ok))
     finally:
         stack.stop()
     served = rows_to_sessions(rows)
@@ -105,25 +113,36 @@ def run_live(policy: str, sessions: list[Session], agents: int, work: Path) -> d
                                   for c in s.calls)) for s in served]
     save_sessions(served, work / f"served-{policy}.jsonl")
     return {"policy": policy, "run_id": run_id, "wall_s": wall, "calls_ok": stats.calls_ok,
-            "calls_failed": stats.calls_failed, "errors": stats.errors, **metrics, "per_call": per_call}
+            "calls_failed": stats.calls_failed, "errors": stats.errors, **metrics, "per_call": per_call,
+            "probe": probe_calls}
 
 
-async def _per_call(database_url: str, run_id: str) -> list[dict]:
-    """Each served call's timeline as the agent recorded it (for the per-call comparison)."""
+async def _per_call(database_url: str, run_id: str, expect: int = 0, timeout_s: float = 30.0) -> list[dict]:
+    """Each served call's timeline as the agent recorded it, once `expect` calls have one
+    (telemetry projects the rows asynchronously)."""
     import asyncpg
 
     from talaria.shared.settings import asyncpg_dsn
 
     conn = await asyncpg.connect(asyncpg_dsn(database_url))
+    deadline = time.monotonic() + timeout_s
     try:
-        rows = await conn.fetch(
-            "SELECT session_id, call_index, instance_id, model, prompt_tokens, cached_tokens, output_tokens, kv_source,"
-            " queue_s, ttft_s, prefill_s, decode_s, slot_wait_s,"
-            " extract(epoch FROM completed_at) - extract(epoch FROM submitted_at) AS total_s"
-            " FROM calls WHERE session_id LIKE '%' || $1 || '-%' ORDER BY session_id, call_index", run_id)
-        return [{k: float(v) if k.endswith("_s") and v is not None else v for k, v in dict(r).items()} for r in rows]
+        while True:
+            rows = await _rows(conn, run_id)
+            if sum(r["total_s"] is not None for r in rows) >= expect or time.monotonic() > deadline:
+                return rows
+            await asyncio.sleep(0.2)
     finally:
         await conn.close()
+
+
+async def _rows(conn, run_id: str) -> list[dict]:
+    rows = await conn.fetch(
+        "SELECT session_id, call_index, instance_id, model, prompt_tokens, cached_tokens, output_tokens, kv_source,"
+        " queue_s, ttft_s, prefill_s, decode_s, slot_wait_s,"
+        " extract(epoch FROM completed_at) - extract(epoch FROM submitted_at) AS total_s"
+        " FROM calls WHERE session_id ~ ('(^|:)' || $1 || '-') ORDER BY session_id, call_index", run_id)
+    return [{k: float(v) if k.endswith("_s") and v is not None else v for k, v in dict(r).items()} for r in rows]
 
 
 def _one_model_each(sessions: list[Session]) -> list[Session]:
@@ -140,7 +159,15 @@ def _origin(served_id: str, run_id: str) -> str:
 # ---- simulated ---------------------------------------------------------------------------
 
 
-def calibrated(per_call: list[dict], base=LOCAL_TORCH):
+def step_overhead(probe: list[dict]) -> float:
+    """The agent's time per decode step outside the engine's forward pass, from calls that
+    ran alone: (completion - first token - decode_s) / steps, the median over the probes."""
+    per_step = [(r["total_s"] - r["ttft_s"] - r["decode_s"]) / (r["output_tokens"] - 1)
+                for r in probe if r.get("decode_s") is not None and (r["output_tokens"] or 0) > 1]
+    return max(0.0, statistics.median(per_step)) if per_step else 0.0
+
+
+def calibrated(per_call: list[dict], base=LOCAL_TORCH, overhead_s: float = 0.0):
     """`base` with its prefill and decode costs fitted to what the live run's engines took.
 
     The live agents share this machine's two cores with the stack's other processes (and
@@ -151,9 +178,10 @@ def calibrated(per_call: list[dict], base=LOCAL_TORCH):
         the fixed cost of a prefill step, admission, first sample); f_p the median over
         calls that computed >= 256 tokens of their engine prefill time (prefill_s, the
         forward passes) over the profile's price;
-      decode: a step's fixed part d0 = the median over calls of (completion - first token)
-        / (output - 1) less the profile's batch and context terms (the agent loop's own
-        per-step work lands here, as the live step pays it);
+      decode: a step's fixed part d0 = the median over calls of their engine decode time
+        (decode_s, the decode steps they were in) / (output - 1), less the profile's batch
+        and context terms, plus the agent's own work per step (`step_overhead`, measured
+        by probe calls run alone before the replay);
     per model (the median over its calls; a model the run never served: all calls').
     """
     small, big, fd = [], {}, {}
@@ -169,18 +197,18 @@ def calibrated(per_call: list[dict], base=LOCAL_TORCH):
         elif new >= 256 and r.get("prefill_s"):
             big.setdefault(m, []).append(r["prefill_s"] / (mp.prefill_s(new, cached) - mp.prefill_c0_s))
         steps = (r["output_tokens"] or 0) - 1
-        if steps > 0:  # the live step time less the profile's context term at this context
+        if steps > 0 and r.get("decode_s"):  # the engine's step time less the profile's context term
             ctx = r["prompt_tokens"] + 1 + steps / 2
-            fd.setdefault(m, []).append((r["total_s"] - r["ttft_s"]) / steps - mp.decode_d2_s * ctx)
+            fd.setdefault(m, []).append(r["decode_s"] / steps - mp.decode_d2_s * ctx)
     c0 = statistics.median(small) if small else 0.0
     every_p = [f for fs in big.values() for f in fs] or [1.0]
     every_d = [f for fs in fd.values() for f in fs]
-    factors = {"prefill_c0_s": c0}
+    factors = {"prefill_c0_s": c0, "step_overhead_s": overhead_s}
     models = {}
     for n, m in base.models.items():
         kp = statistics.median(big.get(n) or every_p)  # a model the run never prefilled: all models' factor
         live_d = fd.get(n) or every_d
-        d0 = max(0.0, statistics.median(live_d) - m.decode_d1_s) if live_d else m.decode_d0_s
+        d0 = (max(0.0, statistics.median(live_d) - m.decode_d1_s) if live_d else m.decode_d0_s) + overhead_s
         factors[n] = {"prefill": kp, "decode_d0_s": d0}
         models[n] = replace(m, prefill_k=m.prefill_k * kp, prefill_c0_s=c0, decode_d0_s=d0,
                             source=f"{m.source}; prefill c0 {c0 * 1e3:.0f} ms + x{kp:.2f}, decode d0 "
@@ -312,7 +340,7 @@ def main(argv=None) -> int:
             print(f"live: {p}", file=sys.stderr)
             live[p] = run_live(p, sessions, args.agents, work)
             saved.write_text(json.dumps(live[p], indent=1, default=str))
-        server, factors = calibrated(live[p]["per_call"])
+        server, factors = calibrated(live[p]["per_call"], overhead_s=step_overhead(live[p].get("probe", [])))
         sim[p] = {**run_sim(p, load_trace(work / f"served-{p}.jsonl"), args.agents, server), **factors}
         print(f"{p}: live SCT p50/p95 {live[p]['sct_p50']:.2f}/{live[p]['sct_p95']:.2f} s, "
               f"sim {sim[p]['sct_p50']:.2f}/{sim[p]['sct_p95']:.2f} s", file=sys.stderr)
