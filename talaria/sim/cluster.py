@@ -213,6 +213,7 @@ class Cluster:
             if isinstance(ev, CallRouted):
                 del self._hashes[job.call_id]
                 self._measure_placement(job, ev.instance_id)
+                job.kv_output_tokens = ev.kv_output_tokens
                 out.extend(self.instances[ev.instance_id].submit(now, job) or ())
             elif isinstance(ev, CallFailed):
                 self.counters.rejected += 1
