@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
+import re
 import statistics
 import sys
 import tempfile
@@ -102,7 +102,7 @@ def run_live(policy: str, sessions: list[Session], agents: int, work: Path) -> d
         stats = asyncio.run(Replayer(stack.client_nats_url, cfg, GAPS, run_id, stack.api_key).run(sessions))
         wall = time.monotonic() - t0
         metrics = asyncio.run(metrics_from_db(stack.database_url, run_id, stats.calls_sent))
-        rows = [r for r in asyncio.run(fetch_rows(stack.database_url, since)) if run_id in r["session_id"]]
+        rows = [r for r in asyncio.run(fetch_rows(stack.database_url, since)) if _of_run(r["session_id"], run_id)]
         per_call = asyncio.run(_per_call(stack.database_url, run_id, expect=stats.calls_ok))
     finally:
         stack.stop()
@@ -149,6 +149,12 @@ def _one_model_each(sessions: list[Session]) -> list[Session]:
     """Warm-up sessions whose trace model is their served model (the replayer maps trace
     models in order of first appearance: list them so that each maps onto itself)."""
     return sorted(sessions, key=lambda s: MODELS.index(s.model))
+
+
+def _of_run(session_id: str, run_id: str) -> bool:
+    """Whether a served session id (`[tenant:]<run_id>-<id>`) is one of the run's sessions
+    (not a warm-up or probe session, whose run ids only contain it)."""
+    return re.search(f"(^|:){re.escape(run_id)}-", session_id) is not None
 
 
 def _origin(served_id: str, run_id: str) -> str:
@@ -341,7 +347,8 @@ def main(argv=None) -> int:
             live[p] = run_live(p, sessions, args.agents, work)
             saved.write_text(json.dumps(live[p], indent=1, default=str))
         server, factors = calibrated(live[p]["per_call"], overhead_s=step_overhead(live[p].get("probe", [])))
-        sim[p] = {**run_sim(p, load_trace(work / f"served-{p}.jsonl"), args.agents, server), **factors}
+        served = [s for s in load_trace(work / f"served-{p}.jsonl") if _of_run(s.id, live[p]["run_id"])]
+        sim[p] = {**run_sim(p, served, args.agents, server), **factors}
         print(f"{p}: live SCT p50/p95 {live[p]['sct_p50']:.2f}/{live[p]['sct_p95']:.2f} s, "
               f"sim {sim[p]['sct_p50']:.2f}/{sim[p]['sct_p95']:.2f} s", file=sys.stderr)
     command = "python bench/sim_fidelity.py " + " ".join(a for a in (argv if argv is not None else sys.argv[1:]))

@@ -94,6 +94,7 @@ class ServerProfile:
     models: dict[str, SimModelProfile] = field(default_factory=dict)
     bump_fraction: float = 0.8  # [cal] App. E mem-fraction-bump
     runtime_reserve_bytes: int = 0  # CUDA graphs, workspaces (outside the bump buffer)
+    kv_page_tokens: int = 512  # host KV page ([asm] coarse for speed, memory.SIM_PAGE_TOKENS)
     source: str = ""
 
     @property
@@ -260,6 +261,7 @@ LOCAL_TORCH = ServerProfile(
     d2d_bytes_s=10 * GB,  # PLACEHOLDER
     kv_restore_bytes_s=16384 * (4 * 2 * 32 * 2 * 4) / 0.098,  # [bench] 16,384 tokens in ~98 ms
     models={m.name: m for m in _TINY},
+    kv_page_tokens=16,  # [card] the torch engine's page (engine.py page_size): host KV restores whole pages
     source="torch engine on this machine's CPU: bench/sim_fidelity.py --measure, results/agent_bench.md",
 )
 
