@@ -314,7 +314,16 @@ def report(live: dict[str, dict], sim: dict[str, dict], args, command: str) -> s
               f"{' < '.join(rank(sim, 'sct_p95'))} ({'same' if same95 else 'different'}).", "",
               f"All within 20 %: {'yes' if ok_all else 'no'}.", ""]
     lines += ["Live runs: " + "; ".join(
-        f"{p}: {lv['calls_ok']} calls ok, {lv['calls_failed']} failed, {lv['wall_s']:.0f} s wall" for p, lv in live.items())]
+        f"{p}: {lv['calls_ok']} calls ok, {lv['calls_failed']} failed, {lv['wall_s']:.0f} s wall" for p, lv in live.items()),
+        "", "The machine's speed during each live run, as the simulator was calibrated from it (`calibrated`: "
+        "engine timings of the run's calls and of the probe calls before it; `--measure` alone on this machine: "
+        "prefill x1, decode step ~1-4 ms):", "",
+        "| policy | prefill fixed cost | agent per-step work | " + " | ".join(f"{m} prefill x / decode step" for m in MODELS)
+        + " |", "|---|---|---|" + "---|" * len(MODELS)]
+    for p in live:
+        c = sim[p]["calibration"]
+        lines.append(f"| {p} | {c['prefill_c0_s'] * 1e3:.0f} ms | {c['step_overhead_s'] * 1e3:.1f} ms | " + " | ".join(
+            f"x{c[m]['prefill']:.1f} / {c[m]['decode_d0_s'] * 1e3:.1f} ms" for m in MODELS) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -325,6 +334,7 @@ def main(argv=None) -> int:
     ap.add_argument("--agents", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/sim_fidelity.md")
+    ap.add_argument("--json", default="results/sim_fidelity.json", help="live and simulated figures, per call too")
     ap.add_argument("--work", default=None, help="keep the traces and live results here (default: a temp dir)")
     ap.add_argument("--reuse-live", action="store_true", help="reuse the live results and served traces in --work")
     ap.add_argument("--measure", action="store_true", help="print the engine's costs on this machine and stop")
@@ -354,6 +364,8 @@ def main(argv=None) -> int:
     command = "python bench/sim_fidelity.py " + " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
     text = report(live, sim, args, command.strip())
     (work / "sim.json").write_text(json.dumps(sim, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"live": live, "sim": sim}, indent=1, default=str))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
     print(text)
