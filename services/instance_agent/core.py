@@ -129,8 +129,9 @@ class AgentCore:
         events = self.sched.on_prefill_done(action, now, finished, first_tokens=firsts, prompt_left=prompt_left)
         return self._outcome(events, now)
 
-    def decode_done(self, action: Decode, now: float, finished: Iterable[str] = (), steps: int | None = None) -> Outcome:
-        return self._outcome(self.sched.on_decode_done(action, now, finished, steps), now)
+    def decode_done(self, action: Decode, now: float, finished: Iterable[str] = (), steps: int | None = None,
+                    stalled: Iterable[str] = ()) -> Outcome:
+        return self._outcome(self.sched.on_decode_done(action, now, finished, steps, stalled), now)
 
     def action_failed(self, action, now: float) -> Outcome:
         """The executor could not run `action` and failed what it had to: the scheduler can

@@ -64,7 +64,9 @@ class EngineSteps:
 
     async def _decode(self, action: Decode):
         steps = await self._step(self.engine.decode, list(action.call_ids))
-        return self.core.decode_done(action, time.time(), await self._tokens(steps))
+        stepped = {s.call_id for s in steps}
+        stalled = [c for c in action.call_ids if c not in stepped]  # no KV page for them yet
+        return self.core.decode_done(action, time.time(), await self._tokens(steps), stalled=stalled)
 
     async def _step(self, step, *args):
         """An engine step (prefill or decode); the calls it finished are released on the

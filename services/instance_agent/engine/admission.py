@@ -7,8 +7,9 @@ what the session and model produced; services/router/output_estimate.py), not pr
 max_tokens, a cap most calls never use (a 32,000-token cap would hold a quarter of a 131K
 pool per call). A call that outgrows its reservation grows page by page into pages nobody
 reserved (`grow_page`: free ones, then idle prefixes and sessions, whose KV HKVR keeps on
-host); when none is left it finishes on the instance with what it generated, finish
-reason "length" (TorchEngine.decode), as at the context limit: never a crash or a lost call.
+host); when none is left it waits a step while the others decode and finish; only when no
+call can go on does the latest admitted finish with what it generated, finish reason
+"length" (TorchEngine.decode), as at the context limit: never a crash or a lost call.
 
 Functions of the engine (`eng`), called on its one worker thread; split out of engine.py.
 """
@@ -118,6 +119,14 @@ def grow_page(eng: TorchEngine, seq: Sequence) -> int | None:
     page = alloc_page(eng)
     seq.total_pages += 1
     return page
+
+
+def grow_into(eng: TorchEngine, seq: Sequence) -> bool:
+    """Give `seq` one page past its reservation if one is unreserved; whether it got it."""
+    page = grow_page(eng, seq)
+    if page is not None:
+        seq.pages.append(page)
+    return page is not None
 
 
 def needs_page(eng: TorchEngine, seq: Sequence) -> bool:

@@ -207,18 +207,19 @@ class TorchEngine:
         if not seqs:
             return []
         self._poll()
-        # A call past its reserved pages grows into unreserved ones; with none left it ends
-        # here with what it has ("length", as at the context limit), never failing the step.
+        # A call past its reserved pages grows into unreserved ones. With none left it waits
+        # (no token this step: it is not in the result) while the others decode and free
+        # pages as they finish; when no call of the step can go on, the latest admitted ends
+        # with what it has ("length", as at the context limit) so the rest can. Never a
+        # failed step.
+        stalled = [s for s in seqs if admission.needs_page(self, s) and not admission.grow_into(self, s)]
         ended = []
-        for s in seqs:
-            if admission.needs_page(self, s):
-                page = admission.grow_page(self, s)
-                if page is None:
-                    ended.append(s.end_for_kv())
-                else:
-                    s.pages.append(page)
-        if ended:
-            seqs = [s for s in seqs if not s.finished]
+        if stalled and len(stalled) == len(seqs):
+            latest = max(stalled, key=lambda s: s.t_start)
+            ended.append(latest.end_for_kv())
+            stalled.remove(latest)
+        if ended or stalled:
+            seqs = [s for s in seqs if not s.finished and s not in stalled]
             call_ids = [s.req.call_id for s in seqs]
             if not seqs:
                 return ended
