@@ -9,7 +9,7 @@ the virtual clock. Instances report `InstanceSnapshot`s the way live agents hear
 lazily, right before a routing decision, each instance whose last snapshot is older than
 `heartbeat_s` sends a fresh one (equivalent to periodic heartbeats for every decision the
 router makes, without simulating idle heartbeats). Like a live agent, an instance also
-sends one when a call finishes there, at most every SNAPSHOT_ON_CHANGE_MIN_S (the router
+sends one when a call finishes there, at most every `snapshot_on_change_s` (the router
 learns of freed capacity and the session's KV at once, not a heartbeat later).
 `RouterCore.tick` runs before each decision and once at the end, so lease expiry is
 observed at decision times.
@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from talaria.services.instance_agent.call_outcomes import SNAPSHOT_ON_CHANGE_MIN_S
 from talaria.services.instance_agent.scheduler import SchedulerConfig
 from talaria.services.router.core import RouterCore
 from talaria.services.router.policy.base import PolicyConfig
@@ -74,6 +73,9 @@ class RunConfig:
     max_wall_s: float | None = None  # stop the run after this much wall time (result incomplete)
     max_decode_steps: int = 4096  # simulator speed: decode tokens per event (exact, see executor.py)
     log_actions: bool = False  # keep each instance's executed actions (schedule_bound.py)
+    # An instance also snapshots when a call finishes there, at most this often: the live
+    # agent's SNAPSHOT_ON_CHANGE_MIN_S (its runner; kept here so the simulator imports no I/O shell).
+    snapshot_on_change_s: float = 0.05
 
 
 @dataclass
@@ -271,7 +273,7 @@ class Cluster:
         self.jobs.append(job)
         self._count(self.router.handle(done, now))
         rec = self._snap_rec[job.instance]
-        if now - rec[1] >= SNAPSHOT_ON_CHANGE_MIN_S:  # the agent's snapshot on change
+        if now - rec[1] >= self.config.snapshot_on_change_s:  # the agent's snapshot on change
             self._send_snapshot(rec, now)
         session = self._by_id[job.session]
         nxt = job.call_index + 1
