@@ -16,10 +16,10 @@ def test_every_level_of_every_factor_appears_in_at_least_24_cells():
     grid = [c for c in cells() if not c.weka]
     assert len(grid) >= 24
     levels = {f: {getattr(c, f) for c in grid} for f in ("depth", "prompt", "output", "gaps", "arrivals",
-                                                          "catalogue", "instances")}
+                                                          "catalogue", "instances", "shared", "mixed_depth")}
     assert levels == {"depth": {5, 30, 100}, "prompt": {8_000, 25_000, 100_000}, "output": {50, 250, 1_000},
-                      "gaps": {"paper", "heavy"}, "arrivals": {"poisson", "bursts"}, "catalogue": {3, 20},
-                      "instances": {1, 4, 16}}
+                      "gaps": {"paper", "heavy", "human"}, "arrivals": {"poisson", "bursts"}, "catalogue": {3, 20},
+                      "instances": {1, 4, 16}, "shared": {0, 16_000}, "mixed_depth": {False, True}}
     loads = {c.load for c in grid}
     assert min(loads) == pytest.approx(0.3) and max(loads) == pytest.approx(1.2)
     assert {c.weka for c in cells() if c.weka} == {"fixed-replay", "router-testbed"}
