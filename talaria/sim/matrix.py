@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, replace
 
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.sim.cluster import RunConfig, simulate
-from talaria.sim.deployment import deploy
+from talaria.sim.deployment import deploy, pool_split
 from talaria.sim.executor import instance_config
 from talaria.shared.stats import quantile
 from talaria.sim.metrics import summarise
@@ -213,6 +213,8 @@ def run_one(cell: Cell, policy: str) -> dict:
     pinned: tuple[str, ...] = ()
     if policy in BASELINES:
         pc, pinned = deploy(pc, shape["demand"], cell.instances, cell.models)
+    elif cell.models <= cell.instances:  # ours: hot pools sized by demand (deployment.py)
+        pinned = pool_split(shape["demand"], cell.instances)
     sched = instance_config("round-only") if policy == ROUND_ONLY else flags
     shared = {m: cell.shared for m in server_for(cell).models} if cell.shared else {}
     cfg = RunConfig(server_for(cell), cell.instances, name, pc, sched, gaps, label=f"{cell.name}/{policy}",
@@ -222,8 +224,10 @@ def run_one(cell: Cell, policy: str) -> dict:
     out = {k: s[k] for k in KEEP}
     out["run_s"] = time.perf_counter() - started
     out["shape"] = shape
-    out["deployment"] = ("pools " + "/".join(f"{pinned.count(m)}" for m in sorted(set(pinned))) if pinned
-                         else "serverless" if pc.serverless else "talaria (cold pool)")
+    hot = [m for m in pinned if m]
+    out["deployment"] = ("serverless" if pc.serverless else
+                         f"{len(hot)} hot ({'/'.join(str(hot.count(m)) for m in sorted(set(hot)))}) + "
+                         f"{len(pinned) - len(hot) if pinned else cell.instances} cold")
     return out
 
 
