@@ -112,3 +112,20 @@ def test_sensitivity_variants_change_one_knob_and_are_reported_against_ours():
         c["results"]["talaria[lease_charge_s=0.5]"] = {**c["results"][OURS], "sct_p95": 19.8}
     table = "\n".join(sensitivity_table(m))
     assert "| talaria[lease_charge_s=0.5] | 1.00× | 1.10× |" in table
+
+
+def test_the_mechanism_column_names_the_ablation_that_costs_most_and_old_sits_beside_new():
+    from talaria.sim.matrix import NO_LEASE, ROUND_ONLY
+    from talaria.sim.matrix_report import MECHANISM, side_by_side
+
+    m = _fake(ours95=18.0)
+    for cell in m["cells"]:
+        cell["results"][NO_LEASE] = {**cell["results"][OURS], "sct_p95": 27.0}
+        cell["results"][ROUND_ONLY] = {**cell["results"][OURS], "sct_p95": 19.0}
+    m["cells"][0]["results"][PAPER] = {**m["cells"][0]["results"][PAPER], "sct_p95": 20.0}
+    row = wins(m)["rows"][0]
+    assert row["mechanism"] == (MECHANISM[NO_LEASE], pytest.approx(1.5))
+    assert "soft leases (1.50×)" in win_table(m)
+    old = _fake(ours95=10.0)
+    text = side_by_side(m, old)
+    assert f"| c1 | 0.90× ({BASELINES[0]}) | 0.50× | 0.90× ({BASELINES[0]}) | 0.90× |" in text
