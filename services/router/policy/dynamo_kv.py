@@ -44,9 +44,10 @@ class DynamoKv(PlacementPolicy):
             return self.reject(state, call, now, f"no healthy instance serves {call.model}")
         isl = call.prompt_tokens
         request_blocks = -(-isl // BLOCK)
+        hits = state.prefix.match(call.model, call.block_hashes)
         candidates = []
         for v in views:
-            device, host = engine_prefix(state, v, call)
+            device, host = engine_prefix(v, call, hits)
             cached_blocks = DEVICE_HIT_WEIGHT * (device // BLOCK) + HOST_HIT_WEIGHT * (host // BLOCK)
             snap = v.snapshot
             pending = (snap.queued_prefill_s * snap.prefill_tok_s if snap.queued_prefill_s >= 0

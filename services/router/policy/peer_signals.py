@@ -63,9 +63,10 @@ def routed_prefix(state: RouterState, call: CallSubmitted) -> dict[str, int]:
     return {i: min(t, call.prompt_tokens) for i, t in out.items()}
 
 
-def engine_prefix(state: RouterState, view: InstanceView, call: CallSubmitted) -> tuple[int, int]:
+def engine_prefix(view: InstanceView, call: CallSubmitted, hits: dict[str, tuple[int, str]]) -> tuple[int, int]:
     """(device, host) prompt tokens the engine reports cached there (KV events): the
-    session's own KV, or a prefix another session left there that the engine still holds."""
+    session's own KV, or a prefix another session left there (`hits`: the prefix index's
+    match for the call) that the engine still holds."""
     device = host = 0
     prompt = call.prompt_tokens
     own = view.kv.get((call.session_id, call.model))
@@ -73,7 +74,7 @@ def engine_prefix(state: RouterState, view: InstanceView, call: CallSubmitted) -
         device = min(own.kv_tokens, prompt)
     elif own is not None and own.state == "host":
         host = min(own.kv_tokens, prompt)
-    hit = state.prefix.match(call.model, call.block_hashes).get(view.instance_id)
+    hit = hits.get(view.instance_id)
     if hit is not None:
         tokens, holder = min(hit[0], prompt), hit[1]
         kv = view.kv.get((holder, call.model))
