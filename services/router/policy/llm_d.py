@@ -5,14 +5,16 @@ profiles) and the llm-d "inference scheduling" well-lit path's profile: prefix-c
 weight 3, queue-scorer weight 2, kv-cache-utilization-scorer weight 2, max-score-picker; the
 scorers themselves are the Gateway API Inference Extension's
 (kubernetes-sigs/gateway-api-inference-extension, `pkg/epp/scheduling/framework/plugins/
-scorer/{queue,kvcache,prefix,lora_affinity}`), read through the search tools.
+scorer/{queue,kvcache_utilization,lora_affinity}.go`, `.../plugins/multi/prefix/plugin.go`),
+read through the search tools.
 
     prefix(w)   = blocks of the request's prefix the scorer's LRU index places on w / request blocks
     queue(w)    = (max_q - q_w) / (max_q - min_q) over the candidates (1 when all equal)
     kv(w)       = 1 - KV cache utilisation of w
     model(w)    = 1.0 model active on w, 0.8 a free slot to load it (w idle), 0.6 already
-                  loading it, else 0 (the lora-affinity scorer, model for adapter; it only
-                  matters where instances load models on demand; weight 1 [asm])
+                  loading it, else 0 (the lora-affinity scorer, model for adapter, one model
+                  per instance as MaxActiveModels; it only matters where instances load
+                  models on demand; weight 1 [asm])
     score(w)    = 3 prefix + 2 queue + 2 kv + 1 model;  max-score picker, ties at random
 
 The prefix index is the approximate one built from routed prompts (the scorer's
