@@ -86,3 +86,23 @@ def test_human_gaps_are_minutes_for_a_fifth_of_the_returns():
 def test_mixed_depths_mix_short_and_long_sessions():
     depths = [len(x.calls) for x in agent_sessions(200, ["a"], 30, 8_000, 50, seed=5, mixed_depth=True)]
     assert sum(d <= 8 for d in depths) > 60 and sum(d >= 60 for d in depths) > 10
+
+
+def test_sim_run_deploys_a_peer_as_deployed(tmp_path, capsys):
+    import json
+
+    from talaria.sim.cli import main
+    from talaria.traces.format import save_sessions
+
+    trace = tmp_path / "t.jsonl"
+    save_sessions(at_rate(agent_sessions(6, MODELS[:2], 4, 4_000, 50, seed=7), 0.2), trace)
+    out = tmp_path / "r.json"
+    for deploy, opens in (("as-deployed", 0), ("shared", None)):
+        assert main(["run", "--trace", str(trace), "--policy", "sglang-cache-aware", "--instances", "3",
+                     "--deploy", deploy, "--gaps", "recorded", "--json", str(out)]) == 0
+        got = json.loads(out.read_text())
+        assert got["complete"]
+        if opens is not None:  # pinned pools: loaded at start, never opened or switched
+            assert got["router"]["model_opens"] == opens
+        else:
+            assert got["router"]["model_opens"] > 0
