@@ -5,7 +5,10 @@ Design (one factor at a time around a base, every level of every factor present)
     base      depth ~30 calls, prompt ~25K, output ~250, paper gaps, Poisson arrivals,
               3 equal models, 4 instances; swept over offered load 30/60/80/100/120 %
     variants  each other level of one factor (depth 5/100, prompt 8K/100K, output 50/1,000,
-              heavy-tailed gaps, bursts, 20 Zipf models, 1/16 instances), at 60 % and 100 %
+              heavy-tailed gaps, bursts, 20 Zipf models, 1/16 instances, a 16K-token system
+              prompt + tool schema shared by a model's sessions, human turns of minutes
+              between some calls, mixed depths), at 60 % and 100 %
+    product   the last three together (an agent product), at 60/100/120 %
     WEKA      the shipped sessions: the fixed replay (30 model-sessions at t=0, one
               paper TP=8 server) and the router testbed (TP=4 models, 2 instances, high load)
 
@@ -14,16 +17,22 @@ Workloads come from `workloads.agent_sessions` (seeded; cell k uses seed `seed +
 Capacity. An instance's capacity is the session throughput it sustains if every call finds
 its reusable prefix on device and no model switch is ever paid (a work-conserving upper
 bound, so 100 % is the most a perfect session-aware policy could carry): a session's work
-is sum over its calls of prefill(new tokens on top of the reusable prefix) + output tokens
+is sum over its calls of prefill(new tokens on top of the reusable prefix, or of the
+shared system prompt for a prompt that starts afresh) + output tokens
 x decode step at the saturated batch / batch, where the saturated batch is min(max_batch,
 KV pool tokens / mean context). capacity = instances / mean session work (sessions/s);
 a cell at load L starts sessions at L x capacity. Switches, recompute after a move and
 queueing are what a policy loses against this bound.
 
-Policies: the four baselines (least-pressure, session-sticky, prefix-aware, kv-cost, each
-with its documented defaults), `talaria` (our configuration) and `talaria-paper` (the same
-policy under the paper's rules: Eq. 1 ranking only, the paper's admission, fixed tau,
-reject on overload). Runs go to a process pool (2 workers by default: this machine's cores).
+Policies: the faithful peers (round-robin, sglang-cache-aware, dynamo-kv, llm-d,
+vllm-stack-session; services/router/policy/, each citing its source and defaults), each
+deployed as it is deployed (deployment.py: per-model hot pools split by the cell's demand
+where the models fit the instances, serverless on-demand loading where they do not);
+`talaria` (our configuration: the same demand-sized hot pools where the models fit, its cold
+pool elsewhere) and `talaria-paper` (the same policy under the paper's rules: Eq. 1 ranking
+only, the paper's admission, fixed tau, reject on overload); with `--ablations` also
+talaria without leases and without its instance mechanisms. Runs go to a process pool
+(2 workers by default: this machine's cores).
 """
 
 from __future__ import annotations
