@@ -40,7 +40,7 @@ from talaria.sim.workloads import fixed_replay, router_testbed, synthetic_catalo
 from talaria.traces.gaps import GapModel
 
 CONFIGS = ("talaria", "no-sp", "no-hkvr", "h2d-only", "round-only")
-ROUTER_POLICIES = ("least-pressure", "session-sticky", "prefix-aware", "kv-cost", "talaria")
+ROUTER_POLICIES = ("round-robin", "least-pressure", "session-sticky", "prefix-aware", "kv-cost", "talaria")
 SCALE_POLICIES = ("least-pressure", "prefix-aware", "kv-cost", "talaria")
 TAUS = (0.0, 0.5, 1.0, 2.0, 5.0)
 ROUTER_SEEDS = 8  # gap-model seeds per router-testbed point (see router_exp)

@@ -235,7 +235,7 @@ def matrix_section(matrix: dict) -> list[str]:
     head = (matrix_design.__doc__ or "").split("\n\n", 1)[-1].strip()  # the grid's design (matrix.py)
     return [
         "## Workload matrix", "",
-        f"`talaria sim experiments matrix --sensitivity` ({sum(1 for c in matrix['cells'] if not c.get('weka'))} "
+        f"`talaria sim experiments matrix --ablations` ({sum(1 for c in matrix['cells'] if not c.get('weka'))} "
         f"generated cells + {sum(1 for c in matrix['cells'] if c.get('weka'))} WEKA cells x "
         f"{len([p for p in matrix['policies'] if not p.startswith(OURS + '[')])} policies in "
         f"{matrix['wall_s']:.0f} s wall with {matrix['workers']} worker processes on the shared 2-core machine"
