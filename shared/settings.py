@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from talaria.shared.api_keys import InvalidKeyEntry, parse_key_entry
+
 
 class SettingsError(ValueError):
     """A configuration value is missing or malformed; the message names the variable."""
@@ -179,8 +181,6 @@ class Settings:
                 raise SettingsError(f"TALARIA_{name.upper()}", str(path), "an existing file")
         if self.prefix_sharing not in ("tenant", "session", "global"):
             raise SettingsError("TALARIA_PREFIX_SHARING", self.prefix_sharing, "tenant, session or global")
-        from talaria.services.gateway.auth import InvalidKeyEntry, parse_key_entry
-
         for entry in self.api_keys:
             try:
                 parse_key_entry(entry)

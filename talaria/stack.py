@@ -125,7 +125,7 @@ class Stack:
 
     def _api_keys(self, data: Path) -> None:
         """No keys configured: generate one for this run; only its hash reaches the gateway."""
-        from talaria.services.gateway.auth import hash_key, new_key, write_key_file
+        from talaria.shared.api_keys import hash_key, new_key, write_key_file
 
         if self.settings.api_keys or self.settings.api_keys_file:
             return
