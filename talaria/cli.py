@@ -105,7 +105,7 @@ def _check_policy(name: str) -> None:
 
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
-    from talaria.shared.db.engine import upgrade
+    from talaria.shared.db.connection import upgrade
 
     if not settings.database_url:
         print("talaria migrate: set TALARIA_DATABASE_URL", file=sys.stderr)

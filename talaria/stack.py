@@ -21,7 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from talaria.shared.db.engine import upgrade
+from talaria.shared.db.connection import upgrade
 from talaria.shared.nats_auth import generate_users
 from talaria.shared.settings import Settings, redact_url
 from talaria.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedServerError, free_port, stop_stale

@@ -153,9 +153,6 @@ class ChatInput:
     choice: str = "auto"  # auto | required | none | tool
     forced: str | None = None
 
-    @property
-    def tools_offered(self) -> bool:
-        return bool(self.tools) and self.choice != "none"
 
 
 def chat_messages(req: ChatCompletionRequest) -> ChatInput:

@@ -3,8 +3,8 @@
     routed call ──accept──▶ Work ──▶ RoundScheduler.submit
     executor loop: action = core.next_action(now)
                    runs it (torch engine on the wall clock | cost profile on a virtual clock)
-                   core.switch_done / prefill_done / decode_done(action, now, ...) → Outcome
-    Outcome: calls finished (executor releases them, then core.completed → CallCompleted),
+                   core.switch_done / prefill_done / decode_done(action, now, ...) → StepReport
+    StepReport: calls finished (executor releases them, then core.completed → CallCompleted),
              RoundSummary and SwitchDone messages, notes (CallParked / DeadlineRisk)
     core.snapshot(...) → InstanceSnapshot (the one snapshot builder)
 
@@ -57,7 +57,7 @@ class CallRecord:
 
 
 @dataclass(slots=True)
-class Outcome:
+class StepReport:
     """What one completed action (or a drain) means for the outside world."""
 
     finished: list[str] = field(default_factory=list)  # calls done (not aborted): release, then complete
@@ -101,7 +101,7 @@ class AgentCore:
 
     def switch_done(self, action: SwitchModel, now: float, total_s: float, *, path: str,
                     phases: dict[str, float] | None = None, bytes_staged: int = 0,
-                    bytes_uncovered: int = 0, clock_measured: bool = False) -> Outcome:
+                    bytes_uncovered: int = 0, clock_measured: bool = False) -> StepReport:
         """The device serves `action.to_model` after `total_s` seconds along `path`. The
         scheduler learns `total_s`, or with `clock_measured` the time since it issued the
         switch (a virtual clock that advanced by exactly the priced time)."""
@@ -117,7 +117,7 @@ class AgentCore:
         return out
 
     def prefill_done(self, action: Prefill, now: float, finished: Iterable[str] = (),
-                     first_tokens: Iterable[str] | None = None, prompt_left=None) -> Outcome:
+                     first_tokens: Iterable[str] | None = None, prompt_left=None) -> StepReport:
         """`first_tokens`: calls whose prompt is complete (default all); with chunked prefill
         the others continue, and `prompt_left` says how much each has left."""
         firsts = None if first_tokens is None else set(first_tokens)
@@ -128,19 +128,19 @@ class AgentCore:
         events = self.sched.on_prefill_done(action, now, finished, first_tokens=firsts, prompt_left=prompt_left)
         return self._outcome(events, now)
 
-    def decode_done(self, action: Decode, now: float, finished: Iterable[str] = (), steps: int | None = None) -> Outcome:
+    def decode_done(self, action: Decode, now: float, finished: Iterable[str] = (), steps: int | None = None) -> StepReport:
         return self._outcome(self.sched.on_decode_done(action, now, finished, steps), now)
 
-    def action_failed(self, action, now: float) -> Outcome:
+    def action_failed(self, action, now: float) -> StepReport:
         """The executor could not run `action` and failed what it had to: the scheduler can
         choose again (without this it would wait for the action forever)."""
         return self._outcome(self.sched.on_action_failed(action, now), now)
 
-    def drain(self, now: float) -> Outcome:
+    def drain(self, now: float) -> StepReport:
         """Events raised outside an action (after an Idle)."""
         return self._outcome(self.sched.drain_events(), now)
 
-    def abort(self, call_id: str, now: float) -> Outcome:
+    def abort(self, call_id: str, now: float) -> StepReport:
         """Forget a call the executor failed (its record goes; the scheduler frees its place)."""
         self.records.pop(call_id, None)
         return self._outcome(self.sched.abort(call_id, now), now)
@@ -148,8 +148,8 @@ class AgentCore:
     def forget(self, call_id: str) -> CallRecord | None:
         return self.records.pop(call_id, None)
 
-    def _outcome(self, events, now: float) -> Outcome:
-        out = Outcome()
+    def _outcome(self, events, now: float) -> StepReport:
+        out = StepReport()
         for event in events:
             match event:
                 case CallAdmitted():
@@ -195,7 +195,7 @@ class AgentCore:
                  models: list[ModelResidency], sessions: list[SessionKv], memory, heartbeat_s: float) -> InstanceSnapshot:
         """The instance snapshot the router consumes. Queues, round and risk come from the
         scheduler (the fields of `scheduler.view` the router reads, without its per-call KV sum); residency, session KV and `memory` (capacity, use and measured rates, the
-        attributes of `engine.api.EngineStats`) from the executor's device."""
+        attributes of `engine.contract.EngineStats`) from the executor's device."""
         sched, calls = self.sched, self.sched.calls
         return InstanceSnapshot(
             instance_id=self.instance_id, version=version, at=now, pool=pool, models=models,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from talaria.services.instance_agent.call_outcomes import merge_outcomes
-from talaria.services.instance_agent.core import Outcome
+from talaria.services.instance_agent.call_closing import merge_reports
+from talaria.services.instance_agent.core import StepReport
 from talaria.services.instance_agent.engine import EngineBusy, EngineError, GenRequest
 from talaria.services.instance_agent.scheduler import Decode, Prefill, SchedulerError, SwitchModel
 from talaria.shared import subjects
@@ -111,13 +111,13 @@ class EngineSteps:
         has freed them (nothing here runs them); another failed switch fails the calls that
         were waiting for it."""
         self.log.error("engine step failed", action=type(action).__name__, error=str(exc))
-        outcome = Outcome()
+        outcome = StepReport()
         failed = list(getattr(action, "call_ids", ()))
         if isinstance(action, SwitchModel) and not isinstance(exc, EngineBusy):
             failed = list(self.sched.calls.queued.get(action.to_model, ()))
         for call_id in failed:
             try:
-                merge_outcomes(outcome, self.core.abort(call_id, time.time()))
+                merge_reports(outcome, self.core.abort(call_id, time.time()))
             except SchedulerError:
                 self.core.forget(call_id)  # already gone from the scheduler
             try:
@@ -125,6 +125,6 @@ class EngineSteps:
             except Exception:  # e.g. NATS down: the loop must go on regardless
                 self.log.exception("failing a call failed", call_id=call_id)
         if self.sched.inflight is action:  # not when it failed after the scheduler heard it done
-            merge_outcomes(outcome, self.core.action_failed(action, time.time()))
+            merge_reports(outcome, self.core.action_failed(action, time.time()))
         self.sweep_due = True  # the engine's state of the failed calls goes before the next step
         return outcome

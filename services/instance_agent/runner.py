@@ -16,7 +16,7 @@ thread, everything touching NATS stays on the event loop. A call's JetStream mes
 acked only once its outcome is published, so a crashed agent's calls are redelivered.
 
 Here: intake, cancels, the work loop, snapshots. The steps are in engine_steps.py, the
-outcomes (events, replies, acks) in call_outcomes.py, the drops (deadlines, lost
+outcomes (events, replies, acks) in call_closing.py, the drops (deadlines, lost
 placements, the watchdog, stray engine entries) in call_drops.py.
 """
 
@@ -33,11 +33,11 @@ import msgspec
 from opentelemetry import trace
 
 from talaria.services.instance_agent.call_drops import CallDrops
-from talaria.services.instance_agent.call_outcomes import FINISHED_MEMORY, CallOutcomes
-from talaria.services.instance_agent.core import AgentCore, Outcome
+from talaria.services.instance_agent.call_closing import FINISHED_MEMORY, CallOutcomes
+from talaria.services.instance_agent.core import AgentCore, StepReport
 from talaria.services.instance_agent.engine import EngineError
 from talaria.services.instance_agent.engine_steps import EngineSteps
-from talaria.services.instance_agent.outcomes import OutcomeSender
+from talaria.services.instance_agent.record_sender import RecordSender
 from talaria.services.instance_agent.scheduler import (
     Decode,
     Idle,
@@ -78,7 +78,7 @@ def reusable_kv(engine, session_id: str, model: str, prompt_tokens: int,
 
 
 @dataclass
-class Running:
+class CallTransport:
     routed: CallRouted
     # The JetStream message, acked once the outcome is published; None while the call runs
     # from its core-NATS fast copy and the durable copy has not arrived (it is acked on arrival).
@@ -93,7 +93,7 @@ class Running:
 
 class CallRunner(EngineSteps, CallOutcomes, CallDrops):
     """Intake, the work loop and telemetry here; the engine steps (engine_steps.py), the
-    outcomes and acks (call_outcomes.py) and the drops (call_drops.py) are mixins over the
+    outcomes and acks (call_closing.py) and the drops (call_drops.py) are mixins over the
     same state."""
 
     def __init__(self, settings, engine, executor, nc, js, tracer: trace.Tracer, log) -> None:
@@ -113,16 +113,16 @@ class CallRunner(EngineSteps, CallOutcomes, CallDrops):
         # Set when a call arrives: a chunked prefill in flight ends at its next forward pass.
         self.arrived = threading.Event()
         engine.should_yield = self.arrived.is_set
-        self.calls: dict[str, Running] = {}
+        self.calls: dict[str, CallTransport] = {}
         self.wakeup = asyncio.Event()
         self.version = 0
         self.last_snapshot = 0.0
         # A call is in at most one of: `calls` (queued or running), `closing` (its outcome is
         # being published: a copy arriving then, e.g. the durable one after a NATS pause, is
         # attached to it, never run again), `finished` (recently done: a redelivery is acked).
-        self.closing: dict[str, Running] = {}
+        self.closing: dict[str, CallTransport] = {}
         self.finished: OrderedDict[str, None] = OrderedDict()
-        self.outcomes = OutcomeSender(nc, js, log)  # completion records stored off the loop
+        self.outcomes = RecordSender(nc, js, log)  # completion records stored off the loop
         self.released: dict[str, object] = {}  # finished calls the engine step released: result or error
         # Cancels for calls not (yet) here: a call routed after its cancel is refused on arrival.
         self.cancelled: OrderedDict[str, tuple[str, str]] = OrderedDict()  # call id -> (reason, tenant)
@@ -163,7 +163,7 @@ class CallRunner(EngineSteps, CallOutcomes, CallDrops):
                 asyncio.ensure_future(msg.ack())
             return None
         if self.cancelled.get(call.call_id, ("", None))[1] == call.tenant:  # cancelled before it arrived
-            self.calls[call.call_id] = Running(routed, msg, self.tracer.start_span("execute"))
+            self.calls[call.call_id] = CallTransport(routed, msg, self.tracer.start_span("execute"))
             asyncio.ensure_future(self._cancelled(call.call_id, self.cancelled.pop(call.call_id)[0]))
             return None
         if routed.incarnation and routed.incarnation != self.incarnation:
@@ -180,7 +180,7 @@ class CallRunner(EngineSteps, CallOutcomes, CallDrops):
             return f"the instance cannot schedule this call: {exc}"
         span = self.tracer.start_span("execute", context=extract_context(headers or getattr(msg, "headers", None)),
                                       attributes={"call.id": call.call_id, "instance.id": self.instance_id})
-        self.calls[call.call_id] = Running(routed, msg, span)
+        self.calls[call.call_id] = CallTransport(routed, msg, span)
         self.arrived.set()
         self.wakeup.set()
         return None
@@ -205,7 +205,7 @@ class CallRunner(EngineSteps, CallOutcomes, CallDrops):
         if self.calls[call_id].routed.call.tenant != tenant:
             self.log.warning("cancel from another tenant ignored", call_id=call_id)
             return
-        outcome = Outcome()
+        outcome = StepReport()
         try:
             outcome = self.core.abort(call_id, time.time())
         except SchedulerError:

@@ -41,7 +41,7 @@ from talaria.shared.events import (
     RoutingDecision,
 )
 from talaria.sim.agents import PromptHashes, RetryPolicy
-from talaria.sim.engine import EventLoop
+from talaria.sim.event_loop import EventLoop
 from talaria.sim.device_view import DeviceView
 from talaria.sim.executor import Job, SimExecutor, instance_config
 from talaria.sim.profiles import ServerProfile

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class DeviceMemory:
-    """The memory and rate fields of a snapshot (named as in `engine.api.EngineStats`)."""
+    """The memory and rate fields of a snapshot (named as in `engine.contract.EngineStats`)."""
 
     kv_capacity_tokens: int
     kv_used_tokens: int

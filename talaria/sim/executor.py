@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from talaria.services.instance_agent.core import AgentCore, Outcome
+from talaria.services.instance_agent.core import AgentCore, StepReport
 from talaria.services.instance_agent.memory.parked_kv import ParkedKv, Unparked, parking_room, staging_reserve
 from talaria.services.instance_agent.scheduler import Decode, Idle, Prefill, SchedulerConfig, SwitchModel
 from talaria.services.instance_agent.scheduler.costs import decode_steps_s, first_step_reaching
@@ -297,7 +297,7 @@ class SimExecutor:
         calls = () if isinstance(action, SwitchModel) else tuple(action.call_ids)
         return LoggedAction(calls, self.action_start, now, transfer, tuple(finished))
 
-    def _record(self, outcome: Outcome, now: float) -> list:
+    def _record(self, outcome: StepReport, now: float) -> list:
         """Keep the core's records; complete finished calls (their sink events return)."""
         if outcome.switch is not None:
             self.switches.append(outcome.switch)

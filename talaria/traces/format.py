@@ -148,12 +148,6 @@ def iter_numbered(stream: IO[str], path: str = "<trace>") -> Iterator[tuple[int,
         yield lineno, parse_line(obj, path, lineno)
 
 
-def iter_calls(stream: IO[str], path: str = "<trace>") -> Iterator[TraceCall]:
-    """Validated calls without line numbers."""
-    for _, call in iter_numbered(stream, path):
-        yield call
-
-
 def group_sessions(
     numbered: Iterable[tuple[int, TraceCall]], path: str = "<trace>"
 ) -> list[Session]:

@@ -8,7 +8,7 @@ import asyncio
 import nats
 import pytest
 
-from talaria.services.instance_agent.service import run as run_agent
+from talaria.services.instance_agent.agent_service import run as run_agent
 from talaria.shared.messages import CallRequest, CallResult, REPLY_DECODER
 from talaria.shared.wire import encode
 from talaria.shared import subjects

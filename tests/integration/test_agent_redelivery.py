@@ -21,8 +21,8 @@ from collections import Counter
 
 import pytest
 
-from talaria.services.instance_agent import outcomes
-from talaria.services.instance_agent import service as agent_service
+from talaria.services.instance_agent import record_sender
+from talaria.services.instance_agent import agent_service
 from talaria.services.instance_agent.engine import GenRequest
 from talaria.shared.events import CallCompleted, CallRouted, CallSubmitted
 from talaria.shared.messages import CallResult, REPLY_DECODER
@@ -125,7 +125,7 @@ def hold_completion_publish(monkeypatch, call_id: str):
     """The NATS pause as the agent sees it: the call's completion record does not get out
     until `resume` is set; `held` is set when the agent is waiting on it."""
     held, resume = asyncio.Event(), asyncio.Event()
-    emit_real = outcomes.emit_async  # a completion's record is published from there
+    emit_real = record_sender.emit_async  # a completion's record is published from there
 
     async def paused_emit(js, event, *a, **k):
         if not (isinstance(event, CallCompleted) and event.call_id == call_id):

@@ -1,9 +1,9 @@
 """The `torch` engine: small real models in plain torch with paged KV, prefix reuse,
 host KV restore and staged model switches.
 
-    contract.py   Engine (the Protocol the agent drives) and its declared Capabilities
+    contract.py   Engine (the Protocol the agent drives), its declared Capabilities, and the
+                  records it takes and gives: GenRequest, StepToken, GenResult, SwitchRecord, EngineStats
     registry.py   engines by name (TALARIA_ENGINE, default torch)
-    api.py        GenRequest, GenResult, StepToken, SwitchRecord, EngineStats
     errors.py     error hierarchy (fields, no asserts on user input)
     weights.py    deterministic init, safetensors files, flat weight layouts
     model.py      functional forward for dense / moe / gpt2 over paged KV (+ reference)
@@ -11,13 +11,13 @@ host KV restore and staged model switches.
     sampling.py   greedy / temperature + top-p, stop strings
     sequence.py   per-call running state
     switch.py     the five-phase model switch
-    engine.py     TorchEngine, the facade the instance agent calls (one worker thread)
+    torch_engine.py  TorchEngine, the facade the instance agent calls (one worker thread)
 """
 
-from talaria.services.instance_agent.engine.api import (
+from talaria.services.instance_agent.engine.contract import (
     EngineStats, GenRequest, GenResult, StepToken, SwitchRecord,
 )
-from talaria.services.instance_agent.engine.engine import TorchEngine
+from talaria.services.instance_agent.engine.torch_engine import TorchEngine
 from talaria.services.instance_agent.engine.errors import (
     ContextTooLong, EngineBusy, EngineError, InvalidRequest, ModelNotActive, OutOfKvPages,
     UnknownCall, UnknownModel, WeightsCorrupt,

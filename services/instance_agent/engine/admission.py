@@ -12,7 +12,7 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING
 
-from talaria.services.instance_agent.engine.api import GenRequest
+from talaria.services.instance_agent.engine.contract import GenRequest
 from talaria.services.instance_agent.engine.errors import (
     ContextTooLong, InvalidRequest, OutOfKvPages, UnknownCall,
 )
@@ -23,7 +23,7 @@ from talaria.shared.model_text import text_for
 from talaria.shared.tokenizer import block_hashes
 
 if TYPE_CHECKING:
-    from talaria.services.instance_agent.engine.engine import TorchEngine
+    from talaria.services.instance_agent.engine.torch_engine import TorchEngine
 
 
 def validate(eng: TorchEngine, r: GenRequest) -> None:

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from talaria.services.instance_agent.engine import admission
-from talaria.services.instance_agent.engine.api import GenRequest, StepToken
+from talaria.services.instance_agent.engine.contract import GenRequest, StepToken
 from talaria.services.instance_agent.engine.errors import ModelNotActive, UnknownCall
 from talaria.services.instance_agent.engine.model import SeqSlice, forward, paged_attention
 from talaria.services.instance_agent.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from talaria.services.instance_agent.engine.engine import TorchEngine
+    from talaria.services.instance_agent.engine.torch_engine import TorchEngine
 
 
 def prefill_step(eng: TorchEngine, reqs: list[GenRequest], t0: float, chunk: int = 0,

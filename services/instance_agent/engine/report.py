@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from talaria.services.instance_agent.engine.admission import common_prefix
-from talaria.services.instance_agent.engine.api import EngineStats
+from talaria.services.instance_agent.engine.contract import EngineStats
 
 if TYPE_CHECKING:
-    from talaria.services.instance_agent.engine.engine import TorchEngine
+    from talaria.services.instance_agent.engine.torch_engine import TorchEngine
 
 
 def kv_state(eng: TorchEngine, session_id: str, model: str) -> str:

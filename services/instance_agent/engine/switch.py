@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from talaria.services.instance_agent.engine.api import SwitchRecord
+from talaria.services.instance_agent.engine.contract import SwitchRecord
 from talaria.services.instance_agent.engine.kv_cache import PagePool, DevicePrefixIndex, SessionCache
 from talaria.services.instance_agent.engine.model import rope_tables
 
 if TYPE_CHECKING:
-    from talaria.services.instance_agent.engine.engine import TorchEngine
+    from talaria.services.instance_agent.engine.torch_engine import TorchEngine
 
 
 def switch(eng: TorchEngine, model: str) -> SwitchRecord:

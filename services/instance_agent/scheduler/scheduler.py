@@ -211,10 +211,6 @@ class RoundScheduler(ColdPool, HotPool, ChunkedPrefill, WorkCosts):
         """The engine moved a session's prefix (e.g. device -> host on a switch)."""
         return self.calls.update_kv(session_id, model, kv_state, reusable_tokens)
 
-    def observe_cost(self, kind: str, model: str, predicted_s: float, measured_s: float) -> None:
-        """Fold an externally measured step into the EWMA cost correction."""
-        self.costs.observe(kind, model, predicted_s, measured_s)
-
     def drain_events(self) -> list[SchedulerEvent]:
         """Events raised so far (also returned by every on_*_done); call it after an Idle."""
         return self.reports.drain()

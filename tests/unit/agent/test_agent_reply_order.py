@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import structlog
 from talaria.services.gateway.submitter import Submitter
-from talaria.services.instance_agent import call_outcomes, outcomes
-from talaria.services.instance_agent.core import Outcome
+from talaria.services.instance_agent import call_closing, record_sender
+from talaria.services.instance_agent.core import StepReport
 from talaria.services.instance_agent.engine.contract import Capabilities
 from talaria.services.instance_agent.runner import CallRunner
 from talaria.shared import subjects
@@ -36,8 +36,8 @@ async def test_a_steps_replies_are_written_once_before_their_bookkeeping(tmp_pat
         order.append("write")
 
     r._complete = complete
-    monkeypatch.setattr(call_outcomes, "written", written)
-    await r._events(Outcome(finished=["c1", "c2"]))
+    monkeypatch.setattr(call_closing, "written", written)
+    await r._events(StepReport(finished=["c1", "c2"]))
     assert order == ["publish c1", "publish c2", "write", "note c1", "note c2"]
 
 
@@ -48,10 +48,10 @@ async def test_the_loop_does_not_wait_for_a_round_summarys_ack(tmp_path, monkeyp
     async def emit_async(js, event, *a, **kw):
         return ack
 
-    monkeypatch.setattr(outcomes, "emit_async", emit_async)
+    monkeypatch.setattr(record_sender, "emit_async", emit_async)
     summary = RoundSummary(instance_id="agent-t", round_index=1, wall_s=0.01, active_s=0.01, switch_s=0.0,
                            at=1000.0, slots=["qwen3-tiny"])
-    await asyncio.wait_for(r._events(Outcome(rounds=[summary])), 1.0)  # returns with the ack pending
+    await asyncio.wait_for(r._events(StepReport(rounds=[summary])), 1.0)  # returns with the ack pending
     assert len(r.outcomes._tasks) == 1  # its ack is awaited in the background (and at stop)
     ack.set_result(SimpleNamespace(seq=1))
     await asyncio.wait_for(r.outcomes.drain(1.0), 2.0)

@@ -8,7 +8,7 @@ import structlog
 
 from talaria.services.instance_agent.engine.contract import Capabilities
 
-from talaria.services.instance_agent.core import Outcome
+from talaria.services.instance_agent.core import StepReport
 from talaria.services.instance_agent.runner import CallRunner
 from talaria.services.instance_agent.scheduler import CallParked, DeadlineRisk, Idle
 from talaria.shared.settings import Settings
@@ -26,7 +26,7 @@ async def test_parked_and_risk_notes_are_logged_and_completions_still_published(
         completed.append(call_id)
 
     runner._complete = record_completion
-    await runner._events(Outcome(finished=["c2"], notes=[
+    await runner._events(StepReport(finished=["c2"], notes=[
         CallParked("c1", "qwen3-tiny", "sp_budget", 1.0),
         DeadlineRisk("qwen3-tiny", "capacity", 2.0, 1.0, calls=1, at=1.0)]))
     assert completed == ["c2"]
@@ -47,7 +47,7 @@ async def test_a_completion_that_fails_does_not_strand_the_calls_finished_with_i
         completed.append(call_id)
 
     runner._complete = complete
-    await runner._events(Outcome(finished=["bad", "c2", "c3"]))
+    await runner._events(StepReport(finished=["bad", "c2", "c3"]))
     assert completed == ["c2", "c3"]
     assert runner.sweep_due  # what the engine still holds of "bad" is released before the next step
 

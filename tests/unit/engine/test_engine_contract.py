@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from talaria.services.instance_agent.engine.api import GenRequest
+from talaria.services.instance_agent.engine.contract import GenRequest
 from talaria.services.instance_agent.engine.contract import Capabilities, Engine
 from talaria.services.instance_agent.engine.errors import EngineError
 from talaria.services.instance_agent.engine.registry import ENGINES, UnknownEngine, build_engine

@@ -30,7 +30,7 @@ from talaria.shared.nats_auth import sender_of, trusted
 from talaria.shared import logs, subjects, tracing
 from talaria.shared.health import heartbeat_loop
 from talaria.shared.bus import close, connect
-from talaria.shared.db.engine import create_engine
+from talaria.shared.db.connection import create_engine
 from talaria.shared.events import EVENT_DECODER
 from talaria.shared.settings import Settings
 

@@ -22,7 +22,7 @@ import torch
 
 from talaria.services.instance_agent.engine import admission, forward_pass, report
 from talaria.services.instance_agent.engine import switch as switching
-from talaria.services.instance_agent.engine.api import EngineStats, GenRequest, GenResult, StepToken, SwitchRecord
+from talaria.services.instance_agent.engine.contract import EngineStats, GenRequest, GenResult, StepToken, SwitchRecord
 from talaria.services.instance_agent.engine.contract import Capabilities
 from talaria.services.instance_agent.engine.errors import EngineBusy, UnknownCall, UnknownModel
 from talaria.services.instance_agent.engine.kv_cache import PagePool, DevicePrefixIndex, SessionCache, DeviceKvSession

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 
-from talaria.services.instance_agent.core import Outcome
+from talaria.services.instance_agent.core import StepReport
 from talaria.services.instance_agent.engine import EngineError
-from talaria.services.instance_agent.outcomes import settled
+from talaria.services.instance_agent.record_sender import settled
 from talaria.shared import subjects
 from talaria.shared.bus import emit, written
 from talaria.shared.events import CallFailed
@@ -26,7 +26,7 @@ from talaria.shared.messages import CallResult, ErrorReply, Timings, TokenChunk,
 from talaria.shared.wire import encode
 
 if TYPE_CHECKING:
-    from talaria.services.instance_agent.runner import Running
+    from talaria.services.instance_agent.runner import CallTransport
 
 FINISHED_MEMORY = 10_000
 SNAPSHOT_ON_CHANGE_MIN_S = 0.05  # besides the heartbeat, on change, at most this often
@@ -36,7 +36,7 @@ IN_PROGRESS_EVERY_S = 20.0
 class CallOutcomes:
     # ---- the core's outcomes -----------------------------------------------------------
 
-    async def _events(self, outcome: Outcome) -> None:
+    async def _events(self, outcome: StepReport) -> None:
         noted = []
         for call_id in outcome.finished:
             try:
@@ -86,7 +86,7 @@ class CallOutcomes:
                 self.closing.pop(call_id, None)  # not sent: a redelivery runs it again
                 raise
 
-    async def _publish_completion(self, call_id: str, running: Running):
+    async def _publish_completion(self, call_id: str, running: CallTransport):
         result = self.released.pop(call_id, None)  # the engine step that finished it released it
         try:
             if result is None:
@@ -146,7 +146,7 @@ class CallOutcomes:
         finally:
             self.closing.pop(call_id, None)
 
-    async def _publish_failure(self, call_id: str, running: Running, reason: str, status: int, code: str) -> None:
+    async def _publish_failure(self, call_id: str, running: CallTransport, reason: str, status: int, code: str) -> None:
         routed, call = running.routed, running.routed.call
         self.core.forget(call_id)
         with call_context(call.session_id, call_id):
@@ -167,14 +167,14 @@ class CallOutcomes:
         await asyncio.gather(*sends)
         await self._closed(call_id, running)
 
-    def _close(self, call_id: str) -> Running | None:
+    def _close(self, call_id: str) -> CallTransport | None:
         """Take a call out of `calls` while its outcome is published (see `closing`)."""
         running = self.calls.pop(call_id, None)
         if running is not None:
             self.closing[call_id] = running
         return running
 
-    async def _closed(self, call_id: str, running: Running) -> None:
+    async def _closed(self, call_id: str, running: CallTransport) -> None:
         """Its outcome is out: finished from now on, and its message (the durable copy may
         have been attached while it was closing) acked."""
         self.closing.pop(call_id, None)
@@ -204,7 +204,7 @@ class CallOutcomes:
                 pass
 
 
-def merge_outcomes(into: Outcome, more: Outcome) -> None:
+def merge_reports(into: StepReport, more: StepReport) -> None:
     into.finished += more.finished
     into.rounds += more.rounds
     into.notes += more.notes

@@ -35,7 +35,7 @@ from talaria.shared.health import INTERVAL_S as HEARTBEAT_INTERVAL_S, BusHearing
 from talaria.shared.logs import call_context
 from talaria.shared.bus import PUBLISH_TIMEOUT_S, close, connect, publish_fast
 from talaria.shared.nats_auth import sender_of, trusted
-from talaria.shared.db.engine import create_engine
+from talaria.shared.db.connection import create_engine
 from talaria.shared.events import (
     CallRouted,
     CallSubmitted,
