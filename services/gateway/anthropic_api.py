@@ -16,7 +16,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from talaria.services.gateway.auth import TENANT, anthropic_error_body, client_session, scoped_session
+from talaria.services.gateway.auth import TENANT, client_session, scoped_session
+from talaria.services.gateway.error_bodies import anthropic_error_body
 from talaria.services.gateway.idempotency import IdempotentCalls, answers_as, claim_for, replayed, restamp
 from talaria.services.gateway.idempotency_rules import key_from
 from talaria.services.gateway.anthropic_input import DECODER, chat_turns, session_of, to_call_request

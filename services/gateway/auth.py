@@ -12,6 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from aiohttp import web
+
+from talaria.services.gateway.error_bodies import anthropic_error_body, error_body
 from talaria.shared.api_keys import hash_key, parse_key_entry, read_key_file
 from talaria.shared.messages import ErrorReply
 
@@ -87,15 +90,6 @@ def unauthenticated_reply(exc: Unauthenticated) -> ErrorReply:
     return ErrorReply(401, "invalid_api_key", exc.message)
 
 
-def anthropic_error_body(status: int, message: str) -> dict:
-    """Anthropic's error shape, for an Anthropic-style API."""
-    kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-            404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large",
-            422: "invalid_request_error",
-            429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}.get(status, "api_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
-
-
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 try:
     from aiohttp.web import RequestKey
@@ -108,10 +102,6 @@ except ImportError:  # older aiohttp: plain string keys
 def http_middleware(keys: KeyStore):
     """aiohttp middleware: every path but /healthz and /readyz needs a key when keys are configured; the
     tenant lands in `request[TENANT]`. 401s use the shape of the API the path belongs to."""
-    from aiohttp import web
-
-    from talaria.services.gateway.openai_api import error_body
-
     @web.middleware
     async def authenticate(request, handler):
         if request.path in OPEN_PATHS:

@@ -22,7 +22,8 @@ from typing import Any
 from aiohttp import web
 
 from talaria.services.gateway.auth import TENANT, client_session, scoped_session
-from talaria.services.gateway.openai_api import error_body, openai_tool_calls
+from talaria.services.gateway.error_bodies import error_body
+from talaria.services.gateway.openai_api import openai_tool_calls
 from talaria.services.gateway.prepare import RequestError, prepare, tool_format
 from talaria.services.gateway.responses_input import (DECODER, chat_input, echo, namespaces, refuse_unsupported,
                                                       to_call_request)

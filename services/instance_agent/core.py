@@ -35,7 +35,6 @@ from talaria.services.instance_agent.scheduler import (
     SwitchModel,
     Work,
 )
-from talaria.services.instance_agent.scheduler.view import next_switch_s, round_remaining_s
 from talaria.shared.events import CallCompleted, RoundSummary, SwitchDone
 from talaria.shared.snapshots import InstanceSnapshot, ModelResidency, SessionKv
 
@@ -194,7 +193,7 @@ class AgentCore:
     def snapshot(self, version: int, now: float, *, pool: str, active_model: str | None,
                  models: list[ModelResidency], sessions: list[SessionKv], memory, heartbeat_s: float) -> InstanceSnapshot:
         """The instance snapshot the router consumes. Queues, round and risk come from the
-        scheduler (the fields of `scheduler.view` the router reads, without its per-call KV sum); residency, session KV and `memory` (capacity, use and measured rates, the
+        scheduler (the fields of `RoundScheduler.snapshot` the router reads, without its per-call KV sum); residency, session KV and `memory` (capacity, use and measured rates, the
         attributes of `engine.contract.EngineStats`) from the executor's device."""
         sched, calls = self.sched, self.sched.calls
         return InstanceSnapshot(
@@ -205,11 +204,11 @@ class AgentCore:
             else sum(c.work.prompt_tokens for q in calls.queued.values() for c in q.values()),
             queued_prefill_s=sched.prefill_ahead_s(),
             running=sum(len(r) for r in calls.running.values()),
-            round_remaining_s=round_remaining_s(sched, now),
+            round_remaining_s=sched.round_remaining_s(now),
             deadline_risk=sched.deadline_risk, kv_capacity_tokens=memory.kv_capacity_tokens,
             kv_used_tokens=memory.kv_used_tokens, kv_pinned_tokens=getattr(memory, "kv_pinned_tokens", -1),
             staging_free_bytes=memory.staging_free_bytes,
             hbm_bytes=memory.hbm_bytes, hbm_used_bytes=memory.hbm_used_bytes, prefill_tok_s=memory.prefill_tok_s,
-            decode_tok_s=memory.decode_tok_s, restore_tok_s=memory.restore_tok_s, switch_s=next_switch_s(sched),
+            decode_tok_s=memory.decode_tok_s, restore_tok_s=memory.restore_tok_s, switch_s=sched.next_switch_s(),
             heartbeat_s=heartbeat_s,
         )

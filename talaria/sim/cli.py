@@ -18,13 +18,15 @@ from collections import Counter
 from pathlib import Path
 
 from talaria.services.router.policy.base import PolicyConfig
+from talaria.sim.result_json import write_json
 from talaria.sim import experiments
 from talaria.sim.cluster import RunConfig, simulate
 from talaria.sim.executor import instance_config
 from talaria.sim.metrics import summarise
 from talaria.sim.profiles import PROFILES, get_profile
 from talaria.sim.workloads import fixed_replay, on_model
-from talaria.traces.format import Session, TraceFormatError, load_trace
+from talaria.traces.format import Session, TraceFormatError
+from talaria.traces.load import load_trace
 from talaria.traces.gaps import parse_gap_model
 
 
@@ -65,7 +67,7 @@ def _run(args) -> int:
         f"{summary['oracle']['sct_p50']:.2f} s; simulated in {summary['sim_wall_s']:.2f} s"
     )
     if args.json:
-        experiments.write_json(summary, Path(args.json))
+        write_json(summary, Path(args.json))
     return 0
 
 

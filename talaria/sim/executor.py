@@ -183,7 +183,7 @@ class SimExecutor:
 
     def _switch(self, now: float, action: SwitchModel):
         model = action.to_model
-        staged = self._staged_bytes(now, model) if action.staged else 0
+        staged = self.staged_bytes(now, model) if action.staged else 0
         path, seconds, phases = self.server.switch(model, staged)
         kv_phases = {k: v for k, v in self._switch_kv(model).items() if v > 0}
         phases = {**phases, **kv_phases}
@@ -362,7 +362,7 @@ class SimExecutor:
 
     # ---- memory -----------------------------------------------------------------------
 
-    def _staged_bytes(self, now: float, model: str) -> int:
+    def staged_bytes(self, now: float, model: str) -> int:
         if not self.config.staging:
             return 0
         return self.staging.staged_bytes(now, model, self.active, self.last_peak_kv)
@@ -379,7 +379,7 @@ class SimExecutor:
         if used > self.last_peak_kv:
             self.last_peak_kv = used
         target = self.staging.target
-        staged = self._staged_bytes(now, target) if target else 0
+        staged = self.staged_bytes(now, target) if target else 0
         self._hbm(mp.weight_bytes + used + staged + self.parked.bytes)
 
     def _hbm(self, used: int) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from talaria.sim.result_json import write_json
 from talaria.sim import matrix as matrix_design
 from talaria.sim.matrix import OURS, PAPER, SENSITIVITY
 
@@ -230,8 +231,6 @@ def _shape_row(cell: dict) -> str:
 
 
 def write_outputs(matrix: dict, out_dir: Path) -> Path:
-    from talaria.sim.experiments import write_json
-
     write_json({**matrix, "wins": wins(matrix)}, out_dir / "matrix.json")
     heat_map(matrix, out_dir / "matrix_heatmap.png")
     md = out_dir / "matrix.md"

@@ -180,21 +180,6 @@ def sessions_from_calls(calls: Iterable[TraceCall]) -> list[Session]:
     return group_sessions(enumerate(calls, start=1), "<memory>")
 
 
-def load_trace(path: str | Path) -> list[Session]:
-    """Load and validate a normalised trace file (JSONL, or `.xz`). Errors name line and field.
-
-    A raw WEKA kv-cache-tester file (one conversation per line, traces/weka.py) is
-    recognised by its first line and converted on the way in, as `talaria sim convert` would."""
-    from talaria.traces.weka import iter_weka_sessions, looks_like_weka, open_text
-
-    path = Path(path)
-    with open_text(path) as stream:
-        if looks_like_weka(stream.readline()):
-            return sessions_from_calls(c for s in iter_weka_sessions(path) for c in s)
-    with open_text(path) as stream:
-        return group_sessions(iter_numbered(stream, str(path)), str(path))
-
-
 def dump_calls(calls: Iterable[TraceCall], stream: IO[str]) -> int:
     """Write calls as normalised JSONL; returns the number of lines written."""
     n = 0

@@ -44,8 +44,7 @@ Package map:
     calls.py      the call table: queued/running per model, token counts
     rounds.py     round and slot bookkeeping
     reports.py    event outbox and the counters (sp_admitted, sp_parked, deadline_risk)
-    view.py       snapshot() for telemetry
-    scheduler.py  RoundScheduler: the driver API, hot pool, shared helpers
+    scheduler.py  RoundScheduler: the driver API, the telemetry view (snapshot), shared helpers
     cold_pool.py  rounds and slots of a time-shared (cold) instance
 """
 

@@ -39,7 +39,6 @@ from talaria.services.instance_agent.scheduler.types import (
     SwitchModel,
     Work,
 )
-from talaria.services.instance_agent.scheduler.view import build_view
 from talaria.services.instance_agent.scheduler.work_costs import WorkCosts, compute_tokens
 
 
@@ -229,8 +228,59 @@ class RoundScheduler(ColdPool, HotPool, ChunkedPrefill, WorkCosts):
                 return self.costs.switch_s(a, b, staged)
         return 0.0
 
+    # ---- telemetry view (maps onto `talaria.shared.snapshots.InstanceSnapshot`) -------------
+
     def snapshot(self, now: float) -> SchedulerView:
-        return build_view(self, now)
+        rnd, calls = self.round, self.calls
+        return SchedulerView(
+            pool=self.config.pool,
+            active_model=self.device_model,
+            slot_model=self.slot.model if self.slot else None,
+            phase=self.phase(),
+            round_index=rnd.index if rnd is not None else self.rounds_done,
+            round_remaining_s=self.round_remaining_s(now),
+            queued={m: len(q) for m, q in calls.queued.items()},
+            running={m: len(r) for m, r in calls.running.items()},
+            queued_tokens=self.prefill_ahead_tokens(),
+            kv_used_bytes=sum(self.kv_used(m) for m in self.models),
+            deadline_risk=self.deadline_risk,
+            sp_admitted=self.sp_admitted,
+            sp_parked=self.sp_parked,
+            switch_s=self.next_switch_s(),
+        )
+
+    def round_remaining_s(self, now: float) -> float:
+        """Predicted time left in the current round (0 between rounds)."""
+        rnd = self.round
+        return max(0.0, rnd.started_at + rnd.predicted_s - now) if rnd is not None else 0.0
+
+    def phase(self) -> str:
+        """idle | switch | P | SP | D1 | D | Dfin (no SP opportunity left: final decode or drain)."""
+        inflight, slot = self.inflight, self.slot
+        if inflight is not None:
+            match inflight:
+                case SwitchModel():
+                    return "switch"
+                case Prefill(session_prefill=sp):
+                    return "SP" if sp else "P"
+                case Decode():
+                    # decode_left counts this decode until it completes
+                    return "Dfin" if slot is not None and slot.decode_left <= 1 else "D"
+        if slot is None:
+            return "idle"
+        if not slot.p_done:
+            return "P"
+        return "D1" if slot.decodes == 0 else "D"
+
+    def next_switch_s(self) -> float:
+        """Estimate of the next switch away from the device model (0 for a hot pool)."""
+        if self.config.pool == "hot":
+            return 0.0
+        current = self.device_model
+        nxt = next((m for m in self.rotation(current) if m != current), None)
+        if nxt is None:
+            return 0.0
+        return self.costs.switch_s(current, nxt, self.config.staging)
 
     def generated(self, call_id: str) -> int:
         """Tokens the scheduler has counted for a live call."""

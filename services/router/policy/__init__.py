@@ -1,5 +1,13 @@
-"""Placement policies, chosen by name from `REGISTRY`."""
+"""Placement policies, chosen by name from `REGISTRY`. Importing the package imports every
+policy module, each of which registers its class: a new policy adds its import here."""
 
+from talaria.services.router.policy import (  # noqa: F401 - each registers its policy
+    kv_cost,
+    least_pressure,
+    prefix_aware,
+    sticky,
+    talaria,
+)
 from talaria.services.router.policy.base import PlacementPolicy, PolicyConfig
 from talaria.services.router.policy.registry import REGISTRY, create_policy, register
 
