@@ -55,7 +55,7 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     # First heartbeat before the first fetch: the router then knows this incarnation (and
     # fails the predecessor's calls) by the time a predecessor's call is refused here.
     await runner.publish_snapshot()
-    await nc.subscribe(subjects.INSTANCE_LOST, cb=runner.on_instance_lost)
+    await nc.subscribe(subjects.INSTANCE_LOST, cb=runner.drops.on_instance_lost)
 
     async def on_cancel(msg) -> None:
         await _on_cancel(msg, runner, log)
@@ -77,8 +77,8 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     tasks = [
         asyncio.create_task(runner.heartbeat_loop(stop), name="heartbeat"),
         asyncio.create_task(runner.work_loop(stop), name="work"),
-        asyncio.create_task(runner.progress_loop(stop), name="progress"),
-        asyncio.create_task(runner.watchdog_loop(stop), name="watchdog"),
+        asyncio.create_task(runner.closer.progress_loop(stop), name="progress"),
+        asyncio.create_task(runner.drops.watchdog_loop(stop), name="watchdog"),
         asyncio.create_task(_fetch_loop(sub, runner, js, nc, log, stop), name="fetch"),
     ]
     await runner.publish_snapshot()
@@ -98,7 +98,7 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await runner.outcomes.drain(PUBLISH_TIMEOUT_S)  # records in flight: stored, or redelivered
+        await runner.closer.sender.drain(PUBLISH_TIMEOUT_S)  # records in flight: stored, or redelivered
         await close(nc)
         executor.shutdown(wait=True, cancel_futures=True)
         provider.shutdown()

@@ -317,13 +317,14 @@ class SimExecutor:
         self._put_device(now, job.session, tokens)
         if self.config.hkvr:
             self.kv.put_host(job.model, job.session, tokens)
-        job.via = self.core.records[job.call_id].via
+        job.via = self.core.calls[job.call_id].via
         cached = job.reusable if job.kv_source in ("device", "host") else 0
         # Measured as the live engine measures them: every call of a batched prefill or decode
         # step is charged the step's time, so the router's per-model rates are learned.
         done = self.core.completed(job.call_id, now, prompt_tokens=job.prompt, output_tokens=job.output,
                                    finish_reason="length", cached_tokens=cached, kv_source=job.kv_source,
                                    prefill_s=job.prefill_s, decode_s=job.decode_s)
+        self.core.end(job.call_id)
         return self.sink.completed(job, done, now)
 
     def _update_staging(self, now: float) -> None:

@@ -143,7 +143,7 @@ def hold_completion_publish(monkeypatch, call_id: str):
         asyncio.ensure_future(after_the_pause())
         return ack
 
-    monkeypatch.setattr(outcomes, "emit_async", paused_emit)
+    monkeypatch.setattr(record_sender, "emit_async", paused_emit)
     return held, resume.set
 
 
@@ -193,7 +193,7 @@ async def test_a_durable_copy_arriving_while_its_call_finishes_is_acked_never_ru
     assert stack.replies["x"].empty()  # one answer
     assert stack.copies["x"] == [False, True]
     await wait_until(lambda: acked(stack.js, f"agent-{AGENT}", routed_seq), "the durable copy acked")
-    assert stack.runner.engine.running == {} and not stack.runner.calls
+    assert stack.runner.engine.running == {} and not list(stack.runner.core.live())
 
 
 async def _durable_arrived(stack: Stack, call_id: str) -> None:
@@ -210,7 +210,7 @@ async def test_an_engine_entry_nobody_runs_cannot_wedge_the_agent(stack):
     await stack.route("w", "qwen3-tiny", "s-w")
     assert isinstance(await stack.reply("w"), CallResult)
     leak = GenRequest(call_id="leaked", session_id="s-leak", model="qwen3-tiny", prompt_ids=[1, 2, 3], max_tokens=8)
-    await asyncio.get_running_loop().run_in_executor(stack.runner.executor, stack.runner.engine.prefill, [leak])
+    await asyncio.get_running_loop().run_in_executor(stack.runner.thread.executor, stack.runner.engine.prefill, [leak])
     assert "leaked" in stack.runner.engine.running
     # A call for the other model needs a switch, which the engine refuses while it holds a call.
     await stack.route("y", "gpt2-tiny", "s-y")

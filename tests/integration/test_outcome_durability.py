@@ -69,7 +69,7 @@ def hold_records(monkeypatch, call_id: str) -> asyncio.Event:
         asyncio.ensure_future(later())
         return ack
 
-    monkeypatch.setattr(outcomes, "emit_async", held)
+    monkeypatch.setattr(record_sender, "emit_async", held)
     return release
 
 

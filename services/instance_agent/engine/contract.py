@@ -12,8 +12,11 @@ SGLang backend implements the same Protocol and passes the same contract tests
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
+
+from talaria.shared.catalog import ModelSpec
 
 from talaria.shared.messages import TokenLogprob
 from talaria.shared.wire import KvSource, SwitchPath
@@ -125,6 +128,7 @@ class EngineStats:
     # KV that running calls hold or have reserved (plus copies in flight): the part of
     # kv_used_tokens that cannot be evicted. The rest is idle sessions' cache.
     kv_pinned_tokens: int = 0
+    staged_model: str | None = None  # the model whose weights are being staged for the next switch
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,10 @@ class Engine(Protocol):
     none of them may leave the engine unusable for other calls."""
 
     capabilities: Capabilities
+    specs: Mapping[str, ModelSpec]  # the served models (context length, shapes), by name
+    # Asked between forward passes of a chunked prefill: True ends the chunk early (the runner
+    # sets it when a call arrives); the calls not done continue in a later chunk. None: never.
+    should_yield: Callable[[], bool] | None
 
     @property
     def active_model(self) -> str | None: ...
@@ -154,9 +162,16 @@ class Engine(Protocol):
     def stage(self, model: str, *, wait: bool = False) -> int:
         """Pre-stage `model` for the next switch; returns staged bytes (0 without d2d_staging)."""
 
-    def prefill(self, reqs: list[GenRequest]) -> list[StepToken]:
+    def prefill(self, reqs: list[GenRequest], chunk_tokens: int = 0, more: Iterable[str] = (),
+                pass_tokens: int = 0) -> list[StepToken]:
         """Admit calls for the active model (or switch to theirs when none run) and return
-        each one's first token; a session's reusable KV (device or host) is used."""
+        each one's first token; a session's reusable KV (device or host) is used. With
+        `chunk_tokens` > 0 (only where `chunked_prefill`): at most that many prompt tokens per
+        call, continuing the calls `more` admitted by an earlier chunk; only calls whose
+        prompt is then complete return a token. `pass_tokens` > 0 caps one forward pass."""
+
+    def prompt_left(self, call_ids: Iterable[str]) -> dict[str, int]:
+        """Prompt tokens each running call still has to prefill (0 once it has its first token)."""
 
     def decode(self, call_ids: list[str]) -> list[StepToken]:
         """One decode step for each listed running call."""
@@ -167,6 +182,9 @@ class Engine(Protocol):
 
     def kv_state(self, session_id: str, model: str) -> str:
         """Where the session's KV for `model` is: 'device', 'host' or 'none'."""
+
+    def device_prefix(self, session_id: str, model: str, prompt_ids: list[int]) -> int:
+        """Leading tokens of `prompt_ids` the session's device KV for `model` holds (0: none)."""
 
     def session_states(self) -> list[tuple[str, str, str, int]]:
         """(session_id, model, 'device' | 'host', tokens) for every session KV held."""

@@ -74,4 +74,5 @@ def stats(eng: TorchEngine) -> EngineStats:
         host_evictions=core.counters.evictions if core else 0,
         weight_bytes={m: lay.nbytes for m, lay in eng.layouts.items()},
         kv_pinned_tokens=pinned,
+        staged_model=eng.staging.planner.target if eng.staging is not None else None,
     )

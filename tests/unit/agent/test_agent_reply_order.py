@@ -35,9 +35,9 @@ async def test_a_steps_replies_are_written_once_before_their_bookkeeping(tmp_pat
     async def written():
         order.append("write")
 
-    r._complete = complete
+    r.closer.complete = complete
     monkeypatch.setattr(call_closing, "written", written)
-    await r._events(StepReport(finished=["c1", "c2"]))
+    await r.closer.events(StepReport(finished=["c1", "c2"]))
     assert order == ["publish c1", "publish c2", "write", "note c1", "note c2"]
 
 
@@ -51,11 +51,11 @@ async def test_the_loop_does_not_wait_for_a_round_summarys_ack(tmp_path, monkeyp
     monkeypatch.setattr(record_sender, "emit_async", emit_async)
     summary = RoundSummary(instance_id="agent-t", round_index=1, wall_s=0.01, active_s=0.01, switch_s=0.0,
                            at=1000.0, slots=["qwen3-tiny"])
-    await asyncio.wait_for(r._events(StepReport(rounds=[summary])), 1.0)  # returns with the ack pending
-    assert len(r.outcomes._tasks) == 1  # its ack is awaited in the background (and at stop)
+    await asyncio.wait_for(r.closer.events(StepReport(rounds=[summary])), 1.0)  # returns with the ack pending
+    assert len(r.closer.sender._tasks) == 1  # its ack is awaited in the background (and at stop)
     ack.set_result(SimpleNamespace(seq=1))
-    await asyncio.wait_for(r.outcomes.drain(1.0), 2.0)
-    assert not r.outcomes._tasks
+    await asyncio.wait_for(r.closer.sender.drain(1.0), 2.0)
+    assert not r.closer.sender._tasks
 
 
 async def test_the_gateway_answers_before_its_own_bookkeeping(monkeypatch):
