@@ -72,7 +72,7 @@ def policy_config(settings: Settings) -> PolicyConfig:
     )
 
 
-class RouterService(RouterOutputs):
+class RouterService:
     def __init__(self, settings: Settings, log) -> None:
         self.settings, self.log = settings, log
         try:
@@ -86,7 +86,6 @@ class RouterService(RouterOutputs):
         self.listening_since = time.time()  # restored views are not "silent" before this
         self.warm = asyncio.Event()  # every restored instance heard from again
         self.expected: set[str] = set()
-        self.storing: set[asyncio.Task] = set()  # inputs' outputs being stored (then the input is acked)
 
     async def run(self, ready: asyncio.Event | None, stop: asyncio.Event) -> None:
         provider = tracing.setup("router", self.settings)
@@ -94,6 +93,7 @@ class RouterService(RouterOutputs):
         db = create_engine(self.settings.database_url)
         store = ProjectionStore(db)
         self.nc, self.js = await connect(self.settings.nats_url, "talaria-router", **self.settings.nats_options())
+        self.outputs = RouterOutputs(self.js, self.nc, self.log, self.core.policy.config, on_stored=self._stored_up_to)
         await self._recover(store)
         gc.collect()
         gc.freeze()  # the recovered tables are long-lived: keep them out of every GC scan
@@ -135,12 +135,14 @@ class RouterService(RouterOutputs):
                 await self._save(store, drain_s=PUBLISH_TIMEOUT_S)
             except Exception as exc:  # the replay on the next start covers what is not saved
                 self.log.warning("final projection save failed", error=str(exc))
-            for task in self.storing:  # not stored: their inputs stay unacked and come back
-                task.cancel()
-            await asyncio.gather(*self.storing, return_exceptions=True)
+            await self.outputs.cancel_pending()  # not stored: their inputs stay unacked and come back
             await close(self.nc)
             await db.dispose()
             provider.shutdown()
+
+    def _stored_up_to(self, seq: int) -> None:
+        """Outputs up to stream sequence `seq` are stored (a save may count them)."""
+        self.seq = max(self.seq, seq)
 
     def _health(self) -> dict[str, str]:
         return {"policy": self.core.policy.name, "instances": str(len(self.core.state.instances))}
@@ -227,7 +229,7 @@ class RouterService(RouterOutputs):
             if outputs:  # a restarted agent: its predecessor's calls are failed, clients told
                 self.log.warning("instance restarted; its in-flight calls failed", instance_id=snap.instance_id,
                                  calls=len(outputs) - 1)
-                await self._publish_all(outputs)
+                await self.outputs.publish_all(outputs)
                 self.dirty = True
 
     async def _consume(self, sub, stop: asyncio.Event) -> None:
@@ -258,7 +260,7 @@ class RouterService(RouterOutputs):
         call_id = getattr(event, "call_id", None)
         session_id = getattr(event, "session_id", None)
         if isinstance(event, CallSubmitted) and self.core.state.reused(call_id, msg.metadata.sequence.stream):
-            await self._refuse_reused(event)  # past JetStream's duplicate window, the gateway could not tell
+            await self.outputs.refuse_reused(event)  # past JetStream's duplicate window, the gateway could not tell
             await msg.ack()
             return
         try:
@@ -273,9 +275,7 @@ class RouterService(RouterOutputs):
             return
         # Its outputs are on their way (published in order); their acks are awaited while
         # the next input is folded, and this input is acked only once all are stored.
-        task = asyncio.create_task(self._store_then_ack(outputs, acks, msg))
-        self.storing.add(task)
-        task.add_done_callback(self.storing.discard)
+        self.outputs.store_then_ack_soon(outputs, acks, msg)
 
     async def _handle_event(self, event, msg) -> tuple[list, list]:
         async with self.lock:
@@ -297,7 +297,7 @@ class RouterService(RouterOutputs):
                     self.core.state.decided(event.call_id, seq)
             # The state already counts these outputs, so they must reach the stream before the
             # input is acked: published now, in the order the state applied them.
-            acks = await self._start(outputs)
+            acks = await self.outputs.start(outputs)
             self.seq = max(self.seq, msg.metadata.sequence.stream)
             self.dirty = True
         return outputs, acks
@@ -326,7 +326,7 @@ class RouterService(RouterOutputs):
                                      calls=len(event.calls))
             outputs = lost + self.core.tick(now)
             if outputs:
-                await self._publish_all(outputs)
+                await self.outputs.publish_all(outputs)
                 self.dirty = True
 
     async def _save_loop(self, store: ProjectionStore, stop: asyncio.Event) -> None:
@@ -344,7 +344,7 @@ class RouterService(RouterOutputs):
     async def _save(self, store: ProjectionStore, drain_s: float) -> None:
         async with self.lock:  # a consistent cut: never in the middle of handling an input
             # ... and never ahead of the stream: every folded input's outputs are stored first.
-            if not await self._outputs_stored(drain_s):  # the bus is slow or down: try later
+            if not await self.outputs.all_stored(drain_s):  # the bus is slow or down: try later
                 return
             seq, snapshot = self.seq, self.core.state.to_dict()
             self.dirty = False
