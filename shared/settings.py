@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from talaria.shared.ablations import ABLATIONS
 from talaria.shared.api_keys import InvalidKeyEntry, parse_key_entry
 
 
@@ -51,9 +52,7 @@ class Settings:
     pool: str = "cold"
     engine: str = "torch"  # engine/registry.py; an unknown name fails the agent at start
     device: str = "cpu"
-    sp: bool = True
-    hkvr: bool = True
-    staging: bool = True
+    ablation: str = "talaria"  # which of Talaria's mechanisms are on (shared/ablations.py)
     heartbeat_s: float = 0.5
     call_timeout_s: float = 300.0
     # How long an Idempotency-Key is remembered (gateway/idempotency.py): Stripe's 24 h. It must
@@ -108,6 +107,22 @@ class Settings:
         return ",".join(f"{m}={dirs[m]}" if m in dirs else m for m in self.models)
 
     @property
+    def sp(self) -> bool:
+        return ABLATIONS[self.ablation]["sp"]
+
+    @property
+    def hkvr(self) -> bool:
+        return ABLATIONS[self.ablation]["hkvr"]
+
+    @property
+    def staging(self) -> bool:
+        return ABLATIONS[self.ablation]["staging"]
+
+    @property
+    def park_kv(self) -> bool:
+        return ABLATIONS[self.ablation]["park_kv"]
+
+    @property
     def traces_path(self) -> Path:
         return self.traces_dir or (self.data_dir / "traces")
 
@@ -136,6 +151,8 @@ class Settings:
         if self.nats_url is not None and not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
             raise SettingsError("TALARIA_NATS_URL", self.nats_url, "a nats:// URL")
         self._validate_security()
+        if self.ablation not in ABLATIONS:
+            raise SettingsError("TALARIA_ABLATION", self.ablation, f"one of {', '.join(ABLATIONS)}")
         if self.pool not in ("hot", "cold"):
             raise SettingsError("TALARIA_POOL", self.pool, "hot or cold")
         if self.overload not in ("reject", "queue"):

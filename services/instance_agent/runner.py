@@ -93,7 +93,8 @@ class CallRunner:
         config = SchedulerConfig.for_engine(
             engine.capabilities,
             pool=settings.pool, pinned_model=settings.models[0] if settings.pool == "hot" else None,
-            sp=settings.sp, hkvr=settings.hkvr, staging=settings.staging, chunked_prefill=True,
+            sp=settings.sp, hkvr=settings.hkvr, staging=settings.staging, park_kv=settings.park_kv,
+            chunked_prefill=True,
             fill_by_switch=True,
         )
         self.core = AgentCore(self.instance_id, config, list(settings.models), INITIAL_COSTS,

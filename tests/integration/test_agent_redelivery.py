@@ -42,7 +42,7 @@ class Stack:
 
     def __init__(self, nats_url, tmp_path, monkeypatch) -> None:
         self.settings = Settings(nats_url=nats_url, data_dir=tmp_path, instance_id=AGENT,
-                                 models=("qwen3-tiny", "gpt2-tiny"), hkvr=False, staging=False)
+                                 models=("qwen3-tiny", "gpt2-tiny"), ablation="round-only")
         self.services = Services()
         self.runner = None
         self.copies: dict[str, list[bool]] = {}  # call id -> for each copy accepted: durable?
@@ -227,6 +227,6 @@ async def test_an_agent_whose_work_loop_dies_exits_rather_than_heartbeat_with_no
 
     monkeypatch.setattr(agent_service.CallRunner, "work_loop", broken)
     settings = Settings(nats_url=nats_url, data_dir=tmp_path, instance_id=AGENT, models=("qwen3-tiny",),
-                        hkvr=False, staging=False)
+                        ablation="round-only")
     with pytest.raises(RuntimeError, match="work loop bug"):
         await asyncio.wait_for(agent_service.run(settings), 120)
