@@ -1,78 +1,85 @@
 """What the engine reports about itself: where each session's KV sits, and EngineStats
 (the numbers the agent's snapshot and the round scheduler's cost profile are built from).
 
-Functions of the engine (`eng`); split out of engine.py, which keeps the public methods.
+Read-only functions over the parts `TorchEngine` (torch_engine.py) hands in.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from talaria.services.instance_agent.engine.admission import common_prefix
-from talaria.services.instance_agent.engine.contract import EngineStats
+from talaria.services.instance_agent.engine.contract import EngineStats, SwitchRecord
+from talaria.services.instance_agent.engine.device_model import DeviceModel, Rates
+from talaria.services.instance_agent.engine.model_store import ModelStore
+from talaria.services.instance_agent.engine.sequence import Sequence
+from talaria.services.instance_agent.memory.bump import BumpBuffer
+from talaria.services.instance_agent.memory.hkvr import HostKvRegistry
+from talaria.services.instance_agent.memory.staging import StagingExecutor
 
-if TYPE_CHECKING:
-    from talaria.services.instance_agent.engine.torch_engine import TorchEngine
 
-
-def kv_state(eng: TorchEngine, session_id: str, model: str) -> str:
-    if model == eng.active_model and eng.sessions is not None and eng.sessions.get(session_id):
+def kv_state(dev: DeviceModel | None, hkvr: HostKvRegistry | None, models: ModelStore, session_id: str,
+             model: str) -> str:
+    if dev is not None and model == dev.name and dev.sessions.get(session_id):
         return "device"
-    if eng.hkvr is not None and model in eng.specs:
-        if eng.hkvr.core.session_tokens(session_id, model, eng.page_size) > 0:
+    if hkvr is not None and model in models.specs:
+        if hkvr.core.session_tokens(session_id, model, models.page_size) > 0:
             return "host"
     return "none"
 
 
-def device_prefix(eng: TorchEngine, session_id: str, model: str, prompt_ids: list[int]) -> int:
+def device_prefix(dev: DeviceModel | None, session_id: str, model: str, prompt_ids: list[int]) -> int:
     """Leading tokens of `prompt_ids` the session's device KV holds (what admission reuses
     from it), 0 when it holds none for `model`. A prompt that does not extend the session's
     last one (a re-rendered turn) reuses only the common prefix."""
-    entry = eng.sessions.get(session_id) if model == eng.active_model and eng.sessions is not None else None
+    entry = dev.sessions.get(session_id) if dev is not None and model == dev.name else None
     if entry is None or entry.model != model:
         return 0
     return common_prefix(entry.tokens, prompt_ids)
 
 
-def session_states(eng: TorchEngine) -> list[tuple[str, str, str, int]]:
+def session_states(dev: DeviceModel | None, hkvr: HostKvRegistry | None, page_size: int
+                   ) -> list[tuple[str, str, str, int]]:
     out = []
-    if eng.sessions is not None:
-        out = [(e.session_id, e.model, "device", len(e.tokens)) for e in eng.sessions.entries()]
+    if dev is not None:
+        out = [(e.session_id, e.model, "device", len(e.tokens)) for e in dev.sessions.entries()]
     on_device = {(s, m) for s, m, _, _ in out}
-    if eng.hkvr is not None:
-        out += [(s, m, "host", n) for s, m, n in eng.hkvr.core.session_prefixes(eng.page_size)
+    if hkvr is not None:
+        out += [(s, m, "host", n) for s, m, n in hkvr.core.session_prefixes(page_size)
                 if (s, m) not in on_device]
     return out
 
 
-def stats(eng: TorchEngine) -> EngineStats:
-    ps = eng.page_size
+def stats(dev: DeviceModel | None, running: dict[str, Sequence], models: ModelStore, bump: BumpBuffer,
+          hkvr: HostKvRegistry | None, staging: StagingExecutor | None, rates: Rates,
+          switches: list[SwitchRecord]) -> EngineStats:
+    ps = models.page_size
     cap = used = free_tail = pinned = 0
-    if eng.pool is not None:
-        cap = eng.pool.num_pages * ps
-        used = (eng.pool.num_pages - eng.pool.num_free) * ps
-        to_come = sum(s.pages_to_come() for s in list(eng.running.values()))
-        pinned = min(cap, (eng.pool.num_pages - eng.pool.num_unused() + to_come) * ps)
-        pb = eng.page_bytes(eng.active_model)
-        top = eng.bump.kv_base + (eng.pool.highest_used() + 1) * pb
-        free_tail = eng.bump.runtime_base - top
-    core = eng.hkvr.core if eng.hkvr is not None else None
-    weights = eng.layouts[eng.active_model].nbytes if eng.active_model else 0
-    used_bytes = weights + (used // ps) * (eng.page_bytes(eng.active_model) if eng.active_model else 0)
+    active = dev.name if dev is not None else None
+    if dev is not None:
+        pool = dev.pool
+        cap = pool.num_pages * ps
+        used = (pool.num_pages - pool.num_free) * ps
+        to_come = sum(s.pages_to_come() for s in list(running.values()))
+        pinned = min(cap, (pool.num_pages - pool.num_unused() + to_come) * ps)
+        pb = models.page_bytes(active)
+        top = bump.kv_base + (pool.highest_used() + 1) * pb
+        free_tail = bump.runtime_base - top
+    core = hkvr.core if hkvr is not None else None
+    weights = models.layouts[active].nbytes if active else 0
+    used_bytes = weights + (used // ps) * (models.page_bytes(active) if active else 0)
     return EngineStats(
-        active_model=eng.active_model, kv_capacity_tokens=cap, kv_used_tokens=used,
-        prefill_tok_s=eng._rates["prefill"], decode_tok_s=eng._rates["decode"],
-        restore_tok_s=eng._rates["restore"],
-        last_switch_s=eng.switches[-1].total_s if eng.switches else 0.0,
-        hbm_bytes=eng.bump.size, hbm_used_bytes=used_bytes + (eng.bump.size - eng.bump.runtime_base),
-        staging_free_bytes=free_tail if eng.staging is not None else 0,
-        staged_bytes=eng.staging.planner.staged_bytes() if eng.staging is not None else 0,
-        running_calls=len(eng.running),
+        active_model=active, kv_capacity_tokens=cap, kv_used_tokens=used,
+        prefill_tok_s=rates.tok_s["prefill"], decode_tok_s=rates.tok_s["decode"],
+        restore_tok_s=rates.tok_s["restore"],
+        last_switch_s=switches[-1].total_s if switches else 0.0,
+        hbm_bytes=bump.size, hbm_used_bytes=used_bytes + (bump.size - bump.runtime_base),
+        staging_free_bytes=free_tail if staging is not None else 0,
+        staged_bytes=staging.planner.staged_bytes() if staging is not None else 0,
+        running_calls=len(running),
         host_kv_capacity_pages=core.capacity if core else 0,
         host_kv_used_pages=core.used_pages if core else 0,
         host_hits=core.counters.hits if core else 0, host_misses=core.counters.misses if core else 0,
         host_evictions=core.counters.evictions if core else 0,
-        weight_bytes={m: lay.nbytes for m, lay in eng.layouts.items()},
+        weight_bytes={m: lay.nbytes for m, lay in models.layouts.items()},
         kv_pinned_tokens=pinned,
-        staged_model=eng.staging.planner.target if eng.staging is not None else None,
+        staged_model=staging.planner.target if staging is not None else None,
     )
