@@ -40,6 +40,7 @@ def asyncpg_dsn(url: str) -> str:
 class Settings:
     nats_url: str | None = None  # None: `talaria up` starts an embedded server
     database_url: str | None = None  # None: `talaria up` starts an embedded PostgreSQL
+    database_admin_url: str | None = None  # `talaria migrate`: sets up the application role first
     data_dir: Path = Path(".talaria")
     http_host: str = "127.0.0.1"
     http_port: int = 8000
@@ -84,6 +85,7 @@ class Settings:
     api_keys: tuple[str, ...] = ()  # `tenant:sha256:<hex>` (or `tenant:<key>`, hashed on load)
     api_keys_file: Path | None = None  # one `tenant sha256:<hex>` per line
     prefix_sharing: str = "tenant"  # KV prefix reuse scope: tenant, session or global
+    api_key: str | None = None  # a client's own key (`talaria replay --nats` against a running stack)
     # Hugging Face directories among the models: TALARIA_MODELS entries `name=/path` (hf_config.py)
     model_dirs: tuple[tuple[str, str], ...] = ()
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -107,7 +106,7 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     if not settings.database_url:
         print("talaria migrate: set TALARIA_DATABASE_URL", file=sys.stderr)
         return 2
-    admin = os.environ.get("TALARIA_DATABASE_ADMIN_URL")
+    admin = settings.database_admin_url
     if admin:  # first set up the application role of TALARIA_DATABASE_URL (README: Security)
         import asyncio
         from urllib.parse import urlsplit
@@ -206,7 +205,7 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
             if not args.database:
                 print("talaria replay: --nats needs --database too", file=sys.stderr)
                 return 2
-            nats_url, db_url, api_key = args.nats, args.database, os.environ.get("TALARIA_API_KEY")
+            nats_url, db_url, api_key = args.nats, args.database, settings.api_key
         else:
             data_dir = Path(args.data_dir) if args.data_dir else Path(tempfile.mkdtemp(prefix="talaria-replay-"))
             run_settings = _apply_ablation(settings.with_(policy=args.policy or settings.policy,
