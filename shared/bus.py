@@ -21,6 +21,9 @@ STREAM_MAX_AGE_S = 7 * 24 * 3600
 DUPLICATE_WINDOW_S = 120
 RECONNECT_WAIT_S = 0.5  # between reconnect attempts; also a publisher's wait before retrying
 PUBLISH_TIMEOUT_S = 10.0  # a JetStream publish (or other API call) waits this long for its ack
+# A service's durable consumer (router, telemetry): a message fetched and not acked this long is
+# delivered again; a restarted service recreates its consumer from the ack floor at once anyway.
+ACK_WAIT_S = 30.0
 
 
 async def connect(url: str, name: str, **auth) -> tuple[NATS, JetStreamContext]:

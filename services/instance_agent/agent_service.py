@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import msgspec
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from talaria.services.instance_agent.call_closing import IN_PROGRESS_EVERY_S
 from talaria.services.instance_agent.runner import CallRunner
 from talaria.shared import logs, subjects, tracing
 from talaria.shared.bus import PUBLISH_TIMEOUT_S, close, connect, emit
@@ -25,7 +26,9 @@ from talaria.shared.messages import CANCEL_DECODER, ErrorReply
 from talaria.shared.wire import encode
 from talaria.shared.settings import Settings
 
-ACK_WAIT_S = 60.0  # held calls send in_progress() every 20 s, so only a dead agent's calls return
+# Held calls send in_progress() every IN_PROGRESS_EVERY_S: after three missed, only a dead
+# agent's calls come back.
+ACK_WAIT_S = 3 * IN_PROGRESS_EVERY_S
 FETCH_BATCH = 16
 
 

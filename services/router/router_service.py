@@ -33,7 +33,7 @@ from talaria.services.router.state import RouterState
 from talaria.shared import logs, subjects, tracing
 from talaria.shared.health import INTERVAL_S as HEARTBEAT_INTERVAL_S, BusHearing, heartbeat_loop
 from talaria.shared.logs import call_context
-from talaria.shared.bus import PUBLISH_TIMEOUT_S, close, connect, publish_fast
+from talaria.shared.bus import ACK_WAIT_S, PUBLISH_TIMEOUT_S, close, connect, publish_fast
 from talaria.shared.nats_auth import sender_of, trusted
 from talaria.shared.db.connection import create_engine
 from talaria.shared.events import (
@@ -154,7 +154,7 @@ class RouterService:
         already routed are skipped by the core, as for any redelivery."""
         config = ConsumerConfig(durable_name=DURABLE, ack_policy=AckPolicy.EXPLICIT,
                                 deliver_policy=DeliverPolicy.ALL, filter_subjects=input_subjects(),
-                                ack_wait=30, max_deliver=MAX_DELIVER)
+                                ack_wait=ACK_WAIT_S, max_deliver=MAX_DELIVER)
         try:
             info = await self.js.consumer_info(subjects.EVENTS_STREAM, DURABLE)
         except NotFoundError:
