@@ -23,7 +23,7 @@ from talaria.services.gateway.idempotency_rules import key_from
 from talaria.services.gateway.anthropic_input import DECODER, chat_turns, session_of, to_call_request
 from talaria.services.gateway.prepare import RequestError, prepare, tool_format
 from talaria.services.gateway.validation import decode_bounded
-from talaria.services.gateway.sessions import InvalidSessionId
+from talaria.services.gateway.session_ids import InvalidSessionId
 from talaria.services.gateway.submitter import Submitter
 from talaria.shared.messages import CallRequest, CallResult, ErrorReply, TokenChunk
 from talaria.shared.tool_calls import TextUntilCalls, ToolCall, parse_calls

@@ -31,7 +31,7 @@ from talaria.services.gateway.openai_api import (
 from talaria.shared.tool_calls import TextUntilCalls, parse_calls
 from talaria.services.gateway.prepare import RequestError, prepare, tool_format
 from talaria.services.gateway.responses_api import ResponsesApi
-from talaria.services.gateway.sessions import InvalidSessionId, session_id_from
+from talaria.services.gateway.session_ids import InvalidSessionId, session_id_from
 from talaria.services.gateway.submitter import Submitter
 from talaria.shared.events import CallSubmitted
 from talaria.shared.messages import CallRequest, CallResult, ErrorReply, TokenChunk

@@ -110,7 +110,7 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
 def _build_engine(settings: Settings):
     import torch
 
-    from talaria.services.instance_agent.engine.registry import build_engine
+    from talaria.services.instance_agent.engine.engine_registry import build_engine
 
     torch.set_num_threads(max(1, settings.torch_threads))
     engine = build_engine(settings.engine, settings.data_dir, list(settings.models), device=settings.device,

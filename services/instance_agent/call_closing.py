@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from opentelemetry import trace
 
 from talaria.services.instance_agent.call_transport import CallTransport
-from talaria.services.instance_agent.core import AgentCall, AgentCore, Phase, StepReport
+from talaria.services.instance_agent.agent_core import AgentCall, AgentCore, Phase, StepReport
 from talaria.services.instance_agent.engine import EngineError
 from talaria.services.instance_agent.engine_thread import EngineThread
 from talaria.services.instance_agent.record_sender import RecordSender, settled

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 import msgspec
 
 from talaria.services.instance_agent.call_closing import CallCloser
-from talaria.services.instance_agent.core import AgentCore
+from talaria.services.instance_agent.agent_core import AgentCore
 from talaria.services.instance_agent.engine_thread import EngineThread
 from talaria.services.instance_agent.scheduler import SchedulerError
 from talaria.services.instance_agent.watchdog import Watchdog

@@ -12,7 +12,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from talaria.services.instance_agent.call_closing import CallCloser
-from talaria.services.instance_agent.core import AgentCore, Phase, StepReport
+from talaria.services.instance_agent.agent_core import AgentCore, Phase, StepReport
 from talaria.services.instance_agent.engine import EngineBusy, EngineError, GenRequest
 from talaria.services.instance_agent.engine_thread import EngineThread
 from talaria.services.instance_agent.scheduler import Decode, Prefill, SchedulerError, SwitchModel

@@ -36,7 +36,7 @@ from opentelemetry import trace
 from talaria.services.instance_agent.call_closing import CallCloser
 from talaria.services.instance_agent.call_drops import CallDrops
 from talaria.services.instance_agent.call_transport import CallTransport
-from talaria.services.instance_agent.core import AgentCore, Phase, StepReport
+from talaria.services.instance_agent.agent_core import AgentCore, Phase, StepReport
 from talaria.services.instance_agent.engine import EngineError
 from talaria.services.instance_agent.engine_steps import EngineSteps
 from talaria.services.instance_agent.engine_thread import EngineThread

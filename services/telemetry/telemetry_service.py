@@ -24,7 +24,7 @@ import time
 import msgspec
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
-from talaria.services.telemetry.sessions import SessionSpans
+from talaria.services.telemetry.session_spans import SessionSpans
 from talaria.services.telemetry.store import EventRefused, PoisonEvent, PostgresStore, TelemetryStore
 from talaria.shared.nats_auth import sender_of, trusted
 from talaria.shared import logs, subjects, tracing

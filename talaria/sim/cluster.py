@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from talaria.services.instance_agent.scheduler import SchedulerConfig
-from talaria.services.router.core import RouterCore
+from talaria.services.router.router_core import RouterCore
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.policy.registry import create_policy
 from talaria.shared.events import (

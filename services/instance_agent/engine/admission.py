@@ -16,7 +16,7 @@ import torch
 
 from talaria.services.instance_agent.engine.contract import GenRequest
 from talaria.services.instance_agent.engine.device_model import DeviceModel, Rates
-from talaria.services.instance_agent.engine.errors import (
+from talaria.services.instance_agent.engine.engine_errors import (
     ContextTooLong, InvalidRequest, OutOfKvPages, UnknownCall,
 )
 from talaria.services.instance_agent.engine.sampling import make_generator

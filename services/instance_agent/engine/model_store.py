@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from talaria.services.instance_agent.engine.errors import UnknownModel
+from talaria.services.instance_agent.engine.engine_errors import UnknownModel
 from talaria.services.instance_agent.engine.weights import (
     WeightLayout, ensure_weights_file, load_host_image, weight_layout,
 )

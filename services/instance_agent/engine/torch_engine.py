@@ -26,13 +26,13 @@ from pathlib import Path
 
 import torch
 
-from talaria.services.instance_agent.engine import report
+from talaria.services.instance_agent.engine import engine_report as report
 from talaria.services.instance_agent.engine.admission import KvAdmission
 from talaria.services.instance_agent.engine.contract import (
     Capabilities, EngineStats, GenRequest, GenResult, StepToken, SwitchRecord,
 )
 from talaria.services.instance_agent.engine.device_model import DeviceModel, Rates
-from talaria.services.instance_agent.engine.errors import EngineBusy, ModelNotActive, UnknownCall, UnknownModel
+from talaria.services.instance_agent.engine.engine_errors import EngineBusy, ModelNotActive, UnknownCall, UnknownModel
 from talaria.services.instance_agent.engine.forward_pass import ForwardPass
 from talaria.services.instance_agent.engine.kv_cache import DeviceKvSession
 from talaria.services.instance_agent.engine.model_store import ModelStore

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from talaria.services.instance_agent.scheduler.errors import DuplicateCallError, UnknownCallError, ModelNotServedError
+from talaria.services.instance_agent.scheduler.scheduler_errors import DuplicateCallError, UnknownCallError, ModelNotServedError
 from talaria.services.instance_agent.scheduler.types import KvState, Work
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from talaria.services.instance_agent.scheduler.errors import ConfigError
+from talaria.services.instance_agent.scheduler.scheduler_errors import ConfigError
 from talaria.shared.ablations import ABLATIONS
 
 @dataclass(frozen=True)

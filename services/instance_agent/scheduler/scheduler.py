@@ -15,7 +15,7 @@ from talaria.services.instance_agent.scheduler.chunked_prefill import PrefillPla
 from talaria.services.instance_agent.scheduler.cold_pool import ColdPool
 from talaria.services.instance_agent.scheduler.config import SchedulerConfig
 from talaria.services.instance_agent.scheduler.costs import CalibratedCosts, StepCostModel, call_kv_bytes, charged_kv
-from talaria.services.instance_agent.scheduler.errors import (
+from talaria.services.instance_agent.scheduler.scheduler_errors import (
     ActionMismatchError,
     ConfigError,
     InvalidWorkError,

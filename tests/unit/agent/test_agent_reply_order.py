@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import structlog
 from talaria.services.gateway.submitter import Submitter
 from talaria.services.instance_agent import call_closing, record_sender
-from talaria.services.instance_agent.core import StepReport
+from talaria.services.instance_agent.agent_core import StepReport
 from talaria.services.instance_agent.engine.contract import Capabilities
 from talaria.services.instance_agent.runner import CallRunner
 from talaria.shared import subjects

@@ -8,7 +8,7 @@ import structlog
 
 from talaria.services.instance_agent.engine.contract import Capabilities
 
-from talaria.services.instance_agent.core import StepReport
+from talaria.services.instance_agent.agent_core import StepReport
 from talaria.services.instance_agent.runner import CallRunner
 from talaria.services.instance_agent.scheduler import CallParked, DeadlineRisk, Idle
 from talaria.shared.settings import Settings

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from talaria.services.instance_agent.core import AgentCore
+from talaria.services.instance_agent.agent_core import AgentCore
 from talaria.services.instance_agent.scheduler import Decode, Idle, Prefill, SchedulerConfig, SwitchModel
 from talaria.services.instance_agent.scheduler.costs import decode_steps_s, first_step_reaching
 from sched_driver import COSTS

@@ -177,7 +177,7 @@ def test_multi_step_decode_matches_single_steps_in_the_simulator(name):
 
 
 def test_simulated_instances_run_the_agent_core():
-    from talaria.services.instance_agent.core import AgentCore
+    from talaria.services.instance_agent.agent_core import AgentCore
 
     res = simulate([_small()], RunConfig(PAPER_TP8))
     assert all(isinstance(i, SimExecutor) and isinstance(i.core, AgentCore) for i in res.instances)
