@@ -25,22 +25,7 @@ from typing import get_args
 
 import msgspec
 
-from talaria.shared.events import (
-    CallCompleted,
-    CallFailed,
-    CallRouted,
-    CallStarted,
-    CallSubmitted,
-    Event,
-    InstanceLost,
-    LeaseConsumed,
-    LeaseDiscarded,
-    LeaseExpired,
-    LeaseIssued,
-    RoundSummary,
-    RoutingDecision,
-    SwitchDone,
-)
+from talaria.shared import events as e
 
 # The services (NATS roles) that publish events; "agent" is any instance agent, and an agent's
 # event that names an instance must name that agent.
@@ -90,23 +75,23 @@ def _field(event: object, path: str) -> object:
 _GATEWAY, _ROUTER, _AGENT = frozenset({"gateway"}), frozenset({"router"}), frozenset({"agent"})
 
 SPECS: tuple[EventSpec, ...] = (
-    EventSpec(CallSubmitted, _GATEWAY, dedupe=("call_id",)),
-    EventSpec(CallRouted, _ROUTER, dedupe=("call.call_id",), per_instance=True),
-    EventSpec(CallStarted, _AGENT, dedupe=("call_id",)),
-    EventSpec(CallCompleted, _AGENT, dedupe=("call_id",)),
-    EventSpec(CallFailed, frozenset({"gateway", "router", "agent"}), dedupe=("call_id",)),
-    EventSpec(LeaseIssued, _ROUTER, dedupe=("session_id", "call_id")),
-    EventSpec(LeaseConsumed, _ROUTER, dedupe=("session_id", "call_id")),
-    EventSpec(LeaseDiscarded, _ROUTER, dedupe=("session_id", "call_id")),
-    EventSpec(LeaseExpired, _ROUTER),
-    EventSpec(RoutingDecision, _ROUTER, dedupe=("call_id",)),
-    EventSpec(SwitchDone, _AGENT),
-    EventSpec(RoundSummary, _AGENT),
+    EventSpec(e.CallSubmitted, _GATEWAY, dedupe=("call_id",)),
+    EventSpec(e.CallRouted, _ROUTER, dedupe=("call.call_id",), per_instance=True),
+    EventSpec(e.CallStarted, _AGENT, dedupe=("call_id",)),
+    EventSpec(e.CallCompleted, _AGENT, dedupe=("call_id",)),
+    EventSpec(e.CallFailed, frozenset({"gateway", "router", "agent"}), dedupe=("call_id",)),
+    EventSpec(e.LeaseIssued, _ROUTER, dedupe=("session_id", "call_id")),
+    EventSpec(e.LeaseConsumed, _ROUTER, dedupe=("session_id", "call_id")),
+    EventSpec(e.LeaseDiscarded, _ROUTER, dedupe=("session_id", "call_id")),
+    EventSpec(e.LeaseExpired, _ROUTER),
+    EventSpec(e.RoutingDecision, _ROUTER, dedupe=("call_id",)),
+    EventSpec(e.SwitchDone, _AGENT),
+    EventSpec(e.RoundSummary, _AGENT),
     # The router declares an agent process gone; that agent stops the listed calls at once.
-    EventSpec(InstanceLost, _ROUTER, dedupe=("instance_id", "incarnation"), core_readers=_AGENT),
+    EventSpec(e.InstanceLost, _ROUTER, dedupe=("instance_id", "incarnation"), core_readers=_AGENT),
 )
 
-EVENT_TYPES: tuple[type[msgspec.Struct], ...] = get_args(Event)
+EVENT_TYPES: tuple[type[msgspec.Struct], ...] = get_args(e.Event)
 _BY_TYPE: dict[type, EventSpec] = {spec.event: spec for spec in SPECS}
 
 

@@ -108,21 +108,11 @@ class Settings:
         dirs = dict(self.model_dirs)
         return ",".join(f"{m}={dirs[m]}" if m in dirs else m for m in self.models)
 
-    @property
-    def sp(self) -> bool:
-        return ABLATIONS[self.ablation]["sp"]
-
-    @property
-    def hkvr(self) -> bool:
-        return ABLATIONS[self.ablation]["hkvr"]
-
-    @property
-    def staging(self) -> bool:
-        return ABLATIONS[self.ablation]["staging"]
-
-    @property
-    def park_kv(self) -> bool:
-        return ABLATIONS[self.ablation]["park_kv"]
+    # The mechanisms the ablation runs (shared/ablations.py).
+    sp = property(lambda self: ABLATIONS[self.ablation]["sp"])
+    hkvr = property(lambda self: ABLATIONS[self.ablation]["hkvr"])
+    staging = property(lambda self: ABLATIONS[self.ablation]["staging"])
+    park_kv = property(lambda self: ABLATIONS[self.ablation]["park_kv"])
 
     @property
     def traces_path(self) -> Path:
