@@ -19,6 +19,8 @@ from talaria.shared.wire import encode
 
 
 def runner(tmp_path) -> CallRunner:
+    """A runner whose steps touch no engine, NATS or tracer: the engine stand-in only states
+    capabilities."""
     settings = Settings(data_dir=tmp_path, instance_id="agent-t", models=("qwen3-tiny",))
     engine = SimpleNamespace(capabilities=Capabilities(switch_with_calls_running=False, host_kv=True,
                                                        d2d_staging=True, chunked_prefill=True))

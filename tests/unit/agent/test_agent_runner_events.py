@@ -2,24 +2,13 @@
 CallParked/DeadlineRisk raised a TypeError, so the events with them were dropped: a
 finished call's completion was never published and the agent hung)."""
 
-from types import SimpleNamespace
-
-import structlog
-
-from talaria.services.instance_agent.engine.contract import Capabilities
-
 from talaria.services.instance_agent.agent_core import StepReport
-from talaria.services.instance_agent.runner import CallRunner
 from talaria.services.instance_agent.scheduler import CallParked, DeadlineRisk, Idle
-from talaria.shared.settings import Settings
+from tests.unit.agent.test_agent_reply_order import runner as bare_runner
 
 
 async def test_parked_and_risk_notes_are_logged_and_completions_still_published(tmp_path):
-    settings = Settings(data_dir=tmp_path, instance_id="agent-t", models=("qwen3-tiny",))
-    # These outcomes touch no engine, NATS or tracer: the engine stand-in only states capabilities.
-    engine = SimpleNamespace(capabilities=Capabilities(switch_with_calls_running=False, host_kv=True,
-                                                       d2d_staging=True, chunked_prefill=True))
-    runner = CallRunner(settings, engine, None, None, None, None, structlog.get_logger())
+    runner = bare_runner(tmp_path)
     completed = []
 
     async def record_completion(call_id):  # stands in for publishing over NATS
@@ -35,10 +24,7 @@ async def test_parked_and_risk_notes_are_logged_and_completions_still_published(
 async def test_a_completion_that_fails_does_not_strand_the_calls_finished_with_it(tmp_path):
     # Issue 15: one call's completion raising left the other calls finished in the same step
     # uncompleted and held by the engine ("cannot switch model: 1 call(s) still running").
-    settings = Settings(data_dir=tmp_path, instance_id="agent-t", models=("qwen3-tiny",))
-    engine = SimpleNamespace(capabilities=Capabilities(switch_with_calls_running=False, host_kv=True,
-                                                       d2d_staging=True, chunked_prefill=True))
-    runner = CallRunner(settings, engine, None, None, None, None, structlog.get_logger())
+    runner = bare_runner(tmp_path)
     completed = []
 
     async def complete(call_id):
@@ -54,9 +40,6 @@ async def test_a_completion_that_fails_does_not_strand_the_calls_finished_with_i
 async def test_a_failure_outside_an_action_in_flight_is_survived(tmp_path):
     # The work loop hands every failure to the steps' `failed`; one while idle (e.g. publishing a
     # drained event with NATS down) has no action in flight to end, and must not raise.
-    settings = Settings(data_dir=tmp_path, instance_id="agent-t", models=("qwen3-tiny",))
-    engine = SimpleNamespace(capabilities=Capabilities(switch_with_calls_running=False, host_kv=True,
-                                                       d2d_staging=True, chunked_prefill=True))
-    runner = CallRunner(settings, engine, None, None, None, None, structlog.get_logger())
+    runner = bare_runner(tmp_path)
     outcome = await runner.steps.failed(Idle(None), TimeoutError("nats: timeout"))
     assert outcome.finished == []
