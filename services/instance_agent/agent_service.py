@@ -20,6 +20,7 @@ from talaria.services.instance_agent.runner import CallRunner
 from talaria.shared import logs, subjects, tracing
 from talaria.shared.bus import PUBLISH_TIMEOUT_S, close, connect, emit
 from talaria.shared.limits import call_problem
+from talaria.shared.runtime import serve_until_stopped
 from talaria.shared.nats_auth import parse_sender, sender_of, trusted
 from talaria.shared.events import CallFailed, CallRouted, CallSubmitted, EVENT_DECODER, ROUTED_DECODER
 from talaria.shared.messages import CANCEL_DECODER, ErrorReply
@@ -89,13 +90,9 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     if ready is not None:
         ready.set()
     try:
-        stopped = asyncio.ensure_future(stop.wait())
-        done, _ = await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
-        for task in (done - {stopped}) if not stop.is_set() else ():
-            # A core task died (e.g. the work loop): an agent that still heartbeats but runs
-            # nothing would hold its calls until their 504; exit non-zero so it is restarted.
-            task.result()
-            raise RuntimeError(f"agent task {task.get_name()} ended unexpectedly")
+        # A core task that dies (e.g. the work loop) would leave an agent that heartbeats but
+        # runs nothing, holding its calls until their 504.
+        await serve_until_stopped("agent", stop, tasks)
     finally:
         stop.set()
         for task in tasks:

@@ -33,6 +33,7 @@ from talaria.services.router.state import RouterState
 from talaria.shared import logs, subjects, tracing
 from talaria.shared.health import INTERVAL_S as HEARTBEAT_INTERVAL_S, BusHearing, heartbeat_loop
 from talaria.shared.logs import call_context
+from talaria.shared.runtime import serve_until_stopped
 from talaria.shared.bus import ACK_WAIT_S, PUBLISH_TIMEOUT_S, close, connect, publish_fast
 from talaria.shared.nats_auth import sender_of, trusted
 from talaria.shared.db.connection import create_engine
@@ -118,12 +119,7 @@ class RouterService:
         if ready is not None:
             ready.set()
         try:
-            stopped = asyncio.ensure_future(stop.wait())
-            done, _ = await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
-            # Tasks end with `stop` too (in the same loop turn): only one that ended first died.
-            for task in (done - {stopped}) if not stop.is_set() else ():
-                task.result()  # a core task died: raise, so the process exits non-zero
-                raise RuntimeError(f"router task {task.get_name()} ended unexpectedly")
+            await serve_until_stopped("router", stop, tasks)
         finally:
             stop.set()
             # Let the consumer finish the message in hand (it checks `stop` between fetches).
