@@ -57,7 +57,8 @@ class EngineSteps:
                                    prompt_ids=list(routed.prompt_ids), max_tokens=routed.max_tokens,
                                    temperature=routed.temperature, top_p=routed.top_p, seed=routed.seed,
                                    stop=tuple(routed.stop), kv_scope=routed.kv_scope, logit_bias=routed.logit_bias,
-                                   logprobs=routed.logprobs, top_logprobs=routed.top_logprobs))
+                                   logprobs=routed.logprobs, top_logprobs=routed.top_logprobs,
+                                   kv_output_tokens=transport.routed.kv_output_tokens))
             transport.in_engine = True
             transport.span.add_event("prefill_start", {"session_prefill": action.session_prefill})
             # Published while the prefill runs: it is a progress marker (the projector keeps a
@@ -73,7 +74,9 @@ class EngineSteps:
 
     async def decode(self, action: Decode) -> StepReport:
         steps = await self._step(self.engine.decode, list(action.call_ids))
-        return self.core.decode_done(action, time.time(), await self._tokens(steps))
+        stepped = {s.call_id for s in steps}
+        stalled = [c for c in action.call_ids if c not in stepped]  # no KV page for them yet
+        return self.core.decode_done(action, time.time(), await self._tokens(steps), stalled=stalled)
 
     async def _step(self, step, *args):
         """An engine step (prefill or decode); the calls it finished are released on the

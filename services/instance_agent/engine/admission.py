@@ -2,6 +2,15 @@
 (the session's own device entry, then the prefix index, then host pages via HKVR), reserve
 the pages it will need, and give them back when it leaves.
 
+Reserved: prompt + the output the router expects (`kv_output_tokens`, a high quantile of
+what the session and model produced; services/router/output_estimate.py), not prompt +
+max_tokens, a cap most calls never use (a 32,000-token cap would hold a quarter of a 131K
+pool per call). A call that outgrows its reservation grows page by page into pages nobody
+reserved (`grow_page`: free ones, then idle prefixes and sessions, whose KV HKVR keeps on
+host); when none is left it waits a step while the others decode and finish; only when no
+call can go on does the latest admitted finish with what it generated, finish reason
+"length" (TorchEngine.decode), as at the context limit: never a crash or a lost call.
+
 A part of `TorchEngine` (torch_engine.py), called on its one worker thread: it works on the
 active `DeviceModel` and the engine's running sequences, both handed in.
 """
@@ -62,7 +71,7 @@ class KvAdmission:
         shared, cow_src, cached = self.match_device(dev, req.session_id, prompt, hashes, max_match)
         for p in shared:
             dev.pool.use(p)
-        kv_tokens = min(len(prompt) + req.max_tokens - 1, spec.context_length)
+        kv_tokens = min(len(prompt) + reserved_output(req) - 1, spec.context_length)
         total_pages = math.ceil(kv_tokens / ps)
         new_pages = total_pages - len(shared)
         available = dev.pool.num_unused() - sum(s.pages_to_come() for s in running.values())
@@ -89,6 +98,36 @@ class KvAdmission:
         gen = make_generator(req.seed, self.device) if req.temperature > 0 else None
         return Sequence(req, spec.context_length, prompt, pages, cached, host_tokens, total_pages, t0, gen,
                         text=text_for(spec))
+
+    def next_page(self, dev: DeviceModel, running: dict[str, Sequence], seq: Sequence) -> int:
+        """A page for `seq`'s next tokens: within its reservation, or grown past it."""
+        if len(seq.pages) < seq.total_pages:
+            return self.alloc_page(dev)
+        page = self.grow_page(dev, running, seq)
+        if page is None:
+            raise OutOfKvPages(dev.name, 1, 0)
+        return page
+
+    def grow_page(self, dev: DeviceModel, running: dict[str, Sequence], seq: Sequence) -> int | None:
+        """One page past `seq`'s reservation, taken only where no other running call reserved
+        it (free pages, then idle prefixes and sessions, evicted by alloc_page); None if none."""
+        others = sum(s.pages_to_come() for s in running.values() if s is not seq)
+        if dev.pool.num_unused() - others < 1:
+            return None
+        page = self.alloc_page(dev)
+        seq.total_pages += 1
+        return page
+
+    def grow_into(self, dev: DeviceModel, running: dict[str, Sequence], seq: Sequence) -> bool:
+        """Give `seq` one page past its reservation if one is unreserved; whether it got it."""
+        page = self.grow_page(dev, running, seq)
+        if page is not None:
+            seq.pages.append(page)
+        return page is not None
+
+    def needs_page(self, seq: Sequence) -> bool:
+        """Whether `seq`'s next decode step writes past its pages and its reservation."""
+        return seq.kv_len + 1 > len(seq.pages) * self.page_size and len(seq.pages) >= seq.total_pages
 
     def match_device(self, dev: DeviceModel, session_id: str, prompt: list[int], hashes: list[int],
                      max_match: int) -> tuple[list[int], int | None, int]:
@@ -134,6 +173,13 @@ class KvAdmission:
                 self.staging.wait_all()  # pages were only blocked by writes in flight
                 continue
             raise OutOfKvPages(dev.name, 1, 0)
+
+
+def reserved_output(req: GenRequest) -> int:
+    """Output tokens a call's pages are reserved for: the router's estimate, never above
+    max_tokens; max_tokens when the router sent none."""
+    k = req.kv_output_tokens
+    return min(req.max_tokens, k) if k > 0 else req.max_tokens
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -24,8 +24,8 @@ class ForwardPass:
     def __init__(self, page_size: int, device: torch.device, prefill_chunk: int, admission: KvAdmission) -> None:
         self.page_size, self.device, self.prefill_chunk, self.admission = page_size, device, prefill_chunk, admission
 
-    def run_prefill(self, dev: DeviceModel, seqs: list[Sequence], chunk: int = 0, pass_tokens: int = 0,
-                    should_yield: Callable[[], bool] | None = None) -> dict[str, torch.Tensor]:
+    def run_prefill(self, dev: DeviceModel, running: dict[str, Sequence], seqs: list[Sequence], chunk: int = 0,
+                    pass_tokens: int = 0, should_yield: Callable[[], bool] | None = None) -> dict[str, torch.Tensor]:
         """Batched prefill of each sequence's unmatched suffix, at most `chunk` tokens each
         (0: all), in forward passes of at most `pass_tokens` (0: `prefill_chunk`) tokens each;
         last-token logits of the sequences whose prompt is complete. With `chunk`, a true
@@ -37,7 +37,7 @@ class ForwardPass:
         while todo:
             parts = [(s, s.kv_len, min(per_pass, len(s.tokens) - s.kv_len, left[i]))
                      for i, s in todo.items()]
-            logits = self.forward_batch(dev, parts)
+            logits = self.forward_batch(dev, running, parts)
             for i, (s, _, n) in enumerate(parts):
                 cid = s.req.call_id
                 left[cid] -= n
@@ -50,14 +50,17 @@ class ForwardPass:
                 break  # new work arrived: end the chunk at this forward pass
         return last
 
-    def forward_batch(self, dev: DeviceModel, parts: list[tuple[Sequence, int, int]]) -> torch.Tensor:
-        """Compute tokens[p0:p0+n] of each part at positions p0.. ; logits of each part's last row."""
+    def forward_batch(self, dev: DeviceModel, running: dict[str, Sequence],
+                      parts: list[tuple[Sequence, int, int]]) -> torch.Tensor:
+        """Compute tokens[p0:p0+n] of each part at positions p0.. ; logits of each part's last row.
+        `running`: the engine's sequences (a call growing past its reservation takes only pages
+        none of them reserved)."""
         ps, device = self.page_size, self.device
         ids, pos, wpages, woffs, slices, last = [], [], [], [], [], []
         row = 0
         for seq, p0, n in parts:
             while len(seq.pages) * ps < p0 + n:
-                seq.pages.append(self.admission.alloc_page(dev))
+                seq.pages.append(self.admission.next_page(dev, running, seq))
             ids += seq.tokens[p0 : p0 + n]
             pos += range(p0, p0 + n)
             wpages += [seq.pages[p // ps] for p in range(p0, p0 + n)]
