@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 from talaria.shared.ablations import ABLATIONS
 from talaria.shared.api_keys import InvalidKeyEntry, parse_key_entry
+from talaria.shared.catalog import CATALOG, register
+from talaria.shared.hf_config import CheckpointError, load_spec, parse_models
 
 
 class SettingsError(ValueError):
@@ -90,9 +94,6 @@ class Settings:
     model_dirs: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
-        from talaria.shared.catalog import register
-        from talaria.shared.hf_config import CheckpointError, load_spec, parse_models
-
         names, dirs = parse_models(tuple(self.models))
         dirs = {**dict(self.model_dirs), **dirs}
         for name, path in dirs.items():
@@ -151,8 +152,6 @@ class Settings:
             raise SettingsError("TALARIA_OVERLOAD", self.overload, "reject or queue")
         if not 0 < self.http_port < 65536 and self.http_port != 0:
             raise SettingsError("TALARIA_HTTP_PORT", str(self.http_port), "a TCP port")
-        from talaria.shared.catalog import CATALOG
-
         unknown = [m for m in self.models if m not in CATALOG]
         if unknown or not self.models:
             raise SettingsError("TALARIA_MODELS", ",".join(self.models),
@@ -171,8 +170,6 @@ class Settings:
 
 
     def _validate_security(self) -> None:
-        import re
-
         if not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", self.deployment):
             raise SettingsError("TALARIA_DEPLOYMENT", self.deployment,
                                 "1-32 lowercase letters, digits, '_' or '-', starting with a letter")
@@ -216,8 +213,6 @@ def _redact_key(entry: str) -> str:
 
 def redact_url(url: str | None) -> str | None:
     """The URL with its password replaced by '***' (for logs and printed output)."""
-    from urllib.parse import urlsplit, urlunsplit
-
     if not url:
         return url
     parts = urlsplit(url)

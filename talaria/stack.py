@@ -21,6 +21,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from talaria.services.gateway.auth import KeyStore
+from talaria.shared.api_keys import hash_key, new_key, write_key_file
 from talaria.shared.db.connection import upgrade
 from talaria.shared.nats_auth import generate_users
 from talaria.shared.settings import Settings, redact_url
@@ -125,8 +127,6 @@ class Stack:
 
     def _api_keys(self, data: Path) -> None:
         """No keys configured: generate one for this run; only its hash reaches the gateway."""
-        from talaria.shared.api_keys import hash_key, new_key, write_key_file
-
         if self.settings.api_keys or self.settings.api_keys_file:
             return
         self.api_key = new_key()
@@ -135,8 +135,6 @@ class Stack:
 
     def tenants(self) -> list[str]:
         """The tenants of the configured API keys (`default` for the key generated for this run)."""
-        from talaria.services.gateway.auth import KeyStore
-
         if self.api_key is not None:
             return ["default"]
         return sorted(set(KeyStore.from_settings(self.settings).tenants.values()))
