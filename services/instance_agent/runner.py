@@ -1,4 +1,4 @@
-"""CallRunner: the live executor of the agent core (core.py) on the torch engine.
+"""CallRunner: the live executor of the agent core (agent_core.py) on the torch engine.
 
     routed call ──accept──▶ AgentCore.accept (→ RoundScheduler.submit; the call's AgentCall)
     loop: action = core.next_action(now)

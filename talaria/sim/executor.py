@@ -88,7 +88,7 @@ class Job:
 
 
 class SimExecutor:
-    """One simulated instance (GPU group). Handlers return the events they cause (engine.py);
+    """One simulated instance (GPU group). Handlers return the events they cause (event_loop.py);
     `sink.completed(job, CallCompleted, now)` hears of every finished call."""
 
     def __init__(self, instance_id: str, server: ServerProfile, config: SchedulerConfig, sink,

@@ -144,7 +144,7 @@ class Capabilities:
 
 @runtime_checkable
 class Engine(Protocol):
-    """Every method may raise an `EngineError` subclass (errors.py) naming what is wrong;
+    """Every method may raise an `EngineError` subclass (engine_errors.py) naming what is wrong;
     none of them may leave the engine unusable for other calls."""
 
     capabilities: Capabilities

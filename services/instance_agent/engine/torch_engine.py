@@ -4,7 +4,7 @@ One call's path:  prefill(reqs) -> admit (admission.py: match device session/pre
 then host pages via HKVR, reserve the rest) -> chunked batched prefill of the unmatched
 suffix (forward_pass.py) -> first token;  decode(ids) -> one batched step;  finish(id) ->
 index full pages, keep the session entry on device, checkpoint full pages to HKVR
-asynchronously. Model switches: switch.py; what it reports: report.py.
+asynchronously. Model switches: switch.py; what it reports: engine_report.py.
 
 Parts, each owning its state and handed its collaborators: `ModelStore` (specs, layouts,
 host images), `ModelSwitcher` (switch.py: the views it caches across switches),
@@ -314,7 +314,7 @@ class TorchEngine:
                 out[c] = 0 if seq.t_first is not None else max(0, len(seq.tokens) - seq.kv_len)
         return out
 
-    # -- state for telemetry (report.py) --------------------------------------------------
+    # -- state for telemetry (engine_report.py) ----------------------------------------------
 
     def kv_state(self, session_id: str, model: str) -> str:
         return report.kv_state(self.dev, self.hkvr, self.models, session_id, model)
