@@ -11,9 +11,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from talaria.embedded import free_port
-from talaria.services.gateway.service import run as run_gateway
-from talaria.services.instance_agent.service import run as run_agent
-from talaria.services.router.service import run as run_router
+from talaria.services.gateway.gateway_service import run as run_gateway
+from talaria.services.instance_agent.agent_service import run as run_agent
+from talaria.services.router.router_service import run as run_router
 from talaria.shared import tracing
 from talaria.shared.health import wait_for_router
 from talaria.shared.settings import Settings

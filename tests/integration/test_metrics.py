@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from talaria.embedded import free_port
-from talaria.services.instance_agent.service import run as run_agent
+from talaria.services.instance_agent.agent_service import run as run_agent
 from talaria.shared.health import wait_for_router
 from talaria.shared.settings import Settings
 from tests.integration.harness import Services, wait_until

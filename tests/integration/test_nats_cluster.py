@@ -16,7 +16,7 @@ import nats
 import pytest
 
 from talaria.embedded import EmbeddedNatsCluster, free_port
-from talaria.services.instance_agent.service import run as run_agent
+from talaria.services.instance_agent.agent_service import run as run_agent
 from talaria.shared import subjects
 from talaria.shared.bus import ATTEMPT_S, FAILOVER_S, servers
 from talaria.shared.health import wait_for_router
