@@ -27,6 +27,9 @@ class Capabilities:
     # ones paused): a switch moves no weights and loses no session's device KV, so a session
     # of a non-active model stays kv_state "device" and there is nothing to stage.
     resident_models: bool = False
+    # Reused KV comes in whole blocks of this many tokens (vLLM's prefix cache); 1: any
+    # prefix (the torch engine copies a partial page).
+    kv_block_tokens: int = 1
 
 
 @runtime_checkable

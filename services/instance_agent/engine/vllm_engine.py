@@ -23,6 +23,9 @@ Model switching (`switch_to`), by `switch_mode`:
             to host memory, KV discarded) and the incoming one wakes up. Its calls must be
             drained first; its sessions' KV survives only through the host KV connector
             (vllm_connector.py), when one is configured.
+  release   as resident, but the outgoing engine's KV is dropped (`reset_prefix_cache`), as a
+            level-1 sleep drops it: how the connector's return path is exercised and measured
+            on CPU, where sleep mode does not exist.
 Each model's engine runs as vLLM's processes (the engine core and its worker) beside the
 agent; the agent's host KV registry for them is the connector's (kv_state "host").
 
@@ -38,7 +41,7 @@ import os
 import queue
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -138,8 +141,8 @@ class VllmEngine:
         self.specs: dict[str, ModelSpec] = {m: CATALOG[m] for m in models}
         self.switch_mode = switch_mode or os.environ.get("TALARIA_VLLM_SWITCH") or (
             "sleep" if device.startswith("cuda") and len(models) > 1 else "resident")
-        if self.switch_mode not in ("resident", "sleep"):
-            raise ValueError(f"TALARIA_VLLM_SWITCH={self.switch_mode!r}: 'resident' or 'sleep'")
+        if self.switch_mode not in ("resident", "sleep", "release"):
+            raise ValueError(f"TALARIA_VLLM_SWITCH={self.switch_mode!r}: 'resident', 'sleep' or 'release'")
         self.max_model_len = max_model_len or int(os.environ.get("TALARIA_VLLM_MAX_MODEL_LEN", "0")) or None
         self.kv_cache_bytes = kv_cache_bytes or int(os.environ.get("TALARIA_VLLM_KV_BYTES", str(512 << 20)))
         self.block_size = block_size or int(os.environ.get("TALARIA_VLLM_BLOCK", "0")) or None
@@ -148,6 +151,7 @@ class VllmEngine:
         self.hkvr = hkvr
         self.host_kv_bytes = host_kv_bytes or int(os.environ.get("TALARIA_VLLM_HOST_KV_BYTES", str(256 << 20)))
         resident = self.switch_mode == "resident"
+        # release/sleep drop the outgoing engine's KV: its calls are drained first.
         self.capabilities = Capabilities(
             switch_with_calls_running=resident, host_kv=hkvr, d2d_staging=False, chunked_prefill=True,
             resident_models=resident)
@@ -160,6 +164,7 @@ class VllmEngine:
         self._active: str | None = None
         self._llms: dict[str, Any] = {}
         self._asleep: set[str] = set()
+        self._pools: list[Path] = []
         self._loop = LoopThread()
         self.ensure_weights()
         try:
@@ -191,13 +196,26 @@ class VllmEngine:
         if self.hkvr:
             from talaria.services.instance_agent.engine.vllm_connector import transfer_config
 
-            kw["kv_transfer_config"] = transfer_config(model, self.host_kv_bytes)
+            kw["kv_transfer_config"] = transfer_config(model, self._pool_file(model), self.host_kv_bytes)
+            kw["async_scheduling"] = False  # the connector retires a step's copies at the next schedule
         return AsyncEngineArgs(
             model=str(self.dirs[model]), skip_tokenizer_init=True, enable_prefix_caching=True,
             dtype=("float32" if spec.path is None else self.dtype),
             max_model_len=min(spec.context_length, self.max_model_len or spec.context_length),
             logprobs_mode="processed_logprobs",  # after logit_bias and the output mask, as the torch engine
             enforce_eager=self.enforce_eager, disable_log_stats=True, seed=0, **kw)
+
+    def _pool_file(self, model: str) -> Path:
+        """The connector's host pages for `model`: a shared-memory file its engine core and
+        worker processes both map (removed on close)."""
+        shm = Path("/dev/shm")
+        base = shm if shm.is_dir() and os.access(shm, os.W_OK) else self.data_dir
+        path = base / f"talaria-hkvr-{os.getpid()}-{id(self):x}-{model}.pool"
+        with open(path, "wb") as f:
+            f.truncate(self.host_kv_bytes)
+        os.chmod(path, 0o600)
+        self._pools.append(path)
+        return path
 
     def _start(self, model: str) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -209,8 +227,8 @@ class VllmEngine:
 
         llm = self._loop.run(build())
         self._llms[model] = llm
-        cfg = llm.vllm_config.cache_config
-        self._block = cfg.block_size
+        self._block = llm.vllm_config.cache_config.block_size
+        self.capabilities = replace(self.capabilities, kv_block_tokens=self._block)
         if self._active is None:
             self._active = model
         else:  # only the active model's engine computes (resident) or holds device memory (sleep)
@@ -220,14 +238,19 @@ class VllmEngine:
         llm = self._llms[model]
         if self.switch_mode == "resident":
             await llm.pause_generation(mode="keep", clear_cache=False)
+        elif self.switch_mode == "release":  # drop its KV as a level-1 sleep would, keep weights
+            await llm.pause_generation(mode="keep", clear_cache=False)
+            await llm.reset_prefix_cache()
+            self._asleep.add(model)
         else:
             await llm.sleep(level=1)
             self._asleep.add(model)
 
     async def _unpark(self, model: str) -> None:
         llm = self._llms[model]
-        if self.switch_mode == "resident":
+        if self.switch_mode in ("resident", "release"):
             await llm.resume_generation()
+            self._asleep.discard(model)
         else:
             await llm.wake_up()
             self._asleep.discard(model)
@@ -251,16 +274,16 @@ class VllmEngine:
         t0 = time.perf_counter()
         previous = self._active
         if previous is not None:
-            if self.switch_mode == "sleep" and self.hkvr:
+            if self.switch_mode != "resident" and self.hkvr:
                 self._save_sessions(previous)  # the connector keeps their KV through the sleep
             self._loop.run(self._park(previous))
         t1 = time.perf_counter()
         self._loop.run(self._unpark(model))
         t2 = time.perf_counter()
         self._active = model
-        if self.switch_mode == "sleep" and previous is not None:
+        if self.switch_mode != "resident" and previous is not None:
             self.sessions = {k: v for k, v in self.sessions.items() if k[1] != previous}
-        rec = SwitchRecord(previous, model, "host_only" if self.switch_mode == "sleep" else "d2d_full",
+        rec = SwitchRecord(previous, model, "d2d_full" if self.switch_mode == "resident" else "host_only",
                            save_teardown_s=t1 - t0, open_weights_s=t2 - t1, total_s=t2 - t0)
         self.switches.append(rec)
         return rec
@@ -472,13 +495,18 @@ class VllmEngine:
             kv_pinned_tokens=min(cap, pinned) if cap else pinned)
 
     def close(self) -> None:
+        async def shutdown(llm) -> None:  # on its loop, so its output handler ends quietly
+            llm.shutdown()
+
         for llm in self._llms.values():
             try:
-                llm.shutdown()
+                self._loop.run(shutdown(llm), timeout=60)
             except Exception:  # noqa: BLE001 - closing: the other engines still get shut down
                 pass
         self._llms.clear()
         self._loop.close()
+        for path in self._pools:
+            path.unlink(missing_ok=True)
 
     # -- host KV (vllm_connector.py) ---------------------------------------------------------
 

@@ -19,7 +19,11 @@ from talaria.services.instance_agent.scheduler.config import SchedulerConfig
 from talaria.shared.tokenizer import encode
 
 A, B = "qwen3-tiny", "gpt2-tiny"
-PROMPT = encode("<|user|>Fix the failing test in parser.py<|end|><|assistant|>")
+# Long enough for whole KV blocks (vLLM reuses 128-token blocks on CPU).
+PROMPT = encode("<|system|>You are a careful coding agent. Read before you edit, run the tests after "
+                "every change, and explain each step briefly.<|end|><|user|>The test suite fails in "
+                "parser.py: parse('a,b') returns ['a,b'] instead of ['a', 'b']. Find the bug, fix it, "
+                "and add a regression test.<|end|><|assistant|>")
 
 
 # Engines that start processes per model (vLLM: ~20 s each) are built once per module and
@@ -85,7 +89,8 @@ def test_a_sessions_next_call_reuses_its_kv_on_the_device(engine):
     assert ("s1", A, "device") in {(s, m, st) for s, m, st, _ in engine.session_states()}
     follow = PROMPT + first.token_ids + encode("<|tool|>exit 0<|end|><|assistant|>", bos=False)
     second = run(engine, "c2", "s1", follow)
-    assert second.kv_source == "device" and second.cached_tokens >= len(PROMPT) - 1
+    block = engine.capabilities.kv_block_tokens  # reuse comes in whole blocks
+    assert second.kv_source == "device" and second.cached_tokens >= (len(PROMPT) - 1) // block * block > 0
     fresh = run(engine, "c3", "s-fresh", follow)
     assert fresh.token_ids == second.token_ids  # reuse changes timing, never output
 
