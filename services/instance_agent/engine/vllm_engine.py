@@ -125,6 +125,7 @@ class VllmEngine:
         kv_cache_bytes: int | None = None,
         block_size: int | None = None,
         host_kv_bytes: int | None = None,
+        max_num_batched_tokens: int | None = None,
         enforce_eager: bool = True,
         dtype: str = "auto",
         **_torch_only: Any,  # the torch engine's knobs (kv_pages, tp_ranks, ...) do not apply
@@ -144,9 +145,11 @@ class VllmEngine:
         if self.switch_mode not in ("resident", "sleep", "release"):
             raise ValueError(f"TALARIA_VLLM_SWITCH={self.switch_mode!r}: 'resident', 'sleep' or 'release'")
         self.max_model_len = max_model_len or int(os.environ.get("TALARIA_VLLM_MAX_MODEL_LEN", "0")) or None
-        self.kv_cache_bytes = kv_cache_bytes or int(os.environ.get("TALARIA_VLLM_KV_BYTES", str(512 << 20)))
+        self.kv_cache_bytes = kv_cache_bytes or int(os.environ.get("TALARIA_VLLM_KV_BYTES", str(256 << 20)))
         self.block_size = block_size or int(os.environ.get("TALARIA_VLLM_BLOCK", "0")) or None
         self.enforce_eager = enforce_eager
+        # tokens per vLLM step: a longer prompt is prefilled in chunks of this (vLLM's default if unset)
+        self.max_num_batched_tokens = max_num_batched_tokens or int(os.environ.get("TALARIA_VLLM_BATCH_TOKENS", "0")) or None
         self.dtype = dtype
         self.hkvr = hkvr
         self.host_kv_bytes = host_kv_bytes or int(os.environ.get("TALARIA_VLLM_HOST_KV_BYTES", str(256 << 20)))
@@ -191,6 +194,8 @@ class VllmEngine:
             kw["gpu_memory_utilization"] = 0.85 / len(self.specs) if self.switch_mode == "resident" else 0.85
         if self.block_size:
             kw["block_size"] = self.block_size
+        if self.max_num_batched_tokens:
+            kw["max_num_batched_tokens"] = self.max_num_batched_tokens
         if self.switch_mode == "sleep":
             kw["enable_sleep_mode"] = True
         if self.hkvr:
