@@ -36,12 +36,11 @@ import-safe: vLLM starts its engine processes with `spawn`.
 
 from __future__ import annotations
 
-import math
 import os
 import queue
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -52,10 +51,9 @@ from talaria.services.instance_agent.engine.errors import (
     EngineBusy, EngineError, ModelNotActive, UnknownCall, UnknownModel,
 )
 from talaria.services.instance_agent.engine.hf_export import hf_dir
-from talaria.services.instance_agent.engine.sampling import LOGPROB_FLOOR, StopMatcher
+from talaria.services.instance_agent.engine.stream_call import StreamedCall
 from talaria.services.instance_agent.engine.vllm_loop import LoopThread
 from talaria.shared.catalog import CATALOG, ModelSpec
-from talaria.shared.messages import TokenLogprob
 from talaria.shared.model_text import text_for
 from talaria.shared.stats import ewma
 
@@ -76,39 +74,6 @@ class VllmEngineFailed(EngineError, RuntimeError):
 
     def __str__(self) -> str:
         return f"vLLM engine for {self.model!r}: {self.reason}"
-
-
-@dataclass
-class _Call:
-    """One call's stream: tokens vLLM delivered (not yet handed out) and the text state."""
-
-    req: GenRequest
-    model: str
-    context_length: int
-    t_start: float
-    text: Any
-    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    pending: list = field(default_factory=list)  # (token id, logprob dict | None)
-    generated: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    vllm_done: bool = False  # vLLM sent its last output (or the call was aborted)
-    cached_tokens: int = 0
-    host_tokens: int = 0
-    t_first: float | None = None
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.stop = StopMatcher(tuple(self.req.stop))
-        self.decoder = self.text.decoder()
-        self.eos = frozenset(self.text.eos_ids)
-
-    @property
-    def kv_source(self) -> str:
-        if self.host_tokens:
-            return "host"
-        return "device" if self.cached_tokens else "recompute"
 
 
 class VllmEngine:
@@ -159,7 +124,7 @@ class VllmEngine:
             switch_with_calls_running=resident, host_kv=hkvr, d2d_staging=False, chunked_prefill=True,
             resident_models=resident)
         self.should_yield = None  # vLLM chunks long prefills itself (the driver's hint is not needed)
-        self.running: dict[str, _Call] = {}
+        self.running: dict[str, StreamedCall] = {}
         self.sessions: dict[tuple[str, str], list[int]] = {}  # (session, model) -> tokens in its prefix cache
         self.host_sessions: dict[tuple[str, str], int] = {}  # (session, model) -> tokens the connector holds
         self.switches: list[SwitchRecord] = []
@@ -345,20 +310,12 @@ class VllmEngine:
         call = self.running.pop(call_id, None)
         if call is None:
             raise UnknownCall(call_id)
-        if not call.vllm_done:
+        if not call.engine_done:
             self._loop.run(self._llms[call.model].abort(call_id))
-            call.vllm_done = True
+            call.engine_done = True
         # The prefix cache keeps what the call computed: the prompt and the tokens fed back.
-        committed = list(call.req.prompt_ids) + call.generated[:-1]
-        self.sessions[(call.req.session_id, call.model)] = committed
-        ttft = (call.t_first - call.t_start) if call.t_first is not None else 0.0
-        return GenResult(
-            call_id=call_id, token_ids=list(call.generated), text=call.stop.text,
-            finish_reason=call.finish_reason or "abort", prompt_tokens=len(call.req.prompt_ids),
-            cached_tokens=call.cached_tokens, kv_source=call.kv_source,  # type: ignore[arg-type]
-            prefill_s=call.prefill_s, decode_s=call.decode_s, ttft_s=ttft, session_id=call.req.session_id,
-            model=call.model, host_restored_tokens=call.host_tokens, stop_sequence=call.stop.matched,
-            logprobs=list(call.logprobs) if call.req.logprobs else None)
+        self.sessions[(call.req.session_id, call.model)] = list(call.req.prompt_ids) + call.generated[:-1]
+        return call.result()
 
     def prompt_left(self, call_ids: Iterable[str]) -> dict[str, int]:
         return {c: 0 for c in call_ids if c in self.running}
@@ -384,10 +341,10 @@ class VllmEngine:
             stop_token_ids=list(text.eos_ids), ignore_eos=True, detokenize=False,
             output_kind=RequestOutputKind.DELTA, **kw)
 
-    def _submit(self, r: GenRequest, t0: float) -> _Call:
+    def _submit(self, r: GenRequest, t0: float) -> StreamedCall:
         spec = self.specs[r.model]
         text = text_for(spec)
-        call = _Call(r, r.model, spec.context_length, t0, text)
+        call = StreamedCall(r, r.model, spec.context_length, t0, text)
         prompt: dict[str, Any] = {"prompt_token_ids": list(r.prompt_ids)}
         if r.kv_scope:
             prompt["cache_salt"] = r.kv_scope
@@ -396,7 +353,7 @@ class VllmEngine:
         self._loop.spawn(self._pump(self._llms[r.model], call, prompt, params))
         return call
 
-    async def _pump(self, llm, call: _Call, prompt: dict, params) -> None:
+    async def _pump(self, llm, call: StreamedCall, prompt: dict, params) -> None:
         """On the loop: forward the call's DELTA outputs to the engine thread."""
         try:
             async for out in llm.generate(prompt, params, call.req.call_id,
@@ -407,17 +364,17 @@ class VllmEngine:
         except Exception as exc:  # noqa: BLE001 - handed to the engine thread, which raises it
             call.events.put(("error", exc))
 
-    def _next(self, call: _Call, prefill: bool = False) -> StepToken:
+    def _next(self, call: StreamedCall, prefill: bool = False) -> StepToken:
         t0 = time.perf_counter()
         while not call.pending:
-            if call.vllm_done:
+            if call.engine_done:
                 raise VllmEngineFailed(call.model, f"call {call.req.call_id} ended without a token")
             try:
                 event = call.events.get(timeout=STEP_TIMEOUT_S)
             except queue.Empty:
                 raise VllmEngineFailed(call.model, f"no token for {call.req.call_id} in {STEP_TIMEOUT_S:.0f} s") from None
             if event[0] == "error":
-                call.finish_reason, call.vllm_done = "error", True
+                call.finish_reason, call.engine_done = "error", True
                 raise VllmEngineFailed(call.model, f"call {call.req.call_id}: {event[1]}")
             _, ids, lps, cached, transfer, finished = event
             if cached is not None and call.t_first is None and not call.pending:
@@ -425,37 +382,17 @@ class VllmEngine:
             if transfer:
                 call.host_tokens = int(transfer.get("host_tokens", call.host_tokens))
             call.pending += list(zip(ids, lps if lps else [None] * len(ids)))
-            call.vllm_done = call.vllm_done or finished
+            call.engine_done = call.engine_done or finished
         now = time.perf_counter()
         if prefill:
             call.prefill_s += now - t0
         else:
             call.decode_s += now - t0
-        tok, lp = call.pending.pop(0)
-        return self._take(call, tok, lp, now)
-
-    def _take(self, call: _Call, tok: int, lp: dict | None, now: float) -> StepToken:
-        """The token's text and whether the call ends with it (as `Sequence.take`)."""
-        if call.t_first is None:
-            call.t_first = now
-        call.generated.append(tok)
-        logprob = _logprob(tok, lp, call.req.top_logprobs) if call.req.logprobs and lp is not None else None
-        if logprob is not None:
-            call.logprobs.append(logprob)
-        text, stopped = call.stop.push(call.decoder.push(tok))
-        if stopped or tok in call.eos:
-            call.finish_reason = "stop"
-        elif len(call.generated) >= call.req.max_tokens or len(call.req.prompt_ids) + len(call.generated) >= call.context_length:
-            call.finish_reason = "length"
-        elif call.vllm_done and not call.pending:
-            call.finish_reason = "length"  # vLLM stopped at its max_tokens (context room)
-        if call.finish_reason is not None:
-            if not stopped:
-                text += call.stop.flush(call.decoder.flush())
-            if not call.vllm_done:  # a stop string ended it before vLLM did
-                self._loop.spawn(self._llms[call.model].abort(call.req.call_id))
-                call.vllm_done = True
-        return StepToken(call.req.call_id, tok, text, call.finish_reason is not None, call.finish_reason, logprob)
+        step = call.take(now)
+        if step.finished and not call.engine_done:  # a stop string ended it before vLLM did
+            self._loop.spawn(self._llms[call.model].abort(call.req.call_id))
+            call.engine_done = True
+        return step
 
     # -- state -----------------------------------------------------------------------------
 
@@ -525,19 +462,6 @@ class VllmEngine:
     def _rate(self, kind: str, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
             self._rates[kind] = ewma(self._rates[kind] or None, tokens / seconds, EMA)
-
-
-def _logprob(tok: int, lp: dict, top: int) -> TokenLogprob:
-    def r(x: float) -> float:
-        return round(max(x, LOGPROB_FLOOR), 5) if math.isfinite(x) else LOGPROB_FLOOR
-
-    own = lp.get(tok)
-    value = r(own.logprob) if own is not None else LOGPROB_FLOOR
-    if top <= 0:
-        return TokenLogprob(tok, value)
-    ranked = sorted(((t, v) for t, v in lp.items() if v.rank is not None and v.rank <= top),
-                    key=lambda kv: kv[1].rank)[:top]
-    return TokenLogprob(tok, value, [t for t, _ in ranked], [r(v.logprob) for _, v in ranked])
 
 
 def _weight_bytes(path: Path) -> int:

