@@ -134,11 +134,21 @@ def test_hf_checkpoint_matches_transformers_and_a_return_loads_its_kv_from_the_h
             if tok in spec.eos_ids:
                 break
     fresh = run(engine, "h-fresh", "s-hf-fresh", follow, 32, model=HF, kv_scope="fresh")
-    assert fresh.kv_source == "recompute" and fresh.token_ids == expected
+    assert fresh.kv_source == "recompute"
+    same = next((i for i, (a, b) in enumerate(zip(fresh.token_ids, expected)) if a != b), len(expected))
+    # Only a near-tie may differ: vLLM's CPU kernels and transformers round differently in
+    # float32 (seen: a 0.0035 logit gap at token 29 of 32), so a flip needs the two tokens'
+    # logits within 1e-2 of each other (a 1% probability ratio).
+    if same < len(expected):
+        with torch.no_grad():
+            logits = model(torch.tensor([follow + expected[:same]])).logits[0, -1]
+        gap = float(logits[expected[same]] - logits[fresh.token_ids[same]])
+        assert 0 <= gap < 1e-2, f"token {same}: transformers prefers {expected[same]} by {gap}"
+    assert same >= 16 or same == len(expected)
 
     engine.switch_to(A)  # release: HF's engine drops its KV; the connector's host copy stays
     assert engine.kv_state("s-hf", HF) == "host"
     back = run(engine, "h2", "s-hf", follow, 32, model=HF)
     block = engine.capabilities.kv_block_tokens
     assert back.kv_source == "host" and back.host_restored_tokens >= (len(ids) // block) * block > 0
-    assert back.token_ids == expected
+    assert back.token_ids == fresh.token_ids  # restored KV gives the recompute's tokens
