@@ -78,7 +78,10 @@ def test_a_session_is_served_through_vllm_with_rounds_across_two_models(tmp_path
         key = stack.wait_for(r"API key .*: (\S+)", timeout=10).group(1)
         db = json.loads((data_dir / "stack.json").read_text())["database"]
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=300)
-        messages = [{"role": "user", "content": "Fix the failing test in parser.py"}]
+        # A system prompt of several vLLM blocks (128 tokens on CPU): reuse is in whole blocks.
+        system = "You are a careful coding agent. Read the code before you edit it, run the tests " * 25
+        messages = [{"role": "system", "content": system},
+                    {"role": "user", "content": "Fix the failing test in parser.py"}]
         # Rounds: the session alternates models; each answer is that model's greedy output.
         for i, model in enumerate([A, B, A, B]):
             r = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
@@ -89,6 +92,7 @@ def test_a_session_is_served_through_vllm_with_rounds_across_two_models(tmp_path
         done = asyncio.run(rows(db, "session_id=$1 AND outcome='completed'", 4, f"{TENANT}:vllm-e2e"))
         assert [r["model"] for r in done] == [A, B, A, B]
         assert done[2]["kv_source"] == "device"  # A's engine kept the session's KV across B's slot
+        assert done[2]["cached_tokens"] >= 256
 
         # Streamed, and equal to the torch engine's greedy tokens for the same prompt.
         stream = client.completions.create(model=A, prompt="def parse(s):", max_tokens=10, temperature=0,
@@ -112,13 +116,13 @@ def test_a_session_is_served_through_vllm_with_rounds_across_two_models(tmp_path
         assert final.stop_reason in ("end_turn", "max_tokens") and 1 <= final.usage.output_tokens <= 8
 
         # Cancellation: a long stream closed after its first chunk ends as `cancelled`.
-        stream = client.chat.completions.create(model=A, messages=messages[:1], max_tokens=2000, temperature=0,
+        stream = client.chat.completions.create(model=A, messages=messages[:2], max_tokens=2000, temperature=0,
                                                 stream=True, extra_headers={"X-Session-Id": "vllm-cancel"})
         next(iter(stream))
         stream.close()
         [cancelled] = asyncio.run(rows(db, "session_id=$1 AND outcome='cancelled'", 1, f"{TENANT}:vllm-cancel"))
         assert cancelled["output_tokens"] is None or cancelled["output_tokens"] < 2000
-        r = client.chat.completions.create(model=A, messages=messages[:1], max_tokens=4, temperature=0)
+        r = client.chat.completions.create(model=A, messages=messages[:2], max_tokens=4, temperature=0)
         assert r.choices[0].finish_reason in ("stop", "length")  # the agent serves on
 
         stack.proc.send_signal(signal.SIGINT)

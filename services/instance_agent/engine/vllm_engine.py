@@ -110,6 +110,9 @@ class VllmEngine:
         if self.switch_mode not in ("resident", "sleep", "release"):
             raise ValueError(f"TALARIA_VLLM_SWITCH={self.switch_mode!r}: 'resident', 'sleep' or 'release'")
         self.max_model_len = max_model_len or int(os.environ.get("TALARIA_VLLM_MAX_MODEL_LEN", "0")) or None
+        if self.max_model_len:  # what vLLM is built for is the model's context here (validation, snapshots)
+            self.specs = {m: replace(s, context_length=min(s.context_length, self.max_model_len))
+                          for m, s in self.specs.items()}
         self.kv_cache_bytes = kv_cache_bytes or int(os.environ.get("TALARIA_VLLM_KV_BYTES", str(256 << 20)))
         self.block_size = block_size or int(os.environ.get("TALARIA_VLLM_BLOCK", "0")) or None
         self.enforce_eager = enforce_eager
@@ -171,7 +174,7 @@ class VllmEngine:
         return AsyncEngineArgs(
             model=str(self.dirs[model]), skip_tokenizer_init=True, enable_prefix_caching=True,
             dtype=("float32" if spec.path is None else self.dtype),
-            max_model_len=min(spec.context_length, self.max_model_len or spec.context_length),
+            max_model_len=spec.context_length,
             logprobs_mode="processed_logprobs",  # after logit_bias and the output mask, as the torch engine
             enforce_eager=self.enforce_eager, disable_log_stats=True, seed=0, **kw)
 
@@ -327,8 +330,6 @@ class VllmEngine:
         from vllm.sampling_params import RequestOutputKind
 
         room = spec.context_length - len(r.prompt_ids)
-        if self.max_model_len:
-            room = min(room, self.max_model_len - len(r.prompt_ids))
         kw: dict[str, Any] = {}
         if text.allowed_output is not None:
             kw["allowed_token_ids"] = [t for t in text.allowed_output if t < spec.vocab_size]
