@@ -39,6 +39,7 @@ from __future__ import annotations
 import os
 import queue
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
@@ -128,7 +129,9 @@ class VllmEngine:
             resident_models=resident)
         self.should_yield = None  # vLLM chunks long prefills itself (the driver's hint is not needed)
         self.running: dict[str, StreamedCall] = {}
-        self.sessions: dict[tuple[str, str], list[int]] = {}  # (session, model) -> tokens in its prefix cache
+        # (session, model) -> tokens in its prefix cache, least recently used first; cut to each
+        # model's KV capacity (`_remember`), as vLLM's LRU prefix cache evicts them
+        self.sessions: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
         self.host_sessions: dict[tuple[str, str], int] = {}  # (session, model) -> tokens the connector holds
         self.switches: list[SwitchRecord] = []
         self._rates = {"prefill": 0.0, "decode": 0.0, "restore": 0.0}
@@ -255,7 +258,7 @@ class VllmEngine:
         t2 = time.perf_counter()
         self._active = model
         if self.switch_mode != "resident" and previous is not None:
-            self.sessions = {k: v for k, v in self.sessions.items() if k[1] != previous}
+            self.sessions = OrderedDict((k, v) for k, v in self.sessions.items() if k[1] != previous)
         rec = SwitchRecord(previous, model, "d2d_full" if self.switch_mode == "resident" else "host_only",
                            save_teardown_s=t1 - t0, open_weights_s=t2 - t1, total_s=t2 - t0)
         self.switches.append(rec)
@@ -317,7 +320,7 @@ class VllmEngine:
             self._loop.run(self._llms[call.model].abort(call_id))
             call.engine_done = True
         # The prefix cache keeps what the call computed: the prompt and the tokens fed back.
-        self.sessions[(call.req.session_id, call.model)] = list(call.req.prompt_ids) + call.generated[:-1]
+        self._remember(call.req.session_id, call.model, list(call.req.prompt_ids) + call.generated[:-1])
         return call.result()
 
     def prompt_left(self, call_ids: Iterable[str]) -> dict[str, int]:
@@ -450,6 +453,20 @@ class VllmEngine:
         self._loop.close()
         for path in self._pools:
             path.unlink(missing_ok=True)
+
+    def _remember(self, session_id: str, model: str, tokens: list[int]) -> None:
+        """The session's prefix-cache entry, newest last; the oldest of `model` are forgotten
+        once they add up to more than its engine's KV capacity (vLLM evicts LRU blocks)."""
+        key = (session_id, model)
+        self.sessions.pop(key, None)
+        self.sessions[key] = tokens
+        cfg = self._llms[model].vllm_config.cache_config
+        capacity = (cfg.num_gpu_blocks or 0) * cfg.block_size
+        held = sum(len(t) for (_, m), t in self.sessions.items() if m == model)
+        for old in [k for k in self.sessions if k[1] == model]:
+            if held <= capacity or old == key:
+                break
+            held -= len(self.sessions.pop(old))
 
     # -- host KV (vllm_connector.py) ---------------------------------------------------------
 
