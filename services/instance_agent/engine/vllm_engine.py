@@ -114,7 +114,9 @@ class VllmEngine:
         if self.max_model_len:  # what vLLM is built for is the model's context here (validation, snapshots)
             self.specs = {m: replace(s, context_length=min(s.context_length, self.max_model_len))
                           for m, s in self.specs.items()}
-        self.kv_cache_bytes = kv_cache_bytes or int(os.environ.get("TALARIA_VLLM_KV_BYTES", str(256 << 20)))
+        # KV cache per model on CPU: set, or room for two calls of the model's whole context
+        # (vLLM refuses to start without one; the torch engine's default is one), at least 256 MiB.
+        self.kv_cache_bytes = kv_cache_bytes or int(os.environ.get("TALARIA_VLLM_KV_BYTES", "0")) or None
         self.block_size = block_size or int(os.environ.get("TALARIA_VLLM_BLOCK", "0")) or None
         self.enforce_eager = enforce_eager
         # tokens per vLLM step: a longer prompt is prefilled in chunks of this (vLLM's default if unset)
@@ -160,7 +162,7 @@ class VllmEngine:
         spec = self.specs[model]
         kw: dict[str, Any] = {}
         if self.device == "cpu":
-            kw["kv_cache_memory_bytes"] = self.kv_cache_bytes
+            kw["kv_cache_memory_bytes"] = self.kv_cache_bytes or max(256 << 20, 2 * _kv_bytes(spec))
         else:  # every model's engine shares the device: a share each (a sleeping one frees its own)
             kw["gpu_memory_utilization"] = 0.85 / len(self.specs) if self.switch_mode == "resident" else 0.85
         if self.block_size:
@@ -480,6 +482,11 @@ class VllmEngine:
     def _rate(self, kind: str, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
             self._rates[kind] = ewma(self._rates[kind] or None, tokens / seconds, EMA)
+
+
+def _kv_bytes(spec: ModelSpec) -> int:
+    """KV bytes of one call filling the model's context (float32 K and V, every layer)."""
+    return spec.layers * 2 * spec.kv_heads * spec.head_dim * 4 * spec.context_length
 
 
 def _weight_bytes(path: Path) -> int:
