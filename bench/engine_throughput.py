@@ -79,7 +79,7 @@ def run_batch(engine, model: str, batch: list[list[int]], decode: int, tag: str)
 
 
 def build(name: str, data: Path, model: str, device: str, tokens: int, batch: int, dtype: str):
-    from talaria.services.instance_agent.engine.registry import build_engine
+    from talaria.services.instance_agent.engine.engine_registry import build_engine
 
     if name == "torch":
         return build_engine("torch", data, [model], device=device, hkvr=False, staging=False,

@@ -42,3 +42,17 @@ def main(service: str, run: Runner) -> int:
         log.exception(f"{service} crashed")
         return 1
     return 0
+
+
+async def serve_until_stopped(service: str, stop: asyncio.Event, tasks: list[asyncio.Task]) -> None:
+    """Wait for `stop`; a core task that ends first raises (its error, or that it ended), so
+    the process exits non-zero and is restarted rather than heartbeating with no one working.
+    Tasks that end with `stop` (in the same loop turn) are not counted as dead."""
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        done, _ = await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    for task in (done - {stopped}) if not stop.is_set() else ():
+        task.result()
+        raise RuntimeError(f"{service} task {task.get_name()} ended unexpectedly")

@@ -2,7 +2,7 @@
 
 import sys
 
-from talaria.services.instance_agent.service import run
+from talaria.services.instance_agent.agent_service import run
 from talaria.shared.runtime import main
 
 # Guarded: engines that start processes with `spawn` (vLLM) re-import the main module.

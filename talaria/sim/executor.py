@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from talaria.services.instance_agent.core import AgentCore, Outcome
+from talaria.services.instance_agent.agent_core import AgentCore, StepReport
 from talaria.services.instance_agent.memory.parked_kv import ParkedKv, Unparked, parking_room, staging_reserve
 from talaria.services.instance_agent.scheduler import Decode, Idle, Prefill, SchedulerConfig, SwitchModel
 from talaria.services.instance_agent.scheduler.costs import decode_steps_s, first_step_reaching
@@ -83,12 +83,14 @@ class Job:
     kv_source: str = "none"
     via: str = ""
     instance: str = ""
+    shared: int = 0  # leading prompt tokens every session of the model shares (system prompt + tools)
+    cached: int = 0  # prompt tokens its prefill found cached (own KV or the shared prefix)
     prefill_s: float = 0.0  # time of the prefill actions it was in (the live engine's measure)
     decode_s: float = 0.0  # time of the decode steps it was in
 
 
 class SimExecutor:
-    """One simulated instance (GPU group). Handlers return the events they cause (engine.py);
+    """One simulated instance (GPU group). Handlers return the events they cause (event_loop.py);
     `sink.completed(job, CallCompleted, now)` hears of every finished call."""
 
     def __init__(self, instance_id: str, server: ServerProfile, config: SchedulerConfig, sink,
@@ -102,7 +104,8 @@ class SimExecutor:
         self.sched = self.core.sched
         self.view = view or DeviceView(server)
         self.max_steps = max(1, max_decode_steps)
-        self.active: str | None = None
+        # a hot-pool instance is deployed with its model loaded (it never switches)
+        self.active: str | None = config.pinned_model if config.pool == "hot" else config.initial_model
         self.switching_to: str | None = None
         # Calls mid-decode, per model. A model switched away from parks its list (KV kept
         # with the model's parked pool, paper §4.2 P1/P3); they resume in its next slot.
@@ -191,7 +194,7 @@ class SimExecutor:
 
     def _switch(self, now: float, action: SwitchModel):
         model = action.to_model
-        staged = self._staged_bytes(now, model) if action.staged else 0
+        staged = self.staged_bytes(now, model) if action.staged else 0
         path, seconds, phases = self.server.switch(model, staged)
         kv_phases = {k: v for k, v in self._switch_kv(model).items() if v > 0}
         phases = {**phases, **kv_phases}
@@ -242,6 +245,7 @@ class SimExecutor:
         for cid in action.call_ids:
             job = self.jobs[cid]
             cost, job.kv_source, avail = self._prefill_cost(job)
+            job.cached = avail
             if job.kv_source == "host":
                 self.kv.touch_host(job.model, job.session)
                 self._transfer_s += self.server.restore_s(job.model, avail)
@@ -305,7 +309,7 @@ class SimExecutor:
         calls = () if isinstance(action, SwitchModel) else tuple(action.call_ids)
         return LoggedAction(calls, self.action_start, now, transfer, tuple(finished))
 
-    def _record(self, outcome: Outcome, now: float) -> list:
+    def _record(self, outcome: StepReport, now: float) -> list:
         """Keep the core's records; complete finished calls (their sink events return)."""
         if outcome.switch is not None:
             self.switches.append(outcome.switch)
@@ -325,13 +329,14 @@ class SimExecutor:
         self._put_device(now, job.session, tokens)
         if self.config.hkvr:
             self.kv.put_host(job.model, job.session, tokens)
-        job.via = self.core.records[job.call_id].via
-        cached = job.reusable if job.kv_source in ("device", "host") else 0
+        job.via = self.core.calls[job.call_id].via
+        cached = job.cached if job.kv_source in ("device", "host") else 0
         # Measured as the live engine measures them: every call of a batched prefill or decode
         # step is charged the step's time, so the router's per-model rates are learned.
         done = self.core.completed(job.call_id, now, prompt_tokens=job.prompt, output_tokens=job.output,
                                    finish_reason="length" if job.output >= job.max_tokens else "stop", cached_tokens=cached, kv_source=job.kv_source,
                                    prefill_s=job.prefill_s, decode_s=job.decode_s)
+        self.core.end(job.call_id)
         return self.sink.completed(job, done, now)
 
     def _update_staging(self, now: float) -> None:
@@ -347,7 +352,16 @@ class SimExecutor:
     # ---- prefill pricing ----------------------------------------------------------------
 
     def _kv_for(self, job: Job) -> tuple[str, int]:
-        """(source, reusable tokens available) for `job` on this instance right now."""
+        """(source, reusable tokens available) for `job` on this instance right now: its
+        session's own KV, or the prefix every session of its model shares when any of them
+        has KV on device here (the engine's prefix cache holds those blocks once; the
+        simulator counts each session's KV in full [asm]), whichever covers more."""
+        source, avail = self._own_kv(job)
+        if job.shared > avail and self.active == job.model and self.kv.device_tokens > 0:
+            return "device", job.shared
+        return source, avail
+
+    def _own_kv(self, job: Job) -> tuple[str, int]:
         if job.reusable <= 0:
             return "none", 0
         if self.active == job.model:
@@ -370,7 +384,7 @@ class SimExecutor:
 
     # ---- memory -----------------------------------------------------------------------
 
-    def _staged_bytes(self, now: float, model: str) -> int:
+    def staged_bytes(self, now: float, model: str) -> int:
         if not self.config.staging:
             return 0
         return self.staging.staged_bytes(now, model, self.active, self.last_peak_kv)
@@ -387,7 +401,7 @@ class SimExecutor:
         if used > self.last_peak_kv:
             self.last_peak_kv = used
         target = self.staging.target
-        staged = self._staged_bytes(now, target) if target else 0
+        staged = self.staged_bytes(now, target) if target else 0
         self._hbm(mp.weight_bytes + used + staged + self.parked.bytes)
 
     def _hbm(self, used: int) -> None:

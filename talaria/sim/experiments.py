@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from dataclasses import replace
@@ -31,6 +30,7 @@ from pathlib import Path
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.policy.registry import policy_names
 from talaria.shared.stats import quantile
+from talaria.sim.result_json import write_json
 from talaria.sim.cluster import RunConfig, simulate
 from talaria.sim.executor import instance_config
 from talaria.sim.metrics import summarise
@@ -40,7 +40,7 @@ from talaria.sim.workloads import fixed_replay, router_testbed, synthetic_catalo
 from talaria.traces.gaps import GapModel
 
 CONFIGS = ("talaria", "no-sp", "no-hkvr", "h2d-only", "round-only")
-ROUTER_POLICIES = ("least-pressure", "session-sticky", "prefix-aware", "kv-cost", "talaria")
+ROUTER_POLICIES = ("round-robin", "least-pressure", "session-sticky", "prefix-aware", "kv-cost", "talaria")
 SCALE_POLICIES = ("least-pressure", "prefix-aware", "kv-cost", "talaria")
 TAUS = (0.0, 0.5, 1.0, 2.0, 5.0)
 ROUTER_SEEDS = 8  # gap-model seeds per router-testbed point (see router_exp)
@@ -241,16 +241,6 @@ EXPERIMENTS = {
 }
 
 
-def _clean(obj):
-    if isinstance(obj, float) and (math.isnan(obj) or math.isinf(obj)):
-        return None
-    if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    return obj
-
-
 def _merge_scale(path: Path, new: dict) -> dict:
     """A run of some policies (`--scale-policies`) adds to the last scale result when both
     ran the same workload, so slow policies can get their own wall cap; else it replaces it."""
@@ -266,11 +256,6 @@ def _merge_scale(path: Path, new: dict) -> dict:
     order = [p for p in SCALE_POLICIES if p in merged["policies"]]
     merged["policies"] = {p: merged["policies"][p] for p in order + [p for p in merged["policies"] if p not in order]}
     return merged
-
-
-def write_json(data: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_clean(data), indent=1))
 
 
 def run(names: list[str], out_dir: Path, json_path: Path | None, quick: bool,
@@ -328,6 +313,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-report", action="store_true")
     parser.add_argument("--workers", type=int, default=2, help="matrix: parallel processes (default 2)")
     parser.add_argument("--cells", default=None, help="matrix: only cells whose name contains one of these")
+    parser.add_argument("--ablations", action="store_true",
+                        help="matrix: also run talaria without leases and without its instance mechanisms "
+                             "(the report's mechanism column)")
     parser.add_argument("--sensitivity", action="store_true",
                         help="matrix: also run our configuration with each remaining constant halved and doubled")
 
@@ -357,10 +345,12 @@ def run_from_args(args) -> int:
             raise SystemExit(f"--scale-policies: unknown {', '.join(unknown)}; choose from {', '.join(SCALE_POLICIES)}")
         scale = {"arrival_rate_s": getattr(args, "scale_rate", None), "max_wall_s": getattr(args, "scale_cap_s", None),
                  "policies": [p.strip() for p in picked.split(",") if p.strip()] if picked else None}
-        from talaria.sim.matrix import POLICIES, SENSITIVITY
+        from talaria.sim.matrix import ABLATIONS, POLICIES, SENSITIVITY
 
         matrix = {"workers": getattr(args, "workers", 2),
-                  "policies": POLICIES + (SENSITIVITY if getattr(args, "sensitivity", False) else ()),
+                  "policies": POLICIES + tuple(a for a in ABLATIONS if a not in POLICIES
+                                               and getattr(args, "ablations", False))
+                  + (SENSITIVITY if getattr(args, "sensitivity", False) else ()),
                   "only": [c.strip() for c in args.cells.split(",")] if getattr(args, "cells", None) else None}
         run(names, args.out, args.json, args.quick, args.scale_sessions, scale, matrix)
     if not args.no_report:

@@ -35,10 +35,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from talaria.services.instance_agent.engine import admission
-from talaria.services.instance_agent.engine.api import EngineStats, GenRequest, GenResult, StepToken, SwitchRecord
+from talaria.services.instance_agent.engine.admission import KvAdmission
+from talaria.services.instance_agent.engine.contract import EngineStats, GenRequest, GenResult, StepToken, SwitchRecord
 from talaria.services.instance_agent.engine.contract import Capabilities
-from talaria.services.instance_agent.engine.errors import (
+from talaria.services.instance_agent.engine.engine_errors import (
     EngineBusy, EngineError, ModelNotActive, UnknownCall, UnknownModel,
 )
 from talaria.services.instance_agent.engine.hf_export import hf_dir
@@ -112,7 +112,7 @@ class SglangEngine:
             raise SglangUnavailable() from err
         self.data_dir = Path(data_dir)
         self.specs = {m: CATALOG[m] for m in models}
-        self.switch_mode = switch_mode or os.environ.get("TALARIA_SGLANG_SWITCH", "memory")
+        self.switch_mode = switch_mode or "memory"
         if self.switch_mode not in ("memory", "weights"):
             raise ValueError(f"TALARIA_SGLANG_SWITCH={self.switch_mode!r}: 'memory' or 'weights'")
         self.hkvr, self.host_kv_pages = hkvr, host_kv_pages
@@ -192,7 +192,7 @@ class SglangEngine:
     def prefill(self, reqs: list[GenRequest], chunk_tokens: int = 0, more: Iterable[str] = (),
                 pass_tokens: int = 0) -> list[StepToken]:
         for r in reqs:
-            admission.validate(self, r)
+            KvAdmission.validate(self._spec(r.model), self.running, r)
         models = {r.model for r in reqs}
         if len(models) > 1:
             raise ModelNotActive(sorted(models)[1], sorted(models)[0])

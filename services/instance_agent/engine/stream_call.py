@@ -14,7 +14,7 @@ import queue
 from dataclasses import dataclass, field
 from typing import Any
 
-from talaria.services.instance_agent.engine.api import GenRequest, GenResult, StepToken
+from talaria.services.instance_agent.engine.contract import GenRequest, GenResult, StepToken
 from talaria.services.instance_agent.engine.sampling import LOGPROB_FLOOR, StopMatcher
 from talaria.shared.messages import TokenLogprob
 

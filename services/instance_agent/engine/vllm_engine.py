@@ -45,10 +45,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from talaria.services.instance_agent.engine import admission
-from talaria.services.instance_agent.engine.api import EngineStats, GenRequest, GenResult, StepToken, SwitchRecord
+from talaria.services.instance_agent.engine.admission import KvAdmission, common_prefix
+from talaria.services.instance_agent.engine.contract import EngineStats, GenRequest, GenResult, StepToken, SwitchRecord
 from talaria.services.instance_agent.engine.contract import Capabilities
-from talaria.services.instance_agent.engine.errors import (
+from talaria.services.instance_agent.engine.engine_errors import (
     EngineBusy, EngineError, ModelNotActive, UnknownCall, UnknownModel,
 )
 from talaria.services.instance_agent.engine.hf_export import hf_dir
@@ -106,24 +106,24 @@ class VllmEngine:
         self.data_dir = Path(data_dir)
         self.device = device
         self.specs: dict[str, ModelSpec] = {m: CATALOG[m] for m in models}
-        self.switch_mode = switch_mode or os.environ.get("TALARIA_VLLM_SWITCH") or (
+        self.switch_mode = switch_mode or (
             "sleep" if device.startswith("cuda") and len(models) > 1 else "resident")
         if self.switch_mode not in ("resident", "sleep", "release"):
             raise ValueError(f"TALARIA_VLLM_SWITCH={self.switch_mode!r}: 'resident', 'sleep' or 'release'")
-        self.max_model_len = max_model_len or int(os.environ.get("TALARIA_VLLM_MAX_MODEL_LEN", "0")) or None
+        self.max_model_len = max_model_len or None
         if self.max_model_len:  # what vLLM is built for is the model's context here (validation, snapshots)
             self.specs = {m: replace(s, context_length=min(s.context_length, self.max_model_len))
                           for m, s in self.specs.items()}
         # KV cache per model on CPU: set, or room for two calls of the model's whole context
         # (vLLM refuses to start without one; the torch engine's default is one), at least 256 MiB.
-        self.kv_cache_bytes = kv_cache_bytes or int(os.environ.get("TALARIA_VLLM_KV_BYTES", "0")) or None
-        self.block_size = block_size or int(os.environ.get("TALARIA_VLLM_BLOCK", "0")) or None
+        self.kv_cache_bytes = kv_cache_bytes or None
+        self.block_size = block_size or None
         self.enforce_eager = enforce_eager
         # tokens per vLLM step: a longer prompt is prefilled in chunks of this (vLLM's default if unset)
-        self.max_num_batched_tokens = max_num_batched_tokens or int(os.environ.get("TALARIA_VLLM_BATCH_TOKENS", "0")) or None
+        self.max_num_batched_tokens = max_num_batched_tokens or None
         self.dtype = dtype
         self.hkvr = hkvr
-        self.host_kv_bytes = host_kv_bytes or int(os.environ.get("TALARIA_VLLM_HOST_KV_BYTES", str(256 << 20)))
+        self.host_kv_bytes = host_kv_bytes or 256 << 20
         resident = self.switch_mode == "resident"
         # release/sleep drop the outgoing engine's KV: its calls are drained first.
         self.capabilities = Capabilities(
@@ -279,7 +279,7 @@ class VllmEngine:
         own inside the step, so every call comes back with its first token (`prompt_left` 0)
         and `more` (continuations of chunked calls) is always empty here."""
         for r in reqs:
-            admission.validate(self, r)
+            KvAdmission.validate(self._spec(r.model), self.running, r)
         models = {r.model for r in reqs}
         if len(models) > 1:
             raise ModelNotActive(sorted(models)[1], sorted(models)[0])
@@ -414,7 +414,7 @@ class VllmEngine:
         held = self.sessions.get((session_id, model))
         if held is None or model in self._asleep:
             return 0
-        n = admission.common_prefix(held, prompt_ids)
+        n = common_prefix(held, prompt_ids)
         return n // self._block * self._block
 
     def session_states(self) -> list[tuple[str, str, str, int]]:

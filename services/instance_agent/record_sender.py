@@ -23,7 +23,7 @@ import msgspec
 from talaria.shared.bus import PUBLISH_TIMEOUT_S, RECONNECT_WAIT_S, emit, emit_async
 
 
-class OutcomeSender:
+class RecordSender:
     def __init__(self, nc, js, log) -> None:
         self.nc, self.js, self.log = nc, js, log
         self._tasks: set[asyncio.Task] = set()
