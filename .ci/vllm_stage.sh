@@ -25,7 +25,8 @@ PY
 t1=$(date +%s)
 echo "vllm stage: venv built in $((t1 - t0)) s"
 "$VENV/bin/python" -m pytest -q -rs -p no:cacheprovider \
-  tests/unit/engine/test_engine_contract.py tests/unit/engine/test_vllm_engine.py tests/e2e/test_vllm_stack.py \
+  tests/unit/engine/test_engine_contract.py tests/unit/engine/test_vllm_engine.py tests/unit/engine/test_vllm_sessions.py \
+  tests/unit/engine/test_vllm_connector_keys.py tests/e2e/test_vllm_stack.py \
   -k vllm
 t2=$(date +%s)
 echo "vllm stage: tests in $((t2 - t1)) s, $((t2 - t0)) s in all"
