@@ -12,6 +12,10 @@ Two layers (README "Security"):
   an agent runs only `CallRouted` sent by the router and the projector records only events
   from their owning service (`EVENT_OWNERS`). On a NATS with per-service permissions the
   header cannot be forged; on an open NATS it still stops anything that does not set it.
+  Replies and token chunks carry it too: the gateway takes a call's answer (live or kept) only
+  from the router or an agent, and its tokens only from an agent.
+- **reply subjects**: the gateway publishes only into inbox spaces (no `allow_responses`) and
+  answers a NATS API request only inside its caller tenant's own inboxes (`reply_allowed`).
 """
 
 from __future__ import annotations
@@ -63,6 +67,30 @@ def sender_of(msg) -> str | None:
     return (msg.headers or {}).get(SENDER_HEADER)
 
 
+# Who may answer a call (on its reply subject, kept or not) and stream its tokens. A reader drops
+# anything else: on a NATS with per-service permissions only these users can publish there at
+# all; on an open NATS it still stops a message that does not claim to be from them.
+ANSWERING_ROLES = frozenset({"router", "agent"})
+STREAMING_ROLES = frozenset({"agent"})
+
+
+def sender_headers(nc) -> dict[str, str]:
+    """Headers naming the publishing service (its connection name), for a reply or a token chunk."""
+    return {SENDER_HEADER: nc.options.get("name") or ""}
+
+
+def sent_by(headers, roles: frozenset[str]) -> bool:
+    """Did a message with these headers come from a service in `roles`?"""
+    return parse_sender((headers or {}).get(SENDER_HEADER))[0] in roles
+
+
+def reply_allowed(tenant: str | None, reply: str | None) -> bool:
+    """May the gateway answer a NATS API request on `reply`? Only inside the caller's own inbox
+    space (`_INBOX.<tenant>.`; `_INBOX.` for a gateway without keys), so a request cannot make
+    the gateway write into another tenant's inbox, a kept answer or a token stream."""
+    return bool(reply) and reply.startswith(client_inbox_prefix(tenant or None) + ".")
+
+
 def trusted(msg, event) -> bool:
     """Did `event` come from a service allowed to publish it?"""
     owners = EVENT_OWNERS.get(type(event).__name__)
@@ -103,11 +131,15 @@ def permissions(role: str, prefix: str = "talaria", instance_id: str | None = No
         # Its idempotency stream too (gateway/idempotency.py): claims on keys, kept replies.
         idem = idempotency_stream_name(prefix)
         idem_js = [f"$JS.API.STREAM.{op}.{idem}" for op in ("INFO", "CREATE", "UPDATE", "MSG.GET")]
+        # No `allow_responses`: it would let a request name any subject (another tenant's kept
+        # answer, a token stream) as its reply. The gateway answers only in inbox spaces: clients'
+        # (nats_api checks each is the caller tenant's own) and services' (probes).
         pub = [f"{evt}.call.submitted", f"{evt}.call.failed", f"{prefix}.health.gateway", f"{prefix}.cancel",
-               f"{prefix}.idem.key.*", f"{prefix}.idem.waiting.*", *js, *idem_js]
+               f"{prefix}.idem.key.*", f"{prefix}.idem.waiting.*", f"{CLIENT_INBOX}.>", f"{SERVICE_INBOX}.>",
+               *js, *idem_js]
         sub = [f"{prefix}.api.call", f"{prefix}.api.cancel", f"{prefix}.reply.gateway.>", f"{prefix}.tokens.>",
                f"{prefix}.idem.waiting.*", *watch, *inbox]
-        return {"publish": {"allow": pub}, "subscribe": {"allow": sub}, "allow_responses": True}
+        return {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
     if role == "router":
         pub = [f"{evt}.call.routed.*", f"{evt}.lease.>", f"{evt}.decision", f"{evt}.call.failed",
                f"{evt}.instance.lost",

@@ -21,7 +21,7 @@ from talaria.services.gateway.idempotency_rules import is_outcome_subject, reply
 from talaria.services.gateway.validation import check_size
 from talaria.shared import subjects
 from talaria.shared.logs import call_context
-from talaria.shared.nats_auth import SENDER_HEADER
+from talaria.shared.nats_auth import ANSWERING_ROLES, SENDER_HEADER, STREAMING_ROLES, sender_of, sent_by
 from talaria.shared.bus import emit, emit_new, written
 from talaria.shared.events import CallFailed, CallSubmitted
 from talaria.shared.messages import (
@@ -74,6 +74,10 @@ class Submitter:
         call_id = reply_call_id(msg.subject)
         fut = self._pending.get(call_id)
         if fut is None or fut.done():
+            return
+        if not sent_by(msg.headers, ANSWERING_ROLES):  # only the router or an agent answers a call
+            self.log.warning("reply not from the router or an agent dropped", call_id=call_id,
+                             sender=sender_of(msg))
             return
         try:
             fut.set_result(REPLY_DECODER.decode(msg.data))
@@ -165,6 +169,9 @@ class Submitter:
 
     def _token_handler(self, on_token: TokenCallback):
         async def handle(msg) -> None:
+            if not sent_by(msg.headers, STREAMING_ROLES):  # only the serving agent streams a call
+                self.log.warning("token chunk not from an agent dropped", subject=msg.subject, sender=sender_of(msg))
+                return
             try:
                 chunk = TOKEN_DECODER.decode(msg.data)
             except msgspec.DecodeError as exc:

@@ -22,6 +22,7 @@ from talaria.shared import subjects
 from talaria.shared.bus import emit, written
 from talaria.shared.events import CallFailed
 from talaria.shared.logs import call_context
+from talaria.shared.nats_auth import sender_headers
 from talaria.shared.messages import CallResult, ErrorReply, Timings, TokenChunk, Usage
 from talaria.shared.wire import encode
 
@@ -160,10 +161,11 @@ class CallOutcomes:
         if call.reply_to:
             retry = 1.0 if status == 503 else None  # 503: placed elsewhere it can run
             sends.append(self.nc.publish(call.reply_to, encode(ErrorReply(status, code, reason, call_id=call_id,
-                                                                          retry_after_s=retry))))
+                                                                          retry_after_s=retry)),
+                                         headers=sender_headers(self.nc)))
         if call.stream:
             sends.append(self.nc.publish(subjects.tokens(call.tenant, call_id), encode(TokenChunk(
-                call_id, running.streamed, "", done=True, finish_reason=code))))
+                call_id, running.streamed, "", done=True, finish_reason=code)), headers=sender_headers(self.nc)))
         await asyncio.gather(*sends)
         await self._closed(call_id, running)
 

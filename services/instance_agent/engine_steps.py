@@ -18,6 +18,7 @@ from talaria.shared import subjects
 from talaria.shared.bus import emit
 from talaria.shared.events import CallStarted
 from talaria.shared.messages import TokenChunk
+from talaria.shared.nats_auth import sender_headers
 from talaria.shared.wire import encode
 
 
@@ -98,7 +99,8 @@ class EngineSteps:
                 # for a stop string releases several tokens' text at once).
                 lps, running.logprobs = running.logprobs or None, []
                 await self.nc.publish(subjects.tokens(running.routed.call.tenant, step.call_id),
-                                      encode(TokenChunk(step.call_id, running.streamed, step.text, logprobs=lps)))
+                                      encode(TokenChunk(step.call_id, running.streamed, step.text, logprobs=lps)),
+                                      headers=sender_headers(self.nc))
                 running.streamed += 1
             if step.finished:
                 finished.add(step.call_id)

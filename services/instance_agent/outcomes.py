@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 import msgspec
 
 from talaria.shared.bus import PUBLISH_TIMEOUT_S, RECONNECT_WAIT_S, emit, emit_async
+from talaria.shared.nats_auth import sender_headers
 
 
 class OutcomeSender:
@@ -40,7 +41,7 @@ class OutcomeSender:
             ack = asyncio.get_running_loop().create_future()
             ack.set_exception(exc)
         for subject, data in replies:
-            await self.nc.publish(subject, data)
+            await self.nc.publish(subject, data, headers=sender_headers(self.nc))  # readers check it
         task = asyncio.create_task(self._store(call_id, started_pub, record, ack, on_stored, on_dropped))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -18,7 +18,18 @@ from talaria.services.gateway.auth import (
     write_key_file,
 )
 from talaria.shared.events import CallCompleted, CallRouted, CallSubmitted
-from talaria.shared.nats_auth import client_options, generate_users, owner_sender, permissions, trusted
+from talaria.shared.nats_auth import (
+    ANSWERING_ROLES,
+    SENDER_HEADER,
+    STREAMING_ROLES,
+    client_options,
+    generate_users,
+    owner_sender,
+    permissions,
+    reply_allowed,
+    sent_by,
+    trusted,
+)
 from talaria.shared.subjects import tokens
 from talaria.shared.settings import Settings, SettingsError, redact_url
 from talaria.shared.tokenizer import block_hashes
@@ -133,3 +144,27 @@ def test_with_tenants_every_nats_client_user_is_a_tenants_own():
     assert client_options("nats://127.0.0.1:4222") == {}
     assert tokens("acme", "c1") == "talaria.tokens.acme.c1" and tokens("", "c1") == "talaria.tokens._.c1"
     assert set(generate_users([])) == {"gateway", "router", "telemetry", "client"}  # open gateway: one client user
+
+
+def test_the_gateway_answers_only_in_the_callers_own_inbox_space():
+    """Issue 25: a request naming another tenant's inbox, a kept answer or a token stream as its
+    reply subject is not answered; NATS itself lets the gateway publish only into inboxes."""
+    assert reply_allowed("acme", "_INBOX.acme.x1.2")
+    assert not reply_allowed("acme", "_INBOX.acme2.x1.2")  # a tenant whose name extends acme's
+    assert not reply_allowed("acme", "_INBOX.beta.x1.2")
+    assert not reply_allowed("acme", "talaria.reply.gateway.idem.0123456789abcdef-c1")
+    assert not reply_allowed("acme", tokens("acme", "c1"))
+    assert not reply_allowed("acme", "_INBOX.acme")  # the prefix itself is no inbox
+    assert not reply_allowed("acme", None)
+    assert reply_allowed("", "_INBOX.x1.2") and not reply_allowed("", "_TALARIA_INBOX.x1.2")
+    gateway = permissions("gateway")
+    assert not gateway.get("allow_responses")  # would let any request name any reply subject
+    assert not any(s.startswith(("talaria.reply", "talaria.tokens")) for s in gateway["publish"]["allow"])
+
+
+def test_answers_and_tokens_are_taken_only_from_the_services_that_send_them():
+    router, agent = {SENDER_HEADER: "talaria-router"}, {SENDER_HEADER: "talaria-agent-agent-0"}
+    gateway, client = {SENDER_HEADER: "talaria-gateway"}, {SENDER_HEADER: "talaria-client-mallory"}
+    assert sent_by(router, ANSWERING_ROLES) and sent_by(agent, ANSWERING_ROLES)
+    assert not any(sent_by(h, ANSWERING_ROLES) for h in (gateway, client, {}, None))
+    assert sent_by(agent, STREAMING_ROLES) and not sent_by(router, STREAMING_ROLES)
