@@ -59,7 +59,7 @@ RETRY_BUDGET_S = 90.0  # a logical call keeps retrying retryable errors this lon
 TENANT, API_KEY = "bench", "bench-faults-key-0123456789"  # configured: the same across restarts
 SETTLE_S = 60.0  # > telemetry's ack_wait (30 s): a killed projector's batch comes back after it
 FAULTS = ("kill-router", "kill-agent", "kill-telemetry", "kill-gateway", "postgres-immediate",
-          "nats-pause", "restart-after-ctrl-c")
+          "nats-pause", "restart-after-ctrl-c", "kill-nats")
 
 
 @dataclass
@@ -208,6 +208,8 @@ def injector(up: UpProcess, fault: str, phase: Phase):
                 kill("gateway")
             case "postgres-immediate":
                 os.kill(up.pid("EmbeddedPostgres"), signal.SIGQUIT)  # = pg_ctl stop -m immediate
+            case "kill-nats":  # SIGKILL, not a pause: the supervisor restarts it on its store
+                os.kill(up.pid("EmbeddedNats"), signal.SIGKILL)
             case "nats-pause":
                 pid = up.pid("EmbeddedNats")
                 os.kill(pid, signal.SIGSTOP)

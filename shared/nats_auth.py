@@ -116,7 +116,7 @@ def owner_sender(event) -> str:
 def permissions(role: str, prefix: str = "talaria", instance_id: str | None = None,
                 tenant: str | None = None) -> dict:
     """NATS publish/subscribe permissions of one service user (nats-server config format)."""
-    from talaria.shared.subjects import idempotency_stream_name, stream_name
+    from talaria.shared.subjects import idempotency_stream_name, replies_stream_name, stream_name
 
     stream = stream_name(prefix)
     evt = f"{prefix}.evt"
@@ -129,15 +129,17 @@ def permissions(role: str, prefix: str = "talaria", instance_id: str | None = No
     watch = [f"{prefix}.telemetry.*", f"{prefix}.health.*"]
     if role == "gateway":
         # Its idempotency stream too (gateway/idempotency.py): claims on keys, kept replies.
-        idem = idempotency_stream_name(prefix)
-        idem_js = [f"$JS.API.STREAM.{op}.{idem}" for op in ("INFO", "CREATE", "UPDATE", "MSG.GET")]
+        idem, replies = idempotency_stream_name(prefix), replies_stream_name(prefix)
+        idem_js = [f"$JS.API.STREAM.{op}.{name}" for op in ("INFO", "CREATE", "UPDATE", "MSG.GET")
+                   for name in (idem, replies)]
         # No `allow_responses`: it would let a request name any subject (another tenant's kept
         # answer, a token stream) as its reply. The gateway answers only in inbox spaces: clients'
         # (nats_api checks each is the caller tenant's own) and services' (probes).
         pub = [f"{evt}.call.submitted", f"{evt}.call.failed", f"{prefix}.health.gateway", f"{prefix}.cancel",
                f"{prefix}.idem.key.*", f"{prefix}.idem.waiting.*", f"{CLIENT_INBOX}.>", f"{SERVICE_INBOX}.>",
                *js, *idem_js]
-        sub = [f"{prefix}.api.call", f"{prefix}.api.cancel", f"{prefix}.reply.gateway.>", f"{prefix}.tokens.>",
+        sub = [f"{prefix}.api.call", f"{prefix}.api.cancel", f"{prefix}.reply.gateway.>", f"{prefix}.reply.live.>",
+               f"{prefix}.tokens.>",
                f"{prefix}.idem.waiting.*", *watch, *inbox]
         return {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
     if role == "router":

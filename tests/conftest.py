@@ -76,7 +76,7 @@ async def nats_url(tmp_path):
 
         nc = await nats.connect(EXTERNAL_NATS)
         js = nc.jetstream()
-        for stream in (subjects.EVENTS_STREAM, subjects.IDEMPOTENCY_STREAM):  # keys are reused across runs
+        for stream in (subjects.EVENTS_STREAM, subjects.IDEMPOTENCY_STREAM, subjects.REPLIES_STREAM):  # reused across runs
             try:
                 await js.delete_stream(stream)
             except Exception:

@@ -87,8 +87,16 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     log = logs.get("gateway")
     provider = tracing.setup("gateway", settings)
     tracer = provider.get_tracer("talaria.gateway")
-    nc, js = await connect(settings.nats_url, "talaria-gateway", **settings.nats_options())
+    recovering: list[Submitter] = []
+
+    async def reconnected() -> None:  # replies published while we were cut off are kept: look them up
+        for sub in recovering:
+            asyncio.ensure_future(sub.recover())
+
+    nc, js = await connect(settings.nats_url, "talaria-gateway", reconnected_cb=reconnected,
+                           **settings.nats_options())
     submitter = Submitter(nc, js, tracer, settings.call_timeout_s, log)
+    recovering.append(submitter)
     await submitter.start()
     idempotency = IdempotentCalls(submitter, settings.idempotency_window_s, settings.idempotent_orphan_s)
     await idempotency.start()

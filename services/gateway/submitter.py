@@ -3,6 +3,13 @@
 Every accepted call ends in exactly one reply: the agent's CallResult, the router's
 ErrorReply, or, if neither comes within the call timeout, a 504 that the gateway
 also records as a CallFailed event. Nothing accepted is lost silently.
+
+A reply is a core-NATS message, which a broker restart (or a cut connection) can drop on its
+way to the gateway. Replies are kept, so nothing waits for the timeout for that: the stream
+REPLIES_STREAM keeps every reply on a gateway inbox for twice the call timeout (a keyed call's
+kept answer lives in the idempotency stream), and when the gateway's connection comes back it
+looks up the reply of every call still waiting (`recover`). An agent whose connection dropped
+after replying publishes its replies again (instance_agent/outcomes.py).
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ from collections.abc import Awaitable, Callable
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import BadRequestError, NotFoundError
 from opentelemetry import trace
 
 from talaria.services.gateway.idempotency_rules import is_outcome_subject, reply_call_id
@@ -43,13 +52,44 @@ ReplyCallback = Callable[[Reply], Awaitable[None]]
 class Submitter:
     def __init__(self, nc: NATS, js: JetStreamContext, tracer: trace.Tracer, timeout_s: float, log) -> None:
         self.nc, self.js, self.tracer, self.timeout_s, self.log = nc, js, tracer, timeout_s, log
-        self.inbox = subjects.reply_inbox("gateway", uuid.uuid4().hex)  # only agents and the router may publish here
+        self.inbox = f"{subjects.LIVE_REPLIES}.{uuid.uuid4().hex}"  # only agents and the router may publish here
         self._pending: dict[str, asyncio.Future[Reply]] = {}
         self._calls: dict[str, CallSubmitted] = {}  # accepted and still waiting, for stop()
         self._sub = None
 
     async def start(self) -> None:
         self._sub = await self.nc.subscribe(f"{self.inbox}.*", cb=self._on_reply)
+        # A reply is read by the gateway waiting for it, at most until the call's deadline:
+        # twice the timeout covers clock skew between the agent and the gateway.
+        config = StreamConfig(name=subjects.REPLIES_STREAM, subjects=[f"{subjects.LIVE_REPLIES}.*.*"],
+                              retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
+                              discard=DiscardPolicy.OLD, max_age=2 * self.timeout_s, max_msgs_per_subject=1)
+        try:
+            await self.js.add_stream(config)
+        except BadRequestError:
+            await self.js.update_stream(config)
+
+    async def recover(self) -> int:
+        """After the connection to NATS came back: answer every waiting call whose reply was
+        kept meanwhile (it was published while this gateway was cut off). Returns how many."""
+        found = 0
+        for call_id, call in list(self._calls.items()):
+            fut = self._pending.get(call_id)
+            if fut is None or fut.done():
+                continue
+            stream = subjects.IDEMPOTENCY_STREAM if is_outcome_subject(call.reply_to) else subjects.REPLIES_STREAM
+            try:
+                raw = await self.js.get_last_msg(stream, call.reply_to)
+            except NotFoundError:
+                continue  # not answered yet: the answer comes live (the agent sends it again too)
+            except Exception as exc:
+                self.log.warning("could not look up a kept reply", call_id=call_id, error=str(exc))
+                continue
+            await self._on_reply(raw)
+            found += fut.done()
+        if found:
+            self.log.info("replies recovered after a reconnect", calls=found)
+        return found
 
     async def stop(self) -> None:
         if self._sub is not None:
@@ -71,6 +111,7 @@ class Submitter:
                 self.log.error("could not record a call cut off by the stop", call_id=call.call_id, error=str(exc))
 
     async def _on_reply(self, msg) -> None:
+        """A reply (live, or a kept one looked up by `recover`: both have subject, data, headers)."""
         call_id = reply_call_id(msg.subject)
         fut = self._pending.get(call_id)
         if fut is None or fut.done():
