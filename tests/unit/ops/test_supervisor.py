@@ -48,9 +48,15 @@ def test_an_exited_service_is_restarted_with_growing_backoff_and_the_others_keep
 
 def test_leftover_services_of_a_killed_run_are_stopped_before_starting(stack, tmp_path):
     data = tmp_path.resolve()
-    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "talaria.services.router"])
-    unrelated = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    # Each says when it runs: Popen can return while the child is still inside execve, before
+    # /proc/<pid>/cmdline names the new program, and a process not yet ours by its command line
+    # is (rightly) never signalled. That race made this test fail now and then (issue 25 item 8).
+    started = "import sys, time; print('up', flush=True); time.sleep(120)"
+    orphan = subprocess.Popen([sys.executable, "-c", started, "talaria.services.router"], stdout=subprocess.PIPE)
+    unrelated = subprocess.Popen([sys.executable, "-c", started], stdout=subprocess.PIPE)
     try:
+        for p in (orphan, unrelated):
+            assert p.stdout.readline() == b"up\n"
         (data / "stack.json").write_text(json.dumps({"pids": {"router": orphan.pid, "gateway": unrelated.pid}}))
         messages: list[str] = []
         stack._stop_leftovers(data, messages.append)
@@ -61,6 +67,7 @@ def test_leftover_services_of_a_killed_run_are_stopped_before_starting(stack, tm
         for p in (orphan, unrelated):
             p.kill()
             p.wait()
+            p.stdout.close()
 
 
 @pytest.mark.integration
