@@ -168,3 +168,29 @@ def test_answers_and_tokens_are_taken_only_from_the_services_that_send_them():
     assert sent_by(router, ANSWERING_ROLES) and sent_by(agent, ANSWERING_ROLES)
     assert not any(sent_by(h, ANSWERING_ROLES) for h in (gateway, client, {}, None))
     assert sent_by(agent, STREAMING_ROLES) and not sent_by(router, STREAMING_ROLES)
+
+
+def test_malformed_authorization_is_a_401_never_a_500():
+    """Issue 25: invalid UTF-8 in the header (aiohttp keeps the bytes as surrogates) raised
+    UnicodeEncodeError while hashing: an unauthenticated 500."""
+    store = KeyStore.from_settings(Settings(api_keys=("acme:acme-key-0123456789",)))
+    bad = b"Bearer \xff\xfe-key".decode("utf-8", "surrogateescape")
+    for headers in ({"Authorization": bad}, {"x-api-key": "\udcff"}, {"Authorization": "Basic abc"},
+                    {"Authorization": "Bearer"}):
+        with pytest.raises(Unauthenticated):
+            store.tenant_for(headers)
+
+
+def test_no_api_key_or_password_reaches_a_log_line():
+    import logging
+
+    from talaria.shared.logs import RedactSecrets
+
+    record = logging.LogRecord("aiohttp.server", logging.ERROR, __file__, 1, "Error handling request: %s",
+                               ("Invalid header line b'Authorization: Bearer tk-SECRETSECRETSECRET'",), None)
+    RedactSecrets().filter(record)
+    assert "SECRET" not in record.getMessage() and "[redacted]" in record.getMessage()
+    for line in ("x-api-key: k-0123456789abcdef", "nats://talaria-gateway:pw0123@127.0.0.1:4222"):
+        record = logging.LogRecord("x", logging.ERROR, __file__, 1, line, (), None)
+        RedactSecrets().filter(record)
+        assert "0123" not in record.getMessage(), record.getMessage()
