@@ -12,6 +12,7 @@ from aiohttp import web
 from talaria.services.gateway.anthropic_api import AnthropicApi
 from talaria.services.gateway.idempotency import IdempotentCalls, answers_as, claim_for, replayed, restamp
 from talaria.services.gateway.idempotency_rules import key_from
+from talaria.services.gateway.connection_limits import HttpLimits, body_deadline
 from talaria.services.gateway.http_errors import json_errors
 from talaria.services.gateway.auth import TENANT, KeyStore, client_session, http_middleware, scoped_session
 from talaria.services.gateway.openai_api import (
@@ -72,7 +73,9 @@ def parse_request(body: bytes, chat: bool, headers, tenant: str = "",
 
 class HttpApi:
     def __init__(self, submitter: Submitter, models, log, keys: KeyStore | None = None,
-                 prefix_sharing: str = "tenant", parser_pool=None, idempotency: IdempotentCalls | None = None) -> None:
+                 prefix_sharing: str = "tenant", parser_pool=None, idempotency: IdempotentCalls | None = None,
+                 body_timeout_s: float = HttpLimits.body_timeout_s) -> None:
+        self.body_timeout_s = body_timeout_s
         self.submitter = submitter
         self.models = models  # callable -> list of (model, owned_by) currently served
         self.log = log
@@ -82,7 +85,8 @@ class HttpApi:
         self.idempotency = idempotency  # honours Idempotency-Key; None: the header is ignored
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_errors, http_middleware(self.keys)])
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[
+            json_errors, http_middleware(self.keys), body_deadline(self.body_timeout_s)])
         app.add_routes([
             web.post("/v1/chat/completions", self.chat),
             web.post("/v1/completions", self.completions),

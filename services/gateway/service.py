@@ -11,6 +11,7 @@ import msgspec
 from aiohttp import web
 
 from talaria.services.gateway.auth import KeyStore
+from talaria.services.gateway.connection_limits import GuardedRunner, HttpLimits
 from talaria.services.gateway.http_api import HttpApi
 from talaria.services.gateway.idempotency import IdempotentCalls
 from talaria.services.gateway.nats_api import NatsApi
@@ -115,8 +116,11 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     parser_pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
                                       initializer=register_all, initargs=(checkpoints,))
     await asyncio.get_running_loop().run_in_executor(parser_pool, int)  # start it now, not on a call
-    api = HttpApi(submitter, served, log, keys, settings.prefix_sharing, parser_pool, idempotency)
-    runner = web.AppRunner(api.app(), access_log=None, handler_cancellation=True)
+    limits = HttpLimits.from_settings(settings)
+    api = HttpApi(submitter, served, log, keys, settings.prefix_sharing, parser_pool, idempotency,
+                  body_timeout_s=limits.body_timeout_s)
+    # Connections counted per client address and overall, headers held to a deadline.
+    runner = GuardedRunner(api.app(), limits, log, access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, settings.http_host, settings.http_port)
     await site.start()
