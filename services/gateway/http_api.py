@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 
@@ -12,6 +11,7 @@ from aiohttp import web
 from talaria.services.gateway.anthropic_api import AnthropicApi
 from talaria.services.gateway.idempotency import IdempotentCalls, answers_as, claim_for, replayed, restamp
 from talaria.services.gateway.idempotency_rules import key_from
+from talaria.services.gateway.big_bodies import BigBodies
 from talaria.services.gateway.connection_limits import HttpLimits, body_deadline
 from talaria.services.gateway.http_errors import json_errors
 from talaria.services.gateway.auth import TENANT, KeyStore, client_session, http_middleware, scoped_session
@@ -82,6 +82,7 @@ class HttpApi:
         self.keys = keys or KeyStore()
         self.prefix_sharing = prefix_sharing
         self.parser_pool = parser_pool  # an executor for large bodies; None: parse inline
+        self.big_bodies = BigBodies(parser_pool) if parser_pool is not None else None
         self.idempotency = idempotency  # honours Idempotency-Key; None: the header is ignored
 
     def app(self) -> web.Application:
@@ -94,7 +95,7 @@ class HttpApi:
             web.get("/healthz", self.healthz),
             web.get("/readyz", self.healthz),
             *AnthropicApi(self.submitter, self.log, self.prefix_sharing, self.idempotency).routes(),
-            *ResponsesApi(self.submitter, self.log, self.prefix_sharing, self.parser_pool, OFFLOAD_BYTES,
+            *ResponsesApi(self.submitter, self.log, self.prefix_sharing, self.big_bodies, OFFLOAD_BYTES,
                           self.idempotency).routes(),
         ])
         return app
@@ -119,8 +120,8 @@ class HttpApi:
         body = await request.read()
         tenant = request.get(TENANT, "")
         args = (body, chat, {k: v for k, v in request.headers.items()}, tenant, self.prefix_sharing)
-        if self.parser_pool is not None and len(body) > OFFLOAD_BYTES:
-            parsed = await asyncio.get_running_loop().run_in_executor(self.parser_pool, parse_request, *args)
+        if self.big_bodies is not None and len(body) > OFFLOAD_BYTES:
+            parsed = await self.big_bodies.parse(tenant, parse_request, *args)
         else:
             parsed = parse_request(*args)
         if isinstance(parsed, ErrorReply):
