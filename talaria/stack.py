@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -50,6 +51,32 @@ class StackError(RuntimeError):
     pass
 
 
+LOCK_FILE = "up.lock"
+LOG_FILE_MAX_BYTES = 64 * 1024 * 1024  # ~160,000 calls at the ~0.4 KB of gateway log each (issue 25)
+
+
+def lock_data_dir(data: Path):
+    """One `talaria up` per data directory: an exclusive lock held for the run's life (the
+    kernel drops it when the process dies, so a killed run never blocks the next). A second
+    run fails at once, naming the first, instead of the two stopping each other's processes."""
+    import fcntl
+
+    f = open(data / LOCK_FILE, "a+", opener=lambda p, flags: os.open(p, flags, 0o600))
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise StackError(f"another `talaria up` (pid {holder}) is running on {data}; stop it first, "
+                         "or give this one its own --data-dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
 def write_private(path: Path, text: str) -> None:
     """Write a file only its owner can read (it holds credentials)."""
     with open(path, "w", opener=lambda p, flags: os.open(p, flags, 0o600)) as f:
@@ -86,10 +113,12 @@ class Stack:
     gateway_url: str = ""
     nats_users: dict = field(default_factory=dict)  # embedded NATS: one user per service
     api_key: str | None = None  # generated when no keys are configured (printed once, saved 0600)
+    _lock: object = None  # the data directory's lock file, held while this run lives
 
     def start(self, timeout: float = 120.0, progress=print) -> "Stack":
         data = self.settings.data_dir.resolve()
-        data.mkdir(parents=True, exist_ok=True)
+        data.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._lock = lock_data_dir(data)  # before anything: a second run must not touch the first's
         try:
             self._stop_leftovers(data, progress)
             self._api_keys(data)  # before NATS: each tenant gets its own NATS API client user
@@ -211,8 +240,10 @@ class Stack:
 
     def _spawn(self, name: str, module: str, data: Path, **env: str) -> None:
         logs = data / "logs"
-        logs.mkdir(exist_ok=True)
-        out = (logs / f"{name}.log").open("ab") if self.log_to_files else None
+        logs.mkdir(mode=0o700, exist_ok=True)  # logs name every tenant's calls: owner-only
+        logs.chmod(0o700)
+        out = open(logs / f"{name}.log", "ab", opener=lambda p, flags: os.open(p, flags, 0o600)) \
+            if self.log_to_files else None
         if out is not None:
             self.log_files.append(out)
         # A session of its own: Ctrl-C reaches only `talaria up`, which then stops the
@@ -298,6 +329,19 @@ class Stack:
                 changed = True
         if changed:
             self._write_description()
+        self._rotate_logs(data)
+
+    def _rotate_logs(self, data: Path) -> None:
+        """A service log past LOG_FILE_MAX_BYTES is copied to `<name>.log.1` and truncated
+        (logrotate's copytruncate: the service appends to the same open file), so logs take at
+        most twice that per service."""
+        for path in (data / "logs").glob("*.log"):
+            try:
+                if path.stat().st_size >= LOG_FILE_MAX_BYTES:
+                    shutil.copyfile(path, path.with_name(path.name + ".1"))
+                    os.truncate(path, 0)
+            except OSError:  # e.g. the disk is full: the copy fails, the log is kept
+                continue
 
     def _supervise_servers(self, now: float, progress) -> bool:
         """An embedded server that died comes back on its old port and data (services reconnect)."""
@@ -338,3 +382,6 @@ class Stack:
         for f in self.log_files:
             f.close()
         self.log_files.clear()
+        if self._lock is not None:
+            self._lock.close()  # releases the data directory's lock
+            self._lock = None

@@ -5,6 +5,7 @@ an embedded server's error is one line."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -90,3 +91,35 @@ def test_embedded_server_errors_are_one_line_naming_the_log(tmp_path):
     message = str(EmbeddedServerError("postgres", "exited with code 1", log))
     assert "\n" not in message
     assert 'FATAL:  lock file "postmaster.pid" already exists' in message and str(log) in message
+
+
+def test_one_talaria_up_per_data_directory(tmp_path):
+    """Issue 25: two runs on one data directory stopped each other's processes until one died."""
+    from talaria.stack import StackError, lock_data_dir
+
+    first = lock_data_dir(tmp_path)
+    try:
+        with pytest.raises(StackError, match=rf"another `talaria up` \(pid {os.getpid()}\) is running on"):
+            lock_data_dir(tmp_path)
+    finally:
+        first.close()  # the run ended (or was killed: the kernel drops the lock with it)
+    lock_data_dir(tmp_path).close()
+    assert (tmp_path / "up.lock").stat().st_mode & 0o077 == 0
+
+
+def test_logs_and_traces_are_private_and_bounded(stack, tmp_path):
+    from talaria.shared.tracing import JsonLinesExporter
+
+    data = tmp_path.resolve()
+    stack._spawn("quick", "this", data)
+    stack.procs["quick"].wait(10)
+    assert (data / "logs").stat().st_mode & 0o777 == 0o700
+    assert (data / "logs" / "quick.log").stat().st_mode & 0o777 == 0o600
+    exporter = JsonLinesExporter(data / "traces" / "spans.jsonl", max_bytes=100)
+    for _ in range(3):
+        exporter._path.write_text("x" * 150) if not exporter._path.exists() else None
+        exporter.export([])
+    assert (data / "traces").stat().st_mode & 0o777 == 0o700
+    assert exporter._path.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in (data / "traces").iterdir()) == ["spans.jsonl", "spans.jsonl.1"]
+    assert exporter._path.stat().st_size < 100  # rotated, not grown
