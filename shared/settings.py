@@ -89,6 +89,10 @@ class Settings:
     http_body_timeout_s: float = 60.0
     http_max_connections: int = 0  # 0: the open-file limit less what the gateway itself needs
     http_max_connections_per_address: int = 256  # an agent runtime's concurrent sessions, with room
+    # Admission control (gateway/admission.py): the queueing delay accepted before new calls are
+    # refused with Retry-After (the limit adapts online to keep calls under it); 0: never refused.
+    admission_target_queue_s: float = 2.0
+    min_free_disk_mb: int = 0  # new calls refused below this free on the data dir's disk; 0: 5%, <= 1 GiB
     # Hugging Face directories among the models: TALARIA_MODELS entries `name=/path` (hf_config.py)
     model_dirs: tuple[tuple[str, str], ...] = ()
 
@@ -158,6 +162,9 @@ class Settings:
         for name in ("http_header_timeout_s", "http_body_timeout_s", "http_max_connections_per_address"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"TALARIA_{name.upper()}", str(getattr(self, name)), "a positive number")
+        for name in ("admission_target_queue_s", "min_free_disk_mb"):
+            if getattr(self, name) < 0:
+                raise SettingsError(f"TALARIA_{name.upper()}", str(getattr(self, name)), "zero or more")
         if self.http_max_connections < 0:
             raise SettingsError("TALARIA_HTTP_MAX_CONNECTIONS", str(self.http_max_connections),
                                 "zero (the open-file limit) or a positive number")

@@ -10,6 +10,7 @@ from concurrent.futures import ProcessPoolExecutor
 import msgspec
 from aiohttp import web
 
+from talaria.services.gateway.admission import Admission, DiskCheck, default_min_free_bytes
 from talaria.services.gateway.auth import KeyStore
 from talaria.services.gateway.connection_limits import GuardedRunner, HttpLimits
 from talaria.services.gateway.http_api import HttpApi
@@ -28,7 +29,9 @@ STALE_AFTER_S = 3.0
 class ServedModels:
     """Which models live instances serve, from their telemetry heartbeats."""
 
-    def __init__(self, configured: tuple[str, ...] = (), nats_connected=lambda: True) -> None:
+    def __init__(self, configured: tuple[str, ...] = (), nats_connected=lambda: True,
+                 disk_problem=lambda: None) -> None:
+        self._disk_problem = disk_problem  # why new calls are refused for lack of disk, or None
         self._snapshots: dict[str, tuple[float, InstanceSnapshot]] = {}
         self._services: dict[str, float] = {}
         self.configured = tuple(configured)  # models the stack is configured to serve
@@ -62,6 +65,7 @@ class ServedModels:
             "nats": "ok" if self._nats_connected() else "disconnected",
             "router": "ok" if "router" in health["services"] else "no heartbeat",
             "telemetry": "ok" if "telemetry" in health["services"] else "no heartbeat",
+            "disk": self._disk_problem() or "ok",
             **{f"model:{m}": "ok" if by_model.get(m) else "no instance" for m in self.configured},
         }
         ready = all(v == "ok" for k, v in checks.items() if k != "telemetry")
@@ -96,12 +100,15 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
 
     nc, js = await connect(settings.nats_url, "talaria-gateway", reconnected_cb=reconnected,
                            **settings.nats_options())
-    submitter = Submitter(nc, js, tracer, settings.call_timeout_s, log)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    disk = DiskCheck(settings.data_dir, settings.min_free_disk_mb << 20 or default_min_free_bytes(settings.data_dir))
+    admission = Admission(settings.admission_target_queue_s) if settings.admission_target_queue_s > 0 else None
+    submitter = Submitter(nc, js, tracer, settings.call_timeout_s, log, admission, disk)
     recovering.append(submitter)
     await submitter.start()
     idempotency = IdempotentCalls(submitter, settings.idempotency_window_s, settings.idempotent_orphan_s)
     await idempotency.start()
-    served = ServedModels(settings.models, lambda: nc.is_connected)
+    served = ServedModels(settings.models, lambda: nc.is_connected, disk.problem)
     await nc.subscribe(subjects.TELEMETRY_WILDCARD, cb=served.on_snapshot)
     await nc.subscribe(subjects.HEALTH_WILDCARD, cb=served.on_heartbeat)
     keys = KeyStore.from_settings(settings)

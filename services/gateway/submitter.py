@@ -26,6 +26,7 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 from nats.js.errors import BadRequestError, NotFoundError
 from opentelemetry import trace
 
+from talaria.services.gateway.admission import Admission, DiskCheck
 from talaria.services.gateway.idempotency_rules import is_outcome_subject, reply_call_id
 from talaria.services.gateway.validation import check_size
 from talaria.shared import subjects
@@ -50,8 +51,10 @@ ReplyCallback = Callable[[Reply], Awaitable[None]]
 
 
 class Submitter:
-    def __init__(self, nc: NATS, js: JetStreamContext, tracer: trace.Tracer, timeout_s: float, log) -> None:
+    def __init__(self, nc: NATS, js: JetStreamContext, tracer: trace.Tracer, timeout_s: float, log,
+                 admission: Admission | None = None, disk: DiskCheck | None = None) -> None:
         self.nc, self.js, self.tracer, self.timeout_s, self.log = nc, js, tracer, timeout_s, log
+        self.admission, self.disk = admission, disk  # None: every call is admitted
         self.inbox = f"{subjects.LIVE_REPLIES}.{uuid.uuid4().hex}"  # only agents and the router may publish here
         self._pending: dict[str, asyncio.Future[Reply]] = {}
         self._calls: dict[str, CallSubmitted] = {}  # accepted and still waiting, for stop()
@@ -126,6 +129,12 @@ class Submitter:
             self.log.error("undecodable reply", call_id=call_id, error=str(exc))
             fut.set_result(ErrorReply(502, "bad_reply", f"undecodable reply from the serving instance: {exc}"))
 
+    def refusal(self, tenant: str) -> ErrorReply | None:
+        """Would a new call of `tenant` be refused now (disk, or load: admission.py)?"""
+        if self.disk is not None and (refused := self.disk.refusal()) is not None:
+            return refused
+        return self.admission.check(tenant) if self.admission is not None else None
+
     async def submit(self, call: CallSubmitted, on_token: TokenCallback | None = None,
                      on_reply: ReplyCallback | None = None) -> Reply:
         """The call's reply. `on_reply`, when given, gets the answer of a submitted call as
@@ -148,6 +157,22 @@ class Submitter:
         too_large = check_size(call, self.nc.max_payload, data)
         if too_large is not None:  # permanent: retrying cannot make it fit
             return too_large
+        refused = self.disk.refusal() if self.disk is not None else None
+        if refused is None and self.admission is not None:
+            refused = self.admission.admit(call.tenant, time.monotonic())
+        if refused is not None:  # nothing was submitted: the client retries after Retry-After
+            self.log.warning("call refused", code=refused.code, reason=refused.message)
+            return replace(refused, call_id=call.call_id)
+        started, reply = time.monotonic(), None
+        try:
+            reply = await self._admitted(call, data, kept, on_token, on_reply)
+            return reply
+        finally:
+            if self.admission is not None:
+                self.admission.done(call.tenant, reply, time.monotonic() - started, time.monotonic())
+
+    async def _admitted(self, call: CallSubmitted, data: bytes, kept: bool, on_token: TokenCallback | None,
+                        on_reply: ReplyCallback | None) -> Reply:
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._pending[call.call_id] = fut
         token_sub = reply_sub = None
