@@ -12,6 +12,7 @@ import signal
 import time
 
 import aiohttp
+import nats
 import pytest
 import structlog
 from opentelemetry import trace
@@ -20,6 +21,8 @@ from talaria.embedded import EmbeddedNats, free_port
 from talaria.services.gateway.submitter import Submitter
 from talaria.services.instance_agent.outcomes import OutcomeSender
 from talaria.shared import messages as m
+from talaria.shared import subjects
+from talaria.shared.health import wait_for_router
 from talaria.shared.bus import close, connect
 from talaria.shared.events import CallSubmitted
 from talaria.shared.nats_auth import sender_headers
@@ -101,24 +104,25 @@ async def test_calls_in_flight_when_the_broker_is_killed_are_answered_within_sec
         await services.start_control_plane(settings)
         from talaria.services.instance_agent.service import run as run_agent
         await services.start("agent-0", run_agent, settings.with_(instance_id="agent-0"))
-        from talaria.shared.health import wait_for_router
-        import nats
         nc = await nats.connect(server.url)
         await wait_for_router(nc, instances=1)
         await nc.close()
 
         async def call(i: int, s: aiohttp.ClientSession) -> tuple[int, float]:
             t0 = time.monotonic()
-            body = {"model": "qwen3-tiny", "max_tokens": 24, "temperature": 0,
+            body = {"model": "qwen3-tiny", "max_tokens": 64, "temperature": 0,
                     "messages": [{"role": "user", "content": f"call {i}"}]}
             async with s.post(f"http://127.0.0.1:{settings.http_port}/v1/chat/completions", json=body,
                               headers={"X-Session-Id": f"k{i}", "Idempotency-Key": f"key-{i}"}) as r:
                 await r.read()
                 return r.status, time.monotonic() - t0
 
+        watcher = await nats.connect(server.url, allow_reconnect=False)
+        started = await watcher.subscribe(subjects.CALL_STARTED)
         async with aiohttp.ClientSession() as s:
             calls = [asyncio.ensure_future(call(i, s)) for i in range(6)]
-            await wait_rows(db, "SELECT 1 FROM calls WHERE outcome = 'running'", 1)  # calls are in flight
+            await started.next_msg(timeout=60)  # an agent is running a call
+            await watcher.close()
             os.kill(server.proc.pid, signal.SIGKILL)
             server.proc.wait()
             server.start()
