@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
+from pathlib import Path
 
 import msgspec
 import nats
@@ -39,6 +42,22 @@ async def connect(url: str, name: str, **auth) -> tuple[NATS, JetStreamContext]:
     return nc, js
 
 
+# Share of the data directory's disk each stream may keep (issue 25: nothing bounded storage,
+# ~4 KB of JetStream per call). Past it JetStream drops the oldest messages (DiscardPolicy.OLD):
+# events long projected, answers long read; a consumer down for days could lose events it has
+# not read, which is why the caps are a quarter of the disk or less. With the gateway's free-space
+# reserve (gateway/admission.py) the broker never fills the disk on its own.
+EVENTS_DISK_SHARE, IDEMPOTENCY_DISK_SHARE, REPLIES_DISK_SHARE = 1 / 4, 1 / 8, 1 / 16
+
+
+def disk_cap(share: float) -> int:
+    """`share` of the disk holding the data directory (TALARIA_DATA_DIR, as every service gets it)."""
+    path = Path(os.environ.get("TALARIA_DATA_DIR", ".talaria")).resolve()
+    while not path.exists():
+        path = path.parent
+    return int(shutil.disk_usage(path).total * share)
+
+
 async def ensure_stream(js: JetStreamContext) -> None:
     """Create the event stream if absent. Idempotent; every service calls it at start."""
     config = StreamConfig(
@@ -48,6 +67,7 @@ async def ensure_stream(js: JetStreamContext) -> None:
         storage=StorageType.FILE,
         discard=DiscardPolicy.OLD,
         max_age=STREAM_MAX_AGE_S,
+        max_bytes=disk_cap(EVENTS_DISK_SHARE),
         duplicate_window=DUPLICATE_WINDOW_S,
     )
     try:

@@ -56,7 +56,7 @@ from talaria.services.gateway.idempotency_rules import (
 )
 from talaria.services.gateway.validation import check_size
 from talaria.shared import subjects
-from talaria.shared.bus import emit, emit_new
+from talaria.shared.bus import IDEMPOTENCY_DISK_SHARE, disk_cap, emit, emit_new
 from talaria.shared.events import CallFailed, CallSubmitted
 from talaria.shared.messages import REPLY_DECODER, ErrorReply, Reply
 from talaria.shared.nats_auth import ANSWERING_ROLES, sent_by
@@ -84,6 +84,7 @@ class IdempotentCalls:
             retention=RetentionPolicy.LIMITS, storage=StorageType.FILE, discard=DiscardPolicy.OLD,
             max_age=self.window_s,
             max_msgs_per_subject=1,  # a key's current claim; a call's answer
+            max_bytes=disk_cap(IDEMPOTENCY_DISK_SHARE),  # oldest first past it (shared/bus.py)
         )
         try:
             await self.js.add_stream(config)

@@ -32,7 +32,7 @@ from talaria.services.gateway.validation import check_size
 from talaria.shared import subjects
 from talaria.shared.logs import call_context
 from talaria.shared.nats_auth import ANSWERING_ROLES, SENDER_HEADER, STREAMING_ROLES, sender_of, sent_by
-from talaria.shared.bus import emit, emit_new, written
+from talaria.shared.bus import REPLIES_DISK_SHARE, disk_cap, emit, emit_new, written
 from talaria.shared.events import CallFailed, CallSubmitted
 from talaria.shared.messages import (
     CallResult,
@@ -66,7 +66,8 @@ class Submitter:
         # twice the timeout covers clock skew between the agent and the gateway.
         config = StreamConfig(name=subjects.REPLIES_STREAM, subjects=[f"{subjects.LIVE_REPLIES}.*.*"],
                               retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
-                              discard=DiscardPolicy.OLD, max_age=2 * self.timeout_s, max_msgs_per_subject=1)
+                              discard=DiscardPolicy.OLD, max_age=2 * self.timeout_s, max_msgs_per_subject=1,
+                              max_bytes=disk_cap(REPLIES_DISK_SHARE))
         try:
             await self.js.add_stream(config)
         except BadRequestError:

@@ -69,3 +69,25 @@ def test_a_disk_under_its_reserve_refuses_new_calls(tmp_path):
     assert DiskCheck(tmp_path, 0).refusal() is None
     refused = DiskCheck(tmp_path, 1 << 62).refusal()
     assert refused.status == 503 and refused.code == "insufficient_storage" and "MiB free" in refused.message
+
+
+async def test_every_stream_is_capped_and_drops_its_oldest_first(tmp_path, monkeypatch):
+    """Issue 25: nothing bounded storage. Each stream keeps at most a share of the data
+    directory's disk, discarding the oldest messages past it."""
+    import shutil
+
+    from nats.js.api import DiscardPolicy
+
+    from talaria.shared.bus import disk_cap, ensure_stream
+
+    monkeypatch.setenv("TALARIA_DATA_DIR", str(tmp_path / "not-yet"))  # its nearest existing parent
+    seen = []
+
+    class Js:
+        async def add_stream(self, config):
+            seen.append(config)
+
+    await ensure_stream(Js())
+    [config] = seen
+    assert config.discard == DiscardPolicy.OLD
+    assert config.max_bytes == disk_cap(1 / 4) == shutil.disk_usage(tmp_path).total // 4
