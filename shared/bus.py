@@ -43,19 +43,21 @@ async def connect(url: str, name: str, **auth) -> tuple[NATS, JetStreamContext]:
 
 
 # Share of the data directory's disk each stream may keep (issue 25: nothing bounded storage,
-# ~4 KB of JetStream per call). Past it JetStream drops the oldest messages (DiscardPolicy.OLD):
+# ~4 KB of JetStream per call): shares of the free space at start. Past it JetStream drops the oldest messages (DiscardPolicy.OLD):
 # events long projected, answers long read; a consumer down for days could lose events it has
-# not read, which is why the caps are a quarter of the disk or less. With the gateway's free-space
+# not read. With the gateway's free-space
 # reserve (gateway/admission.py) the broker never fills the disk on its own.
-EVENTS_DISK_SHARE, IDEMPOTENCY_DISK_SHARE, REPLIES_DISK_SHARE = 1 / 4, 1 / 8, 1 / 16
+EVENTS_DISK_SHARE, IDEMPOTENCY_DISK_SHARE, REPLIES_DISK_SHARE = 1 / 8, 1 / 16, 1 / 32  # 22%: three deployments fit one broker
 
 
 def disk_cap(share: float) -> int:
-    """`share` of the disk holding the data directory (TALARIA_DATA_DIR, as every service gets it)."""
+    """`share` of the free space (at start) on the disk holding the data directory (TALARIA_DATA_DIR,
+    as every service gets it): JetStream reserves every stream's max_bytes against its store, which
+    it sizes from the free space (75% of it by default), so shares of the free space always fit."""
     path = Path(os.environ.get("TALARIA_DATA_DIR", ".talaria")).resolve()
     while not path.exists():
         path = path.parent
-    return int(shutil.disk_usage(path).total * share)
+    return int(shutil.disk_usage(path).free * share)
 
 
 async def ensure_stream(js: JetStreamContext) -> None:

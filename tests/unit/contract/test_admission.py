@@ -90,4 +90,4 @@ async def test_every_stream_is_capped_and_drops_its_oldest_first(tmp_path, monke
     await ensure_stream(Js())
     [config] = seen
     assert config.discard == DiscardPolicy.OLD
-    assert config.max_bytes == disk_cap(1 / 4) == shutil.disk_usage(tmp_path).total // 4
+    assert 0 < config.max_bytes <= shutil.disk_usage(tmp_path).free // 8 + (1 << 20)
