@@ -51,6 +51,7 @@ class StackError(RuntimeError):
     pass
 
 
+JETSTREAM_DISABLED = b"will be DISABLED"  # nats-server: "JetStream out of space, will be DISABLED"
 LOCK_FILE = "up.lock"
 LOG_FILE_MAX_BYTES = 64 * 1024 * 1024  # ~160,000 calls at the ~0.4 KB of gateway log each (issue 25)
 
@@ -114,6 +115,8 @@ class Stack:
     nats_users: dict = field(default_factory=dict)  # embedded NATS: one user per service
     api_key: str | None = None  # generated when no keys are configured (printed once, saved 0600)
     _lock: object = None  # the data directory's lock file, held while this run lives
+    _log_offsets: dict = field(default_factory=dict)  # how far each server log has been read
+    broker_disabled: bool = False  # the embedded NATS turned JetStream off and awaits a restart
 
     def start(self, timeout: float = 120.0, progress=print) -> "Stack":
         data = self.settings.data_dir.resolve()
@@ -343,10 +346,46 @@ class Stack:
             except OSError:  # e.g. the disk is full: the copy fails, the log is kept
                 continue
 
+    def _broker_disabled(self, server) -> bool:
+        """Has the embedded NATS turned JetStream off after a write failed (a full disk)? It
+        stays so, alive and answering core NATS, until restarted (issue 25: every call 503
+        `bus_unavailable` for minutes after space came back). Read from its log, new lines only."""
+        log = server.data_dir / "nats.log"
+        try:
+            with open(log, "rb") as f:
+                f.seek(self._log_offsets.get(log, 0))
+                new = f.read()
+                self._log_offsets[log] = f.tell()
+        except OSError:
+            return False
+        return JETSTREAM_DISABLED in new
+
+    def _restart_disabled_broker(self, server, progress) -> bool:
+        """Restart a NATS whose JetStream is off once the disk has room again (else it would
+        disable itself again at once)."""
+        from talaria.services.gateway.admission import default_min_free_bytes
+
+        if self._broker_disabled(server):
+            self.broker_disabled = True
+            progress("embedded nats: JetStream disabled itself after a write failed (disk full?); it is "
+                     "restarted once the disk has room")
+        if not self.broker_disabled:
+            return False
+        data = self.settings.data_dir.resolve()
+        if shutil.disk_usage(data).free < default_min_free_bytes(data):
+            return False
+        server.stop()
+        server.start()
+        self.broker_disabled = False
+        progress(f"embedded nats restarted on port {server.port} (JetStream back on)")
+        return True
+
     def _supervise_servers(self, now: float, progress) -> bool:
         """An embedded server that died comes back on its old port and data (services reconnect)."""
         changed = False
         for server in self.embedded:
+            if isinstance(server, EmbeddedNats) and server.proc is not None and server.proc.poll() is None:
+                changed |= self._restart_disabled_broker(server, progress)
             name = type(server).__name__.removeprefix("Embedded").lower()
             if server.proc is None or server.proc.poll() is None:
                 continue

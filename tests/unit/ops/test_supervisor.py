@@ -123,3 +123,22 @@ def test_logs_and_traces_are_private_and_bounded(stack, tmp_path):
     assert exporter._path.stat().st_mode & 0o777 == 0o600
     assert sorted(p.name for p in (data / "traces").iterdir()) == ["spans.jsonl", "spans.jsonl.1"]
     assert exporter._path.stat().st_size < 100  # rotated, not grown
+
+
+@pytest.mark.integration
+def test_a_broker_that_turned_jetstream_off_is_restarted_once_the_disk_has_room(stack, tmp_path):
+    """Issue 25: after a full disk nats-server disables JetStream and stays up without it; the
+    supervisor notices (its log says so) and restarts it, which turns JetStream back on."""
+    from talaria.embedded import EmbeddedNats
+
+    server = EmbeddedNats(tmp_path.resolve() / "nats").start()
+    stack.embedded.append(server)
+    first = server.proc.pid
+    messages: list[str] = []
+    stack.supervise(messages.append)
+    assert server.proc.pid == first and not messages  # a healthy broker is left alone
+    with open(server.data_dir / "nats.log", "ab") as log:  # what nats-server writes on a failed write
+        log.write(b"[1] [ERR] JetStream out of space, will be DISABLED\n")
+    stack.supervise(messages.append)
+    assert server.proc.pid != first and "JetStream disabled itself" in messages[0], messages
+    assert "restarted" in messages[-1]
