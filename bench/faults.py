@@ -59,7 +59,7 @@ RETRY_BUDGET_S = 90.0  # a logical call keeps retrying retryable errors this lon
 TENANT, API_KEY = "bench", "bench-faults-key-0123456789"  # configured: the same across restarts
 SETTLE_S = 60.0  # > telemetry's ack_wait (30 s): a killed projector's batch comes back after it
 FAULTS = ("kill-router", "kill-agent", "kill-telemetry", "kill-gateway", "postgres-immediate",
-          "nats-pause", "restart-after-ctrl-c", "kill-nats", "slowloris", "big-body", "overload", "disk-full")
+          "nats-pause", "restart-after-ctrl-c", "kill-nats", "slowloris", "big-body", "overload", "disk-full", "disk-full-hard")
 FLOOD_TENANT, FLOOD_KEY = "flood", "bench-flood-key-0123456789"  # another tenant: big bodies, overload
 HOLD_S = 10.0  # how long the slowloris, overload and disk-full faults last
 
@@ -220,6 +220,8 @@ def injector(up: UpProcess, fault: str, phase: Phase):
                 phase.note = overload(up.port)
             case "disk-full":
                 phase.note = fill_disk(up.data_dir)
+            case "disk-full-hard":  # every byte: the broker and Postgres hit ENOSPC too
+                phase.note = fill_disk(up.data_dir, leave=0)
             case "nats-pause":
                 pid = up.pid("EmbeddedNats")
                 os.kill(pid, signal.SIGSTOP)
@@ -333,7 +335,7 @@ def overload(port: int, rate: float = 300.0) -> str:
         f"{n} x {code}" for code, n in sorted(codes.items()))
 
 
-def fill_disk(data_dir: Path) -> str:
+def fill_disk(data_dir: Path, leave: int | None = None) -> str:
     """Fill the data directory's filesystem to under the gateway's reserve for HOLD_S, then free
     it (the phase's data directory must be on a small filesystem: --data-dir on a tmpfs)."""
     import shutil
@@ -342,13 +344,15 @@ def fill_disk(data_dir: Path) -> str:
 
     reserve = default_min_free_bytes(data_dir)
     filler = data_dir / "filler"
-    size = max(0, shutil.disk_usage(data_dir).free - reserve // 2)
+    size = max(0, shutil.disk_usage(data_dir).free - (reserve // 2 if leave is None else leave))
+    chunk = b"\0" * (1 << 20)
     with open(filler, "wb") as f:
-        f.truncate(size)  # sparse on most filesystems: write it for real
-        f.seek(0)
-        chunk = b"\0" * (1 << 20)
-        for _ in range(size >> 20):
-            f.write(chunk)
+        try:
+            for _ in range(-(-size >> 20)):
+                f.write(chunk)
+            f.flush()
+        except OSError:  # ENOSPC: full, as asked
+            pass
     free = shutil.disk_usage(data_dir).free
     time.sleep(HOLD_S)
     filler.unlink()
