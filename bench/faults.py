@@ -346,13 +346,14 @@ def fill_disk(data_dir: Path, leave: int | None = None) -> str:
     filler = data_dir / "filler"
     size = max(0, shutil.disk_usage(data_dir).free - (reserve // 2 if leave is None else leave))
     chunk = b"\0" * (1 << 20)
-    with open(filler, "wb") as f:
-        try:
-            for _ in range(-(-size >> 20)):
-                f.write(chunk)
-            f.flush()
-        except OSError:  # ENOSPC: full, as asked
-            pass
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for _ in range(-(-size >> 20)):
+            os.write(fd, chunk)
+    except OSError:  # ENOSPC: full, as asked
+        pass
+    finally:
+        os.close(fd)
     free = shutil.disk_usage(data_dir).free
     time.sleep(HOLD_S)
     filler.unlink()
