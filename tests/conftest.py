@@ -49,6 +49,9 @@ def postgres_server(tmp_root):
     yield admin
     if server is not None:
         server.stop()
+        cluster = tmp_root / "postgres" / "pgdata"
+        if cluster.is_symlink():  # as root under a 0700 temp dir: the cluster lives outside it
+            shutil.rmtree(cluster.resolve(), ignore_errors=True)
 
 
 @pytest.fixture

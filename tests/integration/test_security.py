@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import uuid
 
 import aiohttp
@@ -463,13 +464,17 @@ async def test_embedded_postgres_requires_passwords_even_on_a_data_dir_from_befo
     import os
     import subprocess
 
-    from talaria.embedded import EmbeddedPostgres, _prepare_root
+    from pathlib import Path
+
+    from talaria.embedded import EmbeddedPostgres, _prepare_root, _reachable, _reachable_install
     from embedded_postgres._commands import POSTGRES_BIN_PATH
 
-    pgdata = (tmp_path / "pg").resolve() / "pgdata"
-    pgdata.mkdir(parents=True)
-    user = _prepare_root(pgdata, POSTGRES_BIN_PATH) if os.geteuid() == 0 else None
-    subprocess.run([str(POSTGRES_BIN_PATH / "initdb"), "-D", str(pgdata), "-U", "postgres", "--auth=trust",
+    pgdata, bin_dir = (tmp_path / "pg").resolve() / "pgdata", Path(POSTGRES_BIN_PATH)
+    if os.geteuid() == 0:  # where EmbeddedPostgres puts them as root (pytest's tmp root is 0700)
+        pgdata, bin_dir = _reachable(pgdata), _reachable_install(bin_dir)
+    pgdata.mkdir(parents=True, exist_ok=True)
+    user = _prepare_root(pgdata, bin_dir) if os.geteuid() == 0 else None
+    subprocess.run([str(bin_dir / "initdb"), "-D", str(pgdata), "-U", "postgres", "--auth=trust",
                     "--no-sync"], check=True, user=user, capture_output=True)
     server = await asyncio.get_running_loop().run_in_executor(None, EmbeddedPostgres(tmp_path / "pg").start)
     try:
@@ -481,6 +486,10 @@ async def test_embedded_postgres_requires_passwords_even_on_a_data_dir_from_befo
             await asyncpg.connect(f"postgresql://postgres@127.0.0.1:{server.port}/talaria")
     finally:
         server.stop()
+        if pgdata != (tmp_path / "pg").resolve() / "pgdata":
+            import shutil
+
+            shutil.rmtree(pgdata, ignore_errors=True)
 
 
 @pytest.mark.parametrize("kind", ["user", "token", "nkey"])
@@ -568,3 +577,29 @@ async def test_a_call_id_is_not_enough_to_cancel_another_tenants_call(nats_url, 
         await other.close()
     finally:
         await services.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="as root only: Postgres then runs as another user")
+async def test_embedded_postgres_as_root_never_opens_the_data_directorys_parents(tmp_path):
+    """Issue 25: as root, the setup made every parent of the data directory world-readable (a
+    0700 directory became 0755). A closed parent stays closed; the cluster lives elsewhere."""
+    import shutil
+
+    from talaria.embedded import EmbeddedPostgres
+
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o700)
+    closed.chmod(0o700)
+    pg = EmbeddedPostgres(closed / "data")
+    try:
+        pg.start()
+        assert closed.stat().st_mode & 0o777 == 0o700
+        conn = await asyncpg.connect(asyncpg_dsn(pg.admin_url))
+        assert await conn.fetchval("SELECT 1") == 1
+        await conn.close()
+        assert (closed / "data" / "pgdata").is_symlink()
+    finally:
+        pg.stop()
+        home = (closed / "data" / "pgdata").resolve()
+        if home != closed / "data" / "pgdata":
+            shutil.rmtree(home, ignore_errors=True)
