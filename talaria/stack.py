@@ -151,7 +151,10 @@ class Stack:
         except (OSError, ValueError):
             return
         for name, pid in pids.items():
-            program = "talaria.services" if name not in ("EmbeddedNats", "EmbeddedPostgres") else str(data)
+            # A server's command line names its directory (as root, Postgres's may lie outside `data`,
+            # behind the pgdata symlink: embedded._reachable).
+            program = {"EmbeddedNats": str(data),
+                       "EmbeddedPostgres": str((data / "postgres" / "pgdata").resolve())}.get(name, "talaria.services")
             if isinstance(pid, int) and stop_stale(pid, program):
                 progress(f"stopped {name} (pid {pid}) left running by an earlier run")
 
