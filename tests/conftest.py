@@ -27,6 +27,21 @@ EXTERNAL_DB = os.environ.get("TALARIA_DATABASE_URL")
 TEMPLATE = "talaria_test_template"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _relocated_clusters():
+    """As root, the cluster of an embedded Postgres whose data directory sits under a 0700
+    directory (pytest's temp dirs) lives in ROOT_CLUSTERS (`embedded._reachable`): remove the
+    ones this session made, once no server runs on them."""
+    from talaria.embedded import ROOT_CLUSTERS, _pid_in, process_alive
+
+    before = set(ROOT_CLUSTERS.glob("*")) if ROOT_CLUSTERS.exists() else set()
+    yield
+    for path in set(ROOT_CLUSTERS.glob("*")) - before if ROOT_CLUSTERS.exists() else ():
+        pid = _pid_in(path / "postmaster.pid")
+        if path.is_dir() and not path.name.startswith("pginstall-") and not process_alive(pid, str(path)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def tmp_root():
     root = Path(tempfile.mkdtemp(prefix="talaria-tests-"))
