@@ -51,7 +51,10 @@ class StackError(RuntimeError):
     pass
 
 
-JETSTREAM_DISABLED = b"will be DISABLED"  # nats-server: "JetStream out of space, will be DISABLED"
+# nats-server's log when a write failed: it disables JetStream ("JetStream out of space, will be
+# DISABLED"), or a stream's file store keeps failing with ENOSPC after space came back (seen
+# for minutes in the disk-full-hard fault) until the server restarts.
+BROKER_WRITE_FAILED = (b"will be DISABLED", b"no space left on device")
 LOCK_FILE = "up.lock"
 LOG_FILE_MAX_BYTES = 64 * 1024 * 1024  # ~160,000 calls at the ~0.4 KB of gateway log each (issue 25)
 
@@ -350,9 +353,9 @@ class Stack:
                 continue
 
     def _broker_disabled(self, server) -> bool:
-        """Has the embedded NATS turned JetStream off after a write failed (a full disk)? It
-        stays so, alive and answering core NATS, until restarted (issue 25: every call 503
-        `bus_unavailable` for minutes after space came back). Read from its log, new lines only."""
+        """Has the embedded NATS failed to write (a full disk)? It stays broken, alive and
+        answering core NATS, until restarted (issue 25: every call 503 `bus_unavailable` for
+        minutes after space came back). Read from its log, new lines only."""
         log = server.data_dir / "nats.log"
         try:
             with open(log, "rb") as f:
@@ -361,7 +364,7 @@ class Stack:
                 self._log_offsets[log] = f.tell()
         except OSError:
             return False
-        return JETSTREAM_DISABLED in new
+        return any(marker in new for marker in BROKER_WRITE_FAILED)
 
     def _restart_disabled_broker(self, server, progress) -> bool:
         """Restart a NATS whose JetStream is off once the disk has room again (else it would
@@ -370,8 +373,8 @@ class Stack:
 
         if self._broker_disabled(server):
             self.broker_disabled = True
-            progress("embedded nats: JetStream disabled itself after a write failed (disk full?); it is "
-                     "restarted once the disk has room")
+            progress("embedded nats: JetStream failed to write (disk full?); it is restarted once the disk "
+                     "has room")
         if not self.broker_disabled:
             return False
         data = self.settings.data_dir.resolve()

@@ -145,5 +145,10 @@ def test_a_broker_that_turned_jetstream_off_is_restarted_once_the_disk_has_room(
     with open(server.data_dir / "nats.log", "ab") as log:  # what nats-server writes on a failed write
         log.write(b"[1] [ERR] JetStream out of space, will be DISABLED\n")
     stack.supervise(messages.append)
-    assert server.proc.pid != first and "JetStream disabled itself" in messages[0], messages
+    assert server.proc.pid != first and "JetStream failed to write" in messages[0], messages
     assert "restarted" in messages[-1]
+    second, messages = server.proc.pid, []
+    with open(server.data_dir / "nats.log", "ab") as log:  # a stream's store stuck on ENOSPC
+        log.write(b"[1] [ERR] JetStream failed to store a msg on stream: write x.blk: no space left on device\n")
+    stack.supervise(messages.append)
+    assert server.proc.pid != second and "restarted" in messages[-1]
