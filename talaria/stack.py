@@ -123,7 +123,9 @@ class Stack:
 
     def start(self, timeout: float = 120.0, progress=print) -> "Stack":
         data = self.settings.data_dir.resolve()
-        data.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Others may traverse it (as root, the embedded Postgres runs as another user and must
+        # reach its cluster inside), never list it; what is inside is 0600 / 0700.
+        data.mkdir(mode=0o711, parents=True, exist_ok=True)
         self._lock = lock_data_dir(data)  # before anything: a second run must not touch the first's
         try:
             self._stop_leftovers(data, progress)
