@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from talaria.shared.ablations import ABLATIONS
+from talaria.shared.api_keys import InvalidKeyEntry, parse_key_entry
+from talaria.shared.catalog import CATALOG, register
+from talaria.shared.hf_config import CheckpointError, load_spec, parse_models
 
 
 class SettingsError(ValueError):
@@ -37,6 +44,7 @@ def asyncpg_dsn(url: str) -> str:
 class Settings:
     nats_url: str | None = None  # None: `talaria up` starts an embedded server
     database_url: str | None = None  # None: `talaria up` starts an embedded PostgreSQL
+    database_admin_url: str | None = None  # `talaria migrate`: sets up the application role first
     data_dir: Path = Path(".talaria")
     http_host: str = "127.0.0.1"
     http_port: int = 8000
@@ -47,11 +55,9 @@ class Settings:
     instance_id: str = field(default_factory=lambda: f"agent-{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
     models: tuple[str, ...] = ("qwen3-tiny", "qwen3-moe-tiny", "gpt2-tiny")
     pool: str = "cold"
-    engine: str = "torch"  # engine/registry.py; an unknown name fails the agent at start
+    engine: str = "torch"  # engine/engine_registry.py; an unknown name fails the agent at start
     device: str = "cpu"
-    sp: bool = True
-    hkvr: bool = True
-    staging: bool = True
+    ablation: str = "talaria"  # which of Talaria's mechanisms are on (shared/ablations.py)
     heartbeat_s: float = 0.5
     call_timeout_s: float = 300.0
     # How long an Idempotency-Key is remembered (gateway/idempotency.py): Stripe's 24 h. It must
@@ -83,6 +89,7 @@ class Settings:
     api_keys: tuple[str, ...] = ()  # `tenant:sha256:<hex>` (or `tenant:<key>`, hashed on load)
     api_keys_file: Path | None = None  # one `tenant sha256:<hex>` per line
     prefix_sharing: str = "tenant"  # KV prefix reuse scope: tenant, session or global
+    api_key: str | None = None  # a client's own key (`talaria replay --nats` against a running stack)
     # -- gateway limits (issue 25; services/gateway/connection_limits.py) ------------------
     # Go's http.Server guidance (ReadHeaderTimeout ~10 s); nginx's client_body_timeout is 60 s.
     http_header_timeout_s: float = 10.0
@@ -97,9 +104,6 @@ class Settings:
     model_dirs: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
-        from talaria.shared.catalog import register
-        from talaria.shared.hf_config import CheckpointError, load_spec, parse_models
-
         names, dirs = parse_models(tuple(self.models))
         dirs = {**dict(self.model_dirs), **dirs}
         for name, path in dirs.items():
@@ -114,6 +118,12 @@ class Settings:
         """TALARIA_MODELS for child processes: names, with `=path` for checkpoint directories."""
         dirs = dict(self.model_dirs)
         return ",".join(f"{m}={dirs[m]}" if m in dirs else m for m in self.models)
+
+    # The mechanisms the ablation runs (shared/ablations.py).
+    sp = property(lambda self: ABLATIONS[self.ablation]["sp"])
+    hkvr = property(lambda self: ABLATIONS[self.ablation]["hkvr"])
+    staging = property(lambda self: ABLATIONS[self.ablation]["staging"])
+    park_kv = property(lambda self: ABLATIONS[self.ablation]["park_kv"])
 
     @property
     def traces_path(self) -> Path:
@@ -144,14 +154,14 @@ class Settings:
         if self.nats_url is not None and not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
             raise SettingsError("TALARIA_NATS_URL", self.nats_url, "a nats:// URL")
         self._validate_security()
+        if self.ablation not in ABLATIONS:
+            raise SettingsError("TALARIA_ABLATION", self.ablation, f"one of {', '.join(ABLATIONS)}")
         if self.pool not in ("hot", "cold"):
             raise SettingsError("TALARIA_POOL", self.pool, "hot or cold")
         if self.overload not in ("reject", "queue"):
             raise SettingsError("TALARIA_OVERLOAD", self.overload, "reject or queue")
         if not 0 < self.http_port < 65536 and self.http_port != 0:
             raise SettingsError("TALARIA_HTTP_PORT", str(self.http_port), "a TCP port")
-        from talaria.shared.catalog import CATALOG
-
         unknown = [m for m in self.models if m not in CATALOG]
         if unknown or not self.models:
             raise SettingsError("TALARIA_MODELS", ",".join(self.models),
@@ -179,8 +189,6 @@ class Settings:
 
 
     def _validate_security(self) -> None:
-        import re
-
         if not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", self.deployment):
             raise SettingsError("TALARIA_DEPLOYMENT", self.deployment,
                                 "1-32 lowercase letters, digits, '_' or '-', starting with a letter")
@@ -198,8 +206,6 @@ class Settings:
                 raise SettingsError(f"TALARIA_{name.upper()}", str(path), "an existing file")
         if self.prefix_sharing not in ("tenant", "session", "global"):
             raise SettingsError("TALARIA_PREFIX_SHARING", self.prefix_sharing, "tenant, session or global")
-        from talaria.services.gateway.auth import InvalidKeyEntry, parse_key_entry
-
         for entry in self.api_keys:
             try:
                 parse_key_entry(entry)
@@ -226,8 +232,6 @@ def _redact_key(entry: str) -> str:
 
 def redact_url(url: str | None) -> str | None:
     """The URL with its password replaced by '***' (for logs and printed output)."""
-    from urllib.parse import urlsplit, urlunsplit
-
     if not url:
         return url
     parts = urlsplit(url)

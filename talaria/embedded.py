@@ -28,6 +28,9 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from talaria.shared.db.roles import app_role_sql, sql_literal
+from talaria.shared.nats_auth import authorization_block
+
 
 class EmbeddedServerError(RuntimeError):
     def __init__(self, server: str, message: str, log: Path | None = None) -> None:
@@ -172,8 +175,6 @@ class EmbeddedNats:
         nats-server config; command-line flags still set the address, port and store)."""
         import json
 
-        from talaria.shared.nats_auth import authorization_block
-
         path = self.data_dir / "auth.conf"
         with open(path, "w", opener=lambda p, flags: os.open(p, flags, 0o600)) as f:
             json.dump({"authorization": authorization_block(self.users, self.prefix)}, f, indent=1)
@@ -274,8 +275,6 @@ class EmbeddedPostgres:
                 self._secure_legacy(bin_dir, pgdata, timeout)
             self._create_database(bin_dir, timeout)
             if self.app_role:
-                from talaria.shared.db.roles import app_role_sql
-
                 self._psql(bin_dir, self.database, app_role_sql(self.app_role, self.passwords["app"], self.database))
         except BaseException:
             self.stop()
@@ -291,14 +290,12 @@ class EmbeddedPostgres:
         )
 
     def _secure_legacy(self, bin_dir: Path, pgdata: Path, timeout: float) -> None:
-        from talaria.shared.db.roles import _literal
-
         deadline = time.monotonic() + timeout
         while self._psql(bin_dir, "postgres", "SELECT 1", check=False).returncode != 0:
             if time.monotonic() > deadline:
                 raise EmbeddedServerError("postgres", "not accepting connections")
             time.sleep(0.1)
-        self._psql(bin_dir, "postgres", f"ALTER ROLE postgres PASSWORD {_literal(self.passwords['postgres'])}")
+        self._psql(bin_dir, "postgres", f"ALTER ROLE postgres PASSWORD {sql_literal(self.passwords['postgres'])}")
         hba = pgdata / "pg_hba.conf"
         hba.write_text("local all all trust\nhost all all 127.0.0.1/32 scram-sha-256\n"
                        "host all all ::1/128 scram-sha-256\n")

@@ -22,7 +22,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from talaria.shared.db.engine import upgrade
+from talaria.services.gateway.auth import KeyStore
+from talaria.shared.api_keys import hash_key, new_key, write_key_file
+from talaria.shared.db.connection import upgrade
 from talaria.shared.nats_auth import generate_users
 from talaria.shared.settings import Settings, redact_url
 from talaria.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedServerError, free_port, stop_stale
@@ -165,8 +167,6 @@ class Stack:
 
     def _api_keys(self, data: Path) -> None:
         """No keys configured: generate one for this run; only its hash reaches the gateway."""
-        from talaria.services.gateway.auth import hash_key, new_key, write_key_file
-
         if self.settings.api_keys or self.settings.api_keys_file:
             return
         self.api_key = new_key()
@@ -175,8 +175,6 @@ class Stack:
 
     def tenants(self) -> list[str]:
         """The tenants of the configured API keys (`default` for the key generated for this run)."""
-        from talaria.services.gateway.auth import KeyStore
-
         if self.api_key is not None:
             return ["default"]
         return sorted(set(KeyStore.from_settings(self.settings).tenants.values()))
@@ -238,8 +236,7 @@ class Stack:
             "TALARIA_NATS_URL": self.nats_url, "TALARIA_DATABASE_URL": self.database_url,
             "TALARIA_DATA_DIR": str(s.data_dir.resolve()), "TALARIA_TRACES_DIR": str(s.traces_path.resolve()),
             "TALARIA_POLICY": s.policy, "TALARIA_LEASE_TIMEOUT_S": str(s.lease_timeout_s),
-            "TALARIA_ADAPTIVE_LEASE": str(s.adaptive_lease), "TALARIA_SP": str(s.sp),
-            "TALARIA_HKVR": str(s.hkvr), "TALARIA_STAGING": str(s.staging),
+            "TALARIA_ADAPTIVE_LEASE": str(s.adaptive_lease), "TALARIA_ABLATION": s.ablation,
             "TALARIA_MODELS": s.models_env(), "TALARIA_DEVICE": s.device,
             "TALARIA_HTTP_HOST": s.http_host, "TALARIA_SESSION_IDLE_S": str(s.session_idle_s),
             "TALARIA_LOG_LEVEL": s.log_level, "TALARIA_DEPLOYMENT": s.deployment, "PYTHONUNBUFFERED": "1",

@@ -18,7 +18,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from talaria.shared.db.engine import upgrade
+from talaria.shared.db.connection import upgrade
 from talaria.shared.settings import asyncpg_dsn
 from talaria.embedded import EmbeddedNats, EmbeddedPostgres
 

@@ -15,6 +15,7 @@ from talaria.services.gateway.big_bodies import BigBodies
 from talaria.services.gateway.connection_limits import HttpLimits, body_deadline
 from talaria.services.gateway.http_errors import json_errors
 from talaria.services.gateway.auth import TENANT, KeyStore, client_session, http_middleware, scoped_session
+from talaria.services.gateway.error_bodies import error_body, validation_error
 from talaria.services.gateway.openai_api import (
     CHAT_DECODER,
     COMPLETION_DECODER,
@@ -24,16 +25,14 @@ from talaria.services.gateway.openai_api import (
     logit_bias,
     completion_chunk,
     completion_response,
-    error_body,
     openai_tool_calls,
     refuse_unsupported,
     stops,
-    validation_error,
 )
 from talaria.shared.tool_calls import TextUntilCalls, parse_calls
 from talaria.services.gateway.prepare import RequestError, prepare, tool_format
 from talaria.services.gateway.responses_api import ResponsesApi
-from talaria.services.gateway.sessions import InvalidSessionId, session_id_from
+from talaria.services.gateway.session_ids import InvalidSessionId, session_id_from
 from talaria.services.gateway.submitter import Submitter
 from talaria.shared.events import CallSubmitted
 from talaria.shared.messages import CallRequest, CallResult, ErrorReply, TokenChunk

@@ -22,7 +22,7 @@ import msgspec
 from talaria.services.gateway.auth import KeyStore, Unauthenticated, client_session, scoped_session, unauthenticated_reply
 from talaria.services.gateway.idempotency import IdempotentCalls, claim_for
 from talaria.services.gateway.prepare import RequestError, prepare
-from talaria.services.gateway.sessions import InvalidSessionId, check
+from talaria.services.gateway.session_ids import InvalidSessionId, check
 from talaria.services.gateway.submitter import Submitter
 from talaria.services.gateway.validation import decode
 from talaria.shared import subjects

@@ -21,11 +21,12 @@ from typing import Any
 from aiohttp import web
 
 from talaria.services.gateway.auth import TENANT, client_session, scoped_session
-from talaria.services.gateway.openai_api import error_body, openai_tool_calls
+from talaria.services.gateway.error_bodies import error_body
+from talaria.services.gateway.openai_api import openai_tool_calls
 from talaria.services.gateway.prepare import RequestError, prepare, tool_format
 from talaria.services.gateway.responses_input import (DECODER, chat_input, echo, namespaces, refuse_unsupported,
                                                       to_call_request)
-from talaria.services.gateway.sessions import InvalidSessionId, session_id_from
+from talaria.services.gateway.session_ids import InvalidSessionId, session_id_from
 from talaria.services.gateway.idempotency import IdempotentCalls, answers_as, claim_for, replayed, restamp
 from talaria.services.gateway.idempotency_rules import key_from
 from talaria.services.gateway.submitter import Submitter

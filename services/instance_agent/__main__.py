@@ -2,7 +2,7 @@
 
 import sys
 
-from talaria.services.instance_agent.service import run
+from talaria.services.instance_agent.agent_service import run
 from talaria.shared.runtime import main
 
 sys.exit(main("instance_agent", run))

@@ -19,7 +19,7 @@ from opentelemetry import trace
 
 from talaria.embedded import EmbeddedNats, free_port
 from talaria.services.gateway.submitter import Submitter
-from talaria.services.instance_agent.outcomes import OutcomeSender
+from talaria.services.instance_agent.record_sender import RecordSender
 from talaria.shared import messages as m
 from talaria.shared import subjects
 from talaria.shared.health import wait_for_router
@@ -87,7 +87,7 @@ class _Nc:
 
 async def test_an_agent_sends_its_replies_again_after_a_reconnect():
     nc = _Nc()
-    sender = OutcomeSender(nc, None, structlog.get_logger())
+    sender = RecordSender(nc, None, structlog.get_logger())
     await asyncio.wait_for(sender._delivered("c1", [("reply.c1", b"{}")], reconnects=0), 5.0)
     assert nc.sent == ["reply.c1"]  # published again once, then confirmed on a steady connection
 
@@ -102,7 +102,7 @@ async def test_calls_in_flight_when_the_broker_is_killed_are_answered_within_sec
     services = Services()
     try:
         await services.start_control_plane(settings)
-        from talaria.services.instance_agent.service import run as run_agent
+        from talaria.services.instance_agent.agent_service import run as run_agent
         await services.start("agent-0", run_agent, settings.with_(instance_id="agent-0"))
         nc = await nats.connect(server.url)
         await wait_for_router(nc, instances=1)

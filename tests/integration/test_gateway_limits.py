@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from talaria.embedded import free_port
-from talaria.services.gateway.service import run as run_gateway
+from talaria.services.gateway.gateway_service import run as run_gateway
 from talaria.shared.settings import Settings
 from tests.integration.harness import Services
 

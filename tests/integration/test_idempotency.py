@@ -17,7 +17,7 @@ from talaria.services.gateway.http_api import parse_request
 from talaria.services.gateway.idempotency import IdempotentCalls
 from talaria.services.gateway.idempotency_rules import ORPHANED, outcome_subject, waiting_subject
 from talaria.services.gateway.submitter import Submitter
-from talaria.services.instance_agent.service import run as run_agent
+from talaria.services.instance_agent.agent_service import run as run_agent
 from talaria.shared import logs, subjects
 from talaria.shared import messages as m
 from talaria.shared.wire import encode, replace

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
 from talaria.embedded import free_port
-from talaria.services.instance_agent.service import run as run_agent
+from talaria.services.instance_agent.agent_service import run as run_agent
 from talaria.shared.messages import CallResult, ErrorReply, REPLY_DECODER, Reply
 from talaria.shared import subjects
 from talaria.shared.health import wait_for_router

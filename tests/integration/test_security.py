@@ -16,10 +16,10 @@ import pytest
 
 from talaria.embedded import EmbeddedNats, free_port
 from talaria.services.gateway.idempotency_rules import outcome_subject
-from talaria.services.gateway.service import run as run_gateway
-from talaria.services.instance_agent.service import run as run_agent
-from talaria.services.router.service import run as run_router
-from talaria.services.telemetry.service import run as run_telemetry
+from talaria.services.gateway.gateway_service import run as run_gateway
+from talaria.services.instance_agent.agent_service import run as run_agent
+from talaria.services.router.router_service import run as run_router
+from talaria.services.telemetry.telemetry_service import run as run_telemetry
 from talaria.shared.events import CallCompleted, CallRouted, CallSubmitted
 from talaria.shared.messages import (
     CANCELLED_STATUS,
@@ -33,7 +33,7 @@ from talaria.shared.messages import (
 from talaria.shared.wire import encode
 from talaria.shared import subjects
 from talaria.shared.bus import connect, emit
-from talaria.shared.db.engine import upgrade
+from talaria.shared.db.connection import upgrade
 from talaria.shared.db.roles import drop_app_role, ensure_app_role
 from talaria.shared.health import wait_for_router
 from talaria.shared.nats_auth import generate_users

@@ -5,19 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from talaria.services.instance_agent.scheduler.errors import ConfigError
-
-# Paper §5 ablations: which mechanisms each configuration turns off. The one table: the
-# simulator, its experiments and `talaria up --no-sp ...` use these names.
-ABLATIONS: dict[str, dict[str, bool]] = {
-    "talaria": {"sp": True, "hkvr": True, "staging": True, "park_kv": True},
-    "no-sp": {"sp": False, "hkvr": True, "staging": True, "park_kv": True},
-    "no-hkvr": {"sp": True, "hkvr": False, "staging": True, "park_kv": True},
-    "h2d-only": {"sp": True, "hkvr": True, "staging": False, "park_kv": True},
-    # the paper's baseline: none of Talaria's mechanisms, running calls' KV parked off-device
-    "round-only": {"sp": False, "hkvr": False, "staging": False, "park_kv": False},
-}
-
+from talaria.services.instance_agent.scheduler.scheduler_errors import ConfigError
+from talaria.shared.ablations import ABLATIONS
 
 @dataclass(frozen=True)
 class SchedulerConfig:

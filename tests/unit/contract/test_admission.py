@@ -78,9 +78,10 @@ async def test_every_stream_is_capped_and_drops_its_oldest_first(tmp_path, monke
 
     from nats.js.api import DiscardPolicy
 
-    from talaria.shared.bus import disk_cap, ensure_stream
+    from talaria.shared import bus
+    from talaria.shared.bus import ensure_stream
 
-    monkeypatch.setenv("TALARIA_DATA_DIR", str(tmp_path / "not-yet"))  # its nearest existing parent
+    monkeypatch.setattr(bus, "DATA_DIR", tmp_path / "not-yet")  # its nearest existing parent
     seen = []
 
     class Js:

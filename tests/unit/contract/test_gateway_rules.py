@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from talaria.services.gateway.prepare import RequestError, prepare
-from talaria.services.gateway.sessions import SESSION_HEADERS, InvalidSessionId, session_id_from
+from talaria.services.gateway.session_ids import SESSION_HEADERS, InvalidSessionId, session_id_from
 from talaria.shared.catalog import CATALOG
 from talaria.shared.messages import CallRequest, ChatMessage
 from talaria.shared.model_text import text_for

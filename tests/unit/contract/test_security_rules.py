@@ -7,16 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from talaria.services.gateway.auth import (
-    KeyStore,
-    Unauthenticated,
-    client_session,
-    hash_key,
-    kv_scope,
-    read_key_file,
-    scoped_session,
-    write_key_file,
-)
+from talaria.services.gateway.auth import KeyStore, Unauthenticated, client_session, kv_scope, scoped_session
+from talaria.shared.api_keys import hash_key, read_key_file, write_key_file
 from talaria.shared.events import CallCompleted, CallRouted, CallSubmitted
 from talaria.shared.nats_auth import (
     ANSWERING_ROLES,

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from talaria.services.instance_agent.engine.api import GenRequest
+from talaria.services.instance_agent.engine.contract import GenRequest
 from talaria.services.instance_agent.engine.contract import Capabilities, Engine
-from talaria.services.instance_agent.engine.errors import EngineError
-from talaria.services.instance_agent.engine.registry import ENGINES, UnknownEngine, build_engine
+from talaria.services.instance_agent.engine.engine_errors import EngineError
+from talaria.services.instance_agent.engine.engine_registry import ENGINES, UnknownEngine, build_engine
 from talaria.services.instance_agent.scheduler.config import SchedulerConfig
 from talaria.shared.tokenizer import encode
 

@@ -12,7 +12,7 @@ EngineFactory = Callable[..., Engine]
 
 
 def _torch(data_dir: Path, models: list[str], **kw) -> Engine:
-    from talaria.services.instance_agent.engine.engine import TorchEngine
+    from talaria.services.instance_agent.engine.torch_engine import TorchEngine
 
     return TorchEngine(data_dir, models, **kw)
 

@@ -25,7 +25,7 @@ from talaria.shared.bus import PUBLISH_TIMEOUT_S, RECONNECT_WAIT_S, emit, emit_a
 from talaria.shared.nats_auth import sender_headers
 
 
-class OutcomeSender:
+class RecordSender:
     def __init__(self, nc, js, log) -> None:
         self.nc, self.js, self.log = nc, js, log
         self._tasks: set[asyncio.Task] = set()
