@@ -57,6 +57,14 @@ class Settings:
     pool: str = "cold"
     engine: str = "torch"  # engine/engine_registry.py; an unknown name fails the agent at start
     device: str = "cpu"
+    # TALARIA_ENGINE=vllm / sglang (README "Engines"); 0 or "": the adapter's default
+    vllm_switch: str = ""  # resident | sleep | release
+    vllm_kv_bytes: int = 0  # KV cache per model on CPU
+    vllm_host_kv_bytes: int = 0  # the KV connector's host pages per model
+    vllm_max_model_len: int = 0
+    vllm_block: int = 0
+    vllm_batch_tokens: int = 0
+    sglang_switch: str = ""  # memory | weights
     ablation: str = "talaria"  # which of Talaria's mechanisms are on (shared/ablations.py)
     heartbeat_s: float = 0.5
     call_timeout_s: float = 300.0
@@ -128,6 +136,18 @@ class Settings:
     @property
     def traces_path(self) -> Path:
         return self.traces_dir or (self.data_dir / "traces")
+
+    def engine_options(self) -> dict[str, object]:
+        """The chosen engine's own options, as its constructor takes them (unset ones left out)."""
+        if self.engine == "vllm":
+            opts = {"switch_mode": self.vllm_switch, "kv_cache_bytes": self.vllm_kv_bytes,
+                    "host_kv_bytes": self.vllm_host_kv_bytes, "max_model_len": self.vllm_max_model_len,
+                    "block_size": self.vllm_block, "max_num_batched_tokens": self.vllm_batch_tokens}
+        elif self.engine == "sglang":
+            opts = {"switch_mode": self.sglang_switch}
+        else:
+            opts = {}
+        return {k: v for k, v in opts.items() if v}
 
     def with_(self, **changes) -> "Settings":
         return replace(self, **changes)

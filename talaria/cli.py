@@ -64,7 +64,7 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         signal.signal(sig, on_signal)  # once: a second Ctrl-C must not skip the cleanup
     t0 = time.monotonic()
     try:
-        stack.start(progress=lambda m: print(f"talaria: {m}", flush=True))
+        stack.start(timeout=args.ready_timeout, progress=lambda m: print(f"talaria: {m}", flush=True))
         print(f"talaria: ready in {time.monotonic() - t0:.1f}s — gateway {stack.gateway_url} "
               f"(policy {settings.policy}, {args.agents} cold agents, {len(args.hot)} hot)", flush=True)
         print(f"talaria: NATS {redact_url(stack.nats_url)}  Postgres {redact_url(stack.database_url)}  "
@@ -251,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="add a hot-pool agent pinned to MODEL (repeatable); --agents are the cold pool")
     up.add_argument("--port", type=int, default=None, help="gateway HTTP port (default 8000; 0 = any free)")
     up.add_argument("--data-dir", default=None, help="data directory (default .talaria)")
+    up.add_argument("--ready-timeout", type=float, default=120.0,
+                    help="seconds to wait for every service (default 120; TALARIA_ENGINE=vllm starts "
+                         "two vLLM processes per model, allow minutes)")
     up.add_argument("--policy", default=None, help="routing policy (default talaria)")
     up.add_argument("--models", default=None, help="comma-separated models each agent serves")
     up.add_argument("--model", action="append", default=[], metavar="NAME=DIR",

@@ -111,7 +111,7 @@ def _build_engine(settings: Settings):
 
     torch.set_num_threads(max(1, settings.torch_threads))
     engine = build_engine(settings.engine, settings.data_dir, list(settings.models), device=settings.device,
-                          hkvr=settings.hkvr, staging=settings.staging)
+                          hkvr=settings.hkvr, staging=settings.staging, **settings.engine_options())
     engine.ensure_weights()
     return engine
 

@@ -6,8 +6,8 @@ worker thread; the scheduler never touches it, but its mechanisms follow the eng
 `Capabilities` (`SchedulerConfig.for_engine`): an engine that cannot switch with calls running
 makes the scheduler drain a model's calls before a switch, one without host KV or D2D staging
 gets those mechanisms turned off rather than promised. The torch engine is the reference; a
-SGLang backend implements the same Protocol and passes the same contract tests
-(tests/unit/engine/test_engine_contract.py).
+vLLM backend (vllm_engine.py) implements the same Protocol and passes the same contract tests
+(tests/unit/engine/test_engine_contract.py; tests/vllm/ runs them on vLLM).
 """
 
 from __future__ import annotations
@@ -140,6 +140,13 @@ class Capabilities:
     host_kv: bool  # sessions' KV is checkpointed to host memory and restored (kv_state "host")
     d2d_staging: bool  # the next model's weights can be pre-staged on the device (stage())
     chunked_prefill: bool  # a long prompt's prefill may be split across steps
+    # Every served model stays loaded with its KV (vLLM on CPU: one engine per model, the idle
+    # ones paused): a switch moves no weights and loses no session's device KV, so a session
+    # of a non-active model stays kv_state "device" and there is nothing to stage.
+    resident_models: bool = False
+    # Reused KV comes in whole blocks of this many tokens (vLLM's prefix cache); 1: any
+    # prefix (the torch engine copies a partial page).
+    kv_block_tokens: int = 1
 
 
 @runtime_checkable

@@ -97,7 +97,8 @@ class SchedulerConfig:
         host KV / D2D staging are only used where the engine has them."""
         knobs["drain_on_switch"] = not capabilities.switch_with_calls_running
         knobs["hkvr"] = knobs.get("hkvr", True) and capabilities.host_kv
-        knobs["staging"] = knobs.get("staging", True) and capabilities.d2d_staging
+        knobs["staging"] = (knobs.get("staging", True) and capabilities.d2d_staging
+                            and not getattr(capabilities, "resident_models", False))  # nothing to stage
         return cls(**knobs)
 
     def with_(self, **changes) -> SchedulerConfig:
