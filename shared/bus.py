@@ -6,6 +6,8 @@ import asyncio
 import dataclasses
 import weakref
 from collections.abc import Callable
+import shutil
+from pathlib import Path
 
 import msgspec
 import nats
@@ -48,7 +50,8 @@ _REPLICAS: "weakref.WeakKeyDictionary[NATS, int]" = weakref.WeakKeyDictionary()
 
 
 def replicas(js: JetStreamContext) -> int:
-    return _REPLICAS.get(js._nc, 1)
+    nc = getattr(js, "_nc", None)  # a context not made by `connect`: one replica
+    return _REPLICAS.get(nc, 1) if nc is not None else 1
 
 
 async def connect(url: str, name: str, replicas: int = 1, **auth) -> tuple[NATS, JetStreamContext]:
@@ -70,6 +73,32 @@ async def connect(url: str, name: str, replicas: int = 1, **auth) -> tuple[NATS,
     return nc, js
 
 
+# Share of the data directory's disk each stream may keep (issue 25: nothing bounded storage,
+# ~4 KB of JetStream per call): shares of the free space at start. Past it JetStream drops the oldest messages (DiscardPolicy.OLD):
+# events long projected, answers long read; a consumer down for days could lose events it has
+# not read. With the gateway's free-space
+# reserve (gateway/admission.py) the broker never fills the disk on its own.
+EVENTS_DISK_SHARE, IDEMPOTENCY_DISK_SHARE, REPLIES_DISK_SHARE = 1 / 8, 1 / 16, 1 / 32  # 22%: three deployments fit one broker
+
+
+DATA_DIR = Path(".talaria")  # set once per process from its settings (runtime.main), like subjects
+
+
+def configure_storage(data_dir: Path) -> None:
+    global DATA_DIR
+    DATA_DIR = Path(data_dir)
+
+
+def disk_cap(share: float) -> int:
+    """`share` of the free space (at start) on the disk holding the data directory: JetStream
+    reserves every stream's max_bytes against its store, which it sizes from the free space
+    (75% of it by default), so shares of the free space always fit."""
+    path = DATA_DIR.resolve()
+    while not path.exists():
+        path = path.parent
+    return int(shutil.disk_usage(path).free * share)
+
+
 async def ensure_stream(js: JetStreamContext) -> None:
     """Create the event stream if absent. Idempotent; every service calls it at start."""
     config = StreamConfig(
@@ -79,6 +108,7 @@ async def ensure_stream(js: JetStreamContext) -> None:
         storage=StorageType.FILE,
         discard=DiscardPolicy.OLD,
         max_age=STREAM_MAX_AGE_S,
+        max_bytes=disk_cap(EVENTS_DISK_SHARE),
         duplicate_window=DUPLICATE_WINDOW_S,
         num_replicas=replicas(js),
     )

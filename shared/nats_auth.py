@@ -13,6 +13,10 @@ Two layers (README "Security"):
   from their owning service (`owners` in the wire table, event_specs.py). On a NATS with
   per-service permissions the header cannot be forged; on an open NATS it still stops
   anything that does not set it.
+  Replies and token chunks carry it too: the gateway takes a call's answer (live or kept) only
+  from the router or an agent, and its tokens only from an agent.
+- **reply subjects**: the gateway publishes only into inbox spaces (no `allow_responses`) and
+  answers a NATS API request only inside its caller tenant's own inboxes (`reply_allowed`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from talaria.shared.event_specs import published_by, read_on_core_by, spec_of
-from talaria.shared.subjects import client_inbox_prefix, idempotency_stream_name, stream_name
+from talaria.shared.subjects import client_inbox_prefix, idempotency_stream_name, replies_stream_name, stream_name
 
 SENDER_HEADER = "Talaria-Sender"
 SERVICE_INBOX = "_TALARIA_INBOX"  # services' request inboxes (JetStream API, fetches); clients use _INBOX
@@ -46,6 +50,30 @@ def parse_sender(sender: str | None) -> tuple[str, str | None]:
 
 def sender_of(msg) -> str | None:
     return (msg.headers or {}).get(SENDER_HEADER)
+
+
+# Who may answer a call (on its reply subject, kept or not) and stream its tokens. A reader drops
+# anything else: on a NATS with per-service permissions only these users can publish there at
+# all; on an open NATS it still stops a message that does not claim to be from them.
+ANSWERING_ROLES = frozenset({"router", "agent"})
+STREAMING_ROLES = frozenset({"agent"})
+
+
+def sender_headers(nc) -> dict[str, str]:
+    """Headers naming the publishing service (its connection name), for a reply or a token chunk."""
+    return {SENDER_HEADER: nc.options.get("name") or ""}
+
+
+def sent_by(headers, roles: frozenset[str]) -> bool:
+    """Did a message with these headers come from a service in `roles`?"""
+    return parse_sender((headers or {}).get(SENDER_HEADER))[0] in roles
+
+
+def reply_allowed(tenant: str | None, reply: str | None) -> bool:
+    """May the gateway answer a NATS API request on `reply`? Only inside the caller's own inbox
+    space (`_INBOX.<tenant>.`; `_INBOX.` for a gateway without keys), so a request cannot make
+    the gateway write into another tenant's inbox, a kept answer or a token stream."""
+    return bool(reply) and reply.startswith(client_inbox_prefix(tenant or None) + ".")
 
 
 def trusted(msg, event) -> bool:
@@ -87,13 +115,18 @@ def permissions(role: str, prefix: str = "talaria", instance_id: str | None = No
     watch = [f"{prefix}.telemetry.*", f"{prefix}.health.*"]
     if role == "gateway":
         # Its idempotency stream too (gateway/idempotency.py): claims on keys, kept replies.
-        idem = idempotency_stream_name(prefix)
-        idem_js = [f"$JS.API.STREAM.{op}.{idem}" for op in ("INFO", "CREATE", "UPDATE", "MSG.GET")]
+        idem, replies = idempotency_stream_name(prefix), replies_stream_name(prefix)
+        idem_js = [f"$JS.API.STREAM.{op}.{name}" for op in ("INFO", "CREATE", "UPDATE", "MSG.GET")
+                   for name in (idem, replies)]
+        # No `allow_responses`: it would let a request name any subject (another tenant's kept
+        # answer, a token stream) as its reply. The gateway answers only in inbox spaces: clients'
+        # (nats_api checks each is the caller tenant's own) and services' (probes).
         pub = [*events, f"{prefix}.health.gateway", f"{prefix}.cancel",
-               f"{prefix}.idem.key.*", f"{prefix}.idem.waiting.*", *js, *idem_js]
-        sub = [f"{prefix}.api.call", f"{prefix}.api.cancel", f"{prefix}.reply.gateway.>", f"{prefix}.tokens.>",
-               f"{prefix}.idem.waiting.*", *watch, *inbox, *heard]
-        return {"publish": {"allow": pub}, "subscribe": {"allow": sub}, "allow_responses": True}
+               f"{prefix}.idem.key.*", f"{prefix}.idem.waiting.*", f"{CLIENT_INBOX}.>", f"{SERVICE_INBOX}.>",
+               *js, *idem_js]
+        sub = [f"{prefix}.api.call", f"{prefix}.api.cancel", f"{prefix}.reply.gateway.>", f"{prefix}.reply.live.>",
+               f"{prefix}.tokens.>", f"{prefix}.idem.waiting.*", *watch, *inbox, *heard]
+        return {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
     if role == "router":
         pub = [*events, f"{prefix}.reply.>", f"{prefix}.health.router", f"{prefix}.dispatch.*", *js]
         return {"publish": {"allow": pub}, "subscribe": {"allow": [*watch, *inbox, *heard]}}

@@ -104,6 +104,16 @@ class Settings:
     api_keys_file: Path | None = None  # one `tenant sha256:<hex>` per line
     prefix_sharing: str = "tenant"  # KV prefix reuse scope: tenant, session or global
     api_key: str | None = None  # a client's own key (`talaria replay --nats` against a running stack)
+    # -- gateway limits (issue 25; services/gateway/connection_limits.py) ------------------
+    # Go's http.Server guidance (ReadHeaderTimeout ~10 s); nginx's client_body_timeout is 60 s.
+    http_header_timeout_s: float = 10.0
+    http_body_timeout_s: float = 60.0
+    http_max_connections: int = 0  # 0: the open-file limit less what the gateway itself needs
+    http_max_connections_per_address: int = 256  # an agent runtime's concurrent sessions, with room
+    # Admission control (gateway/admission.py): the queueing delay accepted before new calls are
+    # refused with Retry-After (the limit adapts online to keep calls under it); 0: never refused.
+    admission_target_queue_s: float = 2.0
+    min_free_disk_mb: int = 0  # new calls refused below this free on the data dir's disk; 0: 5%, <= 1 GiB
     # Hugging Face directories among the models: TALARIA_MODELS entries `name=/path` (hf_config.py)
     model_dirs: tuple[tuple[str, str], ...] = ()
 
@@ -190,6 +200,15 @@ class Settings:
         for name in ("projection_interval_s", "idempotent_orphan_s"):  # 0: no wait, no grace
             if getattr(self, name) < 0:
                 raise SettingsError(f"TALARIA_{name.upper()}", str(getattr(self, name)), "zero or more seconds")
+        for name in ("http_header_timeout_s", "http_body_timeout_s", "http_max_connections_per_address"):
+            if getattr(self, name) <= 0:
+                raise SettingsError(f"TALARIA_{name.upper()}", str(getattr(self, name)), "a positive number")
+        for name in ("admission_target_queue_s", "min_free_disk_mb"):
+            if getattr(self, name) < 0:
+                raise SettingsError(f"TALARIA_{name.upper()}", str(getattr(self, name)), "zero or more")
+        if self.http_max_connections < 0:
+            raise SettingsError("TALARIA_HTTP_MAX_CONNECTIONS", str(self.http_max_connections),
+                                "zero (the open-file limit) or a positive number")
         for name in ("lease_timeout_s", "heartbeat_s", "call_timeout_s", "session_idle_s", "watchdog_min_s"):
             if getattr(self, name) <= 0 and not (name == "lease_timeout_s" and self.lease_timeout_s == 0):
                 raise SettingsError(f"TALARIA_{name.upper()}", str(getattr(self, name)), "a positive number")

@@ -7,7 +7,9 @@
                                      on the stream; the agent starts from whichever comes first)
     talaria.tokens.<tenant>.<call_id> streamed TokenChunk messages for one call (`_` = no tenant;
                                      a NATS API client may read only its own tenant's)
-    talaria.reply.gateway.<id>.<call> a call's reply (CallResult / ErrorReply) to the gateway
+    talaria.reply.live.<id>.<call>   a call's reply (CallResult / ErrorReply) to gateway <id>; kept
+                                     for 2x the call timeout by the stream REPLIES_STREAM, so a
+                                     gateway that was cut off from NATS finds it on reconnecting
     talaria.reply.gateway.idem.<t>-<call> the reply of a keyed call (t: its tenant's tag): kept,
                                      with the key's claim on talaria.idem.key.<hash>, by the
                                      JetStream stream IDEMPOTENCY_STREAM (gateway/idempotency.py)
@@ -39,6 +41,10 @@ def stream_name(deployment: str) -> str:
     return f"{deployment.upper().replace('-', '_')}_EVENTS"
 
 
+def replies_stream_name(deployment: str) -> str:
+    return f"{deployment.upper().replace('-', '_')}_REPLIES"
+
+
 def idempotency_stream_name(deployment: str) -> str:
     return f"{deployment.upper().replace('-', '_')}_IDEMPOTENCY"
 
@@ -57,6 +63,9 @@ def configure(deployment: str) -> None:
     g["IDEMPOTENCY_KEYS"] = f"{deployment}.idem.key"
     g["IDEMPOTENT_REPLIES"] = f"{deployment}.reply.gateway.idem"  # never a gateway inbox id (uuid hex)
     g["IDEMPOTENT_WAITING"] = f"{deployment}.idem.waiting"  # gateways answer for a keyed call's waiters
+    g["REPLIES_STREAM"] = replies_stream_name(deployment)
+    g["LIVE_REPLIES"] = f"{deployment}.reply.live"  # gateways' reply inboxes (not under .gateway: the
+    # kept replies' stream captures talaria.reply.gateway.idem.*, and two streams may not overlap)
     g.update({event_constant(spec.tag, spec.per_instance): spec.subject(deployment) for spec in SPECS})
     g.update(
         TELEMETRY_PREFIX=f"{deployment}.telemetry", TELEMETRY_WILDCARD=f"{deployment}.telemetry.*",
@@ -76,7 +85,7 @@ CALL_SUBMITTED = CALL_ROUTED_PREFIX = CALL_STARTED = CALL_COMPLETED = CALL_FAILE
 LEASE_ISSUED = LEASE_CONSUMED = LEASE_DISCARDED = LEASE_EXPIRED = DECISION = ""
 SWITCH_DONE = ROUND_SUMMARY = INSTANCE_LOST = TELEMETRY_PREFIX = TELEMETRY_WILDCARD = TOKENS_PREFIX = ""
 REPLY_PREFIX = HEALTH_PREFIX = HEALTH_WILDCARD = ""  # a call's reply to the gateway: never a client inbox
-IDEMPOTENCY_STREAM = IDEMPOTENCY_KEYS = IDEMPOTENT_REPLIES = IDEMPOTENT_WAITING = ""
+IDEMPOTENCY_STREAM = IDEMPOTENCY_KEYS = IDEMPOTENT_REPLIES = IDEMPOTENT_WAITING = REPLIES_STREAM = LIVE_REPLIES = ""
 configure(DEPLOYMENT)
 
 

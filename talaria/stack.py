@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -58,6 +59,36 @@ class Child:
 
 class StackError(RuntimeError):
     pass
+
+
+# nats-server's log when a write failed: it disables JetStream ("JetStream out of space, will be
+# DISABLED"), or a stream's file store keeps failing with ENOSPC after space came back (seen
+# for minutes in the disk-full-hard fault) until the server restarts.
+BROKER_WRITE_FAILED = (b"will be DISABLED", b"no space left on device")
+LOCK_FILE = "up.lock"
+LOG_FILE_MAX_BYTES = 64 * 1024 * 1024  # ~160,000 calls at the ~0.4 KB of gateway log each (issue 25)
+
+
+def lock_data_dir(data: Path):
+    """One `talaria up` per data directory: an exclusive lock held for the run's life (the
+    kernel drops it when the process dies, so a killed run never blocks the next). A second
+    run fails at once, naming the first, instead of the two stopping each other's processes."""
+    import fcntl
+
+    f = open(data / LOCK_FILE, "a+", opener=lambda p, flags: os.open(p, flags, 0o600))
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise StackError(f"another `talaria up` (pid {holder}) is running on {data}; stop it first, "
+                         "or give this one its own --data-dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
 
 
 def write_private(path: Path, text: str) -> None:
@@ -116,10 +147,16 @@ class Stack:
     nats_users: dict = field(default_factory=dict)  # embedded NATS: one user per service
     api_key: str | None = None  # generated when no keys are configured (printed once, saved 0600)
     metrics: dict[str, str] = field(default_factory=dict)  # service -> its GET /metrics URL
+    _lock: object = None  # the data directory's lock file, held while this run lives
+    _log_offsets: dict = field(default_factory=dict)  # how far each server log has been read
+    broker_disabled: bool = False  # the embedded NATS turned JetStream off and awaits a restart
 
     def start(self, timeout: float = 120.0, progress=print) -> "Stack":
         data = self.settings.data_dir.resolve()
-        data.mkdir(parents=True, exist_ok=True)
+        # Others may traverse it (as root, the embedded Postgres runs as another user and must
+        # reach its cluster inside), never list it; what is inside is 0600 / 0700.
+        data.mkdir(mode=0o711, parents=True, exist_ok=True)
+        self._lock = lock_data_dir(data)  # before anything: a second run must not touch the first's
         try:
             self._stop_leftovers(data, progress)
             self._api_keys(data)  # before NATS: each tenant gets its own NATS API client user
@@ -149,7 +186,10 @@ class Stack:
         except (OSError, ValueError):
             return
         for name, pid in pids.items():
-            program = str(data) if name.startswith("Embedded") else "talaria.services"
+            # A server's command line names its directory (as root, Postgres's may lie outside `data`,
+            # behind the pgdata symlink: embedded._reachable); a cluster member's is `EmbeddedNats:<name>`.
+            program = {"EmbeddedPostgres": str((data / "postgres" / "pgdata").resolve())}.get(
+                name, str(data) if name.startswith("EmbeddedNats") else "talaria.services")
             if isinstance(pid, int) and stop_stale(pid, program):
                 progress(f"stopped {name} (pid {pid}) left running by an earlier run")
 
@@ -262,8 +302,10 @@ class Stack:
                 self.metrics[name] = f"http://{self.settings.http_host}:{free_port()}/metrics"
             extra["TALARIA_METRICS_PORT"] = self.metrics[name].rsplit(":", 1)[1].split("/")[0]
         logs = data / "logs"
-        logs.mkdir(exist_ok=True)
-        out = (logs / f"{name}.log").open("ab") if self.log_to_files else None
+        logs.mkdir(mode=0o700, exist_ok=True)  # logs name every tenant's calls: owner-only
+        logs.chmod(0o700)
+        out = open(logs / f"{name}.log", "ab", opener=lambda p, flags: os.open(p, flags, 0o600)) \
+            if self.log_to_files else None
         if out is not None:
             self.log_files.append(out)
         # A session of its own: Ctrl-C reaches only `talaria up`, which then stops the
@@ -351,11 +393,60 @@ class Stack:
                 changed = True
         if changed:
             self._write_description()
+        self._rotate_logs(data)
+
+    def _rotate_logs(self, data: Path) -> None:
+        """A service log past LOG_FILE_MAX_BYTES is copied to `<name>.log.1` and truncated
+        (logrotate's copytruncate: the service appends to the same open file), so logs take at
+        most twice that per service."""
+        for path in (data / "logs").glob("*.log"):
+            try:
+                if path.stat().st_size >= LOG_FILE_MAX_BYTES:
+                    shutil.copyfile(path, path.with_name(path.name + ".1"))
+                    os.truncate(path, 0)
+            except OSError:  # e.g. the disk is full: the copy fails, the log is kept
+                continue
+
+    def _broker_disabled(self, server) -> bool:
+        """Has the embedded NATS failed to write (a full disk)? It stays broken, alive and
+        answering core NATS, until restarted (issue 25: every call 503 `bus_unavailable` for
+        minutes after space came back). Read from its log, new lines only."""
+        log = server.data_dir / "nats.log"
+        try:
+            with open(log, "rb") as f:
+                f.seek(self._log_offsets.get(log, 0))
+                new = f.read()
+                self._log_offsets[log] = f.tell()
+        except OSError:
+            return False
+        return any(marker in new for marker in BROKER_WRITE_FAILED)
+
+    def _restart_disabled_broker(self, server, progress) -> bool:
+        """Restart a NATS whose JetStream is off once the disk has room again (else it would
+        disable itself again at once)."""
+        from talaria.services.gateway.admission import default_min_free_bytes
+
+        if self._broker_disabled(server):
+            self.broker_disabled = True
+            progress("embedded nats: JetStream failed to write (disk full?); it is restarted once the disk "
+                     "has room")
+        if not self.broker_disabled:
+            return False
+        data = self.settings.data_dir.resolve()
+        if shutil.disk_usage(data).free < default_min_free_bytes(data):
+            return False
+        server.stop()
+        server.start()
+        self.broker_disabled = False
+        progress(f"embedded nats restarted on port {server.port} (JetStream back on)")
+        return True
 
     def _supervise_servers(self, now: float, progress) -> bool:
         """An embedded server that died comes back on its old port and data (services reconnect)."""
         changed = False
         for server in self.embedded:
+            if isinstance(server, EmbeddedNats) and server.proc is not None and server.proc.poll() is None:
+                changed |= self._restart_disabled_broker(server, progress)
             name = server.name if isinstance(server, EmbeddedNats) else type(server).__name__.removeprefix("Embedded").lower()
             if server.proc is None or server.proc.poll() is None:
                 continue
@@ -391,3 +482,6 @@ class Stack:
         for f in self.log_files:
             f.close()
         self.log_files.clear()
+        if self._lock is not None:
+            self._lock.close()  # releases the data directory's lock
+            self._lock = None

@@ -48,7 +48,10 @@ class KeyStore:
             return ""
         if not key:
             raise Unauthenticated("missing API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`")
-        tenant = self.tenants.get(hash_key(key))
+        try:
+            tenant = self.tenants.get(hash_key(key))
+        except UnicodeEncodeError:  # invalid UTF-8 in the header (aiohttp keeps it as surrogates)
+            raise Unauthenticated("malformed API key: not valid UTF-8") from None
         if tenant is None:
             raise Unauthenticated("invalid API key")
         return tenant

@@ -23,7 +23,7 @@ from talaria.shared.bus import PUBLISH_TIMEOUT_S, close, connect, emit, tap
 from talaria.shared.metrics import AgentMetrics
 from talaria.shared.limits import call_problem
 from talaria.shared.runtime import serve_until_stopped
-from talaria.shared.nats_auth import parse_sender, sender_of, trusted
+from talaria.shared.nats_auth import parse_sender, sender_headers, sender_of, trusted
 from talaria.shared.events import CallFailed, CallRouted, CallSubmitted, EVENT_DECODER, ROUTED_DECODER
 from talaria.shared.messages import CANCEL_DECODER, ErrorReply
 from talaria.shared.wire import encode
@@ -210,4 +210,4 @@ async def _refuse(js, nc, routed: CallRouted, reason: str, status: int = 503) ->
     if call.reply_to:
         reply = (ErrorReply(503, "not_served", reason, call_id=call.call_id, retry_after_s=1.0) if status == 503
                  else ErrorReply(status, "invalid_request", reason, call_id=call.call_id))
-        await nc.publish(call.reply_to, encode(reply))
+        await nc.publish(call.reply_to, encode(reply), headers=sender_headers(nc))

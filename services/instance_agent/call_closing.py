@@ -25,6 +25,7 @@ from talaria.shared import subjects
 from talaria.shared.bus import emit, written
 from talaria.shared.events import CallFailed
 from talaria.shared.logs import call_context
+from talaria.shared.nats_auth import sender_headers
 from talaria.shared.messages import CallResult, ErrorReply, Timings, TokenChunk, Usage
 from talaria.shared.wire import encode
 
@@ -182,10 +183,11 @@ class CallCloser:
         if request.reply_to:
             retry = 1.0 if status == 503 else None  # 503: placed elsewhere it can run
             sends.append(self.nc.publish(request.reply_to, encode(ErrorReply(status, code, reason, call_id=call_id,
-                                                                             retry_after_s=retry))))
+                                                                             retry_after_s=retry)),
+                                         headers=sender_headers(self.nc)))
         if request.stream:
             sends.append(self.nc.publish(subjects.tokens(request.tenant, call_id), encode(TokenChunk(
-                call_id, transport.streamed, "", done=True, finish_reason=code))))
+                call_id, transport.streamed, "", done=True, finish_reason=code)), headers=sender_headers(self.nc)))
         await asyncio.gather(*sends)
         await self._closed(call_id, transport)
 

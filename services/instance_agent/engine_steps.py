@@ -20,6 +20,7 @@ from talaria.shared import subjects
 from talaria.shared.bus import emit
 from talaria.shared.events import CallStarted
 from talaria.shared.messages import TokenChunk
+from talaria.shared.nats_auth import sender_headers
 from talaria.shared.wire import encode
 
 
@@ -115,7 +116,8 @@ class EngineSteps:
                 # for a stop string releases several tokens' text at once).
                 lps, transport.logprobs = transport.logprobs or None, []
                 await self.nc.publish(subjects.tokens(routed.tenant, step.call_id),
-                                      encode(TokenChunk(step.call_id, transport.streamed, step.text, logprobs=lps)))
+                                      encode(TokenChunk(step.call_id, transport.streamed, step.text, logprobs=lps)),
+                                      headers=sender_headers(self.nc))
                 transport.streamed += 1
             if step.finished:
                 finished.add(step.call_id)

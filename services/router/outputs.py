@@ -16,6 +16,7 @@ from talaria.shared.bus import ATTEMPT_S, PUBLISH_TIMEOUT_S, RECONNECT_WAIT_S, e
 from talaria.shared.events import CallFailed, CallSubmitted
 from talaria.shared.messages import ErrorReply
 from talaria.shared.metrics import RouterMetrics
+from talaria.shared.nats_auth import sender_headers
 from talaria.shared.wire import encode
 
 
@@ -103,7 +104,8 @@ class RouterOutputs:
         code = "no_capacity" if failed.stage == "router" else "instance_lost"
         try:
             await self.nc.publish(failed.reply_to, encode(
-                ErrorReply(failed.status, code, failed.reason, retry_after_s=retry, call_id=failed.call_id)))
+                ErrorReply(failed.status, code, failed.reason, retry_after_s=retry, call_id=failed.call_id)),
+                headers=sender_headers(self.nc))
         except Exception as exc:  # the failure is recorded; the gateway's timeout answers the client
             self.log.warning("could not answer the client", call_id=failed.call_id, error=str(exc))
 
@@ -116,7 +118,8 @@ class RouterOutputs:
         try:
             await self.nc.publish(call.reply_to, encode(ErrorReply(
                 409, "duplicate_call_id", f"call id {call.call_id} was already used for an earlier call; "
-                "send each call with a new `call_id`", param="call_id", call_id=call.call_id)))
+                "send each call with a new `call_id`", param="call_id", call_id=call.call_id)),
+                headers=sender_headers(self.nc))
         except Exception as exc:  # the gateway's timeout answers the client
             self.log.warning("could not answer the client", call_id=call.call_id, error=str(exc))
 

@@ -14,6 +14,7 @@ from talaria.services.instance_agent.runner import CallRunner
 from talaria.shared import subjects
 from talaria.shared.events import CallSubmitted, RoundSummary
 from talaria.shared.messages import CallResult, Timings, Usage
+from talaria.shared.nats_auth import SENDER_HEADER
 from talaria.shared.settings import Settings
 from talaria.shared.wire import encode
 
@@ -96,7 +97,8 @@ async def test_the_gateway_answers_before_its_own_bookkeeping(monkeypatch):
 
     def deliver():
         asyncio.ensure_future(submitter._on_reply(SimpleNamespace(
-            subject=f"{subjects.REPLY_PREFIX}.gateway.x.c1", data=encode(result))))
+            subject=f"{subjects.REPLY_PREFIX}.gateway.x.c1", data=encode(result),
+            headers={SENDER_HEADER: "talaria-agent-agent-0"})))
 
     async def answer(reply):
         order.append("answered")
