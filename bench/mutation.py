@@ -30,8 +30,9 @@ Left alone: docstrings, strings, annotations, default arguments, `assert`, `rais
 Each worker has its own copy of the tree (tracked files plus untracked ones git does not
 ignore, or `git archive REV`), imports resolve to it (talaria/__init__.py puts the checkout
 root on the package path), and a mutant is written into it, run with
-`pytest -x -q <the area's tests>` under a timeout (5 x the area's clean run, at least 20 s),
-then restored. A mutant is killed when the tests fail or time out, survived when they pass.
+`pytest -x -q <tests>` under a timeout (5 x the area's clean run, at least 20 s), then
+restored. <tests> are the area's unit tests that execute the mutant's statement, as a traced
+clean run of the area's tests found (a mutant no test executes survives without a run). A mutant is killed when the tests fail or time out, survived when they pass.
 
 Equivalent mutants (no input can tell them from the original) are listed in EQUIVALENT with
 the reason, matched by (file, function, kind, before, after); they count neither way.
@@ -104,7 +105,17 @@ AREAS: tuple[Area, ...] = (
 )
 
 # (file, function, kind, before, after) -> why no input tells the mutant from the original.
-EQUIVALENT: dict[tuple[str, str, str, str, str], str] = {}
+EQUIVALENT: dict[tuple[str, str, str, str, str], str] = {
+    ("services/gateway/auth.py", "parse_key_entry", "bool-drop", "not sep or not rest", "(not rest)"):
+        "str.partition leaves the tail empty whenever the separator is missing, so `not rest` "
+        "already holds wherever `not sep` does",
+    ("services/gateway/auth.py", "Unauthenticated.__init__", "stmt-drop", "super().__init__(message)", "pass"):
+        "BaseException.__new__ already stores the constructor's arguments, so args and str() are "
+        "the same without the call",
+    ("services/gateway/auth.py", "client_session", "bool-drop", "prefix and session_id.startswith(prefix)",
+     "(session_id.startswith(prefix))"):
+        "with an empty prefix every id starts with it and session_id[0:] is session_id itself",
+}
 
 
 # --------------------------------------------------------------------------------------
@@ -123,6 +134,7 @@ class Mutant:
     after: str  # its replacement
     start: tuple[int, int]  # (line, col) of the segment, 1-based line, 0-based col (utf-8 bytes)
     end: tuple[int, int]
+    stmt_line: int = 0  # first line of the statement it sits in: a test that runs it may notice
 
     @property
     def id(self) -> str:
@@ -151,6 +163,17 @@ class _Collector(ast.NodeVisitor):
         self.lines = src.encode().splitlines(keepends=True)
         self.scope: list[str] = []
         self.out: list[Mutant] = []
+        self.stmt_line = 0
+
+    def visit(self, node: ast.AST) -> None:
+        if isinstance(node, ast.stmt):
+            outer, self.stmt_line = self.stmt_line, node.lineno
+            try:
+                super().visit(node)
+            finally:
+                self.stmt_line = outer
+        else:
+            super().visit(node)
 
     # ---- scope ----
     def _qual(self) -> str:
@@ -209,7 +232,8 @@ class _Collector(ast.NodeVisitor):
         if wrap:
             after = f"({after})"
         self.out.append(Mutant(self.area, self.path, self._qual(), node.lineno, kind, before, after,
-                               (node.lineno, node.col_offset), (node.end_lineno, node.end_col_offset)))
+                               (node.lineno, node.col_offset), (node.end_lineno, node.end_col_offset),
+                               self.stmt_line or node.lineno))
 
     def _replace(self, node: ast.expr, kind: str, new: ast.expr) -> None:
         self._add(node, kind, ast.unparse(new))
@@ -414,6 +438,43 @@ PRELOAD = ("pytest", "_pytest.python", "hypothesis", "pytest_asyncio", "asyncpg"
            "structlog", "numpy", "opentelemetry.sdk.trace", "torch")
 
 
+class LineTracer:
+    """pytest plugin for the clean run: which tests execute which lines of the area's sources
+    (setup and teardown included), so each mutant runs only the tests that reach it."""
+
+    def __init__(self, files: list[str]) -> None:
+        self.files = set(files)
+        self.hits: dict[str, dict[int, set[str]]] = {f: {} for f in files}
+        self.current: str | None = None
+
+    def _local(self, frame, event, arg):
+        if event == "line" and self.current is not None:
+            self.hits[frame.f_code.co_filename].setdefault(frame.f_lineno, set()).add(self.current)
+        return self._local
+
+    def _global(self, frame, event, arg):
+        if frame.f_code.co_filename in self.files:
+            if self.current is not None:  # the def line itself counts as running the function
+                self.hits[frame.f_code.co_filename].setdefault(frame.f_lineno, set()).add(self.current)
+            return self._local
+        return None
+
+    def pytest_runtest_protocol(self, item, nextitem):
+        import threading
+
+        self.current = item.nodeid
+        sys.settrace(self._global)
+        threading.settrace(self._global)
+        return None  # the default protocol runs the test, traced
+
+    def pytest_runtest_logfinish(self, nodeid, location):
+        import threading
+
+        sys.settrace(None)
+        threading.settrace(None)  # type: ignore[arg-type]
+        self.current = None
+
+
 def serve() -> None:
     """A worker's test server (cwd: its copy). Each request {"tests", "timeout"} forks a child
     that runs pytest on the copy as it is now; the answer is {"status", "took"}."""
@@ -441,7 +502,11 @@ def serve() -> None:
             os.dup2(fd, 2)
             import pytest
 
-            rc = int(pytest.main([*PYTEST_ARGS, *req["tests"]]))
+            tracer = LineTracer([str(Path(copy) / f) for f in req["trace"]]) if req.get("trace") else None
+            rc = int(pytest.main([*PYTEST_ARGS, *req["tests"]], plugins=[tracer] if tracer else []))
+            if tracer is not None:
+                Path(req["trace_out"]).write_text(json.dumps(
+                    {f: {n: sorted(ids) for n, ids in lines.items()} for f, lines in tracer.hits.items()}))
             mod = sys.modules.get("talaria.services")
             if mod is not None and not str(getattr(mod, "__path__", [""])[0]).startswith(copy):
                 rc = 99  # imported another tree's code: the result would mean nothing
@@ -483,12 +548,15 @@ class Worker:
             self.server.stdin.close()
             self.server.wait()
 
-    def tests(self, tests: tuple[str, ...], timeout: float) -> tuple[str, float]:
-        present = [t for t in tests if (self.copy / t).exists()]
+    def tests(self, tests, timeout: float, trace: list[str] | None = None) -> tuple[str, float]:
+        present = [t for t in tests if (self.copy / t.split("::")[0]).exists()]
         if not present:
-            return "survived", 0.0  # no unit test covers the area (an older commit): nothing can notice
+            return "survived", 0.0  # no unit test reaches it: nothing can notice
         assert self.server is not None and self.server.stdin is not None and self.server.stdout is not None
-        self.server.stdin.write(json.dumps({"tests": present, "timeout": timeout}) + "\n")
+        req = {"tests": present, "timeout": timeout}
+        if trace:
+            req.update(trace=trace, trace_out=str(self.copy / ".trace.json"))
+        self.server.stdin.write(json.dumps(req) + "\n")
         self.server.stdin.flush()
         answer = json.loads(self.server.stdout.readline())
         return answer["status"], answer["took"]
@@ -498,11 +566,16 @@ class Worker:
         self.stamp += 2
         os.utime(path, (self.stamp, self.stamp))
 
-    def baseline(self, area: Area) -> float:
-        status, took = self.tests(area.tests, timeout=1800)
+    def baseline(self, area: Area) -> tuple[float, dict[str, dict[int, list[str]]]]:
+        """The clean run, traced: (its time, {source: {line: [test ids that ran it]}})."""
+        sources = sorted({s.path for s in area.sources})
+        if not any((self.copy / t).exists() for t in area.tests):
+            return 0.0, {f: {} for f in sources}
+        status, took = self.tests(area.tests, timeout=3600, trace=sources)
         if status != "survived":
             raise SystemExit(f"{area.name}: the unmutated tests do not pass ({status})")
-        return took
+        raw = json.loads((self.copy / ".trace.json").read_text())
+        return took, {f: {int(n): ids for n, ids in raw[str(self.copy / f)].items()} for f in sources}
 
     def run(self, m: Mutant, tests: tuple[str, ...], timeout: float) -> tuple[Mutant, str, float]:
         file = self.copy / m.path
@@ -549,26 +622,35 @@ def main(argv: list[str] | None = None) -> int:
         t_start = time.monotonic()
         for area in areas:
             todo = [m for m in mutants if m.area == area.name]
-            clean = workers[0].baseline(area)
+            clean, reach = workers[0].baseline(area)
             timeout = max(20.0, 5 * clean)
-            print(f"{area.name}: {len(todo)} mutants, tests {clean:.1f} s clean, timeout {timeout:.0f} s",
+            print(f"{area.name}: {len(todo)} mutants, tests {clean:.1f} s clean (traced), timeout {timeout:.0f} s",
                   flush=True)
+
+            def reached(m: Mutant, reach=reach) -> list[str]:
+                lines = reach[m.path]
+                return sorted(set(lines.get(m.stmt_line, ())) | set(lines.get(m.line, ())))
             free: queue.SimpleQueue[Worker] = queue.SimpleQueue()
             for w in workers:
                 free.put(w)
 
-            def one(m: Mutant, tests=area.tests, timeout=timeout) -> tuple[Mutant, str, float]:
+            def one(m: Mutant, timeout=timeout) -> tuple[Mutant, str, float]:
+                tests = reached(m)
+                if not tests:
+                    return m, "survived", 0.0  # no test runs this line
                 w = free.get()  # a copy runs one mutant at a time
                 try:
-                    return w.run(m, tests, timeout)
+                    return w.run(m, tuple(tests), timeout)
                 finally:
                     free.put(w)
 
             with futures.ThreadPoolExecutor(len(workers)) as pool:
                 jobs = [pool.submit(one, m) for m in todo]
-                for job in jobs:
+                for i, job in enumerate(jobs, 1):
                     m, status, took = job.result()
                     results.append((m, status, took))
+                    if i % 25 == 0 or i == len(jobs):
+                        print(f"  {i}/{len(jobs)} ({time.monotonic() - t_start:.0f} s)", flush=True)
                     if status != "killed":
                         print(f"  {status:8} {m.path}:{m.line} [{m.kind}] {m.before!r} -> {m.after!r}", flush=True)
         wall = time.monotonic() - t_start
