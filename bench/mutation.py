@@ -98,9 +98,9 @@ AREAS: tuple[Area, ...] = (
     Area("auth", (Source("services/gateway/auth.py", skip=("http_middleware", "new_key")),),
          ("tests/unit/contract/test_security_rules.py", "tests/unit/contract/test_settings.py",
           "tests/unit/contract/test_auth_rules.py")),
-    Area("projection", (Source("services/telemetry/store.py",
-                               only=("MemoryStore", "_MemoryBatch", "_Offset", "completed_values",
-                                     "failed_values")),),
+    Area("projection", (Source("services/telemetry/store.py", only=("MemoryStore", "_MemoryBatch", "_Offset")),
+                        Source("services/telemetry/projector.py",
+                               only=("completed_values", "failed_values", "text_", "ts"))),
          ("tests/unit/telemetry",)),
 )
 
