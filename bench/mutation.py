@@ -432,10 +432,12 @@ def make_copy(dest: Path, rev: str | None) -> None:
 
 PYTEST_ARGS = ["-x", "-q", "-p", "no:cacheprovider", "--hypothesis-seed=0", "-o", "addopts="]
 # Imported once by each worker's server and inherited by every forked test run: the third-party
-# part of a run's start-up. Never anything of talaria (each run must import the mutated copy).
+# part of a run's start-up. Of talaria only talaria.shared (below); each run imports services/
+# (where every mutant is) afresh from the copy.
 PRELOAD = ("pytest", "_pytest.python", "hypothesis", "pytest_asyncio", "asyncpg", "sqlalchemy",
-           "sqlalchemy.dialects.postgresql", "sqlalchemy.ext.asyncio", "msgspec", "nats", "aiohttp",
-           "structlog", "numpy", "opentelemetry.sdk.trace", "torch")
+           "sqlalchemy.dialects.postgresql", "sqlalchemy.ext.asyncio", "alembic.command", "alembic.config",
+           "msgspec", "nats", "aiohttp", "aiohttp.web", "structlog", "structlog.dev", "rich", "numpy",
+           "opentelemetry.sdk.trace", "torch", "safetensors", "tokenizers", "jinja2")
 
 
 class LineTracer:
@@ -489,7 +491,18 @@ def serve() -> None:
             importlib.import_module(name)
         except ImportError:
             pass
-    assert not any(n == "talaria" or n.startswith("talaria.") for n in sys.modules), "talaria preloaded"
+    # talaria.shared (and the embedded servers) hold no mutant (every area's sources are under
+    # services/) and import nothing of services at import time: loaded once, from this copy.
+    import pkgutil
+
+    for info in pkgutil.walk_packages([str(Path(copy) / "shared")], prefix="talaria.shared."):
+        try:
+            importlib.import_module(info.name)
+        except Exception:
+            pass
+    importlib.import_module("talaria.embedded")
+    assert not any(n.startswith("talaria.services") for n in sys.modules), "a mutated package preloaded"
+    assert sys.modules["talaria"].__file__.startswith(copy), "talaria resolves to another tree"
     log = Path(copy) / ".mutant.log"
     for line in sys.stdin:
         req = json.loads(line)
