@@ -609,6 +609,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="print the mutants and stop")
     ap.add_argument("--out", default=str(ROOT / "results" / "mutation.md"))
     ap.add_argument("--json", help="also write every mutant's outcome here")
+    ap.add_argument("--sample", type=int, default=1, metavar="N",
+                    help="every N-th mutant of each area only (deterministic; for a quick look)")
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="no run: the report of earlier --json outputs (later files win per area)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve:
@@ -620,10 +624,29 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown area {n!r}; areas: {', '.join(sorted(names))}")
     areas = tuple(a for a in AREAS if not args.area or a.name in args.area)
 
+    if args.merge:
+        results, wall = [], 0.0
+        by_area: dict[str, list] = {}
+        for name in args.merge:
+            data = json.loads(Path(name).read_text())
+            wall += data["wall_s"]
+            for area_name in {r["area"] for r in data["mutants"]}:
+                by_area[area_name] = [r for r in data["mutants"] if r["area"] == area_name]
+        for rows in by_area.values():
+            for r in rows:
+                results.append((Mutant(r["area"], r["path"], r["func"], r["line"], r["kind"], r["before"],
+                                       r["after"], (0, 0), (0, 0)), r["status"], 0.0))
+        areas = tuple(a for a in areas if a.name in by_area)
+        Path(args.out).write_text(render(areas, results, args, wall))
+        print(Path(args.out).read_text())
+        return 0
+
     base = Path(tempfile.mkdtemp(prefix="talaria-mutation-"))
     try:
         workers = [Worker(base, k, args.rev) for k in range(max(1, args.workers))]
         mutants = collect(workers[0].copy, areas)
+        if args.sample > 1:
+            mutants = [m for a in areas for m in [x for x in mutants if x.area == a.name][::args.sample]]
         if args.list:
             for m in mutants:
                 print(f"{m.area:13} {m.path}:{m.line} [{m.kind}] {m.before!r} -> {m.after!r}")
@@ -675,9 +698,9 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(report)
     print(report)
     if args.json:
-        Path(args.json).write_text(json.dumps(
-            [dict(area=m.area, path=m.path, line=m.line, func=m.func, kind=m.kind, before=m.before,
-                  after=m.after, status=s) for m, s, _ in results], indent=1))
+        Path(args.json).write_text(json.dumps({"wall_s": wall, "sample": args.sample, "rev": args.rev, "mutants": [
+            dict(area=m.area, path=m.path, line=m.line, func=m.func, kind=m.kind, before=m.before,
+                 after=m.after, status=s) for m, s, _ in results]}, indent=1))
     errors = [m for m, s, _ in results if s.startswith("error")]
     return 1 if errors else 0
 
@@ -688,7 +711,9 @@ def render(areas, results, args, wall: float) -> str:
     dirty = "" if args.rev or not subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain"],
                                                  capture_output=True, text=True).stdout else " (+ uncommitted changes)"
     cmd = "python bench/mutation.py" + "".join(f" --area {a}" for a in args.area or ()) + \
-        (f" --rev {args.rev}" if args.rev else "") + (f" --workers {args.workers}" if args.workers != 2 else "")
+        (f" --rev {args.rev}" if args.rev else "") + (f" --workers {args.workers}" if args.workers != 2 else "") + \
+        (f" --sample {args.sample}" if args.sample > 1 else "") + \
+        (" --merge " + " ".join(args.merge) if args.merge else "")
     lines = [
         "# Mutation run over the pure cores",
         "",
