@@ -1,0 +1,245 @@
+"""Eq. 1 cost terms and the admission checks, one rule per test (services/router/costs.py).
+
+Each test prices one call on hand-built instances with CostModel directly and breaks when its
+rule alone is broken: the fallback order of each term, whose rate prices what, and each
+boundary of the KV-pool and weight checks. Snapshots are fresh and healthy unless a test says
+otherwise, so no test passes because an instance was ruled out for another reason.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from router_support import PAPER_EQ1, call, snap
+
+from talaria.services.router.costs import CostModel
+from talaria.services.router.policy.base import PolicyConfig
+from talaria.services.router.state import RouterState, SessionEntry, SnapshotReceived
+from talaria.shared.events import RoundSummary
+from talaria.shared.snapshots import ModelResidency
+
+CFG = PolicyConfig(**PAPER_EQ1)
+
+
+def state_of(*snapshots, now: float = 0.0) -> RouterState:
+    state = RouterState()
+    for s in snapshots:
+        state.apply(SnapshotReceived(s, now))
+    return state
+
+
+def price(state: RouterState, iid: str, the_call=None, entry=None, cfg: PolicyConfig = CFG, now: float = 0.0):
+    return CostModel(cfg).price(state, state.instances[iid], the_call or call("c"), entry, now).cost
+
+
+def with_(s, **fields):
+    return msgspec.structs.replace(s, **fields)
+
+
+def models(*rows):
+    return [ModelResidency(*row) for row in rows]
+
+
+# ---- C_act: the fallback order --------------------------------------------------------------
+
+
+def test_a_resident_model_activates_at_its_switch_cost_else_the_snapshot_s_else_the_default():
+    base = snap("i", active="m2", models={"m2": "active", "m1": "resident"}, switch_cost_s=1.5)
+    assert price(state_of(base), "i").activation_s == 1.5
+    no_switch = with_(base, models=models(("m2", "active"), ("m1", "resident", 0.0, 7.0)), switch_s=0.7)
+    assert price(state_of(no_switch), "i").activation_s == 0.7  # never the open cost
+    nothing = with_(no_switch, switch_s=0.0)
+    assert price(state_of(nothing), "i").activation_s == CFG.default_open_s
+
+
+def test_an_absent_model_opens_at_its_open_cost_then_switch_then_snapshot_then_measured_then_default():
+    rows = lambda sw, op: models(("m2", "active"), ("m1", "absent", sw, op))  # noqa: E731
+    base = snap("i", active="m2")
+    assert price(state_of(with_(base, models=rows(1.0, 3.0), switch_s=0.5)), "i").activation_s == 3.0
+    assert price(state_of(with_(base, models=rows(1.0, 0.0), switch_s=0.5)), "i").activation_s == 1.0
+    assert price(state_of(with_(base, models=rows(0.0, 0.0), switch_s=0.5)), "i").activation_s == 0.5
+    measured = state_of(with_(base, models=rows(0.0, 0.0), switch_s=0.0))
+    assert price(measured, "i").activation_s == CFG.default_open_s
+    measured.apply(RoundSummary("i", 1, 4.0, 3.0, 0.9, 0.0))  # a measured switch on i
+    assert price(measured, "i").activation_s == pytest.approx(0.9)
+
+
+def test_an_active_model_costs_no_activation_and_opens_nothing():
+    p = CostModel(CFG).price(state_of(snap("i")), state_of(snap("i")).instances["i"], call("c"), None, 0.0)
+    assert (p.cost.activation_s, p.cost.model_state, p.fresh) == (0.0, "active", False)
+
+
+# ---- whose rate prices what ------------------------------------------------------------------
+
+
+def test_a_snapshot_s_rates_price_only_its_active_model():
+    # i runs m2 with slow engine rates; m1 is resident there. m1's host restore, prefill and
+    # decode are priced at m1's own rates (here the fallbacks), never at m2's.
+    slow = snap("i", active="m2", models={"m2": "active", "m1": "resident"}, prefill_tok_s=10.0,
+                decode_tok_s=1.0, restore_tok_s=10.0, sessions=[("s1", "m1", "host", 500)])
+    c = price(state_of(slow), "i", call("c", tokens=1000, max_tokens=10))
+    assert c.kv_recovery_s == pytest.approx(500 * CFG.default_restore_s_per_tok)
+    assert c.prefill_s == pytest.approx(500 * CFG.default_prefill_s_per_tok)
+    assert c.decode_s == pytest.approx(10 * CFG.default_decode_s_per_tok)
+
+
+def test_where_the_model_is_active_its_engine_rates_price_it():
+    here = snap("i", prefill_tok_s=1000.0, decode_tok_s=50.0, restore_tok_s=2000.0,
+                sessions=[("s1", "m1", "host", 500)])
+    c = price(state_of(here), "i", call("c", tokens=1000, max_tokens=10))
+    assert (c.kv_recovery_s, c.prefill_s, c.decode_s) == pytest.approx((500 / 2000, 500 / 1000, 10 / 50))
+
+
+def test_an_engine_rate_of_zero_means_not_reported_not_free():
+    blank = snap("i", prefill_tok_s=0.0, decode_tok_s=0.0, restore_tok_s=0.0, sessions=[("s1", "m1", "host", 500)])
+    c = price(state_of(blank), "i", call("c", tokens=1000, max_tokens=10))
+    assert c.kv_recovery_s == pytest.approx(500 * CFG.default_restore_s_per_tok)
+    assert c.prefill_s == pytest.approx(500 * CFG.default_prefill_s_per_tok)
+    assert c.decode_s == pytest.approx(10 * CFG.default_decode_s_per_tok)
+
+
+def test_completions_measured_decode_comes_before_the_engine_rate():
+    state = state_of(snap("i", decode_tok_s=50.0))
+    state.model("m1").decode_s_per_tok = 0.5
+    assert price(state, "i", call("c", max_tokens=10)).decode_s == pytest.approx(5.0)
+
+
+def test_other_engines_rates_price_a_model_where_it_is_not_active():
+    fast = snap("j", prefill_tok_s=1000.0, restore_tok_s=4000.0)  # m1 active on j: m1's rates
+    there = snap("i", active="m2", models={"m2": "active", "m1": "resident"}, prefill_tok_s=10.0,
+                 restore_tok_s=10.0, sessions=[("s1", "m1", "host", 400)])
+    c = price(state_of(fast, there), "i", call("c", tokens=1000))
+    assert c.kv_recovery_s == pytest.approx(400 / 4000) and c.prefill_s == pytest.approx(600 / 1000)
+
+
+# ---- the queue ahead -------------------------------------------------------------------------
+
+
+def test_the_agent_s_prefill_prediction_is_the_queue_even_when_zero():
+    zero = snap("i", queued_tokens=50_000, queued_prefill_s=0.0)
+    assert price(state_of(zero), "i").queue_s == 0.0  # 0 reported: nothing to compute ahead
+    unreported = snap("i", queued_tokens=50_000, queued_prefill_s=-1.0)
+    assert price(state_of(unreported), "i").queue_s == pytest.approx(50_000 / 10_000)
+
+
+def test_the_wait_for_the_active_slot_is_paid_only_by_a_model_that_is_not_active():
+    other = snap("i", active="m2", models={"m2": "active", "m1": "resident"}, round_remaining_s=0.4)
+    assert price(state_of(other), "i").queue_s == pytest.approx(0.4)
+    own = snap("i", round_remaining_s=0.4)
+    assert price(state_of(own), "i").queue_s == 0.0
+    idle = snap("i", active=None, models={"m1": "resident"}, round_remaining_s=0.4)
+    assert price(state_of(idle), "i").queue_s == 0.0  # nothing active: no slot to wait for
+
+
+# ---- the KV-pool and weight checks: each boundary --------------------------------------------
+
+
+def test_a_call_whose_prompt_fits_the_kv_pool_but_not_its_max_tokens_is_refused():
+    pool = snap("i", kv_capacity_tokens=2000, kv_pinned_tokens=0)
+    fits = price(state_of(pool), "i", call("c", tokens=1000, max_tokens=1000))
+    assert fits.feasible  # exactly the pool
+    over = price(state_of(pool), "i", call("c", tokens=1000, max_tokens=1001))
+    assert (over.feasible, over.reason) == (False, "hbm")
+
+
+def test_kv_held_by_running_calls_counts_and_a_reported_zero_is_zero():
+    held = snap("i", kv_capacity_tokens=2000, kv_used_tokens=1500, kv_pinned_tokens=1000)
+    assert price(state_of(held), "i", call("c", tokens=990, max_tokens=10)).feasible
+    assert price(state_of(held), "i", call("c", tokens=991, max_tokens=10)).reason == "hbm"
+    unreported = with_(held, kv_pinned_tokens=-1)  # an older agent: all used KV counts
+    assert price(state_of(unreported), "i", call("c", tokens=490, max_tokens=10)).feasible
+    assert price(state_of(unreported), "i", call("c", tokens=491, max_tokens=10)).reason == "hbm"
+    none_held = with_(held, kv_pinned_tokens=0)
+    assert price(state_of(none_held), "i", call("c", tokens=1990, max_tokens=10)).feasible
+
+
+def test_another_model_s_held_kv_does_not_count_where_switching_frees_the_pool():
+    busy = snap("i", active="m2", models={"m2": "active", "m1": "resident"}, kv_capacity_tokens=2000,
+                kv_pinned_tokens=1900)
+    assert price(state_of(busy), "i", call("c", tokens=1990, max_tokens=10)).feasible
+
+
+def test_calls_routed_since_the_snapshot_count_against_the_pool():
+    state = state_of(snap("i", kv_capacity_tokens=2000, kv_pinned_tokens=0))
+    state.instances["i"].add_overlay("x", 1000, "m1")
+    assert price(state, "i", call("c", tokens=990, max_tokens=10)).feasible
+    assert price(state, "i", call("c", tokens=991, max_tokens=10)).reason == "hbm"
+
+
+def test_an_unknown_pool_size_refuses_nothing():
+    assert price(state_of(snap("i", kv_capacity_tokens=0, kv_pinned_tokens=10**9)), "i").feasible
+
+
+def test_weights_must_fit_hbm_only_for_a_model_not_on_device():
+    big = snap("i", active="m2", models={"m2": "active", "m1": "absent"}, weight_gib=100.0, hbm_gib=80.0)
+    assert price(state_of(big), "i").reason == "hbm"
+    exact = snap("i", active="m2", models={"m2": "active", "m1": "absent"}, weight_gib=80.0, hbm_gib=80.0)
+    assert price(state_of(exact), "i").feasible
+    resident = snap("i", active="m2", models={"m2": "active", "m1": "resident"}, weight_gib=100.0, hbm_gib=80.0)
+    assert price(state_of(resident), "i").feasible  # already there
+    unknown = snap("i", active="m2", models={"m2": "active", "m1": "absent"}, weight_gib=100.0, hbm_gib=0.0)
+    assert price(state_of(unknown), "i").feasible  # HBM size not reported: no check
+
+
+# ---- opening a replica (Eq. 2 applies) -------------------------------------------------------
+
+
+def test_fresh_means_opening_a_new_replica_and_nothing_else():
+    def fresh(s):
+        st = state_of(s)
+        return CostModel(CFG).price(st, st.instances["i"], call("c"), None, 0.0).fresh
+
+    absent = snap("i", active="m2", models={"m2": "active", "m1": "absent"})
+    assert fresh(absent)
+    assert not fresh(snap("i", active="m2", models={"m2": "active", "m1": "staged"}))
+    assert not fresh(snap("i", active="m2", models={"m2": "active", "m1": "resident"}))
+    assert not fresh(with_(absent, queued={"m1": 1}))  # already being opened for a queued call
+    st = state_of(absent)
+    st.instances["i"].add_overlay("x", 10, "m1")  # routed there since the snapshot
+    assert not CostModel(CFG).price(st, st.instances["i"], call("c"), None, 0.0).fresh
+
+
+# ---- staleness and health rule an instance out, with the reason -----------------------------
+
+
+def test_a_stale_or_unhealthy_instance_is_priced_infeasible_with_its_reason():
+    st = state_of(snap("i"), now=0.0)
+    assert price(st, "i", now=CFG.stale_after_s).feasible  # exactly the bound: still fresh
+    assert price(st, "i", now=CFG.stale_after_s + 0.01).reason == "stale"
+    sick = state_of(with_(snap("i"), healthy=False))
+    assert price(sick, "i").reason == "unhealthy"
+    assert price(state_of(snap("i", active="m2", models={"m2": "active"})), "i").reason == "model_not_served"
+    pinned = snap("i", pool="hot", active="m2", models={"m2": "active", "m1": "resident"})
+    assert price(state_of(pinned), "i").reason == "hot_pool_pinned"
+
+
+# ---- KV recovery: own KV, a completion newer than the snapshot, recompute ---------------------
+
+
+def test_a_completion_newer_than_the_snapshot_is_trusted_for_the_session_s_kv():
+    st = state_of(snap("i", at=5.0), now=6.4)  # received just now: fresh
+    entry = SessionEntry("s1", model="m1", last_instance="i", kv_tokens=800, last_used=6.0, calls=1)
+    c = price(st, "i", call("c", tokens=1000), entry, now=6.5)
+    assert c.feasible and (c.kv_state, c.kv_recovery_s) == ("device", 0.0)
+    older = SessionEntry("s1", model="m1", last_instance="i", kv_tokens=800, last_used=5.0, calls=1)
+    c = price(st, "i", call("c", tokens=1000), older, now=6.5)  # the snapshot is as new: it says none
+    assert c.kv_state == "recompute" and c.kv_recovery_s == pytest.approx(800 * 1e-4)
+    other_model = SessionEntry("s1", model="m2", last_instance="i", kv_tokens=800, last_used=6.0, calls=1)
+    assert price(st, "i", call("c", tokens=1000), other_model, now=6.5).kv_state == "recompute"  # not on device
+
+
+def test_only_the_prompt_s_share_of_known_kv_is_reusable():
+    st = state_of(snap("i", sessions=[("s1", "m1", "device", 5000)]))
+    c = price(st, "i", call("c", tokens=1000))
+    assert (c.kv_state, c.prefill_s, c.kv_recovery_s) == ("device", 0.0, 0.0)
+
+
+def test_device_kv_shorter_than_what_the_session_knows_recomputes_the_rest():
+    st = state_of(snap("i", sessions=[("s1", "m1", "device", 300)]))
+    entry = SessionEntry("s1", model="m1", last_instance="j", kv_tokens=800, last_used=0.0, calls=1)
+    c = price(st, "i", call("c", tokens=1000), entry)
+    assert c.kv_recovery_s == pytest.approx(500 * 1e-4) and c.prefill_s == pytest.approx(200 * 1e-4)
+    st = state_of(snap("i", sessions=[("s1", "m1", "host", 300)]))
+    c = price(st, "i", call("c", tokens=1000), entry)
+    assert c.kv_recovery_s == pytest.approx(300 * 1e-5 + 500 * 1e-4)
+
