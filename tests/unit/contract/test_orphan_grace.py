@@ -82,3 +82,14 @@ async def test_a_call_past_its_deadline_is_not_probed_after_the_grace():
     rec = Recorder()
     assert await leave(rec, keyed_call(deadline_in_s=GRACE_S / 2)) == ["unsubscribe"]
     assert rec.log_[0][1] >= GRACE_S
+
+
+async def test_a_call_whose_deadline_is_exactly_now_after_the_grace_is_left_alone(monkeypatch):
+    import types
+
+    from talaria.services.gateway import idempotency
+
+    call = keyed_call()
+    monkeypatch.setattr(idempotency, "time", types.SimpleNamespace(time=lambda: call.deadline_at))
+    rec = Recorder()
+    assert await leave(rec, call, grace_s=0.0) == ["unsubscribe"]  # it can no longer complete
