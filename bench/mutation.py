@@ -611,6 +611,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write every mutant's outcome here")
     ap.add_argument("--sample", type=int, default=1, metavar="N",
                     help="every N-th mutant of each area only (deterministic; for a quick look)")
+    ap.add_argument("--recheck", metavar="JSON",
+                    help="run only the mutants that survived in this earlier --json output (matched by file, "
+                         "function, kind and text, so moved lines still match); the others keep their outcome")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="no run: the report of earlier --json outputs (later files win per area)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
@@ -647,6 +650,18 @@ def main(argv: list[str] | None = None) -> int:
         mutants = collect(workers[0].copy, areas)
         if args.sample > 1:
             mutants = [m for a in areas for m in [x for x in mutants if x.area == a.name][::args.sample]]
+        kept: list[tuple[Mutant, str, float]] = []
+        if args.recheck:
+            earlier = json.loads(Path(args.recheck).read_text())["mutants"]
+            status = {(r["path"], r["func"], r["kind"], r["before"], r["after"]): r["status"] for r in earlier}
+            rerun = []
+            for m in mutants:
+                st = status.get(_key(m))
+                if st is None or st == "survived":
+                    rerun.append(m)  # a survivor, or new since
+                else:
+                    kept.append((m, st, 0.0))
+            mutants = rerun
         if args.list:
             for m in mutants:
                 print(f"{m.area:13} {m.path}:{m.line} [{m.kind}] {m.before!r} -> {m.after!r}")
@@ -658,6 +673,8 @@ def main(argv: list[str] | None = None) -> int:
         t_start = time.monotonic()
         for area in areas:
             todo = [m for m in mutants if m.area == area.name]
+            if not todo:
+                continue
             clean, reach = workers[0].baseline(area)
             timeout = max(20.0, 5 * clean)
             print(f"{area.name}: {len(todo)} mutants, tests {clean:.1f} s clean (traced), timeout {timeout:.0f} s",
@@ -690,6 +707,9 @@ def main(argv: list[str] | None = None) -> int:
                     if status != "killed":
                         print(f"  {status:8} {m.path}:{m.line} [{m.kind}] {m.before!r} -> {m.after!r}", flush=True)
         wall = time.monotonic() - t_start
+        results += kept
+        order = {_key(m): i for i, m in enumerate(collect(workers[0].copy, areas))}
+        results.sort(key=lambda r: order.get(_key(r[0]), 0))
     finally:
         for w in locals().get("workers", []):
             w.stop()
@@ -713,7 +733,8 @@ def render(areas, results, args, wall: float) -> str:
     cmd = "python bench/mutation.py" + "".join(f" --area {a}" for a in args.area or ()) + \
         (f" --rev {args.rev}" if args.rev else "") + (f" --workers {args.workers}" if args.workers != 2 else "") + \
         (f" --sample {args.sample}" if args.sample > 1 else "") + \
-        (" --merge " + " ".join(args.merge) if args.merge else "")
+        (" --merge " + " ".join(args.merge) if args.merge else "") + \
+        (f" --recheck {args.recheck}" if args.recheck else "")
     lines = [
         "# Mutation run over the pure cores",
         "",
@@ -761,6 +782,10 @@ def render(areas, results, args, wall: float) -> str:
         lines += ["", "## Errors (the run itself failed)", ""]
         lines += [f"- `{m.path}:{m.line}` [{m.kind}]: {s}" for m, s in errors]
     return "\n".join(lines) + "\n"
+
+
+def _key(m: Mutant) -> tuple[str, str, str, str, str]:
+    return (m.path, m.func, m.kind, m.before, m.after)
 
 
 def _one_line(text: str) -> str:
