@@ -122,6 +122,16 @@ def test_the_agent_s_prefill_prediction_is_the_queue_even_when_zero():
     assert price(state_of(unreported), "i").queue_s == pytest.approx(50_000 / 10_000)
 
 
+def test_queued_tokens_are_priced_at_the_instance_s_own_rate_where_the_model_is_active():
+    slow = snap("i", queued_tokens=1000, prefill_tok_s=100.0)
+    fast = snap("j", prefill_tok_s=100_000.0)  # the model's profile mixes both engines' rates
+    assert price(state_of(fast, slow), "i").queue_s == pytest.approx(1000 / 100.0)
+    elsewhere = snap("i", active="m2", models={"m2": "active", "m1": "resident"}, queued_tokens=1000,
+                     prefill_tok_s=100.0)
+    st = state_of(fast, elsewhere)  # m1 not active on i: its profile's rate (j's), never m2's
+    assert price(st, "i").queue_s == pytest.approx(1000 * st.models["m1"].prefill_rate())
+
+
 def test_the_wait_for_the_active_slot_is_paid_only_by_a_model_that_is_not_active():
     other = snap("i", active="m2", models={"m2": "active", "m1": "resident"}, round_remaining_s=0.4)
     assert price(state_of(other), "i").queue_s == pytest.approx(0.4)
