@@ -86,7 +86,8 @@ def test_a_snapshot_s_rates_price_only_its_active_model():
 def test_where_the_model_is_active_its_engine_rates_price_it():
     here = snap("i", prefill_tok_s=1000.0, decode_tok_s=50.0, restore_tok_s=2000.0,
                 sessions=[("s1", "m1", "host", 500)])
-    c = price(state_of(here), "i", call("c", tokens=1000, max_tokens=10))
+    other = snap("j", prefill_tok_s=1e6, decode_tok_s=1e4, restore_tok_s=1e7)  # the model's profile differs
+    c = price(state_of(other, here), "i", call("c", tokens=1000, max_tokens=10))
     assert (c.kv_recovery_s, c.prefill_s, c.decode_s) == pytest.approx((500 / 2000, 500 / 1000, 10 / 50))
 
 
