@@ -15,7 +15,7 @@ from router_support import PAPER_EQ1, call, snap
 from talaria.services.router.costs import CostModel
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.state import RouterState, SessionEntry, SnapshotReceived
-from talaria.shared.events import RoundSummary
+from talaria.shared.events import CallRouted, RoundSummary
 from talaria.shared.snapshots import ModelResidency
 
 CFG = PolicyConfig(**PAPER_EQ1)
@@ -254,3 +254,44 @@ def test_device_kv_shorter_than_what_the_session_knows_recomputes_the_rest():
     c = price(st, "i", call("c", tokens=1000), entry)
     assert c.kv_recovery_s == pytest.approx(300 * 1e-5 + 500 * 1e-4)
 
+
+
+# ---- round sharing: each other model counted once, wherever it is seen ----------------------
+
+SHARING = PolicyConfig(new_session_running_s=0.0, price_round_sharing=True)
+PER_OTHER = 10 * 0.01 + SHARING.default_open_s  # r's decode (10 tokens at 10 ms) + one switch
+
+
+def stretch(state: RouterState, now: float = 0.0) -> float:
+    c = price(state, "i", call("c", max_tokens=10), cfg=SHARING, now=now)
+    return c.decode_s - 10 * 0.01
+
+
+def test_a_model_routed_since_the_snapshot_takes_a_slot_once():
+    busy = snap("i", running=1, queued={"m2": 1})  # m1 active with work; m2 queued
+    st = state_of(busy)
+    assert stretch(st) == pytest.approx(PER_OTHER)
+    st.instances["i"].add_overlay("x", 10, "m2")  # m2 again: already rotating
+    assert stretch(st) == pytest.approx(PER_OTHER)
+    st.instances["i"].add_overlay("y", 10, "m3")  # a third model routed there since
+    assert stretch(st) == pytest.approx(2 * PER_OTHER)
+    st.instances["i"].add_overlay("z", 10, "m1")  # r's own model never stretches r
+    assert stretch(st) == pytest.approx(2 * PER_OTHER)
+
+
+def test_a_model_whose_session_lives_there_takes_a_slot_once():
+    st = state_of(snap("i", running=1))
+    st.apply(routed_to(call("w", session="w", model="m3"), "i"))  # a call of m3 runs on i ...
+    st.apply(SnapshotReceived(snap("i", version=2, running=1), 0.0))  # ... the overlay is reset
+    assert st.live_models("i", 0.0) == ("m3",)
+    assert stretch(st) == pytest.approx(PER_OTHER)
+    st.instances["i"].add_overlay("y", 10, "m3")  # also routed since: still once
+    assert stretch(st) == pytest.approx(PER_OTHER)
+    queued = state_of(snap("i", running=1))
+    queued.apply(routed_to(call("w", session="w", model="m3"), "i"))
+    queued.apply(SnapshotReceived(snap("i", version=2, running=1, queued={"m3": 1}), 0.0))
+    assert stretch(queued) == pytest.approx(PER_OTHER)  # queued and living there: once
+
+
+def routed_to(the_call, iid: str) -> CallRouted:
+    return CallRouted(call=the_call, call_index=0, instance_id=iid, policy="talaria", routed_at=0.0)
