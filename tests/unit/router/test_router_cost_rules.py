@@ -295,3 +295,25 @@ def test_a_model_whose_session_lives_there_takes_a_slot_once():
 
 def routed_to(the_call, iid: str) -> CallRouted:
     return CallRouted(call=the_call, call_index=0, instance_id=iid, policy="talaria", routed_at=0.0)
+
+
+def test_an_active_model_with_queued_calls_is_not_idle_even_with_nothing_running():
+    # m2 is active on i with a call of it queued (none running), and a session of m2 that ran
+    # there is idle now. m2 rotates with r because of its queued call: one slot. Taking the
+    # instance for idle would also charge m2's comeback share on top.
+    st = RouterState()
+    st.apply(SnapshotReceived(snap("i", active="m2", models={"m2": "active", "m1": "resident"}), 0.0))
+    st.apply(routed_to(call("w", session="w", model="m2"), "i"))
+    st.apply(done_("w", "i", "w", "m2"))  # its session ran on i and is idle now
+    st.apply(SnapshotReceived(snap("i", version=2, active="m2", models={"m2": "active", "m1": "resident"},
+                                   queued={"m2": 1}), 0.0))
+    assert st.live_models("i", 0.5) == ()
+    decode = 10 * SHARING.default_decode_s_per_tok  # m1 is not active on i: the fallback rate
+    c = price(st, "i", call("c", max_tokens=10), cfg=SHARING, now=0.5)
+    assert c.decode_s == pytest.approx(2 * decode + SHARING.default_open_s)  # one other model
+
+
+def done_(call_id: str, iid: str, session: str, model: str):
+    from router_support import done
+
+    return done(call_id, iid, session=session, model=model, at=0.2)
