@@ -94,7 +94,8 @@ AREAS: tuple[Area, ...] = (
     Area("idempotency", (Source("services/gateway/idempotency_rules.py"),
                          Source("services/gateway/idempotency.py",
                                 only=("IdempotentCalls.left", "IdempotentCalls._orphan_after_grace"))),
-         ("tests/unit/contract/test_idempotency_rules.py", "tests/unit/contract/test_idempotent_orphans.py")),
+         ("tests/unit/contract/test_idempotency_rules.py", "tests/unit/contract/test_idempotent_orphans.py",
+          "tests/unit/contract/test_orphan_grace.py")),
     Area("auth", (Source("services/gateway/auth.py", skip=("http_middleware", "new_key")),),
          ("tests/unit/contract/test_security_rules.py", "tests/unit/contract/test_settings.py",
           "tests/unit/contract/test_auth_rules.py")),
@@ -115,6 +116,9 @@ EQUIVALENT: dict[tuple[str, str, str, str, str], str] = {
     ("services/gateway/auth.py", "client_session", "bool-drop", "prefix and session_id.startswith(prefix)",
      "(session_id.startswith(prefix))"):
         "with an empty prefix every id starts with it and session_id[0:] is session_id itself",
+    ("services/telemetry/store.py", "_MemoryBatch._bump", "bool-drop", "at or dt.datetime.now(dt.timezone.utc)",
+     "(at)"):
+        "every caller passes ts() of an event's required time, never None, and a datetime is always true",
 }
 
 

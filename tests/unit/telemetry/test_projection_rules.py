@@ -229,6 +229,9 @@ async def test_a_decision_row_takes_its_call_outcome_whichever_comes_first():
     # the call finished before its decision arrived
     await apply(store, submitted(1), failed(1), decision(1))
     assert (await store.decision("c1"))["outcome"] == "failed"
+    # the decision first, then the failure
+    await apply(store, submitted(2), decision(2), failed(2))
+    assert (await store.decision("c2"))["outcome"] == "failed"
 
 
 async def test_a_decision_for_an_unfinished_call_stays_open_and_the_first_decision_is_kept():
