@@ -317,3 +317,42 @@ def done_(call_id: str, iid: str, session: str, model: str):
     from router_support import done
 
     return done(call_id, iid, session=session, model=model, at=0.2)
+
+
+# ---- round admission: every term counts, the budget itself passes ---------------------------
+
+BUDGET = CFG.gamma * CFG.ttft_target_s  # 9 s
+
+
+def admission(queue_s: float, prompt: int = 0, host_kv: int = 0, models=None, active="m1", **extra):
+    """One instance with `queue_s` of predicted prefill ahead; a call whose new prompt costs 1e-4
+    s/token, whose own KV (another session's, so kv_home_admits does not apply) is absent."""
+    s = snap("i", queued_prefill_s=queue_s, models=models, active=active, **extra)
+    return price(state_of(s), "i", call("c", tokens=prompt, max_tokens=1))
+
+
+def test_round_admission_counts_the_prefill():
+    assert admission(1.0, prompt=80_000).feasible  # 1 + 8 = 9: exactly the budget
+    assert admission(1.0, prompt=80_001).reason == "round_admission"
+
+
+def test_round_admission_counts_the_activation():
+    rows = {"m2": "active", "m1": "resident"}
+    assert admission(1.0, models=rows, active="m2", switch_cost_s=8.0).feasible
+    assert admission(1.0, models=rows, active="m2", switch_cost_s=8.01).reason == "round_admission"
+
+
+def test_round_admission_counts_the_kv_recovery():
+    entry = SessionEntry("s1", model="m1", last_instance="j", kv_tokens=80_001, last_used=0.0, calls=1)
+    st = state_of(snap("i", queued_prefill_s=1.0))  # s1's KV is not here: recompute 80,001 tokens
+    c = price(st, "i", call("c", tokens=80_001, max_tokens=1), entry)
+    assert (c.kv_state, c.prefill_s) == ("recompute", 0.0) and c.reason == "round_admission"
+
+
+def test_nothing_ahead_always_passes_whatever_the_call_costs():
+    assert admission(0.0, prompt=200_000).feasible
+
+
+def test_the_snapshot_s_switch_time_prices_each_rotation_switch():
+    st = state_of(with_(snap("i", running=1, queued={"m2": 1}), switch_s=0.5))
+    assert stretch(st) == pytest.approx(10 * 0.01 + 0.5)
