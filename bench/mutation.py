@@ -119,6 +119,11 @@ EQUIVALENT: dict[tuple[str, str, str, str, str], str] = {
     ("services/telemetry/store.py", "_MemoryBatch._bump", "bool-drop", "at or dt.datetime.now(dt.timezone.utc)",
      "(at)"):
         "every caller passes ts() of an event's required time, never None, and a datetime is always true",
+    ("services/router/costs.py", "CostModel.price_all", "bool-drop",
+     'cfg.kv_home_admits and own and kv_state in ("device", "host") and k_have > 0',
+     "(cfg.kv_home_admits and own and (k_have > 0))"):
+        "the session's own KV found here (own) with tokens (k_have > 0) is only ever on device or host: "
+        "the recompute and none branches leave k_have at 0",
 }
 
 

@@ -356,3 +356,13 @@ def test_nothing_ahead_always_passes_whatever_the_call_costs():
 def test_the_snapshot_s_switch_time_prices_each_rotation_switch():
     st = state_of(with_(snap("i", running=1, queued={"m2": 1}), switch_s=0.5))
     assert stretch(st) == pytest.approx(10 * 0.01 + 0.5)
+
+
+def test_only_a_session_s_own_kv_with_tokens_in_it_passes_admission_at_home():
+    home = snap("i", queued_prefill_s=1.0, sessions=[("s1", "m1", "host", 85_000)])
+    assert price(state_of(home), "i", call("c", tokens=90_000, max_tokens=1)).feasible  # restorable here
+    empty = snap("i", queued_prefill_s=1.0, sessions=[("s1", "m1", "device", 0)])
+    c = price(state_of(empty), "i", call("c", tokens=90_000, max_tokens=1))
+    assert c.reason == "round_admission"  # listed, but nothing in it
+    off = PolicyConfig(**PAPER_EQ1, kv_home_admits=False)
+    assert price(state_of(home), "i", call("c", tokens=90_000, max_tokens=1), cfg=off).reason == "round_admission"
