@@ -359,7 +359,7 @@ def test_the_snapshot_s_switch_time_prices_each_rotation_switch():
 
 
 def test_only_a_session_s_own_kv_with_tokens_in_it_passes_admission_at_home():
-    home = snap("i", queued_prefill_s=1.0, sessions=[("s1", "m1", "host", 85_000)])
+    home = snap("i", queued_prefill_s=1.0, restore_tok_s=10_000.0, sessions=[("s1", "m1", "host", 85_000)])
     assert price(state_of(home), "i", call("c", tokens=90_000, max_tokens=1)).feasible  # restorable here
     empty = snap("i", queued_prefill_s=1.0, sessions=[("s1", "m1", "device", 0)])
     c = price(state_of(empty), "i", call("c", tokens=90_000, max_tokens=1))
