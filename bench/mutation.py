@@ -124,6 +124,10 @@ EQUIVALENT: dict[tuple[str, str, str, str, str], str] = {
      "(cfg.kv_home_admits and own and (k_have > 0))"):
         "the session's own KV found here (own) with tokens (k_have > 0) is only ever on device or host: "
         "the recompute and none branches leave k_have at 0",
+    ("services/router/costs.py", "CostModel.replica_gain", "bool-drop",
+     "res.weight_bytes and snap.staging_free_bytes >= res.weight_bytes",
+     "(snap.staging_free_bytes >= res.weight_bytes)"):
+        "with no weight bytes the halved price multiplies 0 GiB: the threshold is the same",
 }
 
 

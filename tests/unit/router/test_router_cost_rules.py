@@ -15,7 +15,7 @@ from router_support import PAPER_EQ1, call, snap
 from talaria.services.router.costs import CostModel
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.state import RouterState, SessionEntry, SnapshotReceived
-from talaria.shared.events import CallRouted, RoundSummary
+from talaria.shared.events import CallRouted, LeaseIssued, RoundSummary
 from talaria.shared.snapshots import ModelResidency
 
 CFG = PolicyConfig(**PAPER_EQ1)
@@ -366,3 +366,56 @@ def test_only_a_session_s_own_kv_with_tokens_in_it_passes_admission_at_home():
     assert c.reason == "round_admission"  # listed, but nothing in it
     off = PolicyConfig(**PAPER_EQ1, kv_home_admits=False)
     assert price(state_of(home), "i", call("c", tokens=90_000, max_tokens=1), cfg=off).reason == "round_admission"
+
+
+# ---- Eq. 2: the replica-opening threshold and gain ------------------------------------------
+
+
+def opening(staging_gib: float = 0.0, hbm_used_gib: float = 40.0, hbm_gib: float = 80.0, weight_gib: float = 10.0,
+            penalty: float = 0.5):
+    cfg = PolicyConfig(**PAPER_EQ1, replica_penalty_s=penalty)
+    s = snap("i", active="m2", models={"m2": "active", "m1": "absent"}, weight_gib=weight_gib, hbm_gib=hbm_gib,
+             hbm_used_gib=hbm_used_gib, open_cost_s=2.0)
+    s = with_(s, staging_free_bytes=int(staging_gib * (1 << 30)))
+    st = state_of(s)
+    model = CostModel(cfg)
+    return st, model, model.price(st, st.instances["i"], call("c"), None, 0.0)
+
+
+def test_the_threshold_is_activation_plus_hbm_pressure_times_weights_plus_the_penalty():
+    st, model, cand = opening()
+    _, threshold = model.replica_gain(st, "m1", cand, None, 0.0)
+    assert threshold == pytest.approx(2.0 + 0.05 * 0.5 * 10 + 0.5)
+    st, model, cand = opening(hbm_gib=0.0)  # HBM not reported: no pressure
+    assert model.replica_gain(st, "m1", cand, None, 0.0)[1] == pytest.approx(2.0 + 0.5)
+
+
+def test_staging_room_for_the_weights_halves_the_hbm_price():
+    st, model, cand = opening(staging_gib=10.0)  # exactly the weights
+    assert model.replica_gain(st, "m1", cand, None, 0.0)[1] == pytest.approx(2.0 + 0.05 * 0.5 * 10 / 2 + 0.5)
+    st, model, cand = opening(staging_gib=9.99)
+    assert model.replica_gain(st, "m1", cand, None, 0.0)[1] == pytest.approx(2.0 + 0.05 * 0.5 * 10 + 0.5)
+
+
+def test_the_gain_is_the_saving_per_call_times_the_expected_calls():
+    st, model, cand = opening()
+    gain, _ = model.replica_gain(st, "m1", cand, None, 0.0)
+    assert gain == float("inf")  # no replica anywhere: all of its demand spills over
+    eq1_without_act = cand.cost.total_s - cand.cost.placement_s - cand.cost.activation_s
+    gain, _ = model.replica_gain(st, "m1", cand, eq1_without_act + 3.0, 0.0)
+    assert gain == pytest.approx(3.0)  # one call expected: this one
+    st.apply(LeaseIssued("s9", "m1", "j", "c9", 0.0, 5.0))  # a live lease: a reserved return
+    assert model.replica_gain(st, "m1", cand, eq1_without_act + 3.0, 0.0)[0] == pytest.approx(6.0)
+    assert model.replica_gain(st, "m1", cand, eq1_without_act - 1.0, 0.0)[0] == 0.0  # no saving
+
+
+def test_observed_arrivals_over_the_control_window_add_to_the_demand():
+    st, model, cand = opening()
+    eq1_without_act = cand.cost.total_s - cand.cost.placement_s - cand.cost.activation_s
+    prof = st.model("m1")
+    for t in (0.0, 0.5, 1.0):
+        prof.observe_arrival(t)
+    rate = prof.arrival_rate(1.0)
+    assert rate > 0
+    gain, _ = model.replica_gain(st, "m1", cand, eq1_without_act + 3.0, 1.0)
+    assert gain == pytest.approx(3.0 * (1.0 + rate * CFG.control_window_s))
