@@ -1,0 +1,43 @@
+"""Session-prefill eligibility, each condition alone (paper §3.4; cold_pool `_sp_eligible`):
+a continuation, with reusable tokens, whose KV is charged as device or host (host only with
+HKVR), that arrived after the slot's P. The other tests mostly break two at once."""
+
+from __future__ import annotations
+
+from sched_driver import Driver, make, ret, work
+
+MID_SLOT = 1.05  # mid slot a (see test_sched_sp.py)
+
+
+def entered_by_sp(the_call, **config) -> bool:
+    d = Driver(make(models=("a", "b"), **config))
+    d.submit(work("a1", "a", max_tokens=200))
+    d.submit(work("b1", "b", max_tokens=200))
+    d.at(MID_SLOT, the_call)
+    d.run()
+    return f"SP:a:{the_call.call_id}" in d.trace
+
+
+def test_a_return_with_device_kv_enters_by_sp():
+    assert entered_by_sp(ret("r1", "a", kv="device", reuse=900))
+
+
+def test_device_kv_with_nothing_reusable_is_not_eligible():
+    assert not entered_by_sp(ret("r1", "a", kv="device", reuse=0))
+
+
+def test_reusable_tokens_without_kv_are_not_eligible():
+    assert not entered_by_sp(ret("r1", "a", kv="none", reuse=900))
+
+
+def test_host_kv_is_eligible_only_with_hkvr():
+    assert entered_by_sp(ret("r1", "a", kv="host", reuse=900), hkvr=True)
+    assert not entered_by_sp(ret("r1", "a", kv="host", reuse=900), hkvr=False)
+
+
+def test_a_call_that_is_no_continuation_is_not_eligible_even_with_kv():
+    assert not entered_by_sp(work("n1", "a", kv="device", reuse=900, prompt=1000))
+
+
+def test_sp_off_admits_nobody_mid_slot():
+    assert not entered_by_sp(ret("r1", "a", kv="device", reuse=900), sp=False)
