@@ -128,6 +128,19 @@ EQUIVALENT: dict[tuple[str, str, str, str, str], str] = {
      "res.weight_bytes and snap.staging_free_bytes >= res.weight_bytes",
      "(snap.staging_free_bytes >= res.weight_bytes)"):
         "with no weight bytes the halved price multiplies 0 GiB: the threshold is the same",
+    # select() stops taking candidates once len(admitted) reaches min(free_slots, batch) and
+    # names the reason itself, so _misses is only ever asked below both counts.
+    ("services/instance_agent/scheduler/admission.py", "select", "minmax", "min", "max"):
+        "with the larger bound, _misses refuses every candidate past the smaller one with the same "
+        "reason select() would give (max_batch first): the same selection, only slower",
+    ("services/instance_agent/scheduler/admission.py", "_misses", "cmp", "len(admitted) >= limits.free_slots",
+     "(len(admitted) > limits.free_slots)"): "only reached with len(admitted) < free_slots",
+    ("services/instance_agent/scheduler/admission.py", "_misses", "stmt-drop", 'return "max_batch"', "pass"):
+        "only reached with len(admitted) < free_slots",
+    ("services/instance_agent/scheduler/admission.py", "_misses", "cmp", "len(admitted) >= limits.batch",
+     "(len(admitted) > limits.batch)"): "only reached with len(admitted) < batch",
+    ("services/instance_agent/scheduler/admission.py", "_misses", "stmt-drop", 'return "batch"', "pass"):
+        "only reached with len(admitted) < batch",
 }
 
 

@@ -88,12 +88,15 @@ def test_due_includes_a_lease_expiring_exactly_now_and_sorts_ties_by_session():
 
 def test_due_skips_a_replaced_lease_with_the_same_expiry_and_a_reissued_one():
     book = LeaseBook()
+    book.add(lease("s0", 1.0, call_id="first"))  # stays at the heap's top: nothing below is pruned
     book.add(lease("s1", 5.0, call_id="c0"))
     book.add(lease("s1", 5.0, call_id="c1"))  # successor, same expiry: its old heap entry stays
-    assert [x.call_id for x in book.due(5.0)] == ["c1"]
+    assert len(book.heap) == 3
+    assert [x.call_id for x in book.due(5.0)] == ["first", "c1"]
     book.add(lease("s2", 4.0, call_id="k"))
     book.add(lease("s2", 7.0, call_id="k"))  # the same call's lease again, later expiry
-    assert [x.call_id for x in book.due(6.0)] == ["c1"]
+    assert len(book.heap) == 5  # (4.0, s2, k) stays, stale
+    assert [x.call_id for x in book.due(6.0)] == ["first", "c1"]
 
 
 def test_prune_pops_dead_heap_entries_only_up_to_the_first_live_one():
