@@ -17,6 +17,7 @@ from talaria.shared.events import (
     LeaseIssued,
     RoutingDecision,
 )
+from talaria.shared.wire import replace
 
 
 def lease(session: str, exp: float, *, instance: str = "a", model: str = "m1", call_id: str | None = None,
@@ -126,8 +127,8 @@ def test_settlement_names_the_outcome_and_the_deciding_call():
     held = lease("s1", 5.0, instance="a", call_id="c0")
     base = RoutingDecision("c1", "s1", 1, "m1", "talaria", "route", 4.0, chosen="a")
     assert settlement(None, base) == []
+    assert settlement(None, replace(base, lease_outcome="consumed")) == []  # no lease: nothing to settle
     assert settlement(held, base) == []  # lease_outcome "none"
-    from talaria.shared.wire import replace
     consumed = settlement(held, replace(base, lease_outcome="consumed"))
     assert consumed == [LeaseConsumed("s1", "m1", "a", "c1", 4.0)]
     discarded = settlement(held, replace(base, lease_outcome="discarded", discard_reason="kv_missing"))

@@ -372,10 +372,10 @@ def test_only_a_session_s_own_kv_with_tokens_in_it_passes_admission_at_home():
 
 
 def opening(staging_gib: float = 0.0, hbm_used_gib: float = 40.0, hbm_gib: float = 80.0, weight_gib: float = 10.0,
-            penalty: float = 0.5):
-    cfg = PolicyConfig(**PAPER_EQ1, replica_penalty_s=penalty)
+            penalty: float = 0.5, running: int = 0, running_s: float = 0.0):
+    cfg = PolicyConfig(**{**PAPER_EQ1, "new_session_running_s": running_s}, replica_penalty_s=penalty)
     s = snap("i", active="m2", models={"m2": "active", "m1": "absent"}, weight_gib=weight_gib, hbm_gib=hbm_gib,
-             hbm_used_gib=hbm_used_gib, open_cost_s=2.0)
+             hbm_used_gib=hbm_used_gib, open_cost_s=2.0, running=running)
     s = with_(s, staging_free_bytes=int(staging_gib * (1 << 30)))
     st = state_of(s)
     model = CostModel(cfg)
@@ -407,6 +407,14 @@ def test_the_gain_is_the_saving_per_call_times_the_expected_calls():
     st.apply(LeaseIssued("s9", "m1", "j", "c9", 0.0, 5.0))  # a live lease: a reserved return
     assert model.replica_gain(st, "m1", cand, eq1_without_act + 3.0, 0.0)[0] == pytest.approx(6.0)
     assert model.replica_gain(st, "m1", cand, eq1_without_act - 1.0, 0.0)[0] == 0.0  # no saving
+
+
+def test_the_gain_compares_eq1_costs_without_the_placement_term():
+    st, model, cand = opening(running=2, running_s=1.5)  # a first call: 2 running x 1.5 s placement
+    assert cand.cost.placement_s == pytest.approx(3.0)
+    eq1_without_act = cand.cost.total_s - cand.cost.placement_s - cand.cost.activation_s
+    gain, _ = model.replica_gain(st, "m1", cand, eq1_without_act + 1.0, 0.0)
+    assert gain == pytest.approx(1.0)
 
 
 def test_observed_arrivals_over_the_control_window_add_to_the_demand():
