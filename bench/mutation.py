@@ -144,6 +144,14 @@ EQUIVALENT: dict[tuple[str, str, str, str, str], str] = {
 }
 
 
+# (file, function, statement's first line) -> why every mutant of that statement is equivalent.
+DEAD_STATEMENTS: dict[tuple[str, str, str], str] = {
+    ("services/instance_agent/scheduler/cold_pool.py", "ColdPool._select_p",
+     "slot.prefill_left_s = max(0.0, slot.prefill_left_s - selection.cost_s)"):
+        "a dead store: P selects once per slot (p_done) and a new slot starts from its plan's budget, "
+        "so nothing reads prefill_left_s after this",
+}
+
 # --------------------------------------------------------------------------------------
 # Mutants
 # --------------------------------------------------------------------------------------
@@ -161,13 +169,15 @@ class Mutant:
     start: tuple[int, int]  # (line, col) of the segment, 1-based line, 0-based col (utf-8 bytes)
     end: tuple[int, int]
     stmt_line: int = 0  # first line of the statement it sits in: a test that runs it may notice
+    stmt_src: str = ""  # that line's text, stripped
 
     @property
     def id(self) -> str:
         return f"{self.path}:{self.line}:{self.kind}:{self.after}"
 
     def equivalent(self) -> str | None:
-        return EQUIVALENT.get((self.path, self.func, self.kind, self.before, self.after))
+        return EQUIVALENT.get((self.path, self.func, self.kind, self.before, self.after)) or \
+            DEAD_STATEMENTS.get((self.path, self.func, self.stmt_src))
 
 
 _CMP_SWAP = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq,
@@ -259,7 +269,8 @@ class _Collector(ast.NodeVisitor):
             after = f"({after})"
         self.out.append(Mutant(self.area, self.path, self._qual(), node.lineno, kind, before, after,
                                (node.lineno, node.col_offset), (node.end_lineno, node.end_col_offset),
-                               self.stmt_line or node.lineno))
+                               self.stmt_line or node.lineno,
+                               self.lines[(self.stmt_line or node.lineno) - 1].decode().strip()))
 
     def _replace(self, node: ast.expr, kind: str, new: ast.expr) -> None:
         self._add(node, kind, ast.unparse(new))
@@ -664,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
         for rows in by_area.values():
             for r in rows:
                 results.append((Mutant(r["area"], r["path"], r["func"], r["line"], r["kind"], r["before"],
-                                       r["after"], (0, 0), (0, 0)), r["status"], 0.0))
+                                       r["after"], (0, 0), (0, 0), 0, r.get("stmt_src", "")), r["status"], 0.0))
         areas = tuple(a for a in areas if a.name in by_area)
         Path(args.out).write_text(render(areas, results, args, wall))
         print(Path(args.out).read_text())
@@ -746,7 +757,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"wall_s": wall, "sample": args.sample, "rev": args.rev, "mutants": [
             dict(area=m.area, path=m.path, line=m.line, func=m.func, kind=m.kind, before=m.before,
-                 after=m.after, status=s) for m, s, _ in results]}, indent=1))
+                 after=m.after, stmt_src=m.stmt_src, status=s) for m, s, _ in results]}, indent=1))
     errors = [m for m, s, _ in results if s.startswith("error")]
     return 1 if errors else 0
 

@@ -70,3 +70,32 @@ def test_charge_is_what_the_time_budget_pays():
 def test_no_budget_admits_up_to_the_slots_and_sums_the_cost():
     sel = pick([C("a", 1.5), C("b", 2.5)], lim())
     assert sel.ids == ("a", "b") and sel.cost_s == 4.0 and sel.left == ()
+
+
+# ---- P's selection as the scheduler runs it: what it leaves behind is reported ----------------
+
+from sched_driver import Driver, make, work  # noqa: E402
+
+from talaria.services.instance_agent.scheduler import DeadlineRisk  # noqa: E402
+
+
+def capacity_risks(**config) -> list:
+    d = Driver(make(models=("a",), initial_model="a", **config))
+    for i in range(3):
+        d.submit(work(f"q{i}", "a", prompt=100, max_tokens=3))
+    d.step()
+    return [r for r in d.of(DeadlineRisk) if r.reason == "capacity"]
+
+
+def test_calls_p_leaves_for_the_batch_bound_are_a_capacity_risk():
+    [risk] = capacity_risks(max_batch=2)
+    assert risk.calls == 1
+
+
+def test_calls_p_leaves_for_the_kv_budget_are_a_capacity_risk():
+    [risk] = capacity_risks(kv_budget_bytes=250)  # 100-token prompts + 3 tokens at 1 byte each: two fit
+    assert risk.calls == 1
+
+
+def test_a_p_that_takes_everything_reports_no_capacity_risk():
+    assert capacity_risks() == []
