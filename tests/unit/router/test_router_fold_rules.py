@@ -241,3 +241,10 @@ def test_helpers_create_on_first_use_and_read_indexes():
     assert state.live_models("a", 0.0) == ()
     state.apply(replace(done("c0", "a"), call_id="c0"))
     assert state.idle_horizon_s("m1") == 0.0
+
+
+def test_losing_an_instance_the_router_never_saw_only_closes_the_named_calls():
+    state = seen(snap("a"))
+    state.apply(routed("c0"))
+    state.apply(InstanceLost("zz", "p0", "unknown", 2.0, ["c0"]))
+    assert "a" in state.instances and "c0" not in state.inflight_calls

@@ -41,3 +41,14 @@ def test_a_call_that_is_no_continuation_is_not_eligible_even_with_kv():
 
 def test_sp_off_admits_nobody_mid_slot():
     assert not entered_by_sp(ret("r1", "a", kv="device", reuse=900), sp=False)
+
+
+def test_sp_fills_only_the_batch_slots_the_running_calls_leave():
+    d = Driver(make(models=("a", "b"), max_batch=3, sp_max_batch=8))
+    d.submit(work("a1", "a", max_tokens=200))
+    d.submit(work("b1", "b", max_tokens=200))
+    for k in range(4):
+        d.at(MID_SLOT, ret(f"r{k}", "a", session=f"s{k}"))
+    d.run()
+    sps = [t for t in d.trace[: d.trace.index("S:b")] if t.startswith("SP:")]
+    assert sps[0] == "SP:a:r0,r1"  # a1 runs: two of three slots free (the rest once these finish)
