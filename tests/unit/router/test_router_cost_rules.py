@@ -427,3 +427,58 @@ def test_observed_arrivals_over_the_control_window_add_to_the_demand():
     assert rate > 0
     gain, _ = model.replica_gain(st, "m1", cand, eq1_without_act + 3.0, 1.0)
     assert gain == pytest.approx(3.0 * (1.0 + rate * CFG.control_window_s))
+
+
+# ---- placement_s: what a first call and a session's later calls pay --------------------------
+
+
+def test_a_first_call_pays_the_calls_running_there_at_the_configured_or_its_own_decode_price():
+    st = state_of(snap("i", running=3))
+    cfg = PolicyConfig(**{**PAPER_EQ1, "new_session_running_s": 0.7})
+    assert price(st, "i", call("c", max_tokens=10), cfg=cfg).placement_s == pytest.approx(3 * 0.7)
+    derived = PolicyConfig(**{**PAPER_EQ1, "new_session_running_s": None})
+    c = price(st, "i", call("c", max_tokens=10), cfg=derived)
+    assert c.placement_s == pytest.approx(3 * c.decode_s)
+    returning = SessionEntry("s1", model="m1", last_instance="j", kv_tokens=0, calls=1)
+    assert price(st, "i", call("c", max_tokens=10), returning, cfg=cfg).placement_s == 0.0
+    assert c.total_s == pytest.approx(c.queue_s + c.prefill_s + c.decode_s + c.kv_recovery_s + c.activation_s
+                                      + c.placement_s)
+
+
+def test_later_calls_pay_the_rotation_again_as_many_as_measured():
+    st = state_of(snap("i", running=1, queued={"m2": 1}))  # one other model rotates here
+    cfg = SHARING
+    entry = SessionEntry("s1", model="m1", last_instance="j", kv_tokens=0, calls=4)
+    c = price(st, "i", call("c", max_tokens=10), entry, cfg=cfg)
+    assert c.placement_s == pytest.approx(4 * PER_OTHER)  # a return expects as many more as it made
+    prof = st.model("m1")
+    prof.calls_seen, prof.sessions_seen = 9, 3  # 3 calls per session so far
+    first = price(st, "i", call("c", max_tokens=10), None, cfg=cfg)
+    assert first.placement_s == pytest.approx(2 * PER_OTHER)  # a first call: the 2 after it
+
+
+def test_a_prefix_hit_counts_only_on_the_instance_that_holds_it():
+    st = state_of(snap("i", sessions=[("owner", "m1", "device", 800)]), snap("j"))
+    model = CostModel(CFG)
+    hit = {"i": (800, "owner")}
+    on_i = model.price(st, st.instances["i"], call("c", tokens=1000), None, 0.0, None, hit).cost
+    on_j = model.price(st, st.instances["j"], call("c", tokens=1000), None, 0.0, None, hit).cost
+    assert (on_i.kv_state, on_i.prefill_s) == ("device", pytest.approx(200 * 1e-4))
+    assert (on_j.kv_state, on_j.prefill_s) == ("none", pytest.approx(1000 * 1e-4))
+    gone = state_of(snap("i"))  # the owner's KV is no longer reported: the hit is worth nothing
+    c = model.price(gone, gone.instances["i"], call("c", tokens=1000), None, 0.0, None, hit).cost
+    assert c.kv_state == "none"
+
+
+def test_an_idle_instance_s_last_model_claims_its_comeback_share_of_a_slot():
+    st = RouterState()
+    st.apply(SnapshotReceived(snap("i", active="m2", models={"m2": "active", "m1": "resident"}), 0.0))
+    st.apply(routed_to(call("w", session="w", model="m2"), "i"))
+    st.apply(done_("w", "i", "w", "m2"))  # m2's session ran here, idle now past every gap (none measured)
+    st.apply(SnapshotReceived(snap("i", version=2, active="m2", models={"m2": "active", "m1": "resident"}), 0.0))
+    decode = 10 * SHARING.default_decode_s_per_tok
+    c = price(st, "i", call("c", max_tokens=10), cfg=SHARING, now=0.5)
+    assert c.decode_s == pytest.approx(2 * decode + SHARING.default_open_s)  # 1 / (0 gaps + 1) = a whole slot
+    st.model("m2").gaps.extend([1.0, 1.0, 1.0])
+    c = price(st, "i", call("c", max_tokens=10), cfg=SHARING, now=0.5)
+    assert c.decode_s == pytest.approx(decode + 0.25 * (decode + SHARING.default_open_s))
