@@ -203,6 +203,7 @@ def test_a_dropped_session_leaves_the_restorable_index():
 
 def test_pending_jobs_end_with_completion():
     core = HkvrCore(4, ranks=1)
+    assert core.capacity == 4  # reported as the host pool's size (engine/report.py)
     plan = core.plan_save("m", "a", reports([1]), T)
     assert core.pending_jobs("m") == [plan.job_id] and core.pending_jobs("other") == []
     core.complete(plan.job_id)

@@ -248,3 +248,14 @@ def test_losing_an_instance_the_router_never_saw_only_closes_the_named_calls():
     state.apply(routed("c0"))
     state.apply(InstanceLost("zz", "p0", "unknown", 2.0, ["c0"]))
     assert "a" in state.instances and "c0" not in state.inflight_calls
+
+
+def test_routing_to_an_instance_forgets_sessions_idle_there_past_their_horizon():
+    state = seen(snap("a"))
+    state.apply(routed("c0", session="s1", at=1.0))
+    state.apply(done("c0", "a", session="s1", at=2.0))  # s1 idle on a from 2.0; no gap measured: horizon 0
+    assert state.homes.home_of["s1"] == ("a", "m1")
+    state.apply(routed("c1", session="s2", at=2.0))  # not past the horizon yet (idle 0 s)
+    assert "s1" in state.homes.home_of
+    state.apply(routed("c2", session="s3", at=2.5))
+    assert "s1" not in state.homes.home_of and state.homes.home_of["s2"] == ("a", "m1")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from sched_driver import Driver, make, ret, work
 
+from talaria.services.instance_agent.scheduler import CallFinished
+
 MID_SLOT = 1.05  # mid slot a (see test_sched_sp.py)
 
 
@@ -52,3 +54,12 @@ def test_sp_fills_only_the_batch_slots_the_running_calls_leave():
     d.run()
     sps = [t for t in d.trace[: d.trace.index("S:b")] if t.startswith("SP:")]
     assert sps[0] == "SP:a:r0,r1"  # a1 runs: two of three slots free (the rest once these finish)
+
+
+def test_without_sp_a_queued_return_contends_so_the_slot_does_not_extend_past_it():
+    d = Driver(make(models=("a",), sp=False))
+    d.submit(work("a1", "a", max_tokens=300))
+    d.at(MID_SLOT, ret("r1", "a", kv="device", reuse=900, max_tokens=2))
+    d.run()
+    finished = [e.call_id for e in d.of(CallFinished)]
+    assert finished.index("r1") < finished.index("a1")  # admitted by the next slot's P, not after a1
