@@ -208,3 +208,14 @@ def test_pending_jobs_end_with_completion():
     assert core.pending_jobs("m") == [plan.job_id] and core.pending_jobs("other") == []
     core.complete(plan.job_id)
     assert core.pending_jobs() == [] and core.used_pages == 1
+
+
+def test_a_disagreeing_rank_s_private_pages_are_reclaimed_before_the_published_prefix():
+    core = HkvrCore(4, ranks=2)
+    reps = [RankReport(0, 2 * PS, (1, 2)), RankReport(1, 2 * PS, (1, 99))]  # agree on page 1 only
+    core.complete(core.plan_save("m", "s", reps, T).job_id)
+    assert core.match("m", [1, 2]) == 1
+    assert (core.pages[("m", 0, 2)].refs, core.pages[("m", 1, 99)].refs) == (0, 0)  # nobody's prefix
+    core.complete(core.plan_save("m", "t", [RankReport(0, PS, (7,)), RankReport(1, PS, (7,))], T).job_id)
+    assert ("m", 0, 2) not in core.pages and ("m", 1, 99) not in core.pages  # the private tail went
+    assert core.match("m", [1]) == 1 and core.match("m", [7]) == 1
