@@ -57,6 +57,10 @@ class CallRouted(Struct, frozen=True, tag="call.routed"):
     # On the stream, `call` comes without its prompt ids: they are stored once, in the
     # CallSubmitted at this stream sequence (0: `call` is complete, as on the fast dispatch copy).
     submitted_seq: int = 0
+    # Output tokens the agent reserves KV for: the router's online estimate (a high quantile
+    # of what the session and model produced, <= max_tokens; services/router/output_estimate.py).
+    # 0 = max_tokens (a router that does not estimate).
+    kv_output_tokens: int = 0
 
     def by_reference(self, submitted_seq: int) -> "CallRouted":
         """The stream's copy: the prompt ids stay in the CallSubmitted at `submitted_seq`."""

@@ -78,12 +78,13 @@ class AgentCore:
 
     def accept(self, call_id: str, session_id: str, model: str, *, call_index: int, prompt_tokens: int,
                max_tokens: int, submitted_at: float, kv_state: KvState, reusable_tokens: int, now: float,
-               arrived_at: float | None = None) -> Work:
+               arrived_at: float | None = None, kv_output_tokens: int = 0) -> Work:
         """Submit a routed call; raises the scheduler's error when it cannot take it.
         `arrived_at` (default `submitted_at`) starts the scheduler's slot wait."""
         work = Work(call_id, session_id, model, prompt_tokens=max(1, prompt_tokens), reusable_tokens=reusable_tokens,
                     kv_state=kv_state, max_tokens=max_tokens,
-                    arrived_at=submitted_at if arrived_at is None else arrived_at, continuation=call_index > 0)
+                    arrived_at=submitted_at if arrived_at is None else arrived_at, continuation=call_index > 0,
+                    kv_output_tokens=kv_output_tokens)
         self.sched.submit(work, now)
         self.records[call_id] = CallRecord(call_id, session_id, model, call_index, submitted_at)
         return work
@@ -128,8 +129,9 @@ class AgentCore:
         events = self.sched.on_prefill_done(action, now, finished, first_tokens=firsts, prompt_left=prompt_left)
         return self._outcome(events, now)
 
-    def decode_done(self, action: Decode, now: float, finished: Iterable[str] = (), steps: int | None = None) -> Outcome:
-        return self._outcome(self.sched.on_decode_done(action, now, finished, steps), now)
+    def decode_done(self, action: Decode, now: float, finished: Iterable[str] = (), steps: int | None = None,
+                    stalled: Iterable[str] = ()) -> Outcome:
+        return self._outcome(self.sched.on_decode_done(action, now, finished, steps, stalled), now)
 
     def action_failed(self, action, now: float) -> Outcome:
         """The executor could not run `action` and failed what it had to: the scheduler can

@@ -47,7 +47,8 @@ class EngineSteps:
                                    prompt_ids=list(call.prompt_ids), max_tokens=call.max_tokens,
                                    temperature=call.temperature, top_p=call.top_p, seed=call.seed,
                                    stop=tuple(call.stop), kv_scope=call.kv_scope, logit_bias=call.logit_bias,
-                                   logprobs=call.logprobs, top_logprobs=call.top_logprobs))
+                                   logprobs=call.logprobs, top_logprobs=call.top_logprobs,
+                                   kv_output_tokens=running.routed.kv_output_tokens))
             running.in_engine = True
             running.span.add_event("prefill_start", {"session_prefill": action.session_prefill})
             # Published while the prefill runs: it is a progress marker (the projector keeps a
@@ -63,7 +64,9 @@ class EngineSteps:
 
     async def _decode(self, action: Decode):
         steps = await self._step(self.engine.decode, list(action.call_ids))
-        return self.core.decode_done(action, time.time(), await self._tokens(steps))
+        stepped = {s.call_id for s in steps}
+        stalled = [c for c in action.call_ids if c not in stepped]  # no KV page for them yet
+        return self.core.decode_done(action, time.time(), await self._tokens(steps), stalled=stalled)
 
     async def _step(self, step, *args):
         """An engine step (prefill or decode); the calls it finished are released on the

@@ -174,7 +174,7 @@ class CallRunner(EngineSteps, CallOutcomes, CallDrops):
             self.core.accept(call.call_id, call.session_id, call.model, call_index=routed.call_index,
                              prompt_tokens=call.prompt_tokens, max_tokens=call.max_tokens,
                              submitted_at=call.submitted_at, kv_state=kv_state, reusable_tokens=reusable,
-                             now=time.time())
+                             now=time.time(), kv_output_tokens=routed.kv_output_tokens)
         except SchedulerError as exc:
             self.log.warning("scheduler refused call", call_id=call.call_id, error=str(exc))
             return f"the instance cannot schedule this call: {exc}"

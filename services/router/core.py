@@ -99,6 +99,7 @@ class RouterCore:
                     policy=self.policy.name,
                     routed_at=now,
                     lease=decision.lease_outcome,
+                    kv_output_tokens=self.state.outputs.kv_tokens(call.session_id, call.model, call.max_tokens),
                 )
             )
         else:

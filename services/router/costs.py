@@ -9,7 +9,9 @@
                         (audited as queue_s: the work queued there)
             reserved_s = live leases on i * lease_charge_s   (lease admission units)
             prefill_s = (prompt - reusable prefix K) * prefill rate  (the new suffix only)
-            decode_s  = max_tokens * decode rate (the model's measured rate)
+            decode_s  = expected output * decode rate (the model's measured rate); the
+                        expected output is estimated online, never max_tokens (a cap)
+                        (output_estimate.py)
                         + stretch, with price_round_sharing (ours):
                         stretch = decode * k + k * switch_s, k = other models in i's rounds
                         (queued, active with calls running or queued, routed since the
@@ -54,7 +56,9 @@ Admission (both must pass, else the candidate is kept in the audit with feasible
             with nothing ahead of r always passes, so an oversized call is never starved;
             with kv_home_admits, an instance holding r's own KV on device or host passes
             too; a prefix another session left there does not count)
-    HBM:    r's KV (prompt + max_tokens) fits the KV pool; an absent model's weights fit HBM.
+    HBM:    r's expected KV (prompt + the KV quantile of its output, output_estimate.py; not
+            prompt + max_tokens, a cap it seldom uses) fits the KV pool; an absent model's
+            weights fit HBM.
 """
 
 from __future__ import annotations
@@ -185,7 +189,11 @@ class CostModel:
         index no longer counts it, and leaving it out again made reserved_s negative."""
         cfg, model, budget = self.cfg, call.model, self.budget
         stale_after, charge = cfg.stale_after_s, cfg.lease_charge_s
-        prompt, max_tokens = call.prompt_tokens, call.max_tokens
+        prompt = call.prompt_tokens
+        # max_tokens is the client's cap, not the call's length: decode is priced by the
+        # expected output and KV fit by a high quantile of it (output_estimate.py)
+        out_tokens = state.outputs.expected(call.session_id, model, call.max_tokens)
+        kv_out = state.outputs.kv_tokens(call.session_id, model, call.max_tokens)
         own_key = (call.session_id, model)
         known = min(prompt, entry.kv_tokens) if entry is not None else 0
         first_call = entry is None or entry.calls == 0
@@ -251,7 +259,7 @@ class CostModel:
             reserved = leases * charge  # returns other sessions' leases may bring
             queue = queued + reserved
             prefill = (prompt - k_total) * pf
-            decode = max_tokens * st.dec
+            decode = out_tokens * st.dec
             stretch = 0.0
             if sharing:
                 # round sharing: each other model with work here takes a slot of every round,
@@ -281,7 +289,7 @@ class CostModel:
                     cfg.kv_home_admits and own and kv_state in ("device", "host") and k_have > 0):
                 reason = "round_admission"
             elif not st.weights_fit or (st.kv_cap > 0 and (overlay + st.kv_used if st.mstate == "active" else 0)
-                                        + prompt + max_tokens > st.kv_cap):
+                                        + prompt + kv_out > st.kv_cap):
                 reason = "hbm"
             out.append(Priced(
                 CandidateCost(iid, queue + prefill + decode + kv_s + act + place, queued, prefill, decode, kv_s,

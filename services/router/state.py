@@ -24,6 +24,7 @@ import msgspec
 from talaria.services.router.homes import HomeBook
 from talaria.services.router.instances import InstanceView
 from talaria.services.router.leases import LeaseBook
+from talaria.services.router.output_estimate import OutputEstimator
 from talaria.services.router.prefix_index import PrefixIndex
 from talaria.services.router.profiles import InstanceProfile, ModelProfile
 from talaria.shared.events import (
@@ -104,6 +105,7 @@ class RouterState:
     instance_profiles: dict[str, InstanceProfile] = field(default_factory=dict)
     prefix: PrefixIndex = field(default_factory=PrefixIndex)
     homes: HomeBook = field(default_factory=HomeBook)  # where each live session lives
+    outputs: OutputEstimator = field(default_factory=OutputEstimator)  # output lengths seen (never max_tokens)
     horizon_epoch: int = 0  # bumped when a model's idle horizon changes (not state: a cache key)
     routed_total: int = 0
 
@@ -263,6 +265,7 @@ class RouterState:
         entry.last_used = event.completed_at
         entry.last_completed_at = event.completed_at
         entry.last_call_id = event.call_id
+        self.outputs.observe(event.session_id, event.model, event.output_tokens)
         self.model(event.model).observe_completion(
             event.prompt_tokens, event.cached_tokens, event.output_tokens,
             event.prefill_s, event.decode_s, event.ttft_s,
@@ -317,6 +320,7 @@ class RouterState:
             "models": {m: dict(vars(p), gaps=list(p.gaps)) for m, p in self.models.items()},
             "instance_profiles": {i: dict(vars(p)) for i, p in self.instance_profiles.items()},
             "homes": self.homes.to_list(),
+            "outputs": self.outputs.to_dict(),
         }
 
     @classmethod
@@ -338,6 +342,7 @@ class RouterState:
         state.models = {m: ModelProfile(**p) for m, p in data.get("models", {}).items()}
         state.instance_profiles = {i: InstanceProfile(**p) for i, p in data.get("instance_profiles", {}).items()}
         state.homes = HomeBook.from_list(data.get("homes", []))
+        state.outputs = OutputEstimator.from_dict(data.get("outputs", {}))
         return state
 
 

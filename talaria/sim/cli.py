@@ -2,7 +2,11 @@
 
     talaria sim run --trace T.jsonl[.xz]|fixed-replay --profile paper-tp8 --policy least-loaded \
         [--instances N] [--no-sp] [--no-hkvr] [--no-staging] [--round-only] [--tau S] \
-        [--gaps paper|recorded[:cap]|rescaled:F[:cap]] [--model-map auto|A=B,...] [--seed N] [--json OUT]
+        [--gaps paper|recorded[:cap]|rescaled:F[:cap]] [--model-map auto|A=B,...] [--seed N] [--json OUT] \
+        [--bound]
+
+`--bound` prints the capacity-aware bound beside the run (experiments.capacity_aware_bound):
+how far the policy is from what the hardware allows on this traffic.
 
 A raw WEKA kv-cache-tester file is converted on the way in (traces/weka.py).
     talaria sim experiments fixed-replay|router|tau-sweep|scale|all|report [--out results/] [--json P]
@@ -55,15 +59,24 @@ def _run(args) -> int:
         server, args.instances, args.policy,
         PolicyConfig(lease_timeout_s=args.tau, adaptive_lease=args.adaptive_lease),
         sched, parse_gap_model(args.gaps, args.seed),
-        label=args.policy, progress=True,
+        label=args.policy, progress=True, log_actions=args.bound,
     )
-    summary = summarise(simulate(sessions, config))
+    result = simulate(sessions, config)
+    summary = summarise(result)
     print(
         f"{summary['calls']} calls, {summary['sessions']} sessions ({summary['gap_model']}): "
         f"SCT p50 {summary['sct_p50']:.2f} s p95 {summary['sct_p95']:.2f} s, TTFT p50 "
         f"{summary['ttft_p50']:.2f} s p95 {summary['ttft_p95']:.2f} s, oracle SCT p50 "
         f"{summary['oracle']['sct_p50']:.2f} s; simulated in {summary['sim_wall_s']:.2f} s"
     )
+    if args.bound:
+        bound, _ = experiments.capacity_aware_bound(sessions, config, result)
+        summary["bound"] = bound
+        print(f"capacity-aware bound: SCT p50 {bound['sct_p50']:.2f} s p95 {bound['sct_p95']:.2f} s "
+              f"(schedule bound {bound['schedule']['sct_p50']:.2f} / {bound['schedule']['sct_p95']:.2f} s, "
+              f"free-memory run {bound['free_memory_run']['sct_p50']:.2f} / "
+              f"{bound['free_memory_run']['sct_p95']:.2f} s); this run is "
+              f"{summary['sct_p50'] / bound['sct_p50']:.2f}x / {summary['sct_p95'] / bound['sct_p95']:.2f}x the bound")
     if args.json:
         experiments.write_json(summary, Path(args.json))
     return 0
@@ -119,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="replay trace models as served ones: 'auto' or TRACE=SERVED,... (default: none)")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--json", default=None)
+    run.add_argument("--bound", action="store_true",
+                     help="also print the capacity-aware bound (schedule bound and free-memory run)")
     run.set_defaults(func=_run)
     exp = sub.add_parser("experiments", help="run the paper's experiments")
     experiments.add_arguments(exp)

@@ -8,13 +8,21 @@ The router is the project's own `RouterCore` with a policy from the registry, dr
 the virtual clock. Instances report `InstanceSnapshot`s the way live agents heartbeat:
 lazily, right before a routing decision, each instance whose last snapshot is older than
 `heartbeat_s` sends a fresh one (equivalent to periodic heartbeats for every decision the
-router makes, without simulating idle heartbeats). `RouterCore.tick` runs before each
-decision and once at the end, so lease expiry is observed at decision times.
+router makes, without simulating idle heartbeats). Like a live agent, an instance also
+sends one when a call finishes there, at most every `snapshot_on_change_s` (the router
+learns of freed capacity and the session's KV at once, not a heartbeat later).
+`RouterCore.tick` runs before each decision and once at the end, so lease expiry is
+observed at decision times.
 
 A rejected call (503) is retried the way agents retry (talaria/sim/agents.py): after the
 decision's Retry-After, up to a bound; its schedule-aware TTFT keeps counting from the
 original release, and a call that gives up leaves its session incomplete (SCT = inf).
 Each call carries the block hashes the gateway would compute for its prompt.
+
+No oracle: a call is submitted with its client's `max_tokens` (the trace's, else a client
+default, traces/caps.py), never its true output length, which only the instance executing
+it learns (it stops there, as a live engine stops at EOS). Every policy sees what a live
+router sees.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from talaria.sim.engine import EventLoop
 from talaria.sim.device_view import DeviceView
 from talaria.sim.executor import Job, SimExecutor, instance_config
 from talaria.sim.profiles import ServerProfile
+from talaria.traces.caps import client_cap
 from talaria.traces.format import Session
 from talaria.traces.gaps import GapModel
 
@@ -64,6 +73,9 @@ class RunConfig:
     max_wall_s: float | None = None  # stop the run after this much wall time (result incomplete)
     max_decode_steps: int = 4096  # simulator speed: decode tokens per event (exact, see executor.py)
     log_actions: bool = False  # keep each instance's executed actions (schedule_bound.py)
+    # An instance also snapshots when a call finishes there, at most this often: the live
+    # agent's SNAPSHOT_ON_CHANGE_MIN_S (its runner; kept here so the simulator imports no I/O shell).
+    snapshot_on_change_s: float = 0.05
 
 
 @dataclass
@@ -114,6 +126,7 @@ class Cluster:
         # per instance, in instance order: [instance, last snapshot time, version, state key,
         # last snapshot]; one list so the per-decision heartbeat scan is a single pass
         self._snap_recs: list[list] = [[inst, -1e18, 0, None, None] for inst in self.instances.values()]
+        self._snap_rec = {rec[0].id: rec for rec in self._snap_recs}
         self._snap_due = float("-inf")  # no snapshot refresh is due before this time
         self.counters = RouterCounters()
         self.jobs: list[Job] = []
@@ -174,6 +187,7 @@ class Cluster:
             reusable=call.reusable_prefix_tokens,
             output=call.output_tokens,
             release_t=now,
+            max_tokens=client_cap(call, self.config.server.model(call.model).max_context),
         )
         self._hashes[job.call_id] = self._prompts.for_call(
             session_id, index, call.prompt_tokens, call.reusable_prefix_tokens)
@@ -188,7 +202,7 @@ class Cluster:
             model=job.model,
             prompt_ids=[],
             block_hashes=self._hashes[job.call_id],
-            max_tokens=job.output,
+            max_tokens=job.max_tokens,
             submitted_at=now,
             prompt_tokens_hint=job.prompt,
         )
@@ -201,6 +215,7 @@ class Cluster:
             if isinstance(ev, CallRouted):
                 del self._hashes[job.call_id]
                 self._measure_placement(job, ev.instance_id)
+                job.kv_output_tokens = ev.kv_output_tokens
                 out.extend(self.instances[ev.instance_id].submit(now, job) or ())
             elif isinstance(ev, CallFailed):
                 self.counters.rejected += 1
@@ -257,6 +272,9 @@ class Cluster:
         """An instance finished `job`; `done` is its agent core's completion record."""
         self.jobs.append(job)
         self._count(self.router.handle(done, now))
+        rec = self._snap_rec[job.instance]
+        if now - rec[1] >= self.config.snapshot_on_change_s:  # the agent's snapshot on change
+            self._send_snapshot(rec, now)
         session = self._by_id[job.session]
         nxt = job.call_index + 1
         if nxt >= len(session.calls):
@@ -272,31 +290,32 @@ class Cluster:
         hb = self.config.heartbeat_s
         if now < self._snap_due:
             return  # no instance's snapshot is heartbeat_s old yet (the scan would send none)
-        observe = self.router.observe
-        replace = msgspec.structs.replace
         oldest = now
         for rec in self._snap_recs:
             if now - rec[1] < hb:
                 if rec[1] < oldest:
                     oldest = rec[1]
             else:
-                inst = rec[0]
-                ver = rec[2] = rec[2] + 1
-                rec[1] = now
-                # An instance whose state did not change re-sends its last snapshot with a
-                # new version and time (a heartbeat); fields that drift with time alone
-                # (round_remaining_s, staging progress) stay as of the last change.
-                key = (inst.token, inst.kv.version, inst.sched.calls.seq, inst.staging.target, inst.busy)
-                if rec[3] == key:
-                    snap = replace(rec[4], version=ver, at=now)
-                else:
-                    snap = inst.snapshot(ver, now, hb)
-                    rec[3] = key
-                rec[4] = snap
-                observe(snap, now)
+                self._send_snapshot(rec, now)
         # earliest time a later scan can find a due instance (a lower bound: the exact test
         # `now - at >= hb` is still made per instance, so float rounding cannot skip one)
         self._snap_due = oldest + hb * (1.0 - 1e-9) if hb > 0 else float("-inf")
+
+    def _send_snapshot(self, rec: list, now: float) -> None:
+        inst = rec[0]
+        ver = rec[2] = rec[2] + 1
+        rec[1] = now
+        # An instance whose state did not change re-sends its last snapshot with a new
+        # version and time (a heartbeat); fields that drift with time alone
+        # (round_remaining_s, staging progress) stay as of the last change.
+        key = (inst.token, inst.kv.version, inst.sched.calls.seq, inst.staging.target, inst.busy)
+        if rec[3] == key:
+            snap = msgspec.structs.replace(rec[4], version=ver, at=now)
+        else:
+            snap = inst.snapshot(ver, now, self.config.heartbeat_s)
+            rec[3] = key
+        rec[4] = snap
+        self.router.observe(snap, now)
 
 
 def _retry_after(events) -> float | None:

@@ -72,8 +72,10 @@ class Job:
     call_index: int
     prompt: int
     reusable: int
-    output: int
+    output: int  # true output length: only the executor knows it (the engine's EOS)
     release_t: float  # intended enqueue (schedule-aware TTFT starts here)
+    max_tokens: int = 0  # the client's cap, what the router and the scheduler see (0: output)
+    kv_output_tokens: int = 0  # the router's KV estimate of its output (CallRouted)
     first_token_t: float = -1.0
     done_t: float = -1.0
     remaining: int = 0  # decode steps left
@@ -113,6 +115,7 @@ class SimExecutor:
         self.log: list[LoggedAction] | None = None  # executed actions, when a caller asks
         self._transfer_s = 0.0  # weight/KV transfer seconds inside the running prefill
         self.busy = False
+        self.steps = 0  # decode steps the running Decode will run (<= its steps: a call's EOS)
         self.token = 0  # stale-event guard for the running action
         self.action = None
         self.action_start = 0.0
@@ -131,9 +134,9 @@ class SimExecutor:
         job.instance = self.id
         source, avail = self._kv_for(job)
         self.core.accept(job.call_id, job.session, job.model, call_index=job.call_index, prompt_tokens=job.prompt,
-                         max_tokens=job.output, submitted_at=job.release_t,
+                         max_tokens=max(job.max_tokens, job.output), submitted_at=job.release_t,
                          kv_state=source if source in ("device", "host") else "none", reusable_tokens=avail,
-                         now=now, arrived_at=now)
+                         now=now, arrived_at=now, kv_output_tokens=job.kv_output_tokens)
         self.jobs[job.call_id] = job
         if not self.busy:
             return self._drive(now)
@@ -160,6 +163,11 @@ class SimExecutor:
         if isinstance(action, Prefill):
             return self._prefill(now, action)
         assert isinstance(action, Decode)
+        # The scheduler plans to max_tokens (a cap); a call that ends earlier (its EOS, known
+        # only here) ends the multi-step decode at that step, as one-token stepping would.
+        self.steps = min(action.steps, min(self.jobs[c].remaining for c in action.call_ids))
+        if self.steps < action.steps:
+            return [(now + self._decode_s(action, self.steps), self._done, (self.token, self.steps))]
         return [(now + self._decode_s(action, action.steps), self._done, (self.token, None))]
 
     def _decode_s(self, action: Decode, steps: int) -> float:
@@ -170,8 +178,8 @@ class SimExecutor:
     def _cut(self, now: float):
         """Stop the running multi-step decode at the first step boundary at or after `now`."""
         action = self.action
-        j = first_step_reaching(lambda k: self._decode_s(action, k), now - self.action_start, action.steps)
-        if j >= action.steps:
+        j = first_step_reaching(lambda k: self._decode_s(action, k), now - self.action_start, self.steps)
+        if j >= self.steps:
             return None
         self.token += 1
         return [(self.action_start + self._decode_s(action, j), self._done, (self.token, j))]
@@ -322,7 +330,7 @@ class SimExecutor:
         # Measured as the live engine measures them: every call of a batched prefill or decode
         # step is charged the step's time, so the router's per-model rates are learned.
         done = self.core.completed(job.call_id, now, prompt_tokens=job.prompt, output_tokens=job.output,
-                                   finish_reason="length", cached_tokens=cached, kv_source=job.kv_source,
+                                   finish_reason="length" if job.output >= job.max_tokens else "stop", cached_tokens=cached, kv_source=job.kv_source,
                                    prefill_s=job.prefill_s, decode_s=job.decode_s)
         return self.sink.completed(job, done, now)
 

@@ -25,6 +25,7 @@ from talaria.sim.profiles import ServerProfile
 # driven with synthetic page hashes: a session's prefix is unique to it, so page j of session s
 # hashes to (s, j), cumulative by construction. Pages are coarser than the engine's (the
 # simulator moves no bytes): a restore covers whole pages, the tail is recomputed. [asm]
+# A profile may set its own (ServerProfile.kv_page_tokens: the torch engine's 16 for local-torch).
 SIM_PAGE_TOKENS = 512
 STAGE_CHUNK_BYTES = 4 << 30  # staging chunk in the simulator: 4 GiB (the engine uses 256 KiB) [asm]
 
@@ -37,18 +38,19 @@ class _HostView:
     """`host.get((model, session))` / `host.items()` over the registry: published tokens only
     (both answered from the registry's own restorable-prefix index, no page walk)."""
 
-    def __init__(self, core: HkvrCore) -> None:
+    def __init__(self, core: HkvrCore, page: int = SIM_PAGE_TOKENS) -> None:
         self.core = core
+        self.page = page
         core.changes = set()
         self._entries: dict[tuple[str, str], SessionKv] = {}
         self._list: list[SessionKv] | None = None
 
     def get(self, key: tuple[str, str], default: int = 0) -> int:
         model, session = key
-        return self.core.session_tokens(session, model, SIM_PAGE_TOKENS) or default
+        return self.core.session_tokens(session, model, self.page) or default
 
     def items(self):
-        return (((m, s), t) for s, m, t in self.core.session_prefixes(SIM_PAGE_TOKENS))
+        return (((m, s), t) for s, m, t in self.core.session_prefixes(self.page))
 
     def entries(self) -> list[SessionKv]:
         """Snapshot entries of every restorable session, kept current from the registry's
@@ -58,7 +60,7 @@ class _HostView:
             for sid, model in core.changes:
                 pre = core.sessions.get((sid, model))
                 if pre is not None and pre.published:
-                    entries[(model, sid)] = SessionKv(sid, model, "host", pre.published * SIM_PAGE_TOKENS)
+                    entries[(model, sid)] = SessionKv(sid, model, "host", pre.published * self.page)
                 else:
                     entries.pop((model, sid), None)
             core.changes.clear()
@@ -77,9 +79,10 @@ class KvStore:
         self.server = server
         self.device: OrderedDict[str, int] = OrderedDict()
         self.device_tokens = 0
-        slot_bytes = max(m.kv_bytes_per_token for m in server.models.values()) * SIM_PAGE_TOKENS
+        self.page = page = getattr(server, "kv_page_tokens", SIM_PAGE_TOKENS)
+        slot_bytes = max(m.kv_bytes_per_token for m in server.models.values()) * page
         self.core = HkvrCore(max(1, server.host_bytes // slot_bytes), ranks=1)
-        self.host = _HostView(self.core)
+        self.host = _HostView(self.core, page)
         self._page_hashes: dict[str, tuple[int, ...]] = {}
         self.device_evictions = 0
         self.version = 0  # bumped on every change; snapshots cache on it
@@ -110,9 +113,10 @@ class KvStore:
     def put_host(self, model: str, session: str, tokens: int) -> None:
         """Checkpoint the session's committed pages (the D2H copy is charged no time here and
         completes at once; pages already held are shared, not copied again)."""
-        pages = tokens // SIM_PAGE_TOKENS
-        report = RankReport(0, pages * SIM_PAGE_TOKENS, self._hashes(session, pages))
-        template = LayoutDescriptor(model, 0, 0, 0, SIM_PAGE_TOKENS, "bf16", "gqa", (SIM_PAGE_TOKENS,))
+        page = self.page
+        pages = tokens // page
+        report = RankReport(0, pages * page, self._hashes(session, pages))
+        template = LayoutDescriptor(model, 0, 0, 0, page, "bf16", "gqa", (page,))
         plan = self.core.plan_save(model, session, [report], template)
         self.core.complete(plan.job_id)
         self.version += 1
@@ -126,10 +130,10 @@ class KvStore:
 
     def touch_host(self, model: str, session: str) -> int:
         """A restore: pins, counts the hit and refreshes LRU order through the registry."""
-        pages = self.core.session_tokens(session, model, SIM_PAGE_TOKENS) // SIM_PAGE_TOKENS
+        pages = self.core.session_tokens(session, model, self.page) // self.page
         plan = self.core.begin_restore(model, self._hashes(session, pages))
         self.core.end_restore(plan)
-        return len(plan.hashes) * SIM_PAGE_TOKENS
+        return len(plan.hashes) * self.page
 
 
 class StagingState:

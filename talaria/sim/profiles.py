@@ -94,6 +94,7 @@ class ServerProfile:
     models: dict[str, SimModelProfile] = field(default_factory=dict)
     bump_fraction: float = 0.8  # [cal] App. E mem-fraction-bump
     runtime_reserve_bytes: int = 0  # CUDA graphs, workspaces (outside the bump buffer)
+    kv_page_tokens: int = 512  # host KV page ([asm] coarse for speed, memory.SIM_PAGE_TOKENS)
     source: str = ""
 
     @property
@@ -219,28 +220,38 @@ ROUTER_TP4 = ServerProfile(
 # ---- (3) the torch engine on this machine (CPU) --------------------------------------------
 
 # [bench] = results/agent_bench.md (the instance-agent bench of the torch engine, CPU, 1 thread,
-# qwen3-tiny). Recompute TTFT 4,096 tokens 998.76 ms and 16,384 tokens 9,859 ms fix the prefill
-# curve (alpha ~1.65: attention dominates on CPU); host restore adds ~98 ms at 16,384 tokens
-# (154.49 - 56.11 ms); switch p50s: host-only 0.73 ms for 3,418,624 B of weights.
-# Decode is not in the bench: PLACEHOLDER numbers below, marked as such.
-_TINY_K, _TINY_ALPHA = power_curve(4096, 0.99876, 16384, 9.85909)
+# qwen3-tiny): host restore adds ~98 ms at 16,384 tokens (154.49 - 56.11 ms); switch p50s:
+# host-only 0.73 ms for 3,418,624 B of weights.
+# [meas] = `python bench/sim_fidelity.py --measure` on this machine (torch engine, 1 torch thread
+# as the agent runs it, medians): each model's prefill at 512 and 2,048 prompt tokens and its
+# decode step at (batch 1, 512 context), (batch 1, 2,048) and (batch 4, 4 x 512). The prefill
+# curve goes through the two prefill points; the decode line d0 + d1 * batch + d2 * context
+# through the three decode points (results/sim_fidelity.md uses this profile).
+_TINY_MEASURED = {  # [meas] seconds
+    "qwen3-tiny": dict(p512=0.03166, p2048=0.18942, b1c512=0.001497, b1c2048=0.002347, b4c512=0.003235),
+    "qwen3-moe-tiny": dict(p512=0.05248, p2048=0.25693, b1c512=0.004378, b1c2048=0.006711, b4c512=0.008831),
+    "gpt2-tiny": dict(p512=0.03223, p2048=0.14255, b1c512=0.001176, b1c2048=0.002616, b4c512=0.003119),
+}
 _TINY_WEIGHTS = {"qwen3-tiny": 3_418_624, "qwen3-moe-tiny": 10_512_896, "gpt2-tiny": 7_633_920}  # [bench]
-_TINY = tuple(
-    SimModelProfile(
-        name,
-        weight_bytes=w,
+
+
+def _tiny(name: str, weights: int, m: dict) -> SimModelProfile:
+    """A demo model's profile from its [meas] points (see above)."""
+    k, alpha = power_curve(512, m["p512"], 2048, m["p2048"])
+    d2 = (m["b1c2048"] - m["b1c512"]) / (2048 - 512)  # per context token
+    d1 = (m["b4c512"] - m["b1c512"] - d2 * (4 * 512 - 512)) / 3  # per sequence in the batch
+    d0 = m["b1c512"] - d1 - d2 * 512
+    return SimModelProfile(
+        name, weight_bytes=weights,
         kv_bytes_per_token=4 * 2 * 32 * 2 * 4,  # [card] shared/catalog.py: 4 layers, 2 KV heads, dim 32, fp32
-        prefill_k=_TINY_K,  # [bench]
-        prefill_alpha=_TINY_ALPHA,  # [bench]
-        prefill_c0_s=0.002,  # PLACEHOLDER
-        decode_d0_s=0.004,  # PLACEHOLDER
-        decode_d1_s=0.0002,  # PLACEHOLDER
-        decode_d2_s=1e-8,  # PLACEHOLDER
+        prefill_k=k, prefill_alpha=alpha, prefill_c0_s=0.0,  # [meas] (c0 inside the two points)
+        decode_d0_s=d0, decode_d1_s=d1, decode_d2_s=d2,  # [meas]
         max_context=32_768,
-        source="[bench] prefill/switch; decode PLACEHOLDER",
+        source="[meas] bench/sim_fidelity.py --measure; switch/restore [bench]",
     )
-    for name, w in _TINY_WEIGHTS.items()
-)
+
+
+_TINY = tuple(_tiny(name, w, _TINY_MEASURED[name]) for name, w in _TINY_WEIGHTS.items())
 LOCAL_TORCH = ServerProfile(
     "local-torch",
     gpus=1,
@@ -250,7 +261,8 @@ LOCAL_TORCH = ServerProfile(
     d2d_bytes_s=10 * GB,  # PLACEHOLDER
     kv_restore_bytes_s=16384 * (4 * 2 * 32 * 2 * 4) / 0.098,  # [bench] 16,384 tokens in ~98 ms
     models={m.name: m for m in _TINY},
-    source="torch engine on this machine's CPU, results/agent_bench.md; decode PLACEHOLDER",
+    kv_page_tokens=16,  # [card] the torch engine's page (engine.py page_size): host KV restores whole pages
+    source="torch engine on this machine's CPU: bench/sim_fidelity.py --measure, results/agent_bench.md",
 )
 
 PROFILES: dict[str, ServerProfile] = {p.name: p for p in (PAPER_TP8, ROUTER_TP4, LOCAL_TORCH)}

@@ -20,7 +20,9 @@ gap_before_s             float  call 0: the session's start offset from the repl
 =======================  =====  ==========================================================
 
 Optional fields: ``kind`` ("tool" continuation, "user" turn, "start"), ``source`` (free
-text, e.g. the original trace id). Unknown fields are an error, so typos do not pass.
+text, e.g. the original trace id), ``max_tokens`` (the client's cap on the output, >=
+output_tokens; absent: a documented mix of API defaults, traces/caps.py). Unknown fields are
+an error, so typos do not pass.
 
 Lines of one session must be contiguous and in call order. Blank lines and lines starting
 with ``#`` are skipped. ``load_trace`` validates every line and raises ``TraceFormatError``
@@ -44,7 +46,7 @@ REQUIRED = (
     "output_tokens",
     "gap_before_s",
 )
-OPTIONAL = ("kind", "source")
+OPTIONAL = ("kind", "source", "max_tokens")
 KINDS = ("start", "tool", "user")
 
 
@@ -70,6 +72,7 @@ class TraceCall:
     gap_before_s: float
     kind: str = "tool"
     source: str = ""
+    max_tokens: int = 0  # the client's cap; 0 = not recorded (traces/caps.py supplies one)
 
     @property
     def new_tokens(self) -> int:
@@ -130,8 +133,9 @@ def parse_line(obj: object, path: str = "<trace>", lineno: int = 0) -> TraceCall
     source = obj.get("source", "")
     if not isinstance(source, str):
         raise TraceFormatError(path, lineno, "source", "must be a string")
+    cap = _check_int(path, lineno, obj, "max_tokens", output) if "max_tokens" in obj else 0
     return TraceCall(
-        obj["session"], call_index, obj["model"], prompt, reusable, output, float(gap), kind, source
+        obj["session"], call_index, obj["model"], prompt, reusable, output, float(gap), kind, source, cap
     )
 
 
@@ -208,6 +212,8 @@ def dump_calls(calls: Iterable[TraceCall], stream: IO[str]) -> int:
         record = asdict(call)
         if not record["source"]:
             del record["source"]
+        if not record["max_tokens"]:
+            del record["max_tokens"]
         stream.write(json.dumps(record, separators=(",", ":")) + "\n")
         n += 1
     return n

@@ -2,6 +2,15 @@
 (the session's own device entry, then the prefix index, then host pages via HKVR), reserve
 the pages it will need, and give them back when it leaves.
 
+Reserved: prompt + the output the router expects (`kv_output_tokens`, a high quantile of
+what the session and model produced; services/router/output_estimate.py), not prompt +
+max_tokens, a cap most calls never use (a 32,000-token cap would hold a quarter of a 131K
+pool per call). A call that outgrows its reservation grows page by page into pages nobody
+reserved (`grow_page`: free ones, then idle prefixes and sessions, whose KV HKVR keeps on
+host); when none is left it waits a step while the others decode and finish; only when no
+call can go on does the latest admitted finish with what it generated, finish reason
+"length" (TorchEngine.decode), as at the context limit: never a crash or a lost call.
+
 Functions of the engine (`eng`), called on its one worker thread; split out of engine.py.
 """
 
@@ -55,7 +64,7 @@ def admit(eng: TorchEngine, req: GenRequest, t0: float) -> Sequence:
     shared, cow_src, cached = match_device(eng, req.session_id, prompt, hashes, max_match)
     for p in shared:
         eng.pool.use(p)
-    kv_tokens = min(len(prompt) + req.max_tokens - 1, spec.context_length)
+    kv_tokens = min(len(prompt) + reserved_output(req) - 1, spec.context_length)
     total_pages = math.ceil(kv_tokens / ps)
     new_pages = total_pages - len(shared)
     available = eng.pool.num_unused() - sum(s.pages_to_come() for s in eng.running.values())
@@ -82,6 +91,47 @@ def admit(eng: TorchEngine, req: GenRequest, t0: float) -> Sequence:
     gen = make_generator(req.seed, eng.device) if req.temperature > 0 else None
     return Sequence(req, spec.context_length, prompt, pages, cached, host_tokens, total_pages, t0, gen,
                     text=text_for(spec))
+
+
+def reserved_output(req: GenRequest) -> int:
+    """Output tokens a call's pages are reserved for: the router's estimate, never above
+    max_tokens; max_tokens when the router sent none."""
+    k = req.kv_output_tokens
+    return min(req.max_tokens, k) if k > 0 else req.max_tokens
+
+
+def next_page(eng: TorchEngine, seq: Sequence) -> int:
+    """A page for `seq`'s next tokens: within its reservation, or grown past it."""
+    if len(seq.pages) < seq.total_pages:
+        return alloc_page(eng)
+    page = grow_page(eng, seq)
+    if page is None:
+        raise OutOfKvPages(eng.active_model or "", 1, 0)
+    return page
+
+
+def grow_page(eng: TorchEngine, seq: Sequence) -> int | None:
+    """One page past `seq`'s reservation, taken only where no other running call reserved
+    it (free pages, then idle prefixes and sessions, evicted by alloc_page); None if none."""
+    others = sum(s.pages_to_come() for s in eng.running.values() if s is not seq)
+    if eng.pool.num_unused() - others < 1:
+        return None
+    page = alloc_page(eng)
+    seq.total_pages += 1
+    return page
+
+
+def grow_into(eng: TorchEngine, seq: Sequence) -> bool:
+    """Give `seq` one page past its reservation if one is unreserved; whether it got it."""
+    page = grow_page(eng, seq)
+    if page is not None:
+        seq.pages.append(page)
+    return page is not None
+
+
+def needs_page(eng: TorchEngine, seq: Sequence) -> bool:
+    """Whether `seq`'s next decode step writes past its pages and its reservation."""
+    return seq.kv_len + 1 > len(seq.pages) * eng.page_size and len(seq.pages) >= seq.total_pages
 
 
 def match_device(

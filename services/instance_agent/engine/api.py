@@ -24,6 +24,9 @@ class GenRequest:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     logprobs: bool = False  # report each generated token's logprob ...
     top_logprobs: int = 0  # ... and this many most likely alternatives
+    # Output tokens to reserve KV pages for: the router's estimate (CallRouted.kv_output_tokens,
+    # <= max_tokens); 0 = max_tokens. A call that outgrows it grows into unreserved pages.
+    kv_output_tokens: int = 0
 
 
 @dataclass

@@ -207,12 +207,28 @@ class TorchEngine:
         if not seqs:
             return []
         self._poll()
+        # A call past its reserved pages grows into unreserved ones. With none left it waits
+        # (no token this step: it is not in the result) while the others decode and free
+        # pages as they finish; when no call of the step can go on, the latest admitted ends
+        # with what it has ("length", as at the context limit) so the rest can. Never a
+        # failed step.
+        stalled = [s for s in seqs if admission.needs_page(self, s) and not admission.grow_into(self, s)]
+        ended = []
+        if stalled and len(stalled) == len(seqs):
+            latest = max(stalled, key=lambda s: s.t_start)
+            ended.append(latest.end_for_kv())
+            stalled.remove(latest)
+        if ended or stalled:
+            seqs = [s for s in seqs if not s.finished and s not in stalled]
+            call_ids = [s.req.call_id for s in seqs]
+            if not seqs:
+                return ended
         t0 = time.perf_counter()
         logits = forward_pass.forward_batch(self, [(s, s.kv_len, 1) for s in seqs])
         if self.on_logits is not None:
             self.on_logits(call_ids, logits)
         now = time.perf_counter()
-        out = [s.take(logits[i], now) for i, s in enumerate(seqs)]
+        out = ended + [s.take(logits[i], now) for i, s in enumerate(seqs)]
         for s in seqs:
             s.decode_s += now - t0
         self._rate("decode", len(seqs), now - t0)

@@ -112,7 +112,7 @@ def forward_batch(eng: TorchEngine, parts: list[tuple[Sequence, int, int]]) -> t
     row = 0
     for seq, p0, n in parts:
         while len(seq.pages) * ps < p0 + n:
-            seq.pages.append(admission.alloc_page(eng))
+            seq.pages.append(admission.next_page(eng, seq))
         ids += seq.tokens[p0 : p0 + n]
         pos += range(p0, p0 + n)
         wpages += [seq.pages[p // ps] for p in range(p0, p0 + n)]

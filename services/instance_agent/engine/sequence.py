@@ -22,7 +22,7 @@ class Sequence:
     pages: list[int]
     cached_tokens: int
     host_tokens: int
-    total_pages: int  # pages reserved for the whole call (prompt + max_tokens, capped)
+    total_pages: int  # pages reserved (prompt + the expected output, capped); grows past it
     t_start: float
     gen: torch.Generator | None
     kv_len: int = 0
@@ -80,6 +80,13 @@ class Sequence:
         if self.finished and not stopped:
             text += self.stop.flush(self.decoder.flush())
         return StepToken(self.req.call_id, tok, text, self.finished, self.finish_reason, lp)
+
+    def end_for_kv(self) -> StepToken:
+        """The instance has no KV page left for this call's next token: it finishes with the
+        tokens it has, finish reason "length" (its held-back text released)."""
+        self.finish_reason = "length"
+        text = self.stop.flush(self.decoder.flush())
+        return StepToken(self.req.call_id, -1, text, True, "length")
 
     def result(self, model: str) -> GenResult:
         ttft = (self.t_first - self.t_start) if self.t_first is not None else 0.0

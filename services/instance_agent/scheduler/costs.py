@@ -55,8 +55,10 @@ def call_prefill_s(costs: StepCostModel, work: Work, hkvr: bool) -> float:
 
 
 def call_kv_bytes(costs: StepCostModel, work: Work) -> int:
-    """Device KV a running call may grow to: its prompt plus every token it may generate."""
-    return costs.kv_bytes(work.model, work.prompt_tokens + work.max_tokens)
+    """Device KV a call is admitted for: its prompt plus the output the router expects (not
+    max_tokens, a cap it seldom uses; the engine grows a call past it, engine/admission.py)."""
+    out = min(work.max_tokens, work.kv_output_tokens) if work.kv_output_tokens > 0 else work.max_tokens
+    return costs.kv_bytes(work.model, work.prompt_tokens + out)
 
 
 @dataclass

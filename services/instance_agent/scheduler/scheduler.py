@@ -157,10 +157,13 @@ class RoundScheduler(ColdPool, HotPool, ChunkedPrefill, WorkCosts):
         return self.drain_events()
 
     def on_decode_done(
-        self, action: Decode, now: float, finished: Iterable[str] = (), steps: int | None = None
+        self, action: Decode, now: float, finished: Iterable[str] = (), steps: int | None = None,
+        stalled: Iterable[str] = (),
     ) -> list[SchedulerEvent]:
         """`steps` decode iterations ran (default: all of `action.steps`; fewer when the
-        driver stopped early). `finished`: calls that hit EOS/stop in the last step."""
+        driver stopped early). `finished`: calls that hit EOS/stop in the last step.
+        `stalled`: calls the engine could not step (no KV page for their next token yet):
+        they generated nothing and decode again in a later step."""
         ran = action.steps if steps is None else steps
         if not 1 <= ran <= action.steps:
             raise ValueError(f"steps={steps} not in [1, {action.steps}]")
@@ -168,8 +171,10 @@ class RoundScheduler(ColdPool, HotPool, ChunkedPrefill, WorkCosts):
         flight = self._complete(action)
         predicted = flight.predicted_s if ran == action.steps else self._decode_s(action, ran)
         self.costs.observe("decode", action.model, predicted, now - flight.issued_at)
+        waiting = frozenset(stalled)
         for call in self._known(action.call_ids):
-            call.generated += ran
+            if call.call_id not in waiting:
+                call.generated += ran
         slot = self.slot
         if slot is not None:
             slot.decodes += ran

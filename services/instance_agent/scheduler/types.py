@@ -36,6 +36,9 @@ class Work:
     max_tokens: int = 1
     arrived_at: float = 0.0
     continuation: bool = False
+    # Output tokens its KV is admitted for: the router's estimate (CallRouted.kv_output_tokens,
+    # <= max_tokens, a cap); 0 = max_tokens.
+    kv_output_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1:

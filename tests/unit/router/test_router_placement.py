@@ -503,7 +503,7 @@ def test_decode_is_stretched_by_the_models_a_call_would_share_rounds_with():
         # m1's decode rate as completions measured it (10 ms per token), so it prices m1 on
         # both instances (b's snapshot rate is m2's, never m1's)
         c.handle(call("w0", session="w"), 0.0)
-        c.handle(done("w0", "a", session="w", output=11, decode_s=0.11, at=0.0), 0.0)
+        c.handle(done("w0", "a", session="w", output=1000, decode_s=10.0, at=0.0), 0.0)  # m1 calls: 1,000 tokens
         audit, _ = decide(c, call("c1", max_tokens=1000), 0.0)
         return audit, by_instance(audit)
 
@@ -525,7 +525,7 @@ def test_an_idle_instance_s_last_model_does_not_rotate_with_the_call():
     c.observe(snap("c", active="m2", models={"m1": "absent", "m2": "active"}, running=1), 0.0)
     c.observe(snap("d", active="m2", models={"m1": "absent", "m2": "active"}, queued={"m2": 1}), 0.0)
     c.handle(call("w0", session="w"), 0.0)  # measure m1's decode: 10 ms per token
-    c.handle(done("w0", "b", session="w", output=11, decode_s=0.11, at=0.0), 0.0)
+    c.handle(done("w0", "b", session="w", output=1000, decode_s=10.0, at=0.0), 0.0)  # m1 calls: 1,000 tokens
     c.observe(snap("b", version=2, active="m2", models={"m1": "absent", "m2": "active"}), 0.0)
     audit, _ = decide(c, call("c1", max_tokens=1000), 0.0)
     x = by_instance(audit)

@@ -23,7 +23,7 @@ def by_instance(audit):
 
 
 def run_session(c, session: str, model: str, instance: str, calls: int, start: float, gap: float = 0.5,
-                prompt: int = 1000) -> float:
+                prompt: int = 1000, output: int = 10) -> float:
     """Route and complete `calls` calls of one session on `instance` (the only fresh view)."""
     t = start
     for k in range(calls):
@@ -32,7 +32,7 @@ def run_session(c, session: str, model: str, instance: str, calls: int, start: f
         assert one(out, RoutingDecision).chosen == instance
         t += 0.5
         c.handle(done(f"{session}-{k}", instance, session=session, model=model, index=k, at=t,
-                      prompt=prompt + 100 * k), t)
+                      prompt=prompt + 100 * k, output=output), t)
         t += gap
     return t
 
@@ -88,7 +88,7 @@ def _return_after(calls_made: int):
     models; `b` runs m1 alone and would recompute s1's context (15 s). Where does its next
     call go?"""
     c = core(price_round_sharing=True, **NO_LEASE)
-    t = run_session(c, "s1", "m1", "a", calls=calls_made, start=0.0, prompt=150_000)
+    t = run_session(c, "s1", "m1", "a", calls=calls_made, start=0.0, prompt=150_000, output=50)
     prompt = 150_000 + 100 * calls_made
     kv = [("s1", "m1", "device", prompt - 100 + 10)]
     c.observe(snap("a", version=10_000, at=t, models=THREE, queued={"m2": 1, "m3": 1}, sessions=kv), t)
@@ -111,8 +111,8 @@ def test_a_long_session_leaves_a_crowded_rotation_once_the_recompute_pays_for_it
 
 def test_a_first_call_prices_the_rotation_for_the_calls_its_model_shows_per_session():
     c = core(price_round_sharing=True, **NO_LEASE)
-    t = run_session(c, "old1", "m1", "b", calls=4, start=0.0)
-    t = run_session(c, "old2", "m1", "b", calls=2, start=t)  # m1 sessions: 6 calls / 2 sessions
+    t = run_session(c, "old1", "m1", "b", calls=4, start=0.0, output=100)  # m1 calls: 100 tokens
+    t = run_session(c, "old2", "m1", "b", calls=2, start=t, output=100)  # m1 sessions: 6 calls / 2 sessions
     assert c.state.models["m1"].calls_per_session() == pytest.approx(3.0)
     c.observe(snap("a", version=10_000, at=t, models=THREE, queued={"m2": 1}), t)
     c.observe(snap("b", version=10_000, at=t, active="m2", models={"m1": "absent", "m2": "active"}), t)
