@@ -146,6 +146,7 @@ def test_the_wait_for_the_active_slot_is_paid_only_by_a_model_that_is_not_active
 
 
 def test_a_call_whose_prompt_fits_the_kv_pool_but_not_its_max_tokens_is_refused():
+    # No completion of m1 yet: the output estimate is the cap itself (output_estimate.py).
     pool = snap("i", kv_capacity_tokens=2000, kv_pinned_tokens=0)
     fits = price(state_of(pool), "i", call("c", tokens=1000, max_tokens=1000))
     assert fits.feasible  # exactly the pool
