@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from sched_driver import Driver, make, ret, work
 
-from talaria.services.instance_agent.scheduler import CallFinished
+from talaria.services.instance_agent.scheduler import CallFinished, Decode, Prefill
 
 MID_SLOT = 1.05  # mid slot a (see test_sched_sp.py)
 
@@ -63,3 +63,25 @@ def test_without_sp_a_queued_return_contends_so_the_slot_does_not_extend_past_it
     d.run()
     finished = [e.call_id for e in d.of(CallFinished)]
     assert finished.index("r1") < finished.index("a1")  # admitted by the next slot's P, not after a1
+
+
+def _decode_after_first_sp(sp_max_batch: int, returns: int) -> Decode:
+    d = Driver(make(models=("a", "b"), sp_max_batch=sp_max_batch))
+    d.max_steps = 8
+    d.submit(work("a1", "a", max_tokens=200))
+    d.submit(work("b1", "b", max_tokens=200))
+    for k in range(returns):
+        d.at(MID_SLOT, ret(f"r{k}", "a", session=f"s{k}"))
+    d.run()
+    i = next(j for j, a in enumerate(d.actions) if isinstance(a, Prefill) and a.session_prefill)
+    nxt = d.actions[i + 1]
+    assert isinstance(nxt, Decode)
+    return nxt
+
+
+def test_after_an_sp_batch_that_left_returns_behind_decode_single_steps_to_the_next_sp():
+    assert _decode_after_first_sp(sp_max_batch=1, returns=2).steps == 1
+
+
+def test_after_an_sp_batch_that_took_every_return_decode_runs_several_steps():
+    assert _decode_after_first_sp(sp_max_batch=8, returns=1).steps > 1
