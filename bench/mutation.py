@@ -649,8 +649,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample", type=int, default=1, metavar="N",
                     help="every N-th mutant of each area only (deterministic; for a quick look)")
     ap.add_argument("--recheck", metavar="JSON",
-                    help="run only the mutants that survived in this earlier --json output (matched by file, "
-                         "function, kind and text, so moved lines still match); the others keep their outcome")
+                    help="the mutants of this earlier --json output that still exist (matched by file, function, "
+                         "kind and text, so moved lines still match): its survivors run again, the rest keep "
+                         "their outcome")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="no run: the report of earlier --json outputs (later files win per area)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
@@ -685,20 +686,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         workers = [Worker(base, k, args.rev) for k in range(max(1, args.workers))]
         mutants = collect(workers[0].copy, areas)
-        if args.sample > 1:
-            mutants = [m for a in areas for m in [x for x in mutants if x.area == a.name][::args.sample]]
         kept: list[tuple[Mutant, str, float]] = []
         if args.recheck:
+            # The earlier run's mutants (its sample) that still exist; its survivors run again.
             earlier = json.loads(Path(args.recheck).read_text())["mutants"]
             status = {(r["path"], r["func"], r["kind"], r["before"], r["after"]): r["status"] for r in earlier}
             rerun = []
             for m in mutants:
                 st = status.get(_key(m))
-                if st is None or st == "survived":
-                    rerun.append(m)  # a survivor, or new since
-                else:
+                if st == "survived":
+                    rerun.append(m)
+                elif st is not None:
                     kept.append((m, st, 0.0))
+            gone = len(status) - len(rerun) - len(kept)
+            print(f"recheck: {len(rerun)} survivors run again, {len(kept)} kept, {gone} no longer in the code")
             mutants = rerun
+        elif args.sample > 1:
+            mutants = [m for a in areas for m in [x for x in mutants if x.area == a.name][::args.sample]]
         if args.list:
             for m in mutants:
                 print(f"{m.area:13} {m.path}:{m.line} [{m.kind}] {m.before!r} -> {m.after!r}")
