@@ -71,3 +71,17 @@ def test_another_session_pays_a_live_lease():
     c.handle(done("c1", "a", index=1, at=12.0), 12.0)  # s1's successor lease, live until 13.0
     other = one(c.handle(call("n1", session="s2", at=12.5), 12.5), RoutingDecision)
     assert {x.instance_id: x.reserved_s for x in other.candidates} == {"a": 0.5, "b": 0.0}
+
+
+def test_an_own_lease_expiring_exactly_now_is_neither_counted_nor_left_out():
+    c = core(lease_charge_s=0.5)
+    c.observe(snap("a", at=9.0), 9.0)
+    c.observe(snap("b", at=9.0), 9.0)
+    c.handle(call("c0", at=9.0), 9.0)
+    c.handle(done("c0", "a", at=10.0), 10.0)  # expires at 11.0
+    c.observe(snap("a", version=2, at=11.0), 11.0)
+    c.observe(snap("b", version=2, at=11.0), 11.0)
+    out = c.handle(call("c1", at=11.0), 11.0)
+    assert one(out, LeaseDiscarded).reason == "expired"
+    by = {x.instance_id: x for x in one(out, RoutingDecision).candidates}
+    assert by["a"].feasible and by["a"].reserved_s == 0.0
