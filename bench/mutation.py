@@ -698,7 +698,8 @@ def main(argv: list[str] | None = None) -> int:
                     rerun.append(m)
                 elif st is not None:
                     kept.append((m, st, 0.0))
-            gone = len(status) - len(rerun) - len(kept)
+            found = {_key(m) for m in rerun} | {_key(m) for m, _, _ in kept}
+            gone = len(set(status) - found)
             print(f"recheck: {len(rerun)} survivors run again, {len(kept)} kept, {gone} no longer in the code")
             mutants = rerun
         elif args.sample > 1:
