@@ -141,6 +141,21 @@ EQUIVALENT: dict[tuple[str, str, str, str, str], str] = {
      "(len(admitted) > limits.batch)"): "only reached with len(admitted) < batch",
     ("services/instance_agent/scheduler/admission.py", "_misses", "stmt-drop", 'return "batch"', "pass"):
         "only reached with len(admitted) < batch",
+    # Cumulative prefix hashes put a hash at one position in every prefix, so the slice check
+    # always finds it; its fallback, pre.hashes.index(h), finds the same page (only slower).
+    ("services/instance_agent/memory/hkvr_core.py", "HkvrCore._unpublished", "cmp",
+     "pre.hashes[position:position + 1] == (h,)", "(pre.hashes[position:position + 1] != (h,))"):
+        "both branches give the position of h in the prefix: the fast path or pre.hashes.index(h)",
+    ("services/instance_agent/memory/hkvr_core.py", "HkvrCore._unpublished", "term-zero", "position + 1",
+     "(position)"): "an empty slice sends every lookup to pre.hashes.index(h), the same page",
+    ("services/instance_agent/memory/hkvr_core.py", "HkvrCore._evict", "term-zero",
+     "page.desc.committed_tokens // page.desc.page_size - 1", "(page.desc.committed_tokens // page.desc.page_size)"):
+        "a wrong position hint only misses _unpublished's fast path; pre.hashes.index(h) finds the page",
+    ("services/instance_agent/memory/hkvr_core.py", "HkvrCore._victim", "bool-drop",
+     '(p := self.pages[k]).pins == 0 and p.state == "committed"', "((p := self.pages[k]).pins == 0)"):
+        "a copying page holds its transfer pin until complete(), so pins == 0 already means committed",
+    ("services/instance_agent/memory/host_pages.py", "agreed_prefix", "stmt-drop", "return n", "pass"):
+        "the fast path's answer: without it the loop finds no disagreement and returns the same n",
 }
 
 

@@ -219,3 +219,12 @@ def test_a_disagreeing_rank_s_private_pages_are_reclaimed_before_the_published_p
     core.complete(core.plan_save("m", "t", [RankReport(0, PS, (7,)), RankReport(1, PS, (7,))], T).job_id)
     assert ("m", 0, 2) not in core.pages and ("m", 1, 99) not in core.pages  # the private tail went
     assert core.match("m", [1]) == 1 and core.match("m", [7]) == 1
+
+
+def test_the_change_feed_names_only_sessions_whose_restorable_length_changed():
+    core = HkvrCore(4, ranks=1)
+    core.changes = set()
+    core.plan_save("m", "a", reports([1]), T)  # in flight: nothing restorable yet
+    assert core.changes == set()
+    core.drop_session("a", "m")  # dropped before anything was restorable: no change to report
+    assert core.changes == set()
