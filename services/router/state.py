@@ -214,9 +214,12 @@ class RouterState:
 
     def _routed(self, event: CallRouted) -> None:
         call = event.call
-        if call.call_id in self.routed and call.call_id not in self.inflight_calls:
-            # It ended before its routing reached the stream (the agent ran the fast copy):
-            # nothing is in flight, and the session already moved on with its completion.
+        if call.call_id in self.routed:
+            # Folded before: replay folds again the router's own outputs stored after the
+            # checkpoint's sequence (counting it twice would leave its session running on the
+            # instance for ever), or the call ended before its routing reached the stream (the
+            # agent ran the fast copy) and the session already moved on with its completion.
+            self.decided(call.call_id, event.submitted_seq)
             return
         self._remember(call.call_id, event.instance_id)
         self.decided(call.call_id, event.submitted_seq)  # the stream's copy names it (replay)

@@ -259,3 +259,16 @@ def test_routing_to_an_instance_forgets_sessions_idle_there_past_their_horizon()
     assert "s1" in state.homes.home_of
     state.apply(routed("c2", session="s3", at=2.5))
     assert "s1" not in state.homes.home_of and state.homes.home_of["s2"] == ("a", "m1")
+
+
+def test_a_routing_folded_twice_counts_once():
+    # Replay folds again the router's own outputs stored after the checkpoint's sequence.
+    once = seen(snap("a"))
+    once.apply(routed("c0", seq=4))
+    twice = seen(snap("a"))
+    twice.apply(routed("c0", seq=4))
+    twice.apply(routed("c0", seq=4))
+    assert twice.to_dict() == once.to_dict()
+    assert twice.models["m1"].calls_seen == 1 and twice.routed_total == 1
+    twice.apply(done("c0", "a", at=2.0))
+    assert twice.live_models("a", 2.5) == ()  # its session is no longer running there
