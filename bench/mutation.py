@@ -705,16 +705,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.recheck:
             # The earlier run's mutants (its sample) that still exist; its survivors run again.
             earlier = json.loads(Path(args.recheck).read_text())["mutants"]
-            status = {(r["path"], r["func"], r["kind"], r["before"], r["after"]): r["status"] for r in earlier}
+            status = dict(zip(_ordinal([(r["path"], r["func"], r["kind"], r["before"], r["after"]) for r in earlier]),
+                              (r["status"] for r in earlier)))
             rerun = []
-            for m in mutants:
-                st = status.get(_key(m))
+            for m, key in zip(mutants, _ordinal([_key(m) for m in mutants])):
+                st = status.get(key)
                 if st == "survived":
                     rerun.append(m)
                 elif st is not None:
                     kept.append((m, st, 0.0))
-            found = {_key(m) for m in rerun} | {_key(m) for m, _, _ in kept}
-            gone = len(set(status) - found)
+            gone = len(status) - len(rerun) - len(kept)
             print(f"recheck: {len(rerun)} survivors run again, {len(kept)} kept, {gone} no longer in the code")
             mutants = rerun
         elif args.sample > 1:
@@ -843,6 +843,16 @@ def render(areas, results, args, wall: float) -> str:
 
 def _key(m: Mutant) -> tuple[str, str, str, str, str]:
     return (m.path, m.func, m.kind, m.before, m.after)
+
+
+def _ordinal(keys: list[tuple]) -> list[tuple]:
+    """Each key with its occurrence number, so the same text twice in a function is two mutants."""
+    seen: dict[tuple, int] = {}
+    out = []
+    for k in keys:
+        seen[k] = seen.get(k, 0) + 1
+        out.append((*k, seen[k]))
+    return out
 
 
 def _one_line(text: str) -> str:
