@@ -37,7 +37,9 @@ clean run of the area's tests found (a mutant no test executes survives without 
 Equivalent mutants (no input can tell them from the original) are listed in EQUIVALENT with
 the reason, matched by (file, function, kind, before, after); they count neither way.
 
-Not in CI: a full run is ~20 min on 2 cores. The report: results/mutation.md.
+Not in CI: a run takes minutes to hours (~1,100 mutants; 1-3 s each on an idle 2-core machine
+per worker, up to 20 s when it is shared), so `--sample 3` is the quick look and `--recheck`
+reruns only an earlier run's survivors. The report: results/mutation.md.
 """
 
 from __future__ import annotations
@@ -154,6 +156,10 @@ EQUIVALENT: dict[tuple[str, str, str, str, str], str] = {
     ("services/instance_agent/memory/hkvr_core.py", "HkvrCore._victim", "bool-drop",
      '(p := self.pages[k]).pins == 0 and p.state == "committed"', "((p := self.pages[k]).pins == 0)"):
         "a copying page holds its transfer pin until complete(), so pins == 0 already means committed",
+    ("services/router/costs.py", "_static_terms", "bool-drop", 'snap.active_model or ""', "(snap.active_model)"):
+        "queued.get(None) and queued.get('') are both None: no model is named ''",
+    ("services/router/costs.py", "_static_terms", "bool-drop", "snap.active_model and not idle", "(not idle)"):
+        "not idle means calls running or queued for the active model, so there is an active model",
     ("services/instance_agent/memory/host_pages.py", "agreed_prefix", "stmt-drop", "return n", "pass"):
         "the fast path's answer: without it the loop finds no disagreement and returns the same n",
 }
