@@ -442,6 +442,8 @@ def test_a_first_call_pays_the_calls_running_there_at_the_configured_or_its_own_
     assert c.placement_s == pytest.approx(3 * c.decode_s)
     returning = SessionEntry("s1", model="m1", last_instance="j", kv_tokens=0, calls=1)
     assert price(st, "i", call("c", max_tokens=10), returning, cfg=cfg).placement_s == 0.0
+    known_but_unrouted = SessionEntry("s1", calls=0)  # e.g. made by a completion before its routing
+    assert price(st, "i", call("c", max_tokens=10), known_but_unrouted, cfg=cfg).placement_s == pytest.approx(2.1)
     assert c.total_s == pytest.approx(c.queue_s + c.prefill_s + c.decode_s + c.kv_recovery_s + c.activation_s
                                       + c.placement_s)
 
