@@ -11,8 +11,10 @@
   for each call's prompt (shared/tokenizer.py's chained hashing over the token ids). The
   simulator has no text, so a session's token ids are synthetic bytes drawn per
   (session, call): the first `reusable_prefix_tokens` of a call's prompt are the same ids
-  as the session's previous context, the rest are new. Sessions share no content (no
-  common system prompt) [asm], so a prefix match means the session's own earlier call.
+  as the session's previous context, the rest are new. A prompt that starts afresh (a
+  session's first call, or one after compaction) opens with its model's shared prefix
+  (`shared` tokens: a system prompt and tool schema every session of the model sends, ids
+  drawn per model), so prefix matches also cross sessions; without it sessions share nothing.
   Only the first `INDEXED_BLOCKS` blocks are hashed: the router's prefix index reads no
   block past its last sampled position (services/router/prefix_index.py), so the rest
   would change no decision.
@@ -59,16 +61,21 @@ class PromptHashes:
         self._ids: dict[str, bytearray] = {}
         self._digests: dict[str, list[bytes]] = {}  # digest after block k
         self._hashes: dict[str, list[int]] = {}
+        self._common: dict[str, bytes] = {}  # model -> its shared prefix's ids (to the horizon)
 
-    def for_call(self, session: str, index: int, prompt: int, reusable: int) -> list[int]:
+    def for_call(self, session: str, index: int, prompt: int, reusable: int, shared: int = 0,
+                 model: str = "") -> list[int]:
         """The hashes of call `index`'s prompt (prompt tokens, of which `reusable` continue
-        the session's previous context)."""
+        the session's previous context and the first `shared` are the model's shared prefix)."""
         ids = self._ids.get(session, bytearray())
         keep = min(max(0, reusable), len(ids), self.horizon) if index > 0 else 0
         want = min(prompt, self.horizon)
         if want > keep:
             rng = random.Random(f"{self.seed}/{session}/{index}")
             ids = ids[:keep] + rng.randbytes(want - keep)
+            common = min(shared, want)
+            if common > keep:  # a fresh prompt opens with the model's shared prefix
+                ids[keep:common] = self._shared(model, common)[keep:common]
         else:
             ids = ids[:want]
         blocks = len(ids) // self.block
@@ -83,6 +90,12 @@ class PromptHashes:
                 digests.append(prev)
         self._ids[session], self._digests[session], self._hashes[session] = ids, digests, hashes
         return list(hashes)
+
+    def _shared(self, model: str, tokens: int) -> bytes:
+        have = self._common.get(model, b"")
+        if len(have) < tokens:
+            have = self._common[model] = random.Random(f"{self.seed}/shared/{model}").randbytes(self.horizon)
+        return have
 
     def forget(self, session: str) -> None:
         for d in (self._ids, self._digests, self._hashes):

@@ -55,11 +55,21 @@ def _run(args) -> int:
     base = instance_config("round-only" if args.round_only else "talaria")
     sched = base.with_(sp=base.sp and not args.no_sp, hkvr=base.hkvr and not args.no_hkvr,
                        staging=base.staging and not args.no_staging)
+    pc = PolicyConfig(lease_timeout_s=args.tau, adaptive_lease=args.adaptive_lease)
+    pinned: tuple[str, ...] = ()
+    if args.deploy == "as-deployed":  # deployment.py: pools by the trace's demand, else serverless
+        from talaria.sim.deployment import deploy
+        from talaria.sim.matrix import demand_s
+
+        demand = {m: d for m, d in demand_s(sessions, server, sched.max_batch).items()
+                  if any(x.model == m for x in sessions)}
+        pc, pinned = deploy(pc, demand, args.instances, len(demand))
+        if args.policy == "talaria":
+            pc = PolicyConfig(lease_timeout_s=args.tau, adaptive_lease=args.adaptive_lease)  # never serverless
     config = RunConfig(
-        server, args.instances, args.policy,
-        PolicyConfig(lease_timeout_s=args.tau, adaptive_lease=args.adaptive_lease),
+        server, args.instances, args.policy, pc,
         sched, parse_gap_model(args.gaps, args.seed),
-        label=args.policy, progress=True, log_actions=args.bound,
+        label=args.policy, progress=True, pinned=pinned, log_actions=args.bound,
     )
     result = simulate(sessions, config)
     summary = summarise(result)
@@ -131,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model-map", default=None,
                      help="replay trace models as served ones: 'auto' or TRACE=SERVED,... (default: none)")
     run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--deploy", choices=("shared", "as-deployed"), default="shared",
+                     help="shared: every instance may serve every model (cold pools); as-deployed: per-model "
+                          "hot pools split by the trace's demand where the models fit the instances, else "
+                          "serverless on-demand loading for a peer (talaria keeps its cold pool)")
     run.add_argument("--json", default=None)
     run.add_argument("--bound", action="store_true",
                      help="also print the capacity-aware bound (schedule bound and free-memory run)")

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import msgspec
 
@@ -73,6 +73,12 @@ class RunConfig:
     max_wall_s: float | None = None  # stop the run after this much wall time (result incomplete)
     max_decode_steps: int = 4096  # simulator speed: decode tokens per event (exact, see executor.py)
     log_actions: bool = False  # keep each instance's executed actions (schedule_bound.py)
+    # Per instance (in order), the model a hot-pool instance is pinned to, or None for a cold
+    # one; empty: every instance cold. A static per-model pool deployment (deployment.py).
+    pinned: tuple[str | None, ...] = ()
+    # model -> leading prompt tokens every session of it shares (a system prompt and tool
+    # schema); the prompt hashes and the instances' prefix caches see them (workloads.py)
+    shared_prefix: dict[str, int] = field(default_factory=dict)
     # An instance also snapshots when a call finishes there, at most this often: the live
     # agent's SNAPSHOT_ON_CHANGE_MIN_S (its runner; kept here so the simulator imports no I/O shell).
     snapshot_on_change_s: float = 0.05
@@ -118,9 +124,14 @@ class Cluster:
         self.router = RouterCore(create_policy(config.policy, config.policy_config))
         view = DeviceView(config.server)  # profile-only snapshot parts, computed once for all
         self.instances: dict[str, SimExecutor] = {}
+        if config.pinned and len(config.pinned) != config.instances:
+            raise ValueError(f"pinned names {len(config.pinned)} instances, the run has {config.instances}")
         for k in range(config.instances):
             iid = f"inst-{k:02d}"
-            self.instances[iid] = SimExecutor(iid, config.server, config.scheduler, self, config.max_decode_steps, view)
+            sched = config.scheduler
+            if config.pinned and config.pinned[k] is not None:
+                sched = replace(sched, pool="hot", pinned_model=config.pinned[k])
+            self.instances[iid] = SimExecutor(iid, config.server, sched, self, config.max_decode_steps, view)
             if config.log_actions:
                 self.instances[iid].log = []
         # per instance, in instance order: [instance, last snapshot time, version, state key,
@@ -187,10 +198,11 @@ class Cluster:
             reusable=call.reusable_prefix_tokens,
             output=call.output_tokens,
             release_t=now,
+            shared=min(self.config.shared_prefix.get(call.model, 0), call.prompt_tokens - 1),
             max_tokens=client_cap(call, self.config.server.model(call.model).max_context),
         )
         self._hashes[job.call_id] = self._prompts.for_call(
-            session_id, index, call.prompt_tokens, call.reusable_prefix_tokens)
+            session_id, index, call.prompt_tokens, call.reusable_prefix_tokens, job.shared, call.model)
         return self._route(now, job)
 
     def _route(self, now: float, job: Job):

@@ -58,7 +58,7 @@ class DeviceView:
             hbm_used_bytes=mp.weight_bytes + dev * mp.kv_bytes_per_token, prefill_tok_s=prefill_tok_s,
             decode_tok_s=decode_tok_s, restore_tok_s=restore_tok_s,
         )
-        return inst.core.snapshot(version, now, pool="cold", active_model=active, models=self.models(inst, now),
+        return inst.core.snapshot(version, now, pool=inst.config.pool, active_model=active, models=self.models(inst, now),
                                   sessions=self.sessions(inst), memory=memory, heartbeat_s=heartbeat_s)
 
     def consts(self, name: str) -> tuple:

@@ -83,6 +83,8 @@ class Job:
     kv_source: str = "none"
     via: str = ""
     instance: str = ""
+    shared: int = 0  # leading prompt tokens every session of the model shares (system prompt + tools)
+    cached: int = 0  # prompt tokens its prefill found cached (own KV or the shared prefix)
     prefill_s: float = 0.0  # time of the prefill actions it was in (the live engine's measure)
     decode_s: float = 0.0  # time of the decode steps it was in
 
@@ -102,7 +104,8 @@ class SimExecutor:
         self.sched = self.core.sched
         self.view = view or DeviceView(server)
         self.max_steps = max(1, max_decode_steps)
-        self.active: str | None = None
+        # a hot-pool instance is deployed with its model loaded (it never switches)
+        self.active: str | None = config.pinned_model if config.pool == "hot" else config.initial_model
         self.switching_to: str | None = None
         # Calls mid-decode, per model. A model switched away from parks its list (KV kept
         # with the model's parked pool, paper §4.2 P1/P3); they resume in its next slot.
@@ -242,6 +245,7 @@ class SimExecutor:
         for cid in action.call_ids:
             job = self.jobs[cid]
             cost, job.kv_source, avail = self._prefill_cost(job)
+            job.cached = avail
             if job.kv_source == "host":
                 self.kv.touch_host(job.model, job.session)
                 self._transfer_s += self.server.restore_s(job.model, avail)
@@ -326,7 +330,7 @@ class SimExecutor:
         if self.config.hkvr:
             self.kv.put_host(job.model, job.session, tokens)
         job.via = self.core.records[job.call_id].via
-        cached = job.reusable if job.kv_source in ("device", "host") else 0
+        cached = job.cached if job.kv_source in ("device", "host") else 0
         # Measured as the live engine measures them: every call of a batched prefill or decode
         # step is charged the step's time, so the router's per-model rates are learned.
         done = self.core.completed(job.call_id, now, prompt_tokens=job.prompt, output_tokens=job.output,
@@ -347,7 +351,16 @@ class SimExecutor:
     # ---- prefill pricing ----------------------------------------------------------------
 
     def _kv_for(self, job: Job) -> tuple[str, int]:
-        """(source, reusable tokens available) for `job` on this instance right now."""
+        """(source, reusable tokens available) for `job` on this instance right now: its
+        session's own KV, or the prefix every session of its model shares when any of them
+        has KV on device here (the engine's prefix cache holds those blocks once; the
+        simulator counts each session's KV in full [asm]), whichever covers more."""
+        source, avail = self._own_kv(job)
+        if job.shared > avail and self.active == job.model and self.kv.device_tokens > 0:
+            return "device", job.shared
+        return source, avail
+
+    def _own_kv(self, job: Job) -> tuple[str, int]:
         if job.reusable <= 0:
             return "none", 0
         if self.active == job.model:

@@ -40,7 +40,7 @@ from talaria.sim.workloads import fixed_replay, router_testbed, synthetic_catalo
 from talaria.traces.gaps import GapModel
 
 CONFIGS = ("talaria", "no-sp", "no-hkvr", "h2d-only", "round-only")
-ROUTER_POLICIES = ("least-pressure", "session-sticky", "prefix-aware", "kv-cost", "talaria")
+ROUTER_POLICIES = ("round-robin", "least-pressure", "session-sticky", "prefix-aware", "kv-cost", "talaria")
 SCALE_POLICIES = ("least-pressure", "prefix-aware", "kv-cost", "talaria")
 TAUS = (0.0, 0.5, 1.0, 2.0, 5.0)
 ROUTER_SEEDS = 8  # gap-model seeds per router-testbed point (see router_exp)
@@ -328,6 +328,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-report", action="store_true")
     parser.add_argument("--workers", type=int, default=2, help="matrix: parallel processes (default 2)")
     parser.add_argument("--cells", default=None, help="matrix: only cells whose name contains one of these")
+    parser.add_argument("--ablations", action="store_true",
+                        help="matrix: also run talaria without leases and without its instance mechanisms "
+                             "(the report's mechanism column)")
     parser.add_argument("--sensitivity", action="store_true",
                         help="matrix: also run our configuration with each remaining constant halved and doubled")
 
@@ -357,10 +360,12 @@ def run_from_args(args) -> int:
             raise SystemExit(f"--scale-policies: unknown {', '.join(unknown)}; choose from {', '.join(SCALE_POLICIES)}")
         scale = {"arrival_rate_s": getattr(args, "scale_rate", None), "max_wall_s": getattr(args, "scale_cap_s", None),
                  "policies": [p.strip() for p in picked.split(",") if p.strip()] if picked else None}
-        from talaria.sim.matrix import POLICIES, SENSITIVITY
+        from talaria.sim.matrix import ABLATIONS, POLICIES, SENSITIVITY
 
         matrix = {"workers": getattr(args, "workers", 2),
-                  "policies": POLICIES + (SENSITIVITY if getattr(args, "sensitivity", False) else ()),
+                  "policies": POLICIES + tuple(a for a in ABLATIONS if a not in POLICIES
+                                               and getattr(args, "ablations", False))
+                  + (SENSITIVITY if getattr(args, "sensitivity", False) else ()),
                   "only": [c.strip() for c in args.cells.split(",")] if getattr(args, "cells", None) else None}
         run(names, args.out, args.json, args.quick, args.scale_sessions, scale, matrix)
     if not args.no_report:

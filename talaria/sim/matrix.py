@@ -5,7 +5,10 @@ Design (one factor at a time around a base, every level of every factor present)
     base      depth ~30 calls, prompt ~25K, output ~250, paper gaps, Poisson arrivals,
               3 equal models, 4 instances; swept over offered load 30/60/80/100/120 %
     variants  each other level of one factor (depth 5/100, prompt 8K/100K, output 50/1,000,
-              heavy-tailed gaps, bursts, 20 Zipf models, 1/16 instances), at 60 % and 100 %
+              heavy-tailed gaps, bursts, 20 Zipf models, 1/16 instances, a 16K-token system
+              prompt + tool schema shared by a model's sessions, human turns of minutes
+              between some calls, mixed depths), at 60 % and 100 %
+    product   the last three together (an agent product), at 60/100/120 %
     WEKA      the shipped sessions: the fixed replay (30 model-sessions at t=0, one
               paper TP=8 server) and the router testbed (TP=4 models, 2 instances, high load)
 
@@ -14,16 +17,22 @@ Workloads come from `workloads.agent_sessions` (seeded; cell k uses seed `seed +
 Capacity. An instance's capacity is the session throughput it sustains if every call finds
 its reusable prefix on device and no model switch is ever paid (a work-conserving upper
 bound, so 100 % is the most a perfect session-aware policy could carry): a session's work
-is sum over its calls of prefill(new tokens on top of the reusable prefix) + output tokens
+is sum over its calls of prefill(new tokens on top of the reusable prefix, or of the
+shared system prompt for a prompt that starts afresh) + output tokens
 x decode step at the saturated batch / batch, where the saturated batch is min(max_batch,
 KV pool tokens / mean context). capacity = instances / mean session work (sessions/s);
 a cell at load L starts sessions at L x capacity. Switches, recompute after a move and
 queueing are what a policy loses against this bound.
 
-Policies: the four baselines (least-pressure, session-sticky, prefix-aware, kv-cost, each
-with its documented defaults), `talaria` (our configuration) and `talaria-paper` (the same
-policy under the paper's rules: Eq. 1 ranking only, the paper's admission, fixed tau,
-reject on overload). Runs go to a process pool (2 workers by default: this machine's cores).
+Policies: the faithful peers (round-robin, sglang-cache-aware, dynamo-kv, llm-d,
+vllm-stack-session; services/router/policy/, each citing its source and defaults), each
+deployed as it is deployed (deployment.py: per-model hot pools split by the cell's demand
+where the models fit the instances, serverless on-demand loading where they do not);
+`talaria` (our configuration: the same demand-sized hot pools where the models fit, its cold
+pool elsewhere) and `talaria-paper` (the same policy under the paper's rules: Eq. 1 ranking
+only, the paper's admission, fixed tau, reject on overload); with `--ablations` also
+talaria without leases and without its instance mechanisms. Runs go to a process pool
+(2 workers by default: this machine's cores).
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from dataclasses import asdict, dataclass, replace
 
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.sim.cluster import RunConfig, simulate
+from talaria.sim.deployment import deploy, pool_split
 from talaria.sim.executor import instance_config
 from talaria.shared.stats import quantile
 from talaria.sim.metrics import summarise
@@ -45,16 +55,32 @@ from talaria.sim.workloads import agent_sessions, at_rate, fixed_replay, router_
 from talaria.traces.format import Session
 from talaria.traces.gaps import GapModel
 
-BASELINES = ("least-pressure", "session-sticky", "prefix-aware", "kv-cost")
+# The faithful peers (services/router/policy/, each citing its source), deployed as each is
+# deployed (deployment.py). The model-blind baselines they replace (least-pressure,
+# session-sticky, prefix-aware, kv-cost on instances that time-share every model) are kept
+# in the registry; their last matrix is results/matrix_transplanted.json.
+BASELINES = ("round-robin", "sglang-cache-aware", "dynamo-kv", "llm-d", "vllm-stack-session")
+TRANSPLANTED = ("least-pressure", "session-sticky", "prefix-aware", "kv-cost")
 OURS = "talaria"
 PAPER = "talaria-paper"
-POLICIES = (*BASELINES, OURS, PAPER)
+# Ablations of ours, one mechanism each (the matrix's ablation column): the router rules
+# beyond the paper (talaria-paper), soft leases (tau = 0), the instance mechanisms (SP,
+# HKVR, staging, parked KV: the round-only scheduler).
+NO_LEASE = "talaria-no-lease"
+ROUND_ONLY = "talaria-round-only"
+ABLATIONS = (PAPER, NO_LEASE, ROUND_ONLY)
+POLICIES = (*BASELINES, OURS, PAPER)  # `--ablations` adds the other two (run time: results/README.md)
 BASE_LOADS = (0.3, 0.6, 0.8, 1.0, 1.2)
 VARIANT_LOADS = (0.6, 1.0)
 VARIANTS = (
     ("depth", 5), ("depth", 100), ("prompt", 8_000), ("prompt", 100_000), ("output", 50), ("output", 1_000),
     ("gaps", "heavy"), ("arrivals", "bursts"), ("catalogue", 20), ("instances", 1), ("instances", 16),
+    ("shared", 16_000), ("gaps", "human"), ("mixed_depth", True),
 )
+# An agent product: every session of a model opens with the same 16K-token system prompt
+# and tool schema, a person answers between some calls (minutes), depths are mixed.
+PRODUCT = {"shared": 16_000, "gaps": "human", "mixed_depth": True}
+PRODUCT_LOADS = (0.6, 1.0, 1.2)
 SESSIONS_PER_INSTANCE = 4  # [asm] sessions per instance per unit load (run-time bound)
 MIN_SESSIONS = 20  # so that p95 is not one session's luck
 
@@ -72,6 +98,12 @@ class Cell:
     load: float | None = 0.6  # None: a closed WEKA replay (no arrival rate)
     seed: int = 0
     weka: str = ""  # "" (generated) | fixed-replay | router-testbed
+    shared: int = 0  # tokens of a system prompt + tool schema every session of a model opens with
+    mixed_depth: bool = False  # depths drawn from workloads.MIXED_DEPTHS
+
+    @property
+    def models(self) -> int:
+        return 3 if self.weka else self.catalogue
 
     @property
     def sessions(self) -> int:
@@ -83,8 +115,11 @@ class Cell:
 def cells(seed: int = 0) -> list[Cell]:
     out = [Cell(f"base@{int(L * 100)}%", load=L) for L in BASE_LOADS]
     for factor, level in VARIANTS:
+        label = "depth=mixed" if factor == "mixed_depth" else f"{factor}={level}"
         for L in VARIANT_LOADS:
-            out.append(Cell(f"{factor}={level}@{int(L * 100)}%", load=L, **{factor: level}))
+            out.append(Cell(f"{label}@{int(L * 100)}%", load=L, **{factor: level}))
+    for L in PRODUCT_LOADS:
+        out.append(Cell(f"product@{int(L * 100)}%", load=L, **PRODUCT))
     out = [replace(c, seed=seed + k) for k, c in enumerate(out)]
     out.append(Cell("weka fixed replay (1 inst, t=0)", instances=1, load=None, weka="fixed-replay", seed=seed))
     out.append(Cell("weka router testbed (2 inst, high)", instances=2, load=None, weka="router-testbed",
@@ -98,33 +133,48 @@ def server_for(cell: Cell) -> ServerProfile:
     return PAPER_TP8 if cell.catalogue == 3 else catalogue(PAPER_TP8, cell.catalogue)
 
 
-def session_work_s(session: Session, server: ServerProfile, max_batch: int) -> float:
-    """Server seconds one session needs at saturation (module doc: capacity)."""
+def session_work_s(session: Session, server: ServerProfile, max_batch: int, shared: int = 0) -> float:
+    """Server seconds one session needs at saturation (module doc: capacity); a prompt that
+    starts afresh finds its model's `shared` prefix cached."""
     mp = server.model(session.model)
     pool_tokens = server.kv_pool_bytes(mp.name) // mp.kv_bytes_per_token
     ctx = sum(c.prompt_tokens + c.output_tokens / 2 for c in session.calls) / len(session.calls)
     batch = max(1, min(max_batch, int(pool_tokens // max(1.0, ctx))))
     per_token = mp.decode_step_s(batch, int(batch * ctx)) / batch
-    return sum(mp.prefill_s(c.new_tokens, c.reusable_prefix_tokens) + c.output_tokens * per_token
-               for c in session.calls)
+    total = 0.0
+    for c in session.calls:
+        cached = c.reusable_prefix_tokens or min(shared, c.prompt_tokens - 1)
+        total += mp.prefill_s(c.prompt_tokens - cached, cached) + c.output_tokens * per_token
+    return total
 
 
-def capacity_s(sessions: list[Session], server: ServerProfile, instances: int, max_batch: int) -> float:
+def demand_s(sessions: list[Session], server: ServerProfile, max_batch: int, shared: int = 0) -> dict[str, float]:
+    """Offered server-seconds per model: what an operator sizes per-model pools by."""
+    out = {m: 0.0 for m in server.models}
+    for s in sessions:
+        out[s.model] = out.get(s.model, 0.0) + session_work_s(s, server, max_batch, shared)
+    return out
+
+
+def capacity_s(sessions: list[Session], server: ServerProfile, instances: int, max_batch: int,
+               shared: int = 0) -> float:
     """Sessions per second the cluster sustains at the bound (module doc)."""
-    mean_work = sum(session_work_s(s, server, max_batch) for s in sessions) / len(sessions)
+    mean_work = sum(session_work_s(s, server, max_batch, shared) for s in sessions) / len(sessions)
     return instances / mean_work
 
 
 def workload(cell: Cell, flags) -> tuple[list[Session], GapModel, dict]:
-    """The cell's sessions, the gap model to replay them with, and what was measured."""
-    if cell.weka == "fixed-replay":
-        return fixed_replay(), GapModel("paper", 10.0, seed=cell.seed), {"arrival_rate_s": None}
-    if cell.weka == "router-testbed":
-        return router_testbed("high"), GapModel("paper", 10.0, seed=cell.seed), {"arrival_rate_s": None}
+    """The cell's sessions, the gap model to replay them with, and what was measured
+    (`demand`: offered server-seconds per model, the pools' sizing)."""
     server = server_for(cell)
+    if cell.weka:
+        sessions = fixed_replay() if cell.weka == "fixed-replay" else router_testbed("high")
+        return sessions, GapModel("paper", 10.0, seed=cell.seed), {
+            "arrival_rate_s": None, "demand": demand_s(sessions, server, flags.max_batch)}
     base = agent_sessions(cell.sessions, list(server.models), cell.depth, cell.prompt, cell.output, cell.gaps,
-                          cell.arrivals, 0.0 if cell.catalogue == 3 else 1.0, cell.seed)
-    cap = capacity_s(base, server, cell.instances, flags.max_batch)
+                          cell.arrivals, 0.0 if cell.catalogue == 3 else 1.0, cell.seed,
+                          shared=cell.shared, mixed_depth=cell.mixed_depth)
+    cap = capacity_s(base, server, cell.instances, flags.max_batch, cell.shared)
     rate = cell.load * cap
     calls = [c for s in base for c in s.calls]
     shape = {
@@ -133,6 +183,7 @@ def workload(cell: Cell, flags) -> tuple[list[Session], GapModel, dict]:
         "prompt_p50": quantile([c.prompt_tokens for c in calls], 0.5),
         "output_p50": quantile([c.output_tokens for c in calls], 0.5),
         "gaps_over_5s": sum(1 for c in calls if c.call_index and c.gap_before_s > 5) / max(1, len(calls) - len(base)),
+        "demand": demand_s(base, server, flags.max_batch, cell.shared),
     }
     return at_rate(base, rate), GapModel("recorded", None), shape
 
@@ -153,8 +204,10 @@ def policy_config(policy: str) -> tuple[str, PolicyConfig]:
         return "talaria", PolicyConfig(overload="reject", kv_home_admits=False,
                                        new_session_running_s=0.0, prefix_placement=False,
                                        price_round_sharing=False)
-    if policy == OURS:
+    if policy in (OURS, ROUND_ONLY):
         return "talaria", PolicyConfig(overload="queue")
+    if policy == NO_LEASE:
+        return "talaria", PolicyConfig(overload="queue", lease_timeout_s=0.0)
     return policy, PolicyConfig()
 
 
@@ -166,12 +219,24 @@ def run_one(cell: Cell, policy: str) -> dict:
     flags = instance_config("talaria")
     sessions, gaps, shape = workload(cell, flags)
     name, pc = policy_config(policy)
-    cfg = RunConfig(server_for(cell), cell.instances, name, pc, flags, gaps, label=f"{cell.name}/{policy}")
+    pinned: tuple[str, ...] = ()
+    if policy in BASELINES:
+        pc, pinned = deploy(pc, shape["demand"], cell.instances, cell.models)
+    elif cell.models <= cell.instances:  # ours: hot pools sized by demand (deployment.py)
+        pinned = pool_split(shape["demand"], cell.instances)
+    sched = instance_config("round-only") if policy == ROUND_ONLY else flags
+    shared = {m: cell.shared for m in server_for(cell).models} if cell.shared else {}
+    cfg = RunConfig(server_for(cell), cell.instances, name, pc, sched, gaps, label=f"{cell.name}/{policy}",
+                    pinned=pinned, shared_prefix=shared)
     started = time.perf_counter()
     s = summarise(simulate(sessions, cfg))
     out = {k: s[k] for k in KEEP}
     out["run_s"] = time.perf_counter() - started
     out["shape"] = shape
+    hot = [m for m in pinned if m]
+    out["deployment"] = ("serverless" if pc.serverless else
+                         f"{len(hot)} hot ({'/'.join(str(hot.count(m)) for m in sorted(set(hot)))}) + "
+                         f"{len(pinned) - len(hot) if pinned else cell.instances} cold")
     return out
 
 

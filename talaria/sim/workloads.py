@@ -195,7 +195,28 @@ HEAVY_GAP_CAP_S = 120.0  # [asm] a tool that runs longer than 2 minutes is cut o
 Z90 = 1.2815515655446004
 
 
-def _gap(rng: random.Random, kind: str) -> float:
+# Human turns [asm]: in a coding-agent session a person reads, tests and types between some
+# calls. A fifth of the returns are human turns (p50 1 min, p95 10 min, cap 30 min); the
+# rest are the paper's tool gaps. Agent traces do not separate the two, so these are not fitted.
+HUMAN_TURN_SHARE = 0.2
+HUMAN_GAP_P50_S = 60.0
+HUMAN_GAP_P95_S = 600.0
+HUMAN_GAP_CAP_S = 1800.0
+# Mixed depths [asm]: (p50 depth, weight) -- quick lookups, ordinary tasks and long agent
+# runs in one stream, in place of one typical depth.
+MIXED_DEPTHS = ((5, 0.5), (30, 0.35), (100, 0.15))
+
+
+def _gap(rng: random.Random, kind: str) -> tuple[float, str]:
+    """(gap seconds, the call's kind) for a return."""
+    if kind == "human":
+        if rng.random() < HUMAN_TURN_SHARE:
+            return min(HUMAN_GAP_CAP_S, _lognormal(rng, HUMAN_GAP_P50_S, HUMAN_GAP_P95_S)), "user"
+        kind = "paper"
+    return _tool_gap(rng, kind), "tool"
+
+
+def _tool_gap(rng: random.Random, kind: str) -> float:
     from talaria.traces.gaps import PAPER_GAP_P50_S, PAPER_GAP_P95_S
 
     if kind == "paper":  # the paper's lognormal, capped at 10 s like GapModel("paper")
@@ -203,7 +224,7 @@ def _gap(rng: random.Random, kind: str) -> float:
     if kind == "heavy":
         sigma = math.log(5.0 / HEAVY_GAP_P50_S) / Z90
         return min(HEAVY_GAP_CAP_S, rng.lognormvariate(math.log(HEAVY_GAP_P50_S), sigma))
-    raise ValueError(f"unknown gap kind {kind!r}; use paper|heavy")
+    raise ValueError(f"unknown gap kind {kind!r}; use paper|heavy|human")
 
 
 def agent_sessions(
@@ -217,6 +238,8 @@ def agent_sessions(
     zipf_s: float = 0.0,
     seed: int = 0,
     burst: int = 8,
+    shared: int = 0,
+    mixed_depth: bool = False,
 ) -> list[Session]:
     """Agent sessions with the given typical shape, started at a rate of ONE session per
     second (scale the start times for another rate: `at_rate`). Each draw is lognormal
@@ -230,7 +253,12 @@ def agent_sessions(
     output   p50 `output`, p95 3x, capped at 4x and 4,096
     gaps     baked into the trace (replay with recorded gaps, no cap): 'paper' = the
              paper's lognormal (p50 0.39 s, p95 1.32 s, cap 10 s); 'heavy' = p50 0.39 s with
-             10 % of gaps above 5 s (cap 120 s)
+             10 % of gaps above 5 s (cap 120 s); 'human' = paper tool gaps, and a fifth of
+             the returns human turns of minutes (HUMAN_*)
+    shared   every prompt that starts afresh (call 0, after compaction) opens with the
+             model's `shared`-token system prompt + tool schema, on top of the sizes above
+             (replay with RunConfig.shared_prefix = {model: shared} so hashes and caches see it)
+    mixed_depth  draw each session's depth p50 from MIXED_DEPTHS instead of `depth`
     arrivals 'poisson' = exponential inter-arrivals; 'bursts' = groups of `burst` sessions
              within 0.5 s, the groups Poisson at 1/`burst` per second
     models   weight 1/(k+1)**zipf_s (0 = equal)
@@ -239,8 +267,7 @@ def agent_sessions(
         raise ValueError(f"unknown arrivals {arrivals!r}; use poisson|bursts")
     rng = random.Random(seed)
     weights = [1.0 / (k + 1) ** zipf_s for k in range(len(models))]
-    ceiling = min(2 * prompt, CONTEXT_CAP)
-    tool_p50 = max(200, prompt // depth)
+    ceiling = min(2 * prompt + shared, CONTEXT_CAP)
     t = 0.0
     out: list[Session] = []
     for i in range(sessions):
@@ -252,22 +279,24 @@ def agent_sessions(
                 t += rng.expovariate(1.0 / burst)
             start = t + rng.uniform(0.0, 0.5)
         model = rng.choices(models, weights)[0]
-        n = max(1, min(3 * depth, round(_lognormal(rng, depth, 2.3 * depth))))
+        typical = rng.choices([d for d, _ in MIXED_DEPTHS], [w for _, w in MIXED_DEPTHS])[0] if mixed_depth else depth
+        tool_p50 = max(200, prompt // typical)
+        n = max(1, min(3 * typical, round(_lognormal(rng, typical, 2.3 * typical))))
         sid = f"s{i:05d}"
         calls = []
         ctx = 0  # previous prompt + output (what the next call can reuse)
         for idx in range(n):
             out_tok = max(1, min(4 * output, 4096, round(_lognormal(rng, output, 3 * output))))
             if idx == 0:
-                p, reuse = max(256, round(_lognormal(rng, prompt / 2, 2 * prompt))), 0
+                p, reuse = shared + max(256, round(_lognormal(rng, prompt / 2, 2 * prompt))), 0
                 p = min(p, ceiling)
+                gap, kind = start, "start"
             else:
                 p, reuse = ctx + max(16, round(_lognormal(rng, tool_p50, 5 * tool_p50))), ctx
                 if p + out_tok > ceiling:
-                    p, reuse = max(256, prompt // 2), 0  # compaction
-            calls.append(TraceCall(sid, idx, model, p, min(reuse, p - 1), out_tok,
-                                   start if idx == 0 else _gap(rng, gaps), "start" if idx == 0 else "tool",
-                                   "generated"))
+                    p, reuse = shared + max(256, prompt // 2), 0  # compaction
+                gap, kind = _gap(rng, gaps)
+            calls.append(TraceCall(sid, idx, model, p, min(reuse, p - 1), out_tok, gap, kind, "generated"))
             ctx = p + out_tok
         out.append(Session(sid, tuple(calls)))
     return out

@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from talaria.services.router.policy import serverless
 from talaria.services.router.state import InstanceView, RouterState
 from talaria.shared.events import CallSubmitted, Event, RoutingDecision
 
@@ -78,6 +79,9 @@ class PolicyConfig:
     overlap_score_weight: float = 1.0  # kv-cost (Dynamo default)
     host_hit_weight: float = 0.5  # kv-cost: a host-tier block costs this much of a miss
     affinity_ttl_s: float = 30.0  # kv-cost: session affinity idle TTL
+    # Deployment of a baseline where models outnumber instances: instances load models on
+    # demand and the policy chooses among those that hold the call's model (serverless.py).
+    serverless: bool = False
 
     def __post_init__(self) -> None:
         if self.overload not in OVERLOAD_MODES:
@@ -131,12 +135,16 @@ class PlacementPolicy(ABC):
 
     def serving(self, state: RouterState, model: str, now: float) -> list[InstanceView]:
         """Healthy instances that can serve `model` at all: it is in their catalogue, and a
-        hot-pool instance only ever serves its pinned model (it never switches)."""
-        return [
+        hot-pool instance only ever serves its pinned model (it never switches). In a
+        serverless deployment, only those that hold the model or will load it (serverless.py)."""
+        views = [
             v
             for v in state.instances.values()
             if model in v.models and (v.pinned is None or v.pinned == model) and self.healthy(v, now)
         ]
+        if self.config.serverless:
+            return serverless.scope(state, views, model)
+        return views
 
     def route(self, state: RouterState, call: CallSubmitted, now: float, instance_id: str,
               candidates=(), **fields) -> RoutingDecision:

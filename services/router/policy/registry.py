@@ -44,7 +44,11 @@ def policy_names() -> list[str]:
 
 def _load_builtin() -> None:
     # Importing the modules registers them; done lazily to avoid import cycles.
+    import talaria.services.router.policy.dynamo_kv  # noqa: F401
     import talaria.services.router.policy.kv_cost  # noqa: F401
+    import talaria.services.router.policy.llm_d  # noqa: F401
+    import talaria.services.router.policy.sglang_cache_aware  # noqa: F401
+    import talaria.services.router.policy.vllm_stack  # noqa: F401
     import talaria.services.router.policy.least_pressure  # noqa: F401
     import talaria.services.router.policy.prefix_aware  # noqa: F401
     import talaria.services.router.policy.sticky  # noqa: F401

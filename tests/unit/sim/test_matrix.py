@@ -16,10 +16,10 @@ def test_every_level_of_every_factor_appears_in_at_least_24_cells():
     grid = [c for c in cells() if not c.weka]
     assert len(grid) >= 24
     levels = {f: {getattr(c, f) for c in grid} for f in ("depth", "prompt", "output", "gaps", "arrivals",
-                                                          "catalogue", "instances")}
+                                                          "catalogue", "instances", "shared", "mixed_depth")}
     assert levels == {"depth": {5, 30, 100}, "prompt": {8_000, 25_000, 100_000}, "output": {50, 250, 1_000},
-                      "gaps": {"paper", "heavy"}, "arrivals": {"poisson", "bursts"}, "catalogue": {3, 20},
-                      "instances": {1, 4, 16}}
+                      "gaps": {"paper", "heavy", "human"}, "arrivals": {"poisson", "bursts"}, "catalogue": {3, 20},
+                      "instances": {1, 4, 16}, "shared": {0, 16_000}, "mixed_depth": {False, True}}
     loads = {c.load for c in grid}
     assert min(loads) == pytest.approx(0.3) and max(loads) == pytest.approx(1.2)
     assert {c.weka for c in cells() if c.weka} == {"fixed-replay", "router-testbed"}
@@ -112,3 +112,20 @@ def test_sensitivity_variants_change_one_knob_and_are_reported_against_ours():
         c["results"]["talaria[lease_charge_s=0.5]"] = {**c["results"][OURS], "sct_p95": 19.8}
     table = "\n".join(sensitivity_table(m))
     assert "| talaria[lease_charge_s=0.5] | 1.00× | 1.10× |" in table
+
+
+def test_the_mechanism_column_names_the_ablation_that_costs_most_and_old_sits_beside_new():
+    from talaria.sim.matrix import NO_LEASE, ROUND_ONLY
+    from talaria.sim.matrix_report import MECHANISM, side_by_side
+
+    m = _fake(ours95=18.0)
+    for cell in m["cells"]:
+        cell["results"][NO_LEASE] = {**cell["results"][OURS], "sct_p95": 27.0}
+        cell["results"][ROUND_ONLY] = {**cell["results"][OURS], "sct_p95": 19.0}
+    m["cells"][0]["results"][PAPER] = {**m["cells"][0]["results"][PAPER], "sct_p95": 20.0}
+    row = wins(m)["rows"][0]
+    assert row["mechanism"] == (MECHANISM[NO_LEASE], pytest.approx(1.5))
+    assert "soft leases (1.50×)" in win_table(m)
+    old = _fake(ours95=10.0)
+    text = side_by_side(m, old)
+    assert f"| c1 | 0.90× ({BASELINES[0]}) | 0.50× | 0.90× ({BASELINES[0]}) | 0.90× |" in text
