@@ -160,6 +160,9 @@ EQUIVALENT: dict[tuple[str, str, str, str, str], str] = {
         "queued.get(None) and queued.get('') are both None: no model is named ''",
     ("services/router/costs.py", "_static_terms", "bool-drop", "snap.active_model and not idle", "(not idle)"):
         "not idle means calls running or queued for the active model, so there is an active model",
+    ("services/router/costs.py", "CostModel.price_all", "bool-drop",
+     'kv is not None and kv.state != "none" and kv.state != "recompute"', "(kv is not None and kv.state != 'none')"):
+        "a snapshot's SessionKv state is device, host or none (wire.KvState): never recompute",
     ("services/instance_agent/memory/host_pages.py", "agreed_prefix", "stmt-drop", "return n", "pass"):
         "the fast path's answer: without it the loop finds no disagreement and returns the same n",
 }

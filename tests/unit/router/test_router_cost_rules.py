@@ -485,3 +485,10 @@ def test_an_idle_instance_s_last_model_claims_its_comeback_share_of_a_slot():
     st.model("m2").gaps.extend([1.0, 1.0, 1.0])
     c = price(st, "i", call("c", max_tokens=10), cfg=SHARING, now=0.5)
     assert c.decode_s == pytest.approx(decode + 0.25 * (decode + SHARING.default_open_s))
+
+
+def test_a_kv_entry_saying_none_is_no_evidence_against_a_newer_completion():
+    st = state_of(snap("i", at=5.0, sessions=[("s1", "m1", "none", 0)]), now=6.4)
+    entry = SessionEntry("s1", model="m1", last_instance="i", kv_tokens=800, last_used=6.0, calls=1)
+    c = price(st, "i", call("c", tokens=1000), entry, now=6.5)
+    assert c.feasible and (c.kv_state, c.kv_recovery_s) == ("device", 0.0)
