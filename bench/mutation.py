@@ -163,6 +163,8 @@ EQUIVALENT: dict[tuple[str, str, str, str, str], str] = {
     ("services/router/costs.py", "CostModel.price_all", "bool-drop",
      'kv is not None and kv.state != "none" and kv.state != "recompute"', "(kv is not None and kv.state != 'none')"):
         "a snapshot's SessionKv state is device, host or none (wire.KvState): never recompute",
+    ("services/router/costs.py", "CostModel.price_all", "cmp", "k_have > known", "(k_have >= known)"):
+        "the larger of two numbers: at equality either one is the same",
     ("services/instance_agent/memory/host_pages.py", "agreed_prefix", "stmt-drop", "return n", "pass"):
         "the fast path's answer: without it the loop finds no disagreement and returns the same n",
 }
