@@ -165,6 +165,13 @@ EQUIVALENT: dict[tuple[str, str, str, str, str], str] = {
         "a snapshot's SessionKv state is device, host or none (wire.KvState): never recompute",
     ("services/router/costs.py", "CostModel.price_all", "cmp", "k_have > known", "(k_have >= known)"):
         "the larger of two numbers: at equality either one is the same",
+    ("services/router/costs.py", "CostModel.price_all", "bool-drop",
+     "st.idle_active is not None and st.idle_active not in view.overlay_models",
+     "(st.idle_active not in view.overlay_models)"): "_comeback of no model is 0 (no homes are kept under None)",
+    ("services/router/costs.py", "CostModel.price_all", "bool-drop",
+     "st.idle_active is not None and st.idle_active not in view.overlay_models", "(st.idle_active is not None)"):
+        "a model routed here since the snapshot has its session running here (the same fold puts it in "
+        "homes), and _comeback is 0 for a live model",
     ("services/instance_agent/memory/host_pages.py", "agreed_prefix", "stmt-drop", "return n", "pass"):
         "the fast path's answer: without it the loop finds no disagreement and returns the same n",
 }
