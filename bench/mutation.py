@@ -172,6 +172,10 @@ EQUIVALENT: dict[tuple[str, str, str, str, str], str] = {
      "st.idle_active is not None and st.idle_active not in view.overlay_models", "(st.idle_active is not None)"):
         "a model routed here since the snapshot has its session running here (the same fold puts it in "
         "homes), and _comeback is 0 for a live model",
+    ("services/router/costs.py", "_comeback", "bool-drop", "homes is None or not homes.idle_since",
+     "(homes is None)"):
+        "HomeBook never keeps a model's homes without a session (its _drop and prune delete the empty "
+        "entry), so idle_since is never empty where homes exist",
     ("services/instance_agent/memory/host_pages.py", "agreed_prefix", "stmt-drop", "return n", "pass"):
         "the fast path's answer: without it the loop finds no disagreement and returns the same n",
 }
