@@ -471,6 +471,9 @@ def test_a_prefix_hit_counts_only_on_the_instance_that_holds_it():
     gone = state_of(snap("i"))  # the owner's KV is no longer reported: the hit is worth nothing
     c = model.price(gone, gone.instances["i"], call("c", tokens=1000), None, 0.0, None, hit).cost
     assert c.kv_state == "none"
+    dropped = state_of(snap("i", sessions=[("owner", "m1", "none", 800)]))  # reported, but dropped
+    c = model.price(dropped, dropped.instances["i"], call("c", tokens=1000), None, 0.0, None, hit).cost
+    assert (c.kv_state, c.kv_recovery_s, c.prefill_s) == ("none", 0.0, pytest.approx(1000 * 1e-4))
 
 
 def test_an_idle_instance_s_last_model_claims_its_comeback_share_of_a_slot():
