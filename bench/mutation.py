@@ -176,6 +176,10 @@ EQUIVALENT: dict[tuple[str, str, str, str, str], str] = {
      "(homes is None)"):
         "HomeBook never keeps a model's homes without a session (its _drop and prune delete the empty "
         "entry), so idle_since is never empty where homes exist",
+    ("services/router/leases.py", "_drop", "bool-drop", "pos >= 0 and expiries[pos] == expires_at",
+     "(expiries[pos] == expires_at)"):
+        "pos is -1 only when expires_at is below every expiry, and then expiries[-1], the largest, "
+        "cannot equal it",
     ("services/instance_agent/memory/host_pages.py", "agreed_prefix", "stmt-drop", "return n", "pass"):
         "the fast path's answer: without it the loop finds no disagreement and returns the same n",
 }

@@ -236,3 +236,15 @@ def test_lease_timeout_prefers_session_gaps_then_model_gaps_then_tau():
     assert sr.lease_timeout(state, "s1", "m1", cfg) == 0.2  # clamped up to lease_min_s
     entry.gaps[:] = [50.0] * 3
     assert sr.lease_timeout(state, "s1", "m1", cfg) == 9.0  # clamped down to lease_max_s
+
+
+def test_prune_pops_a_stale_entry_of_a_replaced_lease_once_it_reaches_the_top():
+    book = LeaseBook()
+    book.add(lease("s0", 1.0, call_id="top"))
+    book.add(lease("s1", 5.0, call_id="c0"))
+    book.add(lease("s1", 5.0, call_id="c1"))  # same expiry, new call: (5.0, s1, c0) is stale
+    book.add(lease("s2", 4.0, call_id="k"))
+    book.add(lease("s2", 7.0, call_id="k"))  # same call, new expiry: (4.0, s2, k) is stale
+    assert len(book.heap) == 5
+    book.remove("s0")  # the stale entries now reach the top, one after the other
+    assert book.heap[0] == (5.0, "s1", "c1") and len(book.heap) == 2
