@@ -180,6 +180,12 @@ EQUIVALENT: dict[tuple[str, str, str, str, str], str] = {
      "(expiries[pos] == expires_at)"):
         "pos is -1 only when expires_at is below every expiry, and then expiries[-1], the largest, "
         "cannot equal it",
+    # RouterState._observed: the re-send fast path and the inherited lookup are caches.
+    ("services/router/state.py", "RouterState._observed", "stmt-drop", "return", "pass"):
+        "after restamp() took a re-send in place, building a fresh view from it (inheriting inflight "
+        "and lookups) gives the same view (instances.py restamp's contract)",
+    ("services/router/state.py", "RouterState._observed", "stmt-drop", "view.inherit_kv_index(old)", "pass"):
+        "a cache: the KV lookup is rebuilt from the same snapshot sessions on first use",
     ("services/instance_agent/memory/host_pages.py", "agreed_prefix", "stmt-drop", "return n", "pass"):
         "the fast path's answer: without it the loop finds no disagreement and returns the same n",
 }
