@@ -272,3 +272,33 @@ def test_a_routing_folded_twice_counts_once():
     assert twice.models["m1"].calls_seen == 1 and twice.routed_total == 1
     twice.apply(done("c0", "a", at=2.0))
     assert twice.live_models("a", 2.5) == ()  # its session is no longer running there
+
+
+def test_a_routing_after_its_completion_still_names_its_submission():
+    state = seen(snap("a"))
+    state.apply(done("c0", "a", at=2.0))
+    state.apply(routed("c0", at=1.0, seq=5))
+    assert state.submission_seq == {"c0": 5} and state.reused("c0", 6)
+
+
+def test_the_idle_horizon_epoch_moves_only_when_the_longest_gap_does():
+    state = seen(snap("a"))
+    t = 0.0
+    epochs = []
+    for i, gap in enumerate((2.0, 1.0, 3.0)):
+        state.apply(routed(f"c{i}", index=i, at=t))
+        state.apply(done(f"c{i}", "a", index=i, at=t + 1.0))
+        t += 1.0 + gap
+        before = state.horizon_epoch
+        state.apply(routed(f"n{i}", index=i + 10, at=t))
+        epochs.append(state.horizon_epoch - before)
+        state.apply(done(f"n{i}", "a", index=i + 10, at=t))
+    assert epochs == [1, 0, 1]
+
+
+def test_a_completion_names_the_session_s_model_and_instance():
+    state = seen(snap("a"), snap("b"))
+    state.apply(routed("c0", "a", model="m1"))
+    state.apply(done("c9", "b", model="m2", at=3.0))  # a call of another model, placed elsewhere
+    entry = state.sessions["s1"]
+    assert (entry.model, entry.last_instance) == ("m2", "b")
