@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from sched_driver import Driver, make, ret, work
 
-from talaria.services.instance_agent.scheduler import CallFinished, Decode, Prefill
+from talaria.services.instance_agent.scheduler import CallFinished, CallParked, Decode, Prefill
 
 MID_SLOT = 1.05  # mid slot a (see test_sched_sp.py)
 
@@ -41,8 +41,14 @@ def test_a_call_that_is_no_continuation_is_not_eligible_even_with_kv():
     assert not entered_by_sp(work("n1", "a", kv="device", reuse=900, prompt=1000))
 
 
-def test_sp_off_admits_nobody_mid_slot():
+def test_sp_off_admits_nobody_mid_slot_and_parks_nobody():
     assert not entered_by_sp(ret("r1", "a", kv="device", reuse=900), sp=False)
+    d = Driver(make(models=("a", "b"), sp=False))
+    d.submit(work("a1", "a", max_tokens=200))
+    d.submit(work("b1", "b", max_tokens=200))
+    d.at(MID_SLOT, ret("r1", "a", kv="device", reuse=900))
+    d.run()
+    assert d.of(CallParked) == [] and d.sched.sp_parked == 0  # nothing is an SP candidate
 
 
 def test_sp_fills_only_the_batch_slots_the_running_calls_leave():
