@@ -188,6 +188,8 @@ EQUIVALENT: dict[tuple[str, str, str, str, str], str] = {
         "a cache: the KV lookup is rebuilt from the same snapshot sessions on first use",
     ("services/router/state.py", "RouterState._drop_lease", "bool-drop", "by_call is not None and lease.call_id == by_call",
      "(lease.call_id == by_call)"): "a lease's call id is never None, so with no by_call the test is false either way",
+    ("services/instance_agent/memory/hkvr_core.py", "HkvrCore._publish", "cmp", "pre.published < len(pre.hashes)",
+     "(pre.published <= len(pre.hashes))"): "at equality it queues an empty tail, which publishes nothing",
     ("services/instance_agent/memory/host_pages.py", "agreed_prefix", "stmt-drop", "return n", "pass"):
         "the fast path's answer: without it the loop finds no disagreement and returns the same n",
 }
