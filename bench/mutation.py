@@ -190,6 +190,11 @@ EQUIVALENT: dict[tuple[str, str, str, str, str], str] = {
      "(lease.call_id == by_call)"): "a lease's call id is never None, so with no by_call the test is false either way",
     ("services/instance_agent/memory/hkvr_core.py", "HkvrCore._publish", "cmp", "pre.published < len(pre.hashes)",
      "(pre.published <= len(pre.hashes))"): "at equality it queues an empty tail, which publishes nothing",
+    ("services/instance_agent/memory/hkvr_core.py", "HkvrCore._unpublished", "term-zero", "position + 1", "(1)"):
+        "a slice that misses sends the lookup to pre.hashes.index(h), the same page",
+    ("services/instance_agent/memory/hkvr_core.py", "HkvrCore._victim", "bool-drop",
+     'page.pins == 0 and page.state == "committed"', "(page.pins == 0)"):
+        "a copying page holds its transfer pin until complete(), so pins == 0 already means committed",
     ("services/instance_agent/memory/host_pages.py", "agreed_prefix", "stmt-drop", "return n", "pass"):
         "the fast path's answer: without it the loop finds no disagreement and returns the same n",
 }
