@@ -69,3 +69,8 @@ def test_owns_checks_both_ends_of_a_view():
     assert not b.owns(torch.empty(4, dtype=torch.uint8))  # another allocation
     wide = b.buf[ALIGN:2 * ALIGN].view(torch.float32)  # element size counts
     assert b.owns(wide, ALIGN, 2 * ALIGN) and not b.owns(wide, ALIGN, 2 * ALIGN - 1)
+
+
+def test_a_new_buffer_holds_no_weights_and_its_whole_gap_is_kv():
+    b = BumpBuffer(SIZE, ALIGN, "cpu")
+    assert (b.weight_bytes, b.kv_base, b.kv_bytes) == (0, 0, SIZE - ALIGN)
