@@ -24,7 +24,7 @@ cd "$WORK"
 TALARIA="$WORK/venv/bin/talaria"
 
 "$PY" - <<'PY'
-import talaria, talaria.shared.messages, talaria.services.router.core
+import talaria, talaria.shared.messages, talaria.services.router.router_core
 assert "site-packages" in talaria.__file__, talaria.__file__
 for generic in ("shared", "services", "migrations", "ops"):
     try:

@@ -59,7 +59,9 @@ RETRY_BUDGET_S = 90.0  # a logical call keeps retrying retryable errors this lon
 TENANT, API_KEY = "bench", "bench-faults-key-0123456789"  # configured: the same across restarts
 SETTLE_S = 60.0  # > telemetry's ack_wait (30 s): a killed projector's batch comes back after it
 FAULTS = ("kill-router", "kill-agent", "kill-telemetry", "kill-gateway", "postgres-immediate",
-          "nats-pause", "restart-after-ctrl-c")
+          "nats-pause", "restart-after-ctrl-c", "kill-nats", "slowloris", "big-body", "overload", "disk-full", "disk-full-hard")
+FLOOD_TENANT, FLOOD_KEY = "flood", "bench-flood-key-0123456789"  # another tenant: big bodies, overload
+HOLD_S = 10.0  # how long the slowloris, overload and disk-full faults last
 
 
 @dataclass
@@ -96,7 +98,7 @@ class UpProcess:
 
     def start(self, timeout: float = 240.0) -> float:
         env = dict(os.environ, PYTHONUNBUFFERED="1", TALARIA_CALL_TIMEOUT_S=str(CALL_TIMEOUT_S),
-                   TALARIA_API_KEYS=f"{TENANT}:{API_KEY}",
+                   TALARIA_API_KEYS=f"{TENANT}:{API_KEY},{FLOOD_TENANT}:{FLOOD_KEY}",
                    TALARIA_LOG_LEVEL="info", PYTHONPATH=str(ROOT))
         t0 = time.monotonic()
         self.proc = subprocess.Popen(
@@ -149,7 +151,7 @@ async def one_call(http: aiohttp.ClientSession, url: str, phase: Phase, session:
                     return True
                 a.error = (data.get("error") or {}).get("code") or str(r.status)
                 retry_after = float(r.headers.get("Retry-After", "0.5"))
-                if r.status not in (502, 503):
+                if r.status not in (429, 502, 503):
                     return False  # not retryable: the client has its answer
         except asyncio.TimeoutError:
             a.end, a.error = time.monotonic(), "no answer"
@@ -208,6 +210,18 @@ def injector(up: UpProcess, fault: str, phase: Phase):
                 kill("gateway")
             case "postgres-immediate":
                 os.kill(up.pid("EmbeddedPostgres"), signal.SIGQUIT)  # = pg_ctl stop -m immediate
+            case "kill-nats":  # SIGKILL, not a pause: the supervisor restarts it on its store
+                os.kill(up.pid("EmbeddedNats"), signal.SIGKILL)
+            case "slowloris":
+                phase.note = slowloris(up.port)
+            case "big-body":
+                phase.note = big_bodies(up.port)
+            case "overload":
+                phase.note = overload(up.port)
+            case "disk-full":
+                phase.note = fill_disk(up.data_dir)
+            case "disk-full-hard":  # every byte: the broker and Postgres hit ENOSPC too
+                phase.note = fill_disk(up.data_dir, leave=0)
             case "nats-pause":
                 pid = up.pid("EmbeddedNats")
                 os.kill(pid, signal.SIGSTOP)
@@ -221,6 +235,129 @@ def injector(up: UpProcess, fault: str, phase: Phase):
                 phase.ready_at = time.monotonic()
                 phase.note = f"stopped in {stopped:.1f}s, ready again {ready:.1f}s later"
     return inject
+
+
+def slowloris(port: int, per_address: int = 300, addresses: int = 8) -> str:
+    """Half-open connections (a header never finished) from `addresses` loopback addresses,
+    held HOLD_S: each address over its connection limit is refused, the rest time out."""
+    import socket
+
+    socks, refused = [], 0
+    for a in range(addresses):
+        for _ in range(per_address):
+            s = socket.socket()
+            try:
+                s.bind((f"127.0.0.{10 + a}", 0))
+                s.connect(("127.0.0.1", port))
+                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+                socks.append(s)
+            except OSError:
+                refused += 1
+                s.close()
+    time.sleep(HOLD_S)
+    answered = {"408": 0, "503": 0}
+    for s in socks:
+        s.settimeout(0.01)
+        try:
+            head = s.recv(64)
+            for code in answered:
+                answered[code] += head.startswith(f"HTTP/1.1 {code}".encode())
+        except OSError:
+            pass
+        s.close()
+    return (f"{len(socks)} half-open connections from {addresses} addresses for {HOLD_S:g}s: "
+            f"{answered['503']} refused 503 (over their address's limit), {answered['408']} cut at the header "
+            f"deadline (408), {refused} not connected")
+
+
+def big_bodies(port: int, n: int = 3, size: int = 7_900_000) -> str:
+    """Another tenant's 7.9 MB bodies, all at once (issue 25: they delayed everyone by ~18 s)."""
+    import urllib.error
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = json.dumps({"model": "qwen3-tiny", "max_tokens": 4,
+                       "messages": [{"role": "user", "content": "go on " * (size // 6)}]}).encode()
+
+    def send(_):
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body, method="POST",
+                                     headers={"Authorization": f"Bearer {FLOOD_KEY}",
+                                              "Content-Type": "application/json"})
+        t = time.monotonic()
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, time.monotonic() - t
+        except urllib.error.HTTPError as exc:
+            return exc.code, time.monotonic() - t
+
+    with ThreadPoolExecutor(n) as pool:
+        answers = list(pool.map(send, range(n)))
+    return f"{n} bodies of {size / 1e6:.1f} MB from another tenant: " + ", ".join(
+        f"{code} in {t:.1f}s" for code, t in answers)
+
+
+def overload(port: int, rate: float = 300.0) -> str:
+    """Another tenant's open-loop burst at `rate` calls/s for HOLD_S (issue 25: at 300/s, p99 7.7 s)."""
+    import threading
+    import urllib.error
+    import urllib.request
+
+    codes: dict[int, int] = {}
+    lock = threading.Lock()
+
+    def send(i):
+        body = json.dumps({"model": "qwen3-tiny", "max_tokens": 4,
+                           "messages": [{"role": "user", "content": f"flood {i}"}]}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body, method="POST",
+                                     headers={"Authorization": f"Bearer {FLOOD_KEY}",
+                                              "Content-Type": "application/json", "X-Session-Id": f"flood-{i}"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                code = r.status
+        except urllib.error.HTTPError as exc:
+            code = exc.code
+        except OSError:
+            code = 0
+        with lock:
+            codes[code] = codes.get(code, 0) + 1
+
+    threads, start = [], time.monotonic()
+    for i in range(int(rate * HOLD_S)):
+        delay = start + i / rate - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)  # the arrival schedule (open loop)
+        t = threading.Thread(target=send, args=(i,), daemon=True)
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join()
+    return f"another tenant at {rate:g} calls/s for {HOLD_S:g}s: " + ", ".join(
+        f"{n} x {code}" for code, n in sorted(codes.items()))
+
+
+def fill_disk(data_dir: Path, leave: int | None = None) -> str:
+    """Fill the data directory's filesystem to under the gateway's reserve for HOLD_S, then free
+    it (the phase's data directory must be on a small filesystem: --data-dir on a tmpfs)."""
+    import shutil
+
+    from talaria.services.gateway.admission import default_min_free_bytes
+
+    reserve = default_min_free_bytes(data_dir)
+    filler = data_dir / "filler"
+    size = max(0, shutil.disk_usage(data_dir).free - (reserve // 2 if leave is None else leave))
+    chunk = b"\0" * (1 << 20)
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for _ in range(-(-size >> 20)):
+            os.write(fd, chunk)
+    except OSError:  # ENOSPC: full, as asked
+        pass
+    finally:
+        os.close(fd)
+    free = shutil.disk_usage(data_dir).free
+    time.sleep(HOLD_S)
+    filler.unlink()
+    return f"filled to {free >> 20} MiB free (reserve {reserve >> 20} MiB) for {HOLD_S:g}s, then freed"
 
 
 async def rows(db_url: str, prefix: str) -> tuple[dict, dict]:
@@ -326,6 +463,7 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--faults", default="all", help=f"comma-separated among {', '.join(FAULTS)}")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data-dir", type=Path, help="the stack's data directory (disk-full: on a small tmpfs)")
     ap.add_argument("--out", default="results/faults.md")
     ap.add_argument("--report-only", action="store_true", help="rewrite the Markdown from the saved JSON")
     ap.add_argument("--no-idempotency-keys", action="store_true",
@@ -343,7 +481,8 @@ def main() -> int:
     if unknown:
         print(f"faults: unknown fault {unknown[0]}; known: {', '.join(FAULTS)}", file=sys.stderr)
         return 2
-    results = run(faults, args.sessions, args.calls, seed=args.seed, keys=not args.no_idempotency_keys)
+    data_dir = Path(tempfile.mkdtemp(prefix="talaria-faults-", dir=args.data_dir)) if args.data_dir else None
+    results = run(faults, args.sessions, args.calls, data_dir, seed=args.seed, keys=not args.no_idempotency_keys)
     write_markdown(results, args.sessions, args.calls, ROOT / args.out, command)
     (ROOT / args.out).with_suffix(".json").write_text(json.dumps(results, indent=2))
     print((ROOT / args.out).read_text())

@@ -7,7 +7,7 @@ from pathlib import Path
 
 FAULT_AT_S = 2.0  # bench/faults.py injects each fault this far into the load
 MODELS = ("qwen3-tiny", "gpt2-tiny", "qwen3-moe-tiny")
-SERVICE_FAULTS = {"kill-router", "kill-agent", "kill-telemetry", "kill-gateway", "restart-after-ctrl-c"}
+SERVICE_FAULTS = {"kill-router", "kill-agent", "kill-telemetry", "kill-gateway", "restart-after-ctrl-c", "kill-nats"}
 
 def goals_met(r: dict) -> bool:
     fast = r["recovery_s"] < 5.0 and r["inflight_wait_s"] < 5.0 if r["fault"] in SERVICE_FAULTS else True

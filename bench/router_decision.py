@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from talaria.services.router.core import RouterCore  # noqa: E402
+from talaria.services.router.router_core import RouterCore  # noqa: E402
 from talaria.services.router.policy.base import PolicyConfig  # noqa: E402
 from talaria.services.router.policy.registry import create_policy, policy_names  # noqa: E402
 from talaria.shared.stats import quantile  # noqa: E402

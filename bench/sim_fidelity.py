@@ -50,7 +50,8 @@ from talaria.sim.metrics import session_scts  # noqa: E402
 from talaria.sim.profiles import LOCAL_TORCH  # noqa: E402
 from talaria.sim.workloads import agent_sessions  # noqa: E402
 from talaria.trace_export import fetch_rows, rows_to_sessions  # noqa: E402
-from talaria.traces.format import Session, TraceCall, load_trace, save_sessions  # noqa: E402
+from talaria.traces.format import Session, TraceCall, save_sessions  # noqa: E402
+from talaria.traces.load import load_trace  # noqa: E402
 from talaria.traces.gaps import GapModel  # noqa: E402
 
 MODELS = ["qwen3-tiny", "qwen3-moe-tiny", "gpt2-tiny"]
@@ -244,7 +245,7 @@ def measure(reps: int = 5) -> dict:
 
     from talaria.services.instance_agent.engine import GenRequest, TorchEngine
 
-    torch.set_num_threads(max(1, Settings.from_env().torch_threads))  # as the agent (service.py)
+    torch.set_num_threads(max(1, Settings.from_env().torch_threads))  # as the agent (agent_service.py)
     out = {}
     with tempfile.TemporaryDirectory() as d:
         eng = TorchEngine(Path(d), MODELS, kv_pages=2048, staging=False, hkvr=False)

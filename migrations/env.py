@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import os
 
 from alembic import context
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from talaria.shared.db.schema import metadata
-from talaria.shared.settings import async_database_url
+from talaria.shared.settings import Settings, async_database_url
 
 config = context.config
 target_metadata = metadata
 
 
 def _url() -> str:
-    url = config.get_main_option("sqlalchemy.url") or os.environ.get("TALARIA_DATABASE_URL")
+    url = config.get_main_option("sqlalchemy.url") or Settings.from_env().database_url
     if not url:
         raise RuntimeError("no database URL: set TALARIA_DATABASE_URL")
     return async_database_url(url)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
+from pathlib import Path
 
 import msgspec
 import nats
@@ -12,6 +14,7 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 from nats.js.errors import BadRequestError
 
 from talaria.shared import subjects
+from talaria.shared.event_specs import EventSpec, spec_of
 from talaria.shared.nats_auth import SENDER_HEADER, SERVICE_INBOX
 from talaria.shared.wire import encode
 from talaria.shared.tracing import inject_headers
@@ -20,6 +23,9 @@ STREAM_MAX_AGE_S = 7 * 24 * 3600
 DUPLICATE_WINDOW_S = 120
 RECONNECT_WAIT_S = 0.5  # between reconnect attempts; also a publisher's wait before retrying
 PUBLISH_TIMEOUT_S = 10.0  # a JetStream publish (or other API call) waits this long for its ack
+# A service's durable consumer (router, telemetry): a message fetched and not acked this long is
+# delivered again; a restarted service recreates its consumer from the ack floor at once anyway.
+ACK_WAIT_S = 30.0
 
 
 async def connect(url: str, name: str, **auth) -> tuple[NATS, JetStreamContext]:
@@ -39,6 +45,32 @@ async def connect(url: str, name: str, **auth) -> tuple[NATS, JetStreamContext]:
     return nc, js
 
 
+# Share of the data directory's disk each stream may keep (issue 25: nothing bounded storage,
+# ~4 KB of JetStream per call): shares of the free space at start. Past it JetStream drops the oldest messages (DiscardPolicy.OLD):
+# events long projected, answers long read; a consumer down for days could lose events it has
+# not read. With the gateway's free-space
+# reserve (gateway/admission.py) the broker never fills the disk on its own.
+EVENTS_DISK_SHARE, IDEMPOTENCY_DISK_SHARE, REPLIES_DISK_SHARE = 1 / 8, 1 / 16, 1 / 32  # 22%: three deployments fit one broker
+
+
+DATA_DIR = Path(".talaria")  # set once per process from its settings (runtime.main), like subjects
+
+
+def configure_storage(data_dir: Path) -> None:
+    global DATA_DIR
+    DATA_DIR = Path(data_dir)
+
+
+def disk_cap(share: float) -> int:
+    """`share` of the free space (at start) on the disk holding the data directory: JetStream
+    reserves every stream's max_bytes against its store, which it sizes from the free space
+    (75% of it by default), so shares of the free space always fit."""
+    path = DATA_DIR.resolve()
+    while not path.exists():
+        path = path.parent
+    return int(shutil.disk_usage(path).free * share)
+
+
 async def ensure_stream(js: JetStreamContext) -> None:
     """Create the event stream if absent. Idempotent; every service calls it at start."""
     config = StreamConfig(
@@ -48,6 +80,7 @@ async def ensure_stream(js: JetStreamContext) -> None:
         storage=StorageType.FILE,
         discard=DiscardPolicy.OLD,
         max_age=STREAM_MAX_AGE_S,
+        max_bytes=disk_cap(EVENTS_DISK_SHARE),
         duplicate_window=DUPLICATE_WINDOW_S,
     )
     try:
@@ -93,43 +126,21 @@ async def publish_fast(js: JetStreamContext, subject: str, event: msgspec.Struct
 
 
 def event_subject(event: msgspec.Struct) -> str:
-    """The subject an event belongs on: `<deployment>.evt.<its tag>`; a routed call goes to its
-    instance's own subject. The tag is the one name of an event type (no second map to keep)."""
-    tag = type(event).__struct_config__.tag
-    if not isinstance(tag, str):
-        raise TypeError(f"{type(event).__name__} is not an event (no tag)")
-    subject = f"{subjects.DEPLOYMENT}.evt.{tag}"
-    return f"{subject}.{event.instance_id}" if tag == "call.routed" else subject
+    """The subject an event belongs on (its wire-table row): `<deployment>.evt.<its tag>`; a
+    routed call goes to its instance's own subject."""
+    return _spec(event).subject_of(subjects.DEPLOYMENT, event)
 
 
 def event_msg_id(event: msgspec.Struct) -> str | None:
-    """A natural dedupe key for events that must be published at most once."""
-    from talaria.shared.events import (
-        CallCompleted,
-        CallFailed,
-        CallRouted,
-        CallStarted,
-        CallSubmitted,
-        InstanceLost,
-        LeaseConsumed,
-        LeaseDiscarded,
-        LeaseIssued,
-        RoutingDecision,
-    )
+    """A natural dedupe key for events that must be published at most once (the row's `dedupe`)."""
+    return _spec(event).msg_id(event)
 
-    match event:
-        case CallSubmitted() | CallStarted() | CallCompleted() | CallFailed():
-            return f"{type(event).__name__}:{event.call_id}"
-        case CallRouted():
-            return f"CallRouted:{event.call.call_id}"
-        case RoutingDecision():
-            return f"RoutingDecision:{event.call_id}"
-        case InstanceLost():
-            return f"InstanceLost:{event.instance_id}:{event.incarnation}"
-        case LeaseIssued() | LeaseConsumed() | LeaseDiscarded():
-            return f"{type(event).__name__}:{event.session_id}:{event.call_id}"
-        case _:
-            return None
+
+def _spec(event: msgspec.Struct) -> EventSpec:
+    spec = spec_of(event)
+    if spec is None:
+        raise TypeError(f"{type(event).__name__} is not an event (no row in shared/event_specs.py)")
+    return spec
 
 
 async def emit(js: JetStreamContext, event: msgspec.Struct, sender: str | None = None) -> int:

@@ -56,15 +56,6 @@ CATALOG: dict[str, ModelSpec] = {
 }
 
 
-class UnknownModelError(KeyError):
-    def __init__(self, model: str) -> None:
-        super().__init__(model)
-        self.model = model
-
-    def __str__(self) -> str:
-        return f"model {self.model!r} does not exist; known: {', '.join(sorted(CATALOG))}"
-
-
 def register(spec: ModelSpec) -> None:
     """Add a model (a Hugging Face directory, see shared/hf_config.py) to this process's catalogue."""
     CATALOG[spec.name] = spec
@@ -75,9 +66,3 @@ def register_all(specs: tuple[ModelSpec, ...]) -> None:
     for spec in specs:
         register(spec)
 
-
-def get_spec(name: str) -> ModelSpec:
-    try:
-        return CATALOG[name]
-    except KeyError:
-        raise UnknownModelError(name) from None

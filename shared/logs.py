@@ -3,13 +3,49 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
 
 import structlog
 
 
+# Credentials a library's log line may quote (aiohttp logs a malformed request's raw header
+# line): an Authorization / x-api-key value, a bearer token, a generated key, a URL password.
+_SECRETS = [
+    (re.compile(r"(?i)((?:proxy-)?authorization|x-api-key)(['\"]?\s*[:=,]\s*['\"]?)[^\r\n'\"]*"), r"\1\2[redacted]"),
+    (re.compile(r"(?i)(bearer\s+)[^\s'\"]+"), r"\1[redacted]"),
+    (re.compile(r"\btk-[A-Za-z0-9_-]{8,}"), "tk-[redacted]"),
+    (re.compile(r"(://[^:/@\s]+:)[^@\s]+@"), r"\1[redacted]@"),
+]
+
+
+def redact(text: str) -> str:
+    for pattern, replacement in _SECRETS:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+class RedactSecrets(logging.Filter):
+    """On the stdlib handler: no API key or password reaches a log file, whoever logs it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = redact(record.getMessage()), ()
+        if record.exc_info and not record.exc_text:
+            record.exc_text = redact(logging.Formatter().formatException(record.exc_info))
+        return True
+
+
+def _redacting_stdlib_handler() -> None:
+    root = logging.getLogger()
+    if not any(isinstance(f, RedactSecrets) for h in root.handlers for f in h.filters):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.addFilter(RedactSecrets())
+        root.addHandler(handler)
+
+
 def configure(service: str, level: str = "info", json: bool = True) -> structlog.BoundLogger:
     lvl = getattr(logging, level.upper(), logging.INFO)
+    _redacting_stdlib_handler()
     processors = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,

@@ -10,38 +10,27 @@ Two layers (README "Security"):
   tenant cannot read another's replies or streamed tokens.
 - **sender checks**: every event carries a `Talaria-Sender` header (the publishing service);
   an agent runs only `CallRouted` sent by the router and the projector records only events
-  from their owning service (`EVENT_OWNERS`). On a NATS with per-service permissions the
-  header cannot be forged; on an open NATS it still stops anything that does not set it.
+  from their owning service (`owners` in the wire table, event_specs.py). On a NATS with
+  per-service permissions the header cannot be forged; on an open NATS it still stops
+  anything that does not set it.
+  Replies and token chunks carry it too: the gateway takes a call's answer (live or kept) only
+  from the router or an agent, and its tokens only from an agent.
+- **reply subjects**: the gateway publishes only into inbox spaces (no `allow_responses`) and
+  answers a NATS API request only inside its caller tenant's own inboxes (`reply_allowed`).
 """
 
 from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
-from talaria.shared.subjects import client_inbox_prefix
+from talaria.shared.event_specs import published_by, read_on_core_by, spec_of
+from talaria.shared.subjects import client_inbox_prefix, idempotency_stream_name, replies_stream_name, stream_name
 
 SENDER_HEADER = "Talaria-Sender"
 SERVICE_INBOX = "_TALARIA_INBOX"  # services' request inboxes (JetStream API, fetches); clients use _INBOX
 CLIENT_INBOX = "_INBOX"
-
-# Which service may publish each event type ("agent" = any instance agent; an agent's
-# events must also name that agent as `instance_id` where they carry one).
-EVENT_OWNERS: dict[str, frozenset[str]] = {
-    "CallSubmitted": frozenset({"gateway"}),
-    "CallRouted": frozenset({"router"}),
-    "CallStarted": frozenset({"agent"}),
-    "CallCompleted": frozenset({"agent"}),
-    "CallFailed": frozenset({"gateway", "router", "agent"}),
-    "LeaseIssued": frozenset({"router"}),
-    "LeaseConsumed": frozenset({"router"}),
-    "LeaseDiscarded": frozenset({"router"}),
-    "LeaseExpired": frozenset({"router"}),
-    "RoutingDecision": frozenset({"router"}),
-    "SwitchDone": frozenset({"agent"}),
-    "RoundSummary": frozenset({"agent"}),
-    "InstanceLost": frozenset({"router"}),
-}
 
 
 def sender_name(role: str, instance_id: str | None = None) -> str:
@@ -63,11 +52,36 @@ def sender_of(msg) -> str | None:
     return (msg.headers or {}).get(SENDER_HEADER)
 
 
+# Who may answer a call (on its reply subject, kept or not) and stream its tokens. A reader drops
+# anything else: on a NATS with per-service permissions only these users can publish there at
+# all; on an open NATS it still stops a message that does not claim to be from them.
+ANSWERING_ROLES = frozenset({"router", "agent"})
+STREAMING_ROLES = frozenset({"agent"})
+
+
+def sender_headers(nc) -> dict[str, str]:
+    """Headers naming the publishing service (its connection name), for a reply or a token chunk."""
+    return {SENDER_HEADER: nc.options.get("name") or ""}
+
+
+def sent_by(headers, roles: frozenset[str]) -> bool:
+    """Did a message with these headers come from a service in `roles`?"""
+    return parse_sender((headers or {}).get(SENDER_HEADER))[0] in roles
+
+
+def reply_allowed(tenant: str | None, reply: str | None) -> bool:
+    """May the gateway answer a NATS API request on `reply`? Only inside the caller's own inbox
+    space (`_INBOX.<tenant>.`; `_INBOX.` for a gateway without keys), so a request cannot make
+    the gateway write into another tenant's inbox, a kept answer or a token stream."""
+    return bool(reply) and reply.startswith(client_inbox_prefix(tenant or None) + ".")
+
+
 def trusted(msg, event) -> bool:
     """Did `event` come from a service allowed to publish it?"""
-    owners = EVENT_OWNERS.get(type(event).__name__)
-    if owners is None:
+    spec = spec_of(event)
+    if spec is None:
         return False
+    owners = spec.owners
     role, instance = parse_sender(sender_of(msg))
     if role not in owners:
         return False
@@ -79,7 +93,7 @@ def trusted(msg, event) -> bool:
 
 def owner_sender(event) -> str:
     """The sender name of the service that owns `event` (for tests and tools standing in for it)."""
-    owners = EVENT_OWNERS[type(event).__name__]
+    owners = spec_of(event).owners
     if "agent" in owners and getattr(event, "instance_id", ""):
         return sender_name("agent", event.instance_id)
     return sender_name(sorted(owners - {"agent"})[0] if owners - {"agent"} else "agent", "unknown")
@@ -87,11 +101,11 @@ def owner_sender(event) -> str:
 
 def permissions(role: str, prefix: str = "talaria", instance_id: str | None = None,
                 tenant: str | None = None) -> dict:
-    """NATS publish/subscribe permissions of one service user (nats-server config format)."""
-    from talaria.shared.subjects import idempotency_stream_name, stream_name
-
+    """NATS publish/subscribe permissions of one service user (nats-server config format).
+    The events a service may publish, and those it reads on core NATS, come from the wire table."""
     stream = stream_name(prefix)
-    evt = f"{prefix}.evt"
+    events = [spec.publish_pattern(prefix) for spec in published_by(role)]
+    heard = [spec.subject(prefix) for spec in read_on_core_by(role)]
     # JetStream API on this deployment's stream only: create/inspect it and its consumers,
     # fetch and ack; no other stream, and no STREAM.DELETE / PURGE.
     js = ["$JS.API.INFO", *(f"$JS.API.STREAM.{op}.{stream}" for op in ("INFO", "CREATE", "UPDATE")),
@@ -101,30 +115,31 @@ def permissions(role: str, prefix: str = "talaria", instance_id: str | None = No
     watch = [f"{prefix}.telemetry.*", f"{prefix}.health.*"]
     if role == "gateway":
         # Its idempotency stream too (gateway/idempotency.py): claims on keys, kept replies.
-        idem = idempotency_stream_name(prefix)
-        idem_js = [f"$JS.API.STREAM.{op}.{idem}" for op in ("INFO", "CREATE", "UPDATE", "MSG.GET")]
-        pub = [f"{evt}.call.submitted", f"{evt}.call.failed", f"{prefix}.health.gateway", f"{prefix}.cancel",
-               f"{prefix}.idem.key.*", f"{prefix}.idem.waiting.*", *js, *idem_js]
-        sub = [f"{prefix}.api.call", f"{prefix}.api.cancel", f"{prefix}.reply.gateway.>", f"{prefix}.tokens.>",
-               f"{prefix}.idem.waiting.*", *watch, *inbox]
-        return {"publish": {"allow": pub}, "subscribe": {"allow": sub}, "allow_responses": True}
+        idem, replies = idempotency_stream_name(prefix), replies_stream_name(prefix)
+        idem_js = [f"$JS.API.STREAM.{op}.{name}" for op in ("INFO", "CREATE", "UPDATE", "MSG.GET")
+                   for name in (idem, replies)]
+        # No `allow_responses`: it would let a request name any subject (another tenant's kept
+        # answer, a token stream) as its reply. The gateway answers only in inbox spaces: clients'
+        # (nats_api checks each is the caller tenant's own) and services' (probes).
+        pub = [*events, f"{prefix}.health.gateway", f"{prefix}.cancel",
+               f"{prefix}.idem.key.*", f"{prefix}.idem.waiting.*", f"{CLIENT_INBOX}.>", f"{SERVICE_INBOX}.>",
+               *js, *idem_js]
+        sub = [f"{prefix}.api.call", f"{prefix}.api.cancel", f"{prefix}.reply.gateway.>", f"{prefix}.reply.live.>",
+               f"{prefix}.tokens.>", f"{prefix}.idem.waiting.*", *watch, *inbox, *heard]
+        return {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
     if role == "router":
-        pub = [f"{evt}.call.routed.*", f"{evt}.lease.>", f"{evt}.decision", f"{evt}.call.failed",
-               f"{evt}.instance.lost",
-               f"{prefix}.reply.>", f"{prefix}.health.router", f"{prefix}.dispatch.*", *js]
-        return {"publish": {"allow": pub}, "subscribe": {"allow": [*watch, *inbox]}}
+        pub = [*events, f"{prefix}.reply.>", f"{prefix}.health.router", f"{prefix}.dispatch.*", *js]
+        return {"publish": {"allow": pub}, "subscribe": {"allow": [*watch, *inbox, *heard]}}
     if role == "telemetry":
-        return {"publish": {"allow": [f"{prefix}.health.telemetry", *js]},
-                "subscribe": {"allow": [*watch, *inbox]}}
+        return {"publish": {"allow": [*events, f"{prefix}.health.telemetry", *js]},
+                "subscribe": {"allow": [*watch, *inbox, *heard]}}
     if role == "agent":
         if not instance_id:
             raise ValueError("an agent user needs its instance id")
-        pub = [f"{evt}.call.started", f"{evt}.call.completed", f"{evt}.call.failed", f"{evt}.switch.done",
-               f"{evt}.round.summary", f"{prefix}.tokens.>", f"{prefix}.reply.>",
+        pub = [*events, f"{prefix}.tokens.>", f"{prefix}.reply.>",
                f"{prefix}.telemetry.{instance_id}", f"{prefix}.health.agent-{instance_id}",
                f"$JS.API.STREAM.MSG.GET.{stream}", *js]  # a routed call's prompt, read by reference
-        # instance.lost: the router declared this process lost; it stops the calls listed
-        sub = [*watch, *inbox, f"{prefix}.cancel", f"{prefix}.dispatch.{instance_id}", f"{evt}.instance.lost"]
+        sub = [*watch, *inbox, f"{prefix}.cancel", f"{prefix}.dispatch.{instance_id}", *heard]
         return {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
     if role == "client":
         # A client's cancel goes to the gateway, which checks its key: only its own tenant's calls stop.
@@ -158,8 +173,6 @@ class NatsUser:
 def client_options(url: str) -> dict[str, str]:
     """`nats.connect` options for a NATS API client connecting with `url`: a tenant's client
     user (`talaria-client-<tenant>` in the URL) may read only its tenant's inbox prefix."""
-    from urllib.parse import urlsplit
-
     user = urlsplit(url).username or ""
     prefix = sender_name("client") + "-"
     return {"inbox_prefix": client_inbox_prefix(user[len(prefix):])} if user.startswith(prefix) else {}

@@ -7,7 +7,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 
-from talaria.shared import logs, subjects
+from talaria.shared import bus, logs, subjects
 from talaria.shared.settings import Settings, SettingsError
 
 Runner = Callable[[Settings, asyncio.Event | None, asyncio.Event | None], Awaitable[None]]
@@ -21,6 +21,7 @@ def main(service: str, run: Runner) -> int:
         return 2
     log = logs.configure(service, settings.log_level, settings.log_json)
     subjects.configure(settings.deployment)  # before anything names a subject
+    bus.configure_storage(settings.data_dir)  # streams are capped at shares of its disk
     if not settings.nats_url or (service != "gateway" and service != "instance_agent" and not settings.database_url):
         print(f"talaria {service}: TALARIA_NATS_URL and TALARIA_DATABASE_URL must be set "
               "(`talaria up` sets them)", file=sys.stderr)
@@ -42,3 +43,17 @@ def main(service: str, run: Runner) -> int:
         log.exception(f"{service} crashed")
         return 1
     return 0
+
+
+async def serve_until_stopped(service: str, stop: asyncio.Event, tasks: list[asyncio.Task]) -> None:
+    """Wait for `stop`; a core task that ends first raises (its error, or that it ended), so
+    the process exits non-zero and is restarted rather than heartbeating with no one working.
+    Tasks that end with `stop` (in the same loop turn) are not counted as dead."""
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        done, _ = await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    for task in (done - {stopped}) if not stop.is_set() else ():
+        task.result()
+        raise RuntimeError(f"{service} task {task.get_name()} ended unexpectedly")

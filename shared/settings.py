@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from talaria.shared.ablations import ABLATIONS
+from talaria.shared.api_keys import InvalidKeyEntry, parse_key_entry
+from talaria.shared.catalog import CATALOG, register
+from talaria.shared.hf_config import CheckpointError, load_spec, parse_models
 
 
 class SettingsError(ValueError):
@@ -37,6 +44,7 @@ def asyncpg_dsn(url: str) -> str:
 class Settings:
     nats_url: str | None = None  # None: `talaria up` starts an embedded server
     database_url: str | None = None  # None: `talaria up` starts an embedded PostgreSQL
+    database_admin_url: str | None = None  # `talaria migrate`: sets up the application role first
     data_dir: Path = Path(".talaria")
     http_host: str = "127.0.0.1"
     http_port: int = 8000
@@ -47,11 +55,17 @@ class Settings:
     instance_id: str = field(default_factory=lambda: f"agent-{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
     models: tuple[str, ...] = ("qwen3-tiny", "qwen3-moe-tiny", "gpt2-tiny")
     pool: str = "cold"
-    engine: str = "torch"  # engine/registry.py; an unknown name fails the agent at start
+    engine: str = "torch"  # engine/engine_registry.py; an unknown name fails the agent at start
     device: str = "cpu"
-    sp: bool = True
-    hkvr: bool = True
-    staging: bool = True
+    # TALARIA_ENGINE=vllm / sglang (README "Engines"); 0 or "": the adapter's default
+    vllm_switch: str = ""  # resident | sleep | release
+    vllm_kv_bytes: int = 0  # KV cache per model on CPU
+    vllm_host_kv_bytes: int = 0  # the KV connector's host pages per model
+    vllm_max_model_len: int = 0
+    vllm_block: int = 0
+    vllm_batch_tokens: int = 0
+    sglang_switch: str = ""  # memory | weights
+    ablation: str = "talaria"  # which of Talaria's mechanisms are on (shared/ablations.py)
     heartbeat_s: float = 0.5
     call_timeout_s: float = 300.0
     # How long an Idempotency-Key is remembered (gateway/idempotency.py): Stripe's 24 h. It must
@@ -83,13 +97,21 @@ class Settings:
     api_keys: tuple[str, ...] = ()  # `tenant:sha256:<hex>` (or `tenant:<key>`, hashed on load)
     api_keys_file: Path | None = None  # one `tenant sha256:<hex>` per line
     prefix_sharing: str = "tenant"  # KV prefix reuse scope: tenant, session or global
+    api_key: str | None = None  # a client's own key (`talaria replay --nats` against a running stack)
+    # -- gateway limits (issue 25; services/gateway/connection_limits.py) ------------------
+    # Go's http.Server guidance (ReadHeaderTimeout ~10 s); nginx's client_body_timeout is 60 s.
+    http_header_timeout_s: float = 10.0
+    http_body_timeout_s: float = 60.0
+    http_max_connections: int = 0  # 0: the open-file limit less what the gateway itself needs
+    http_max_connections_per_address: int = 256  # an agent runtime's concurrent sessions, with room
+    # Admission control (gateway/admission.py): the queueing delay accepted before new calls are
+    # refused with Retry-After (the limit adapts online to keep calls under it); 0: never refused.
+    admission_target_queue_s: float = 2.0
+    min_free_disk_mb: int = 0  # new calls refused below this free on the data dir's disk; 0: 5%, <= 1 GiB
     # Hugging Face directories among the models: TALARIA_MODELS entries `name=/path` (hf_config.py)
     model_dirs: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
-        from talaria.shared.catalog import register
-        from talaria.shared.hf_config import CheckpointError, load_spec, parse_models
-
         names, dirs = parse_models(tuple(self.models))
         dirs = {**dict(self.model_dirs), **dirs}
         for name, path in dirs.items():
@@ -105,9 +127,27 @@ class Settings:
         dirs = dict(self.model_dirs)
         return ",".join(f"{m}={dirs[m]}" if m in dirs else m for m in self.models)
 
+    # The mechanisms the ablation runs (shared/ablations.py).
+    sp = property(lambda self: ABLATIONS[self.ablation]["sp"])
+    hkvr = property(lambda self: ABLATIONS[self.ablation]["hkvr"])
+    staging = property(lambda self: ABLATIONS[self.ablation]["staging"])
+    park_kv = property(lambda self: ABLATIONS[self.ablation]["park_kv"])
+
     @property
     def traces_path(self) -> Path:
         return self.traces_dir or (self.data_dir / "traces")
+
+    def engine_options(self) -> dict[str, object]:
+        """The chosen engine's own options, as its constructor takes them (unset ones left out)."""
+        if self.engine == "vllm":
+            opts = {"switch_mode": self.vllm_switch, "kv_cache_bytes": self.vllm_kv_bytes,
+                    "host_kv_bytes": self.vllm_host_kv_bytes, "max_model_len": self.vllm_max_model_len,
+                    "block_size": self.vllm_block, "max_num_batched_tokens": self.vllm_batch_tokens}
+        elif self.engine == "sglang":
+            opts = {"switch_mode": self.sglang_switch}
+        else:
+            opts = {}
+        return {k: v for k, v in opts.items() if v}
 
     def with_(self, **changes) -> "Settings":
         return replace(self, **changes)
@@ -134,14 +174,14 @@ class Settings:
         if self.nats_url is not None and not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
             raise SettingsError("TALARIA_NATS_URL", self.nats_url, "a nats:// URL")
         self._validate_security()
+        if self.ablation not in ABLATIONS:
+            raise SettingsError("TALARIA_ABLATION", self.ablation, f"one of {', '.join(ABLATIONS)}")
         if self.pool not in ("hot", "cold"):
             raise SettingsError("TALARIA_POOL", self.pool, "hot or cold")
         if self.overload not in ("reject", "queue"):
             raise SettingsError("TALARIA_OVERLOAD", self.overload, "reject or queue")
         if not 0 < self.http_port < 65536 and self.http_port != 0:
             raise SettingsError("TALARIA_HTTP_PORT", str(self.http_port), "a TCP port")
-        from talaria.shared.catalog import CATALOG
-
         unknown = [m for m in self.models if m not in CATALOG]
         if unknown or not self.models:
             raise SettingsError("TALARIA_MODELS", ",".join(self.models),
@@ -149,6 +189,15 @@ class Settings:
         for name in ("projection_interval_s", "idempotent_orphan_s"):  # 0: no wait, no grace
             if getattr(self, name) < 0:
                 raise SettingsError(f"TALARIA_{name.upper()}", str(getattr(self, name)), "zero or more seconds")
+        for name in ("http_header_timeout_s", "http_body_timeout_s", "http_max_connections_per_address"):
+            if getattr(self, name) <= 0:
+                raise SettingsError(f"TALARIA_{name.upper()}", str(getattr(self, name)), "a positive number")
+        for name in ("admission_target_queue_s", "min_free_disk_mb"):
+            if getattr(self, name) < 0:
+                raise SettingsError(f"TALARIA_{name.upper()}", str(getattr(self, name)), "zero or more")
+        if self.http_max_connections < 0:
+            raise SettingsError("TALARIA_HTTP_MAX_CONNECTIONS", str(self.http_max_connections),
+                                "zero (the open-file limit) or a positive number")
         for name in ("lease_timeout_s", "heartbeat_s", "call_timeout_s", "session_idle_s", "watchdog_min_s"):
             if getattr(self, name) <= 0 and not (name == "lease_timeout_s" and self.lease_timeout_s == 0):
                 raise SettingsError(f"TALARIA_{name.upper()}", str(getattr(self, name)), "a positive number")
@@ -160,8 +209,6 @@ class Settings:
 
 
     def _validate_security(self) -> None:
-        import re
-
         if not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", self.deployment):
             raise SettingsError("TALARIA_DEPLOYMENT", self.deployment,
                                 "1-32 lowercase letters, digits, '_' or '-', starting with a letter")
@@ -179,8 +226,6 @@ class Settings:
                 raise SettingsError(f"TALARIA_{name.upper()}", str(path), "an existing file")
         if self.prefix_sharing not in ("tenant", "session", "global"):
             raise SettingsError("TALARIA_PREFIX_SHARING", self.prefix_sharing, "tenant, session or global")
-        from talaria.services.gateway.auth import InvalidKeyEntry, parse_key_entry
-
         for entry in self.api_keys:
             try:
                 parse_key_entry(entry)
@@ -207,8 +252,6 @@ def _redact_key(entry: str) -> str:
 
 def redact_url(url: str | None) -> str | None:
     """The URL with its password replaced by '***' (for logs and printed output)."""
-    from urllib.parse import urlsplit, urlunsplit
-
     if not url:
         return url
     parts = urlsplit(url)

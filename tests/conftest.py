@@ -18,13 +18,28 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from talaria.shared.db.engine import upgrade
+from talaria.shared.db.connection import upgrade
 from talaria.shared.settings import asyncpg_dsn
 from talaria.embedded import EmbeddedNats, EmbeddedPostgres
 
 EXTERNAL_NATS = os.environ.get("TALARIA_NATS_URL")
 EXTERNAL_DB = os.environ.get("TALARIA_DATABASE_URL")
 TEMPLATE = "talaria_test_template"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _relocated_clusters():
+    """As root, the cluster of an embedded Postgres whose data directory sits under a 0700
+    directory (pytest's temp dirs) lives in ROOT_CLUSTERS (`embedded._reachable`): remove the
+    ones this session made, once no server runs on them."""
+    from talaria.embedded import ROOT_CLUSTERS, _pid_in, process_alive
+
+    before = set(ROOT_CLUSTERS.glob("*")) if ROOT_CLUSTERS.exists() else set()
+    yield
+    for path in set(ROOT_CLUSTERS.glob("*")) - before if ROOT_CLUSTERS.exists() else ():
+        pid = _pid_in(path / "postmaster.pid")
+        if path.is_dir() and not path.name.startswith("pginstall-") and not process_alive(pid, str(path)):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -49,6 +64,9 @@ def postgres_server(tmp_root):
     yield admin
     if server is not None:
         server.stop()
+        cluster = tmp_root / "postgres" / "pgdata"
+        if cluster.is_symlink():  # as root under a 0700 temp dir: the cluster lives outside it
+            shutil.rmtree(cluster.resolve(), ignore_errors=True)
 
 
 @pytest.fixture
@@ -76,7 +94,7 @@ async def nats_url(tmp_path):
 
         nc = await nats.connect(EXTERNAL_NATS)
         js = nc.jetstream()
-        for stream in (subjects.EVENTS_STREAM, subjects.IDEMPOTENCY_STREAM):  # keys are reused across runs
+        for stream in (subjects.EVENTS_STREAM, subjects.IDEMPOTENCY_STREAM, subjects.REPLIES_STREAM):  # reused across runs
             try:
                 await js.delete_stream(stream)
             except Exception:

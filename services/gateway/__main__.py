@@ -2,7 +2,7 @@
 
 import sys
 
-from talaria.services.gateway.service import run
+from talaria.services.gateway.gateway_service import run
 from talaria.shared.runtime import main
 
 sys.exit(main("gateway", run))

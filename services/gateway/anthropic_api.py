@@ -16,13 +16,14 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from talaria.services.gateway.auth import TENANT, anthropic_error_body, client_session, scoped_session
+from talaria.services.gateway.auth import TENANT, client_session, scoped_session
+from talaria.services.gateway.error_bodies import anthropic_error_body
 from talaria.services.gateway.idempotency import IdempotentCalls, answers_as, claim_for, replayed, restamp
 from talaria.services.gateway.idempotency_rules import key_from
 from talaria.services.gateway.anthropic_input import DECODER, chat_turns, session_of, to_call_request
 from talaria.services.gateway.prepare import RequestError, prepare, tool_format
 from talaria.services.gateway.validation import decode_bounded
-from talaria.services.gateway.sessions import InvalidSessionId
+from talaria.services.gateway.session_ids import InvalidSessionId
 from talaria.services.gateway.submitter import Submitter
 from talaria.shared.messages import CallRequest, CallResult, ErrorReply, TokenChunk
 from talaria.shared.tool_calls import TextUntilCalls, ToolCall, parse_calls

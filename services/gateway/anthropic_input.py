@@ -13,7 +13,7 @@ from msgspec import Struct
 
 from talaria.services.gateway.openai_api import ChatInput
 from talaria.services.gateway.prepare import bad
-from talaria.services.gateway.sessions import session_id_from
+from talaria.services.gateway.session_ids import session_id_from
 from talaria.shared.messages import CallRequest, ChatMessage, ToolCallMsg, ToolSpec
 
 # --------------------------------------------------------------------------------------

@@ -1,85 +1,30 @@
 """API keys and tenants: the one check every client-facing API calls (OpenAI HTTP, an
 Anthropic-style API, the NATS API).
 
-A key is only ever stored as its SHA-256 hash (`TALARIA_API_KEYS`, `TALARIA_API_KEYS_FILE`),
-bound to one tenant. A presented key is hashed and looked up; unknown, missing or malformed
-keys raise `Unauthenticated`, which each API renders in its own error shape (401). With no
+A key is only ever stored as its SHA-256 hash (`TALARIA_API_KEYS`, `TALARIA_API_KEYS_FILE`;
+the entry format is shared/api_keys.py), bound to one tenant. A presented key is hashed and
+looked up; unknown, missing or malformed keys raise `Unauthenticated`, which each API renders in its own error shape (401). With no
 keys configured the gateway is open and every call belongs to the empty tenant "".
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import re
-import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from aiohttp import web
+
+from talaria.services.gateway.error_bodies import anthropic_error_body, error_body
+from talaria.shared.api_keys import hash_key, parse_key_entry, read_key_file
 from talaria.shared.messages import ErrorReply
 
-TENANT_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_HASH_PATTERN = re.compile(r"sha256:[0-9a-f]{64}")
 SCOPE_SEPARATOR = ":"  # tenant names cannot contain it, so `tenant:session` is unambiguous
-
-
-class InvalidKeyEntry(ValueError):
-    """A configured key entry is malformed (settings name the variable)."""
 
 
 class Unauthenticated(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
-
-
-def hash_key(key: str) -> str:
-    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
-
-
-def new_key() -> str:
-    return "tk-" + secrets.token_urlsafe(32)
-
-
-def parse_key_entry(entry: str) -> tuple[str, str]:
-    """`tenant:sha256:<hex>` or `tenant:<plaintext key>` -> (tenant, hash)."""
-    tenant, sep, rest = entry.strip().partition(":")
-    if not sep or not rest:
-        raise InvalidKeyEntry("entries `tenant:sha256:<hex>` or `tenant:<key>`")
-    if not TENANT_PATTERN.fullmatch(tenant):
-        raise InvalidKeyEntry("a tenant name of 1-64 letters, digits, '_' or '-'")
-    if rest.startswith("sha256:"):
-        if not _HASH_PATTERN.fullmatch(rest):
-            raise InvalidKeyEntry("sha256: followed by 64 lowercase hex digits")
-        return tenant, rest
-    if len(rest) < 16:
-        raise InvalidKeyEntry("a key of at least 16 characters")
-    return tenant, hash_key(rest)
-
-
-def read_key_file(path: Path) -> list[tuple[str, str]]:
-    """One `tenant sha256:<hex>` per line; '#' comments and blank lines are skipped."""
-    out = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        tenant, _, digest = line.partition(" ")
-        try:
-            out.append(parse_key_entry(f"{tenant}:{digest.strip()}"))
-        except InvalidKeyEntry as exc:
-            raise InvalidKeyEntry(f"{path}:{n}: {exc}") from None
-    return out
-
-
-def write_key_file(path: Path, entries: list[tuple[str, str]]) -> None:
-    """Write hashes only, readable by the owner only."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", opener=lambda p, flags: os.open(p, flags, 0o600)) as fd:
-        fd.writelines(f"{tenant} {digest}\n" for tenant, digest in entries)
-    path.chmod(0o600)
 
 
 @dataclass
@@ -103,7 +48,10 @@ class KeyStore:
             return ""
         if not key:
             raise Unauthenticated("missing API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`")
-        tenant = self.tenants.get(hash_key(key))
+        try:
+            tenant = self.tenants.get(hash_key(key))
+        except UnicodeEncodeError:  # invalid UTF-8 in the header (aiohttp keeps it as surrogates)
+            raise Unauthenticated("malformed API key: not valid UTF-8") from None
         if tenant is None:
             raise Unauthenticated("invalid API key")
         return tenant
@@ -145,15 +93,6 @@ def unauthenticated_reply(exc: Unauthenticated) -> ErrorReply:
     return ErrorReply(401, "invalid_api_key", exc.message)
 
 
-def anthropic_error_body(status: int, message: str) -> dict:
-    """Anthropic's error shape, for an Anthropic-style API."""
-    kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-            404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large",
-            422: "invalid_request_error",
-            429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}.get(status, "api_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
-
-
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 try:
     from aiohttp.web import RequestKey
@@ -166,10 +105,6 @@ except ImportError:  # older aiohttp: plain string keys
 def http_middleware(keys: KeyStore):
     """aiohttp middleware: every path but /healthz and /readyz needs a key when keys are configured; the
     tenant lands in `request[TENANT]`. 401s use the shape of the API the path belongs to."""
-    from aiohttp import web
-
-    from talaria.services.gateway.openai_api import error_body
-
     @web.middleware
     async def authenticate(request, handler):
         if request.path in OPEN_PATHS:

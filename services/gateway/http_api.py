@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 
@@ -12,8 +11,11 @@ from aiohttp import web
 from talaria.services.gateway.anthropic_api import AnthropicApi
 from talaria.services.gateway.idempotency import IdempotentCalls, answers_as, claim_for, replayed, restamp
 from talaria.services.gateway.idempotency_rules import key_from
+from talaria.services.gateway.big_bodies import BigBodies
+from talaria.services.gateway.connection_limits import HttpLimits, body_deadline
 from talaria.services.gateway.http_errors import json_errors
 from talaria.services.gateway.auth import TENANT, KeyStore, client_session, http_middleware, scoped_session
+from talaria.services.gateway.error_bodies import error_body, validation_error
 from talaria.services.gateway.openai_api import (
     CHAT_DECODER,
     COMPLETION_DECODER,
@@ -23,16 +25,14 @@ from talaria.services.gateway.openai_api import (
     logit_bias,
     completion_chunk,
     completion_response,
-    error_body,
     openai_tool_calls,
     refuse_unsupported,
     stops,
-    validation_error,
 )
 from talaria.shared.tool_calls import TextUntilCalls, parse_calls
 from talaria.services.gateway.prepare import RequestError, prepare, tool_format
 from talaria.services.gateway.responses_api import ResponsesApi
-from talaria.services.gateway.sessions import InvalidSessionId, session_id_from
+from talaria.services.gateway.session_ids import InvalidSessionId, session_id_from
 from talaria.services.gateway.submitter import Submitter
 from talaria.shared.events import CallSubmitted
 from talaria.shared.messages import CallRequest, CallResult, ErrorReply, TokenChunk
@@ -72,17 +72,21 @@ def parse_request(body: bytes, chat: bool, headers, tenant: str = "",
 
 class HttpApi:
     def __init__(self, submitter: Submitter, models, log, keys: KeyStore | None = None,
-                 prefix_sharing: str = "tenant", parser_pool=None, idempotency: IdempotentCalls | None = None) -> None:
+                 prefix_sharing: str = "tenant", parser_pool=None, idempotency: IdempotentCalls | None = None,
+                 body_timeout_s: float = HttpLimits.body_timeout_s) -> None:
+        self.body_timeout_s = body_timeout_s
         self.submitter = submitter
         self.models = models  # callable -> list of (model, owned_by) currently served
         self.log = log
         self.keys = keys or KeyStore()
         self.prefix_sharing = prefix_sharing
         self.parser_pool = parser_pool  # an executor for large bodies; None: parse inline
+        self.big_bodies = BigBodies(parser_pool) if parser_pool is not None else None
         self.idempotency = idempotency  # honours Idempotency-Key; None: the header is ignored
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_errors, http_middleware(self.keys)])
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[
+            json_errors, http_middleware(self.keys), body_deadline(self.body_timeout_s)])
         app.add_routes([
             web.post("/v1/chat/completions", self.chat),
             web.post("/v1/completions", self.completions),
@@ -90,7 +94,7 @@ class HttpApi:
             web.get("/healthz", self.healthz),
             web.get("/readyz", self.healthz),
             *AnthropicApi(self.submitter, self.log, self.prefix_sharing, self.idempotency).routes(),
-            *ResponsesApi(self.submitter, self.log, self.prefix_sharing, self.parser_pool, OFFLOAD_BYTES,
+            *ResponsesApi(self.submitter, self.log, self.prefix_sharing, self.big_bodies, OFFLOAD_BYTES,
                           self.idempotency).routes(),
         ])
         return app
@@ -115,8 +119,8 @@ class HttpApi:
         body = await request.read()
         tenant = request.get(TENANT, "")
         args = (body, chat, {k: v for k, v in request.headers.items()}, tenant, self.prefix_sharing)
-        if self.parser_pool is not None and len(body) > OFFLOAD_BYTES:
-            parsed = await asyncio.get_running_loop().run_in_executor(self.parser_pool, parse_request, *args)
+        if self.big_bodies is not None and len(body) > OFFLOAD_BYTES:
+            parsed = await self.big_bodies.parse(tenant, parse_request, *args)
         else:
             parsed = parse_request(*args)
         if isinstance(parsed, ErrorReply):

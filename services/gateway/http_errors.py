@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from talaria.services.gateway.auth import anthropic_error_body
-from talaria.services.gateway.openai_api import error_body
+from talaria.services.gateway.error_bodies import anthropic_error_body, error_body
 from talaria.shared.messages import ErrorReply
 
 CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}

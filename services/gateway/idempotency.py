@@ -22,7 +22,9 @@ finds the original call (docs/design.md, "Idempotency keys"):
   requests racing for a key exactly one wins and a take-over replaces exactly the attempt
   it saw;
 - `<dep>.reply.gateway.idem.<tag>-<call_id>` (tag: of the tenant): the reply subject. Agents and the router
-  answer there as on any reply subject, and the stream keeps that answer.
+  answer there as on any reply subject, and the stream keeps that answer. Only they may publish
+  there (NATS permissions: the gateway answers clients only in their own inbox space, nats_api),
+  and a reader takes only an answer whose `Talaria-Sender` is the router or an agent.
 Each request waiting for a call (the owner, each attached retry, on any gateway) answers probes
 on `<dep>.idem.waiting.<tag>-<call_id>` until the grace after its client left; the last to stop probes
 once, and with no responders and no answer kept it cancels the call.
@@ -54,9 +56,10 @@ from talaria.services.gateway.idempotency_rules import (
 )
 from talaria.services.gateway.validation import check_size
 from talaria.shared import subjects
-from talaria.shared.bus import emit, emit_new
+from talaria.shared.bus import IDEMPOTENCY_DISK_SHARE, disk_cap, emit, emit_new
 from talaria.shared.events import CallFailed, CallSubmitted
 from talaria.shared.messages import REPLY_DECODER, ErrorReply, Reply
+from talaria.shared.nats_auth import ANSWERING_ROLES, sent_by
 from talaria.shared.wire import encode, replace
 
 WRONG_LAST_SEQUENCE = (10071, 10164)  # JetStream: the subject moved on since the sequence we expected
@@ -81,6 +84,7 @@ class IdempotentCalls:
             retention=RetentionPolicy.LIMITS, storage=StorageType.FILE, discard=DiscardPolicy.OLD,
             max_age=self.window_s,
             max_msgs_per_subject=1,  # a key's current claim; a call's answer
+            max_bytes=disk_cap(IDEMPOTENCY_DISK_SHARE),  # oldest first past it (shared/bus.py)
         )
         try:
             await self.js.add_stream(config)
@@ -177,6 +181,9 @@ class IdempotentCalls:
             raw = await self.js.get_last_msg(subjects.IDEMPOTENCY_STREAM, outcome_subject(tenant, call_id))
         except NotFoundError:
             return None
+        if not sent_by(raw.headers, ANSWERING_ROLES):  # kept answers come from the router or an agent
+            self.log.warning("kept answer not from the router or an agent ignored", call_id=call_id)
+            return None
         try:
             return REPLY_DECODER.decode(raw.data)
         except msgspec.DecodeError as exc:
@@ -187,7 +194,7 @@ class IdempotentCalls:
         got: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
 
         async def on_reply(msg) -> None:
-            if not got.done():
+            if not got.done() and sent_by(msg.headers, ANSWERING_ROLES):
                 try:
                     got.set_result(REPLY_DECODER.decode(msg.data))
                 except msgspec.DecodeError as exc:
@@ -323,6 +330,9 @@ async def claim_for(calls: IdempotentCalls | None, call: CallSubmitted, key: str
     """The claim for a request that sent `key`; None when it sent none (or the gateway has no store)."""
     if key is None or calls is None:
         return None
+    refused = calls.submitter.refusal(call.tenant)  # before claiming: a refused call leaves no claim
+    if refused is not None:
+        return replace(refused, call_id=call.call_id)
     return await calls.claim(call, key)
 
 

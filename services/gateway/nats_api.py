@@ -5,6 +5,11 @@ The reply is a CallResult or an ErrorReply (tagged by `"type"`). To stream, set
 (`subjects.tokens`); a tenant's NATS user may read only its own tenant's tokens and inboxes.
 Send the same `idempotency_key` with each retry of a call (idempotency.py): a given
 `call_id` names its first attempt; an attempt re-run after a failure gets a new id.
+
+The gateway answers only inside the caller's own inbox space (`_INBOX.<tenant>.`, what its
+tenant's NATS user must connect with): a request naming any other reply subject (another
+tenant's inbox, a kept answer, a token stream) is dropped unanswered, so a tenant cannot make
+the gateway write into another tenant's replies (nats_auth.reply_allowed).
 """
 
 from __future__ import annotations
@@ -17,11 +22,12 @@ import msgspec
 from talaria.services.gateway.auth import KeyStore, Unauthenticated, client_session, scoped_session, unauthenticated_reply
 from talaria.services.gateway.idempotency import IdempotentCalls, claim_for
 from talaria.services.gateway.prepare import RequestError, prepare
-from talaria.services.gateway.sessions import InvalidSessionId, check
+from talaria.services.gateway.session_ids import InvalidSessionId, check
 from talaria.services.gateway.submitter import Submitter
 from talaria.services.gateway.validation import decode
 from talaria.shared import subjects
 from talaria.shared.messages import CALL_REQUEST_DECODER, CANCEL_DECODER, CallResult, ErrorReply
+from talaria.shared.nats_auth import reply_allowed
 from talaria.shared.wire import encode, replace
 
 
@@ -52,8 +58,18 @@ class NatsApi:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _foreign(self, msg, tenant: str | None) -> bool:
+        """Does this request name a reply subject outside its caller's inbox space? (Dropped.)"""
+        if reply_allowed(tenant, msg.reply):
+            return False
+        self.log.warning("api request whose reply subject is not the caller's inbox dropped",
+                         subject=msg.subject, reply=msg.reply, tenant=tenant)
+        return True
+
     async def _on_cancel(self, msg) -> None:
         """A client's cancel: the key names the tenant, and only that tenant's call is stopped."""
+        if msg.reply and self._foreign(msg, None):
+            return
         try:
             cancel = decode(CANCEL_DECODER, msg.data)
             tenant = self.keys.tenant_for_key(cancel.api_key)
@@ -62,6 +78,8 @@ class NatsApi:
         except Unauthenticated as exc:
             reply = unauthenticated_reply(exc)
         else:
+            if msg.reply and self._foreign(msg, tenant):
+                return
             await self.submitter.cancel(cancel.call_id, cancel.reason, tenant)
             if msg.reply:  # the agents record the outcome (`cancelled` row; the call's reply says 499)
                 await self.nc.publish(msg.reply, msgspec.json.encode({"type": "cancel_sent", "call_id": cancel.call_id}))
@@ -73,9 +91,13 @@ class NatsApi:
         if not msg.reply:
             self.log.warning("api call without reply subject dropped", subject=msg.subject)
             return
+        if self._foreign(msg, None):  # not even a client inbox: not even an error goes there
+            return
         try:
             req = decode(CALL_REQUEST_DECODER, msg.data)
             tenant = self.keys.tenant_for_key(req.api_key)
+            if self._foreign(msg, tenant):  # checked before anything runs (synchronously, in order)
+                return
             session_id = check(req.session_id) if req.session_id else f"anon-{uuid.uuid4().hex}"
             call = prepare(req, scoped_session(tenant, session_id), "nats", tenant, self.prefix_sharing)
         except InvalidSessionId as exc:

@@ -9,10 +9,10 @@ from typing import Any
 import msgspec
 from msgspec import Struct
 
-from talaria.services.gateway.prepare import bad
+from talaria.services.gateway.validation import bad
 from talaria.shared import tokenizer as byte_tok
 from talaria.shared.catalog import CATALOG
-from talaria.shared.messages import CallResult, ChatMessage, ErrorReply, TokenLogprob, ToolCallMsg, ToolSpec
+from talaria.shared.messages import CallResult, ChatMessage, TokenLogprob, ToolCallMsg, ToolSpec
 from talaria.shared.model_text import text_for
 from talaria.shared.tool_calls import ToolCall, parse_calls
 
@@ -153,9 +153,6 @@ class ChatInput:
     choice: str = "auto"  # auto | required | none | tool
     forced: str | None = None
 
-    @property
-    def tools_offered(self) -> bool:
-        return bool(self.tools) and self.choice != "none"
 
 
 def chat_messages(req: ChatCompletionRequest) -> ChatInput:
@@ -300,41 +297,3 @@ def completion_chunk(call_id: str, model: str, text: str, finish_reason: str | N
         "model": model,
         "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
     }
-
-
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "invalid_request_error",
-    404: "invalid_request_error",
-    409: "invalid_request_error",
-    413: "invalid_request_error",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "server_error",
-    504: "server_error",
-}
-
-
-def error_body(err: ErrorReply) -> dict[str, Any]:
-    return {
-        "error": {
-            "message": err.message,
-            "type": ERROR_TYPES.get(err.status, "server_error"),
-            "param": err.param,
-            "code": err.code,
-        }
-    }
-
-
-def validation_error(exc: msgspec.ValidationError | msgspec.DecodeError) -> ErrorReply:
-    """msgspec says e.g. "Expected `int`, got `str` - at `$.max_tokens`": name that field."""
-    text = str(exc)
-    param = None
-    if "at `$." in text:
-        param = text.rsplit("at `$.", 1)[1].rstrip("`").split("[")[0].split(".")[0]
-    elif text.startswith("Object missing required field `"):  # a top-level field: name it
-        param = text.split("`")[1]
-    if isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError):
-        return ErrorReply(400, "invalid_json", f"request body is not valid JSON: {text}")
-    return ErrorReply(400, "invalid_request", text, param=param)

@@ -11,7 +11,6 @@ its `sequence_number`. An answer cut by `max_output_tokens` (or the context's en
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 import json
@@ -22,11 +21,12 @@ from typing import Any
 from aiohttp import web
 
 from talaria.services.gateway.auth import TENANT, client_session, scoped_session
-from talaria.services.gateway.openai_api import error_body, openai_tool_calls
+from talaria.services.gateway.error_bodies import error_body
+from talaria.services.gateway.openai_api import openai_tool_calls
 from talaria.services.gateway.prepare import RequestError, prepare, tool_format
 from talaria.services.gateway.responses_input import (DECODER, chat_input, echo, namespaces, refuse_unsupported,
                                                       to_call_request)
-from talaria.services.gateway.sessions import InvalidSessionId, session_id_from
+from talaria.services.gateway.session_ids import InvalidSessionId, session_id_from
 from talaria.services.gateway.idempotency import IdempotentCalls, answers_as, claim_for, replayed, restamp
 from talaria.services.gateway.idempotency_rules import key_from
 from talaria.services.gateway.submitter import Submitter
@@ -145,7 +145,7 @@ def error_response(err: ErrorReply) -> web.Response:
 
 class ResponsesApi:
     """Routes on the gateway's app: its middleware has checked the API key and put the
-    tenant on the request. Bodies over `offload_bytes` are parsed in `parser_pool`."""
+    tenant on the request. Bodies over `offload_bytes` are parsed in `parser_pool` (big_bodies.BigBodies)."""
 
     def __init__(self, submitter: Submitter, log, prefix_sharing: str = "tenant", parser_pool=None,
                  offload_bytes: int = 0, idempotency: IdempotentCalls | None = None) -> None:
@@ -159,8 +159,8 @@ class ResponsesApi:
     async def create(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         args = (body, dict(request.headers.items()), request.get(TENANT, ""), self.prefix_sharing)
-        if self.parser_pool is not None and len(body) > self.offload_bytes:
-            parsed = await asyncio.get_running_loop().run_in_executor(self.parser_pool, parse_request, *args)
+        if self.parser_pool is not None and len(body) > self.offload_bytes:  # a BigBodies
+            parsed = await self.parser_pool.parse(args[2], parse_request, *args)
         else:
             parsed = parse_request(*args)
         if isinstance(parsed, ErrorReply):

@@ -3,6 +3,13 @@
 Every accepted call ends in exactly one reply: the agent's CallResult, the router's
 ErrorReply, or, if neither comes within the call timeout, a 504 that the gateway
 also records as a CallFailed event. Nothing accepted is lost silently.
+
+A reply is a core-NATS message, which a broker restart (or a cut connection) can drop on its
+way to the gateway. Replies are kept, so nothing waits for the timeout for that: the stream
+REPLIES_STREAM keeps every reply on a gateway inbox for twice the call timeout (a keyed call's
+kept answer lives in the idempotency stream), and when the gateway's connection comes back it
+looks up the reply of every call still waiting (`recover`). An agent whose connection dropped
+after replying publishes its replies again (instance_agent/outcomes.py).
 """
 
 from __future__ import annotations
@@ -15,14 +22,17 @@ from collections.abc import Awaitable, Callable
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import BadRequestError, NotFoundError
 from opentelemetry import trace
 
+from talaria.services.gateway.admission import Admission, DiskCheck
 from talaria.services.gateway.idempotency_rules import is_outcome_subject, reply_call_id
 from talaria.services.gateway.validation import check_size
 from talaria.shared import subjects
 from talaria.shared.logs import call_context
-from talaria.shared.nats_auth import SENDER_HEADER
-from talaria.shared.bus import emit, emit_new, written
+from talaria.shared.nats_auth import ANSWERING_ROLES, SENDER_HEADER, STREAMING_ROLES, sender_of, sent_by
+from talaria.shared.bus import REPLIES_DISK_SHARE, disk_cap, emit, emit_new, written
 from talaria.shared.events import CallFailed, CallSubmitted
 from talaria.shared.messages import (
     CallResult,
@@ -41,15 +51,49 @@ ReplyCallback = Callable[[Reply], Awaitable[None]]
 
 
 class Submitter:
-    def __init__(self, nc: NATS, js: JetStreamContext, tracer: trace.Tracer, timeout_s: float, log) -> None:
+    def __init__(self, nc: NATS, js: JetStreamContext, tracer: trace.Tracer, timeout_s: float, log,
+                 admission: Admission | None = None, disk: DiskCheck | None = None) -> None:
         self.nc, self.js, self.tracer, self.timeout_s, self.log = nc, js, tracer, timeout_s, log
-        self.inbox = subjects.reply_inbox("gateway", uuid.uuid4().hex)  # only agents and the router may publish here
+        self.admission, self.disk = admission, disk  # None: every call is admitted
+        self.inbox = f"{subjects.LIVE_REPLIES}.{uuid.uuid4().hex}"  # only agents and the router may publish here
         self._pending: dict[str, asyncio.Future[Reply]] = {}
         self._calls: dict[str, CallSubmitted] = {}  # accepted and still waiting, for stop()
         self._sub = None
 
     async def start(self) -> None:
         self._sub = await self.nc.subscribe(f"{self.inbox}.*", cb=self._on_reply)
+        # A reply is read by the gateway waiting for it, at most until the call's deadline:
+        # twice the timeout covers clock skew between the agent and the gateway.
+        config = StreamConfig(name=subjects.REPLIES_STREAM, subjects=[f"{subjects.LIVE_REPLIES}.*.*"],
+                              retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
+                              discard=DiscardPolicy.OLD, max_age=2 * self.timeout_s, max_msgs_per_subject=1,
+                              max_bytes=disk_cap(REPLIES_DISK_SHARE))
+        try:
+            await self.js.add_stream(config)
+        except BadRequestError:
+            await self.js.update_stream(config)
+
+    async def recover(self) -> int:
+        """After the connection to NATS came back: answer every waiting call whose reply was
+        kept meanwhile (it was published while this gateway was cut off). Returns how many."""
+        found = 0
+        for call_id, call in list(self._calls.items()):
+            fut = self._pending.get(call_id)
+            if fut is None or fut.done():
+                continue
+            stream = subjects.IDEMPOTENCY_STREAM if is_outcome_subject(call.reply_to) else subjects.REPLIES_STREAM
+            try:
+                raw = await self.js.get_last_msg(stream, call.reply_to)
+            except NotFoundError:
+                continue  # not answered yet: the answer comes live (the agent sends it again too)
+            except Exception as exc:
+                self.log.warning("could not look up a kept reply", call_id=call_id, error=str(exc))
+                continue
+            await self._on_reply(raw)
+            found += fut.done()
+        if found:
+            self.log.info("replies recovered after a reconnect", calls=found)
+        return found
 
     async def stop(self) -> None:
         if self._sub is not None:
@@ -71,15 +115,26 @@ class Submitter:
                 self.log.error("could not record a call cut off by the stop", call_id=call.call_id, error=str(exc))
 
     async def _on_reply(self, msg) -> None:
+        """A reply (live, or a kept one looked up by `recover`: both have subject, data, headers)."""
         call_id = reply_call_id(msg.subject)
         fut = self._pending.get(call_id)
         if fut is None or fut.done():
+            return
+        if not sent_by(msg.headers, ANSWERING_ROLES):  # only the router or an agent answers a call
+            self.log.warning("reply not from the router or an agent dropped", call_id=call_id,
+                             sender=sender_of(msg))
             return
         try:
             fut.set_result(REPLY_DECODER.decode(msg.data))
         except msgspec.DecodeError as exc:
             self.log.error("undecodable reply", call_id=call_id, error=str(exc))
             fut.set_result(ErrorReply(502, "bad_reply", f"undecodable reply from the serving instance: {exc}"))
+
+    def refusal(self, tenant: str) -> ErrorReply | None:
+        """Would a new call of `tenant` be refused now (disk, or load: admission.py)?"""
+        if self.disk is not None and (refused := self.disk.refusal()) is not None:
+            return refused
+        return self.admission.check(tenant) if self.admission is not None else None
 
     async def submit(self, call: CallSubmitted, on_token: TokenCallback | None = None,
                      on_reply: ReplyCallback | None = None) -> Reply:
@@ -103,6 +158,22 @@ class Submitter:
         too_large = check_size(call, self.nc.max_payload, data)
         if too_large is not None:  # permanent: retrying cannot make it fit
             return too_large
+        refused = self.disk.refusal() if self.disk is not None else None
+        if refused is None and self.admission is not None:
+            refused = self.admission.admit(call.tenant, time.monotonic())
+        if refused is not None:  # nothing was submitted: the client retries after Retry-After
+            self.log.warning("call refused", code=refused.code, reason=refused.message)
+            return replace(refused, call_id=call.call_id)
+        started, reply = time.monotonic(), None
+        try:
+            reply = await self._admitted(call, data, kept, on_token, on_reply)
+            return reply
+        finally:
+            if self.admission is not None:
+                self.admission.done(call.tenant, reply, time.monotonic() - started, time.monotonic())
+
+    async def _admitted(self, call: CallSubmitted, data: bytes, kept: bool, on_token: TokenCallback | None,
+                        on_reply: ReplyCallback | None) -> Reply:
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._pending[call.call_id] = fut
         token_sub = reply_sub = None
@@ -165,6 +236,9 @@ class Submitter:
 
     def _token_handler(self, on_token: TokenCallback):
         async def handle(msg) -> None:
+            if not sent_by(msg.headers, STREAMING_ROLES):  # only the serving agent streams a call
+                self.log.warning("token chunk not from an agent dropped", subject=msg.subject, sender=sender_of(msg))
+                return
             try:
                 chunk = TOKEN_DECODER.decode(msg.data)
             except msgspec.DecodeError as exc:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
+from talaria.services.gateway.error_bodies import validation_error
 from talaria.shared import limits
 from talaria.shared.events import CallSubmitted
 from talaria.shared.messages import CallRequest, ErrorReply
@@ -45,8 +46,6 @@ def decode(decoder: msgspec.json.Decoder, data: bytes):
 
 
 def describe(exc: msgspec.ValidationError | msgspec.DecodeError) -> ErrorReply:
-    from talaria.services.gateway.openai_api import validation_error  # it imports prepare, which imports us
-
     reply = validation_error(exc)
     if reply.param == "idempotency_key":
         return ErrorReply(400, "invalid_idempotency_key", "`idempotency_key` must be 1 to "

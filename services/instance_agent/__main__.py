@@ -2,7 +2,9 @@
 
 import sys
 
-from talaria.services.instance_agent.service import run
+from talaria.services.instance_agent.agent_service import run
 from talaria.shared.runtime import main
 
-sys.exit(main("instance_agent", run))
+# Guarded: engines that start processes with `spawn` (vLLM) re-import the main module.
+if __name__ == "__main__":
+    sys.exit(main("instance_agent", run))

@@ -1,39 +1,51 @@
 """The runner's drops: never spend a step on work nobody waits for. Calls past their
 deadline, calls the router declared lost with this process, calls the watchdog finds stuck
-are taken out of the core and failed; engine entries nothing here runs are released.
+are taken out of the core and failed.
 
-A mixin of `CallRunner` (runner.py), like the scheduler's `ColdPool`: it reads the runner's
-state (`calls`, `closing`, `core`, `engine`, `watchdog`) and uses its `_events`, `_fail`,
-`_on_engine` and `publish_snapshot`.
+A part of `CallRunner` (runner.py): it owns the watchdog's verdicts and the health flag the
+heartbeat carries; the calls are the core's, their failure the closer's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 import msgspec
 
+from talaria.services.instance_agent.call_closing import CallCloser
+from talaria.services.instance_agent.agent_core import AgentCore
+from talaria.services.instance_agent.engine_thread import EngineThread
 from talaria.services.instance_agent.scheduler import SchedulerError
+from talaria.services.instance_agent.watchdog import Watchdog
 from talaria.shared.events import InstanceLost
 from talaria.shared.nats_auth import trusted
 
 
 class CallDrops:
+    def __init__(self, core: AgentCore, closer: CallCloser, thread: EngineThread, watchdog: Watchdog,
+                 instance_id: str, incarnation: str, heartbeat_s: float, log,
+                 publish_snapshot: Callable[[], Awaitable[None]]) -> None:
+        self.core, self.closer, self.thread, self.watchdog = core, closer, thread, watchdog
+        self.instance_id, self.incarnation, self.heartbeat_s, self.log = instance_id, incarnation, heartbeat_s, log
+        self.publish_snapshot = publish_snapshot
+        self.unhealthy = ""  # why new calls should go elsewhere (heartbeat flag); "" when healthy
+
     # ---- deadlines and lost placements: never run work nobody waits for --------------------
 
-    def _next_deadline(self) -> float | None:
-        return min((r.routed.call.deadline_at for r in self.calls.values() if r.routed.call.deadline_at),
-                   default=None)
+    def next_deadline(self) -> float | None:
+        return min((c.transport.routed.call.deadline_at for c in self.core.live()
+                    if c.transport.routed.call.deadline_at), default=None)
 
-    async def _drop_expired(self, now: float) -> None:
+    async def drop_expired(self, now: float) -> None:
         """Calls whose client stopped waiting (the deadline the gateway set has passed; it
         answered 504) are dropped before another step is spent on them, and recorded."""
-        for call_id, running in list(self.calls.items()):
-            deadline = running.routed.call.deadline_at
+        for call in list(self.core.live()):
+            deadline = call.transport.routed.call.deadline_at
             if deadline and now >= deadline:
-                await self._drop(call_id, f"dropped: its deadline passed {now - deadline:.1f}s ago "
-                                          "(the client stopped waiting)", status=504, code="deadline_passed")
+                await self.drop(call.call_id, f"dropped: its deadline passed {now - deadline:.1f}s ago "
+                                              "(the client stopped waiting)", status=504, code="deadline_passed")
 
     async def on_instance_lost(self, msg) -> None:
         """The router declared this very process lost (heartbeats late) and failed its calls
@@ -46,21 +58,20 @@ class CallDrops:
             return
         self.log.warning("the router declared this agent lost; dropping its calls", calls=len(lost.calls))
         for call_id in lost.calls:
-            await self._drop(call_id, lost.reason, status=503, code="instance_lost")
+            await self.drop(call_id, lost.reason, status=503, code="instance_lost")
 
-    async def _drop(self, call_id: str, reason: str, *, status: int, code: str) -> None:
-        if call_id not in self.calls:
+    async def drop(self, call_id: str, reason: str, *, status: int, code: str) -> None:
+        call = self.core.live_call(call_id)
+        if call is None:
             return
-        self.calls[call_id].ending = True
         try:
-            await self._events(self.core.abort(call_id, time.time()))
+            await self.closer.events(self.core.abort(call_id, time.time()))
         except SchedulerError:
-            self.core.forget(call_id)  # not (or no longer) in the scheduler
-        try:
-            await self._on_engine(self.engine.finish, call_id)  # release its pages if the engine holds it
-        except Exception:
-            pass
-        await self._fail(call_id, reason, status=status, code=code)
+            pass  # not (or no longer) in the scheduler
+        if call.transport.in_engine:
+            await self.thread.release(call_id)  # its pages back before its client hears
+            call.transport.in_engine = False
+        await self.closer.fail(call_id, reason, status=status, code=code)
 
     # ---- watchdog ----------------------------------------------------------------------
 
@@ -73,7 +84,7 @@ class CallDrops:
             except Exception:
                 self.log.exception("watchdog check failed")
             try:
-                await asyncio.wait_for(stop.wait(), self.settings.heartbeat_s)
+                await asyncio.wait_for(stop.wait(), self.heartbeat_s)
             except TimeoutError:
                 pass
 
@@ -84,39 +95,12 @@ class CallDrops:
                 "agent health changed", unhealthy=verdict.unhealthy or None)
             self.unhealthy = verdict.unhealthy
             await self.publish_snapshot()
-        self.sweep_due = True  # each beat: an engine entry nothing here runs is released
         for call_id, why in verdict.fail_calls.items():
-            if call_id not in self.calls:
+            if self.core.live_call(call_id) is None:
                 self.watchdog.call_done(call_id)
                 continue
-            self.calls[call_id].ending = True
             try:
-                await self._events(self.core.abort(call_id, now))
+                await self.closer.events(self.core.abort(call_id, now))
             except SchedulerError:
-                self.core.forget(call_id)  # already gone from the scheduler
-            await self._fail(call_id, why)  # its engine state goes in the sweep before the next step
-
-    async def _sweep(self) -> None:
-        """Release every engine entry the scheduler no longer runs and no completion or cancel
-        is finishing: its pages come back, and a switch is possible again (the engine refuses
-        one while it holds any call). A call of the runner stranded that way is failed."""
-        self.sweep_due = False
-
-        def release() -> list[str]:  # on the engine thread: no step runs meanwhile
-            freed = []
-            for call_id in list(self.engine.running):
-                running = self.calls.get(call_id)
-                if call_id in self.sched.calls or call_id in self.closing or (running is not None and running.ending):
-                    continue
-                try:
-                    self.engine.finish(call_id)
-                except Exception:
-                    pass
-                freed.append(call_id)
-            return freed
-
-        for call_id in await self._on_engine(release):
-            if call_id in self.calls:
-                self.log.error("engine held a call the scheduler no longer runs; failing it", call_id=call_id)
-                await self._fail(call_id, "the agent lost track of this call; retry it", status=503,
-                                 code="instance_error")
+                pass  # already gone from the scheduler
+            await self.closer.fail(call_id, why)  # its engine state goes once the stuck step returns

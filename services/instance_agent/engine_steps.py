@@ -1,68 +1,79 @@
 """The runner's engine steps: each scheduler action run on the engine thread, and what it
 gives back to the core (first and next tokens, streamed; a switch record; a failed step).
 
-A mixin of `CallRunner` (runner.py), like the scheduler's `ColdPool`: it reads the runner's
-state (`calls`, `core`, `engine`, `nc`, `js`) and uses its `_run`, `_fail` and `_events`.
+A part of `CallRunner` (runner.py) that owns no call state: it reads the calls from the core's
+table and hands finished and failed calls to the closer (call_closing.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
-from talaria.services.instance_agent.call_outcomes import merge_outcomes
-from talaria.services.instance_agent.core import Outcome
+from talaria.services.instance_agent.call_closing import CallCloser
+from talaria.services.instance_agent.agent_core import AgentCore, Phase, StepReport
 from talaria.services.instance_agent.engine import EngineBusy, EngineError, GenRequest
+from talaria.services.instance_agent.engine_thread import EngineThread
 from talaria.services.instance_agent.scheduler import Decode, Prefill, SchedulerError, SwitchModel
 from talaria.shared import subjects
 from talaria.shared.bus import emit
 from talaria.shared.events import CallStarted
 from talaria.shared.messages import TokenChunk
+from talaria.shared.nats_auth import sender_headers
 from talaria.shared.wire import encode
 
 
 class EngineSteps:
-    async def _switch(self, action: SwitchModel):
-        record = await self._run(self.engine.switch_to, action.to_model)
-        outcome = self.core.switch_done(action, time.time(), record.total_s, path=record.path,
-                                        phases=record.phases(), bytes_staged=record.bytes_staged,
-                                        bytes_uncovered=record.bytes_uncovered)
-        await self.outcomes.note(outcome.switch)
-        outcome.switch = None
-        await self.publish_snapshot()
-        return outcome
+    def __init__(self, core: AgentCore, thread: EngineThread, closer: CallCloser, nc, js, instance_id: str, log,
+                 publish_snapshot: Callable[[], Awaitable[None]]) -> None:
+        self.core, self.thread, self.closer = core, thread, closer
+        self.engine = thread.engine
+        self.nc, self.js, self.instance_id, self.log = nc, js, instance_id, log
+        self.publish_snapshot = publish_snapshot
 
-    async def _prefill(self, action: Prefill):
+    async def switch(self, action: SwitchModel) -> StepReport:
+        record = await self.thread.run(self.engine.switch_to, action.to_model)
+        report = self.core.switch_done(action, time.time(), record.total_s, path=record.path,
+                                       phases=record.phases(), bytes_staged=record.bytes_staged,
+                                       bytes_uncovered=record.bytes_uncovered)
+        await self.closer.sender.note(report.switch)
+        report.switch = None
+        await self.publish_snapshot()
+        return report
+
+    async def prefill(self, action: Prefill) -> StepReport:
         reqs, more = [], []
         started = time.time()
         for call_id in action.call_ids:
-            running = self.calls.get(call_id)
-            if running is None:
+            call = self.core.live_call(call_id)
+            if call is None:
                 continue  # cancelled while queued for this action
-            if running.in_engine:
+            transport = call.transport
+            if transport.in_engine:
                 more.append(call_id)  # chunked prefill: this call's next chunk
                 continue
-            call = running.routed.call
-            reqs.append(GenRequest(call_id=call.call_id, session_id=call.session_id, model=call.model,
-                                   prompt_ids=list(call.prompt_ids), max_tokens=call.max_tokens,
-                                   temperature=call.temperature, top_p=call.top_p, seed=call.seed,
-                                   stop=tuple(call.stop), kv_scope=call.kv_scope, logit_bias=call.logit_bias,
-                                   logprobs=call.logprobs, top_logprobs=call.top_logprobs,
-                                   kv_output_tokens=running.routed.kv_output_tokens))
-            running.in_engine = True
-            running.span.add_event("prefill_start", {"session_prefill": action.session_prefill})
+            routed = transport.routed.call
+            reqs.append(GenRequest(call_id=routed.call_id, session_id=routed.session_id, model=routed.model,
+                                   prompt_ids=list(routed.prompt_ids), max_tokens=routed.max_tokens,
+                                   temperature=routed.temperature, top_p=routed.top_p, seed=routed.seed,
+                                   stop=tuple(routed.stop), kv_scope=routed.kv_scope, logit_bias=routed.logit_bias,
+                                   logprobs=routed.logprobs, top_logprobs=routed.top_logprobs,
+                                   kv_output_tokens=transport.routed.kv_output_tokens))
+            transport.in_engine = True
+            transport.span.add_event("prefill_start", {"session_prefill": action.session_prefill})
             # Published while the prefill runs: it is a progress marker (the projector keeps a
             # final outcome over it whatever the order), and awaited before the call's outcome.
-            running.started_pub = asyncio.ensure_future(
-                emit(self.js, CallStarted(call_id, call.session_id, self.instance_id, started)))
-        self.arrived.clear()
+            transport.started_pub = asyncio.ensure_future(
+                emit(self.js, CallStarted(call_id, routed.session_id, self.instance_id, started)))
+        self.thread.arrived.clear()
         steps = await self._step(self.engine.prefill, reqs, action.chunk_tokens, more, action.pass_tokens)
         firsts = [s.call_id for s in steps]
         left = self.engine.prompt_left(action.call_ids) if action.chunk_tokens else None
         return self.core.prefill_done(action, time.time(), await self._tokens(steps), first_tokens=firsts,
                                       prompt_left=left)
 
-    async def _decode(self, action: Decode):
+    async def decode(self, action: Decode) -> StepReport:
         steps = await self._step(self.engine.decode, list(action.call_ids))
         stepped = {s.call_id for s in steps}
         stalled = [c for c in action.call_ids if c not in stepped]  # no KV page for them yet
@@ -71,8 +82,11 @@ class EngineSteps:
     async def _step(self, step, *args):
         """An engine step (prefill or decode); the calls it finished are released on the
         engine thread in the same trip, so completing them costs no second hand-off."""
-        steps, released = await self._run(self._step_and_release, step, *args, kind=step.__name__)
-        self.released.update((c, r) for c, r in released.items() if c in self.calls)
+        steps, released = await self.thread.run(self._step_and_release, step, *args, kind=step.__name__)
+        for call_id, result in released.items():
+            call = self.core.live_call(call_id)
+            if call is not None:
+                call.transport.result, call.transport.in_engine = result, False
         return steps
 
     def _step_and_release(self, step, *args):
@@ -91,43 +105,57 @@ class EngineSteps:
     async def _tokens(self, steps) -> set[str]:
         finished = set()
         for step in steps:
-            running = self.calls.get(step.call_id)
-            if running is None:
+            call = self.core.live_call(step.call_id)
+            if call is None:
                 continue
-            if step.logprob is not None and running.routed.call.stream:
-                running.logprobs.append(step.logprob)
-            if step.text and running.routed.call.stream:
+            transport, routed = call.transport, call.transport.routed.call
+            if step.logprob is not None and routed.stream:
+                transport.logprobs.append(step.logprob)
+            if step.text and routed.stream:
                 # A chunk carries the logprobs of the tokens since the last one (text held back
                 # for a stop string releases several tokens' text at once).
-                lps, running.logprobs = running.logprobs or None, []
-                await self.nc.publish(subjects.tokens(running.routed.call.tenant, step.call_id),
-                                      encode(TokenChunk(step.call_id, running.streamed, step.text, logprobs=lps)))
-                running.streamed += 1
+                lps, transport.logprobs = transport.logprobs or None, []
+                await self.nc.publish(subjects.tokens(routed.tenant, step.call_id),
+                                      encode(TokenChunk(step.call_id, transport.streamed, step.text, logprobs=lps)),
+                                      headers=sender_headers(self.nc))
+                transport.streamed += 1
             if step.finished:
                 finished.add(step.call_id)
         return finished
 
-    async def _engine_failed(self, action, exc: Exception):
-        """Fail the calls `action` was for, release what the engine holds of them, and end the
-        action in the scheduler (else it waits for it forever and the agent stops working).
-        A switch refused because the engine still holds calls is tried again once the sweep
-        has freed them (nothing here runs them); another failed switch fails the calls that
-        were waiting for it."""
+    async def failed(self, action, exc: Exception) -> StepReport:
+        """Fail the calls `action` was for (their engine state is released by the closer) and
+        end the action in the scheduler (else it waits for it forever and the agent stops
+        working). A switch refused because the engine still holds calls none of which runs
+        here any more releases them and is tried again; another failed switch fails the calls
+        that were waiting for it."""
         self.log.error("engine step failed", action=type(action).__name__, error=str(exc))
-        outcome = Outcome()
+        report = StepReport()
         failed = list(getattr(action, "call_ids", ()))
-        if isinstance(action, SwitchModel) and not isinstance(exc, EngineBusy):
-            failed = list(self.sched.calls.queued.get(action.to_model, ()))
+        if isinstance(action, SwitchModel) and isinstance(exc, EngineBusy):
+            await self._release_strays(exc.running)
+        elif isinstance(action, SwitchModel):
+            failed = list(self.core.sched.calls.queued.get(action.to_model, ()))
         for call_id in failed:
             try:
-                merge_outcomes(outcome, self.core.abort(call_id, time.time()))
+                report.merge(self.core.abort(call_id, time.time()))
             except SchedulerError:
-                self.core.forget(call_id)  # already gone from the scheduler
+                pass  # already gone from the scheduler
             try:
-                await self._fail(call_id, f"engine error: {exc}")
+                await self.closer.fail(call_id, f"engine error: {exc}")
             except Exception:  # e.g. NATS down: the loop must go on regardless
                 self.log.exception("failing a call failed", call_id=call_id)
-        if self.sched.inflight is action:  # not when it failed after the scheduler heard it done
-            merge_outcomes(outcome, self.core.action_failed(action, time.time()))
-        self.sweep_due = True  # the engine's state of the failed calls goes before the next step
-        return outcome
+        if self.core.sched.inflight is action:  # not when it failed after the scheduler heard it done
+            report.merge(self.core.action_failed(action, time.time()))
+        return report
+
+    async def _release_strays(self, held: list[str]) -> None:
+        """The engine named the calls it holds: those the call table says are not running here
+        (ended, or never known) are released. One still closing keeps its entry: its
+        completion releases it."""
+        for call_id in held:
+            call = self.core.calls.get(call_id)
+            if call is None or call.phase in (Phase.FINISHED, Phase.CANCELLED):
+                if call is None:
+                    self.log.error("the engine held a call this agent does not know; releasing it", call_id=call_id)
+                await self.thread.release(call_id)

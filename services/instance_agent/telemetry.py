@@ -14,8 +14,7 @@ from talaria.shared.snapshots import InstanceSnapshot, ModelResidency, SessionKv
 def build_snapshot(settings, engine, core, version: int, now: float, unhealthy: str = "") -> InstanceSnapshot:
     stats = engine.stats()
     active = engine.active_model
-    staged = getattr(getattr(engine, "staging", None), "planner", None)
-    staged_target = getattr(staged, "target", None) if staged is not None else None
+    staged_target = stats.staged_model
     costs = core.sched.costs
     models = []
     for m in settings.models:

@@ -2,7 +2,7 @@
 
 import sys
 
-from talaria.services.router.service import run
+from talaria.services.router.router_service import run
 from talaria.shared.runtime import main
 
 sys.exit(main("router", run))

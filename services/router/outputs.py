@@ -2,21 +2,42 @@
 them (the stream stores them in that order), their acks awaited while the next input is
 folded, the input acked once all of them are stored, a rejected client answered.
 
-A mixin of `RouterService` (service.py): it reads the service's `js`, `nc`, `log`, `core`,
-`seq` and `storing` (the inputs whose outputs are being stored).
+A part of `RouterService` (router_service.py): it owns the tasks storing folded inputs'
+outputs, and tells the service the highest stream sequence stored (`on_stored`).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from talaria.shared.bus import PUBLISH_TIMEOUT_S, RECONNECT_WAIT_S, emit, emit_async
 from talaria.shared.events import CallFailed, CallSubmitted
 from talaria.shared.messages import ErrorReply
+from talaria.shared.nats_auth import sender_headers
 from talaria.shared.wire import encode
 
 
 class RouterOutputs:
+    def __init__(self, js, nc, log, policy_config, on_stored: Callable[[int], None]) -> None:
+        self.js, self.nc, self.log = js, nc, log
+        self.policy_config = policy_config  # its retry_after_s is what a rejected client is told
+        self.on_stored = on_stored
+        self.storing: set[asyncio.Task] = set()  # inputs' outputs being stored (then the input is acked)
+
+    def store_then_ack_soon(self, outputs, acks, msg) -> None:
+        """Wait for the outputs' acks in the background (the next input is folded meanwhile),
+        then ack the input."""
+        task = asyncio.create_task(self._store_then_ack(outputs, acks, msg))
+        self.storing.add(task)
+        task.add_done_callback(self.storing.discard)
+
+    async def cancel_pending(self) -> None:
+        """At stop: outputs not stored leave their inputs unacked, so they come back."""
+        for task in self.storing:
+            task.cancel()
+        await asyncio.gather(*self.storing, return_exceptions=True)
+
     async def _store_then_ack(self, outputs, acks, msg) -> None:
         await self._stored(outputs, acks)
         try:
@@ -24,10 +45,10 @@ class RouterOutputs:
         except Exception as exc:  # redelivered; the core skips it as already handled
             self.log.warning("ack failed", subject=msg.subject, error=str(exc))
 
-    async def _publish_all(self, outputs) -> None:
-        await self._stored(outputs, await self._start(outputs))
+    async def publish_all(self, outputs) -> None:
+        await self._stored(outputs, await self.start(outputs))
 
-    async def _start(self, outputs) -> list:
+    async def start(self, outputs) -> list:
         """Publish each output now, in order (the stream stores them in that order); the
         futures of their acks. Never raises: a publish that could not start is retried."""
         acks = []
@@ -54,7 +75,7 @@ class RouterOutputs:
                 self.log.warning("publish failed; retrying", kind=type(out).__name__, error=str(exc))
                 seqs.append(await self._publish_one(out))
         if seqs:
-            self.seq = max(self.seq, *seqs)
+            self.on_stored(max(seqs))
         for out in outputs:
             if isinstance(out, CallFailed) and out.reply_to:
                 await self._reply_failed(out)  # a rejection, or a lost instance's call
@@ -69,15 +90,16 @@ class RouterOutputs:
 
     async def _reply_failed(self, failed: CallFailed) -> None:
         """The router owes this client its answer: a rejection, or its agent was lost."""
-        retry = getattr(self.core.policy.config, "retry_after_s", 1.0)
+        retry = getattr(self.policy_config, "retry_after_s", 1.0)
         code = "no_capacity" if failed.stage == "router" else "instance_lost"
         try:
             await self.nc.publish(failed.reply_to, encode(
-                ErrorReply(failed.status, code, failed.reason, retry_after_s=retry, call_id=failed.call_id)))
+                ErrorReply(failed.status, code, failed.reason, retry_after_s=retry, call_id=failed.call_id)),
+                headers=sender_headers(self.nc))
         except Exception as exc:  # the failure is recorded; the gateway's timeout answers the client
             self.log.warning("could not answer the client", call_id=failed.call_id, error=str(exc))
 
-    async def _refuse_reused(self, call: CallSubmitted) -> None:
+    async def refuse_reused(self, call: CallSubmitted) -> None:
         """A new call under the id of one already decided: answered 409, and nothing is folded
         or recorded for it (its rows belong to the first call of that id)."""
         self.log.warning("call id reused by a new submission; refused", call_id=call.call_id)
@@ -86,11 +108,12 @@ class RouterOutputs:
         try:
             await self.nc.publish(call.reply_to, encode(ErrorReply(
                 409, "duplicate_call_id", f"call id {call.call_id} was already used for an earlier call; "
-                "send each call with a new `call_id`", param="call_id", call_id=call.call_id)))
+                "send each call with a new `call_id`", param="call_id", call_id=call.call_id)),
+                headers=sender_headers(self.nc))
         except Exception as exc:  # the gateway's timeout answers the client
             self.log.warning("could not answer the client", call_id=call.call_id, error=str(exc))
 
-    async def _outputs_stored(self, timeout: float) -> bool:
+    async def all_stored(self, timeout: float) -> bool:
         """Wait up to `timeout` until every folded input's outputs are stored (a projection
         saved before that would count outputs the stream lacks)."""
         if not self.storing:

@@ -2,7 +2,7 @@
 
 import sys
 
-from talaria.services.telemetry.service import run
+from talaria.services.telemetry.telemetry_service import run
 from talaria.shared.runtime import main
 
 sys.exit(main("telemetry", run))

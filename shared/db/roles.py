@@ -14,7 +14,7 @@ from talaria.shared.settings import asyncpg_dsn
 SCHEMA = "talaria"
 
 
-def _literal(value: str) -> str:
+def sql_literal(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 
 
@@ -26,10 +26,10 @@ def app_role_sql(role: str, password: str, database: str) -> str:
     """Create (or reset) `role` as a plain login role owning schema `talaria` of `database`
     (run while connected to it), with that schema as its search path."""
     r = _ident(role)
-    attrs = f"LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS PASSWORD {_literal(password)}"
+    attrs = f"LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS PASSWORD {sql_literal(password)}"
     return f"""
 DO $$ BEGIN
-  IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = {_literal(role)}) THEN ALTER ROLE {r} WITH {attrs};
+  IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = {sql_literal(role)}) THEN ALTER ROLE {r} WITH {attrs};
   ELSE CREATE ROLE {r} WITH {attrs}; END IF;
 END $$;
 REVOKE CREATE ON SCHEMA public FROM PUBLIC;

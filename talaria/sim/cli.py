@@ -1,7 +1,7 @@
 """`talaria sim ...`: run one simulation, the experiments, or the trace converter.
 
     talaria sim run --trace T.jsonl[.xz]|fixed-replay --profile paper-tp8 --policy least-loaded \
-        [--instances N] [--no-sp] [--no-hkvr] [--no-staging] [--round-only] [--tau S] \
+        [--instances N] [--ablation talaria|no-sp|no-hkvr|h2d-only|round-only] [--tau S] \
         [--gaps paper|recorded[:cap]|rescaled:F[:cap]] [--model-map auto|A=B,...] [--seed N] [--json OUT] \
         [--bound]
 
@@ -22,13 +22,16 @@ from collections import Counter
 from pathlib import Path
 
 from talaria.services.router.policy.base import PolicyConfig
+from talaria.shared.ablations import ABLATIONS
+from talaria.sim.result_json import write_json
 from talaria.sim import experiments
 from talaria.sim.cluster import RunConfig, simulate
 from talaria.sim.executor import instance_config
 from talaria.sim.metrics import summarise
 from talaria.sim.profiles import PROFILES, get_profile
 from talaria.sim.workloads import fixed_replay, on_model
-from talaria.traces.format import Session, TraceFormatError, load_trace
+from talaria.traces.format import Session, TraceFormatError
+from talaria.traces.load import load_trace
 from talaria.traces.gaps import parse_gap_model
 
 
@@ -52,9 +55,7 @@ def _run(args) -> int:
         print(f"error: profile {server.name!r} has no model(s) {unknown}; known: {sorted(server.models)}; "
               "map them with --model-map auto or --model-map TRACE=SERVED,...", file=sys.stderr)
         return 2
-    base = instance_config("round-only" if args.round_only else "talaria")
-    sched = base.with_(sp=base.sp and not args.no_sp, hkvr=base.hkvr and not args.no_hkvr,
-                       staging=base.staging and not args.no_staging)
+    sched = instance_config(args.ablation)
     pc = PolicyConfig(lease_timeout_s=args.tau, adaptive_lease=args.adaptive_lease)
     pinned: tuple[str, ...] = ()
     if args.deploy == "as-deployed":  # deployment.py: pools by the trace's demand, else serverless
@@ -88,7 +89,7 @@ def _run(args) -> int:
               f"{bound['free_memory_run']['sct_p95']:.2f} s); this run is "
               f"{summary['sct_p50'] / bound['sct_p50']:.2f}x / {summary['sct_p95'] / bound['sct_p95']:.2f}x the bound")
     if args.json:
-        experiments.write_json(summary, Path(args.json))
+        write_json(summary, Path(args.json))
     return 0
 
 
@@ -131,10 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--profile", default="paper-tp8", choices=sorted(PROFILES))
     run.add_argument("--policy", default="least-loaded", help="routing policy (router registry name)")
     run.add_argument("--instances", type=int, default=1)
-    run.add_argument("--no-sp", action="store_true")
-    run.add_argument("--no-hkvr", action="store_true")
-    run.add_argument("--no-staging", action="store_true")
-    run.add_argument("--round-only", action="store_true")
+    run.add_argument("--ablation", choices=list(ABLATIONS), default="talaria",
+                     help="which of Talaria's mechanisms run (shared/ablations.py)")
     run.add_argument("--tau", type=float, default=1.0, help="lease timeout (s)")
     run.add_argument("--adaptive-lease", action="store_true")
     run.add_argument("--gaps", default="paper", help="paper | recorded[:cap] | rescaled:F[:cap]")

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 import msgspec
 
 from talaria.services.instance_agent.scheduler import SchedulerConfig
-from talaria.services.router.core import RouterCore
+from talaria.services.router.router_core import RouterCore
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.policy.registry import create_policy
 from talaria.shared.events import (
@@ -49,7 +49,7 @@ from talaria.shared.events import (
     RoutingDecision,
 )
 from talaria.sim.agents import PromptHashes, RetryPolicy
-from talaria.sim.engine import EventLoop
+from talaria.sim.event_loop import EventLoop
 from talaria.sim.device_view import DeviceView
 from talaria.sim.executor import Job, SimExecutor, instance_config
 from talaria.sim.profiles import ServerProfile

@@ -9,18 +9,28 @@ once, and the session list is rebuilt only when the KV changed (snapshots are fr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from talaria.shared.snapshots import InstanceSnapshot, ModelResidency, SessionKv
 from talaria.sim.profiles import ServerProfile
 
-if TYPE_CHECKING:
-    from talaria.sim.executor import SimExecutor
+
+class SimDevice(Protocol):
+    """What the view reads of a simulated instance (the executor, executor.py)."""
+
+    id: str
+    active: str | None
+    switching_to: str | None
+    core: Any  # its AgentCore (the one snapshot builder)
+    kv: Any  # its KV state: device tokens by session, the host registry, a version
+    staging: Any  # its staging state: the model being staged, if any
+
+    def staged_bytes(self, now: float, model: str) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
 class DeviceMemory:
-    """The memory and rate fields of a snapshot (named as in `engine.api.EngineStats`)."""
+    """The memory and rate fields of a snapshot (named as in `engine.contract.EngineStats`)."""
 
     kv_capacity_tokens: int
     kv_used_tokens: int
@@ -47,7 +57,7 @@ class DeviceView:
             for name, mp in server.models.items()
         }
 
-    def snapshot(self, inst: SimExecutor, version: int, now: float, heartbeat_s: float) -> InstanceSnapshot:
+    def snapshot(self, inst: SimDevice, version: int, now: float, heartbeat_s: float) -> InstanceSnapshot:
         active = inst.active or inst.switching_to
         mp, pool, kv_cap, prefill_tok_s, decode_tok_s, restore_tok_s, _, _ = self.consts(
             active if active else next(iter(self.server.models)))
@@ -82,7 +92,7 @@ class DeviceView:
             )
         return c
 
-    def sessions(self, inst: SimExecutor) -> list[SessionKv]:
+    def sessions(self, inst: SimDevice) -> list[SessionKv]:
         """Device KV of the active model, then every host-restorable prefix not on device."""
         kv = inst.kv
         cached = self._sessions.get(inst.id)
@@ -100,7 +110,7 @@ class DeviceView:
         self._sessions[inst.id] = (kv.version, sessions)
         return sessions
 
-    def models(self, inst: SimExecutor, now: float) -> list[ModelResidency]:
+    def models(self, inst: SimDevice, now: float) -> list[ModelResidency]:
         """The residency list. Without a staging target it depends only on the active /
         switching-to model, so the same list object is reused (the router then reuses its
         per-snapshot lookup table too); a staged model's bytes grow with time."""
@@ -113,15 +123,15 @@ class DeviceView:
             return models
         return self._list(inst, resident, now)
 
-    def _list(self, inst: SimExecutor, resident: tuple, now: float) -> list[ModelResidency]:
+    def _list(self, inst: SimDevice, resident: tuple, now: float) -> list[ModelResidency]:
         return [self._absent[name] if name not in resident else self._residency(inst, name, now)
                 for name in self.server.models]
 
-    def _residency(self, inst: SimExecutor, name: str, now: float) -> ModelResidency:
+    def _residency(self, inst: SimDevice, name: str, now: float) -> ModelResidency:
         if name == inst.active or name == inst.switching_to:
             return self.consts(name)[7]
         server = self.server
-        staged = inst._staged_bytes(now, name)
+        staged = inst.staged_bytes(now, name)
         mp = server.model(name)
         return ModelResidency(
             model=name, state="staged" if staged else "absent", switch_cost_s=server.switch(name, staged)[1],

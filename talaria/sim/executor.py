@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from talaria.services.instance_agent.core import AgentCore, Outcome
+from talaria.services.instance_agent.agent_core import AgentCore, StepReport
 from talaria.services.instance_agent.memory.parked_kv import ParkedKv, Unparked, parking_room, staging_reserve
 from talaria.services.instance_agent.scheduler import Decode, Idle, Prefill, SchedulerConfig, SwitchModel
 from talaria.services.instance_agent.scheduler.costs import decode_steps_s, first_step_reaching
@@ -90,7 +90,7 @@ class Job:
 
 
 class SimExecutor:
-    """One simulated instance (GPU group). Handlers return the events they cause (engine.py);
+    """One simulated instance (GPU group). Handlers return the events they cause (event_loop.py);
     `sink.completed(job, CallCompleted, now)` hears of every finished call."""
 
     def __init__(self, instance_id: str, server: ServerProfile, config: SchedulerConfig, sink,
@@ -194,7 +194,7 @@ class SimExecutor:
 
     def _switch(self, now: float, action: SwitchModel):
         model = action.to_model
-        staged = self._staged_bytes(now, model) if action.staged else 0
+        staged = self.staged_bytes(now, model) if action.staged else 0
         path, seconds, phases = self.server.switch(model, staged)
         kv_phases = {k: v for k, v in self._switch_kv(model).items() if v > 0}
         phases = {**phases, **kv_phases}
@@ -309,7 +309,7 @@ class SimExecutor:
         calls = () if isinstance(action, SwitchModel) else tuple(action.call_ids)
         return LoggedAction(calls, self.action_start, now, transfer, tuple(finished))
 
-    def _record(self, outcome: Outcome, now: float) -> list:
+    def _record(self, outcome: StepReport, now: float) -> list:
         """Keep the core's records; complete finished calls (their sink events return)."""
         if outcome.switch is not None:
             self.switches.append(outcome.switch)
@@ -329,13 +329,14 @@ class SimExecutor:
         self._put_device(now, job.session, tokens)
         if self.config.hkvr:
             self.kv.put_host(job.model, job.session, tokens)
-        job.via = self.core.records[job.call_id].via
+        job.via = self.core.calls[job.call_id].via
         cached = job.cached if job.kv_source in ("device", "host") else 0
         # Measured as the live engine measures them: every call of a batched prefill or decode
         # step is charged the step's time, so the router's per-model rates are learned.
         done = self.core.completed(job.call_id, now, prompt_tokens=job.prompt, output_tokens=job.output,
                                    finish_reason="length" if job.output >= job.max_tokens else "stop", cached_tokens=cached, kv_source=job.kv_source,
                                    prefill_s=job.prefill_s, decode_s=job.decode_s)
+        self.core.end(job.call_id)
         return self.sink.completed(job, done, now)
 
     def _update_staging(self, now: float) -> None:
@@ -383,7 +384,7 @@ class SimExecutor:
 
     # ---- memory -----------------------------------------------------------------------
 
-    def _staged_bytes(self, now: float, model: str) -> int:
+    def staged_bytes(self, now: float, model: str) -> int:
         if not self.config.staging:
             return 0
         return self.staging.staged_bytes(now, model, self.active, self.last_peak_kv)
@@ -400,7 +401,7 @@ class SimExecutor:
         if used > self.last_peak_kv:
             self.last_peak_kv = used
         target = self.staging.target
-        staged = self._staged_bytes(now, target) if target else 0
+        staged = self.staged_bytes(now, target) if target else 0
         self._hbm(mp.weight_bytes + used + staged + self.parked.bytes)
 
     def _hbm(self, used: int) -> None:

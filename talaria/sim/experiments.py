@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from dataclasses import replace
@@ -31,6 +30,7 @@ from pathlib import Path
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.policy.registry import policy_names
 from talaria.shared.stats import quantile
+from talaria.sim.result_json import write_json
 from talaria.sim.cluster import RunConfig, simulate
 from talaria.sim.executor import instance_config
 from talaria.sim.metrics import summarise
@@ -241,16 +241,6 @@ EXPERIMENTS = {
 }
 
 
-def _clean(obj):
-    if isinstance(obj, float) and (math.isnan(obj) or math.isinf(obj)):
-        return None
-    if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    return obj
-
-
 def _merge_scale(path: Path, new: dict) -> dict:
     """A run of some policies (`--scale-policies`) adds to the last scale result when both
     ran the same workload, so slow policies can get their own wall cap; else it replaces it."""
@@ -266,11 +256,6 @@ def _merge_scale(path: Path, new: dict) -> dict:
     order = [p for p in SCALE_POLICIES if p in merged["policies"]]
     merged["policies"] = {p: merged["policies"][p] for p in order + [p for p in merged["policies"] if p not in order]}
     return merged
-
-
-def write_json(data: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_clean(data), indent=1))
 
 
 def run(names: list[str], out_dir: Path, json_path: Path | None, quick: bool,

@@ -4,9 +4,12 @@ The runs themselves are `matrix.py`."""
 
 from __future__ import annotations
 
+import json
+
 import math
 from pathlib import Path
 
+from talaria.sim.result_json import write_json
 from talaria.sim import matrix as matrix_design
 from talaria.sim.matrix import ABLATIONS, NO_LEASE, OURS, PAPER, ROUND_ONLY, SENSITIVITY
 
@@ -266,10 +269,6 @@ def _shape_row(cell: dict) -> str:
 
 
 def write_outputs(matrix: dict, out_dir: Path) -> Path:
-    import json
-
-    from talaria.sim.experiments import write_json
-
     write_json({**matrix, "wins": wins(matrix)}, out_dir / "matrix.json")
     heat_map(matrix, out_dir / "matrix_heatmap.png")
     old_path = out_dir / "matrix_transplanted.json"

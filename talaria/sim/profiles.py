@@ -261,7 +261,7 @@ LOCAL_TORCH = ServerProfile(
     d2d_bytes_s=10 * GB,  # PLACEHOLDER
     kv_restore_bytes_s=16384 * (4 * 2 * 32 * 2 * 4) / 0.098,  # [bench] 16,384 tokens in ~98 ms
     models={m.name: m for m in _TINY},
-    kv_page_tokens=16,  # [card] the torch engine's page (engine.py page_size): host KV restores whole pages
+    kv_page_tokens=16,  # [card] the torch engine's page (torch_engine.py page_size): host KV restores whole pages
     source="torch engine on this machine's CPU: bench/sim_fidelity.py --measure, results/agent_bench.md",
 )
 

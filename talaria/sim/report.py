@@ -292,7 +292,7 @@ NOTES = """How to read this report (details in talaria/sim/*.py docstrings):
   `--scale-cap-s S` (wall-clock cap per policy, reported as CAPPED) change it). Each experiment
   run alone (`fixed-replay|router|tau-sweep|scale`) rewrites its JSON and then this report from
   every JSON in the folder; `report` only rewrites the report.
-- Instances: the instance agent's own core (`AgentCore`, services/instance_agent/core.py, with
+- Instances: the instance agent's own core (`AgentCore`, services/instance_agent/agent_core.py, with
   its `RoundScheduler`) makes every instance decision and writes every record; the simulator's
   executor only prices actions with the profile and keeps device-KV occupancy; the host KV
   registry is the agent's own `HkvrCore` (512-token sim pages) and weight staging the agent's own

@@ -23,7 +23,8 @@ from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 
-from talaria.traces.format import Session, TraceCall, load_trace
+from talaria.traces.format import Session, TraceCall
+from talaria.traces.load import load_trace
 
 DATA = Path(str(resources.files("talaria.sim").joinpath("data")))  # package data in the wheel
 FIXED_REPLAY_FILE = DATA / "fixed_replay_sessions.jsonl"

@@ -152,12 +152,6 @@ def iter_numbered(stream: IO[str], path: str = "<trace>") -> Iterator[tuple[int,
         yield lineno, parse_line(obj, path, lineno)
 
 
-def iter_calls(stream: IO[str], path: str = "<trace>") -> Iterator[TraceCall]:
-    """Validated calls without line numbers."""
-    for _, call in iter_numbered(stream, path):
-        yield call
-
-
 def group_sessions(
     numbered: Iterable[tuple[int, TraceCall]], path: str = "<trace>"
 ) -> list[Session]:
@@ -188,21 +182,6 @@ def group_sessions(
 def sessions_from_calls(calls: Iterable[TraceCall]) -> list[Session]:
     """Group in-memory calls (e.g. from a workload builder) into validated sessions."""
     return group_sessions(enumerate(calls, start=1), "<memory>")
-
-
-def load_trace(path: str | Path) -> list[Session]:
-    """Load and validate a normalised trace file (JSONL, or `.xz`). Errors name line and field.
-
-    A raw WEKA kv-cache-tester file (one conversation per line, traces/weka.py) is
-    recognised by its first line and converted on the way in, as `talaria sim convert` would."""
-    from talaria.traces.weka import iter_weka_sessions, looks_like_weka, open_text
-
-    path = Path(path)
-    with open_text(path) as stream:
-        if looks_like_weka(stream.readline()):
-            return sessions_from_calls(c for s in iter_weka_sessions(path) for c in s)
-    with open_text(path) as stream:
-        return group_sessions(iter_numbered(stream, str(path)), str(path))
 
 
 def dump_calls(calls: Iterable[TraceCall], stream: IO[str]) -> int:

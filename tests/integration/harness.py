@@ -45,9 +45,9 @@ class Services:
     async def start_control_plane(self, settings: Settings) -> None:
         """Telemetry, router and gateway, in the order they depend on each other; the tests
         add the agents they need."""
-        from talaria.services.gateway.service import run as run_gateway
-        from talaria.services.router.service import run as run_router
-        from talaria.services.telemetry.service import run as run_telemetry
+        from talaria.services.gateway.gateway_service import run as run_gateway
+        from talaria.services.router.router_service import run as run_router
+        from talaria.services.telemetry.telemetry_service import run as run_telemetry
 
         await self.start("telemetry", run_telemetry, settings)
         await self.start("router", run_router, settings)

@@ -8,7 +8,7 @@ import asyncio
 import nats
 import pytest
 
-from talaria.services.instance_agent.service import run as run_agent
+from talaria.services.instance_agent.agent_service import run as run_agent
 from talaria.shared.messages import CallRequest, CallResult, REPLY_DECODER
 from talaria.shared.wire import encode
 from talaria.shared import subjects
@@ -52,6 +52,6 @@ async def test_round_only_and_full_talaria_give_the_same_greedy_answers(nats_url
     settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="talaria",
                         http_port=free_port(), session_idle_s=3600, call_timeout_s=120)
     full = await run_workload(settings, "full")
-    round_only = await run_workload(settings, "ro", sp=False, hkvr=False, staging=False)
+    round_only = await run_workload(settings, "ro", ablation="round-only")
     assert full == round_only
     assert all(len(a) == 3 for a in full)

@@ -9,7 +9,7 @@ import nats
 import openai
 import pytest
 
-from talaria.services.instance_agent.service import run as run_agent
+from talaria.services.instance_agent.agent_service import run as run_agent
 from talaria.shared.health import wait_for_router
 from talaria.shared.settings import Settings
 from talaria.embedded import free_port

@@ -21,8 +21,8 @@ from collections import Counter
 
 import pytest
 
-from talaria.services.instance_agent import outcomes
-from talaria.services.instance_agent import service as agent_service
+from talaria.services.instance_agent import record_sender
+from talaria.services.instance_agent import agent_service
 from talaria.services.instance_agent.engine import GenRequest
 from talaria.shared.events import CallCompleted, CallRouted, CallSubmitted
 from talaria.shared.messages import CallResult, REPLY_DECODER
@@ -42,7 +42,7 @@ class Stack:
 
     def __init__(self, nats_url, tmp_path, monkeypatch) -> None:
         self.settings = Settings(nats_url=nats_url, data_dir=tmp_path, instance_id=AGENT,
-                                 models=("qwen3-tiny", "gpt2-tiny"), hkvr=False, staging=False)
+                                 models=("qwen3-tiny", "gpt2-tiny"), ablation="round-only")
         self.services = Services()
         self.runner = None
         self.copies: dict[str, list[bool]] = {}  # call id -> for each copy accepted: durable?
@@ -125,7 +125,7 @@ def hold_completion_publish(monkeypatch, call_id: str):
     """The NATS pause as the agent sees it: the call's completion record does not get out
     until `resume` is set; `held` is set when the agent is waiting on it."""
     held, resume = asyncio.Event(), asyncio.Event()
-    emit_real = outcomes.emit_async  # a completion's record is published from there
+    emit_real = record_sender.emit_async  # a completion's record is published from there
 
     async def paused_emit(js, event, *a, **k):
         if not (isinstance(event, CallCompleted) and event.call_id == call_id):
@@ -143,7 +143,7 @@ def hold_completion_publish(monkeypatch, call_id: str):
         asyncio.ensure_future(after_the_pause())
         return ack
 
-    monkeypatch.setattr(outcomes, "emit_async", paused_emit)
+    monkeypatch.setattr(record_sender, "emit_async", paused_emit)
     return held, resume.set
 
 
@@ -193,7 +193,7 @@ async def test_a_durable_copy_arriving_while_its_call_finishes_is_acked_never_ru
     assert stack.replies["x"].empty()  # one answer
     assert stack.copies["x"] == [False, True]
     await wait_until(lambda: acked(stack.js, f"agent-{AGENT}", routed_seq), "the durable copy acked")
-    assert stack.runner.engine.running == {} and not stack.runner.calls
+    assert stack.runner.engine.running == {} and not list(stack.runner.core.live())
 
 
 async def _durable_arrived(stack: Stack, call_id: str) -> None:
@@ -210,7 +210,7 @@ async def test_an_engine_entry_nobody_runs_cannot_wedge_the_agent(stack):
     await stack.route("w", "qwen3-tiny", "s-w")
     assert isinstance(await stack.reply("w"), CallResult)
     leak = GenRequest(call_id="leaked", session_id="s-leak", model="qwen3-tiny", prompt_ids=[1, 2, 3], max_tokens=8)
-    await asyncio.get_running_loop().run_in_executor(stack.runner.executor, stack.runner.engine.prefill, [leak])
+    await asyncio.get_running_loop().run_in_executor(stack.runner.thread.executor, stack.runner.engine.prefill, [leak])
     assert "leaked" in stack.runner.engine.running
     # A call for the other model needs a switch, which the engine refuses while it holds a call.
     await stack.route("y", "gpt2-tiny", "s-y")
@@ -227,6 +227,6 @@ async def test_an_agent_whose_work_loop_dies_exits_rather_than_heartbeat_with_no
 
     monkeypatch.setattr(agent_service.CallRunner, "work_loop", broken)
     settings = Settings(nats_url=nats_url, data_dir=tmp_path, instance_id=AGENT, models=("qwen3-tiny",),
-                        hkvr=False, staging=False)
+                        ablation="round-only")
     with pytest.raises(RuntimeError, match="work loop bug"):
         await asyncio.wait_for(agent_service.run(settings), 120)

@@ -11,7 +11,7 @@ import nats
 import pytest
 
 from talaria.embedded import free_port
-from talaria.services.instance_agent import service as agent_service
+from talaria.services.instance_agent import agent_service
 from talaria.shared.messages import CallRequest, CallResult, ErrorReply, REPLY_DECODER
 from talaria.shared.snapshots import SNAPSHOT_DECODER
 from talaria.shared.wire import encode

@@ -12,7 +12,7 @@ from talaria.shared.events import (
     LeaseIssued,
     RoutingDecision,
 )
-from talaria.shared.db.engine import create_engine
+from talaria.shared.db.connection import create_engine
 from talaria.audit import audits, params_of, query
 
 pytestmark = pytest.mark.integration

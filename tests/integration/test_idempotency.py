@@ -17,7 +17,7 @@ from talaria.services.gateway.http_api import parse_request
 from talaria.services.gateway.idempotency import IdempotentCalls
 from talaria.services.gateway.idempotency_rules import ORPHANED, outcome_subject, waiting_subject
 from talaria.services.gateway.submitter import Submitter
-from talaria.services.instance_agent.service import run as run_agent
+from talaria.services.instance_agent.agent_service import run as run_agent
 from talaria.shared import logs, subjects
 from talaria.shared import messages as m
 from talaria.shared.wire import encode, replace
@@ -160,7 +160,7 @@ async def test_a_failed_attempt_frees_the_key_for_a_new_run(stack, nats_url, db)
 async def test_nats_api_honours_idempotency_key(stack, nats_url, db):
     settings, services = stack
     await start_agent(settings, services, nats_url)
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect(nats_url, inbox_prefix=subjects.client_inbox_prefix("tenant-a"))
     try:
         req = m.CallRequest(model="qwen3-tiny", prompt="hello", session_id="idem-4", max_tokens=4,
                             api_key=KEY_A.split(":", 1)[1], idempotency_key="nats-key")

@@ -10,7 +10,7 @@ import asyncio
 import nats
 import pytest
 
-from talaria.services.instance_agent.service import run as run_agent
+from talaria.services.instance_agent.agent_service import run as run_agent
 from talaria.shared import subjects
 from talaria.shared.catalog import CATALOG
 from talaria.shared.health import wait_for_router

@@ -10,7 +10,7 @@ import msgspec
 import nats
 import pytest
 
-from talaria.services.instance_agent.service import run as run_agent
+from talaria.services.instance_agent.agent_service import run as run_agent
 from talaria.shared.messages import (
     CANCELLED_STATUS,
     CallRequest,

@@ -6,8 +6,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from talaria.services.gateway.service import run as run_gateway
-from talaria.services.router.service import run as run_router
+from talaria.services.gateway.gateway_service import run as run_gateway
+from talaria.services.router.router_service import run as run_router
 from talaria.shared.settings import Settings
 from talaria.embedded import free_port
 from tests.integration.harness import Services

@@ -15,12 +15,12 @@ import structlog
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from talaria.embedded import free_port
-from talaria.services.gateway.service import run as run_gateway
-from talaria.services.instance_agent import outcomes, service as agent_service
-from talaria.services.instance_agent.outcomes import OutcomeSender
-from talaria.services.instance_agent.service import run as run_agent
-from talaria.services.router.service import run as run_router
-from talaria.services.telemetry.service import run as run_telemetry
+from talaria.services.gateway.gateway_service import run as run_gateway
+from talaria.services.instance_agent import agent_service, record_sender
+from talaria.services.instance_agent.record_sender import RecordSender
+from talaria.services.instance_agent.agent_service import run as run_agent
+from talaria.services.router.router_service import run as run_router
+from talaria.services.telemetry.telemetry_service import run as run_telemetry
 from talaria.shared import events as ev
 from talaria.shared import messages as m
 from talaria.shared import subjects
@@ -52,7 +52,7 @@ def routed(call_id: str) -> ev.CallRouted:
 
 def hold_records(monkeypatch, call_id: str) -> asyncio.Event:
     """The agent's record of `call_id` reaches the stream only once the returned event is set."""
-    release, real_async = asyncio.Event(), outcomes.emit_async
+    release, real_async = asyncio.Event(), record_sender.emit_async
 
     async def held(js, record, *a, **kw):
         if getattr(record, "call_id", None) != call_id:
@@ -69,7 +69,7 @@ def hold_records(monkeypatch, call_id: str) -> asyncio.Event:
         asyncio.ensure_future(later())
         return ack
 
-    monkeypatch.setattr(outcomes, "emit_async", held)
+    monkeypatch.setattr(record_sender, "emit_async", held)
     return release
 
 
@@ -100,7 +100,7 @@ async def test_the_call_is_acked_only_once_its_record_is_stored(nats_url, monkey
             stored.append("c1")
             await msg.ack()
 
-        sender = OutcomeSender(nc, js, structlog.get_logger())
+        sender = RecordSender(nc, js, structlog.get_logger())
         task = await sender.send("c1", None, completed("c1"), [("test.reply.c1", b"the answer")],
                                  on_stored=closed, on_dropped=lambda: dropped.append("c1"))
         assert (await replies.next_msg(timeout=5)).data == b"the answer"  # answered before it is stored
@@ -175,7 +175,7 @@ async def test_a_durable_copy_arriving_while_the_record_is_stored_is_not_run_aga
 
 def hold_router_outputs(monkeypatch, call_id: str) -> None:
     """The router's outputs for `call_id` never reach the stream (its bus hangs for them)."""
-    from talaria.services.router import outputs as router_outputs, service as router_service
+    from talaria.services.router import outputs as router_outputs, router_service
 
     real_async, real = router_outputs.emit_async, router_outputs.emit
 
@@ -214,7 +214,7 @@ async def test_a_router_that_dies_before_storing_its_outputs_has_not_acked_the_c
     """The router folds the next input while one input's outputs are stored (the agent runs
     the call from the fast copy meanwhile); the input is acked only once they are stored, so
     a router that dies first gets the call back on restart: recorded, answered once."""
-    from talaria.services.router import service as router_service
+    from talaria.services.router import router_service
 
     settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="talaria",
                         http_port=free_port(), session_idle_s=3600, call_timeout_s=60, models=(MODEL,))

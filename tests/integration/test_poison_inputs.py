@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
 from talaria.embedded import free_port
-from talaria.services.instance_agent.service import run as run_agent
+from talaria.services.instance_agent.agent_service import run as run_agent
 from talaria.shared.messages import CallResult, ErrorReply, REPLY_DECODER, Reply
 from talaria.shared import subjects
 from talaria.shared.health import wait_for_router
@@ -150,7 +150,11 @@ async def test_hand_picked_poison_inputs_never_hang_or_5xx(stack, db):
     http = [post(settings, body, headers) for _, body, headers, _ in HTTP_INPUTS]
     over_nats = [nats_call(nc, fields) for _, fields, _ in NATS_INPUTS]
     results = await asyncio.wait_for(asyncio.gather(*http, *over_nats, return_exceptions=True), 3 * ANSWER_S)
-    for (name, _, _, expected), res in zip(HTTP_INPUTS, results[: len(HTTP_INPUTS)]):
+    for (name, body, headers, expected), res in zip(HTTP_INPUTS, results[: len(HTTP_INPUTS)]):
+        if not isinstance(res, BaseException) and res[0] == 429 and "too_many_large_requests" in res[1]:
+            # Sent at once, one tenant's big bodies are parsed one at a time (gateway/big_bodies.py,
+            # 429 + Retry-After): each again on its own gets its real answer.
+            res = await asyncio.wait_for(post(settings, body, headers), ANSWER_S)
         if isinstance(res, BaseException):  # a hang shows as a timeout here
             failures.append(f"HTTP {name}: {type(res).__name__} {res}")
         else:

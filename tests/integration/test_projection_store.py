@@ -19,7 +19,7 @@ from talaria.shared.events import (
     RoutingDecision,
 )
 from talaria.shared.messages import CANCELLED_STATUS
-from talaria.shared.db.engine import create_engine
+from talaria.shared.db.connection import create_engine
 
 pytestmark = pytest.mark.integration
 

@@ -11,10 +11,10 @@ import nats
 import pytest
 
 from talaria.embedded import EmbeddedNats, free_port
-from talaria.services.gateway.service import run as run_gateway
-from talaria.services.instance_agent.service import run as run_agent
-from talaria.services.router.core import LOST_AFTER_BEATS
-from talaria.services.router.service import run as run_router
+from talaria.services.gateway.gateway_service import run as run_gateway
+from talaria.services.instance_agent.agent_service import run as run_agent
+from talaria.services.router.router_core import LOST_AFTER_BEATS
+from talaria.services.router.router_service import run as run_router
 from talaria.shared import subjects
 from talaria.shared.events import InstanceLost
 from talaria.shared.health import wait_for_router

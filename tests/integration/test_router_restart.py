@@ -13,9 +13,9 @@ import nats
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from talaria.services.gateway.service import run as run_gateway
-from talaria.services.instance_agent.service import run as run_agent
-from talaria.services.telemetry.service import run as run_telemetry
+from talaria.services.gateway.gateway_service import run as run_gateway
+from talaria.services.instance_agent.agent_service import run as run_agent
+from talaria.services.telemetry.telemetry_service import run as run_telemetry
 from talaria.shared.events import EVENT_DECODER
 from talaria.shared.messages import CallRequest, CallResult, REPLY_DECODER
 from talaria.shared.wire import encode

@@ -4,7 +4,7 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
-from talaria.shared.db.engine import create_engine
+from talaria.shared.db.connection import create_engine
 from talaria.shared.db.schema import metadata
 
 pytestmark = pytest.mark.integration

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import uuid
 
 import aiohttp
@@ -14,10 +15,11 @@ import nats
 import pytest
 
 from talaria.embedded import EmbeddedNats, free_port
-from talaria.services.gateway.service import run as run_gateway
-from talaria.services.instance_agent.service import run as run_agent
-from talaria.services.router.service import run as run_router
-from talaria.services.telemetry.service import run as run_telemetry
+from talaria.services.gateway.idempotency_rules import outcome_subject
+from talaria.services.gateway.gateway_service import run as run_gateway
+from talaria.services.instance_agent.agent_service import run as run_agent
+from talaria.services.router.router_service import run as run_router
+from talaria.services.telemetry.telemetry_service import run as run_telemetry
 from talaria.shared.events import CallCompleted, CallRouted, CallSubmitted
 from talaria.shared.messages import (
     CANCELLED_STATUS,
@@ -31,7 +33,7 @@ from talaria.shared.messages import (
 from talaria.shared.wire import encode
 from talaria.shared import subjects
 from talaria.shared.bus import connect, emit
-from talaria.shared.db.engine import upgrade
+from talaria.shared.db.connection import upgrade
 from talaria.shared.db.roles import drop_app_role, ensure_app_role
 from talaria.shared.health import wait_for_router
 from talaria.shared.nats_auth import generate_users
@@ -151,12 +153,12 @@ async def test_nats_client_cannot_read_prompts_or_forge_routes_completions_or_re
         status, body = await chat(settings, "the real secret prompt", "victim-key-0123456789", "v1")
         assert status == 200, body
         req = CallRequest(model="qwen3-tiny", prompt="hi", session_id="n1", max_tokens=1,
-                            api_key="victim-key-0123456789")
+                            api_key="mallory-key-0123456789")
         reply = REPLY_DECODER.decode((await mallory.request(subjects.API_CALL, encode(req), timeout=60)).data)
         assert isinstance(reply, CallResult) and reply.session_id == "n1"
         with pytest.raises(nats.errors.TimeoutError):
             await prompts.next_msg(timeout=0.2)  # the prompt above never reached the subscriber
-        await wait_rows(db, "SELECT * FROM calls WHERE session_id='victim:n1' AND outcome='completed'", 1)
+        await wait_rows(db, "SELECT * FROM calls WHERE session_id='mallory:n1' AND outcome='completed'", 1)
         forged = await db.fetch("SELECT * FROM calls WHERE call_id LIKE 'forged%' OR prompt_tokens=123456")
         assert forged == []
         await mallory.close()
@@ -209,6 +211,102 @@ async def test_a_tenants_nats_client_cannot_read_another_tenants_tokens_or_repli
             await plain.request(subjects.API_CALL, encode(own), timeout=3)
         for nc in (mallory, victim, plain):
             await nc.close()
+    finally:
+        await services.close()
+
+
+VICTIM_KEY, MALLORY_KEY = (key.split(":", 1)[1] for key in KEYS)
+
+
+async def keyed_chat(settings, content: str, key: str, session: str, max_tokens: int = 1):
+    """The victim's keyed call over HTTP: (status, body, headers)."""
+    headers = {"X-Session-Id": session, "Authorization": f"Bearer {VICTIM_KEY}", "Idempotency-Key": key}
+    body = {**CHAT, "max_tokens": max_tokens, "messages": [{"role": "user", "content": content}]}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"http://127.0.0.1:{settings.http_port}/v1/chat/completions", json=body,
+                          headers=headers) as r:
+            return r.status, await r.json(), r.headers
+
+
+async def injected(mallory, reply_to: str, *requests: CallRequest) -> None:
+    """Mallory's requests naming `reply_to` (not its own inbox) as their reply subject, then one
+    of its own: the gateway checks each request's reply subject, in order, before anything of
+    it runs, so once the last is answered every injection has been dealt with."""
+    for req in requests:
+        await mallory.publish(subjects.API_CALL, encode(req), reply=reply_to)
+    own = CallRequest(model="qwen3-tiny", prompt="mallory's own", session_id="m", max_tokens=1, api_key=MALLORY_KEY)
+    reply = REPLY_DECODER.decode((await mallory.request(subjects.API_CALL, encode(own), timeout=60)).data)
+    assert isinstance(reply, CallResult), reply
+
+
+# An error answer (would free the key: the retry runs the call again) and a whole answer of
+# Mallory's with a much longer prompt (would be replayed to the victim as its own).
+INJECTED_ERROR = CallRequest(model="no-such-model", prompt="x", max_tokens=1, api_key=MALLORY_KEY)
+INJECTED_ANSWER = CallRequest(model="qwen3-tiny", prompt="mallory's answer " * 40, session_id="m", max_tokens=1,
+                              api_key=MALLORY_KEY)
+
+
+@pytest.mark.parametrize("injection", [INJECTED_ERROR, INJECTED_ANSWER], ids=["error", "answer"])
+async def test_a_tenant_cannot_answer_another_tenants_keyed_call(secure_nats, database_url, db, tmp_path, injection):
+    """Issue 25 item 1: the kept answer's subject is computable from the tenant and the (public)
+    call id. Mallory's request naming it as its reply subject is dropped: the victim's retry
+    still gets its own answer, replayed, and its call ran once."""
+    url, users = secure_nats
+    settings = Settings(nats_url=url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
+                        session_idle_s=3600, call_timeout_s=60, api_keys=KEYS)
+    services = Services()
+    try:
+        await start_stack(services, settings, users)
+        await router_ready(url, users["client-victim"])
+        status, first, h = await keyed_chat(settings, "the victim's question", "v-key-1", "v1")
+        assert status == 200, first
+        mallory = await nats.connect(url, **users["client-mallory"].options())
+        await injected(mallory, outcome_subject("victim", h["X-Talaria-Call-Id"]), injection)
+        await mallory.close()
+        status, again, h2 = await keyed_chat(settings, "the victim's question", "v-key-1", "v1")
+        assert status == 200 and h2.get("Idempotent-Replayed") == "true", again
+        assert again["id"] == first["id"] and again["usage"] == first["usage"]
+        await wait_rows(db, "SELECT 1 FROM calls WHERE session_id = 'victim:v1' AND outcome = 'completed'", 1)
+        rows = await db.fetch("SELECT outcome FROM calls WHERE session_id = 'victim:v1'")
+        assert [r["outcome"] for r in rows] == ["completed"]
+    finally:
+        await services.close()
+
+
+async def test_a_tenant_cannot_cut_another_tenants_keyed_stream(secure_nats, database_url, db, tmp_path):
+    """An error injected on a running keyed stream's kept subject (or its token subject) used to
+    end the victim's stream early while its row said completed: now the stream runs to its end,
+    and NATS itself refuses the gateway's user a publish outside the inbox spaces."""
+    url, users = secure_nats
+    settings = Settings(nats_url=url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
+                        session_idle_s=3600, call_timeout_s=60, api_keys=KEYS)
+    services = Services()
+    try:
+        await start_stack(services, settings, users)
+        await router_ready(url, users["client-victim"])
+        mallory = await nats.connect(url, **users["client-mallory"].options())
+        headers = {"X-Session-Id": "v2", "Authorization": f"Bearer {VICTIM_KEY}", "Idempotency-Key": "v-key-2"}
+        body = {**CHAT, "max_tokens": 48, "stream": True, "messages": [{"role": "user", "content": "go on"}]}
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"http://127.0.0.1:{settings.http_port}/v1/chat/completions", json=body,
+                              headers=headers) as r:
+                assert r.status == 200
+                call_id = r.headers["X-Talaria-Call-Id"]
+                events = [await r.content.readline()]  # the first event: the call is running
+                await injected(mallory, outcome_subject("victim", call_id), INJECTED_ERROR)
+                await injected(mallory, subjects.tokens("victim", call_id), INJECTED_ERROR)
+                events.append(await r.content.read())
+        sse = b"".join(events).decode()
+        assert '"error"' not in sse and sse.rstrip().endswith("data: [DONE]"), sse[-500:]
+        await mallory.close()
+        [row] = await wait_rows(db, "SELECT outcome FROM calls WHERE session_id = 'victim:v2' "
+                                    "AND outcome IN ('completed', 'failed', 'cancelled')", 1)
+        assert row["outcome"] == "completed"
+        violations = Violations()
+        gateway = await nats.connect(url, error_cb=violations.on_error, **users["gateway"].options())
+        await gateway.publish(outcome_subject("victim", call_id), b"{}")
+        await violations.wait_for(f'publish to "{outcome_subject("victim", call_id)}"')
+        await gateway.close()
     finally:
         await services.close()
 
@@ -366,13 +464,17 @@ async def test_embedded_postgres_requires_passwords_even_on_a_data_dir_from_befo
     import os
     import subprocess
 
-    from talaria.embedded import EmbeddedPostgres, _prepare_root
+    from pathlib import Path
+
+    from talaria.embedded import EmbeddedPostgres, _prepare_root, _reachable, _reachable_install
     from embedded_postgres._commands import POSTGRES_BIN_PATH
 
-    pgdata = (tmp_path / "pg").resolve() / "pgdata"
-    pgdata.mkdir(parents=True)
-    user = _prepare_root(pgdata, POSTGRES_BIN_PATH) if os.geteuid() == 0 else None
-    subprocess.run([str(POSTGRES_BIN_PATH / "initdb"), "-D", str(pgdata), "-U", "postgres", "--auth=trust",
+    pgdata, bin_dir = (tmp_path / "pg").resolve() / "pgdata", Path(POSTGRES_BIN_PATH)
+    if os.geteuid() == 0:  # where EmbeddedPostgres puts them as root (pytest's tmp root is 0700)
+        pgdata, bin_dir = _reachable(pgdata), _reachable_install(bin_dir)
+    pgdata.mkdir(parents=True, exist_ok=True)
+    user = _prepare_root(pgdata, bin_dir) if os.geteuid() == 0 else None
+    subprocess.run([str(bin_dir / "initdb"), "-D", str(pgdata), "-U", "postgres", "--auth=trust",
                     "--no-sync"], check=True, user=user, capture_output=True)
     server = await asyncio.get_running_loop().run_in_executor(None, EmbeddedPostgres(tmp_path / "pg").start)
     try:
@@ -384,6 +486,10 @@ async def test_embedded_postgres_requires_passwords_even_on_a_data_dir_from_befo
             await asyncpg.connect(f"postgresql://postgres@127.0.0.1:{server.port}/talaria")
     finally:
         server.stop()
+        if pgdata != (tmp_path / "pg").resolve() / "pgdata":
+            import shutil
+
+            shutil.rmtree(pgdata, ignore_errors=True)
 
 
 @pytest.mark.parametrize("kind", ["user", "token", "nkey"])
@@ -435,7 +541,9 @@ async def test_a_call_id_is_not_enough_to_cancel_another_tenants_call(nats_url, 
     try:
         await start_stack(services, settings)
         await router_ready(nats_url, type("anon", (), {"options": lambda self: {}})())
-        nc = await nats.connect(nats_url)
+        # Each tenant's client replies in its own inbox space (else the gateway drops the request).
+        nc = await nats.connect(nats_url, inbox_prefix=subjects.client_inbox_prefix("victim"))
+        other = await nats.connect(nats_url, inbox_prefix=subjects.client_inbox_prefix("mallory"))
         streaming = asyncio.Event()
 
         async def on_token(msg):
@@ -449,7 +557,7 @@ async def test_a_call_id_is_not_enough_to_cancel_another_tenants_call(nats_url, 
             return REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(req), timeout=60)).data)
 
         async def cancel(call_id: str, key: str | None):
-            msg = await nc.request(subjects.API_CANCEL, encode(CancelCall(call_id, "x", api_key=key)), timeout=10)
+            msg = await (other if key and key.startswith("mallory") else nc).request(subjects.API_CANCEL, encode(CancelCall(call_id, "x", api_key=key)), timeout=10)
             return msgspec.json.decode(msg.data)
 
         pending = asyncio.ensure_future(victim_call("victim-call", 48))
@@ -466,5 +574,32 @@ async def test_a_call_id_is_not_enough_to_cancel_another_tenants_call(nats_url, 
         own = await victim_call("victim-own", 2)
         assert isinstance(own, ErrorReply) and own.status == CANCELLED_STATUS
         await nc.close()
+        await other.close()
     finally:
         await services.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="as root only: Postgres then runs as another user")
+async def test_embedded_postgres_as_root_never_opens_the_data_directorys_parents(tmp_path):
+    """Issue 25: as root, the setup made every parent of the data directory world-readable (a
+    0700 directory became 0755). A closed parent stays closed; the cluster lives elsewhere."""
+    import shutil
+
+    from talaria.embedded import EmbeddedPostgres
+
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o700)
+    closed.chmod(0o700)
+    pg = EmbeddedPostgres(closed / "data")
+    try:
+        pg.start()
+        assert closed.stat().st_mode & 0o777 == 0o700
+        conn = await asyncpg.connect(asyncpg_dsn(pg.admin_url))
+        assert await conn.fetchval("SELECT 1") == 1
+        await conn.close()
+        assert (closed / "data" / "pgdata").is_symlink()
+    finally:
+        pg.stop()
+        home = (closed / "data" / "pgdata").resolve()
+        if home != closed / "data" / "pgdata":
+            shutil.rmtree(home, ignore_errors=True)

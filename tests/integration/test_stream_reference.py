@@ -6,7 +6,7 @@ copy is lost (a restart, a dropped message) the durable copy is completed from t
 
 import pytest
 
-from talaria.services.instance_agent.service import _with_prompt
+from talaria.services.instance_agent.agent_service import _with_prompt
 from talaria.shared.events import CallRouted, CallSubmitted, EVENT_DECODER
 from talaria.shared.wire import encode
 from talaria.shared import subjects

@@ -12,11 +12,11 @@ import asyncpg
 import pytest
 
 from talaria.embedded import EmbeddedPostgres
-from talaria.services.telemetry.service import run as run_telemetry
+from talaria.services.telemetry.telemetry_service import run as run_telemetry
 from talaria.shared.events import CandidateCost, RoutingDecision
 from talaria.shared.bus import connect, emit
 from talaria.shared.nats_auth import owner_sender
-from talaria.shared.db.engine import upgrade
+from talaria.shared.db.connection import upgrade
 from talaria.shared.settings import Settings, asyncpg_dsn
 from tests.integration.harness import Services, acked, wait_until
 

@@ -5,7 +5,7 @@ import asyncio
 import asyncpg
 import pytest
 
-from talaria.services.telemetry.service import run as run_telemetry
+from talaria.services.telemetry.telemetry_service import run as run_telemetry
 from talaria.shared.events import (
     CallCompleted,
     CallFailed,

@@ -10,12 +10,13 @@ import nats
 import pytest
 
 from talaria.embedded import free_port
-from talaria.services.instance_agent.service import run as run_agent
+from talaria.services.instance_agent.agent_service import run as run_agent
 from talaria.shared.health import wait_for_router
 from talaria.shared.settings import Settings
 from talaria.sim.cli import main as sim_main
 from talaria.trace_export import fetch_rows, rows_to_sessions
-from talaria.traces.format import load_trace, save_sessions
+from talaria.traces.format import save_sessions
+from talaria.traces.load import load_trace
 from tests.integration.harness import Services, wait_rows
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,8 @@ host); when none is left it waits a step while the others decode and finish; onl
 call can go on does the latest admitted finish with what it generated, finish reason
 "length" (TorchEngine.decode), as at the context limit: never a crash or a lost call.
 
-Functions of the engine (`eng`), called on its one worker thread; split out of engine.py.
+A part of `TorchEngine` (torch_engine.py), called on its one worker thread: it works on the
+active `DeviceModel` and the engine's running sequences, both handed in.
 """
 
 from __future__ import annotations
@@ -19,78 +20,159 @@ from __future__ import annotations
 import math
 import time
 from functools import partial
-from typing import TYPE_CHECKING
 
-from talaria.services.instance_agent.engine.api import GenRequest
-from talaria.services.instance_agent.engine.errors import (
+import torch
+
+from talaria.services.instance_agent.engine.contract import GenRequest
+from talaria.services.instance_agent.engine.device_model import DeviceModel, Rates
+from talaria.services.instance_agent.engine.engine_errors import (
     ContextTooLong, InvalidRequest, OutOfKvPages, UnknownCall,
 )
 from talaria.services.instance_agent.engine.sampling import make_generator
 from talaria.services.instance_agent.engine.sequence import Sequence
+from talaria.services.instance_agent.memory.hkvr import HostKvRegistry
+from talaria.services.instance_agent.memory.staging import StagingExecutor
+from talaria.shared.catalog import ModelSpec
 from talaria.shared.limits import logprob_problem
 from talaria.shared.model_text import text_for
 from talaria.shared.tokenizer import block_hashes
 
-if TYPE_CHECKING:
-    from talaria.services.instance_agent.engine.engine import TorchEngine
 
+class KvAdmission:
+    def __init__(self, page_size: int, device: torch.device, hkvr: HostKvRegistry | None,
+                 staging: StagingExecutor | None, rates: Rates) -> None:
+        self.page_size, self.device, self.hkvr, self.staging, self.rates = page_size, device, hkvr, staging, rates
 
-def validate(eng: TorchEngine, r: GenRequest) -> None:
-    spec = eng._spec(r.model)
-    if r.call_id in eng.running:
-        raise InvalidRequest(r.call_id, "call_id", "a call with this id is already running")
-    if not r.prompt_ids:
-        raise InvalidRequest(r.call_id, "prompt_ids", "empty prompt")
-    if any((not isinstance(t, int)) or t < 0 or t >= spec.vocab_size for t in r.prompt_ids):
-        raise InvalidRequest(r.call_id, "prompt_ids", f"token ids must be ints in [0, {spec.vocab_size})")
-    if len(r.prompt_ids) > spec.context_length:
-        raise ContextTooLong(r.model, len(r.prompt_ids), spec.context_length)
-    if r.max_tokens < 1:
-        raise InvalidRequest(r.call_id, "max_tokens", "must be >= 1")
-    if not r.temperature >= 0.0:
-        raise InvalidRequest(r.call_id, "temperature", "must be >= 0")
-    if not 0.0 < r.top_p <= 1.0:
-        raise InvalidRequest(r.call_id, "top_p", "must be in (0, 1]")
-    problem = logprob_problem(r.logit_bias, r.logprobs, r.top_logprobs, r.max_tokens, spec.vocab_size)
-    if problem is not None:
-        raise InvalidRequest(r.call_id, *problem)
+    @staticmethod
+    def validate(spec: ModelSpec, running: dict[str, Sequence], r: GenRequest) -> None:
+        if r.call_id in running:
+            raise InvalidRequest(r.call_id, "call_id", "a call with this id is already running")
+        if not r.prompt_ids:
+            raise InvalidRequest(r.call_id, "prompt_ids", "empty prompt")
+        if any((not isinstance(t, int)) or t < 0 or t >= spec.vocab_size for t in r.prompt_ids):
+            raise InvalidRequest(r.call_id, "prompt_ids", f"token ids must be ints in [0, {spec.vocab_size})")
+        if len(r.prompt_ids) > spec.context_length:
+            raise ContextTooLong(r.model, len(r.prompt_ids), spec.context_length)
+        if r.max_tokens < 1:
+            raise InvalidRequest(r.call_id, "max_tokens", "must be >= 1")
+        if not r.temperature >= 0.0:
+            raise InvalidRequest(r.call_id, "temperature", "must be >= 0")
+        if not 0.0 < r.top_p <= 1.0:
+            raise InvalidRequest(r.call_id, "top_p", "must be in (0, 1]")
+        problem = logprob_problem(r.logit_bias, r.logprobs, r.top_logprobs, r.max_tokens, spec.vocab_size)
+        if problem is not None:
+            raise InvalidRequest(r.call_id, *problem)
 
-
-def admit(eng: TorchEngine, req: GenRequest, t0: float) -> Sequence:
-    """Match device pages, then host pages; reserve the rest. Only the suffix is computed."""
-    spec, ps, prompt = eng.specs[req.model], eng.page_size, list(req.prompt_ids)
-    max_match = len(prompt) - 1  # the last prompt token is always computed (its logits)
-    hashes = block_hashes(prompt[:max_match], ps, scope=req.kv_scope)
-    shared, cow_src, cached = match_device(eng, req.session_id, prompt, hashes, max_match)
-    for p in shared:
-        eng.pool.use(p)
-    kv_tokens = min(len(prompt) + reserved_output(req) - 1, spec.context_length)
-    total_pages = math.ceil(kv_tokens / ps)
-    new_pages = total_pages - len(shared)
-    available = eng.pool.num_unused() - sum(s.pages_to_come() for s in eng.running.values())
-    if new_pages > available:
+    def admit(self, dev: DeviceModel, running: dict[str, Sequence], req: GenRequest, t0: float) -> Sequence:
+        """Match device pages, then host pages; reserve the rest. Only the suffix is computed."""
+        spec, ps, prompt = dev.spec, self.page_size, list(req.prompt_ids)
+        max_match = len(prompt) - 1  # the last prompt token is always computed (its logits)
+        hashes = block_hashes(prompt[:max_match], ps, scope=req.kv_scope)
+        shared, cow_src, cached = self.match_device(dev, req.session_id, prompt, hashes, max_match)
         for p in shared:
-            eng.pool.unuse(p)
-        raise OutOfKvPages(req.model, new_pages, max(0, available))
-    pages, host_tokens = list(shared), 0
-    if cow_src is not None:  # partial page: copy, never write into a shared page
-        eng.pool.use(cow_src)  # so the allocator's eviction cannot hand it out meanwhile
-        page = alloc_page(eng)
-        eng.kv[page].copy_(eng.kv[cow_src])
-        eng.pool.unuse(cow_src)
-        pages.append(page)
-    elif eng.hkvr is not None and len(shared) < len(hashes):
-        t = time.perf_counter()
-        restored = eng.hkvr.restore(req.model, hashes[len(shared):], eng.kv, partial(alloc_page, eng))
-        pages += restored
-        host_tokens = len(restored) * ps
-        cached += host_tokens
-        if restored:
-            eng._rate("restore", host_tokens, time.perf_counter() - t)
-    eng.sessions.drop(req.session_id)  # its pages are now held by this call
-    gen = make_generator(req.seed, eng.device) if req.temperature > 0 else None
-    return Sequence(req, spec.context_length, prompt, pages, cached, host_tokens, total_pages, t0, gen,
-                    text=text_for(spec))
+            dev.pool.use(p)
+        kv_tokens = min(len(prompt) + reserved_output(req) - 1, spec.context_length)
+        total_pages = math.ceil(kv_tokens / ps)
+        new_pages = total_pages - len(shared)
+        available = dev.pool.num_unused() - sum(s.pages_to_come() for s in running.values())
+        if new_pages > available:
+            for p in shared:
+                dev.pool.unuse(p)
+            raise OutOfKvPages(req.model, new_pages, max(0, available))
+        pages, host_tokens = list(shared), 0
+        if cow_src is not None:  # partial page: copy, never write into a shared page
+            dev.pool.use(cow_src)  # so the allocator's eviction cannot hand it out meanwhile
+            page = self.alloc_page(dev)
+            dev.kv[page].copy_(dev.kv[cow_src])
+            dev.pool.unuse(cow_src)
+            pages.append(page)
+        elif self.hkvr is not None and len(shared) < len(hashes):
+            t = time.perf_counter()
+            restored = self.hkvr.restore(req.model, hashes[len(shared):], dev.kv, partial(self.alloc_page, dev))
+            pages += restored
+            host_tokens = len(restored) * ps
+            cached += host_tokens
+            if restored:
+                self.rates.measured("restore", host_tokens, time.perf_counter() - t)
+        dev.sessions.drop(req.session_id)  # its pages are now held by this call
+        gen = make_generator(req.seed, self.device) if req.temperature > 0 else None
+        return Sequence(req, spec.context_length, prompt, pages, cached, host_tokens, total_pages, t0, gen,
+                        text=text_for(spec))
+
+    def next_page(self, dev: DeviceModel, running: dict[str, Sequence], seq: Sequence) -> int:
+        """A page for `seq`'s next tokens: within its reservation, or grown past it."""
+        if len(seq.pages) < seq.total_pages:
+            return self.alloc_page(dev)
+        page = self.grow_page(dev, running, seq)
+        if page is None:
+            raise OutOfKvPages(dev.name, 1, 0)
+        return page
+
+    def grow_page(self, dev: DeviceModel, running: dict[str, Sequence], seq: Sequence) -> int | None:
+        """One page past `seq`'s reservation, taken only where no other running call reserved
+        it (free pages, then idle prefixes and sessions, evicted by alloc_page); None if none."""
+        others = sum(s.pages_to_come() for s in running.values() if s is not seq)
+        if dev.pool.num_unused() - others < 1:
+            return None
+        page = self.alloc_page(dev)
+        seq.total_pages += 1
+        return page
+
+    def grow_into(self, dev: DeviceModel, running: dict[str, Sequence], seq: Sequence) -> bool:
+        """Give `seq` one page past its reservation if one is unreserved; whether it got it."""
+        page = self.grow_page(dev, running, seq)
+        if page is not None:
+            seq.pages.append(page)
+        return page is not None
+
+    def needs_page(self, seq: Sequence) -> bool:
+        """Whether `seq`'s next decode step writes past its pages and its reservation."""
+        return seq.kv_len + 1 > len(seq.pages) * self.page_size and len(seq.pages) >= seq.total_pages
+
+    def match_device(self, dev: DeviceModel, session_id: str, prompt: list[int], hashes: list[int],
+                     max_match: int) -> tuple[list[int], int | None, int]:
+        """(shared full pages, page to copy-on-write for a partial tail, cached tokens).
+        The session's own entry is matched first; the prefix index may extend it."""
+        ps = self.page_size
+        from_index = dev.index.match(hashes)
+        entry = dev.sessions.get(session_id)
+        if entry is not None and entry.model == dev.name:
+            n = min(common_prefix(entry.tokens, prompt), max_match)
+            if n > len(from_index) * ps:
+                full = n // ps
+                cow = entry.pages[full] if n % ps else None
+                return list(entry.pages[:full]), cow, n
+        return from_index, None, len(from_index) * ps
+
+    @staticmethod
+    def release(dev: DeviceModel, running: dict[str, Sequence], seq: Sequence) -> None:
+        running.pop(seq.req.call_id, None)
+        for p in seq.pages:
+            dev.pool.unuse(p)
+
+    @staticmethod
+    def running_seq(running: dict[str, Sequence], call_id: str) -> Sequence:
+        seq = running.get(call_id)
+        if seq is None:
+            raise UnknownCall(call_id)
+        if seq.finished:
+            raise UnknownCall(call_id, f"already finished ({seq.finish_reason}); call finish()")
+        if seq.t_first is None and seq.kv_len < len(seq.tokens):
+            raise UnknownCall(call_id, "still prefilling (chunked); it cannot decode yet")
+        return seq
+
+    def alloc_page(self, dev: DeviceModel) -> int:
+        """Lowest free page; evicts index-only prefixes, then LRU sessions, if it must."""
+        while True:
+            page = dev.pool.alloc()
+            if page is not None:
+                return page
+            if dev.index.evict_one() or dev.sessions.evict_lru():
+                continue
+            if self.staging is not None and self.staging.planner.writing():
+                self.staging.wait_all()  # pages were only blocked by writes in flight
+                continue
+            raise OutOfKvPages(dev.name, 1, 0)
 
 
 def reserved_output(req: GenRequest) -> int:
@@ -98,88 +180,6 @@ def reserved_output(req: GenRequest) -> int:
     max_tokens; max_tokens when the router sent none."""
     k = req.kv_output_tokens
     return min(req.max_tokens, k) if k > 0 else req.max_tokens
-
-
-def next_page(eng: TorchEngine, seq: Sequence) -> int:
-    """A page for `seq`'s next tokens: within its reservation, or grown past it."""
-    if len(seq.pages) < seq.total_pages:
-        return alloc_page(eng)
-    page = grow_page(eng, seq)
-    if page is None:
-        raise OutOfKvPages(eng.active_model or "", 1, 0)
-    return page
-
-
-def grow_page(eng: TorchEngine, seq: Sequence) -> int | None:
-    """One page past `seq`'s reservation, taken only where no other running call reserved
-    it (free pages, then idle prefixes and sessions, evicted by alloc_page); None if none."""
-    others = sum(s.pages_to_come() for s in eng.running.values() if s is not seq)
-    if eng.pool.num_unused() - others < 1:
-        return None
-    page = alloc_page(eng)
-    seq.total_pages += 1
-    return page
-
-
-def grow_into(eng: TorchEngine, seq: Sequence) -> bool:
-    """Give `seq` one page past its reservation if one is unreserved; whether it got it."""
-    page = grow_page(eng, seq)
-    if page is not None:
-        seq.pages.append(page)
-    return page is not None
-
-
-def needs_page(eng: TorchEngine, seq: Sequence) -> bool:
-    """Whether `seq`'s next decode step writes past its pages and its reservation."""
-    return seq.kv_len + 1 > len(seq.pages) * eng.page_size and len(seq.pages) >= seq.total_pages
-
-
-def match_device(
-    eng: TorchEngine, session_id: str, prompt: list[int], hashes: list[int], max_match: int
-) -> tuple[list[int], int | None, int]:
-    """(shared full pages, page to copy-on-write for a partial tail, cached tokens).
-    The session's own entry is matched first; the prefix index may extend it."""
-    ps = eng.page_size
-    from_index = eng.index.match(hashes)
-    entry = eng.sessions.get(session_id)
-    if entry is not None and entry.model == eng.active_model:
-        n = min(common_prefix(entry.tokens, prompt), max_match)
-        if n > len(from_index) * ps:
-            full = n // ps
-            cow = entry.pages[full] if n % ps else None
-            return list(entry.pages[:full]), cow, n
-    return from_index, None, len(from_index) * ps
-
-
-def release(eng: TorchEngine, seq: Sequence) -> None:
-    eng.running.pop(seq.req.call_id, None)
-    for p in seq.pages:
-        eng.pool.unuse(p)
-
-
-def running_seq(eng: TorchEngine, call_id: str) -> Sequence:
-    seq = eng.running.get(call_id)
-    if seq is None:
-        raise UnknownCall(call_id)
-    if seq.finished:
-        raise UnknownCall(call_id, f"already finished ({seq.finish_reason}); call finish()")
-    if seq.t_first is None and seq.kv_len < len(seq.tokens):
-        raise UnknownCall(call_id, "still prefilling (chunked); it cannot decode yet")
-    return seq
-
-
-def alloc_page(eng: TorchEngine) -> int:
-    """Lowest free page; evicts index-only prefixes, then LRU sessions, if it must."""
-    while True:
-        page = eng.pool.alloc()
-        if page is not None:
-            return page
-        if eng.index.evict_one() or eng.sessions.evict_lru():
-            continue
-        if eng.staging is not None and eng.staging.planner.writing():
-            eng.staging.wait_all()  # pages were only blocked by writes in flight
-            continue
-        raise OutOfKvPages(eng.active_model or "", 1, 0)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

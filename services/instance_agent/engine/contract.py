@@ -1,20 +1,137 @@
-"""What an engine is: the calls the instance agent's runner makes, and what it declares it can do.
+"""What an engine is: the calls the instance agent's runner makes, the records they take and
+give back (GenRequest, StepToken, GenResult, SwitchRecord, EngineStats), and what it declares it can do.
 
 The runner drives an engine one step at a time (switch, prefill, decode, finish) from one
 worker thread; the scheduler never touches it, but its mechanisms follow the engine's
 `Capabilities` (`SchedulerConfig.for_engine`): an engine that cannot switch with calls running
 makes the scheduler drain a model's calls before a switch, one without host KV or D2D staging
 gets those mechanisms turned off rather than promised. The torch engine is the reference; a
-SGLang backend implements the same Protocol and passes the same contract tests
-(tests/unit/engine/test_engine_contract.py).
+vLLM backend (vllm_engine.py) implements the same Protocol and passes the same contract tests
+(tests/unit/engine/test_engine_contract.py; tests/vllm/ runs them on vLLM).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from talaria.services.instance_agent.engine.api import EngineStats, GenRequest, GenResult, StepToken, SwitchRecord
+from talaria.shared.catalog import ModelSpec
+
+from talaria.shared.messages import TokenLogprob
+from talaria.shared.wire import KvSource, SwitchPath
+
+
+@dataclass
+class GenRequest:
+    call_id: str
+    session_id: str
+    model: str
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] | list[str] = ()
+    kv_scope: str = ""  # salts the KV block hashes: prefixes are shared only within one scope
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    logprobs: bool = False  # report each generated token's logprob ...
+    top_logprobs: int = 0  # ... and this many most likely alternatives
+    # Output tokens to reserve KV pages for: the router's estimate (CallRouted.kv_output_tokens,
+    # <= max_tokens); 0 = max_tokens. A call that outgrows it grows into unreserved pages.
+    kv_output_tokens: int = 0
+
+
+@dataclass
+class GenResult:
+    call_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # stop | length
+    prompt_tokens: int
+    cached_tokens: int
+    kv_source: KvSource
+    prefill_s: float
+    decode_s: float
+    ttft_s: float  # from the engine's start of this call to its first token
+    session_id: str = ""
+    model: str = ""
+    host_restored_tokens: int = 0
+    stop_sequence: str | None = None  # the stop string that ended the call, if one did
+    logprobs: list[TokenLogprob] | None = None  # one per generated token, when the request asked
+
+
+@dataclass
+class StepToken:
+    call_id: str
+    token_id: int
+    text: str  # incremental text released by this token (stop-string hold-back applied)
+    finished: bool
+    finish_reason: str | None
+    logprob: TokenLogprob | None = None  # when the request asked for logprobs
+
+
+@dataclass
+class SwitchRecord:
+    """One model switch, phase by phase (paper App. D). Times in seconds."""
+
+    from_model: str | None
+    to_model: str
+    path: SwitchPath
+    save_teardown_s: float = 0.0  # P1: drain outgoing D2H, release KV region
+    open_weights_s: float = 0.0  # P2: D2D gather of staged chunks + H2D of the rest
+    kv_shell_s: float = 0.0  # P3: rebind (or rebuild) the KV-pool view
+    runtime_s: float = 0.0  # P4: runtime tables (RoPE) in the runtime region
+    publish_s: float = 0.0  # P5: swap references
+    total_s: float = 0.0
+    bytes_d2d: int = 0
+    bytes_h2d: int = 0
+    bytes_from_file: int = 0
+    bytes_staged: int = 0  # staged bytes that were usable (clean) at switch time
+    bytes_uncovered: int = 0  # weight bytes that had to come from host
+    dirty_chunks: int = 0
+    drained_d2h_jobs: int = 0
+    kv_shell_reused: bool = False
+    pointer_check_ok: bool = True
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.bytes_d2d + self.bytes_h2d
+
+    def phases(self) -> dict[str, float]:
+        return {
+            "save_teardown": self.save_teardown_s,
+            "open_weights": self.open_weights_s,
+            "kv_shell": self.kv_shell_s,
+            "runtime": self.runtime_s,
+            "publish": self.publish_s,
+        }
+
+
+@dataclass
+class EngineStats:
+    active_model: str | None
+    kv_capacity_tokens: int
+    kv_used_tokens: int
+    prefill_tok_s: float
+    decode_tok_s: float
+    restore_tok_s: float
+    last_switch_s: float
+    hbm_bytes: int
+    hbm_used_bytes: int
+    staging_free_bytes: int
+    staged_bytes: int = 0
+    running_calls: int = 0
+    host_kv_capacity_pages: int = 0
+    host_kv_used_pages: int = 0
+    host_hits: int = 0
+    host_misses: int = 0
+    host_evictions: int = 0
+    weight_bytes: dict[str, int] = field(default_factory=dict)
+    # KV that running calls hold or have reserved (plus copies in flight): the part of
+    # kv_used_tokens that cannot be evicted. The rest is idle sessions' cache.
+    kv_pinned_tokens: int = 0
+    staged_model: str | None = None  # the model whose weights are being staged for the next switch
 
 
 @dataclass(frozen=True)
@@ -23,14 +140,25 @@ class Capabilities:
     host_kv: bool  # sessions' KV is checkpointed to host memory and restored (kv_state "host")
     d2d_staging: bool  # the next model's weights can be pre-staged on the device (stage())
     chunked_prefill: bool  # a long prompt's prefill may be split across steps
+    # Every served model stays loaded with its KV (vLLM on CPU: one engine per model, the idle
+    # ones paused): a switch moves no weights and loses no session's device KV, so a session
+    # of a non-active model stays kv_state "device" and there is nothing to stage.
+    resident_models: bool = False
+    # Reused KV comes in whole blocks of this many tokens (vLLM's prefix cache); 1: any
+    # prefix (the torch engine copies a partial page).
+    kv_block_tokens: int = 1
 
 
 @runtime_checkable
 class Engine(Protocol):
-    """Every method may raise an `EngineError` subclass (errors.py) naming what is wrong;
+    """Every method may raise an `EngineError` subclass (engine_errors.py) naming what is wrong;
     none of them may leave the engine unusable for other calls."""
 
     capabilities: Capabilities
+    specs: Mapping[str, ModelSpec]  # the served models (context length, shapes), by name
+    # Asked between forward passes of a chunked prefill: True ends the chunk early (the runner
+    # sets it when a call arrives); the calls not done continue in a later chunk. None: never.
+    should_yield: Callable[[], bool] | None
 
     @property
     def active_model(self) -> str | None: ...
@@ -44,9 +172,16 @@ class Engine(Protocol):
     def stage(self, model: str, *, wait: bool = False) -> int:
         """Pre-stage `model` for the next switch; returns staged bytes (0 without d2d_staging)."""
 
-    def prefill(self, reqs: list[GenRequest]) -> list[StepToken]:
+    def prefill(self, reqs: list[GenRequest], chunk_tokens: int = 0, more: Iterable[str] = (),
+                pass_tokens: int = 0) -> list[StepToken]:
         """Admit calls for the active model (or switch to theirs when none run) and return
-        each one's first token; a session's reusable KV (device or host) is used."""
+        each one's first token; a session's reusable KV (device or host) is used. With
+        `chunk_tokens` > 0 (only where `chunked_prefill`): at most that many prompt tokens per
+        call, continuing the calls `more` admitted by an earlier chunk; only calls whose
+        prompt is then complete return a token. `pass_tokens` > 0 caps one forward pass."""
+
+    def prompt_left(self, call_ids: Iterable[str]) -> dict[str, int]:
+        """Prompt tokens each running call still has to prefill (0 once it has its first token)."""
 
     def decode(self, call_ids: list[str]) -> list[StepToken]:
         """One decode step for each listed running call."""
@@ -57,6 +192,9 @@ class Engine(Protocol):
 
     def kv_state(self, session_id: str, model: str) -> str:
         """Where the session's KV for `model` is: 'device', 'host' or 'none'."""
+
+    def device_prefix(self, session_id: str, model: str, prompt_ids: list[int]) -> int:
+        """Leading tokens of `prompt_ids` the session's device KV for `model` holds (0: none)."""
 
     def session_states(self) -> list[tuple[str, str, str, int]]:
         """(session_id, model, 'device' | 'host', tokens) for every session KV held."""

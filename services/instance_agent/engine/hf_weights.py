@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from talaria.services.instance_agent.engine.errors import WeightsCorrupt
+from talaria.services.instance_agent.engine.engine_errors import WeightsCorrupt
 from talaria.shared.catalog import ModelSpec
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from talaria.services.instance_agent.engine.api import GenRequest, GenResult, StepToken
+from talaria.services.instance_agent.engine.contract import GenRequest, GenResult, StepToken
 from talaria.services.instance_agent.engine.sampling import StopMatcher, bias_vector, output_mask, sample, token_logprob
 from talaria.shared.model_text import BYTE_TEXT
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from talaria.services.instance_agent.engine.errors import WeightsCorrupt
+from talaria.services.instance_agent.engine.engine_errors import WeightsCorrupt
 from talaria.shared.catalog import ModelSpec
 
 ALIGN = 256  # bytes; every tensor and region starts on this boundary

@@ -35,10 +35,6 @@ class Unparked:
     host: dict[str, int] = field(default_factory=dict)  # session -> bytes offloaded under pressure
 
     @property
-    def device_bytes(self) -> int:
-        return sum(self.device.values())
-
-    @property
     def host_bytes(self) -> int:
         return sum(self.host.values())
 

@@ -37,22 +37,26 @@ scheduler learns from the gap between its estimate and the reported completion t
 
 Package map:
     types.py      Work, actions, events, SchedulerView
-    config.py     SchedulerConfig and the paper's ablations (talaria, no-sp, no-hkvr, h2d-only, round-only)
+    config.py     SchedulerConfig (the paper's ablations: shared/ablations.py)
+    scheduler_errors.py  the error hierarchy
     costs.py      StepCostModel protocol, per-call prefill/restore cost, EWMA calibration
     budget.py     Eq. 3-5: protected decode, slot budgets, switch cycle
     admission.py  batch selection under batch, KV and time budgets (P, SP, hot)
     calls.py      the call table: queued/running per model, token counts
     rounds.py     round and slot bookkeeping
     reports.py    event outbox and the counters (sp_admitted, sp_parked, deadline_risk)
-    view.py       snapshot() for telemetry
-    scheduler.py  RoundScheduler: the driver API, hot pool, shared helpers
-    cold_pool.py  rounds and slots of a time-shared (cold) instance
+    scheduler.py  RoundScheduler: the driver API and the telemetry view (snapshot), composed of
+    work_costs.py WorkPricing: the work priced under the calibrated costs
+    chunked_prefill.py  PrefillPlanner: prefill actions, chunk sizes, the prefill a newcomer waits behind
+    rotation.py   the order rounds visit the models
+    cold_pool.py  ColdPool: rounds and slots of a time-shared (cold) instance
+    hot_pool.py   HotPool: continuous batching of one pinned model
 """
 
 from talaria.services.instance_agent.scheduler.budget import ModelLoad, SlotPlan, plan_slot
 from talaria.services.instance_agent.scheduler.config import ABLATIONS, SchedulerConfig
 from talaria.services.instance_agent.scheduler.costs import CalibratedCosts, StepCostModel, LinearCosts
-from talaria.services.instance_agent.scheduler.errors import (
+from talaria.services.instance_agent.scheduler.scheduler_errors import (
     ActionMismatchError,
     ConfigError,
     DuplicateCallError,

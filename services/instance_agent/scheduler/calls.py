@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from talaria.services.instance_agent.scheduler.errors import DuplicateCallError, UnknownCallError, ModelNotServedError
+from talaria.services.instance_agent.scheduler.scheduler_errors import DuplicateCallError, UnknownCallError, ModelNotServedError
 from talaria.services.instance_agent.scheduler.types import KvState, Work
 
 
@@ -24,7 +24,7 @@ class CallState:
     parked: bool = False  # already counted once as an SP-parked return
     prefill_left: int = 0  # chunked prefill: prompt tokens still to compute (an estimate)
     first_chunk_at: float | None = None  # when its first prefill chunk was issued
-    cost_memo: tuple | None = field(default=None, repr=False, compare=False)  # scheduler._cost cache
+    cost_memo: tuple | None = field(default=None, repr=False, compare=False)  # WorkPricing.cost cache
 
     @property
     def call_id(self) -> str:
@@ -64,6 +64,9 @@ class CallTable:
     def seq(self) -> int:
         """Sequence number of the latest submission."""
         return self._seq
+
+    def find(self, call_id: str) -> CallState | None:
+        return self._by_id.get(call_id)
 
     def get(self, call_id: str) -> CallState:
         try:
@@ -115,6 +118,13 @@ class CallTable:
         """Whether a model other than `model` has a queued or running call (O(1))."""
         n = self._n_active
         return n > 1 or (n == 1 and not self._live[model])
+
+    def any_active(self) -> bool:
+        return self._n_active > 0
+
+    def live(self, model: str) -> int:
+        """Queued + running calls of `model`."""
+        return self._live[model]
 
     def queued_any(self) -> bool:
         return any(self.queued.values())

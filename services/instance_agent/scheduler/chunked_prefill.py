@@ -1,23 +1,42 @@
-"""Chunked prefill: how many prompt tokens the next chunk computes, and what it costs.
+"""Prefill actions: a batch admitted (P, SP, hot), the next chunk of prompts under way (how
+many tokens it computes), and what prefill costs and a newcomer waits behind.
 
-The part of `RoundScheduler` (scheduler.py) that splits long prompts into chunks sized from
-the slot's budget (Eq. 4's slack while other work shares the instance, Eq. 5's round cap
-alone), and predicts the cost of a chunk and the prefill a newcomer waits behind. A mixin,
-like `ColdPool`: it reads the scheduler's state and uses its cost helpers (work_costs.py).
+A part of `RoundScheduler` (scheduler.py), handed the call table, the calibrated costs, the
+config and the pricing part: it splits long prompts into chunks sized from the slot's budget
+(Eq. 4's slack while other work shares the instance, Eq. 5's round cap alone), and predicts
+the cost of a chunk and the prefill a newcomer waits behind. The slot in progress (the cold
+pool's, None on a hot instance) is passed to each question that depends on it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from talaria.services.instance_agent.scheduler.admission import Selection
 from talaria.services.instance_agent.scheduler.budget import chunk_s, chunk_tokens
-from talaria.services.instance_agent.scheduler.calls import CallState
+from talaria.services.instance_agent.scheduler.calls import CallState, CallTable
+from talaria.services.instance_agent.scheduler.config import SchedulerConfig
+from talaria.services.instance_agent.scheduler.costs import CalibratedCosts
+from talaria.services.instance_agent.scheduler.rounds import Slot
 from talaria.services.instance_agent.scheduler.types import Prefill
-from talaria.services.instance_agent.scheduler.work_costs import compute_tokens, prefill_terms
+from talaria.services.instance_agent.scheduler.work_costs import WorkPricing, compute_tokens, prefill_terms
 
 
-class ChunkedPrefill:
-    def _split_running(self, model: str) -> tuple[tuple[str, ...], tuple[CallState, ...]]:
+class PrefillPlanner:
+    def __init__(self, calls: CallTable, costs: CalibratedCosts, config: SchedulerConfig,
+                 pricing: WorkPricing) -> None:
+        self.calls, self.costs, self.config, self.pricing = calls, costs, config, pricing
+
+    def start(self, selection: Selection, via: str, model: str, now: float, slot: Slot | None) -> Prefill:
+        """The Prefill of a batch `selection` admitted (P, SP or hot): its calls start running."""
+        for call in selection.admitted:
+            self.calls.start(call.call_id, via, now)
+            call.prefill_left = compute_tokens(call.work, self.config.hkvr)
+        chunk, per_pass = self.chunk_for(model, selection.admitted, slot)
+        return Prefill(selection.ids, session_prefill=via == "SP", model=model, chunk_tokens=chunk,
+                       pass_tokens=per_pass)
+
+    def split_running(self, model: str) -> tuple[tuple[str, ...], tuple[CallState, ...]]:
         """(running calls that decode, running calls still prefilling), admission order."""
         running = self.calls.running[model]
         if not self.config.chunked_prefill:
@@ -27,11 +46,11 @@ class ChunkedPrefill:
             return tuple(running), ()
         return tuple(i for i, c in running.items() if not c.prefilling), filling
 
-    def _continue_prefill(self, calls: tuple[CallState, ...], model: str) -> Prefill:
-        chunk, per_pass = self._chunk_for(model, calls)
+    def continue_prefill(self, calls: tuple[CallState, ...], model: str, slot: Slot | None) -> Prefill:
+        chunk, per_pass = self.chunk_for(model, calls, slot)
         return Prefill(tuple(c.call_id for c in calls), model=model, chunk_tokens=chunk, pass_tokens=per_pass)
 
-    def _chunk_for(self, model: str, calls: Iterable[CallState]) -> tuple[int, int]:
+    def chunk_for(self, model: str, calls: Iterable[CallState], slot: Slot | None) -> tuple[int, int]:
         """(tokens per call of the next prefill chunk, tokens per call per forward pass).
         A chunk that covers every prompt still counts as one: the driver ends it early when
         a call arrives, after the pass in flight, so a pass is sized like a shared chunk."""
@@ -44,67 +63,62 @@ class ChunkedPrefill:
         def fits(budget: float) -> int:
             return chunk_tokens(lambda k: len(calls) * self.costs.prefill_s(model, k, ctx), budget, longest)
 
-        budget, shared = self._chunk_budget_s(model), self._shared_chunk_s(model)
+        budget, shared = self.chunk_budget_s(model, slot), self.shared_chunk_s(model, slot)
         chunk = fits(budget)
         return chunk, (chunk if budget == shared else min(chunk, fits(shared)))
 
-    def prefill_ahead_tokens(self) -> int:
+    def prefill_ahead_tokens(self, slot: Slot | None) -> int:
         """Prompt tokens a call arriving now waits behind: every queued prompt, and of each
         prefill under way what runs before the newcomer gets in. Without chunking that is
         all it has left; with chunking, at most one shared-instance chunk."""
         calls = self.calls
         ahead = sum(c.work.prompt_tokens for q in calls.queued.values() for c in q.values())
-        return ahead + sum(n for _, _, n in self._prefill_under_way())
+        return ahead + sum(n for _, _, n in self._prefill_under_way(slot))
 
-    def prefill_ahead_s(self) -> float:
+    def prefill_ahead_s(self, slot: Slot | None) -> float:
         """The same work in predicted seconds: what each queued call must compute (a prefix
         on device costs nothing, a host prefix its restore), with the calibrated costs."""
         calls = self.calls
-        ahead = sum(self._cost(c) for q in calls.queued.values() for c in q.values())
-        for model, c, n in self._prefill_under_way():
+        ahead = sum(self.pricing.cost(c) for q in calls.queued.values() for c in q.values())
+        for model, c, n in self._prefill_under_way(slot):
             ahead += self.costs.prefill_s(model, n, c.work.prompt_tokens - c.prefill_left)
         return ahead
 
-    def _prefill_under_way(self):
+    def _prefill_under_way(self, slot: Slot | None):
         """(model, call, prompt tokens a newcomer waits for) of each admitted call still prefilling."""
         for model, running in self.calls.running.items():
             for c in running.values():
                 if c.prefilling and c.prefill_left:
                     if self.config.chunked_prefill:
-                        budget = self._shared_chunk_s(model)
+                        budget = self.shared_chunk_s(model, slot)
                         n = chunk_tokens(lambda k: self.costs.prefill_s(model, k, c.work.prompt_tokens - c.prefill_left),
                                          budget, c.prefill_left)
                         yield model, c, min(c.prefill_left, n)
                     else:
                         yield model, c, c.prefill_left
 
-    def _chunk_budget_s(self, model: str) -> float:
+    def chunk_budget_s(self, model: str, slot: Slot | None) -> float:
         """Eq. 4's slack while other work shares the instance; alone, Eq. 5's round cap (a
         driver stops a chunk early when a call arrives, so nothing waits for all of it)."""
-        decodable, _ = self._split_running(model)
+        decodable, _ = self.split_running(model)
         if not decodable and not self.calls.queued_any():
             return self.config.round_cap_s
-        return self._shared_chunk_s(model)
+        return self.shared_chunk_s(model, slot)
 
-    def _shared_chunk_s(self, model: str) -> float:
-        slot = self.slot
+    def shared_chunk_s(self, model: str, slot: Slot | None) -> float:
         if slot is not None and slot.model == model:
             return chunk_s(slot.plan)
-        step = self._load(model).decode_step_s  # hot pool: the same rule, without a plan
+        step = self.pricing.load(model).decode_step_s  # hot pool: the same rule, without a plan
         slack = self.config.tpot_target_s - step
         return slack if slack > 0 else step
 
-    def _chunk_cost(self, call: CallState, chunk: int) -> float:
+    def chunk_cost(self, call: CallState, chunk: int) -> float:
         """Predicted time of one chunk of `call` (with its restore, on its first chunk)."""
         if call.first_chunk_at is None:
             left = call.prefill_left or compute_tokens(call.work, self.config.hkvr)
             if chunk >= left:
-                return self._cost(call)
+                return self.pricing.cost(call)
             restore, _ = prefill_terms(self.costs.base, call.work, self.config.hkvr)
             f = self.costs.factors.get(("prefill", call.work.model), 1.0)
-            return (restore or 0.0) * f + self._left_cost(call, chunk, left)
-        return self._left_cost(call, min(chunk, call.prefill_left))
-
-    def _left_cost(self, call: CallState, tokens: int, left: int | None = None) -> float:
-        left = call.prefill_left if left is None else left
-        return self.costs.prefill_s(call.work.model, max(1, tokens), max(0, call.work.prompt_tokens - left))
+            return (restore or 0.0) * f + self.pricing.left_cost(call, chunk, left)
+        return self.pricing.left_cost(call, min(chunk, call.prefill_left))

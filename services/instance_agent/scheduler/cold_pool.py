@@ -1,46 +1,109 @@
 """Cold pool: rounds and slots, P -> D1 -> (SP -> D)* -> Dfin (paper §3.4, Eq. 3-5).
 
-The part of `RoundScheduler` (scheduler.py) that decides, for a time-shared instance, which
+A part of `RoundScheduler` (scheduler.py) that decides, for a time-shared instance, which
 model's slot runs, what its P admits, when an SP step may follow a decode, and when the
-slot closes. A mixin: it reads and writes the scheduler's state (`calls`, `slot`, `round`,
-`reports`, `config`) and uses its cost helpers (work_costs.py: `_cost`, `_kv`, `_kv_free`, `_price`, `_load`).
+slot closes. It owns the round and slot in progress (and the model a switch is opening);
+the call table, the reports, the pricing and prefill parts and the model rotation are
+handed to it. The driver tells it what the executor did (`prefill_done`, `decode_done`,
+`switch_done`).
 """
 
 from __future__ import annotations
 
+import math
+
 from talaria.services.instance_agent.scheduler.admission import Limits, Selection, select
 from talaria.services.instance_agent.scheduler.budget import plan_slot, switch_cycle_s
-from talaria.services.instance_agent.scheduler.calls import CallState
+from talaria.services.instance_agent.scheduler.calls import CallState, CallTable
+from talaria.services.instance_agent.scheduler.chunked_prefill import PrefillPlanner
+from talaria.services.instance_agent.scheduler.config import SchedulerConfig
 from talaria.services.instance_agent.scheduler.costs import charged_kv, first_step_reaching
+from talaria.services.instance_agent.scheduler.reports import Reports
+from talaria.services.instance_agent.scheduler.rotation import Rotation
 from talaria.services.instance_agent.scheduler.rounds import RoundState, Slot
-from talaria.services.instance_agent.scheduler.types import Action, Decode, Idle, SlotOpened, SwitchModel
+from talaria.services.instance_agent.scheduler.types import Action, Decode, Idle, Prefill, SlotOpened, SwitchModel
+from talaria.services.instance_agent.scheduler.work_costs import WorkPricing
 
 _PARK_REASON = {"time": "sp_budget", "batch": "sp_batch"}
 
 
 class ColdPool:
-    def _next_cold(self, now: float) -> Action:
+    def __init__(self, config: SchedulerConfig, calls: CallTable, reports: Reports, pricing: WorkPricing,
+                 prefill: PrefillPlanner, rotation: Rotation) -> None:
+        self.config, self.calls, self.reports = config, calls, reports
+        self.pricing, self.prefill, self.rotation = pricing, prefill, rotation
+        self.slot: Slot | None = None
+        self.round: RoundState | None = None
+        self.rounds_done = 0
+        self.target: str | None = None  # model the in-flight or next switch opens
+        self._max_steps = 1  # decode steps the current next_action may hand out
+
+    def next_action(self, now: float, device_model: str | None, max_steps: int) -> Action:
+        self._max_steps = max_steps
         # Each pass either returns or closes a slot; an active model's slot always yields
         # an action (P admits its oldest call when nothing runs), so this ends quickly.
-        for _ in range(2 * len(self.models) + 2):
+        for _ in range(2 * len(self.rotation.models) + 2):
             if self.slot is None:
-                model = self._target or self._pick_model(now)
+                model = self.target or self._pick_model(now, device_model)
                 if model is None:
                     return Idle(None)
-                if model != self.device_model:
-                    self._target = model
-                    return SwitchModel(self.device_model, model, self.config.staging)
-                self._target = None
-                self._open_slot(model, now)
+                if model != device_model:
+                    self.target = model
+                    return SwitchModel(device_model, model, self.config.staging)
+                self.target = None
+                self._open_slot(model, now, device_model)
             action = self._slot_action(now)
             if action is not None:
                 return action
             self._close_slot(now)
         raise AssertionError("scheduler made no progress: an active slot yielded no action")
 
-    def _pick_model(self, now: float) -> str | None:
+    # ---- what the executor did ---------------------------------------------------------
+
+    def prefill_done(self, action: Prefill, now: float, yielded: bool, continuation: bool,
+                     predicted_s: float) -> None:
+        slot = self.slot
+        if slot is not None and yielded:
+            slot.protected = min(slot.protected, slot.decodes)
+            slot.deadline = min(slot.deadline, now)
+            slot.last = "C"
+        elif slot is not None:
+            if continuation:
+                # A chunk spends decode time: it counts as the decode steps it displaces, so
+                # protected decode runs out (and a contended slot closes) at the same pace.
+                slot.last = "C"
+                step = slot.plan.decode_step_s
+                slot.decodes += max(1, math.ceil(predicted_s / step - 1e-9)) if step > 0 else 1
+            else:
+                slot.last = "SP" if action.session_prefill else "P"
+
+    def decode_done(self, ran: int, now: float) -> None:
+        slot = self.slot
+        if slot is not None:
+            slot.decodes += ran
+            if slot.free_run:
+                slot.free_run = False
+                if not slot.extended and slot.decodes > slot.protected:
+                    self._extend(slot, now)
+            slot.last = "D"
+
+    def switch_done(self, took: float) -> None:
+        if self.round is not None:
+            self.round.switch_s += took
+
+    def switch_failed(self) -> None:
+        self.target = None  # chosen afresh
+
+    def round_remaining_s(self, now: float) -> float:
+        """Predicted time left in the current round (0 between rounds)."""
+        rnd = self.round
+        return max(0.0, rnd.started_at + rnd.predicted_s - now) if rnd is not None else 0.0
+
+    # ---- rounds and slots --------------------------------------------------------------
+
+    def _pick_model(self, now: float, device_model: str | None) -> str | None:
         """Next active model not yet served this round, in rotation order; else a new round."""
-        active = self.active_in_rotation(self.device_model)
+        active = self.rotation.active_in_rotation(device_model)
         if self.round is not None:
             for model in active:
                 if not self.round.served(model):
@@ -51,12 +114,12 @@ class ColdPool:
         self.round = RoundState(index=self.rounds_done, started_at=now)
         return active[0]
 
-    def _open_slot(self, model: str, now: float) -> None:
+    def _open_slot(self, model: str, now: float, device_model: str | None) -> None:
         rnd = self.round
         assert rnd is not None  # a slot always opens inside a round
-        order = [model] + [m for m in self.active_in_rotation(model) if m != model]
-        loads = {m: self._load(m) for m in order}
-        plan = plan_slot(model, loads, switch_cycle_s(order, self.device_model, self._price), self.config)
+        order = [model] + [m for m in self.rotation.active_in_rotation(model) if m != model]
+        loads = {m: self.pricing.load(m) for m in order}
+        plan = plan_slot(model, loads, switch_cycle_s(order, device_model, self.pricing.switch_s), self.config)
         self.slot = Slot(model, plan, now, plan.protected_decode, plan.prefill_budget_s, plan.sp_budget_s)
         self.slot.deadline = now + plan.slot_budget_s if self.config.fill_slot else now
         rnd.slots.append(model)
@@ -82,7 +145,7 @@ class ColdPool:
             slot.p_mark = self.calls.seq  # later submissions arrived after P
             selection = self._select_p(slot, now)
             if selection.admitted:
-                return self._start_prefill(selection, "P", slot.model, now)
+                return self.prefill.start(selection, "P", slot.model, now, slot)
         contended = self._contended(slot)
         if slot.decode_left == 0 and not contended and self.calls.active(slot.model):
             self._extend(slot, now)
@@ -95,36 +158,33 @@ class ColdPool:
         if slot.at_decode_boundary and open_:
             selection = self._select_sp(slot, now)
             if selection is not None and selection.admitted:
-                return self._start_prefill(selection, "SP", slot.model, now)
-        decodable, filling = self._split_running(slot.model)
+                return self.prefill.start(selection, "SP", slot.model, now, slot)
+        decodable, filling = self.prefill.split_running(slot.model)
         if (decodable or filling) and (open_ or self._must_drain(slot)):
             if filling and (not decodable or slot.last != "C"):
-                return self._continue_prefill(filling, slot.model)  # chunks and decodes alternate
+                return self.prefill.continue_prefill(filling, slot.model, slot)  # chunks and decodes alternate
             return self._decode(decodable, slot.model, slot, now)
         return None
 
-    def _decode(self, ids: tuple[str, ...], model: str, slot: Slot | None, now: float) -> Decode:
+    def _decode(self, ids: tuple[str, ...], model: str, slot: Slot, now: float) -> Decode:
         """A Decode of up to `max_decode_steps` iterations, cut at the next boundary."""
         k = self._max_steps
         if k == 1:
             return Decode(ids, model)
         calls = [self.calls.get(i) for i in ids]
         k = min(k, min(c.work.max_tokens - c.generated for c in calls))
-        if slot is not None:
-            if slot.sp_retry:
-                k = 1
-            elif not self._contended(slot):
-                # Nothing to act on until a submission (the driver stops at the next step
-                # boundary then); passing protected decode here is the `_extend` that
-                # single steps would have made at its end (done in on_decode_done).
-                slot.free_run = True
-            elif slot.decode_left > 0:
-                k = min(k, slot.decode_left)
-            elif slot.filling(now) and self._others_active(model):
-                probe = Decode(ids, model)
-                k = first_step_reaching(lambda j: self._decode_s(probe, j), slot.deadline - now, k)
-        elif self.calls.queued[model]:
-            k = 1  # hot pool: arrivals prefill at the next decode boundary
+        if slot.sp_retry:
+            k = 1
+        elif not self._contended(slot):
+            # Nothing to act on until a submission (the driver stops at the next step
+            # boundary then); passing protected decode here is the `_extend` that
+            # single steps would have made at its end (done in decode_done).
+            slot.free_run = True
+        elif slot.decode_left > 0:
+            k = min(k, slot.decode_left)
+        elif slot.filling(now) and self._others_active(model):
+            probe = Decode(ids, model)
+            k = first_step_reaching(lambda j: self.pricing.decode_s(probe, j), slot.deadline - now, k)
         return Decode(ids, model, max(1, k))
 
     def _others_active(self, model: str) -> bool:
@@ -142,11 +202,11 @@ class ColdPool:
         limits = Limits(
             free_slots=self.config.max_batch - len(self.calls.running[model]),
             batch=self.config.max_batch,
-            kv_free_bytes=self._kv_free(model),
+            kv_free_bytes=self.pricing.kv_free(model),
             time_s=slot.prefill_left_s,
             at_least_one=True,
         )
-        selection = select(self.calls.queued[model].values(), limits, self._cost, self._kv)
+        selection = select(self.calls.queued[model].values(), limits, self.pricing.cost, self.pricing.kv)
         slot.prefill_left_s = max(0.0, slot.prefill_left_s - selection.cost_s)
         budget = slot.plan.prefill_budget_s
         if short := selection.left_for("time"):
@@ -165,10 +225,10 @@ class ColdPool:
         limits = Limits(
             free_slots=self.config.max_batch - len(self.calls.running[model]),
             batch=self.config.sp_max_batch,
-            kv_free_bytes=self._kv_free(model),
+            kv_free_bytes=self.pricing.kv_free(model),
             time_s=slot.sp_left_s,
         )
-        selection = select(eligible, limits, self._cost, self._kv, charge=slot.plan.sp_charge_s)
+        selection = select(eligible, limits, self.pricing.cost, self.pricing.kv, charge=slot.plan.sp_charge_s)
         slot.sp_retry = selection.left_for("batch") > 0
         for call, reason in selection.left:
             self.reports.parked(call, _PARK_REASON.get(reason, reason), self.round, now)

@@ -5,19 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from talaria.services.instance_agent.scheduler.errors import ConfigError
-
-# Paper §5 ablations: which mechanisms each configuration turns off. The one table: the
-# simulator, its experiments and `talaria up --no-sp ...` use these names.
-ABLATIONS: dict[str, dict[str, bool]] = {
-    "talaria": {"sp": True, "hkvr": True, "staging": True, "park_kv": True},
-    "no-sp": {"sp": False, "hkvr": True, "staging": True, "park_kv": True},
-    "no-hkvr": {"sp": True, "hkvr": False, "staging": True, "park_kv": True},
-    "h2d-only": {"sp": True, "hkvr": True, "staging": False, "park_kv": True},
-    # the paper's baseline: none of Talaria's mechanisms, running calls' KV parked off-device
-    "round-only": {"sp": False, "hkvr": False, "staging": False, "park_kv": False},
-}
-
+from talaria.services.instance_agent.scheduler.scheduler_errors import ConfigError
+from talaria.shared.ablations import ABLATIONS
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -108,7 +97,8 @@ class SchedulerConfig:
         host KV / D2D staging are only used where the engine has them."""
         knobs["drain_on_switch"] = not capabilities.switch_with_calls_running
         knobs["hkvr"] = knobs.get("hkvr", True) and capabilities.host_kv
-        knobs["staging"] = knobs.get("staging", True) and capabilities.d2d_staging
+        knobs["staging"] = (knobs.get("staging", True) and capabilities.d2d_staging
+                            and not getattr(capabilities, "resident_models", False))  # nothing to stage
         return cls(**knobs)
 
     def with_(self, **changes) -> SchedulerConfig:

@@ -1,35 +1,53 @@
 """Hot pool: plain continuous batching of one pinned model (paper §3.1: hot instances never switch).
 
-The part of `RoundScheduler` (scheduler.py) that decides a hot instance's next action: admit
+A part of `RoundScheduler` (scheduler.py) that decides a hot instance's next action: admit
 queued calls at each decode boundary, continue chunked prefills, decode everything running.
-A mixin, like `ColdPool`: it reads the scheduler's state and uses its helpers.
+It owns what ran last; the call table, pricing and prefill parts are handed to it.
 """
 
 from __future__ import annotations
 
 from talaria.services.instance_agent.scheduler.admission import Limits, select
-from talaria.services.instance_agent.scheduler.types import Action, Idle
+from talaria.services.instance_agent.scheduler.calls import CallTable
+from talaria.services.instance_agent.scheduler.chunked_prefill import PrefillPlanner
+from talaria.services.instance_agent.scheduler.config import SchedulerConfig
+from talaria.services.instance_agent.scheduler.types import Action, Decode, Idle
+from talaria.services.instance_agent.scheduler.work_costs import WorkPricing
 
 
 class HotPool:
-    def _next_hot(self, now: float) -> Action:
+    def __init__(self, config: SchedulerConfig, calls: CallTable, pricing: WorkPricing,
+                 prefill: PrefillPlanner) -> None:
+        self.config, self.calls, self.pricing, self.prefill = config, calls, pricing, prefill
+        self.last = ""  # P | C (a prefill chunk) | D: what ran last
+
+    def next_action(self, now: float, max_steps: int) -> Action:
         """Prefill arrivals at each decode boundary, then decode everything running."""
         model = self.config.pinned_model
         assert model is not None
         running = self.calls.running_ids(model)
-        decodable, filling = self._split_running(model)
-        if self.calls.queued[model] and (self._hot_last != "P" or not running):
+        decodable, filling = self.prefill.split_running(model)
+        if self.calls.queued[model] and (self.last != "P" or not running):
             limits = Limits(
                 free_slots=self.config.max_batch - len(running),
                 batch=self.config.max_batch,
-                kv_free_bytes=self._kv_free(model),
+                kv_free_bytes=self.pricing.kv_free(model),
                 time_s=None,
             )
-            selection = select(self.calls.queued[model].values(), limits, self._cost, self._kv)
+            selection = select(self.calls.queued[model].values(), limits, self.pricing.cost, self.pricing.kv)
             if selection.admitted:
-                return self._start_prefill(selection, "hot", model, now)
-        if filling and (not decodable or self._hot_last != "C"):
-            return self._continue_prefill(filling, model)
+                return self.prefill.start(selection, "hot", model, now, None)
+        if filling and (not decodable or self.last != "C"):
+            return self.prefill.continue_prefill(filling, model, None)
         if decodable:
-            return self._decode(decodable, model, None, now)
+            return self._decode(decodable, model, max_steps)
         return Idle(None)
+
+    def _decode(self, ids: tuple[str, ...], model: str, max_steps: int) -> Decode:
+        """A Decode of up to `max_steps` iterations; one while arrivals wait for a boundary."""
+        if max_steps == 1:
+            return Decode(ids, model)
+        k = min(max_steps, min(self.calls.get(i).work.max_tokens - self.calls.get(i).generated for i in ids))
+        if self.calls.queued[model]:
+            k = 1  # arrivals prefill at the next decode boundary
+        return Decode(ids, model, max(1, k))

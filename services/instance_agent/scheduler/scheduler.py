@@ -7,17 +7,15 @@ and `abort` may come at any time, including while an action is executing.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from talaria.services.instance_agent.scheduler.admission import Selection
 from talaria.services.instance_agent.scheduler.calls import CallState, CallTable
-from talaria.services.instance_agent.scheduler.chunked_prefill import ChunkedPrefill
+from talaria.services.instance_agent.scheduler.chunked_prefill import PrefillPlanner
 from talaria.services.instance_agent.scheduler.cold_pool import ColdPool
 from talaria.services.instance_agent.scheduler.config import SchedulerConfig
 from talaria.services.instance_agent.scheduler.costs import CalibratedCosts, StepCostModel, call_kv_bytes, charged_kv
-from talaria.services.instance_agent.scheduler.errors import (
+from talaria.services.instance_agent.scheduler.scheduler_errors import (
     ActionMismatchError,
     ConfigError,
     InvalidWorkError,
@@ -27,7 +25,7 @@ from talaria.services.instance_agent.scheduler.errors import (
 )
 from talaria.services.instance_agent.scheduler.hot_pool import HotPool
 from talaria.services.instance_agent.scheduler.reports import Reports
-from talaria.services.instance_agent.scheduler.rounds import RoundState, Slot
+from talaria.services.instance_agent.scheduler.rotation import Rotation
 from talaria.services.instance_agent.scheduler.types import (
     Action,
     Decode,
@@ -39,8 +37,7 @@ from talaria.services.instance_agent.scheduler.types import (
     SwitchModel,
     Work,
 )
-from talaria.services.instance_agent.scheduler.view import build_view
-from talaria.services.instance_agent.scheduler.work_costs import WorkCosts, compute_tokens
+from talaria.services.instance_agent.scheduler.work_costs import WorkPricing
 
 
 @dataclass(frozen=True)
@@ -50,12 +47,14 @@ class _Inflight:
     predicted_s: float
 
 
-class RoundScheduler(ColdPool, HotPool, ChunkedPrefill, WorkCosts):
+class RoundScheduler:
     """Orders the work of one instance. It never changes what a call computes, only when.
 
-    The driver API and the bookkeeping of actions in flight live here; the pool policies
-    (cold_pool.py, hot_pool.py), chunk sizing (chunked_prefill.py) and the pricing of work
-    (work_costs.py) are mixins over the same state."""
+    The driver API and the bookkeeping of actions in flight live here. It is composed of
+    parts, each handed its collaborators: the pricing of work (work_costs.py), prefill
+    actions and chunk sizing (chunked_prefill.py), the model rotation (rotation.py) and the
+    pool policy, the cold pool's rounds and slots (cold_pool.py) or the hot pool
+    (hot_pool.py)."""
 
     def __init__(self, config: SchedulerConfig, models: Sequence[str], costs: StepCostModel) -> None:
         _check_models(config, tuple(models))
@@ -65,14 +64,17 @@ class RoundScheduler(ColdPool, HotPool, ChunkedPrefill, WorkCosts):
         self.calls = CallTable(self.models)
         self.reports = Reports()
         self.device_model = config.pinned_model if config.pool == "hot" else config.initial_model
-        self.slot: Slot | None = None
-        self.round: RoundState | None = None
-        self.rounds_done = 0
-        self._target: str | None = None  # model the in-flight or next switch opens
         self._inflight: _Inflight | None = None
-        self._hot_last = ""
-        self._max_steps = 1  # decode steps the current next_action call may hand out
-        self._rotations: dict[str | None, tuple[str, ...]] = {}  # rotation() by `after`, memoised
+        self.pricing = WorkPricing(self.calls, self.costs, config)
+        self.prefill = PrefillPlanner(self.calls, self.costs, config, self.pricing)
+        self.rotations = Rotation(self.models, self.calls)
+        self.cold = ColdPool(config, self.calls, self.reports, self.pricing, self.prefill, self.rotations)
+        self.hot = HotPool(config, self.calls, self.pricing, self.prefill)
+
+    # The cold pool's round and slot in progress (None on a hot instance), for readers.
+    slot = property(lambda self: self.cold.slot)
+    round = property(lambda self: self.cold.round)
+    rounds_done = property(lambda self: self.cold.rounds_done)
 
     # ---- driver API -------------------------------------------------------------------
 
@@ -96,8 +98,10 @@ class RoundScheduler(ColdPool, HotPool, ChunkedPrefill, WorkCosts):
             raise SchedulerBusyError(self._inflight.action)
         if max_decode_steps < 1:
             raise ValueError(f"max_decode_steps={max_decode_steps} < 1")
-        self._max_steps = max_decode_steps
-        action = self._next_hot(now) if self.config.pool == "hot" else self._next_cold(now)
+        if self.config.pool == "hot":
+            action = self.hot.next_action(now, max_decode_steps)
+        else:
+            action = self.cold.next_action(now, self.device_model, max_decode_steps)
         if not isinstance(action, Idle):
             self._inflight = _Inflight(action, now, self.estimate_s(action))
         return action
@@ -118,7 +122,7 @@ class RoundScheduler(ColdPool, HotPool, ChunkedPrefill, WorkCosts):
         predicted = flight.predicted_s
         if prompt_left is not None and action.chunk_tokens:
             # Calibrate on the work that ran, not on the chunk that was asked for.
-            predicted = sum(self._left_cost(c, max(1, c.prefill_left - prompt_left.get(c.call_id, 0)))
+            predicted = sum(self.pricing.left_cost(c, max(1, c.prefill_left - prompt_left.get(c.call_id, 0)))
                             for c in known)
         self.costs.observe("prefill", action.model, predicted, now - flight.issued_at)
         continuation = bool(known) and all(c.first_chunk_at is not None for c in known)
@@ -130,7 +134,7 @@ class RoundScheduler(ColdPool, HotPool, ChunkedPrefill, WorkCosts):
             if call.first_chunk_at is None:  # admitted by this prefill
                 call.first_chunk_at = flight.issued_at
                 kv = charged_kv(call.work, self.config.hkvr)
-                self.reports.admitted(call, kv, flight.issued_at, self.round, now)
+                self.reports.admitted(call, kv, flight.issued_at, self.cold.round, now)
             if firsts is None or call.call_id in firsts:
                 call.generated = 1
                 call.prefill_left = 0
@@ -138,21 +142,8 @@ class RoundScheduler(ColdPool, HotPool, ChunkedPrefill, WorkCosts):
                 call.prefill_left = max(1, prompt_left[call.call_id])
             elif action.chunk_tokens:
                 call.prefill_left = max(1, call.prefill_left - action.chunk_tokens)
-        slot = self.slot
-        if slot is not None and yielded:
-            slot.protected = min(slot.protected, slot.decodes)
-            slot.deadline = min(slot.deadline, now)
-            slot.last = "C"
-        elif slot is not None:
-            if continuation:
-                # A chunk spends decode time: it counts as the decode steps it displaces, so
-                # protected decode runs out (and a contended slot closes) at the same pace.
-                slot.last = "C"
-                step = slot.plan.decode_step_s
-                slot.decodes += max(1, math.ceil(flight.predicted_s / step - 1e-9)) if step > 0 else 1
-            else:
-                slot.last = "SP" if action.session_prefill else "P"
-        self._hot_last = "C" if continuation else "P"
+        self.cold.prefill_done(action, now, yielded, continuation, flight.predicted_s)
+        self.hot.last = "C" if continuation else "P"
         self._finish(action.call_ids, done, now)
         return self.drain_events()
 
@@ -169,21 +160,14 @@ class RoundScheduler(ColdPool, HotPool, ChunkedPrefill, WorkCosts):
             raise ValueError(f"steps={steps} not in [1, {action.steps}]")
         done = _finished_in(action, finished)
         flight = self._complete(action)
-        predicted = flight.predicted_s if ran == action.steps else self._decode_s(action, ran)
+        predicted = flight.predicted_s if ran == action.steps else self.pricing.decode_s(action, ran)
         self.costs.observe("decode", action.model, predicted, now - flight.issued_at)
         waiting = frozenset(stalled)
         for call in self._known(action.call_ids):
             if call.call_id not in waiting:
                 call.generated += ran
-        slot = self.slot
-        if slot is not None:
-            slot.decodes += ran
-            if slot.free_run:
-                slot.free_run = False
-                if not slot.extended and slot.decodes > slot.protected:
-                    self._extend(slot, now)
-            self.slot.last = "D"
-        self._hot_last = "D"
+        self.cold.decode_done(ran, now)
+        self.hot.last = "D"
         self._finish(action.call_ids, done, now)
         return self.drain_events()
 
@@ -193,8 +177,7 @@ class RoundScheduler(ColdPool, HotPool, ChunkedPrefill, WorkCosts):
         took = now - flight.issued_at if measured_s is None else measured_s
         self.costs.observe_switch(action.from_model, action.to_model, action.staged, took)
         self.device_model = action.to_model
-        if self.round is not None:
-            self.round.switch_s += took
+        self.cold.switch_done(took)
         return self.drain_events()
 
     def on_action_failed(self, action: Action, now: float) -> list[SchedulerEvent]:
@@ -202,7 +185,7 @@ class RoundScheduler(ColdPool, HotPool, ChunkedPrefill, WorkCosts):
         longer in flight and the device is unchanged; a failed switch is chosen afresh."""
         self._complete(action)
         if isinstance(action, SwitchModel):
-            self._target = None
+            self.cold.switch_failed()
         return self.drain_events()
 
     def abort(self, call_id: str, now: float) -> list[SchedulerEvent]:
@@ -216,10 +199,6 @@ class RoundScheduler(ColdPool, HotPool, ChunkedPrefill, WorkCosts):
         """The engine moved a session's prefix (e.g. device -> host on a switch)."""
         return self.calls.update_kv(session_id, model, kv_state, reusable_tokens)
 
-    def observe_cost(self, kind: str, model: str, predicted_s: float, measured_s: float) -> None:
-        """Fold an externally measured step into the EWMA cost correction."""
-        self.costs.observe(kind, model, predicted_s, measured_s)
-
     def drain_events(self) -> list[SchedulerEvent]:
         """Events raised so far (also returned by every on_*_done); call it after an Idle."""
         return self.reports.drain()
@@ -228,18 +207,79 @@ class RoundScheduler(ColdPool, HotPool, ChunkedPrefill, WorkCosts):
         """Predicted duration of `action` under the current (calibrated) costs."""
         match action:
             case Prefill(call_ids=ids, chunk_tokens=chunk) if chunk > 0:
-                return sum(self._chunk_cost(c, chunk) for c in self._known(ids))
+                return sum(self.prefill.chunk_cost(c, chunk) for c in self._known(ids))
             case Prefill(call_ids=ids):
-                return sum(self._cost(c) if c.first_chunk_at is None else self._left_cost(c, c.prefill_left)
-                           for c in self._known(ids))
+                return sum(self.pricing.cost(c) if c.first_chunk_at is None
+                           else self.pricing.left_cost(c, c.prefill_left) for c in self._known(ids))
             case Decode():
-                return self._decode_s(action, action.steps)
+                return self.pricing.decode_s(action, action.steps)
             case SwitchModel(from_model=a, to_model=b, staged=staged):
                 return self.costs.switch_s(a, b, staged)
         return 0.0
 
+    # ---- telemetry view (maps onto `talaria.shared.snapshots.InstanceSnapshot`) -------------
+
     def snapshot(self, now: float) -> SchedulerView:
-        return build_view(self, now)
+        rnd, calls = self.round, self.calls
+        return SchedulerView(
+            pool=self.config.pool,
+            active_model=self.device_model,
+            slot_model=self.slot.model if self.slot else None,
+            phase=self.phase(),
+            round_index=rnd.index if rnd is not None else self.rounds_done,
+            round_remaining_s=self.round_remaining_s(now),
+            queued={m: len(q) for m, q in calls.queued.items()},
+            running={m: len(r) for m, r in calls.running.items()},
+            queued_tokens=self.prefill_ahead_tokens(),
+            kv_used_bytes=sum(self.pricing.kv_used(m) for m in self.models),
+            deadline_risk=self.deadline_risk,
+            sp_admitted=self.sp_admitted,
+            sp_parked=self.sp_parked,
+            switch_s=self.next_switch_s(),
+        )
+
+    def round_remaining_s(self, now: float) -> float:
+        """Predicted time left in the current round (0 between rounds)."""
+        return self.cold.round_remaining_s(now)
+
+    def prefill_ahead_tokens(self) -> int:
+        """Prompt tokens a call arriving now waits behind (chunked_prefill.py)."""
+        return self.prefill.prefill_ahead_tokens(self.cold.slot)
+
+    def prefill_ahead_s(self) -> float:
+        """The same work in predicted seconds (chunked_prefill.py)."""
+        return self.prefill.prefill_ahead_s(self.cold.slot)
+
+    def kv_used(self, model: str) -> int:
+        return self.pricing.kv_used(model)
+
+    def phase(self) -> str:
+        """idle | switch | P | SP | D1 | D | Dfin (no SP opportunity left: final decode or drain)."""
+        inflight, slot = self.inflight, self.slot
+        if inflight is not None:
+            match inflight:
+                case SwitchModel():
+                    return "switch"
+                case Prefill(session_prefill=sp):
+                    return "SP" if sp else "P"
+                case Decode():
+                    # decode_left counts this decode until it completes
+                    return "Dfin" if slot is not None and slot.decode_left <= 1 else "D"
+        if slot is None:
+            return "idle"
+        if not slot.p_done:
+            return "P"
+        return "D1" if slot.decodes == 0 else "D"
+
+    def next_switch_s(self) -> float:
+        """Estimate of the next switch away from the device model (0 for a hot pool)."""
+        if self.config.pool == "hot":
+            return 0.0
+        current = self.device_model
+        nxt = next((m for m in self.rotation(current) if m != current), None)
+        if nxt is None:
+            return 0.0
+        return self.costs.switch_s(current, nxt, self.config.staging)
 
     def generated(self, call_id: str) -> int:
         """Tokens the scheduler has counted for a live call."""
@@ -263,36 +303,13 @@ class RoundScheduler(ColdPool, HotPool, ChunkedPrefill, WorkCosts):
 
     def rotation(self, after: str | None) -> list[str]:
         """All models in cyclic order, starting after `after` and ending with it."""
-        return list(self._rotation(after))
-
-    def _rotation(self, after: str | None) -> tuple[str, ...]:
-        rot = self._rotations.get(after)
-        if rot is None:
-            if after is None:
-                rot = self.models
-            else:
-                i = self.models.index(after)
-                rot = self.models[i + 1 :] + self.models[: i + 1]
-            self._rotations[after] = rot
-        return rot
+        return self.rotations.rotation(after)
 
     def active_in_rotation(self, after: str | None) -> list[str]:
         """`rotation(after)` restricted to models with a queued or running call."""
-        calls = self.calls
-        if not calls._n_active:
-            return []
-        live = calls._live
-        return [m for m in self._rotation(after) if live[m]]
+        return self.rotations.active_in_rotation(after)
 
     # ---- shared helpers ---------------------------------------------------------------
-
-    def _start_prefill(self, selection: Selection, via: str, model: str, now: float) -> Prefill:
-        for call in selection.admitted:
-            self.calls.start(call.call_id, via, now)
-            call.prefill_left = compute_tokens(call.work, self.config.hkvr)
-        chunk, per_pass = self._chunk_for(model, selection.admitted)
-        return Prefill(selection.ids, session_prefill=via == "SP", model=model, chunk_tokens=chunk,
-                       pass_tokens=per_pass)
 
     def _finish(self, ids: tuple[str, ...], engine_done: frozenset[str], now: float) -> None:
         for call in list(self._known(ids)):

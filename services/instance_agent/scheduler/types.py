@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Union, get_args
 
-from talaria.services.instance_agent.scheduler.errors import InvalidWorkError
+from talaria.services.instance_agent.scheduler.scheduler_errors import InvalidWorkError
 from talaria.shared.wire import KvState
 
 KV_STATES: tuple[str, ...] = get_args(KvState)

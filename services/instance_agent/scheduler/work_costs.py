@@ -1,9 +1,10 @@
 """The scheduler's work priced under the calibrated step costs: a call's prefill, a decode
 of several steps, a model's load for a slot plan, KV bytes held, a switch.
 
-The part of `RoundScheduler` (scheduler.py) every decision asks for a price. A mixin, like
-`ColdPool`: it reads the scheduler's state (`calls`, `costs`, `config`). `_cost` memoises the
-profile's terms per `Work` (bit-identical to `call_prefill_s`: the same products and sum).
+A part of `RoundScheduler` (scheduler.py) every decision asks for a price, handed the call
+table, the calibrated costs and the config; it owns no state but each call's memo. `cost`
+memoises the profile's terms per `Work` (bit-identical to `call_prefill_s`: the same products
+and sum).
 """
 
 from __future__ import annotations
@@ -12,27 +13,33 @@ from functools import partial
 from itertools import islice
 
 from talaria.services.instance_agent.scheduler.budget import ModelLoad
-from talaria.services.instance_agent.scheduler.calls import CallState
-from talaria.services.instance_agent.scheduler.costs import StepCostModel, call_kv_bytes, charged_kv, decode_steps_s
+from talaria.services.instance_agent.scheduler.calls import CallState, CallTable
+from talaria.services.instance_agent.scheduler.config import SchedulerConfig
+from talaria.services.instance_agent.scheduler.costs import (
+    CalibratedCosts, StepCostModel, call_kv_bytes, charged_kv, decode_steps_s,
+)
 from talaria.services.instance_agent.scheduler.types import Decode, Work
 
 
-class WorkCosts:
-    def kv_used(self, model: str) -> int:
-        return sum(self._kv(c) for c in self.calls.running[model].values())
+class WorkPricing:
+    def __init__(self, calls: CallTable, costs: CalibratedCosts, config: SchedulerConfig) -> None:
+        self.calls, self.costs, self.config = calls, costs, config
 
-    def _decode_s(self, action: Decode, steps: int) -> float:
+    def kv_used(self, model: str) -> int:
+        return sum(self.kv(c) for c in self.calls.running[model].values())
+
+    def decode_s(self, action: Decode, steps: int) -> float:
         """`steps` iterations of `action` from its calls' current context (`decode_steps_s`)."""
-        by_id = self.calls._by_id
+        calls = self.calls
         n = ctx = 0
         for i in action.call_ids:
-            c = by_id.get(i)
+            c = calls.find(i)
             if c is not None:  # calls aborted while their step was in flight are skipped
                 n += 1
                 ctx += c.work.prompt_tokens + c.generated
         return decode_steps_s(partial(self.costs.decode_step_s, action.model), n, ctx, steps)
 
-    def _load(self, model: str) -> ModelLoad:
+    def load(self, model: str) -> ModelLoad:
         """Predicted decode step and P cost of `model` once its P has admitted what fits."""
         running = self.calls.running[model]
         free = max(0, self.config.max_batch - len(running))
@@ -45,12 +52,12 @@ class WorkCosts:
         for c in queued:
             ctx_q += c.work.prompt_tokens
         step = self.costs.decode_step_s(model, batch, ctx + ctx_q)
-        prefill = sum([self._cost(c) for c in queued])
+        prefill = sum([self.cost(c) for c in queued])
         if self.config.chunked_prefill:  # prompts still being computed in chunks
-            prefill += sum(self._left_cost(c, c.prefill_left) for c in running.values() if c.prefilling)
+            prefill += sum(self.left_cost(c, c.prefill_left) for c in running.values() if c.prefilling)
         return ModelLoad(decode_step_s=step, prefill_s=prefill)
 
-    def _cost(self, call: CallState) -> float:
+    def cost(self, call: CallState) -> float:
         """`call_prefill_s`, with the profile's (uncalibrated) terms memoised per `Work`:
         the same products and sum as `CalibratedCosts`, so the result is bit-identical."""
         work = call.work
@@ -63,14 +70,19 @@ class WorkCosts:
             return prefill * f
         return restore * f + prefill * f
 
-    def _kv(self, call: CallState) -> int:
+    def left_cost(self, call: CallState, tokens: int, left: int | None = None) -> float:
+        """Predicted prefill of `tokens` more prompt tokens of `call` (`left` still to compute)."""
+        left = call.prefill_left if left is None else left
+        return self.costs.prefill_s(call.work.model, max(1, tokens), max(0, call.work.prompt_tokens - left))
+
+    def kv(self, call: CallState) -> int:
         return call_kv_bytes(self.costs, call.work)
 
-    def _kv_free(self, model: str) -> int | None:
+    def kv_free(self, model: str) -> int | None:
         budget = self.config.kv_budget_bytes
         return None if budget is None else max(0, budget - self.kv_used(model))
 
-    def _price(self, from_model: str | None, to_model: str) -> float:
+    def switch_s(self, from_model: str | None, to_model: str) -> float:
         return self.costs.switch_s(from_model, to_model, self.config.staging)
 
 

@@ -1,4 +1,7 @@
-"""Policies by name. Registering an existing name, or asking for an unknown one, fails loudly."""
+"""Policies by name. Registering an existing name, or asking for an unknown one, fails loudly.
+
+Each policy module registers its class (`@register`); the package (policy/__init__.py) imports
+every one of them, so importing this module (which imports the package first) fills the table."""
 
 from __future__ import annotations
 
@@ -29,7 +32,6 @@ def register(cls: type[PlacementPolicy]) -> type[PlacementPolicy]:
 
 
 def create_policy(name: str, config: PolicyConfig | None = None) -> PlacementPolicy:
-    _load_builtin()
     try:
         cls = REGISTRY[name]
     except KeyError:
@@ -38,18 +40,5 @@ def create_policy(name: str, config: PolicyConfig | None = None) -> PlacementPol
 
 
 def policy_names() -> list[str]:
-    _load_builtin()
     return sorted(REGISTRY)
 
-
-def _load_builtin() -> None:
-    # Importing the modules registers them; done lazily to avoid import cycles.
-    import talaria.services.router.policy.dynamo_kv  # noqa: F401
-    import talaria.services.router.policy.kv_cost  # noqa: F401
-    import talaria.services.router.policy.llm_d  # noqa: F401
-    import talaria.services.router.policy.sglang_cache_aware  # noqa: F401
-    import talaria.services.router.policy.vllm_stack  # noqa: F401
-    import talaria.services.router.policy.least_pressure  # noqa: F401
-    import talaria.services.router.policy.prefix_aware  # noqa: F401
-    import talaria.services.router.policy.sticky  # noqa: F401
-    import talaria.services.router.policy.talaria  # noqa: F401

@@ -7,18 +7,21 @@ from types import SimpleNamespace
 
 import structlog
 from talaria.services.gateway.submitter import Submitter
-from talaria.services.instance_agent import call_outcomes, outcomes
-from talaria.services.instance_agent.core import Outcome
+from talaria.services.instance_agent import call_closing, record_sender
+from talaria.services.instance_agent.agent_core import StepReport
 from talaria.services.instance_agent.engine.contract import Capabilities
 from talaria.services.instance_agent.runner import CallRunner
 from talaria.shared import subjects
 from talaria.shared.events import CallSubmitted, RoundSummary
 from talaria.shared.messages import CallResult, Timings, Usage
+from talaria.shared.nats_auth import SENDER_HEADER
 from talaria.shared.settings import Settings
 from talaria.shared.wire import encode
 
 
 def runner(tmp_path) -> CallRunner:
+    """A runner whose steps touch no engine, NATS or tracer: the engine stand-in only states
+    capabilities."""
     settings = Settings(data_dir=tmp_path, instance_id="agent-t", models=("qwen3-tiny",))
     engine = SimpleNamespace(capabilities=Capabilities(switch_with_calls_running=False, host_kv=True,
                                                        d2d_staging=True, chunked_prefill=True))
@@ -35,9 +38,9 @@ async def test_a_steps_replies_are_written_once_before_their_bookkeeping(tmp_pat
     async def written():
         order.append("write")
 
-    r._complete = complete
-    monkeypatch.setattr(call_outcomes, "written", written)
-    await r._events(Outcome(finished=["c1", "c2"]))
+    r.closer.complete = complete
+    monkeypatch.setattr(call_closing, "written", written)
+    await r.closer.events(StepReport(finished=["c1", "c2"]))
     assert order == ["publish c1", "publish c2", "write", "note c1", "note c2"]
 
 
@@ -48,14 +51,14 @@ async def test_the_loop_does_not_wait_for_a_round_summarys_ack(tmp_path, monkeyp
     async def emit_async(js, event, *a, **kw):
         return ack
 
-    monkeypatch.setattr(outcomes, "emit_async", emit_async)
+    monkeypatch.setattr(record_sender, "emit_async", emit_async)
     summary = RoundSummary(instance_id="agent-t", round_index=1, wall_s=0.01, active_s=0.01, switch_s=0.0,
                            at=1000.0, slots=["qwen3-tiny"])
-    await asyncio.wait_for(r._events(Outcome(rounds=[summary])), 1.0)  # returns with the ack pending
-    assert len(r.outcomes._tasks) == 1  # its ack is awaited in the background (and at stop)
+    await asyncio.wait_for(r.closer.events(StepReport(rounds=[summary])), 1.0)  # returns with the ack pending
+    assert len(r.closer.sender._tasks) == 1  # its ack is awaited in the background (and at stop)
     ack.set_result(SimpleNamespace(seq=1))
-    await asyncio.wait_for(r.outcomes.drain(1.0), 2.0)
-    assert not r.outcomes._tasks
+    await asyncio.wait_for(r.closer.sender.drain(1.0), 2.0)
+    assert not r.closer.sender._tasks
 
 
 async def test_the_gateway_answers_before_its_own_bookkeeping(monkeypatch):
@@ -94,7 +97,8 @@ async def test_the_gateway_answers_before_its_own_bookkeeping(monkeypatch):
 
     def deliver():
         asyncio.ensure_future(submitter._on_reply(SimpleNamespace(
-            subject=f"{subjects.REPLY_PREFIX}.gateway.x.c1", data=encode(result))))
+            subject=f"{subjects.REPLY_PREFIX}.gateway.x.c1", data=encode(result),
+            headers={SENDER_HEADER: "talaria-agent-agent-0"})))
 
     async def answer(reply):
         order.append("answered")

@@ -2,31 +2,20 @@
 CallParked/DeadlineRisk raised a TypeError, so the events with them were dropped: a
 finished call's completion was never published and the agent hung)."""
 
-from types import SimpleNamespace
-
-import structlog
-
-from talaria.services.instance_agent.engine.contract import Capabilities
-
-from talaria.services.instance_agent.core import Outcome
-from talaria.services.instance_agent.runner import CallRunner
+from talaria.services.instance_agent.agent_core import StepReport
 from talaria.services.instance_agent.scheduler import CallParked, DeadlineRisk, Idle
-from talaria.shared.settings import Settings
+from tests.unit.agent.test_agent_reply_order import runner as bare_runner
 
 
 async def test_parked_and_risk_notes_are_logged_and_completions_still_published(tmp_path):
-    settings = Settings(data_dir=tmp_path, instance_id="agent-t", models=("qwen3-tiny",))
-    # These outcomes touch no engine, NATS or tracer: the engine stand-in only states capabilities.
-    engine = SimpleNamespace(capabilities=Capabilities(switch_with_calls_running=False, host_kv=True,
-                                                       d2d_staging=True, chunked_prefill=True))
-    runner = CallRunner(settings, engine, None, None, None, None, structlog.get_logger())
+    runner = bare_runner(tmp_path)
     completed = []
 
     async def record_completion(call_id):  # stands in for publishing over NATS
         completed.append(call_id)
 
-    runner._complete = record_completion
-    await runner._events(Outcome(finished=["c2"], notes=[
+    runner.closer.complete = record_completion
+    await runner.closer.events(StepReport(finished=["c2"], notes=[
         CallParked("c1", "qwen3-tiny", "sp_budget", 1.0),
         DeadlineRisk("qwen3-tiny", "capacity", 2.0, 1.0, calls=1, at=1.0)]))
     assert completed == ["c2"]
@@ -35,10 +24,7 @@ async def test_parked_and_risk_notes_are_logged_and_completions_still_published(
 async def test_a_completion_that_fails_does_not_strand_the_calls_finished_with_it(tmp_path):
     # Issue 15: one call's completion raising left the other calls finished in the same step
     # uncompleted and held by the engine ("cannot switch model: 1 call(s) still running").
-    settings = Settings(data_dir=tmp_path, instance_id="agent-t", models=("qwen3-tiny",))
-    engine = SimpleNamespace(capabilities=Capabilities(switch_with_calls_running=False, host_kv=True,
-                                                       d2d_staging=True, chunked_prefill=True))
-    runner = CallRunner(settings, engine, None, None, None, None, structlog.get_logger())
+    runner = bare_runner(tmp_path)
     completed = []
 
     async def complete(call_id):
@@ -46,18 +32,14 @@ async def test_a_completion_that_fails_does_not_strand_the_calls_finished_with_i
             raise KeyError(call_id)
         completed.append(call_id)
 
-    runner._complete = complete
-    await runner._events(Outcome(finished=["bad", "c2", "c3"]))
+    runner.closer.complete = complete
+    await runner.closer.events(StepReport(finished=["bad", "c2", "c3"]))
     assert completed == ["c2", "c3"]
-    assert runner.sweep_due  # what the engine still holds of "bad" is released before the next step
 
 
 async def test_a_failure_outside_an_action_in_flight_is_survived(tmp_path):
-    # The work loop hands every failure to _engine_failed; one while idle (e.g. publishing a
+    # The work loop hands every failure to the steps' `failed`; one while idle (e.g. publishing a
     # drained event with NATS down) has no action in flight to end, and must not raise.
-    settings = Settings(data_dir=tmp_path, instance_id="agent-t", models=("qwen3-tiny",))
-    engine = SimpleNamespace(capabilities=Capabilities(switch_with_calls_running=False, host_kv=True,
-                                                       d2d_staging=True, chunked_prefill=True))
-    runner = CallRunner(settings, engine, None, None, None, None, structlog.get_logger())
-    outcome = await runner._engine_failed(Idle(None), TimeoutError("nats: timeout"))
-    assert outcome.finished == [] and runner.sweep_due
+    runner = bare_runner(tmp_path)
+    outcome = await runner.steps.failed(Idle(None), TimeoutError("nats: timeout"))
+    assert outcome.finished == []

@@ -101,7 +101,7 @@ def test_an_events_subject_is_its_tag_under_the_deployment(event):
                 "call.completed": subjects.CALL_COMPLETED, "call.failed": subjects.CALL_FAILED,
                 "lease.issued": subjects.LEASE_ISSUED, "lease.consumed": subjects.LEASE_CONSUMED,
                 "lease.discarded": subjects.LEASE_DISCARDED, "lease.expired": subjects.LEASE_EXPIRED,
-                "decision": subjects.ROUTING_DECISION, "switch.done": subjects.SWITCH_DONE,
+                "decision": subjects.DECISION, "switch.done": subjects.SWITCH_DONE,
                 "round.summary": subjects.ROUND_SUMMARY}
     tag = type(event).__struct_config__.tag
     if tag == "call.routed":

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from talaria.services.gateway.prepare import RequestError, prepare
-from talaria.services.gateway.sessions import SESSION_HEADERS, InvalidSessionId, session_id_from
+from talaria.services.gateway.session_ids import SESSION_HEADERS, InvalidSessionId, session_id_from
 from talaria.shared.catalog import CATALOG
 from talaria.shared.messages import CallRequest, ChatMessage
 from talaria.shared.model_text import text_for
@@ -133,3 +133,58 @@ def test_continuation_prompt_starts_with_previous_prompt_and_answer():
     assert second.startswith(first + "ok")
     a, b = block_hashes(encode(first + "ok")), block_hashes(encode(second))
     assert a == b[: len(a)]
+
+
+@pytest.mark.parametrize("model", ["qwen3-tiny", "gpt2-tiny"])
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenised(model, monkeypatch):
+    """Issue 25: a 7.9 MB body took 6-11 s to tokenise before the context check refused it.
+    Its length in bytes bounds its tokens from below: refused without tokenising."""
+    text = text_for(CATALOG[model])
+
+    def no_tokenising(*a, **kw):
+        raise AssertionError("tokenised a prompt that cannot fit")
+
+    monkeypatch.setattr(type(text), "encode", no_tokenising)
+    if hasattr(text, "tok"):
+        monkeypatch.setattr(text, "tok", _CountingTok(text.tok))
+    huge = "go on " * (1_400_000)  # 8.4 MB
+    for req in (CallRequest(model=model, prompt=huge, max_tokens=1),
+                CallRequest(model=model, messages=[ChatMessage("user", huge)], max_tokens=1)):
+        with pytest.raises(RequestError) as err:
+            prepare(req, "s", "chat")
+        assert err.value.reply.code == "context_length_exceeded" and "at least" in err.value.reply.message
+    if hasattr(text, "tok"):  # it stopped soon after the count passed the context
+        assert text.tok.chars < 4 * CATALOG[model].context_length * 8
+
+
+class _CountingTok:
+    def __init__(self, tok):
+        self.tok, self.chars = tok, 0
+
+    def encode(self, piece, **kw):
+        self.chars += len(piece)
+        return self.tok.encode(piece, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+@pytest.mark.parametrize("model", ["qwen3-tiny", "gpt2-tiny"])
+@pytest.mark.parametrize("sample", ["", "hello world", "y" * 5000, "ﬁ𝐀Ａ é\n\t" * 300,
+                                    "<|user|><tool_call></tool_call>" * 50, "def f(x):\n    return x  # 😀\n" * 200])
+def test_the_bound_never_exceeds_the_real_token_count(model, sample):
+    """The early refusal is sound: it never refuses a prompt that would have fitted."""
+    from talaria.services.gateway.prepare import prompt_tokens_at_least
+
+    text = text_for(CATALOG[model])
+    assert prompt_tokens_at_least(text, sample) <= len(text.encode(sample, chat=False))
+
+
+@pytest.mark.parametrize("sample", ["hello world " * 20000, "a  b\n\n  c\t d " * 9000, "x" * 70000 + " y" * 9000,
+                                    "def f(x):\n    return x  # 😀 ok\n" * 5000, "<|user|> hi <tool_call> x" * 9000])
+def test_the_demo_bpe_counted_piece_by_piece_gives_the_same_ids(sample):
+    from talaria.services.gateway.prepare import encode_within, word_pieces
+
+    text = text_for(CATALOG["qwen3-tiny"])
+    assert "".join(word_pieces(sample, 1000)) == sample
+    assert encode_within(text, sample, True, 10**9) == text.encode(sample, chat=True)

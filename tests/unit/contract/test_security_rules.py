@@ -7,18 +7,21 @@ from types import SimpleNamespace
 
 import pytest
 
-from talaria.services.gateway.auth import (
-    KeyStore,
-    Unauthenticated,
-    client_session,
-    hash_key,
-    kv_scope,
-    read_key_file,
-    scoped_session,
-    write_key_file,
-)
+from talaria.services.gateway.auth import KeyStore, Unauthenticated, client_session, kv_scope, scoped_session
+from talaria.shared.api_keys import hash_key, read_key_file, write_key_file
 from talaria.shared.events import CallCompleted, CallRouted, CallSubmitted
-from talaria.shared.nats_auth import client_options, generate_users, owner_sender, permissions, trusted
+from talaria.shared.nats_auth import (
+    ANSWERING_ROLES,
+    SENDER_HEADER,
+    STREAMING_ROLES,
+    client_options,
+    generate_users,
+    owner_sender,
+    permissions,
+    reply_allowed,
+    sent_by,
+    trusted,
+)
 from talaria.shared.subjects import tokens
 from talaria.shared.settings import Settings, SettingsError, redact_url
 from talaria.shared.tokenizer import block_hashes
@@ -133,3 +136,53 @@ def test_with_tenants_every_nats_client_user_is_a_tenants_own():
     assert client_options("nats://127.0.0.1:4222") == {}
     assert tokens("acme", "c1") == "talaria.tokens.acme.c1" and tokens("", "c1") == "talaria.tokens._.c1"
     assert set(generate_users([])) == {"gateway", "router", "telemetry", "client"}  # open gateway: one client user
+
+
+def test_the_gateway_answers_only_in_the_callers_own_inbox_space():
+    """Issue 25: a request naming another tenant's inbox, a kept answer or a token stream as its
+    reply subject is not answered; NATS itself lets the gateway publish only into inboxes."""
+    assert reply_allowed("acme", "_INBOX.acme.x1.2")
+    assert not reply_allowed("acme", "_INBOX.acme2.x1.2")  # a tenant whose name extends acme's
+    assert not reply_allowed("acme", "_INBOX.beta.x1.2")
+    assert not reply_allowed("acme", "talaria.reply.gateway.idem.0123456789abcdef-c1")
+    assert not reply_allowed("acme", tokens("acme", "c1"))
+    assert not reply_allowed("acme", "_INBOX.acme")  # the prefix itself is no inbox
+    assert not reply_allowed("acme", None)
+    assert reply_allowed("", "_INBOX.x1.2") and not reply_allowed("", "_TALARIA_INBOX.x1.2")
+    gateway = permissions("gateway")
+    assert not gateway.get("allow_responses")  # would let any request name any reply subject
+    assert not any(s.startswith(("talaria.reply", "talaria.tokens")) for s in gateway["publish"]["allow"])
+
+
+def test_answers_and_tokens_are_taken_only_from_the_services_that_send_them():
+    router, agent = {SENDER_HEADER: "talaria-router"}, {SENDER_HEADER: "talaria-agent-agent-0"}
+    gateway, client = {SENDER_HEADER: "talaria-gateway"}, {SENDER_HEADER: "talaria-client-mallory"}
+    assert sent_by(router, ANSWERING_ROLES) and sent_by(agent, ANSWERING_ROLES)
+    assert not any(sent_by(h, ANSWERING_ROLES) for h in (gateway, client, {}, None))
+    assert sent_by(agent, STREAMING_ROLES) and not sent_by(router, STREAMING_ROLES)
+
+
+def test_malformed_authorization_is_a_401_never_a_500():
+    """Issue 25: invalid UTF-8 in the header (aiohttp keeps the bytes as surrogates) raised
+    UnicodeEncodeError while hashing: an unauthenticated 500."""
+    store = KeyStore.from_settings(Settings(api_keys=("acme:acme-key-0123456789",)))
+    bad = b"Bearer \xff\xfe-key".decode("utf-8", "surrogateescape")
+    for headers in ({"Authorization": bad}, {"x-api-key": "\udcff"}, {"Authorization": "Basic abc"},
+                    {"Authorization": "Bearer"}):
+        with pytest.raises(Unauthenticated):
+            store.tenant_for(headers)
+
+
+def test_no_api_key_or_password_reaches_a_log_line():
+    import logging
+
+    from talaria.shared.logs import RedactSecrets
+
+    record = logging.LogRecord("aiohttp.server", logging.ERROR, __file__, 1, "Error handling request: %s",
+                               ("Invalid header line b'Authorization: Bearer tk-SECRETSECRETSECRET'",), None)
+    RedactSecrets().filter(record)
+    assert "SECRET" not in record.getMessage() and "[redacted]" in record.getMessage()
+    for line in ("x-api-key: k-0123456789abcdef", "nats://talaria-gateway:pw0123@127.0.0.1:4222"):
+        record = logging.LogRecord("x", logging.ERROR, __file__, 1, line, (), None)
+        RedactSecrets().filter(record)
+        assert "0123" not in record.getMessage(), record.getMessage()

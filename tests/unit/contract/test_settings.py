@@ -13,17 +13,17 @@ def test_defaults_run_without_any_environment():
 
 def test_environment_is_parsed_into_typed_fields():
     s = Settings.from_env({
-        "TALARIA_HTTP_PORT": "9001", "TALARIA_LEASE_TIMEOUT_S": "0.5", "TALARIA_SP": "false",
+        "TALARIA_HTTP_PORT": "9001", "TALARIA_LEASE_TIMEOUT_S": "0.5", "TALARIA_ABLATION": "no-sp",
         "TALARIA_MODELS": "qwen3-tiny, gpt2-tiny", "TALARIA_DATA_DIR": "/tmp/x",
         "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318",
     })
-    assert (s.http_port, s.lease_timeout_s, s.sp) == (9001, 0.5, False)
+    assert (s.http_port, s.lease_timeout_s, s.sp, s.hkvr) == (9001, 0.5, False, True)
     assert s.models == ("qwen3-tiny", "gpt2-tiny") and s.data_dir == Path("/tmp/x")
     assert s.otlp_endpoint == "http://collector:4318"
 
 
 @pytest.mark.parametrize("var,value", [
-    ("TALARIA_HTTP_PORT", "eighty"), ("TALARIA_SP", "maybe"), ("TALARIA_POOL", "lukewarm"),
+    ("TALARIA_HTTP_PORT", "eighty"), ("TALARIA_ABLATION", "no-talaria"), ("TALARIA_POOL", "lukewarm"),
     ("TALARIA_DATABASE_URL", "mysql://x/y"), ("TALARIA_NATS_URL", "http://x"),
     ("TALARIA_MODELS", "gpt-5"), ("TALARIA_CALL_TIMEOUT_S", "-1"), ("TALARIA_PROJECTION_INTERVAL_S", "-0.1"),
 ])

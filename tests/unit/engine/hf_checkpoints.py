@@ -49,13 +49,16 @@ def train_tokenizer(family: str):
     return tok
 
 
-def config(family: str, vocab: int, eos: int, bos: int | None):
+def config(family: str, vocab: int, eos: int, bos: int | None, head_dim: int | None = None):
+    """`head_dim` overrides the family's (vLLM's CPU attention takes head sizes 32, 64, ...,
+    not 16: tests/unit/engine/test_vllm_engine.py uses a head-64 Qwen3)."""
     import transformers as tf
 
     common = dict(vocab_size=vocab, eos_token_id=eos, bos_token_id=bos, initializer_range=0.2)
     if family == "qwen3":  # Qwen3-0.6B's fields: tied embeddings, head_dim 128 over 16 heads, theta 1e6
         return tf.Qwen3Config(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-                              num_key_value_heads=2, head_dim=32, max_position_embeddings=2048, rope_theta=1e6,
+                              num_key_value_heads=2, head_dim=head_dim or 32, max_position_embeddings=2048,
+                              rope_theta=1e6,
                               rms_norm_eps=1e-6, tie_word_embeddings=True, **common), tf.Qwen3ForCausalLM
     if family == "qwen3_moe":  # Qwen3-30B-A3B's fields: 128 experts top-8, normalised top-k
         return tf.Qwen3MoeConfig(hidden_size=64, intermediate_size=192, moe_intermediate_size=32,
@@ -109,7 +112,7 @@ def make_tool_caller(out: Path) -> Path:
     return out
 
 
-def make_checkpoint(family: str, out: Path, tie: bool | None = None) -> Path:
+def make_checkpoint(family: str, out: Path, tie: bool | None = None, head_dim: int | None = None) -> Path:
     """Write config.json, model.safetensors, tokenizer files, chat template, generation_config.json."""
     tf = pytest.importorskip("transformers")
     import torch
@@ -117,7 +120,7 @@ def make_checkpoint(family: str, out: Path, tie: bool | None = None) -> Path:
     specials, eos_tok, bos_tok, template = FAMILIES[family]
     tok = train_tokenizer(family)
     eos, bos = tok.token_to_id(eos_tok), tok.token_to_id(bos_tok) if bos_tok else None
-    cfg, cls = config(family, tok.get_vocab_size(), eos, bos)
+    cfg, cls = config(family, tok.get_vocab_size(), eos, bos, head_dim)
     if tie is not None:
         cfg.tie_word_embeddings = tie
     torch.manual_seed(0)

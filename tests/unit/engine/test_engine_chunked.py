@@ -4,7 +4,7 @@ in between, yields exactly the tokens of a whole prefill; idle KV is reported as
 import pytest
 
 from talaria.services.instance_agent.engine import GenRequest
-from talaria.services.instance_agent.engine.errors import UnknownCall
+from talaria.services.instance_agent.engine.engine_errors import UnknownCall
 from talaria.shared.tokenizer import encode
 
 PROMPT = encode("Summarise the failing test output and propose a patch for the parser. " * 6)

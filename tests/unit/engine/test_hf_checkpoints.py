@@ -100,7 +100,7 @@ def test_logits_and_greedy_tokens_match_transformers_with_and_without_kv_restore
 
     engine = TorchEngine(data_dir, [spec.name, "qwen3-tiny"], kv_pages=128, host_kv_pages=1024)
     try:
-        params = engine.layouts[spec.name].views(engine._host_image(spec.name))
+        params = engine.layouts[spec.name].views(engine.models.host_image(spec.name))
         ours = reference_logits(spec, params, ids)
         assert (ours - theirs).abs().max().item() < 1e-4
 

@@ -31,7 +31,7 @@ def test_no_generic_top_level_imports():
 
 def test_data_files_resolve_through_the_package():
     from talaria.audit import audits
-    from talaria.shared.db.engine import MIGRATIONS_DIR
+    from talaria.shared.db.connection import MIGRATIONS_DIR
     from talaria.sim.workloads import FIXED_REPLAY_FILE
 
     assert "session_calls" in audits()

@@ -5,6 +5,7 @@ an embedded server's error is one line."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -48,9 +49,15 @@ def test_an_exited_service_is_restarted_with_growing_backoff_and_the_others_keep
 
 def test_leftover_services_of_a_killed_run_are_stopped_before_starting(stack, tmp_path):
     data = tmp_path.resolve()
-    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "talaria.services.router"])
-    unrelated = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    # Each says when it runs: Popen can return while the child is still inside execve, before
+    # /proc/<pid>/cmdline names the new program, and a process not yet ours by its command line
+    # is (rightly) never signalled. That race made this test fail now and then (issue 25 item 8).
+    started = "import sys, time; print('up', flush=True); time.sleep(120)"
+    orphan = subprocess.Popen([sys.executable, "-c", started, "talaria.services.router"], stdout=subprocess.PIPE)
+    unrelated = subprocess.Popen([sys.executable, "-c", started], stdout=subprocess.PIPE)
     try:
+        for p in (orphan, unrelated):
+            assert p.stdout.readline() == b"up\n"
         (data / "stack.json").write_text(json.dumps({"pids": {"router": orphan.pid, "gateway": unrelated.pid}}))
         messages: list[str] = []
         stack._stop_leftovers(data, messages.append)
@@ -61,6 +68,7 @@ def test_leftover_services_of_a_killed_run_are_stopped_before_starting(stack, tm
         for p in (orphan, unrelated):
             p.kill()
             p.wait()
+            p.stdout.close()
 
 
 @pytest.mark.integration
@@ -71,10 +79,15 @@ def test_a_postgres_left_running_on_the_data_dir_is_stopped_and_replaced(tmp_pat
         second.start()  # before: "lock file postmaster.pid already exists" and the whole log
         assert second.stale == first.proc.pid
         assert first.proc.wait(60) is not None  # a loaded machine can take a while to stop it
-        assert process_alive(second.proc.pid, str((tmp_path / "pg").resolve()))
+        # (as root under a 0700 temp dir the cluster lives outside it: its path is the symlink's)
+        assert process_alive(second.proc.pid, str((tmp_path / "pg" / "pgdata").resolve()))
     finally:
         second.stop()
         first.stop()
+        if (tmp_path / "pg" / "pgdata").is_symlink():
+            import shutil
+
+            shutil.rmtree((tmp_path / "pg" / "pgdata").resolve(), ignore_errors=True)
 
 
 def test_embedded_server_errors_are_one_line_naming_the_log(tmp_path):
@@ -83,3 +96,59 @@ def test_embedded_server_errors_are_one_line_naming_the_log(tmp_path):
     message = str(EmbeddedServerError("postgres", "exited with code 1", log))
     assert "\n" not in message
     assert 'FATAL:  lock file "postmaster.pid" already exists' in message and str(log) in message
+
+
+def test_one_talaria_up_per_data_directory(tmp_path):
+    """Issue 25: two runs on one data directory stopped each other's processes until one died."""
+    from talaria.stack import StackError, lock_data_dir
+
+    first = lock_data_dir(tmp_path)
+    try:
+        with pytest.raises(StackError, match=rf"another `talaria up` \(pid {os.getpid()}\) is running on"):
+            lock_data_dir(tmp_path)
+    finally:
+        first.close()  # the run ended (or was killed: the kernel drops the lock with it)
+    lock_data_dir(tmp_path).close()
+    assert (tmp_path / "up.lock").stat().st_mode & 0o077 == 0
+
+
+def test_logs_and_traces_are_private_and_bounded(stack, tmp_path):
+    from talaria.shared.tracing import JsonLinesExporter
+
+    data = tmp_path.resolve()
+    stack._spawn("quick", "this", data)
+    stack.procs["quick"].wait(10)
+    assert (data / "logs").stat().st_mode & 0o777 == 0o700
+    assert (data / "logs" / "quick.log").stat().st_mode & 0o777 == 0o600
+    exporter = JsonLinesExporter(data / "traces" / "spans.jsonl", max_bytes=100)
+    for _ in range(3):
+        exporter._path.write_text("x" * 150) if not exporter._path.exists() else None
+        exporter.export([])
+    assert (data / "traces").stat().st_mode & 0o777 == 0o700
+    assert exporter._path.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in (data / "traces").iterdir()) == ["spans.jsonl", "spans.jsonl.1"]
+    assert exporter._path.stat().st_size < 100  # rotated, not grown
+
+
+@pytest.mark.integration
+def test_a_broker_that_turned_jetstream_off_is_restarted_once_the_disk_has_room(stack, tmp_path):
+    """Issue 25: after a full disk nats-server disables JetStream and stays up without it; the
+    supervisor notices (its log says so) and restarts it, which turns JetStream back on."""
+    from talaria.embedded import EmbeddedNats
+
+    server = EmbeddedNats(tmp_path.resolve() / "nats").start()
+    stack.embedded.append(server)
+    first = server.proc.pid
+    messages: list[str] = []
+    stack.supervise(messages.append)
+    assert server.proc.pid == first and not messages  # a healthy broker is left alone
+    with open(server.data_dir / "nats.log", "ab") as log:  # what nats-server writes on a failed write
+        log.write(b"[1] [ERR] JetStream out of space, will be DISABLED\n")
+    stack.supervise(messages.append)
+    assert server.proc.pid != first and "JetStream failed to write" in messages[0], messages
+    assert "restarted" in messages[-1]
+    second, messages = server.proc.pid, []
+    with open(server.data_dir / "nats.log", "ab") as log:  # a stream's store stuck on ENOSPC
+        log.write(b"[1] [ERR] JetStream failed to store a msg on stream: write x.blk: no space left on device\n")
+    stack.supervise(messages.append)
+    assert server.proc.pid != second and "restarted" in messages[-1]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from talaria.services.router.core import RouterCore
+from talaria.services.router.router_core import RouterCore
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.policy.registry import create_policy
 from talaria.shared.events import CallCompleted, CallSubmitted

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from router_support import call, core, of_type, one, snap
 
-from talaria.services.router.core import LOST_AFTER_BEATS
+from talaria.services.router.router_core import LOST_AFTER_BEATS
 from talaria.shared.events import CallFailed, CallRouted, InstanceLost
 
 

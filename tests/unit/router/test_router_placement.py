@@ -10,7 +10,7 @@ import pytest
 from router_support import PAPER_EQ1, call, core, done, of_type, one, snap
 
 from talaria.services.router.costs import CostModel
-from talaria.services.router.core import RouterCore
+from talaria.services.router.router_core import RouterCore
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.policy.registry import create_policy
 from talaria.shared.settings import Settings

@@ -9,7 +9,7 @@ import random
 import pytest
 from router_support import call, core, done, of_type, one, snap
 
-from talaria.services.router.core import RouterCore
+from talaria.services.router.router_core import RouterCore
 from talaria.services.router.policy.registry import create_policy
 from talaria.services.router.state import RouterState, SnapshotReceived
 from talaria.shared.events import (

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from talaria.services.instance_agent.core import AgentCore
+from talaria.services.instance_agent.agent_core import AgentCore
 from talaria.services.instance_agent.scheduler import Decode, Idle, Prefill, SchedulerConfig, SwitchModel
 from talaria.services.instance_agent.scheduler.costs import decode_steps_s, first_step_reaching
 from sched_driver import COSTS
@@ -49,7 +49,8 @@ def test_a_call_timeline_becomes_one_completion_record():
     assert done.queue_s == 1.5 and done.ttft_s == 2.0  # from the caller's submission
     assert done.slot_wait_s == 1.5 and done.model_opened  # its slot began with the switch to its model
     assert done.kv_tokens == 103 and done.instance_id == "inst-0" and done.trace_id == "t"
-    assert "c1" not in c.records
+    c.end("c1")
+    assert "c1" not in c.calls  # a core that keeps no ended calls (the simulator's) forgets it
 
 
 def test_rounds_become_round_summaries_and_aborted_calls_are_not_completed():
@@ -58,7 +59,7 @@ def test_rounds_become_round_summaries_and_aborted_calls_are_not_completed():
     accept(c, "c2", max_tokens=1)
     prefill = c.next_action(0.0)
     out = c.abort("c2", 0.1)
-    assert out.finished == [] and "c2" not in c.records
+    assert out.finished == [] and "c2" not in c.sched.calls
     out = c.prefill_done(prefill, 0.2)
     assert out.finished == ["c1"]  # the aborted call is not reported as finished
     assert isinstance(c.next_action(0.2), Idle)

@@ -52,7 +52,7 @@ def test_hkvr_off_treats_host_kv_as_missing():
     assert admitted(off, "r1").via == "P" and admitted(off, "r1").kv_state == "none"
     # ... and charges a full recompute for it
     w = ret("x", "a", kv="host", prompt=10_000, reuse=9_000)
-    assert make(hkvr=False)._cost(_state(w)) > make()._cost(_state(w))
+    assert make(hkvr=False).pricing.cost(_state(w)) > make().pricing.cost(_state(w))
 
 
 def test_hkvr_off_still_uses_device_kv():

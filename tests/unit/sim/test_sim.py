@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from talaria.sim.cluster import Cluster, RunConfig, simulate
-from talaria.sim.engine import EventLoop
+from talaria.sim.event_loop import EventLoop
 from talaria.sim.experiments import main as experiments_main
 from talaria.sim.executor import SimExecutor, instance_config
 from talaria.shared.stats import quantile
@@ -177,7 +177,7 @@ def test_multi_step_decode_matches_single_steps_in_the_simulator(name):
 
 
 def test_simulated_instances_run_the_agent_core():
-    from talaria.services.instance_agent.core import AgentCore
+    from talaria.services.instance_agent.agent_core import AgentCore
 
     res = simulate([_small()], RunConfig(PAPER_TP8))
     assert all(isinstance(i, SimExecutor) and isinstance(i.core, AgentCore) for i in res.instances)
@@ -244,7 +244,7 @@ def test_completions_carry_measured_times_so_the_router_learns_each_models_rates
 
 
 def test_the_event_loop_takes_float_rounding_as_now_and_refuses_the_past():
-    from talaria.sim.engine import PAST_TOLERANCE_S, EventLoop
+    from talaria.sim.event_loop import PAST_TOLERANCE_S, EventLoop
 
     loop, seen = EventLoop(), []
 

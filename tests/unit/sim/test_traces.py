@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from talaria.sim.cli import map_models
-from talaria.traces.format import TraceCall, TraceFormatError, load_trace, save_sessions, sessions_from_calls
+from talaria.traces.format import TraceCall, TraceFormatError, save_sessions, sessions_from_calls
+from talaria.traces.load import load_trace
 from talaria.traces.gaps import GapModel, lognormal_from_quantiles, parse_gap_model
 from talaria.traces.weka import convert_file
 

@@ -24,19 +24,18 @@ import time
 import msgspec
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
-from talaria.services.telemetry.sessions import SessionSpans
+from talaria.services.telemetry.session_spans import SessionSpans
 from talaria.services.telemetry.store import EventRefused, PoisonEvent, PostgresStore, TelemetryStore
 from talaria.shared.nats_auth import sender_of, trusted
 from talaria.shared import logs, subjects, tracing
 from talaria.shared.health import heartbeat_loop
-from talaria.shared.bus import close, connect
-from talaria.shared.db.engine import create_engine
+from talaria.shared.bus import ACK_WAIT_S, close, connect
+from talaria.shared.db.connection import create_engine
 from talaria.shared.events import EVENT_DECODER
 from talaria.shared.settings import Settings
 
 DURABLE = "telemetry"
 BATCH = 256
-ACK_WAIT_S = 30
 
 
 def _exporter(settings: Settings):

@@ -24,7 +24,7 @@ from msgspec.structs import replace
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from talaria.services.router.core import RouterCore
+from talaria.services.router.router_core import RouterCore
 from talaria.services.router.outputs import RouterOutputs
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.policy.registry import create_policy
@@ -33,9 +33,10 @@ from talaria.services.router.state import RouterState
 from talaria.shared import logs, subjects, tracing
 from talaria.shared.health import INTERVAL_S as HEARTBEAT_INTERVAL_S, BusHearing, heartbeat_loop
 from talaria.shared.logs import call_context
-from talaria.shared.bus import PUBLISH_TIMEOUT_S, close, connect, publish_fast
+from talaria.shared.runtime import serve_until_stopped
+from talaria.shared.bus import ACK_WAIT_S, PUBLISH_TIMEOUT_S, close, connect, publish_fast
 from talaria.shared.nats_auth import sender_of, trusted
-from talaria.shared.db.engine import create_engine
+from talaria.shared.db.connection import create_engine
 from talaria.shared.events import (
     CallRouted,
     CallSubmitted,
@@ -72,7 +73,7 @@ def policy_config(settings: Settings) -> PolicyConfig:
     )
 
 
-class RouterService(RouterOutputs):
+class RouterService:
     def __init__(self, settings: Settings, log) -> None:
         self.settings, self.log = settings, log
         try:
@@ -86,7 +87,6 @@ class RouterService(RouterOutputs):
         self.listening_since = time.time()  # restored views are not "silent" before this
         self.warm = asyncio.Event()  # every restored instance heard from again
         self.expected: set[str] = set()
-        self.storing: set[asyncio.Task] = set()  # inputs' outputs being stored (then the input is acked)
 
     async def run(self, ready: asyncio.Event | None, stop: asyncio.Event) -> None:
         provider = tracing.setup("router", self.settings)
@@ -94,6 +94,7 @@ class RouterService(RouterOutputs):
         db = create_engine(self.settings.database_url)
         store = ProjectionStore(db)
         self.nc, self.js = await connect(self.settings.nats_url, "talaria-router", **self.settings.nats_options())
+        self.outputs = RouterOutputs(self.js, self.nc, self.log, self.core.policy.config, on_stored=self._stored_up_to)
         await self._recover(store)
         gc.collect()
         gc.freeze()  # the recovered tables are long-lived: keep them out of every GC scan
@@ -118,12 +119,7 @@ class RouterService(RouterOutputs):
         if ready is not None:
             ready.set()
         try:
-            stopped = asyncio.ensure_future(stop.wait())
-            done, _ = await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
-            # Tasks end with `stop` too (in the same loop turn): only one that ended first died.
-            for task in (done - {stopped}) if not stop.is_set() else ():
-                task.result()  # a core task died: raise, so the process exits non-zero
-                raise RuntimeError(f"router task {task.get_name()} ended unexpectedly")
+            await serve_until_stopped("router", stop, tasks)
         finally:
             stop.set()
             # Let the consumer finish the message in hand (it checks `stop` between fetches).
@@ -135,12 +131,14 @@ class RouterService(RouterOutputs):
                 await self._save(store, drain_s=PUBLISH_TIMEOUT_S)
             except Exception as exc:  # the replay on the next start covers what is not saved
                 self.log.warning("final projection save failed", error=str(exc))
-            for task in self.storing:  # not stored: their inputs stay unacked and come back
-                task.cancel()
-            await asyncio.gather(*self.storing, return_exceptions=True)
+            await self.outputs.cancel_pending()  # not stored: their inputs stay unacked and come back
             await close(self.nc)
             await db.dispose()
             provider.shutdown()
+
+    def _stored_up_to(self, seq: int) -> None:
+        """Outputs up to stream sequence `seq` are stored (a save may count them)."""
+        self.seq = max(self.seq, seq)
 
     def _health(self) -> dict[str, str]:
         return {"policy": self.core.policy.name, "instances": str(len(self.core.state.instances))}
@@ -152,7 +150,7 @@ class RouterService(RouterOutputs):
         already routed are skipped by the core, as for any redelivery."""
         config = ConsumerConfig(durable_name=DURABLE, ack_policy=AckPolicy.EXPLICIT,
                                 deliver_policy=DeliverPolicy.ALL, filter_subjects=input_subjects(),
-                                ack_wait=30, max_deliver=MAX_DELIVER)
+                                ack_wait=ACK_WAIT_S, max_deliver=MAX_DELIVER)
         try:
             info = await self.js.consumer_info(subjects.EVENTS_STREAM, DURABLE)
         except NotFoundError:
@@ -227,7 +225,7 @@ class RouterService(RouterOutputs):
             if outputs:  # a restarted agent: its predecessor's calls are failed, clients told
                 self.log.warning("instance restarted; its in-flight calls failed", instance_id=snap.instance_id,
                                  calls=len(outputs) - 1)
-                await self._publish_all(outputs)
+                await self.outputs.publish_all(outputs)
                 self.dirty = True
 
     async def _consume(self, sub, stop: asyncio.Event) -> None:
@@ -258,7 +256,7 @@ class RouterService(RouterOutputs):
         call_id = getattr(event, "call_id", None)
         session_id = getattr(event, "session_id", None)
         if isinstance(event, CallSubmitted) and self.core.state.reused(call_id, msg.metadata.sequence.stream):
-            await self._refuse_reused(event)  # past JetStream's duplicate window, the gateway could not tell
+            await self.outputs.refuse_reused(event)  # past JetStream's duplicate window, the gateway could not tell
             await msg.ack()
             return
         try:
@@ -273,9 +271,7 @@ class RouterService(RouterOutputs):
             return
         # Its outputs are on their way (published in order); their acks are awaited while
         # the next input is folded, and this input is acked only once all are stored.
-        task = asyncio.create_task(self._store_then_ack(outputs, acks, msg))
-        self.storing.add(task)
-        task.add_done_callback(self.storing.discard)
+        self.outputs.store_then_ack_soon(outputs, acks, msg)
 
     async def _handle_event(self, event, msg) -> tuple[list, list]:
         async with self.lock:
@@ -297,7 +293,7 @@ class RouterService(RouterOutputs):
                     self.core.state.decided(event.call_id, seq)
             # The state already counts these outputs, so they must reach the stream before the
             # input is acked: published now, in the order the state applied them.
-            acks = await self._start(outputs)
+            acks = await self.outputs.start(outputs)
             self.seq = max(self.seq, msg.metadata.sequence.stream)
             self.dirty = True
         return outputs, acks
@@ -326,7 +322,7 @@ class RouterService(RouterOutputs):
                                      calls=len(event.calls))
             outputs = lost + self.core.tick(now)
             if outputs:
-                await self._publish_all(outputs)
+                await self.outputs.publish_all(outputs)
                 self.dirty = True
 
     async def _save_loop(self, store: ProjectionStore, stop: asyncio.Event) -> None:
@@ -344,7 +340,7 @@ class RouterService(RouterOutputs):
     async def _save(self, store: ProjectionStore, drain_s: float) -> None:
         async with self.lock:  # a consistent cut: never in the middle of handling an input
             # ... and never ahead of the stream: every folded input's outputs are stored first.
-            if not await self._outputs_stored(drain_s):  # the bus is slow or down: try later
+            if not await self.outputs.all_stored(drain_s):  # the bus is slow or down: try later
                 return
             seq, snapshot = self.seq, self.core.state.to_dict()
             self.dirty = False

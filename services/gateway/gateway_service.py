@@ -10,7 +10,9 @@ from concurrent.futures import ProcessPoolExecutor
 import msgspec
 from aiohttp import web
 
+from talaria.services.gateway.admission import Admission, DiskCheck, default_min_free_bytes
 from talaria.services.gateway.auth import KeyStore
+from talaria.services.gateway.connection_limits import GuardedRunner, HttpLimits
 from talaria.services.gateway.http_api import HttpApi
 from talaria.services.gateway.idempotency import IdempotentCalls
 from talaria.services.gateway.nats_api import NatsApi
@@ -27,7 +29,9 @@ STALE_AFTER_S = 3.0
 class ServedModels:
     """Which models live instances serve, from their telemetry heartbeats."""
 
-    def __init__(self, configured: tuple[str, ...] = (), nats_connected=lambda: True) -> None:
+    def __init__(self, configured: tuple[str, ...] = (), nats_connected=lambda: True,
+                 disk_problem=lambda: None) -> None:
+        self._disk_problem = disk_problem  # why new calls are refused for lack of disk, or None
         self._snapshots: dict[str, tuple[float, InstanceSnapshot]] = {}
         self._services: dict[str, float] = {}
         self.configured = tuple(configured)  # models the stack is configured to serve
@@ -61,6 +65,7 @@ class ServedModels:
             "nats": "ok" if self._nats_connected() else "disconnected",
             "router": "ok" if "router" in health["services"] else "no heartbeat",
             "telemetry": "ok" if "telemetry" in health["services"] else "no heartbeat",
+            "disk": self._disk_problem() or "ok",
             **{f"model:{m}": "ok" if by_model.get(m) else "no instance" for m in self.configured},
         }
         ready = all(v == "ok" for k, v in checks.items() if k != "telemetry")
@@ -87,12 +92,23 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     log = logs.get("gateway")
     provider = tracing.setup("gateway", settings)
     tracer = provider.get_tracer("talaria.gateway")
-    nc, js = await connect(settings.nats_url, "talaria-gateway", **settings.nats_options())
-    submitter = Submitter(nc, js, tracer, settings.call_timeout_s, log)
+    recovering: list[Submitter] = []
+
+    async def reconnected() -> None:  # replies published while we were cut off are kept: look them up
+        for sub in recovering:
+            asyncio.ensure_future(sub.recover())
+
+    nc, js = await connect(settings.nats_url, "talaria-gateway", reconnected_cb=reconnected,
+                           **settings.nats_options())
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    disk = DiskCheck(settings.data_dir, settings.min_free_disk_mb << 20 or default_min_free_bytes(settings.data_dir))
+    admission = Admission(settings.admission_target_queue_s) if settings.admission_target_queue_s > 0 else None
+    submitter = Submitter(nc, js, tracer, settings.call_timeout_s, log, admission, disk)
+    recovering.append(submitter)
     await submitter.start()
     idempotency = IdempotentCalls(submitter, settings.idempotency_window_s, settings.idempotent_orphan_s)
     await idempotency.start()
-    served = ServedModels(settings.models, lambda: nc.is_connected)
+    served = ServedModels(settings.models, lambda: nc.is_connected, disk.problem)
     await nc.subscribe(subjects.TELEMETRY_WILDCARD, cb=served.on_snapshot)
     await nc.subscribe(subjects.HEALTH_WILDCARD, cb=served.on_heartbeat)
     keys = KeyStore.from_settings(settings)
@@ -107,8 +123,11 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     parser_pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
                                       initializer=register_all, initargs=(checkpoints,))
     await asyncio.get_running_loop().run_in_executor(parser_pool, int)  # start it now, not on a call
-    api = HttpApi(submitter, served, log, keys, settings.prefix_sharing, parser_pool, idempotency)
-    runner = web.AppRunner(api.app(), access_log=None, handler_cancellation=True)
+    limits = HttpLimits.from_settings(settings)
+    api = HttpApi(submitter, served, log, keys, settings.prefix_sharing, parser_pool, idempotency,
+                  body_timeout_s=limits.body_timeout_s)
+    # Connections counted per client address and overall, headers held to a deadline.
+    runner = GuardedRunner(api.app(), limits, log, access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, settings.http_host, settings.http_port)
     await site.start()

@@ -4,7 +4,13 @@ One call's path:  prefill(reqs) -> admit (admission.py: match device session/pre
 then host pages via HKVR, reserve the rest) -> chunked batched prefill of the unmatched
 suffix (forward_pass.py) -> first token;  decode(ids) -> one batched step;  finish(id) ->
 index full pages, keep the session entry on device, checkpoint full pages to HKVR
-asynchronously. Model switches: switch.py; what it reports: report.py.
+asynchronously. Model switches: switch.py; what it reports: engine_report.py.
+
+Parts, each owning its state and handed its collaborators: `ModelStore` (specs, layouts,
+host images), `ModelSwitcher` (switch.py: the views it caches across switches),
+`KvAdmission` (admission.py), `ForwardPass` (forward_pass.py) and `Rates`. The engine owns
+the active `DeviceModel` (device_model.py: replaced whole by each switch) and its running
+sequences.
 
 Threading: NOT thread-safe. The instance agent calls every method from one worker thread.
 Copies run on internal copier threads (CPU) or streams (CUDA), but all bookkeeping —
@@ -20,25 +26,25 @@ from pathlib import Path
 
 import torch
 
-from talaria.services.instance_agent.engine import admission, forward_pass, report
-from talaria.services.instance_agent.engine import switch as switching
-from talaria.services.instance_agent.engine.api import EngineStats, GenRequest, GenResult, StepToken, SwitchRecord
-from talaria.services.instance_agent.engine.contract import Capabilities
-from talaria.services.instance_agent.engine.errors import EngineBusy, UnknownCall, UnknownModel
-from talaria.services.instance_agent.engine.kv_cache import PagePool, DevicePrefixIndex, SessionCache, DeviceKvSession
-from talaria.services.instance_agent.engine.sequence import Sequence
-from talaria.services.instance_agent.engine.weights import (
-    WeightLayout, align_up, ensure_weights_file, load_host_image, weight_layout,
+from talaria.services.instance_agent.engine import engine_report as report
+from talaria.services.instance_agent.engine.admission import KvAdmission
+from talaria.services.instance_agent.engine.contract import (
+    Capabilities, EngineStats, GenRequest, GenResult, StepToken, SwitchRecord,
 )
+from talaria.services.instance_agent.engine.device_model import DeviceModel, Rates
+from talaria.services.instance_agent.engine.engine_errors import EngineBusy, ModelNotActive, UnknownCall, UnknownModel
+from talaria.services.instance_agent.engine.forward_pass import ForwardPass
+from talaria.services.instance_agent.engine.kv_cache import DeviceKvSession
+from talaria.services.instance_agent.engine.model_store import ModelStore
+from talaria.services.instance_agent.engine.sequence import Sequence
+from talaria.services.instance_agent.engine.switch import ModelSwitcher
+from talaria.services.instance_agent.engine.weights import align_up
 from talaria.services.instance_agent.memory.bump import BumpBuffer
 from talaria.services.instance_agent.memory.hkvr import HostKvRegistry
 from talaria.services.instance_agent.memory.host_pages import LayoutDescriptor, RankReport
 from talaria.services.instance_agent.memory.staging import StagingExecutor
-from talaria.shared.catalog import CATALOG, ModelSpec
-from talaria.shared.stats import ewma
+from talaria.shared.catalog import CATALOG
 from talaria.shared.tokenizer import block_hashes
-
-EMA = 0.3  # weight of the newest sample in the measured rates
 
 
 class TorchEngine:
@@ -65,18 +71,18 @@ class TorchEngine:
         unknown = [m for m in models if m not in CATALOG]
         if unknown or not models:
             raise UnknownModel(unknown[0] if unknown else "", sorted(CATALOG))
-        self.data_dir = Path(data_dir)
         self.device = torch.device(device)
         self.page_size = page_size
-        self.prefill_chunk = prefill_chunk
         # Chunked prefill: asked between forward passes whether to end the chunk early (a
         # driver sets it when a call arrives); the calls not done continue in a later chunk.
         self.should_yield: Callable[[], bool] | None = None
         self.auto_stage = auto_stage
-        self.specs: dict[str, ModelSpec] = {m: CATALOG[m] for m in models}
+        self.models = ModelStore(data_dir, {m: CATALOG[m] for m in models}, self.device, page_size)
+        self.specs = self.models.specs
+        self.layouts = self.models.layouts
+        self.host_images = self.models.host_images
         if kv_pages is None:  # room for one call of the longest context
             kv_pages = max(1024, max(math.ceil(s.context_length / page_size) for s in self.specs.values()))
-        self.layouts: dict[str, WeightLayout] = {m: weight_layout(s) for m, s in self.specs.items()}
         for m, s in self.specs.items():
             if s.kv_heads % tp_ranks:
                 raise ValueError(f"tp_ranks={tp_ranks} does not divide {m}'s {s.kv_heads} KV heads")
@@ -87,10 +93,9 @@ class TorchEngine:
         max_page = max(self.page_bytes(m) for m in models)
         total = align_up(max(lay.nbytes for lay in self.layouts.values())) + kv_pages * max_page + align_up(runtime)
         self.bump = BumpBuffer(total, max(runtime, 256), self.device)
-        self.host_images: dict[str, torch.Tensor] = {}
         if preload_host:
             for m in models:
-                self._host_image(m)
+                self.models.host_image(m)
         slot = max(self.page_bytes(m) // tp_ranks for m in models)
         self.hkvr = HostKvRegistry(host_kv_pages, slot, self.device, tp_ranks) if hkvr else None
         self.staging = StagingExecutor(self.bump.buf, stage_chunk_bytes, self.device) if staging else None
@@ -100,74 +105,62 @@ class TorchEngine:
         self.rank_fault: Callable[[RankReport], RankReport] | None = None  # test hook: a lagging/bad rank
         self.on_logits: Callable[[list[str], torch.Tensor], None] | None = None  # test/debug hook
 
-        self._active: str | None = None
-        self.params: dict[str, torch.Tensor] = {}
-        self.kv: torch.Tensor | None = None
-        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.pool: PagePool | None = None
-        self.index: DevicePrefixIndex | None = None
-        self.sessions: SessionCache | None = None
+        self.rates = Rates()
+        self.switcher = ModelSwitcher(self.models, self.bump, self.hkvr, self.staging)
+        self.admission = KvAdmission(page_size, self.device, self.hkvr, self.staging, self.rates)
+        self.forward = ForwardPass(page_size, self.device, prefill_chunk, self.admission)
+        self.dev: DeviceModel | None = None  # the active model on the device
         self.running: dict[str, Sequence] = {}
-        self.switches: list[SwitchRecord] = []
-        self._shells: dict[str, torch.Tensor] = {}
-        self._views: dict[str, dict[str, torch.Tensor]] = {}
-        self._runtime_owner: tuple | None = None
-        self._rates = {"prefill": 0.0, "decode": 0.0, "restore": 0.0}
 
     # -- models and weights --------------------------------------------------------------
 
     @property
     def active_model(self) -> str | None:
-        return self._active
+        return self.dev.name if self.dev is not None else None
+
+    @property
+    def switches(self) -> list[SwitchRecord]:
+        return self.switcher.records
+
+    # The active model's device tables (None while no model is active), for tests and tools.
+    pool = property(lambda self: self.dev.pool if self.dev else None)
+    index = property(lambda self: self.dev.index if self.dev else None)
+    sessions = property(lambda self: self.dev.sessions if self.dev else None)
+    kv = property(lambda self: self.dev.kv if self.dev else None)
+    params = property(lambda self: self.dev.params if self.dev else {})
+    rope = property(lambda self: self.dev.rope if self.dev else None)
 
     def ensure_weights(self) -> None:
         """Write `<data_dir>/models/<name>.safetensors` (+ json) for every model if missing."""
-        for spec in self.specs.values():
-            ensure_weights_file(self.data_dir, spec)
+        self.models.ensure_weights()
 
     def page_bytes(self, model: str) -> int:
-        s = self.specs[model]
-        return s.layers * 2 * self.page_size * s.kv_heads * s.head_dim * 4
-
-    def _spec(self, model: str) -> ModelSpec:
-        try:
-            return self.specs[model]
-        except KeyError:
-            raise UnknownModel(model, sorted(self.specs)) from None
-
-    def _host_image(self, model: str) -> torch.Tensor:
-        img = self.host_images.get(model)
-        if img is None:
-            pin = self.device.type == "cuda"
-            img = load_host_image(self.data_dir, self.specs[model], self.layouts[model], pin=pin)
-            self.host_images[model] = img
-        return img
+        return self.models.page_bytes(model)
 
     def switch_to(self, model: str) -> SwitchRecord:
         """Make `model` active (paper App. D phases). Refused while calls are running."""
-        self._spec(model)
-        if model == self._active:
+        self.models.spec(model)
+        if model == self.active_model:
             return SwitchRecord(model, model, "noop")  # type: ignore[arg-type]
         if self.running:
             raise EngineBusy(sorted(self.running))
-        previous = self._active
-        rec = switching.switch(self, model)
-        self.switches.append(rec)
+        previous, self.dev = self.dev, None  # a switch that fails leaves no model active
+        self.dev = self.switcher.switch(previous, model)
         if self.staging is not None and self.auto_stage and previous is not None:
-            self.stage(previous)  # ping-pong default; the round scheduler may stage another
-        return rec
+            self.stage(previous.name)  # ping-pong default; the round scheduler may stage another
+        return self.switcher.records[-1]
 
     def stage(self, model: str, *, wait: bool = False) -> int:
         """Pre-stage `model`'s weights into the free tail of the KV pool while serving.
 
         Writes proceed a few chunks at a time from every prefill/decode step; `wait=True`
         runs them to completion now (benchmarks, tests). Returns the clean staged bytes."""
-        self._spec(model)
-        if self.staging is None or model == self._active or self._active is None:
+        self.models.spec(model)
+        if self.staging is None or model == self.active_model or self.dev is None:
             return 0
         if self.staging.planner.target != model:
             lo_limit = max(self.bump.kv_base, align_up(self.layouts[model].nbytes))
-            self.staging.stage(model, self._host_image(model), lo_limit, self.bump.runtime_base)
+            self.staging.stage(model, self.models.host_image(model), lo_limit, self.bump.runtime_base)
         self._pump()
         while wait and self.staging.planner.writing():
             self.staging.wait_all()
@@ -178,10 +171,10 @@ class TorchEngine:
 
     def generate(self, req: GenRequest, on_token: Callable[[int, str], None] | None = None) -> GenResult:
         t0 = time.perf_counter()
-        self._spec(req.model)
-        if req.model != self._active:
+        self.models.spec(req.model)
+        if req.model != self.active_model:
             self.switch_to(req.model)
-        step = forward_pass.prefill_step(self, [req], t0)[0]
+        step = self._prefill_step([req], t0)[0]
         while True:
             if on_token is not None:
                 on_token(step.token_id, step.text)
@@ -199,11 +192,66 @@ class TorchEngine:
         `chunk_tokens` > 0 computes at most that many prompt tokens per call; only calls
         whose prompt is then complete return their first token. `pass_tokens` > 0 caps a
         forward pass below `prefill_chunk` (`should_yield` is asked between passes)."""
-        return forward_pass.prefill_step(self, reqs, time.perf_counter(), chunk_tokens, tuple(more), pass_tokens)
+        return self._prefill_step(reqs, time.perf_counter(), chunk_tokens, tuple(more), pass_tokens)
+
+    def _prefill_step(self, reqs: list[GenRequest], t0: float, chunk: int = 0, more: tuple[str, ...] = (),
+                      pass_tokens: int = 0) -> list[StepToken]:
+        """Admit `reqs` and prefill them with the running calls `more` that have prompt left;
+        first tokens of the calls whose prompt is now complete."""
+        if not reqs and not more:
+            return []
+        cont = []
+        for call_id in more:
+            seq = self.running.get(call_id)
+            if seq is None or seq.kv_len >= len(seq.tokens):
+                raise UnknownCall(call_id, "not a call with prefill left")
+            cont.append(seq)
+        for r in reqs:
+            self.admission.validate(self.models.spec(r.model), self.running, r)
+        models = {r.model for r in reqs}
+        if len(models) > 1:
+            raise ModelNotActive(sorted(models)[1], self.active_model)
+        if reqs and reqs[0].model != self.active_model:
+            if self.running:
+                raise ModelNotActive(reqs[0].model, self.active_model)
+            self.switch_to(reqs[0].model)
+        dev = self.dev
+        self._poll()
+        seqs: list[Sequence] = []
+        try:
+            for r in reqs:
+                seqs.append(self.admission.admit(dev, self.running, r, t0))
+        except Exception:
+            for s in seqs:
+                self.admission.release(dev, self.running, s)
+            raise
+        for s in seqs:
+            self.running[s.req.call_id] = s
+        seqs = cont + seqs
+        before = sum(s.kv_len for s in seqs)
+        try:
+            t1 = time.perf_counter()
+            last = self.forward.run_prefill(dev, self.running, seqs, chunk, pass_tokens, self.should_yield)
+            now = time.perf_counter()
+            done = [s for s in seqs if s.req.call_id in last]
+            if self.on_logits is not None and done:
+                self.on_logits([s.req.call_id for s in done], torch.stack([last[s.req.call_id] for s in done]))
+            self.rates.measured("prefill", sum(s.kv_len for s in seqs) - before, now - t1)
+            out = []
+            for s in seqs:
+                s.prefill_s += now - t1
+            for s in done:
+                out.append(s.take(last[s.req.call_id], now))
+        except Exception:  # nothing of a failed batch stays running or holds pages
+            for s in seqs:
+                self.admission.release(dev, self.running, s)
+            raise
+        self._pump()
+        return out
 
     def decode(self, call_ids: list[str]) -> list[StepToken]:
         """One batched decode step for each listed running, unfinished call."""
-        seqs = [admission.running_seq(self, c) for c in call_ids]
+        seqs = [self.admission.running_seq(self.running, c) for c in call_ids]
         if not seqs:
             return []
         self._poll()
@@ -212,7 +260,8 @@ class TorchEngine:
         # pages as they finish; when no call of the step can go on, the latest admitted ends
         # with what it has ("length", as at the context limit) so the rest can. Never a
         # failed step.
-        stalled = [s for s in seqs if admission.needs_page(self, s) and not admission.grow_into(self, s)]
+        stalled = [s for s in seqs
+                   if self.admission.needs_page(s) and not self.admission.grow_into(self.dev, self.running, s)]
         ended = []
         if stalled and len(stalled) == len(seqs):
             latest = max(stalled, key=lambda s: s.t_start)
@@ -224,14 +273,14 @@ class TorchEngine:
             if not seqs:
                 return ended
         t0 = time.perf_counter()
-        logits = forward_pass.forward_batch(self, [(s, s.kv_len, 1) for s in seqs])
+        logits = self.forward.forward_batch(self.dev, self.running, [(s, s.kv_len, 1) for s in seqs])
         if self.on_logits is not None:
             self.on_logits(call_ids, logits)
         now = time.perf_counter()
         out = ended + [s.take(logits[i], now) for i, s in enumerate(seqs)]
         for s in seqs:
             s.decode_s += now - t0
-        self._rate("decode", len(seqs), now - t0)
+        self.rates.measured("decode", len(seqs), now - t0)
         self._pump()
         return out
 
@@ -241,20 +290,20 @@ class TorchEngine:
         seq = self.running.pop(call_id, None)
         if seq is None:
             raise UnknownCall(call_id)
-        ps, model = self.page_size, self._active
+        dev, ps = self.dev, self.page_size
         committed = seq.tokens[: seq.kv_len]
         pages = seq.pages[: math.ceil(seq.kv_len / ps)]
         for extra in seq.pages[len(pages):]:
-            self.pool.unuse(extra)
+            dev.pool.unuse(extra)
         hashes = block_hashes(committed, ps, scope=seq.req.kv_scope)
         for h, page in zip(hashes, pages):
-            self.index.insert(h, page)
-        self.sessions.put(DeviceKvSession(seq.req.session_id, model, committed, list(pages)))
+            dev.index.insert(h, page)
+        dev.sessions.put(DeviceKvSession(seq.req.session_id, dev.name, committed, list(pages)))
         if self.hkvr is not None and hashes:
-            self._checkpoint(seq.req.session_id, committed, pages[: len(hashes)], hashes)
+            self._checkpoint(dev, seq.req.session_id, committed, pages[: len(hashes)], hashes)
         for page in pages:
-            self.pool.unuse(page)
-        return seq.result(model)
+            dev.pool.unuse(page)
+        return seq.result(dev.name)
 
     def prompt_left(self, call_ids: Iterable[str]) -> dict[str, int]:
         """Prompt tokens each running call still has to prefill (0 once it has its first token)."""
@@ -265,19 +314,20 @@ class TorchEngine:
                 out[c] = 0 if seq.t_first is not None else max(0, len(seq.tokens) - seq.kv_len)
         return out
 
-    # -- state for telemetry (report.py) --------------------------------------------------
+    # -- state for telemetry (engine_report.py) ----------------------------------------------
 
     def kv_state(self, session_id: str, model: str) -> str:
-        return report.kv_state(self, session_id, model)
+        return report.kv_state(self.dev, self.hkvr, self.models, session_id, model)
 
     def device_prefix(self, session_id: str, model: str, prompt_ids: list[int]) -> int:
-        return report.device_prefix(self, session_id, model, prompt_ids)
+        return report.device_prefix(self.dev, session_id, model, prompt_ids)
 
     def session_states(self) -> list[tuple[str, str, str, int]]:
-        return report.session_states(self)
+        return report.session_states(self.dev, self.hkvr, self.page_size)
 
     def stats(self) -> EngineStats:
-        return report.stats(self)
+        return report.stats(self.dev, self.running, self.models, self.bump, self.hkvr, self.staging, self.rates,
+                            self.switcher.records)
 
     def close(self) -> None:
         if self.hkvr is not None:
@@ -287,44 +337,38 @@ class TorchEngine:
 
     # -- HKVR and staging plumbing ---------------------------------------------------------
 
-    def _checkpoint(self, session_id: str, committed: list[int], pages: list[int], hashes: list[int]) -> None:
-        spec, ps = self.specs[self._active], self.page_size
+    def _checkpoint(self, dev: DeviceModel, session_id: str, committed: list[int], pages: list[int],
+                    hashes: list[int]) -> None:
+        spec, ps = dev.spec, self.page_size
         reports = [RankReport(r, len(committed), tuple(hashes)) for r in range(self.tp_ranks)]
         if self.rank_fault is not None:
             reports = [self.rank_fault(r) for r in reports]
         template = LayoutDescriptor(
-            model=self._active, rank=0, prefix_hash=0, committed_tokens=0, page_size=ps, dtype="float32",
+            model=dev.name, rank=0, prefix_hash=0, committed_tokens=0, page_size=ps, dtype="float32",
             attention="gqa" if spec.kv_heads < spec.heads else "mha",
             shape=(spec.layers, 2, ps, spec.kv_heads // self.tp_ranks, spec.head_dim),
         )
         for p in pages:
-            self.pool.use(p)  # transfer pin: the source page outlives any eviction until copied
-        pool = self.pool
+            dev.pool.use(p)  # transfer pin: the source page outlives any eviction until copied
+        pool = dev.pool
 
         def unpin() -> None:
             for p in pages:
                 pool.unuse(p)
 
-        self.hkvr.save(self._active, session_id, self.kv, pages, reports, template, unpin)
+        self.hkvr.save(dev.name, session_id, dev.kv, pages, reports, template, unpin)
 
     def _poll(self) -> None:
         if self.hkvr is not None:
             self.hkvr.poll()
 
     def _pump(self) -> None:
-        if self.staging is None or self.pool is None:
+        if self.staging is None or self.dev is None:
             return
-        pb, base, pool = self.page_bytes(self._active), self.bump.kv_base, self.pool
+        pb, base, pool = self.page_bytes(self.dev.name), self.bump.kv_base, self.dev.pool
 
         def slot_is_free(lo: int, hi: int) -> bool:
             first, last = (lo - base) // pb, min((hi - 1 - base) // pb, pool.num_pages - 1)
             return all(pool.cache_refs[p] == 0 and pool.use_refs[p] == 0 for p in range(max(first, 0), last + 1))
 
         self.staging.pump(slot_is_free)
-
-    def _rate(self, kind: str, tokens: int, seconds: float) -> None:
-        if tokens <= 0 or seconds <= 0:
-            return
-        r = tokens / seconds
-        old = self._rates[kind]
-        self._rates[kind] = ewma(old or None, r, EMA)

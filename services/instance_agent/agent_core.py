@@ -3,22 +3,31 @@
     routed call ──accept──▶ Work ──▶ RoundScheduler.submit
     executor loop: action = core.next_action(now)
                    runs it (torch engine on the wall clock | cost profile on a virtual clock)
-                   core.switch_done / prefill_done / decode_done(action, now, ...) → Outcome
-    Outcome: calls finished (executor releases them, then core.completed → CallCompleted),
+                   core.switch_done / prefill_done / decode_done(action, now, ...) → StepReport
+    StepReport: calls finished (executor releases them, then core.completed → CallCompleted),
              RoundSummary and SwitchDone messages, notes (CallParked / DeadlineRisk)
     core.snapshot(...) → InstanceSnapshot (the one snapshot builder)
 
-The core keeps what the scheduler does not: each call's timeline (queue, slot wait, first
-token, whether its slot began with a model switch) and the translation of scheduler
-events into the wire messages. It reads no clock and touches no engine, bus or profile,
+The core keeps the agent's one table of calls (`calls`: an `AgentCall` per call id, with its
+phase and timeline: queue, slot wait, first token, whether its slot began with a model
+switch) and the translation of scheduler events into the wire messages. A call's phase is
+the truth about it:
+
+    QUEUED ──prefill issued──▶ RUNNING ──executor closes it──▶ CLOSING ──outcome stored──▶ FINISHED
+    (a cancel for a call not here yet: CANCELLED, so the call is refused when it arrives)
+
+An executor that must answer late copies of a call (the live runner: a redelivered message is
+acked, never run again) keeps ended calls (`keep_ended`); the simulator keeps none. It reads no clock and touches no engine, bus or profile,
 so the live `CallRunner` (services/instance_agent/runner.py) and the simulator's
 `SimExecutor` (talaria/sim/executor.py) publish the same records for the same schedule.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 
 from talaria.services.instance_agent.scheduler import (
     CallAdmitted,
@@ -35,29 +44,47 @@ from talaria.services.instance_agent.scheduler import (
     SwitchModel,
     Work,
 )
-from talaria.services.instance_agent.scheduler.view import next_switch_s, round_remaining_s
 from talaria.shared.events import CallCompleted, RoundSummary, SwitchDone
 from talaria.shared.snapshots import InstanceSnapshot, ModelResidency, SessionKv
 
 
+class Phase(Enum):
+    QUEUED = "queued"  # accepted, its prefill not issued yet
+    RUNNING = "running"  # its prefill was issued (chunks, then decodes)
+    CLOSING = "closing"  # its outcome is being published: a copy arriving now is attached to it
+    FINISHED = "finished"  # its outcome is stored: a late copy is acked, never run
+    CANCELLED = "cancelled"  # cancelled before it arrived: refused when it does
+
+
+LIVE = (Phase.QUEUED, Phase.RUNNING)
+
+
 @dataclass(slots=True)
-class CallRecord:
-    """One call's timeline on this instance, from acceptance to completion."""
+class AgentCall:
+    """One call on this instance, from acceptance (or an early cancel) to its stored outcome."""
 
     call_id: str
     session_id: str
     model: str
     call_index: int
     submitted_at: float  # the caller's submission: queue and TTFT count from here
+    tenant: str = ""  # whose call it is: only that tenant's cancel stops it
+    phase: Phase = Phase.QUEUED
     started_at: float | None = None  # its prefill was issued
     first_token_at: float | None = None
     slot_wait_s: float = 0.0
     via: str = ""  # P | SP | hot
     opened_model: bool = False  # its slot began with a switch to its model
+    cancel_reason: str = ""  # CANCELLED: why (the refusal names it when the call arrives)
+    transport: object = None  # the executor's: the live runner's message, reply subject, span
+
+    @property
+    def live(self) -> bool:
+        return self.phase in LIVE
 
 
 @dataclass(slots=True)
-class Outcome:
+class StepReport:
     """What one completed action (or a drain) means for the outside world."""
 
     finished: list[str] = field(default_factory=list)  # calls done (not aborted): release, then complete
@@ -65,20 +92,86 @@ class Outcome:
     switch: SwitchDone | None = None
     notes: list[CallParked | DeadlineRisk] = field(default_factory=list)
 
+    def merge(self, more: "StepReport") -> None:
+        self.finished += more.finished
+        self.rounds += more.rounds
+        self.notes += more.notes
+
 
 class AgentCore:
     """Routed calls in, scheduler work out; scheduler events in, wire records out."""
 
-    def __init__(self, instance_id: str, config: SchedulerConfig, models: Sequence[str], costs: StepCostModel) -> None:
+    def __init__(self, instance_id: str, config: SchedulerConfig, models: Sequence[str], costs: StepCostModel,
+                 keep_ended: int = 0) -> None:
         self.instance_id = instance_id
         self.sched = RoundScheduler(config, list(models), costs)
-        self.records: dict[str, CallRecord] = {}
+        self.calls: dict[str, AgentCall] = {}
+        self.keep_ended = keep_ended
+        self._ended: deque[str] = deque()  # ended calls kept, oldest first
+
+    # ---- the call table ----------------------------------------------------------------
+
+    def live(self) -> Iterator[AgentCall]:
+        """Calls queued or running here."""
+        return (c for c in self.calls.values() if c.phase in LIVE)
+
+    def live_call(self, call_id: str) -> AgentCall | None:
+        call = self.calls.get(call_id)
+        return call if call is not None and call.phase in LIVE else None
+
+    def record(self, call_id: str, session_id: str, model: str, *, call_index: int, submitted_at: float,
+               tenant: str = "", transport: object = None) -> AgentCall:
+        """A queued call outside the scheduler (one refused on arrival is closed at once)."""
+        call = AgentCall(call_id, session_id, model, call_index, submitted_at, tenant=tenant, transport=transport)
+        self.calls[call_id] = call
+        return call
+
+    def cancel_early(self, call_id: str, reason: str, tenant: str) -> None:
+        """A cancel for a call not here (yet): the call is refused when it arrives."""
+        self.calls[call_id] = AgentCall(call_id, "", "", 0, 0.0, tenant=tenant, phase=Phase.CANCELLED,
+                                        cancel_reason=reason)
+        self._keep(call_id)
+
+    def close(self, call_id: str) -> AgentCall | None:
+        """The executor starts publishing a live call's outcome: CLOSING (None: not live)."""
+        call = self.live_call(call_id)
+        if call is not None:
+            call.phase = Phase.CLOSING
+        return call
+
+    def reopen(self, call_id: str) -> None:
+        """Its outcome could not be published after all: live again (the executor fails it)."""
+        call = self.calls.get(call_id)
+        if call is not None and call.phase is Phase.CLOSING:
+            call.phase = Phase.RUNNING if call.started_at is not None else Phase.QUEUED
+
+    def end(self, call_id: str) -> None:
+        """Its outcome is stored: FINISHED, remembered while `keep_ended` allows."""
+        call = self.calls.get(call_id)
+        if call is None:
+            return
+        call.phase = Phase.FINISHED
+        call.transport = None
+        self._keep(call_id)
+
+    def forget(self, call_id: str) -> AgentCall | None:
+        """Drop a call from the table (its outcome was not stored: a redelivery runs it again)."""
+        return self.calls.pop(call_id, None)
+
+    def _keep(self, call_id: str) -> None:
+        self._ended.append(call_id)
+        while len(self._ended) > self.keep_ended:
+            old = self._ended.popleft()
+            call = self.calls.get(old)
+            if call is not None and call.phase in (Phase.FINISHED, Phase.CANCELLED):
+                del self.calls[old]
 
     # ---- intake ------------------------------------------------------------------------
 
     def accept(self, call_id: str, session_id: str, model: str, *, call_index: int, prompt_tokens: int,
                max_tokens: int, submitted_at: float, kv_state: KvState, reusable_tokens: int, now: float,
-               arrived_at: float | None = None, kv_output_tokens: int = 0) -> Work:
+               arrived_at: float | None = None, tenant: str = "", transport: object = None,
+               kv_output_tokens: int = 0) -> Work:
         """Submit a routed call; raises the scheduler's error when it cannot take it.
         `arrived_at` (default `submitted_at`) starts the scheduler's slot wait."""
         work = Work(call_id, session_id, model, prompt_tokens=max(1, prompt_tokens), reusable_tokens=reusable_tokens,
@@ -86,7 +179,8 @@ class AgentCore:
                     arrived_at=submitted_at if arrived_at is None else arrived_at, continuation=call_index > 0,
                     kv_output_tokens=kv_output_tokens)
         self.sched.submit(work, now)
-        self.records[call_id] = CallRecord(call_id, session_id, model, call_index, submitted_at)
+        self.record(call_id, session_id, model, call_index=call_index, submitted_at=submitted_at, tenant=tenant,
+                    transport=transport)
         return work
 
     # ---- the executor's side of the loop -----------------------------------------------
@@ -95,18 +189,19 @@ class AgentCore:
         action = self.sched.next_action(now, max_decode_steps)
         if isinstance(action, Prefill):
             for call_id in action.call_ids:
-                rec = self.records.get(call_id)
+                rec = self.live_call(call_id)
                 if rec is not None and rec.started_at is None:  # a later chunk does not restart it
                     rec.started_at = now
+                    rec.phase = Phase.RUNNING
         return action
 
     def switch_done(self, action: SwitchModel, now: float, total_s: float, *, path: str,
                     phases: dict[str, float] | None = None, bytes_staged: int = 0,
-                    bytes_uncovered: int = 0, clock_measured: bool = False) -> Outcome:
+                    bytes_uncovered: int = 0, clock_measured: bool = False) -> StepReport:
         """The device serves `action.to_model` after `total_s` seconds along `path`. The
         scheduler learns `total_s`, or with `clock_measured` the time since it issued the
         switch (a virtual clock that advanced by exactly the priced time)."""
-        for rec in self.records.values():
+        for rec in self.live():
             if rec.model == action.to_model:
                 rec.opened_model = True
         events = self.sched.on_switch_done(action, now, None if clock_measured else total_s)
@@ -118,44 +213,41 @@ class AgentCore:
         return out
 
     def prefill_done(self, action: Prefill, now: float, finished: Iterable[str] = (),
-                     first_tokens: Iterable[str] | None = None, prompt_left=None) -> Outcome:
+                     first_tokens: Iterable[str] | None = None, prompt_left=None) -> StepReport:
         """`first_tokens`: calls whose prompt is complete (default all); with chunked prefill
         the others continue, and `prompt_left` says how much each has left."""
         firsts = None if first_tokens is None else set(first_tokens)
         for call_id in action.call_ids:
-            rec = self.records.get(call_id)
+            rec = self.live_call(call_id)
             if rec is not None and rec.first_token_at is None and (firsts is None or call_id in firsts):
                 rec.first_token_at = now
         events = self.sched.on_prefill_done(action, now, finished, first_tokens=firsts, prompt_left=prompt_left)
         return self._outcome(events, now)
 
     def decode_done(self, action: Decode, now: float, finished: Iterable[str] = (), steps: int | None = None,
-                    stalled: Iterable[str] = ()) -> Outcome:
+                    stalled: Iterable[str] = ()) -> StepReport:
         return self._outcome(self.sched.on_decode_done(action, now, finished, steps, stalled), now)
 
-    def action_failed(self, action, now: float) -> Outcome:
+    def action_failed(self, action, now: float) -> StepReport:
         """The executor could not run `action` and failed what it had to: the scheduler can
         choose again (without this it would wait for the action forever)."""
         return self._outcome(self.sched.on_action_failed(action, now), now)
 
-    def drain(self, now: float) -> Outcome:
+    def drain(self, now: float) -> StepReport:
         """Events raised outside an action (after an Idle)."""
         return self._outcome(self.sched.drain_events(), now)
 
-    def abort(self, call_id: str, now: float) -> Outcome:
-        """Forget a call the executor failed (its record goes; the scheduler frees its place)."""
-        self.records.pop(call_id, None)
+    def abort(self, call_id: str, now: float) -> StepReport:
+        """Take a call the executor fails out of the scheduler (which frees its place); the
+        executor then closes it. Raises the scheduler's error for a call it does not hold."""
         return self._outcome(self.sched.abort(call_id, now), now)
 
-    def forget(self, call_id: str) -> CallRecord | None:
-        return self.records.pop(call_id, None)
-
-    def _outcome(self, events, now: float) -> Outcome:
-        out = Outcome()
+    def _outcome(self, events, now: float) -> StepReport:
+        out = StepReport()
         for event in events:
             match event:
                 case CallAdmitted():
-                    rec = self.records.get(event.call_id)
+                    rec = self.calls.get(event.call_id)
                     if rec is not None:
                         rec.slot_wait_s, rec.via = event.slot_wait_s, event.via
                 case CallFinished(reason="aborted"):
@@ -177,9 +269,9 @@ class AgentCore:
     def completed(self, call_id: str, now: float, *, prompt_tokens: int, output_tokens: int, finish_reason: str,
                   cached_tokens: int = 0, kv_source: str = "none", prefill_s: float = 0.0, decode_s: float = 0.0,
                   trace_id: str = "") -> CallCompleted:
-        """The completion record of a finished call from what the executor computed for it
-        (its timeline is dropped)."""
-        rec = self.records.pop(call_id)
+        """The completion record of a finished call from what the executor computed for it.
+        The executor ends the call (`end`) once the record is stored."""
+        rec = self.calls[call_id]
         started = rec.started_at if rec.started_at is not None else now
         first = rec.first_token_at if rec.first_token_at is not None else now
         return CallCompleted(
@@ -196,8 +288,8 @@ class AgentCore:
     def snapshot(self, version: int, now: float, *, pool: str, active_model: str | None,
                  models: list[ModelResidency], sessions: list[SessionKv], memory, heartbeat_s: float) -> InstanceSnapshot:
         """The instance snapshot the router consumes. Queues, round and risk come from the
-        scheduler (the fields of `scheduler.view` the router reads, without its per-call KV sum); residency, session KV and `memory` (capacity, use and measured rates, the
-        attributes of `engine.api.EngineStats`) from the executor's device."""
+        scheduler (the fields of `RoundScheduler.snapshot` the router reads, without its per-call KV sum); residency, session KV and `memory` (capacity, use and measured rates, the
+        attributes of `engine.contract.EngineStats`) from the executor's device."""
         sched, calls = self.sched, self.sched.calls
         return InstanceSnapshot(
             instance_id=self.instance_id, version=version, at=now, pool=pool, models=models,
@@ -207,11 +299,11 @@ class AgentCore:
             else sum(c.work.prompt_tokens for q in calls.queued.values() for c in q.values()),
             queued_prefill_s=sched.prefill_ahead_s(),
             running=sum(len(r) for r in calls.running.values()),
-            round_remaining_s=round_remaining_s(sched, now),
+            round_remaining_s=sched.round_remaining_s(now),
             deadline_risk=sched.deadline_risk, kv_capacity_tokens=memory.kv_capacity_tokens,
             kv_used_tokens=memory.kv_used_tokens, kv_pinned_tokens=getattr(memory, "kv_pinned_tokens", -1),
             staging_free_bytes=memory.staging_free_bytes,
             hbm_bytes=memory.hbm_bytes, hbm_used_bytes=memory.hbm_used_bytes, prefill_tok_s=memory.prefill_tok_s,
-            decode_tok_s=memory.decode_tok_s, restore_tok_s=memory.restore_tok_s, switch_s=next_switch_s(sched),
+            decode_tok_s=memory.decode_tok_s, restore_tok_s=memory.restore_tok_s, switch_s=sched.next_switch_s(),
             heartbeat_s=heartbeat_s,
         )

@@ -3,7 +3,8 @@
 The durable record (CallCompleted) is published to JetStream first, without waiting for its
 ack, so it reaches the stream ahead of anything the client does next (the router learns of
 the completion before the session's next call); the client's reply (and a stream's end) go
-out on core NATS right after. A background task waits for the record's ack, publishing it
+out on core NATS right after (and again if the connection dropped before the server confirmed
+them: a broker restart must not leave a client waiting for its timeout). A background task waits for the record's ack, publishing it
 again until the stream has it (its message id makes a retry a no-op), and only then is
 `on_stored` run (the runner's `_closed`: the call counts as finished and its
 JetStream message is acked). So the engine loop never waits for a stream ack, and the
@@ -21,9 +22,10 @@ from collections.abc import Awaitable, Callable
 import msgspec
 
 from talaria.shared.bus import PUBLISH_TIMEOUT_S, RECONNECT_WAIT_S, emit, emit_async
+from talaria.shared.nats_auth import sender_headers
 
 
-class OutcomeSender:
+class RecordSender:
     def __init__(self, nc, js, log) -> None:
         self.nc, self.js, self.log = nc, js, log
         self._tasks: set[asyncio.Task] = set()
@@ -39,9 +41,10 @@ class OutcomeSender:
         except Exception as exc:  # not even queued (the connection is closed): the task retries
             ack = asyncio.get_running_loop().create_future()
             ack.set_exception(exc)
-        for subject, data in replies:
-            await self.nc.publish(subject, data)
-        task = asyncio.create_task(self._store(call_id, started_pub, record, ack, on_stored, on_dropped))
+        reconnects = self.nc.stats["reconnects"]
+        await self._reply(replies)
+        task = asyncio.create_task(self._store(call_id, started_pub, record, ack, on_stored, on_dropped,
+                                               replies, reconnects))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
@@ -65,7 +68,34 @@ class OutcomeSender:
         except Exception as exc:
             self.log.warning("scheduler record not stored", kind=type(event).__name__, error=str(exc))
 
-    async def _store(self, call_id: str, started_pub, record, ack, on_stored, on_dropped) -> None:
+    async def _reply(self, replies: list[tuple[str, bytes]]) -> None:
+        for subject, data in replies:
+            await self.nc.publish(subject, data, headers=sender_headers(self.nc))  # readers check it
+
+    async def _delivered(self, call_id: str, replies: list[tuple[str, bytes]], reconnects: int) -> None:
+        """Make sure the replies reached the server: a PONG answered after them on the same
+        connection. A reconnect since they were published may have dropped them (bytes written
+        to a socket the broker never read): publish them again. A duplicate is harmless (the
+        gateway takes the first; the kept copy is the same answer)."""
+        while True:
+            try:
+                await self.nc.flush(timeout=PUBLISH_TIMEOUT_S)
+                if self.nc.stats["reconnects"] == reconnects:
+                    return
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # disconnected: wait for the client to reconnect
+                await asyncio.sleep(RECONNECT_WAIT_S)
+                continue
+            reconnects = self.nc.stats["reconnects"]
+            self.log.info("replies sent again after a reconnect", call_id=call_id)
+            try:
+                await self._reply(replies)
+            except Exception:
+                await asyncio.sleep(RECONNECT_WAIT_S)
+
+    async def _store(self, call_id: str, started_pub, record, ack, on_stored, on_dropped,
+                     replies=(), reconnects: int = 0) -> None:
         try:
             await settled(started_pub)
             try:
@@ -86,6 +116,8 @@ class OutcomeSender:
             await on_stored()
         except Exception as exc:  # e.g. the ack: redelivered later, and acked then as finished
             self.log.warning("acking a stored outcome failed", call_id=call_id, error=str(exc))
+        if replies:
+            await self._delivered(call_id, list(replies), reconnects)
 
     async def drain(self, timeout: float) -> None:
         """Wait for the records in flight (at shutdown); those not stored by `timeout` stay

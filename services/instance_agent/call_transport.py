@@ -1,0 +1,25 @@
+"""What the live runner keeps of a call beside the core's record: how it came and how it is
+answered (the JetStream message to ack, the reply and token subjects, the trace span)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from opentelemetry import trace
+
+from talaria.shared.events import CallRouted
+
+
+@dataclass
+class CallTransport:
+    routed: CallRouted  # the call as routed: its reply subject, stream flag, tenant, deadline
+    # The JetStream message, acked once the outcome is published; None while the call runs
+    # from its core-NATS fast copy and the durable copy has not arrived (it is acked on arrival).
+    msg: object | None
+    span: trace.Span
+    streamed: int = 0  # token chunks sent (the last one's index)
+    in_engine: bool = False  # the engine holds it (its prefill was handed over, not yet released)
+    started_pub: asyncio.Future | None = None  # the CallStarted publish, off the prefill path
+    logprobs: list = field(default_factory=list)  # a streamed call's logprobs not yet in a chunk
+    result: object = None  # the engine step that finished it released it: its GenResult (or error)

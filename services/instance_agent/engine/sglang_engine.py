@@ -1,0 +1,302 @@
+"""The `sglang` engine (`TALARIA_ENGINE=sglang`): the agent's models on SGLang's offline
+`sglang.Engine`, behind the engine contract (contract.py). NEVER RUN: SGLang cannot run on
+this project's machines (its CPU backend needs a source build with AMX, its PyPI kernels are
+CUDA-only, its wheels are too large for the lent GPU machine). What it calls is checked
+against SGLang's own source by tests/unit/engine/test_sglang_source.py (the wheel is
+downloaded without dependencies and parsed, never imported), so it fails when either side
+drifts; whether it serves correctly is unknown until it runs on a GPU.
+
+    prefill(reqs)  `Engine.async_generate(input_ids=..., sampling_params=..., stream=True,
+                   rid=call_id, cache_salt=kv_scope, ...)` per call; returns each first token
+    decode(ids)    the next token each call's stream delivered (incremental streaming output)
+    finish(id)     an unfinished call is aborted (`tokenizer_manager.abort_request(rid=...)`;
+                   `sglang.Engine` has no abort of its own)
+    switch_to      `memory` (default): one Engine per model, started with the memory saver;
+                   the outgoing one `release_memory_occupation(tags=["kv_cache", "weights"])`,
+                   the incoming one `resume_memory_occupation(tags=["weights", "kv_cache"])`.
+                   `weights`: one Engine, `update_weights_from_disk(model_path=...)` to the
+                   next model's directory (same architecture and shapes only) and
+                   `flush_cache()`.
+    host KV        SGLang's hierarchical cache with HKVR as its storage backend
+                   (sglang_hicache.py, loaded by SGLang's `dynamic` backend factory), written
+                   through, so a session's pages survive the KV release of a switch.
+
+SGLang's offline Engine is driven through its own event loop (`Engine.loop`) from the
+thread that made it, as its synchronous methods are: this adapter does every call on the
+agent's engine thread and runs the loop only while it waits for tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from talaria.services.instance_agent.engine.admission import KvAdmission
+from talaria.services.instance_agent.engine.contract import EngineStats, GenRequest, GenResult, StepToken, SwitchRecord
+from talaria.services.instance_agent.engine.contract import Capabilities
+from talaria.services.instance_agent.engine.engine_errors import (
+    EngineBusy, EngineError, ModelNotActive, UnknownCall, UnknownModel,
+)
+from talaria.services.instance_agent.engine.hf_export import hf_dir
+from talaria.services.instance_agent.engine.stream_call import StreamedCall
+from talaria.shared.catalog import CATALOG, ModelSpec
+from talaria.shared.model_text import text_for
+
+RELEASE_TAGS = ["kv_cache", "weights"]  # sglang.srt.constants GPU_MEMORY_TYPE_*
+RESUME_TAGS = ["weights", "kv_cache"]
+HICACHE_MODULE = "talaria.services.instance_agent.engine.sglang_hicache"
+HICACHE_CLASS = "TalariaHiCacheStorage"
+
+
+class SglangUnavailable(EngineError, RuntimeError):
+    def __str__(self) -> str:
+        return "TALARIA_ENGINE=sglang needs SGLang on a CUDA machine: pip install 'talaria[sglang]'"
+
+
+def engine_kwargs(model_path: str, spec: ModelSpec, *, mem_fraction: float, hkvr: bool,
+                  host_pages: int) -> dict[str, Any]:
+    """`sglang.Engine(**kwargs)`: every key is a ServerArgs field (checked against SGLang's source)."""
+    kwargs = {
+        "model_path": model_path,
+        "skip_tokenizer_init": True,  # token ids in and out; text is decided here (stream_call.py)
+        "context_length": spec.context_length,
+        "dtype": "float32" if spec.path is None else "auto",
+        "mem_fraction_static": mem_fraction,
+        "enable_memory_saver": True,  # release/resume_memory_occupation
+        "incremental_streaming_output": True,  # each streamed chunk carries only its new ids
+        "random_seed": 0,
+        "log_level": "error",
+    }
+    if hkvr:
+        kwargs.update({
+            "enable_hierarchical_cache": True,
+            "hicache_write_policy": "write_through",
+            "hicache_storage_backend": "dynamic",
+            "hicache_storage_backend_extra_config": json.dumps({
+                "backend_name": "talaria-hkvr", "module_path": HICACHE_MODULE, "class_name": HICACHE_CLASS,
+                "model": spec.name, "host_pages": host_pages}),
+        })
+    return kwargs
+
+
+def sampling_params(r: GenRequest, text, room: int) -> dict[str, Any]:
+    """SGLang's sampling parameters (sglang.srt.sampling.sampling_params.SamplingParams fields)."""
+    params: dict[str, Any] = {
+        "max_new_tokens": max(1, min(r.max_tokens, room)),
+        "temperature": r.temperature,
+        "top_p": r.top_p,
+        "stop_token_ids": list(text.eos_ids),
+        "ignore_eos": True,  # EOS is the model text side's (stop_token_ids), not the tokenizer's
+    }
+    if r.seed is not None:
+        params["sampling_seed"] = r.seed
+    if r.logit_bias:
+        params["logit_bias"] = {str(k): float(v) for k, v in r.logit_bias.items()}
+    return params
+
+
+class SglangEngine:
+    def __init__(self, data_dir: Path, models: list[str], *, device: str = "cuda", hkvr: bool = True,
+                 staging: bool = True, switch_mode: str | None = None, host_kv_pages: int = 4096,
+                 **_torch_only: Any) -> None:
+        unknown = [m for m in models if m not in CATALOG]
+        if unknown or not models:
+            raise UnknownModel(unknown[0] if unknown else "", sorted(CATALOG))
+        try:
+            import sglang  # noqa: F401
+        except ImportError as err:
+            raise SglangUnavailable() from err
+        self.data_dir = Path(data_dir)
+        self.specs = {m: CATALOG[m] for m in models}
+        self.switch_mode = switch_mode or "memory"
+        if self.switch_mode not in ("memory", "weights"):
+            raise ValueError(f"TALARIA_SGLANG_SWITCH={self.switch_mode!r}: 'memory' or 'weights'")
+        self.hkvr, self.host_kv_pages = hkvr, host_kv_pages
+        self.capabilities = Capabilities(switch_with_calls_running=False, host_kv=hkvr, d2d_staging=False,
+                                         chunked_prefill=True)
+        self.should_yield = None
+        self.running: dict[str, StreamedCall] = {}
+        self.sessions: dict[tuple[str, str], list[int]] = {}
+        self.switches: list[SwitchRecord] = []
+        self._streams: dict[str, Any] = {}
+        self._engines: dict[str, Any] = {}
+        self._active: str | None = None
+        self.ensure_weights()
+        share = 0.85 if self.switch_mode == "weights" else 0.85 / len(models)
+        try:
+            for m in (models[:1] if self.switch_mode == "weights" else models):
+                self._engines[m] = self._start(m, share)
+            self._active = models[0]
+            for m in models[1:]:
+                if self.switch_mode == "memory":
+                    self._engines[m].release_memory_occupation(tags=RELEASE_TAGS)
+        except BaseException:
+            self.close()
+            raise
+
+    def ensure_weights(self) -> None:
+        self.dirs = {m: hf_dir(self.data_dir, s) for m, s in self.specs.items()}
+
+    def _start(self, model: str, share: float):
+        import sglang
+
+        return sglang.Engine(**engine_kwargs(str(self.dirs[model]), self.specs[model], mem_fraction=share,
+                                             hkvr=self.hkvr, host_pages=self.host_kv_pages))
+
+    def _engine(self, model: str):
+        return self._engines[model if self.switch_mode == "memory" else next(iter(self._engines))]
+
+    @property
+    def active_model(self) -> str | None:
+        return self._active
+
+    def _spec(self, model: str) -> ModelSpec:
+        try:
+            return self.specs[model]
+        except KeyError:
+            raise UnknownModel(model, sorted(self.specs)) from None
+
+    def switch_to(self, model: str) -> SwitchRecord:
+        self._spec(model)
+        if model == self._active:
+            return SwitchRecord(model, model, "noop")  # type: ignore[arg-type]
+        if self.running:
+            raise EngineBusy(sorted(self.running))
+        t0 = time.perf_counter()
+        previous = self._active
+        if self.switch_mode == "memory":
+            self._engines[previous].release_memory_occupation(tags=RELEASE_TAGS)
+            t1 = time.perf_counter()
+            self._engines[model].resume_memory_occupation(tags=RESUME_TAGS)
+        else:
+            engine = self._engine(model)
+            t1 = time.perf_counter()
+            engine.update_weights_from_disk(model_path=str(self.dirs[model]))
+            engine.flush_cache()  # the previous model's KV means nothing to this one
+        t2 = time.perf_counter()
+        self._active = model
+        self.sessions = {k: v for k, v in self.sessions.items() if k[1] != previous}
+        rec = SwitchRecord(previous, model, "host_only", save_teardown_s=t1 - t0, open_weights_s=t2 - t1,
+                           total_s=t2 - t0)
+        self.switches.append(rec)
+        return rec
+
+    def stage(self, model: str, *, wait: bool = False) -> int:
+        self._spec(model)
+        return 0
+
+    def prefill(self, reqs: list[GenRequest], chunk_tokens: int = 0, more: Iterable[str] = (),
+                pass_tokens: int = 0) -> list[StepToken]:
+        for r in reqs:
+            KvAdmission.validate(self._spec(r.model), self.running, r)
+        models = {r.model for r in reqs}
+        if len(models) > 1:
+            raise ModelNotActive(sorted(models)[1], sorted(models)[0])
+        if models and (model := next(iter(models))) != self._active:
+            if self.running:
+                raise ModelNotActive(model, self._active)
+            self.switch_to(model)
+        t0 = time.perf_counter()
+        calls = []
+        for r in reqs:
+            spec = self.specs[r.model]
+            text = text_for(spec)
+            call = StreamedCall(r, r.model, spec.context_length, t0, text)
+            engine = self._engine(r.model)
+            self._streams[r.call_id] = engine.loop.run_until_complete(engine.async_generate(
+                input_ids=list(r.prompt_ids), sampling_params=sampling_params(r, text, spec.context_length - len(r.prompt_ids)),
+                stream=True, rid=r.call_id, cache_salt=r.kv_scope or None, session_id=None,
+                return_logprob=r.logprobs, top_logprobs_num=r.top_logprobs if r.logprobs else None))
+            self.running[r.call_id] = call
+            calls.append(call)
+        return [self._next(c, prefill=True) for c in calls]
+
+    def decode(self, call_ids: list[str]) -> list[StepToken]:
+        for cid in call_ids:
+            call = self.running.get(cid)
+            if call is None:
+                raise UnknownCall(cid)
+            if call.finish_reason is not None:
+                raise UnknownCall(cid, f"already finished ({call.finish_reason}); call finish()")
+        return [self._next(self.running[c]) for c in call_ids]
+
+    def _next(self, call: StreamedCall, prefill: bool = False) -> StepToken:
+        t0 = time.perf_counter()
+        engine = self._engine(call.model)
+        while not call.pending:
+            if call.engine_done:
+                raise EngineError(f"call {call.req.call_id}: SGLang ended it without a token")
+            try:
+                out = engine.loop.run_until_complete(self._streams[call.req.call_id].__anext__())
+            except StopAsyncIteration:
+                call.engine_done = True
+                continue
+            meta = out.get("meta_info", {})
+            ids = list(out.get("output_ids", ()))
+            lps = _logprobs(meta, len(ids))
+            if call.t_first is None and not call.pending:
+                call.cached_tokens = int(meta.get("cached_tokens", 0) or 0)
+            call.pending += list(zip(ids, lps))
+            call.engine_done = call.engine_done or meta.get("finish_reason") is not None
+        now = time.perf_counter()
+        if prefill:
+            call.prefill_s += now - t0
+        else:
+            call.decode_s += now - t0
+        step = call.take(now)
+        if step.finished and not call.engine_done:
+            engine.tokenizer_manager.abort_request(rid=call.req.call_id)
+            call.engine_done = True
+        return step
+
+    def finish(self, call_id: str) -> GenResult:
+        call = self.running.pop(call_id, None)
+        if call is None:
+            raise UnknownCall(call_id)
+        self._streams.pop(call_id, None)
+        if not call.engine_done:
+            self._engine(call.model).tokenizer_manager.abort_request(rid=call_id)
+        self.sessions[(call.req.session_id, call.model)] = list(call.req.prompt_ids) + call.generated[:-1]
+        return call.result()
+
+    def prompt_left(self, call_ids: Iterable[str]) -> dict[str, int]:
+        return {c: 0 for c in call_ids if c in self.running}
+
+    def kv_state(self, session_id: str, model: str) -> str:
+        return "device" if (session_id, model) in self.sessions else "none"
+
+    def session_states(self) -> list[tuple[str, str, str, int]]:
+        return [(s, m, "device", len(t)) for (s, m), t in self.sessions.items()]
+
+    def stats(self) -> EngineStats:
+        return EngineStats(active_model=self._active, kv_capacity_tokens=0, kv_used_tokens=0, prefill_tok_s=0.0,
+                           decode_tok_s=0.0, restore_tok_s=0.0,
+                           last_switch_s=self.switches[-1].total_s if self.switches else 0.0, hbm_bytes=0,
+                           hbm_used_bytes=0, staging_free_bytes=0, running_calls=len(self.running))
+
+    def close(self) -> None:
+        for engine in self._engines.values():
+            try:
+                engine.shutdown()
+            except Exception:  # noqa: BLE001 - closing: the others still get shut down
+                pass
+        self._engines.clear()
+
+
+def _logprobs(meta: dict, n: int) -> list[dict | None]:
+    """SGLang's per-token (logprob, id, text) tuples and top lists as {id: logprob} maps."""
+    own = meta.get("output_token_logprobs") or []
+    top = meta.get("output_top_logprobs") or []
+    if not own:
+        return [None] * n
+    out = []
+    for i, (lp, tok, *_rest) in enumerate(own[-n:]):
+        d = {tok: lp}
+        for t_lp, t_id, *_ in (top[-n:][i] if i < len(top[-n:]) and top[-n:][i] else []):
+            d.setdefault(t_id, t_lp)
+        out.append(d)
+    return out

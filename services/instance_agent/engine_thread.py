@@ -1,0 +1,60 @@
+"""The one worker thread every engine call runs on (the engine is blocking torch code and not
+thread-safe), and the watchdog's view of the step in flight.
+
+Work on it runs in submission order, so a release queued now runs after the step in flight and
+before any step the loop issues later."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import Executor
+
+from talaria.services.instance_agent.engine.contract import Engine
+from talaria.services.instance_agent.watchdog import Watchdog
+
+
+class EngineThread:
+    def __init__(self, engine: Engine, executor: Executor | None, watchdog: Watchdog) -> None:
+        self.engine, self.executor, self.watchdog = engine, executor, watchdog
+        # Set when a call arrives: a chunked prefill in flight ends at its next forward pass.
+        self.arrived = threading.Event()
+        engine.should_yield = self.arrived.is_set
+        self.step_calls: tuple[str, ...] = ()  # the calls of the loop's step in flight
+        self.step_predicted_s = 0.0  # the scheduler's estimate of that step (for the watchdog)
+
+    def expect(self, call_ids: tuple[str, ...], predicted_s: float) -> None:
+        """The loop's next step: its calls and the scheduler's estimate of it."""
+        self.step_calls, self.step_predicted_s = call_ids, predicted_s
+
+    async def run(self, fn, *args, kind: str | None = None):
+        """An engine step of the work loop, timed by the watchdog."""
+        self.watchdog.step_started(kind or fn.__name__, self.step_calls, time.time(), self.step_predicted_s)
+        try:
+            return await self.call(fn, *args)
+        finally:
+            self.watchdog.step_ended(time.time())
+
+    async def call(self, fn, *args):
+        """On the engine thread, after anything queued before (cancels and drops: not a step of
+        the loop, so the watchdog's view of the step in flight stays whole)."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def release(self, call_id: str) -> None:
+        """Release what the engine holds of a call, if anything (its KV stays as the session's cache)."""
+        try:
+            await self.call(self.engine.finish, call_id)
+        except Exception:
+            pass  # the engine never admitted it, or released it already
+
+    def release_soon(self, call_id: str) -> None:
+        """`release`, queued now without waiting: it runs once the step in flight (even a stuck
+        one) returns, before the next."""
+        asyncio.get_running_loop().run_in_executor(self.executor, self._finish_quietly, call_id)
+
+    def _finish_quietly(self, call_id: str) -> None:
+        try:
+            self.engine.finish(call_id)
+        except Exception:
+            pass

@@ -1,0 +1,108 @@
+"""The wire contract of every event, one row each: the table subjects, NATS permissions, sender
+checks and JetStream message ids are all derived from.
+
+Adding an event: its Struct (with a tag) in events.py, a member of `Event`, and one
+`EventSpec` here. tests/unit/contract/test_event_specs.py fails when an event has no row or a
+row no event.
+
+    field         what it says                               derived from it
+    event         the Struct (its tag names the subject)     <deployment>.evt.<tag>
+    owners        the services that publish it               publish permissions, `trusted`
+    dedupe        fields of its natural key, () for none    the Nats-Msg-Id `<Type>:<k1>:<k2>`
+    per_instance  the subject ends in the target instance    <deployment>.evt.<tag>.<instance_id>
+    core_readers  services that read it on core NATS as it   their subscribe permissions
+                  is published (besides the stream)
+
+Every event is durable (it is on the deployment's JetStream stream); `dedupe` says whether a
+retried publish is dropped by the stream as a duplicate (published at most once), and
+`core_readers` who also hears it without a stream consumer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import get_args
+
+import msgspec
+
+from talaria.shared import events as e
+
+# The services (NATS roles) that publish events; "agent" is any instance agent, and an agent's
+# event that names an instance must name that agent.
+SERVICES = ("gateway", "router", "telemetry", "agent")
+
+
+@dataclass(frozen=True)
+class EventSpec:
+    event: type[msgspec.Struct]
+    owners: frozenset[str]
+    dedupe: tuple[str, ...] = ()  # dotted field paths: ("call.call_id",) reads event.call.call_id
+    per_instance: bool = False
+    core_readers: frozenset[str] = frozenset()
+
+    @property
+    def tag(self) -> str:
+        return self.event.__struct_config__.tag  # type: ignore[return-value]
+
+    @property
+    def name(self) -> str:
+        return self.event.__name__
+
+    def subject(self, deployment: str) -> str:
+        """Its subject; with `per_instance`, the prefix of every instance's own subject."""
+        return f"{deployment}.evt.{self.tag}"
+
+    def subject_of(self, deployment: str, event: msgspec.Struct) -> str:
+        base = self.subject(deployment)
+        return f"{base}.{event.instance_id}" if self.per_instance else base
+
+    def publish_pattern(self, deployment: str) -> str:
+        """What its owners may publish (every instance's subject for a per-instance event)."""
+        return f"{self.subject(deployment)}.*" if self.per_instance else self.subject(deployment)
+
+    def msg_id(self, event: msgspec.Struct) -> str | None:
+        if not self.dedupe:
+            return None
+        return ":".join([self.name, *(str(_field(event, path)) for path in self.dedupe)])
+
+
+def _field(event: object, path: str) -> object:
+    for part in path.split("."):
+        event = getattr(event, part)
+    return event
+
+
+_GATEWAY, _ROUTER, _AGENT = frozenset({"gateway"}), frozenset({"router"}), frozenset({"agent"})
+
+SPECS: tuple[EventSpec, ...] = (
+    EventSpec(e.CallSubmitted, _GATEWAY, dedupe=("call_id",)),
+    EventSpec(e.CallRouted, _ROUTER, dedupe=("call.call_id",), per_instance=True),
+    EventSpec(e.CallStarted, _AGENT, dedupe=("call_id",)),
+    EventSpec(e.CallCompleted, _AGENT, dedupe=("call_id",)),
+    EventSpec(e.CallFailed, frozenset({"gateway", "router", "agent"}), dedupe=("call_id",)),
+    EventSpec(e.LeaseIssued, _ROUTER, dedupe=("session_id", "call_id")),
+    EventSpec(e.LeaseConsumed, _ROUTER, dedupe=("session_id", "call_id")),
+    EventSpec(e.LeaseDiscarded, _ROUTER, dedupe=("session_id", "call_id")),
+    EventSpec(e.LeaseExpired, _ROUTER),
+    EventSpec(e.RoutingDecision, _ROUTER, dedupe=("call_id",)),
+    EventSpec(e.SwitchDone, _AGENT),
+    EventSpec(e.RoundSummary, _AGENT),
+    # The router declares an agent process gone; that agent stops the listed calls at once.
+    EventSpec(e.InstanceLost, _ROUTER, dedupe=("instance_id", "incarnation"), core_readers=_AGENT),
+)
+
+EVENT_TYPES: tuple[type[msgspec.Struct], ...] = get_args(e.Event)
+_BY_TYPE: dict[type, EventSpec] = {spec.event: spec for spec in SPECS}
+
+
+def spec_of(event: msgspec.Struct | type) -> EventSpec | None:
+    """The row of an event (or event type); None for anything that is not an event."""
+    return _BY_TYPE.get(event if isinstance(event, type) else type(event))
+
+
+def published_by(role: str) -> tuple[EventSpec, ...]:
+    return tuple(spec for spec in SPECS if role in spec.owners)
+
+
+def read_on_core_by(role: str) -> tuple[EventSpec, ...]:
+    return tuple(spec for spec in SPECS if role in spec.core_readers)
