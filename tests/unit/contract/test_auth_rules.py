@@ -8,18 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from talaria.services.gateway.auth import (
-    InvalidKeyEntry,
-    KeyStore,
-    Unauthenticated,
-    client_session,
-    hash_key,
-    kv_scope,
-    parse_key_entry,
-    read_key_file,
-    scoped_session,
-    write_key_file,
-)
+from talaria.services.gateway.auth import KeyStore, Unauthenticated, client_session, kv_scope, scoped_session
+from talaria.shared.api_keys import InvalidKeyEntry, hash_key, parse_key_entry, read_key_file, write_key_file
 
 KEY = "acme-key-0123456789"  # valid, at least 16 characters
 DIGEST = hash_key(KEY)
