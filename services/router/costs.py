@@ -71,7 +71,7 @@ from typing import NamedTuple
 from talaria.services.router.instances import ON_DEVICE, InstanceView
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.state import RouterState, SessionEntry
-from talaria.shared.events import CallSubmitted, CandidateCost
+from talaria.shared.events import CallSubmitted, CandidateCost, LeaseIssued
 
 GIB = float(1 << 30)
 HARD_REASONS = frozenset({"stale", "unhealthy", "model_not_served", "hot_pool_pinned", "hbm"})
@@ -167,9 +167,9 @@ class CostModel:
         self.budget = config.gamma * config.ttft_target_s
 
     def price(self, state: RouterState, view: InstanceView, call: CallSubmitted,
-              entry: SessionEntry | None, now: float, own_lease_on: str | None = None,
+              entry: SessionEntry | None, now: float, own_lease: LeaseIssued | None = None,
               prefix_hit: dict[str, tuple[int, str]] | None = None) -> Priced:
-        return self.price_all(state, [view], call, entry, now, own_lease_on, prefix_hit)[0]
+        return self.price_all(state, [view], call, entry, now, own_lease, prefix_hit)[0]
 
     def price_all(
         self,
@@ -178,11 +178,15 @@ class CostModel:
         call: CallSubmitted,
         entry: SessionEntry | None,
         now: float,
-        own_lease_on: str | None = None,
+        own_lease: LeaseIssued | None = None,
         prefix_hit: dict[str, tuple[int, str]] | None = None,
     ) -> list[Priced]:
         """Price `call` on every view. The hot loop of a decision: call-level values are
-        hoisted out of it and per-(snapshot, model) terms come from `_static`."""
+        hoisted out of it and per-(snapshot, model) terms come from `_static`.
+
+        `own_lease`, the session's own lease, is not charged against the session itself. It
+        is left out only while live: past its expiry (its LeaseExpired not folded yet) the
+        index no longer counts it, and leaving it out again made reserved_s negative."""
         cfg, model, budget = self.cfg, call.model, self.budget
         stale_after, charge = cfg.stale_after_s, cfg.lease_charge_s
         prompt = call.prompt_tokens
@@ -197,6 +201,7 @@ class CostModel:
         sharing = cfg.price_round_sharing
         last_here = entry.last_instance if entry is not None and entry.model == model else None
         lease_index = state.leases.by_instance
+        own_on = own_lease.instance_id if own_lease is not None and own_lease.live(now) else None
         prof = state.models.get(model)
         version = prof.version if prof is not None else -1
         # Calls the session is expected to make after this one, each paying the rotation it
@@ -247,7 +252,7 @@ class CostModel:
             # ---- incremental queue / prefill / decode work; activation is static
             expiries = lease_index.get(iid)
             leases = len(expiries) - bisect_right(expiries, now) if expiries else 0
-            if own_lease_on == iid:
+            if own_on == iid:
                 leases -= 1
             overlay = view.overlay_tokens
             queued = st.queue + view.overlay_new_tokens * pf  # work queued there now (snapshot + routed since)

@@ -154,9 +154,9 @@ class RouterState:
             case LeaseIssued():
                 self._install(event)
             case LeaseConsumed() | LeaseDiscarded():
-                self._drop_lease(event.session_id, event.instance_id, event.model, None)
+                self._drop_lease(event.session_id, event.instance_id, event.model, None, event.call_id)
             case LeaseExpired():
-                self._drop_lease(event.session_id, event.instance_id, event.model, event.at)
+                self._drop_lease(event.session_id, event.instance_id, event.model, event.at, None)
             case RoundSummary():
                 prof = self.instance_profiles.setdefault(event.instance_id, InstanceProfile())
                 prof.observe_round(event.wall_s, event.switch_s)
@@ -214,9 +214,12 @@ class RouterState:
 
     def _routed(self, event: CallRouted) -> None:
         call = event.call
-        if call.call_id in self.routed and call.call_id not in self.inflight_calls:
-            # It ended before its routing reached the stream (the agent ran the fast copy):
-            # nothing is in flight, and the session already moved on with its completion.
+        if call.call_id in self.routed:
+            # Folded before: replay folds again the router's own outputs stored after the
+            # checkpoint's sequence (counting it twice would leave its session running on the
+            # instance for ever), or the call ended before its routing reached the stream (the
+            # agent ran the fast copy) and the session already moved on with its completion.
+            self.decided(call.call_id, event.submitted_seq)
             return
         self._remember(call.call_id, event.instance_id)
         self.decided(call.call_id, event.submitted_seq)  # the stream's copy names it (replay)
@@ -285,13 +288,21 @@ class RouterState:
         self.leases.add(event)  # the book holds the event itself: no second lease shape
         self.session(event.session_id).lease = event
 
-    def _drop_lease(self, session_id: str, instance_id: str, model: str, at: float | None) -> None:
+    def _drop_lease(self, session_id: str, instance_id: str, model: str, at: float | None,
+                    by_call: str | None) -> None:
+        """Drop the session's lease for a LeaseExpired (`at`) or a LeaseConsumed /
+        LeaseDiscarded (`by_call`, the call that consumed or discarded it). An event about an
+        older lease leaves its successor alone: replay folds again the router's own outputs
+        stored after the checkpoint's sequence, and a dispatched call can complete (and
+        install its lease) before its LeaseConsumed reaches the stream."""
         entry = self.sessions.get(session_id)
         lease = entry.lease if entry is not None else None
         if lease is None or lease.instance_id != instance_id or lease.model != model:
             return  # about an older lease that a successor already replaced
         if at is not None and lease.expires_at > at:
             return  # an expiry notice for a lease that is still live
+        if by_call is not None and lease.call_id == by_call:
+            return  # the call that consumed or discarded the older lease installed this one
         entry.lease = None
         self.leases.remove(session_id)
 

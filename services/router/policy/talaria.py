@@ -42,11 +42,10 @@ class Talaria(PlacementPolicy):
             problem = sr.lease_problem(state, lease, call, now, self.config)
             if problem is None:
                 return self._consume(state, lease, call, entry, now)
-        own = lease.instance_id if lease is not None else None
         hit = None
         if self.config.prefix_placement and call.block_hashes and (entry is None or entry.kv_tokens == 0):
             hit = state.prefix.match(call.model, call.block_hashes)
-        priced = self.costs.price_all(state, state.instances.values(), call, entry, now, own, hit)
+        priced = self.costs.price_all(state, state.instances.values(), call, entry, now, lease, hit)
         priced = self._replica_rule(state, call.model, priced, now)
         decision = self._choose(state, call, priced, now)
         if lease is None:
@@ -58,7 +57,7 @@ class Talaria(PlacementPolicy):
                  entry: SessionEntry | None, now: float) -> RoutingDecision:
         view = state.instances[lease.instance_id]
         # The lease bypasses admission (its unit was charged while live); price it for the audit.
-        p = self.costs.price(state, view, call, entry, now, own_lease_on=lease.instance_id)
+        p = self.costs.price(state, view, call, entry, now, own_lease=lease)
         cost = replace(p.cost, feasible=True, reason="lease")
         opened = cost.model_state not in ON_DEVICE
         return self.route(

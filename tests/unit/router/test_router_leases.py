@@ -162,8 +162,13 @@ def test_live_lease_charges_one_admission_unit():
 def test_session_own_lease_is_not_charged_against_itself_when_discarded():
     c = served_once(lease_charge_s=0.5)
     c.handle(done("c0", "a", at=10.0), 10.0)
+    # Fresh snapshots: a stale `a` would be priced infeasible with reserved_s 0 whatever the
+    # lease rule (issue 26: this test once passed that way while the rule was broken).
+    c.observe(snap("a", version=2, at=11.5), 11.5)
+    c.observe(snap("b", version=2, at=11.5), 11.5)
     out = c.handle(call("c1", model="m1", at=11.5), 11.5)  # expired: discarded, not yet ticked
     by = {x.instance_id: x for x in one(out, RoutingDecision).candidates}
+    assert by["a"].feasible  # priced, not ruled out
     assert by["a"].reserved_s == 0.0  # the lease was dead anyway; nothing charged
 
 
