@@ -99,3 +99,10 @@ def test_calls_p_leaves_for_the_kv_budget_are_a_capacity_risk():
 
 def test_a_p_that_takes_everything_reports_no_capacity_risk():
     assert capacity_risks() == []
+
+
+def test_the_time_budget_forgives_float_rounding_of_a_sum_that_equals_it():
+    # 0.1 + 0.2 is 0.30000000000000004: a batch whose costs add up to the budget must fit,
+    # or a slot sized from the same costs would always leave its last call out
+    sel = pick([C("a", 0.1), C("b", 0.2)], lim(time_s=0.3))
+    assert sel.ids == ("a", "b") and sel.left == ()
