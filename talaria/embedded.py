@@ -431,8 +431,16 @@ def _reachable(pgdata: Path) -> Path:
     if pgdata.exists():
         shutil.move(str(pgdata), str(home))
     home.mkdir(exist_ok=True)
+    # beside the cluster (initdb wants its directory empty): whose it is, so a cleanup of one
+    # run's clusters never takes another's (tests/conftest.py)
+    cluster_source(home).write_text(str(pgdata))
     pgdata.symlink_to(home, target_is_directory=True)
     return home
+
+
+def cluster_source(home: Path) -> Path:
+    """The file naming the data directory a relocated cluster belongs to."""
+    return home.with_name(home.name + ".source")
 
 
 def _reachable_install(bin_dir: Path) -> Path:

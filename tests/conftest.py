@@ -28,18 +28,24 @@ TEMPLATE = "talaria_test_template"
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _relocated_clusters():
+def _relocated_clusters(tmp_root, tmp_path_factory):
     """As root, the cluster of an embedded Postgres whose data directory sits under a 0700
     directory (pytest's temp dirs) lives in ROOT_CLUSTERS (`embedded._reachable`): remove the
-    ones this session made, once no server runs on them."""
-    from talaria.embedded import ROOT_CLUSTERS, _pid_in, process_alive
+    ones this session made, once no server runs on them. Only clusters whose data directory is
+    under this session's temp dirs: a pytest run beside this one (another checkout) may be
+    creating its own there right now."""
+    from talaria.embedded import ROOT_CLUSTERS, _pid_in, cluster_source, process_alive
 
-    before = set(ROOT_CLUSTERS.glob("*")) if ROOT_CLUSTERS.exists() else set()
+    ours = (f"{tmp_root}/", f"{tmp_path_factory.getbasetemp()}/")
     yield
-    for path in set(ROOT_CLUSTERS.glob("*")) - before if ROOT_CLUSTERS.exists() else ():
-        pid = _pid_in(path / "postmaster.pid")
-        if path.is_dir() and not path.name.startswith("pginstall-") and not process_alive(pid, str(path)):
-            shutil.rmtree(path, ignore_errors=True)
+    for home in [p for p in ROOT_CLUSTERS.glob("*") if p.is_dir()] if ROOT_CLUSTERS.exists() else ():
+        source = cluster_source(home)
+        if source.exists() and source.read_text().startswith(ours):
+            if not process_alive(_pid_in(home / "postmaster.pid"), str(home)):
+                shutil.rmtree(home, ignore_errors=True)
+    for source in ROOT_CLUSTERS.glob("*.source") if ROOT_CLUSTERS.exists() else ():
+        if not source.with_suffix("").exists():
+            source.unlink(missing_ok=True)  # its cluster is gone (removed here or by its test)
 
 
 @pytest.fixture(scope="session")
