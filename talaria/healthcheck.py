@@ -13,14 +13,13 @@ import urllib.request
 
 import nats
 
-from talaria.shared import subjects
 from talaria.shared.bus import servers
-from talaria.shared.settings import Settings
+from talaria.shared.settings import CommonSettings, Settings
 
 TIMEOUT_S = 3.0  # heartbeats come every 0.5 s: several must be missed to fail
 
 
-async def _heard(settings: Settings, subject: str, timeout: float) -> bool:
+async def _heard(settings: CommonSettings, subject: str, timeout: float) -> bool:
     """`settings`: the service's own (its NATS URL and credentials)."""
     nc = await nats.connect(servers(settings.nats_url or "nats://127.0.0.1:4222"), connect_timeout=timeout,
                             allow_reconnect=False, **settings.nats_options())
@@ -38,17 +37,17 @@ def check(service: str, timeout: float = TIMEOUT_S) -> str | None:
     """None when healthy, else why not."""
     try:
         settings = Settings.from_env()
-        subjects.configure(settings.deployment)
+        deployment = settings.common.deployment
         if service == "gateway":
-            with urllib.request.urlopen(f"http://127.0.0.1:{settings.http_port}/healthz", timeout=timeout) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{settings.gateway.http_port}/healthz", timeout=timeout) as r:
                 return None if r.status == 200 else f"gateway /healthz answered {r.status}"
         if service == "agent":
-            subject = subjects.telemetry(settings.instance_id)
+            subject = deployment.telemetry(settings.agent.instance_id)
         elif service in ("router", "telemetry"):
-            subject = subjects.health(service)
+            subject = deployment.health(service)
         else:
             return f"unknown service {service!r} (gateway, router, telemetry, agent)"
-        heard = asyncio.run(asyncio.wait_for(_heard(settings, subject, timeout), 2 * timeout))
+        heard = asyncio.run(asyncio.wait_for(_heard(settings.common, subject, timeout), 2 * timeout))
         return None if heard else f"no heartbeat on {subject} within {timeout:.0f}s"
     except Exception as exc:  # unreachable NATS or gateway: unhealthy, said in one line
         return f"{service}: {type(exc).__name__}: {exc}"

@@ -30,7 +30,7 @@ from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.policy.registry import create_policy
 from talaria.services.router.projection import ProjectionStore
 from talaria.services.router.state import RouterState
-from talaria.shared import logs, metrics, subjects, tracing
+from talaria.shared import logs, metrics, tracing
 from talaria.shared.metrics import RouterMetrics
 from talaria.shared.health import INTERVAL_S as HEARTBEAT_INTERVAL_S, BusHearing, heartbeat_loop
 from talaria.shared.logs import call_context
@@ -46,15 +46,18 @@ from talaria.shared.events import (
     RoutingDecision,
 )
 from talaria.shared.snapshots import SNAPSHOT_DECODER
-from talaria.shared.settings import Settings, SettingsError
+from talaria.shared.subjects import Deployment
+from talaria.shared.settings import CommonSettings, RouterSettings, Settings, SettingsError
 from talaria.shared.tracing import extract_context
 
 DURABLE = "router"
 
 
-def input_subjects() -> list[str]:
-    return [subjects.CALL_SUBMITTED, subjects.CALL_COMPLETED, subjects.CALL_FAILED,
-            subjects.ROUND_SUMMARY, subjects.SWITCH_DONE]
+INPUT_EVENTS = ("call.submitted", "call.completed", "call.failed", "round.summary", "switch.done")
+
+
+def input_subjects(deployment: Deployment) -> list[str]:
+    return [deployment.event(tag) for tag in INPUT_EVENTS]
 
 
 TICK_S = 0.05
@@ -66,7 +69,7 @@ SAVE_EVERY_S = 2.0
 MAX_DELIVER = 20  # a message that keeps failing is given up (and logged) rather than looping
 
 
-def policy_config(settings: Settings) -> PolicyConfig:
+def policy_config(settings: RouterSettings) -> PolicyConfig:
     return PolicyConfig(
         lease_timeout_s=settings.lease_timeout_s,
         adaptive_lease=settings.adaptive_lease,
@@ -75,8 +78,9 @@ def policy_config(settings: Settings) -> PolicyConfig:
 
 
 class RouterService:
-    def __init__(self, settings: Settings, log) -> None:
-        self.settings, self.log = settings, log
+    def __init__(self, common: CommonSettings, settings: RouterSettings, log) -> None:
+        self.common, self.settings, self.log = common, settings, log
+        self.deployment = common.deployment
         try:
             policy = create_policy(settings.policy, policy_config(settings))
         except (KeyError, ValueError) as exc:  # unknown policy or a bad knob: a config error
@@ -102,15 +106,14 @@ class RouterService:
         return {(m,): book.live_for(m, now) for m in book.by_model}
 
     async def run(self, ready: asyncio.Event | None, stop: asyncio.Event) -> None:
-        provider = tracing.setup("router", self.settings)
+        provider = tracing.setup("router", self.common)
         self.tracer = provider.get_tracer("talaria.router")
-        db = create_engine(self.settings.database_url)
+        db = create_engine(self.common.database_url)
         store = ProjectionStore(db)
-        self.nc, self.js = await connect(self.settings.nats_url, "talaria-router",
-                                         replicas=self.settings.nats_replicas, **self.settings.nats_options())
+        self.nc, self.js = await connect(self.common.nats_url, "talaria-router", **self.common.bus_options())
         self.outputs = RouterOutputs(self.js, self.nc, self.log, self.core.policy.config,
                                      on_stored=self._stored_up_to, metrics=self.metrics)
-        metrics_runner = await metrics.serve(self.metrics, "router", self.settings, self.log)
+        metrics_runner = await metrics.serve(self.metrics, "router", self.common, self.log)
         await self._recover(store)
         gc.collect()
         gc.freeze()  # the recovered tables are long-lived: keep them out of every GC scan
@@ -119,13 +122,13 @@ class RouterService:
         # Instances the recovered state places anything on: routing waits to hear them all.
         self.expected = set(state.instances) | {p.instance_id for p in state.inflight_calls.values()} | {
             lease.instance_id for lease in state.leases.leases.values()}
-        await self.nc.subscribe(subjects.TELEMETRY_WILDCARD, cb=self._on_snapshot)
+        await self.nc.subscribe(self.deployment.telemetry_wildcard, cb=self._on_snapshot)
         try:
             await asyncio.wait_for(self.warm.wait(), WARMUP_S)
         except TimeoutError:
             pass  # some restored instance stayed silent: heartbeat loss will settle it
         await self._ensure_consumer()
-        sub = await self.js.pull_subscribe_bind(DURABLE, stream=subjects.EVENTS_STREAM)
+        sub = await self.js.pull_subscribe_bind(DURABLE, stream=self.deployment.events_stream)
         self.hearing = BusHearing(self.nc, TICK_S, HEARTBEAT_INTERVAL_S, self.log)
         tasks = [asyncio.create_task(self._consume(sub, stop)), asyncio.create_task(self._tick(stop)),
                  asyncio.create_task(self.hearing.run(stop)),
@@ -167,10 +170,10 @@ class RouterService:
         time out); recreating the consumer from its ack floor delivers them at once. Submissions
         already routed are skipped by the core, as for any redelivery."""
         config = ConsumerConfig(durable_name=DURABLE, ack_policy=AckPolicy.EXPLICIT,
-                                deliver_policy=DeliverPolicy.ALL, filter_subjects=input_subjects(),
+                                deliver_policy=DeliverPolicy.ALL, filter_subjects=input_subjects(self.deployment),
                                 ack_wait=ACK_WAIT_S, max_deliver=MAX_DELIVER)
         try:
-            info = await self.js.consumer_info(subjects.EVENTS_STREAM, DURABLE)
+            info = await self.js.consumer_info(self.deployment.events_stream, DURABLE)
         except NotFoundError:
             info = None
         if info is not None and not info.num_ack_pending:
@@ -179,9 +182,9 @@ class RouterService:
             start = info.ack_floor.stream_seq + 1
             self.log.warning("resuming the input consumer after its ack floor", resume_at=start,
                              unacked=info.num_ack_pending)
-            await self.js.delete_consumer(subjects.EVENTS_STREAM, DURABLE)
+            await self.js.delete_consumer(self.deployment.events_stream, DURABLE)
             config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, start
-        await self.js.add_consumer(subjects.EVENTS_STREAM, config=config)
+        await self.js.add_consumer(self.deployment.events_stream, config=config)
 
     # ---- recovery ----------------------------------------------------------------------
 
@@ -189,13 +192,13 @@ class RouterService:
         saved = await store.load()
         if saved is not None:
             self.core.state, self.seq = saved
-        info = await self.js.stream_info(subjects.EVENTS_STREAM)
+        info = await self.js.stream_info(self.deployment.events_stream)
         last = info.state.last_seq
         start = self.seq + 1
         replayed = 0
         if last >= start:
             sub = await self.js.pull_subscribe(
-                "", stream=subjects.EVENTS_STREAM,
+                "", stream=self.deployment.events_stream,
                 config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
                                       opt_start_seq=start, inactive_threshold=30))
             seq = start - 1
@@ -310,7 +313,7 @@ class RouterService:
                 for out in outputs:  # the fast copy first: the agent need not wait for the stream
                     if isinstance(out, CallRouted):
                         sent = time.perf_counter()
-                        await publish_fast(self.js, subjects.dispatch(out.instance_id), out)
+                        await publish_fast(self.js, self.deployment.dispatch(out.instance_id), out)
                         self.metrics.phase.labels("dispatch").observe(time.perf_counter() - sent)
                 if isinstance(event, CallSubmitted):  # the stream keeps the prompt ids once
                     seq = msg.metadata.sequence.stream
@@ -392,4 +395,4 @@ class _null:
 
 
 async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
-    await RouterService(settings, logs.get("router")).run(ready, stop or asyncio.Event())
+    await RouterService(settings.common, settings.router, logs.get("router")).run(ready, stop or asyncio.Event())

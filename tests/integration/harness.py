@@ -7,6 +7,9 @@ import contextlib
 from dataclasses import dataclass, field
 
 from talaria.shared.settings import Settings
+from talaria.shared.subjects import Deployment
+
+DEP = Deployment()  # the default deployment's subject names
 
 
 @dataclass
@@ -79,9 +82,7 @@ async def wait_until(probe, what: str, timeout: float = 20.0, every: float = 0.0
 
 async def acked(js, durable: str, seq: int) -> bool:
     """Whether consumer `durable` has acknowledged every event up to stream sequence `seq`."""
-    from talaria.shared import subjects
-
-    return (await js.consumer_info(subjects.EVENTS_STREAM, durable)).ack_floor.stream_seq >= seq
+    return (await js.consumer_info(DEP.events_stream, durable)).ack_floor.stream_seq >= seq
 
 
 async def wait_rows(conn, sql: str, n: int, *args, timeout: float = 20.0) -> list:
