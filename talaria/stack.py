@@ -36,6 +36,7 @@ from talaria.embedded import (
     stop_stale,
 )
 from talaria.shared.bus import servers
+from talaria.services.gateway.admission import default_min_free_bytes
 
 # Restart backoff: the first restart after RESTART_MIN_S, doubling while a process keeps
 # dying within STABLE_S of its start, at most RESTART_MAX_S apart.
@@ -424,8 +425,6 @@ class Stack:
     def _restart_disabled_broker(self, server, progress) -> bool:
         """Restart a NATS whose JetStream is off once the disk has room again (else it would
         disable itself again at once)."""
-        from talaria.services.gateway.admission import default_min_free_bytes
-
         if self._broker_disabled(server):
             self.broker_disabled = True
             progress("embedded nats: JetStream failed to write (disk full?); it is restarted once the disk "

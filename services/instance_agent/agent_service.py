@@ -29,10 +29,11 @@ from talaria.shared.messages import CANCEL_DECODER, ErrorReply
 from talaria.shared.wire import encode
 from talaria.shared.catalog import register_all
 from talaria.shared.settings import AgentSettings, CommonSettings, Settings
+from talaria.services.instance_agent.engine.engine_registry import build_engine
 
 # Held calls send in_progress() every IN_PROGRESS_EVERY_S: after three missed, only a dead
 # agent's calls come back.
-ACK_WAIT_S = 3 * IN_PROGRESS_EVERY_S
+HELD_CALL_ACK_WAIT_S = 3 * IN_PROGRESS_EVERY_S  # not bus.ACK_WAIT_S: a held call is kept alive, a fetched event is not
 FETCH_BATCH = 16
 
 
@@ -65,7 +66,7 @@ async def serve(common: CommonSettings, settings: AgentSettings, ready: asyncio.
             durable_name=durable,
             ack_policy=AckPolicy.EXPLICIT,
             deliver_policy=DeliverPolicy.ALL,
-            ack_wait=ACK_WAIT_S,
+            ack_wait=HELD_CALL_ACK_WAIT_S,
             max_ack_pending=10_000,
             max_deliver=5,
         ),
@@ -122,8 +123,6 @@ async def serve(common: CommonSettings, settings: AgentSettings, ready: asyncio.
 
 def _build_engine(common: CommonSettings, settings: AgentSettings):
     import torch
-
-    from talaria.services.instance_agent.engine.engine_registry import build_engine
 
     torch.set_num_threads(max(1, settings.torch_threads))
     engine = build_engine(settings.engine, common.data_dir, list(common.models), device=settings.device,
