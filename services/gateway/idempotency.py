@@ -55,8 +55,8 @@ from talaria.services.gateway.idempotency_rules import (
     waiting_subject,
 )
 from talaria.services.gateway.validation import check_size
-from talaria.shared.bus import IDEMPOTENCY_DISK_SHARE, disk_cap, emit, emit_new, replicas
-from talaria.shared.events import CallFailed, CallSubmitted
+from talaria.shared.bus import IDEMPOTENCY_DISK_SHARE, disk_cap, emit_new, replicas
+from talaria.shared.events import CallSubmitted
 from talaria.shared.messages import REPLY_DECODER, ErrorReply, Reply
 from talaria.shared.nats_auth import ANSWERING_ROLES, sent_by
 from talaria.shared.wire import encode, replace
@@ -217,23 +217,14 @@ class IdempotentCalls:
             try:
                 return await asyncio.wait_for(got, max(0.0, call.deadline_at - time.time()))
             except TimeoutError:
-                return await self._timed_out(call)
+                # what its own gateway would have said and recorded at the deadline
+                return await self.submitter.timed_out(call, "no reply by the call's deadline")
         except Exception as exc:
             self.log.error("attaching to an idempotent call failed", call_id=call.call_id, error=str(exc))
             return ErrorReply(503, "bus_unavailable", f"could not wait for call {call.call_id}: {exc}",
                               retry_after_s=1.0, call_id=call.call_id)
         finally:
             await sub.unsubscribe()
-
-    async def _timed_out(self, call: CallSubmitted) -> ErrorReply:
-        """What its own gateway would have said and recorded at the deadline."""
-        reason = "no reply by the call's deadline"
-        try:
-            await emit(self.js, CallFailed(call.call_id, call.session_id, call.model, reason, "gateway",
-                                           time.time(), status=504))
-        except Exception as exc:
-            self.log.error("could not record timeout", call_id=call.call_id, error=str(exc))
-        return ErrorReply(504, "timeout", reason, call_id=call.call_id)
 
     def _own(self, call: CallSubmitted) -> CallSubmitted:
         """`call` as the key's owner runs it: answered on its kept reply subject, with its deadline."""

@@ -223,7 +223,7 @@ class Submitter:
                 try:
                     reply = await asyncio.wait_for(fut, self.timeout_s)
                 except TimeoutError:
-                    reply = await self._timed_out(call)
+                    reply = await self.timed_out(call, f"no reply within {self.timeout_s:.0f}s")
                 except asyncio.CancelledError:  # the client went away (HTTP disconnect)
                     if not kept:  # with a key, a retry may attach: Claim.run gives it a grace first
                         await self.cancel(call.call_id, "client disconnected", call.tenant)
@@ -269,8 +269,8 @@ class Submitter:
 
         return handle
 
-    async def _timed_out(self, call: CallSubmitted) -> ErrorReply:
-        reason = f"no reply within {self.timeout_s:.0f}s"
+    async def timed_out(self, call: CallSubmitted, reason: str) -> ErrorReply:
+        """The 504 of a call nobody answered in time, recorded as the gateway's CallFailed."""
         try:
             await emit(self.js, CallFailed(call.call_id, call.session_id, call.model, reason, "gateway",
                                            time.time(), status=504))
