@@ -71,11 +71,6 @@ def _available(wanted) -> tuple[list[str], list[str]]:
     return have, missing
 
 
-def _slim(summary: dict) -> dict:
-    """Drop sample arrays from JSON entries meant for tables (plots keep them)."""
-    return {k: v for k, v in summary.items() if k not in ("ttft_samples",)}
-
-
 def capacity_bound_profile(server):
     """The free-memory run (half of the capacity-aware bound, see fixed_replay_exp): the same
     server's compute with memory and transfers out of the way — HBM for every model's weights and every session's KV, weights and KV moved at
