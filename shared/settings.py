@@ -382,6 +382,8 @@ def redact_url(url: str | None) -> str | None:
 
 def _parse(var: str, raw: str, typ: object) -> object:
     name = typ if isinstance(typ, str) else getattr(typ, "__name__", str(typ))
+    if name == "Deployment":
+        return _deployment(raw)  # its own error, saying what a name may hold
     try:
         if name.startswith("bool"):
             if raw.lower() in ("1", "true", "yes", "on"):
@@ -397,8 +399,7 @@ def _parse(var: str, raw: str, typ: object) -> object:
             return tuple(part.strip() for part in raw.split(",") if part.strip())
         if "Path" in name:
             return Path(raw)
-        if name == "Deployment":
-            return _deployment(raw)
+
         return raw
     except ValueError:
         raise SettingsError(var, raw, name.replace(" | None", "")) from None

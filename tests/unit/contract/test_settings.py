@@ -83,7 +83,7 @@ def test_the_deployment_is_a_value_two_can_live_in_one_process():
     assert Settings.of(deployment="green").common.deployment == Deployment("green")
     with pytest.raises(SettingsError) as info:
         Settings.from_env({"TALARIA_DEPLOYMENT": "Blue!"})
-    assert info.value.variable == "TALARIA_DEPLOYMENT"
+    assert info.value.variable == "TALARIA_DEPLOYMENT" and "lowercase letters" in info.value.expected
 
 
 def test_reading_settings_registers_nothing(tmp_path):
