@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 import msgspec
 
 from talaria.services.instance_agent.scheduler import SchedulerConfig
+from talaria.services.router.hot_pools import HotPools, decide_from_state
 from talaria.services.router.router_core import RouterCore
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.policy.registry import create_policy
@@ -76,6 +77,10 @@ class RunConfig:
     # Per instance (in order), the model a hot-pool instance is pinned to, or None for a cold
     # one; empty: every instance cold. A static per-model pool deployment (deployment.py).
     pinned: tuple[str | None, ...] = ()
+    # The router chooses the hot pools online from measured demand (services/router/hot_pools.py),
+    # starting from `pinned` (which must pin every instance): talaria's own machinery.
+    hot_pools: bool = False
+    hot_pools_z: float = 1.0  # its noise margin in standard errors (hot_pools.py; swept in the notes)
     # model -> leading prompt tokens every session of it shares (a system prompt and tool
     # schema); the prompt hashes and the instances' prefix caches see them (workloads.py)
     shared_prefix: dict[str, int] = field(default_factory=dict)
@@ -98,6 +103,7 @@ class RouterCounters:
     model_opens_needed: int = 0
     leases_issued: int = 0
     leases_consumed: int = 0
+    repins: int = 0  # hot-pool moves the router made (RunConfig.hot_pools)
     leases_discarded: int = 0
     leases_expired: int = 0
     decision_us: float = 0.0
@@ -147,6 +153,11 @@ class Cluster:
         self._prompts = PromptHashes()
         self._hashes: dict[str, list[int]] = {}  # call id -> its prompt's block hashes
         self._by_id = {s.id: s for s in sessions}
+        self.pools: HotPools | None = None
+        if config.hot_pools:
+            if not config.pinned or None in config.pinned:
+                raise ValueError("hot_pools needs a starting pin for every instance")
+            self.pools = HotPools(dict(zip(self.instances, config.pinned)), z=config.hot_pools_z)
 
     # ---- run --------------------------------------------------------------------------
 
@@ -227,6 +238,8 @@ class Cluster:
             if isinstance(ev, CallRouted):
                 del self._hashes[job.call_id]
                 self._measure_placement(job, ev.instance_id)
+                if self.pools is not None:
+                    self.pools.routed(job.call_id, job.session, job.model, ev.instance_id, now, job.prompt)
                 job.kv_output_tokens = ev.kv_output_tokens
                 out.extend(self.instances[ev.instance_id].submit(now, job) or ())
             elif isinstance(ev, CallFailed):
@@ -240,7 +253,19 @@ class Cluster:
                     continue
                 self.counters.retries += 1
                 out.append((now + wait, self._route, (job,)))
+        if self.pools is not None:
+            self._repin(now)
         return out
+
+    def _repin(self, now: float) -> None:
+        """The router's hot-pool decision reaches the agents (live: a NATS event; here at once)."""
+        for move in decide_from_state(self.pools, self.router.state, now):
+            inst = self.instances[move.instance_id]
+            inst.sched.repin(move.model)
+            self.counters.repins += 1
+            rec = self._snap_rec[move.instance_id]
+            rec[3] = None  # its pool changed: a fresh snapshot, not a heartbeat re-send
+            self._send_snapshot(rec, now)
 
     def _measure_placement(self, job: Job, chosen: str) -> None:
         c = self.counters
@@ -284,6 +309,11 @@ class Cluster:
         """An instance finished `job`; `done` is its agent core's completion record."""
         self.jobs.append(job)
         self._count(self.router.handle(done, now))
+        if self.pools is not None:
+            self.pools.completed(job.call_id, job.session, job.model, done.prompt_tokens, done.cached_tokens,
+                                 done.output_tokens, done.prefill_s, done.decode_s, now)
+            if job.call_index + 1 >= len(self._by_id[job.session].calls):
+                self.pools.session_done(job.session, now)
         rec = self._snap_rec[job.instance]
         if now - rec[1] >= self.config.snapshot_on_change_s:  # the agent's snapshot on change
             self._send_snapshot(rec, now)
@@ -327,6 +357,8 @@ class Cluster:
             snap = inst.snapshot(ver, now, self.config.heartbeat_s)
             rec[3] = key
         rec[4] = snap
+        if self.pools is not None and snap.active_model:
+            self.pools.observe_rates(snap.active_model, snap.prefill_tok_s, snap.decode_tok_s)
         self.router.observe(snap, now)
 
 
