@@ -291,9 +291,10 @@ class AgentCore:
         scheduler (the fields of `RoundScheduler.snapshot` the router reads, without its per-call KV sum); residency, session KV and `memory` (capacity, use and measured rates, the
         attributes of `engine.contract.EngineStats`) from the executor's device."""
         sched, calls = self.sched, self.sched.calls
-        if sched.repinned:  # the router's hot-pool decision replaced the deployed pool
-            pool = sched.config.pool
         pinned = sched.config.pinned_model if pool == "hot" else None
+        if sched.repinned:  # the router's hot-pool decision replaced the deployed pool
+            pinned = sched.pin_target
+            pool = "hot" if pinned else "cold"
         return InstanceSnapshot(
             instance_id=self.instance_id, version=version, at=now, pool=pool, pinned_model=pinned, models=models,
             active_model=active_model, sessions=sessions, queued={m: len(q) for m, q in calls.queued.items()},

@@ -5,8 +5,14 @@ serves one model and never switches) from what it sees, and publishes the decisi
 pin what it names (the simulator applies it in place). Driven by (event, now) like the rest
 of the router's policy: the same object runs live, in the simulator and in unit tests.
 
-Demand. A model's demand is the server-seconds of work its calls offered over a sliding
-window W, measured from completions as the router sees them:
+Demand (signal "live", the default). A model's demand is the work its open sessions will
+offer: the sessions live now (first call routed, last not completed) x the model's mean
+work per call measured so far (pooled over models until it has completions). Sessions are
+counted the moment they start, so the signal leads the completions by a session's length.
+Measured alternative (signal "window"): the server-seconds of work its calls offered over a
+sliding window W, from completions as the router sees them; it reacts a window late and in
+the matrix's 20-64-session cells moved instances on noise (base@60 %: 2 repins that ended
+where they began, SCT p95 551 vs 495 s). A call's work is measured as
 
     work(call) = (prompt - cached) tokens x the model's prefill s/token
                  + output tokens x its decode step time (s/token of one sequence)
@@ -25,18 +31,18 @@ deployment.pool_split: one instance per model while they fit, then by demand); t
 controller moves one instance at a time from the most over-provisioned model d to the most
 under-provisioned r, x_m = share_m x N - count_m, and only when the move pays for itself:
 
-    (x_r - x_d - 1) x W  >  move cost = switch_s(r) + the donor instance's calls in flight
-                                        x d's mean prefill seconds per call
+    (x_r - x_d - 1) x W  >  move cost = switch_s(r) + the donor instance's live sessions'
+                                        last prompts x d's prefill s/token
 
 (x_r - x_d - 1 is the instance-share imbalance the move removes, held over the window; the
 cost is the weights load and the context the donor instance's live sessions recompute
 elsewhere: their last prompt x d's prefill s/token), and the imbalance beats the sampling
 noise of the demand it is measured from: x_r - x_d - 1 > z x sqrt(sum over r, d of
 (share x N)^2 / sessions seen in W) (a model's work comes in sessions, so its share is
-known to about 1 / sqrt(sessions)); z = 1 standard error (results/matrix_notes.md shows the
-sweep). A move never
+known to about 1 / sqrt(sessions), the live ones with the default signal); z = 2 standard
+errors (results/matrix_notes.md shows the sweep). A move never
 takes a model below its operator floor (`talaria up --hot MODEL`) or below one instance.
-Hysteresis is thus measured, not tuned: the window W is the mean measured session duration
+The hysteresis is measured but for z: the window W is the mean measured session duration
 (first call submitted to last completion; placements are sticky for that long, so a
 decision's effect lasts that long), and before the first session completes it is the time
 since the first call. Decisions are at most one per W / N (each instance may change once per
@@ -95,7 +101,7 @@ class HotPools:
     """The router's hot-pool controller: which model each instance keeps resident."""
 
     def __init__(self, pins: Mapping[str, str], floor: Mapping[str, int] | None = None,
-                 min_window_s: float = 1.0, z: float = 1.0) -> None:
+                 min_window_s: float = 1.0, z: float = 2.0, signal: str = "live") -> None:
         if not pins:
             raise ValueError("no instances to pin")
         self.pins = dict(pins)  # instance -> model it keeps resident
@@ -112,6 +118,7 @@ class HotPools:
         self._home: dict[str, tuple[str, str, int]] = {}  # live session -> (instance, model, last prompt)
         self._seen: dict[str, deque] = {m: deque() for m in self.models}  # (at, session) completions
         self.z = z
+        self.signal = signal
         self._changed = False  # a completion since the last decision (demand can only move then)
         self._first_at: float | None = None
         self._last_move_at = float("-inf")
@@ -142,6 +149,7 @@ class HotPools:
         if self._first_at is None:
             self._first_at = now
         self._session_start.setdefault(session_id, now)
+        self._changed = self._changed or session_id not in self._home
         self._home[session_id] = (instance_id, model, prompt_tokens)
         if model in self._m:
             self._m[model].inflight.add(call_id)
@@ -154,13 +162,13 @@ class HotPools:
         if m is None:
             return
         m.inflight.discard(call_id)
+        self._changed = True
         fresh = max(0, prompt_tokens - cached_tokens)
         if m.prefill_s_per_tok > 0 and m.decode_s_per_tok > 0:
             pf = fresh * m.prefill_s_per_tok
             work = pf + output_tokens * m.decode_s_per_tok
         else:
             pf, work = prefill_s, prefill_s + decode_s
-        self._changed = True
         m.done.append((now, work))
         self._seen[model].append((now, session_id))
         m.window_work += work
@@ -192,6 +200,8 @@ class HotPools:
 
     def demand(self, now: float) -> dict[str, float]:
         """Server-seconds per model offered over the last W (completed + expected in flight)."""
+        if self.signal == "live":
+            return self._live_demand()
         w = self.window_s(now)
         out = {}
         for name, m in self._m.items():
@@ -203,6 +213,18 @@ class HotPools:
             mean = m.total_work / m.calls if m.calls else 0.0
             out[name] = max(0.0, m.window_work) + len(m.inflight) * mean
         return out
+
+    def _live_demand(self) -> dict[str, float]:
+        """The work the sessions open now will offer: live sessions per model x the model's
+        mean work per call (pooled over models until it has completions)."""
+        calls = sum(m.calls for m in self._m.values())
+        pooled = sum(m.total_work for m in self._m.values()) / calls if calls else 1.0
+        live = {m: 0 for m in self.models}
+        for _, model, _ in self._home.values():
+            if model in live:
+                live[model] += 1
+        return {m: live[m] * (self._m[m].total_work / self._m[m].calls if self._m[m].calls else pooled)
+                for m in self.models}
 
     def counts(self) -> dict[str, int]:
         out = {m: 0 for m in self.models}
@@ -241,18 +263,21 @@ class HotPools:
         # z standard errors of the difference, or it chases sampling noise.
         noise = 0.0
         for m in (r, d):
-            k = len({sid for _, sid in self._seen[m]})
+            k = (sum(1 for _, mm, _ in self._home.values() if mm == m) if self.signal == "live"
+                 else len({sid for _, sid in self._seen[m]}))
             share_n = demand[m] / total * n
             noise += (share_n * share_n / k) if k else share_n * share_n
         if not imbalance > self.z * noise ** 0.5:
             return []
-        pf = self._m[d].prefill_s_per_tok
+        dm = self._m[d]
+        pf = dm.prefill_s_per_tok
+        per_call = dm.total_prefill / dm.calls if dm.calls else 0.0  # before any engine rate
         # the donor instance: the one of d whose live sessions cost least to move (they
         # recompute their context elsewhere), then the fewest calls in flight
         displaced = {i: 0.0 for i, m in self.pins.items() if m == d}
         for inst_id, model, prompt in self._home.values():
             if model == d and inst_id in displaced:
-                displaced[inst_id] += prompt * pf
+                displaced[inst_id] += prompt * pf if pf else per_call
         inst = min(displaced, key=lambda i: (displaced[i], load.get(i, 0), i))
         cost = switch_s.get(r, 0.0) + displaced[inst]
         if not imbalance * w > cost:

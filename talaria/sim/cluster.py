@@ -80,7 +80,7 @@ class RunConfig:
     # The router chooses the hot pools online from measured demand (services/router/hot_pools.py),
     # starting from `pinned` (which must pin every instance): talaria's own machinery.
     hot_pools: bool = False
-    hot_pools_z: float = 1.0  # its noise margin in standard errors (hot_pools.py; swept in the notes)
+    hot_pools_z: float = 2.0  # its noise margin in standard errors (hot_pools.py; swept in the notes)
     # model -> leading prompt tokens every session of it shares (a system prompt and tool
     # schema); the prompt hashes and the instances' prefix caches see them (workloads.py)
     shared_prefix: dict[str, int] = field(default_factory=dict)

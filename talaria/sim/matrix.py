@@ -9,6 +9,8 @@ Design (one factor at a time around a base, every level of every factor present)
               prompt + tool schema shared by a model's sessions, human turns of minutes
               between some calls, mixed depths), at 60 % and 100 %
     product   the last three together (an agent product), at 60/100/120 %
+    mix=shift 3 Zipf(1.5) models whose popular model changes halfway (shifted_mix), at
+              60/100 %: a static split sized on the whole trace is wrong in each half
     WEKA      the shipped sessions: the fixed replay (30 model-sessions at t=0, one
               paper TP=8 server) and the router testbed (TP=4 models, 2 instances, high load)
 
@@ -28,10 +30,12 @@ Policies: the faithful peers (round-robin, sglang-cache-aware, dynamo-kv, llm-d,
 vllm-stack-session; services/router/policy/, each citing its source and defaults), each
 deployed as it is deployed (deployment.py: per-model hot pools split by the cell's demand
 where the models fit the instances, serverless on-demand loading where they do not);
-`talaria` (our configuration: the same demand-sized hot pools where the models fit, its cold
-pool elsewhere) and `talaria-paper` (the same policy under the paper's rules: Eq. 1 ranking
+`talaria` (our configuration: where the models fit, hot pools that start from an even split
+and that its router resizes online from measured demand, services/router/hot_pools.py, never
+the peers' forecast; its cold pool elsewhere) and `talaria-paper` (the same policy under the paper's rules: Eq. 1 ranking
 only, the paper's admission, fixed tau, reject on overload); with `--ablations` also
-talaria without leases and without its instance mechanisms. Runs go to a process pool
+talaria without leases, without its instance mechanisms, and with the peers' forecast
+pools in place of its online ones (talaria-forecast-pools). Runs go to a process pool
 (2 workers by default: this machine's cores).
 """
 

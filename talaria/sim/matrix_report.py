@@ -11,13 +11,16 @@ from pathlib import Path
 
 from talaria.sim.result_json import write_json
 from talaria.sim import matrix as matrix_design
-from talaria.sim.matrix import ABLATIONS, NO_LEASE, OURS, PAPER, ROUND_ONLY, SENSITIVITY
+from talaria.sim.matrix import ABLATIONS, FORECAST_POOLS, NO_LEASE, OURS, PAPER, ROUND_ONLY, SENSITIVITY
 
 GEOMEAN_GOAL = 0.85  # issue 21: geomean SCT p95 <= 0.85x the best single peer
 # What each ablation takes away (the mechanism that wins a cell is the one whose removal
 # costs the most there)
 MECHANISM = {PAPER: "router rules beyond the paper", NO_LEASE: "soft leases",
-             ROUND_ONLY: "instance mechanisms (SP, HKVR, staging, parked KV)"}
+             ROUND_ONLY: "instance mechanisms (SP, HKVR, staging, parked KV)",
+             # the inverse ablation: pools the peers' exact forecast sizes in place of talaria's
+             # online ones; "wins" where the online pools beat the forecast
+             FORECAST_POOLS: "online hot pools (vs the peers' forecast)"}
 
 def _ratio(a, b):
     if a is None or b is None or b == 0 or (isinstance(a, float) and math.isinf(a)):

@@ -71,6 +71,7 @@ class RoundScheduler:
         self.cold = ColdPool(config, self.calls, self.reports, self.pricing, self.prefill, self.rotations)
         self.hot = HotPool(config, self.calls, self.pricing, self.prefill)
         self.repinned = False  # the router changed what this instance keeps resident (repin)
+        self._pending_pin: tuple[str | None] | None = None  # a repin waiting for the hot batch to finish
 
     # The cold pool's round and slot in progress (None on a hot instance), for readers.
     slot = property(lambda self: self.cold.slot)
@@ -83,26 +84,45 @@ class RoundScheduler:
         """Keep `model` resident from now on (a hot instance of it), or none (cold pool).
 
         Calls of other models already here (routed before the router's decision reached
-        this instance) are still served: until they are done, and until the pinned model
-        is on the device, the cold pool's rounds run (they switch to the pinned model when
-        its calls arrive); after that, the hot pool's plain continuous batching. Nothing is
-        refused or lost by a repin."""
+        this instance) are still served: the hot pool first finishes the calls it is
+        running (its batches have no slot to close); then, until the other models' calls
+        are done and the pinned model is on the device, the cold pool's rounds run (they
+        switch to the pinned model when its calls arrive); after that, the hot pool's plain
+        continuous batching. Nothing is refused or lost by a repin."""
         if model is not None and model not in self.models:
             raise ConfigError("pinned_model", f"{model!r} is not in {self.models}")
+        self.repinned = True
+        self._pending_pin = (model,)
+        self._apply_pin()
+
+    @property
+    def pin_target(self) -> str | None:
+        """The model this instance keeps resident, a repin still pending included."""
+        if self._pending_pin is not None:
+            return self._pending_pin[0]
+        return self.config.pinned_model if self.config.pool == "hot" else None
+
+    def _apply_pin(self) -> None:
+        if self._pending_pin is None:
+            return
+        if self.config.pool == "hot" and self.device_model and self.calls.running[self.device_model]:
+            return  # the hot pool's running batch finishes first
+        model = self._pending_pin[0]
+        self._pending_pin = None
         config = replace(self.config, pool="hot" if model else "cold", pinned_model=model)
         self.config = config
         for part in (self.pricing, self.prefill, self.cold, self.hot):
             part.config = config
-        self.repinned = True
 
     def _hot_now(self) -> bool:
         """The hot pool's rule applies: pinned, its model on the device, no other model's
         call left here (after a repin, the cold pool finishes those first)."""
-        pinned = self.config.pinned_model
+        self._apply_pin()
         if self.config.pool != "hot":
             return False
-        if not self.repinned:
+        if not self.repinned or self._pending_pin is not None:
             return True
+        pinned = self.config.pinned_model
         return self.device_model == pinned and not self.calls.any_active_except(pinned) and self.slot is None
 
     # ---- driver API -------------------------------------------------------------------
