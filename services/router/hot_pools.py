@@ -61,11 +61,11 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class PoolMove:
-    """Pin `instance_id` to `model` (it served `previous`)."""
+    """Pin `instance_id` to `model` (it served `previous`); None: a cold instance."""
 
     instance_id: str
-    model: str
-    previous: str
+    model: str | None
+    previous: str | None
     at: float
     reason: str
 
@@ -100,12 +100,16 @@ def split(demand: Mapping[str, float], instances: int, floor: Mapping[str, int] 
 class HotPools:
     """The router's hot-pool controller: which model each instance keeps resident."""
 
-    def __init__(self, pins: Mapping[str, str], floor: Mapping[str, int] | None = None,
-                 min_window_s: float = 1.0, z: float = 2.0, signal: str = "live") -> None:
+    def __init__(self, pins: Mapping[str, str | None], floor: Mapping[str, int] | None = None,
+                 min_window_s: float = 1.0, z: float = 2.0, signal: str = "live",
+                 models: Sequence[str] = ()) -> None:
         if not pins:
             raise ValueError("no instances to pin")
-        self.pins = dict(pins)  # instance -> model it keeps resident
-        self.models = tuple(sorted(set(pins.values()) | set(floor or {})))
+        self.pins = dict(pins)  # instance -> model it keeps resident (None: a cold instance)
+        # Started with cold instances: hot pools grow from and shrink to the cold pool
+        # (_hot_cold); else every instance is hot and moves between models (the swap rule).
+        self.cold_pool = None in self.pins.values()
+        self.models = tuple(sorted({m for m in pins.values() if m} | set(floor or {}) | set(models)))
         self.floor = {m: max(1, (floor or {}).get(m, 1)) for m in self.models}
         if sum(self.floor.values()) > len(self.pins):
             raise ValueError(f"hot floors {self.floor} need more than {len(self.pins)} instances")
@@ -131,6 +135,20 @@ class HotPools:
         count = split({m: 1.0 for m in models}, len(instances), floor)
         names = [m for m in sorted(count) for _ in range(count[m])]
         return cls(dict(zip(instances, names)), floor, **kw)
+
+    @classmethod
+    def spare_cold(cls, instances: Sequence[str], models: Sequence[str], floor: Mapping[str, int] | None = None,
+                   **kw) -> HotPools:
+        """Start with the instances an even share surely fills hot, floor(N / models) per
+        model (at least its floor: one, or the operator's `--hot`), and the remainder cold:
+        no forecast; the demand decides what else turns hot or cold."""
+        even = max(1, len(instances) // max(1, len(models)))
+        fl = {m: max(even, (floor or {}).get(m, 1)) for m in models}
+        names: list[str | None] = [m for m in sorted(fl) for _ in range(fl[m])]
+        if len(names) > len(instances):
+            raise ValueError(f"hot floors {fl} need more than {len(instances)} instances")
+        names += [None] * (len(instances) - len(names))
+        return cls(dict(zip(instances, names)), floor, models=models, **kw)
 
     # ---- what the router sees -------------------------------------------------------------
 
@@ -229,8 +247,84 @@ class HotPools:
     def counts(self) -> dict[str, int]:
         out = {m: 0 for m in self.models}
         for model in self.pins.values():
-            out[model] = out.get(model, 0) + 1
+            if model is not None:
+                out[model] = out.get(model, 0) + 1
         return out
+
+    def _noise(self, demand: Mapping[str, float], total: float, n: int) -> dict[str, float]:
+        """One standard error of each model's instance share (share x N / sqrt(sessions))."""
+        out = {}
+        for m in self.models:
+            k = (sum(1 for _, mm, _ in self._home.values() if mm == m) if self.signal == "live"
+                 else len({sid for _, sid in self._seen[m]}))
+            share_n = demand[m] / total * n
+            out[m] = share_n / k ** 0.5 if k else share_n
+        return out
+
+    def _displaced(self, instances: Iterable[str], keep: str | None) -> dict[str, float]:
+        """Seconds of context the live sessions homed on each instance would recompute
+        elsewhere if it stopped serving their model (all but `keep`'s)."""
+        out = {i: 0.0 for i in instances}
+        for inst_id, model, prompt in self._home.values():
+            if inst_id in out and model != keep:
+                m = self._m.get(model)
+                if m is None:
+                    continue
+                out[inst_id] += prompt * m.prefill_s_per_tok if m.prefill_s_per_tok else (
+                    m.total_prefill / m.calls if m.calls else 0.0)
+        return out
+
+    def _hot_cold(self, now: float, w: float, switch_s: Mapping[str, float],
+                  load: Mapping[str, int]) -> list[PoolMove]:
+        """With a cold pool: a model gets another hot instance (a cold one turns hot) only
+        for an instance its demand surely fills, share x N - z sigma >= hot + 1, and when
+        that instance's worth of work over W outweighs turning it (load + the other models'
+        sessions there recompute elsewhere); a hot instance turns cold when the model's
+        demand surely no longer fills it, share x N + z sigma < hot (cold, it keeps serving
+        its sessions: no cost)."""
+        n = len(self.pins)
+        demand = self.demand(now)
+        total = sum(demand.values())
+        if total <= 0:
+            return []
+        count = self.counts()
+        share = {m: demand[m] / total * n for m in self.models}
+        sigma = self._noise(demand, total, n)
+        cold = [i for i, m in self.pins.items() if m is None]
+        if cold:
+            r = max(self.models, key=lambda m: (share[m] - self.z * sigma[m] - count[m], m))
+            surplus = share[r] - self.z * sigma[r] - count[r] - 1.0
+            if surplus >= 0:
+                displaced = self._displaced(cold, keep=r)
+                homed = {i: 0 for i in cold}
+                for inst_id, model, _ in self._home.values():
+                    if model == r and inst_id in homed:
+                        homed[inst_id] += 1
+                inst = min(cold, key=lambda i: (displaced[i], -homed[i], load.get(i, 0), i))
+                cost = displaced[inst] + (0.0 if homed[inst] else switch_s.get(r, 0.0))
+                if (surplus + 1.0) * w > cost:
+                    return [self._move(inst, r, None, now, f"{r}: share {share[r]:.2f} +- {sigma[r]:.2f} "
+                                       f"instances fills {count[r] + 1} hot; gain {(surplus + 1.0) * w:.1f}s > "
+                                       f"cost {cost:.1f}s")]
+        over = [m for m in self.models if count[m] > self.floor[m] and share[m] + self.z * sigma[m] < count[m]]
+        if over:
+            d = min(over, key=lambda m: (share[m] + self.z * sigma[m] - count[m], m))
+            mine = [i for i, m in self.pins.items() if m == d]
+            homed = {i: 0 for i in mine}
+            for inst_id, model, _ in self._home.values():
+                if inst_id in homed:
+                    homed[inst_id] += 1
+            inst = min(mine, key=lambda i: (homed[i], load.get(i, 0), i))
+            return [self._move(inst, None, d, now, f"{d}: share {share[d]:.2f} +- {sigma[d]:.2f} instances "
+                               f"no longer fills {count[d]} hot")]
+        return []
+
+    def _move(self, inst: str, model: str | None, previous: str | None, now: float, reason: str) -> PoolMove:
+        self.pins[inst] = model
+        self._last_move_at = now
+        move = PoolMove(inst, model, previous, now, reason)
+        self.moves.append(move)
+        return move
 
     # ---- the decision ----------------------------------------------------------------------
 
@@ -244,6 +338,8 @@ class HotPools:
         if not self._changed or now - self._last_move_at < w / n:
             return []
         self._changed = False
+        if self.cold_pool:
+            return self._hot_cold(now, w, switch_s, load)
         demand = self.demand(now)
         total = sum(demand.values())
         if total <= 0:

@@ -155,9 +155,10 @@ class Cluster:
         self._by_id = {s.id: s for s in sessions}
         self.pools: HotPools | None = None
         if config.hot_pools:
-            if not config.pinned or None in config.pinned:
-                raise ValueError("hot_pools needs a starting pin for every instance")
-            self.pools = HotPools(dict(zip(self.instances, config.pinned)), z=config.hot_pools_z)
+            if not config.pinned:
+                raise ValueError("hot_pools needs the starting pins (None: a cold instance)")
+            self.pools = HotPools(dict(zip(self.instances, config.pinned)), z=config.hot_pools_z,
+                                  models=tuple(config.server.models))
 
     # ---- run --------------------------------------------------------------------------
 
