@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 import msgspec
 
 from talaria.services.instance_agent.scheduler import SchedulerConfig
-from talaria.services.router.hot_pools import HotPools, decide_from_state
+from talaria.services.router.hot_pools import HotPools
 from talaria.services.router.router_core import RouterCore
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.policy.registry import create_policy
@@ -47,6 +47,7 @@ from talaria.shared.events import (
     LeaseDiscarded,
     LeaseExpired,
     LeaseIssued,
+    PoolPinned,
     RoutingDecision,
 )
 from talaria.sim.agents import PromptHashes, RetryPolicy
@@ -80,7 +81,7 @@ class RunConfig:
     # The router chooses the hot pools online from measured demand (services/router/hot_pools.py),
     # starting from `pinned` (which must pin every instance): talaria's own machinery.
     hot_pools: bool = False
-    hot_pools_z: float = 2.0  # its noise margin in standard errors (hot_pools.py; swept in the notes)
+    hot_pools_z: float = 1.0  # its noise margin in standard errors (hot_pools.py; swept in the notes)
     # model -> leading prompt tokens every session of it shares (a system prompt and tool
     # schema); the prompt hashes and the instances' prefix caches see them (workloads.py)
     shared_prefix: dict[str, int] = field(default_factory=dict)
@@ -127,7 +128,13 @@ class Cluster:
         self.sessions = sessions
         self.config = config
         self.loop = EventLoop()
-        self.router = RouterCore(create_policy(config.policy, config.policy_config))
+        pools = None
+        if config.hot_pools:
+            if not config.pinned:
+                raise ValueError("hot_pools needs the starting pins (None: a cold instance)")
+            pools = HotPools({f"inst-{k:02d}": m for k, m in enumerate(config.pinned)}, z=config.hot_pools_z,
+                             models=tuple(config.server.models))
+        self.router = RouterCore(create_policy(config.policy, config.policy_config), pools=pools)
         view = DeviceView(config.server)  # profile-only snapshot parts, computed once for all
         self.instances: dict[str, SimExecutor] = {}
         if config.pinned and len(config.pinned) != config.instances:
@@ -153,12 +160,6 @@ class Cluster:
         self._prompts = PromptHashes()
         self._hashes: dict[str, list[int]] = {}  # call id -> its prompt's block hashes
         self._by_id = {s.id: s for s in sessions}
-        self.pools: HotPools | None = None
-        if config.hot_pools:
-            if not config.pinned:
-                raise ValueError("hot_pools needs the starting pins (None: a cold instance)")
-            self.pools = HotPools(dict(zip(self.instances, config.pinned)), z=config.hot_pools_z,
-                                  models=tuple(config.server.models))
 
     # ---- run --------------------------------------------------------------------------
 
@@ -239,8 +240,6 @@ class Cluster:
             if isinstance(ev, CallRouted):
                 del self._hashes[job.call_id]
                 self._measure_placement(job, ev.instance_id)
-                if self.pools is not None:
-                    self.pools.routed(job.call_id, job.session, job.model, ev.instance_id, now, job.prompt)
                 job.kv_output_tokens = ev.kv_output_tokens
                 out.extend(self.instances[ev.instance_id].submit(now, job) or ())
             elif isinstance(ev, CallFailed):
@@ -254,19 +253,19 @@ class Cluster:
                     continue
                 self.counters.retries += 1
                 out.append((now + wait, self._route, (job,)))
-        if self.pools is not None:
-            self._repin(now)
+        self._repin(events, now)
         return out
 
-    def _repin(self, now: float) -> None:
-        """The router's hot-pool decision reaches the agents (live: a NATS event; here at once)."""
-        for move in decide_from_state(self.pools, self.router.state, now):
-            inst = self.instances[move.instance_id]
-            inst.sched.repin(move.model)
-            self.counters.repins += 1
-            rec = self._snap_rec[move.instance_id]
-            rec[3] = None  # its pool changed: a fresh snapshot, not a heartbeat re-send
-            self._send_snapshot(rec, now)
+    def _repin(self, events, now: float) -> None:
+        """The router's hot-pool decisions (PoolPinned) reach their agents: live over NATS
+        (agent_service.py), here at once."""
+        for ev in events:
+            if isinstance(ev, PoolPinned):
+                self.instances[ev.instance_id].sched.repin(ev.model)
+                self.counters.repins += 1
+                rec = self._snap_rec[ev.instance_id]
+                rec[3] = None  # its pool changed: a fresh snapshot, not a heartbeat re-send
+                self._send_snapshot(rec, now)
 
     def _measure_placement(self, job: Job, chosen: str) -> None:
         c = self.counters
@@ -309,12 +308,9 @@ class Cluster:
     def completed(self, job: Job, done: CallCompleted, now: float):
         """An instance finished `job`; `done` is its agent core's completion record."""
         self.jobs.append(job)
-        self._count(self.router.handle(done, now))
-        if self.pools is not None:
-            self.pools.completed(job.call_id, job.session, job.model, done.prompt_tokens, done.cached_tokens,
-                                 done.output_tokens, done.prefill_s, done.decode_s, now)
-            if job.call_index + 1 >= len(self._by_id[job.session].calls):
-                self.pools.session_done(job.session, now)
+        events = self.router.handle(done, now)
+        self._count(events)
+        self._repin(events, now)
         rec = self._snap_rec[job.instance]
         if now - rec[1] >= self.config.snapshot_on_change_s:  # the agent's snapshot on change
             self._send_snapshot(rec, now)
@@ -358,8 +354,6 @@ class Cluster:
             snap = inst.snapshot(ver, now, self.config.heartbeat_s)
             rec[3] = key
         rec[4] = snap
-        if self.pools is not None and snap.active_model:
-            self.pools.observe_rates(snap.active_model, snap.prefill_tok_s, snap.decode_tok_s)
         self.router.observe(snap, now)
 
 

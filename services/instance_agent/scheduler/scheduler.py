@@ -103,8 +103,8 @@ class RoundScheduler:
         return self.config.pinned_model if self.config.pool == "hot" else None
 
     def _apply_pin(self) -> None:
-        if self._pending_pin is None:
-            return
+        if self._pending_pin is None or self._inflight is not None:
+            return  # (an action in flight completes under the config it was issued with)
         if self.config.pool == "hot" and self.device_model and self.calls.running[self.device_model]:
             return  # the hot pool's running batch finishes first
         model = self._pending_pin[0]
