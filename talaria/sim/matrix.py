@@ -78,7 +78,7 @@ ROUND_ONLY = "talaria-round-only"
 FORECAST_POOLS = "talaria-forecast-pools"
 # Talaria with a cold pool beside its hot pools: floor(N / models) hot per model, the rest
 # cold, instances turned hot / cold online (hot_pools.py's hot+cold rule): measured, not in
-# the default run (matrix_notes.md: SCT p95 geomean 1.045x the best peer vs 1.028x).
+# the default run (matrix_notes.md: SCT p95 geomean 1.047x sglang-cache-aware vs 1.025x).
 HOT_COLD = "talaria-hot-cold"
 ABLATIONS = (PAPER, NO_LEASE, ROUND_ONLY, FORECAST_POOLS)
 POLICIES = (*BASELINES, OURS, PAPER)  # `--ablations` adds the other two (run time: results/README.md)
