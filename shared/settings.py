@@ -206,6 +206,9 @@ class RouterSettings:
     lease_timeout_s: float = 1.0  # 0: no leases
     adaptive_lease: bool = False
     overload: str = "queue"
+    # The router sizes the hot pools from measured demand (services/router/hot_pools.py): it
+    # tells cold agents which model to keep resident (PoolPinned); `--hot` agents stay fixed.
+    hot_pools: bool = False
 
     def validate(self) -> None:
         if self.overload not in ("reject", "queue"):
