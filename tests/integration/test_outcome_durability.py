@@ -199,7 +199,7 @@ def hold_router_outputs(monkeypatch, call_id: str) -> None:
 
 
 async def submission_seq(js, call_id: str) -> int:
-    sub = await js.pull_subscribe(subjects.CALL_SUBMITTED, stream=subjects.EVENTS_STREAM,
+    sub = await js.pull_subscribe(subjects.call_submitted("*"), stream=subjects.EVENTS_STREAM,
                                   config=ConsumerConfig(ack_policy=AckPolicy.NONE))
     try:
         msgs = await sub.fetch(100, timeout=1)
