@@ -97,18 +97,56 @@ def run(rates: list[float], seconds: float, target: float) -> list[dict]:
     return rows
 
 
+def _stats() -> dict[int, list[str]]:
+    out = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                out[int(d.name)] = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                pass
+    return out
+
+
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
-    """User + system CPU seconds of each process so far, by service (router-0, router-1 -> router)."""
+    """User + system CPU seconds of each process and its live children (Postgres's backends) so
+    far, by service (router-0, router-1 -> router; agents together)."""
     tick = os.sysconf("SC_CLK_TCK")
+    stats = _stats()
     out: dict[str, float] = {}
     for name, pid in pids.items():
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        group = "router" if name.startswith("router") else "agents" if name.startswith(("agent", "hot-")) else name
-        out[group] = out.get(group, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        family = [pid] + [p for p, f in stats.items() if int(f[1]) == pid]
+        used = sum(int(stats[p][11]) + int(stats[p][12]) for p in family if p in stats) / tick
+        group = "router" if name.startswith("router") else "agents" if name.startswith(("agent", "hot-")) else \
+            name.replace("Embedded", "").lower()
+        out[group] = out.get(group, 0.0) + used
     return out
+
+
+def peer_lag(metrics: dict[str, str]) -> dict | None:
+    """Routers' `talaria_router_peer_placement_lag_seconds`, summed: mean and bucket quantiles."""
+    import urllib.request
+
+    buckets: dict[float, float] = {}
+    total = count = 0.0
+    for name, url in metrics.items():
+        if not name.startswith("router"):
+            continue
+        with urllib.request.urlopen(url, timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("talaria_router_peer_placement_lag_seconds_bucket"):
+                    le = float(line.split('le="', 1)[1].split('"', 1)[0])
+                    buckets[le] = buckets.get(le, 0.0) + float(line.rsplit(" ", 1)[1])
+                elif line.startswith("talaria_router_peer_placement_lag_seconds_sum"):
+                    total += float(line.rsplit(" ", 1)[1])
+                elif line.startswith("talaria_router_peer_placement_lag_seconds_count"):
+                    count += float(line.rsplit(" ", 1)[1])
+    if not count:
+        return None
+
+    def q(f):  # the upper bound of the bucket holding quantile f
+        return next(le for le, n in sorted(buckets.items()) if n >= f * count)
+    return {"count": count, "mean_s": total / count, "p50_le_s": q(0.5), "p95_le_s": q(0.95)}
 
 
 def run_routers(counts: list[int], rounds: int, rates: list[float], seconds: float, target: float) -> list[dict]:
@@ -133,6 +171,8 @@ def run_routers(counts: list[int], rounds: int, rates: list[float], seconds: flo
                     print("load: " + json.dumps(row), file=sys.stderr)
                     rows.append(row)
                     time.sleep(3)  # let the queue of the last rate drain before the next
+                if n > 1:
+                    rows[-1]["peer_lag"] = peer_lag(up.info()["metrics"])
             finally:
                 if up.proc is not None and up.proc.poll() is None:
                     up.interrupt()
@@ -184,6 +224,13 @@ def routers_markdown(rows: list[dict], command: str, target: float, seconds: flo
             rs = [r for r in rows if r["routers"] == n and r["rate"] == rate]
             lines.append(f"| {n} | {rate:g} | " + " | ".join(
                 f(mean([r["cpu_share"].get(s) for r in rs])) for s in services) + " |")
+    lags = [r["peer_lag"] for r in rows if r.get("peer_lag")]
+    if lags:
+        lines += ["", "A placement's lag to the other router (decision to the peer folding its routed call; "
+                  "`talaria_router_peer_placement_lag_seconds`, whole run of each stack):", ""]
+        for lag in lags:
+            lines.append(f"- {lag['count']:.0f} placements: mean {1000 * lag['mean_s']:.1f} ms, p50 <= "
+                         f"{1000 * lag['p50_le_s']:.1f} ms, p95 <= {1000 * lag['p95_le_s']:.1f} ms")
     return "\n".join(lines) + "\n"
 
 
