@@ -487,11 +487,15 @@ class RouterService:
             return
         try:
             with call_context(session_id, call_id) if call_id and session_id else _null():
-                outputs, acks = await self._handle_event(event, msg)
+                handled = await self._handle_event(event, msg)
         except Exception:  # never let one input stop the router: it is redelivered
             self.log.exception("input failed; will be redelivered", subject=msg.subject)
             await msg.nak(delay=1)
             return
+        if handled is None:  # its partition was handed over meanwhile: left (unacked) to its new owner
+            await msg.nak()
+            return
+        outputs, acks = handled
         if not outputs:
             await msg.ack()
             return
@@ -499,10 +503,10 @@ class RouterService:
         # the next input is folded, and this input is acked only once all are stored.
         self.outputs.store_then_ack_soon(outputs, acks, msg)
 
-    async def _handle_event(self, event, msg) -> tuple[list, list]:
+    async def _handle_event(self, event, msg) -> tuple[list, list] | None:
         async with self.lock:
             if not self.core.owns(event):  # handed over while this batch was in hand: its new owner decides
-                return [], []
+                return None
             ctx = extract_context(msg.headers)
             with self.tracer.start_as_current_span("route", context=ctx, attributes=tracing.request_attributes(event)) \
                     if isinstance(event, CallSubmitted) else _null() as span:
