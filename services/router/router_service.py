@@ -133,7 +133,8 @@ class RouterService:
         self.expected: set[str] = set()
         self.peers: dict[str, float] = {}  # router id -> when its heartbeat was last heard
         self.intakes: dict[int, tuple[asyncio.Task, asyncio.Event]] = {}  # partition -> consumer task, its stop
-        self.busy: set[int] = set()  # partitions being taken over or released right now
+        self.taking: set[int] = set()  # partitions being taken over right now (catching up)
+        self.releasing: set[int] = set()  # partitions being handed over right now (draining)
         self.caught_up_at = 0.0  # the issue time of the last view fetch that found nothing more
         self.view_moved = asyncio.Event()
         self.metrics = RouterMetrics()
@@ -337,7 +338,7 @@ class RouterService:
             self.ownership.lost(p)
             await self._stop_intake(p, drain=False)
         for p, revision in plan.renew:
-            if p in self.busy:
+            if p in self.releasing:
                 continue
             new = await self.claims.renew(p, self.router_id, revision)
             if new is None:
@@ -345,21 +346,21 @@ class RouterService:
                 await self._stop_intake(p, drain=False)
                 continue
             self.ownership.renewed(p, new)
-            if p not in self.intakes:  # adopted after a restart under the same id
-                self._spawn(self._take(p, "adopted"), p)
+            if p not in self.intakes and p not in self.taking:  # adopted after a restart under the same id
+                self._spawn(self._take(p, "adopted"), p, self.taking)
         for p in plan.claim:
             revision = await self.claims.create(p, self.router_id)
             if revision is not None:
                 self.ownership.claimed(p, revision)
-                self._spawn(self._take(p, "claimed"), p)
+                self._spawn(self._take(p, "claimed"), p, self.taking)
         for p, revision in plan.release:
-            if p not in self.busy:
-                self._spawn(self._release(p, revision), p)
+            if p not in self.releasing and p not in self.taking:
+                self._spawn(self._release(p, revision), p, self.releasing)
 
-    def _spawn(self, coro, partition: int) -> None:
-        self.busy.add(partition)
+    def _spawn(self, coro, partition: int, doing: set[int]) -> None:
+        doing.add(partition)
         task = asyncio.create_task(coro)
-        task.add_done_callback(lambda t: (self.busy.discard(partition), t.cancelled() or t.exception() and
+        task.add_done_callback(lambda t: (doing.discard(partition), t.cancelled() or t.exception() and
                                           self.log.error("partition change failed", partition=partition,
                                                          error=str(t.exception()))))
 
