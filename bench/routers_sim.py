@@ -39,7 +39,7 @@ def one_run(work, server, instances: int, routers: int, lag_s: float, policy: st
     started = time.perf_counter()
     result = simulate(work, cfg)
     s = summarise(result)
-    return {"instances": instances, "routers": routers, "lag_ms": lag_s * 1000, "complete": s["complete"],
+    return {"instances": instances, "seed": seed, "routers": routers, "lag_ms": lag_s * 1000, "complete": s["complete"],
             "sct_p50": s["sct_p50"], "sct_p95": s["sct_p95"], "ttft_p95": s["ttft_p95"],
             "opens": result.router.model_opens_needed, "avoidable_cold_opens": result.router.avoidable_cold_opens,
             "rejected": result.router.rejected, "calls": len(result.jobs), "wall_s": time.perf_counter() - started}
@@ -72,14 +72,15 @@ def markdown(rows: list[dict], command: str, policy: str) -> str:
         "live). The lag is the live figure of results/routers_load.md (a peer's routed call folded by the other "
         "router); the stress row multiplies it ~50x. Scale workload with sessions and arrivals proportional to "
         "the instances.", "",
-        "| instances | routers | lag ms | calls | SCT p50 s | SCT p95 s | TTFT p95 s | opens | avoidable cold opens "
+        "| instances | seed | routers | lag ms | calls | SCT p50 s | SCT p95 s | TTFT p95 s | opens | avoidable cold opens "
         "| 503s | SCT p50 / 1 router | SCT p95 / 1 router | opens / 1 router | wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        base = next(b for b in rows if b["instances"] == r["instances"] and b["routers"] == 1)
+        base = next(b for b in rows if b["instances"] == r["instances"] and b["routers"] == 1
+                    and b.get("seed", 0) == r.get("seed", 0))
         lines.append(
-            f"| {r['instances']} | {r['routers']} | {r['lag_ms']:g} | {r['calls']} | {r['sct_p50']:.2f} "
+            f"| {r['instances']} | {r.get('seed', 0)} | {r['routers']} | {r['lag_ms']:g} | {r['calls']} | {r['sct_p50']:.2f} "
             f"| {r['sct_p95']:.2f} | {r['ttft_p95']:.2f} | {r['opens']} | {r['avoidable_cold_opens']} "
             f"| {r['rejected']} | {ratio(r['sct_p50'], base['sct_p50'])} | {ratio(r['sct_p95'], base['sct_p95'])} "
             f"| {ratio(r['opens'], base['opens'])} | {r['wall_s']:.0f} |")
@@ -96,6 +97,7 @@ def main() -> int:
     ap.add_argument("--policy", default="talaria")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/routers.md")
+    ap.add_argument("--add", action="store_true", help="add these rows to the --out file's JSON and rewrite it")
     args = ap.parse_args()
     rows = run([int(x) for x in args.instances.split(",")], [int(x) for x in args.routers.split(",")],
                args.lag_ms / 1000, args.stress_ms / 1000, args.sessions_per_instance, args.policy, args.seed)
@@ -103,6 +105,9 @@ def main() -> int:
                f"--lag-ms {args.lag_ms:g} --stress-ms {args.stress_ms:g} "
                f"--sessions-per-instance {args.sessions_per_instance}")
     out = ROOT / args.out
+    if args.add and out.with_suffix(".json").exists():
+        rows = json.loads(out.with_suffix(".json").read_text()) + rows
+        command = "; ".join(dict.fromkeys([*(out.read_text().split("`")[1].split("; ")), command]))
     out.write_text(markdown(rows, command, args.policy))
     out.with_suffix(".json").write_text(json.dumps(rows, indent=2))
     print(out.read_text())
