@@ -71,7 +71,6 @@ from talaria.shared.snapshots import HEARTBEAT_DECODER, SNAPSHOT_DECODER
 from talaria.shared.settings import Settings, SettingsError
 from talaria.shared.tracing import extract_context
 
-PEER_LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 # Other routers' outputs: folded as facts (RouterCore.fold_peer), never reacted to.
 PEER_OUTPUTS = (CallRouted, LeaseIssued, LeaseConsumed, LeaseDiscarded, LeaseExpired, InstanceLost)
 
@@ -144,11 +143,6 @@ class RouterService:
                                   (), lambda: {(): len(self.core.state.instances)})
         self.metrics.scrape_gauge("talaria_router_partitions_owned", "Intake partitions this router consumes",
                                   (), lambda: {(): len(self.core.partitioning.owned)})
-        self.peer_lag = self.metrics.histogram(
-            "talaria_router_peer_placement_lag_seconds", "From another router's decision to this router "
-            "folding its routed call (what a stale view lags by)", (), buckets=PEER_LAG_BUCKETS)
-        self.takeovers = self.metrics.counter(
-            "talaria_router_partition_takeovers", "Partitions this router started consuming, by how", ("how",))
 
     def _live_leases(self) -> dict:
         book, now = self.core.state.leases, time.time()
@@ -293,7 +287,7 @@ class RouterService:
             now = time.time()
             if isinstance(event, PEER_OUTPUTS):
                 if isinstance(event, CallRouted):
-                    self.peer_lag.observe(max(0.0, now - event.routed_at))
+                    self.metrics.peer_lag.observe(max(0.0, now - event.routed_at))
                 outputs = self.core.fold_peer(event, now)
             else:
                 outputs = self.core.handle(event, now)  # reacts only for the sessions we own
@@ -374,7 +368,7 @@ class RouterService:
         async with self.lock:
             self._set_owned(self.core.partitioning.owned | {p})
         self.intakes[p] = (asyncio.create_task(self._consume(sub, halt)), halt)
-        self.takeovers.labels(how).inc()
+        self.metrics.takeovers.labels(how).inc()
         self.log.info("partition taken", partition=p, how=how, catch_up_s=round(time.time() - started, 3))
 
     async def _release(self, p: int, revision: int) -> None:
