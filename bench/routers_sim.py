@@ -70,7 +70,7 @@ def markdown(rows: list[dict], command: str, policy: str) -> str:
         f"`{command}` (policy `{policy}`). N routers each decide their own partitions' sessions; the others' "
         "placements, leases and completions reach a router only after the lag (snapshots reach all at once, as "
         "live). The lag is the live figure of results/routers_load.md (a peer's routed call folded by the other "
-        "router); the stress row multiplies it ~50x. Scale workload with sessions and arrivals proportional to "
+        "router); a stress row takes a loaded box's lag. Scale workload with sessions and arrivals proportional to "
         "the instances.", "",
         "| instances | seed | routers | lag ms | calls | SCT p50 s | SCT p95 s | TTFT p95 s | opens | avoidable cold opens "
         "| 503s | SCT p50 / 1 router | SCT p95 / 1 router | opens / 1 router | wall s |",
