@@ -12,12 +12,13 @@ are the policy's, unchanged: given the same state, every router decides a call a
 
 from __future__ import annotations
 
+from talaria.services.router.hot_pools import HotPools, decide_from_state
 from talaria.services.router.instances import InstanceView
 from talaria.services.router.leases import settlement
 from talaria.services.router.ownership import Partitioning
 from talaria.services.router.policy.base import PlacementPolicy
 from talaria.services.router.state import RouterState, SnapshotReceived
-from talaria.shared.events import CallFailed, CallRouted, CallSubmitted, Event, InstanceLost
+from talaria.shared.events import CallCompleted, CallFailed, CallRouted, CallSubmitted, Event, InstanceLost, PoolPinned
 from talaria.shared.snapshots import InstanceSnapshot
 
 # An agent is declared lost after this many of its own heartbeat intervals without a snapshot
@@ -29,9 +30,14 @@ class RouterCore:
     """Policy + state. `handle`/`tick` return the events they caused, already folded in."""
 
     def __init__(self, policy: PlacementPolicy, state: RouterState | None = None,
-                 partitioning: Partitioning | None = None) -> None:
+                 pools: HotPools | None = None, partitioning: Partitioning | None = None) -> None:
         self.policy = policy
         self.state = state or RouterState()
+        # The router's hot-pool controller (hot_pools.py), when the system chooses the pools:
+        # it hears what the router routes and completes, and its decisions are PoolPinned events.
+        # With replicas every router's controller hears every placement and completion; only
+        # partition 0's owner emits its decisions (router-wide work: one router does it).
+        self.pools = pools
         self.partitioning = partitioning or Partitioning.everything()  # one router: every session
 
     def owns(self, event) -> bool:
@@ -46,6 +52,11 @@ class RouterCore:
         if old is not None and old.snapshot.incarnation != snapshot.incarnation:
             out = self.lose(old, f"instance {snapshot.instance_id} restarted", now)
         self.state.apply(SnapshotReceived(snapshot, now))
+        if self.pools is not None:
+            self.pools.instance(snapshot.instance_id, snapshot.pinned_model if snapshot.pool == "hot" else None,
+                                (m.model for m in snapshot.models))
+            if snapshot.active_model:
+                self.pools.observe_rates(snapshot.active_model, snapshot.prefill_tok_s, snapshot.decode_tok_s)
         return out
 
     def check_liveness(self, now: float, since: float) -> list[Event]:
@@ -94,6 +105,9 @@ class RouterCore:
         self.state.apply(event)
         for produced in out:
             self.state.apply(produced)
+        if self.pools is not None and isinstance(event, CallRouted):  # the controller hears every placement
+            call = event.call
+            self.pools.routed(call.session_id, call.model, event.instance_id, call.prompt_tokens, now)
         return out
 
     def handle(self, event: Event, now: float) -> list[Event]:
@@ -108,12 +122,31 @@ class RouterCore:
                 out = self.policy.react(self.state, event, now) if self.owns(event) else []
         for produced in out:
             self.state.apply(produced)
+        if self.pools is not None:
+            out += self._pools(event, out, now)
         return out
+
+    def _pools(self, event: Event, out: list[Event], now: float) -> list[Event]:
+        """Feed the hot-pool controller what this input caused; its moves as events."""
+        pools = self.pools
+        if isinstance(event, CallCompleted):
+            pools.completed(event.session_id, event.model, event.prompt_tokens, event.cached_tokens,
+                            event.output_tokens, event.prefill_s, event.decode_s, now)
+        for produced in out:
+            if isinstance(produced, CallRouted):
+                call = produced.call
+                pools.routed(call.session_id, call.model, produced.instance_id, call.prompt_tokens, now)
+        if not self.partitioning.owns(None):
+            return []  # another router (partition 0's owner) decides the pools
+        return [PoolPinned(m.instance_id, m.model, m.previous, m.at, m.reason)
+                for m in decide_from_state(pools, self.state, now)]
 
     def tick(self, now: float) -> list[Event]:
         # Another router's due leases are its to expire: they leave this view when its
         # LeaseExpired arrives (or this router takes their partition over).
         out = [e for e in self.policy.tick(self.state, now) if self.owns(e)]
+        if self.pools is not None:
+            self.pools.expire(now, self.state.idle_horizon_s)
         for produced in out:
             self.state.apply(produced)
         return out

@@ -53,6 +53,7 @@ from talaria.shared.metrics import RouterMetrics
 from talaria.shared.health import INTERVAL_S as HEARTBEAT_INTERVAL_S, BusHearing, heartbeat_loop
 from talaria.shared.logs import call_context
 from talaria.shared.runtime import serve_until_stopped
+from talaria.services.router.hot_pools import HotPools
 from talaria.shared.bus import ACK_WAIT_S, PUBLISH_TIMEOUT_S, close, connect, origin_of, publish_fast, set_origin
 from talaria.shared.nats_auth import sender_of, trusted
 from talaria.shared.db.connection import create_engine
@@ -120,7 +121,8 @@ class RouterService:
         self.origin = uuid.uuid4().hex  # this process: its outputs, read back by the view, are skipped
         self.ownership = Ownership(self.router_id, settings.router_partitions, settings.router_ownership_ttl_s)
         # Owns nothing until a partition is claimed and the view has caught up with it.
-        self.core = RouterCore(policy, partitioning=Partitioning(settings.router_partitions, frozenset()))
+        self.core = RouterCore(policy, pools=HotPools() if settings.hot_pools else None,
+                               partitioning=Partitioning(settings.router_partitions, frozenset()))
         self.lock = asyncio.Lock()  # one input at a time: the core is single-threaded by design
         self.dirty = False
         self.seq = 0  # stream sequence the view has folded up to (saved with the state)

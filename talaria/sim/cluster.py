@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, replace
 import msgspec
 
 from talaria.services.instance_agent.scheduler import SchedulerConfig
+from talaria.services.router.hot_pools import HotPools
 from talaria.services.router.ownership import Partitioning
 from talaria.services.router.router_core import RouterCore
 from talaria.services.router.policy.base import PolicyConfig
@@ -54,6 +55,7 @@ from talaria.shared.events import (
     LeaseDiscarded,
     LeaseExpired,
     LeaseIssued,
+    PoolPinned,
     RoutingDecision,
 )
 
@@ -86,6 +88,10 @@ class RunConfig:
     # Per instance (in order), the model a hot-pool instance is pinned to, or None for a cold
     # one; empty: every instance cold. A static per-model pool deployment (deployment.py).
     pinned: tuple[str | None, ...] = ()
+    # The router chooses the hot pools online from measured demand (services/router/hot_pools.py),
+    # starting from `pinned` (which must pin every instance): talaria's own machinery.
+    hot_pools: bool = False
+    hot_pools_z: float = 1.0  # its noise margin in standard errors (hot_pools.py; swept in the notes)
     # model -> leading prompt tokens every session of it shares (a system prompt and tool
     # schema); the prompt hashes and the instances' prefix caches see them (workloads.py)
     shared_prefix: dict[str, int] = field(default_factory=dict)
@@ -112,6 +118,7 @@ class RouterCounters:
     model_opens_needed: int = 0
     leases_issued: int = 0
     leases_consumed: int = 0
+    repins: int = 0  # hot-pool moves the router made (RunConfig.hot_pools)
     leases_discarded: int = 0
     leases_expired: int = 0
     decision_us: float = 0.0
@@ -135,10 +142,17 @@ class Cluster:
         self.sessions = sessions
         self.config = config
         self.loop = EventLoop()
-        self.routers = [RouterCore(create_policy(config.policy, config.policy_config),
-                                   partitioning=Partitioning(config.routers, frozenset({r})))
-                        for r in range(config.routers)] if config.routers > 1 else \
-            [RouterCore(create_policy(config.policy, config.policy_config))]
+        if config.hot_pools and not config.pinned:
+            raise ValueError("hot_pools needs the starting pins (None: a cold instance)")
+
+        def pools():  # each router's own controller (partition 0's owner decides)
+            return HotPools({f"inst-{k:02d}": m for k, m in enumerate(config.pinned)}, z=config.hot_pools_z,
+                            models=tuple(config.server.models)) if config.hot_pools else None
+
+        n = config.routers
+        self.routers = [RouterCore(create_policy(config.policy, config.policy_config), pools=pools(),
+                                   partitioning=Partitioning(n, frozenset({r})) if n > 1 else None)
+                        for r in range(n)]
         self.router = self.routers[0]
         view = DeviceView(config.server)  # profile-only snapshot parts, computed once for all
         self.instances: dict[str, SimExecutor] = {}
@@ -248,7 +262,9 @@ class Cluster:
     def _peer_fold(self, now: float, peer: RouterCore, events):
         for ev in events:
             if isinstance(ev, CallCompleted):
-                self._count(peer.handle(ev, now))  # not its session: folded, no reaction
+                produced = peer.handle(ev, now)  # not its session: folded, no reaction (pools: maybe)
+                self._count(produced)
+                self._repin(produced, now)
             else:
                 self._count(peer.fold_peer(ev, now))
         return None
@@ -297,7 +313,19 @@ class Cluster:
                     continue
                 self.counters.retries += 1
                 out.append((now + wait, self._route, (job,)))
+        self._repin(events, now)
         return out
+
+    def _repin(self, events, now: float) -> None:
+        """The router's hot-pool decisions (PoolPinned) reach their agents: live over NATS
+        (agent_service.py), here at once."""
+        for ev in events:
+            if isinstance(ev, PoolPinned):
+                self.instances[ev.instance_id].sched.repin(ev.model)
+                self.counters.repins += 1
+                rec = self._snap_rec[ev.instance_id]
+                rec[3] = None  # its pool changed: a fresh snapshot, not a heartbeat re-send
+                self._send_snapshot(rec, now)
 
     def _measure_placement(self, job: Job, chosen: str) -> None:
         c = self.counters
@@ -343,6 +371,7 @@ class Cluster:
         owner = self._owner(job.session)
         reactions = owner.handle(done, now)
         self._count(reactions)
+        self._repin(reactions, now)
         later = self._tell_peers(owner, reactions, now, completion=done)
         rec = self._snap_rec[job.instance]
         if now - rec[1] >= self.config.snapshot_on_change_s:  # the agent's snapshot on change
