@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import uuid
 from collections.abc import Mapping
@@ -209,10 +210,25 @@ class RouterSettings:
     # The router sizes the hot pools from measured demand (services/router/hot_pools.py): it
     # tells cold agents which model to keep resident (PoolPinned); `--hot` agents stay fixed.
     hot_pools: bool = False
+    # -- router replicas (README "Router replicas"; services/router/ownership.py) -------------
+    # The routers of a deployment split the sessions: 64 session slots grouped into this many
+    # partitions (a divisor of 64; every router must agree: checked against the KV bucket), each
+    # owned by one router through a KV key that expires this long after its last renewal (6
+    # service heartbeats: a dead router's partitions are taken over within about that long).
+    router_partitions: int = 8
+    router_ownership_ttl_s: float = 3.0
+    router_id: str = ""  # "": a fresh id per process; a restart under the same id adopts its claims
 
     def validate(self) -> None:
         if self.overload not in ("reject", "queue"):
             raise SettingsError("TALARIA_OVERLOAD", self.overload, "reject or queue")
+        if self.router_partitions < 1 or 64 % self.router_partitions:
+            raise SettingsError("TALARIA_ROUTER_PARTITIONS", str(self.router_partitions), "a divisor of 64")
+        if self.router_ownership_ttl_s <= 0:
+            raise SettingsError("TALARIA_ROUTER_OWNERSHIP_TTL_S", str(self.router_ownership_ttl_s),
+                                "a positive number")
+        if self.router_id and not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.router_id):
+            raise SettingsError("TALARIA_ROUTER_ID", self.router_id, "1-64 letters, digits, '_' or '-'")
         if self.lease_timeout_s < 0:
             raise SettingsError("TALARIA_LEASE_TIMEOUT_S", str(self.lease_timeout_s), "a positive number")
 

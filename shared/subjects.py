@@ -16,7 +16,11 @@
     talaria.idem.waiting.<t>-<call>  core NATS: every gateway request waiting for that keyed call
                                      answers a probe here (no responders: nobody waits for it)
     talaria.telemetry.<instance_id>  InstanceSnapshot heartbeats (last value, not history)
-    talaria.health.<service>         service heartbeats
+    talaria.health.<service>         service heartbeats (a router's names its id: routers count
+                                     their live peers from them, router/ownership.py)
+    KV bucket TALARIA_ROUTERS        router partition ownership (`partition.<p>` -> owner id)
+    talaria.evt.call.submitted.<slot> a call's submission, on its session's slot (0-63,
+                                     shared/session_slots.py): router partitions consume slots
     talaria.evt.<tag>                the event log, captured by the JetStream stream `events_stream`:
                                      one subject per event, named by its tag, listed with its
                                      owner in the wire table (event_specs.py): `event("call.submitted")`;
@@ -53,6 +57,11 @@ def idempotency_stream_name(deployment: str) -> str:
     return f"{deployment.upper().replace('-', '_')}_IDEMPOTENCY"
 
 
+def routers_bucket_name(deployment: str) -> str:
+    """The JetStream KV bucket of router partition ownership (services/router/claims.py)."""
+    return f"{deployment.upper().replace('-', '_')}_ROUTERS"
+
+
 @dataclass(frozen=True)
 class Deployment:
     """One deployment's NATS names, all derived from its name."""
@@ -68,6 +77,7 @@ class Deployment:
     events_stream = property(lambda self: stream_name(self.name))
     replies_stream = property(lambda self: replies_stream_name(self.name))
     idempotency_stream = property(lambda self: idempotency_stream_name(self.name))
+    routers_bucket = property(lambda self: routers_bucket_name(self.name))
     events_wildcard = property(lambda self: f"{self.name}.evt.>")
 
     # -- the client API and cancels ---------------------------------------------------------
@@ -98,6 +108,10 @@ class Deployment:
         if tag not in _EVENT_TAGS:
             raise KeyError(f"no event tagged {tag!r} (shared/event_specs.py)")
         return f"{self.name}.evt.{tag}"
+
+    def call_submitted(self, slot: int | str) -> str:
+        """The submissions of one session slot (`*`: every slot)."""
+        return f"{self.event('call.submitted')}.{slot}"
 
     def call_routed(self, instance_id: str) -> str:
         return f"{self.call_routed_prefix}.{instance_id}"
