@@ -38,6 +38,7 @@ from typing import Any
 from talaria.services.instance_agent.engine.admission import KvAdmission
 from talaria.services.instance_agent.engine.contract import EngineStats, GenRequest, GenResult, StepToken, SwitchRecord
 from talaria.services.instance_agent.engine.contract import Capabilities
+from talaria.services.instance_agent.engine.dtypes import choose
 from talaria.services.instance_agent.engine.engine_errors import (
     EngineBusy, EngineError, ModelNotActive, UnknownCall, UnknownModel,
 )
@@ -58,13 +59,13 @@ class SglangUnavailable(EngineError, RuntimeError):
 
 
 def engine_kwargs(model_path: str, spec: ModelSpec, *, mem_fraction: float, hkvr: bool,
-                  host_pages: int) -> dict[str, Any]:
+                  host_pages: int, dtype: str = "auto") -> dict[str, Any]:
     """`sglang.Engine(**kwargs)`: every key is a ServerArgs field (checked against SGLang's source)."""
     kwargs = {
         "model_path": model_path,
         "skip_tokenizer_init": True,  # token ids in and out; text is decided here (stream_call.py)
         "context_length": spec.context_length,
-        "dtype": "float32" if spec.path is None else "auto",
+        "dtype": choose(spec, "cuda", dtype).name,  # as the other engines (dtypes.py)
         "mem_fraction_static": mem_fraction,
         "enable_memory_saver": True,  # release/resume_memory_occupation
         "incremental_streaming_output": True,  # each streamed chunk carries only its new ids
@@ -102,7 +103,7 @@ def sampling_params(r: GenRequest, text, room: int) -> dict[str, Any]:
 class SglangEngine:
     def __init__(self, data_dir: Path, models: list[str], *, device: str = "cuda", hkvr: bool = True,
                  staging: bool = True, switch_mode: str | None = None, host_kv_pages: int = 4096,
-                 **_torch_only: Any) -> None:
+                 dtype: str = "auto", **_torch_only: Any) -> None:
         unknown = [m for m in models if m not in CATALOG]
         if unknown or not models:
             raise UnknownModel(unknown[0] if unknown else "", sorted(CATALOG))
@@ -115,7 +116,7 @@ class SglangEngine:
         self.switch_mode = switch_mode or "memory"
         if self.switch_mode not in ("memory", "weights"):
             raise ValueError(f"TALARIA_SGLANG_SWITCH={self.switch_mode!r}: 'memory' or 'weights'")
-        self.hkvr, self.host_kv_pages = hkvr, host_kv_pages
+        self.hkvr, self.host_kv_pages, self.dtype = hkvr, host_kv_pages, dtype
         self.capabilities = Capabilities(switch_with_calls_running=False, host_kv=hkvr, d2d_staging=False,
                                          chunked_prefill=True)
         self.should_yield = None
@@ -145,7 +146,7 @@ class SglangEngine:
         import sglang
 
         return sglang.Engine(**engine_kwargs(str(self.dirs[model]), self.specs[model], mem_fraction=share,
-                                             hkvr=self.hkvr, host_pages=self.host_kv_pages))
+                                             hkvr=self.hkvr, host_pages=self.host_kv_pages, dtype=self.dtype))
 
     def _engine(self, model: str):
         return self._engines[model if self.switch_mode == "memory" else next(iter(self._engines))]

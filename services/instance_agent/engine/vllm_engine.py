@@ -48,6 +48,7 @@ from typing import Any
 from talaria.services.instance_agent.engine.admission import KvAdmission, common_prefix
 from talaria.services.instance_agent.engine.contract import EngineStats, GenRequest, GenResult, StepToken, SwitchRecord
 from talaria.services.instance_agent.engine.contract import Capabilities
+from talaria.services.instance_agent.engine.dtypes import choose_all
 from talaria.services.instance_agent.engine.engine_errors import (
     EngineBusy, EngineError, ModelNotActive, UnknownCall, UnknownModel,
 )
@@ -121,7 +122,7 @@ class VllmEngine:
         self.enforce_eager = enforce_eager
         # tokens per vLLM step: a longer prompt is prefilled in chunks of this (vLLM's default if unset)
         self.max_num_batched_tokens = max_num_batched_tokens or None
-        self.dtype = dtype
+        self.dtypes = choose_all(self.specs, device, dtype, "vllm")  # as the torch engine
         self.hkvr = hkvr
         self.host_kv_bytes = host_kv_bytes or 256 << 20
         resident = self.switch_mode == "resident"
@@ -162,7 +163,8 @@ class VllmEngine:
         spec = self.specs[model]
         kw: dict[str, Any] = {}
         if self.device == "cpu":
-            kw["kv_cache_memory_bytes"] = self.kv_cache_bytes or max(256 << 20, 2 * _kv_bytes(spec))
+            kw["kv_cache_memory_bytes"] = self.kv_cache_bytes or max(
+                256 << 20, 2 * _kv_bytes(spec, self.dtypes[model].dtype.itemsize))
         else:  # every model's engine shares the device: a share each (a sleeping one frees its own)
             kw["gpu_memory_utilization"] = 0.85 / len(self.specs) if self.switch_mode == "resident" else 0.85
         if self.block_size:
@@ -178,7 +180,7 @@ class VllmEngine:
             kw["async_scheduling"] = False  # the connector retires a step's copies at the next schedule
         return AsyncEngineArgs(
             model=str(self.dirs[model]), skip_tokenizer_init=True, enable_prefix_caching=True,
-            dtype=("float32" if spec.path is None else self.dtype),
+            dtype=self.dtypes[model].name,
             max_model_len=spec.context_length,
             logprobs_mode="processed_logprobs",  # after logit_bias and the output mask, as the torch engine
             enforce_eager=self.enforce_eager, disable_log_stats=True, seed=0, **kw)
@@ -484,9 +486,9 @@ class VllmEngine:
             self._rates[kind] = ewma(self._rates[kind] or None, tokens / seconds, EMA)
 
 
-def _kv_bytes(spec: ModelSpec) -> int:
-    """KV bytes of one call filling the model's context (float32 K and V, every layer)."""
-    return spec.layers * 2 * spec.kv_heads * spec.head_dim * 4 * spec.context_length
+def _kv_bytes(spec: ModelSpec, itemsize: int) -> int:
+    """KV bytes of one call filling the model's context (K and V, every layer)."""
+    return spec.layers * 2 * spec.kv_heads * spec.head_dim * itemsize * spec.context_length
 
 
 def _weight_bytes(path: Path) -> int:
