@@ -41,6 +41,7 @@ import queue
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,7 @@ class VllmEngine(StreamingEngine):
         max_num_batched_tokens: int | None = None,
         enforce_eager: bool = True,
         dtype: str = "auto",
+        async_scheduling: bool | None = None,  # None: vLLM's default (off with the connector, which needs it off)
         **_torch_only: Any,  # the torch engine's knobs (kv_pages, tp_ranks, ...) do not apply
     ) -> None:
         self._serve(data_dir, models, "vllm", VllmUnavailable)
@@ -104,6 +106,7 @@ class VllmEngine(StreamingEngine):
         self.kv_cache_bytes = kv_cache_bytes or None
         self.block_size = block_size or None
         self.enforce_eager = enforce_eager
+        self.async_scheduling = async_scheduling
         # tokens per vLLM step: a longer prompt is prefilled in chunks of this (vLLM's default if unset)
         self.max_num_batched_tokens = max_num_batched_tokens or None
         self.dtypes = choose_all(self.specs, device, dtype, "vllm")  # as the torch engine
@@ -158,6 +161,8 @@ class VllmEngine(StreamingEngine):
 
             kw["kv_transfer_config"] = transfer_config(model, self._pool_file(model), self.host_kv_bytes)
             kw["async_scheduling"] = False  # the connector retires a step's copies at the next schedule
+        elif self.async_scheduling is not None:
+            kw["async_scheduling"] = self.async_scheduling
         return AsyncEngineArgs(
             model=str(self.dirs[model]), skip_tokenizer_init=True, enable_prefix_caching=True,
             dtype=self.dtypes[model].name,
@@ -185,7 +190,8 @@ class VllmEngine(StreamingEngine):
         async def build():
             return AsyncLLM.from_engine_args(args)
 
-        llm = self._loop.run(build())
+        with _reserved_cpus(self.device, self.hkvr):
+            llm = self._loop.run(build())
         self._llms[model] = llm
         self._block = llm.vllm_config.cache_config.block_size
         self.capabilities = replace(self.capabilities, kv_block_tokens=self._block)
@@ -404,6 +410,24 @@ class VllmEngine(StreamingEngine):
     def _rate(self, kind: str, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
             self._rates[kind] = ewma(self._rates[kind] or None, tokens / seconds, EMA)
+
+
+@contextmanager
+def _reserved_cpus(device: str, connector: bool):
+    """vLLM's CPU build keeps one more core off its worker when any KV connector is configured
+    (for NIXL's transfer thread). Ours copies inside the worker's own step and needs none; on a
+    2-core machine the extra reservation leaves the worker two OpenMP threads spinning against
+    the scheduler process, which made every prefill 2.5-4x slower (bench/vllm_writethrough.py).
+    So the engine process is started with vLLM's usual reservation, unless the user set one."""
+    var = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+    if device != "cpu" or not connector or var in os.environ:
+        yield
+        return
+    os.environ[var] = "1"  # read by the engine processes as they start (spawned with this environment)
+    try:
+        yield
+    finally:
+        os.environ.pop(var, None)
 
 
 def _kv_bytes(spec: ModelSpec, itemsize: int) -> int:
