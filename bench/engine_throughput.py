@@ -107,6 +107,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", help="the checkpoint's dtype")
     ap.add_argument("--compute", default="auto", help="TALARIA_DTYPE for both engines: auto | float32 | bfloat16")
+    ap.add_argument("--torch-threads", type=int, default=1,
+                    help="the torch engine's threads (vLLM's CPU worker uses one here); 0: torch's default")
     ap.add_argument("--data", default=None, help="where the checkpoint is written (default: a temp dir)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -116,7 +118,9 @@ def main() -> None:
     from talaria.shared.catalog import register
     from talaria.shared.hf_config import load_spec
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    # vLLM's CPU worker computes on one OpenMP thread bound to a core (the other is its
+    # scheduler's): the torch engine gets the same, so the two are compared per compute thread
+    torch.set_num_threads(args.torch_threads or torch.get_num_threads())
     data = Path(args.data or tempfile.mkdtemp(prefix="throughput-"))
     t0 = time.perf_counter()
     path = checkpoint(data, args.shape, args.dtype)
@@ -148,7 +152,8 @@ def main() -> None:
         finally:
             engine.close()
     lines = [f"{args.shape} shape, random weights ({args.dtype} checkpoint), device {args.device}, prompt "
-             f"{args.prompt} tokens, {args.decode} generated per call, median of {args.reps}; checkpoint "
+             f"{args.prompt} tokens, {args.decode} generated per call, median of {args.reps}, torch engine on "
+             f"{torch.get_num_threads()} thread(s); checkpoint "
              f"written in {made_s:.0f} s.", "",
              "| engine | computes in | batch | prefill tok/s | decode tok/s | engine start s |",
              "|---|---|---|---|---|---|"]

@@ -101,7 +101,7 @@ def main() -> None:
              "in turn).", "",
              "| prompt tokens | blocks written | prefill s: none / sync / no-writes / connector | "
              "decode tok/s: none / sync / no-writes / connector | writing (connector vs no-writes): prefill, "
-             "decode | a connector's hooks (no-writes vs sync): prefill, decode | greedy tokens equal |",
+             "decode | a connector configured (no-writes vs sync): prefill, decode | greedy tokens equal |",
              "|---|---|---|---|---|---|---|"]
     for n, blocks, med, same in rows:
         pre = [med[k][0] for k in ("none", "sync", "no-writes", "connector")]
