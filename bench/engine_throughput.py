@@ -27,6 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.run_record import publish  # noqa: E402
+
 SHAPES = {  # the real models' config fields (their Hugging Face config.json)
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
@@ -166,11 +168,7 @@ def main() -> None:
             lines.append(f"\nbatch {b}: vLLM / torch = {vp / tp:.2f}x prefill, {vd / td:.2f}x decode")
     lines += [f"\n{n}" for n in notes]
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(f"\n### Throughput {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
-                    f"`{' '.join(sys.argv)}`\n\n{text}")
+    publish(text, args.out, "Throughput")
     json.dump([dict(engine=n, dtype=c, batch=b, prefill_tok_s=p, decode_tok_s=d) for n, c, b, p, d, _ in rows],
               sys.stderr)
 

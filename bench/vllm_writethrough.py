@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.run_record import publish  # noqa: E402
 from bench.vllm_return import A, prompt_of  # noqa: E402
 
 
@@ -111,11 +112,7 @@ def main() -> None:
                      f"{100 * (pre[3] / pre[2] - 1):+.0f}%, {100 * (dec[2] / dec[3] - 1):+.0f}% | "
                      f"{100 * (pre[2] / pre[1] - 1):+.0f}%, {100 * (dec[1] / dec[2] - 1):+.0f}% | {same} |")
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(f"\n### Write-through run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
-                    f"`{' '.join(sys.argv)}`\n\n{text}")
+    publish(text, args.out, "Write-through run")
 
 
 def _kv_token_bytes() -> int:
