@@ -47,9 +47,12 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("results/matrix_seeds.md"))
     ap.add_argument("--json", type=Path, default=None, help="also write every (seed, cell, policy) SCT p50/p95 here")
+    ap.add_argument("--ours", default=OURS, help="talaria variants to compare with the peers, comma-separated "
+                    "(e.g. talaria,talaria-forecast-pools: online hot pools vs the peers' forecast)")
     ap.add_argument("--cells", default="", help="only cells whose name contains one of these (comma-separated)")
     args = ap.parse_args()
-    policies = (*BASELINES, OURS)
+    variants = tuple(v for v in args.ours.split(",") if v)
+    policies = (*BASELINES, *variants)
     only = [c for c in args.cells.split(",") if c]
     tasks = [(seed, c.name, p) for seed in range(args.seeds) for c in cells(seed)
              if c.weka != "fixed-replay" and (not only or any(o in c.name for o in only)) for p in policies]
@@ -64,10 +67,43 @@ def main() -> int:
     if args.json is not None:
         args.json.write_text(json.dumps([{"seed": seed, "cell": name, "sct": got} for (seed, name), got in
                                          sorted(res.items())], indent=1))
+    rows = []
+    for variant in variants:
+        vrows, worst = _rows(res, variant)
+        rows += [f"| {variant}, {r}" for r in vrows]
+        if variant == variants[0]:
+            first_worst = worst
+    worst = first_worst
+    text = "\n".join([
+        "# Workload matrix over workload seeds",
+        "",
+        f"`python bench/matrix_seeds.py --seeds {args.seeds}" + (f" --ours {args.ours}" if args.ours != OURS else "")
+        + (f" --cells {args.cells}" if only else "") + f"` ({len(tasks)} runs, {wall:.0f} s wall with "
+        f"{args.workers} processes on the shared 2-core machine). Generated cells and the router-testbed "
+        "cell of talaria.sim.matrix, each seed drawing new sessions, arrivals and gaps; ratios are "
+        "talaria / best baseline of the same cell and seed (below 1: talaria faster). Seed 0 is "
+        "results/matrix.md.",
+        "",
+        "| variant, seeds | cells more than 2 % behind (p50 or p95) | SCT p50 vs best per cell (geomean) "
+        "| SCT p95 vs best per cell (geomean) | " + " | ".join(f"SCT p95 vs {b}" for b in BASELINES) + " |",
+        "|---|---|---|---|" + "---|" * len(BASELINES),
+        *rows,
+        "",
+        f"Cells {variants[0]} missed most often (of " + f"{args.seeds} seeds): "
+        + ", ".join(f"{name} {n}" for name, n in worst if n) + ".",
+        "",
+    ])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(text)
+    return 0
+
+
+def _rows(res, variant: str) -> tuple[list[str], list]:
     per_seed: dict[int, list] = defaultdict(list)
     missed_cells: dict[str, int] = defaultdict(int)
     for (seed, name), got in res.items():
-        ours = got[OURS]
+        ours = got[variant]
         best = [min(got[b][q] for b in BASELINES) for q in (0, 1)]
         ratio = (ours[0] / best[0], ours[1] / best[1])
         missed = ratio[0] > SLACK or ratio[1] > SLACK
@@ -77,33 +113,10 @@ def main() -> int:
     everything = [x for seed in sorted(per_seed) for x in per_seed[seed]]
     for label, group in [*((f"seed {s}", per_seed[s]) for s in sorted(per_seed)), ("all seeds", everything)]:
         rows.append(
-            f"| {label} | {sum(m for _, m, _ in group)} / {len(group)} "
+            f"{label} | {sum(m for _, m, _ in group)} / {len(group)} "
             f"| {gmean([r[0] for r, _, _ in group]):.3f}x | {gmean([r[1] for r, _, _ in group]):.3f}x | "
             + " | ".join(f"{gmean([v[b] for _, _, v in group]):.3f}x" for b in BASELINES) + " |")
-    worst = sorted(missed_cells.items(), key=lambda kv: -kv[1])
-    text = "\n".join([
-        "# Workload matrix over workload seeds",
-        "",
-        f"`python bench/matrix_seeds.py --seeds {args.seeds}"
-        + (f" --cells {args.cells}" if only else "") + f"` ({len(tasks)} runs, {wall:.0f} s wall with "
-        f"{args.workers} processes on the shared 2-core machine). Generated cells and the router-testbed "
-        "cell of talaria.sim.matrix, each seed drawing new sessions, arrivals and gaps; ratios are "
-        "talaria / best baseline of the same cell and seed (below 1: talaria faster). Seed 0 is "
-        "results/matrix.md.",
-        "",
-        "| seeds | cells more than 2 % behind (p50 or p95) | SCT p50 vs best per cell (geomean) "
-        "| SCT p95 vs best per cell (geomean) | " + " | ".join(f"SCT p95 vs {b}" for b in BASELINES) + " |",
-        "|---|---|---|---|" + "---|" * len(BASELINES),
-        *rows,
-        "",
-        "Cells missed most often (of " + f"{args.seeds} seeds): "
-        + ", ".join(f"{name} {n}" for name, n in worst if n) + ".",
-        "",
-    ])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(text)
-    return 0
+    return rows, sorted(missed_cells.items(), key=lambda kv: -kv[1])
 
 
 if __name__ == "__main__":

@@ -89,6 +89,8 @@ SPECS: tuple[EventSpec, ...] = (
     EventSpec(e.RoundSummary, _AGENT),
     # The router declares an agent process gone; that agent stops the listed calls at once.
     EventSpec(e.InstanceLost, _ROUTER, dedupe=("instance_id", "incarnation"), core_readers=_AGENT),
+    # The router's hot-pool decision; the agent it names repins (hot_pools.py).
+    EventSpec(e.PoolPinned, _ROUTER, core_readers=_AGENT),
 )
 
 EVENT_TYPES: tuple[type[msgspec.Struct], ...] = get_args(e.Event)

@@ -230,6 +230,19 @@ class RoundSummary(Struct, frozen=True, tag="round.summary"):
     deadline_risk: int = 0
 
 
+class PoolPinned(Struct, frozen=True, tag="pool.pinned"):
+    """The router's hot-pool decision (services/router/hot_pools.py): `instance_id` keeps
+    `model` resident from now on, a hot instance of it (None: a cold instance, it time-shares
+    its catalogue). Its agent repins (RoundScheduler.repin: it finishes the calls it holds
+    first) and reports `pinned_model` in its snapshots."""
+
+    instance_id: str
+    model: str | None
+    previous: str | None
+    at: float
+    reason: str = ""
+
+
 Event = Union[
     CallSubmitted,
     CallRouted,
@@ -243,6 +256,7 @@ Event = Union[
     RoutingDecision,
     SwitchDone,
     RoundSummary,
+    PoolPinned,
     InstanceLost,
 ]
 

@@ -56,6 +56,9 @@ class Settings:
     instance_id: str = field(default_factory=lambda: f"agent-{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
     models: tuple[str, ...] = ("qwen3-tiny", "qwen3-moe-tiny", "gpt2-tiny")
     pool: str = "cold"
+    # The router sizes the hot pools from measured demand (services/router/hot_pools.py): it
+    # tells cold agents which model to keep resident (PoolPinned); `--hot` agents stay fixed.
+    hot_pools: bool = False
     engine: str = "torch"  # engine/engine_registry.py; an unknown name fails the agent at start
     device: str = "cpu"
     # weights and KV type, every engine: auto (the checkpoint's where the hardware computes it

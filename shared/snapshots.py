@@ -31,6 +31,9 @@ class InstanceSnapshot(Struct, frozen=True):
     version: int
     at: float
     pool: Pool = "cold"
+    # A hot instance's pinned model (it may still be finishing another model's calls after
+    # the router repinned it, services/router/hot_pools.py). None: cold, or not reported.
+    pinned_model: Name | None = None
     models: list[ModelResidency] = []
     active_model: Name | None = None
     sessions: list[SessionKv] = []

@@ -291,8 +291,12 @@ class AgentCore:
         scheduler (the fields of `RoundScheduler.snapshot` the router reads, without its per-call KV sum); residency, session KV and `memory` (capacity, use and measured rates, the
         attributes of `engine.contract.EngineStats`) from the executor's device."""
         sched, calls = self.sched, self.sched.calls
+        pinned = sched.config.pinned_model if pool == "hot" else None
+        if sched.repinned:  # the router's hot-pool decision replaced the deployed pool
+            pinned = sched.pin_target
+            pool = "hot" if pinned else "cold"
         return InstanceSnapshot(
-            instance_id=self.instance_id, version=version, at=now, pool=pool, models=models,
+            instance_id=self.instance_id, version=version, at=now, pool=pool, pinned_model=pinned, models=models,
             active_model=active_model, sessions=sessions, queued={m: len(q) for m, q in calls.queued.items()},
             # With chunked prefill (the live agent) also the prefill a newcomer waits behind.
             queued_tokens=sched.prefill_ahead_tokens() if sched.config.chunked_prefill

@@ -24,7 +24,7 @@ from talaria.shared.metrics import AgentMetrics
 from talaria.shared.limits import call_problem
 from talaria.shared.runtime import serve_until_stopped
 from talaria.shared.nats_auth import parse_sender, sender_headers, sender_of, trusted
-from talaria.shared.events import CallFailed, CallRouted, CallSubmitted, EVENT_DECODER, ROUTED_DECODER
+from talaria.shared.events import CallFailed, CallRouted, CallSubmitted, EVENT_DECODER, PoolPinned, ROUTED_DECODER
 from talaria.shared.messages import CANCEL_DECODER, ErrorReply
 from talaria.shared.wire import encode
 from talaria.shared.settings import Settings
@@ -73,6 +73,11 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
         await _on_cancel(msg, runner, log)
 
     await nc.subscribe(subjects.CALL_CANCEL, cb=on_cancel)
+
+    async def on_pool_pinned(msg) -> None:
+        await _on_pool_pinned(msg, runner, settings, log)
+
+    await nc.subscribe(subjects.POOL_PINNED, cb=on_pool_pinned)
 
     async def on_dispatch(msg) -> None:
         # The fast copy of a routed call: start it now. Anything odd is left to the durable
@@ -166,6 +171,25 @@ async def _fetch_loop(sub, runner: CallRunner, js, nc, log, stop: asyncio.Event)
             except Exception:  # never let one message stop intake
                 log.exception("intake failed", call_id=routed.call.call_id)
                 await msg.nak(delay=1)
+
+
+async def _on_pool_pinned(msg, runner: CallRunner, settings, log) -> None:
+    """The router's hot-pool decision for this agent: keep that model resident (or none).
+    The scheduler finishes what it holds first (RoundScheduler.repin); the next snapshot
+    says `pinned_model`, so the router sends this instance that model's calls only."""
+    try:
+        pinned = msgspec.json.decode(msg.data, type=PoolPinned)
+    except msgspec.DecodeError as exc:
+        log.warning("undecodable pool decision dropped", error=str(exc))
+        return
+    if pinned.instance_id != runner.instance_id or not trusted(msg, pinned):
+        return
+    if settings.pool == "hot" or (pinned.model is not None and pinned.model not in settings.models):
+        log.warning("pool decision ignored: this agent cannot serve it", model=pinned.model, pool=settings.pool)
+        return
+    runner.core.sched.repin(pinned.model)
+    log.info("hot pool repinned", model=pinned.model, previous=pinned.previous, reason=pinned.reason)
+    await runner.publish_snapshot()
 
 
 async def _on_cancel(msg, runner: CallRunner, log) -> None:

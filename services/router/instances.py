@@ -43,7 +43,7 @@ class InstanceView:
         snap = self.snapshot
         if prior is not None:
             old = prior.snapshot
-            if old.models is snap.models and old.pool == snap.pool and old.active_model == snap.active_model:
+            if old.models is snap.models and old.pool == snap.pool and old.pinned_model == snap.pinned_model and old.active_model == snap.active_model:
                 # same residency list object: the lookup table and pinned model are unchanged
                 self.models, self.pinned = prior.models, prior.pinned
                 if prior.memo and old.sessions is snap.sessions and _same_but_stamp(old, snap):
@@ -130,7 +130,10 @@ def _same_but_stamp(old: InstanceSnapshot, new: InstanceSnapshot) -> bool:
 
 
 def _pinned_model(snap: InstanceSnapshot) -> str | None:
-    """A hot-pool instance serves exactly one model: its active one, else its only resident."""
+    """A hot-pool instance serves exactly one model: the one it reports pinned, else its
+    active one, else its only resident."""
+    if snap.pinned_model:
+        return snap.pinned_model
     if snap.active_model:
         return snap.active_model
     on_device = [m.model for m in snap.models if m.state in ON_DEVICE]

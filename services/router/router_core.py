@@ -6,11 +6,12 @@ and the tests call the same methods with a virtual clock.
 
 from __future__ import annotations
 
+from talaria.services.router.hot_pools import HotPools, decide_from_state
 from talaria.services.router.instances import InstanceView
 from talaria.services.router.leases import settlement
 from talaria.services.router.policy.base import PlacementPolicy
 from talaria.services.router.state import RouterState, SnapshotReceived
-from talaria.shared.events import CallFailed, CallRouted, CallSubmitted, Event, InstanceLost
+from talaria.shared.events import CallCompleted, CallFailed, CallRouted, CallSubmitted, Event, InstanceLost, PoolPinned
 from talaria.shared.snapshots import InstanceSnapshot
 
 # An agent is declared lost after this many of its own heartbeat intervals without a snapshot
@@ -21,9 +22,13 @@ LOST_AFTER_BEATS = 4
 class RouterCore:
     """Policy + state. `handle`/`tick` return the events they caused, already folded in."""
 
-    def __init__(self, policy: PlacementPolicy, state: RouterState | None = None) -> None:
+    def __init__(self, policy: PlacementPolicy, state: RouterState | None = None,
+                 pools: HotPools | None = None) -> None:
         self.policy = policy
         self.state = state or RouterState()
+        # The router's hot-pool controller (hot_pools.py), when the system chooses the pools:
+        # it hears what the router routes and completes, and its decisions are PoolPinned events.
+        self.pools = pools
 
     def observe(self, snapshot: InstanceSnapshot, now: float) -> list[Event]:
         """Fold a heartbeat. A new incarnation (the agent restarted) first loses the old
@@ -33,6 +38,11 @@ class RouterCore:
         if old is not None and old.snapshot.incarnation != snapshot.incarnation:
             out = self.lose(old, f"instance {snapshot.instance_id} restarted", now)
         self.state.apply(SnapshotReceived(snapshot, now))
+        if self.pools is not None:
+            self.pools.instance(snapshot.instance_id, snapshot.pinned_model if snapshot.pool == "hot" else None,
+                                (m.model for m in snapshot.models))
+            if snapshot.active_model:
+                self.pools.observe_rates(snapshot.active_model, snapshot.prefill_tok_s, snapshot.decode_tok_s)
         return out
 
     def check_liveness(self, now: float, since: float) -> list[Event]:
@@ -72,10 +82,27 @@ class RouterCore:
                 out = self.policy.react(self.state, event, now)
         for produced in out:
             self.state.apply(produced)
+        if self.pools is not None:
+            out += self._pools(event, out, now)
         return out
+
+    def _pools(self, event: Event, out: list[Event], now: float) -> list[Event]:
+        """Feed the hot-pool controller what this input caused; its moves as events."""
+        pools = self.pools
+        if isinstance(event, CallCompleted):
+            pools.completed(event.session_id, event.model, event.prompt_tokens, event.cached_tokens,
+                            event.output_tokens, event.prefill_s, event.decode_s, now)
+        for produced in out:
+            if isinstance(produced, CallRouted):
+                call = produced.call
+                pools.routed(call.session_id, call.model, produced.instance_id, call.prompt_tokens, now)
+        return [PoolPinned(m.instance_id, m.model, m.previous, m.at, m.reason)
+                for m in decide_from_state(pools, self.state, now)]
 
     def tick(self, now: float) -> list[Event]:
         out = self.policy.tick(self.state, now)
+        if self.pools is not None:
+            self.pools.expire(now, self.state.idle_horizon_s)
         for produced in out:
             self.state.apply(produced)
         return out

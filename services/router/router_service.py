@@ -35,6 +35,7 @@ from talaria.shared.metrics import RouterMetrics
 from talaria.shared.health import INTERVAL_S as HEARTBEAT_INTERVAL_S, BusHearing, heartbeat_loop
 from talaria.shared.logs import call_context
 from talaria.shared.runtime import serve_until_stopped
+from talaria.services.router.hot_pools import HotPools
 from talaria.shared.bus import ACK_WAIT_S, PUBLISH_TIMEOUT_S, close, connect, publish_fast
 from talaria.shared.nats_auth import sender_of, trusted
 from talaria.shared.db.connection import create_engine
@@ -81,7 +82,7 @@ class RouterService:
             policy = create_policy(settings.policy, policy_config(settings))
         except (KeyError, ValueError) as exc:  # unknown policy or a bad knob: a config error
             raise SettingsError("TALARIA_POLICY", settings.policy, str(exc)) from None
-        self.core = RouterCore(policy)
+        self.core = RouterCore(policy, pools=HotPools() if settings.hot_pools else None)
         self.lock = asyncio.Lock()  # one input at a time: the core is single-threaded by design
         self.dirty = False
         self.seq = 0  # JetStream sequence of the last input folded in (saved with the state)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 import msgspec
 
 from talaria.services.instance_agent.scheduler import SchedulerConfig
+from talaria.services.router.hot_pools import HotPools
 from talaria.services.router.router_core import RouterCore
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.policy.registry import create_policy
@@ -46,6 +47,7 @@ from talaria.shared.events import (
     LeaseDiscarded,
     LeaseExpired,
     LeaseIssued,
+    PoolPinned,
     RoutingDecision,
 )
 from talaria.sim.agents import PromptHashes, RetryPolicy
@@ -76,6 +78,10 @@ class RunConfig:
     # Per instance (in order), the model a hot-pool instance is pinned to, or None for a cold
     # one; empty: every instance cold. A static per-model pool deployment (deployment.py).
     pinned: tuple[str | None, ...] = ()
+    # The router chooses the hot pools online from measured demand (services/router/hot_pools.py),
+    # starting from `pinned` (which must pin every instance): talaria's own machinery.
+    hot_pools: bool = False
+    hot_pools_z: float = 1.0  # its noise margin in standard errors (hot_pools.py; swept in the notes)
     # model -> leading prompt tokens every session of it shares (a system prompt and tool
     # schema); the prompt hashes and the instances' prefix caches see them (workloads.py)
     shared_prefix: dict[str, int] = field(default_factory=dict)
@@ -98,6 +104,7 @@ class RouterCounters:
     model_opens_needed: int = 0
     leases_issued: int = 0
     leases_consumed: int = 0
+    repins: int = 0  # hot-pool moves the router made (RunConfig.hot_pools)
     leases_discarded: int = 0
     leases_expired: int = 0
     decision_us: float = 0.0
@@ -121,7 +128,13 @@ class Cluster:
         self.sessions = sessions
         self.config = config
         self.loop = EventLoop()
-        self.router = RouterCore(create_policy(config.policy, config.policy_config))
+        pools = None
+        if config.hot_pools:
+            if not config.pinned:
+                raise ValueError("hot_pools needs the starting pins (None: a cold instance)")
+            pools = HotPools({f"inst-{k:02d}": m for k, m in enumerate(config.pinned)}, z=config.hot_pools_z,
+                             models=tuple(config.server.models))
+        self.router = RouterCore(create_policy(config.policy, config.policy_config), pools=pools)
         view = DeviceView(config.server)  # profile-only snapshot parts, computed once for all
         self.instances: dict[str, SimExecutor] = {}
         if config.pinned and len(config.pinned) != config.instances:
@@ -240,7 +253,19 @@ class Cluster:
                     continue
                 self.counters.retries += 1
                 out.append((now + wait, self._route, (job,)))
+        self._repin(events, now)
         return out
+
+    def _repin(self, events, now: float) -> None:
+        """The router's hot-pool decisions (PoolPinned) reach their agents: live over NATS
+        (agent_service.py), here at once."""
+        for ev in events:
+            if isinstance(ev, PoolPinned):
+                self.instances[ev.instance_id].sched.repin(ev.model)
+                self.counters.repins += 1
+                rec = self._snap_rec[ev.instance_id]
+                rec[3] = None  # its pool changed: a fresh snapshot, not a heartbeat re-send
+                self._send_snapshot(rec, now)
 
     def _measure_placement(self, job: Job, chosen: str) -> None:
         c = self.counters
@@ -283,7 +308,9 @@ class Cluster:
     def completed(self, job: Job, done: CallCompleted, now: float):
         """An instance finished `job`; `done` is its agent core's completion record."""
         self.jobs.append(job)
-        self._count(self.router.handle(done, now))
+        events = self.router.handle(done, now)
+        self._count(events)
+        self._repin(events, now)
         rec = self._snap_rec[job.instance]
         if now - rec[1] >= self.config.snapshot_on_change_s:  # the agent's snapshot on change
             self._send_snapshot(rec, now)

@@ -15,13 +15,15 @@ A peer router is run the way its users deploy it:
   (idle, weights staged, least recently used), and stays until another model needs it.
 
 Talaria runs its own machinery in both regimes. Where the models fit, its hot pools (paper
-§3.1: hot instances serve one model and never switch) are sized from the same demand by the
-same split, so every instance is a hot instance of talaria's agent and its router places
-within them; where the models outnumber the instances, every instance is a cold-pool
-talaria agent that time-shares models in rounds (residency and placement from the router's
-costs). Measured alternative, not kept: hot pools only for the instances a model's demand
-fills completely (floor(share x instances)) plus a cold pool for the rest: SCT p95 geomean
-over the best peer per cell 1.05x vs 1.02x with the full split (talaria only, 38 cells).
+§3.1: hot instances serve one model and never switch) start from an even split (no
+forecast) and its router resizes them online from the demand it measures
+(services/router/hot_pools.py; matrix.run_one, RunConfig.hot_pools); the matrix's
+`talaria-forecast-pools` ablation gives it the peers' forecast split instead. Where the
+models outnumber the instances, every instance is a cold-pool talaria agent that
+time-shares models in rounds (residency and placement from the router's costs). Measured
+alternative, not kept: hot pools only for the instances a model's demand fills completely
+(floor(share x instances)) plus a cold pool for the rest: SCT p95 geomean over the best peer
+per cell 1.05x vs 1.02x with the full split (talaria only, 38 cells).
 """
 
 from __future__ import annotations

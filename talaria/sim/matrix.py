@@ -9,6 +9,8 @@ Design (one factor at a time around a base, every level of every factor present)
               prompt + tool schema shared by a model's sessions, human turns of minutes
               between some calls, mixed depths), at 60 % and 100 %
     product   the last three together (an agent product), at 60/100/120 %
+    mix=shift 3 Zipf(1.5) models whose popular model changes halfway (shifted_mix), at
+              60/100 %: a static split sized on the whole trace is wrong in each half
     WEKA      the shipped sessions: the fixed replay (30 model-sessions at t=0, one
               paper TP=8 server) and the router testbed (TP=4 models, 2 instances, high load)
 
@@ -28,10 +30,12 @@ Policies: the faithful peers (round-robin, sglang-cache-aware, dynamo-kv, llm-d,
 vllm-stack-session; services/router/policy/, each citing its source and defaults), each
 deployed as it is deployed (deployment.py: per-model hot pools split by the cell's demand
 where the models fit the instances, serverless on-demand loading where they do not);
-`talaria` (our configuration: the same demand-sized hot pools where the models fit, its cold
-pool elsewhere) and `talaria-paper` (the same policy under the paper's rules: Eq. 1 ranking
+`talaria` (our configuration: where the models fit, hot pools that start from an even split
+and that its router resizes online from measured demand, services/router/hot_pools.py, never
+the peers' forecast; its cold pool elsewhere) and `talaria-paper` (the same policy under the paper's rules: Eq. 1 ranking
 only, the paper's admission, fixed tau, reject on overload); with `--ablations` also
-talaria without leases and without its instance mechanisms. Runs go to a process pool
+talaria without leases, without its instance mechanisms, and with the peers' forecast
+pools in place of its online ones (talaria-forecast-pools). Runs go to a process pool
 (2 workers by default: this machine's cores).
 """
 
@@ -44,6 +48,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 
+from talaria.services.router.hot_pools import HotPools
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.sim.cluster import RunConfig, simulate
 from talaria.sim.deployment import deploy, pool_split
@@ -51,7 +56,7 @@ from talaria.sim.executor import instance_config
 from talaria.shared.stats import quantile
 from talaria.sim.metrics import summarise
 from talaria.sim.profiles import PAPER_TP8, ROUTER_TP4, ServerProfile, catalogue
-from talaria.sim.workloads import agent_sessions, at_rate, fixed_replay, router_testbed
+from talaria.sim.workloads import agent_sessions, at_rate, fixed_replay, on_model, router_testbed
 from talaria.traces.format import Session
 from talaria.traces.gaps import GapModel
 
@@ -68,7 +73,14 @@ PAPER = "talaria-paper"
 # HKVR, staging, parked KV: the round-only scheduler).
 NO_LEASE = "talaria-no-lease"
 ROUND_ONLY = "talaria-round-only"
-ABLATIONS = (PAPER, NO_LEASE, ROUND_ONLY)
+# Talaria given the peers' exact forecast pools (deployment.pool_split of the cell's demand)
+# instead of choosing its own online (services/router/hot_pools.py): the hot-pool ablation.
+FORECAST_POOLS = "talaria-forecast-pools"
+# Talaria with a cold pool beside its hot pools: floor(N / models) hot per model, the rest
+# cold, instances turned hot / cold online (hot_pools.py's hot+cold rule): measured, not in
+# the default run (matrix_notes.md: SCT p95 geomean 1.047x sglang-cache-aware vs 1.025x).
+HOT_COLD = "talaria-hot-cold"
+ABLATIONS = (PAPER, NO_LEASE, ROUND_ONLY, FORECAST_POOLS)
 POLICIES = (*BASELINES, OURS, PAPER)  # `--ablations` adds the other two (run time: results/README.md)
 BASE_LOADS = (0.3, 0.6, 0.8, 1.0, 1.2)
 VARIANT_LOADS = (0.6, 1.0)
@@ -100,6 +112,7 @@ class Cell:
     weka: str = ""  # "" (generated) | fixed-replay | router-testbed
     shared: int = 0  # tokens of a system prompt + tool schema every session of a model opens with
     mixed_depth: bool = False  # depths drawn from workloads.MIXED_DEPTHS
+    shift: bool = False  # the popular model changes halfway (shifted_mix)
 
     @property
     def models(self) -> int:
@@ -120,6 +133,8 @@ def cells(seed: int = 0) -> list[Cell]:
             out.append(Cell(f"{label}@{int(L * 100)}%", load=L, **{factor: level}))
     for L in PRODUCT_LOADS:
         out.append(Cell(f"product@{int(L * 100)}%", load=L, **PRODUCT))
+    for L in VARIANT_LOADS:
+        out.append(Cell(f"mix=shift@{int(L * 100)}%", load=L, shift=True))
     out = [replace(c, seed=seed + k) for k, c in enumerate(out)]
     out.append(Cell("weka fixed replay (1 inst, t=0)", instances=1, load=None, weka="fixed-replay", seed=seed))
     out.append(Cell("weka router testbed (2 inst, high)", instances=2, load=None, weka="router-testbed",
@@ -163,6 +178,21 @@ def capacity_s(sessions: list[Session], server: ServerProfile, instances: int, m
     return instances / mean_work
 
 
+SHIFT_ZIPF_S = 1.5  # [asm] the popular model takes ~65 % of the sessions (weights 1 : 0.35 : 0.19)
+
+
+def shifted_mix(base: list[Session], models: list[str]) -> list[Session]:
+    """The first half of the sessions (in start order) keep their Zipf-skewed models; the
+    second half has them rotated by one (the popular model becomes the least popular one's
+    successor), so the popular model changes halfway, as real traffic's mix does. A static
+    pool split sized on the whole trace's demand is right on average and wrong in each half."""
+    rot = {m: models[(k + 1) % len(models)] for k, m in enumerate(models)}
+    order = sorted(range(len(base)), key=lambda k: base[k].calls[0].gap_before_s)
+    late = set(order[len(order) // 2:])
+    return [on_model(s, rot[s.model], start_s=s.calls[0].gap_before_s, suffix=False) if k in late else s
+            for k, s in enumerate(base)]
+
+
 def workload(cell: Cell, flags) -> tuple[list[Session], GapModel, dict]:
     """The cell's sessions, the gap model to replay them with, and what was measured
     (`demand`: offered server-seconds per model, the pools' sizing)."""
@@ -172,8 +202,11 @@ def workload(cell: Cell, flags) -> tuple[list[Session], GapModel, dict]:
         return sessions, GapModel("paper", 10.0, seed=cell.seed), {
             "arrival_rate_s": None, "demand": demand_s(sessions, server, flags.max_batch)}
     base = agent_sessions(cell.sessions, list(server.models), cell.depth, cell.prompt, cell.output, cell.gaps,
-                          cell.arrivals, 0.0 if cell.catalogue == 3 else 1.0, cell.seed,
+                          cell.arrivals, SHIFT_ZIPF_S if cell.shift else 0.0 if cell.catalogue == 3 else 1.0,
+                          cell.seed,
                           shared=cell.shared, mixed_depth=cell.mixed_depth)
+    if cell.shift:
+        base = shifted_mix(base, list(server.models))
     cap = capacity_s(base, server, cell.instances, flags.max_batch, cell.shared)
     rate = cell.load * cap
     calls = [c for s in base for c in s.calls]
@@ -199,12 +232,14 @@ def policy_config(policy: str) -> tuple[str, PolicyConfig]:
     configuration with one knob changed (the sensitivity runs)."""
     if policy.startswith(f"{OURS}[") and policy.endswith("]"):
         knob, value = policy[len(OURS) + 1:-1].split("=")
+        if knob == "hot_pools_z":  # a RunConfig knob (run_one), not the policy's
+            return policy_config(OURS)
         return "talaria", replace(policy_config(OURS)[1], **{knob: float(value)})
     if policy == PAPER:
         return "talaria", PolicyConfig(overload="reject", kv_home_admits=False,
                                        new_session_running_s=0.0, prefix_placement=False,
                                        price_round_sharing=False)
-    if policy in (OURS, ROUND_ONLY):
+    if policy in (OURS, ROUND_ONLY, FORECAST_POOLS, HOT_COLD):
         return "talaria", PolicyConfig(overload="queue")
     if policy == NO_LEASE:
         return "talaria", PolicyConfig(overload="queue", lease_timeout_s=0.0)
@@ -220,16 +255,30 @@ def run_one(cell: Cell, policy: str) -> dict:
     sessions, gaps, shape = workload(cell, flags)
     name, pc = policy_config(policy)
     pinned: tuple[str, ...] = ()
+    online = False
     if policy in BASELINES:
         pc, pinned = deploy(pc, shape["demand"], cell.instances, cell.models)
-    elif cell.models <= cell.instances:  # ours: hot pools sized by demand (deployment.py)
+    elif cell.models <= cell.instances and policy == FORECAST_POOLS:  # the peers' forecast pools
         pinned = pool_split(shape["demand"], cell.instances)
+    elif cell.models <= cell.instances and policy == HOT_COLD:
+        # one hot pool per model and a cold pool; the router turns instances hot and cold
+        pools = HotPools.spare_cold([str(k) for k in range(cell.instances)], sorted(shape["demand"]))
+        pinned = tuple(pools.pins.values())
+        online = True
+    elif cell.models <= cell.instances:
+        # ours: every instance hot, from an even split (no forecast); the router moves
+        # instances between models online from the demand it measures (hot_pools.py)
+        pinned = pool_split({m: 1.0 for m in shape["demand"]}, cell.instances)
+        online = True
     sched = instance_config("round-only") if policy == ROUND_ONLY else flags
     shared = {m: cell.shared for m in server_for(cell).models} if cell.shared else {}
     cfg = RunConfig(server_for(cell), cell.instances, name, pc, sched, gaps, label=f"{cell.name}/{policy}",
-                    pinned=pinned, shared_prefix=shared)
+                    pinned=pinned, shared_prefix=shared, hot_pools=online)
+    if policy.startswith(f"{OURS}[hot_pools_z="):
+        cfg = replace(cfg, hot_pools_z=float(policy[len(OURS) + 13:-1]))
     started = time.perf_counter()
-    s = summarise(simulate(sessions, cfg))
+    result = simulate(sessions, cfg)
+    s = summarise(result)
     out = {k: s[k] for k in KEEP}
     out["run_s"] = time.perf_counter() - started
     out["shape"] = shape
@@ -237,6 +286,14 @@ def run_one(cell: Cell, policy: str) -> dict:
     out["deployment"] = ("serverless" if pc.serverless else
                          f"{len(hot)} hot ({'/'.join(str(hot.count(m)) for m in sorted(set(hot)))}) + "
                          f"{len(pinned) - len(hot) if pinned else cell.instances} cold")
+    if online:
+        final = [i.sched.pin_target for i in result.instances]
+        hot_final = sorted(m for m in final if m)
+        out["deployment"] = (f"online hot pools ({'even floor + cold' if policy == HOT_COLD else 'even'} start, "
+                             f"{result.router.repins} repins): final {len(hot_final)} hot "
+                             f"({'/'.join(str(hot_final.count(m)) for m in sorted(set(hot_final)))}) + "
+                             f"{final.count(None)} cold")
+    out["repins"] = result.router.repins
     return out
 
 

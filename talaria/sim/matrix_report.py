@@ -11,13 +11,16 @@ from pathlib import Path
 
 from talaria.sim.result_json import write_json
 from talaria.sim import matrix as matrix_design
-from talaria.sim.matrix import ABLATIONS, NO_LEASE, OURS, PAPER, ROUND_ONLY, SENSITIVITY
+from talaria.sim.matrix import ABLATIONS, FORECAST_POOLS, NO_LEASE, OURS, PAPER, ROUND_ONLY, SENSITIVITY
 
 GEOMEAN_GOAL = 0.85  # issue 21: geomean SCT p95 <= 0.85x the best single peer
 # What each ablation takes away (the mechanism that wins a cell is the one whose removal
 # costs the most there)
 MECHANISM = {PAPER: "router rules beyond the paper", NO_LEASE: "soft leases",
-             ROUND_ONLY: "instance mechanisms (SP, HKVR, staging, parked KV)"}
+             ROUND_ONLY: "instance mechanisms (SP, HKVR, staging, parked KV)",
+             # the inverse ablation: pools the peers' exact forecast sizes in place of talaria's
+             # online ones; "wins" where the online pools beat the forecast
+             FORECAST_POOLS: "online hot pools (vs the peers' forecast)"}
 
 def _ratio(a, b):
     if a is None or b is None or b == 0 or (isinstance(a, float) and math.isinf(a)):
@@ -227,9 +230,12 @@ where they do not. Talaria runs every instance as its own cold-pool agent.
 - llm-d: the inference scheduler's default profile: prefix 3, queue 2, KV utilisation 2 (+ model
   affinity 1), max-score picker.
 - vllm-stack-session: production-stack session routing: a consistent hash ring on the session.
-- talaria: ours. Ablations, one mechanism each: talaria-paper (the router rules beyond the
-  paper off: Eq. 1 ranking only, the paper's admission, reject on overload), talaria-no-lease
-  (tau = 0), talaria-round-only (the instance's SP, HKVR, staging and parked KV off).
+- talaria: ours; where the models fit, its router sizes the hot pools online from measured
+  demand (services/router/hot_pools.py), from an even split, never the peers' forecast.
+  Ablations, one mechanism each: talaria-paper (the router rules beyond the paper off: Eq. 1
+  ranking only, the paper's admission, reject on overload), talaria-no-lease (tau = 0),
+  talaria-round-only (the instance's SP, HKVR, staging and parked KV off), and
+  talaria-forecast-pools (the peers' exact forecast pools in place of its online ones).
 """
 
 
@@ -280,7 +286,9 @@ def write_outputs(matrix: dict, out_dir: Path) -> Path:
                   "Peers: " + ", ".join(matrix["baselines"]) + " (services/router/policy/, each citing its "
                   "source); deployment: talaria/sim/deployment.py. The mechanism column names the talaria "
                   "ablation whose SCT p95 is worst in the cell (talaria-paper, talaria-no-lease, "
-                  "talaria-round-only), i.e. the mechanism that wins it.\n\n"
+                  "talaria-round-only, talaria-forecast-pools), i.e. the mechanism that wins it; "
+                  "\"online hot pools\" there means talaria's own pools beat the peers' exact forecast "
+                  "in that cell.\n\n"
                   + win_table(matrix) + "\n\n"
                   + ("## Old (transplanted baselines) beside new (faithful peers)\n\n" + side_by_side(matrix, old)
                      + "\n\n" if old else "")

@@ -8,7 +8,7 @@ and `abort` may come at any time, including while an action is executing.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from talaria.services.instance_agent.scheduler.calls import CallState, CallTable
 from talaria.services.instance_agent.scheduler.chunked_prefill import PrefillPlanner
@@ -70,17 +70,66 @@ class RoundScheduler:
         self.rotations = Rotation(self.models, self.calls)
         self.cold = ColdPool(config, self.calls, self.reports, self.pricing, self.prefill, self.rotations)
         self.hot = HotPool(config, self.calls, self.pricing, self.prefill)
+        self.repinned = False  # the router changed what this instance keeps resident (repin)
+        self._pending_pin: tuple[str | None] | None = None  # a repin waiting for the hot batch to finish
 
     # The cold pool's round and slot in progress (None on a hot instance), for readers.
     slot = property(lambda self: self.cold.slot)
     round = property(lambda self: self.cold.round)
     rounds_done = property(lambda self: self.cold.rounds_done)
 
+    # ---- the router's hot-pool decision (services/router/hot_pools.py) ------------------
+
+    def repin(self, model: str | None) -> None:
+        """Keep `model` resident from now on (a hot instance of it), or none (cold pool).
+
+        Calls of other models already here (routed before the router's decision reached
+        this instance) are still served: the hot pool first finishes the calls it is
+        running (its batches have no slot to close); then, until the other models' calls
+        are done and the pinned model is on the device, the cold pool's rounds run (they
+        switch to the pinned model when its calls arrive); after that, the hot pool's plain
+        continuous batching. Nothing is refused or lost by a repin."""
+        if model is not None and model not in self.models:
+            raise ConfigError("pinned_model", f"{model!r} is not in {self.models}")
+        self.repinned = True
+        self._pending_pin = (model,)
+        self._apply_pin()
+
+    @property
+    def pin_target(self) -> str | None:
+        """The model this instance keeps resident, a repin still pending included."""
+        if self._pending_pin is not None:
+            return self._pending_pin[0]
+        return self.config.pinned_model if self.config.pool == "hot" else None
+
+    def _apply_pin(self) -> None:
+        if self._pending_pin is None or self._inflight is not None:
+            return  # (an action in flight completes under the config it was issued with)
+        if self.config.pool == "hot" and self.device_model and self.calls.running[self.device_model]:
+            return  # the hot pool's running batch finishes first
+        model = self._pending_pin[0]
+        self._pending_pin = None
+        config = replace(self.config, pool="hot" if model else "cold", pinned_model=model)
+        self.config = config
+        for part in (self.pricing, self.prefill, self.cold, self.hot):
+            part.config = config
+
+    def _hot_now(self) -> bool:
+        """The hot pool's rule applies: pinned, its model on the device, no other model's
+        call left here (after a repin, the cold pool finishes those first)."""
+        self._apply_pin()
+        if self.config.pool != "hot":
+            return False
+        if not self.repinned or self._pending_pin is not None:
+            return True
+        pinned = self.config.pinned_model
+        return self.device_model == pinned and not self.calls.any_active_except(pinned) and self.slot is None
+
     # ---- driver API -------------------------------------------------------------------
 
     def submit(self, work: Work, now: float) -> None:
         """Accept a call routed here. Raises for a model not served or a call seen before."""
-        if self.config.pool == "hot" and work.model != self.config.pinned_model:
+        if self.config.pool == "hot" and work.model != self.config.pinned_model and not self.repinned:
             raise ModelNotServedError(work.model, (self.config.pinned_model,))
         budget = self.config.kv_budget_bytes
         if budget is not None and call_kv_bytes(self.costs, work) > budget:
@@ -98,7 +147,7 @@ class RoundScheduler:
             raise SchedulerBusyError(self._inflight.action)
         if max_decode_steps < 1:
             raise ValueError(f"max_decode_steps={max_decode_steps} < 1")
-        if self.config.pool == "hot":
+        if self._hot_now():
             action = self.hot.next_action(now, max_decode_steps)
         else:
             action = self.cold.next_action(now, self.device_model, max_decode_steps)

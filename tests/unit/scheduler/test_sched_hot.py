@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sched_driver import Driver, make, ret, work
-from talaria.services.instance_agent.scheduler import CallAdmitted, ConfigError, RoundEnded, ModelNotServedError
+from talaria.services.instance_agent.scheduler import CallAdmitted, CallFinished, ConfigError, RoundEnded, ModelNotServedError
 
 
 def hot(**config):
@@ -54,3 +54,29 @@ def test_hot_pool_needs_a_served_pinned_model():
         make(models=("a",), pool="hot")
     with pytest.raises(ConfigError):
         make(models=("a",), pool="hot", pinned_model="z")
+
+
+# ---- repin: the router's hot-pool decision (services/router/hot_pools.py) ----------------
+
+def test_repin_finishes_the_old_models_calls_then_switches_and_serves_the_new_one_hot():
+    d = Driver(hot())
+    d.submit(work("a1", "a", max_tokens=3))
+    d.step()
+    d.sched.repin("b")
+    d.submit(work("a2", "a", max_tokens=2))  # routed before the decision reached the agent
+    d.submit(work("b1", "b", max_tokens=3))
+    d.run()
+    done = [t for t in d.trace if t.startswith("S:")]
+    assert done and "b" in done[0]  # it switched to the new pinned model
+    assert {e.call_id for e in d.of(CallFinished)} == {"a1", "a2", "b1"}  # nothing refused or lost
+    assert d.sched.config.pool == "hot" and d.sched.config.pinned_model == "b"
+    assert d.sched._hot_now()  # only b left, b on the device: plain continuous batching again
+
+
+def test_repin_to_cold_and_unknown_model():
+    s = hot()
+    s.repin(None)
+    assert s.config.pool == "cold" and not s._hot_now()
+    s.submit(work("x", "b"), 0.0)  # a cold instance serves every model of its catalogue
+    with pytest.raises(ConfigError):
+        s.repin("z")

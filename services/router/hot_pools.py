@@ -1,0 +1,370 @@
+"""Hot pools chosen by the system from measured demand (paper §3.1's hot pool; issue 21). Pure.
+
+The router decides how many instances each model keeps resident (pinned: a hot instance
+serves one model and never switches) from what it sees, and publishes the decision as a
+`PoolPinned` event; the agent named repins (RoundScheduler.repin) and says so in its
+snapshot (`pinned_model`). Driven by (event, now) through RouterCore like the rest of the
+router's policy: the same object runs live, in the simulator and in unit tests.
+
+Demand. A model's demand is the work its open sessions will offer: its live sessions (a
+call routed, and not idle past the model's idle horizon: the longest tool gap measured for
+it, RouterState.idle_horizon_s) x its mean work per call so far (pooled over models until
+it has completions). A call's work is measured from its completion as
+
+    work(call) = (prompt - cached) tokens x the model's prefill s/token
+                 + output tokens x its decode step time (s/token of one sequence)
+
+with the rates the engines running the model report in their snapshots (before any, the
+completion's own prefill_s + decode_s). Every model's decode is charged per engine step,
+not per step shared by a batch, so the shares do not grow for a model that was given too
+few instances (per-call decode_s would: its batches grow). Sessions count from their first
+call, so the signal leads the completions by a session's length. Measured alternative, not
+kept: the server-seconds completed over a sliding window; it reacts a window late and in
+the matrix's 20-64-session cells moved instances on noise (base@60 %: 2 repins that ended
+where they began, SCT p95 551 vs 495 s).
+
+Each model's instance share is s_m = N x its demand share, known to one standard error
+sigma_m = N sqrt(p_m (1 - p_m) / K) (p_m its share of the demand, K the live sessions: the
+share is a proportion estimated from K sessions); a move must beat z = 1 standard error
+(the matrix's sweep: SCT p95 geomean over the best peer 1.025x at z = 0, 1.020x at 0.5,
+1.025x at 1, 1.041x at 2, 1.047x at 4; flat below 1, and z = 1 keeps a margin over noise).
+Two rules, by how the pools were started:
+
+- every instance hot (the swap rule): one instance moves from the most over-provisioned
+  model d to the most under-provisioned r, x_m = s_m - count_m, when the imbalance it
+  removes beats the noise, x_r - x_d - 1 > z sqrt(sigma_r^2 + sigma_d^2), and pays for
+  itself over the window W: (x_r - x_d - 1) x W > switch_s(r) + the context the donor
+  instance's live sessions recompute elsewhere (their last prompt x d's prefill s/token).
+- a cold pool beside the hot pools (the hot+cold rule; instances start or register cold):
+  a cold instance turns hot for r when r's demand surely fills one more instance,
+  s_r - z sigma_r >= count_r + 1, and that instance's work over W outweighs its cost (the
+  other models' sessions homed there recompute elsewhere, plus a load unless r's sessions
+  already run there); a hot instance turns cold when its model's demand surely no longer
+  fills it, s_d + z sigma_d < count_d (cold, it keeps serving its sessions: no cost).
+
+W is the mean measured session duration (first call to its idle expiry: placements are
+sticky that long, so a decision's effect lasts that long; before any, the time since the
+first call), and decisions are at most one per W / N (each instance may change about once
+per window). A move never takes a model below its floor (one instance, or the operator's
+`--hot`), and never touches a fixed instance (an agent whose catalogue is one model: it
+cannot serve another). Left as a constant: z.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PoolMove:
+    """Pin `instance_id` to `model` (it kept `previous`); None: a cold instance."""
+
+    instance_id: str
+    model: str | None
+    previous: str | None
+    at: float
+    reason: str
+
+
+@dataclass
+class _Model:
+    calls: int = 0
+    total_work: float = 0.0
+    total_prefill: float = 0.0
+    prefill_s_per_tok: float = 0.0
+    decode_s_per_tok: float = 0.0
+
+    def work_per_call(self) -> float | None:
+        return self.total_work / self.calls if self.calls else None
+
+
+@dataclass
+class _Session:
+    instance: str
+    model: str
+    prompt: int
+    started: float
+    last: float  # last call routed or completed
+    inflight: int = 0
+
+
+def split(demand: Mapping[str, float], instances: int, floor: Mapping[str, int] | None = None) -> dict[str, int]:
+    """Instances per model: its floor (at least 1), then each spare one to the model furthest
+    below its share of `demand` (deployment.pool_split's rule, ties to the first name)."""
+    models = sorted(demand)
+    count = {m: max(1, (floor or {}).get(m, 1)) for m in models}
+    if sum(count.values()) > instances:
+        raise ValueError(f"floors {count} do not fit {instances} instances")
+    total = sum(max(0.0, demand[m]) for m in models)
+    share = {m: (max(0.0, demand[m]) / total if total > 0 else 1.0 / len(models)) for m in models}
+    for _ in range(instances - sum(count.values())):
+        m = max(models, key=lambda m: (share[m] * instances - count[m], -models.index(m)))
+        count[m] += 1
+    return count
+
+
+class HotPools:
+    """The router's hot-pool controller: which model each instance keeps resident."""
+
+    def __init__(self, pins: Mapping[str, str | None] | None = None, floor: Mapping[str, int] | None = None,
+                 z: float = 1.0, models: Sequence[str] = (), min_window_s: float = 1.0) -> None:
+        self.pins: dict[str, str | None] = dict(pins or {})  # instance -> model kept resident (None: cold)
+        self.fixed: set[str] = set()  # instances that serve one model only (never moved)
+        # Started with every instance hot: the swap rule; with cold instances (or none yet:
+        # live, agents register as they heartbeat), the hot+cold rule.
+        self.cold_pool = not self.pins or None in self.pins.values()
+        self.floor = {m: max(1, n) for m, n in (floor or {}).items()}
+        self.z = z
+        self.min_window_s = min_window_s
+        self._m: dict[str, _Model] = {}
+        for m in {*(p for p in self.pins.values() if p), *self.floor, *models}:
+            self._model(m)
+        if sum(self.floor.values()) > len(self.pins) and self.pins:
+            raise ValueError(f"hot floors {self.floor} need more than {len(self.pins)} instances")
+        self._sessions: dict[str, _Session] = {}
+        self._spans: list[float] = []
+        self._first_at: float | None = None
+        self._last_move_at = float("-inf")
+        self._changed = False  # demand may have moved since the last decision
+        self.moves: list[PoolMove] = []
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        return tuple(sorted(self._m))
+
+    @classmethod
+    def even(cls, instances: Sequence[str], models: Sequence[str], floor: Mapping[str, int] | None = None,
+             **kw) -> HotPools:
+        """Every instance hot, from an even split (no forecast): the swap rule."""
+        count = split({m: 1.0 for m in models}, len(instances), floor)
+        names = [m for m in sorted(count) for _ in range(count[m])]
+        return cls(dict(zip(instances, names)), floor, models=models, **kw)
+
+    @classmethod
+    def spare_cold(cls, instances: Sequence[str], models: Sequence[str], floor: Mapping[str, int] | None = None,
+                   **kw) -> HotPools:
+        """floor(N / models) hot per model (at least its floor), the remainder cold: the
+        hot+cold rule, no forecast."""
+        even = max(1, len(instances) // max(1, len(models)))
+        fl = {m: max(even, (floor or {}).get(m, 1)) for m in models}
+        names: list[str | None] = [m for m in sorted(fl) for _ in range(fl[m])]
+        if len(names) > len(instances):
+            raise ValueError(f"hot floors {fl} need more than {len(instances)} instances")
+        names += [None] * (len(instances) - len(names))
+        pools = cls(dict(zip(instances, names)), floor, models=models, **kw)
+        pools.cold_pool = True
+        return pools
+
+    def _model(self, name: str) -> _Model:
+        m = self._m.get(name)
+        if m is None:
+            m = self._m[name] = _Model()
+        return m
+
+    # ---- what the router sees -------------------------------------------------------------
+
+    def instance(self, instance_id: str, pinned: str | None, catalogue: Iterable[str]) -> None:
+        """An agent's snapshot: register it (live, agents join as they heartbeat) with what it
+        keeps resident now; one whose catalogue is a single model is fixed."""
+        models = tuple(catalogue)
+        for m in models:
+            self._model(m)
+        if instance_id not in self.pins:
+            self.pins[instance_id] = pinned
+            self._changed = True
+        if len(models) <= 1:
+            self.fixed.add(instance_id)
+            if models:
+                self.pins[instance_id] = models[0]
+
+    def observe_rates(self, model: str, prefill_tok_s: float, decode_tok_s: float) -> None:
+        """An engine running `model` reported its rates (a snapshot whose active model it is)."""
+        m = self._m.get(model)
+        if m is None:
+            return
+        if prefill_tok_s > 0:
+            m.prefill_s_per_tok = 1.0 / prefill_tok_s
+        if decode_tok_s > 0:
+            m.decode_s_per_tok = 1.0 / decode_tok_s
+
+    def routed(self, session_id: str, model: str, instance_id: str, prompt_tokens: int, now: float) -> None:
+        if self._first_at is None:
+            self._first_at = now
+        self._model(model)
+        s = self._sessions.get(session_id)
+        if s is None:
+            s = self._sessions[session_id] = _Session(instance_id, model, prompt_tokens, now, now)
+            self._changed = True
+        s.instance, s.model, s.prompt, s.last = instance_id, model, prompt_tokens, now
+        s.inflight += 1
+
+    def completed(self, session_id: str, model: str, prompt_tokens: int, cached_tokens: int, output_tokens: int,
+                  prefill_s: float, decode_s: float, now: float) -> None:
+        m = self._model(model)
+        fresh = max(0, prompt_tokens - cached_tokens)
+        if m.prefill_s_per_tok > 0 and m.decode_s_per_tok > 0:
+            pf = fresh * m.prefill_s_per_tok
+            work = pf + output_tokens * m.decode_s_per_tok
+        else:
+            pf, work = prefill_s, prefill_s + decode_s
+        m.calls += 1
+        m.total_work += work
+        m.total_prefill += pf
+        s = self._sessions.get(session_id)
+        if s is not None:
+            s.inflight = max(0, s.inflight - 1)
+            s.last = now
+        self._changed = True
+
+    def expire(self, now: float, horizon: Callable[[str], float]) -> None:
+        """Sessions idle (no call running) longer than their model's idle horizon are over:
+        the router never hears a session end, only its silence."""
+        for sid, s in list(self._sessions.items()):
+            if not s.inflight and now - s.last > horizon(s.model):
+                del self._sessions[sid]
+                self._spans.append(s.last - s.started)
+                self._changed = True
+
+    # ---- measured quantities ---------------------------------------------------------------
+
+    def window_s(self, now: float) -> float:
+        """W: the mean measured session duration, else the time since the first call."""
+        if self._spans:
+            w = sum(self._spans) / len(self._spans)
+        elif self._first_at is not None:
+            w = now - self._first_at
+        else:
+            w = 0.0
+        return max(self.min_window_s, w)
+
+    def live(self) -> dict[str, int]:
+        out = {m: 0 for m in self._m}
+        for s in self._sessions.values():
+            out[s.model] += 1
+        return out
+
+    def demand(self) -> dict[str, float]:
+        """The work the live sessions will offer: live sessions x the model's work per call."""
+        calls = sum(m.calls for m in self._m.values())
+        pooled = sum(m.total_work for m in self._m.values()) / calls if calls else 1.0
+        live = self.live()
+        return {name: live[name] * (m.work_per_call() or pooled) for name, m in self._m.items()}
+
+    def counts(self) -> dict[str, int]:
+        out = {m: 0 for m in self._m}
+        for model in self.pins.values():
+            if model is not None:
+                out[model] = out.get(model, 0) + 1
+        return out
+
+    # ---- the decision ----------------------------------------------------------------------
+
+    def decide(self, now: float, switch_s: Mapping[str, float], load: Mapping[str, int]) -> list[PoolMove]:
+        """At most one move (module doc). `switch_s`: seconds to load each model (the agents'
+        advertised open cost); `load`: calls in flight per instance (the router's view)."""
+        n = len(self.pins)
+        w = self.window_s(now)
+        if not self._changed or n == 0 or now - self._last_move_at < w / n:
+            return []
+        self._changed = False
+        demand = self.demand()
+        total = sum(demand.values())
+        k = len(self._sessions)
+        if total <= 0 or k == 0:
+            return []
+        share = {m: demand[m] / total * n for m in self._m}
+        sigma = {m: n * (p * (1.0 - p) / k) ** 0.5 for m, p in ((m, demand[m] / total) for m in self._m)}
+        if self.cold_pool:
+            return self._hot_cold(now, w, share, sigma, switch_s, load)
+        return self._swap(now, w, share, sigma, switch_s, load)
+
+    def _movable(self, model: str | None) -> list[str]:
+        return [i for i, m in self.pins.items() if m == model and i not in self.fixed]
+
+    def _displaced(self, instances: Iterable[str], keep: str | None) -> dict[str, float]:
+        """Seconds of context the live sessions homed on each instance would recompute
+        elsewhere if it stopped serving their model (all but `keep`'s)."""
+        out = {i: 0.0 for i in instances}
+        for s in self._sessions.values():
+            if s.instance in out and s.model != keep:
+                m = self._m[s.model]
+                out[s.instance] += s.prompt * m.prefill_s_per_tok if m.prefill_s_per_tok else (
+                    m.total_prefill / m.calls if m.calls else 0.0)
+        return out
+
+    def _homed(self, instances: Iterable[str], model: str | None = None) -> dict[str, int]:
+        out = {i: 0 for i in instances}
+        for s in self._sessions.values():
+            if s.instance in out and (model is None or s.model == model):
+                out[s.instance] += 1
+        return out
+
+    def _swap(self, now, w, share, sigma, switch_s, load) -> list[PoolMove]:
+        count = self.counts()
+        floor = lambda m: self.floor.get(m, 1)  # noqa: E731
+        x = {m: share[m] - count[m] for m in self._m}
+        r = max(self._m, key=lambda m: (x[m], m))
+        donors = [m for m in self._m if m != r and count[m] > floor(m) and self._movable(m)]
+        if not donors:
+            return []
+        d = min(donors, key=lambda m: (x[m], m))
+        imbalance = x[r] - x[d] - 1.0
+        if not imbalance > self.z * (sigma[r] ** 2 + sigma[d] ** 2) ** 0.5:
+            return []
+        mine = self._movable(d)
+        displaced = self._displaced(mine, keep=None)
+        inst = min(mine, key=lambda i: (displaced[i], load.get(i, 0), i))
+        cost = switch_s.get(r, 0.0) + displaced[inst]
+        if not imbalance * w > cost:
+            return []
+        return [self._move(inst, r, d, now, f"{r} {x[r]:+.2f} / {d} {x[d]:+.2f} instances vs demand: gain "
+                                            f"{imbalance * w:.1f}s over W={w:.0f}s > cost {cost:.1f}s")]
+
+    def _hot_cold(self, now, w, share, sigma, switch_s, load) -> list[PoolMove]:
+        count = self.counts()
+        cold = self._movable(None)
+        if cold:
+            r = max(self._m, key=lambda m: (share[m] - self.z * sigma[m] - count[m], m))
+            surplus = share[r] - self.z * sigma[r] - count[r]
+            if surplus >= 1.0:
+                displaced = self._displaced(cold, keep=r)
+                homed = self._homed(cold, r)
+                inst = min(cold, key=lambda i: (displaced[i], -homed[i], load.get(i, 0), i))
+                cost = displaced[inst] + (0.0 if homed[inst] else switch_s.get(r, 0.0))
+                if min(surplus, 1.0) * w > cost:
+                    return [self._move(inst, r, None, now, f"{r}: {share[r]:.2f} +- {sigma[r]:.2f} instances "
+                                                         f"of demand fill {count[r] + 1} hot; gain over "
+                                                         f"W={w:.0f}s > cost {cost:.1f}s")]
+        over = [m for m in self._m if count[m] > self.floor.get(m, 1) and self._movable(m)
+                and share[m] + self.z * sigma[m] < count[m]]
+        if over:
+            d = min(over, key=lambda m: (share[m] + self.z * sigma[m] - count[m], m))
+            mine = self._movable(d)
+            homed = self._homed(mine)
+            inst = min(mine, key=lambda i: (homed[i], load.get(i, 0), i))
+            return [self._move(inst, None, d, now, f"{d}: {share[d]:.2f} +- {sigma[d]:.2f} instances of demand "
+                                                 f"no longer fill {count[d]} hot")]
+        return []
+
+    def _move(self, inst: str, model: str | None, previous: str | None, now: float, reason: str) -> PoolMove:
+        self.pins[inst] = model
+        self._last_move_at = now
+        move = PoolMove(inst, model, previous, now, reason)
+        self.moves.append(move)
+        return move
+
+
+def decide_from_state(pools: HotPools, state, now: float) -> list[PoolMove]:
+    """`pools.decide` with what the router state knows: each model's open cost as the agents
+    advertise it (the largest reported: the cost of loading it anywhere) and the calls in
+    flight on each instance (snapshot + routed since)."""
+    switch: dict[str, float] = {}
+    load: dict[str, int] = {}
+    for iid, view in state.instances.items():
+        load[iid] = view.queued_calls()
+        for name, res in view.models.items():
+            cost = res.open_cost_s or res.switch_cost_s
+            if cost > switch.get(name, 0.0):
+                switch[name] = cost
+    return pools.decide(now, switch, load)

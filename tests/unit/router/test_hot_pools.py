@@ -1,0 +1,104 @@
+"""The router's online hot-pool controller (services/router/hot_pools.py) and its events."""
+
+from __future__ import annotations
+
+import pytest
+
+from talaria.services.router.hot_pools import HotPools, split
+
+INST = ("i0", "i1", "i2", "i3")
+
+
+def _sessions(pools: HotPools, model: str, n: int, inst: str, now: float, prefix: str = "") -> None:
+    for k in range(n):
+        sid = f"{prefix}{model}-{k}"
+        pools.routed(sid, model, inst, 1000, now)
+        pools.completed(sid, model, 1000, 0, 100, 0.1, 1.0, now + 1.0)
+
+
+def test_even_start_and_split():
+    pools = HotPools.even(INST, ("a", "b", "c"))
+    assert pools.counts() == {"a": 2, "b": 1, "c": 1} and not pools.cold_pool
+    assert split({"a": 3.0, "b": 1.0}, 4) == {"a": 3, "b": 1}
+    assert split({"a": 3.0, "b": 1.0}, 4, floor={"b": 2}) == {"a": 2, "b": 2}
+    with pytest.raises(ValueError):
+        HotPools.even(("i0",), ("a", "b"))
+    cold = HotPools.spare_cold(INST, ("a", "b", "c"))
+    assert cold.counts() == {"a": 1, "b": 1, "c": 1} and list(cold.pins.values()).count(None) == 1
+
+
+def test_balanced_demand_moves_nothing():
+    pools = HotPools.even(INST, ("a", "b"))
+    _sessions(pools, "a", 8, "i0", 0.0)
+    _sessions(pools, "b", 8, "i2", 0.0)
+    assert pools.decide(10.0, {"a": 1.0, "b": 1.0}, {}) == []
+
+
+def test_a_model_that_takes_most_sessions_gets_an_instance_from_the_one_without_sessions():
+    pools = HotPools.even(INST, ("a", "b"))  # a: i0, i1; b: i2, i3
+    _sessions(pools, "b", 30, "i2", 0.0)
+    _sessions(pools, "a", 2, "i0", 0.0)
+    moves = pools.decide(10.0, {"a": 1.0, "b": 1.0}, {})
+    assert [(m.instance_id, m.model, m.previous) for m in moves] == [("i1", "b", "a")]  # i1 holds no a session
+    assert pools.counts() == {"a": 1, "b": 3}
+    # at most one move per W / N, and never below one instance of a model
+    assert pools.decide(10.5, {"a": 1.0, "b": 1.0}, {}) == []
+    _sessions(pools, "b", 30, "i3", 20.0, prefix="x")
+    assert pools.decide(1000.0, {"a": 1.0, "b": 1.0}, {}) == []
+    assert pools.counts() == {"a": 1, "b": 3}
+
+
+def test_a_move_that_costs_more_than_it_gains_over_the_window_is_not_made():
+    pools = HotPools.even(INST, ("a", "b"))
+    _sessions(pools, "b", 30, "i2", 0.0)
+    _sessions(pools, "a", 2, "i0", 0.0)
+    assert pools.decide(10.0, {"a": 1.0, "b": 1e6}, {}) == []  # loading b costs more than W x imbalance
+
+
+def test_noise_margin_blocks_a_move_on_a_handful_of_sessions():
+    pools = HotPools.even(INST, ("a", "b"), z=2.0)
+    _sessions(pools, "b", 3, "i2", 0.0)
+    _sessions(pools, "a", 1, "i0", 0.0)
+    assert pools.decide(10.0, {"a": 0.0, "b": 0.0}, {}) == []  # 4 sessions: the 3:1 share is not sure
+    loose = HotPools.even(INST, ("a", "b"), z=0.0)
+    _sessions(loose, "b", 3, "i2", 0.0)
+    _sessions(loose, "a", 1, "i0", 0.0)
+    assert loose.decide(10.0, {"a": 0.0, "b": 0.0}, {})
+
+
+def test_operator_floor_and_fixed_instances_are_kept():
+    pools = HotPools.even(INST, ("a", "b"), floor={"a": 2})
+    _sessions(pools, "b", 40, "i2", 0.0)
+    assert pools.decide(10.0, {"a": 0.0, "b": 0.0}, {}) == []
+    assert pools.counts() == {"a": 2, "b": 2}
+    fixed = HotPools.even(INST, ("a", "b"))
+    fixed.instance("i0", "a", ("a",)), fixed.instance("i1", "a", ("a",))  # `--hot a` agents
+    _sessions(fixed, "b", 40, "i2", 0.0)
+    assert fixed.decide(10.0, {"a": 0.0, "b": 0.0}, {}) == []
+
+
+def test_hot_cold_promotes_what_demand_fills_and_demotes_what_it_no_longer_does():
+    pools = HotPools()  # live: agents register as they heartbeat, cold
+    for i in INST:
+        pools.instance(i, None, ("a", "b"))
+    _sessions(pools, "b", 40, "i2", 0.0)
+    moves = pools.decide(10.0, {"a": 1.0, "b": 1.0}, {})
+    assert [(m.instance_id, m.model) for m in moves] == [("i2", "b")]  # b's sessions already run on i2
+    for k in range(40):
+        pools.expire(10_000.0 + k, lambda m: 60.0)  # b's sessions go idle past the horizon
+    _sessions(pools, "a", 40, "i0", 10_100.0)
+    _sessions(pools, "b", 1, "i2", 10_100.0, prefix="late")
+    moves = pools.decide(10_200.0, {"a": 1.0, "b": 1.0}, {})
+    assert [(m.instance_id, m.model) for m in moves] in ([("i0", "a")], [("i2", None)])
+
+
+def test_sessions_expire_only_when_idle_past_their_models_horizon():
+    pools = HotPools.even(INST, ("a", "b"))
+    pools.routed("s", "a", "i0", 100, 0.0)
+    pools.expire(1000.0, lambda m: 1.0)
+    assert pools.live()["a"] == 1  # a call is still running
+    pools.completed("s", "a", 100, 0, 10, 0.1, 0.1, 5.0)
+    pools.expire(5.5, lambda m: 1.0)
+    assert pools.live()["a"] == 1
+    pools.expire(6.5, lambda m: 1.0)
+    assert pools.live()["a"] == 0 and pools.window_s(7.0) == 5.0
