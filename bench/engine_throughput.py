@@ -122,7 +122,8 @@ def main() -> None:
 
     # vLLM's CPU worker computes on one OpenMP thread bound to a core (the other is its
     # scheduler's): the torch engine gets the same, so the two are compared per compute thread
-    torch.set_num_threads(args.torch_threads or torch.get_num_threads())
+    if args.device == "cpu":
+        torch.set_num_threads(args.torch_threads or torch.get_num_threads())
     data = Path(args.data or tempfile.mkdtemp(prefix="throughput-"))
     t0 = time.perf_counter()
     path = checkpoint(data, args.shape, args.dtype)
