@@ -61,6 +61,9 @@ class Settings:
     hot_pools: bool = False
     engine: str = "torch"  # engine/engine_registry.py; an unknown name fails the agent at start
     device: str = "cpu"
+    # weights and KV type, every engine: auto (the checkpoint's where the hardware computes it
+    # natively, engine/dtypes.py) | float32 | bfloat16
+    dtype: str = ""
     # TALARIA_ENGINE=vllm / sglang (README "Engines"); 0 or "": the adapter's default
     vllm_switch: str = ""  # resident | sleep | release
     vllm_kv_bytes: int = 0  # KV cache per model on CPU
@@ -164,6 +167,7 @@ class Settings:
             opts = {"switch_mode": self.sglang_switch}
         else:
             opts = {}
+        opts["dtype"] = self.dtype
         return {k: v for k, v in opts.items() if v}
 
     def with_(self, **changes) -> "Settings":
