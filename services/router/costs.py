@@ -260,7 +260,7 @@ class CostModel:
             queue = queued + reserved
             prefill = (prompt - k_total) * pf
             decode = out_tokens * st.dec
-            stretch = 0.0
+            stretch = join = 0.0
             if sharing:
                 # round sharing: each other model with work here takes a slot of every round,
                 # so r's decode is stretched by the number of models it rotates with: those
@@ -277,6 +277,9 @@ class CostModel:
                     others += _comeback(state, iid, st.idle_active, now, live_models(iid, now))
                 # ... and waits through one switch per other model in every round
                 stretch = decode * others + others * (snap.switch_s or cfg.default_open_s)
+                if cfg.price_rotation_join:
+                    join = _join_externality(cfg, state, view, st, model, decode, others, live_models(iid, now),
+                                             later)
                 decode += stretch
             act = st.act
             reason = ""
@@ -284,7 +287,7 @@ class CostModel:
             # exceeds the budget would otherwise be rejected everywhere, forever.
             place = snap.running * (decode if running_s is None else running_s) \
                 if first_call else 0.0
-            place += later * stretch  # the session keeps paying this rotation here
+            place += later * stretch + join  # the session keeps paying this rotation here
             if queue > 0 and queue + prefill + kv_s + act > budget and not (
                     cfg.kv_home_admits and own and kv_state in ("device", "host") and k_have > 0):
                 reason = "round_admission"
@@ -328,6 +331,33 @@ class CostModel:
         rate = prof.arrival_rate(now) if prof is not None else 0.0
         demand = 1.0 + rate * self.cfg.control_window_s + state.leases.live_for(model, now)
         return max(0.0, saving) * demand, threshold
+
+
+def _join_externality(cfg: PolicyConfig, state: RouterState, view: InstanceView, st: _Static, model: str,
+                      decode: float, others: float, live, later: float) -> float:
+    """Seconds r adds to the calls of other models waiting on i when r's model is new to i's
+    rotation (nothing of it runs, is queued, was routed there since the snapshot, or lives
+    there between calls): each waits through r's slot and one more switch. 0 otherwise."""
+    snap = view.snapshot
+    busy_here = snap.active_model == model and (snap.running or snap.queued.get(model))
+    if busy_here or snap.queued.get(model) or view.overlay_models.get(model) or model in live:
+        return 0.0
+    switch = snap.switch_s or cfg.default_open_s
+    if cfg.price_rotation_join >= 3:
+        # every session of another model living on i waits through r's slot and a switch in
+        # each round while r's session rotates there: once per call r's session makes
+        homes = state.homes.by_instance.get(snap.instance_id, {})
+        sessions = sum(len(h.idle_since) for m, h in homes.items() if m != model)
+        return sessions * (decode + switch) * (1.0 + later)
+    waiting = snap.running + sum(n for m, n in snap.queued.items() if m != model) + sum(
+        n for m, n in view.overlay_models.items() if m != model)
+    if not waiting:
+        return 0.0
+    if cfg.price_rotation_join >= 2:
+        iprof = state.instance_profiles.get(snap.instance_id)
+        if iprof is not None and iprof.round_wall_s > 0:
+            decode = min(decode, iprof.round_wall_s / max(1.0, others))
+    return waiting * (decode + switch)
 
 
 def _comeback(state: RouterState, iid: str, model: str, now: float, live) -> float:

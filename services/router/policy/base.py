@@ -58,6 +58,12 @@ class PolicyConfig:
     # instead of adding a model to a busy instance's rotation; the stretch is paid again by
     # each call the session will still make there (costs.py placement_s). No constant.
     price_round_sharing: bool = True
+    # Experimental (ours, off): when r brings a model NEW to i's rotation (no work, route or
+    # live session of it there), the calls of other models waiting there each wait through
+    # r's slot and one more switch (costs.py, the join externality). 0: off; 1: r's whole
+    # decode + switch_s per waiting call; 2: one slot of it, min(r's decode, i's measured
+    # round / models in it) + switch_s. Measured in results/matrix_notes.md (serverless).
+    price_rotation_join: float = 0.0
     retry_after_s: float = 1.0
     max_queued_per_instance: int = 64  # `queue` mode: route past admission up to this bound
     # replica opening, Eq. 2
