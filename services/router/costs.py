@@ -277,9 +277,8 @@ class CostModel:
                     others += _comeback(state, iid, st.idle_active, now, live_models(iid, now))
                 # ... and waits through one switch per other model in every round
                 stretch = decode * others + others * (snap.switch_s or cfg.default_open_s)
-                if cfg.price_rotation_join:
-                    join = _join_externality(cfg, state, view, st, model, decode, others, live_models(iid, now),
-                                             later)
+                if cfg.price_rotation_join:  # ... and the slot and switch r adds to the others' rounds
+                    join = _join_externality(cfg, state, view, model, decode, live_models(iid, now), later)
                 decode += stretch
             act = st.act
             reason = ""
@@ -333,31 +332,23 @@ class CostModel:
         return max(0.0, saving) * demand, threshold
 
 
-def _join_externality(cfg: PolicyConfig, state: RouterState, view: InstanceView, st: _Static, model: str,
-                      decode: float, others: float, live, later: float) -> float:
-    """Seconds r adds to the calls of other models waiting on i when r's model is new to i's
+def _join_externality(cfg: PolicyConfig, state: RouterState, view: InstanceView, model: str, decode: float,
+                      live, later: float) -> float:
+    """Seconds r's session adds to the other sessions on i when r's model is new to i's
     rotation (nothing of it runs, is queued, was routed there since the snapshot, or lives
-    there between calls): each waits through r's slot and one more switch. 0 otherwise."""
+    there between calls): each session of another model living there (homes.py) waits
+    through r's slot (r's decode) and one more switch per round, once per call r's session
+    makes (this one and `later`). 0 where the model already rotates, and on a hot instance
+    (it rotates its pinned model only: other models' sessions there are leaving)."""
     snap = view.snapshot
+    if view.pinned is not None:
+        return 0.0
     busy_here = snap.active_model == model and (snap.running or snap.queued.get(model))
     if busy_here or snap.queued.get(model) or view.overlay_models.get(model) or model in live:
         return 0.0
-    switch = snap.switch_s or cfg.default_open_s
-    if cfg.price_rotation_join >= 3:
-        # every session of another model living on i waits through r's slot and a switch in
-        # each round while r's session rotates there: once per call r's session makes
-        homes = state.homes.by_instance.get(snap.instance_id, {})
-        sessions = sum(len(h.idle_since) for m, h in homes.items() if m != model)
-        return sessions * (decode + switch) * (1.0 + later)
-    waiting = snap.running + sum(n for m, n in snap.queued.items() if m != model) + sum(
-        n for m, n in view.overlay_models.items() if m != model)
-    if not waiting:
-        return 0.0
-    if cfg.price_rotation_join >= 2:
-        iprof = state.instance_profiles.get(snap.instance_id)
-        if iprof is not None and iprof.round_wall_s > 0:
-            decode = min(decode, iprof.round_wall_s / max(1.0, others))
-    return waiting * (decode + switch)
+    homes = state.homes.by_instance.get(snap.instance_id, {})
+    sessions = sum(len(h.idle_since) for m, h in homes.items() if m != model)
+    return sessions * (decode + (snap.switch_s or cfg.default_open_s)) * (1.0 + later)
 
 
 def _comeback(state: RouterState, iid: str, model: str, now: float, live) -> float:

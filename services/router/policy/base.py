@@ -58,12 +58,13 @@ class PolicyConfig:
     # instead of adding a model to a busy instance's rotation; the stretch is paid again by
     # each call the session will still make there (costs.py placement_s). No constant.
     price_round_sharing: bool = True
-    # Experimental (ours, off): when r brings a model NEW to i's rotation (no work, route or
-    # live session of it there), the calls of other models waiting there each wait through
-    # r's slot and one more switch (costs.py, the join externality). 0: off; 1: r's whole
-    # decode + switch_s per waiting call; 2: one slot of it, min(r's decode, i's measured
-    # round / models in it) + switch_s. Measured in results/matrix_notes.md (serverless).
-    price_rotation_join: float = 0.0
+    # Beyond the paper (ours), with price_round_sharing: when r brings a model NEW to i's
+    # rotation (nothing of it runs, is queued, was routed there or lives there between calls),
+    # every session of another model living on i waits through r's slot and one more switch
+    # in each round, once per call r's session will make (costs.py, _join_externality). It
+    # stops a session from turning a one-model instance into a rotating one when its model
+    # already rotates elsewhere; no constant. Measured over 3 seeds: results/matrix_notes.md.
+    price_rotation_join: bool = True
     retry_after_s: float = 1.0
     max_queued_per_instance: int = 64  # `queue` mode: route past admission up to this bound
     # replica opening, Eq. 2
