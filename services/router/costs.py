@@ -34,6 +34,13 @@
             A first call also pays the calls running on i * new_session_running_s (a tuned
             constant, flat in the matrix's sensitivity table): the occupancy its later calls
             will share.
+            join (ours, price_rotation_join): where r's model is new to i's rotation (nothing
+            of it runs, is queued, was routed there or lives there between calls), the
+            sessions of other models living on i (homes.py) x (r's decode + switch_s) x
+            (1 + later): each of them waits through r's slot and one more switch per round,
+            for every call r's session makes. The stretch above is what r suffers in a
+            rotation; this is what r's session does to the sessions already there. Not on hot
+            instances (their other models' sessions are leaving).
             placement_s ranks candidates; admission and Eq. 2 use the Eq. 1 terms only
             (Eq. 2's demand already counts the later calls).
 
