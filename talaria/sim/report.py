@@ -334,8 +334,15 @@ NOTES = """How to read this report (details in talaria/sim/*.py docstrings):
   paper's; load levels are session inter-arrival 6 / 2 / 0.5 s ([asm]). The talaria policy
   runs with its rules beyond the paper (docs/design.md): a return passes admission where its
   KV is; decode is priced by the rotation it joins, over the calls the session will still
-  make; and a session's first call prices the backlog and occupancy its session will share;
-  results/router_sensitivity.md adds them one at a time.
+  make; a model new to an instance's rotation pays the slot and switch it adds to the
+  sessions living there (price_rotation_join); and a session's first call prices the backlog
+  and occupancy its session will share; results/router_sensitivity.md adds them one at a time
+  (before the rotation-join rule; its effect: results/matrix_notes.md, serverless).
+- Peers: the faithful peers (services/router/policy/, each citing its source, round-robin
+  included) are deployed as in talaria/sim/deployment.py: serverless on-demand loading where
+  the models outnumber the instances (router testbed), per-model pools split by the
+  workload's demand where they fit (scale); the model-blind routers of the earlier tables
+  appear only as "(transplanted)" rows of the router testbed.
 """
 
 
