@@ -91,8 +91,8 @@ class Phase:
 class UpProcess:
     """`talaria up` as a child process: what an operator runs."""
 
-    def __init__(self, data_dir: Path, port: int, agents: int = 2) -> None:
-        self.data_dir, self.port, self.agents = data_dir, port, agents
+    def __init__(self, data_dir: Path, port: int, agents: int = 2, extra: tuple[str, ...] = ()) -> None:
+        self.data_dir, self.port, self.agents, self.extra = data_dir, port, agents, tuple(extra)
         self.proc: subprocess.Popen | None = None
         self.log = (data_dir / "up.log").open("a")
 
@@ -103,7 +103,7 @@ class UpProcess:
         t0 = time.monotonic()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "talaria.cli", "up", "--port", str(self.port), "--data-dir", str(self.data_dir),
-             "--agents", str(self.agents)], stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+             "--agents", str(self.agents), *self.extra], stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         while time.monotonic() - t0 < timeout:
             text = (self.data_dir / "up.log").read_text(errors="replace")
             if text.count("talaria: ready in") > self.ready_seen:

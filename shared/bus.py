@@ -189,10 +189,27 @@ async def written() -> None:
     await asyncio.sleep(0)
 
 
+# The process that published an event, for a service with replicas that reads the stream back
+# (a router skips its own outputs, folded already): set once per connection by `set_origin`.
+ORIGIN_HEADER = "Talaria-Origin"
+_ORIGINS: "weakref.WeakKeyDictionary[NATS, str]" = weakref.WeakKeyDictionary()
+
+
+def set_origin(nc: NATS, origin: str) -> None:
+    _ORIGINS[nc] = origin
+
+
+def origin_of(msg) -> str | None:
+    return (msg.headers or {}).get(ORIGIN_HEADER)
+
+
 def _headers(js: JetStreamContext, msg_id: str | None, sender: str | None = None) -> dict[str, str]:
     """Dedupe id, trace context, and the sender (by default the connection's name) for sender
     checks; only tests and tools that stand in for a service pass `sender`."""
     base = {SENDER_HEADER: sender or js._nc.options.get("name") or ""}
+    origin = _ORIGINS.get(js._nc)
+    if origin:
+        base[ORIGIN_HEADER] = origin
     if msg_id:
         base["Nats-Msg-Id"] = msg_id
     return inject_headers(base)

@@ -12,6 +12,8 @@ row no event.
     per_instance  the subject ends in the target instance    <deployment>.evt.<tag>.<instance_id>
     core_readers  services that read it on core NATS as it   their subscribe permissions
                   is published (besides the stream)
+    by_session    the subject ends in its session's slot     <deployment>.evt.<tag>.<slot> (a
+                  (shared/session_slots.py)                  router partition's consumer reads its slots)
 
 Every event is durable (it is on the deployment's JetStream stream); `dedupe` says whether a
 retried publish is dropped by the stream as a duplicate (published at most once), and
@@ -26,6 +28,7 @@ from typing import get_args
 import msgspec
 
 from talaria.shared import events as e
+from talaria.shared.session_slots import slot_of
 
 # The services (NATS roles) that publish events; "agent" is any instance agent, and an agent's
 # event that names an instance must name that agent.
@@ -39,6 +42,7 @@ class EventSpec:
     dedupe: tuple[str, ...] = ()  # dotted field paths: ("call.call_id",) reads event.call.call_id
     per_instance: bool = False
     core_readers: frozenset[str] = frozenset()
+    by_session: bool = False
 
     @property
     def tag(self) -> str:
@@ -49,16 +53,19 @@ class EventSpec:
         return self.event.__name__
 
     def subject(self, deployment: str) -> str:
-        """Its subject; with `per_instance`, the prefix of every instance's own subject."""
+        """Its subject; with `per_instance` / `by_session`, the prefix of every instance's (slot's)
+        own subject."""
         return f"{deployment}.evt.{self.tag}"
 
     def subject_of(self, deployment: str, event: msgspec.Struct) -> str:
         base = self.subject(deployment)
+        if self.by_session:
+            return f"{base}.{slot_of(event.session_id)}"
         return f"{base}.{event.instance_id}" if self.per_instance else base
 
     def publish_pattern(self, deployment: str) -> str:
         """What its owners may publish (every instance's subject for a per-instance event)."""
-        return f"{self.subject(deployment)}.*" if self.per_instance else self.subject(deployment)
+        return f"{self.subject(deployment)}.*" if self.per_instance or self.by_session else self.subject(deployment)
 
     def msg_id(self, event: msgspec.Struct) -> str | None:
         if not self.dedupe:
@@ -75,7 +82,8 @@ def _field(event: object, path: str) -> object:
 _GATEWAY, _ROUTER, _AGENT = frozenset({"gateway"}), frozenset({"router"}), frozenset({"agent"})
 
 SPECS: tuple[EventSpec, ...] = (
-    EventSpec(e.CallSubmitted, _GATEWAY, dedupe=("call_id",)),
+    # Partitioned by session: each router partition consumes its own slots (router/ownership.py).
+    EventSpec(e.CallSubmitted, _GATEWAY, dedupe=("call_id",), by_session=True),
     EventSpec(e.CallRouted, _ROUTER, dedupe=("call.call_id",), per_instance=True),
     EventSpec(e.CallStarted, _AGENT, dedupe=("call_id",)),
     EventSpec(e.CallCompleted, _AGENT, dedupe=("call_id",)),

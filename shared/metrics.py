@@ -248,6 +248,9 @@ def decision_path(d: RoutingDecision) -> str:
     return "cost"
 
 
+PEER_LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
 class RouterMetrics(ServiceMetrics):
     def __init__(self) -> None:
         super().__init__()
@@ -267,6 +270,13 @@ class RouterMetrics(ServiceMetrics):
                                           "|predicted - measured| queue wait of a routed call, by direction "
                                           "(over: predicted more than it waited)", ("model", "direction"))
         self.predicted: OrderedDict[str, tuple[str, float]] = OrderedDict()  # call id -> (model, queue_s)
+        # Router replicas (services/router/ownership.py)
+        self.takeovers = self.counter("talaria_router_partition_takeovers",
+                                      "Intake partitions this router started consuming, by how (claimed, adopted)",
+                                      ("how",))
+        self.peer_lag = self.histogram("talaria_router_peer_placement_lag_seconds",
+                                       "From another router's decision to this router folding its routed call "
+                                       "(what a stale view lags by)", (), buckets=PEER_LAG_BUCKETS)
 
     def observe(self, event) -> None:
         """An event the router emitted (a decision, a lease transition) or folded (a completion)."""

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from talaria.shared.event_specs import published_by, read_on_core_by, spec_of
-from talaria.shared.subjects import client_inbox_prefix, idempotency_stream_name, replies_stream_name, stream_name
+from talaria.shared.subjects import (client_inbox_prefix, idempotency_stream_name, replies_stream_name,
+                                     routers_bucket_name, stream_name)
 
 SENDER_HEADER = "Talaria-Sender"
 SERVICE_INBOX = "_TALARIA_INBOX"  # services' request inboxes (JetStream API, fetches); clients use _INBOX
@@ -128,7 +129,11 @@ def permissions(role: str, prefix: str = "talaria", instance_id: str | None = No
                f"{prefix}.tokens.>", f"{prefix}.idem.waiting.*", *watch, *inbox, *heard]
         return {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
     if role == "router":
-        pub = [*events, f"{prefix}.reply.>", f"{prefix}.health.router", f"{prefix}.dispatch.*", *js]
+        # Its partition-ownership KV bucket (router/claims.py): create it, read and CAS-write keys.
+        bucket = routers_bucket_name(prefix)
+        kv = [*(f"$JS.API.STREAM.{op}.KV_{bucket}" for op in ("INFO", "CREATE", "UPDATE", "MSG.GET")),
+              f"$JS.API.DIRECT.GET.KV_{bucket}.>", f"$KV.{bucket}.>"]
+        pub = [*events, f"{prefix}.reply.>", f"{prefix}.health.router", f"{prefix}.dispatch.*", *js, *kv]
         return {"publish": {"allow": pub}, "subscribe": {"allow": [*watch, *inbox, *heard]}}
     if role == "telemetry":
         return {"publish": {"allow": [*events, f"{prefix}.health.telemetry", *js]},

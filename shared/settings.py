@@ -117,6 +117,14 @@ class Settings:
     # refused with Retry-After (the limit adapts online to keep calls under it); 0: never refused.
     admission_target_queue_s: float = 2.0
     min_free_disk_mb: int = 0  # new calls refused below this free on the data dir's disk; 0: 5%, <= 1 GiB
+    # -- router replicas (README "Router replicas"; services/router/ownership.py) -------------
+    # The routers of a deployment split the sessions: 64 session slots grouped into this many
+    # partitions (a divisor of 64; every router must agree: checked against the KV bucket), each
+    # owned by one router through a KV key that expires this long after its last renewal (6
+    # service heartbeats: a dead router's partitions are taken over within about that long).
+    router_partitions: int = 8
+    router_ownership_ttl_s: float = 3.0
+    router_id: str = ""  # "": a fresh id per process; a restart under the same id adopts its claims
     # Hugging Face directories among the models: TALARIA_MODELS entries `name=/path` (hf_config.py)
     model_dirs: tuple[tuple[str, str], ...] = ()
 
@@ -215,6 +223,13 @@ class Settings:
         for name in ("lease_timeout_s", "heartbeat_s", "call_timeout_s", "session_idle_s", "watchdog_min_s"):
             if getattr(self, name) <= 0 and not (name == "lease_timeout_s" and self.lease_timeout_s == 0):
                 raise SettingsError(f"TALARIA_{name.upper()}", str(getattr(self, name)), "a positive number")
+        if self.router_partitions < 1 or 64 % self.router_partitions:
+            raise SettingsError("TALARIA_ROUTER_PARTITIONS", str(self.router_partitions), "a divisor of 64")
+        if self.router_ownership_ttl_s <= 0:
+            raise SettingsError("TALARIA_ROUTER_OWNERSHIP_TTL_S", str(self.router_ownership_ttl_s),
+                                "a positive number")
+        if self.router_id and not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.router_id):
+            raise SettingsError("TALARIA_ROUTER_ID", self.router_id, "1-64 letters, digits, '_' or '-'")
         if self.idempotency_window_s <= self.call_timeout_s:
             raise SettingsError("TALARIA_IDEMPOTENCY_WINDOW_S", str(self.idempotency_window_s),
                                 f"more seconds than TALARIA_CALL_TIMEOUT_S ({self.call_timeout_s:g})")

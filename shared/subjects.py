@@ -16,7 +16,11 @@
     talaria.idem.waiting.<t>-<call>  core NATS: every gateway request waiting for that keyed call
                                      answers a probe here (no responders: nobody waits for it)
     talaria.telemetry.<instance_id>  InstanceSnapshot heartbeats (last value, not history)
-    talaria.health.<service>         service heartbeats
+    talaria.health.<service>         service heartbeats (a router's names its id: routers count
+                                     their live peers from them, router/ownership.py)
+    KV bucket TALARIA_ROUTERS        router partition ownership (`partition.<p>` -> owner id)
+    talaria.evt.call.submitted.<slot> a call's submission, on its session's slot (0-63,
+                                     shared/session_slots.py): router partitions consume slots
     talaria.evt.<tag>                the event log, captured by the JetStream stream EVENTS_STREAM:
                                      one subject per event, named by its tag, listed with its
                                      owner in the wire table (event_specs.py); the constant of
@@ -49,6 +53,11 @@ def idempotency_stream_name(deployment: str) -> str:
     return f"{deployment.upper().replace('-', '_')}_IDEMPOTENCY"
 
 
+def routers_bucket_name(deployment: str) -> str:
+    """The JetStream KV bucket of router partition ownership (services/router/claims.py)."""
+    return f"{deployment.upper().replace('-', '_')}_ROUTERS"
+
+
 def configure(deployment: str) -> None:
     """Name every subject and the stream after `deployment` (the default: `talaria`)."""
     g = globals()
@@ -64,6 +73,7 @@ def configure(deployment: str) -> None:
     g["IDEMPOTENT_REPLIES"] = f"{deployment}.reply.gateway.idem"  # never a gateway inbox id (uuid hex)
     g["IDEMPOTENT_WAITING"] = f"{deployment}.idem.waiting"  # gateways answer for a keyed call's waiters
     g["REPLIES_STREAM"] = replies_stream_name(deployment)
+    g["ROUTERS_BUCKET"] = routers_bucket_name(deployment)
     g["LIVE_REPLIES"] = f"{deployment}.reply.live"  # gateways' reply inboxes (not under .gateway: the
     # kept replies' stream captures talaria.reply.gateway.idem.*, and two streams may not overlap)
     g.update({event_constant(spec.tag, spec.per_instance): spec.subject(deployment) for spec in SPECS})
@@ -86,7 +96,13 @@ LEASE_ISSUED = LEASE_CONSUMED = LEASE_DISCARDED = LEASE_EXPIRED = DECISION = ""
 SWITCH_DONE = ROUND_SUMMARY = INSTANCE_LOST = POOL_PINNED = TELEMETRY_PREFIX = TELEMETRY_WILDCARD = TOKENS_PREFIX = ""
 REPLY_PREFIX = HEALTH_PREFIX = HEALTH_WILDCARD = ""  # a call's reply to the gateway: never a client inbox
 IDEMPOTENCY_STREAM = IDEMPOTENCY_KEYS = IDEMPOTENT_REPLIES = IDEMPOTENT_WAITING = REPLIES_STREAM = LIVE_REPLIES = ""
+ROUTERS_BUCKET = ""
 configure(DEPLOYMENT)
+
+
+def call_submitted(slot: int | str) -> str:
+    """The submissions of one session slot (`*`: every slot)."""
+    return f"{CALL_SUBMITTED}.{slot}"
 
 
 def call_routed(instance_id: str) -> str:

@@ -54,7 +54,12 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     if not 1 <= args.nats_cluster <= 5:
         print(f"talaria: --nats-cluster {args.nats_cluster}: 1 to 5 servers", file=sys.stderr)
         return 2
-    stack = Stack(settings, agents=args.agents, hot=tuple(args.hot), nats_cluster=args.nats_cluster)
+    if not 1 <= args.routers <= settings.router_partitions:
+        print(f"talaria: --routers {args.routers}: 1 to {settings.router_partitions} (TALARIA_ROUTER_PARTITIONS: "
+              "each router needs a partition of the sessions)", file=sys.stderr)
+        return 2
+    stack = Stack(settings, agents=args.agents, hot=tuple(args.hot), nats_cluster=args.nats_cluster,
+                  routers=args.routers)
     stopping = False
 
     def on_signal(signum, frame):
@@ -256,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--nats-cluster", type=int, default=1, metavar="N",
                     help="embedded NATS as an N-node JetStream cluster, streams replicated N times (3: one "
                          "node may die without a stall of more than a few seconds; default 1)")
+    up.add_argument("--routers", type=int, default=1, metavar="N",
+                    help="N router replicas splitting the sessions by partition (ownership in a JetStream KV "
+                         "bucket; a dead router's partitions are taken over within its TTL; default 1)")
     up.add_argument("--hot", action="append", default=[], metavar="MODEL",
                     help="add a hot-pool agent pinned to MODEL (repeatable); --agents are the cold pool")
     up.add_argument("--port", type=int, default=None, help="gateway HTTP port (default 8000; 0 = any free)")

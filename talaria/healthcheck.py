@@ -20,14 +20,20 @@ from talaria.shared.settings import Settings
 TIMEOUT_S = 3.0  # heartbeats come every 0.5 s: several must be missed to fail
 
 
-async def _heard(settings: Settings, subject: str, timeout: float) -> bool:
-    """`settings`: the service's own (its NATS URL and credentials)."""
+async def _heard(settings: Settings, subject: str, timeout: float, router_id: str = "") -> bool:
+    """`settings`: the service's own (its NATS URL and credentials). `router_id`: a router
+    replica's own beat, not any router's."""
+    from talaria.shared.snapshots import HEARTBEAT_DECODER
+
     nc = await nats.connect(servers(settings.nats_url or "nats://127.0.0.1:4222"), connect_timeout=timeout,
                             allow_reconnect=False, **settings.nats_options())
     try:
         sub = await nc.subscribe(subject)
-        await sub.next_msg(timeout=timeout)
-        return True
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            msg = await sub.next_msg(timeout=max(0.01, deadline - asyncio.get_running_loop().time()))
+            if not router_id or HEARTBEAT_DECODER.decode(msg.data).detail.get("router_id") == router_id:
+                return True
     except TimeoutError:
         return False
     finally:
@@ -48,7 +54,8 @@ def check(service: str, timeout: float = TIMEOUT_S) -> str | None:
             subject = subjects.health(service)
         else:
             return f"unknown service {service!r} (gateway, router, telemetry, agent)"
-        heard = asyncio.run(asyncio.wait_for(_heard(settings, subject, timeout), 2 * timeout))
+        mine = settings.router_id if service == "router" else ""
+        heard = asyncio.run(asyncio.wait_for(_heard(settings, subject, timeout, mine), 2 * timeout))
         return None if heard else f"no heartbeat on {subject} within {timeout:.0f}s"
     except Exception as exc:  # unreachable NATS or gateway: unhealthy, said in one line
         return f"{service}: {type(exc).__name__}: {exc}"

@@ -135,6 +135,7 @@ class Stack:
     agents: int = 2
     hot: tuple[str, ...] = ()  # one extra hot-pool agent pinned to each of these models
     nats_cluster: int = 1  # embedded NATS: this many JetStream servers, streams replicated on all (at most 5)
+    routers: int = 1  # router replicas splitting the sessions (services/router/ownership.py)
     log_to_files: bool = True
     embedded: list = field(default_factory=list)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
@@ -310,7 +311,8 @@ class Stack:
             self.log_files.append(out)
         # A session of its own: Ctrl-C reaches only `talaria up`, which then stops the
         # services first and the servers they write to last, in that order.
-        user = self.nats_users.get(name if name in ("gateway", "router", "telemetry") else f"agent-{name}")
+        role = "router" if name.startswith("router") else name  # every router replica is the router user
+        user = self.nats_users.get(role if role in ("gateway", "router", "telemetry") else f"agent-{name}")
         if user is not None:  # embedded NATS: this service's own user (its permissions)
             env = {**user.env(), **env}
         proc = subprocess.Popen(
@@ -327,9 +329,12 @@ class Stack:
     def _services(self, data: Path, progress) -> None:
         port = self.settings.http_port or free_port()
         self.gateway_url = f"http://{self.settings.http_host}:{port}"
-        progress(f"starting router, telemetry, gateway and {self.agents} instance agent(s)")
+        progress(f"starting {self.routers} router(s), telemetry, gateway and {self.agents} instance agent(s)")
         self._spawn("telemetry", "talaria.services.telemetry", data)
-        self._spawn("router", "talaria.services.router", data)
+        if self.routers == 1:  # a stable id: a restart adopts its claims at once, not a TTL later
+            self._spawn("router", "talaria.services.router", data, TALARIA_ROUTER_ID="router-0")
+        for i in range(self.routers if self.routers > 1 else 0):  # a stable id: a restart adopts its claims
+            self._spawn(f"router-{i}", "talaria.services.router", data, TALARIA_ROUTER_ID=f"router-{i}")
         for i in range(self.agents):
             self._spawn(f"agent-{i}", "talaria.services.instance_agent", data, TALARIA_INSTANCE_ID=f"agent-{i}",
                         TALARIA_POOL=self.settings.pool)

@@ -36,6 +36,13 @@ class RouterOutputs:
         self.storing.add(task)
         task.add_done_callback(self.storing.discard)
 
+    def store_soon(self, outputs, acks) -> None:
+        """Wait for the outputs' acks in the background (reactions to an event the view read:
+        there is no input to ack)."""
+        task = asyncio.create_task(self._stored(outputs, acks))
+        self.storing.add(task)
+        task.add_done_callback(self.storing.discard)
+
     async def cancel_pending(self) -> None:
         """At stop: outputs not stored leave their inputs unacked, so they come back."""
         for task in self.storing:

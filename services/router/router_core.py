@@ -2,6 +2,12 @@
 
 The asyncio service (`service.py`) publishes whatever `handle` returns; the simulator
 and the tests call the same methods with a virtual clock.
+
+With router replicas (ownership.py) each router folds every event into the same state but
+acts only for the sessions of the partitions it owns (`partitioning`): it decides their
+calls, reacts to their completions (successor leases), expires their leases and fails their
+calls on a lost instance; another router's outputs come in through `fold_peer`. Decisions
+are the policy's, unchanged: given the same state, every router decides a call as one would.
 """
 
 from __future__ import annotations
@@ -9,6 +15,7 @@ from __future__ import annotations
 from talaria.services.router.hot_pools import HotPools, decide_from_state
 from talaria.services.router.instances import InstanceView
 from talaria.services.router.leases import settlement
+from talaria.services.router.ownership import Partitioning
 from talaria.services.router.policy.base import PlacementPolicy
 from talaria.services.router.state import RouterState, SnapshotReceived
 from talaria.shared.events import CallCompleted, CallFailed, CallRouted, CallSubmitted, Event, InstanceLost, PoolPinned
@@ -23,12 +30,19 @@ class RouterCore:
     """Policy + state. `handle`/`tick` return the events they caused, already folded in."""
 
     def __init__(self, policy: PlacementPolicy, state: RouterState | None = None,
-                 pools: HotPools | None = None) -> None:
+                 pools: HotPools | None = None, partitioning: Partitioning | None = None) -> None:
         self.policy = policy
         self.state = state or RouterState()
         # The router's hot-pool controller (hot_pools.py), when the system chooses the pools:
         # it hears what the router routes and completes, and its decisions are PoolPinned events.
+        # With replicas every router's controller hears every placement and completion; only
+        # partition 0's owner emits its decisions (router-wide work: one router does it).
         self.pools = pools
+        self.partitioning = partitioning or Partitioning.everything()  # one router: every session
+
+    def owns(self, event) -> bool:
+        """Does this router act for `event`'s session (router-wide events: partition 0's owner)?"""
+        return self.partitioning.owns(getattr(event, "session_id", None))
 
     def observe(self, snapshot: InstanceSnapshot, now: float) -> list[Event]:
         """Fold a heartbeat. A new incarnation (the agent restarted) first loses the old
@@ -59,15 +73,41 @@ class RouterCore:
         """The process behind `view` is gone: an InstanceLost event plus a retryable 503 for
         each call placed there (a restarted agent drops them, so they never run late)."""
         placed = sorted(c for c, p in self.state.inflight_calls.items() if p.instance_id == view.instance_id)
+        # Every router that notices says so (the stream keeps one copy: its message id); each
+        # fails only its own sessions' calls, so a client is answered once.
         out: list[Event] = [InstanceLost(view.instance_id, view.snapshot.incarnation, reason, now, placed)]
-        for call_id in placed:
-            p = self.state.inflight_calls[call_id]
-            out.append(CallFailed(call_id=call_id, session_id=p.session_id, model=p.model,
-                                  reason=f"{reason}; the call did not finish there, retry it", stage="agent",
-                                  at=now, status=503, instance_id=view.instance_id, call_index=p.call_index,
-                                  reply_to=p.reply_to))
+        out += self._fail_placed(placed, view.instance_id, reason, now)
         for event in out:
             self.state.apply(event)
+        return out
+
+    def _fail_placed(self, calls, instance_id: str, reason: str, now: float) -> list[Event]:
+        out: list[Event] = []
+        for call_id in calls:
+            p = self.state.inflight_calls.get(call_id)
+            if p is None or not self.partitioning.owns(p.session_id):
+                continue
+            out.append(CallFailed(call_id=call_id, session_id=p.session_id, model=p.model,
+                                  reason=f"{reason}; the call did not finish there, retry it", stage="agent",
+                                  at=now, status=503, instance_id=instance_id, call_index=p.call_index,
+                                  reply_to=p.reply_to))
+        return out
+
+    def fold_peer(self, event: Event, now: float) -> list[Event]:
+        """Another router's output (read from the stream): fold it in. Its InstanceLost also
+        fails this router's own calls on that instance (the peer failed only its own)."""
+        out: list[Event] = []
+        if isinstance(event, InstanceLost):
+            view = self.state.instances.get(event.instance_id)
+            if view is None or view.snapshot.incarnation == event.incarnation:
+                mine = [c for c, p in self.state.inflight_calls.items() if p.instance_id == event.instance_id]
+                out = self._fail_placed(sorted(mine), event.instance_id, event.reason, now)
+        self.state.apply(event)
+        for produced in out:
+            self.state.apply(produced)
+        if self.pools is not None and isinstance(event, CallRouted):  # the controller hears every placement
+            call = event.call
+            self.pools.routed(call.session_id, call.model, event.instance_id, call.prompt_tokens, now)
         return out
 
     def handle(self, event: Event, now: float) -> list[Event]:
@@ -79,7 +119,7 @@ class RouterCore:
                 # Fold first, then let the policy react to the updated state (a completion
                 # installs its successor lease; a round summary has refreshed the profiles).
                 self.state.apply(event)
-                out = self.policy.react(self.state, event, now)
+                out = self.policy.react(self.state, event, now) if self.owns(event) else []
         for produced in out:
             self.state.apply(produced)
         if self.pools is not None:
@@ -96,11 +136,15 @@ class RouterCore:
             if isinstance(produced, CallRouted):
                 call = produced.call
                 pools.routed(call.session_id, call.model, produced.instance_id, call.prompt_tokens, now)
+        if not self.partitioning.owns(None):
+            return []  # another router (partition 0's owner) decides the pools
         return [PoolPinned(m.instance_id, m.model, m.previous, m.at, m.reason)
                 for m in decide_from_state(pools, self.state, now)]
 
     def tick(self, now: float) -> list[Event]:
-        out = self.policy.tick(self.state, now)
+        # Another router's due leases are its to expire: they leave this view when its
+        # LeaseExpired arrives (or this router takes their partition over).
+        out = [e for e in self.policy.tick(self.state, now) if self.owns(e)]
         if self.pools is not None:
             self.pools.expire(now, self.state.idle_horizon_s)
         for produced in out:

@@ -1,16 +1,31 @@
 """Router service: the asyncio shell around RouterCore.
 
-Inputs come from a durable JetStream consumer (call submitted / completed / failed),
-snapshots from `talaria.telemetry.*`. Each input is folded, a routed call's core-NATS
-fast copy goes to its agent at once, and the input's output events are published to the
-stream while the next input is folded (started in order, so the stream keeps the order
-the state applied them in); the input is acked only once all of its outputs are stored,
-so a crash re-delivers rather than loses it, and RouterCore's dedupe (a call is routed
-once) makes re-delivery safe. A projection save waits until every folded input's outputs
-are stored, so a saved state never counts an output the stream lacks.
+Two ways in from the event stream, snapshots from `talaria.telemetry.*`:
 
-Restart: load the last projection (state + stream sequence) from Postgres, replay
-the stream after that sequence through `RouterState.apply`, then resume consuming.
+    intake  call submissions, one durable consumer per partition this router owns
+            (`router-p<p>`, on its slots' `call.submitted.<slot>` subjects; ownership.py,
+            claims.py). Each is decided, the routed call's core-NATS fast copy goes to its agent
+            at once, and its outputs are published while the next is decided (in order, so the
+            stream keeps the order the state applied them in); the submission is acked only
+            once all of them are stored, so a crash redelivers rather than loses it, and the
+            call-id fence (RouterState.routed: a call is decided once) makes redelivery safe.
+    view    everything else a router folds, read in stream order by an ephemeral consumer:
+            agents' completions, failures, round summaries, and other routers' outputs (their
+            routed calls, leases, lost instances), so every router's state counts every
+            router's placements and reservations. Its own outputs (Talaria-Origin: this
+            process) are skipped: they were folded when made.
+
+A partition changes hands only through the KV bucket's compare-and-set. Taking one over
+(claimed, or adopted after a restart): wait until the view has folded the stream as it was
+at the claim (the previous owner's decisions are in the state: the fence holds), then
+recreate the partition's consumer from its ack floor (what the previous owner fetched and
+did not ack comes back at once; the recreation also cuts off a stalled previous owner's
+pulls) and consume. Releasing one (another router is preferred): stop consuming, wait for
+the outputs in flight to be stored and their submissions acked, then delete the key.
+
+A projection save waits until every output is stored, and records the view's position:
+a restart loads it from Postgres and folds the stream after that position (its own earlier
+outputs among them: the fold is idempotent) before it claims anything.
 """
 
 from __future__ import annotations
@@ -18,12 +33,15 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
+import uuid
 
 import msgspec
 from msgspec.structs import replace
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
+from talaria.services.router.claims import ClaimStore
+from talaria.services.router.ownership import Ownership, Partitioning, slots_of
 from talaria.services.router.router_core import RouterCore
 from talaria.services.router.outputs import RouterOutputs
 from talaria.services.router.policy.base import PolicyConfig
@@ -36,7 +54,7 @@ from talaria.shared.health import INTERVAL_S as HEARTBEAT_INTERVAL_S, BusHearing
 from talaria.shared.logs import call_context
 from talaria.shared.runtime import serve_until_stopped
 from talaria.services.router.hot_pools import HotPools
-from talaria.shared.bus import ACK_WAIT_S, PUBLISH_TIMEOUT_S, close, connect, publish_fast
+from talaria.shared.bus import ACK_WAIT_S, PUBLISH_TIMEOUT_S, close, connect, origin_of, publish_fast, set_origin
 from talaria.shared.nats_auth import sender_of, trusted
 from talaria.shared.db.connection import create_engine
 from talaria.shared.events import (
@@ -44,18 +62,35 @@ from talaria.shared.events import (
     CallSubmitted,
     EVENT_DECODER,
     InstanceLost,
+    LeaseConsumed,
+    LeaseDiscarded,
+    LeaseExpired,
+    LeaseIssued,
     RoutingDecision,
 )
-from talaria.shared.snapshots import SNAPSHOT_DECODER
+from talaria.shared.snapshots import HEARTBEAT_DECODER, SNAPSHOT_DECODER
 from talaria.shared.settings import Settings, SettingsError
 from talaria.shared.tracing import extract_context
 
-DURABLE = "router"
+# Other routers' outputs: folded as facts (RouterCore.fold_peer), never reacted to.
+PEER_OUTPUTS = (CallRouted, LeaseIssued, LeaseConsumed, LeaseDiscarded, LeaseExpired, InstanceLost)
 
 
-def input_subjects() -> list[str]:
-    return [subjects.CALL_SUBMITTED, subjects.CALL_COMPLETED, subjects.CALL_FAILED,
-            subjects.ROUND_SUMMARY, subjects.SWITCH_DONE]
+def durable(partition: int) -> str:
+    return f"router-p{partition}"
+
+
+def intake_subjects(partition: int, partitions: int) -> list[str]:
+    if partitions == 1:
+        return [subjects.call_submitted("*")]
+    return [subjects.call_submitted(slot) for slot in slots_of(partition, partitions)]
+
+
+def view_subjects() -> list[str]:
+    """What every router folds besides submissions: agents' reports and routers' outputs."""
+    return [subjects.CALL_COMPLETED, subjects.CALL_FAILED, subjects.ROUND_SUMMARY, subjects.SWITCH_DONE,
+            subjects.call_routed("*"), subjects.LEASE_ISSUED, subjects.LEASE_CONSUMED,
+            subjects.LEASE_DISCARDED, subjects.LEASE_EXPIRED, subjects.INSTANCE_LOST]
 
 
 TICK_S = 0.05
@@ -82,21 +117,34 @@ class RouterService:
             policy = create_policy(settings.policy, policy_config(settings))
         except (KeyError, ValueError) as exc:  # unknown policy or a bad knob: a config error
             raise SettingsError("TALARIA_POLICY", settings.policy, str(exc)) from None
-        self.core = RouterCore(policy, pools=HotPools() if settings.hot_pools else None)
+        self.router_id = settings.router_id or f"router-{uuid.uuid4().hex[:8]}"
+        self.origin = uuid.uuid4().hex  # this process: its outputs, read back by the view, are skipped
+        self.ownership = Ownership(self.router_id, settings.router_partitions, settings.router_ownership_ttl_s)
+        # Owns nothing until a partition is claimed and the view has caught up with it.
+        self.core = RouterCore(policy, pools=HotPools() if settings.hot_pools else None,
+                               partitioning=Partitioning(settings.router_partitions, frozenset()))
         self.lock = asyncio.Lock()  # one input at a time: the core is single-threaded by design
         self.dirty = False
-        self.seq = 0  # JetStream sequence of the last input folded in (saved with the state)
+        self.seq = 0  # stream sequence the view has folded up to (saved with the state)
         self.listening_since = time.time()  # restored views are not "silent" before this
         # The end of the last stretch the lock was held waiting on the stream (a broker
         # failover): snapshots that arrived meanwhile were not folded, so silence counts from it.
         self.unblocked_at = 0.0
         self.warm = asyncio.Event()  # every restored instance heard from again
         self.expected: set[str] = set()
+        self.peers: dict[str, float] = {}  # router id -> when its heartbeat was last heard
+        self.intakes: dict[int, tuple[asyncio.Task, asyncio.Event]] = {}  # partition -> consumer task, its stop
+        self.taking: set[int] = set()  # partitions being taken over right now (catching up)
+        self.releasing: set[int] = set()  # partitions being handed over right now (draining)
+        self.caught_up_at = 0.0  # the issue time of the last view fetch that found nothing more
+        self.view_moved = asyncio.Event()
         self.metrics = RouterMetrics()
         self.metrics.scrape_gauge("talaria_router_leases_active", "Live leases (soft reservations) by model",
                                   ("model",), self._live_leases)
         self.metrics.scrape_gauge("talaria_router_instances", "Instances in the router's view",
                                   (), lambda: {(): len(self.core.state.instances)})
+        self.metrics.scrape_gauge("talaria_router_partitions_owned", "Intake partitions this router consumes",
+                                  (), lambda: {(): len(self.core.partitioning.owned)})
 
     def _live_leases(self) -> dict:
         book, now = self.core.state.leases, time.time()
@@ -109,10 +157,22 @@ class RouterService:
         store = ProjectionStore(db)
         self.nc, self.js = await connect(self.settings.nats_url, "talaria-router",
                                          replicas=self.settings.nats_replicas, **self.settings.nats_options())
+        set_origin(self.nc, self.origin)
         self.outputs = RouterOutputs(self.js, self.nc, self.log, self.core.policy.config,
-                                     on_stored=self._stored_up_to, metrics=self.metrics)
+                                     on_stored=lambda seq: None, metrics=self.metrics)
+        self.claims = await ClaimStore.open(self.js, self.settings.router_ownership_ttl_s,
+                                            self.settings.router_partitions)
+        if self.claims.ttl_s != self.ownership.ttl_s:
+            self.log.warning("the ownership bucket's TTL differs from this router's; using the bucket's",
+                             bucket_ttl_s=self.claims.ttl_s, setting=self.ownership.ttl_s)
+            self.ownership.ttl_s = self.claims.ttl_s
         metrics_runner = await metrics.serve(self.metrics, "router", self.settings, self.log)
-        await self._recover(store)
+        saved = await store.load()
+        if saved is not None:
+            self.core.state, self.seq = saved
+        tasks = [asyncio.create_task(self._view(stop))]
+        await self._caught_up(await self._stream_last())  # the state as the stream is now
+        self.log.info("router recovered", seq=self.seq, sessions=len(self.core.state.sessions))
         gc.collect()
         gc.freeze()  # the recovered tables are long-lived: keep them out of every GC scan
         self.listening_since = time.time()
@@ -121,111 +181,249 @@ class RouterService:
         self.expected = set(state.instances) | {p.instance_id for p in state.inflight_calls.values()} | {
             lease.instance_id for lease in state.leases.leases.values()}
         await self.nc.subscribe(subjects.TELEMETRY_WILDCARD, cb=self._on_snapshot)
+        await self.nc.subscribe(subjects.health("router"), cb=self._on_peer)
         try:
             await asyncio.wait_for(self.warm.wait(), WARMUP_S)
         except TimeoutError:
             pass  # some restored instance stayed silent: heartbeat loss will settle it
-        await self._ensure_consumer()
-        sub = await self.js.pull_subscribe_bind(DURABLE, stream=subjects.EVENTS_STREAM)
         self.hearing = BusHearing(self.nc, TICK_S, HEARTBEAT_INTERVAL_S, self.log)
-        tasks = [asyncio.create_task(self._consume(sub, stop)), asyncio.create_task(self._tick(stop)),
-                 asyncio.create_task(self.hearing.run(stop)),
-                 asyncio.create_task(self._save_loop(store, stop)),
-                 asyncio.create_task(heartbeat_loop(self.nc, "router", stop, self._health))]
-        self.log.info("router ready", policy=self.core.policy.name, seq=self.seq)
+        tasks += [asyncio.create_task(self._tick(stop)), asyncio.create_task(self.hearing.run(stop)),
+                  asyncio.create_task(self._save_loop(store, stop)),
+                  asyncio.create_task(heartbeat_loop(self.nc, "router", stop, self._health))]
+        await self._own_once()  # the first claims before saying ready: a lone router owns everything
+        tasks.append(asyncio.create_task(self._own_loop(stop)))
+        self.log.info("router ready", policy=self.core.policy.name, seq=self.seq, router_id=self.router_id)
         if ready is not None:
             ready.set()
         try:
             await serve_until_stopped("router", stop, tasks)
         finally:
             stop.set()
-            # Let the consumer finish the message in hand (it checks `stop` between fetches).
-            await asyncio.wait(tasks, timeout=5)
-            for t in tasks:
+            for _, halt in self.intakes.values():
+                halt.set()
+            # Let each consumer finish the message in hand (it checks its stop between fetches).
+            await asyncio.wait(tasks + [t for t, _ in self.intakes.values()], timeout=5)
+            for t in tasks + [t for t, _ in self.intakes.values()]:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, *(t for t, _ in self.intakes.values()), return_exceptions=True)
             try:
                 await self._save(store, drain_s=PUBLISH_TIMEOUT_S)
             except Exception as exc:  # the replay on the next start covers what is not saved
                 self.log.warning("final projection save failed", error=str(exc))
             await self.outputs.cancel_pending()  # not stored: their inputs stay unacked and come back
+            await self._release_all()  # a clean stop hands its partitions over now, not a TTL later
             await close(self.nc)
             if metrics_runner is not None:
                 await metrics_runner.cleanup()
             await db.dispose()
             provider.shutdown()
 
-    def _stored_up_to(self, seq: int) -> None:
-        """Outputs up to stream sequence `seq` are stored (a save may count them)."""
-        self.seq = max(self.seq, seq)
-
     def _health(self) -> dict[str, str]:
-        return {"policy": self.core.policy.name, "instances": str(len(self.core.state.instances))}
+        return {"policy": self.core.policy.name, "instances": str(len(self.core.state.instances)),
+                "router_id": self.router_id, "partitions": ",".join(map(str, sorted(self.core.partitioning.owned)))}
 
-    async def _ensure_consumer(self) -> None:
-        """The durable input consumer. Inputs a killed predecessor had fetched but not acked
-        would come back only after `ack_wait` (30 s: a call submitted just before the kill would
-        time out); recreating the consumer from its ack floor delivers them at once. Submissions
-        already routed are skipped by the core, as for any redelivery."""
-        config = ConsumerConfig(durable_name=DURABLE, ack_policy=AckPolicy.EXPLICIT,
-                                deliver_policy=DeliverPolicy.ALL, filter_subjects=input_subjects(),
-                                ack_wait=ACK_WAIT_S, max_deliver=MAX_DELIVER)
-        try:
-            info = await self.js.consumer_info(subjects.EVENTS_STREAM, DURABLE)
-        except NotFoundError:
-            info = None
-        if info is not None and not info.num_ack_pending:
-            return
-        if info is not None:
-            start = info.ack_floor.stream_seq + 1
-            self.log.warning("resuming the input consumer after its ack floor", resume_at=start,
-                             unacked=info.num_ack_pending)
-            await self.js.delete_consumer(subjects.EVENTS_STREAM, DURABLE)
-            config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, start
-        await self.js.add_consumer(subjects.EVENTS_STREAM, config=config)
+    async def _stream_last(self) -> int:
+        return (await self.js.stream_info(subjects.EVENTS_STREAM)).state.last_seq
 
-    # ---- recovery ----------------------------------------------------------------------
+    # ---- the view: every router's state folds every router's outputs -------------------
 
-    async def _recover(self, store: ProjectionStore) -> None:
-        saved = await store.load()
-        if saved is not None:
-            self.core.state, self.seq = saved
-        info = await self.js.stream_info(subjects.EVENTS_STREAM)
-        last = info.state.last_seq
-        start = self.seq + 1
-        replayed = 0
-        if last >= start:
-            sub = await self.js.pull_subscribe(
-                "", stream=subjects.EVENTS_STREAM,
-                config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                                      opt_start_seq=start, inactive_threshold=30))
-            seq = start - 1
-            while seq < last:
+    async def _view(self, stop: asyncio.Event) -> None:
+        """Fold the stream's view subjects in order from `self.seq + 1`, for good. A consumer
+        that fails (a broker failover) is made again from where the fold stopped."""
+        while not stop.is_set():
+            try:
+                sub = await self.js.pull_subscribe(
+                    "", stream=subjects.EVENTS_STREAM,
+                    config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                                          opt_start_seq=self.seq + 1, filter_subjects=view_subjects(),
+                                          inactive_threshold=30))
+            except Exception as exc:
+                self.log.warning("view consumer not made; retrying", error=str(exc))
+                await asyncio.sleep(0.5)
+                continue
+            try:
+                await self._view_from(sub, stop)
+            except Exception as exc:
+                self.log.warning("view consumer failed; resuming after the last event folded",
+                                 seq=self.seq, error=str(exc))
+                await asyncio.sleep(0.2)
+            finally:
                 try:
-                    msgs = await sub.fetch(256, timeout=2.0)
-                except asyncio.TimeoutError:
-                    break
-                for msg in msgs:
-                    seq = msg.metadata.sequence.stream
-                    self._replay_one(msg, seq)
-                    replayed += 1
-            await sub.unsubscribe()
-        self.log.info("router recovered", from_seq=start, to_seq=last, replayed=replayed,
-                      sessions=len(self.core.state.sessions))
+                    await sub.unsubscribe()
+                except Exception:
+                    pass
 
-    def _replay_one(self, msg, seq: int) -> None:
+    async def _view_from(self, sub, stop: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        while not stop.is_set():
+            issued = loop.time()
+            try:
+                msgs = await sub.fetch(256, timeout=0.5)
+            except asyncio.TimeoutError:
+                msgs = []
+            for msg in msgs:
+                seq = msg.metadata.sequence.stream
+                if seq <= self.seq:
+                    continue  # a recreated consumer's overlap
+                await self._fold(msg)
+                self.seq = seq
+            if not msgs or msgs[-1].metadata.num_pending == 0:
+                self.caught_up_at = issued  # nothing later than what this fetch saw is left
+            self.view_moved.set()
+            self.view_moved.clear()
+
+    async def _caught_up(self, target: int) -> None:
+        """Until the view has folded every view event up to stream sequence `target`."""
+        asked = asyncio.get_running_loop().time()
+        while self.seq < target and self.caught_up_at <= asked:
+            await self.view_moved.wait()
+
+    async def _fold(self, msg) -> None:
         try:
             event = EVENT_DECODER.decode(msg.data)
         except msgspec.DecodeError:
             return
-        if not trusted(msg, event):
-            self.seq = max(self.seq, seq)
+        if origin_of(msg) == self.origin or not trusted(msg, event):
+            return  # our own output (folded when made), or from a service that does not own it
+        async with self.lock:
+            now = time.time()
+            if isinstance(event, PEER_OUTPUTS):
+                if isinstance(event, CallRouted):
+                    self.metrics.peer_lag.observe(max(0.0, now - event.routed_at))
+                outputs = self.core.fold_peer(event, now)
+            else:
+                outputs = self.core.handle(event, now)  # reacts only for the sessions we own
+                self.metrics.observe(event)
+            self.dirty = True
+            if outputs:
+                self.outputs.store_soon(outputs, await self.outputs.start(outputs))
+
+    # ---- ownership ---------------------------------------------------------------------
+
+    async def _on_peer(self, msg) -> None:
+        try:
+            beat = HEARTBEAT_DECODER.decode(msg.data)
+        except msgspec.DecodeError:
             return
-        # Submissions are decided by the live consumer (which skips calls already routed);
-        # everything else, including our own past outputs, is folded back in.
-        if not isinstance(event, CallSubmitted):
-            self.core.state.apply(event)
-        self.seq = max(self.seq, seq)
+        peer = beat.detail.get("router_id") if isinstance(beat.detail, dict) else None
+        if peer:
+            self.peers[peer] = time.time()
+
+    def _members(self, now: float) -> set[str]:
+        return {r for r, at in self.peers.items() if now - at <= self.ownership.ttl_s} | {self.router_id}
+
+    async def _own_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), self.ownership.renew_every_s)
+            except TimeoutError:
+                pass
+            if stop.is_set():
+                return
+            try:
+                await self._own_once()
+            except Exception as exc:  # the bucket is unreachable: claims lapse, intake stops with them
+                self.log.warning("ownership round failed", error=str(exc))
+
+    async def _own_once(self) -> None:
+        now = time.time()
+        await self.claims.refresh_partitions(self.ownership.partitions)
+        plan = self.ownership.plan(await self.claims.read(self.ownership.partitions), self._members(now), now)
+        for p in plan.lost:
+            self.log.warning("partition lost: its claim expired or another router holds it", partition=p)
+            self.ownership.lost(p)
+            await self._stop_intake(p, drain=False)
+        for p, revision in plan.renew:
+            if p in self.releasing:
+                continue
+            new = await self.claims.renew(p, self.router_id, revision)
+            if new is None:
+                self.ownership.lost(p)
+                await self._stop_intake(p, drain=False)
+                continue
+            self.ownership.renewed(p, new)
+            if p not in self.intakes and p not in self.taking:  # adopted after a restart under the same id
+                self._spawn(self._take(p, "adopted"), p, self.taking)
+        for p in plan.claim:
+            revision = await self.claims.create(p, self.router_id)
+            if revision is not None:
+                self.ownership.claimed(p, revision)
+                self._spawn(self._take(p, "claimed"), p, self.taking)
+        for p, revision in plan.release:
+            if p not in self.releasing and p not in self.taking:
+                self._spawn(self._release(p, revision), p, self.releasing)
+
+    def _spawn(self, coro, partition: int, doing: set[int]) -> None:
+        doing.add(partition)
+        task = asyncio.create_task(coro)
+        task.add_done_callback(lambda t: (doing.discard(partition), t.cancelled() or t.exception() and
+                                          self.log.error("partition change failed", partition=partition,
+                                                         error=str(t.exception()))))
+
+    async def _take(self, p: int, how: str) -> None:
+        started = time.time()
+        await self._caught_up(await self._stream_last())  # the previous owner's decisions are folded
+        if p not in self.ownership.owned:
+            return  # lost again meanwhile
+        sub = await self._ensure_consumer(p)
+        halt = asyncio.Event()
+        async with self.lock:
+            self._set_owned(self.core.partitioning.owned | {p})
+        self.intakes[p] = (asyncio.create_task(self._consume(sub, halt)), halt)
+        self.metrics.takeovers.labels(how).inc()
+        self.log.info("partition taken", partition=p, how=how, catch_up_s=round(time.time() - started, 3))
+
+    async def _release(self, p: int, revision: int) -> None:
+        await self._stop_intake(p, drain=True)
+        await self.claims.release(p, revision)
+        self.ownership.released(p)
+        self.log.info("partition handed over", partition=p)
+
+    async def _release_all(self) -> None:
+        for p, revision in list(self.ownership.owned.items()):
+            try:
+                await self.claims.release(p, revision)
+            except Exception:
+                pass  # it lapses a TTL later instead
+
+    async def _stop_intake(self, p: int, drain: bool) -> None:
+        async with self.lock:  # no decision for p starts after this
+            self._set_owned(self.core.partitioning.owned - {p})
+        running = self.intakes.pop(p, None)
+        if running is None:
+            return
+        task, halt = running
+        halt.set()
+        await asyncio.wait([task], timeout=PUBLISH_TIMEOUT_S)
+        if drain:  # its decided submissions' outputs stored and the submissions acked
+            await self.outputs.all_stored(PUBLISH_TIMEOUT_S)
+
+    def _set_owned(self, owned) -> None:
+        self.core.partitioning = Partitioning(self.ownership.partitions, frozenset(owned))
+
+    async def _ensure_consumer(self, p: int):
+        """Partition p's durable intake consumer, recreated from its ack floor: what a previous
+        owner had fetched and not acked is delivered at once (not after `ack_wait`, 30 s: a call
+        submitted just before its death would time out), and its pending pulls end. Submissions
+        already decided are skipped by the core (the call-id fence), as for any redelivery."""
+        name = durable(p)
+        config = ConsumerConfig(durable_name=name, ack_policy=AckPolicy.EXPLICIT,
+                                deliver_policy=DeliverPolicy.ALL,
+                                filter_subjects=intake_subjects(p, self.ownership.partitions),
+                                ack_wait=ACK_WAIT_S, max_deliver=MAX_DELIVER)
+        try:
+            info = await self.js.consumer_info(subjects.EVENTS_STREAM, name)
+        except NotFoundError:
+            info = None
+        if info is not None:
+            start = info.ack_floor.stream_seq + 1
+            if info.num_ack_pending:
+                self.log.warning("resuming a partition's consumer after its ack floor", partition=p,
+                                 resume_at=start, unacked=info.num_ack_pending)
+            await self.js.delete_consumer(subjects.EVENTS_STREAM, name)
+            config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, start
+        await self.js.add_consumer(subjects.EVENTS_STREAM, config=config)
+        return await self.js.pull_subscribe_bind(name, stream=subjects.EVENTS_STREAM)
 
     # ---- live --------------------------------------------------------------------------
 
@@ -247,18 +445,24 @@ class RouterService:
                 await self.outputs.publish_all(outputs)
                 self.dirty = True
 
-    async def _consume(self, sub, stop: asyncio.Event) -> None:
-        while not stop.is_set():
+    async def _consume(self, sub, halt: asyncio.Event) -> None:
+        try:
+            while not halt.is_set():
+                try:
+                    msgs = await sub.fetch(64, timeout=1.0)
+                except asyncio.TimeoutError:
+                    continue
+                except Exception as exc:
+                    self.log.warning("fetch failed", error=str(exc))
+                    await asyncio.sleep(0.5)
+                    continue
+                for msg in msgs:
+                    await self._handle(msg)
+        finally:
             try:
-                msgs = await sub.fetch(64, timeout=1.0)
-            except asyncio.TimeoutError:
-                continue
-            except Exception as exc:
-                self.log.warning("fetch failed", error=str(exc))
-                await asyncio.sleep(0.5)
-                continue
-            for msg in msgs:
-                await self._handle(msg)
+                await sub.unsubscribe()
+            except Exception:
+                pass
 
     async def _handle(self, msg) -> None:
         try:
@@ -267,24 +471,28 @@ class RouterService:
             self.log.error("undecodable event dropped", subject=msg.subject, error=str(exc))
             await msg.term()
             return
-        if not trusted(msg, event):  # e.g. a CallCompleted not from an agent: never folded in
+        if not trusted(msg, event) or not isinstance(event, CallSubmitted):  # e.g. not from the gateway
             self.log.error("event from a service that does not own it dropped", subject=msg.subject,
                            sender=sender_of(msg), event_type=type(event).__name__)
             await msg.term()
             return
         call_id = getattr(event, "call_id", None)
         session_id = getattr(event, "session_id", None)
-        if isinstance(event, CallSubmitted) and self.core.state.reused(call_id, msg.metadata.sequence.stream):
+        if self.core.state.reused(call_id, msg.metadata.sequence.stream):
             await self.outputs.refuse_reused(event)  # past JetStream's duplicate window, the gateway could not tell
             await msg.ack()
             return
         try:
             with call_context(session_id, call_id) if call_id and session_id else _null():
-                outputs, acks = await self._handle_event(event, msg)
+                handled = await self._handle_event(event, msg)
         except Exception:  # never let one input stop the router: it is redelivered
             self.log.exception("input failed; will be redelivered", subject=msg.subject)
             await msg.nak(delay=1)
             return
+        if handled is None:  # its partition was handed over meanwhile: left (unacked) to its new owner
+            await msg.nak()
+            return
+        outputs, acks = handled
         if not outputs:
             await msg.ack()
             return
@@ -292,8 +500,10 @@ class RouterService:
         # the next input is folded, and this input is acked only once all are stored.
         self.outputs.store_then_ack_soon(outputs, acks, msg)
 
-    async def _handle_event(self, event, msg) -> tuple[list, list]:
+    async def _handle_event(self, event, msg) -> tuple[list, list] | None:
         async with self.lock:
+            if not self.core.owns(event):  # handed over while this batch was in hand: its new owner decides
+                return None
             ctx = extract_context(msg.headers)
             with self.tracer.start_as_current_span("route", context=ctx, attributes=tracing.request_attributes(event)) \
                     if isinstance(event, CallSubmitted) else _null() as span:
@@ -320,7 +530,6 @@ class RouterService:
             # The state already counts these outputs, so they must reach the stream before the
             # input is acked: published now, in the order the state applied them.
             acks = await self.outputs.start(outputs)
-            self.seq = max(self.seq, msg.metadata.sequence.stream)
             self.dirty = True
         return outputs, acks
 

@@ -14,6 +14,12 @@ learns of freed capacity and the session's KV at once, not a heartbeat later).
 `RouterCore.tick` runs before each decision and once at the end, so lease expiry is
 observed at decision times.
 
+Router replicas (`routers` > 1): N RouterCores, each owning the sessions of its partitions
+(ownership.Partitioning) as live; snapshots reach every router at once (core NATS, as
+live), but one router's outputs (routed calls, leases) and the completions it did not
+receive reach the others `propagation_s` later (the stream-view lag measured live): until
+then they place with a stale view of that instance.
+
 A rejected call (503) is retried the way agents retry (talaria/sim/agents.py): after the
 decision's Retry-After, up to a bound; its schedule-aware TTFT keeps counting from the
 original release, and a call that gives up leaves its session incomplete (SCT = inf).
@@ -35,6 +41,7 @@ import msgspec
 
 from talaria.services.instance_agent.scheduler import SchedulerConfig
 from talaria.services.router.hot_pools import HotPools
+from talaria.services.router.ownership import Partitioning
 from talaria.services.router.router_core import RouterCore
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.policy.registry import create_policy
@@ -43,6 +50,7 @@ from talaria.shared.events import (
     CallFailed,
     CallRouted,
     CallSubmitted,
+    InstanceLost,
     LeaseConsumed,
     LeaseDiscarded,
     LeaseExpired,
@@ -50,6 +58,8 @@ from talaria.shared.events import (
     PoolPinned,
     RoutingDecision,
 )
+
+PEER_OUTPUTS = (CallRouted, LeaseIssued, LeaseConsumed, LeaseDiscarded, LeaseExpired, InstanceLost)
 from talaria.sim.agents import PromptHashes, RetryPolicy
 from talaria.sim.event_loop import EventLoop
 from talaria.sim.device_view import DeviceView
@@ -88,6 +98,10 @@ class RunConfig:
     # An instance also snapshots when a call finishes there, at most this often: the live
     # agent's SNAPSHOT_ON_CHANGE_MIN_S (its runner; kept here so the simulator imports no I/O shell).
     snapshot_on_change_s: float = 0.05
+    # Router replicas: sessions split over this many routers, each seeing the others' outputs
+    # (and the completions it did not receive) this much later.
+    routers: int = 1
+    propagation_s: float = 0.0
 
 
 @dataclass
@@ -128,13 +142,18 @@ class Cluster:
         self.sessions = sessions
         self.config = config
         self.loop = EventLoop()
-        pools = None
-        if config.hot_pools:
-            if not config.pinned:
-                raise ValueError("hot_pools needs the starting pins (None: a cold instance)")
-            pools = HotPools({f"inst-{k:02d}": m for k, m in enumerate(config.pinned)}, z=config.hot_pools_z,
-                             models=tuple(config.server.models))
-        self.router = RouterCore(create_policy(config.policy, config.policy_config), pools=pools)
+        if config.hot_pools and not config.pinned:
+            raise ValueError("hot_pools needs the starting pins (None: a cold instance)")
+
+        def pools():  # each router's own controller (partition 0's owner decides)
+            return HotPools({f"inst-{k:02d}": m for k, m in enumerate(config.pinned)}, z=config.hot_pools_z,
+                            models=tuple(config.server.models)) if config.hot_pools else None
+
+        n = config.routers
+        self.routers = [RouterCore(create_policy(config.policy, config.policy_config), pools=pools(),
+                                   partitioning=Partitioning(n, frozenset({r})) if n > 1 else None)
+                        for r in range(n)]
+        self.router = self.routers[0]
         view = DeviceView(config.server)  # profile-only snapshot parts, computed once for all
         self.instances: dict[str, SimExecutor] = {}
         if config.pinned and len(config.pinned) != config.instances:
@@ -176,7 +195,8 @@ class Cluster:
         self.loop.run(progress=progress, stop=stop)
         self.stopped_early = bool(self.loop._heap)
         now = self.loop.now
-        self._count(self.router.tick(now + 3600.0))
+        for router in self.routers:
+            self._count(router.tick(now + 3600.0))
         return RunResult(
             self.config,
             self.sessions,
@@ -218,9 +238,48 @@ class Cluster:
             session_id, index, call.prompt_tokens, call.reusable_prefix_tokens, job.shared, call.model)
         return self._route(now, job)
 
+    def _owner(self, session_id: str) -> RouterCore:
+        if len(self.routers) == 1:
+            return self.router
+        return next(r for r in self.routers if r.partitioning.owns(session_id))
+
+    def _tell_peers(self, owner: RouterCore, events, now: float, completion: CallCompleted | None = None):
+        """The others fold `owner`'s outputs (and the completion it heard) propagation_s later."""
+        if len(self.routers) == 1:
+            return []
+        shared = [e for e in events if isinstance(e, PEER_OUTPUTS)]
+        if completion is not None:
+            shared.insert(0, completion)
+        if not shared:
+            return []
+        peers = [peer for peer in self.routers if peer is not owner]
+        if self.config.propagation_s <= 0:  # an instant view: exactly one router's
+            for peer in peers:
+                self._peer_fold(now, peer, shared)
+            return []
+        return [(now + self.config.propagation_s, self._peer_fold, (peer, shared)) for peer in peers]
+
+    def _peer_fold(self, now: float, peer: RouterCore, events):
+        for ev in events:
+            if isinstance(ev, CallCompleted):
+                produced = peer.handle(ev, now)  # not its session: folded, no reaction (pools: maybe)
+                self._count(produced)
+                self._repin(produced, now)
+            else:
+                self._count(peer.fold_peer(ev, now))
+        return None
+
+    def _tick_all(self, now: float):
+        out = []
+        for router in self.routers:
+            produced = router.tick(now)
+            self._count(produced)
+            out += self._tell_peers(router, produced, now)
+        return out
+
     def _route(self, now: float, job: Job):
         self._refresh_snapshots(now)
-        self._count(self.router.tick(now))
+        later = self._tick_all(now)
         submitted = CallSubmitted(
             call_id=job.call_id,
             session_id=job.session,
@@ -232,10 +291,11 @@ class Cluster:
             prompt_tokens_hint=job.prompt,
         )
         started = time.perf_counter()  # the decision's wall time, measured here in the shell
-        events = self.router.handle(submitted, now)
+        owner = self._owner(job.session)
+        events = owner.handle(submitted, now)
         self.counters.decision_us += (time.perf_counter() - started) * 1e6
         self._count(events)
-        out = []
+        out = later + self._tell_peers(owner, events, now)
         for ev in events:
             if isinstance(ev, CallRouted):
                 del self._hashes[job.call_id]
@@ -308,9 +368,11 @@ class Cluster:
     def completed(self, job: Job, done: CallCompleted, now: float):
         """An instance finished `job`; `done` is its agent core's completion record."""
         self.jobs.append(job)
-        events = self.router.handle(done, now)
-        self._count(events)
-        self._repin(events, now)
+        owner = self._owner(job.session)
+        reactions = owner.handle(done, now)
+        self._count(reactions)
+        self._repin(reactions, now)
+        later = self._tell_peers(owner, reactions, now, completion=done)
         rec = self._snap_rec[job.instance]
         if now - rec[1] >= self.config.snapshot_on_change_s:  # the agent's snapshot on change
             self._send_snapshot(rec, now)
@@ -318,10 +380,10 @@ class Cluster:
         nxt = job.call_index + 1
         if nxt >= len(session.calls):
             self._prompts.forget(job.session)
-            return None
+            return later or None
         gap = self.config.gaps.gap(session.calls[nxt])
         self.gaps_applied[(job.session, nxt)] = gap
-        return [(now + gap, self._release, (job.session, nxt))]
+        return [*later, (now + gap, self._release, (job.session, nxt))]
 
     # ---- telemetry --------------------------------------------------------------------
 
@@ -354,7 +416,8 @@ class Cluster:
             snap = inst.snapshot(ver, now, self.config.heartbeat_s)
             rec[3] = key
         rec[4] = snap
-        self.router.observe(snap, now)
+        for router in self.routers:
+            self._count(router.observe(snap, now))
 
 
 def _retry_after(events) -> float | None:

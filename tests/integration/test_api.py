@@ -20,6 +20,7 @@ from talaria.shared.messages import (
 )
 from talaria.shared.wire import encode
 from talaria.shared import subjects
+from talaria.shared.bus import event_subject
 from talaria.shared.health import wait_for_router
 from talaria.shared.settings import Settings
 from talaria.embedded import free_port
@@ -171,7 +172,7 @@ async def test_a_call_id_reused_after_the_duplicate_window_is_refused_409_not_dr
         inbox = f"{subjects.REPLY_PREFIX}.gateway.test.reused-1"
         replies = await nc.subscribe(inbox)
         later = CallSubmitted("reused-1", "reuse-s2", "qwen3-tiny", [1, 2, 3], [], 2, time.time(), reply_to=inbox)
-        await publish_event(js, subjects.CALL_SUBMITTED, later, msg_id="a-later-submission")  # a new message
+        await publish_event(js, event_subject(later), later, msg_id="a-later-submission")  # a new message
         refused = REPLY_DECODER.decode((await replies.next_msg(timeout=20)).data)
         assert isinstance(refused, ErrorReply) and (refused.status, refused.code) == (409, "duplicate_call_id")
         [row] = await wait_rows(db, "SELECT session_id, outcome FROM calls WHERE call_id = 'reused-1' "

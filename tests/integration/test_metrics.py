@@ -43,6 +43,9 @@ EXPECTED = {
         "talaria_router_instances": ("gauge", set()),
         "talaria_router_decision_seconds": ("histogram", {"phase"}),
         "talaria_router_queue_estimate_error_seconds": ("histogram", {"model", "direction"}),
+        "talaria_router_partitions_owned": ("gauge", set()),
+        "talaria_router_partition_takeovers": ("counter", {"how"}),
+        "talaria_router_peer_placement_lag_seconds": ("histogram", set()),
     },
     "agent-agent-0": {
         "talaria_agent_calls": ("counter", {"instance_id", "model", "outcome"}),

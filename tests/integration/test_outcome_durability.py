@@ -23,6 +23,7 @@ from talaria.services.router.router_service import run as run_router
 from talaria.services.telemetry.telemetry_service import run as run_telemetry
 from talaria.shared import events as ev
 from talaria.shared import messages as m
+from talaria.services.router.ownership import partition_of
 from talaria.shared import subjects
 from talaria.shared.bus import connect, emit
 from talaria.shared.health import wait_for_router
@@ -199,7 +200,7 @@ def hold_router_outputs(monkeypatch, call_id: str) -> None:
 
 
 async def submission_seq(js, call_id: str) -> int:
-    sub = await js.pull_subscribe(subjects.CALL_SUBMITTED, stream=subjects.EVENTS_STREAM,
+    sub = await js.pull_subscribe(subjects.call_submitted("*"), stream=subjects.EVENTS_STREAM,
                                   config=ConsumerConfig(ack_policy=AckPolicy.NONE))
     try:
         msgs = await sub.fetch(100, timeout=1)
@@ -241,7 +242,8 @@ async def test_a_router_that_dies_before_storing_its_outputs_has_not_acked_the_c
         reply = m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(req), timeout=30)).data)
         assert isinstance(reply, m.CallResult), reply  # served from the fast copy: the stream did not gate it
         seq = await submission_seq(js, call_id)
-        info = await js.consumer_info(subjects.EVENTS_STREAM, router_service.DURABLE)
+        intake = router_service.durable(partition_of("rd", settings.router_partitions))  # the session's partition
+        info = await js.consumer_info(subjects.EVENTS_STREAM, intake)
         assert info.ack_floor.stream_seq < seq  # not acked: its outputs are not stored
 
         await router.close()  # dies with the outputs unstored (its final save skips that state)
@@ -249,7 +251,7 @@ async def test_a_router_that_dies_before_storing_its_outputs_has_not_acked_the_c
         monkeypatch.undo()
         await services.start("router", run_router, settings)  # the bus works again
         # A restart replays the stream and waits for the agent's heartbeat: slow on a loaded machine.
-        await wait_until(lambda: acked(js, router_service.DURABLE, seq), "the restarted router to ack the call",
+        await wait_until(lambda: acked(js, intake, seq), "the restarted router to ack the call",
                          timeout=60)
         rows = await wait_rows(db, FINAL_ROW, 1, call_id, timeout=60)
         assert [r["outcome"] for r in rows] == ["completed"]  # not lost

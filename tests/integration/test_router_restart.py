@@ -32,7 +32,8 @@ TAU_S = 8.0
 def start_router(settings: Settings) -> subprocess.Popen:
     env = dict(os.environ, TALARIA_NATS_URL=settings.nats_url, TALARIA_DATABASE_URL=settings.database_url,
                TALARIA_DATA_DIR=str(settings.data_dir), TALARIA_POLICY="talaria",
-               TALARIA_LEASE_TIMEOUT_S=str(TAU_S), TALARIA_LOG_LEVEL="warning")
+               TALARIA_LEASE_TIMEOUT_S=str(TAU_S), TALARIA_LOG_LEVEL="warning",
+               TALARIA_ROUTER_ID="router-0")  # as `talaria up` runs it: a restart adopts its partitions at once
     return subprocess.Popen([sys.executable, "-m", "talaria.services.router"], env=env)
 
 

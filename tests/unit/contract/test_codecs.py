@@ -22,6 +22,7 @@ from talaria.shared.events import (
 from talaria.shared.messages import CALL_REQUEST_DECODER, ErrorReply, REPLY_DECODER
 from talaria.shared.wire import encode
 from talaria.shared import subjects
+from talaria.shared.session_slots import slot_of
 from talaria.shared.bus import event_msg_id, event_subject
 
 
@@ -106,5 +107,7 @@ def test_an_events_subject_is_its_tag_under_the_deployment(event):
     tag = type(event).__struct_config__.tag
     if tag == "call.routed":
         assert event_subject(event) == subjects.call_routed(event.instance_id)
+    elif tag == "call.submitted":  # on its session's slot: router partitions consume slots
+        assert event_subject(event) == subjects.call_submitted(slot_of(event.session_id))
     else:
         assert event_subject(event) == constant[tag]

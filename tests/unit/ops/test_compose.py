@@ -20,7 +20,7 @@ def test_compose_file_parses_and_has_every_service():
 
     services = set(compose("config", "--services").split())
     assert {"nats-0", "nats-1", "nats-2", "postgres", "jaeger", "prometheus", "grafana", "migrate", "gateway",
-            "router", "telemetry", "agent-0"} <= services
+            "router-0", "router-1", "telemetry", "agent-0"} <= services
     resolved = compose("config")
     assert "TALARIA_NATS_URL: nats://nats-0:4222,nats://nats-1:4222,nats://nats-2:4222" in resolved
     assert "OTEL_EXPORTER_OTLP_ENDPOINT: http://jaeger:4318" in resolved
@@ -42,7 +42,7 @@ def test_every_long_running_service_restarts_and_has_a_healthcheck():
             assert svc.get("healthcheck", {}).get("test"), name
     checks = {name: svc["healthcheck"]["test"][-1] for name, svc in services.items()
               if "talaria.healthcheck" in svc.get("healthcheck", {}).get("test", [])}
-    assert checks == {"gateway": "gateway", "router": "router", "telemetry": "telemetry",
+    assert checks == {"gateway": "gateway", "router-0": "router", "router-1": "router", "telemetry": "telemetry",
                       "agent-0": "agent", "agent-1": "agent"}
 
 
@@ -83,5 +83,14 @@ def test_compose_runs_a_three_node_nats_cluster_with_streams_replicated_on_all()
         assert cmd[cmd.index("-n") + 1] == n and {cmd[cmd.index("--routes") + 1]} == routes
     assert env["TALARIA_NATS_URL"] == ",".join(f"nats://{n}:4222" for n in nodes)
     assert env["TALARIA_NATS_REPLICAS"] == "3"
-    for name in ("gateway", "router", "telemetry", "agent-0"):
+    for name in ("gateway", "router-0", "router-1", "telemetry", "agent-0"):
         assert set(nodes) <= set(services[name]["depends_on"])
+
+
+def test_compose_runs_two_router_replicas_with_their_own_ids():
+    yaml = pytest.importorskip("yaml")
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    routers = {n: s for n, s in services.items() if s.get("command") == ["talaria.services.router"]}
+    assert len(routers) == 2
+    assert {s["environment"]["TALARIA_ROUTER_ID"] for s in routers.values()} == set(routers)
+    assert all(s["environment"]["TALARIA_ROUTER_PARTITIONS"] == "8" for s in routers.values())

@@ -1,0 +1,146 @@
+"""Router replicas: which router decides which sessions. Pure: no I/O, no clock.
+
+Sessions hash to 64 slots (shared/session_slots.py); a deployment groups them into
+`partitions` partitions (slot s belongs to partition s % partitions), each consumed by one
+durable JetStream consumer. Each partition has at most one owner, held as a key
+`partition.<p>` in a JetStream KV bucket whose entries expire `ttl_s` after their last write:
+
+    free  ──create (fails if someone else created it first)──►  mine, revision r
+    mine  ──update(last=r) every ttl_s/4 (the renewal)──────────►  mine, revision r'
+    mine  ──update fails (expired and re-created by another)────►  lost: stop deciding it
+    mine  ──a live member is preferred: drain, delete(last=r)───►  free (a handover)
+    a dead owner's key expires ttl_s after its last renewal     ►  free: taken over
+
+Who should own a partition: rendezvous hashing over the live routers (those heard on the
+health subject within ttl_s), so a router that joins or leaves moves only its share. A free
+partition is claimed by its preferred router, or by anyone once it has stayed free for
+ttl_s (the preferred one is not claiming it). The KV compare-and-set is what makes ownership
+exclusive; the member view only balances it.
+
+`Ownership.plan` turns what the bucket holds into actions; the router service
+(router_service.py) carries them out and reports back (`claimed`, `renewed`, `lost`,
+`released`). `Partitioning` answers "is this session mine?" for RouterCore.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from talaria.shared.session_slots import SLOTS, slot_of
+
+RENEWALS_PER_TTL = 4  # an owner renews every ttl_s / 4: three renewals may fail before it lapses
+
+
+def valid_partitions(count: int) -> bool:
+    """A partition count groups the slots evenly (it divides SLOTS)."""
+    return 1 <= count <= SLOTS and SLOTS % count == 0
+
+
+def partition_of(session_id: str, count: int) -> int:
+    return slot_of(session_id) % count
+
+
+def slots_of(partition: int, count: int) -> list[int]:
+    return [s for s in range(SLOTS) if s % count == partition]
+
+
+def key_of(partition: int) -> str:
+    return f"partition.{partition}"
+
+
+@dataclass(frozen=True)
+class Partitioning:
+    """The partitions a router owns now: which sessions it decides, and which router-wide work
+    (not tied to a session: partition 0's owner does it, so exactly one router does)."""
+
+    count: int
+    owned: frozenset[int]
+
+    @classmethod
+    def everything(cls, count: int = 1) -> Partitioning:
+        return cls(count, frozenset(range(count)))
+
+    def owns(self, session_id: str | None) -> bool:
+        if session_id is None:
+            return 0 in self.owned
+        return partition_of(session_id, self.count) in self.owned
+
+
+@dataclass(frozen=True)
+class PartitionClaim:
+    """What the bucket holds for a partition: its owner and the revision of that write."""
+
+    owner: str
+    revision: int
+
+
+@dataclass
+class Plan:
+    claim: list[int] = field(default_factory=list)  # free: create the key
+    renew: list[tuple[int, int]] = field(default_factory=list)  # mine: update(last=revision)
+    release: list[tuple[int, int]] = field(default_factory=list)  # mine, preferred elsewhere: drain, delete
+    lost: list[int] = field(default_factory=list)  # I decided it, the bucket says I no longer own it
+
+
+def preferred(partition: int, members: frozenset[str] | set[str]) -> str:
+    """Rendezvous (highest random weight) hashing: the member with the highest hash of
+    (partition, member); the same answer on every router that sees the same members."""
+    return max(members, key=lambda m: (hashlib.blake2b(f"{partition}/{m}".encode(), digest_size=8).digest(), m))
+
+
+class Ownership:
+    def __init__(self, me: str, partitions: int, ttl_s: float) -> None:
+        if not valid_partitions(partitions):
+            raise ValueError(f"{partitions} partitions: a divisor of {SLOTS}")
+        if ttl_s <= 0:
+            raise ValueError(f"ownership TTL {ttl_s}: a positive number of seconds")
+        self.me, self.partitions, self.ttl_s = me, partitions, ttl_s
+        self.owned: dict[int, int] = {}  # partition -> revision of my last write
+        self.free_since: dict[int, float] = {}
+
+    @property
+    def renew_every_s(self) -> float:
+        return self.ttl_s / RENEWALS_PER_TTL
+
+    def partitioning(self) -> Partitioning:
+        return Partitioning(self.partitions, frozenset(self.owned))
+
+    def plan(self, bucket: dict[int, PartitionClaim | None], members: set[str] | frozenset[str], now: float) -> Plan:
+        """`bucket`: each partition's claim as just read (None: free); `members`: the routers
+        heard from within ttl_s (this one is always a member)."""
+        members = frozenset(members) | {self.me}
+        plan = Plan()
+        for p in range(self.partitions):
+            claim = bucket.get(p)
+            if claim is None or claim.owner != self.me:
+                if p in self.owned:
+                    plan.lost.append(p)  # it expired under us (we stalled), or another took it
+                if claim is not None:
+                    self.free_since.pop(p, None)
+                    continue
+                since = self.free_since.setdefault(p, now)
+                if preferred(p, members) == self.me or now - since >= self.ttl_s:
+                    plan.claim.append(p)
+                continue
+            # Ours (a restart under the same id adopts its predecessor's claim: that process is gone).
+            self.free_since.pop(p, None)
+            if preferred(p, members) != self.me:
+                plan.release.append((p, claim.revision))
+            else:
+                plan.renew.append((p, claim.revision))
+        return plan
+
+    # ---- outcomes reported by the shell --------------------------------------------------
+
+    def claimed(self, partition: int, revision: int) -> None:
+        self.owned[partition] = revision
+        self.free_since.pop(partition, None)
+
+    renewed = claimed
+
+    def lost(self, partition: int) -> None:
+        self.owned.pop(partition, None)
+
+    def released(self, partition: int) -> None:
+        self.owned.pop(partition, None)
