@@ -50,7 +50,9 @@ TRANSPLANTED = ("least-pressure", "session-sticky", "prefix-aware", "kv-cost")
 ROUTER_POLICIES = (*PEERS, "talaria", *(f"{p} (transplanted)" for p in TRANSPLANTED))
 # Scale: the transplanted extras are left out (least-pressure and kv-cost took 530 s and a
 # 300 s cap per run; their last numbers are in git history of results/scale.json).
-SCALE_POLICIES = (*PEERS, "talaria")
+# talaria-forecast-pools: talaria given the peers' forecast pool split (the hot-pool ablation).
+FORECAST_POOLS = "talaria-forecast-pools"
+SCALE_POLICIES = (*PEERS, "talaria", FORECAST_POOLS)
 TAUS = (0.0, 0.5, 1.0, 2.0, 5.0)
 ROUTER_SEEDS = 8  # gap-model seeds per router-testbed point (see router_exp)
 PAPER_GAPS = GapModel("paper", 10.0, seed=0)
@@ -69,7 +71,7 @@ def _log(msg: str) -> None:
 
 
 def _registry_name(policy: str) -> str:
-    return policy.removesuffix(" (transplanted)")
+    return "talaria" if policy == FORECAST_POOLS else policy.removesuffix(" (transplanted)")
 
 
 def _available(wanted) -> tuple[list[str], list[str]]:
@@ -126,10 +128,13 @@ def deployed(policy: str, pc: PolicyConfig, sessions, server, instances: int) ->
     from talaria.sim.matrix import demand_s
 
     name, models = _registry_name(policy), len(server.models)
-    if policy in PEERS:
+    if policy in PEERS or (policy == FORECAST_POOLS and models <= instances):
         demand = demand_s(sessions, server, instance_config().max_batch)
         pc, pinned = deploy(pc, demand, instances, models)
         hot = "/".join(str(pinned.count(m)) for m in sorted(set(pinned)))
+        if policy == FORECAST_POOLS:
+            return {"policy": name, "policy_config": pc, "pinned": pinned, "hot_pools": False,
+                    "deployment": f"the peers' per-model pools ({hot}, by demand; ablation)"}
         return {"policy": name, "policy_config": pc, "pinned": pinned, "hot_pools": False,
                 "deployment": "serverless (on-demand loading)" if pc.serverless else f"per-model pools ({hot}, by demand)"}
     if name == "talaria" and models <= instances:

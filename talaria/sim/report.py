@@ -227,6 +227,16 @@ def scale_section(res: dict, out: Path) -> list[str]:
     pols = res["policies"]
     if any(not s.get("complete", True) for s in pols.values()):
         lines += ["", "SCT/TTFT of a capped run cover only the sessions it finished (biased low)."]
+    t, f = pols.get("talaria"), pols.get("talaria-forecast-pools")
+    if t and f and t.get("complete", True) and f.get("complete", True):
+        lines += ["", f"talaria with its online hot pools: SCT p50 / p95 {_f(t['sct_p50'])} / {_f(t['sct_p95'])} s "
+                  f"({t.get('repins', 0)} repins, {t['avoidable_cold_opens']} avoidable cold opens); given the peers' "
+                  f"forecast pools (talaria-forecast-pools, an ablation): {_f(f['sct_p50'])} / {_f(f['sct_p95'])} s. "
+                  "The difference is the online controller's (services/router/hot_pools.py), not placement "
+                  "inside the pools; results/matrix_notes.md discusses it."]
+    if res.get("sessions", 0) < 10_000:
+        lines += ["", f"A reduced run ({res['sessions']:,} sessions, `--scale-sessions {res['sessions']}`): with "
+                  "per-model pools a 10,000-session run takes several minutes per policy on this shared machine."]
     lines += ["", "Simulator cost per event (wall / events): " + ", ".join(
         f"{p} {s['run_time_s'] / s['events'] * 1e6:.0f} us" for p, s in pols.items() if s.get("events")) + "."]
     lp, pa = pols.get("least-pressure"), pols.get("prefix-aware")

@@ -146,7 +146,7 @@ def test_tiny_experiment_and_cli(tmp_path, capsys):
     assert list(after) == list(before) and after["round-robin"] == before["round-robin"]
     # every peer runs as it is deployed: 4 models on 4 instances, per-model pools by demand;
     # talaria sizes its own pools online
-    assert all(before[p]["deployment"].startswith("per-model pools") for p in before if p != "talaria")
+    assert all(before[p]["deployment"].startswith("per-model pools") for p in before if not p.startswith("talaria"))
     assert before["talaria"]["deployment"].startswith("online hot pools")
     with pytest.raises(SystemExit, match="unknown talaira"):
         experiments_main(["scale", "--quick", "--scale-policies", "talaira", "--out", str(tmp_path)])
