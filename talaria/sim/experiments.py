@@ -15,7 +15,10 @@ sct_p95, ttft_p50, ttft_p95 in seconds, `oracle`, counters such as avoidable_col
 and then the Markdown report with plots (talaria/sim/report.py) from every experiment JSON in
 `<out>` (`--no-report` skips it; `report` only rewrites it).
 Routing policies come from the router's registry by name; a policy the registry does not
-have yet is skipped and listed under "skipped".
+have yet is skipped and listed under "skipped". `router` and `scale` run the faithful peers
+(round-robin included) deployed as they are deployed (`deployed`, deployment.py) and talaria
+with its own machinery; `router` adds the model-blind routers of the earlier tables as
+"(transplanted)" rows, `scale` the talaria-forecast-pools ablation.
 """
 
 from __future__ import annotations
