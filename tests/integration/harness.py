@@ -7,6 +7,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 from talaria.shared.settings import Settings
+from talaria.shared.snapshots import HEARTBEAT_DECODER
 
 
 @dataclass
@@ -91,3 +92,24 @@ async def wait_rows(conn, sql: str, n: int, *args, timeout: float = 20.0) -> lis
         return rows if len(rows) >= n else None
 
     return await wait_until(enough, f"{n} rows for: {sql}", timeout)
+
+
+class Owners:
+    """Each router's partitions, as its heartbeats say; waiters for a condition on them."""
+
+    def __init__(self) -> None:
+        self.by_router: dict[str, set[int]] = {}
+        self.changed = asyncio.Event()
+
+    async def on_beat(self, msg) -> None:
+        beat = HEARTBEAT_DECODER.decode(msg.data)
+        parts = beat.detail.get("partitions", "")
+        self.by_router[beat.detail.get("router_id", "")] = {int(p) for p in parts.split(",") if p}
+        self.changed.set()
+
+    async def until(self, condition, timeout: float) -> None:
+        async def wait():
+            while not condition(self.by_router):
+                self.changed.clear()
+                await self.changed.wait()
+        await asyncio.wait_for(wait(), timeout)

@@ -24,13 +24,14 @@ from talaria.services.telemetry.telemetry_service import run as run_telemetry
 from talaria.shared import events as ev
 from talaria.shared import messages as m
 from talaria.services.router.ownership import partition_of
+from talaria.shared.session_slots import slot_of
 from talaria.shared import subjects
 from talaria.shared.bus import connect, emit
 from talaria.shared.health import wait_for_router
 from talaria.shared.nats_auth import owner_sender
 from talaria.shared.settings import Settings
 from talaria.shared.wire import encode
-from tests.integration.harness import Services, acked, wait_rows, wait_until
+from tests.integration.harness import Owners, Services, acked, wait_rows, wait_until
 from tests.integration.test_live_path import stack  # noqa: F401  (the same control plane)
 
 pytestmark = pytest.mark.integration
@@ -199,15 +200,12 @@ def hold_router_outputs(monkeypatch, call_id: str) -> None:
     monkeypatch.setattr(router_service, "PUBLISH_TIMEOUT_S", 0.5)  # a stop need not wait long for them
 
 
-async def submission_seq(js, call_id: str) -> int:
-    sub = await js.pull_subscribe(subjects.call_submitted("*"), stream=subjects.EVENTS_STREAM,
-                                  config=ConsumerConfig(ack_policy=AckPolicy.NONE))
-    try:
-        msgs = await sub.fetch(100, timeout=1)
-    finally:
-        await sub.unsubscribe()
-    [seq] = [x.metadata.sequence.stream for x in msgs if ev.EVENT_DECODER.decode(x.data).call_id == call_id]
-    return seq
+async def submission_seq(js, session_id: str, call_id: str) -> int:
+    """The stream sequence of the call's submission (the last on its session's slot: the
+    test's only one), read by a direct lookup, not a fetch that may time out on a busy loop."""
+    msg = await js.get_last_msg(subjects.EVENTS_STREAM, subjects.call_submitted(slot_of(session_id)))
+    assert ev.EVENT_DECODER.decode(msg.data).call_id == call_id
+    return msg.seq
 
 
 async def test_a_router_that_dies_before_storing_its_outputs_has_not_acked_the_call(
@@ -224,6 +222,9 @@ async def test_a_router_that_dies_before_storing_its_outputs_has_not_acked_the_c
     nc = await nats.connect(nats_url)
     js = nc.jetstream()
     answers = []
+    owners = Owners()  # each router's partitions, as its heartbeats say
+    await nc.subscribe(subjects.health("router"), cb=owners.on_beat)
+    partition = partition_of("rd", settings.router_partitions)  # the session's
 
     async def on_reply(msg):
         if m.REPLY_DECODER.decode(msg.data).call_id == call_id:
@@ -241,16 +242,23 @@ async def test_a_router_that_dies_before_storing_its_outputs_has_not_acked_the_c
                             call_id=call_id)
         reply = m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(req), timeout=30)).data)
         assert isinstance(reply, m.CallResult), reply  # served from the fast copy: the stream did not gate it
-        seq = await submission_seq(js, call_id)
-        intake = router_service.durable(partition_of("rd", settings.router_partitions))  # the session's partition
+        seq = await submission_seq(js, "rd", call_id)
+        intake = router_service.durable(partition)
         info = await js.consumer_info(subjects.EVENTS_STREAM, intake)
         assert info.ack_floor.stream_seq < seq  # not acked: its outputs are not stored
+        await owners.until(lambda by: any(partition in parts for parts in by.values()), timeout=30)
+        [dead] = [r for r, parts in owners.by_router.items() if partition in parts]
 
         await router.close()  # dies with the outputs unstored (its final save skips that state)
         services.running.remove(router)
         monkeypatch.undo()
-        await services.start("router", run_router, settings)  # the bus works again
+        await services.start("router", run_router, settings)  # the bus works again (a new router id)
+        # Its take-over deletes the partition's consumer and makes it again from the ack floor
+        # (the unacked call comes back at once): read in between, the consumer is not found.
+        # So the ack floor is read once the new router's heartbeat lists the partition, which
+        # it does only after the consumer is made again.
         # A restart replays the stream and waits for the agent's heartbeat: slow on a loaded machine.
+        await owners.until(lambda by: any(partition in parts for r, parts in by.items() if r != dead), timeout=60)
         await wait_until(lambda: acked(js, intake, seq), "the restarted router to ack the call",
                          timeout=60)
         rows = await wait_rows(db, FINAL_ROW, 1, call_id, timeout=60)

@@ -25,10 +25,9 @@ from talaria.shared import subjects
 from talaria.shared.events import EVENT_DECODER
 from talaria.shared.messages import CallRequest, CallResult, REPLY_DECODER
 from talaria.shared.settings import Settings
-from talaria.shared.snapshots import HEARTBEAT_DECODER
 from talaria.shared.wire import encode
 from talaria.embedded import free_port
-from tests.integration.harness import Services, wait_rows
+from tests.integration.harness import Owners, Services, wait_rows
 from tests.integration.test_router_restart import stream_events
 
 pytestmark = pytest.mark.integration
@@ -43,27 +42,6 @@ def start_router(settings: Settings, router_id: str) -> subprocess.Popen:
                TALARIA_ROUTER_ID=router_id, TALARIA_ROUTER_PARTITIONS=str(PARTITIONS),
                TALARIA_ROUTER_OWNERSHIP_TTL_S=str(TTL_S))
     return subprocess.Popen([sys.executable, "-m", "talaria.services.router"], env=env)
-
-
-class Owners:
-    """Each router's partitions, as its heartbeats say; waiters for a condition on them."""
-
-    def __init__(self) -> None:
-        self.by_router: dict[str, set[int]] = {}
-        self.changed = asyncio.Event()
-
-    async def on_beat(self, msg) -> None:
-        beat = HEARTBEAT_DECODER.decode(msg.data)
-        parts = beat.detail.get("partitions", "")
-        self.by_router[beat.detail.get("router_id", "")] = {int(p) for p in parts.split(",") if p}
-        self.changed.set()
-
-    async def until(self, condition, timeout: float) -> None:
-        async def wait():
-            while not condition(self.by_router):
-                self.changed.clear()
-                await self.changed.wait()
-        await asyncio.wait_for(wait(), timeout)
 
 
 async def test_a_router_killed_under_load_loses_no_call_and_routes_none_twice(nats_url, database_url, db, tmp_path):
