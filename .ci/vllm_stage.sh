@@ -4,7 +4,7 @@
 # does: ~2.5 min and 3.4 GB here), then runs the engine contract suite, the vLLM engine's
 # tests (parity, chunked prefill, cancellation, logprobs, tool call, host KV connector) and
 # the end-to-end stack on vLLM. Prints how long each part took. Measured on the 2-core box
-# under load from other jobs: venv 346 s, tests 337 s (30 tests), ~11.5 min in all.
+# shared with other jobs: venv 138-346 s, tests 360 s (30 tests), 8.5-12 min in all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${TALARIA_VLLM_VENV:-.ci-vllm-venv}

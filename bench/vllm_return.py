@@ -25,6 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.run_record import publish  # noqa: E402
+
 A, B = "qwen3-tiny", "gpt2-tiny"
 
 
@@ -109,11 +111,7 @@ def main() -> None:
     data = Path(tempfile.mkdtemp(prefix="vllm-return-"))
     results = {m: measure(data, m, args.tokens, args.reps) for m in args.modes}
     text = report(results, args.tokens, args.reps)
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(f"\n### Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
-                    f"`{' '.join(sys.argv)}`\n\n{text}")
+    publish(text, args.out, "Run")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,9 @@ class ModelSpec:
     norm_topk_prob: bool = True  # MoE: renormalise the top-k router weights
     eos_ids: tuple[int, ...] = ()  # () : the byte tokenizer's EOS
     tokenizer: str = "byte"  # built-ins: "byte" (tokenizer.py) or "bpe" (demo_tokenizer.py)
+    # What the weights were saved in (config.json `torch_dtype`); the engines choose what they
+    # compute in from it and the hardware (services/instance_agent/engine/dtypes.py).
+    dtype: str = "float32"
 
 
 CATALOG: dict[str, ModelSpec] = {

@@ -63,6 +63,12 @@ def _eos(path: Path, cfg: dict) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list) else (int(value),)
 
 
+def _dtype(cfg: dict) -> str:
+    """What the weights were saved in: transformers 5 writes `dtype`, 4 wrote `torch_dtype`."""
+    value = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    return str(value).removeprefix("torch.")
+
+
 def load_spec(name: str, path: str | Path) -> ModelSpec:
     path = Path(path).expanduser().resolve()
     file = path / "config.json"
@@ -89,7 +95,8 @@ def load_spec(name: str, path: str | Path) -> ModelSpec:
         return ModelSpec(name, "gpt2", hidden, need("n_layer"), heads, heads, hidden // heads,
                          cfg.get("n_inner") or 4 * hidden, need("n_positions", "max_position_embeddings"), seed=0,
                          vocab_size=need("vocab_size"), path=str(path),
-                         norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)), eos_ids=_eos(path, cfg))
+                         norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)), eos_ids=_eos(path, cfg),
+                         dtype=_dtype(cfg))
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise CheckpointError(file, "hidden_act", f"{act!r} is not supported (silu)")
@@ -101,7 +108,7 @@ def load_spec(name: str, path: str | Path) -> ModelSpec:
     hidden, heads = need("hidden_size"), need("num_attention_heads")
     theta, scaling = _rope(cfg, file)
     common = dict(vocab_size=need("vocab_size"), rope_theta=theta, rope_scaling=scaling, path=str(path),
-                  norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), eos_ids=_eos(path, cfg))
+                  norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), eos_ids=_eos(path, cfg), dtype=_dtype(cfg))
     head_dim = cfg.get("head_dim") or hidden // heads
     kv_heads = cfg.get("num_key_value_heads") or heads
     layers, context = need("num_hidden_layers"), need("max_position_embeddings")

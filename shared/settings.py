@@ -239,6 +239,9 @@ class AgentSettings:
     pool: str = "cold"
     engine: str = "torch"  # engine/engine_registry.py; an unknown name fails the agent at start
     device: str = "cpu"
+    # weights and KV type, every engine: auto (the checkpoint's where the hardware computes it
+    # natively, engine/dtypes.py) | float32 | bfloat16
+    dtype: str = ""
     ablation: str = "talaria"  # which of Talaria's mechanisms are on (shared/ablations.py)
     heartbeat_s: float = 0.5
     watchdog_min_s: float = 10.0  # the agent watchdog's floor for "stuck" (services/instance_agent/watchdog.py)
@@ -268,6 +271,7 @@ class AgentSettings:
             opts = {"switch_mode": self.sglang_switch}
         else:
             opts = {}
+        opts["dtype"] = self.dtype
         return {k: v for k, v in opts.items() if v}
 
     def validate(self) -> None:

@@ -34,6 +34,13 @@
             A first call also pays the calls running on i * new_session_running_s (a tuned
             constant, flat in the matrix's sensitivity table): the occupancy its later calls
             will share.
+            join (ours, price_rotation_join): where r's model is new to i's rotation (nothing
+            of it runs, is queued, was routed there or lives there between calls), the
+            sessions of other models living on i (homes.py) x (r's decode + switch_s) x
+            (1 + later): each of them waits through r's slot and one more switch per round,
+            for every call r's session makes. The stretch above is what r suffers in a
+            rotation; this is what r's session does to the sessions already there. Not on hot
+            instances (their other models' sessions are leaving).
             placement_s ranks candidates; admission and Eq. 2 use the Eq. 1 terms only
             (Eq. 2's demand already counts the later calls).
 
@@ -260,7 +267,7 @@ class CostModel:
             queue = queued + reserved
             prefill = (prompt - k_total) * pf
             decode = out_tokens * st.dec
-            stretch = 0.0
+            stretch = join = 0.0
             if sharing:
                 # round sharing: each other model with work here takes a slot of every round,
                 # so r's decode is stretched by the number of models it rotates with: those
@@ -277,6 +284,8 @@ class CostModel:
                     others += _comeback(state, iid, st.idle_active, now, live_models(iid, now))
                 # ... and waits through one switch per other model in every round
                 stretch = decode * others + others * (snap.switch_s or cfg.default_open_s)
+                if cfg.price_rotation_join:  # ... and the slot and switch r adds to the others' rounds
+                    join = _join_externality(cfg, state, view, model, decode, live_models(iid, now), later)
                 decode += stretch
             act = st.act
             reason = ""
@@ -284,7 +293,7 @@ class CostModel:
             # exceeds the budget would otherwise be rejected everywhere, forever.
             place = snap.running * (decode if running_s is None else running_s) \
                 if first_call else 0.0
-            place += later * stretch  # the session keeps paying this rotation here
+            place += later * stretch + join  # the session keeps paying this rotation here
             if queue > 0 and queue + prefill + kv_s + act > budget and not (
                     cfg.kv_home_admits and own and kv_state in ("device", "host") and k_have > 0):
                 reason = "round_admission"
@@ -328,6 +337,25 @@ class CostModel:
         rate = prof.arrival_rate(now) if prof is not None else 0.0
         demand = 1.0 + rate * self.cfg.control_window_s + state.leases.live_for(model, now)
         return max(0.0, saving) * demand, threshold
+
+
+def _join_externality(cfg: PolicyConfig, state: RouterState, view: InstanceView, model: str, decode: float,
+                      live, later: float) -> float:
+    """Seconds r's session adds to the other sessions on i when r's model is new to i's
+    rotation (nothing of it runs, is queued, was routed there since the snapshot, or lives
+    there between calls): each session of another model living there (homes.py) waits
+    through r's slot (r's decode) and one more switch per round, once per call r's session
+    makes (this one and `later`). 0 where the model already rotates, and on a hot instance
+    (it rotates its pinned model only: other models' sessions there are leaving)."""
+    snap = view.snapshot
+    if view.pinned is not None:
+        return 0.0
+    busy_here = snap.active_model == model and (snap.running or snap.queued.get(model))
+    if busy_here or snap.queued.get(model) or view.overlay_models.get(model) or model in live:
+        return 0.0
+    homes = state.homes.by_instance.get(snap.instance_id, {})
+    sessions = sum(len(h.idle_since) for m, h in homes.items() if m != model)
+    return sessions * (decode + (snap.switch_s or cfg.default_open_s)) * (1.0 + later)
 
 
 def _comeback(state: RouterState, iid: str, model: str, now: float, live) -> float:

@@ -115,13 +115,18 @@ def test_a_session_is_served_through_vllm_with_rounds_across_two_models(tmp_path
             final = s.get_final_message()
         assert final.stop_reason in ("end_turn", "max_tokens") and 1 <= final.usage.output_tokens <= 8
 
-        # Cancellation: a long stream closed after its first chunk ends as `cancelled`.
-        stream = client.chat.completions.create(model=A, messages=messages[:2], max_tokens=2000, temperature=0,
-                                                stream=True, extra_headers={"X-Session-Id": "vllm-cancel"})
+        # Cancellation: a long stream closed after its first chunk ends as `cancelled`. Long for
+        # sure: EOS is forbidden, so only the cancel can end it before 6,000 tokens (vLLM decodes
+        # qwen3-tiny at ~500 tok/s here; a call that can stop early may finish before the
+        # gateway sees the client leave).
+        no_eos = {str(t): -100 for t in tx.eos_ids}
+        stream = client.chat.completions.create(model=A, messages=messages[:2], max_tokens=6000, temperature=0,
+                                                stream=True, logit_bias=no_eos,
+                                                extra_headers={"X-Session-Id": "vllm-cancel"})
         next(iter(stream))
         stream.close()
         [cancelled] = asyncio.run(rows(db, "session_id=$1 AND outcome='cancelled'", 1, f"{TENANT}:vllm-cancel"))
-        assert cancelled["output_tokens"] is None or cancelled["output_tokens"] < 2000
+        assert cancelled["output_tokens"] is None or cancelled["output_tokens"] < 6000
         r = client.chat.completions.create(model=A, messages=messages[:2], max_tokens=4, temperature=0)
         assert r.choices[0].finish_reason in ("stop", "length")  # the agent serves on
 

@@ -86,3 +86,14 @@ class WeightsCorrupt(EngineError, RuntimeError):
 
     def __str__(self) -> str:
         return f"weights file {self.path}: {self.reason}"
+
+
+class EngineFailed(EngineError, RuntimeError):
+    """An engine we drive (vLLM, SGLang) ended a call without its tokens, or stopped answering."""
+
+    def __init__(self, engine: str, model: str, reason: str) -> None:
+        super().__init__(engine, model, reason)
+        self.engine, self.model, self.reason = engine, model, reason
+
+    def __str__(self) -> str:
+        return f"{self.engine} engine for {self.model!r}: {self.reason}"

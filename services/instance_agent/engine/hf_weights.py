@@ -35,10 +35,10 @@ def _read_all(path: Path) -> dict[str, torch.Tensor]:
 def load_hf_tensors(spec: ModelSpec) -> dict[str, torch.Tensor]:
     raw = _read_all(Path(spec.path))
 
-    def get(*names: str) -> torch.Tensor:
+    def get(*names: str) -> torch.Tensor:  # as saved: the host image converts (weights.py)
         for n in names:
             if n in raw:
-                return raw[n].float()
+                return raw[n]
         raise WeightsCorrupt(spec.path, f"tensor {names[0]} is missing")
 
     if spec.arch == "gpt2":
@@ -67,7 +67,7 @@ def _experts(spec, raw, get, hf: str, p: str) -> dict[str, torch.Tensor]:
     out = {p + "router": get(hf + "mlp.gate.weight").t()}
     fused = hf + "mlp.experts.gate_up_proj"
     if fused in raw:  # transformers 5 in-memory layout: [E, 2I, H] and [E, H, I]
-        gate_up = raw[fused].float()
+        gate_up = raw[fused]
         i = spec.intermediate
         out[p + "experts.gate"] = gate_up[:, :i, :].transpose(1, 2)
         out[p + "experts.up"] = gate_up[:, i:, :].transpose(1, 2)

@@ -76,7 +76,9 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = RMS_EPS) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+    """In float32 and back, as transformers does for a bf16 model (the same float32 result)."""
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -84,10 +86,11 @@ def _swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.T
 
 
 def _moe(x: torch.Tensor, p: dict[str, torch.Tensor], pre: str, top_k: int, renorm: bool = True) -> torch.Tensor:
-    probs = torch.softmax(x @ p[pre + "router"], dim=-1)
+    probs = torch.softmax(x @ p[pre + "router"], dim=-1, dtype=torch.float32)
     top_w, top_i = probs.topk(top_k, dim=-1)
     if renorm:
         top_w = top_w / top_w.sum(-1, keepdim=True)
+    top_w = top_w.to(x.dtype)
     out = torch.zeros_like(x)
     gate, up, down = p[pre + "experts.gate"], p[pre + "experts.up"], p[pre + "experts.down"]
     for e in range(gate.shape[0]):
@@ -108,7 +111,9 @@ def forward(
     rope: tuple[torch.Tensor, torch.Tensor] | None,
     logit_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Logits for `logit_rows` of the flat batch (all rows when None)."""
+    """Logits (float32) for `logit_rows` of the flat batch (all rows when None). The
+    parameters' dtype is the compute type; a bf16 model follows transformers' mixed
+    precision (norms and router softmax in float32, RoPE tables cast to bf16)."""
     if spec.arch == "gpt2":
         x = _gpt2_body(spec, p, token_ids, positions, attn)
     else:
@@ -119,13 +124,13 @@ def forward(
         x = F.layer_norm(x, (spec.hidden,), p["final_norm"], p["final_norm.b"], spec.norm_eps or LN_EPS)
     else:
         x = _rms(x, p["final_norm"], spec.norm_eps or RMS_EPS)
-    return x @ p["lm_head"]
+    return (x @ p["lm_head"]).float()
 
 
 def _qwen_body(spec, p, token_ids, positions, attn, rope) -> torch.Tensor:
     nh, kvh, hd, eps = spec.heads, spec.kv_heads, spec.head_dim, spec.norm_eps or RMS_EPS
-    cos, sin = rope[0][positions], rope[1][positions]
     x = p["embed"][token_ids]
+    cos, sin = rope[0][positions].to(x.dtype), rope[1][positions].to(x.dtype)
     t = x.shape[0]
     for layer in range(spec.layers):
         pre = f"layers.{layer}."
@@ -152,13 +157,20 @@ def _gpt2_body(spec, p, token_ids, positions, attn) -> torch.Tensor:
     for layer in range(spec.layers):
         pre = f"layers.{layer}."
         h = F.layer_norm(x, (hid,), p[pre + "ln1.w"], p[pre + "ln1.b"], eps)
-        qkv = h @ p[pre + "qkv.w"] + p[pre + "qkv.b"]
+        qkv = torch.addmm(p[pre + "qkv.b"], h, p[pre + "qkv.w"])  # one rounding, as transformers' Conv1D
         q, k, v = qkv.split([nh * hd, kvh * hd, kvh * hd], dim=-1)
         o = attn(layer, q.view(t, nh, hd), k.view(t, kvh, hd), v.view(t, kvh, hd))
-        x = x + o @ p[pre + "o.w"] + p[pre + "o.b"]
+        x = x + torch.addmm(p[pre + "o.b"], o, p[pre + "o.w"])
         h = F.layer_norm(x, (hid,), p[pre + "ln2.w"], p[pre + "ln2.b"], eps)
-        x = x + F.gelu(h @ p[pre + "fc.w"] + p[pre + "fc.b"], approximate="tanh") @ p[pre + "proj.w"] + p[pre + "proj.b"]
+        x = x + torch.addmm(p[pre + "proj.b"], _gelu_new(torch.addmm(p[pre + "fc.b"], h, p[pre + "fc.w"])),
+                            p[pre + "proj.w"])
     return x
+
+
+def _gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's tanh GELU written out as transformers' `gelu_new` computes it: each operation
+    rounds in the model's dtype (F.gelu rounds once, which differs in bf16)."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

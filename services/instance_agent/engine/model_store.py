@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from talaria.services.instance_agent.engine.dtypes import DtypeChoice, choose_all
 from talaria.services.instance_agent.engine.engine_errors import UnknownModel
 from talaria.services.instance_agent.engine.weights import (
     WeightLayout, ensure_weights_file, load_host_image, weight_layout,
@@ -15,9 +16,13 @@ from talaria.shared.catalog import ModelSpec
 
 
 class ModelStore:
-    def __init__(self, data_dir: Path, specs: dict[str, ModelSpec], device: torch.device, page_size: int) -> None:
+    def __init__(self, data_dir: Path, specs: dict[str, ModelSpec], device: torch.device, page_size: int,
+                 dtype: str = "auto") -> None:
         self.data_dir, self.specs, self.device, self.page_size = Path(data_dir), specs, device, page_size
-        self.layouts: dict[str, WeightLayout] = {m: weight_layout(s) for m, s in specs.items()}
+        # each model's weights and KV are held in this type (dtypes.py: checkpoint, hardware, TALARIA_DTYPE)
+        self.dtypes: dict[str, DtypeChoice] = choose_all(specs, device, dtype)
+        self.layouts: dict[str, WeightLayout] = {
+            m: weight_layout(s, self.dtypes[m].dtype) for m, s in specs.items()}
         self.host_images: dict[str, torch.Tensor] = {}
 
     def spec(self, model: str) -> ModelSpec:
@@ -33,7 +38,7 @@ class ModelStore:
 
     def page_bytes(self, model: str) -> int:
         s = self.specs[model]
-        return s.layers * 2 * self.page_size * s.kv_heads * s.head_dim * 4
+        return s.layers * 2 * self.page_size * s.kv_heads * s.head_dim * self.dtypes[model].dtype.itemsize
 
     def host_image(self, model: str) -> torch.Tensor:
         img = self.host_images.get(model)

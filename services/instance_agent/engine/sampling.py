@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from talaria.shared.messages import TokenLogprob
@@ -46,6 +48,25 @@ def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
         vals, ids = torch.topk(logp, min(top, logp.shape[-1]))
         return TokenLogprob(token, r(float(logp[token])), ids.tolist(), [r(v) for v in vals.tolist()])
     return TokenLogprob(token, r(float(logp[token])))
+
+
+def logprob_of(tok: int, lp: dict, top: int) -> TokenLogprob:
+    """A token's logprob and the `top` most likely alternatives from an engine's
+    {token id: logprob} map (vLLM, SGLang) (values are floats, or objects with `.logprob` and `.rank`)."""
+    def value(v) -> float:
+        x = getattr(v, "logprob", v)
+        return round(max(x, LOGPROB_FLOOR), 5) if math.isfinite(x) else LOGPROB_FLOOR
+
+    own = lp.get(tok)
+    mine = value(own) if own is not None else LOGPROB_FLOOR
+    if top <= 0:
+        return TokenLogprob(tok, mine)
+    ranked = sorted(lp.items(), key=lambda kv: -getattr(kv[1], "logprob", kv[1]))
+    rank = {t: getattr(v, "rank", None) for t, v in lp.items()}
+    if all(r is not None for r in rank.values()):  # vLLM: ranks given (the sampled token may be outside the top)
+        ranked = sorted(((t, v) for t, v in lp.items() if rank[t] <= top), key=lambda kv: rank[kv[0]])
+    ranked = ranked[:top]
+    return TokenLogprob(tok, mine, [t for t, _ in ranked], [value(v) for _, v in ranked])
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:

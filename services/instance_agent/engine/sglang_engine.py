@@ -29,21 +29,19 @@ agent's engine thread and runs the loop only while it waits for tokens.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from talaria.services.instance_agent.engine.admission import KvAdmission
-from talaria.services.instance_agent.engine.contract import EngineStats, GenRequest, GenResult, StepToken, SwitchRecord
+from talaria.services.instance_agent.engine.contract import EngineStats, GenRequest, GenResult, StepToken
 from talaria.services.instance_agent.engine.contract import Capabilities
-from talaria.services.instance_agent.engine.engine_errors import (
-    EngineBusy, EngineError, ModelNotActive, UnknownCall, UnknownModel,
-)
+from talaria.services.instance_agent.engine.dtypes import choose
+from talaria.services.instance_agent.engine.engine_errors import EngineError
 from talaria.services.instance_agent.engine.hf_export import hf_dir
-from talaria.services.instance_agent.engine.stream_call import StreamedCall
-from talaria.shared.catalog import CATALOG, ModelSpec
+from talaria.services.instance_agent.engine.sequence import Sequence
+from talaria.services.instance_agent.engine.streaming import StreamingEngine
+from talaria.shared.catalog import ModelSpec
 from talaria.shared.model_text import text_for
 
 RELEASE_TAGS = ["kv_cache", "weights"]  # sglang.srt.constants GPU_MEMORY_TYPE_*
@@ -58,13 +56,13 @@ class SglangUnavailable(EngineError, RuntimeError):
 
 
 def engine_kwargs(model_path: str, spec: ModelSpec, *, mem_fraction: float, hkvr: bool,
-                  host_pages: int) -> dict[str, Any]:
+                  host_pages: int, dtype: str = "auto") -> dict[str, Any]:
     """`sglang.Engine(**kwargs)`: every key is a ServerArgs field (checked against SGLang's source)."""
     kwargs = {
         "model_path": model_path,
-        "skip_tokenizer_init": True,  # token ids in and out; text is decided here (stream_call.py)
+        "skip_tokenizer_init": True,  # token ids in and out; text is decided here (sequence.py)
         "context_length": spec.context_length,
-        "dtype": "float32" if spec.path is None else "auto",
+        "dtype": choose(spec, "cuda", dtype).name,  # as the other engines (dtypes.py)
         "mem_fraction_static": mem_fraction,
         "enable_memory_saver": True,  # release/resume_memory_occupation
         "incremental_streaming_output": True,  # each streamed chunk carries only its new ids
@@ -99,32 +97,21 @@ def sampling_params(r: GenRequest, text, room: int) -> dict[str, Any]:
     return params
 
 
-class SglangEngine:
+class SglangEngine(StreamingEngine):
+    name = "SGLang"
+
     def __init__(self, data_dir: Path, models: list[str], *, device: str = "cuda", hkvr: bool = True,
                  staging: bool = True, switch_mode: str | None = None, host_kv_pages: int = 4096,
-                 **_torch_only: Any) -> None:
-        unknown = [m for m in models if m not in CATALOG]
-        if unknown or not models:
-            raise UnknownModel(unknown[0] if unknown else "", sorted(CATALOG))
-        try:
-            import sglang  # noqa: F401
-        except ImportError as err:
-            raise SglangUnavailable() from err
-        self.data_dir = Path(data_dir)
-        self.specs = {m: CATALOG[m] for m in models}
+                 dtype: str = "auto", **_torch_only: Any) -> None:
+        self._serve(data_dir, models, "sglang", SglangUnavailable)
         self.switch_mode = switch_mode or "memory"
         if self.switch_mode not in ("memory", "weights"):
             raise ValueError(f"TALARIA_SGLANG_SWITCH={self.switch_mode!r}: 'memory' or 'weights'")
-        self.hkvr, self.host_kv_pages = hkvr, host_kv_pages
+        self.hkvr, self.host_kv_pages, self.dtype = hkvr, host_kv_pages, dtype
         self.capabilities = Capabilities(switch_with_calls_running=False, host_kv=hkvr, d2d_staging=False,
                                          chunked_prefill=True)
-        self.should_yield = None
-        self.running: dict[str, StreamedCall] = {}
         self.sessions: dict[tuple[str, str], list[int]] = {}
-        self.switches: list[SwitchRecord] = []
-        self._streams: dict[str, Any] = {}
         self._engines: dict[str, Any] = {}
-        self._active: str | None = None
         self.ensure_weights()
         share = 0.85 if self.switch_mode == "weights" else 0.85 / len(models)
         try:
@@ -145,69 +132,38 @@ class SglangEngine:
         import sglang
 
         return sglang.Engine(**engine_kwargs(str(self.dirs[model]), self.specs[model], mem_fraction=share,
-                                             hkvr=self.hkvr, host_pages=self.host_kv_pages))
+                                             hkvr=self.hkvr, host_pages=self.host_kv_pages, dtype=self.dtype))
 
     def _engine(self, model: str):
         return self._engines[model if self.switch_mode == "memory" else next(iter(self._engines))]
 
-    @property
-    def active_model(self) -> str | None:
-        return self._active
-
-    def _spec(self, model: str) -> ModelSpec:
-        try:
-            return self.specs[model]
-        except KeyError:
-            raise UnknownModel(model, sorted(self.specs)) from None
-
-    def switch_to(self, model: str) -> SwitchRecord:
-        self._spec(model)
-        if model == self._active:
-            return SwitchRecord(model, model, "noop")  # type: ignore[arg-type]
-        if self.running:
-            raise EngineBusy(sorted(self.running))
-        t0 = time.perf_counter()
-        previous = self._active
+    def _leave(self, model: str) -> None:
         if self.switch_mode == "memory":
-            self._engines[previous].release_memory_occupation(tags=RELEASE_TAGS)
-            t1 = time.perf_counter()
+            self._engines[model].release_memory_occupation(tags=RELEASE_TAGS)
+        self.sessions = {k: v for k, v in self.sessions.items() if k[1] != model}
+
+    def _enter(self, model: str) -> None:
+        if self.switch_mode == "memory":
             self._engines[model].resume_memory_occupation(tags=RESUME_TAGS)
         else:
             engine = self._engine(model)
-            t1 = time.perf_counter()
             engine.update_weights_from_disk(model_path=str(self.dirs[model]))
             engine.flush_cache()  # the previous model's KV means nothing to this one
-        t2 = time.perf_counter()
-        self._active = model
-        self.sessions = {k: v for k, v in self.sessions.items() if k[1] != previous}
-        rec = SwitchRecord(previous, model, "host_only", save_teardown_s=t1 - t0, open_weights_s=t2 - t1,
-                           total_s=t2 - t0)
-        self.switches.append(rec)
-        return rec
 
-    def stage(self, model: str, *, wait: bool = False) -> int:
-        self._spec(model)
-        return 0
+    def _switch_path(self) -> str:
+        return "host_only"
 
     def prefill(self, reqs: list[GenRequest], chunk_tokens: int = 0, more: Iterable[str] = (),
                 pass_tokens: int = 0) -> list[StepToken]:
-        for r in reqs:
-            KvAdmission.validate(self._spec(r.model), self.running, r)
-        models = {r.model for r in reqs}
-        if len(models) > 1:
-            raise ModelNotActive(sorted(models)[1], sorted(models)[0])
-        if models and (model := next(iter(models))) != self._active:
-            if self.running:
-                raise ModelNotActive(model, self._active)
-            self.switch_to(model)
+        self._admit(reqs, busy=lambda model: bool(self.running))
         t0 = time.perf_counter()
         calls = []
         for r in reqs:
             spec = self.specs[r.model]
             text = text_for(spec)
-            call = StreamedCall(r, r.model, spec.context_length, t0, text)
+            call = Sequence.streamed(r, spec.context_length, t0, text)
             engine = self._engine(r.model)
-            self._streams[r.call_id] = engine.loop.run_until_complete(engine.async_generate(
+            call.stream = engine.loop.run_until_complete(engine.async_generate(
                 input_ids=list(r.prompt_ids), sampling_params=sampling_params(r, text, spec.context_length - len(r.prompt_ids)),
                 stream=True, rid=r.call_id, cache_salt=r.kv_scope or None, session_id=None,
                 return_logprob=r.logprobs, top_logprobs_num=r.top_logprobs if r.logprobs else None))
@@ -216,55 +172,29 @@ class SglangEngine:
         return [self._next(c, prefill=True) for c in calls]
 
     def decode(self, call_ids: list[str]) -> list[StepToken]:
-        for cid in call_ids:
-            call = self.running.get(cid)
-            if call is None:
-                raise UnknownCall(cid)
-            if call.finish_reason is not None:
-                raise UnknownCall(cid, f"already finished ({call.finish_reason}); call finish()")
-        return [self._next(self.running[c]) for c in call_ids]
+        return [self._next(c) for c in self._decoding(call_ids)]
 
-    def _next(self, call: StreamedCall, prefill: bool = False) -> StepToken:
-        t0 = time.perf_counter()
-        engine = self._engine(call.model)
-        while not call.pending:
-            if call.engine_done:
-                raise EngineError(f"call {call.req.call_id}: SGLang ended it without a token")
-            try:
-                out = engine.loop.run_until_complete(self._streams[call.req.call_id].__anext__())
-            except StopAsyncIteration:
-                call.engine_done = True
-                continue
-            meta = out.get("meta_info", {})
-            ids = list(out.get("output_ids", ()))
-            lps = _logprobs(meta, len(ids))
-            if call.t_first is None and not call.pending:
-                call.cached_tokens = int(meta.get("cached_tokens", 0) or 0)
-            call.pending += list(zip(ids, lps))
-            call.engine_done = call.engine_done or meta.get("finish_reason") is not None
-        now = time.perf_counter()
-        if prefill:
-            call.prefill_s += now - t0
-        else:
-            call.decode_s += now - t0
-        step = call.take(now)
-        if step.finished and not call.engine_done:
-            engine.tokenizer_manager.abort_request(rid=call.req.call_id)
+    def _fetch(self, call: Sequence) -> None:
+        """Run SGLang's loop until the call's stream yields its next chunk."""
+        try:
+            out = self._engine(call.req.model).loop.run_until_complete(call.stream.__anext__())
+        except StopAsyncIteration:
             call.engine_done = True
-        return step
+            return
+        meta = out.get("meta_info", {})
+        ids = list(out.get("output_ids", ()))
+        if call.t_first is None and not call.pending:
+            call.cached_tokens = int(meta.get("cached_tokens", 0) or 0)
+        call.pending += list(zip(ids, _logprobs(meta, len(ids))))
+        call.engine_done = call.engine_done or meta.get("finish_reason") is not None
+
+    def _abort(self, call: Sequence) -> None:
+        self._engine(call.req.model).tokenizer_manager.abort_request(rid=call.req.call_id)
 
     def finish(self, call_id: str) -> GenResult:
-        call = self.running.pop(call_id, None)
-        if call is None:
-            raise UnknownCall(call_id)
-        self._streams.pop(call_id, None)
-        if not call.engine_done:
-            self._engine(call.model).tokenizer_manager.abort_request(rid=call_id)
-        self.sessions[(call.req.session_id, call.model)] = list(call.req.prompt_ids) + call.generated[:-1]
-        return call.result()
-
-    def prompt_left(self, call_ids: Iterable[str]) -> dict[str, int]:
-        return {c: 0 for c in call_ids if c in self.running}
+        call = self._end(call_id)
+        self.sessions[(call.req.session_id, call.req.model)] = call.tokens[:-1]
+        return call.result(call.req.model)
 
     def kv_state(self, session_id: str, model: str) -> str:
         return "device" if (session_id, model) in self.sessions else "none"

@@ -94,7 +94,8 @@ class ModelSwitcher:
             rec.kv_shell_reused = True
             return shell
         rec.pointer_check_ok = shell is None  # a cached shell whose base moved is rebuilt
-        shell = self.bump.kv_view((spec.layers, 2, self.models.page_size, spec.kv_heads, spec.head_dim))
+        shell = self.bump.kv_view((spec.layers, 2, self.models.page_size, spec.kv_heads, spec.head_dim),
+                                  self.models.dtypes[model].dtype)
         self._shells[model] = shell
         return shell
 

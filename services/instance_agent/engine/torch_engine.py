@@ -64,10 +64,12 @@ class TorchEngine:
         auto_stage: bool = True,
         prefill_chunk: int = 1024,
         preload_host: bool = True,
+        dtype: str = "auto",
     ) -> None:
         """kv_pages (default: one longest-context call) sizes the KV gap for the model with the largest pages; models with smaller
         pages (or smaller weights) get more. Host images are preloaded (the host model entry)
-        unless preload_host=False, in which case a model's first open reads its file ('cold')."""
+        unless preload_host=False, in which case a model's first open reads its file ('cold').
+        dtype (TALARIA_DTYPE): auto | float32 | bfloat16, what each model is held in (dtypes.py)."""
         unknown = [m for m in models if m not in CATALOG]
         if unknown or not models:
             raise UnknownModel(unknown[0] if unknown else "", sorted(CATALOG))
@@ -77,7 +79,7 @@ class TorchEngine:
         # driver sets it when a call arrives); the calls not done continue in a later chunk.
         self.should_yield: Callable[[], bool] | None = None
         self.auto_stage = auto_stage
-        self.models = ModelStore(data_dir, {m: CATALOG[m] for m in models}, self.device, page_size)
+        self.models = ModelStore(data_dir, {m: CATALOG[m] for m in models}, self.device, page_size, dtype)
         self.specs = self.models.specs
         self.layouts = self.models.layouts
         self.host_images = self.models.host_images
@@ -344,9 +346,9 @@ class TorchEngine:
         if self.rank_fault is not None:
             reports = [self.rank_fault(r) for r in reports]
         template = LayoutDescriptor(
-            model=dev.name, rank=0, prefix_hash=0, committed_tokens=0, page_size=ps, dtype="float32",
+            model=dev.name, rank=0, prefix_hash=0, committed_tokens=0, page_size=ps, dtype=str(dev.kv.dtype).removeprefix("torch."),
             attention="gqa" if spec.kv_heads < spec.heads else "mha",
-            shape=(spec.layers, 2, ps, spec.kv_heads // self.tp_ranks, spec.head_dim),
+            shape=(spec.layers, 2, ps, spec.kv_heads // self.tp_ranks, spec.head_dim), itemsize=dev.kv.element_size(),
         )
         for p in pages:
             dev.pool.use(p)  # transfer pin: the source page outlives any eviction until copied

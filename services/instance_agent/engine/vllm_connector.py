@@ -101,6 +101,7 @@ class TalariaHostKvConnector(KVConnectorBase_V1):  # type: ignore[misc, valid-ty
         else:
             self.pool = None
             self.layers: list[torch.Tensor] = []
+            self.host_layers: list[torch.Tensor] = []  # per layer: the pool as [slot, *block]
 
     # -- scheduler side -------------------------------------------------------------------
 
@@ -188,22 +189,24 @@ class TalariaHostKvConnector(KVConnectorBase_V1):  # type: ignore[misc, valid-ty
         if slab != self.page_bytes:
             raise ValueError(f"KV layout: a block is {slab} bytes across layers, the config says {self.page_bytes}")
         size = self.capacity * self.page_bytes
-        self.pool = torch.from_file(self.pool_path, shared=True, size=size, dtype=torch.uint8).view(
-            max(self.capacity, 1), -1) if size else None
-
-    def _page_views(self, slot: int) -> list[torch.Tensor]:
-        out, off = [], 0
-        for t in self.layers:
+        if not size:
+            return
+        self.pool = torch.from_file(self.pool_path, shared=True, size=size, dtype=torch.uint8).view(self.capacity, -1)
+        # Touch every page once now: a first write into the shared file costs a page fault
+        # per 4 KiB, which would otherwise land in the steps that save.
+        self.pool.zero_()
+        off = 0
+        for t in self.layers:  # a strided view per layer, so a step copies one indexed op per layer
             n = t[0].numel() * t.element_size()
-            out.append(self.pool[slot, off:off + n].view(t.dtype).view(t[0].shape))
+            self.host_layers.append(self.pool[:, off:off + n].view(t.dtype).view(self.capacity, *t[0].shape))
             off += n
-        return out
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        for slot, block in meta.loads:
-            for layer, page in zip(self.layers, self._page_views(slot)):
-                layer[block].copy_(page)
+        if meta.loads:
+            slots, blocks = (torch.tensor(x, dtype=torch.long) for x in zip(*meta.loads))
+            for layer, host in zip(self.layers, self.host_layers):
+                layer[blocks.to(layer.device)] = host[slots].to(layer.device)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -213,9 +216,9 @@ class TalariaHostKvConnector(KVConnectorBase_V1):  # type: ignore[misc, valid-ty
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
-        for block, slot in meta.saves:
-            for layer, page in zip(self.layers, self._page_views(slot)):
-                page.copy_(layer[block])
-        if meta.saves and self.layers and self.layers[0].is_cuda:
-            torch.cuda.current_stream().synchronize()
+        if not meta.saves:
+            return
+        blocks, slots = (torch.tensor(x, dtype=torch.long) for x in zip(*meta.saves))
+        for layer, host in zip(self.layers, self.host_layers):
+            host[slots] = layer[blocks.to(layer.device)].cpu()
 

@@ -41,20 +41,21 @@ import queue
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from talaria.services.instance_agent.engine.admission import KvAdmission, common_prefix
-from talaria.services.instance_agent.engine.contract import EngineStats, GenRequest, GenResult, StepToken, SwitchRecord
+from talaria.services.instance_agent.engine.admission import common_prefix
+from talaria.services.instance_agent.engine.contract import EngineStats, GenRequest, GenResult, StepToken
 from talaria.services.instance_agent.engine.contract import Capabilities
-from talaria.services.instance_agent.engine.engine_errors import (
-    EngineBusy, EngineError, ModelNotActive, UnknownCall, UnknownModel,
-)
+from talaria.services.instance_agent.engine.dtypes import choose_all
+from talaria.services.instance_agent.engine.engine_errors import EngineError
 from talaria.services.instance_agent.engine.hf_export import hf_dir
-from talaria.services.instance_agent.engine.stream_call import StreamedCall
+from talaria.services.instance_agent.engine.sequence import Sequence
+from talaria.services.instance_agent.engine.streaming import StreamingEngine
 from talaria.services.instance_agent.engine.vllm_loop import LoopThread
-from talaria.shared.catalog import CATALOG, ModelSpec
+from talaria.shared.catalog import ModelSpec
 from talaria.shared.model_text import text_for
 from talaria.shared.stats import ewma
 
@@ -68,16 +69,9 @@ class VllmUnavailable(EngineError, RuntimeError):
                 "(CPU; see the README's install steps)")
 
 
-class VllmEngineFailed(EngineError, RuntimeError):
-    def __init__(self, model: str, reason: str) -> None:
-        super().__init__(model, reason)
-        self.model, self.reason = model, reason
+class VllmEngine(StreamingEngine):
+    name = "vLLM"
 
-    def __str__(self) -> str:
-        return f"vLLM engine for {self.model!r}: {self.reason}"
-
-
-class VllmEngine:
     def __init__(
         self,
         data_dir: Path,
@@ -94,18 +88,11 @@ class VllmEngine:
         max_num_batched_tokens: int | None = None,
         enforce_eager: bool = True,
         dtype: str = "auto",
+        async_scheduling: bool | None = None,  # None: vLLM's default (off with the connector, which needs it off)
         **_torch_only: Any,  # the torch engine's knobs (kv_pages, tp_ranks, ...) do not apply
     ) -> None:
-        unknown = [m for m in models if m not in CATALOG]
-        if unknown or not models:
-            raise UnknownModel(unknown[0] if unknown else "", sorted(CATALOG))
-        try:
-            import vllm  # noqa: F401
-        except ImportError as err:
-            raise VllmUnavailable() from err
-        self.data_dir = Path(data_dir)
+        self._serve(data_dir, models, "vllm", VllmUnavailable)
         self.device = device
-        self.specs: dict[str, ModelSpec] = {m: CATALOG[m] for m in models}
         self.switch_mode = switch_mode or (
             "sleep" if device.startswith("cuda") and len(models) > 1 else "resident")
         if self.switch_mode not in ("resident", "sleep", "release"):
@@ -119,9 +106,10 @@ class VllmEngine:
         self.kv_cache_bytes = kv_cache_bytes or None
         self.block_size = block_size or None
         self.enforce_eager = enforce_eager
+        self.async_scheduling = async_scheduling
         # tokens per vLLM step: a longer prompt is prefilled in chunks of this (vLLM's default if unset)
         self.max_num_batched_tokens = max_num_batched_tokens or None
-        self.dtype = dtype
+        self.dtypes = choose_all(self.specs, device, dtype, "vllm")  # as the torch engine
         self.hkvr = hkvr
         self.host_kv_bytes = host_kv_bytes or 256 << 20
         resident = self.switch_mode == "resident"
@@ -129,15 +117,11 @@ class VllmEngine:
         self.capabilities = Capabilities(
             switch_with_calls_running=resident, host_kv=hkvr, d2d_staging=False, chunked_prefill=True,
             resident_models=resident)
-        self.should_yield = None  # vLLM chunks long prefills itself (the driver's hint is not needed)
-        self.running: dict[str, StreamedCall] = {}
         # (session, model) -> tokens in its prefix cache, least recently used first; cut to each
         # model's KV capacity (`_remember`), as vLLM's LRU prefix cache evicts them
         self.sessions: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
         self.host_sessions: dict[tuple[str, str], int] = {}  # (session, model) -> tokens the connector holds
-        self.switches: list[SwitchRecord] = []
         self._rates = {"prefill": 0.0, "decode": 0.0, "restore": 0.0}
-        self._active: str | None = None
         self._llms: dict[str, Any] = {}
         self._asleep: set[str] = set()
         self._pools: list[Path] = []
@@ -162,7 +146,8 @@ class VllmEngine:
         spec = self.specs[model]
         kw: dict[str, Any] = {}
         if self.device == "cpu":
-            kw["kv_cache_memory_bytes"] = self.kv_cache_bytes or max(256 << 20, 2 * _kv_bytes(spec))
+            kw["kv_cache_memory_bytes"] = self.kv_cache_bytes or max(
+                256 << 20, 2 * _kv_bytes(spec, self.dtypes[model].dtype.itemsize))
         else:  # every model's engine shares the device: a share each (a sleeping one frees its own)
             kw["gpu_memory_utilization"] = 0.85 / len(self.specs) if self.switch_mode == "resident" else 0.85
         if self.block_size:
@@ -176,9 +161,11 @@ class VllmEngine:
 
             kw["kv_transfer_config"] = transfer_config(model, self._pool_file(model), self.host_kv_bytes)
             kw["async_scheduling"] = False  # the connector retires a step's copies at the next schedule
+        elif self.async_scheduling is not None:
+            kw["async_scheduling"] = self.async_scheduling
         return AsyncEngineArgs(
             model=str(self.dirs[model]), skip_tokenizer_init=True, enable_prefix_caching=True,
-            dtype=("float32" if spec.path is None else self.dtype),
+            dtype=self.dtypes[model].name,
             max_model_len=spec.context_length,
             logprobs_mode="processed_logprobs",  # after logit_bias and the output mask, as the torch engine
             enforce_eager=self.enforce_eager, disable_log_stats=True, seed=0, **kw)
@@ -203,7 +190,8 @@ class VllmEngine:
         async def build():
             return AsyncLLM.from_engine_args(args)
 
-        llm = self._loop.run(build())
+        with _reserved_cpus(self.device, self.hkvr):
+            llm = self._loop.run(build())
         self._llms[model] = llm
         self._block = llm.vllm_config.cache_config.block_size
         self.capabilities = replace(self.capabilities, kv_block_tokens=self._block)
@@ -233,43 +221,18 @@ class VllmEngine:
             await llm.wake_up()
             self._asleep.discard(model)
 
-    @property
-    def active_model(self) -> str | None:
-        return self._active
+    def _leave(self, model: str) -> None:
+        if self.switch_mode != "resident" and self.hkvr:
+            self._save_sessions(model)  # the connector keeps their KV through the sleep
+        self._loop.run(self._park(model))
+        if self.switch_mode != "resident":
+            self.sessions = OrderedDict((k, v) for k, v in self.sessions.items() if k[1] != model)
 
-    def _spec(self, model: str) -> ModelSpec:
-        try:
-            return self.specs[model]
-        except KeyError:
-            raise UnknownModel(model, sorted(self.specs)) from None
-
-    def switch_to(self, model: str) -> SwitchRecord:
-        self._spec(model)
-        if model == self._active:
-            return SwitchRecord(model, model, "noop")  # type: ignore[arg-type]
-        if self.running and not self.capabilities.switch_with_calls_running:
-            raise EngineBusy(sorted(self.running))
-        t0 = time.perf_counter()
-        previous = self._active
-        if previous is not None:
-            if self.switch_mode != "resident" and self.hkvr:
-                self._save_sessions(previous)  # the connector keeps their KV through the sleep
-            self._loop.run(self._park(previous))
-        t1 = time.perf_counter()
+    def _enter(self, model: str) -> None:
         self._loop.run(self._unpark(model))
-        t2 = time.perf_counter()
-        self._active = model
-        if self.switch_mode != "resident" and previous is not None:
-            self.sessions = OrderedDict((k, v) for k, v in self.sessions.items() if k[1] != previous)
-        rec = SwitchRecord(previous, model, "d2d_full" if self.switch_mode == "resident" else "host_only",
-                           save_teardown_s=t1 - t0, open_weights_s=t2 - t1, total_s=t2 - t0)
-        self.switches.append(rec)
-        return rec
 
-    def stage(self, model: str, *, wait: bool = False) -> int:
-        """No D2D staging in vLLM: resident engines need none, sleeping ones wake from host."""
-        self._spec(model)
-        return 0
+    def _switch_path(self) -> str:
+        return "d2d_full" if self.switch_mode == "resident" else "host_only"
 
     # -- stepped API ---------------------------------------------------------------------
 
@@ -278,15 +241,7 @@ class VllmEngine:
         """Start each call and return its first token. vLLM computes a prompt in chunks of its
         own inside the step, so every call comes back with its first token (`prompt_left` 0)
         and `more` (continuations of chunked calls) is always empty here."""
-        for r in reqs:
-            KvAdmission.validate(self._spec(r.model), self.running, r)
-        models = {r.model for r in reqs}
-        if len(models) > 1:
-            raise ModelNotActive(sorted(models)[1], sorted(models)[0])
-        if models and (model := next(iter(models))) != self._active:
-            if any(c.model == self._active for c in self.running.values()):
-                raise ModelNotActive(model, self._active)
-            self.switch_to(model)
+        self._admit(reqs, busy=lambda model: any(c.req.model == self._active for c in self.running.values()))
         t0 = time.perf_counter()
         calls = [self._submit(r, t0) for r in reqs]
         out = [self._next(c, prefill=True) for c in calls]
@@ -299,34 +254,17 @@ class VllmEngine:
         return out
 
     def decode(self, call_ids: list[str]) -> list[StepToken]:
-        calls = []
-        for cid in call_ids:
-            call = self.running.get(cid)
-            if call is None:
-                raise UnknownCall(cid)
-            if call.finish_reason is not None:
-                raise UnknownCall(cid, f"already finished ({call.finish_reason}); call finish()")
-            if call.model != self._active:
-                raise ModelNotActive(call.model, self._active)
-            calls.append(call)
+        calls = self._decoding(call_ids)
         t0 = time.perf_counter()
         out = [self._next(c) for c in calls]
         self._rate("decode", len(calls), time.perf_counter() - t0)
         return out
 
     def finish(self, call_id: str) -> GenResult:
-        call = self.running.pop(call_id, None)
-        if call is None:
-            raise UnknownCall(call_id)
-        if not call.engine_done:
-            self._loop.run(self._llms[call.model].abort(call_id))
-            call.engine_done = True
+        call = self._end(call_id)
         # The prefix cache keeps what the call computed: the prompt and the tokens fed back.
-        self._remember(call.req.session_id, call.model, list(call.req.prompt_ids) + call.generated[:-1])
-        return call.result()
-
-    def prompt_left(self, call_ids: Iterable[str]) -> dict[str, int]:
-        return {c: 0 for c in call_ids if c in self.running}
+        self._remember(call.req.session_id, call.req.model, call.tokens[:-1])
+        return call.result(call.req.model)
 
     # -- one call's stream -----------------------------------------------------------------
 
@@ -347,10 +285,10 @@ class VllmEngine:
             stop_token_ids=list(text.eos_ids), ignore_eos=True, detokenize=False,
             output_kind=RequestOutputKind.DELTA, **kw)
 
-    def _submit(self, r: GenRequest, t0: float) -> StreamedCall:
+    def _submit(self, r: GenRequest, t0: float) -> Sequence:
         spec = self.specs[r.model]
         text = text_for(spec)
-        call = StreamedCall(r, r.model, spec.context_length, t0, text)
+        call = Sequence.streamed(r, spec.context_length, t0, text)
         prompt: dict[str, Any] = {"prompt_token_ids": list(r.prompt_ids)}
         if r.kv_scope:
             prompt["cache_salt"] = r.kv_scope
@@ -359,7 +297,7 @@ class VllmEngine:
         self._loop.spawn(self._pump(self._llms[r.model], call, prompt, params))
         return call
 
-    async def _pump(self, llm, call: StreamedCall, prompt: dict, params) -> None:
+    async def _pump(self, llm, call: Sequence, prompt: dict, params) -> None:
         """On the loop: forward the call's DELTA outputs to the engine thread."""
         try:
             async for out in llm.generate(prompt, params, call.req.call_id,
@@ -370,35 +308,25 @@ class VllmEngine:
         except Exception as exc:  # noqa: BLE001 - handed to the engine thread, which raises it
             call.events.put(("error", exc))
 
-    def _next(self, call: StreamedCall, prefill: bool = False) -> StepToken:
-        t0 = time.perf_counter()
-        while not call.pending:
-            if call.engine_done:
-                raise VllmEngineFailed(call.model, f"call {call.req.call_id} ended without a token")
-            try:
-                event = call.events.get(timeout=STEP_TIMEOUT_S)
-            except queue.Empty:
-                raise VllmEngineFailed(call.model, f"no token for {call.req.call_id} in {STEP_TIMEOUT_S:.0f} s") from None
-            if event[0] == "error":
-                call.finish_reason, call.engine_done = "error", True
-                raise VllmEngineFailed(call.model, f"call {call.req.call_id}: {event[1]}")
-            _, ids, lps, cached, transfer, finished = event
-            if cached is not None and call.t_first is None and not call.pending:
-                call.cached_tokens = int(cached)
-            if transfer:
-                call.host_tokens = int(transfer.get("host_tokens", call.host_tokens))
-            call.pending += list(zip(ids, lps if lps else [None] * len(ids)))
-            call.engine_done = call.engine_done or finished
-        now = time.perf_counter()
-        if prefill:
-            call.prefill_s += now - t0
-        else:
-            call.decode_s += now - t0
-        step = call.take(now)
-        if step.finished and not call.engine_done:  # a stop string ended it before vLLM did
-            self._loop.spawn(self._llms[call.model].abort(call.req.call_id))
-            call.engine_done = True
-        return step
+    def _fetch(self, call: Sequence) -> None:
+        """Wait for the call's next output from the loop thread (`_pump`)."""
+        try:
+            event = call.events.get(timeout=STEP_TIMEOUT_S)
+        except queue.Empty:
+            raise self._failed(call, f"no token for {call.req.call_id} in {STEP_TIMEOUT_S:.0f} s") from None
+        if event[0] == "error":
+            call.finish_reason, call.engine_done = "error", True
+            raise self._failed(call, f"call {call.req.call_id}: {event[1]}")
+        _, ids, lps, cached, transfer, finished = event
+        if cached is not None and call.t_first is None and not call.pending:
+            call.cached_tokens = int(cached)
+        if transfer:
+            call.host_tokens = int(transfer.get("host_tokens", call.host_tokens))
+        call.pending += list(zip(ids, lps if lps else [None] * len(ids)))
+        call.engine_done = call.engine_done or finished
+
+    def _abort(self, call: Sequence) -> None:
+        self._loop.run(self._llms[call.req.model].abort(call.req.call_id))
 
     # -- state -----------------------------------------------------------------------------
 
@@ -429,8 +357,8 @@ class VllmEngine:
             cfg = self._llms[self._active].vllm_config.cache_config
             cap = (cfg.num_gpu_blocks or 0) * cfg.block_size
         for call in self.running.values():
-            if call.model == self._active:
-                used += len(call.req.prompt_ids) + len(call.generated)
+            if call.req.model == self._active:
+                used += len(call.tokens)
         pinned = used
         used += sum(len(t) for (s, m), t in self.sessions.items() if m == self._active)
         return EngineStats(
@@ -484,9 +412,27 @@ class VllmEngine:
             self._rates[kind] = ewma(self._rates[kind] or None, tokens / seconds, EMA)
 
 
-def _kv_bytes(spec: ModelSpec) -> int:
-    """KV bytes of one call filling the model's context (float32 K and V, every layer)."""
-    return spec.layers * 2 * spec.kv_heads * spec.head_dim * 4 * spec.context_length
+@contextmanager
+def _reserved_cpus(device: str, connector: bool):
+    """vLLM's CPU build keeps one more core off its worker when any KV connector is configured
+    (for NIXL's transfer thread). Ours copies inside the worker's own step and needs none; on a
+    2-core machine the extra reservation leaves the worker two OpenMP threads spinning against
+    the scheduler process, which made every prefill 2.5-4x slower (bench/vllm_writethrough.py).
+    So the engine process is started with vLLM's usual reservation, unless the user set one."""
+    var = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+    if device != "cpu" or not connector or var in os.environ:
+        yield
+        return
+    os.environ[var] = "1"  # read by the engine processes as they start (spawned with this environment)
+    try:
+        yield
+    finally:
+        os.environ.pop(var, None)
+
+
+def _kv_bytes(spec: ModelSpec, itemsize: int) -> int:
+    """KV bytes of one call filling the model's context (K and V, every layer)."""
+    return spec.layers * 2 * spec.kv_heads * spec.head_dim * itemsize * spec.context_length
 
 
 def _weight_bytes(path: Path) -> int:

@@ -23,7 +23,7 @@ from talaria.shared.catalog import ModelSpec
 
 ALIGN = 256  # bytes; every tensor and region starts on this boundary
 INIT_VERSION = 1  # bump when the init scheme changes (the json records it)
-DTYPE = torch.float32
+DTYPE = torch.float32  # the built-in models' weights as drawn and saved
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
@@ -35,10 +35,11 @@ class TensorSlot:
     name: str
     shape: tuple[int, ...]
     offset: int  # bytes from the start of the weight image
+    itemsize: int = 4
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * 4
+        return math.prod(self.shape) * self.itemsize
 
 
 @dataclass(frozen=True)
@@ -46,12 +47,13 @@ class WeightLayout:
     model: str
     slots: tuple[TensorSlot, ...]
     nbytes: int  # aligned total
+    dtype: torch.dtype = DTYPE  # what the parameters are held and computed in (dtypes.py)
 
     def views(self, image: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Parameters as float32 views into a uint8 image (host image or bump region)."""
+        """Parameters as `dtype` views into a uint8 image (host image or bump region)."""
         out = {}
         for s in self.slots:
-            out[s.name] = image[s.offset : s.offset + s.nbytes].view(DTYPE).view(s.shape)
+            out[s.name] = image[s.offset : s.offset + s.nbytes].view(self.dtype).view(s.shape)
         return out
 
 
@@ -101,13 +103,14 @@ def tensor_shapes(spec: ModelSpec) -> list[tuple[str, tuple[int, ...], str]]:
     return out
 
 
-def weight_layout(spec: ModelSpec) -> WeightLayout:
+def weight_layout(spec: ModelSpec, dtype: torch.dtype = DTYPE) -> WeightLayout:
     slots, off = [], 0
+    itemsize = torch.empty((), dtype=dtype).element_size()
     for name, shape, _ in tensor_shapes(spec):
-        slot = TensorSlot(name, shape, off)
+        slot = TensorSlot(name, shape, off, itemsize)
         slots.append(slot)
         off = align_up(off + slot.nbytes)
-    return WeightLayout(spec.name, tuple(slots), off)
+    return WeightLayout(spec.name, tuple(slots), off, dtype)
 
 
 def init_weights(spec: ModelSpec) -> dict[str, torch.Tensor]:
@@ -160,7 +163,8 @@ def _config_matches(cfg: Path, spec: ModelSpec) -> bool:
 
 
 def load_host_image(data_dir: Path, spec: ModelSpec, layout: WeightLayout, *, pin: bool) -> torch.Tensor:
-    """Read the safetensors file into one flat uint8 host image in layout order."""
+    """Read the safetensors file into one flat uint8 host image in layout order, each tensor
+    converted to the layout's dtype."""
     st, _ = model_paths(data_dir, spec.name)
     if spec.path is not None:
         from talaria.services.instance_agent.engine.hf_weights import load_hf_tensors

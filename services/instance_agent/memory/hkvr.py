@@ -40,7 +40,7 @@ class HostKvRegistry:
     # -- views ---------------------------------------------------------------------------
 
     def _host_view(self, c: PageCopy) -> torch.Tensor:
-        return self.pool[c.slot, : c.desc.nbytes].view(torch.float32).view(c.desc.shape)
+        return self.pool[c.slot, : c.desc.nbytes].view(getattr(torch, c.desc.dtype)).view(c.desc.shape)
 
     def _dev_view(self, kv: torch.Tensor, page: int, rank: int) -> torch.Tensor:
         heads = kv.shape[4] // self.ranks

@@ -58,6 +58,13 @@ class PolicyConfig:
     # instead of adding a model to a busy instance's rotation; the stretch is paid again by
     # each call the session will still make there (costs.py placement_s). No constant.
     price_round_sharing: bool = True
+    # Beyond the paper (ours), with price_round_sharing: when r brings a model NEW to i's
+    # rotation (nothing of it runs, is queued, was routed there or lives there between calls),
+    # every session of another model living on i waits through r's slot and one more switch
+    # in each round, once per call r's session will make (costs.py, _join_externality). It
+    # stops a session from turning a one-model instance into a rotating one when its model
+    # already rotates elsewhere; no constant. Measured over 3 seeds: results/matrix_notes.md.
+    price_rotation_join: bool = True
     retry_after_s: float = 1.0
     max_queued_per_instance: int = 64  # `queue` mode: route past admission up to this bound
     # replica opening, Eq. 2

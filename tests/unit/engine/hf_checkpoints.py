@@ -112,8 +112,10 @@ def make_tool_caller(out: Path) -> Path:
     return out
 
 
-def make_checkpoint(family: str, out: Path, tie: bool | None = None, head_dim: int | None = None) -> Path:
-    """Write config.json, model.safetensors, tokenizer files, chat template, generation_config.json."""
+def make_checkpoint(family: str, out: Path, tie: bool | None = None, head_dim: int | None = None,
+                    dtype: str = "float32") -> Path:
+    """Write config.json, model.safetensors, tokenizer files, chat template, generation_config.json.
+    `dtype` "bfloat16" saves the weights (and config.json's dtype) in bf16, as hub checkpoints are."""
     tf = pytest.importorskip("transformers")
     import torch
 
@@ -129,7 +131,7 @@ def make_checkpoint(family: str, out: Path, tie: bool | None = None, head_dim: i
         for name, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(out)
+    model.to(getattr(torch, dtype)).save_pretrained(out)
     fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos_tok, bos_token=bos_tok)
     if template:
         fast.chat_template = (TEMPLATES / template).read_text()

@@ -1,11 +1,14 @@
 """Hugging Face checkpoints in the torch engine match transformers: for each architecture,
 logits within 1e-4 of transformers' forward, and 64 greedy tokens identical, both computed
-from scratch and after the session's KV was restored from the host registry. The chat
+from scratch and after the session's KV was restored from the host registry. A bf16
+checkpoint loads as bf16 (where the CPU computes it natively; forced otherwise) and matches
+transformers in bf16: logits within one bf16 step, greedy tokens equal up to a bf16 near-tie. The chat
 template renders (tools, tool calls, tool results) and tokenises exactly as transformers does."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ import torch
 pytest.importorskip("transformers")
 
 from talaria.services.instance_agent.engine import GenRequest, TorchEngine  # noqa: E402
+from talaria.services.instance_agent.engine.dtypes import native_bf16  # noqa: E402
 from talaria.services.instance_agent.engine.model import reference_logits  # noqa: E402
 from talaria.shared.catalog import register  # noqa: E402
 from talaria.shared.hf_config import CheckpointError, load_spec  # noqa: E402
@@ -117,6 +121,76 @@ def test_logits_and_greedy_tokens_match_transformers_with_and_without_kv_restore
         restored = engine.generate(GenRequest("c2", "s1", spec.name, follow, GREEDY))
         assert restored.kv_source == "host" and restored.cached_tokens >= 16
         assert restored.token_ids == expected
+    finally:
+        engine.close()
+
+
+def bf16_step(x: float) -> float:
+    """The spacing of bf16 numbers at |x| (8 significant bits)."""
+    return 2.0 ** (math.floor(math.log2(max(abs(x), 1e-30))) - 7)
+
+
+def hf_greedy_gaps(model, ids: list[int], n: int, eos: set[int]) -> tuple[list[int], list[tuple[int, float, float]]]:
+    """transformers' greedy tokens (bf16 logits, recomputed from scratch each step), and at each
+    step (runner-up token, top logit, gap to the runner-up)."""
+    out, alts, ids = [], [], list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            out.append(int(logits.argmax()))  # the first of equal logits, as the engine's sampler
+            top = float(logits[out[-1]])
+            logits[out[-1]] = float("-inf")
+            alts.append((int(logits.argmax()), top, top - float(logits.max())))
+            ids.append(out[-1])
+            if out[-1] in eos:
+                break
+    return out, alts
+
+
+def assert_bf16_greedy(ours: list[int], theirs: list[int], alts) -> None:
+    """bf16's rule: equal tokens, except that from a step where transformers' two best logits
+    are within one bf16 step of each other (a tie at bf16's resolution: the engine's cached
+    decode and transformers' full recompute round the same sums differently) the engine may
+    take the runner-up, after which the sequences are different text and are not compared."""
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        if a != b:
+            alt, top, gap = alts[i]
+            assert a == alt and gap <= bf16_step(top), f"token {i}: {a} vs {b}, not a bf16 near-tie (gap {gap})"
+            assert i >= 8, f"diverged at token {i}"
+            return
+    assert len(ours) == len(theirs)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_bf16_checkpoint_runs_in_bf16_and_matches_transformers_in_bf16(family, tmp_path, data_dir):
+    import transformers
+
+    path = make_checkpoint(family, tmp_path / family, dtype="bfloat16")
+    spec = load_spec(f"hf-bf16-{family}", path)
+    assert spec.dtype == "bfloat16"
+    register(spec)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ids = prompt_ids(family, path)
+    # auto where this CPU computes bf16 natively (AVX512-BF16/AMX); forced elsewhere, so bf16 is tested anyway
+    engine = TorchEngine(data_dir, [spec.name, "qwen3-tiny"], kv_pages=128, host_kv_pages=1024,
+                         dtype="auto" if native_bf16("cpu") else "bfloat16")
+    try:
+        assert engine.models.dtypes[spec.name].dtype == torch.bfloat16
+        params = engine.layouts[spec.name].views(engine.models.host_image(spec.name))
+        assert params["embed"].dtype == torch.bfloat16
+        with torch.no_grad():
+            theirs = model(torch.tensor([ids])).logits[0].float()
+        ours = reference_logits(spec, params, ids)
+        assert (ours - theirs).abs().max().item() <= bf16_step(theirs.abs().max().item())
+
+        expected, alts = hf_greedy_gaps(model, ids, GREEDY, set(spec.eos_ids))
+        fresh = engine.generate(GenRequest("fresh", "s1", spec.name, ids, GREEDY))
+        assert_bf16_greedy(fresh.token_ids, expected, alts)
+        engine.switch_to("qwen3-tiny")  # bf16 KV pages through the host registry and back
+        assert engine.kv_state("s1", spec.name) == "host"
+        again = engine.generate(GenRequest("again", "s1", spec.name, ids, GREEDY))
+        assert again.kv_source == "host"
+        assert_bf16_greedy(again.token_ids, expected, alts)
     finally:
         engine.close()
 

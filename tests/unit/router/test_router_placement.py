@@ -533,3 +533,27 @@ def test_an_idle_instance_s_last_model_does_not_rotate_with_the_call():
     assert x["b"].decode_s == pytest.approx(10.0)
     assert x["c"].decode_s == x["d"].decode_s == pytest.approx(20.0 + sw)
     assert audit.chosen == "b"
+
+
+def test_a_model_new_to_a_rotation_pays_the_slot_and_switch_it_adds_to_the_sessions_living_there():
+    # `b` serves m2 to three sessions in their tool gaps (homes) and nothing of m1; `a` runs
+    # two m1 calls and 6 s of backlog. A new m1 session on `b` would put m1 into every round of b's m2 sessions:
+    # each waits through m1's slot and a switch, once per call the new session makes.
+    def place(**cfg):
+        c = core(price_round_sharing=True, new_session_running_s=1.0, **cfg, **NO_LEASE)
+        c.observe(snap("b", active="m2", models={"m1": "absent", "m2": "active"}), 0.0)
+        for k in range(3):
+            c.handle(call(f"o{k}", session=f"o{k}", model="m2"), 0.0)
+            assert c.state.routed[f"o{k}"] == "b"
+            c.handle(done(f"o{k}", "b", session=f"o{k}", model="m2", at=0.1), 0.1)
+        c.observe(snap("a", models={"m1": "active", "m2": "absent"}, running=2, queued_tokens=60_000), 0.1)
+        audit, _ = decide(c, call("c1", session="new", model="m1"), 0.2)
+        return audit, by_instance(audit)
+
+    off_audit, off = place(price_rotation_join=False)
+    on_audit, on = place()
+    sw = PolicyConfig().default_open_s  # the snapshots report no switch time: the fallback
+    decode = (off["b"].decode_s - sw) / 2  # r's own decode (b's stretch: m2 takes a slot and a switch)
+    assert on["b"].placement_s - off["b"].placement_s == pytest.approx(3 * (decode + sw))
+    assert on["a"].placement_s == off["a"].placement_s  # m1 already rotates on a: nothing new
+    assert (off_audit.chosen, on_audit.chosen) == ("b", "a")

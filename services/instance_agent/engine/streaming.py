@@ -1,0 +1,158 @@
+"""What the engines that stream token ids share (vllm_engine.py, sglang_engine.py): the served
+models, a prefill's admission (checks, one model, the switch to it), decode's checks, handing
+out the tokens an engine delivered (`Sequence.take_streamed` decides text, stop and length,
+as the torch engine does), and a call's end.
+
+A subclass starts a call in its engine, moves what its engine delivered into a call's
+`pending` (`_fetch`: blocks until something came, sets `engine_done` with the last output),
+aborts a call there (`_abort`), and takes a model switch's two halves: the outgoing model
+leaves the device (`_leave`), the incoming one arrives (`_enter`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from talaria.services.instance_agent.engine.admission import KvAdmission
+from talaria.services.instance_agent.engine.contract import GenRequest, StepToken, SwitchRecord
+from talaria.services.instance_agent.engine.engine_errors import (
+    EngineBusy, EngineError, EngineFailed, ModelNotActive, UnknownCall, UnknownModel,
+)
+from talaria.services.instance_agent.engine.sequence import Sequence
+from talaria.shared.catalog import CATALOG, ModelSpec
+
+
+class StreamingEngine:
+    name = "streaming"  # the engine's name in errors
+
+    def _serve(self, data_dir: Path, models: list[str], package: str, missing: type[EngineError]) -> None:
+        """The served models (all in the catalogue), and the engine's package (else `missing`)."""
+        unknown = [m for m in models if m not in CATALOG]
+        if unknown or not models:
+            raise UnknownModel(unknown[0] if unknown else "", sorted(CATALOG))
+        try:
+            importlib.import_module(package)
+        except ImportError as err:
+            raise missing() from err
+        self.data_dir = Path(data_dir)
+        self.specs: dict[str, ModelSpec] = {m: CATALOG[m] for m in models}
+        self.running: dict[str, Sequence] = {}
+        self.switches: list[SwitchRecord] = []
+        self.should_yield = None  # the engine chunks long prefills itself
+        self._active: str | None = None
+
+    @property
+    def active_model(self) -> str | None:
+        return self._active
+
+    def _spec(self, model: str) -> ModelSpec:
+        try:
+            return self.specs[model]
+        except KeyError:
+            raise UnknownModel(model, sorted(self.specs)) from None
+
+    def switch_to(self, model: str) -> SwitchRecord:
+        """Make `model` active: the outgoing model leaves (`_leave`), the incoming one arrives
+        (`_enter`); with calls running only where the capabilities allow it."""
+        self._spec(model)
+        if model == self._active:
+            return SwitchRecord(model, model, "noop")  # type: ignore[arg-type]
+        if self.running and not self.capabilities.switch_with_calls_running:
+            raise EngineBusy(sorted(self.running))
+        t0 = time.perf_counter()
+        previous = self._active
+        if previous is not None:
+            self._leave(previous)
+        t1 = time.perf_counter()
+        self._enter(model)
+        t2 = time.perf_counter()
+        self._active = model
+        rec = SwitchRecord(previous, model, self._switch_path(), save_teardown_s=t1 - t0,  # type: ignore[arg-type]
+                           open_weights_s=t2 - t1, total_s=t2 - t0)
+        self.switches.append(rec)
+        return rec
+
+    def stage(self, model: str, *, wait: bool = False) -> int:
+        """No D2D staging: the engine wakes or resumes a model's weights itself."""
+        self._spec(model)
+        return 0
+
+    def prompt_left(self, call_ids: Iterable[str]) -> dict[str, int]:
+        """The engine computes a prompt in chunks of its own inside its steps: every call has
+        its first token when prefill returns."""
+        return {c: 0 for c in call_ids if c in self.running}
+
+    def _admit(self, reqs: list[GenRequest], busy: Callable[[str], bool]) -> None:
+        """Check each request; all must be for one model, switched to when `busy(model)` says
+        no call stands in the way."""
+        for r in reqs:
+            KvAdmission.validate(self._spec(r.model), self.running, r)
+        models = {r.model for r in reqs}
+        if len(models) > 1:
+            raise ModelNotActive(sorted(models)[1], sorted(models)[0])
+        if models and (model := next(iter(models))) != self._active:
+            if busy(model):
+                raise ModelNotActive(model, self._active)
+            self.switch_to(model)
+
+    def _decoding(self, call_ids: list[str]) -> list[Sequence]:
+        calls = []
+        for cid in call_ids:
+            call = self.running.get(cid)
+            if call is None:
+                raise UnknownCall(cid)
+            if call.finish_reason is not None:
+                raise UnknownCall(cid, f"already finished ({call.finish_reason}); call finish()")
+            if call.req.model != self._active:
+                raise ModelNotActive(call.req.model, self._active)
+            calls.append(call)
+        return calls
+
+    def _next(self, call: Sequence, prefill: bool = False) -> StepToken:
+        """The call's next delivered token, waiting for the engine when none is there yet."""
+        t0 = time.perf_counter()
+        while not call.pending:
+            if call.engine_done:
+                raise self._failed(call, f"call {call.req.call_id} ended without a token")
+            self._fetch(call)
+        now = time.perf_counter()
+        if prefill:
+            call.prefill_s += now - t0
+        else:
+            call.decode_s += now - t0
+        step = call.take_streamed(now)
+        if step.finished and not call.engine_done:  # a stop string ended it before the engine did
+            self._abort(call)
+            call.engine_done = True
+        return step
+
+    def _end(self, call_id: str) -> Sequence:
+        """finish()'s common part: the call leaves, aborted in the engine if unfinished there."""
+        call = self.running.pop(call_id, None)
+        if call is None:
+            raise UnknownCall(call_id)
+        if not call.engine_done:
+            self._abort(call)
+            call.engine_done = True
+        return call
+
+    def _failed(self, call: Sequence, reason: str) -> EngineFailed:
+        return EngineFailed(self.name, call.req.model, reason)
+
+    def _leave(self, model: str) -> None:  # pragma: no cover - every engine has its own
+        raise NotImplementedError
+
+    def _enter(self, model: str) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+    def _switch_path(self) -> str:  # pragma: no cover
+        raise NotImplementedError
+
+    def _fetch(self, call: Sequence) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+    def _abort(self, call: Sequence) -> None:  # pragma: no cover
+        raise NotImplementedError
