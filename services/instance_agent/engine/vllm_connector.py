@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -41,8 +41,9 @@ try:  # importable without vLLM (the config helper and the key rule are used by 
 except ImportError:  # pragma: no cover - only the module's pure parts are usable then
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole = object, object, None
 
-if TYPE_CHECKING:
-    from vllm.v1.request import Request
+# vLLM's request (vllm.v1.request.Request), for annotations only: not imported, so the module
+# keeps no import that only a type checker sees (vLLM is optional here).
+Request = Any
 
 CONNECTOR = "TalariaHostKvConnector"
 
