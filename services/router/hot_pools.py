@@ -273,8 +273,15 @@ class HotPools:
         k = len(self._sessions)
         if total <= 0 or k == 0:
             return []
-        share = {m: demand[m] / total * n for m in self._m}
+        live = self.live()
+        raw = {m: demand[m] / total * n for m in self._m}
         sigma = {m: n * (p * (1.0 - p) / k) ** 0.5 for m, p in ((m, demand[m] / total) for m in self._m)}
+        # N x demand share, but no more instances than live sessions: a session's calls run one
+        # at a time where its context is, so a model keeps at most that many instances busy.
+        # The margin stays the share's standard error: the live count that caps it moves
+        # with every arrival and expiry (measured: a margin scaled down with the cap made
+        # 304 repins at scale instead of 99, SCT p50 80.0 vs 77.2 s).
+        share = {m: min(raw[m], float(live[m])) for m in self._m}
         if self.cold_pool:
             return self._hot_cold(now, w, share, sigma, switch_s, load)
         return self._swap(now, w, share, sigma, switch_s, load)
