@@ -37,7 +37,7 @@ from faults import API_KEY, UpProcess  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from talaria.embedded import free_port  # noqa: E402
-from talaria.shared.settings import Settings  # noqa: E402
+from talaria.shared.settings import GatewaySettings  # noqa: E402
 from talaria.shared.stats import quantile  # noqa: E402
 
 CLIENT_TIMEOUT_S = 120.0
@@ -262,7 +262,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rates", default="40,80,160,300")
     ap.add_argument("--seconds", type=float, default=20.0)
-    ap.add_argument("--target", type=float, default=Settings.admission_target_queue_s)
+    ap.add_argument("--target", type=float, default=GatewaySettings.admission_target_queue_s)
     ap.add_argument("--out", default=None)
     ap.add_argument("--routers", default=None, help="compare router counts, e.g. 1,2 (admission on)")
     ap.add_argument("--rounds", type=int, default=1, help="with --routers: alternate the counts this many times")

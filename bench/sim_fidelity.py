@@ -245,7 +245,7 @@ def measure(reps: int = 5) -> dict:
 
     from talaria.services.instance_agent.engine import GenRequest, TorchEngine
 
-    torch.set_num_threads(max(1, Settings.from_env().torch_threads))  # as the agent (agent_service.py)
+    torch.set_num_threads(max(1, Settings.from_env().agent.torch_threads))  # as the agent (agent_service.py)
     out = {}
     with tempfile.TemporaryDirectory() as d:
         eng = TorchEngine(Path(d), MODELS, kv_pages=2048, staging=False, hkvr=False)

@@ -20,6 +20,9 @@ from pathlib import Path
 
 import msgspec
 import nats
+from talaria.shared.subjects import Deployment
+
+DEP = Deployment()  # the default deployment's subject names
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -41,7 +44,7 @@ async def drive(nats_url: str, api_key: str | None, sessions: int, calls: int) -
         for _ in range(calls):
             req = CallRequest(model="qwen3-tiny", session_id=f"bytes-{s}", messages=history, max_tokens=8,
                               temperature=0, api_key=api_key)
-            msg = await nc.request(subjects.API_CALL, msgspec.json.encode(req), timeout=120)
+            msg = await nc.request(DEP.api_call, msgspec.json.encode(req), timeout=120)
             reply = REPLY_DECODER.decode(msg.data)
             text = getattr(reply, "text", "") or ""
             history = [*history, ChatMessage("assistant", text), ChatMessage("user", "tool output " + "y" * 300)]
@@ -56,9 +59,9 @@ async def stream_bytes(nats_url: str) -> dict[str, list[int]]:
     """subject family -> [messages, bytes]; read with the telemetry service's credentials."""
     nc = await nats.connect(nats_url, inbox_prefix=SERVICE_INBOX)
     js = nc.jetstream()
-    info = await js.stream_info(subjects.EVENTS_STREAM)
+    info = await js.stream_info(DEP.events_stream)
     out: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
-    sub = await js.pull_subscribe(subjects.EVENTS_WILDCARD, stream=subjects.EVENTS_STREAM)  # ephemeral
+    sub = await js.pull_subscribe(DEP.events_wildcard, stream=DEP.events_stream)  # ephemeral
     seen = 0
     while seen < info.state.messages:
         for msg in await sub.fetch(256, timeout=5):

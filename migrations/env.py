@@ -15,7 +15,7 @@ target_metadata = metadata
 
 
 def _url() -> str:
-    url = config.get_main_option("sqlalchemy.url") or Settings.from_env().database_url
+    url = config.get_main_option("sqlalchemy.url") or Settings.from_env().common.database_url
     if not url:
         raise RuntimeError("no database URL: set TALARIA_DATABASE_URL")
     return async_database_url(url)

@@ -16,9 +16,9 @@ from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NoStreamResponseError
 
-from talaria.shared import subjects
 from talaria.shared.event_specs import EventSpec, spec_of
 from talaria.shared.nats_auth import SENDER_HEADER, SERVICE_INBOX
+from talaria.shared.subjects import Deployment
 from talaria.shared.wire import encode
 from talaria.shared.tracing import inject_headers
 
@@ -43,21 +43,49 @@ def servers(url: str) -> list[str]:
     return [u.strip() for u in url.split(",") if u.strip()]
 
 
-# Stream and KV replicas of each connection's streams (TALARIA_NATS_REPLICAS: 3 on a 3-node
-# cluster, so a stream survives one node's loss). Every service of a deployment must agree:
-# `ensure_stream` updates an existing stream to its own count.
-_REPLICAS: "weakref.WeakKeyDictionary[NATS, int]" = weakref.WeakKeyDictionary()
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """What a connection was opened for: its deployment's names, the replicas of the streams it
+    creates (TALARIA_NATS_REPLICAS: 3 on a 3-node cluster, so a stream survives one node's
+    loss; every service of a deployment must agree, `ensure_stream` updates an existing stream
+    to its own count) and the data directory whose disk caps them."""
+
+    deployment: Deployment = Deployment()
+    replicas: int = 1
+    data_dir: Path = Path(".talaria")
+
+
+# Each connection's Link, kept beside the client object (nats.py's Client has no room for it);
+# a context not made by `connect` (a test's, a tool's) gets the default Link.
+_LINKS: "weakref.WeakKeyDictionary[NATS, Link]" = weakref.WeakKeyDictionary()
+
+
+def bind(nc: NATS, link: Link) -> None:
+    """Open `nc`'s Link (what `connect` does; a test's stand-in connection may be bound too)."""
+    _LINKS[nc] = link
+
+
+def link(js: JetStreamContext | NATS) -> Link:
+    nc = getattr(js, "_nc", js)
+    try:
+        return _LINKS.get(nc, Link())
+    except TypeError:  # not weak-referenceable: not a connection of ours
+        return Link()
+
+
+def deployment_of(js: JetStreamContext | NATS) -> Deployment:
+    return link(js).deployment
 
 
 def replicas(js: JetStreamContext) -> int:
-    nc = getattr(js, "_nc", None)  # a context not made by `connect`: one replica
-    return _REPLICAS.get(nc, 1) if nc is not None else 1
+    return link(js).replicas
 
 
-async def connect(url: str, name: str, replicas: int = 1, **auth) -> tuple[NATS, JetStreamContext]:
+async def connect(url: str, name: str, deployment: Deployment = Deployment(), replicas: int = 1,
+                  data_dir: Path = Path(".talaria"), **auth) -> tuple[NATS, JetStreamContext]:
     """`name` is also the `Talaria-Sender` of every event published through this connection
-    (nats_auth.sender_name); `auth` are the credentials (Settings.nats_options()); `replicas`
-    of the streams it creates (Settings.nats_replicas)."""
+    (nats_auth.sender_name); `auth` are the credentials; `deployment`, `replicas` and `data_dir`
+    make its Link (CommonSettings.bus_options() gives them all)."""
     nc = await nats.connect(
         servers(url),
         name=name,
@@ -68,7 +96,7 @@ async def connect(url: str, name: str, replicas: int = 1, **auth) -> tuple[NATS,
         **auth,
     )
     js = nc.jetstream(timeout=PUBLISH_TIMEOUT_S)
-    _REPLICAS[nc] = replicas
+    bind(nc, Link(deployment, replicas, Path(data_dir)))
     await ensure_stream(js)
     return nc, js
 
@@ -81,19 +109,11 @@ async def connect(url: str, name: str, replicas: int = 1, **auth) -> tuple[NATS,
 EVENTS_DISK_SHARE, IDEMPOTENCY_DISK_SHARE, REPLIES_DISK_SHARE = 1 / 8, 1 / 16, 1 / 32  # 22%: three deployments fit one broker
 
 
-DATA_DIR = Path(".talaria")  # set once per process from its settings (runtime.main), like subjects
-
-
-def configure_storage(data_dir: Path) -> None:
-    global DATA_DIR
-    DATA_DIR = Path(data_dir)
-
-
-def disk_cap(share: float) -> int:
+def disk_cap(js: JetStreamContext, share: float) -> int:
     """`share` of the free space (at start) on the disk holding the data directory: JetStream
     reserves every stream's max_bytes against its store, which it sizes from the free space
     (75% of it by default), so shares of the free space always fit."""
-    path = DATA_DIR.resolve()
+    path = link(js).data_dir.resolve()
     while not path.exists():
         path = path.parent
     return int(shutil.disk_usage(path).free * share)
@@ -102,13 +122,13 @@ def disk_cap(share: float) -> int:
 async def ensure_stream(js: JetStreamContext) -> None:
     """Create the event stream if absent. Idempotent; every service calls it at start."""
     config = StreamConfig(
-        name=subjects.EVENTS_STREAM,
-        subjects=[subjects.EVENTS_WILDCARD],
+        name=deployment_of(js).events_stream,
+        subjects=[deployment_of(js).events_wildcard],
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
         discard=DiscardPolicy.OLD,
         max_age=STREAM_MAX_AGE_S,
-        max_bytes=disk_cap(EVENTS_DISK_SHARE),
+        max_bytes=disk_cap(js, EVENTS_DISK_SHARE),
         duplicate_window=DUPLICATE_WINDOW_S,
         num_replicas=replicas(js),
     )
@@ -220,10 +240,10 @@ async def publish_fast(js: JetStreamContext, subject: str, event: msgspec.Struct
     await js._nc.publish(subject, encode(event), headers=_headers(js, None))
 
 
-def event_subject(event: msgspec.Struct) -> str:
+def event_subject(deployment: Deployment, event: msgspec.Struct) -> str:
     """The subject an event belongs on (its wire-table row): `<deployment>.evt.<its tag>`; a
     routed call goes to its instance's own subject."""
-    return _spec(event).subject_of(subjects.DEPLOYMENT, event)
+    return _spec(event).subject_of(deployment.name, event)
 
 
 def event_msg_id(event: msgspec.Struct) -> str | None:
@@ -239,14 +259,14 @@ def _spec(event: msgspec.Struct) -> EventSpec:
 
 
 async def emit(js: JetStreamContext, event: msgspec.Struct, sender: str | None = None) -> int:
-    return await publish_event(js, event_subject(event), event, msg_id=event_msg_id(event), sender=sender)
+    return await publish_event(js, event_subject(deployment_of(js), event), event, msg_id=event_msg_id(event), sender=sender)
 
 
 async def emit_async(js: JetStreamContext, event: msgspec.Struct, sender: str | None = None) -> asyncio.Future:
     """Like `emit`, without waiting for the ack: returns its future (a PubAck). Events
     published one after another are stored in that order."""
     _show(js, event)
-    return await js.publish_async(event_subject(event), encode(event),
+    return await js.publish_async(event_subject(deployment_of(js), event), encode(event),
                                   headers=_headers(js, event_msg_id(event), sender))
 
 
@@ -254,7 +274,7 @@ async def emit_new(js: JetStreamContext, event: msgspec.Struct, data: bytes | No
     """Like `emit`, but None when JetStream dropped it as a duplicate of a recent message.
     `data`: the event already encoded (the gateway measured its size with it)."""
     _show(js, event)
-    ack = await stored(js, event_subject(event), encode(event) if data is None else data,
+    ack = await stored(js, event_subject(deployment_of(js), event), encode(event) if data is None else data,
                        _headers(js, event_msg_id(event)))
     return None if ack.duplicate else ack.seq
 

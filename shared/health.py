@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from talaria.shared import subjects
-from talaria.shared.snapshots import ServiceHeartbeat
+from talaria.shared.bus import deployment_of
+from talaria.shared.subjects import Deployment
+from talaria.shared.snapshots import HEARTBEAT_DECODER, ServiceHeartbeat
 from talaria.shared.wire import encode
 
 INTERVAL_S = 0.5
@@ -17,7 +18,7 @@ async def heartbeat_loop(nc, service: str, stop: asyncio.Event, detail=None) -> 
     while not stop.is_set():
         info = (detail() if callable(detail) else detail) or {}
         try:
-            await nc.publish(subjects.health(service), encode(ServiceHeartbeat(service, time.time(), info)))
+            await nc.publish(deployment_of(nc).health(service), encode(ServiceHeartbeat(service, time.time(), info)))
         except Exception:
             pass  # reconnecting; the next beat will go out
         try:
@@ -69,11 +70,10 @@ class BusHearing:
                 pass
 
 
-async def wait_for_router(nc, instances: int, timeout: float = 30.0) -> None:
-    """Until the router reports it has heard from at least `instances` instances."""
-    from talaria.shared.snapshots import HEARTBEAT_DECODER
-
-    sub = await nc.subscribe(subjects.health("router"))
+async def wait_for_router(nc, instances: int, timeout: float = 30.0, deployment: Deployment | None = None) -> None:
+    """Until the router of `deployment` (by default: the connection's) reports it has heard
+    from at least `instances` instances."""
+    sub = await nc.subscribe((deployment or deployment_of(nc)).health("router"))
     try:
         deadline = time.monotonic() + timeout
         while True:

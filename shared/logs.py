@@ -7,6 +7,7 @@ import re
 import sys
 
 import structlog
+from talaria.shared.tracing import session_trace_id, trace_id_hex
 
 
 # Credentials a library's log line may quote (aiohttp logs a malformed request's raw header
@@ -68,8 +69,6 @@ def get(service: str) -> structlog.BoundLogger:
 
 def call_context(session_id: str, call_id: str):
     """Bind session, call and trace ids to every log line inside the `with` block."""
-    from talaria.shared.tracing import session_trace_id, trace_id_hex
-
     return structlog.contextvars.bound_contextvars(
         session_id=session_id, call_id=call_id, trace_id=trace_id_hex(session_trace_id(session_id))
     )

@@ -49,6 +49,7 @@ from talaria.shared.events import (
     RoutingDecision,
     SwitchDone,
 )
+from talaria.shared.events import Event
 
 # No `*_created` series: every service starts its counters with the process, and the extra
 # series doubles what Prometheus stores for them.
@@ -426,8 +427,6 @@ class TelemetryMetrics(ServiceMetrics):
 
 
 def _tags() -> tuple[str, ...]:
-    from talaria.shared.events import Event
-
     return tuple(sorted((t.__struct_config__.tag for t in Event.__args__), key=len, reverse=True))
 
 

@@ -21,6 +21,7 @@ from talaria.shared import tokenizer as byte_tok
 from talaria.shared.catalog import ModelSpec
 from talaria.shared.messages import ChatMessage, ToolSpec
 from talaria.shared.tool_calls import choice_note, hermes_turns, with_system
+from talaria.shared.demo_tokenizer import demo_tokenizer
 
 
 def _prefill(messages: list[ChatMessage]) -> str | None:
@@ -70,8 +71,6 @@ class DemoBpeText(ByteText):
     """The BPE built-ins (demo_tokenizer.py): same template and specials, merged ids."""
 
     def __init__(self) -> None:
-        from talaria.shared.demo_tokenizer import demo_tokenizer
-
         self.tok = demo_tokenizer()
         printable = [i for i in range(self.tok.get_vocab_size())
                      if (t := self.tok.decode([i], skip_special_tokens=True)) and all(ord(c) in PRINTABLE for c in t)]

@@ -7,7 +7,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 
-from talaria.shared import bus, logs, subjects
+from talaria.shared import logs
 from talaria.shared.settings import Settings, SettingsError
 
 Runner = Callable[[Settings, asyncio.Event | None, asyncio.Event | None], Awaitable[None]]
@@ -19,10 +19,9 @@ def main(service: str, run: Runner) -> int:
     except SettingsError as exc:
         print(f"talaria {service}: configuration error: {exc}", file=sys.stderr)
         return 2
-    log = logs.configure(service, settings.log_level, settings.log_json)
-    subjects.configure(settings.deployment)  # before anything names a subject
-    bus.configure_storage(settings.data_dir)  # streams are capped at shares of its disk
-    if not settings.nats_url or (service != "gateway" and service != "instance_agent" and not settings.database_url):
+    common = settings.common
+    log = logs.configure(service, common.log_level, common.log_json)
+    if not common.nats_url or (service != "gateway" and service != "instance_agent" and not common.database_url):
         print(f"talaria {service}: TALARIA_NATS_URL and TALARIA_DATABASE_URL must be set "
               "(`talaria up` sets them)", file=sys.stderr)
         return 2

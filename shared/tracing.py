@@ -31,7 +31,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
-from talaria.shared.settings import Settings
+from talaria.shared.settings import CommonSettings
 
 
 GEN_AI_PROVIDER = "talaria"  # gen_ai.provider.name: the serving system that answers
@@ -180,7 +180,7 @@ def span_to_dict(span: ReadableSpan) -> dict:
     }
 
 
-def setup(service: str, settings: Settings) -> TracerProvider:
+def setup(service: str, settings: CommonSettings) -> TracerProvider:
     """A tracer provider for one service (not installed globally, so tests can run several)."""
     provider = TracerProvider(resource=Resource.create({"service.name": f"talaria-{service}"}))
     if settings.otlp_endpoint:

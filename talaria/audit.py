@@ -58,7 +58,7 @@ def run_audit(settings: Settings, name: str | None, raw_params: list[str], fmt: 
     if name not in known:
         print(f"talaria audit: unknown audit {name!r}; known: {', '.join(known)}")
         return 2
-    if not settings.database_url:
+    if not settings.common.database_url:
         print("talaria audit: set TALARIA_DATABASE_URL (`talaria up` prints it)")
         return 2
     params = dict(p.split("=", 1) for p in raw_params if "=" in p)
@@ -66,7 +66,7 @@ def run_audit(settings: Settings, name: str | None, raw_params: list[str], fmt: 
     if missing:
         print(f"talaria audit: {name} needs --param {'=… --param '.join(missing)}=…")
         return 2
-    rows = asyncio.run(query(settings.database_url, name, params))
+    rows = asyncio.run(query(settings.common.database_url, name, params))
     if fmt == "json":
         print(json.dumps(rows, default=str, indent=2))
     else:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from talaria.shared.ablations import ABLATIONS
+from talaria.shared.catalog import CATALOG, register_all
 from talaria.shared.settings import Settings, SettingsError, redact_url
 
 
@@ -44,9 +45,7 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     except SettingsError as exc:
         print(f"talaria: {exc}", file=sys.stderr)
         return 2
-    _check_policy(settings.policy)
-    from talaria.shared.catalog import CATALOG
-
+    _check_policy(settings.router.policy)
     unknown = [m for m in args.hot if m not in CATALOG]
     if unknown:
         print(f"talaria: --hot {unknown[0]}: unknown model; known: {', '.join(sorted(CATALOG))}", file=sys.stderr)
@@ -54,8 +53,8 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     if not 1 <= args.nats_cluster <= 5:
         print(f"talaria: --nats-cluster {args.nats_cluster}: 1 to 5 servers", file=sys.stderr)
         return 2
-    if not 1 <= args.routers <= settings.router_partitions:
-        print(f"talaria: --routers {args.routers}: 1 to {settings.router_partitions} (TALARIA_ROUTER_PARTITIONS: "
+    if not 1 <= args.routers <= settings.router.router_partitions:
+        print(f"talaria: --routers {args.routers}: 1 to {settings.router.router_partitions} (TALARIA_ROUTER_PARTITIONS: "
               "each router needs a partition of the sessions)", file=sys.stderr)
         return 2
     stack = Stack(settings, agents=args.agents, hot=tuple(args.hot), nats_cluster=args.nats_cluster,
@@ -75,15 +74,15 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     try:
         stack.start(timeout=args.ready_timeout, progress=lambda m: print(f"talaria: {m}", flush=True))
         print(f"talaria: ready in {time.monotonic() - t0:.1f}s — gateway {stack.gateway_url} "
-              f"(policy {settings.policy}, {args.agents} cold agents, {len(args.hot)} hot)", flush=True)
+              f"(policy {settings.router.policy}, {args.agents} cold agents, {len(args.hot)} hot)", flush=True)
         print(f"talaria: metrics (GET /metrics) {', '.join(f'{n} {u}' for n, u in sorted(stack.metrics.items()))}; "
-              f"Prometheus config {settings.data_dir / 'prometheus.yml'}", flush=True)
+              f"Prometheus config {settings.common.data_dir / 'prometheus.yml'}", flush=True)
         print(f"talaria: NATS {redact_url(stack.nats_url)}  Postgres {redact_url(stack.database_url)}  "
-              f"(credentials in {settings.data_dir / 'stack.json'}, mode 0600)", flush=True)
+              f"(credentials in {settings.common.data_dir / 'stack.json'}, mode 0600)", flush=True)
         auth = ""
         if stack.api_key:
             print(f"talaria: API key (tenant `default`, this run only; also in "
-                  f"{settings.data_dir / 'api_key'}): {stack.api_key}", flush=True)
+                  f"{settings.common.data_dir / 'api_key'}): {stack.api_key}", flush=True)
             auth = f"-H 'Authorization: Bearer {stack.api_key}' "
         print(f"talaria: try  curl -s {stack.gateway_url}/v1/chat/completions {auth}-H 'X-Session-Id: demo' "
               "-H 'Content-Type: application/json' -d '{\"model\":\"qwen3-tiny\",\"messages\":"
@@ -114,23 +113,23 @@ def _check_policy(name: str) -> None:
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     from talaria.shared.db.connection import upgrade
 
-    if not settings.database_url:
+    if not settings.common.database_url:
         print("talaria migrate: set TALARIA_DATABASE_URL", file=sys.stderr)
         return 2
-    admin = settings.database_admin_url
+    admin = settings.cli.database_admin_url
     if admin:  # first set up the application role of TALARIA_DATABASE_URL (README: Security)
         import asyncio
         from urllib.parse import urlsplit
 
         from talaria.shared.db.roles import ensure_app_role
 
-        app = urlsplit(settings.database_url)
+        app = urlsplit(settings.common.database_url)
         if not app.username or not app.password:
             print("talaria migrate: TALARIA_DATABASE_URL must name the application role and its password",
                   file=sys.stderr)
             return 2
         asyncio.run(ensure_app_role(admin, app.username, app.password))
-    upgrade(settings.database_url)  # as the application role: it owns the schema
+    upgrade(settings.common.database_url)  # as the application role: it owns the schema
     print("talaria: schema is at head")
     return 0
 
@@ -144,14 +143,14 @@ def cmd_nats_config(args: argparse.Namespace, settings: Settings) -> int:
 
     agents = [a.strip() for a in args.agents.split(",") if a.strip()]
     # One NATS API client user per tenant of the configured API keys (none configured: one shared).
-    tenants = sorted(set(KeyStore.from_settings(settings).tenants.values()))
+    tenants = sorted(set(KeyStore.from_settings(settings.gateway).tenants.values()))
     users = generate_users(agents, tenants)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_private(out / "auth.conf", json.dumps({"authorization": authorization_block(users, settings.deployment)},
+    write_private(out / "auth.conf", json.dumps({"authorization": authorization_block(users, settings.common.deployment.name)},
                                                 indent=1))
     for key, user in users.items():
-        env = {**user.env(), "TALARIA_DEPLOYMENT": settings.deployment}
+        env = {**user.env(), "TALARIA_DEPLOYMENT": settings.common.deployment.name}
         write_private(out / f"{key}.env", "".join(f"{k}={v}\n" for k, v in env.items()))
     print(f"talaria: wrote {out / 'auth.conf'} (include it from nats-server.conf) and "
           f"{', '.join(f'{k}.env' for k in users)}: one per service, mode 0600")
@@ -161,7 +160,7 @@ def cmd_nats_config(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_trace(args: argparse.Namespace, settings: Settings) -> int:
     from talaria.timeline import print_timeline
 
-    directory = Path(args.traces_dir) if args.traces_dir else settings.traces_path
+    directory = Path(args.traces_dir) if args.traces_dir else settings.common.traces_path
     return print_timeline(directory, args.session)
 
 
@@ -179,10 +178,10 @@ def cmd_trace_export(argv: list[str]) -> int:
     except (SettingsError, ValueError) as exc:
         print(f"talaria trace export: {exc}", file=sys.stderr)
         return 2
-    if not settings.database_url:
+    if not settings.common.database_url:
         print("talaria trace export: set TALARIA_DATABASE_URL (`talaria up` prints it)", file=sys.stderr)
         return 2
-    summary = export(settings.database_url, Path(args.out), since)
+    summary = export(settings.common.database_url, Path(args.out), since)
     print(f"talaria: exported {summary['calls']} calls in {summary['sessions']} sessions to {summary['out']}")
     return 0
 
@@ -216,12 +215,12 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
             if not args.database:
                 print("talaria replay: --nats needs --database too", file=sys.stderr)
                 return 2
-            nats_url, db_url, api_key = args.nats, args.database, settings.api_key
+            nats_url, db_url, api_key = args.nats, args.database, settings.cli.api_key
         else:
             data_dir = Path(args.data_dir) if args.data_dir else Path(tempfile.mkdtemp(prefix="talaria-replay-"))
-            run_settings = _apply_ablation(settings.with_(policy=args.policy or settings.policy,
+            run_settings = _apply_ablation(settings.with_(policy=args.policy or settings.router.policy,
                                                           data_dir=data_dir, http_port=0), args)
-            _check_policy(run_settings.policy)
+            _check_policy(run_settings.router.policy)
             stack = Stack(run_settings, agents=args.agents).start(progress=lambda m: print(f"talaria: {m}",
                                                                                         file=sys.stderr))
             nats_url, db_url, api_key = stack.client_nats_url, stack.database_url, stack.api_key
@@ -229,10 +228,10 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
         print(f"talaria replay: {len(sessions)} sessions, {sum(len(s.calls) for s in sessions)} calls, "
               f"{gaps.describe()}, token scale {cfg.token_scale:g}", file=sys.stderr)
         t0 = time.monotonic()
-        stats = asyncio.run(Replayer(nats_url, cfg, gaps, run_id, api_key).run(sessions))
+        stats = asyncio.run(Replayer(nats_url, cfg, gaps, run_id, api_key, settings.common.deployment).run(sessions))
         metrics = asyncio.run(metrics_from_db(db_url, run_id, stats.calls_sent))
-        result = {"run_id": run_id, "policy": args.policy or settings.policy, "gaps": gaps.describe(),
-                  "ablation": args.ablation or settings.ablation,
+        result = {"run_id": run_id, "policy": args.policy or settings.router.policy, "gaps": gaps.describe(),
+                  "ablation": args.ablation or settings.agent.ablation,
                   "replay": dataclasses.asdict(cfg), "stats": dataclasses.asdict(stats),
                   "wall_s": time.monotonic() - t0, **metrics}
         print(json.dumps(result, indent=2, default=str))
@@ -331,10 +330,8 @@ def _main(argv: list[str] | None) -> int:
     except SettingsError as exc:
         print(f"talaria: configuration error: {exc}", file=sys.stderr)
         return 2
+    register_all(settings.common.checkpoints())  # `--hot` and `replay` may name a checkpoint
     from talaria.services.router.policy.registry import UnknownPolicyError
-    from talaria.shared import subjects
-
-    subjects.configure(settings.deployment)  # `talaria replay` speaks to this deployment
 
     handlers = {"up": cmd_up, "migrate": cmd_migrate, "nats-config": cmd_nats_config, "trace": cmd_trace, "audit": cmd_audit,
                 "replay": cmd_replay}

@@ -13,18 +13,16 @@ import urllib.request
 
 import nats
 
-from talaria.shared import subjects
 from talaria.shared.bus import servers
-from talaria.shared.settings import Settings
+from talaria.shared.settings import CommonSettings, Settings
+from talaria.shared.snapshots import HEARTBEAT_DECODER
 
 TIMEOUT_S = 3.0  # heartbeats come every 0.5 s: several must be missed to fail
 
 
-async def _heard(settings: Settings, subject: str, timeout: float, router_id: str = "") -> bool:
+async def _heard(settings: CommonSettings, subject: str, timeout: float, router_id: str = "") -> bool:
     """`settings`: the service's own (its NATS URL and credentials). `router_id`: a router
     replica's own beat, not any router's."""
-    from talaria.shared.snapshots import HEARTBEAT_DECODER
-
     nc = await nats.connect(servers(settings.nats_url or "nats://127.0.0.1:4222"), connect_timeout=timeout,
                             allow_reconnect=False, **settings.nats_options())
     try:
@@ -44,18 +42,18 @@ def check(service: str, timeout: float = TIMEOUT_S) -> str | None:
     """None when healthy, else why not."""
     try:
         settings = Settings.from_env()
-        subjects.configure(settings.deployment)
+        deployment = settings.common.deployment
         if service == "gateway":
-            with urllib.request.urlopen(f"http://127.0.0.1:{settings.http_port}/healthz", timeout=timeout) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{settings.gateway.http_port}/healthz", timeout=timeout) as r:
                 return None if r.status == 200 else f"gateway /healthz answered {r.status}"
         if service == "agent":
-            subject = subjects.telemetry(settings.instance_id)
+            subject = deployment.telemetry(settings.agent.instance_id)
         elif service in ("router", "telemetry"):
-            subject = subjects.health(service)
+            subject = deployment.health(service)
         else:
             return f"unknown service {service!r} (gateway, router, telemetry, agent)"
-        mine = settings.router_id if service == "router" else ""
-        heard = asyncio.run(asyncio.wait_for(_heard(settings, subject, timeout, mine), 2 * timeout))
+        mine = settings.router.router_id if service == "router" else ""
+        heard = asyncio.run(asyncio.wait_for(_heard(settings.common, subject, timeout, mine), 2 * timeout))
         return None if heard else f"no heartbeat on {subject} within {timeout:.0f}s"
     except Exception as exc:  # unreachable NATS or gateway: unhealthy, said in one line
         return f"{service}: {type(exc).__name__}: {exc}"

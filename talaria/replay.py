@@ -22,7 +22,7 @@ from pathlib import Path
 import asyncpg
 import nats
 
-from talaria.shared import subjects
+from talaria.shared.subjects import Deployment
 from talaria.shared.bus import servers
 from talaria.shared.catalog import CATALOG
 from talaria.shared.messages import CallRequest, CallResult, ErrorReply, REPLY_DECODER
@@ -70,8 +70,9 @@ def model_map(sessions: list[Session], models: tuple[str, ...]) -> dict[str, str
 
 class Replayer:
     def __init__(self, nats_url: str, cfg: ReplayConfig, gaps: GapModel, run_id: str,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, deployment: Deployment = Deployment()) -> None:
         self.nats_url, self.cfg, self.gaps, self.run_id = nats_url, cfg, gaps, run_id
+        self.deployment = deployment  # the deployment the stack serves (TALARIA_DEPLOYMENT)
         self.api_key = api_key
         self.stats = ReplayStats()
         self.total_calls = 0
@@ -120,7 +121,7 @@ class Replayer:
                           temperature=0.0, call_id=uuid.uuid4().hex, api_key=self.api_key)
         self.stats.calls_sent += 1
         try:
-            msg = await self.nc.request(subjects.API_CALL, encode(req), timeout=self.cfg.call_timeout_s)
+            msg = await self.nc.request(self.deployment.api_call, encode(req), timeout=self.cfg.call_timeout_s)
         except Exception as exc:
             return ErrorReply(504, "replay_timeout", str(exc))
         return REPLY_DECODER.decode(msg.data)

@@ -36,6 +36,7 @@ from talaria.embedded import (
     stop_stale,
 )
 from talaria.shared.bus import servers
+from talaria.services.gateway.admission import default_min_free_bytes
 
 # Restart backoff: the first restart after RESTART_MIN_S, doubling while a process keeps
 # dying within STABLE_S of its start, at most RESTART_MAX_S apart.
@@ -153,7 +154,7 @@ class Stack:
     broker_disabled: bool = False  # the embedded NATS turned JetStream off and awaits a restart
 
     def start(self, timeout: float = 120.0, progress=print) -> "Stack":
-        data = self.settings.data_dir.resolve()
+        data = self.settings.common.data_dir.resolve()
         # Others may traverse it (as root, the embedded Postgres runs as another user and must
         # reach its cluster inside), never list it; what is inside is 0600 / 0700.
         data.mkdir(mode=0o711, parents=True, exist_ok=True)
@@ -176,7 +177,7 @@ class Stack:
         return self
 
     def _write_description(self) -> None:
-        path = self.settings.data_dir.resolve() / "stack.json"
+        path = self.settings.common.data_dir.resolve() / "stack.json"
         write_private(path, json.dumps(self.describe(), indent=2))  # holds credentials
 
     def _stop_leftovers(self, data: Path, progress) -> None:
@@ -196,7 +197,7 @@ class Stack:
 
     def _api_keys(self, data: Path) -> None:
         """No keys configured: generate one for this run; only its hash reaches the gateway."""
-        if self.settings.api_keys or self.settings.api_keys_file:
+        if self.settings.gateway.api_keys or self.settings.gateway.api_keys_file:
             return
         self.api_key = new_key()
         write_key_file(data / "api_keys", [("default", hash_key(self.api_key))])
@@ -206,7 +207,7 @@ class Stack:
         """The tenants of the configured API keys (`default` for the key generated for this run)."""
         if self.api_key is not None:
             return ["default"]
-        return sorted(set(KeyStore.from_settings(self.settings).tenants.values()))
+        return sorted(set(KeyStore.from_settings(self.settings.gateway).tenants.values()))
 
     @property
     def client_nats_urls(self) -> dict[str, str]:
@@ -230,15 +231,15 @@ class Stack:
     def describe(self) -> dict[str, object]:
         return {"gateway": self.gateway_url, "nats": self.nats_url, "database": self.database_url,
                 "nats_client": self.client_nats_url, "nats_clients": self.client_nats_urls, "api_key": self.api_key,
-                "data_dir": str(self.settings.data_dir.resolve()), "agents": self.agents,
-                "traces": str(self.settings.traces_path.resolve()), "metrics": self.metrics,
-                "prometheus_config": str(self.settings.data_dir.resolve() / "prometheus.yml"),
+                "data_dir": str(self.settings.common.data_dir.resolve()), "agents": self.agents,
+                "traces": str(self.settings.common.traces_path.resolve()), "metrics": self.metrics,
+                "prometheus_config": str(self.settings.common.data_dir.resolve() / "prometheus.yml"),
                 "pids": {**{name: p.pid for name, p in self.procs.items()},
                          **{_server_key(s): s.proc.pid for s in self.embedded if s.proc is not None}}}
 
     def _servers(self, data: Path, progress) -> None:
-        if self.settings.nats_url:
-            self.nats_url = self.settings.nats_url
+        if self.settings.common.nats_url:
+            self.nats_url = self.settings.common.nats_url
             _reachable("NATS", servers(self.nats_url)[0])
         else:
             self.nats_users = generate_users(self._agent_ids(), self.tenants())
@@ -246,13 +247,13 @@ class Stack:
                 self._nats_cluster(data, progress)
             else:
                 progress("starting embedded NATS (JetStream) with per-service users")
-                nats = EmbeddedNats(data / "nats", users=self.nats_users, prefix=self.settings.deployment)
+                nats = EmbeddedNats(data / "nats", users=self.nats_users, prefix=self.settings.common.deployment.name)
                 self.embedded.append(nats)  # before start(): stop() must reach a half-started server
                 self.nats_url = nats.start().url
                 if nats.stale:
                     progress(f"stopped a NATS server (pid {nats.stale}) left running by an earlier run")
-        if self.settings.database_url:
-            self.database_url = self.settings.database_url
+        if self.settings.common.database_url:
+            self.database_url = self.settings.common.database_url
         else:
             progress("starting embedded PostgreSQL")
             pg = EmbeddedPostgres(data / "postgres")
@@ -268,7 +269,7 @@ class Stack:
             raise StackError(f"--nats-cluster {self.nats_cluster}: 1 to 5 servers (JetStream replicates at most 5x)")
         progress(f"starting an embedded {self.nats_cluster}-node NATS JetStream cluster with per-service users")
         cluster = EmbeddedNatsCluster(data / "nats-cluster", self.nats_cluster, users=self.nats_users,
-                                      prefix=self.settings.deployment)
+                                      prefix=self.settings.common.deployment.name)
         try:
             cluster.start()
         finally:  # each member supervised (restarted on its ports) like a single server
@@ -283,16 +284,16 @@ class Stack:
         env = dict(os.environ)
         env.update({
             "TALARIA_NATS_URL": self.nats_url, "TALARIA_DATABASE_URL": self.database_url,
-            "TALARIA_DATA_DIR": str(s.data_dir.resolve()), "TALARIA_TRACES_DIR": str(s.traces_path.resolve()),
-            "TALARIA_POLICY": s.policy, "TALARIA_LEASE_TIMEOUT_S": str(s.lease_timeout_s),
-            "TALARIA_ADAPTIVE_LEASE": str(s.adaptive_lease), "TALARIA_ABLATION": s.ablation,
-            "TALARIA_MODELS": s.models_env(), "TALARIA_DEVICE": s.device,
-            "TALARIA_HTTP_HOST": s.http_host, "TALARIA_SESSION_IDLE_S": str(s.session_idle_s),
-            "TALARIA_NATS_REPLICAS": str(self.nats_cluster if not s.nats_url else s.nats_replicas),
-            "TALARIA_LOG_LEVEL": s.log_level, "TALARIA_METRICS_HOST": s.http_host, "TALARIA_DEPLOYMENT": s.deployment, "PYTHONUNBUFFERED": "1",
+            "TALARIA_DATA_DIR": str(s.common.data_dir.resolve()), "TALARIA_TRACES_DIR": str(s.common.traces_path.resolve()),
+            "TALARIA_POLICY": s.router.policy, "TALARIA_LEASE_TIMEOUT_S": str(s.router.lease_timeout_s),
+            "TALARIA_ADAPTIVE_LEASE": str(s.router.adaptive_lease), "TALARIA_ABLATION": s.agent.ablation,
+            "TALARIA_MODELS": s.common.models_env(), "TALARIA_DEVICE": s.agent.device,
+            "TALARIA_HTTP_HOST": s.gateway.http_host, "TALARIA_SESSION_IDLE_S": str(s.telemetry.session_idle_s),
+            "TALARIA_NATS_REPLICAS": str(self.nats_cluster if not s.common.nats_url else s.common.nats_replicas),
+            "TALARIA_LOG_LEVEL": s.common.log_level, "TALARIA_METRICS_HOST": s.gateway.http_host, "TALARIA_DEPLOYMENT": s.common.deployment.name, "PYTHONUNBUFFERED": "1",
         })
         if self.api_key is not None:
-            env["TALARIA_API_KEYS_FILE"] = str((s.data_dir / "api_keys").resolve())
+            env["TALARIA_API_KEYS_FILE"] = str((s.common.data_dir / "api_keys").resolve())
         env.update(extra)
         return env
 
@@ -300,7 +301,7 @@ class Stack:
         extra = {}
         if name != "gateway":  # the gateway serves GET /metrics on its API port
             if name not in self.metrics:  # a port for the service's life: a restart comes back on it
-                self.metrics[name] = f"http://{self.settings.http_host}:{free_port()}/metrics"
+                self.metrics[name] = f"http://{self.settings.gateway.http_host}:{free_port()}/metrics"
             extra["TALARIA_METRICS_PORT"] = self.metrics[name].rsplit(":", 1)[1].split("/")[0]
         logs = data / "logs"
         logs.mkdir(mode=0o700, exist_ok=True)  # logs name every tenant's calls: owner-only
@@ -327,8 +328,8 @@ class Stack:
             old.proc, old.started_at, old.restart_at = proc, time.monotonic(), None
 
     def _services(self, data: Path, progress) -> None:
-        port = self.settings.http_port or free_port()
-        self.gateway_url = f"http://{self.settings.http_host}:{port}"
+        port = self.settings.gateway.http_port or free_port()
+        self.gateway_url = f"http://{self.settings.gateway.http_host}:{port}"
         progress(f"starting {self.routers} router(s), telemetry, gateway and {self.agents} instance agent(s)")
         self._spawn("telemetry", "talaria.services.telemetry", data)
         if self.routers == 1:  # a stable id: a restart adopts its claims at once, not a TTL later
@@ -337,7 +338,7 @@ class Stack:
             self._spawn(f"router-{i}", "talaria.services.router", data, TALARIA_ROUTER_ID=f"router-{i}")
         for i in range(self.agents):
             self._spawn(f"agent-{i}", "talaria.services.instance_agent", data, TALARIA_INSTANCE_ID=f"agent-{i}",
-                        TALARIA_POOL=self.settings.pool)
+                        TALARIA_POOL=self.settings.agent.pool)
         for model in self.hot:
             self._spawn(f"hot-{model}", "talaria.services.instance_agent", data, TALARIA_INSTANCE_ID=f"hot-{model}",
                         TALARIA_POOL="hot", TALARIA_MODELS=model)
@@ -353,7 +354,7 @@ class Stack:
             for name, proc in self.procs.items():
                 if proc.poll() is not None:
                     raise StackError(f"{name} exited with code {proc.returncode}; see "
-                                     f"{self.settings.data_dir / 'logs' / (name + '.log')}")
+                                     f"{self.settings.common.data_dir / 'logs' / (name + '.log')}")
             try:
                 try:
                     with urllib.request.urlopen(self.gateway_url + "/healthz", timeout=1) as r:
@@ -378,7 +379,7 @@ class Stack:
         """One supervision pass (call it every few hundred ms): schedule a restart for each
         process that exited, and start those whose backoff has passed."""
         now = time.monotonic() if now is None else now
-        data = self.settings.data_dir.resolve()
+        data = self.settings.common.data_dir.resolve()
         changed = self._supervise_servers(now, progress)
         for name, child in self.children.items():
             code = child.proc.poll()
@@ -429,15 +430,13 @@ class Stack:
     def _restart_disabled_broker(self, server, progress) -> bool:
         """Restart a NATS whose JetStream is off once the disk has room again (else it would
         disable itself again at once)."""
-        from talaria.services.gateway.admission import default_min_free_bytes
-
         if self._broker_disabled(server):
             self.broker_disabled = True
             progress("embedded nats: JetStream failed to write (disk full?); it is restarted once the disk "
                      "has room")
         if not self.broker_disabled:
             return False
-        data = self.settings.data_dir.resolve()
+        data = self.settings.common.data_dir.resolve()
         if shutil.disk_usage(data).free < default_min_free_bytes(data):
             return False
         server.stop()

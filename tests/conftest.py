@@ -21,6 +21,9 @@ import pytest
 from talaria.shared.db.connection import upgrade
 from talaria.shared.settings import asyncpg_dsn
 from talaria.embedded import EmbeddedNats, EmbeddedPostgres
+from talaria.shared.subjects import Deployment
+
+DEP = Deployment()  # the default deployment's subject names
 
 EXTERNAL_NATS = os.environ.get("TALARIA_NATS_URL")
 EXTERNAL_DB = os.environ.get("TALARIA_DATABASE_URL")
@@ -96,11 +99,9 @@ async def nats_url(tmp_path):
     if EXTERNAL_NATS:
         import nats
 
-        from talaria.shared import subjects
-
         nc = await nats.connect(EXTERNAL_NATS)
         js = nc.jetstream()
-        for stream in (subjects.EVENTS_STREAM, subjects.IDEMPOTENCY_STREAM, subjects.REPLIES_STREAM):  # reused across runs
+        for stream in (DEP.events_stream, DEP.idempotency_stream, DEP.replies_stream):  # reused across runs
             try:
                 await js.delete_stream(stream)
             except Exception:

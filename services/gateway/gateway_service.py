@@ -17,12 +17,12 @@ from talaria.services.gateway.http_api import HttpApi
 from talaria.services.gateway.idempotency import IdempotentCalls
 from talaria.services.gateway.nats_api import NatsApi
 from talaria.services.gateway.submitter import Submitter
-from talaria.shared import logs, subjects, tracing
+from talaria.shared import logs, tracing
 from talaria.shared.bus import close, connect
-from talaria.shared.catalog import CATALOG, register_all
+from talaria.shared.catalog import register_all
 from talaria.shared.metrics import FrontendMetrics, handler as metrics_handler
 from talaria.shared.snapshots import HEARTBEAT_DECODER, InstanceSnapshot, SNAPSHOT_DECODER
-from talaria.shared.settings import Settings
+from talaria.shared.settings import CommonSettings, GatewaySettings, Settings
 
 STALE_AFTER_S = 3.0
 
@@ -90,8 +90,17 @@ class ServedModels:
 
 
 async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
+    await serve(settings.common, settings.gateway, ready, stop or asyncio.Event())
+
+
+async def serve(common: CommonSettings, settings: GatewaySettings, ready: asyncio.Event | None,
+                stop: asyncio.Event) -> None:
     log = logs.get("gateway")
-    provider = tracing.setup("gateway", settings)
+    # Checkpoints among the models join this process's catalogue; a spawned parser worker
+    # starts with the built-in one only, so it is given them too.
+    checkpoints = common.checkpoints()
+    register_all(checkpoints)
+    provider = tracing.setup("gateway", common)
     tracer = provider.get_tracer("talaria.gateway")
     recovering: list[Submitter] = []
 
@@ -99,10 +108,9 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
         for sub in recovering:
             asyncio.ensure_future(sub.recover())
 
-    nc, js = await connect(settings.nats_url, "talaria-gateway", reconnected_cb=reconnected,
-                           replicas=settings.nats_replicas, **settings.nats_options())
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
-    disk = DiskCheck(settings.data_dir, settings.min_free_disk_mb << 20 or default_min_free_bytes(settings.data_dir))
+    nc, js = await connect(common.nats_url, "talaria-gateway", reconnected_cb=reconnected, **common.bus_options())
+    common.data_dir.mkdir(parents=True, exist_ok=True)
+    disk = DiskCheck(common.data_dir, settings.min_free_disk_mb << 20 or default_min_free_bytes(common.data_dir))
     admission = Admission(settings.admission_target_queue_s) if settings.admission_target_queue_s > 0 else None
     metrics = FrontendMetrics()
     submitter = Submitter(nc, js, tracer, settings.call_timeout_s, log, admission, disk, metrics=metrics)
@@ -110,9 +118,9 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     await submitter.start()
     idempotency = IdempotentCalls(submitter, settings.idempotency_window_s, settings.idempotent_orphan_s)
     await idempotency.start()
-    served = ServedModels(settings.models, lambda: nc.is_connected, disk.problem)
-    await nc.subscribe(subjects.TELEMETRY_WILDCARD, cb=served.on_snapshot)
-    await nc.subscribe(subjects.HEALTH_WILDCARD, cb=served.on_heartbeat)
+    served = ServedModels(common.models, lambda: nc.is_connected, disk.problem)
+    await nc.subscribe(common.deployment.telemetry_wildcard, cb=served.on_snapshot)
+    await nc.subscribe(common.deployment.health_wildcard, cb=served.on_heartbeat)
     keys = KeyStore.from_settings(settings)
     if not keys.enabled:
         log.warning("no API keys configured: the gateway is open to anyone who can reach it")
@@ -120,8 +128,6 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     await nats_api.start()
     # handler_cancellation: a client that disconnects cancels its handler, which cancels the call.
     # One worker process parses large bodies: they queue among themselves, not on the loop.
-    # A spawned worker starts with the built-in catalogue only: give it the checkpoints served here.
-    checkpoints = tuple(CATALOG[name] for name, _ in settings.model_dirs)
     parser_pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
                                       initializer=register_all, initargs=(checkpoints,))
     await asyncio.get_running_loop().run_in_executor(parser_pool, int)  # start it now, not on a call
@@ -141,7 +147,7 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     if ready is not None:
         ready.set()
     try:
-        await (stop or asyncio.Event()).wait()
+        await stop.wait()
     finally:
         await submitter.stop()  # first: calls still waiting get a 503 now, not at their timeout
         await nats_api.stop()

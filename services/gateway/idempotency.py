@@ -55,9 +55,8 @@ from talaria.services.gateway.idempotency_rules import (
     waiting_subject,
 )
 from talaria.services.gateway.validation import check_size
-from talaria.shared import subjects
-from talaria.shared.bus import IDEMPOTENCY_DISK_SHARE, disk_cap, emit, emit_new, replicas
-from talaria.shared.events import CallFailed, CallSubmitted
+from talaria.shared.bus import IDEMPOTENCY_DISK_SHARE, disk_cap, emit_new, replicas
+from talaria.shared.events import CallSubmitted
 from talaria.shared.messages import REPLY_DECODER, ErrorReply, Reply
 from talaria.shared.nats_auth import ANSWERING_ROLES, sent_by
 from talaria.shared.wire import encode, replace
@@ -74,18 +73,19 @@ class IdempotentCalls:
     def __init__(self, submitter, window_s: float, orphan_s: float = 15.0) -> None:
         self.submitter, self.window_s, self.orphan_s = submitter, window_s, orphan_s
         self.nc, self.js, self.log = submitter.nc, submitter.js, submitter.log
+        self.deployment = submitter.deployment
         self._watches: set[asyncio.Task] = set()  # calls whose client left here, in their grace
         self._stopping = False
 
     async def start(self) -> None:
         config = StreamConfig(
-            name=subjects.IDEMPOTENCY_STREAM,
-            subjects=[f"{subjects.IDEMPOTENCY_KEYS}.*", f"{subjects.IDEMPOTENT_REPLIES}.*"],
+            name=self.deployment.idempotency_stream,
+            subjects=[f"{self.deployment.idempotency_keys}.*", f"{self.deployment.idempotent_replies}.*"],
             retention=RetentionPolicy.LIMITS, storage=StorageType.FILE, discard=DiscardPolicy.OLD,
             max_age=self.window_s,
             max_msgs_per_subject=1,  # a key's current claim; a call's answer
             num_replicas=replicas(self.js),
-            max_bytes=disk_cap(IDEMPOTENCY_DISK_SHARE),  # oldest first past it (shared/bus.py)
+            max_bytes=disk_cap(self.js, IDEMPOTENCY_DISK_SHARE),  # oldest first past it (shared/bus.py)
         )
         try:
             await self.js.add_stream(config)
@@ -106,7 +106,7 @@ class IdempotentCalls:
             if msg.reply:
                 await self.nc.publish(msg.reply, b"")
 
-        return await self.nc.subscribe(waiting_subject(tenant, call_id), cb=here)
+        return await self.nc.subscribe(waiting_subject(self.deployment, tenant, call_id), cb=here)
 
     def left(self, call: CallSubmitted, presence) -> None:
         """This request's client went away: its presence lasts the grace, then the call is
@@ -127,7 +127,7 @@ class IdempotentCalls:
             if time.time() >= call.deadline_at or await self.stored(call.tenant, call.call_id) is not None:
                 return  # it has its answer, or will never have one
             try:  # our unsubscribe is ahead of this on the connection: only others can answer
-                await self.nc.request(waiting_subject(call.tenant, call.call_id), b"", timeout=PROBE_TIMEOUT_S)
+                await self.nc.request(waiting_subject(self.deployment, call.tenant, call.call_id), b"", timeout=PROBE_TIMEOUT_S)
                 return  # someone waits: the last of them to leave decides
             except NoRespondersError:
                 pass
@@ -137,14 +137,14 @@ class IdempotentCalls:
 
     async def claim(self, call: CallSubmitted, key: str) -> "Claim | ErrorReply":
         """Claim `key` for `call`, or find the call it already names."""
-        subject, fp = key_subject(call.tenant, key), fingerprint(call)
+        subject, fp = key_subject(self.deployment, call.tenant, key), fingerprint(call)
         own = self._own(call)
         try:
             if await self._write(subject, self._record(own, fp, 0), last=0):
                 return Claim(self, own, owner=True, request=call, key=key)
             for _ in range(CLAIM_RACES):
                 try:
-                    raw = await self.js.get_last_msg(subjects.IDEMPOTENCY_STREAM, subject)
+                    raw = await self.js.get_last_msg(self.deployment.idempotency_stream, subject)
                 except NotFoundError:  # expired a moment ago
                     if await self._write(subject, self._record(own, fp, 0), last=0):
                         return Claim(self, own, owner=True, request=call, key=key)
@@ -179,7 +179,7 @@ class IdempotentCalls:
     async def stored(self, tenant: str | None, call_id: str) -> Reply | None:
         """The answer `tenant`'s call got, if it has one."""
         try:
-            raw = await self.js.get_last_msg(subjects.IDEMPOTENCY_STREAM, outcome_subject(tenant, call_id))
+            raw = await self.js.get_last_msg(self.deployment.idempotency_stream, outcome_subject(self.deployment, tenant, call_id))
         except NotFoundError:
             return None
         if not sent_by(raw.headers, ANSWERING_ROLES):  # kept answers come from the router or an agent
@@ -217,7 +217,8 @@ class IdempotentCalls:
             try:
                 return await asyncio.wait_for(got, max(0.0, call.deadline_at - time.time()))
             except TimeoutError:
-                return await self._timed_out(call)
+                # what its own gateway would have said and recorded at the deadline
+                return await self.submitter.timed_out(call, "no reply by the call's deadline")
         except Exception as exc:
             self.log.error("attaching to an idempotent call failed", call_id=call.call_id, error=str(exc))
             return ErrorReply(503, "bus_unavailable", f"could not wait for call {call.call_id}: {exc}",
@@ -225,25 +226,14 @@ class IdempotentCalls:
         finally:
             await sub.unsubscribe()
 
-    async def _timed_out(self, call: CallSubmitted) -> ErrorReply:
-        """What its own gateway would have said and recorded at the deadline."""
-        reason = "no reply by the call's deadline"
-        try:
-            await emit(self.js, CallFailed(call.call_id, call.session_id, call.model, reason, "gateway",
-                                           time.time(), status=504))
-        except Exception as exc:
-            self.log.error("could not record timeout", call_id=call.call_id, error=str(exc))
-        return ErrorReply(504, "timeout", reason, call_id=call.call_id)
-
     def _own(self, call: CallSubmitted) -> CallSubmitted:
         """`call` as the key's owner runs it: answered on its kept reply subject, with its deadline."""
-        return replace(call, reply_to=outcome_subject(call.tenant, call.call_id),
+        return replace(call, reply_to=outcome_subject(self.deployment, call.tenant, call.call_id),
                        deadline_at=call.deadline_at or call.submitted_at + self.submitter.timeout_s)
 
-    @staticmethod
-    def _attached(call: CallSubmitted, record: IdempotencyRecord) -> CallSubmitted:
+    def _attached(self, call: CallSubmitted, record: IdempotencyRecord) -> CallSubmitted:
         """This request as the call it attaches to (the original's id, reply subject, deadline)."""
-        return replace(call, call_id=record.call_id, reply_to=outcome_subject(call.tenant, record.call_id),
+        return replace(call, call_id=record.call_id, reply_to=outcome_subject(self.deployment, call.tenant, record.call_id),
                        deadline_at=record.deadline_at)
 
     @staticmethod
@@ -253,7 +243,7 @@ class IdempotentCalls:
     async def _write(self, subject: str, record: IdempotencyRecord, last: int) -> bool:
         """Publish `record` if the subject's last message is still `last` (0: none); False if not."""
         try:
-            await self.js.publish(subject, encode(record), stream=subjects.IDEMPOTENCY_STREAM,
+            await self.js.publish(subject, encode(record), stream=self.deployment.idempotency_stream,
                                   headers={"Nats-Expected-Last-Subject-Sequence": str(last)})
             return True
         except APIError as err:

@@ -12,7 +12,7 @@ from enum import Enum
 import msgspec
 
 from talaria.services.gateway.validation import bad
-from talaria.shared import subjects
+from talaria.shared.subjects import Deployment
 from talaria.shared.bus import DUPLICATE_WINDOW_S
 from talaria.shared.events import CallSubmitted
 from talaria.shared.messages import CallResult, ErrorReply, Reply
@@ -85,9 +85,9 @@ def fingerprint(call: CallSubmitted) -> str:
     return hashlib.sha256(msgspec.json.encode(asked)).hexdigest()
 
 
-def key_subject(tenant: str, key: str) -> str:
+def key_subject(deployment: Deployment, tenant: str, key: str) -> str:
     digest = hashlib.sha256(f"{tenant}\n{key}".encode()).hexdigest()  # tenant names have no newline
-    return f"{subjects.IDEMPOTENCY_KEYS}.{digest}"
+    return f"{deployment.idempotency_keys}.{digest}"
 
 
 TENANT_TAG = 16  # hex digits of sha256(tenant) before a kept reply's call id: `<tag>-<call_id>`
@@ -104,16 +104,17 @@ def reply_call_id(subject: str) -> str:
     return token[TENANT_TAG + 1:] if is_outcome_subject(subject) else token
 
 
-def outcome_subject(tenant: str | None, call_id: str) -> str:
-    return f"{subjects.IDEMPOTENT_REPLIES}.{_scoped(tenant, call_id)}"
+def outcome_subject(deployment: Deployment, tenant: str | None, call_id: str) -> str:
+    return f"{deployment.idempotent_replies}.{_scoped(tenant, call_id)}"
 
 
 def is_outcome_subject(subject: str | None) -> bool:
-    return bool(subject) and subject.startswith(f"{subjects.IDEMPOTENT_REPLIES}.")
+    """A kept reply's subject, `<deployment>.reply.gateway.idem.<t>-<call>`, of any deployment."""
+    return bool(subject) and subject.split(".")[1:4] == Deployment().idempotent_replies.split(".")[1:]
 
 
-def waiting_subject(tenant: str | None, call_id: str) -> str:
-    return f"{subjects.IDEMPOTENT_WAITING}.{_scoped(tenant, call_id)}"
+def waiting_subject(deployment: Deployment, tenant: str | None, call_id: str) -> str:
+    return f"{deployment.idempotent_waiting}.{_scoped(tenant, call_id)}"
 
 
 def orphan_cancelled(reply: Reply) -> bool:

@@ -2,7 +2,7 @@
 
 The reply is a CallResult or an ErrorReply (tagged by `"type"`). To stream, set
 `call_id` and subscribe to `talaria.tokens.<tenant>.<call_id>` before sending the request
-(`subjects.tokens`); a tenant's NATS user may read only its own tenant's tokens and inboxes.
+(`Deployment.tokens`); a tenant's NATS user may read only its own tenant's tokens and inboxes.
 Send the same `idempotency_key` with each retry of a call (idempotency.py): a given
 `call_id` names its first attempt; an attempt re-run after a failure gets a new id.
 
@@ -25,7 +25,7 @@ from talaria.services.gateway.prepare import RequestError, prepare
 from talaria.services.gateway.session_ids import InvalidSessionId, check
 from talaria.services.gateway.submitter import Submitter
 from talaria.services.gateway.validation import decode
-from talaria.shared import subjects
+from talaria.shared.subjects import API_QUEUE_GROUP
 from talaria.shared.messages import CALL_REQUEST_DECODER, CANCEL_DECODER, CallResult, ErrorReply
 from talaria.shared.nats_auth import reply_allowed
 from talaria.shared.wire import encode, replace
@@ -35,14 +35,15 @@ class NatsApi:
     def __init__(self, nc, submitter: Submitter, log, keys: KeyStore | None = None,
                  prefix_sharing: str = "tenant", idempotency: IdempotentCalls | None = None) -> None:
         self.nc, self.submitter, self.log = nc, submitter, log
+        self.deployment = submitter.deployment
         self.idempotency = idempotency  # honours `idempotency_key`; None: it is ignored
         self.keys, self.prefix_sharing = keys or KeyStore(), prefix_sharing
         self._tasks: set[asyncio.Task] = set()
         self._sub = self._cancel_sub = None
 
     async def start(self) -> None:
-        self._sub = await self.nc.subscribe(subjects.API_CALL, queue=subjects.API_QUEUE_GROUP, cb=self._on_msg)
-        self._cancel_sub = await self.nc.subscribe(subjects.API_CANCEL, queue=subjects.API_QUEUE_GROUP,
+        self._sub = await self.nc.subscribe(self.deployment.api_call, queue=API_QUEUE_GROUP, cb=self._on_msg)
+        self._cancel_sub = await self.nc.subscribe(self.deployment.api_cancel, queue=API_QUEUE_GROUP,
                                                    cb=self._on_cancel)
 
     async def stop(self) -> None:

@@ -29,11 +29,10 @@ from opentelemetry import trace
 from talaria.services.gateway.admission import Admission, DiskCheck
 from talaria.services.gateway.idempotency_rules import is_outcome_subject, reply_call_id
 from talaria.services.gateway.validation import check_size
-from talaria.shared import subjects
 from talaria.shared.logs import call_context
 from talaria.shared.metrics import FrontendMetrics
 from talaria.shared.nats_auth import ANSWERING_ROLES, SENDER_HEADER, STREAMING_ROLES, sender_of, sent_by
-from talaria.shared.bus import REPLIES_DISK_SHARE, disk_cap, emit, emit_new, written
+from talaria.shared.bus import REPLIES_DISK_SHARE, deployment_of, disk_cap, emit, emit_new, written
 from talaria.shared.events import CallFailed, CallSubmitted
 from talaria.shared.messages import (
     CANCELLED_STATUS,
@@ -66,7 +65,8 @@ class Submitter:
         self.nc, self.js, self.tracer, self.timeout_s, self.log = nc, js, tracer, timeout_s, log
         self.admission, self.disk = admission, disk  # None: every call is admitted
         self.metrics = metrics or FrontendMetrics()
-        self.inbox = f"{subjects.LIVE_REPLIES}.{uuid.uuid4().hex}"  # only agents and the router may publish here
+        self.deployment = deployment_of(js)  # the deployment its connection was opened for
+        self.inbox = f"{self.deployment.live_replies}.{uuid.uuid4().hex}"  # only agents and the router may publish here
         self._pending: dict[str, asyncio.Future[Reply]] = {}
         self._calls: dict[str, CallSubmitted] = {}  # accepted and still waiting, for stop()
         self._sub = None
@@ -75,10 +75,10 @@ class Submitter:
         self._sub = await self.nc.subscribe(f"{self.inbox}.*", cb=self._on_reply)
         # A reply is read by the gateway waiting for it, at most until the call's deadline:
         # twice the timeout covers clock skew between the agent and the gateway.
-        config = StreamConfig(name=subjects.REPLIES_STREAM, subjects=[f"{subjects.LIVE_REPLIES}.*.*"],
+        config = StreamConfig(name=self.deployment.replies_stream, subjects=[f"{self.deployment.live_replies}.*.*"],
                               retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
                               discard=DiscardPolicy.OLD, max_age=2 * self.timeout_s, max_msgs_per_subject=1,
-                              max_bytes=disk_cap(REPLIES_DISK_SHARE))
+                              max_bytes=disk_cap(self.js, REPLIES_DISK_SHARE))
         try:
             await self.js.add_stream(config)
         except BadRequestError:
@@ -92,7 +92,7 @@ class Submitter:
             fut = self._pending.get(call_id)
             if fut is None or fut.done():
                 continue
-            stream = subjects.IDEMPOTENCY_STREAM if is_outcome_subject(call.reply_to) else subjects.REPLIES_STREAM
+            stream = self.deployment.idempotency_stream if is_outcome_subject(call.reply_to) else self.deployment.replies_stream
             try:
                 raw = await self.js.get_last_msg(stream, call.reply_to)
             except NotFoundError:
@@ -208,7 +208,7 @@ class Submitter:
                     reply_sub = await self.nc.subscribe(call.reply_to, cb=self._on_reply)
                 if on_token is not None:
                     token_sub = await self.nc.subscribe(
-                        subjects.tokens(call.tenant, call.call_id), cb=self._token_handler(on_token)
+                        self.deployment.tokens(call.tenant, call.call_id), cb=self._token_handler(on_token)
                     )
                 try:
                     if await emit_new(self.js, call, data) is None:
@@ -223,7 +223,7 @@ class Submitter:
                 try:
                     reply = await asyncio.wait_for(fut, self.timeout_s)
                 except TimeoutError:
-                    reply = await self._timed_out(call)
+                    reply = await self.timed_out(call, f"no reply within {self.timeout_s:.0f}s")
                 except asyncio.CancelledError:  # the client went away (HTTP disconnect)
                     if not kept:  # with a key, a retry may attach: Claim.run gives it a grace first
                         await self.cancel(call.call_id, "client disconnected", call.tenant)
@@ -249,7 +249,7 @@ class Submitter:
     async def cancel(self, call_id: str, reason: str, tenant: str) -> None:
         """Tell the agents to abort `call_id` of `tenant` (they record it as cancelled)."""
         try:
-            await self.nc.publish(subjects.CALL_CANCEL, encode(CancelCall(call_id, reason, tenant=tenant)),
+            await self.nc.publish(self.deployment.call_cancel, encode(CancelCall(call_id, reason, tenant=tenant)),
                                   headers={SENDER_HEADER: self.nc.options.get("name") or ""})
             self.log.info("call cancelled", call_id=call_id, reason=reason)
         except Exception as exc:  # the bus is down: the call runs to its end, nothing is lost
@@ -269,8 +269,8 @@ class Submitter:
 
         return handle
 
-    async def _timed_out(self, call: CallSubmitted) -> ErrorReply:
-        reason = f"no reply within {self.timeout_s:.0f}s"
+    async def timed_out(self, call: CallSubmitted, reason: str) -> ErrorReply:
+        """The 504 of a call nobody answered in time, recorded as the gateway's CallFailed."""
         try:
             await emit(self.js, CallFailed(call.call_id, call.session_id, call.model, reason, "gateway",
                                            time.time(), status=504))

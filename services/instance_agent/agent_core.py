@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 
+from talaria.services.instance_agent.scheduler.calls import LIVE, AgentCall, Phase
 from talaria.services.instance_agent.scheduler import (
     CallAdmitted,
     CallFinished,
@@ -46,41 +46,6 @@ from talaria.services.instance_agent.scheduler import (
 )
 from talaria.shared.events import CallCompleted, RoundSummary, SwitchDone
 from talaria.shared.snapshots import InstanceSnapshot, ModelResidency, SessionKv
-
-
-class Phase(Enum):
-    QUEUED = "queued"  # accepted, its prefill not issued yet
-    RUNNING = "running"  # its prefill was issued (chunks, then decodes)
-    CLOSING = "closing"  # its outcome is being published: a copy arriving now is attached to it
-    FINISHED = "finished"  # its outcome is stored: a late copy is acked, never run
-    CANCELLED = "cancelled"  # cancelled before it arrived: refused when it does
-
-
-LIVE = (Phase.QUEUED, Phase.RUNNING)
-
-
-@dataclass(slots=True)
-class AgentCall:
-    """One call on this instance, from acceptance (or an early cancel) to its stored outcome."""
-
-    call_id: str
-    session_id: str
-    model: str
-    call_index: int
-    submitted_at: float  # the caller's submission: queue and TTFT count from here
-    tenant: str = ""  # whose call it is: only that tenant's cancel stops it
-    phase: Phase = Phase.QUEUED
-    started_at: float | None = None  # its prefill was issued
-    first_token_at: float | None = None
-    slot_wait_s: float = 0.0
-    via: str = ""  # P | SP | hot
-    opened_model: bool = False  # its slot began with a switch to its model
-    cancel_reason: str = ""  # CANCELLED: why (the refusal names it when the call arrives)
-    transport: object = None  # the executor's: the live runner's message, reply subject, span
-
-    @property
-    def live(self) -> bool:
-        return self.phase in LIVE
 
 
 @dataclass(slots=True)
@@ -178,9 +143,9 @@ class AgentCore:
                     kv_state=kv_state, max_tokens=max_tokens,
                     arrived_at=submitted_at if arrived_at is None else arrived_at, continuation=call_index > 0,
                     kv_output_tokens=kv_output_tokens)
-        self.sched.submit(work, now)
-        self.record(call_id, session_id, model, call_index=call_index, submitted_at=submitted_at, tenant=tenant,
-                    transport=transport)
+        call = AgentCall(call_id, session_id, model, call_index, submitted_at, tenant=tenant, transport=transport)
+        self.sched.submit(work, now, call)  # the scheduler's state of the call joins its record
+        self.calls[call_id] = call
         return work
 
     # ---- the executor's side of the loop -----------------------------------------------

@@ -18,8 +18,8 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from talaria.services.instance_agent.call_closing import IN_PROGRESS_EVERY_S
 from talaria.services.instance_agent.runner import CallRunner
 from talaria.services.instance_agent.telemetry import build_snapshot
-from talaria.shared import logs, metrics, subjects, tracing
-from talaria.shared.bus import PUBLISH_TIMEOUT_S, close, connect, emit, tap
+from talaria.shared import logs, metrics, tracing
+from talaria.shared.bus import PUBLISH_TIMEOUT_S, close, connect, deployment_of, emit, tap
 from talaria.shared.metrics import AgentMetrics
 from talaria.shared.limits import call_problem
 from talaria.shared.runtime import serve_until_stopped
@@ -27,39 +27,46 @@ from talaria.shared.nats_auth import parse_sender, sender_headers, sender_of, tr
 from talaria.shared.events import CallFailed, CallRouted, CallSubmitted, EVENT_DECODER, PoolPinned, ROUTED_DECODER
 from talaria.shared.messages import CANCEL_DECODER, ErrorReply
 from talaria.shared.wire import encode
-from talaria.shared.settings import Settings
+from talaria.shared.catalog import register_all
+from talaria.shared.settings import AgentSettings, CommonSettings, Settings
+from talaria.services.instance_agent.engine.engine_registry import build_engine
 
 # Held calls send in_progress() every IN_PROGRESS_EVERY_S: after three missed, only a dead
 # agent's calls come back.
-ACK_WAIT_S = 3 * IN_PROGRESS_EVERY_S
+HELD_CALL_ACK_WAIT_S = 3 * IN_PROGRESS_EVERY_S  # not bus.ACK_WAIT_S: a held call is kept alive, a fetched event is not
 FETCH_BATCH = 16
 
 
 async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
+    await serve(settings.common, settings.agent, ready, stop or asyncio.Event())
+
+
+async def serve(common: CommonSettings, settings: AgentSettings, ready: asyncio.Event | None,
+                stop: asyncio.Event) -> None:
     log = logs.get("instance_agent").bind(instance_id=settings.instance_id)
-    provider = tracing.setup(f"agent-{settings.instance_id}", settings)
+    register_all(common.checkpoints())  # the engine builds checkpoints from the catalogue
+    deployment = common.deployment
+    provider = tracing.setup(f"agent-{settings.instance_id}", common)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
     loop = asyncio.get_running_loop()
-    engine = await loop.run_in_executor(executor, _build_engine, settings)
-    nc, js = await connect(settings.nats_url, f"talaria-agent-{settings.instance_id}",
-                           replicas=settings.nats_replicas, **settings.nats_options())
-    runner = CallRunner(settings, engine, executor, nc, js, provider.get_tracer("talaria.agent"), log)
+    engine = await loop.run_in_executor(executor, _build_engine, common, settings)
+    nc, js = await connect(common.nats_url, f"talaria-agent-{settings.instance_id}", **common.bus_options())
+    runner = CallRunner(common, settings, engine, executor, nc, js, provider.get_tracer("talaria.agent"), log)
     meter = AgentMetrics(settings.instance_id)  # fed by what the agent emits, its steps and snapshot
     tap(js, meter.observe)
     runner.thread.watchdog.on_step = meter.engine_step
-    meter.snapshot_gauges(lambda: build_snapshot(settings, engine, runner.core, runner.version, time.time()))
-    metrics_runner = await metrics.serve(meter, f"agent-{settings.instance_id}", settings, log)
-    stop = stop or asyncio.Event()
+    meter.snapshot_gauges(lambda: build_snapshot(settings, common.models, engine, runner.core, runner.version, time.time()))
+    metrics_runner = await metrics.serve(meter, f"agent-{settings.instance_id}", common, log)
     durable = f"agent-{settings.instance_id}"
     sub = await js.pull_subscribe(
-        subjects.call_routed(settings.instance_id),
+        deployment.call_routed(settings.instance_id),
         durable=durable,
-        stream=subjects.EVENTS_STREAM,
+        stream=deployment.events_stream,
         config=ConsumerConfig(
             durable_name=durable,
             ack_policy=AckPolicy.EXPLICIT,
             deliver_policy=DeliverPolicy.ALL,
-            ack_wait=ACK_WAIT_S,
+            ack_wait=HELD_CALL_ACK_WAIT_S,
             max_ack_pending=10_000,
             max_deliver=5,
         ),
@@ -67,30 +74,30 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
     # First heartbeat before the first fetch: the router then knows this incarnation (and
     # fails the predecessor's calls) by the time a predecessor's call is refused here.
     await runner.publish_snapshot()
-    await nc.subscribe(subjects.INSTANCE_LOST, cb=runner.drops.on_instance_lost)
+    await nc.subscribe(deployment.event("instance.lost"), cb=runner.drops.on_instance_lost)
 
     async def on_cancel(msg) -> None:
         await _on_cancel(msg, runner, log)
 
-    await nc.subscribe(subjects.CALL_CANCEL, cb=on_cancel)
+    await nc.subscribe(deployment.call_cancel, cb=on_cancel)
 
     async def on_pool_pinned(msg) -> None:
         await _on_pool_pinned(msg, runner, settings, log)
 
-    await nc.subscribe(subjects.POOL_PINNED, cb=on_pool_pinned)
+    await nc.subscribe(deployment.event("pool.pinned"), cb=on_pool_pinned)
 
     async def on_dispatch(msg) -> None:
         # The fast copy of a routed call: start it now. Anything odd is left to the durable
         # copy, which refuses and records it (a refusal here would be recorded twice).
         try:
             routed = ROUTED_DECODER.decode(msg.data)
-            if (routed.instance_id == runner.instance_id and routed.call.model in settings.models
+            if (routed.instance_id == runner.instance_id and routed.call.model in common.models
                     and trusted(msg, routed)):
                 runner.accept(routed, None, headers=msg.headers)
         except Exception as exc:
             log.warning("fast dispatch ignored", error=str(exc))
 
-    await nc.subscribe(subjects.dispatch(settings.instance_id), cb=on_dispatch)
+    await nc.subscribe(deployment.dispatch(settings.instance_id), cb=on_dispatch)
     tasks = [
         asyncio.create_task(runner.heartbeat_loop(stop), name="heartbeat"),
         asyncio.create_task(runner.work_loop(stop), name="work"),
@@ -99,7 +106,7 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
         asyncio.create_task(_fetch_loop(sub, runner, js, nc, log, stop), name="fetch"),
     ]
     await runner.publish_snapshot()
-    log.info("instance agent ready", models=list(settings.models), pool=settings.pool)
+    log.info("instance agent ready", models=list(common.models), pool=settings.pool)
     if ready is not None:
         ready.set()
     try:
@@ -119,13 +126,11 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
         provider.shutdown()
 
 
-def _build_engine(settings: Settings):
+def _build_engine(common: CommonSettings, settings: AgentSettings):
     import torch
 
-    from talaria.services.instance_agent.engine.engine_registry import build_engine
-
     torch.set_num_threads(max(1, settings.torch_threads))
-    engine = build_engine(settings.engine, settings.data_dir, list(settings.models), device=settings.device,
+    engine = build_engine(settings.engine, common.data_dir, list(common.models), device=settings.device,
                           hkvr=settings.hkvr, staging=settings.staging, **settings.engine_options())
     engine.ensure_weights()
     return engine
@@ -173,7 +178,7 @@ async def _fetch_loop(sub, runner: CallRunner, js, nc, log, stop: asyncio.Event)
                 await msg.nak(delay=1)
 
 
-async def _on_pool_pinned(msg, runner: CallRunner, settings, log) -> None:
+async def _on_pool_pinned(msg, runner: CallRunner, settings: AgentSettings, log) -> None:
     """The router's hot-pool decision for this agent: keep that model resident (or none).
     The scheduler finishes what it holds first (RoundScheduler.repin); the next snapshot
     says `pinned_model`, so the router sends this instance that model's calls only."""
@@ -184,7 +189,7 @@ async def _on_pool_pinned(msg, runner: CallRunner, settings, log) -> None:
         return
     if pinned.instance_id != runner.instance_id or not trusted(msg, pinned):
         return
-    if settings.pool == "hot" or (pinned.model is not None and pinned.model not in settings.models):
+    if settings.pool == "hot" or (pinned.model is not None and pinned.model not in runner.models):
         log.warning("pool decision ignored: this agent cannot serve it", model=pinned.model, pool=settings.pool)
         return
     runner.core.sched.repin(pinned.model)
@@ -215,7 +220,7 @@ async def _with_prompt(js, runner: CallRunner, routed: CallRouted) -> CallRouted
     if call.prompt_ids or not routed.submitted_seq or runner.holds(call.call_id):
         return routed
     try:
-        raw = await js.get_msg(subjects.EVENTS_STREAM, routed.submitted_seq)
+        raw = await js.get_msg(deployment_of(js).events_stream, routed.submitted_seq)
         submitted = EVENT_DECODER.decode(raw.data)
     except Exception as exc:
         await _refuse(js, runner.nc, routed, f"its submission could not be read back from the stream: {exc}")

@@ -21,7 +21,7 @@ from talaria.services.instance_agent.engine import EngineError
 from talaria.services.instance_agent.engine_thread import EngineThread
 from talaria.services.instance_agent.record_sender import RecordSender, settled
 from talaria.services.instance_agent.watchdog import Watchdog
-from talaria.shared import subjects
+from talaria.shared.subjects import Deployment
 from talaria.shared.bus import emit, written
 from talaria.shared.events import CallFailed
 from talaria.shared.logs import call_context
@@ -34,10 +34,11 @@ IN_PROGRESS_EVERY_S = 20.0
 
 class CallCloser:
     def __init__(self, core: AgentCore, thread: EngineThread, watchdog: Watchdog, nc, js, instance_id: str, log,
-                 on_change: Callable[[], Awaitable[None]]) -> None:
+                 on_change: Callable[[], Awaitable[None]], deployment: Deployment) -> None:
         self.core, self.thread, self.watchdog = core, thread, watchdog
         self.engine = thread.engine
         self.nc, self.js, self.instance_id, self.log = nc, js, instance_id, log
+        self.deployment = deployment
         self.on_change = on_change  # calls finished: the router should hear of the freed capacity
         self.sender = RecordSender(nc, js, log)  # completion records stored off the loop
 
@@ -130,7 +131,7 @@ class CallCloser:
                 kv_source=result.kv_source, stop_sequence=result.stop_sequence, logprobs=result.logprobs,
             ))))
         if request.stream:
-            replies.append((subjects.tokens(request.tenant, call_id), encode(TokenChunk(
+            replies.append((self.deployment.tokens(request.tenant, call_id), encode(TokenChunk(
                 call_id, transport.streamed, "", done=True, finish_reason=result.finish_reason))))
         await self.sender.send(call_id, transport.started_pub, completed, replies,
                                on_stored=lambda: self._closed(call_id, transport),
@@ -186,7 +187,7 @@ class CallCloser:
                                                                              retry_after_s=retry)),
                                          headers=sender_headers(self.nc)))
         if request.stream:
-            sends.append(self.nc.publish(subjects.tokens(request.tenant, call_id), encode(TokenChunk(
+            sends.append(self.nc.publish(self.deployment.tokens(request.tenant, call_id), encode(TokenChunk(
                 call_id, transport.streamed, "", done=True, finish_reason=code)), headers=sender_headers(self.nc)))
         await asyncio.gather(*sends)
         await self._closed(call_id, transport)

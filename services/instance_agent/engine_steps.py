@@ -16,7 +16,7 @@ from talaria.services.instance_agent.agent_core import AgentCore, Phase, StepRep
 from talaria.services.instance_agent.engine import EngineBusy, EngineError, GenRequest
 from talaria.services.instance_agent.engine_thread import EngineThread
 from talaria.services.instance_agent.scheduler import Decode, Prefill, SchedulerError, SwitchModel
-from talaria.shared import subjects
+from talaria.shared.subjects import Deployment
 from talaria.shared.bus import emit
 from talaria.shared.events import CallStarted
 from talaria.shared.messages import TokenChunk
@@ -26,10 +26,11 @@ from talaria.shared.wire import encode
 
 class EngineSteps:
     def __init__(self, core: AgentCore, thread: EngineThread, closer: CallCloser, nc, js, instance_id: str, log,
-                 publish_snapshot: Callable[[], Awaitable[None]]) -> None:
+                 publish_snapshot: Callable[[], Awaitable[None]], deployment: Deployment) -> None:
         self.core, self.thread, self.closer = core, thread, closer
         self.engine = thread.engine
         self.nc, self.js, self.instance_id, self.log = nc, js, instance_id, log
+        self.deployment = deployment
         self.publish_snapshot = publish_snapshot
 
     async def switch(self, action: SwitchModel) -> StepReport:
@@ -115,7 +116,7 @@ class EngineSteps:
                 # A chunk carries the logprobs of the tokens since the last one (text held back
                 # for a stop string releases several tokens' text at once).
                 lps, transport.logprobs = transport.logprobs or None, []
-                await self.nc.publish(subjects.tokens(routed.tenant, step.call_id),
+                await self.nc.publish(self.deployment.tokens(routed.tenant, step.call_id),
                                       encode(TokenChunk(step.call_id, transport.streamed, step.text, logprobs=lps)),
                                       headers=sender_headers(self.nc))
                 transport.streamed += 1

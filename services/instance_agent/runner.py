@@ -51,8 +51,8 @@ from talaria.services.instance_agent.scheduler import (
 )
 from talaria.services.instance_agent.telemetry import build_snapshot
 from talaria.services.instance_agent.watchdog import Watchdog
-from talaria.shared import subjects
 from talaria.shared.events import CallRouted
+from talaria.shared.settings import AgentSettings, CommonSettings
 from talaria.shared.messages import CANCELLED_STATUS
 from talaria.shared.tracing import execute_attributes, extract_context
 from talaria.shared.wire import encode
@@ -83,8 +83,10 @@ def reusable_kv(engine, session_id: str, model: str, prompt_tokens: int,
 
 
 class CallRunner:
-    def __init__(self, settings, engine, executor, nc, js, tracer: trace.Tracer, log) -> None:
+    def __init__(self, common: CommonSettings, settings: AgentSettings, engine, executor, nc, js,
+                 tracer: trace.Tracer, log) -> None:
         self.settings, self.engine = settings, engine
+        self.models, self.deployment = common.models, common.deployment
         self.nc, self.js, self.tracer, self.log = nc, js, tracer, log
         self.instance_id = settings.instance_id
         # This process's identity in every snapshot: the router replaces a predecessor's view
@@ -92,12 +94,12 @@ class CallRunner:
         self.incarnation = uuid.uuid4().hex[:12]
         config = SchedulerConfig.for_engine(
             engine.capabilities,
-            pool=settings.pool, pinned_model=settings.models[0] if settings.pool == "hot" else None,
+            pool=settings.pool, pinned_model=self.models[0] if settings.pool == "hot" else None,
             sp=settings.sp, hkvr=settings.hkvr, staging=settings.staging, park_kv=settings.park_kv,
             chunked_prefill=True,
             fill_by_switch=True,
         )
-        self.core = AgentCore(self.instance_id, config, list(settings.models), INITIAL_COSTS,
+        self.core = AgentCore(self.instance_id, config, list(self.models), INITIAL_COSTS,
                               keep_ended=ENDED_MEMORY)
         self.wakeup = asyncio.Event()
         self.version = 0
@@ -105,9 +107,9 @@ class CallRunner:
         watchdog = Watchdog(min_stuck_s=settings.watchdog_min_s)
         self.thread = EngineThread(engine, executor, watchdog)
         self.closer = CallCloser(self.core, self.thread, watchdog, nc, js, self.instance_id, log,
-                                 on_change=self.snapshot_on_change)
+                                 on_change=self.snapshot_on_change, deployment=self.deployment)
         self.steps = EngineSteps(self.core, self.thread, self.closer, nc, js, self.instance_id, log,
-                                 publish_snapshot=self.publish_snapshot)
+                                 publish_snapshot=self.publish_snapshot, deployment=self.deployment)
         self.drops = CallDrops(self.core, self.closer, self.thread, watchdog, self.instance_id, self.incarnation,
                                settings.heartbeat_s, log, publish_snapshot=self.publish_snapshot)
 
@@ -124,7 +126,7 @@ class CallRunner:
         its JetStream message, or None for the router's core-NATS fast copy (`headers` its
         trace context); the call starts from whichever comes first."""
         call = routed.call
-        if call.model not in self.settings.models:
+        if call.model not in self.models:
             return f"this instance does not serve {call.model}"
         known = self.core.calls.get(call.call_id)
         if known is not None and known.phase in (Phase.QUEUED, Phase.RUNNING, Phase.CLOSING):
@@ -252,10 +254,10 @@ class CallRunner:
         self.last_snapshot = time.monotonic()
         try:
             snap = msgspec.structs.replace(
-                build_snapshot(self.settings, self.engine, self.core, self.version, time.time(),
+                build_snapshot(self.settings, self.models, self.engine, self.core, self.version, time.time(),
                                unhealthy=self.drops.unhealthy),
                 incarnation=self.incarnation)
-            await self.nc.publish(subjects.telemetry(self.instance_id), encode(snap))
+            await self.nc.publish(self.deployment.telemetry(self.instance_id), encode(snap))
         except Exception as exc:  # a torn read of engine tables; the next beat retries
             self.log.warning("snapshot failed", error=str(exc))
 

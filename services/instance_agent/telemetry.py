@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import msgspec
 
+from talaria.shared.settings import AgentSettings
 from talaria.shared.snapshots import InstanceSnapshot, ModelResidency, SessionKv
 
 
-def build_snapshot(settings, engine, core, version: int, now: float, unhealthy: str = "") -> InstanceSnapshot:
+def build_snapshot(settings: AgentSettings, served: tuple[str, ...], engine, core, version: int, now: float,
+                   unhealthy: str = "") -> InstanceSnapshot:
     stats = engine.stats()
     active = engine.active_model
     staged_target = stats.staged_model
     costs = core.sched.costs
     models = []
-    for m in settings.models:
+    for m in served:
         state = "active" if m == active else ("staged" if m == staged_target else "resident")
         models.append(ModelResidency(
             model=m, state=state,

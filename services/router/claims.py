@@ -10,8 +10,7 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import APIError, BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
 from talaria.services.router.ownership import PartitionClaim, key_of
-from talaria.shared import subjects
-from talaria.shared.bus import replicas
+from talaria.shared.bus import deployment_of, replicas
 from talaria.shared.settings import SettingsError
 
 PARTITIONS_KEY = "partitions"  # the deployment's partition count: the first router writes it, all agree
@@ -25,7 +24,7 @@ class ClaimStore:
     async def open(cls, js, ttl_s: float, partitions: int) -> ClaimStore:
         """The bucket (created with `ttl_s` when absent; an existing bucket's own TTL is used) and
         the check that every router of the deployment groups slots the same way."""
-        name = subjects.ROUTERS_BUCKET
+        name = deployment_of(js).routers_bucket
         try:
             kv = await js.create_key_value(KeyValueConfig(bucket=name, history=1, ttl=ttl_s,
                                                           storage=StorageType.FILE, replicas=replicas(js)))

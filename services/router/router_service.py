@@ -48,7 +48,7 @@ from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.policy.registry import create_policy
 from talaria.services.router.projection import ProjectionStore
 from talaria.services.router.state import RouterState
-from talaria.shared import logs, metrics, subjects, tracing
+from talaria.shared import logs, metrics, tracing
 from talaria.shared.metrics import RouterMetrics
 from talaria.shared.health import INTERVAL_S as HEARTBEAT_INTERVAL_S, BusHearing, heartbeat_loop
 from talaria.shared.logs import call_context
@@ -69,7 +69,8 @@ from talaria.shared.events import (
     RoutingDecision,
 )
 from talaria.shared.snapshots import HEARTBEAT_DECODER, SNAPSHOT_DECODER
-from talaria.shared.settings import Settings, SettingsError
+from talaria.shared.settings import CommonSettings, RouterSettings, Settings, SettingsError
+from talaria.shared.subjects import Deployment
 from talaria.shared.tracing import extract_context
 
 # Other routers' outputs: folded as facts (RouterCore.fold_peer), never reacted to.
@@ -80,17 +81,19 @@ def durable(partition: int) -> str:
     return f"router-p{partition}"
 
 
-def intake_subjects(partition: int, partitions: int) -> list[str]:
+def intake_subjects(deployment: Deployment, partition: int, partitions: int) -> list[str]:
     if partitions == 1:
-        return [subjects.call_submitted("*")]
-    return [subjects.call_submitted(slot) for slot in slots_of(partition, partitions)]
+        return [deployment.call_submitted("*")]
+    return [deployment.call_submitted(slot) for slot in slots_of(partition, partitions)]
 
 
-def view_subjects() -> list[str]:
+VIEW_EVENTS = ("call.completed", "call.failed", "round.summary", "switch.done", "lease.issued", "lease.consumed",
+               "lease.discarded", "lease.expired", "instance.lost")
+
+
+def view_subjects(deployment: Deployment) -> list[str]:
     """What every router folds besides submissions: agents' reports and routers' outputs."""
-    return [subjects.CALL_COMPLETED, subjects.CALL_FAILED, subjects.ROUND_SUMMARY, subjects.SWITCH_DONE,
-            subjects.call_routed("*"), subjects.LEASE_ISSUED, subjects.LEASE_CONSUMED,
-            subjects.LEASE_DISCARDED, subjects.LEASE_EXPIRED, subjects.INSTANCE_LOST]
+    return [*(deployment.event(tag) for tag in VIEW_EVENTS), deployment.call_routed("*")]
 
 
 TICK_S = 0.05
@@ -102,7 +105,7 @@ SAVE_EVERY_S = 2.0
 MAX_DELIVER = 20  # a message that keeps failing is given up (and logged) rather than looping
 
 
-def policy_config(settings: Settings) -> PolicyConfig:
+def policy_config(settings: RouterSettings) -> PolicyConfig:
     return PolicyConfig(
         lease_timeout_s=settings.lease_timeout_s,
         adaptive_lease=settings.adaptive_lease,
@@ -111,8 +114,9 @@ def policy_config(settings: Settings) -> PolicyConfig:
 
 
 class RouterService:
-    def __init__(self, settings: Settings, log) -> None:
-        self.settings, self.log = settings, log
+    def __init__(self, common: CommonSettings, settings: RouterSettings, log) -> None:
+        self.common, self.settings, self.log = common, settings, log
+        self.deployment = common.deployment
         try:
             policy = create_policy(settings.policy, policy_config(settings))
         except (KeyError, ValueError) as exc:  # unknown policy or a bad knob: a config error
@@ -151,12 +155,11 @@ class RouterService:
         return {(m,): book.live_for(m, now) for m in book.by_model}
 
     async def run(self, ready: asyncio.Event | None, stop: asyncio.Event) -> None:
-        provider = tracing.setup("router", self.settings)
+        provider = tracing.setup("router", self.common)
         self.tracer = provider.get_tracer("talaria.router")
-        db = create_engine(self.settings.database_url)
+        db = create_engine(self.common.database_url)
         store = ProjectionStore(db)
-        self.nc, self.js = await connect(self.settings.nats_url, "talaria-router",
-                                         replicas=self.settings.nats_replicas, **self.settings.nats_options())
+        self.nc, self.js = await connect(self.common.nats_url, "talaria-router", **self.common.bus_options())
         set_origin(self.nc, self.origin)
         self.outputs = RouterOutputs(self.js, self.nc, self.log, self.core.policy.config,
                                      on_stored=lambda seq: None, metrics=self.metrics)
@@ -166,7 +169,7 @@ class RouterService:
             self.log.warning("the ownership bucket's TTL differs from this router's; using the bucket's",
                              bucket_ttl_s=self.claims.ttl_s, setting=self.ownership.ttl_s)
             self.ownership.ttl_s = self.claims.ttl_s
-        metrics_runner = await metrics.serve(self.metrics, "router", self.settings, self.log)
+        metrics_runner = await metrics.serve(self.metrics, "router", self.common, self.log)
         saved = await store.load()
         if saved is not None:
             self.core.state, self.seq = saved
@@ -180,8 +183,8 @@ class RouterService:
         # Instances the recovered state places anything on: routing waits to hear them all.
         self.expected = set(state.instances) | {p.instance_id for p in state.inflight_calls.values()} | {
             lease.instance_id for lease in state.leases.leases.values()}
-        await self.nc.subscribe(subjects.TELEMETRY_WILDCARD, cb=self._on_snapshot)
-        await self.nc.subscribe(subjects.health("router"), cb=self._on_peer)
+        await self.nc.subscribe(self.deployment.telemetry_wildcard, cb=self._on_snapshot)
+        await self.nc.subscribe(self.deployment.health("router"), cb=self._on_peer)
         try:
             await asyncio.wait_for(self.warm.wait(), WARMUP_S)
         except TimeoutError:
@@ -223,7 +226,7 @@ class RouterService:
                 "router_id": self.router_id, "partitions": ",".join(map(str, sorted(self.core.partitioning.owned)))}
 
     async def _stream_last(self) -> int:
-        return (await self.js.stream_info(subjects.EVENTS_STREAM)).state.last_seq
+        return (await self.js.stream_info(self.deployment.events_stream)).state.last_seq
 
     # ---- the view: every router's state folds every router's outputs -------------------
 
@@ -233,9 +236,9 @@ class RouterService:
         while not stop.is_set():
             try:
                 sub = await self.js.pull_subscribe(
-                    "", stream=subjects.EVENTS_STREAM,
+                    "", stream=self.deployment.events_stream,
                     config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                                          opt_start_seq=self.seq + 1, filter_subjects=view_subjects(),
+                                          opt_start_seq=self.seq + 1, filter_subjects=view_subjects(self.deployment),
                                           inactive_threshold=30))
             except Exception as exc:
                 self.log.warning("view consumer not made; retrying", error=str(exc))
@@ -409,10 +412,10 @@ class RouterService:
         name = durable(p)
         config = ConsumerConfig(durable_name=name, ack_policy=AckPolicy.EXPLICIT,
                                 deliver_policy=DeliverPolicy.ALL,
-                                filter_subjects=intake_subjects(p, self.ownership.partitions),
+                                filter_subjects=intake_subjects(self.deployment, p, self.ownership.partitions),
                                 ack_wait=ACK_WAIT_S, max_deliver=MAX_DELIVER)
         try:
-            info = await self.js.consumer_info(subjects.EVENTS_STREAM, name)
+            info = await self.js.consumer_info(self.deployment.events_stream, name)
         except NotFoundError:
             info = None
         if info is not None:
@@ -420,10 +423,10 @@ class RouterService:
             if info.num_ack_pending:
                 self.log.warning("resuming a partition's consumer after its ack floor", partition=p,
                                  resume_at=start, unacked=info.num_ack_pending)
-            await self.js.delete_consumer(subjects.EVENTS_STREAM, name)
+            await self.js.delete_consumer(self.deployment.events_stream, name)
             config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, start
-        await self.js.add_consumer(subjects.EVENTS_STREAM, config=config)
-        return await self.js.pull_subscribe_bind(name, stream=subjects.EVENTS_STREAM)
+        await self.js.add_consumer(self.deployment.events_stream, config=config)
+        return await self.js.pull_subscribe_bind(name, stream=self.deployment.events_stream)
 
     # ---- live --------------------------------------------------------------------------
 
@@ -521,7 +524,7 @@ class RouterService:
                 for out in outputs:  # the fast copy first: the agent need not wait for the stream
                     if isinstance(out, CallRouted):
                         sent = time.perf_counter()
-                        await publish_fast(self.js, subjects.dispatch(out.instance_id), out)
+                        await publish_fast(self.js, self.deployment.dispatch(out.instance_id), out)
                         self.metrics.phase.labels("dispatch").observe(time.perf_counter() - sent)
                 if isinstance(event, CallSubmitted):  # the stream keeps the prompt ids once
                     seq = msg.metadata.sequence.stream
@@ -602,4 +605,4 @@ class _null:
 
 
 async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
-    await RouterService(settings, logs.get("router")).run(ready, stop or asyncio.Event())
+    await RouterService(settings.common, settings.router, logs.get("router")).run(ready, stop or asyncio.Event())

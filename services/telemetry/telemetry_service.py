@@ -18,6 +18,7 @@ interval more; under a backlog batches fill and there is no wait).
 from __future__ import annotations
 
 import asyncio
+import os
 import contextlib
 import time
 
@@ -27,40 +28,43 @@ from nats.js.errors import NotFoundError
 from talaria.services.telemetry.session_spans import SessionSpans
 from talaria.services.telemetry.store import EventRefused, PoisonEvent, PostgresStore, TelemetryStore
 from talaria.shared.nats_auth import sender_of, trusted
-from talaria.shared import logs, metrics, subjects, tracing
+from talaria.shared import logs, metrics, tracing
 from talaria.shared.metrics import TelemetryMetrics
 from talaria.shared.health import heartbeat_loop
 from talaria.shared.bus import ACK_WAIT_S, close, connect
 from talaria.shared.db.connection import create_engine
 from talaria.shared.events import EVENT_DECODER
-from talaria.shared.settings import Settings
+from talaria.shared.settings import CommonSettings, Settings, TelemetrySettings
+from talaria.shared.subjects import Deployment
 
 DURABLE = "telemetry"
 BATCH = 256
 
 
-def _exporter(settings: Settings):
-    if settings.otlp_endpoint:
+def _exporter(common: CommonSettings):
+    if common.otlp_endpoint:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         return OTLPSpanExporter()
-    import os
-
-    return tracing.JsonLinesExporter(settings.traces_path / f"telemetry-{os.getpid()}.jsonl")
+    return tracing.JsonLinesExporter(common.traces_path / f"telemetry-{os.getpid()}.jsonl")
 
 
 async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
+    await serve(settings.common, settings.telemetry, ready, stop or asyncio.Event())
+
+
+async def serve(common: CommonSettings, settings: TelemetrySettings, ready: asyncio.Event | None,
+                stop: asyncio.Event) -> None:
     log = logs.get("telemetry")
-    stop = stop or asyncio.Event()
-    store = PostgresStore(create_engine(settings.database_url))
-    nc, js = await connect(settings.nats_url, "talaria-telemetry",
-                           replicas=settings.nats_replicas, **settings.nats_options())
-    spans = SessionSpans(_exporter(settings), settings.session_idle_s)
+    deployment = common.deployment
+    store = PostgresStore(create_engine(common.database_url))
+    nc, js = await connect(common.nats_url, "talaria-telemetry", **common.bus_options())
+    spans = SessionSpans(_exporter(common), settings.session_idle_s)
     meter = TelemetryMetrics()
-    metrics_runner = await metrics.serve(meter, "telemetry", settings, log)
+    metrics_runner = await metrics.serve(meter, "telemetry", common, log)
     offset = await store.offset()
-    await _ensure_consumer(js, log)
-    sub = await js.pull_subscribe(subjects.EVENTS_WILDCARD, durable=DURABLE, stream=subjects.EVENTS_STREAM)
+    await _ensure_consumer(js, deployment, log)
+    sub = await js.pull_subscribe(deployment.events_wildcard, durable=DURABLE, stream=deployment.events_stream)
     beat = asyncio.create_task(heartbeat_loop(nc, "telemetry", stop))
     log.info("telemetry ready", offset=offset)
     if ready is not None:
@@ -123,7 +127,7 @@ async def _apply_until_committed(store: TelemetryStore, msgs, offset: int, spans
                 delay = min(delay * 2, 10.0)
 
 
-async def _ensure_consumer(js, log) -> None:
+async def _ensure_consumer(js, deployment: Deployment, log) -> None:
     """The durable consumer, with explicit acks, resuming right after its ack floor.
 
     Events a killed predecessor had fetched but not acked would come back only after
@@ -132,9 +136,9 @@ async def _ensure_consumer(js, log) -> None:
     left by an older version with AckPolicy.ALL (acking a later event silently acknowledged
     earlier ones still in flight, losing them after a crash) is replaced the same way."""
     config = ConsumerConfig(durable_name=DURABLE, ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
-                            ack_wait=ACK_WAIT_S, max_ack_pending=10_000, filter_subject=subjects.EVENTS_WILDCARD)
+                            ack_wait=ACK_WAIT_S, max_ack_pending=10_000, filter_subject=deployment.events_wildcard)
     try:
-        info = await js.consumer_info(subjects.EVENTS_STREAM, DURABLE)
+        info = await js.consumer_info(deployment.events_stream, DURABLE)
     except NotFoundError:
         info = None
     if info is not None and info.config.ack_policy == AckPolicy.EXPLICIT and not info.num_ack_pending:
@@ -143,9 +147,9 @@ async def _ensure_consumer(js, log) -> None:
         start = info.ack_floor.stream_seq + 1
         log.warning("resuming the telemetry consumer after its ack floor", resume_at=start,
                     unacked=info.num_ack_pending, ack_policy=str(info.config.ack_policy))
-        await js.delete_consumer(subjects.EVENTS_STREAM, DURABLE)
+        await js.delete_consumer(deployment.events_stream, DURABLE)
         config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, start
-    await js.add_consumer(subjects.EVENTS_STREAM, config=config)
+    await js.add_consumer(deployment.events_stream, config=config)
 
 
 async def _apply_batch(store: TelemetryStore, msgs, offset: int, spans: SessionSpans, log) -> int:

@@ -33,6 +33,9 @@ from talaria.sim.workloads import fixed_replay, on_model
 from talaria.traces.format import Session, TraceFormatError
 from talaria.traces.load import load_trace
 from talaria.traces.gaps import parse_gap_model
+from talaria.traces.weka import convert_file
+from talaria.sim.deployment import deploy
+from talaria.sim.matrix import demand_s
 
 
 def _run(args) -> int:
@@ -59,9 +62,6 @@ def _run(args) -> int:
     pc = PolicyConfig(lease_timeout_s=args.tau, adaptive_lease=args.adaptive_lease)
     pinned: tuple[str, ...] = ()
     if args.deploy == "as-deployed":  # deployment.py: pools by the trace's demand, else serverless
-        from talaria.sim.deployment import deploy
-        from talaria.sim.matrix import demand_s
-
         demand = {m: d for m, d in demand_s(sessions, server, sched.max_batch).items()
                   if any(x.model == m for x in sessions)}
         pc, pinned = deploy(pc, demand, args.instances, len(demand))
@@ -117,8 +117,6 @@ def map_models(sessions: list[Session], spec: str | None, served: list[str]) -> 
 
 
 def _convert(args) -> int:
-    from talaria.traces.weka import convert_file
-
     summary = convert_file(args.src, args.dst, args.subagents, args.limit)
     print(json.dumps(summary.as_dict(), indent=1))
     return 0

@@ -42,6 +42,9 @@ from talaria.sim.profiles import PAPER_TP8, ROUTER_TP4, catalogue
 from talaria.sim.schedule_bound import schedule_bound_scts
 from talaria.sim.workloads import fixed_replay, router_testbed, synthetic_catalogue
 from talaria.traces.gaps import GapModel
+from talaria.sim.matrix import ABLATIONS, POLICIES, SENSITIVITY, run_matrix
+from talaria.sim.report import write_report
+from talaria.sim.matrix_report import write_outputs
 
 CONFIGS = ("talaria", "no-sp", "no-hkvr", "h2d-only", "round-only")
 # The faithful peers (services/router/policy/, each citing its source), each deployed as it is
@@ -84,11 +87,6 @@ def _available(wanted) -> tuple[list[str], list[str]]:
     if FALLBACK in names and FALLBACK not in have and "least-pressure" not in names:
         have.insert(0, FALLBACK)
     return have, missing
-
-
-def _slim(summary: dict) -> dict:
-    """Drop sample arrays from JSON entries meant for tables (plots keep them)."""
-    return {k: v for k, v in summary.items() if k not in ("ttft_samples",)}
 
 
 def capacity_bound_profile(server):
@@ -316,9 +314,6 @@ def run(names: list[str], out_dir: Path, json_path: Path | None, quick: bool,
     results: dict = {}
     for name in names:
         if name == "matrix":
-            from talaria.sim.matrix import run_matrix
-            from talaria.sim.matrix_report import write_outputs
-
             results[name] = run_matrix(**(matrix or {}))
             _log(f"matrix: {results[name]['wall_s']:.0f} s wall; {write_outputs(results[name], out_dir)}")
             continue
@@ -398,8 +393,6 @@ def run_from_args(args) -> int:
             raise SystemExit(f"--scale-policies: unknown {', '.join(unknown)}; choose from {', '.join(SCALE_POLICIES)}")
         scale = {"arrival_rate_s": getattr(args, "scale_rate", None), "max_wall_s": getattr(args, "scale_cap_s", None),
                  "policies": [p.strip() for p in picked.split(",") if p.strip()] if picked else None}
-        from talaria.sim.matrix import ABLATIONS, POLICIES, SENSITIVITY
-
         matrix = {"workers": getattr(args, "workers", 2),
                   "policies": POLICIES + tuple(a for a in ABLATIONS if a not in POLICIES
                                                and getattr(args, "ablations", False))
@@ -407,8 +400,6 @@ def run_from_args(args) -> int:
                   "only": [c.strip() for c in args.cells.split(",")] if getattr(args, "cells", None) else None}
         run(names, args.out, args.json, args.quick, args.scale_sessions, scale, matrix)
     if not args.no_report:
-        from talaria.sim.report import write_report
-
         path = write_report(load_results(args.out), args.out)
         _log(f"report: {path}")
     return 0

@@ -9,6 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from talaria.sim.matrix_report import matrix_section
 
 PAPER_FIXED = {  # calibration.md, headline table (SCT p50, SCT p95, TTFT p50, TTFT p95)
     "talaria": (189, 867, 0.55, 14.2),
@@ -369,8 +370,6 @@ def write_report(results: dict, out: Path, notes: str = NOTES) -> Path:
     if "scale" in results:
         lines += scale_section(results["scale"], out)
     if "matrix" in results:
-        from talaria.sim.matrix_report import matrix_section
-
         lines += matrix_section(results["matrix"])
     lines += goals_section(results)
     path = out / "sim_report.md"

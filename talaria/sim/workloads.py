@@ -25,6 +25,9 @@ from pathlib import Path
 
 from talaria.traces.format import Session, TraceCall
 from talaria.traces.load import load_trace
+from talaria.traces.format import save_sessions, sessions_from_calls
+from talaria.traces.weka import iter_weka_sessions
+from talaria.traces.gaps import PAPER_GAP_P50_S, PAPER_GAP_P95_S
 
 DATA = Path(str(resources.files("talaria.sim").joinpath("data")))  # package data in the wheel
 FIXED_REPLAY_FILE = DATA / "fixed_replay_sessions.jsonl"
@@ -92,9 +95,6 @@ def select_sessions(
 
 def build_data_files(weka: Path = WEKA_DEFAULT, out: Path = DATA) -> tuple[Path, Path]:
     """Regenerate the shipped session selections from the WEKA trace (streaming pass)."""
-    from talaria.traces.format import save_sessions, sessions_from_calls
-    from talaria.traces.weka import iter_weka_sessions
-
     # Sessions whose prompts stay <= 420K tokens (105K after scaling: the paper's p95).
     parents = [
         s
@@ -218,8 +218,6 @@ def _gap(rng: random.Random, kind: str) -> tuple[float, str]:
 
 
 def _tool_gap(rng: random.Random, kind: str) -> float:
-    from talaria.traces.gaps import PAPER_GAP_P50_S, PAPER_GAP_P95_S
-
     if kind == "paper":  # the paper's lognormal, capped at 10 s like GapModel("paper")
         return min(10.0, _lognormal(rng, PAPER_GAP_P50_S, PAPER_GAP_P95_S))
     if kind == "heavy":

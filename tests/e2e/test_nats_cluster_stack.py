@@ -15,10 +15,12 @@ import openai
 import pytest
 
 from talaria.embedded import free_port
-from talaria.shared import subjects
 from talaria.shared.bus import servers
 from talaria.shared.nats_auth import SERVICE_INBOX
 from tests.e2e.test_stack import Stack
+from talaria.shared.subjects import Deployment
+
+DEP = Deployment()  # the default deployment's subject names
 
 pytestmark = pytest.mark.e2e
 
@@ -26,7 +28,7 @@ pytestmark = pytest.mark.e2e
 async def stream_replicas(url: str, user: str, password: str) -> int:
     nc = await nats.connect(servers(url), user=user, password=password, inbox_prefix=SERVICE_INBOX)
     try:
-        return (await nc.jetstream().stream_info(subjects.EVENTS_STREAM)).config.num_replicas
+        return (await nc.jetstream().stream_info(DEP.events_stream)).config.num_replicas
     finally:
         await nc.close()
 

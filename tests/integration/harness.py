@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 
 from talaria.shared.settings import Settings
 from talaria.shared.snapshots import HEARTBEAT_DECODER
+from talaria.shared.subjects import Deployment
+
+DEP = Deployment()  # the default deployment's subject names
 
 
 @dataclass
@@ -80,9 +83,7 @@ async def wait_until(probe, what: str, timeout: float = 20.0, every: float = 0.0
 
 async def acked(js, durable: str, seq: int) -> bool:
     """Whether consumer `durable` has acknowledged every event up to stream sequence `seq`."""
-    from talaria.shared import subjects
-
-    return (await js.consumer_info(subjects.EVENTS_STREAM, durable)).ack_floor.stream_seq >= seq
+    return (await js.consumer_info(DEP.events_stream, durable)).ack_floor.stream_seq >= seq
 
 
 async def wait_rows(conn, sql: str, n: int, *args, timeout: float = 20.0) -> list:

@@ -23,7 +23,7 @@ TOOL = {"name": "read_file", "description": "Read a file", "input_schema": {
 
 @pytest.fixture
 async def served(nats_url, database_url, tmp_path):
-    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="talaria",
+    settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="talaria",
                         http_port=free_port(), session_idle_s=3600, call_timeout_s=60)
     services = Services()
     await services.start_control_plane(settings)
@@ -31,7 +31,7 @@ async def served(nats_url, database_url, tmp_path):
     nc = await nats.connect(nats_url)
     await wait_for_router(nc, instances=1)
     await nc.close()
-    yield f"http://127.0.0.1:{settings.http_port}"
+    yield f"http://127.0.0.1:{settings.gateway.http_port}"
     await services.close()
 
 
@@ -121,16 +121,16 @@ async def toolbot(nats_url, database_url, tmp_path):
     from tests.unit.engine.hf_checkpoints import make_tool_caller
 
     path = make_tool_caller(tmp_path / "toolbot")
-    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="talaria",
+    settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="talaria",
                         http_port=free_port(), session_idle_s=3600, call_timeout_s=60, models=(f"toolbot={path}",))
-    assert settings.models == ("toolbot",) and settings.models_env() == f"toolbot={path}"
+    assert settings.common.models == ("toolbot",) and settings.common.models_env() == f"toolbot={path}"
     services = Services()
     await services.start_control_plane(settings)
     await services.start("agent-0", run_agent, settings.with_(instance_id="agent-0"))
     nc = await nats.connect(nats_url)
     await wait_for_router(nc, instances=1)
     await nc.close()
-    yield f"http://127.0.0.1:{settings.http_port}"
+    yield f"http://127.0.0.1:{settings.gateway.http_port}"
     await services.close()
 
 

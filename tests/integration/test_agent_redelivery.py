@@ -26,11 +26,13 @@ from talaria.services.instance_agent import agent_service
 from talaria.services.instance_agent.engine import GenRequest
 from talaria.shared.events import CallCompleted, CallRouted, CallSubmitted
 from talaria.shared.messages import CallResult, REPLY_DECODER
-from talaria.shared import subjects
 from talaria.shared.bus import connect, emit, publish_fast
 from talaria.shared.nats_auth import owner_sender
 from talaria.shared.settings import Settings
 from tests.integration.harness import Services, acked, wait_until
+from talaria.shared.subjects import Deployment
+
+DEP = Deployment()  # the default deployment's subject names
 
 pytestmark = pytest.mark.integration
 
@@ -41,7 +43,7 @@ class Stack:
     """The real agent service, and this test standing in for the gateway and the router."""
 
     def __init__(self, nats_url, tmp_path, monkeypatch) -> None:
-        self.settings = Settings(nats_url=nats_url, data_dir=tmp_path, instance_id=AGENT,
+        self.settings = Settings.of(nats_url=nats_url, data_dir=tmp_path, instance_id=AGENT,
                                  models=("qwen3-tiny", "gpt2-tiny"), ablation="round-only")
         self.services = Services()
         self.runner = None
@@ -72,7 +74,7 @@ class Stack:
         monkeypatch.setattr(agent_service, "CallRunner", ObservedRunner)
 
     async def start(self) -> None:
-        self.nc, self.js = await connect(self.settings.nats_url, "talaria-router")
+        self.nc, self.js = await connect(self.settings.common.nats_url, "talaria-router")
         await self.services.start(AGENT, agent_service.run, self.settings)
 
     async def close(self) -> None:
@@ -96,7 +98,7 @@ class Stack:
         return routed, seq
 
     async def fast_copy(self, routed: CallRouted) -> None:
-        await publish_fast(self.js, subjects.dispatch(AGENT), routed)
+        await publish_fast(self.js, DEP.dispatch(AGENT), routed)
 
     async def durable_copy(self, routed: CallRouted, submitted_seq: int) -> int:
         return await emit(self.js, routed.by_reference(submitted_seq))
@@ -226,7 +228,7 @@ async def test_an_agent_whose_work_loop_dies_exits_rather_than_heartbeat_with_no
         raise RuntimeError("work loop bug")
 
     monkeypatch.setattr(agent_service.CallRunner, "work_loop", broken)
-    settings = Settings(nats_url=nats_url, data_dir=tmp_path, instance_id=AGENT, models=("qwen3-tiny",),
+    settings = Settings.of(nats_url=nats_url, data_dir=tmp_path, instance_id=AGENT, models=("qwen3-tiny",),
                         ablation="round-only")
     with pytest.raises(RuntimeError, match="work loop bug"):
         await asyncio.wait_for(agent_service.run(settings), 120)

@@ -15,10 +15,12 @@ from talaria.services.instance_agent import agent_service
 from talaria.shared.messages import CallRequest, CallResult, ErrorReply, REPLY_DECODER
 from talaria.shared.snapshots import SNAPSHOT_DECODER
 from talaria.shared.wire import encode
-from talaria.shared import subjects
 from talaria.shared.health import wait_for_router
 from talaria.shared.settings import Settings
 from tests.integration.harness import Services
+from talaria.shared.subjects import Deployment
+
+DEP = Deployment()  # the default deployment's subject names
 
 pytestmark = pytest.mark.integration
 
@@ -28,8 +30,8 @@ async def test_a_stuck_engine_step_fails_its_call_flags_the_agent_and_the_stack_
     gate = threading.Event()  # holds the engine thread of whichever agent takes the "stuck" call
     build = agent_service._build_engine
 
-    def build_with_hang(settings):
-        engine = build(settings)
+    def build_with_hang(common, settings):
+        engine = build(common, settings)
 
         def on_logits(call_ids, logits):  # runs on the engine thread, inside the step
             if any(c.startswith("stuck") for c in call_ids):
@@ -39,7 +41,7 @@ async def test_a_stuck_engine_step_fails_its_call_flags_the_agent_and_the_stack_
         return engine
 
     monkeypatch.setattr(agent_service, "_build_engine", build_with_hang)
-    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="least-loaded",
+    settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="least-loaded",
                         http_port=free_port(), session_idle_s=3600, call_timeout_s=60, watchdog_min_s=3.0)
     services = Services()
     nc = await nats.connect(nats_url)
@@ -55,12 +57,12 @@ async def test_a_stuck_engine_step_fails_its_call_flags_the_agent_and_the_stack_
             snap = SNAPSHOT_DECODER.decode(msg.data)
             await health[snap.instance_id].put(snap)
 
-        await nc.subscribe(subjects.TELEMETRY_WILDCARD, cb=on_snapshot)
+        await nc.subscribe(DEP.telemetry_wildcard, cb=on_snapshot)
 
         async def call(call_id, session):
             req = CallRequest(model="qwen3-tiny", prompt="hello", session_id=session, call_id=call_id,
                                 max_tokens=4)
-            return REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(req), timeout=30)).data)
+            return REPLY_DECODER.decode((await nc.request(DEP.api_call, encode(req), timeout=30)).data)
 
         stuck = await call("stuck-1", "w-stuck")
         assert isinstance(stuck, ErrorReply) and stuck.status == 500 and "watchdog" in stuck.message

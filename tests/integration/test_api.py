@@ -19,12 +19,14 @@ from talaria.shared.messages import (
     TokenChunk,
 )
 from talaria.shared.wire import encode
-from talaria.shared import subjects
 from talaria.shared.bus import event_subject
 from talaria.shared.health import wait_for_router
 from talaria.shared.settings import Settings
 from talaria.embedded import free_port
 from tests.integration.harness import Services, wait_rows
+from talaria.shared.subjects import Deployment
+
+DEP = Deployment()  # the default deployment's subject names
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +34,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 async def stack(nats_url, database_url, tmp_path):
     """Gateway, router (least-loaded) and telemetry; agents are added by the tests that need them."""
-    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="least-loaded",
+    settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="least-loaded",
                         http_port=free_port(), session_idle_s=3600, call_timeout_s=30)
     services = Services()
     await services.start_control_plane(settings)
@@ -42,7 +44,7 @@ async def stack(nats_url, database_url, tmp_path):
 
 async def post(settings, path, body, headers=None):
     async with aiohttp.ClientSession() as s:
-        async with s.post(f"http://127.0.0.1:{settings.http_port}{path}", data=body,
+        async with s.post(f"http://127.0.0.1:{settings.gateway.http_port}{path}", data=body,
                           headers={"Content-Type": "application/json", **(headers or {})}) as r:
             return r.status, await r.json(), r.headers
 
@@ -71,12 +73,12 @@ async def test_unknown_routes_and_methods_answer_json_in_each_apis_shape(stack):
     status, body, _ = await post(settings, "/v1/responses", b"{}")  # served: a body without `model` is a 400
     assert status == 400 and body["error"]["param"] == "model"
     async with aiohttp.ClientSession() as s:
-        async with s.get(f"http://127.0.0.1:{settings.http_port}/v1/chat/completions") as r:
+        async with s.get(f"http://127.0.0.1:{settings.gateway.http_port}/v1/chat/completions") as r:
             assert r.status == 405 and (await r.json())["error"]["code"] == "method_not_allowed"
             assert "POST" in r.headers["Allow"]
-        async with s.get(f"http://127.0.0.1:{settings.http_port}/v1/responses/resp_1") as r:
+        async with s.get(f"http://127.0.0.1:{settings.gateway.http_port}/v1/responses/resp_1") as r:
             assert r.status == 404 and (await r.json())["error"]["code"] == "not_found"
-        async with s.get(f"http://127.0.0.1:{settings.http_port}/v1/messages") as r:
+        async with s.get(f"http://127.0.0.1:{settings.gateway.http_port}/v1/messages") as r:
             body = await r.json()
             assert r.status == 405 and body["type"] == "error" and body["error"]["type"] == "api_error"
 
@@ -107,10 +109,10 @@ async def test_nats_api_serves_a_call_and_streams_its_tokens(stack, nats_url):
         async def on_token(msg):
             got.append(TOKEN_DECODER.decode(msg.data))
 
-        await nc.subscribe(subjects.tokens("", "call-stream-1"), cb=on_token)
+        await nc.subscribe(DEP.tokens("", "call-stream-1"), cb=on_token)
         req = CallRequest(model="qwen3-tiny", prompt="hello", session_id="nats-s1", call_id="call-stream-1",
                             max_tokens=6, temperature=0, stream=True)
-        reply = REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(req), timeout=60)).data)
+        reply = REPLY_DECODER.decode((await nc.request(DEP.api_call, encode(req), timeout=60)).data)
         assert isinstance(reply, CallResult), reply
         n = reply.usage.completion_tokens
         assert 1 <= n <= 6 and reply.finish_reason == ("length" if n == 6 else "stop")
@@ -118,7 +120,7 @@ async def test_nats_api_serves_a_call_and_streams_its_tokens(stack, nats_url):
         await nc.flush()
         assert "".join(t.text for t in got) == reply.text[: len("".join(t.text for t in got))]
         assert got, "no tokens streamed"
-        bad = REPLY_DECODER.decode((await nc.request(subjects.API_CALL, b"\xff not json", timeout=10)).data)
+        bad = REPLY_DECODER.decode((await nc.request(DEP.api_call, b"\xff not json", timeout=10)).data)
         assert isinstance(bad, ErrorReply) and bad.status == 400
         done.set()
     finally:
@@ -130,10 +132,10 @@ async def test_streamed_chat_matches_openai_chunks_and_the_final_answer(stack):
 
     settings, services = stack
     await services.start("agent-0", run_agent, settings.with_(instance_id="agent-0", models=("qwen3-tiny",)))
-    nc = await nats.connect(settings.nats_url)
+    nc = await nats.connect(settings.common.nats_url)
     await wait_for_router(nc, instances=1)  # it routes only to instances it has heard from
     await nc.close()
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{settings.http_port}/v1", api_key="x", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{settings.gateway.http_port}/v1", api_key="x", max_retries=0)
     messages = [{"role": "user", "content": "stream me"}]
     plain = await client.chat.completions.create(model="qwen3-tiny", messages=messages, max_tokens=8,
                                                  temperature=0, extra_headers={"X-Session-Id": "st"})
@@ -167,12 +169,12 @@ async def test_a_call_id_reused_after_the_duplicate_window_is_refused_409_not_dr
         await wait_for_router(nc, instances=1)
         req = CallRequest(model="qwen3-tiny", prompt="hello", session_id="reuse-s1", call_id="reused-1",
                           max_tokens=2, temperature=0)
-        first = REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(req), timeout=60)).data)
+        first = REPLY_DECODER.decode((await nc.request(DEP.api_call, encode(req), timeout=60)).data)
         assert isinstance(first, CallResult), first
-        inbox = f"{subjects.REPLY_PREFIX}.gateway.test.reused-1"
+        inbox = f"{DEP.reply_prefix}.gateway.test.reused-1"
         replies = await nc.subscribe(inbox)
         later = CallSubmitted("reused-1", "reuse-s2", "qwen3-tiny", [1, 2, 3], [], 2, time.time(), reply_to=inbox)
-        await publish_event(js, event_subject(later), later, msg_id="a-later-submission")  # a new message
+        await publish_event(js, event_subject(DEP, later), later, msg_id="a-later-submission")  # a new message
         refused = REPLY_DECODER.decode((await replies.next_msg(timeout=20)).data)
         assert isinstance(refused, ErrorReply) and (refused.status, refused.code) == (409, "duplicate_call_id")
         [row] = await wait_rows(db, "SELECT session_id, outcome FROM calls WHERE call_id = 'reused-1' "

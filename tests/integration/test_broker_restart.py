@@ -21,7 +21,6 @@ from talaria.embedded import EmbeddedNats, free_port
 from talaria.services.gateway.submitter import Submitter
 from talaria.services.instance_agent.record_sender import RecordSender
 from talaria.shared import messages as m
-from talaria.shared import subjects
 from talaria.shared.health import wait_for_router
 from talaria.shared.bus import close, connect
 from talaria.shared.events import CallSubmitted
@@ -29,6 +28,9 @@ from talaria.shared.nats_auth import sender_headers
 from talaria.shared.settings import Settings
 from talaria.shared.wire import encode
 from tests.integration.harness import Services, wait_rows
+from talaria.shared.subjects import Deployment
+
+DEP = Deployment()  # the default deployment's subject names
 
 pytestmark = pytest.mark.integration
 TIMEOUT_S = 60.0  # the call timeout: an answer must come long before it
@@ -97,7 +99,7 @@ async def test_calls_in_flight_when_the_broker_is_killed_are_answered_within_sec
     """SIGKILL of nats-server under load, restarted on the same port and store (as the
     supervisor does): every call is answered 200 long before the call timeout, and runs once."""
     server = EmbeddedNats(tmp_path / "nats").start()
-    settings = Settings(nats_url=server.url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
+    settings = Settings.of(nats_url=server.url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
                         session_idle_s=3600, call_timeout_s=TIMEOUT_S, models=("qwen3-tiny",))
     services = Services()
     try:
@@ -112,13 +114,13 @@ async def test_calls_in_flight_when_the_broker_is_killed_are_answered_within_sec
             t0 = time.monotonic()
             body = {"model": "qwen3-tiny", "max_tokens": 64, "temperature": 0,
                     "messages": [{"role": "user", "content": f"call {i}"}]}
-            async with s.post(f"http://127.0.0.1:{settings.http_port}/v1/chat/completions", json=body,
+            async with s.post(f"http://127.0.0.1:{settings.gateway.http_port}/v1/chat/completions", json=body,
                               headers={"X-Session-Id": f"k{i}", "Idempotency-Key": f"key-{i}"}) as r:
                 await r.read()
                 return r.status, time.monotonic() - t0
 
         watcher = await nats.connect(server.url, allow_reconnect=False)
-        started = await watcher.subscribe(subjects.CALL_STARTED)
+        started = await watcher.subscribe(DEP.event("call.started"))
         async with aiohttp.ClientSession() as s:
             calls = [asyncio.ensure_future(call(i, s)) for i in range(6)]
             await started.next_msg(timeout=60)  # an agent is running a call

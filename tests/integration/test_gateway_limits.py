@@ -20,7 +20,7 @@ PARTIAL = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Slow: "  # a head
 
 @pytest.fixture
 async def gateway(nats_url, database_url, tmp_path):
-    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
+    settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
                         api_keys=(f"acme:{KEY}",), http_header_timeout_s=1.0, http_body_timeout_s=1.0,
                         http_max_connections=8, http_max_connections_per_address=4)
     services = Services()
@@ -30,7 +30,7 @@ async def gateway(nats_url, database_url, tmp_path):
 
 
 async def raw(settings, data: bytes, source: str = "127.0.0.1"):
-    reader, writer = await asyncio.open_connection("127.0.0.1", settings.http_port, local_addr=(source, 0))
+    reader, writer = await asyncio.open_connection("127.0.0.1", settings.gateway.http_port, local_addr=(source, 0))
     writer.write(data)
     await writer.drain()
     return reader, writer
@@ -39,7 +39,7 @@ async def raw(settings, data: bytes, source: str = "127.0.0.1"):
 async def models(settings, source: str) -> int:
     connector = aiohttp.TCPConnector(local_addr=(source, 0))
     async with aiohttp.ClientSession(connector=connector) as s:
-        async with s.get(f"http://127.0.0.1:{settings.http_port}/v1/models",
+        async with s.get(f"http://127.0.0.1:{settings.gateway.http_port}/v1/models",
                          headers={"Authorization": f"Bearer {KEY}"}) as r:
             return r.status
 

@@ -34,20 +34,20 @@ async def test_call_spans_follow_the_genai_conventions(nats_url, database_url, t
         return provider
 
     monkeypatch.setattr(tracing, "setup", with_memory)
-    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
+    settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
                         session_idle_s=3600, call_timeout_s=60, models=(MODEL,))
     services = Services()
     try:
         await services.start("router", run_router, settings)
         await services.start("gateway", run_gateway, settings)
         await services.start("agent-0", run_agent, settings.with_(instance_id="agent-0"))
-        nc = await nats.connect(settings.nats_url)
+        nc = await nats.connect(settings.common.nats_url)
         await wait_for_router(nc, instances=1)
         await nc.close()
         async with aiohttp.ClientSession() as s:
             body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
                     "temperature": 0}
-            async with s.post(f"http://127.0.0.1:{settings.http_port}/v1/chat/completions", json=body,
+            async with s.post(f"http://127.0.0.1:{settings.gateway.http_port}/v1/chat/completions", json=body,
                               headers={"X-Session-Id": SESSION}) as r:
                 assert r.status == 200
                 answer = await r.json()

@@ -13,7 +13,6 @@ import pytest
 
 from talaria.embedded import free_port
 from talaria.services.instance_agent import agent_service
-from talaria.shared import subjects
 from talaria.shared.events import PoolPinned
 from talaria.shared.health import wait_for_router
 from talaria.shared.messages import REPLY_DECODER, CallRequest, CallResult
@@ -21,6 +20,9 @@ from talaria.shared.settings import Settings
 from talaria.shared.snapshots import SNAPSHOT_DECODER
 from talaria.shared.wire import encode
 from tests.integration.harness import Services
+from talaria.shared.subjects import Deployment
+
+DEP = Deployment()  # the default deployment's subject names
 
 pytestmark = pytest.mark.integration
 
@@ -29,7 +31,7 @@ MODELS = ("qwen3-tiny", "gpt2-tiny")
 
 async def test_the_router_pins_the_model_the_traffic_asks_for_and_the_agent_serves_it_hot(
         nats_url, database_url, tmp_path):
-    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="talaria",
+    settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="talaria",
                         http_port=free_port(), session_idle_s=3600, call_timeout_s=60, hot_pools=True,
                         models=MODELS)
     services = Services()
@@ -50,13 +52,13 @@ async def test_the_router_pins_the_model_the_traffic_asks_for_and_the_agent_serv
             if snap.pinned_model:
                 await pinned.put(snap)
 
-        await nc.subscribe(subjects.POOL_PINNED, cb=on_decision)
-        await nc.subscribe(subjects.TELEMETRY_WILDCARD, cb=on_snapshot)
+        await nc.subscribe(DEP.event("pool.pinned"), cb=on_decision)
+        await nc.subscribe(DEP.telemetry_wildcard, cb=on_snapshot)
 
         async def call(call_id, session):
             req = CallRequest(model="gpt2-tiny", prompt="hello there", session_id=session, call_id=call_id,
                               max_tokens=4)
-            return REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(req), timeout=30)).data)
+            return REPLY_DECODER.decode((await nc.request(DEP.api_call, encode(req), timeout=30)).data)
 
         for k in range(4):  # every session asks for gpt2-tiny: its demand share is all of it
             reply = await call(f"hp-{k}", f"hp-session-{k}")

@@ -27,6 +27,9 @@ from talaria.shared.settings import Settings
 from talaria.embedded import free_port
 from tests.integration.harness import Services, wait_rows, wait_until
 from tests.integration.test_security import Violations, router_ready, secure_nats, start_stack  # noqa: F401 (a fixture)
+from talaria.shared.subjects import Deployment
+
+DEP = Deployment()  # the default deployment's subject names
 
 pytestmark = pytest.mark.integration
 
@@ -35,7 +38,7 @@ KEY_A, KEY_B = "tenant-a:k-0123456789abcdef", "tenant-b:k-fedcba9876543210"
 
 async def control_plane(nats_url, database_url, tmp_path, **changes):
     """Gateway (two tenants' keys), router, telemetry; agents are added by the tests."""
-    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="least-loaded",
+    settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="least-loaded",
                         http_port=free_port(), session_idle_s=3600, call_timeout_s=30,
                         api_keys=(KEY_A, KEY_B)).with_(**changes)
     services = Services()
@@ -82,7 +85,7 @@ def headers(session: str, key: str | None, api_key: str = KEY_A) -> dict[str, st
 
 async def post(settings, body: dict, hdrs: dict, path: str = "/v1/chat/completions"):
     async with aiohttp.ClientSession() as s:
-        async with s.post(f"http://127.0.0.1:{settings.http_port}{path}", json=body, headers=hdrs) as r:
+        async with s.post(f"http://127.0.0.1:{settings.gateway.http_port}{path}", json=body, headers=hdrs) as r:
             text = await r.text()
             return r.status, (json.loads(text) if not body.get("stream") or r.status != 200 else text), r.headers
 
@@ -166,7 +169,7 @@ async def test_nats_api_honours_idempotency_key(stack, nats_url, db):
                             api_key=KEY_A.split(":", 1)[1], idempotency_key="nats-key")
 
         async def ask(r):
-            return m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(r), timeout=60)).data)
+            return m.REPLY_DECODER.decode((await nc.request(DEP.api_call, encode(r), timeout=60)).data)
 
         first, second = await ask(req), await ask(req)
         assert isinstance(first, m.CallResult) and first == second
@@ -185,8 +188,8 @@ async def dead_gateway(nats_url, settings, body: dict, session: str, key: str, s
     call on the stream with its kept reply subject, but nobody listening for the answer."""
     nc, js = await connect(nats_url, "talaria-gateway")  # the sender the router trusts for submissions
     try:
-        calls = IdempotentCalls(Submitter(nc, js, None, settings.call_timeout_s, logs.get("dead-gateway")),
-                                settings.idempotency_window_s)
+        calls = IdempotentCalls(Submitter(nc, js, None, settings.gateway.call_timeout_s, logs.get("dead-gateway")),
+                                settings.gateway.idempotency_window_s)
         call, _, _ = parse_request(json.dumps(body).encode(), True, headers(session, key), "tenant-a")
         claim = await calls.claim(call, key)
         assert claim.owner
@@ -205,7 +208,7 @@ async def test_a_call_whose_gateway_died_is_answered_to_the_retry_from_its_store
     try:  # the agent answered while no gateway listened: the stream kept it
         async def kept():
             try:
-                return await js.get_last_msg(subjects.IDEMPOTENCY_STREAM, outcome_subject(orphan.tenant, orphan.call_id))
+                return await js.get_last_msg(DEP.idempotency_stream, outcome_subject(DEP, orphan.tenant, orphan.call_id))
             except nats.js.errors.NotFoundError:
                 return None
 
@@ -236,7 +239,7 @@ async def test_a_client_that_drops_a_keyed_call_mid_stream_gets_it_on_retry(stac
     await start_agent(settings, services, nats_url)
     body = {**chat_body(stream=True), "max_tokens": 64}
     async with aiohttp.ClientSession() as s:
-        async with s.post(f"http://127.0.0.1:{settings.http_port}/v1/chat/completions", json=body,
+        async with s.post(f"http://127.0.0.1:{settings.gateway.http_port}/v1/chat/completions", json=body,
                           headers=headers("idem-7", "key-7")) as r:
             assert r.status == 200
             call_id = r.headers["X-Talaria-Call-Id"]
@@ -253,7 +256,7 @@ async def test_keys_work_under_per_service_nats_permissions(secure_nats, databas
     """As `talaria up` runs it: the gateway's own user claims keys and reads kept replies; a NATS
     client cannot read them."""
     url, users = secure_nats
-    settings = Settings(nats_url=url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
+    settings = Settings.of(nats_url=url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
                         session_idle_s=3600, call_timeout_s=60, api_keys=(KEY_A,))
     services = Services()
     try:
@@ -265,10 +268,10 @@ async def test_keys_work_under_per_service_nats_permissions(secure_nats, databas
         violations = Violations()
         client = await nats.connect(url, error_cb=violations.on_error, **users["client-mallory"].options())
         try:
-            await client.subscribe(f"{subjects.IDEMPOTENT_REPLIES}.*")
-            await violations.wait_for(f'subscription to "{subjects.IDEMPOTENT_REPLIES}.*"')
-            await client.publish(f"{subjects.IDEMPOTENCY_KEYS}.x", b"{}")
-            await violations.wait_for(f'publish to "{subjects.IDEMPOTENCY_KEYS}.x"')
+            await client.subscribe(f"{DEP.idempotent_replies}.*")
+            await violations.wait_for(f'subscription to "{DEP.idempotent_replies}.*"')
+            await client.publish(f"{DEP.idempotency_keys}.x", b"{}")
+            await violations.wait_for(f'publish to "{DEP.idempotency_keys}.x"')
         finally:
             await client.close()
         await wait_rows(db, "SELECT 1 FROM calls WHERE session_id = 'tenant-a:idem-8' AND outcome = 'completed'", 1)
@@ -295,7 +298,7 @@ async def test_responses_api_honours_the_key(stack, nats_url, db):
 async def drop_mid_stream(settings, body: dict, hdrs: dict) -> tuple[str, float]:
     """Start a streamed call, read its first event and hang up: (its call id, when)."""
     async with aiohttp.ClientSession() as s:
-        async with s.post(f"http://127.0.0.1:{settings.http_port}/v1/chat/completions",
+        async with s.post(f"http://127.0.0.1:{settings.gateway.http_port}/v1/chat/completions",
                           json={**body, "stream": True}, headers=hdrs) as r:
             assert r.status == 200
             call_id = r.headers["X-Talaria-Call-Id"]
@@ -347,12 +350,12 @@ async def test_a_retry_that_attached_as_its_call_was_given_up_runs_it_anew(stack
     try:
         async def attached():
             try:
-                return await nc.request(waiting_subject(orphan.tenant, orphan.call_id), b"", timeout=1)
+                return await nc.request(waiting_subject(DEP, orphan.tenant, orphan.call_id), b"", timeout=1)
             except nats.errors.NoRespondersError:
                 return None
 
         await wait_until(attached, "the retry to wait for the call")
-        await Submitter(nc, js, None, settings.call_timeout_s, logs.get("test")).cancel(
+        await Submitter(nc, js, None, settings.gateway.call_timeout_s, logs.get("test")).cancel(
             orphan.call_id, ORPHANED, "tenant-a")  # what the last waiter's grace sends
     finally:
         await close(nc)
@@ -377,7 +380,7 @@ async def test_an_owner_whose_call_was_given_up_while_its_client_waits_runs_it_a
     [first] = await wait_rows(db, "SELECT call_id FROM calls WHERE session_id = 'tenant-a:idem-13'", 1)
     nc, js = await connect(nats_url, "talaria-gateway")
     try:
-        await Submitter(nc, js, None, settings.call_timeout_s, logs.get("test")).cancel(
+        await Submitter(nc, js, None, settings.gateway.call_timeout_s, logs.get("test")).cancel(
             first["call_id"], ORPHANED, "tenant-a")  # what another waiter's grace sends
     finally:
         await close(nc)
@@ -394,7 +397,7 @@ async def test_the_orphan_grace_works_under_per_service_nats_permissions(secure_
     """As `talaria up` runs it: the gateway's user may answer and send probes on the waiting
     subject (a retry that attached keeps the call; a call nobody waits for is cancelled)."""
     url, users = secure_nats
-    settings = Settings(nats_url=url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
+    settings = Settings.of(nats_url=url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
                         session_idle_s=3600, call_timeout_s=120, api_keys=(KEY_A,), idempotent_orphan_s=GRACE_S)
     services = Services()
     try:

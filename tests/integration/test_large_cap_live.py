@@ -11,7 +11,6 @@ import nats
 import pytest
 
 from talaria.services.instance_agent.agent_service import run as run_agent
-from talaria.shared import subjects
 from talaria.shared.catalog import CATALOG
 from talaria.shared.health import wait_for_router
 from talaria.shared.messages import REPLY_DECODER, CallRequest, CallResult
@@ -20,6 +19,9 @@ from talaria.shared.settings import Settings
 from talaria.shared.wire import encode
 from talaria.embedded import free_port
 from tests.integration.harness import Services, wait_rows
+from talaria.shared.subjects import Deployment
+
+DEP = Deployment()  # the default deployment's subject names
 
 pytestmark = pytest.mark.integration
 MODEL = "qwen3-tiny"  # 131,072-token context; the engine's pool holds one such context
@@ -27,12 +29,12 @@ CAP = 32_000  # what Claude Code sends
 
 
 async def test_a_32k_cap_is_neither_refused_nor_queued_for_its_cap(nats_url, database_url, tmp_path, db):
-    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="talaria",
+    settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="talaria",
                         http_port=free_port(), session_idle_s=3600, call_timeout_s=120, models=(MODEL,))
     services = Services()
     await services.start_control_plane(settings)
     await services.start("agent-0", run_agent, settings.with_(instance_id="agent-0"))
-    nc = await nats.connect(settings.nats_url)
+    nc = await nats.connect(settings.common.nats_url)
     assert CATALOG[MODEL].context_length == 131_072
     eos = text_for(CATALOG[MODEL]).eos_ids[0]
     filler = "the quick brown fox jumps over the lazy dog; " * 230  # ~2,000 tokens
@@ -41,7 +43,7 @@ async def test_a_32k_cap_is_neither_refused_nor_queued_for_its_cap(nats_url, dat
         # the bias makes the random-weight model answer at once, as a tool call often does
         req = CallRequest(model=MODEL, prompt=f"{session} {filler}", session_id=session, call_id=call_id,
                           max_tokens=CAP, temperature=0, logit_bias={eos: 100.0})
-        return REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(req), timeout=120)).data)
+        return REPLY_DECODER.decode((await nc.request(DEP.api_call, encode(req), timeout=120)).data)
 
     try:
         await wait_for_router(nc, instances=1)

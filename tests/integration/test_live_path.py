@@ -20,11 +20,13 @@ from talaria.shared.messages import (
     REPLY_DECODER,
 )
 from talaria.shared.wire import encode
-from talaria.shared import subjects
 from talaria.shared.health import wait_for_router
 from talaria.shared.settings import Settings
 from talaria.embedded import free_port
 from tests.integration.harness import Services, wait_rows, wait_until
+from talaria.shared.subjects import Deployment
+
+DEP = Deployment()  # the default deployment's subject names
 
 pytestmark = pytest.mark.integration
 MODEL = "qwen3-tiny"
@@ -32,7 +34,7 @@ MODEL = "qwen3-tiny"
 
 @pytest.fixture
 async def stack(nats_url, database_url, tmp_path):
-    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="talaria",
+    settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="talaria",
                         http_port=free_port(), session_idle_s=3600, call_timeout_s=60, models=(MODEL,))
     services = Services()
     await services.start_control_plane(settings)
@@ -42,13 +44,13 @@ async def stack(nats_url, database_url, tmp_path):
 
 async def get(settings, path):
     async with aiohttp.ClientSession() as s:
-        async with s.get(f"http://127.0.0.1:{settings.http_port}{path}") as r:
+        async with s.get(f"http://127.0.0.1:{settings.gateway.http_port}{path}") as r:
             return r.status, await r.json()
 
 
 async def with_agent(settings, services):
     await services.start("agent-0", run_agent, settings.with_(instance_id="agent-0"))
-    nc = await nats.connect(settings.nats_url)
+    nc = await nats.connect(settings.common.nats_url)
     await wait_for_router(nc, instances=1)
     return nc
 
@@ -78,25 +80,25 @@ async def test_a_cancel_on_nats_aborts_the_call_and_frees_its_slot(stack, db):
         async def on_token(msg):
             first.set()
 
-        await nc.subscribe(subjects.tokens("", "long-1"), cb=on_token)
+        await nc.subscribe(DEP.tokens("", "long-1"), cb=on_token)
         req = CallRequest(model=MODEL, prompt="write forever", session_id="c1", call_id="long-1",
                             max_tokens=4000, temperature=0, stream=True)
-        pending = asyncio.ensure_future(nc.request(subjects.API_CALL, encode(req), timeout=60))
+        pending = asyncio.ensure_future(nc.request(DEP.api_call, encode(req), timeout=60))
         await asyncio.wait_for(first.wait(), 30)
-        await nc.request(subjects.API_CANCEL, encode(CancelCall("long-1", "test")), timeout=10)
+        await nc.request(DEP.api_cancel, encode(CancelCall("long-1", "test")), timeout=10)
         reply = REPLY_DECODER.decode((await pending).data)
         assert isinstance(reply, ErrorReply) and reply.status == CANCELLED_STATUS and reply.code == "cancelled"
         [row] = await wait_rows(db, "SELECT * FROM calls WHERE call_id='long-1' AND outcome='cancelled'", 1)
         assert row["failed_stage"] == "agent"
         # The slot and the KV refs are free: the next call runs at once and completes.
         req2 = CallRequest(model=MODEL, prompt="next", session_id="c2", max_tokens=2, temperature=0)
-        reply2 = REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(req2), timeout=30)).data)
+        reply2 = REPLY_DECODER.decode((await nc.request(DEP.api_call, encode(req2), timeout=30)).data)
         assert isinstance(reply2, CallResult), reply2
         # A cancel that arrives before its call is remembered: the call is refused on arrival.
-        ack = await nc.request(subjects.API_CANCEL, encode(CancelCall("early-1", "test")), timeout=10)
+        ack = await nc.request(DEP.api_cancel, encode(CancelCall("early-1", "test")), timeout=10)
         assert b"cancel_sent" in ack.data
         req3 = CallRequest(model=MODEL, prompt="x", session_id="c3", call_id="early-1", max_tokens=2)
-        reply3 = REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(req3), timeout=30)).data)
+        reply3 = REPLY_DECODER.decode((await nc.request(DEP.api_call, encode(req3), timeout=30)).data)
         assert isinstance(reply3, ErrorReply) and reply3.status == CANCELLED_STATUS
     finally:
         await nc.close()
@@ -109,7 +111,7 @@ async def test_an_http_client_that_disconnects_cancels_its_call(stack, db):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "stream forever"}], "max_tokens": 4000,
             "temperature": 0, "stream": True}
     async with aiohttp.ClientSession() as s:
-        async with s.post(f"http://127.0.0.1:{settings.http_port}/v1/chat/completions", json=body,
+        async with s.post(f"http://127.0.0.1:{settings.gateway.http_port}/v1/chat/completions", json=body,
                           headers={"X-Session-Id": "gone"}) as resp:
             async for line in resp.content:
                 if b'"content": "' in line and b'"content": ""' not in line:
@@ -123,7 +125,7 @@ async def test_a_large_body_is_parsed_off_the_loop_with_the_same_answer(stack):
     huge = msgspec.json.encode({"model": MODEL, "messages": [{"role": "user", "content": "x" * 200_000}],
                                 "max_tokens": 4})
     async with aiohttp.ClientSession() as s:
-        async with s.post(f"http://127.0.0.1:{settings.http_port}/v1/chat/completions", data=huge,
+        async with s.post(f"http://127.0.0.1:{settings.gateway.http_port}/v1/chat/completions", data=huge,
                           headers={"Content-Type": "application/json"}) as r:
             status, body = r.status, await r.json()
     assert status == 400 and body["error"]["code"] == "context_length_exceeded"
@@ -135,12 +137,12 @@ async def test_a_call_started_from_its_fast_copy_is_acked_once_durably(stack, db
     try:
         for i in range(3):
             req = CallRequest(model=MODEL, prompt=f"fast {i}", session_id="fast", max_tokens=2, temperature=0)
-            reply = REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(req), timeout=30)).data)
+            reply = REPLY_DECODER.decode((await nc.request(DEP.api_call, encode(req), timeout=30)).data)
             assert isinstance(reply, CallResult), reply
         await wait_rows(db, "SELECT * FROM calls WHERE session_id='fast' AND outcome='completed'", 3)
         js = nc.jetstream()
         async def settled():  # the durable copies are acked as they arrive: poll the consumer's state
-            info = await js.consumer_info(subjects.EVENTS_STREAM, "agent-agent-0")
+            info = await js.consumer_info(DEP.events_stream, "agent-agent-0")
             return info if info.num_ack_pending == 0 else None
 
         info = await wait_until(settled, "the agent's consumer to ack everything", timeout=10, every=0.1)

@@ -88,7 +88,7 @@ def value(family, suffix: str = "", **labels) -> float:
 
 
 async def test_every_service_exposes_its_metrics_after_calls(nats_url, database_url, tmp_path):
-    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
+    settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
                         session_idle_s=3600, call_timeout_s=60, models=(MODEL,), metrics_port=0,
                         projection_interval_s=0.0)
     services = Services()
@@ -96,10 +96,10 @@ async def test_every_service_exposes_its_metrics_after_calls(nats_url, database_
     try:
         await services.start_control_plane(settings)
         await services.start("agent-0", run_agent, settings.with_(instance_id="agent-0"))
-        nc = await nats.connect(settings.nats_url)
+        nc = await nats.connect(settings.common.nats_url)
         await wait_for_router(nc, instances=1)
         await nc.close()
-        base = f"http://127.0.0.1:{settings.http_port}"
+        base = f"http://127.0.0.1:{settings.gateway.http_port}"
         async with aiohttp.ClientSession() as s:
             async with s.post(f"{base}/v1/chat/completions", json={"model": "nope", "messages": []}) as r:
                 assert r.status in (400, 404)  # refused before submission: counted all the same

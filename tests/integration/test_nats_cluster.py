@@ -17,11 +17,13 @@ import pytest
 
 from talaria.embedded import EmbeddedNatsCluster, free_port
 from talaria.services.instance_agent.agent_service import run as run_agent
-from talaria.shared import subjects
 from talaria.shared.bus import ATTEMPT_S, FAILOVER_S, servers
 from talaria.shared.health import wait_for_router
 from talaria.shared.settings import Settings
 from tests.integration.harness import Services, wait_rows, wait_until
+from talaria.shared.subjects import Deployment
+
+DEP = Deployment()  # the default deployment's subject names
 
 pytestmark = pytest.mark.integration
 MODEL = "qwen3-tiny"
@@ -41,7 +43,7 @@ def cluster(tmp_path):
 
 @pytest.mark.parametrize("victim", ["leader", "follower"])
 async def test_killing_a_node_under_load_loses_no_call(victim, cluster, database_url, tmp_path, db):
-    settings = Settings(nats_url=cluster.url, nats_replicas=3, database_url=database_url, data_dir=tmp_path,
+    settings = Settings.of(nats_url=cluster.url, nats_replicas=3, database_url=database_url, data_dir=tmp_path,
                         http_port=free_port(), session_idle_s=3600, call_timeout_s=60, models=(MODEL,))
     services = Services()
     calls: list[tuple[float, float, int]] = []  # (sent, answered, status)
@@ -51,7 +53,7 @@ async def test_killing_a_node_under_load_loses_no_call(victim, cluster, database
         await services.start("agent-0", run_agent, settings.with_(instance_id="agent-0"))
         nc = await nats.connect(servers(cluster.url))
         await wait_for_router(nc, instances=1)
-        info = await nc.jetstream().stream_info(subjects.EVENTS_STREAM)
+        info = await nc.jetstream().stream_info(DEP.events_stream)
         assert info.config.num_replicas == 3 and len(info.cluster.replicas) == 2
         leader = info.cluster.leader if victim == "leader" else info.cluster.replicas[0].name
         await nc.close()
@@ -62,7 +64,7 @@ async def test_killing_a_node_under_load_loses_no_call(victim, cluster, database
                 body = {"model": MODEL, "messages": [{"role": "user", "content": f"s{i} turn {n}"}],
                         "max_tokens": 4, "temperature": 0}
                 sent = time.monotonic()
-                async with http.post(f"http://127.0.0.1:{settings.http_port}/v1/chat/completions", json=body,
+                async with http.post(f"http://127.0.0.1:{settings.gateway.http_port}/v1/chat/completions", json=body,
                                      headers={"X-Session-Id": f"cluster-{i}"}) as r:
                     await r.read()
                     calls.append((sent, time.monotonic(), r.status))

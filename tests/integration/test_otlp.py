@@ -31,14 +31,14 @@ async def test_call_spans_are_exported_over_otlp(nats_url, database_url, tmp_pat
     await web.TCPSite(runner, "127.0.0.1", port).start()
     endpoint = f"http://127.0.0.1:{port}"
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
-    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
+    settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
                         otlp_endpoint=endpoint)
     services = Services()
     try:
         await services.start("router", run_router, settings)
         await services.start("gateway", run_gateway, settings)
         async with aiohttp.ClientSession() as s:
-            async with s.post(f"http://127.0.0.1:{settings.http_port}/v1/completions",
+            async with s.post(f"http://127.0.0.1:{settings.gateway.http_port}/v1/completions",
                               json={"model": "qwen3-tiny", "prompt": "x", "max_tokens": 2},
                               headers={"X-Session-Id": "otlp-session"}) as r:
                 assert r.status == 503  # no agents: the span still records the rejected call

@@ -25,7 +25,6 @@ from talaria.shared import events as ev
 from talaria.shared import messages as m
 from talaria.services.router.ownership import partition_of
 from talaria.shared.session_slots import slot_of
-from talaria.shared import subjects
 from talaria.shared.bus import connect, emit
 from talaria.shared.health import wait_for_router
 from talaria.shared.nats_auth import owner_sender
@@ -33,6 +32,9 @@ from talaria.shared.settings import Settings
 from talaria.shared.wire import encode
 from tests.integration.harness import Owners, Services, acked, wait_rows, wait_until
 from tests.integration.test_live_path import stack  # noqa: F401  (the same control plane)
+from talaria.shared.subjects import Deployment
+
+DEP = Deployment()  # the default deployment's subject names
 
 pytestmark = pytest.mark.integration
 MODEL = "qwen3-tiny"
@@ -76,7 +78,7 @@ def hold_records(monkeypatch, call_id: str) -> asyncio.Event:
 
 
 async def stored_records(js, call_id: str) -> list:
-    sub = await js.pull_subscribe(subjects.CALL_COMPLETED, stream=subjects.EVENTS_STREAM,
+    sub = await js.pull_subscribe(DEP.event("call.completed"), stream=DEP.events_stream,
                                   config=ConsumerConfig(ack_policy=AckPolicy.NONE))
     try:
         msgs = await sub.fetch(100, timeout=1)
@@ -91,7 +93,7 @@ async def test_the_call_is_acked_only_once_its_record_is_stored(nats_url, monkey
     nc, js = await connect(nats_url, "talaria-agent-agent-0")
     try:
         await emit(js, routed("c1"), sender=owner_sender(routed("c1")))
-        sub = await js.pull_subscribe(subjects.call_routed("agent-0"), durable="t", stream=subjects.EVENTS_STREAM,
+        sub = await js.pull_subscribe(DEP.call_routed("agent-0"), durable="t", stream=DEP.events_stream,
                                       config=ConsumerConfig(durable_name="t", ack_wait=ACK_WAIT_S))
         [msg] = await sub.fetch(1, timeout=5)
         release = hold_records(monkeypatch, "c1")
@@ -106,7 +108,7 @@ async def test_the_call_is_acked_only_once_its_record_is_stored(nats_url, monkey
         task = await sender.send("c1", None, completed("c1"), [("test.reply.c1", b"the answer")],
                                  on_stored=closed, on_dropped=lambda: dropped.append("c1"))
         assert (await replies.next_msg(timeout=5)).data == b"the answer"  # answered before it is stored
-        assert (await js.consumer_info(subjects.EVENTS_STREAM, "t")).num_ack_pending == 1
+        assert (await js.consumer_info(DEP.events_stream, "t")).num_ack_pending == 1
         if agent_dies:  # before the record is stored: nothing acked, nothing recorded
             await sender.drain(timeout=0)
             assert (stored, dropped) == ([], ["c1"]) and await stored_records(js, "c1") == []
@@ -117,7 +119,7 @@ async def test_the_call_is_acked_only_once_its_record_is_stored(nats_url, monkey
             await task
             assert (stored, dropped) == (["c1"], [])
             assert len(await stored_records(js, "c1")) == 1
-            assert (await js.consumer_info(subjects.EVENTS_STREAM, "t")).num_ack_pending == 0
+            assert (await js.consumer_info(DEP.events_stream, "t")).num_ack_pending == 0
     finally:
         await nc.close()
 
@@ -139,7 +141,7 @@ async def test_a_durable_copy_arriving_while_the_record_is_stored_is_not_run_aga
 
     monkeypatch.setattr(agent_service, "_with_prompt", after_the_reply)
     await services.start("agent-0", run_agent, settings.with_(instance_id="agent-0"))
-    nc = await nats.connect(settings.nats_url)
+    nc = await nats.connect(settings.common.nats_url)
     results = []
 
     async def on_reply(msg):  # every answer any agent sends for the call
@@ -150,19 +152,19 @@ async def test_a_durable_copy_arriving_while_the_record_is_stored_is_not_run_aga
 
     try:
         await wait_for_router(nc, instances=1)
-        await nc.subscribe(f"{subjects.REPLY_PREFIX}.>", cb=on_reply)
+        await nc.subscribe(f"{DEP.reply_prefix}.>", cb=on_reply)
         req = m.CallRequest(model=MODEL, prompt="late copy", session_id="late", max_tokens=1, temperature=0,
                             call_id=call_id)
-        reply = m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(req), timeout=30)).data)
+        reply = m.REPLY_DECODER.decode((await nc.request(DEP.api_call, encode(req), timeout=30)).data)
         assert isinstance(reply, m.CallResult), reply
         await asyncio.wait_for(durable_in.wait(), 10)
         js = nc.jetstream()
-        info = await js.consumer_info(subjects.EVENTS_STREAM, "agent-agent-0")
+        info = await js.consumer_info(DEP.events_stream, "agent-agent-0")
         assert info.num_ack_pending == 1  # held: its record is not stored yet
         release.set()
 
         async def settled():
-            info = await js.consumer_info(subjects.EVENTS_STREAM, "agent-agent-0")
+            info = await js.consumer_info(DEP.events_stream, "agent-agent-0")
             return info if info.num_ack_pending == 0 else None
 
         info = await wait_until(settled, "the durable copy to be acked after the record", timeout=10, every=0.05)
@@ -203,7 +205,7 @@ def hold_router_outputs(monkeypatch, call_id: str) -> None:
 async def submission_seq(js, session_id: str, call_id: str) -> int:
     """The stream sequence of the call's submission (the last on its session's slot: the
     test's only one), read by a direct lookup, not a fetch that may time out on a busy loop."""
-    msg = await js.get_last_msg(subjects.EVENTS_STREAM, subjects.call_submitted(slot_of(session_id)))
+    msg = await js.get_last_msg(DEP.events_stream, DEP.call_submitted(slot_of(session_id)))
     assert ev.EVENT_DECODER.decode(msg.data).call_id == call_id
     return msg.seq
 
@@ -215,7 +217,7 @@ async def test_a_router_that_dies_before_storing_its_outputs_has_not_acked_the_c
     a router that dies first gets the call back on restart: recorded, answered once."""
     from talaria.services.router import router_service
 
-    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="talaria",
+    settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="talaria",
                         http_port=free_port(), session_idle_s=3600, call_timeout_s=60, models=(MODEL,))
     call_id = "router-dies"
     services = Services()
@@ -223,8 +225,8 @@ async def test_a_router_that_dies_before_storing_its_outputs_has_not_acked_the_c
     js = nc.jetstream()
     answers = []
     owners = Owners()  # each router's partitions, as its heartbeats say
-    await nc.subscribe(subjects.health("router"), cb=owners.on_beat)
-    partition = partition_of("rd", settings.router_partitions)  # the session's
+    await nc.subscribe(DEP.health("router"), cb=owners.on_beat)
+    partition = partition_of("rd", settings.router.router_partitions)  # the session's
 
     async def on_reply(msg):
         if m.REPLY_DECODER.decode(msg.data).call_id == call_id:
@@ -237,14 +239,14 @@ async def test_a_router_that_dies_before_storing_its_outputs_has_not_acked_the_c
         await services.start("gateway", run_gateway, settings)
         await services.start("agent-0", run_agent, settings.with_(instance_id="agent-0"))
         await wait_for_router(nc, instances=1)
-        await nc.subscribe(f"{subjects.REPLY_PREFIX}.>", cb=on_reply)
+        await nc.subscribe(f"{DEP.reply_prefix}.>", cb=on_reply)
         req = m.CallRequest(model=MODEL, prompt="router dies", session_id="rd", max_tokens=1, temperature=0,
                             call_id=call_id)
-        reply = m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(req), timeout=30)).data)
+        reply = m.REPLY_DECODER.decode((await nc.request(DEP.api_call, encode(req), timeout=30)).data)
         assert isinstance(reply, m.CallResult), reply  # served from the fast copy: the stream did not gate it
         seq = await submission_seq(js, "rd", call_id)
         intake = router_service.durable(partition)
-        info = await js.consumer_info(subjects.EVENTS_STREAM, intake)
+        info = await js.consumer_info(DEP.events_stream, intake)
         assert info.ack_floor.stream_seq < seq  # not acked: its outputs are not stored
         await owners.until(lambda by: any(partition in parts for parts in by.values()), timeout=30)
         [dead] = [r for r, parts in owners.by_router.items() if partition in parts]
@@ -285,19 +287,19 @@ async def test_a_call_run_from_its_durable_copy_is_acked_only_after_its_record(s
 
     monkeypatch.setattr(agent_service, "CallRunner", FastCopyLost)
     await services.start("agent-0", run_agent, settings.with_(instance_id="agent-0"))
-    nc = await nats.connect(settings.nats_url)
+    nc = await nats.connect(settings.common.nats_url)
     try:
         await wait_for_router(nc, instances=1)
         req = m.CallRequest(model=MODEL, prompt="durable first", session_id="df", max_tokens=1, temperature=0,
                             call_id=call_id)
-        reply = m.REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(req), timeout=30)).data)
+        reply = m.REPLY_DECODER.decode((await nc.request(DEP.api_call, encode(req), timeout=30)).data)
         assert isinstance(reply, m.CallResult), reply  # answered while its record is held
         js = nc.jetstream()
-        assert (await js.consumer_info(subjects.EVENTS_STREAM, "agent-agent-0")).num_ack_pending == 1
+        assert (await js.consumer_info(DEP.events_stream, "agent-agent-0")).num_ack_pending == 1
         release.set()
 
         async def settled():
-            info = await js.consumer_info(subjects.EVENTS_STREAM, "agent-agent-0")
+            info = await js.consumer_info(DEP.events_stream, "agent-agent-0")
             return info if info.num_ack_pending == 0 else None
 
         await wait_until(settled, "the call acked once its record is stored", timeout=10, every=0.05)

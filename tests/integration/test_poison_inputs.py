@@ -20,10 +20,12 @@ from hypothesis import HealthCheck, given, settings as hsettings, strategies as 
 from talaria.embedded import free_port
 from talaria.services.instance_agent.agent_service import run as run_agent
 from talaria.shared.messages import CallResult, ErrorReply, REPLY_DECODER, Reply
-from talaria.shared import subjects
 from talaria.shared.health import wait_for_router
 from talaria.shared.settings import Settings
 from tests.integration.harness import Services, wait_rows
+from talaria.shared.subjects import Deployment
+
+DEP = Deployment()  # the default deployment's subject names
 
 pytestmark = pytest.mark.integration
 
@@ -33,7 +35,7 @@ ANSWER_S = 30.0  # a hang is a call without an answer in this time (a 4-token ca
 
 @pytest.fixture
 async def stack(nats_url, database_url, tmp_path):
-    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="least-loaded",
+    settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="least-loaded",
                         http_port=free_port(), session_idle_s=3600, call_timeout_s=60)
     services = Services()
     await services.start_control_plane(settings)
@@ -109,7 +111,7 @@ NATS_INPUTS = [
 async def post(settings, body, headers, path="/v1/chat/completions") -> tuple[int, str]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=ANSWER_S)) as s:
-        async with s.post(f"http://127.0.0.1:{settings.http_port}{path}", data=data,
+        async with s.post(f"http://127.0.0.1:{settings.gateway.http_port}{path}", data=data,
                           headers={"Content-Type": "application/json", **headers}) as r:
             return r.status, await r.text()
 
@@ -118,7 +120,7 @@ async def nats_call(nc, fields: dict | bytes) -> Reply | None:
     data = fields if isinstance(fields, bytes) else json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 4,
                                                                  **fields}).encode()
     try:
-        msg = await nc.request(subjects.API_CALL, data, timeout=ANSWER_S)
+        msg = await nc.request(DEP.api_call, data, timeout=ANSWER_S)
     except nats.errors.MaxPayloadError:
         return None  # the client itself refuses to send it: nothing reached the stack
     return REPLY_DECODER.decode(msg.data)

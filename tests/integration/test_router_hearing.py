@@ -15,12 +15,14 @@ from talaria.services.gateway.gateway_service import run as run_gateway
 from talaria.services.instance_agent.agent_service import run as run_agent
 from talaria.services.router.router_core import LOST_AFTER_BEATS
 from talaria.services.router.router_service import run as run_router
-from talaria.shared import subjects
 from talaria.shared.events import InstanceLost
 from talaria.shared.health import wait_for_router
 from talaria.shared.settings import Settings
 from tests.integration.harness import Services
 from tests.integration.test_router_restart import call, stream_events
+from talaria.shared.subjects import Deployment
+
+DEP = Deployment()  # the default deployment's subject names
 
 pytestmark = pytest.mark.integration
 
@@ -35,7 +37,7 @@ def own_nats(tmp_path):
 
 
 async def test_a_nats_pause_longer_than_the_loss_bound_loses_no_instance(own_nats, database_url, tmp_path):
-    settings = Settings(nats_url=own_nats.url, database_url=database_url, data_dir=tmp_path,
+    settings = Settings.of(nats_url=own_nats.url, database_url=database_url, data_dir=tmp_path,
                         http_port=free_port(), call_timeout_s=60, policy="talaria")
     services = Services()
     try:
@@ -47,12 +49,12 @@ async def test_a_nats_pause_longer_than_the_loss_bound_loses_no_instance(own_nat
         await call(nc, "s", "before the pause")
         # The fault itself: the bus stops for longer than the router's loss bound.
         os.kill(own_nats.proc.pid, signal.SIGSTOP)
-        await asyncio.sleep(LOST_AFTER_BEATS * settings.heartbeat_s + 1.5)
+        await asyncio.sleep(LOST_AFTER_BEATS * settings.agent.heartbeat_s + 1.5)
         os.kill(own_nats.proc.pid, signal.SIGCONT)
         # The router publishes in order: anything it decided during the pause is on the stream
         # before the routing of this call.
         await call(nc, "s", "before the pause, and after it")
-        lost = [e for e in await stream_events(nc.jetstream(), subjects.INSTANCE_LOST) if isinstance(e, InstanceLost)]
+        lost = [e for e in await stream_events(nc.jetstream(), DEP.event("instance.lost")) if isinstance(e, InstanceLost)]
         assert lost == []
         await nc.close()
     finally:

@@ -21,7 +21,6 @@ from talaria.services.instance_agent.agent_service import run as run_agent
 from talaria.services.router.ownership import RENEWALS_PER_TTL, partition_of
 from talaria.services.router.router_service import durable
 from talaria.services.telemetry.telemetry_service import run as run_telemetry
-from talaria.shared import subjects
 from talaria.shared.events import EVENT_DECODER
 from talaria.shared.messages import CallRequest, CallResult, REPLY_DECODER
 from talaria.shared.settings import Settings
@@ -29,6 +28,9 @@ from talaria.shared.wire import encode
 from talaria.embedded import free_port
 from tests.integration.harness import Owners, Services, wait_rows
 from tests.integration.test_router_restart import stream_events
+from talaria.shared.subjects import Deployment
+
+DEP = Deployment()  # the default deployment's subject names
 
 pytestmark = pytest.mark.integration
 TTL_S = 2.0
@@ -37,21 +39,21 @@ SESSIONS, CALLS = 8, 5
 
 
 def start_router(settings: Settings, router_id: str) -> subprocess.Popen:
-    env = dict(os.environ, TALARIA_NATS_URL=settings.nats_url, TALARIA_DATABASE_URL=settings.database_url,
-               TALARIA_DATA_DIR=str(settings.data_dir), TALARIA_POLICY="talaria", TALARIA_LOG_LEVEL="warning",
+    env = dict(os.environ, TALARIA_NATS_URL=settings.common.nats_url, TALARIA_DATABASE_URL=settings.common.database_url,
+               TALARIA_DATA_DIR=str(settings.common.data_dir), TALARIA_POLICY="talaria", TALARIA_LOG_LEVEL="warning",
                TALARIA_ROUTER_ID=router_id, TALARIA_ROUTER_PARTITIONS=str(PARTITIONS),
                TALARIA_ROUTER_OWNERSHIP_TTL_S=str(TTL_S))
     return subprocess.Popen([sys.executable, "-m", "talaria.services.router"], env=env)
 
 
 async def test_a_router_killed_under_load_loses_no_call_and_routes_none_twice(nats_url, database_url, db, tmp_path):
-    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
+    settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
                         session_idle_s=3600, call_timeout_s=120)
     services = Services()
     nc = await nats.connect(nats_url)
     js = nc.jetstream()
     owners = Owners()
-    await nc.subscribe(subjects.health("router"), cb=owners.on_beat)
+    await nc.subscribe(DEP.health("router"), cb=owners.on_beat)
     # Core-NATS copies of every publish, duplicates included (the stream would drop a second
     # CallRouted or RoutingDecision of a call as a duplicate: only these would show it).
     dispatched, decided = Counter(), Counter()
@@ -72,8 +74,8 @@ async def test_a_router_killed_under_load_loses_no_call_and_routes_none_twice(na
     async def on_decision(msg):
         decided[EVENT_DECODER.decode(msg.data).call_id] += 1
 
-    await nc.subscribe(f"{subjects.DISPATCH_PREFIX}.*", cb=on_dispatch)
-    await nc.subscribe(subjects.DECISION, cb=on_decision)
+    await nc.subscribe(f"{DEP.dispatch_prefix}.*", cb=on_dispatch)
+    await nc.subscribe(DEP.event("decision"), cb=on_decision)
     routers = {rid: start_router(settings, rid) for rid in ("router-0", "router-1")}
     try:
         await services.start("telemetry", run_telemetry, settings)
@@ -96,7 +98,7 @@ async def test_a_router_killed_under_load_loses_no_call_and_routes_none_twice(na
             for i in range(CALLS):
                 req = CallRequest(model="qwen3-tiny", prompt=f"session {k} call {i}", session_id=f"sess-{k}",
                                   max_tokens=4, temperature=0)
-                reply = REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(req), timeout=90)).data)
+                reply = REPLY_DECODER.decode((await nc.request(DEP.api_call, encode(req), timeout=90)).data)
                 assert isinstance(reply, CallResult), reply  # never an error: no call is lost
                 out.append(reply)
                 done["calls"] += 1
@@ -110,7 +112,7 @@ async def test_a_router_killed_under_load_loses_no_call_and_routes_none_twice(na
         await asyncio.wait_for(killed.wait(), 120)
         killed_at = victim["at"]
         routers["router-1"].wait(10)
-        unacked = sum([(await js.consumer_info(subjects.EVENTS_STREAM, durable(p))).num_ack_pending
+        unacked = sum([(await js.consumer_info(DEP.events_stream, durable(p))).num_ack_pending
                        for p in victim_parts])
         # The survivor owns every partition within one TTL (its claims of router-1's lapse then)
         # plus one renewal period to notice, plus the catch-up and consumer recreation.
@@ -128,9 +130,9 @@ async def test_a_router_killed_under_load_loses_no_call_and_routes_none_twice(na
         await nc.flush()
         assert set(dispatched) == call_ids and max(dispatched.values()) == 1, "a call was routed twice"
         assert set(decided) == call_ids and max(decided.values()) == 1, "a call was decided twice"
-        routed = await stream_events(js, f"{subjects.CALL_ROUTED_PREFIX}.>")
+        routed = await stream_events(js, f"{DEP.call_routed_prefix}.>")
         assert Counter(e.call.call_id for e in routed) == Counter(call_ids)
-        decisions = Counter(e.call_id for e in await stream_events(js, subjects.DECISION))
+        decisions = Counter(e.call_id for e in await stream_events(js, DEP.event("decision")))
         assert decisions == Counter(call_ids), "a decision is not in the audit log once"
         rows = await wait_rows(db, "SELECT call_id FROM lease_decisions", total, timeout=30)
         assert {r["call_id"] for r in rows} == call_ids

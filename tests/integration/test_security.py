@@ -40,6 +40,9 @@ from talaria.shared.nats_auth import generate_users
 from talaria.shared.settings import Settings, asyncpg_dsn
 from tests.conftest import _with_db
 from tests.integration.harness import Services, wait_rows
+from talaria.shared.subjects import Deployment
+
+DEP = Deployment()  # the default deployment's subject names
 
 pytestmark = pytest.mark.integration
 
@@ -75,7 +78,7 @@ async def chat(settings, content: str, key: str | None, session: str, **extra) -
     headers = {"X-Session-Id": session, **({"Authorization": f"Bearer {key}"} if key else {})}
     body = {**CHAT, "messages": [{"role": "user", "content": content}], **extra}
     async with aiohttp.ClientSession() as s:
-        async with s.post(f"http://127.0.0.1:{settings.http_port}/v1/chat/completions", json=body,
+        async with s.post(f"http://127.0.0.1:{settings.gateway.http_port}/v1/chat/completions", json=body,
                           headers=headers) as r:
             return r.status, await r.json()
 
@@ -103,10 +106,10 @@ class Violations:
             raise AssertionError(f"no violation {fragment!r} in {self.seen}") from None
 
 
-async def router_ready(url: str, user) -> None:
+async def router_ready(url: str, user, deployment: Deployment = DEP) -> None:
     nc = await nats.connect(url, **user.options())
     try:
-        await wait_for_router(nc, instances=1)
+        await wait_for_router(nc, instances=1, deployment=deployment)
     finally:
         await nc.close()
 
@@ -125,7 +128,7 @@ def forged_completed(call_id: str) -> CallCompleted:
 async def test_nats_client_cannot_read_prompts_or_forge_routes_completions_or_replies(
         secure_nats, database_url, db, tmp_path):
     url, users = secure_nats
-    settings = Settings(nats_url=url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
+    settings = Settings.of(nats_url=url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
                         session_idle_s=3600, call_timeout_s=60, api_keys=KEYS)
     services = Services()
     violations = Violations()
@@ -137,16 +140,16 @@ async def test_nats_client_cannot_read_prompts_or_forge_routes_completions_or_re
         await router_ready(url, users["client-mallory"])
         mallory = await nats.connect(url, error_cb=violations.on_error, **users["client-mallory"].options())
         # Read prompts: neither the event subjects nor the JetStream API are open to clients.
-        prompts = await mallory.subscribe(subjects.EVENTS_WILDCARD)
-        await violations.wait_for(f'subscription to "{subjects.EVENTS_WILDCARD}"')
+        prompts = await mallory.subscribe(DEP.events_wildcard)
+        await violations.wait_for(f'subscription to "{DEP.events_wildcard}"')
         with pytest.raises(Exception):
-            await mallory.jetstream(timeout=3).stream_info(subjects.EVENTS_STREAM)
+            await mallory.jetstream(timeout=3).stream_info(DEP.events_stream)
         # Forge a routed call, a completion, and a reply to the gateway.
-        await mallory.publish(subjects.call_routed("agent-0"), encode(forged_routed("forged-route")))
-        await violations.wait_for(f'publish to "{subjects.call_routed("agent-0")}"')
-        await mallory.publish(subjects.CALL_COMPLETED, encode(forged_completed("forged-done")))
-        await violations.wait_for(f'publish to "{subjects.CALL_COMPLETED}"')
-        reply_subject = subjects.reply_inbox("gateway", "x") + ".c1"
+        await mallory.publish(DEP.call_routed("agent-0"), encode(forged_routed("forged-route")))
+        await violations.wait_for(f'publish to "{DEP.call_routed("agent-0")}"')
+        await mallory.publish(DEP.event("call.completed"), encode(forged_completed("forged-done")))
+        await violations.wait_for(f'publish to "{DEP.event("call.completed")}"')
+        reply_subject = DEP.reply_inbox("gateway", "x") + ".c1"
         await mallory.publish(reply_subject, encode(ErrorReply(200, "FORGED ANSWER", "FORGED ANSWER")))
         await violations.wait_for(f'publish to "{reply_subject}"')
         # The real path still works, and the NATS API answers a client with a key.
@@ -154,7 +157,7 @@ async def test_nats_client_cannot_read_prompts_or_forge_routes_completions_or_re
         assert status == 200, body
         req = CallRequest(model="qwen3-tiny", prompt="hi", session_id="n1", max_tokens=1,
                             api_key="mallory-key-0123456789")
-        reply = REPLY_DECODER.decode((await mallory.request(subjects.API_CALL, encode(req), timeout=60)).data)
+        reply = REPLY_DECODER.decode((await mallory.request(DEP.api_call, encode(req), timeout=60)).data)
         assert isinstance(reply, CallResult) and reply.session_id == "n1"
         with pytest.raises(nats.errors.TimeoutError):
             await prompts.next_msg(timeout=0.2)  # the prompt above never reached the subscriber
@@ -171,7 +174,7 @@ async def test_a_tenants_nats_client_cannot_read_another_tenants_tokens_or_repli
     """Each tenant has its own NATS API user, fenced to its own inboxes and token streams:
     Mallory cannot sniff the victim's streamed tokens or replies; both still get their own."""
     url, users = secure_nats
-    settings = Settings(nats_url=url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
+    settings = Settings.of(nats_url=url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
                         session_idle_s=3600, call_timeout_s=60, api_keys=KEYS)
     services = Services()
     violations = Violations()
@@ -180,7 +183,7 @@ async def test_a_tenants_nats_client_cannot_read_another_tenants_tokens_or_repli
         await router_ready(url, users["client-victim"])
         mallory = await nats.connect(url, error_cb=violations.on_error, **users["client-mallory"].options())
         victim = await nats.connect(url, **users["client-victim"].options())
-        for subject in (f"{subjects.TOKENS_PREFIX}.>", subjects.tokens("victim", "v-call"), "_INBOX.>",
+        for subject in (f"{DEP.tokens_prefix}.>", DEP.tokens("victim", "v-call"), "_INBOX.>",
                         "_INBOX.victim.>"):
             await mallory.subscribe(subject)
             await violations.wait_for(f'subscription to "{subject}"')
@@ -193,22 +196,22 @@ async def test_a_tenants_nats_client_cannot_read_another_tenants_tokens_or_repli
             if chunk.done:
                 done.set()
 
-        await victim.subscribe(subjects.tokens("victim", "v-call"), cb=on_token)
+        await victim.subscribe(DEP.tokens("victim", "v-call"), cb=on_token)
         req = CallRequest(model="qwen3-tiny", prompt="the victim's secret", session_id="v", call_id="v-call",
                             max_tokens=4, temperature=0, stream=True, api_key="victim-key-0123456789")
-        reply = REPLY_DECODER.decode((await victim.request(subjects.API_CALL, encode(req), timeout=60)).data)
+        reply = REPLY_DECODER.decode((await victim.request(DEP.api_call, encode(req), timeout=60)).data)
         assert isinstance(reply, CallResult), reply
         await asyncio.wait_for(done.wait(), 30)
         assert "".join(c.text for c in streamed) == reply.text
         own = CallRequest(model="qwen3-tiny", prompt="hi", session_id="m", max_tokens=1,
                             api_key="mallory-key-0123456789")
-        assert isinstance(REPLY_DECODER.decode((await mallory.request(subjects.API_CALL, encode(own),
+        assert isinstance(REPLY_DECODER.decode((await mallory.request(DEP.api_call, encode(own),
                                                                         timeout=60)).data), CallResult)
         # The fence is the user's, not a convention: the default inbox prefix is refused too.
         plain = await nats.connect(url, error_cb=violations.on_error,
                                    **{k: v for k, v in users["client-mallory"].options().items() if k != "inbox_prefix"})
         with pytest.raises(Exception):
-            await plain.request(subjects.API_CALL, encode(own), timeout=3)
+            await plain.request(DEP.api_call, encode(own), timeout=3)
         for nc in (mallory, victim, plain):
             await nc.close()
     finally:
@@ -223,7 +226,7 @@ async def keyed_chat(settings, content: str, key: str, session: str, max_tokens:
     headers = {"X-Session-Id": session, "Authorization": f"Bearer {VICTIM_KEY}", "Idempotency-Key": key}
     body = {**CHAT, "max_tokens": max_tokens, "messages": [{"role": "user", "content": content}]}
     async with aiohttp.ClientSession() as s:
-        async with s.post(f"http://127.0.0.1:{settings.http_port}/v1/chat/completions", json=body,
+        async with s.post(f"http://127.0.0.1:{settings.gateway.http_port}/v1/chat/completions", json=body,
                           headers=headers) as r:
             return r.status, await r.json(), r.headers
 
@@ -233,9 +236,9 @@ async def injected(mallory, reply_to: str, *requests: CallRequest) -> None:
     of its own: the gateway checks each request's reply subject, in order, before anything of
     it runs, so once the last is answered every injection has been dealt with."""
     for req in requests:
-        await mallory.publish(subjects.API_CALL, encode(req), reply=reply_to)
+        await mallory.publish(DEP.api_call, encode(req), reply=reply_to)
     own = CallRequest(model="qwen3-tiny", prompt="mallory's own", session_id="m", max_tokens=1, api_key=MALLORY_KEY)
-    reply = REPLY_DECODER.decode((await mallory.request(subjects.API_CALL, encode(own), timeout=60)).data)
+    reply = REPLY_DECODER.decode((await mallory.request(DEP.api_call, encode(own), timeout=60)).data)
     assert isinstance(reply, CallResult), reply
 
 
@@ -252,7 +255,7 @@ async def test_a_tenant_cannot_answer_another_tenants_keyed_call(secure_nats, da
     call id. Mallory's request naming it as its reply subject is dropped: the victim's retry
     still gets its own answer, replayed, and its call ran once."""
     url, users = secure_nats
-    settings = Settings(nats_url=url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
+    settings = Settings.of(nats_url=url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
                         session_idle_s=3600, call_timeout_s=60, api_keys=KEYS)
     services = Services()
     try:
@@ -261,7 +264,7 @@ async def test_a_tenant_cannot_answer_another_tenants_keyed_call(secure_nats, da
         status, first, h = await keyed_chat(settings, "the victim's question", "v-key-1", "v1")
         assert status == 200, first
         mallory = await nats.connect(url, **users["client-mallory"].options())
-        await injected(mallory, outcome_subject("victim", h["X-Talaria-Call-Id"]), injection)
+        await injected(mallory, outcome_subject(DEP, "victim", h["X-Talaria-Call-Id"]), injection)
         await mallory.close()
         status, again, h2 = await keyed_chat(settings, "the victim's question", "v-key-1", "v1")
         assert status == 200 and h2.get("Idempotent-Replayed") == "true", again
@@ -278,7 +281,7 @@ async def test_a_tenant_cannot_cut_another_tenants_keyed_stream(secure_nats, dat
     end the victim's stream early while its row said completed: now the stream runs to its end,
     and NATS itself refuses the gateway's user a publish outside the inbox spaces."""
     url, users = secure_nats
-    settings = Settings(nats_url=url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
+    settings = Settings.of(nats_url=url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
                         session_idle_s=3600, call_timeout_s=60, api_keys=KEYS)
     services = Services()
     try:
@@ -288,13 +291,13 @@ async def test_a_tenant_cannot_cut_another_tenants_keyed_stream(secure_nats, dat
         headers = {"X-Session-Id": "v2", "Authorization": f"Bearer {VICTIM_KEY}", "Idempotency-Key": "v-key-2"}
         body = {**CHAT, "max_tokens": 48, "stream": True, "messages": [{"role": "user", "content": "go on"}]}
         async with aiohttp.ClientSession() as s:
-            async with s.post(f"http://127.0.0.1:{settings.http_port}/v1/chat/completions", json=body,
+            async with s.post(f"http://127.0.0.1:{settings.gateway.http_port}/v1/chat/completions", json=body,
                               headers=headers) as r:
                 assert r.status == 200
                 call_id = r.headers["X-Talaria-Call-Id"]
                 events = [await r.content.readline()]  # the first event: the call is running
-                await injected(mallory, outcome_subject("victim", call_id), INJECTED_ERROR)
-                await injected(mallory, subjects.tokens("victim", call_id), INJECTED_ERROR)
+                await injected(mallory, outcome_subject(DEP, "victim", call_id), INJECTED_ERROR)
+                await injected(mallory, DEP.tokens("victim", call_id), INJECTED_ERROR)
                 events.append(await r.content.read())
         sse = b"".join(events).decode()
         assert '"error"' not in sse and sse.rstrip().endswith("data: [DONE]"), sse[-500:]
@@ -304,8 +307,8 @@ async def test_a_tenant_cannot_cut_another_tenants_keyed_stream(secure_nats, dat
         assert row["outcome"] == "completed"
         violations = Violations()
         gateway = await nats.connect(url, error_cb=violations.on_error, **users["gateway"].options())
-        await gateway.publish(outcome_subject("victim", call_id), b"{}")
-        await violations.wait_for(f'publish to "{outcome_subject("victim", call_id)}"')
+        await gateway.publish(outcome_subject(DEP, "victim", call_id), b"{}")
+        await violations.wait_for(f'publish to "{outcome_subject(DEP, "victim", call_id)}"')
         await gateway.close()
     finally:
         await services.close()
@@ -315,7 +318,7 @@ async def test_events_not_from_their_owning_service_are_dropped_on_an_open_nats(
         nats_url, database_url, db, tmp_path):
     """Defence in depth where the NATS has no permissions: an agent runs only calls the router
     sent, the projector records only events their owner sent."""
-    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
+    settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
                         session_idle_s=3600, call_timeout_s=60)
     services = Services()
     try:
@@ -336,10 +339,10 @@ async def test_events_not_from_their_owning_service_are_dropped_on_an_open_nats(
 
 
 async def test_http_api_refuses_calls_without_a_valid_key_in_each_apis_shape(nats_url, database_url, tmp_path):
-    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
+    settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
                         api_keys=KEYS)
     services = Services()
-    base = f"http://127.0.0.1:{settings.http_port}"
+    base = f"http://127.0.0.1:{settings.gateway.http_port}"
     try:
         await services.start("gateway", run_gateway, settings)
         async with aiohttp.ClientSession() as s:
@@ -364,7 +367,7 @@ async def test_http_api_refuses_calls_without_a_valid_key_in_each_apis_shape(nat
         nc = await nats.connect(nats_url)
         try:
             req = CallRequest(model="qwen3-tiny", prompt="x", max_tokens=1)
-            reply = REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(req), timeout=10)).data)
+            reply = REPLY_DECODER.decode((await nc.request(DEP.api_call, encode(req), timeout=10)).data)
             assert isinstance(reply, ErrorReply) and reply.status == 401
         finally:
             await nc.close()
@@ -384,7 +387,7 @@ async def test_cached_tokens_oracle_is_closed_across_tenants(nats_url, database_
     is its tenant's first call ever, so any cached token could only be the victim's."""
     guesses = ["PASSWORD=a", "PASSWORD=h", "PASSWORD=hunter1", "PASSWORD=hunter2"]
     guess_keys = [f"guess{i}-key-0123456789" for i in range(len(guesses))]
-    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
+    settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
                         session_idle_s=3600, call_timeout_s=60, policy="least-loaded",
                         api_keys=KEYS + tuple(f"guess{i}:{k}" for i, k in enumerate(guess_keys)))
     services = Services()
@@ -436,15 +439,14 @@ async def test_two_deployments_share_one_nats_without_seeing_each_others_calls(n
     """Deployment `blue` on the NATS that also holds deployment `talaria`'s stream: blue's
     calls are served on blue's subjects and stream; nothing lands in talaria's."""
     nc, js = await connect(nats_url, "talaria-test")  # creates TALARIA_EVENTS, as a `talaria` service would
-    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
+    settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
                         session_idle_s=3600, call_timeout_s=60, deployment="blue")
     services = Services()
-    subjects.configure("blue")  # what runtime.main does in each of blue's processes
     try:
         with contextlib.suppress(Exception):
             await js.delete_stream("BLUE_EVENTS")  # an external NATS may keep one from an earlier run
         await start_stack(services, settings)
-        await router_ready(nats_url, type("anon", (), {"options": lambda self: {}})())
+        await router_ready(nats_url, type("anon", (), {"options": lambda self: {}})(), Deployment("blue"))
         status, body = await chat(settings, "blue call", None, "blue-1")
         assert status == 200, body
         await wait_rows(db, "SELECT * FROM calls WHERE session_id='blue-1' AND outcome='completed'", 1)
@@ -452,7 +454,6 @@ async def test_two_deployments_share_one_nats_without_seeing_each_others_calls(n
         assert (await js.stream_info("TALARIA_EVENTS")).state.messages == 0
     finally:
         await services.close()
-        subjects.configure("talaria")
         with contextlib.suppress(Exception):
             await js.delete_stream("BLUE_EVENTS")
         await nc.close()
@@ -522,8 +523,8 @@ async def test_external_nats_credentials_from_settings(kind, tmp_path):
         wait_for_port(port, proc, "nats", 20, tmp_path / "log")
         url = f"nats://127.0.0.1:{port}"
         settings = Settings.from_env({"TALARIA_NATS_URL": url, **env})
-        nc, js = await connect(url, "talaria-gateway", **settings.nats_options())
-        assert (await js.stream_info(subjects.EVENTS_STREAM)).config.name == subjects.EVENTS_STREAM
+        nc, js = await connect(url, "talaria-gateway", **settings.common.nats_options())
+        assert (await js.stream_info(DEP.events_stream)).config.name == DEP.events_stream
         await nc.close()
         with pytest.raises(Exception):
             await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=3)
@@ -535,7 +536,7 @@ async def test_external_nats_credentials_from_settings(kind, tmp_path):
 async def test_a_call_id_is_not_enough_to_cancel_another_tenants_call(nats_url, database_url, db, tmp_path):
     """Cancels go through the gateway, which stamps the key's tenant; an agent stops only that
     tenant's call. Mallory knows the victim's call id and still cannot stop it; the victim can."""
-    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
+    settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
                         call_timeout_s=60, policy="least-loaded", api_keys=KEYS)
     services = Services()
     try:
@@ -549,15 +550,15 @@ async def test_a_call_id_is_not_enough_to_cancel_another_tenants_call(nats_url, 
         async def on_token(msg):
             streaming.set()
 
-        await nc.subscribe(subjects.tokens("victim", "victim-call"), cb=on_token)
+        await nc.subscribe(DEP.tokens("victim", "victim-call"), cb=on_token)
 
         async def victim_call(call_id: str, max_tokens: int):
             req = CallRequest(model="qwen3-tiny", prompt="go on", session_id="v", call_id=call_id,
                                 max_tokens=max_tokens, temperature=0, stream=True, api_key="victim-key-0123456789")
-            return REPLY_DECODER.decode((await nc.request(subjects.API_CALL, encode(req), timeout=60)).data)
+            return REPLY_DECODER.decode((await nc.request(DEP.api_call, encode(req), timeout=60)).data)
 
         async def cancel(call_id: str, key: str | None):
-            msg = await (other if key and key.startswith("mallory") else nc).request(subjects.API_CANCEL, encode(CancelCall(call_id, "x", api_key=key)), timeout=10)
+            msg = await (other if key and key.startswith("mallory") else nc).request(DEP.api_cancel, encode(CancelCall(call_id, "x", api_key=key)), timeout=10)
             return msgspec.json.decode(msg.data)
 
         pending = asyncio.ensure_future(victim_call("victim-call", 48))

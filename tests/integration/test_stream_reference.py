@@ -9,9 +9,11 @@ import pytest
 from talaria.services.instance_agent.agent_service import _with_prompt
 from talaria.shared.events import CallRouted, CallSubmitted, EVENT_DECODER
 from talaria.shared.wire import encode
-from talaria.shared import subjects
 from talaria.shared.bus import connect, emit
 from talaria.shared.nats_auth import owner_sender, sender_name
+from talaria.shared.subjects import Deployment
+
+DEP = Deployment()  # the default deployment's subject names
 
 pytestmark = pytest.mark.integration
 
@@ -59,7 +61,7 @@ async def test_a_reference_to_anything_but_the_gateways_submission_is_refused(na
     try:
         forged = await emit(js, submitted("c2"), sender=sender_name("router"))  # not the gateway's
         other = await emit(js, submitted("c9"), sender=owner_sender(submitted("c9")))  # another call's
-        failures = await js.pull_subscribe(subjects.CALL_FAILED, stream=subjects.EVENTS_STREAM)
+        failures = await js.pull_subscribe(DEP.event("call.failed"), stream=DEP.events_stream)
         assert await _with_prompt(js, RunnerState(nc), routed(submitted("c2"), forged)) is None
         assert await _with_prompt(js, RunnerState(nc), routed(submitted("c3"), other)) is None
         assert await _with_prompt(js, RunnerState(nc), routed(submitted("c4"), 10_000)) is None  # not there

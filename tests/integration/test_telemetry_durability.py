@@ -36,7 +36,7 @@ async def test_acked_events_survive_an_immediate_postgres_shutdown(nats_url, tmp
     nc, js = await connect(nats_url, "test")
     try:
         await asyncio.to_thread(upgrade, pg.url)
-        settings = Settings(nats_url=nats_url, database_url=pg.url, data_dir=tmp_path, session_idle_s=3600)
+        settings = Settings.of(nats_url=nats_url, database_url=pg.url, data_dir=tmp_path, session_idle_s=3600)
         await services.start("telemetry", run_telemetry, settings)
         last = 0
         for i in range(N):

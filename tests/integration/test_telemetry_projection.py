@@ -17,12 +17,14 @@ from talaria.shared.events import (
     RoutingDecision,
 )
 from talaria.shared.wire import encode
-from talaria.shared import subjects
 from talaria.shared.bus import connect, event_subject, publish_event
 from talaria.shared.bus import emit as emit_as
 from talaria.shared.nats_auth import owner_sender
 from talaria.shared.settings import Settings, asyncpg_dsn
 from tests.integration.harness import Services, acked, wait_rows, wait_until
+from talaria.shared.subjects import Deployment
+
+DEP = Deployment()  # the default deployment's subject names
 
 
 async def lock_waits(db) -> int:
@@ -43,7 +45,7 @@ def submitted(call_id, index_hint=0):
 
 
 async def test_calls_and_decisions_are_projected_once_even_when_replayed(nats_url, database_url, db, tmp_path):
-    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, session_idle_s=3600)
+    settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, session_idle_s=3600)
     nc, js = await connect(nats_url, "test")
     for i in range(3):
         await emit(js, submitted(f"c{i}", i))
@@ -68,7 +70,7 @@ async def test_calls_and_decisions_are_projected_once_even_when_replayed(nats_ur
         await services.close()
         # Lose the consumer's acks (as if telemetry died after committing): every event is
         # delivered again, and the committed offset must keep anything from counting twice.
-        await js.delete_consumer(subjects.EVENTS_STREAM, "telemetry")
+        await js.delete_consumer(DEP.events_stream, "telemetry")
         await services.start("telemetry", run_telemetry, settings)
         await emit(js, CallFailed("c9", "s1", "qwen3-tiny", "gateway timeout", "gateway", 110.0, status=504))
         failed = await wait_rows(db, "SELECT * FROM calls WHERE call_id='c9'", 1)
@@ -83,7 +85,7 @@ async def test_calls_and_decisions_are_projected_once_even_when_replayed(nats_ur
 async def republish(js, event) -> int:
     """Publish an event again as a new stream message (past JetStream's msg-id dedupe),
     as a retried publisher or a replay would."""
-    return await publish_event(js, event_subject(event), event, sender=owner_sender(event))
+    return await publish_event(js, event_subject(DEP, event), event, sender=owner_sender(event))
 
 
 def completed(call_id, at=100.5, session="s1"):
@@ -93,7 +95,7 @@ def completed(call_id, at=100.5, session="s1"):
 
 async def test_republished_and_reordered_events_count_once_and_failed_never_flips(
         nats_url, database_url, db, tmp_path):
-    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, session_idle_s=3600)
+    settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, session_idle_s=3600)
     nc, js = await connect(nats_url, "test")
     services = Services()
     try:
@@ -129,7 +131,7 @@ async def test_republished_and_reordered_events_count_once_and_failed_never_flip
 
 
 async def test_a_poison_event_is_quarantined_and_the_stream_moves_on(nats_url, database_url, db, tmp_path):
-    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, session_idle_s=3600)
+    settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, session_idle_s=3600)
     nc, js = await connect(nats_url, "test")
     services = Services()
     try:
@@ -137,7 +139,7 @@ async def test_a_poison_event_is_quarantined_and_the_stream_moves_on(nats_url, d
         # A NUL in an id (the decoder refuses it) and one in JSON Postgres refuses (jsonb has no \u0000).
         nul_id = encode(submitted("ok"))
         nul_id = nul_id.replace(b'"call_id":"ok"', b'"call_id":"a\\u0000b"')
-        bad_seq = (await js.publish(subjects.CALL_SUBMITTED, nul_id)).seq
+        bad_seq = (await js.publish(DEP.event("call.submitted"), nul_id)).seq
         jsonb = RoutingDecision("p2", "s1", 0, "qwen3-tiny", "least-loaded", "route", 100.0,
                                   candidates=[CandidateCost("agent-0", 0.5, reason="x\x00y")])
         jsonb_seq = await republish(js, jsonb)
@@ -149,7 +151,7 @@ async def test_a_poison_event_is_quarantined_and_the_stream_moves_on(nats_url, d
         assert bytes(quarantined[0]["data"]) == nul_id and "call_id" in quarantined[0]["error"]
         assert [r["call_id"] for r in await db.fetch("SELECT call_id FROM calls")] == ["after"]
         # Nothing is left unacknowledged: the poison events do not come back.
-        info = await js.consumer_info(subjects.EVENTS_STREAM, "telemetry")
+        info = await js.consumer_info(DEP.events_stream, "telemetry")
         assert info.num_ack_pending == 0 and info.num_pending == 0
     finally:
         await services.close()
@@ -157,7 +159,7 @@ async def test_a_poison_event_is_quarantined_and_the_stream_moves_on(nats_url, d
 
 
 async def test_events_are_acked_only_after_their_transaction_commits(nats_url, database_url, db, tmp_path):
-    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, session_idle_s=3600)
+    settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, session_idle_s=3600)
     nc, js = await connect(nats_url, "test")
     services = Services()
     lock = await asyncpg.connect(asyncpg_dsn(database_url))
@@ -169,7 +171,7 @@ async def test_events_are_acked_only_after_their_transaction_commits(nats_url, d
         seq = await republish(js, submitted("held"))
         # The projection's transaction now waits for the lock: the event is delivered, not committed.
         await wait_until(lambda: lock_waits(db), "the event to be applied")
-        info = await js.consumer_info(subjects.EVENTS_STREAM, "telemetry")
+        info = await js.consumer_info(DEP.events_stream, "telemetry")
         assert info.num_ack_pending == 1 and info.ack_floor.stream_seq < seq  # not acked
         await tx.rollback()
         await wait_rows(db, "SELECT 1 FROM calls WHERE call_id='held'", 1)
@@ -184,18 +186,18 @@ async def test_a_consumer_left_with_ack_all_is_replaced_resuming_after_its_ack_f
         nats_url, database_url, db, tmp_path):
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, session_idle_s=3600)
+    settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, session_idle_s=3600)
     nc, js = await connect(nats_url, "test")
     services = Services()
     try:
         await republish(js, submitted("old-1"))
-        await js.add_consumer(subjects.EVENTS_STREAM, ConsumerConfig(
+        await js.add_consumer(DEP.events_stream, ConsumerConfig(
             durable_name="telemetry", ack_policy=AckPolicy.ALL, deliver_policy=DeliverPolicy.ALL,
-            filter_subject=subjects.EVENTS_WILDCARD))
+            filter_subject=DEP.events_wildcard))
         await republish(js, submitted("old-2"))
         await services.start("telemetry", run_telemetry, settings)
         await wait_rows(db, "SELECT 1 FROM calls WHERE call_id LIKE 'old-%'", 2)
-        info = await js.consumer_info(subjects.EVENTS_STREAM, "telemetry")
+        info = await js.consumer_info(DEP.events_stream, "telemetry")
         assert info.config.ack_policy == AckPolicy.EXPLICIT
     finally:
         await services.close()

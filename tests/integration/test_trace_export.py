@@ -23,7 +23,7 @@ pytestmark = pytest.mark.integration
 
 
 async def test_a_live_session_exports_and_replays_with_the_same_call_count(nats_url, database_url, db, tmp_path):
-    settings = Settings(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="talaria",
+    settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="talaria",
                         http_port=free_port(), session_idle_s=3600, call_timeout_s=60)
     services = Services()
     try:
@@ -36,7 +36,7 @@ async def test_a_live_session_exports_and_replays_with_the_same_call_count(nats_
         async with aiohttp.ClientSession() as http:
             for turn in range(3):  # an agent loop: each call repeats the context and adds a tool result
                 body = {"model": "qwen3-tiny", "messages": messages, "max_tokens": 8, "temperature": 0}
-                async with http.post(f"http://127.0.0.1:{settings.http_port}/v1/chat/completions", json=body,
+                async with http.post(f"http://127.0.0.1:{settings.gateway.http_port}/v1/chat/completions", json=body,
                                      headers={"X-Session-Id": "agent-export"}) as r:
                     assert r.status == 200, await r.text()
                     answer = (await r.json())["choices"][0]["message"]["content"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from talaria.services.instance_agent.scheduler.calls import CallState
+from talaria.services.instance_agent.scheduler.calls import AgentCall
 
 
 @dataclass(frozen=True)
@@ -19,9 +19,9 @@ class Limits:
 
 @dataclass(frozen=True)
 class Selection:
-    admitted: tuple[CallState, ...]
+    admitted: tuple[AgentCall, ...]
     cost_s: float  # predicted restore + prefill of `admitted`
-    left: tuple[tuple[CallState, str], ...]  # (call, reason) for each candidate not taken
+    left: tuple[tuple[AgentCall, str], ...]  # (call, reason) for each candidate not taken
 
     @property
     def ids(self) -> tuple[str, ...]:
@@ -32,10 +32,10 @@ class Selection:
 
 
 def select(
-    candidates: Iterable[CallState],
+    candidates: Iterable[AgentCall],
     limits: Limits,
-    cost_of: Callable[[CallState], float],
-    kv_of: Callable[[CallState], int],
+    cost_of: Callable[[AgentCall], float],
+    kv_of: Callable[[AgentCall], int],
     charge: Callable[[float], float] = lambda cost: cost,
 ) -> Selection:
     """Take candidates in order while every limit holds.
@@ -46,8 +46,8 @@ def select(
     oldest call (`at_least_one`), and SP leftovers fall back to the next slot's P.
     `charge(total_cost)` is what the time budget pays for a batch of that cost.
     """
-    admitted: list[CallState] = []
-    left: list[tuple[CallState, str]] = []
+    admitted: list[AgentCall] = []
+    left: list[tuple[AgentCall, str]] = []
     cost = 0.0
     kv = 0
     full = min(limits.free_slots, limits.batch)

@@ -1,4 +1,5 @@
-"""The call table: every call the scheduler knows, by model, queued or running.
+"""The call record (`AgentCall`) and the scheduler's table of the calls it holds, by model,
+queued or running.
 
 Invariant: a call is in exactly one of `queued[model]` or `running[model]` until it
 finishes, then it is gone. Both maps keep insertion order, so iterating `queued` is
@@ -8,16 +9,46 @@ FCFS by submission and iterating `running` is admission order.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from enum import Enum
 
 from talaria.services.instance_agent.scheduler.scheduler_errors import DuplicateCallError, UnknownCallError, ModelNotServedError
 from talaria.services.instance_agent.scheduler.types import KvState, Work
 
 
-@dataclass
-class CallState:
-    work: Work
-    seq: int  # submission order; a call with seq > a slot's P mark arrived after P
-    submitted_at: float
+class Phase(Enum):
+    QUEUED = "queued"  # accepted, its prefill not issued yet
+    RUNNING = "running"  # its prefill was issued (chunks, then decodes)
+    CLOSING = "closing"  # its outcome is being published: a copy arriving now is attached to it
+    FINISHED = "finished"  # its outcome is stored: a late copy is acked, never run
+    CANCELLED = "cancelled"  # cancelled before it arrived: refused when it does
+
+
+LIVE = (Phase.QUEUED, Phase.RUNNING)
+
+
+@dataclass(slots=True)
+class AgentCall:
+    """One call on this instance, from acceptance (or an early cancel) to its stored outcome:
+    the one record of it, in the agent's table (`AgentCore.calls`: phase, timeline, tenant,
+    transport) and, while it is queued or running, in the scheduler's (`CallTable`: its
+    work, tokens done, admission, prefill progress)."""
+
+    call_id: str
+    session_id: str
+    model: str
+    call_index: int
+    submitted_at: float  # the caller's submission: queue and TTFT count from here
+    tenant: str = ""  # whose call it is: only that tenant's cancel stops it
+    phase: Phase = Phase.QUEUED
+    started_at: float | None = None  # its prefill was issued
+    first_token_at: float | None = None
+    slot_wait_s: float = 0.0
+    opened_model: bool = False  # its slot began with a switch to its model
+    cancel_reason: str = ""  # CANCELLED: why (the refusal names it when the call arrives)
+    transport: object = None  # the executor's: the live runner's message, reply subject, span
+    # -- the scheduler's (set by CallTable; None / 0 for a call it never held) ---------------
+    work: Work | None = None  # what was routed here (prompt, reusable KV, output cap)
+    seq: int = 0  # submission order; a call with seq > a slot's P mark arrived after P
     generated: int = 0  # tokens produced so far (the prefill's first token counts)
     via: str | None = None  # P | SP | hot, once admitted
     admitted_at: float | None = None
@@ -26,9 +57,14 @@ class CallState:
     first_chunk_at: float | None = None  # when its first prefill chunk was issued
     cost_memo: tuple | None = field(default=None, repr=False, compare=False)  # WorkPricing.cost cache
 
+    @classmethod
+    def of(cls, work: Work) -> "AgentCall":
+        """A call known only by its work (the scheduler driven on its own: tests, tools)."""
+        return cls(work.call_id, work.session_id, work.model, int(work.continuation), work.arrived_at, work=work)
+
     @property
-    def call_id(self) -> str:
-        return self.work.call_id
+    def live(self) -> bool:
+        return self.phase in LIVE
 
     @property
     def context_tokens(self) -> int:
@@ -47,9 +83,9 @@ class CallState:
 class CallTable:
     def __init__(self, models: tuple[str, ...]) -> None:
         self.models = models
-        self.queued: dict[str, dict[str, CallState]] = {m: {} for m in models}
-        self.running: dict[str, dict[str, CallState]] = {m: {} for m in models}
-        self._by_id: dict[str, CallState] = {}
+        self.queued: dict[str, dict[str, AgentCall]] = {m: {} for m in models}
+        self.running: dict[str, dict[str, AgentCall]] = {m: {} for m in models}
+        self._by_id: dict[str, AgentCall] = {}
         self._seq = 0
         self._live: dict[str, int] = {m: 0 for m in models}  # queued + running, per model
         self._n_active = 0  # models with a queued or running call
@@ -65,22 +101,24 @@ class CallTable:
         """Sequence number of the latest submission."""
         return self._seq
 
-    def find(self, call_id: str) -> CallState | None:
+    def find(self, call_id: str) -> AgentCall | None:
         return self._by_id.get(call_id)
 
-    def get(self, call_id: str) -> CallState:
+    def get(self, call_id: str) -> AgentCall:
         try:
             return self._by_id[call_id]
         except KeyError:
             raise UnknownCallError(call_id, "known to the scheduler") from None
 
-    def add(self, work: Work, now: float) -> CallState:
+    def add(self, work: Work, call: AgentCall | None = None) -> AgentCall:
+        """Queue `work`; `call`: its record in the agent's table (default: a new one)."""
         if work.model not in self.queued:
             raise ModelNotServedError(work.model, self.models)
         if work.call_id in self._by_id:
             raise DuplicateCallError(work.call_id)
         self._seq += 1
-        state = CallState(work=work, seq=self._seq, submitted_at=now)
+        state = AgentCall.of(work) if call is None else call
+        state.work, state.seq = work, self._seq
         self._by_id[work.call_id] = state
         self.queued[work.model][work.call_id] = state
         live = self._live[work.model]
@@ -89,7 +127,7 @@ class CallTable:
             self._n_active += 1
         return state
 
-    def start(self, call_id: str, via: str, now: float) -> CallState:
+    def start(self, call_id: str, via: str, now: float) -> AgentCall:
         """Move a queued call to running (its prefill has been issued)."""
         state = self.get(call_id)
         model = state.work.model
@@ -100,7 +138,7 @@ class CallTable:
         state.via, state.admitted_at = via, now
         return state
 
-    def remove(self, call_id: str) -> CallState:
+    def remove(self, call_id: str) -> AgentCall:
         state = self._by_id.pop(call_id)
         model = state.work.model
         self.queued[model].pop(call_id, None)

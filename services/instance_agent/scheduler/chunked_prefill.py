@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from talaria.services.instance_agent.scheduler.admission import Selection
 from talaria.services.instance_agent.scheduler.budget import chunk_s, chunk_tokens
-from talaria.services.instance_agent.scheduler.calls import CallState, CallTable
+from talaria.services.instance_agent.scheduler.calls import AgentCall, CallTable
 from talaria.services.instance_agent.scheduler.config import SchedulerConfig
 from talaria.services.instance_agent.scheduler.costs import CalibratedCosts
 from talaria.services.instance_agent.scheduler.rounds import Slot
@@ -36,7 +36,7 @@ class PrefillPlanner:
         return Prefill(selection.ids, session_prefill=via == "SP", model=model, chunk_tokens=chunk,
                        pass_tokens=per_pass)
 
-    def split_running(self, model: str) -> tuple[tuple[str, ...], tuple[CallState, ...]]:
+    def split_running(self, model: str) -> tuple[tuple[str, ...], tuple[AgentCall, ...]]:
         """(running calls that decode, running calls still prefilling), admission order."""
         running = self.calls.running[model]
         if not self.config.chunked_prefill:
@@ -46,11 +46,11 @@ class PrefillPlanner:
             return tuple(running), ()
         return tuple(i for i, c in running.items() if not c.prefilling), filling
 
-    def continue_prefill(self, calls: tuple[CallState, ...], model: str, slot: Slot | None) -> Prefill:
+    def continue_prefill(self, calls: tuple[AgentCall, ...], model: str, slot: Slot | None) -> Prefill:
         chunk, per_pass = self.chunk_for(model, calls, slot)
         return Prefill(tuple(c.call_id for c in calls), model=model, chunk_tokens=chunk, pass_tokens=per_pass)
 
-    def chunk_for(self, model: str, calls: Iterable[CallState], slot: Slot | None) -> tuple[int, int]:
+    def chunk_for(self, model: str, calls: Iterable[AgentCall], slot: Slot | None) -> tuple[int, int]:
         """(tokens per call of the next prefill chunk, tokens per call per forward pass).
         A chunk that covers every prompt still counts as one: the driver ends it early when
         a call arrives, after the pass in flight, so a pass is sized like a shared chunk."""
@@ -112,7 +112,7 @@ class PrefillPlanner:
         slack = self.config.tpot_target_s - step
         return slack if slack > 0 else step
 
-    def chunk_cost(self, call: CallState, chunk: int) -> float:
+    def chunk_cost(self, call: AgentCall, chunk: int) -> float:
         """Predicted time of one chunk of `call` (with its restore, on its first chunk)."""
         if call.first_chunk_at is None:
             left = call.prefill_left or compute_tokens(call.work, self.config.hkvr)

@@ -14,7 +14,7 @@ import math
 
 from talaria.services.instance_agent.scheduler.admission import Limits, Selection, select
 from talaria.services.instance_agent.scheduler.budget import plan_slot, switch_cycle_s
-from talaria.services.instance_agent.scheduler.calls import CallState, CallTable
+from talaria.services.instance_agent.scheduler.calls import AgentCall, CallTable
 from talaria.services.instance_agent.scheduler.chunked_prefill import PrefillPlanner
 from talaria.services.instance_agent.scheduler.config import SchedulerConfig
 from talaria.services.instance_agent.scheduler.costs import charged_kv, first_step_reaching
@@ -237,7 +237,7 @@ class ColdPool:
             slot.protected += slot.plan.sp_extension(selection.cost_s)
         return selection
 
-    def _sp_eligible(self, call: CallState, slot: Slot) -> bool:
+    def _sp_eligible(self, call: AgentCall, slot: Slot) -> bool:
         """Paper §3.4: the active model, a continuation that arrived after P, reusable KV here."""
         work = call.work
         return (

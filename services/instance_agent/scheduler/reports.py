@@ -6,7 +6,7 @@ current round (round summary), so the two always agree.
 
 from __future__ import annotations
 
-from talaria.services.instance_agent.scheduler.calls import CallState
+from talaria.services.instance_agent.scheduler.calls import AgentCall
 from talaria.services.instance_agent.scheduler.rounds import RoundState
 from talaria.services.instance_agent.scheduler.types import (
     CallAdmitted,
@@ -32,7 +32,7 @@ class Reports:
         events, self.outbox = self.outbox, []
         return events
 
-    def admitted(self, call: CallState, kv: KvState, issued_at: float, rnd: RoundState | None, now: float) -> None:
+    def admitted(self, call: AgentCall, kv: KvState, issued_at: float, rnd: RoundState | None, now: float) -> None:
         via = call.via or "P"
         if via == "SP":
             self.sp_admitted += 1
@@ -41,10 +41,10 @@ class Reports:
         wait = max(0.0, issued_at - call.work.arrived_at)
         self.emit(CallAdmitted(call.call_id, call.work.model, via, wait, kv, now))
 
-    def finished(self, call: CallState, reason: str, now: float) -> None:
+    def finished(self, call: AgentCall, reason: str, now: float) -> None:
         self.emit(CallFinished(call.call_id, call.work.model, call.generated, reason, now))
 
-    def parked(self, call: CallState, reason: str, rnd: RoundState | None, now: float) -> None:
+    def parked(self, call: AgentCall, reason: str, rnd: RoundState | None, now: float) -> None:
         if call.parked:
             return  # counted once per call, as the paper counts return-handling events
         call.parked = True

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from talaria.services.instance_agent.scheduler.calls import CallState, CallTable
+from talaria.services.instance_agent.scheduler.calls import AgentCall, CallTable
 from talaria.services.instance_agent.scheduler.chunked_prefill import PrefillPlanner
 from talaria.services.instance_agent.scheduler.cold_pool import ColdPool
 from talaria.services.instance_agent.scheduler.config import SchedulerConfig
@@ -127,14 +127,15 @@ class RoundScheduler:
 
     # ---- driver API -------------------------------------------------------------------
 
-    def submit(self, work: Work, now: float) -> None:
-        """Accept a call routed here. Raises for a model not served or a call seen before."""
+    def submit(self, work: Work, now: float, call: AgentCall | None = None) -> None:
+        """Accept a call routed here (`call`: its record, which the scheduler's state joins).
+        Raises for a model not served or a call seen before."""
         if self.config.pool == "hot" and work.model != self.config.pinned_model and not self.repinned:
             raise ModelNotServedError(work.model, (self.config.pinned_model,))
         budget = self.config.kv_budget_bytes
         if budget is not None and call_kv_bytes(self.costs, work) > budget:
             raise InvalidWorkError(work.call_id, f"needs more KV than the whole budget ({budget} B)")
-        self.calls.add(work, now)
+        self.calls.add(work, call)
 
     def next_action(self, now: float, max_decode_steps: int = 1) -> Action:
         """What the executor should do next. Every non-Idle action must be reported done.
@@ -373,7 +374,7 @@ class RoundScheduler:
         self._inflight = None
         return flight
 
-    def _known(self, ids: Iterable[str]) -> Iterable[CallState]:
+    def _known(self, ids: Iterable[str]) -> Iterable[AgentCall]:
         # Calls aborted while their step was in flight are skipped.
         return (self.calls.get(i) for i in ids if i in self.calls)
 

@@ -13,7 +13,7 @@ from functools import partial
 from itertools import islice
 
 from talaria.services.instance_agent.scheduler.budget import ModelLoad
-from talaria.services.instance_agent.scheduler.calls import CallState, CallTable
+from talaria.services.instance_agent.scheduler.calls import AgentCall, CallTable
 from talaria.services.instance_agent.scheduler.config import SchedulerConfig
 from talaria.services.instance_agent.scheduler.costs import (
     CalibratedCosts, StepCostModel, call_kv_bytes, charged_kv, decode_steps_s,
@@ -57,7 +57,7 @@ class WorkPricing:
             prefill += sum(self.left_cost(c, c.prefill_left) for c in running.values() if c.prefilling)
         return ModelLoad(decode_step_s=step, prefill_s=prefill)
 
-    def cost(self, call: CallState) -> float:
+    def cost(self, call: AgentCall) -> float:
         """`call_prefill_s`, with the profile's (uncalibrated) terms memoised per `Work`:
         the same products and sum as `CalibratedCosts`, so the result is bit-identical."""
         work = call.work
@@ -70,12 +70,12 @@ class WorkPricing:
             return prefill * f
         return restore * f + prefill * f
 
-    def left_cost(self, call: CallState, tokens: int, left: int | None = None) -> float:
+    def left_cost(self, call: AgentCall, tokens: int, left: int | None = None) -> float:
         """Predicted prefill of `tokens` more prompt tokens of `call` (`left` still to compute)."""
         left = call.prefill_left if left is None else left
         return self.costs.prefill_s(call.work.model, max(1, tokens), max(0, call.work.prompt_tokens - left))
 
-    def kv(self, call: CallState) -> int:
+    def kv(self, call: AgentCall) -> int:
         return call_kv_bytes(self.costs, call.work)
 
     def kv_free(self, model: str) -> int | None:

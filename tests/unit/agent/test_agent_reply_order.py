@@ -11,21 +11,23 @@ from talaria.services.instance_agent import call_closing, record_sender
 from talaria.services.instance_agent.agent_core import StepReport
 from talaria.services.instance_agent.engine.contract import Capabilities
 from talaria.services.instance_agent.runner import CallRunner
-from talaria.shared import subjects
 from talaria.shared.events import CallSubmitted, RoundSummary
 from talaria.shared.messages import CallResult, Timings, Usage
 from talaria.shared.nats_auth import SENDER_HEADER
 from talaria.shared.settings import Settings
 from talaria.shared.wire import encode
+from talaria.shared.subjects import Deployment
+
+DEP = Deployment()  # the default deployment's subject names
 
 
 def runner(tmp_path) -> CallRunner:
     """A runner whose steps touch no engine, NATS or tracer: the engine stand-in only states
     capabilities."""
-    settings = Settings(data_dir=tmp_path, instance_id="agent-t", models=("qwen3-tiny",))
+    settings = Settings.of(data_dir=tmp_path, instance_id="agent-t", models=("qwen3-tiny",))
     engine = SimpleNamespace(capabilities=Capabilities(switch_with_calls_running=False, host_kv=True,
                                                        d2d_staging=True, chunked_prefill=True))
-    return CallRunner(settings, engine, None, None, None, None, structlog.get_logger())
+    return CallRunner(settings.common, settings.agent, engine, None, None, None, None, structlog.get_logger())
 
 
 async def test_a_steps_replies_are_written_once_before_their_bookkeeping(tmp_path, monkeypatch):
@@ -97,7 +99,7 @@ async def test_the_gateway_answers_before_its_own_bookkeeping(monkeypatch):
 
     def deliver():
         asyncio.ensure_future(submitter._on_reply(SimpleNamespace(
-            subject=f"{subjects.REPLY_PREFIX}.gateway.x.c1", data=encode(result),
+            subject=f"{DEP.reply_prefix}.gateway.x.c1", data=encode(result),
             headers={SENDER_HEADER: "talaria-agent-agent-0"})))
 
     async def answer(reply):

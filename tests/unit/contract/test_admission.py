@@ -81,14 +81,15 @@ async def test_every_stream_is_capped_and_drops_its_oldest_first(tmp_path, monke
     from talaria.shared import bus
     from talaria.shared.bus import ensure_stream
 
-    monkeypatch.setattr(bus, "DATA_DIR", tmp_path / "not-yet")  # its nearest existing parent
     seen = []
 
     class Js:
         async def add_stream(self, config):
             seen.append(config)
 
-    await ensure_stream(Js())
+    js = Js()
+    bus.bind(js, bus.Link(data_dir=tmp_path / "not-yet"))  # its nearest existing parent
+    await ensure_stream(js)
     [config] = seen
     assert config.discard == DiscardPolicy.OLD
     assert 0 < config.max_bytes <= shutil.disk_usage(tmp_path).free // 8 + (1 << 20)

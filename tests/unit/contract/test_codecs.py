@@ -24,6 +24,9 @@ from talaria.shared.wire import encode
 from talaria.shared import subjects
 from talaria.shared.session_slots import slot_of
 from talaria.shared.bus import event_msg_id, event_subject
+from talaria.shared.subjects import Deployment
+
+DEP = Deployment()  # the default deployment's subject names
 
 
 def submitted(**kw):
@@ -57,12 +60,12 @@ def test_every_event_round_trips_through_the_union_decoder(event):
 
 @pytest.mark.parametrize("event", EVENTS, ids=lambda e: type(e).__name__)
 def test_every_event_has_a_subject_under_the_stream(event):
-    assert event_subject(event).startswith("talaria.evt.")
+    assert event_subject(DEP, event).startswith("talaria.evt.")
 
 
 def test_routed_calls_go_to_their_instance_subject():
     routed = EVENTS[1]
-    assert event_subject(routed) == subjects.call_routed("agent-0")
+    assert event_subject(DEP, routed) == DEP.call_routed("agent-0")
     assert event_msg_id(routed) == "CallRouted:c1"
 
 
@@ -98,16 +101,16 @@ def test_subject_tokens_reject_separators_and_wildcards():
 @pytest.mark.parametrize("event", EVENTS, ids=lambda e: type(e).__name__)
 def test_an_events_subject_is_its_tag_under_the_deployment(event):
     """Subjects come from the message tags: the subject constants and the tags never disagree."""
-    constant = {"call.submitted": subjects.CALL_SUBMITTED, "call.started": subjects.CALL_STARTED,
-                "call.completed": subjects.CALL_COMPLETED, "call.failed": subjects.CALL_FAILED,
-                "lease.issued": subjects.LEASE_ISSUED, "lease.consumed": subjects.LEASE_CONSUMED,
-                "lease.discarded": subjects.LEASE_DISCARDED, "lease.expired": subjects.LEASE_EXPIRED,
-                "decision": subjects.DECISION, "switch.done": subjects.SWITCH_DONE,
-                "round.summary": subjects.ROUND_SUMMARY}
+    constant = {"call.submitted": DEP.event("call.submitted"), "call.started": DEP.event("call.started"),
+                "call.completed": DEP.event("call.completed"), "call.failed": DEP.event("call.failed"),
+                "lease.issued": DEP.event("lease.issued"), "lease.consumed": DEP.event("lease.consumed"),
+                "lease.discarded": DEP.event("lease.discarded"), "lease.expired": DEP.event("lease.expired"),
+                "decision": DEP.event("decision"), "switch.done": DEP.event("switch.done"),
+                "round.summary": DEP.event("round.summary")}
     tag = type(event).__struct_config__.tag
     if tag == "call.routed":
-        assert event_subject(event) == subjects.call_routed(event.instance_id)
+        assert event_subject(DEP, event) == DEP.call_routed(event.instance_id)
     elif tag == "call.submitted":  # on its session's slot: router partitions consume slots
-        assert event_subject(event) == subjects.call_submitted(slot_of(event.session_id))
+        assert event_subject(DEP, event) == DEP.call_submitted(slot_of(event.session_id))
     else:
-        assert event_subject(event) == constant[tag]
+        assert event_subject(DEP, event) == constant[tag]

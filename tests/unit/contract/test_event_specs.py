@@ -10,13 +10,15 @@ from typing import get_type_hints
 
 import pytest
 
-from talaria.shared import subjects
 from talaria.shared.bus import event_msg_id, event_subject
 from talaria.shared.event_specs import EVENT_TYPES, SERVICES, SPECS, spec_of
 from talaria.shared.nats_auth import owner_sender, permissions, sender_name, trusted
 from tests.unit.contract.test_codecs import EVENTS
 from talaria.shared import events
 from talaria.shared.events import InstanceLost, PoolPinned
+from talaria.shared.subjects import Deployment
+
+DEP = Deployment()  # the default deployment's subject names
 
 SAMPLES = [*EVENTS, InstanceLost("agent-0", "inc1", "heartbeats stopped", 3.0, calls=["c1"]),
            PoolPinned("agent-0", "m1", None, 4.0, "demand")]
@@ -60,10 +62,12 @@ def test_message_ids_keep_their_format():
     }
 
 
-def test_subject_constants_are_the_rows_subjects():
-    for spec in SPECS:
-        constant = getattr(subjects, subjects.event_constant(spec.tag, spec.per_instance))
-        assert constant == spec.subject(subjects.DEPLOYMENT)
+def test_a_deployments_event_subjects_are_the_rows_subjects():
+    for name in ("talaria", "blue"):
+        for spec in SPECS:
+            assert Deployment(name).event(spec.tag) == spec.subject(name)
+    with pytest.raises(KeyError):
+        DEP.event("call.finished")  # no such row
 
 
 def _matches(pattern: str, subject: str) -> bool:
@@ -85,7 +89,7 @@ def _allowed(role: str, kind: str, subject: str) -> bool:
 @pytest.mark.parametrize("event", SAMPLES, ids=lambda e: type(e).__name__)
 def test_only_an_events_owners_may_publish_it_and_its_sender_is_trusted(event):
     spec = spec_of(event)
-    subject = event_subject(event)
+    subject = event_subject(DEP, event)
     for role in SERVICES:
         assert _allowed(role, "publish", subject) == (role in spec.owners), (role, subject)
         sender = sender_name(role, "agent-0")
@@ -98,7 +102,7 @@ def test_only_an_events_owners_may_publish_it_and_its_sender_is_trusted(event):
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
 def test_core_readers_may_subscribe_and_nobody_else_on_core_nats(spec):
     for role in SERVICES:
-        assert _allowed(role, "subscribe", spec.subject(subjects.DEPLOYMENT)) == (role in spec.core_readers)
+        assert _allowed(role, "subscribe", spec.subject(DEP.name)) == (role in spec.core_readers)
 
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -29,7 +29,10 @@ from talaria.shared import messages as m
 from talaria.shared.wire import replace
 from talaria.shared import subjects
 from talaria.shared.nats_auth import permissions
-from talaria.shared.settings import Settings, SettingsError
+from talaria.shared.settings import GatewaySettings, Settings, SettingsError
+from talaria.shared.subjects import Deployment
+
+DEP = Deployment()  # the default deployment's subject names
 
 
 def chat_call(headers=None, tenant="acme", **body):
@@ -93,17 +96,17 @@ def test_a_named_session_and_the_api_are_part_of_the_request():
 
 
 def test_keys_are_scoped_to_the_tenant_and_hashed_into_one_subject_token():
-    assert key_subject("acme", "k") != key_subject("globex", "k")
-    assert key_subject("acme", "k") == key_subject("acme", "k")
-    token = key_subject("acme", "a.b *>\x00").rsplit(".", 1)[1]
+    assert key_subject(DEP, "acme", "k") != key_subject(DEP, "globex", "k")
+    assert key_subject(DEP, "acme", "k") == key_subject(DEP, "acme", "k")
+    token = key_subject(DEP, "acme", "a.b *>\x00").rsplit(".", 1)[1]
     assert subjects.valid_token(token) and len(token) == 64
-    assert key_subject("acme", "a.b").startswith(f"{subjects.IDEMPOTENCY_KEYS}.")
+    assert key_subject(DEP, "acme", "a.b").startswith(f"{DEP.idempotency_keys}.")
 
 
 def test_kept_replies_are_reply_subjects_apart_from_every_gateway_inbox():
-    s = outcome_subject("tenant-a", "c1")
-    assert is_outcome_subject(s) and s.startswith(f"{subjects.REPLY_PREFIX}.gateway.")
-    assert not is_outcome_subject(subjects.reply_inbox("gateway", "0123abcd") + ".c1")
+    s = outcome_subject(DEP, "tenant-a", "c1")
+    assert is_outcome_subject(s) and s.startswith(f"{DEP.reply_prefix}.gateway.")
+    assert not is_outcome_subject(DEP.reply_inbox("gateway", "0123abcd") + ".c1")
     assert not is_outcome_subject(None)
 
 
@@ -142,14 +145,14 @@ def test_a_cancel_for_want_of_waiters_is_told_apart_from_other_ends():
     assert not orphan_cancelled(m.ErrorReply(m.CANCELLED_STATUS, "cancelled", "cancelled: client disconnected"))
     assert not orphan_cancelled(m.ErrorReply(503, "instance_lost", ORPHANED))
     assert not orphan_cancelled(RESULT)
-    assert subjects.valid_token(waiting_subject("tenant-a", "c1").rsplit(".", 1)[1])
-    assert not is_outcome_subject(waiting_subject("tenant-a", "c1"))  # core NATS: not kept by the stream
+    assert subjects.valid_token(waiting_subject(DEP, "tenant-a", "c1").rsplit(".", 1)[1])
+    assert not is_outcome_subject(waiting_subject(DEP, "tenant-a", "c1"))  # core NATS: not kept by the stream
 
 
 def test_the_orphan_grace_defaults_above_the_sdks_longest_retry_and_is_never_negative():
     # openai / anthropic SDKs: backoff at most 8 s, then a 5 s connect timeout
-    assert Settings().idempotent_orphan_s >= 8.0 + 5.0
-    assert Settings.from_env({"TALARIA_IDEMPOTENT_ORPHAN_S": "0.5"}).idempotent_orphan_s == 0.5
+    assert GatewaySettings().idempotent_orphan_s >= 8.0 + 5.0
+    assert Settings.from_env({"TALARIA_IDEMPOTENT_ORPHAN_S": "0.5"}).gateway.idempotent_orphan_s == 0.5
     with pytest.raises(SettingsError) as err:
         Settings.from_env({"TALARIA_IDEMPOTENT_ORPHAN_S": "-1"})
     assert err.value.variable == "TALARIA_IDEMPOTENT_ORPHAN_S"
@@ -165,7 +168,7 @@ def test_the_window_must_outlast_the_call_timeout():
     with pytest.raises(SettingsError) as err:
         Settings.from_env({"TALARIA_CALL_TIMEOUT_S": "600", "TALARIA_IDEMPOTENCY_WINDOW_S": "600"})
     assert err.value.variable == "TALARIA_IDEMPOTENCY_WINDOW_S"
-    assert Settings.from_env({"TALARIA_IDEMPOTENCY_WINDOW_S": "3600"}).idempotency_window_s == 3600
+    assert Settings.from_env({"TALARIA_IDEMPOTENCY_WINDOW_S": "3600"}).gateway.idempotency_window_s == 3600
 
 
 def test_only_the_gateway_may_claim_keys_and_read_kept_replies():
@@ -185,11 +188,11 @@ def test_only_the_gateway_may_claim_keys_and_read_kept_replies():
 def test_a_kept_answer_and_its_waiters_are_scoped_to_the_tenant():
     """Clients may choose call ids: tenant b reusing tenant a's id must neither overwrite a's kept
     answer (a's retry would replay b's) nor answer the probes for a's call."""
-    assert outcome_subject("tenant-a", "c1") != outcome_subject("tenant-b", "c1")
-    assert waiting_subject("tenant-a", "c1") != waiting_subject("tenant-b", "c1")
-    assert outcome_subject("tenant-a", "c1") == outcome_subject("tenant-a", "c1")
+    assert outcome_subject(DEP, "tenant-a", "c1") != outcome_subject(DEP, "tenant-b", "c1")
+    assert waiting_subject(DEP, "tenant-a", "c1") != waiting_subject(DEP, "tenant-b", "c1")
+    assert outcome_subject(DEP, "tenant-a", "c1") == outcome_subject(DEP, "tenant-a", "c1")
 
 
 def test_a_reply_names_its_call_on_an_inbox_and_on_a_kept_subject():
-    assert reply_call_id(subjects.reply_inbox("gateway", "0123abcd") + ".c-1") == "c-1"
-    assert reply_call_id(outcome_subject("tenant-a", "c-1")) == "c-1"
+    assert reply_call_id(DEP.reply_inbox("gateway", "0123abcd") + ".c-1") == "c-1"
+    assert reply_call_id(outcome_subject(DEP, "tenant-a", "c-1")) == "c-1"

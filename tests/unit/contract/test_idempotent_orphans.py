@@ -15,12 +15,15 @@ from talaria.shared import logs
 from talaria.shared import messages as m
 from talaria.shared.events import CallSubmitted
 from talaria.shared.wire import encode
+from talaria.shared.subjects import Deployment
+
+DEP = Deployment()
 
 
 def keyed_call(deadline_in_s: float = 60.0) -> CallSubmitted:
     now = time.time()
     return CallSubmitted("c1", "tenant-a:s", "qwen3-tiny", [1, 2], [], 4, now, tenant="tenant-a",
-                         reply_to=outcome_subject("tenant-a", "c1"), deadline_at=now + deadline_in_s)
+                         reply_to=outcome_subject(DEP, "tenant-a", "c1"), deadline_at=now + deadline_in_s)
 
 
 class Presence:
@@ -54,6 +57,7 @@ class Gateway:
     def __init__(self, bus: Bus) -> None:
         self.nc = self.js = bus
         self.log, self.timeout_s, self.cancels = logs.get("test"), 60.0, []
+        self.deployment = DEP
 
     async def cancel(self, call_id, reason, tenant) -> None:
         self.cancels.append((call_id, reason, tenant))
@@ -71,7 +75,7 @@ async def after_grace(bus: Bus, call: CallSubmitted | None = None) -> tuple[Gate
 async def test_a_call_nobody_waits_for_is_cancelled_for_its_tenant_after_the_grace():
     bus = Bus()
     gateway, presence = await after_grace(bus)
-    assert bus.probes == [(waiting_subject("tenant-a", "c1"), True)]  # after our presence went: only others answer
+    assert bus.probes == [(waiting_subject(DEP, "tenant-a", "c1"), True)]  # after our presence went: only others answer
     assert gateway.cancels == [("c1", ORPHANED, "tenant-a")]
 
 

@@ -49,3 +49,16 @@ def test_the_environment_is_read_in_one_place():
         if lines:
             readers[str(path.relative_to(ROOT))] = lines
     assert not readers, readers
+
+
+def test_no_module_rewrites_its_globals_at_run_time():
+    """Configuration is a value handed in (a service's settings, a connection's Deployment),
+    never a module global set at start: no `global` statement, no `globals()` write."""
+    found = {}
+    for path in source_files():
+        tree = ast.parse(path.read_text())
+        lines = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Global)
+                 or (isinstance(n, ast.Call) and ast.unparse(n.func) == "globals")]
+        if lines:
+            found[str(path.relative_to(ROOT))] = lines
+    assert not found, found

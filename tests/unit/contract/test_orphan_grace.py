@@ -14,6 +14,9 @@ from talaria.services.gateway.idempotency import IdempotentCalls
 from talaria.services.gateway.idempotency_rules import ORPHANED, outcome_subject, waiting_subject
 from talaria.shared import logs
 from talaria.shared.events import CallSubmitted
+from talaria.shared.subjects import Deployment
+
+DEP = Deployment()
 
 GRACE_S = 0.2
 
@@ -21,7 +24,7 @@ GRACE_S = 0.2
 def keyed_call(deadline_in_s: float = 60.0) -> CallSubmitted:
     now = time.time()
     return CallSubmitted("c1", "tenant-a:s", "qwen3-tiny", [1, 2], [], 4, now, tenant="tenant-a",
-                         reply_to=outcome_subject("tenant-a", "c1"), deadline_at=now + deadline_in_s)
+                         reply_to=outcome_subject(DEP, "tenant-a", "c1"), deadline_at=now + deadline_in_s)
 
 
 class Recorder:
@@ -35,6 +38,7 @@ class Recorder:
         self.log_ = []  # (what, seconds after leaving)
         self.nc = self.js = self
         self.log, self.timeout_s = logs.get("test"), 60.0
+        self.deployment = DEP
 
     def _note(self, what: str) -> None:
         self.log_.append((what, self.loop.time() - self.left_at))
@@ -47,7 +51,7 @@ class Recorder:
         raise NotFoundError
 
     async def request(self, subject, payload, timeout):
-        assert subject == waiting_subject("tenant-a", "c1")
+        assert subject == waiting_subject(DEP, "tenant-a", "c1")
         self._note("probe")
         if not self.waiter:
             raise NoRespondersError

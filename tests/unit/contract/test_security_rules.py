@@ -22,13 +22,15 @@ from talaria.shared.nats_auth import (
     sent_by,
     trusted,
 )
-from talaria.shared.subjects import tokens
-from talaria.shared.settings import Settings, SettingsError, redact_url
+from talaria.shared.subjects import Deployment
+
+tokens = Deployment().tokens
+from talaria.shared.settings import GatewaySettings, Settings, SettingsError, redact_url
 from talaria.shared.tokenizer import block_hashes
 
 
 def test_keys_are_stored_hashed_and_bound_to_one_tenant(tmp_path):
-    store = KeyStore.from_settings(Settings(api_keys=("acme:acme-key-0123456789",
+    store = KeyStore.from_settings(GatewaySettings(api_keys=("acme:acme-key-0123456789",
                                                       f"beta:{hash_key('beta-key-0123456789')}")))
     assert "acme-key-0123456789" not in str(store.tenants)
     assert store.tenant_for({"Authorization": "Bearer acme-key-0123456789"}) == "acme"
@@ -109,8 +111,8 @@ def test_security_settings_errors_name_the_variable(env, variable):
 
 def test_nats_credentials_reach_the_client_and_passwords_are_redacted():
     s = Settings.from_env({"TALARIA_NATS_USER": "router", "TALARIA_NATS_PASSWORD": "pw"})
-    assert s.nats_options() == {"user": "router", "password": "pw"}
-    assert Settings.from_env({"TALARIA_NATS_TOKEN": "t"}).nats_options() == {"token": "t"}
+    assert s.common.nats_options() == {"user": "router", "password": "pw"}
+    assert Settings.from_env({"TALARIA_NATS_TOKEN": "t"}).common.nats_options() == {"token": "t"}
     assert redact_url("postgresql://talaria:secret@h:5/db") == "postgresql://talaria:***@h:5/db"
 
 
@@ -165,7 +167,7 @@ def test_answers_and_tokens_are_taken_only_from_the_services_that_send_them():
 def test_malformed_authorization_is_a_401_never_a_500():
     """Issue 25: invalid UTF-8 in the header (aiohttp keeps the bytes as surrogates) raised
     UnicodeEncodeError while hashing: an unauthenticated 500."""
-    store = KeyStore.from_settings(Settings(api_keys=("acme:acme-key-0123456789",)))
+    store = KeyStore.from_settings(GatewaySettings(api_keys=("acme:acme-key-0123456789",)))
     bad = b"Bearer \xff\xfe-key".decode("utf-8", "surrogateescape")
     for headers in ({"Authorization": bad}, {"x-api-key": "\udcff"}, {"Authorization": "Basic abc"},
                     {"Authorization": "Bearer"}):

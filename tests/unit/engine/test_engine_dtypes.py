@@ -34,8 +34,8 @@ def test_talaria_dtype_overrides_every_model():
     assert forced.dtype == torch.bfloat16 and "emulates" in forced.reason
     with pytest.raises(BadDtype, match="TALARIA_DTYPE='fp8'"):
         choose(BF16, "cpu", "fp8")
-    assert Settings.from_env({"TALARIA_DTYPE": "bfloat16"}).engine_options()["dtype"] == "bfloat16"
-    assert "dtype" not in Settings.from_env({}).engine_options()
+    assert Settings.from_env({"TALARIA_DTYPE": "bfloat16"}).agent.engine_options()["dtype"] == "bfloat16"
+    assert "dtype" not in Settings.from_env({}).agent.engine_options()
 
 
 def test_the_checkpoint_dtype_is_read_from_either_transformers_field():

@@ -13,7 +13,7 @@ from talaria.services.router.costs import CostModel
 from talaria.services.router.router_core import RouterCore
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.policy.registry import create_policy
-from talaria.shared.settings import Settings
+from talaria.shared.settings import RouterSettings
 from talaria.shared.events import CallFailed, CallRouted, LeaseIssued, RoutingDecision
 
 NO_LEASE = dict(lease_timeout_s=0.0)
@@ -352,7 +352,7 @@ def test_the_default_overload_rule_queues_what_the_matrix_measured():
     c.observe(snap("a", queued_tokens=100_000), 0.0)
     audit, out = decide(c, call("c0"), 0.0)
     assert audit.action == "route" and audit.chosen == "a" and not of_type(out, CallFailed)
-    assert Settings().overload == PolicyConfig().overload
+    assert RouterSettings().overload == PolicyConfig().overload
 
 
 def test_staleness_blocks_new_placements():

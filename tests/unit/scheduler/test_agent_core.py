@@ -125,3 +125,15 @@ def test_a_failed_switch_whose_calls_were_failed_is_not_tried_again():
     c.abort("c1", 0.1)  # the executor failed the calls waiting for model b
     c.action_failed(switch, 0.1)
     assert isinstance(c.next_action(0.2), Idle)
+
+
+def test_a_call_has_one_record_the_scheduler_state_is_part_of_it():
+    """The agent's table and the scheduler's hold the same object: what the scheduler does to a
+    call (admitted, tokens done) is read from the call's record, with no second copy to sync."""
+    c = core()
+    accept(c, "c1")
+    record = c.calls["c1"]
+    assert c.sched.calls.find("c1") is record and record.work.prompt_tokens == 100
+    c.switch_done(c.next_action(0.5), 1.5, 1.0, path="d2d")
+    c.prefill_done(c.next_action(1.5), 2.0)
+    assert (record.via, record.generated, record.started_at) == ("P", 1, 1.5)

@@ -15,6 +15,7 @@ from talaria.services.instance_agent.scheduler import (
     SchedulerConfig,
     SwitchModel,
 )
+from talaria.services.instance_agent.scheduler.calls import AgentCall
 
 MID_SLOT = 1.05
 
@@ -107,6 +108,4 @@ def _switches(d):
 
 
 def _state(w):
-    from talaria.services.instance_agent.scheduler.calls import CallState
-
-    return CallState(work=w, seq=0, submitted_at=0.0)
+    return AgentCall.of(w)
