@@ -102,3 +102,18 @@ def test_sessions_expire_only_when_idle_past_their_models_horizon():
     assert pools.live()["a"] == 1
     pools.expire(6.5, lambda m: 1.0)
     assert pools.live()["a"] == 0 and pools.window_s(7.0) == 5.0
+
+
+def test_a_model_gets_no_more_instances_than_it_has_live_sessions():
+    # 16 instances, 8 each; b holds 3 of the 4 live sessions (share 12 of 16) but can keep at
+    # most 3 instances busy: it already has 8, so nothing moves.
+    inst = tuple(f"i{k}" for k in range(16))
+    pools = HotPools.even(inst, ("a", "b"))
+    _sessions(pools, "b", 3, "i8", 0.0)
+    _sessions(pools, "a", 1, "i0", 0.0)
+    assert pools.decide(10.0, {"a": 1.0, "b": 1.0}, {}) == []
+    # with more live sessions than its instances, the same share moves one
+    _sessions(pools, "b", 9, "i8", 20.0, prefix="x")
+    _sessions(pools, "a", 3, "i0", 20.0, prefix="x")
+    moves = pools.decide(30.0, {"a": 1.0, "b": 1.0}, {})
+    assert [(m.model, m.previous) for m in moves] == [("b", "a")]
