@@ -135,7 +135,6 @@ class HotPools:
         self._first_at: float | None = None
         self._last_move_at = float("-inf")
         self._changed = False  # demand may have moved since the last decision
-        self.moves: list[PoolMove] = []
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -365,9 +364,7 @@ class HotPools:
     def _move(self, inst: str, model: str | None, previous: str | None, now: float, reason: str) -> PoolMove:
         self.pins[inst] = model
         self._last_move_at = now
-        move = PoolMove(inst, model, previous, now, reason)
-        self.moves.append(move)
-        return move
+        return PoolMove(inst, model, previous, now, reason)
 
 
 def decide_from_state(pools: HotPools, state, now: float) -> list[PoolMove]:

@@ -103,9 +103,6 @@ class Ownership:
     def renew_every_s(self) -> float:
         return self.ttl_s / RENEWALS_PER_TTL
 
-    def partitioning(self) -> Partitioning:
-        return Partitioning(self.partitions, frozenset(self.owned))
-
     def plan(self, bucket: dict[int, PartitionClaim | None], members: set[str] | frozenset[str], now: float) -> Plan:
         """`bucket`: each partition's claim as just read (None: free); `members`: the routers
         heard from within ttl_s (this one is always a member)."""

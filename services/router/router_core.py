@@ -18,12 +18,16 @@ from talaria.services.router.leases import settlement
 from talaria.services.router.ownership import Partitioning
 from talaria.services.router.policy.base import PlacementPolicy
 from talaria.services.router.state import RouterState, SnapshotReceived
-from talaria.shared.events import CallCompleted, CallFailed, CallRouted, CallSubmitted, Event, InstanceLost, PoolPinned
+from talaria.shared.events import (CallCompleted, CallFailed, CallRouted, CallSubmitted, Event, InstanceLost, LeaseConsumed,
+                                   LeaseDiscarded, LeaseExpired, LeaseIssued, PoolPinned)
 from talaria.shared.snapshots import InstanceSnapshot
 
 # An agent is declared lost after this many of its own heartbeat intervals without a snapshot
 # (the interval is in each snapshot, so the bound follows the agent's configuration).
 LOST_AFTER_BEATS = 4
+
+# Other routers' outputs: folded as facts (RouterCore.fold_peer), never reacted to.
+PEER_OUTPUTS = (CallRouted, LeaseIssued, LeaseConsumed, LeaseDiscarded, LeaseExpired, InstanceLost)
 
 
 class RouterCore:

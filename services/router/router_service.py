@@ -42,7 +42,7 @@ from nats.js.errors import NotFoundError
 
 from talaria.services.router.claims import ClaimStore
 from talaria.services.router.ownership import Ownership, Partitioning, slots_of
-from talaria.services.router.router_core import RouterCore
+from talaria.services.router.router_core import PEER_OUTPUTS, RouterCore
 from talaria.services.router.outputs import RouterOutputs
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.policy.registry import create_policy
@@ -72,10 +72,6 @@ from talaria.shared.snapshots import HEARTBEAT_DECODER, SNAPSHOT_DECODER
 from talaria.shared.settings import CommonSettings, RouterSettings, Settings, SettingsError
 from talaria.shared.subjects import Deployment
 from talaria.shared.tracing import extract_context
-
-# Other routers' outputs: folded as facts (RouterCore.fold_peer), never reacted to.
-PEER_OUTPUTS = (CallRouted, LeaseIssued, LeaseConsumed, LeaseDiscarded, LeaseExpired, InstanceLost)
-
 
 def durable(partition: int) -> str:
     return f"router-p{partition}"

@@ -42,7 +42,7 @@ import msgspec
 from talaria.services.instance_agent.scheduler import SchedulerConfig
 from talaria.services.router.hot_pools import HotPools
 from talaria.services.router.ownership import Partitioning
-from talaria.services.router.router_core import RouterCore
+from talaria.services.router.router_core import PEER_OUTPUTS, RouterCore
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.policy.registry import create_policy
 from talaria.shared.events import (
@@ -58,8 +58,6 @@ from talaria.shared.events import (
     PoolPinned,
     RoutingDecision,
 )
-
-PEER_OUTPUTS = (CallRouted, LeaseIssued, LeaseConsumed, LeaseDiscarded, LeaseExpired, InstanceLost)
 from talaria.sim.agents import PromptHashes, RetryPolicy
 from talaria.sim.event_loop import EventLoop
 from talaria.sim.device_view import DeviceView

@@ -42,7 +42,7 @@ from talaria.sim.profiles import PAPER_TP8, ROUTER_TP4, catalogue
 from talaria.sim.schedule_bound import schedule_bound_scts
 from talaria.sim.workloads import fixed_replay, router_testbed, synthetic_catalogue
 from talaria.traces.gaps import GapModel
-from talaria.sim.matrix import ABLATIONS, POLICIES, SENSITIVITY, run_matrix
+from talaria.sim.matrix import ABLATIONS, FORECAST_POOLS, POLICIES, SENSITIVITY, run_matrix
 from talaria.sim.report import write_report
 from talaria.sim.matrix_report import write_outputs
 
@@ -57,7 +57,6 @@ ROUTER_POLICIES = (*PEERS, "talaria", *(f"{p} (transplanted)" for p in TRANSPLAN
 # Scale: the transplanted extras are left out (least-pressure and kv-cost took 530 s and a
 # 300 s cap per run; their last numbers are in git history of results/scale.json).
 # talaria-forecast-pools: talaria given the peers' forecast pool split (the hot-pool ablation).
-FORECAST_POOLS = "talaria-forecast-pools"
 SCALE_POLICIES = (*PEERS, "talaria", FORECAST_POOLS)
 TAUS = (0.0, 0.5, 1.0, 2.0, 5.0)
 ROUTER_SEEDS = 8  # gap-model seeds per router-testbed point (see router_exp)

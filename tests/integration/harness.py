@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
+import subprocess
 from dataclasses import dataclass, field
 
 from talaria.shared.settings import Settings
@@ -114,3 +116,14 @@ class Owners:
                 self.changed.clear()
                 await self.changed.wait()
         await asyncio.wait_for(wait(), timeout)
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM a service process still running, then SIGKILL it if it outlives the grace."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()

@@ -26,7 +26,7 @@ from talaria.shared.messages import CallRequest, CallResult, REPLY_DECODER
 from talaria.shared.settings import Settings
 from talaria.shared.wire import encode
 from talaria.embedded import free_port
-from tests.integration.harness import Owners, Services, wait_rows
+from tests.integration.harness import Owners, Services, stop_process, wait_rows
 from tests.integration.test_router_restart import stream_events
 from talaria.shared.subjects import Deployment
 
@@ -138,11 +138,6 @@ async def test_a_router_killed_under_load_loses_no_call_and_routes_none_twice(na
         assert {r["call_id"] for r in rows} == call_ids
     finally:
         for proc in routers.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            stop_process(proc)
         await services.close()
         await nc.close()

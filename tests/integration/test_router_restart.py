@@ -22,7 +22,7 @@ from talaria.shared.wire import encode
 from talaria.shared.health import wait_for_router
 from talaria.shared.settings import Settings
 from talaria.embedded import free_port
-from tests.integration.harness import Services
+from tests.integration.harness import Services, stop_process
 from talaria.shared.subjects import Deployment
 
 DEP = Deployment()  # the default deployment's subject names
@@ -102,10 +102,6 @@ async def test_router_killed_and_restarted_loses_nothing_and_keeps_its_leases(na
         consumed = await stream_events(js, DEP.event("lease.consumed"))
         assert [(e.session_id, e.instance_id) for e in consumed] == [("A", first_a.instance_id)]
     finally:
-        router.send_signal(signal.SIGTERM)
-        try:
-            router.wait(20)
-        except subprocess.TimeoutExpired:
-            router.kill()
+        stop_process(router)
         await services.close()
         await nc.close()
