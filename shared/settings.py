@@ -17,6 +17,10 @@ from talaria.shared.catalog import CATALOG, ModelSpec
 from talaria.shared.hf_config import CheckpointError, load_spec, parse_models
 from talaria.shared.subjects import Deployment
 
+# TALARIA_DTYPE's values (engine/dtypes.py decides what each means; named here so a bad one
+# is refused at start-up, not when the engine thread builds its models).
+DTYPES = ("auto", "float32", "bfloat16")
+
 
 class SettingsError(ValueError):
     """A configuration value is missing or malformed; the message names the variable."""
@@ -279,6 +283,8 @@ class AgentSettings:
             raise SettingsError("TALARIA_ABLATION", self.ablation, f"one of {', '.join(ABLATIONS)}")
         if self.pool not in ("hot", "cold"):
             raise SettingsError("TALARIA_POOL", self.pool, "hot or cold")
+        if self.dtype and self.dtype.lower() not in DTYPES:
+            raise SettingsError("TALARIA_DTYPE", self.dtype, f"one of {', '.join(DTYPES)}")
         for name in ("heartbeat_s", "watchdog_min_s"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"TALARIA_{name.upper()}", str(getattr(self, name)), "a positive number")

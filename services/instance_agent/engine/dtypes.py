@@ -20,8 +20,7 @@ import torch
 
 from talaria.shared import logs
 from talaria.shared.catalog import ModelSpec
-
-CHOICES = ("auto", "float32", "bfloat16")
+from talaria.shared.settings import DTYPES as CHOICES
 
 
 class BadDtype(ValueError):

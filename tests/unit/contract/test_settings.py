@@ -26,6 +26,7 @@ def test_environment_is_parsed_into_typed_fields():
     ("TALARIA_HTTP_PORT", "eighty"), ("TALARIA_ABLATION", "no-talaria"), ("TALARIA_POOL", "lukewarm"),
     ("TALARIA_DATABASE_URL", "mysql://x/y"), ("TALARIA_NATS_URL", "http://x"),
     ("TALARIA_MODELS", "gpt-5"), ("TALARIA_CALL_TIMEOUT_S", "-1"), ("TALARIA_PROJECTION_INTERVAL_S", "-0.1"),
+    ("TALARIA_DTYPE", "float8"),
 ])
 def test_bad_values_name_the_variable(var, value):
     with pytest.raises(SettingsError) as info:
