@@ -353,8 +353,7 @@ def _join_externality(cfg: PolicyConfig, state: RouterState, view: InstanceView,
     busy_here = snap.active_model == model and (snap.running or snap.queued.get(model))
     if busy_here or snap.queued.get(model) or view.overlay_models.get(model) or model in live:
         return 0.0
-    homes = state.homes.by_instance.get(snap.instance_id, {})
-    sessions = sum(len(h.idle_since) for m, h in homes.items() if m != model)
+    sessions = state.homes.sessions_of_other_models(snap.instance_id, model)
     return sessions * (decode + (snap.switch_s or cfg.default_open_s)) * (1.0 + later)
 
 

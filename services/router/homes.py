@@ -122,6 +122,10 @@ class HomeBook:
         self._live[instance_id] = (version, epoch, until, out, now)
         return out
 
+    def sessions_of_other_models(self, instance_id: str, model: str) -> int:
+        """How many sessions of models other than `model` the book homes on the instance."""
+        return sum(len(h.idle_since) for m, h in self.by_instance.get(instance_id, {}).items() if m != model)
+
     def to_list(self) -> list[list]:
         return [[s, i, m, t, homes.running.get(s, 0)]
                 for i, models in self.by_instance.items() for m, homes in models.items()
