@@ -51,7 +51,6 @@ class AgentCall:
     seq: int = 0  # submission order; a call with seq > a slot's P mark arrived after P
     generated: int = 0  # tokens produced so far (the prefill's first token counts)
     via: str | None = None  # P | SP | hot, once admitted
-    admitted_at: float | None = None
     parked: bool = False  # already counted once as an SP-parked return
     prefill_left: int = 0  # chunked prefill: prompt tokens still to compute (an estimate)
     first_chunk_at: float | None = None  # when its first prefill chunk was issued
@@ -127,7 +126,7 @@ class CallTable:
             self._n_active += 1
         return state
 
-    def start(self, call_id: str, via: str, now: float) -> AgentCall:
+    def start(self, call_id: str, via: str) -> AgentCall:
         """Move a queued call to running (its prefill has been issued)."""
         state = self.get(call_id)
         model = state.work.model
@@ -135,7 +134,7 @@ class CallTable:
             raise UnknownCallError(call_id, "queued")
         del self.queued[model][call_id]
         self.running[model][call_id] = state
-        state.via, state.admitted_at = via, now
+        state.via = via
         return state
 
     def remove(self, call_id: str) -> AgentCall:

@@ -30,7 +30,7 @@ class PrefillPlanner:
     def start(self, selection: Selection, via: str, model: str, now: float, slot: Slot | None) -> Prefill:
         """The Prefill of a batch `selection` admitted (P, SP or hot): its calls start running."""
         for call in selection.admitted:
-            self.calls.start(call.call_id, via, now)
+            self.calls.start(call.call_id, via)
             call.prefill_left = compute_tokens(call.work, self.config.hkvr)
         chunk, per_pass = self.chunk_for(model, selection.admitted, slot)
         return Prefill(selection.ids, session_prefill=via == "SP", model=model, chunk_tokens=chunk,
