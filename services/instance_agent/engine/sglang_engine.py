@@ -188,7 +188,7 @@ class SglangEngine(StreamingEngine):
         call.pending += list(zip(ids, _logprobs(meta, len(ids))))
         call.engine_done = call.engine_done or meta.get("finish_reason") is not None
 
-    def _abort(self, call: Sequence) -> None:
+    def _abort(self, call: Sequence, wait: bool = True) -> None:  # abort_request returns at once
         self._engine(call.req.model).tokenizer_manager.abort_request(rid=call.req.call_id)
 
     def finish(self, call_id: str) -> GenResult:

@@ -125,7 +125,7 @@ class StreamingEngine:
             call.decode_s += now - t0
         step = call.take_streamed(now)
         if step.finished and not call.engine_done:  # a stop string ended it before the engine did
-            self._abort(call)
+            self._abort(call, wait=False)  # mid-step: the batch does not wait for the engine's answer
             call.engine_done = True
         return step
 
@@ -154,5 +154,5 @@ class StreamingEngine:
     def _fetch(self, call: Sequence) -> None:  # pragma: no cover
         raise NotImplementedError
 
-    def _abort(self, call: Sequence) -> None:  # pragma: no cover
+    def _abort(self, call: Sequence, wait: bool = True) -> None:  # pragma: no cover
         raise NotImplementedError

@@ -325,8 +325,11 @@ class VllmEngine(StreamingEngine):
         call.pending += list(zip(ids, lps if lps else [None] * len(ids)))
         call.engine_done = call.engine_done or finished
 
-    def _abort(self, call: Sequence) -> None:
-        self._loop.run(self._llms[call.req.model].abort(call.req.call_id))
+    def _abort(self, call: Sequence, wait: bool = True) -> None:
+        # The loop runs its tasks in order, so an abort not waited for still lands before any
+        # later generate on that loop.
+        abort = self._llms[call.req.model].abort(call.req.call_id)
+        self._loop.run(abort) if wait else self._loop.spawn(abort)
 
     # -- state -----------------------------------------------------------------------------
 
