@@ -84,6 +84,10 @@ class AgentCore:
         call = self.calls.get(call_id)
         return call if call is not None and call.phase in LIVE else None
 
+    def live_calls(self, call_ids: Iterable[str]) -> tuple[AgentCall, ...]:
+        """The records of those of `call_ids` that are queued or running."""
+        return tuple(c for c in map(self.live_call, call_ids) if c is not None)
+
     def record(self, call_id: str, session_id: str, model: str, *, call_index: int, submitted_at: float,
                tenant: str = "", transport: object = None) -> AgentCall:
         """A queued call outside the scheduler (one refused on arrival is closed at once)."""

@@ -196,7 +196,6 @@ class CallCloser:
         """Its outcome is out: finished from now on, and its message (the durable copy may
         have been attached while it was closing) acked."""
         self.core.end(call_id)
-        self.watchdog.call_done(call_id)
         if transport.msg is not None:
             await transport.msg.ack()
 

@@ -89,18 +89,17 @@ class CallDrops:
                 pass
 
     async def watch(self, now: float) -> None:
-        verdict = self.watchdog.check(now)
+        verdict = self.watchdog.check(now, self.core.live())
         if verdict.unhealthy != self.unhealthy:
             (self.log.error if verdict.unhealthy else self.log.info)(
                 "agent health changed", unhealthy=verdict.unhealthy or None)
             self.unhealthy = verdict.unhealthy
             await self.publish_snapshot()
-        for call_id, why in verdict.fail_calls.items():
-            if self.core.live_call(call_id) is None:
-                self.watchdog.call_done(call_id)
+        for call in verdict.fail_calls:
+            if not call.live:  # it ended while an earlier one was failed
                 continue
             try:
-                await self.closer.events(self.core.abort(call_id, now))
+                await self.closer.events(self.core.abort(call.call_id, now))
             except SchedulerError:
                 pass  # already gone from the scheduler
-            await self.closer.fail(call_id, why)  # its engine state goes once the stuck step returns
+            await self.closer.fail(call.call_id, call.stuck)  # its engine state goes once the stuck step returns

@@ -12,6 +12,7 @@ import time
 from concurrent.futures import Executor
 
 from talaria.services.instance_agent.engine.contract import Engine
+from talaria.services.instance_agent.scheduler.calls import AgentCall
 from talaria.services.instance_agent.watchdog import Watchdog
 
 
@@ -21,12 +22,12 @@ class EngineThread:
         # Set when a call arrives: a chunked prefill in flight ends at its next forward pass.
         self.arrived = threading.Event()
         engine.should_yield = self.arrived.is_set
-        self.step_calls: tuple[str, ...] = ()  # the calls of the loop's step in flight
+        self.step_calls: tuple[AgentCall, ...] = ()  # the calls of the loop's step in flight
         self.step_predicted_s = 0.0  # the scheduler's estimate of that step (for the watchdog)
 
-    def expect(self, call_ids: tuple[str, ...], predicted_s: float) -> None:
+    def expect(self, calls: tuple[AgentCall, ...], predicted_s: float) -> None:
         """The loop's next step: its calls and the scheduler's estimate of it."""
-        self.step_calls, self.step_predicted_s = call_ids, predicted_s
+        self.step_calls, self.step_predicted_s = calls, predicted_s
 
     async def run(self, fn, *args, kind: str | None = None):
         """An engine step of the work loop, timed by the watchdog."""

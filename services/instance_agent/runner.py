@@ -214,7 +214,7 @@ class CallRunner:
                 self.log.exception("scheduler failed to choose an action")
                 await self._wait(stop, time.time() + self.settings.heartbeat_s)
                 continue
-            self.thread.expect(tuple(getattr(action, "call_ids", ())), self.core.sched.estimate_s(action))
+            self.thread.expect(self.core.live_calls(getattr(action, "call_ids", ())), self.core.sched.estimate_s(action))
             try:
                 match action:
                     case Idle():

@@ -15,12 +15,17 @@ round cap), never below MIN_STUCK_S (the first cold weight load has no measureme
 compare with). The factor
 is not tuned on an experiment: an order of magnitude is what separates "slow" from "not
 coming back". The floor is a setting (TALARIA_WATCHDOG_MIN_S).
+
+The watchdog keeps no table of calls: a call's progress and whether it was failed are fields
+of its record (`AgentCall.progress_at`, `.stuck`), and `check` is handed the calls to judge.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+
+from talaria.services.instance_agent.scheduler.calls import AgentCall
 
 STUCK_FACTOR = 10.0
 MIN_STUCK_S = 10.0
@@ -29,7 +34,7 @@ MIN_STUCK_S = 10.0
 @dataclass
 class Verdict:
     unhealthy: str = ""  # why the agent should not take new calls; "" when healthy
-    fail_calls: dict[str, str] = field(default_factory=dict)  # call_id -> why it is failed
+    fail_calls: list[AgentCall] = field(default_factory=list)  # calls failed now (why: their `stuck`)
 
 
 @dataclass
@@ -37,38 +42,32 @@ class Watchdog:
     min_stuck_s: float = MIN_STUCK_S
     slowest_step_s: dict[str, float] = field(default_factory=dict)  # per step kind
     slowest_round_s: float = 0.0
-    step: tuple[str, float, tuple[str, ...]] | None = None  # (kind, started, call ids) in flight
+    step: tuple[str, float, tuple[AgentCall, ...]] | None = None  # (kind, started, calls) in flight
     step_predicted_s: float = 0.0  # the scheduler's estimate of the step in flight
-    progress: dict[str, float] = field(default_factory=dict)  # started call -> last progress
-    reported: set[str] = field(default_factory=set)  # calls already failed by a verdict
     on_step: Callable[[str, float], None] | None = None  # (kind, seconds) of each step that ended (metrics)
 
     # ---- what happens -------------------------------------------------------------------
 
-    def step_started(self, kind: str, call_ids, now: float, predicted_s: float = 0.0) -> None:
-        self.step = (kind, now, tuple(call_ids))
+    def step_started(self, kind: str, calls: Iterable[AgentCall], now: float, predicted_s: float = 0.0) -> None:
+        self.step = (kind, now, tuple(calls))
         self.step_predicted_s = predicted_s
-        for c in call_ids:
-            self.progress.setdefault(c, now)
+        for call in self.step[2]:
+            if call.progress_at is None:  # started: watched from now on
+                call.progress_at = now
 
     def step_ended(self, now: float) -> None:
         if self.step is None:
             return
-        kind, started, call_ids = self.step
+        kind, started, calls = self.step
         self.slowest_step_s[kind] = max(self.slowest_step_s.get(kind, 0.0), now - started)
         if self.on_step is not None:
             self.on_step(kind, now - started)
-        for c in call_ids:
-            if c in self.progress:
-                self.progress[c] = now
+        for call in calls:
+            call.progress_at = now
         self.step = None
 
     def round_ended(self, wall_s: float) -> None:
         self.slowest_round_s = max(self.slowest_round_s, wall_s)
-
-    def call_done(self, call_id: str) -> None:
-        self.progress.pop(call_id, None)
-        self.reported.discard(call_id)
 
     # ---- bounds and the verdict ---------------------------------------------------------
 
@@ -80,20 +79,24 @@ class Watchdog:
         slowest = max([self.slowest_round_s, *self.slowest_step_s.values()], default=0.0)
         return max(self.min_stuck_s, STUCK_FACTOR * slowest)
 
-    def check(self, now: float) -> Verdict:
+    def check(self, now: float, calls: Iterable[AgentCall]) -> Verdict:
+        """The verdict at `now` on the step in flight and on `calls` (the agent's table): a
+        live call is failed once (its `stuck` says why); ended calls are not watched."""
         verdict = Verdict()
-        in_step: tuple[str, ...] = ()
+        in_step: tuple[AgentCall, ...] = ()
         if self.step is not None:
             kind, started, in_step = self.step
             limit = self.step_limit_s(kind)
             if now - started > limit:
                 verdict.unhealthy = f"engine {kind} step running for {now - started:.1f}s (limit {limit:.1f}s)"
-                for c in in_step:
-                    if c not in self.reported:
-                        verdict.fail_calls[c] = f"watchdog: engine {kind} step stuck for {now - started:.1f}s"
+                for call in in_step:
+                    if call.live and not call.stuck:
+                        call.stuck = f"watchdog: engine {kind} step stuck for {now - started:.1f}s"
+                        verdict.fail_calls.append(call)
         limit = self.call_limit_s()
-        for c, last in self.progress.items():
-            if c not in in_step and now - last > limit and c not in self.reported:
-                verdict.fail_calls[c] = f"watchdog: no progress for {now - last:.1f}s (limit {limit:.1f}s)"
-        self.reported.update(verdict.fail_calls)
+        for call in calls:
+            last = call.progress_at
+            if call.live and not call.stuck and last is not None and now - last > limit and call not in in_step:
+                call.stuck = f"watchdog: no progress for {now - last:.1f}s (limit {limit:.1f}s)"
+                verdict.fail_calls.append(call)
         return verdict

@@ -26,12 +26,13 @@ class Phase(Enum):
 LIVE = (Phase.QUEUED, Phase.RUNNING)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class AgentCall:
     """One call on this instance, from acceptance (or an early cancel) to its stored outcome:
     the one record of it, in the agent's table (`AgentCore.calls`: phase, timeline, tenant,
     transport) and, while it is queued or running, in the scheduler's (`CallTable`: its
-    work, tokens done, admission, prefill progress)."""
+    work, tokens done, admission, prefill progress). A record is its identity (eq=False):
+    two calls are never equal, and records can be set members."""
 
     call_id: str
     session_id: str
@@ -46,6 +47,9 @@ class AgentCall:
     opened_model: bool = False  # its slot began with a switch to its model
     cancel_reason: str = ""  # CANCELLED: why (the refusal names it when the call arrives)
     transport: object = None  # the executor's: the live runner's message, reply subject, span
+    # -- the watchdog's (watchdog.py; the live runner's only) ----------------------------------
+    progress_at: float | None = None  # its last engine step ended (or its first began); None: not started
+    stuck: str = ""  # why the watchdog failed it; "" until then (a call is failed once)
     # -- the scheduler's (set by CallTable; None / 0 for a call it never held) ---------------
     work: Work | None = None  # what was routed here (prompt, reusable KV, output cap)
     seq: int = 0  # submission order; a call with seq > a slot's P mark arrived after P
