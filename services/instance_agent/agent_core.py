@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from talaria.services.instance_agent.scheduler.calls import LIVE, AgentCall, Phase
+from talaria.services.instance_agent.scheduler.calls import LIVE, AgentCall, CallTable, Phase
 from talaria.services.instance_agent.scheduler import (
     CallAdmitted,
     CallFinished,
@@ -69,8 +69,8 @@ class AgentCore:
     def __init__(self, instance_id: str, config: SchedulerConfig, models: Sequence[str], costs: StepCostModel,
                  keep_ended: int = 0) -> None:
         self.instance_id = instance_id
-        self.sched = RoundScheduler(config, list(models), costs)
-        self.calls: dict[str, AgentCall] = {}
+        self.calls = CallTable(tuple(models))  # the one table: every call here by id, any phase
+        self.sched = RoundScheduler(config, list(models), costs, self.calls)
         self.keep_ended = keep_ended
         self._ended: deque[str] = deque()  # ended calls kept, oldest first
 
@@ -148,8 +148,7 @@ class AgentCore:
                     arrived_at=submitted_at if arrived_at is None else arrived_at, continuation=call_index > 0,
                     kv_output_tokens=kv_output_tokens)
         call = AgentCall(call_id, session_id, model, call_index, submitted_at, tenant=tenant, transport=transport)
-        self.sched.submit(work, now, call)  # the scheduler's state of the call joins its record
-        self.calls[call_id] = call
+        self.sched.submit(work, now, call)  # queued in the table (the scheduler's state joins the record)
         return work
 
     # ---- the executor's side of the loop -----------------------------------------------
@@ -259,7 +258,7 @@ class AgentCore:
         """The instance snapshot the router consumes. Queues, round and risk come from the
         scheduler (the fields of `RoundScheduler.snapshot` the router reads, without its per-call KV sum); residency, session KV and `memory` (capacity, use and measured rates, the
         attributes of `engine.contract.EngineStats`) from the executor's device."""
-        sched, calls = self.sched, self.sched.calls
+        sched, calls = self.sched, self.calls
         pinned = sched.config.pinned_model if pool == "hot" else None
         if sched.repinned:  # the router's hot-pool decision replaced the deployed pool
             pinned = sched.pin_target
@@ -269,7 +268,7 @@ class AgentCore:
             active_model=active_model, sessions=sessions, queued={m: len(q) for m, q in calls.queued.items()},
             # With chunked prefill (the live agent) also the prefill a newcomer waits behind.
             queued_tokens=sched.prefill_ahead_tokens() if sched.config.chunked_prefill
-            else sum(c.work.prompt_tokens for q in calls.queued.values() for c in q.values()),
+            else sum(c.work.prompt_tokens for q in calls.queued.values() for c in q),
             queued_prefill_s=sched.prefill_ahead_s(),
             running=sum(len(r) for r in calls.running.values()),
             round_remaining_s=sched.round_remaining_s(now),

@@ -136,7 +136,7 @@ class EngineSteps:
         if isinstance(action, SwitchModel) and isinstance(exc, EngineBusy):
             await self._release_strays(exc.running)
         elif isinstance(action, SwitchModel):
-            failed = list(self.core.sched.calls.queued.get(action.to_model, ()))
+            failed = [c.call_id for c in self.core.calls.queued.get(action.to_model, ())]
         for call_id in failed:
             try:
                 report.merge(self.core.abort(call_id, time.time()))

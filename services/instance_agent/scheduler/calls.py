@@ -1,9 +1,7 @@
-"""The call record (`AgentCall`) and the scheduler's table of the calls it holds, by model,
-queued or running.
-
-Invariant: a call is in exactly one of `queued[model]` or `running[model]` until it
-finishes, then it is gone. Both maps keep insertion order, so iterating `queued` is
-FCFS by submission and iterating `running` is admission order.
+"""The call record (`AgentCall`) and the agent's one table of them (`CallTable`): every call
+by id, and the scheduler's queued and running calls by model as ordered sets of the same
+records (insertion order: iterating `queued` is FCFS by submission, `running` admission
+order).
 """
 
 from __future__ import annotations
@@ -83,74 +81,81 @@ class AgentCall:
         return self.generated >= self.work.max_tokens
 
 
-class CallTable:
+Queue = dict[AgentCall, None]  # an ordered set of records (a record hashes by identity)
+
+
+class CallTable(dict[str, AgentCall]):
+    """The agent's one table of calls: every call by its id (`AgentCore.calls`, any phase),
+    and, for the scheduler, the calls it holds by model in two ordered sets over the same
+    records, `queued` (FCFS by submission) and `running` (admission order).
+
+    Invariant: a call the scheduler holds is in exactly one of `queued[model]` or
+    `running[model]` until it finishes or is aborted; its record stays in the table for
+    whoever owns the table to end (the agent core) or keep (a scheduler driven on its own)."""
+
     def __init__(self, models: tuple[str, ...]) -> None:
+        super().__init__()
         self.models = models
-        self.queued: dict[str, dict[str, AgentCall]] = {m: {} for m in models}
-        self.running: dict[str, dict[str, AgentCall]] = {m: {} for m in models}
-        self._by_id: dict[str, AgentCall] = {}
+        self.queued: dict[str, Queue] = {m: {} for m in models}
+        self.running: dict[str, Queue] = {m: {} for m in models}
         self._seq = 0
         self._live: dict[str, int] = {m: 0 for m in models}  # queued + running, per model
         self._n_active = 0  # models with a queued or running call
-
-    def __contains__(self, call_id: str) -> bool:
-        return call_id in self._by_id
-
-    def __len__(self) -> int:
-        return len(self._by_id)
 
     @property
     def seq(self) -> int:
         """Sequence number of the latest submission."""
         return self._seq
 
-    def find(self, call_id: str) -> AgentCall | None:
-        return self._by_id.get(call_id)
+    def holding(self, call_id: str) -> AgentCall | None:
+        """The call's record if the scheduler holds it (queued or running), else None."""
+        call = self.get(call_id)
+        if call is None:
+            return None
+        queued = self.queued.get(call.model)
+        return call if queued is not None and (call in queued or call in self.running[call.model]) else None
 
-    def get(self, call_id: str) -> AgentCall:
-        try:
-            return self._by_id[call_id]
-        except KeyError:
-            raise UnknownCallError(call_id, "known to the scheduler") from None
+    def held(self, call_id: str) -> AgentCall:
+        call = self.holding(call_id)
+        if call is None:
+            raise UnknownCallError(call_id, "known to the scheduler")
+        return call
 
     def add(self, work: Work, call: AgentCall | None = None) -> AgentCall:
-        """Queue `work`; `call`: its record in the agent's table (default: a new one)."""
+        """Queue `work`; `call`: its record (default: a new one), which joins the table."""
         if work.model not in self.queued:
             raise ModelNotServedError(work.model, self.models)
-        if work.call_id in self._by_id:
+        if self.holding(work.call_id) is not None:
             raise DuplicateCallError(work.call_id)
         self._seq += 1
         state = AgentCall.of(work) if call is None else call
         state.work, state.seq = work, self._seq
-        self._by_id[work.call_id] = state
-        self.queued[work.model][work.call_id] = state
+        self[work.call_id] = state
+        self.queued[work.model][state] = None
         live = self._live[work.model]
         self._live[work.model] = live + 1
         if not live:
             self._n_active += 1
         return state
 
-    def start(self, call_id: str, via: str) -> AgentCall:
+    def start(self, call: AgentCall, via: str) -> None:
         """Move a queued call to running (its prefill has been issued)."""
-        state = self.get(call_id)
-        model = state.work.model
-        if call_id not in self.queued[model]:
-            raise UnknownCallError(call_id, "queued")
-        del self.queued[model][call_id]
-        self.running[model][call_id] = state
-        state.via = via
-        return state
+        queued = self.queued[call.model]
+        if call not in queued:
+            raise UnknownCallError(call.call_id, "queued")
+        del queued[call]
+        self.running[call.model][call] = None
+        call.via = via
 
-    def remove(self, call_id: str) -> AgentCall:
-        state = self._by_id.pop(call_id)
-        model = state.work.model
-        self.queued[model].pop(call_id, None)
-        self.running[model].pop(call_id, None)
+    def remove(self, call: AgentCall) -> None:
+        """The scheduler lets go of a call it holds (finished or aborted)."""
+        model = call.model
+        self.queued[model].pop(call, None)
+        self.running[model].pop(call, None)
         live = self._live[model] - 1
         self._live[model] = live
         if not live:
             self._n_active -= 1
-        return state
 
     def active(self, model: str) -> bool:
         return bool(self.queued[model]) or bool(self.running[model])
@@ -171,12 +176,12 @@ class CallTable:
         return any(self.queued.values())
 
     def running_ids(self, model: str) -> tuple[str, ...]:
-        return tuple(self.running[model])
+        return tuple(call.call_id for call in self.running[model])
 
     def update_kv(self, session_id: str, model: str, kv_state: KvState, reusable_tokens: int | None) -> int:
         """Re-state the KV of a session's queued calls for `model`; returns how many changed."""
         changed = 0
-        for state in self.queued.get(model, {}).values():
+        for state in self.queued.get(model, {}):
             if state.work.session_id != session_id:
                 continue
             reuse = state.work.reusable_tokens if reusable_tokens is None else reusable_tokens

@@ -30,7 +30,7 @@ class PrefillPlanner:
     def start(self, selection: Selection, via: str, model: str, now: float, slot: Slot | None) -> Prefill:
         """The Prefill of a batch `selection` admitted (P, SP or hot): its calls start running."""
         for call in selection.admitted:
-            self.calls.start(call.call_id, via)
+            self.calls.start(call, via)
             call.prefill_left = compute_tokens(call.work, self.config.hkvr)
         chunk, per_pass = self.chunk_for(model, selection.admitted, slot)
         return Prefill(selection.ids, session_prefill=via == "SP", model=model, chunk_tokens=chunk,
@@ -40,11 +40,11 @@ class PrefillPlanner:
         """(running calls that decode, running calls still prefilling), admission order."""
         running = self.calls.running[model]
         if not self.config.chunked_prefill:
-            return tuple(running), ()
-        filling = tuple(c for c in running.values() if c.prefilling)
+            return tuple(c.call_id for c in running), ()
+        filling = tuple(c for c in running if c.prefilling)
         if not filling:
-            return tuple(running), ()
-        return tuple(i for i, c in running.items() if not c.prefilling), filling
+            return tuple(c.call_id for c in running), ()
+        return tuple(c.call_id for c in running if not c.prefilling), filling
 
     def continue_prefill(self, calls: tuple[AgentCall, ...], model: str, slot: Slot | None) -> Prefill:
         chunk, per_pass = self.chunk_for(model, calls, slot)
@@ -72,14 +72,14 @@ class PrefillPlanner:
         prefill under way what runs before the newcomer gets in. Without chunking that is
         all it has left; with chunking, at most one shared-instance chunk."""
         calls = self.calls
-        ahead = sum(c.work.prompt_tokens for q in calls.queued.values() for c in q.values())
+        ahead = sum(c.work.prompt_tokens for q in calls.queued.values() for c in q)
         return ahead + sum(n for _, _, n in self._prefill_under_way(slot))
 
     def prefill_ahead_s(self, slot: Slot | None) -> float:
         """The same work in predicted seconds: what each queued call must compute (a prefix
         on device costs nothing, a host prefix its restore), with the calibrated costs."""
         calls = self.calls
-        ahead = sum(self.pricing.cost(c) for q in calls.queued.values() for c in q.values())
+        ahead = sum(self.pricing.cost(c) for q in calls.queued.values() for c in q)
         for model, c, n in self._prefill_under_way(slot):
             ahead += self.costs.prefill_s(model, n, c.work.prompt_tokens - c.prefill_left)
         return ahead
@@ -87,7 +87,7 @@ class PrefillPlanner:
     def _prefill_under_way(self, slot: Slot | None):
         """(model, call, prompt tokens a newcomer waits for) of each admitted call still prefilling."""
         for model, running in self.calls.running.items():
-            for c in running.values():
+            for c in running:
                 if c.prefilling and c.prefill_left:
                     if self.config.chunked_prefill:
                         budget = self.shared_chunk_s(model, slot)

@@ -171,7 +171,7 @@ class ColdPool:
         k = self._max_steps
         if k == 1:
             return Decode(ids, model)
-        calls = [self.calls.get(i) for i in ids]
+        calls = [self.calls.held(i) for i in ids]
         k = min(k, min(c.work.max_tokens - c.generated for c in calls))
         if slot.sp_retry:
             k = 1
@@ -206,7 +206,7 @@ class ColdPool:
             time_s=slot.prefill_left_s,
             at_least_one=True,
         )
-        selection = select(self.calls.queued[model].values(), limits, self.pricing.cost, self.pricing.kv)
+        selection = select(self.calls.queued[model], limits, self.pricing.cost, self.pricing.kv)
         slot.prefill_left_s = max(0.0, slot.prefill_left_s - selection.cost_s)
         budget = slot.plan.prefill_budget_s
         if short := selection.left_for("time"):
@@ -219,7 +219,7 @@ class ColdPool:
         if not self.config.sp:
             return None
         model = slot.model
-        eligible = [c for c in self.calls.queued[model].values() if self._sp_eligible(c, slot)]
+        eligible = [c for c in self.calls.queued[model] if self._sp_eligible(c, slot)]
         if not eligible:
             return None
         limits = Limits(
@@ -256,7 +256,7 @@ class ColdPool:
         # it as SP-served let an extended slot decode on for minutes while it waited.)
         sp = self.config.sp
         return any(
-            not (sp and not c.parked and self._sp_eligible(c, slot)) for c in self.calls.queued[slot.model].values()
+            not (sp and not c.parked and self._sp_eligible(c, slot)) for c in self.calls.queued[slot.model]
         )
 
     def _extend(self, slot: Slot, now: float) -> None:
@@ -274,7 +274,7 @@ class ColdPool:
         slot = self.slot
         assert slot is not None
         if self.config.sp and slot.p_done:
-            for call in list(self.calls.queued[slot.model].values()):
+            for call in list(self.calls.queued[slot.model]):
                 if self._sp_eligible(call, slot):
                     self.reports.parked(call, "slot_closed", self.round, now)
         self.slot = None

@@ -34,7 +34,7 @@ class HotPool:
                 kv_free_bytes=self.pricing.kv_free(model),
                 time_s=None,
             )
-            selection = select(self.calls.queued[model].values(), limits, self.pricing.cost, self.pricing.kv)
+            selection = select(self.calls.queued[model], limits, self.pricing.cost, self.pricing.kv)
             if selection.admitted:
                 return self.prefill.start(selection, "hot", model, now, None)
         if filling and (not decodable or self.last != "C"):
@@ -47,7 +47,7 @@ class HotPool:
         """A Decode of up to `max_steps` iterations; one while arrivals wait for a boundary."""
         if max_steps == 1:
             return Decode(ids, model)
-        k = min(max_steps, min(self.calls.get(i).work.max_tokens - self.calls.get(i).generated for i in ids))
+        k = min(max_steps, min(c.work.max_tokens - c.generated for c in map(self.calls.held, ids)))
         if self.calls.queued[model]:
             k = 1  # arrivals prefill at the next decode boundary
         return Decode(ids, model, max(1, k))

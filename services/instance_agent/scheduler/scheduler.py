@@ -56,12 +56,15 @@ class RoundScheduler:
     pool policy, the cold pool's rounds and slots (cold_pool.py) or the hot pool
     (hot_pool.py)."""
 
-    def __init__(self, config: SchedulerConfig, models: Sequence[str], costs: StepCostModel) -> None:
+    def __init__(self, config: SchedulerConfig, models: Sequence[str], costs: StepCostModel,
+                 calls: CallTable | None = None) -> None:
+        """`calls`: the table it schedules from and submits into (the agent's, AgentCore.calls);
+        default a table of its own, which keeps every call submitted (a driver on its own)."""
         _check_models(config, tuple(models))
         self.config = config
         self.models = tuple(models)
         self.costs = costs if isinstance(costs, CalibratedCosts) else CalibratedCosts(costs, config.ewma_alpha)
-        self.calls = CallTable(self.models)
+        self.calls = CallTable(self.models) if calls is None else calls
         self.reports = Reports()
         self.device_model = config.pinned_model if config.pool == "hot" else config.initial_model
         self._inflight: _Inflight | None = None
@@ -240,8 +243,8 @@ class RoundScheduler:
 
     def abort(self, call_id: str, now: float) -> list[SchedulerEvent]:
         """Forget a call (client gone, engine failure). Safe while it is in flight."""
-        call = self.calls.get(call_id)
-        self.calls.remove(call_id)
+        call = self.calls.held(call_id)
+        self.calls.remove(call)
         self.reports.finished(call, "aborted", now)
         return self.drain_events()
 
@@ -333,7 +336,7 @@ class RoundScheduler:
 
     def generated(self, call_id: str) -> int:
         """Tokens the scheduler has counted for a live call."""
-        return self.calls.get(call_id).generated
+        return self.calls.held(call_id).generated
 
     @property
     def inflight(self) -> Action | None:
@@ -364,7 +367,7 @@ class RoundScheduler:
     def _finish(self, ids: tuple[str, ...], engine_done: frozenset[str], now: float) -> None:
         for call in list(self._known(ids)):
             if call.done_by_length or call.call_id in engine_done:
-                self.calls.remove(call.call_id)
+                self.calls.remove(call)
                 self.reports.finished(call, "length" if call.done_by_length else "engine", now)
 
     def _complete(self, action: Action) -> _Inflight:
@@ -376,7 +379,7 @@ class RoundScheduler:
 
     def _known(self, ids: Iterable[str]) -> Iterable[AgentCall]:
         # Calls aborted while their step was in flight are skipped.
-        return (self.calls.get(i) for i in ids if i in self.calls)
+        return (c for c in map(self.calls.holding, ids) if c is not None)
 
 
 def _finished_in(action: Prefill | Decode, finished: Iterable[str]) -> frozenset[str]:

@@ -26,14 +26,14 @@ class WorkPricing:
         self.calls, self.costs, self.config = calls, costs, config
 
     def kv_used(self, model: str) -> int:
-        return sum(self.kv(c) for c in self.calls.running[model].values())
+        return sum(self.kv(c) for c in self.calls.running[model])
 
     def decode_s(self, action: Decode, steps: int) -> float:
         """`steps` iterations of `action` from its calls' current context (`decode_steps_s`)."""
         calls = self.calls
         n = ctx = 0
         for i in action.call_ids:
-            c = calls.find(i)
+            c = calls.holding(i)
             if c is not None:  # calls aborted while their step was in flight are skipped
                 n += 1
                 ctx += c.work.prompt_tokens + c.generated
@@ -43,10 +43,10 @@ class WorkPricing:
         """Predicted decode step and P cost of `model` once its P has admitted what fits."""
         running = self.calls.running[model]
         free = max(0, self.config.max_batch - len(running))
-        queued = list(islice(self.calls.queued[model].values(), free))
+        queued = list(islice(self.calls.queued[model], free))
         batch = max(1, len(running) + len(queued))
         ctx = 0
-        for c in running.values():
+        for c in running:
             ctx += c.work.prompt_tokens + c.generated
         ctx_q = 0
         for c in queued:
@@ -54,7 +54,7 @@ class WorkPricing:
         step = self.costs.decode_step_s(model, batch, ctx + ctx_q)
         prefill = sum([self.cost(c) for c in queued])
         if self.config.chunked_prefill:  # prompts still being computed in chunks
-            prefill += sum(self.left_cost(c, c.prefill_left) for c in running.values() if c.prefilling)
+            prefill += sum(self.left_cost(c, c.prefill_left) for c in running if c.prefilling)
         return ModelLoad(decode_step_s=step, prefill_s=prefill)
 
     def cost(self, call: AgentCall) -> float:

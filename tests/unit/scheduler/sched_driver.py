@@ -121,9 +121,10 @@ class Driver:
             case SwitchModel(from_model=a, to_model=b, staged=staged):
                 took = truth.switch_s(a, b, staged)
             case Prefill(call_ids=ids):
-                took = sum(call_prefill_s(truth, s.calls.get(c).work, s.config.hkvr) for c in ids if c in s.calls)
+                held = [c for c in map(s.calls.holding, ids) if c is not None]  # aborted ones are skipped
+                took = sum(call_prefill_s(truth, c.work, s.config.hkvr) for c in held)
             case Decode(call_ids=ids, model=m):
-                live = [s.calls.get(c) for c in ids if c in s.calls]
+                live = [c for c in map(s.calls.holding, ids) if c is not None]
                 ctx = sum(c.context_tokens for c in live)
                 k = action.steps if steps is None else steps
                 took = sum(truth.decode_step_s(m, len(live), ctx + len(live) * i) for i in range(k))
@@ -167,7 +168,7 @@ class Driver:
         done = set()
         for cid in action.call_ids:
             limit = self.eos.get(cid)
-            if limit is None or cid not in self.sched.calls:
+            if limit is None or self.sched.calls.holding(cid) is None:
                 continue
             tokens_after = 1 if prefill else self.sched.generated(cid) + 1
             if tokens_after >= limit:

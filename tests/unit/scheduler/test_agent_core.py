@@ -59,7 +59,7 @@ def test_rounds_become_round_summaries_and_aborted_calls_are_not_completed():
     accept(c, "c2", max_tokens=1)
     prefill = c.next_action(0.0)
     out = c.abort("c2", 0.1)
-    assert out.finished == [] and "c2" not in c.sched.calls
+    assert out.finished == [] and c.calls.holding("c2") is None
     out = c.prefill_done(prefill, 0.2)
     assert out.finished == ["c1"]  # the aborted call is not reported as finished
     assert isinstance(c.next_action(0.2), Idle)
@@ -128,12 +128,13 @@ def test_a_failed_switch_whose_calls_were_failed_is_not_tried_again():
 
 
 def test_a_call_has_one_record_the_scheduler_state_is_part_of_it():
-    """The agent's table and the scheduler's hold the same object: what the scheduler does to a
-    call (admitted, tokens done) is read from the call's record, with no second copy to sync."""
+    """The agent's table is the scheduler's: what the scheduler does to a call (admitted,
+    tokens done) is read from the call's record, with no second table or copy to sync."""
     c = core()
     accept(c, "c1")
     record = c.calls["c1"]
-    assert c.sched.calls.find("c1") is record and record.work.prompt_tokens == 100
+    assert c.sched.calls is c.calls and c.calls.holding("c1") is record and record.work.prompt_tokens == 100
+    assert list(c.calls.queued["a"]) == [record]
     c.switch_done(c.next_action(0.5), 1.5, 1.0, path="d2d")
     c.prefill_done(c.next_action(1.5), 2.0)
     assert (record.via, record.generated, record.started_at) == ("P", 1, 1.5)

@@ -34,4 +34,4 @@ def test_a_call_the_engine_could_not_step_generated_nothing():
     assert (s.generated("x"), s.generated("y")) == (2, 1)
     dec = s.next_action(0.2)
     s.on_decode_done(dec, 0.3, stalled=["y"])
-    assert "x" not in s.calls and s.generated("y") == 1  # `x` reached max_tokens; `y` did not
+    assert s.calls.holding("x") is None and s.generated("y") == 1  # `x` reached max_tokens; `y` did not

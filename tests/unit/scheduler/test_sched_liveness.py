@@ -66,7 +66,7 @@ def test_every_submitted_call_finishes_exactly_once(arrivals, pool, cfg, slowdow
     finished = d.of(CallFinished)
     assert sorted(e.call_id for e in finished) == sorted(expected)
     assert {e.call_id: e.tokens for e in finished} == expected
-    assert len(d.sched.calls) == 0
+    assert not d.sched.calls.any_active()
     admitted = d.of(CallAdmitted)
     assert sorted(e.call_id for e in admitted) == sorted(expected)
     view = d.sched.snapshot(d.now)
