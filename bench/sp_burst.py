@@ -27,7 +27,7 @@ from talaria.services.instance_agent.engine import GenRequest, TorchEngine  # no
 from talaria.services.instance_agent.runner import INITIAL_COSTS, reusable_kv  # noqa: E402
 from talaria.shared.stats import quantile  # noqa: E402
 from talaria.services.instance_agent.scheduler import (  # noqa: E402
-    CallAdmitted, CallFinished, Decode, Idle, Prefill, RoundScheduler, SchedulerConfig, SwitchModel, Work,
+    AgentCall, CallAdmitted, CallFinished, Decode, Idle, Prefill, RoundScheduler, SchedulerConfig, SwitchModel,
 )
 
 A, B = "qwen3-tiny", "qwen3-moe-tiny"
@@ -54,8 +54,9 @@ class Driver:
     def submit(self, req: GenRequest, continuation: bool) -> None:
         state, reusable = reusable_kv(self.engine, req.session_id, req.model, len(req.prompt_ids))
         now = time.perf_counter()
-        self.sched.submit(Work(req.call_id, req.session_id, req.model, len(req.prompt_ids), reusable, state,
-                               req.max_tokens, now, continuation), now)
+        self.sched.submit(AgentCall(req.call_id, req.session_id, req.model, call_index=int(continuation),
+                                    prompt_tokens=len(req.prompt_ids), reusable_tokens=reusable, kv_state=state,
+                                    max_tokens=req.max_tokens, arrived_at=now), now)
         self.reqs[req.call_id], self.submitted[req.call_id] = req, now
 
     def step(self) -> bool:

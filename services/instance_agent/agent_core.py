@@ -1,6 +1,6 @@
 """AgentCore: the instance agent's pure core, driven by two executors.
 
-    routed call ──accept──▶ Work ──▶ RoundScheduler.submit
+    routed call ──accept──▶ AgentCall (its one record) ──▶ RoundScheduler.submit
     executor loop: action = core.next_action(now)
                    runs it (torch engine on the wall clock | cost profile on a virtual clock)
                    core.switch_done / prefill_done / decode_done(action, now, ...) → StepReport
@@ -8,9 +8,10 @@
              RoundSummary and SwitchDone messages, notes (CallParked / DeadlineRisk)
     core.snapshot(...) → InstanceSnapshot (the one snapshot builder)
 
-The core keeps the agent's one table of calls (`calls`: an `AgentCall` per call id, with its
-phase and timeline: queue, slot wait, first token, whether its slot began with a model
-switch) and the translation of scheduler events into the wire messages. A call's phase is
+The core keeps the agent's one table of calls (`calls`, a `CallTable`: an `AgentCall` per call
+id, with its phase and timeline: queue, slot wait, first token, whether its slot began with a
+model switch; the scheduler it builds is handed the same table and keeps its queues in it)
+and the translation of scheduler events into the wire messages. A call's phase is
 the truth about it:
 
     QUEUED ──prefill issued──▶ RUNNING ──executor closes it──▶ CLOSING ──outcome stored──▶ FINISHED
@@ -42,7 +43,6 @@ from talaria.services.instance_agent.scheduler import (
     RoundScheduler,
     SchedulerConfig,
     SwitchModel,
-    Work,
 )
 from talaria.shared.events import CallCompleted, RoundSummary, SwitchDone
 from talaria.shared.snapshots import InstanceSnapshot, ModelResidency, SessionKv
@@ -140,16 +140,16 @@ class AgentCore:
     def accept(self, call_id: str, session_id: str, model: str, *, call_index: int, prompt_tokens: int,
                max_tokens: int, submitted_at: float, kv_state: KvState, reusable_tokens: int, now: float,
                arrived_at: float | None = None, tenant: str = "", transport: object = None,
-               kv_output_tokens: int = 0) -> Work:
+               kv_output_tokens: int = 0) -> AgentCall:
         """Submit a routed call; raises the scheduler's error when it cannot take it.
         `arrived_at` (default `submitted_at`) starts the scheduler's slot wait."""
-        work = Work(call_id, session_id, model, prompt_tokens=max(1, prompt_tokens), reusable_tokens=reusable_tokens,
-                    kv_state=kv_state, max_tokens=max_tokens,
-                    arrived_at=submitted_at if arrived_at is None else arrived_at, continuation=call_index > 0,
-                    kv_output_tokens=kv_output_tokens)
-        call = AgentCall(call_id, session_id, model, call_index, submitted_at, tenant=tenant, transport=transport)
-        self.sched.submit(work, now, call)  # queued in the table (the scheduler's state joins the record)
-        return work
+        call = AgentCall(call_id, session_id, model, call_index, submitted_at, prompt_tokens=max(1, prompt_tokens),
+                         reusable_tokens=reusable_tokens, kv_state=kv_state, max_tokens=max_tokens,
+                         kv_output_tokens=kv_output_tokens,
+                         arrived_at=submitted_at if arrived_at is None else arrived_at, tenant=tenant,
+                         transport=transport)
+        self.sched.submit(call, now)  # queued in the one table
+        return call
 
     # ---- the executor's side of the loop -----------------------------------------------
 
@@ -268,7 +268,7 @@ class AgentCore:
             active_model=active_model, sessions=sessions, queued={m: len(q) for m, q in calls.queued.items()},
             # With chunked prefill (the live agent) also the prefill a newcomer waits behind.
             queued_tokens=sched.prefill_ahead_tokens() if sched.config.chunked_prefill
-            else sum(c.work.prompt_tokens for q in calls.queued.values() for c in q),
+            else sum(c.prompt_tokens for q in calls.queued.values() for c in q),
             queued_prefill_s=sched.prefill_ahead_s(),
             running=sum(len(r) for r in calls.running.values()),
             round_remaining_s=sched.round_remaining_s(now),

@@ -19,7 +19,7 @@ tests drive the same object.
 Driving loop (live agent or simulator; `run_*` execute on an engine or a cost profile):
 
     sched = RoundScheduler(SchedulerConfig(), ["qwen", "glm"], costs)
-    sched.submit(Work("c1", "s1", "qwen", prompt_tokens=900, max_tokens=64), now=clock())
+    sched.submit(AgentCall("c1", "s1", "qwen", prompt_tokens=900, max_tokens=64), now=clock())
     while serving:
         match sched.next_action(clock()):
             case SwitchModel() as a: took = run_switch(a); events = sched.on_switch_done(a, clock(), took)
@@ -36,13 +36,14 @@ own profile's duration for the action (`sched.estimate_s(action)` if it has none
 scheduler learns from the gap between its estimate and the reported completion time.
 
 Package map:
-    types.py      Work, actions, events, SchedulerView
+    types.py      actions, events, SchedulerView
     config.py     SchedulerConfig (the paper's ablations: shared/ablations.py)
     scheduler_errors.py  the error hierarchy
     costs.py      StepCostModel protocol, per-call prefill/restore cost, EWMA calibration
     budget.py     Eq. 3-5: protected decode, slot budgets, switch cycle
     admission.py  batch selection under batch, KV and time budgets (P, SP, hot)
-    calls.py      the call table: queued/running per model, token counts
+    calls.py      AgentCall (a call's one record, what `submit` takes) and the call table:
+                  every call by id, queued/running per model
     rounds.py     round and slot bookkeeping
     reports.py    event outbox and the counters (sp_admitted, sp_parked, deadline_risk)
     scheduler.py  RoundScheduler: the driver API and the telemetry view (snapshot), composed of
@@ -53,6 +54,7 @@ Package map:
     hot_pool.py   HotPool: continuous batching of one pinned model
 """
 
+from talaria.services.instance_agent.scheduler.calls import AgentCall
 from talaria.services.instance_agent.scheduler.budget import ModelLoad, SlotPlan, plan_slot
 from talaria.services.instance_agent.scheduler.config import ABLATIONS, SchedulerConfig
 from talaria.services.instance_agent.scheduler.costs import CalibratedCosts, StepCostModel, LinearCosts
@@ -82,13 +84,13 @@ from talaria.services.instance_agent.scheduler.types import (
     SchedulerView,
     SlotOpened,
     SwitchModel,
-    Work,
 )
 
 __all__ = [
     "ABLATIONS",
     "Action",
     "ActionMismatchError",
+    "AgentCall",
     "CalibratedCosts",
     "CallAdmitted",
     "CallFinished",
@@ -116,6 +118,5 @@ __all__ = [
     "SwitchModel",
     "UnknownCallError",
     "ModelNotServedError",
-    "Work",
     "plan_slot",
 ]

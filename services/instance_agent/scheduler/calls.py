@@ -6,11 +6,16 @@ order).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import Enum
 
-from talaria.services.instance_agent.scheduler.scheduler_errors import DuplicateCallError, UnknownCallError, ModelNotServedError
-from talaria.services.instance_agent.scheduler.types import KvState, Work
+from talaria.services.instance_agent.scheduler.scheduler_errors import (
+    DuplicateCallError,
+    InvalidWorkError,
+    ModelNotServedError,
+    UnknownCallError,
+)
+from talaria.services.instance_agent.scheduler.types import KV_STATES, KvState
 
 
 class Phase(Enum):
@@ -27,16 +32,28 @@ LIVE = (Phase.QUEUED, Phase.RUNNING)
 @dataclass(slots=True, eq=False)
 class AgentCall:
     """One call on this instance, from acceptance (or an early cancel) to its stored outcome:
-    the one record of it, in the agent's table (`AgentCore.calls`: phase, timeline, tenant,
-    transport) and, while it is queued or running, in the scheduler's (`CallTable`: its
-    work, tokens done, admission, prefill progress). A record is its identity (eq=False):
-    two calls are never equal, and records can be set members."""
+    the one record of it, in the agent's table (`AgentCore.calls`, a `CallTable`): what was
+    routed here, its phase and timeline, tenant and transport, and the scheduler's and the
+    watchdog's state of it. It is what the scheduler is submitted. A record is its identity
+    (eq=False): two calls are never equal, and records can be set members."""
 
     call_id: str
     session_id: str
     model: str
-    call_index: int
-    submitted_at: float  # the caller's submission: queue and TTFT count from here
+    call_index: int = 0  # 0: a session's first call; later ones are continuations (SP may admit them)
+    submitted_at: float = 0.0  # the caller's submission: queue and TTFT count from here
+    # -- what was routed here (checked by `check_routed` when submitted) ----------------------
+    # `reusable_tokens` is the prefix of `prompt_tokens` whose KV this instance can reuse
+    # (device-resident or host-restorable per `kv_state`).
+    prompt_tokens: int = 0
+    reusable_tokens: int = 0
+    kv_state: KvState = "none"
+    max_tokens: int = 1
+    # Output tokens its KV is admitted for: the router's estimate (CallRouted.kv_output_tokens,
+    # <= max_tokens, a cap); 0 = max_tokens.
+    kv_output_tokens: int = 0
+    # When the scheduler's slot wait starts (`CallAdmitted.slot_wait_s`), on the driver's clock.
+    arrived_at: float = 0.0
     tenant: str = ""  # whose call it is: only that tenant's cancel stops it
     phase: Phase = Phase.QUEUED
     started_at: float | None = None  # its prefill was issued
@@ -48,28 +65,27 @@ class AgentCall:
     # -- the watchdog's (watchdog.py; the live runner's only) ----------------------------------
     progress_at: float | None = None  # its last engine step ended (or its first began); None: not started
     stuck: str = ""  # why the watchdog failed it; "" until then (a call is failed once)
-    # -- the scheduler's (set by CallTable; None / 0 for a call it never held) ---------------
-    work: Work | None = None  # what was routed here (prompt, reusable KV, output cap)
+    # -- the scheduler's (set by CallTable; 0 / None for a call it never held) ---------------
     seq: int = 0  # submission order; a call with seq > a slot's P mark arrived after P
     generated: int = 0  # tokens produced so far (the prefill's first token counts)
     via: str | None = None  # P | SP | hot, once admitted
     parked: bool = False  # already counted once as an SP-parked return
     prefill_left: int = 0  # chunked prefill: prompt tokens still to compute (an estimate)
     first_chunk_at: float | None = None  # when its first prefill chunk was issued
-    cost_memo: tuple | None = field(default=None, repr=False, compare=False)  # WorkPricing.cost cache
-
-    @classmethod
-    def of(cls, work: Work) -> "AgentCall":
-        """A call known only by its work (the scheduler driven on its own: tests, tools)."""
-        return cls(work.call_id, work.session_id, work.model, int(work.continuation), work.arrived_at, work=work)
+    cost_memo: tuple | None = field(default=None, repr=False)  # WorkPricing.cost cache (until its KV changes)
 
     @property
     def live(self) -> bool:
         return self.phase in LIVE
 
     @property
+    def continuation(self) -> bool:
+        """A returning call of a session seen before: only these may enter a slot through SP."""
+        return self.call_index > 0
+
+    @property
     def context_tokens(self) -> int:
-        return self.work.prompt_tokens + self.generated
+        return self.prompt_tokens + self.generated
 
     @property
     def prefilling(self) -> bool:
@@ -78,7 +94,23 @@ class AgentCall:
 
     @property
     def done_by_length(self) -> bool:
-        return self.generated >= self.work.max_tokens
+        return self.generated >= self.max_tokens
+
+
+def check_routed(call: AgentCall) -> None:
+    """Refuse a call whose routed work the scheduler cannot price."""
+    if call.prompt_tokens < 1:
+        raise InvalidWorkError(call.call_id, f"prompt_tokens={call.prompt_tokens} < 1")
+    _check_kv(call.call_id, call.kv_state, call.reusable_tokens, call.prompt_tokens)
+    if call.max_tokens < 1:
+        raise InvalidWorkError(call.call_id, f"max_tokens={call.max_tokens} < 1")
+
+
+def _check_kv(call_id: str, kv_state: KvState, reusable_tokens: int, prompt_tokens: int) -> None:
+    if not 0 <= reusable_tokens <= prompt_tokens:
+        raise InvalidWorkError(call_id, f"reusable_tokens={reusable_tokens} not in [0, prompt_tokens]")
+    if kv_state not in KV_STATES:
+        raise InvalidWorkError(call_id, f"kv_state={kv_state!r} not in {KV_STATES}")
 
 
 Queue = dict[AgentCall, None]  # an ordered set of records (a record hashes by identity)
@@ -121,22 +153,21 @@ class CallTable(dict[str, AgentCall]):
             raise UnknownCallError(call_id, "known to the scheduler")
         return call
 
-    def add(self, work: Work, call: AgentCall | None = None) -> AgentCall:
-        """Queue `work`; `call`: its record (default: a new one), which joins the table."""
-        if work.model not in self.queued:
-            raise ModelNotServedError(work.model, self.models)
-        if self.holding(work.call_id) is not None:
-            raise DuplicateCallError(work.call_id)
+    def add(self, call: AgentCall) -> None:
+        """Queue a call: its record joins the table (replacing an ended one of the same id)."""
+        model = call.model
+        if model not in self.queued:
+            raise ModelNotServedError(model, self.models)
+        if self.holding(call.call_id) is not None:
+            raise DuplicateCallError(call.call_id)
         self._seq += 1
-        state = AgentCall.of(work) if call is None else call
-        state.work, state.seq = work, self._seq
-        self[work.call_id] = state
-        self.queued[work.model][state] = None
-        live = self._live[work.model]
-        self._live[work.model] = live + 1
+        call.seq = self._seq
+        self[call.call_id] = call
+        self.queued[model][call] = None
+        live = self._live[model]
+        self._live[model] = live + 1
         if not live:
             self._n_active += 1
-        return state
 
     def start(self, call: AgentCall, via: str) -> None:
         """Move a queued call to running (its prefill has been issued)."""
@@ -181,11 +212,13 @@ class CallTable(dict[str, AgentCall]):
     def update_kv(self, session_id: str, model: str, kv_state: KvState, reusable_tokens: int | None) -> int:
         """Re-state the KV of a session's queued calls for `model`; returns how many changed."""
         changed = 0
-        for state in self.queued.get(model, {}):
-            if state.work.session_id != session_id:
+        for call in self.queued.get(model, {}):
+            if call.session_id != session_id:
                 continue
-            reuse = state.work.reusable_tokens if reusable_tokens is None else reusable_tokens
-            reuse = 0 if kv_state == "none" else min(reuse, state.work.prompt_tokens)
-            state.work = replace(state.work, kv_state=kv_state, reusable_tokens=reuse)
+            reuse = call.reusable_tokens if reusable_tokens is None else reusable_tokens
+            reuse = 0 if kv_state == "none" else min(reuse, call.prompt_tokens)
+            _check_kv(call.call_id, kv_state, reuse, call.prompt_tokens)
+            call.kv_state, call.reusable_tokens = kv_state, reuse
+            call.cost_memo = None  # priced anew
             changed += 1
         return changed

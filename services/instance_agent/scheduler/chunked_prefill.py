@@ -31,7 +31,7 @@ class PrefillPlanner:
         """The Prefill of a batch `selection` admitted (P, SP or hot): its calls start running."""
         for call in selection.admitted:
             self.calls.start(call, via)
-            call.prefill_left = compute_tokens(call.work, self.config.hkvr)
+            call.prefill_left = compute_tokens(call, self.config.hkvr)
         chunk, per_pass = self.chunk_for(model, selection.admitted, slot)
         return Prefill(selection.ids, session_prefill=via == "SP", model=model, chunk_tokens=chunk,
                        pass_tokens=per_pass)
@@ -58,7 +58,7 @@ class PrefillPlanner:
             return 0, 0
         calls = list(calls)
         longest = max((c.prefill_left for c in calls), default=0)
-        ctx = max(c.work.prompt_tokens - c.prefill_left for c in calls)
+        ctx = max(c.prompt_tokens - c.prefill_left for c in calls)
 
         def fits(budget: float) -> int:
             return chunk_tokens(lambda k: len(calls) * self.costs.prefill_s(model, k, ctx), budget, longest)
@@ -72,7 +72,7 @@ class PrefillPlanner:
         prefill under way what runs before the newcomer gets in. Without chunking that is
         all it has left; with chunking, at most one shared-instance chunk."""
         calls = self.calls
-        ahead = sum(c.work.prompt_tokens for q in calls.queued.values() for c in q)
+        ahead = sum(c.prompt_tokens for q in calls.queued.values() for c in q)
         return ahead + sum(n for _, _, n in self._prefill_under_way(slot))
 
     def prefill_ahead_s(self, slot: Slot | None) -> float:
@@ -81,7 +81,7 @@ class PrefillPlanner:
         calls = self.calls
         ahead = sum(self.pricing.cost(c) for q in calls.queued.values() for c in q)
         for model, c, n in self._prefill_under_way(slot):
-            ahead += self.costs.prefill_s(model, n, c.work.prompt_tokens - c.prefill_left)
+            ahead += self.costs.prefill_s(model, n, c.prompt_tokens - c.prefill_left)
         return ahead
 
     def _prefill_under_way(self, slot: Slot | None):
@@ -91,7 +91,7 @@ class PrefillPlanner:
                 if c.prefilling and c.prefill_left:
                     if self.config.chunked_prefill:
                         budget = self.shared_chunk_s(model, slot)
-                        n = chunk_tokens(lambda k: self.costs.prefill_s(model, k, c.work.prompt_tokens - c.prefill_left),
+                        n = chunk_tokens(lambda k: self.costs.prefill_s(model, k, c.prompt_tokens - c.prefill_left),
                                          budget, c.prefill_left)
                         yield model, c, min(c.prefill_left, n)
                     else:
@@ -115,10 +115,10 @@ class PrefillPlanner:
     def chunk_cost(self, call: AgentCall, chunk: int) -> float:
         """Predicted time of one chunk of `call` (with its restore, on its first chunk)."""
         if call.first_chunk_at is None:
-            left = call.prefill_left or compute_tokens(call.work, self.config.hkvr)
+            left = call.prefill_left or compute_tokens(call, self.config.hkvr)
             if chunk >= left:
                 return self.pricing.cost(call)
-            restore, _ = prefill_terms(self.costs.base, call.work, self.config.hkvr)
-            f = self.costs.factors.get(("prefill", call.work.model), 1.0)
+            restore, _ = prefill_terms(self.costs.base, call, self.config.hkvr)
+            f = self.costs.factors.get(("prefill", call.model), 1.0)
             return (restore or 0.0) * f + self.pricing.left_cost(call, chunk, left)
         return self.pricing.left_cost(call, min(chunk, call.prefill_left))

@@ -172,7 +172,7 @@ class ColdPool:
         if k == 1:
             return Decode(ids, model)
         calls = [self.calls.held(i) for i in ids]
-        k = min(k, min(c.work.max_tokens - c.generated for c in calls))
+        k = min(k, min(c.max_tokens - c.generated for c in calls))
         if slot.sp_retry:
             k = 1
         elif not self._contended(slot):
@@ -239,12 +239,11 @@ class ColdPool:
 
     def _sp_eligible(self, call: AgentCall, slot: Slot) -> bool:
         """Paper §3.4: the active model, a continuation that arrived after P, reusable KV here."""
-        work = call.work
         return (
             call.seq > slot.p_mark
-            and work.continuation
-            and work.reusable_tokens > 0
-            and charged_kv(work, self.config.hkvr) != "none"
+            and call.continuation
+            and call.reusable_tokens > 0
+            and charged_kv(call, self.config.hkvr) != "none"
         )
 
     def _contended(self, slot: Slot) -> bool:

@@ -12,7 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from talaria.services.instance_agent.scheduler.types import KvState, Work
+from talaria.services.instance_agent.scheduler.calls import AgentCall
+from talaria.services.instance_agent.scheduler.types import KvState
 from talaria.shared.stats import ewma
 
 
@@ -36,29 +37,29 @@ class StepCostModel(Protocol):
         """Device KV bytes for `tokens` tokens of one call."""
 
 
-def charged_kv(work: Work, hkvr: bool) -> KvState:
+def charged_kv(call: AgentCall, hkvr: bool) -> KvState:
     """The KV state the scheduler charges: without HKVR a host prefix is as good as none."""
-    if work.kv_state == "host" and not hkvr:
+    if call.kv_state == "host" and not hkvr:
         return "none"
-    return work.kv_state
+    return call.kv_state
 
 
-def call_prefill_s(costs: StepCostModel, work: Work, hkvr: bool) -> float:
+def call_prefill_s(costs: StepCostModel, call: AgentCall, hkvr: bool) -> float:
     """Predicted restore + prefill time of one call (the SP_m,k term of Eq. 3 per call)."""
-    kv = charged_kv(work, hkvr)
-    if kv == "none" or work.reusable_tokens == 0:
-        return costs.prefill_s(work.model, work.prompt_tokens, 0)
-    new = work.prompt_tokens - work.reusable_tokens
-    restore = costs.restore_s(work.model, work.reusable_tokens) if kv == "host" else 0.0
+    kv = charged_kv(call, hkvr)
+    if kv == "none" or call.reusable_tokens == 0:
+        return costs.prefill_s(call.model, call.prompt_tokens, 0)
+    new = call.prompt_tokens - call.reusable_tokens
+    restore = costs.restore_s(call.model, call.reusable_tokens) if kv == "host" else 0.0
     # A fully reused prompt still computes one token to produce the first logits.
-    return restore + costs.prefill_s(work.model, max(1, new), work.reusable_tokens)
+    return restore + costs.prefill_s(call.model, max(1, new), call.reusable_tokens)
 
 
-def call_kv_bytes(costs: StepCostModel, work: Work) -> int:
+def call_kv_bytes(costs: StepCostModel, call: AgentCall) -> int:
     """Device KV a call is admitted for: its prompt plus the output the router expects (not
     max_tokens, a cap it seldom uses; the engine grows a call past it, engine/admission.py)."""
-    out = min(work.max_tokens, work.kv_output_tokens) if work.kv_output_tokens > 0 else work.max_tokens
-    return costs.kv_bytes(work.model, work.prompt_tokens + out)
+    out = min(call.max_tokens, call.kv_output_tokens) if call.kv_output_tokens > 0 else call.max_tokens
+    return costs.kv_bytes(call.model, call.prompt_tokens + out)
 
 
 @dataclass

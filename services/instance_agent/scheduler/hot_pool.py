@@ -47,7 +47,7 @@ class HotPool:
         """A Decode of up to `max_steps` iterations; one while arrivals wait for a boundary."""
         if max_steps == 1:
             return Decode(ids, model)
-        k = min(max_steps, min(c.work.max_tokens - c.generated for c in map(self.calls.held, ids)))
+        k = min(max_steps, min(c.max_tokens - c.generated for c in map(self.calls.held, ids)))
         if self.calls.queued[model]:
             k = 1  # arrivals prefill at the next decode boundary
         return Decode(ids, model, max(1, k))

@@ -38,11 +38,11 @@ class Reports:
             self.sp_admitted += 1
             if rnd is not None:
                 rnd.sp_admitted += 1
-        wait = max(0.0, issued_at - call.work.arrived_at)
-        self.emit(CallAdmitted(call.call_id, call.work.model, via, wait, kv, now))
+        wait = max(0.0, issued_at - call.arrived_at)
+        self.emit(CallAdmitted(call.call_id, call.model, via, wait, kv, now))
 
     def finished(self, call: AgentCall, reason: str, now: float) -> None:
-        self.emit(CallFinished(call.call_id, call.work.model, call.generated, reason, now))
+        self.emit(CallFinished(call.call_id, call.model, call.generated, reason, now))
 
     def parked(self, call: AgentCall, reason: str, rnd: RoundState | None, now: float) -> None:
         if call.parked:
@@ -51,7 +51,7 @@ class Reports:
         self.sp_parked += 1
         if rnd is not None:
             rnd.sp_parked += 1
-        self.emit(CallParked(call.call_id, call.work.model, reason, now))
+        self.emit(CallParked(call.call_id, call.model, reason, now))
 
     def risk(
         self,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from talaria.services.instance_agent.scheduler.calls import AgentCall, CallTable
+from talaria.services.instance_agent.scheduler.calls import AgentCall, CallTable, check_routed
 from talaria.services.instance_agent.scheduler.chunked_prefill import PrefillPlanner
 from talaria.services.instance_agent.scheduler.cold_pool import ColdPool
 from talaria.services.instance_agent.scheduler.config import SchedulerConfig
@@ -35,7 +35,6 @@ from talaria.services.instance_agent.scheduler.types import (
     SchedulerEvent,
     SchedulerView,
     SwitchModel,
-    Work,
 )
 from talaria.services.instance_agent.scheduler.work_costs import WorkPricing
 
@@ -130,15 +129,16 @@ class RoundScheduler:
 
     # ---- driver API -------------------------------------------------------------------
 
-    def submit(self, work: Work, now: float, call: AgentCall | None = None) -> None:
-        """Accept a call routed here (`call`: its record, which the scheduler's state joins).
-        Raises for a model not served or a call seen before."""
-        if self.config.pool == "hot" and work.model != self.config.pinned_model and not self.repinned:
-            raise ModelNotServedError(work.model, (self.config.pinned_model,))
+    def submit(self, call: AgentCall, now: float) -> None:
+        """Accept a call routed here: its record joins the table, queued. Raises for work it
+        cannot price, a model not served or a call it holds already."""
+        check_routed(call)
+        if self.config.pool == "hot" and call.model != self.config.pinned_model and not self.repinned:
+            raise ModelNotServedError(call.model, (self.config.pinned_model,))
         budget = self.config.kv_budget_bytes
-        if budget is not None and call_kv_bytes(self.costs, work) > budget:
-            raise InvalidWorkError(work.call_id, f"needs more KV than the whole budget ({budget} B)")
-        self.calls.add(work, call)
+        if budget is not None and call_kv_bytes(self.costs, call) > budget:
+            raise InvalidWorkError(call.call_id, f"needs more KV than the whole budget ({budget} B)")
+        self.calls.add(call)
 
     def next_action(self, now: float, max_decode_steps: int = 1) -> Action:
         """What the executor should do next. Every non-Idle action must be reported done.
@@ -186,7 +186,7 @@ class RoundScheduler:
         for call in known:
             if call.first_chunk_at is None:  # admitted by this prefill
                 call.first_chunk_at = flight.issued_at
-                kv = charged_kv(call.work, self.config.hkvr)
+                kv = charged_kv(call, self.config.hkvr)
                 self.reports.admitted(call, kv, flight.issued_at, self.cold.round, now)
             if firsts is None or call.call_id in firsts:
                 call.generated = 1

@@ -1,4 +1,5 @@
-"""Data the scheduler takes in (`Work`), hands out (actions) and reports (events, view).
+"""Data the scheduler hands out (actions) and reports (events, view); what it takes in is the
+call's record (`calls.AgentCall`).
 
 Everything here is a frozen dataclass: the driver executes an action as it is, and the
 audit log records events as they are.
@@ -9,48 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Union, get_args
 
-from talaria.services.instance_agent.scheduler.scheduler_errors import InvalidWorkError
 from talaria.shared.wire import KvState
 
 KV_STATES: tuple[str, ...] = get_args(KvState)
 Via = Literal["P", "SP", "hot"]
-
-
-@dataclass(frozen=True)
-class Work:
-    """One model call routed to this instance.
-
-    `reusable_tokens` is the prefix of `prompt_tokens` whose KV this instance can reuse
-    (device-resident or host-restorable per `kv_state`). `continuation` marks a returning
-    call of a session seen before; only continuations may enter a slot through SP.
-    `arrived_at` is the intended enqueue time, on the same clock as the `now` the driver
-    passes (it only feeds `CallAdmitted.slot_wait_s`).
-    """
-
-    call_id: str
-    session_id: str
-    model: str
-    prompt_tokens: int
-    reusable_tokens: int = 0
-    kv_state: KvState = "none"
-    max_tokens: int = 1
-    arrived_at: float = 0.0
-    continuation: bool = False
-    # Output tokens its KV is admitted for: the router's estimate (CallRouted.kv_output_tokens,
-    # <= max_tokens, a cap); 0 = max_tokens.
-    kv_output_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        if self.prompt_tokens < 1:
-            raise InvalidWorkError(self.call_id, f"prompt_tokens={self.prompt_tokens} < 1")
-        if not 0 <= self.reusable_tokens <= self.prompt_tokens:
-            raise InvalidWorkError(
-                self.call_id, f"reusable_tokens={self.reusable_tokens} not in [0, prompt_tokens]"
-            )
-        if self.kv_state not in KV_STATES:
-            raise InvalidWorkError(self.call_id, f"kv_state={self.kv_state!r} not in {KV_STATES}")
-        if self.max_tokens < 1:
-            raise InvalidWorkError(self.call_id, f"max_tokens={self.max_tokens} < 1")
 
 
 # ---- actions: what the executor does next ---------------------------------------------

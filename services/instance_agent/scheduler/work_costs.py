@@ -3,7 +3,7 @@ of several steps, a model's load for a slot plan, KV bytes held, a switch.
 
 A part of `RoundScheduler` (scheduler.py) every decision asks for a price, handed the call
 table, the calibrated costs and the config; it owns no state but each call's memo. `cost`
-memoises the profile's terms per `Work` (bit-identical to `call_prefill_s`: the same products
+memoises the profile's terms per call (bit-identical to `call_prefill_s`: the same products
 and sum).
 """
 
@@ -18,7 +18,7 @@ from talaria.services.instance_agent.scheduler.config import SchedulerConfig
 from talaria.services.instance_agent.scheduler.costs import (
     CalibratedCosts, StepCostModel, call_kv_bytes, charged_kv, decode_steps_s,
 )
-from talaria.services.instance_agent.scheduler.types import Decode, Work
+from talaria.services.instance_agent.scheduler.types import Decode
 
 
 class WorkPricing:
@@ -36,7 +36,7 @@ class WorkPricing:
             c = calls.holding(i)
             if c is not None:  # calls aborted while their step was in flight are skipped
                 n += 1
-                ctx += c.work.prompt_tokens + c.generated
+                ctx += c.prompt_tokens + c.generated
         return decode_steps_s(partial(self.costs.decode_step_s, action.model), n, ctx, steps)
 
     def load(self, model: str) -> ModelLoad:
@@ -47,10 +47,10 @@ class WorkPricing:
         batch = max(1, len(running) + len(queued))
         ctx = 0
         for c in running:
-            ctx += c.work.prompt_tokens + c.generated
+            ctx += c.prompt_tokens + c.generated
         ctx_q = 0
         for c in queued:
-            ctx_q += c.work.prompt_tokens
+            ctx_q += c.prompt_tokens
         step = self.costs.decode_step_s(model, batch, ctx + ctx_q)
         prefill = sum([self.cost(c) for c in queued])
         if self.config.chunked_prefill:  # prompts still being computed in chunks
@@ -58,14 +58,14 @@ class WorkPricing:
         return ModelLoad(decode_step_s=step, prefill_s=prefill)
 
     def cost(self, call: AgentCall) -> float:
-        """`call_prefill_s`, with the profile's (uncalibrated) terms memoised per `Work`:
-        the same products and sum as `CalibratedCosts`, so the result is bit-identical."""
-        work = call.work
+        """`call_prefill_s`, with the profile's (uncalibrated) terms memoised on the call (until
+        its KV changes): the same products and sum as `CalibratedCosts`, so the result is
+        bit-identical."""
         memo = call.cost_memo
-        if memo is None or memo[0] is not work:
-            memo = call.cost_memo = (work, *prefill_terms(self.costs.base, work, self.config.hkvr))
-        restore, prefill = memo[1], memo[2]
-        f = self.costs.factors.get(("prefill", work.model), 1.0)
+        if memo is None:
+            memo = call.cost_memo = prefill_terms(self.costs.base, call, self.config.hkvr)
+        restore, prefill = memo
+        f = self.costs.factors.get(("prefill", call.model), 1.0)
         if restore is None:
             return prefill * f
         return restore * f + prefill * f
@@ -73,10 +73,10 @@ class WorkPricing:
     def left_cost(self, call: AgentCall, tokens: int, left: int | None = None) -> float:
         """Predicted prefill of `tokens` more prompt tokens of `call` (`left` still to compute)."""
         left = call.prefill_left if left is None else left
-        return self.costs.prefill_s(call.work.model, max(1, tokens), max(0, call.work.prompt_tokens - left))
+        return self.costs.prefill_s(call.model, max(1, tokens), max(0, call.prompt_tokens - left))
 
     def kv(self, call: AgentCall) -> int:
-        return call_kv_bytes(self.costs, call.work)
+        return call_kv_bytes(self.costs, call)
 
     def kv_free(self, model: str) -> int | None:
         budget = self.config.kv_budget_bytes
@@ -86,18 +86,18 @@ class WorkPricing:
         return self.costs.switch_s(from_model, to_model, self.config.staging)
 
 
-def prefill_terms(base: StepCostModel, work: Work, hkvr: bool) -> tuple[float | None, float]:
+def prefill_terms(base: StepCostModel, call: AgentCall, hkvr: bool) -> tuple[float | None, float]:
     """(restore, prefill) of `call_prefill_s` before calibration; restore None: no restore term."""
-    kv = charged_kv(work, hkvr)
-    if kv == "none" or work.reusable_tokens == 0:
-        return None, base.prefill_s(work.model, work.prompt_tokens, 0)
-    new = work.prompt_tokens - work.reusable_tokens
-    restore = base.restore_s(work.model, work.reusable_tokens) if kv == "host" else None
-    return restore, base.prefill_s(work.model, max(1, new), work.reusable_tokens)
+    kv = charged_kv(call, hkvr)
+    if kv == "none" or call.reusable_tokens == 0:
+        return None, base.prefill_s(call.model, call.prompt_tokens, 0)
+    new = call.prompt_tokens - call.reusable_tokens
+    restore = base.restore_s(call.model, call.reusable_tokens) if kv == "host" else None
+    return restore, base.prefill_s(call.model, max(1, new), call.reusable_tokens)
 
 
-def compute_tokens(work: Work, hkvr: bool) -> int:
+def compute_tokens(call: AgentCall, hkvr: bool) -> int:
     """Prompt tokens a call computes (the rest is reused KV); at least the last one."""
-    if charged_kv(work, hkvr) == "none":
-        return work.prompt_tokens
-    return max(1, work.prompt_tokens - work.reusable_tokens)
+    if charged_kv(call, hkvr) == "none":
+        return call.prompt_tokens
+    return max(1, call.prompt_tokens - call.reusable_tokens)

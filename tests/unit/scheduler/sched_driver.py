@@ -16,8 +16,8 @@ from talaria.services.instance_agent.scheduler import (
     RoundScheduler,
     SchedulerConfig,
     SwitchModel,
-    Work,
 )
+from talaria.services.instance_agent.scheduler.calls import AgentCall
 
 # Round numbers: 1 ms per 100 prompt tokens, 10 ms decode steps, 1 s staged switch.
 COSTS = LinearCosts(
@@ -35,7 +35,9 @@ def make(models=("a", "b", "c"), costs=COSTS, **config) -> RoundScheduler:
 
 
 def work(call_id, model="a", *, session=None, prompt=100, reuse=0, kv="none", max_tokens=4, at=0.0, cont=False):
-    return Work(
+    """A call routed here, as the scheduler is submitted it (its record); `cont`: a
+    continuation (a session's later call)."""
+    return AgentCall(
         call_id=call_id,
         session_id=session or f"s-{call_id}",
         model=model,
@@ -44,7 +46,7 @@ def work(call_id, model="a", *, session=None, prompt=100, reuse=0, kv="none", ma
         kv_state=kv,
         max_tokens=max_tokens,
         arrived_at=at,
-        continuation=cont,
+        call_index=int(cont),
     )
 
 
@@ -79,10 +81,10 @@ class Driver:
     _arrivals: list = field(default_factory=list)
     _n: int = 0
 
-    def submit(self, w: Work) -> None:
+    def submit(self, w: AgentCall) -> None:
         self.sched.submit(w, self.now)
 
-    def at(self, t: float, w: Work) -> None:
+    def at(self, t: float, w: AgentCall) -> None:
         """Submit `w` when the clock reaches `t` (possibly while an action runs)."""
         self._n += 1
         heapq.heappush(self._arrivals, (t, self._n, w))
@@ -122,7 +124,7 @@ class Driver:
                 took = truth.switch_s(a, b, staged)
             case Prefill(call_ids=ids):
                 held = [c for c in map(s.calls.holding, ids) if c is not None]  # aborted ones are skipped
-                took = sum(call_prefill_s(truth, c.work, s.config.hkvr) for c in held)
+                took = sum(call_prefill_s(truth, c, s.config.hkvr) for c in held)
             case Decode(call_ids=ids, model=m):
                 live = [c for c in map(s.calls.holding, ids) if c is not None]
                 ctx = sum(c.context_tokens for c in live)

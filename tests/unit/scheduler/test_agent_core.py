@@ -133,7 +133,7 @@ def test_a_call_has_one_record_the_scheduler_state_is_part_of_it():
     c = core()
     accept(c, "c1")
     record = c.calls["c1"]
-    assert c.sched.calls is c.calls and c.calls.holding("c1") is record and record.work.prompt_tokens == 100
+    assert c.sched.calls is c.calls and c.calls.holding("c1") is record and record.prompt_tokens == 100
     assert list(c.calls.queued["a"]) == [record]
     c.switch_done(c.next_action(0.5), 1.5, 1.0, path="d2d")
     c.prefill_done(c.next_action(1.5), 2.0)

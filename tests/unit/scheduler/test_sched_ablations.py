@@ -15,7 +15,6 @@ from talaria.services.instance_agent.scheduler import (
     SchedulerConfig,
     SwitchModel,
 )
-from talaria.services.instance_agent.scheduler.calls import AgentCall
 
 MID_SLOT = 1.05
 
@@ -52,8 +51,10 @@ def test_hkvr_off_treats_host_kv_as_missing():
     assert admitted(on, "r1").via == "SP" and admitted(on, "r1").kv_state == "host"
     assert admitted(off, "r1").via == "P" and admitted(off, "r1").kv_state == "none"
     # ... and charges a full recompute for it
-    w = ret("x", "a", kv="host", prompt=10_000, reuse=9_000)
-    assert make(hkvr=False).pricing.cost(_state(w)) > make().pricing.cost(_state(w))
+    def returning():  # a record each: a record keeps its price once computed
+        return ret("x", "a", kv="host", prompt=10_000, reuse=9_000)
+
+    assert make(hkvr=False).pricing.cost(returning()) > make().pricing.cost(returning())
 
 
 def test_hkvr_off_still_uses_device_kv():
@@ -105,7 +106,3 @@ def test_output_does_not_depend_on_the_ablation(seed):
 
 def _switches(d):
     return [a for a in d.actions if isinstance(a, SwitchModel)]
-
-
-def _state(w):
-    return AgentCall.of(w)

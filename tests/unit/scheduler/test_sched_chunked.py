@@ -37,7 +37,7 @@ class ChunkDriver:
             case Prefill(call_ids=ids, chunk_tokens=chunk, model=m):
                 took, firsts = 0.0, []
                 for cid in ids:
-                    prompt = s.calls.get(cid).work.prompt_tokens
+                    prompt = s.calls.get(cid).prompt_tokens
                     have = self.done_tokens.get(cid, 0)
                     n = prompt - have if chunk == 0 else min(chunk, prompt - have)
                     took += COSTS.prefill_s(m, n, have)

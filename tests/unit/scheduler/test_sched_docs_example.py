@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from talaria.services.instance_agent.scheduler import (
+    AgentCall,
     CallFinished,
     Decode,
     Idle,
@@ -11,7 +12,6 @@ from talaria.services.instance_agent.scheduler import (
     RoundScheduler,
     SchedulerConfig,
     SwitchModel,
-    Work,
 )
 
 
@@ -34,8 +34,8 @@ def test_docstring_loop_serves_two_models():
         return {c for c in a.call_ids if c == "c2"}  # the engine hit EOS for c2
 
     sched = RoundScheduler(SchedulerConfig(), ["qwen", "glm"], costs)
-    sched.submit(Work("c1", "s1", "qwen", prompt_tokens=900, max_tokens=64), now=clock())
-    sched.submit(Work("c2", "s2", "glm", prompt_tokens=300, max_tokens=64), now=clock())
+    sched.submit(AgentCall("c1", "s1", "qwen", prompt_tokens=900, max_tokens=64), now=clock())
+    sched.submit(AgentCall("c2", "s2", "glm", prompt_tokens=300, max_tokens=64), now=clock())
     for _ in range(1000):
         match sched.next_action(clock()):
             case SwitchModel() as a:

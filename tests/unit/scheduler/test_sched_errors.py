@@ -14,8 +14,8 @@ from talaria.services.instance_agent.scheduler import (
     SchedulerConfig,
     UnknownCallError,
     ModelNotServedError,
-    Work,
 )
+from talaria.services.instance_agent.scheduler.calls import AgentCall
 
 
 @pytest.mark.parametrize(
@@ -29,9 +29,10 @@ from talaria.services.instance_agent.scheduler import (
 )
 def test_invalid_work_is_refused(fields):
     base = dict(call_id="c", session_id="s", model="a", prompt_tokens=100, reusable_tokens=0)
+    s = make(models=("a",))
     with pytest.raises(InvalidWorkError) as info:
-        Work(**{**base, **fields})
-    assert info.value.call_id == "c"
+        s.submit(AgentCall(**{**base, **fields}), 0.0)
+    assert info.value.call_id == "c" and not s.calls  # refused before it joins the table
 
 
 def test_unknown_model_and_duplicate_calls_are_refused():

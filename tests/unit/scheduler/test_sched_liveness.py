@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sched_driver import Driver, make, work
-from talaria.services.instance_agent.scheduler import CallAdmitted, CallFinished, Work
+from talaria.services.instance_agent.scheduler import CallAdmitted, CallFinished
 
 MODELS = ("a", "b", "c")
 
@@ -44,7 +44,8 @@ def build(arrivals, pool, cfg, slowdown):
         if pool == "hot":
             model = "a"
         reuse = 0 if kv == "none" else int(prompt * frac)
-        w = Work(f"c{i}", f"s{i % 5}", model, prompt, reuse, kv, max_tokens, t, cont)
+        w = work(f"c{i}", model, session=f"s{i % 5}", prompt=prompt, reuse=reuse, kv=kv, max_tokens=max_tokens,
+                 at=t, cont=cont)
         d.at(t, w)
         limit = max_tokens if eos is None else min(eos, max_tokens)
         if eos is not None:
