@@ -185,6 +185,15 @@ class HotPools:
             if models:
                 self.pins[instance_id] = models[0]
 
+    def pinned(self, instance_id: str, model: str | None, at: float) -> None:
+        """Another router's controller moved `instance_id` to `model` at `at`: the same pins
+        and the same pace (its move counts against the rate gate here too)."""
+        if instance_id in self.fixed:
+            return
+        self.pins[instance_id] = model
+        self._last_move_at = max(self._last_move_at, at)
+        self._changed = True
+
     def observe_rates(self, model: str, prefill_tok_s: float, decode_tok_s: float) -> None:
         """An engine running `model` reported its rates (a snapshot whose active model it is)."""
         m = self._m.get(model)

@@ -27,7 +27,7 @@ from talaria.shared.snapshots import InstanceSnapshot
 LOST_AFTER_BEATS = 4
 
 # Other routers' outputs: folded as facts (RouterCore.fold_peer), never reacted to.
-PEER_OUTPUTS = (CallRouted, LeaseIssued, LeaseConsumed, LeaseDiscarded, LeaseExpired, InstanceLost)
+PEER_OUTPUTS = (CallRouted, LeaseIssued, LeaseConsumed, LeaseDiscarded, LeaseExpired, InstanceLost, PoolPinned)
 
 
 class RouterCore:
@@ -112,6 +112,10 @@ class RouterCore:
         if self.pools is not None and isinstance(event, CallRouted):  # the controller hears every placement
             call = event.call
             self.pools.routed(call.session_id, call.model, event.instance_id, call.prompt_tokens, now)
+        if self.pools is not None and isinstance(event, PoolPinned):
+            # Partition 0's owner moved a pool: known here at once (not a heartbeat later), so
+            # this router's controller starts from it if partition 0 comes to this router.
+            self.pools.pinned(event.instance_id, event.model, event.at)
         return out
 
     def handle(self, event: Event, now: float) -> list[Event]:

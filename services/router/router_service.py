@@ -84,7 +84,7 @@ def intake_subjects(deployment: Deployment, partition: int, partitions: int) -> 
 
 
 VIEW_EVENTS = ("call.completed", "call.failed", "round.summary", "switch.done", "lease.issued", "lease.consumed",
-               "lease.discarded", "lease.expired", "instance.lost")
+               "lease.discarded", "lease.expired", "instance.lost", "pool.pinned")
 
 
 def view_subjects(deployment: Deployment) -> list[str]:

@@ -63,6 +63,17 @@ class Stack:
             if m := re.search(pattern, line):
                 return m
 
+    def log_tail(self, n: int = 200) -> str:
+        """The stack's last `n` output lines so far (for a failing test's report)."""
+        while True:
+            try:
+                line = self.lines.get_nowait()
+            except queue.Empty:
+                break
+            if line is not None:
+                self.output.append(line)
+        return "".join(self.output[-n:])
+
 
 def from_scratch(data_dir: Path, messages: list[dict], max_tokens: int) -> str:
     """The same prompt on a fresh engine in this process: greedy output must match."""

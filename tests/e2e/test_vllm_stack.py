@@ -132,6 +132,9 @@ def test_a_session_is_served_through_vllm_with_rounds_across_two_models(tmp_path
 
         stack.proc.send_signal(signal.SIGINT)
         assert stack.proc.wait(120) == 0
+    except BaseException:
+        print("talaria up, last lines:\n" + stack.log_tail())  # shown with the failure
+        raise
     finally:
         if stack.proc.poll() is None:
             stack.proc.send_signal(signal.SIGINT)

@@ -56,13 +56,14 @@ class SglangUnavailable(EngineError, RuntimeError):
 
 
 def engine_kwargs(model_path: str, spec: ModelSpec, *, mem_fraction: float, hkvr: bool,
-                  host_pages: int, dtype: str = "auto") -> dict[str, Any]:
+                  host_pages: int, dtype: str = "auto", device: str = "cuda") -> dict[str, Any]:
     """`sglang.Engine(**kwargs)`: every key is a ServerArgs field (checked against SGLang's source)."""
     kwargs = {
         "model_path": model_path,
         "skip_tokenizer_init": True,  # token ids in and out; text is decided here (sequence.py)
         "context_length": spec.context_length,
-        "dtype": choose(spec, "cuda", dtype).name,  # as the other engines (dtypes.py)
+        "device": device,
+        "dtype": choose(spec, device, dtype).name,  # as the other engines (dtypes.py), for its device
         "mem_fraction_static": mem_fraction,
         "enable_memory_saver": True,  # release/resume_memory_occupation
         "incremental_streaming_output": True,  # each streamed chunk carries only its new ids
@@ -107,7 +108,7 @@ class SglangEngine(StreamingEngine):
         self.switch_mode = switch_mode or "memory"
         if self.switch_mode not in ("memory", "weights"):
             raise ValueError(f"TALARIA_SGLANG_SWITCH={self.switch_mode!r}: 'memory' or 'weights'")
-        self.hkvr, self.host_kv_pages, self.dtype = hkvr, host_kv_pages, dtype
+        self.hkvr, self.host_kv_pages, self.dtype, self.device = hkvr, host_kv_pages, dtype, device
         self.capabilities = Capabilities(switch_with_calls_running=False, host_kv=hkvr, d2d_staging=False,
                                          chunked_prefill=True)
         self.sessions: dict[tuple[str, str], list[int]] = {}
@@ -132,7 +133,8 @@ class SglangEngine(StreamingEngine):
         import sglang
 
         return sglang.Engine(**engine_kwargs(str(self.dirs[model]), self.specs[model], mem_fraction=share,
-                                             hkvr=self.hkvr, host_pages=self.host_kv_pages, dtype=self.dtype))
+                                             hkvr=self.hkvr, host_pages=self.host_kv_pages, dtype=self.dtype,
+                                             device=self.device))
 
     def _engine(self, model: str):
         return self._engines[model if self.switch_mode == "memory" else next(iter(self._engines))]

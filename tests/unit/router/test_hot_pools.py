@@ -117,3 +117,23 @@ def test_a_model_gets_no_more_instances_than_it_has_live_sessions():
     _sessions(pools, "a", 3, "i0", 20.0, prefix="x")
     moves = pools.decide(30.0, {"a": 1.0, "b": 1.0}, {})
     assert [(m.model, m.previous) for m in moves] == [("b", "a")]
+
+
+def test_a_peer_routers_pool_move_is_folded_and_paces_this_routers_moves():
+    """With router replicas only partition 0's owner decides; the others fold its PoolPinned
+    (RouterCore.fold_peer) so a takeover starts from the same pins and the same pace."""
+    from talaria.services.router.router_core import PEER_OUTPUTS, RouterCore
+    from talaria.services.router.router_service import VIEW_EVENTS
+    from talaria.shared.events import PoolPinned
+    from router_support import core as router_core
+
+    assert PoolPinned in PEER_OUTPUTS and "pool.pinned" in VIEW_EVENTS
+    rc: RouterCore = router_core()
+    rc.pools = pools = HotPools.even(INST, ("a", "b"))  # a: i0, i1; b: i2, i3
+    rc.fold_peer(PoolPinned("i1", "b", "a", 10.0, "peer"), 10.0)
+    assert pools.counts() == {"a": 1, "b": 3}
+    # the peer's move counts against the one-move-per-W/N gate here too
+    _sessions(pools, "a", 30, "i0", 0.0)
+    _sessions(pools, "b", 2, "i2", 0.0)
+    assert pools.decide(10.5, {"a": 1.0, "b": 1.0}, {}) == []
+    assert [m.model for m in pools.decide(1000.0, {"a": 1.0, "b": 1.0}, {})] == ["a"]
