@@ -113,7 +113,7 @@ def _check_kv(call_id: str, kv_state: KvState, reusable_tokens: int, prompt_toke
         raise InvalidWorkError(call_id, f"kv_state={kv_state!r} not in {KV_STATES}")
 
 
-Queue = dict[AgentCall, None]  # an ordered set of records (a record hashes by identity)
+OrderedCalls = dict[AgentCall, None]  # an ordered set of records (a record hashes by identity)
 
 
 class CallTable(dict[str, AgentCall]):
@@ -128,8 +128,8 @@ class CallTable(dict[str, AgentCall]):
     def __init__(self, models: tuple[str, ...]) -> None:
         super().__init__()
         self.models = models
-        self.queued: dict[str, Queue] = {m: {} for m in models}
-        self.running: dict[str, Queue] = {m: {} for m in models}
+        self.queued: dict[str, OrderedCalls] = {m: {} for m in models}
+        self.running: dict[str, OrderedCalls] = {m: {} for m in models}
         self._seq = 0
         self._live: dict[str, int] = {m: 0 for m in models}  # queued + running, per model
         self._n_active = 0  # models with a queued or running call
