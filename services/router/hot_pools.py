@@ -335,14 +335,18 @@ class HotPools:
         imbalance = x[r] - x[d] - 1.0
         if not imbalance > self.z * (sigma[r] ** 2 + sigma[d] ** 2) ** 0.5:
             return []
+        # The instance-fraction of demand the move serves (r's shortfall, up to the one
+        # instance) less what it leaves unserved (d's shortfall once it has one fewer): an
+        # instance moved to a model that is not short serves nothing.
+        gain = _clip01(x[r]) - _clip01(1.0 + x[d])
         mine = self._movable(d)
         displaced = self._displaced(mine, keep=None)
         inst = min(mine, key=lambda i: (displaced[i], load.get(i, 0), i))
         cost = switch_s.get(r, 0.0) + displaced[inst]
-        if not imbalance * w > cost:
+        if not gain * w > cost:
             return []
         return [self._move(inst, r, d, now, f"{r} {x[r]:+.2f} / {d} {x[d]:+.2f} instances vs demand: gain "
-                                            f"{imbalance * w:.1f}s over W={w:.0f}s > cost {cost:.1f}s")]
+                                            f"{gain * w:.1f}s over W={w:.0f}s > cost {cost:.1f}s")]
 
     def _hot_cold(self, now, w, share, sigma, switch_s, load) -> list[PoolMove]:
         count = self.counts()
@@ -374,6 +378,10 @@ class HotPools:
         self.pins[inst] = model
         self._last_move_at = now
         return PoolMove(inst, model, previous, now, reason)
+
+
+def _clip01(v: float) -> float:
+    return min(1.0, max(0.0, v))
 
 
 def decide_from_state(pools: HotPools, state, now: float) -> list[PoolMove]:

@@ -80,6 +80,9 @@ FORECAST_POOLS = "talaria-forecast-pools"
 # cold, instances turned hot / cold online (hot_pools.py's hot+cold rule): measured, not in
 # the default run (matrix_notes.md: SCT p95 geomean 1.047x sglang-cache-aware vs 1.025x).
 HOT_COLD = "talaria-hot-cold"
+# Talaria's online pools started from the deployment the peers are given (deployment.pool_split
+# of the cell's demand: the operator's configuration) instead of an even split: measured.
+SPLIT_START = "talaria-split-start"
 ABLATIONS = (PAPER, NO_LEASE, ROUND_ONLY, FORECAST_POOLS)
 POLICIES = (*BASELINES, OURS, PAPER)  # `--ablations` adds the other two (run time: results/README.md)
 BASE_LOADS = (0.3, 0.6, 0.8, 1.0, 1.2)
@@ -239,7 +242,7 @@ def policy_config(policy: str) -> tuple[str, PolicyConfig]:
         return "talaria", PolicyConfig(overload="reject", kv_home_admits=False,
                                        new_session_running_s=0.0, prefix_placement=False,
                                        price_round_sharing=False)
-    if policy in (OURS, ROUND_ONLY, FORECAST_POOLS, HOT_COLD):
+    if policy in (OURS, ROUND_ONLY, FORECAST_POOLS, HOT_COLD, SPLIT_START):
         return "talaria", PolicyConfig(overload="queue")
     if policy == NO_LEASE:
         return "talaria", PolicyConfig(overload="queue", lease_timeout_s=0.0)
@@ -260,6 +263,9 @@ def run_one(cell: Cell, policy: str) -> dict:
         pc, pinned = deploy(pc, shape["demand"], cell.instances, cell.models)
     elif cell.models <= cell.instances and policy == FORECAST_POOLS:  # the peers' forecast pools
         pinned = pool_split(shape["demand"], cell.instances)
+    elif cell.models <= cell.instances and policy == SPLIT_START:
+        pinned = pool_split(shape["demand"], cell.instances)
+        online = True
     elif cell.models <= cell.instances and policy == HOT_COLD:
         # one hot pool per model and a cold pool; the router turns instances hot and cold
         pools = HotPools.spare_cold([str(k) for k in range(cell.instances)], sorted(shape["demand"]))

@@ -137,3 +137,13 @@ def test_a_peer_routers_pool_move_is_folded_and_paces_this_routers_moves():
     _sessions(pools, "b", 2, "i2", 0.0)
     assert pools.decide(10.5, {"a": 1.0, "b": 1.0}, {}) == []
     assert [m.model for m in pools.decide(1000.0, {"a": 1.0, "b": 1.0}, {})] == ["a"]
+
+
+def test_an_instance_moves_only_to_a_model_that_is_short_of_instances():
+    """b's instances are idle, but a's two live sessions already have an instance each: moving
+    one serves nothing. A third a session makes a short, and then one moves."""
+    pools = HotPools.even(INST, ("a", "b"))  # a: i0, i1; b: i2, i3
+    _sessions(pools, "a", 2, "i0", 0.0)
+    assert pools.decide(10.0, {"a": 0.0, "b": 0.0}, {}) == []
+    _sessions(pools, "a", 1, "i1", 1.0, prefix="x")
+    assert [(m.model, m.previous) for m in pools.decide(20.0, {"a": 0.0, "b": 0.0}, {})] == [("a", "b")]
