@@ -295,7 +295,8 @@ def run_one(cell: Cell, policy: str) -> dict:
     if online:
         final = [i.sched.pin_target for i in result.instances]
         hot_final = sorted(m for m in final if m)
-        out["deployment"] = (f"online hot pools ({'even floor + cold' if policy == HOT_COLD else 'even'} start, "
+        start = {HOT_COLD: "even floor + cold", SPLIT_START: "the peers' split"}.get(policy, "even")
+        out["deployment"] = (f"online hot pools ({start} start, "
                              f"{result.router.repins} repins): final {len(hot_final)} hot "
                              f"({'/'.join(str(hot_final.count(m)) for m in sorted(set(hot_final)))}) + "
                              f"{final.count(None)} cold")
