@@ -32,7 +32,9 @@ from talaria.services.gateway.validation import check_size
 from talaria.shared.logs import call_context
 from talaria.shared.metrics import FrontendMetrics
 from talaria.shared.nats_auth import ANSWERING_ROLES, SENDER_HEADER, STREAMING_ROLES, sender_of, sent_by
-from talaria.shared.bus import REPLIES_DISK_SHARE, deployment_of, disk_cap, emit, emit_new, written
+from talaria.shared.bus import (
+    FAILOVER_S, RECONNECT_WAIT_S, REPLIES_DISK_SHARE, deployment_of, disk_cap, emit, emit_new, written,
+)
 from talaria.shared.events import CallFailed, CallSubmitted
 from talaria.shared.messages import (
     CANCELLED_STATUS,
@@ -86,22 +88,40 @@ class Submitter:
 
     async def recover(self) -> int:
         """After the connection to NATS came back: answer every waiting call whose reply was
-        kept meanwhile (it was published while this gateway was cut off). Returns how many."""
-        found = 0
-        for call_id, call in list(self._calls.items()):
-            fut = self._pending.get(call_id)
-            if fut is None or fut.done():
-                continue
-            stream = self.deployment.idempotency_stream if is_outcome_subject(call.reply_to) else self.deployment.replies_stream
-            try:
-                raw = await self.js.get_last_msg(stream, call.reply_to)
-            except NotFoundError:
-                continue  # not answered yet: the answer comes live (the agent sends it again too)
-            except Exception as exc:
-                self.log.warning("could not look up a kept reply", call_id=call_id, error=str(exc))
-                continue
-            await self._on_reply(raw)
-            found += fut.done()
+        kept meanwhile (it was published while this gateway was cut off). Returns how many.
+
+        A lookup that fails (not "no such reply": the stream has no leader while a cluster
+        elects one, or the server is still coming back) is tried again, backing off, for up
+        to FAILOVER_S: the reply is kept there and nothing else would fetch it (seen: a
+        follower killed under load, the lookup timed out and the call ran into its 504)."""
+        loop = asyncio.get_running_loop()
+        deadline, wait = loop.time() + FAILOVER_S, 0.05
+        found, todo = 0, list(self._calls)
+        while todo:
+            failed: dict[str, str] = {}
+            for call_id in todo:
+                call, fut = self._calls.get(call_id), self._pending.get(call_id)
+                if call is None or fut is None or fut.done():
+                    continue
+                stream = (self.deployment.idempotency_stream if is_outcome_subject(call.reply_to)
+                          else self.deployment.replies_stream)
+                try:
+                    raw = await self.js.get_last_msg(stream, call.reply_to)
+                except NotFoundError:
+                    continue  # not answered yet: the answer comes live (the agent sends it again too)
+                except Exception as exc:
+                    failed[call_id] = str(exc) or type(exc).__name__
+                    continue
+                await self._on_reply(raw)
+                found += fut.done()
+            todo = list(failed)
+            if todo and loop.time() + wait > deadline:
+                for call_id, error in failed.items():
+                    self.log.warning("could not look up a kept reply", call_id=call_id, error=error)
+                break
+            if todo:
+                await asyncio.sleep(wait)  # no event says "the stream has a leader again"
+                wait = min(2 * wait, RECONNECT_WAIT_S)
         if found:
             self.log.info("replies recovered after a reconnect", calls=found)
         return found

@@ -68,6 +68,49 @@ async def test_a_reply_the_gateway_missed_is_found_when_its_connection_comes_bac
         await close(agent_nc)
 
 
+class _ElectingJs:
+    """The gateway's JetStream context with a stream that answers its first reply lookup with a
+    timeout, as one whose leader is being elected does (a test double of that moment: a real
+    election cannot be started on cue); everything else goes to the real context."""
+
+    def __init__(self, js) -> None:
+        self.js, self.lookups = js, 0
+
+    async def get_last_msg(self, stream, subject):
+        self.lookups += 1
+        if self.lookups == 1:
+            raise nats.errors.TimeoutError
+        return await self.js.get_last_msg(stream, subject)
+
+    def __getattr__(self, name):
+        return getattr(self.js, name)
+
+
+async def test_a_kept_reply_is_looked_up_again_when_its_stream_is_electing_a_leader(nats_url):
+    gw_nc, gw_js = await connect(nats_url, "talaria-gateway")
+    agent_nc, _ = await connect(nats_url, "talaria-agent-agent-0")
+    submitter = Submitter(gw_nc, gw_js, trace.get_tracer("test"), TIMEOUT_S, structlog.get_logger())
+    await submitter.start()
+    try:
+        call = CallSubmitted(call_id="lost-2", session_id="s1", model="qwen3-tiny", prompt_ids=[1, 2],
+                             block_hashes=[], max_tokens=1, submitted_at=time.time())
+        pending = asyncio.ensure_future(submitter.submit(call))
+        while "lost-2" not in submitter._calls:
+            await asyncio.sleep(0.01)
+        await submitter._sub.unsubscribe()
+        submitter._sub = None
+        await agent_nc.publish(submitter._calls["lost-2"].reply_to, encode(result("lost-2")),
+                               headers=sender_headers(agent_nc))
+        await agent_nc.flush()
+        submitter.js = electing = _ElectingJs(gw_js)
+        assert await submitter.recover() == 1 and electing.lookups == 2
+        assert (await asyncio.wait_for(pending, 5.0)).text == "kept"
+    finally:
+        await submitter.stop()
+        await close(gw_nc)
+        await close(agent_nc)
+
+
 class _Nc:
     """A NATS connection that reconnects (a test double: the broker dropping the bytes of a
     publish that was written to its socket cannot be arranged on a real one on cue)."""
