@@ -7,6 +7,7 @@ so the client is answered within seconds, never at the call timeout."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -42,30 +43,38 @@ def result(call_id: str) -> m.CallResult:
                         timings=m.Timings(0.0, 0.0, 0.0, 0.0, 0.0, 0.0))
 
 
-async def test_a_reply_the_gateway_missed_is_found_when_its_connection_comes_back(nats_url):
+@contextlib.asynccontextmanager
+async def missed_reply(nats_url: str, call_id: str):
+    """A gateway's call whose answer the agent sent while the gateway was cut off (what a broker
+    restart does to its subscription): yields (submitter, its JetStream context, the pending
+    answer to the client), and stops everything after."""
     gw_nc, gw_js = await connect(nats_url, "talaria-gateway")
     agent_nc, _ = await connect(nats_url, "talaria-agent-agent-0")
     submitter = Submitter(gw_nc, gw_js, trace.get_tracer("test"), TIMEOUT_S, structlog.get_logger())
     await submitter.start()
     try:
-        call = CallSubmitted(call_id="lost-1", session_id="s1", model="qwen3-tiny", prompt_ids=[1, 2],
+        call = CallSubmitted(call_id=call_id, session_id="s1", model="qwen3-tiny", prompt_ids=[1, 2],
                              block_hashes=[], max_tokens=1, submitted_at=time.time())
         pending = asyncio.ensure_future(submitter.submit(call))
-        while "lost-1" not in submitter._calls:  # submitted (the stream acked it)
+        while call_id not in submitter._calls:  # submitted (the stream acked it)
             await asyncio.sleep(0.01)
-        # The gateway is cut off (what a broker restart does to its subscription) as the agent answers.
         await submitter._sub.unsubscribe()
         submitter._sub = None
-        reply_to = submitter._calls["lost-1"].reply_to
-        await agent_nc.publish(reply_to, encode(result("lost-1")), headers=sender_headers(agent_nc))
+        reply_to = submitter._calls[call_id].reply_to
+        await agent_nc.publish(reply_to, encode(result(call_id)), headers=sender_headers(agent_nc))
         await agent_nc.flush()
-        assert await submitter.recover() == 1  # what the gateway does when its connection is back
-        reply = await asyncio.wait_for(pending, 5.0)
-        assert isinstance(reply, m.CallResult) and reply.text == "kept"
+        yield submitter, gw_js, pending
     finally:
         await submitter.stop()
         await close(gw_nc)
         await close(agent_nc)
+
+
+async def test_a_reply_the_gateway_missed_is_found_when_its_connection_comes_back(nats_url):
+    async with missed_reply(nats_url, "lost-1") as (submitter, _, pending):
+        assert await submitter.recover() == 1  # what the gateway does when its connection is back
+        reply = await asyncio.wait_for(pending, 5.0)
+        assert isinstance(reply, m.CallResult) and reply.text == "kept"
 
 
 class _ElectingJs:
@@ -87,28 +96,10 @@ class _ElectingJs:
 
 
 async def test_a_kept_reply_is_looked_up_again_when_its_stream_is_electing_a_leader(nats_url):
-    gw_nc, gw_js = await connect(nats_url, "talaria-gateway")
-    agent_nc, _ = await connect(nats_url, "talaria-agent-agent-0")
-    submitter = Submitter(gw_nc, gw_js, trace.get_tracer("test"), TIMEOUT_S, structlog.get_logger())
-    await submitter.start()
-    try:
-        call = CallSubmitted(call_id="lost-2", session_id="s1", model="qwen3-tiny", prompt_ids=[1, 2],
-                             block_hashes=[], max_tokens=1, submitted_at=time.time())
-        pending = asyncio.ensure_future(submitter.submit(call))
-        while "lost-2" not in submitter._calls:
-            await asyncio.sleep(0.01)
-        await submitter._sub.unsubscribe()
-        submitter._sub = None
-        await agent_nc.publish(submitter._calls["lost-2"].reply_to, encode(result("lost-2")),
-                               headers=sender_headers(agent_nc))
-        await agent_nc.flush()
+    async with missed_reply(nats_url, "lost-2") as (submitter, gw_js, pending):
         submitter.js = electing = _ElectingJs(gw_js)
         assert await submitter.recover() == 1 and electing.lookups == 2
         assert (await asyncio.wait_for(pending, 5.0)).text == "kept"
-    finally:
-        await submitter.stop()
-        await close(gw_nc)
-        await close(agent_nc)
 
 
 class _Nc:
