@@ -280,13 +280,19 @@ class HotPools:
 
     # ---- the decision ----------------------------------------------------------------------
 
+    def due(self, now: float) -> bool:
+        """May a decision be made now: demand changed since the last one, and the last move is
+        at least W / N old (each instance may change about once per window)."""
+        n = len(self.pins)
+        return self._changed and n > 0 and now - self._last_move_at >= self.window_s(now) / n
+
     def decide(self, now: float, switch_s: Mapping[str, float], load: Mapping[str, int]) -> list[PoolMove]:
         """At most one move (module doc). `switch_s`: seconds to load each model (the agents'
         advertised open cost); `load`: calls in flight per instance (the router's view)."""
+        if not self.due(now):
+            return []
         n = len(self.pins)
         w = self.window_s(now)
-        if not self._changed or n == 0 or now - self._last_move_at < w / n:
-            return []
         self._changed = False
         demand = self.demand()
         total = sum(demand.values())
@@ -391,7 +397,10 @@ def _clip01(v: float) -> float:
 def decide_from_state(pools: HotPools, state, now: float) -> list[PoolMove]:
     """`pools.decide` with what the router state knows: each model's open cost as the agents
     advertise it (the largest reported: the cost of loading it anywhere) and the calls in
-    flight on each instance (snapshot + routed since)."""
+    flight on each instance (snapshot + routed since). Nothing is gathered when no decision
+    is due (it runs after every event the router handles)."""
+    if not pools.due(now):
+        return []
     switch: dict[str, float] = {}
     load: dict[str, int] = {}
     for iid, view in state.instances.items():
