@@ -14,7 +14,7 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError, NoStreamResponseError
+from nats.js.errors import BadRequestError, NoStreamResponseError, ServiceUnavailableError
 
 from talaria.shared.event_specs import EventSpec, spec_of
 from talaria.shared.nats_auth import SENDER_HEADER, SERVICE_INBOX
@@ -101,6 +101,15 @@ async def connect(url: str, name: str, deployment: Deployment = Deployment(), re
     return nc, js
 
 
+def retried_api(nc: NATS) -> JetStreamContext:
+    """A JetStream context for API calls that their caller retries (making a consumer again,
+    reading a stream's last sequence): each waits ATTEMPT_S, not PUBLISH_TIMEOUT_S. On a
+    cluster, a call sent while the JetStream meta leader or a stream's leader is being elected
+    is never answered; with the long timeout the caller sat out 10 s more after the election
+    ended (CI: a node killed under load, the router took its partitions back 17 s later)."""
+    return nc.jetstream(timeout=ATTEMPT_S)
+
+
 # Share of the data directory's disk each stream may keep (issue 25: nothing bounded storage,
 # ~4 KB of JetStream per call): shares of the free space at start. Past it JetStream drops the oldest messages (DiscardPolicy.OLD):
 # events long projected, answers long read; a consumer down for days could lose events it has
@@ -175,7 +184,7 @@ async def stored(js: JetStreamContext, subject: str, data: bytes, headers: dict[
     """`js.publish`, tried again through a stream leader's failover, for up to FAILOVER_S.
 
     On a cluster, a stream whose leader died answers nobody until its replicas elect another:
-    a publish then gets "no responders" at once (nothing was stored), or, sent to the old
+    a publish then gets "no responders" or a 503 API error at once (nothing was stored), or, sent to the old
     leader just before it died, no answer at all (it may or may not be stored). Either way it
     is sent again: after "no responders" always; after no answer only with a message id,
     which makes a second copy a no-op (a copy of our own earlier attempt that JetStream
@@ -192,10 +201,11 @@ async def stored(js: JetStreamContext, subject: str, data: bytes, headers: dict[
             ack = await js.publish(subject, data, timeout=min(attempt, max(0.0, deadline - loop.time())),
                                    headers=headers)
             return dataclasses.replace(ack, duplicate=False) if unanswered and ack.duplicate else ack
-        except (NoStreamResponseError, asyncio.TimeoutError, nats.errors.TimeoutError) as exc:
-            if loop.time() + wait > deadline or not (resend or isinstance(exc, NoStreamResponseError)):
+        except (NoStreamResponseError, ServiceUnavailableError, asyncio.TimeoutError, nats.errors.TimeoutError) as exc:
+            refused = isinstance(exc, (NoStreamResponseError, ServiceUnavailableError))  # nothing stored
+            if loop.time() + wait > deadline or not (resend or refused):
                 raise
-            unanswered = unanswered or not isinstance(exc, NoStreamResponseError)  # may be stored
+            unanswered = unanswered or not refused  # may be stored
             await asyncio.sleep(wait)  # no event says "a leader is elected": retry, backing off
             wait = min(2 * wait, RECONNECT_WAIT_S)
 

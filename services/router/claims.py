@@ -21,9 +21,11 @@ class ClaimStore:
         self.kv, self.ttl_s = kv, ttl_s
 
     @classmethod
-    async def open(cls, js, ttl_s: float, partitions: int) -> ClaimStore:
+    async def open(cls, js, ttl_s: float, partitions: int, retried=None) -> ClaimStore:
         """The bucket (created with `ttl_s` when absent; an existing bucket's own TTL is used) and
-        the check that every router of the deployment groups slots the same way."""
+        the check that every router of the deployment groups slots the same way. `retried`: the
+        JetStream context later reads and writes go through (bus.retried_api: short waits, as
+        the ownership loop tries again every renewal anyway)."""
         name = deployment_of(js).routers_bucket
         try:
             kv = await js.create_key_value(KeyValueConfig(bucket=name, history=1, ttl=ttl_s,
@@ -37,6 +39,8 @@ class ClaimStore:
             pass
         store = cls(kv, ttl_s)
         await store._agree(partitions)
+        if retried is not None:
+            store.kv = await retried.key_value(name)
         return store
 
     async def _agree(self, partitions: int) -> None:

@@ -36,6 +36,22 @@ class RouterOutputs:
         self.storing.add(task)
         task.add_done_callback(self.storing.discard)
 
+    def ack_after_stored(self, msg) -> None:
+        """Ack an input that made no outputs once every output already on its way is stored.
+        A redelivered copy of an input decided a moment ago (a consumer rebuilt from its ack
+        floor) makes none: acked at once, it would ack the stream position while the first
+        copy's outputs may still be unstored, and a crash then would lose that call."""
+        if not self.storing:
+            task = asyncio.create_task(_acked(msg, self.log))
+        else:
+            task = asyncio.create_task(self._after(list(self.storing), msg))
+        self.storing.add(task)
+        task.add_done_callback(self.storing.discard)
+
+    async def _after(self, before, msg) -> None:
+        await asyncio.gather(*before, return_exceptions=True)
+        await _acked(msg, self.log)
+
     def store_soon(self, outputs, acks) -> None:
         """Wait for the outputs' acks in the background (reactions to an event the view read:
         there is no input to ack)."""
@@ -53,10 +69,7 @@ class RouterOutputs:
         started = time.perf_counter()
         await self._stored(outputs, acks)
         self.metrics.phase.labels("store").observe(time.perf_counter() - started)
-        try:
-            await msg.ack()
-        except Exception as exc:  # redelivered; the core skips it as already handled
-            self.log.warning("ack failed", subject=msg.subject, error=str(exc))
+        await _acked(msg, self.log)
 
     async def publish_all(self, outputs) -> None:
         await self._stored(outputs, await self.start(outputs))
@@ -139,3 +152,10 @@ class RouterOutputs:
         if pending:  # a restart replays this state instead
             self.log.warning("projection not saved: outputs still unstored", inputs=len(pending))
         return not pending
+
+
+async def _acked(msg, log) -> None:
+    try:
+        await msg.ack()
+    except Exception as exc:  # redelivered; the core skips it as already handled
+        log.warning("ack failed", subject=msg.subject, error=str(exc))

@@ -8,6 +8,7 @@ durable JetStream consumer. Each partition has at most one owner, held as a key
     free  ──create (fails if someone else created it first)──►  mine, revision r
     mine  ──update(last=r) every ttl_s/4 (the renewal)──────────►  mine, revision r'
     mine  ──update fails (expired and re-created by another)────►  lost: stop deciding it
+    mine  ──expired, nobody took it, still preferred: create────►  mine again, intake kept
     mine  ──a live member is preferred: drain, delete(last=r)───►  free (a handover)
     a dead owner's key expires ttl_s after its last renewal     ►  free: taken over
 
@@ -81,6 +82,7 @@ class Plan:
     renew: list[tuple[int, int]] = field(default_factory=list)  # mine: update(last=revision)
     release: list[tuple[int, int]] = field(default_factory=list)  # mine, preferred elsewhere: drain, delete
     lost: list[int] = field(default_factory=list)  # I decided it, the bucket says I no longer own it
+    reclaim: list[int] = field(default_factory=list)  # mine, lapsed, free and still mine to prefer: create again
 
 
 def preferred(partition: int, members: frozenset[str] | set[str]) -> str:
@@ -110,6 +112,12 @@ class Ownership:
         plan = Plan()
         for p in range(self.partitions):
             claim = bucket.get(p)
+            if claim is None and p in self.owned and preferred(p, members) == self.me:
+                # It lapsed under us, and nobody took it: the bucket was unreachable longer than
+                # ttl_s (a broker's leader election takes 4-10 s). Claimed again in place: a
+                # hand-over to ourselves would stop the intake and rebuild its consumer.
+                plan.reclaim.append(p)
+                continue
             if claim is None or claim.owner != self.me:
                 if p in self.owned:
                     plan.lost.append(p)  # it expired under us (we stalled), or another took it

@@ -36,9 +36,11 @@ import time
 import uuid
 
 import msgspec
+import nats.errors
 from msgspec.structs import replace
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import NotFoundError
+from nats.errors import NoRespondersError
+from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from talaria.services.router.claims import ClaimStore
 from talaria.services.router.ownership import Ownership, Partitioning, slots_of
@@ -54,7 +56,8 @@ from talaria.shared.health import INTERVAL_S as HEARTBEAT_INTERVAL_S, BusHearing
 from talaria.shared.logs import call_context
 from talaria.shared.runtime import serve_until_stopped
 from talaria.services.router.hot_pools import HotPools
-from talaria.shared.bus import ACK_WAIT_S, PUBLISH_TIMEOUT_S, close, connect, origin_of, publish_fast, set_origin
+from talaria.shared.bus import (ACK_WAIT_S, FAILOVER_S, PUBLISH_TIMEOUT_S, RECONNECT_WAIT_S, close, connect, origin_of,
+                                publish_fast, retried_api, set_origin)
 from talaria.shared.nats_auth import sender_of, trusted
 from talaria.shared.db.connection import create_engine
 from talaria.shared.events import (
@@ -157,10 +160,11 @@ class RouterService:
         store = ProjectionStore(db)
         self.nc, self.js = await connect(self.common.nats_url, "talaria-router", **self.common.bus_options())
         set_origin(self.nc, self.origin)
+        self.api = retried_api(self.nc)  # consumer setup and stream reads: each is retried
         self.outputs = RouterOutputs(self.js, self.nc, self.log, self.core.policy.config,
                                      on_stored=lambda seq: None, metrics=self.metrics)
         self.claims = await ClaimStore.open(self.js, self.settings.router_ownership_ttl_s,
-                                            self.settings.router_partitions)
+                                            self.settings.router_partitions, retried=self.api)
         if self.claims.ttl_s != self.ownership.ttl_s:
             self.log.warning("the ownership bucket's TTL differs from this router's; using the bucket's",
                              bucket_ttl_s=self.claims.ttl_s, setting=self.ownership.ttl_s)
@@ -222,7 +226,15 @@ class RouterService:
                 "router_id": self.router_id, "partitions": ",".join(map(str, sorted(self.core.partitioning.owned)))}
 
     async def _stream_last(self) -> int:
-        return (await self.js.stream_info(self.deployment.events_stream)).state.last_seq
+        """The events stream's last sequence; asked again through a failover (each try ATTEMPT_S)."""
+        deadline = time.monotonic() + FAILOVER_S
+        while True:
+            try:
+                return (await self.api.stream_info(self.deployment.events_stream)).state.last_seq
+            except (nats.errors.TimeoutError, ServiceUnavailableError, NoRespondersError):
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(RECONNECT_WAIT_S)
 
     # ---- the view: every router's state folds every router's outputs -------------------
 
@@ -231,7 +243,7 @@ class RouterService:
         that fails (a broker failover) is made again from where the fold stopped."""
         while not stop.is_set():
             try:
-                sub = await self.js.pull_subscribe(
+                sub = await self.api.pull_subscribe(
                     "", stream=self.deployment.events_stream,
                     config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
                                           opt_start_seq=self.seq + 1, filter_subjects=view_subjects(self.deployment),
@@ -247,19 +259,18 @@ class RouterService:
                                  seq=self.seq, error=str(exc))
                 await asyncio.sleep(0.2)
             finally:
-                try:
-                    await sub.unsubscribe()
-                except Exception:
-                    pass
+                await _unsubscribed(sub)
 
     async def _view_from(self, sub, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         while not stop.is_set():
-            issued = loop.time()
+            issued, reconnects = loop.time(), self.nc.stats["reconnects"]
             try:
                 msgs = await sub.fetch(256, timeout=0.5)
             except asyncio.TimeoutError:
                 msgs = []
+            if self.nc.stats["reconnects"] != reconnects:  # deliveries may be lost: it never redelivers
+                raise ConnectionError("reconnected while fetching")
             for msg in msgs:
                 seq = msg.metadata.sequence.stream
                 if seq <= self.seq:
@@ -332,6 +343,15 @@ class RouterService:
             self.log.warning("partition lost: its claim expired or another router holds it", partition=p)
             self.ownership.lost(p)
             await self._stop_intake(p, drain=False)
+        for p in plan.reclaim:
+            revision = await self.claims.create(p, self.router_id)
+            if revision is None:  # another router created it first
+                self.log.warning("partition lost: another router claimed it after ours lapsed", partition=p)
+                self.ownership.lost(p)
+                await self._stop_intake(p, drain=False)
+            else:
+                self.log.warning("partition claim lapsed and was made again; its intake kept", partition=p)
+                self.ownership.claimed(p, revision)
         for p, revision in plan.renew:
             if p in self.releasing:
                 continue
@@ -368,7 +388,7 @@ class RouterService:
         halt = asyncio.Event()
         async with self.lock:
             self._set_owned(self.core.partitioning.owned | {p})
-        self.intakes[p] = (asyncio.create_task(self._consume(sub, halt)), halt)
+        self.intakes[p] = (asyncio.create_task(self._consume(p, sub, halt)), halt)
         self.metrics.takeovers.labels(how).inc()
         self.log.info("partition taken", partition=p, how=how, catch_up_s=round(time.time() - started, 3))
 
@@ -411,7 +431,7 @@ class RouterService:
                                 filter_subjects=intake_subjects(self.deployment, p, self.ownership.partitions),
                                 ack_wait=ACK_WAIT_S, max_deliver=MAX_DELIVER)
         try:
-            info = await self.js.consumer_info(self.deployment.events_stream, name)
+            info = await self.api.consumer_info(self.deployment.events_stream, name)
         except NotFoundError:
             info = None
         if info is not None:
@@ -419,10 +439,10 @@ class RouterService:
             if info.num_ack_pending:
                 self.log.warning("resuming a partition's consumer after its ack floor", partition=p,
                                  resume_at=start, unacked=info.num_ack_pending)
-            await self.js.delete_consumer(self.deployment.events_stream, name)
+            await self.api.delete_consumer(self.deployment.events_stream, name)
             config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, start
-        await self.js.add_consumer(self.deployment.events_stream, config=config)
-        return await self.js.pull_subscribe_bind(name, stream=self.deployment.events_stream)
+        await self.api.add_consumer(self.deployment.events_stream, config=config)
+        return await self.api.pull_subscribe_bind(name, stream=self.deployment.events_stream)
 
     # ---- live --------------------------------------------------------------------------
 
@@ -444,24 +464,44 @@ class RouterService:
                 await self.outputs.publish_all(outputs)
                 self.dirty = True
 
-    async def _consume(self, sub, halt: asyncio.Event) -> None:
+    async def _consume(self, p: int, sub, halt: asyncio.Event) -> None:
+        """Partition p's submissions, in order. After a failed fetch (the consumer's leader
+        lost) or a reconnect, the consumer is made again from its ack floor: a message
+        JetStream delivered to a pull request that died with a broker node is otherwise
+        delivered again only ACK_WAIT_S (30 s) later (a node killed under load: one call
+        answered after 30 s). A rebuild needs the meta leader: it runs beside the fetches, and
+        until it succeeds the old consumer is still fetched from."""
+        seen, rebuild, rebuilding = self.nc.stats["reconnects"], False, None
         try:
             while not halt.is_set():
+                if self.nc.stats["reconnects"] != seen:
+                    seen, rebuild = self.nc.stats["reconnects"], True
+                if rebuild and rebuilding is None:
+                    rebuild, rebuilding = False, asyncio.create_task(self._ensure_consumer(p))
+                if rebuilding is not None and rebuilding.done():
+                    if rebuilding.exception() is None:
+                        await _unsubscribed(sub)
+                        sub = rebuilding.result()
+                    else:
+                        self.log.warning("partition consumer not made again; retrying", partition=p,
+                                         error=str(rebuilding.exception()))
+                        rebuild = True
+                    rebuilding = None
                 try:
                     msgs = await sub.fetch(64, timeout=1.0)
                 except asyncio.TimeoutError:
                     continue
                 except Exception as exc:
                     self.log.warning("fetch failed", error=str(exc))
-                    await asyncio.sleep(0.5)
+                    rebuild = True
+                    await asyncio.sleep(RECONNECT_WAIT_S)
                     continue
                 for msg in msgs:
                     await self._handle(msg)
         finally:
-            try:
-                await sub.unsubscribe()
-            except Exception:
-                pass
+            if rebuilding is not None:
+                rebuilding.cancel()
+            await _unsubscribed(sub)
 
     async def _handle(self, msg) -> None:
         try:
@@ -492,8 +532,8 @@ class RouterService:
             await msg.nak()
             return
         outputs, acks = handled
-        if not outputs:
-            await msg.ack()
+        if not outputs:  # e.g. a redelivered copy of a decided call: acked behind its first copy's outputs
+            self.outputs.ack_after_stored(msg)
             return
         # Its outputs are on their way (published in order); their acks are awaited while
         # the next input is folded, and this input is acked only once all are stored.
@@ -549,6 +589,8 @@ class RouterService:
             # While the bus does not answer us within a heartbeat (NATS paused, partitioned or
             # slow), agents' silence is ours, not theirs: no instance is declared lost.
             since = self.hearing.silence_counts_from(max(self.listening_since, self.unblocked_at))
+            if self.hearing.regained_at > self.listening_since:  # our connection was deaf a while
+                self.core.state.excuse_silence(self.hearing.regained_at)
             lost = self.core.check_liveness(now, since) if self.hearing.hears(now) else []
             for event in lost:
                 if isinstance(event, InstanceLost):
@@ -566,6 +608,7 @@ class RouterService:
         now = time.time()
         if now - started > TICK_S:
             self.unblocked_at = now
+            self.core.state.excuse_silence(now)
 
     async def _save_loop(self, store: ProjectionStore, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -602,3 +645,10 @@ class _null:
 
 async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
     await RouterService(settings.common, settings.router, logs.get("router")).run(ready, stop or asyncio.Event())
+
+
+async def _unsubscribed(sub) -> None:
+    try:
+        await sub.unsubscribe()
+    except Exception:
+        pass  # the connection it was on is gone: nothing left to end

@@ -121,6 +121,15 @@ class RouterState:
             prof = self.models[name] = ModelProfile()
         return prof
 
+    def excuse_silence(self, since: float) -> None:
+        """The router itself could not hear until `since` (blocked on the stream, or its
+        connection down): every view counts as heard then, as liveness counts silence only
+        from `since` (shared/health.py). Else the first decision after a broker failover finds
+        every snapshot stale and refuses the call (CI: a 503 "no healthy instance")."""
+        for view in self.instances.values():
+            if view.received_at < since:
+                view.received_at = since
+
     def idle_horizon_s(self, model: str) -> float:
         prof = self.models.get(model)
         return prof.idle_horizon_s() if prof is not None else 0.0

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 from nats.js.api import PubAck
-from nats.js.errors import NoStreamResponseError
+from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 
 from talaria.shared import bus
 
@@ -38,6 +38,14 @@ async def test_no_responders_is_sent_again_until_a_leader_answers():
     js = ScriptedJetStream([NoStreamResponseError(), NoStreamResponseError(), PubAck(stream="S", seq=7)])
     ack = await bus.stored(js, "s", b"x", {})  # no message id: still safe, nothing was stored
     assert ack.seq == 7 and len(js.sent) == 3
+
+
+async def test_jetstream_temporarily_unavailable_is_sent_again():
+    """A 503 API error (err_code 10008, "JetStream system temporarily unavailable") during an
+    election stored nothing: CI saw it reach a client as a 503 before this was retried."""
+    js = ScriptedJetStream([ServiceUnavailableError(code=503, err_code=10008), PubAck(stream="S", seq=9)])
+    ack = await bus.stored(js, "s", b"x", {})
+    assert ack.seq == 9 and not ack.duplicate and len(js.sent) == 2
 
 
 async def test_an_unanswered_publish_is_sent_again_only_with_a_message_id():

@@ -70,3 +70,15 @@ def test_a_call_failed_elsewhere_before_it_was_placed_is_never_placed():
     # a router rejection is not final: the simulator retries the same call id
     c.state.apply(CallFailed("c2", "s1", "m1", "no capacity", "router", 0.5, status=503))
     assert of_type(c.handle(call("c2", at=0.0), 1.0), CallRouted)
+
+
+def test_a_decision_after_the_router_was_deaf_does_not_find_every_view_stale():
+    """The router blocked on the stream (a broker's leader election) while snapshots queued
+    behind it: its first decision after must not refuse the call as if no instance answered."""
+    c = core()
+    c.observe(snap("a"), 0.0)
+    assert one(c.handle(call("c1", at=9.0), 9.0), CallFailed).status == 503  # 9 s unheard: stale
+    c.state.excuse_silence(8.5)  # deaf until 8.5
+    assert one(c.handle(call("c2", session="s2", at=9.0), 9.0), CallRouted).instance_id == "a"
+    c.state.excuse_silence(8.5)  # only ever moves a view's time forward
+    assert c.state.instances["a"].received_at == 8.5

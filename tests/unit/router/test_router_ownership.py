@@ -52,12 +52,24 @@ def test_a_free_partition_preferred_elsewhere_is_claimed_after_one_ttl():
 
 
 def test_a_claim_that_expired_or_was_taken_is_lost():
-    o = Ownership("a", 2, 3.0)
-    o.claimed(0, 5)
-    o.claimed(1, 6)
-    plan = o.plan({0: None, 1: PartitionClaim("b", 9)}, {"a", "b"}, 10.0)
-    assert sorted(plan.lost) == [0, 1]
-    assert 1 not in plan.claim  # held by b: not ours to claim
+    lapsed = next(p for p in range(8) if preferred(p, {"a", "b"}) == "b")
+    o = Ownership("a", 8, 3.0)
+    o.claimed(lapsed, 5)
+    taken = next(p for p in range(8) if p != lapsed)
+    o.claimed(taken, 6)
+    plan = o.plan({lapsed: None, taken: PartitionClaim("b", 9)}, {"a", "b"}, 10.0)
+    assert sorted(plan.lost) == sorted([lapsed, taken])  # lapsed and preferred elsewhere: b's to claim
+    assert taken not in plan.claim and lapsed not in plan.claim and not plan.reclaim
+
+
+def test_a_lapsed_claim_nobody_took_is_made_again_in_place():
+    """The bucket was unreachable past the TTL (a broker failover): the preferred owner creates
+    its key again and keeps its intake, instead of losing and re-taking the partition."""
+    o = Ownership("a", 8, 3.0)
+    mine = next(p for p in range(8) if preferred(p, {"a", "b"}) == "a")
+    o.claimed(mine, 5)
+    plan = o.plan({mine: None}, {"a", "b"}, 10.0)
+    assert plan.reclaim == [mine] and mine not in plan.lost and mine not in plan.claim
 
 
 def test_a_restart_under_the_same_id_adopts_its_claims():
