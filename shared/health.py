@@ -41,6 +41,7 @@ class BusHearing:
         """PING every `every_s`; an answer later than `gap_s` after the last one ends a deaf spell."""
         self.nc, self.every_s, self.gap_s, self.log = nc, every_s, gap_s, log
         self.heard_at = self.regained_at = time.time()
+        self.deaf_from = self.deaf_until = 0.0  # the last deaf spell (0: none yet)
 
     def hears(self, now: float) -> bool:
         return now - self.heard_at <= self.gap_s
@@ -59,7 +60,7 @@ class BusHearing:
             else:
                 now = time.time()
                 if now - self.heard_at > self.gap_s:
-                    self.regained_at = now
+                    self.deaf_from, self.regained_at, self.deaf_until = self.heard_at, now, now
                     if self.log is not None:
                         self.log.warning("NATS answered again: others' silence counted from now",
                                          deaf_s=round(now - self.heard_at, 2))

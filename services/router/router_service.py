@@ -589,8 +589,9 @@ class RouterService:
             # While the bus does not answer us within a heartbeat (NATS paused, partitioned or
             # slow), agents' silence is ours, not theirs: no instance is declared lost.
             since = self.hearing.silence_counts_from(max(self.listening_since, self.unblocked_at))
-            if self.hearing.regained_at > self.listening_since:  # our connection was deaf a while
-                self.core.state.excuse_silence(self.hearing.regained_at)
+            if self.hearing.deaf_until > self.listening_since:  # our connection was deaf a while
+                self.core.state.excuse_silence(self.hearing.deaf_from, self.hearing.deaf_until,
+                                               self.core.policy.config.stale_after_s)
             lost = self.core.check_liveness(now, since) if self.hearing.hears(now) else []
             for event in lost:
                 if isinstance(event, InstanceLost):
@@ -608,7 +609,7 @@ class RouterService:
         now = time.time()
         if now - started > TICK_S:
             self.unblocked_at = now
-            self.core.state.excuse_silence(now)
+            self.core.state.excuse_silence(started, now, self.core.policy.config.stale_after_s)
 
     async def _save_loop(self, store: ProjectionStore, stop: asyncio.Event) -> None:
         while not stop.is_set():

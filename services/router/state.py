@@ -121,14 +121,16 @@ class RouterState:
             prof = self.models[name] = ModelProfile()
         return prof
 
-    def excuse_silence(self, since: float) -> None:
-        """The router itself could not hear until `since` (blocked on the stream, or its
-        connection down): every view counts as heard then, as liveness counts silence only
-        from `since` (shared/health.py). Else the first decision after a broker failover finds
-        every snapshot stale and refuses the call (CI: a 503 "no healthy instance")."""
+    def excuse_silence(self, deaf_from: float, until: float, fresh_for: float) -> None:
+        """The router itself could not hear from `deaf_from` to `until` (blocked on the stream,
+        or its connection down): a view that was fresh when that began (heard within
+        `fresh_for` of it) counts as heard at `until`, as liveness counts silence only from
+        then (shared/health.py). Else the first decision after a broker failover finds every
+        snapshot stale and refuses the call (CI: a 503 "no healthy instance"). A view already
+        stale then (a dead instance restored from a checkpoint) stays stale."""
         for view in self.instances.values():
-            if view.received_at < since:
-                view.received_at = since
+            if deaf_from - fresh_for <= view.received_at < until:
+                view.received_at = until
 
     def idle_horizon_s(self, model: str) -> float:
         prof = self.models.get(model)

@@ -74,11 +74,12 @@ def test_a_call_failed_elsewhere_before_it_was_placed_is_never_placed():
 
 def test_a_decision_after_the_router_was_deaf_does_not_find_every_view_stale():
     """The router blocked on the stream (a broker's leader election) while snapshots queued
-    behind it: its first decision after must not refuse the call as if no instance answered."""
+    behind it: its first decision after must not refuse the call as if no instance answered.
+    A view already stale when the router went deaf (a dead instance) stays stale."""
     c = core()
-    c.observe(snap("a"), 0.0)
-    assert one(c.handle(call("c1", at=9.0), 9.0), CallFailed).status == 503  # 9 s unheard: stale
-    c.state.excuse_silence(8.5)  # deaf until 8.5
-    assert one(c.handle(call("c2", session="s2", at=9.0), 9.0), CallRouted).instance_id == "a"
-    c.state.excuse_silence(8.5)  # only ever moves a view's time forward
-    assert c.state.instances["a"].received_at == 8.5
+    c.observe(snap("a"), 5.0)
+    c.observe(snap("dead"), 0.0)  # last heard at 0: stale (2 s) before the deaf spell
+    assert one(c.handle(call("c1", at=14.0), 14.0), CallFailed).status == 503  # 9 s unheard: stale
+    c.state.excuse_silence(6.0, 13.5, c.policy.config.stale_after_s)  # deaf 6.0-13.5
+    assert one(c.handle(call("c2", session="s2", at=14.0), 14.0), CallRouted).instance_id == "a"
+    assert c.state.instances["a"].received_at == 13.5 and c.state.instances["dead"].received_at == 0.0
