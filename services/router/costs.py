@@ -63,9 +63,15 @@ Admission (both must pass, else the candidate is kept in the audit with feasible
             with nothing ahead of r always passes, so an oversized call is never starved;
             with kv_home_admits, an instance holding r's own KV on device or host passes
             too; a prefix another session left there does not count)
-    HBM:    r's expected KV (prompt + the KV quantile of its output, output_estimate.py; not
-            prompt + max_tokens, a cap it seldom uses) fits the KV pool; an absent model's
-            weights fit HBM.
+    HBM:    an absent model's weights fit HBM and r's prompt fits the KV pool; else "hbm",
+            hard: r can never start there. r's expected KV (prompt + the KV quantile of its
+            output, output_estimate.py; not prompt + max_tokens, a cap it seldom uses) beside
+            the KV running calls hold: where it does not fit, "kv_full", soft. An instance
+            with room is preferred; where none has any, the call queues (overload "queue")
+            and the engine admits it as KV frees, or preempts it if its output outgrows the
+            pool, as every peer's engine does. Refusing it (before any completion the
+            estimate is the client's cap: 32,000 from Claude Code) made talaria reject calls
+            at 60 % load on a KV-tight server that every peer served.
 """
 
 from __future__ import annotations
@@ -297,9 +303,10 @@ class CostModel:
             if queue > 0 and queue + prefill + kv_s + act > budget and not (
                     cfg.kv_home_admits and own and kv_state in ("device", "host") and k_have > 0):
                 reason = "round_admission"
-            elif not st.weights_fit or (st.kv_cap > 0 and (overlay + st.kv_used if st.mstate == "active" else 0)
-                                        + prompt + kv_out > st.kv_cap):
-                reason = "hbm"
+            elif not st.weights_fit or (st.kv_cap > 0 and prompt >= st.kv_cap):
+                reason = "hbm"  # it can never start here
+            elif st.kv_cap > 0 and (overlay + st.kv_used if st.mstate == "active" else 0) + prompt + kv_out > st.kv_cap:
+                reason = "kv_full"  # a wait for running calls' KV, or an output past the estimate: soft
             out.append(Priced(
                 CandidateCost(iid, queue + prefill + decode + kv_s + act + place, queued, prefill, decode, kv_s,
                               act, place, kv_state, st.mstate, not reason, reason, reserved_s=reserved),

@@ -145,22 +145,25 @@ def test_the_wait_for_the_active_slot_is_paid_only_by_a_model_that_is_not_active
 # ---- the KV-pool and weight checks: each boundary --------------------------------------------
 
 
-def test_a_call_whose_prompt_fits_the_kv_pool_but_not_its_max_tokens_is_refused():
+def test_a_prompt_past_the_kv_pool_is_refused_and_a_cap_past_it_only_deprioritised():
     # No completion of m1 yet: the output estimate is the cap itself (output_estimate.py).
     pool = snap("i", kv_capacity_tokens=2000, kv_pinned_tokens=0)
     fits = price(state_of(pool), "i", call("c", tokens=1000, max_tokens=1000))
     assert fits.feasible  # exactly the pool
     over = price(state_of(pool), "i", call("c", tokens=1000, max_tokens=1001))
-    assert (over.feasible, over.reason) == (False, "hbm")
+    assert (over.feasible, over.reason) == (False, "kv_full")  # soft: it may stop short of its cap
+    never = price(state_of(pool), "i", call("c", tokens=2000, max_tokens=1))
+    assert (never.feasible, never.reason) == (False, "hbm")  # its prompt alone fills the pool
 
 
 def test_kv_held_by_running_calls_counts_and_a_reported_zero_is_zero():
+    """Beside running calls' KV a call that fits the pool alone is "kv_full": it waits (soft)."""
     held = snap("i", kv_capacity_tokens=2000, kv_used_tokens=1500, kv_pinned_tokens=1000)
     assert price(state_of(held), "i", call("c", tokens=990, max_tokens=10)).feasible
-    assert price(state_of(held), "i", call("c", tokens=991, max_tokens=10)).reason == "hbm"
+    assert price(state_of(held), "i", call("c", tokens=991, max_tokens=10)).reason == "kv_full"
     unreported = with_(held, kv_pinned_tokens=-1)  # an older agent: all used KV counts
     assert price(state_of(unreported), "i", call("c", tokens=490, max_tokens=10)).feasible
-    assert price(state_of(unreported), "i", call("c", tokens=491, max_tokens=10)).reason == "hbm"
+    assert price(state_of(unreported), "i", call("c", tokens=491, max_tokens=10)).reason == "kv_full"
     none_held = with_(held, kv_pinned_tokens=0)
     assert price(state_of(none_held), "i", call("c", tokens=1990, max_tokens=10)).feasible
 
@@ -175,7 +178,7 @@ def test_calls_routed_since_the_snapshot_count_against_the_pool():
     state = state_of(snap("i", kv_capacity_tokens=2000, kv_pinned_tokens=0))
     state.instances["i"].add_overlay("x", 1000, "m1")
     assert price(state, "i", call("c", tokens=990, max_tokens=10)).feasible
-    assert price(state, "i", call("c", tokens=991, max_tokens=10)).reason == "hbm"
+    assert price(state, "i", call("c", tokens=991, max_tokens=10)).reason == "kv_full"
 
 
 def test_an_unknown_pool_size_refuses_nothing():

@@ -191,8 +191,21 @@ def test_hbm_check_on_kv_pool():
     c.observe(snap("a", kv_capacity_tokens=1500, kv_used_tokens=1000), 0.0)
     c.observe(snap("b", kv_capacity_tokens=100_000, kv_used_tokens=1000, queued_tokens=10_000), 0.0)
     audit, _ = decide(c, call("c0", tokens=1000), 0.0)
-    assert by_instance(audit)["a"].reason == "hbm"
+    assert by_instance(audit)["a"].reason == "kv_full"  # an instance with room is preferred
     assert audit.chosen == "b"
+
+
+def test_a_call_that_fits_only_once_running_calls_finish_waits_rather_than_being_refused():
+    """Its model's only instance holds running calls' KV: the call queues there (the agent
+    admits it as KV frees) instead of a 503 no peer would give. One that can never fit the
+    pool is still refused."""
+    c = core()
+    c.observe(snap("a", kv_capacity_tokens=1500, kv_used_tokens=1000, kv_pinned_tokens=1000), 0.0)
+    audit, _ = decide(c, call("c0", tokens=1000), 0.0)
+    assert audit.action == "route" and audit.chosen == "a"
+    assert by_instance(audit)["a"].reason == "kv_full"
+    audit, _ = decide(c, call("c1", session="s2", tokens=1600), 0.0)
+    assert audit.action == "reject" and by_instance(audit)["a"].reason == "hbm"
 
 
 def test_idle_sessions_kv_never_refuses_a_call():
@@ -205,7 +218,7 @@ def test_idle_sessions_kv_never_refuses_a_call():
     # ... but KV that running calls hold does refuse.
     c.observe(snap("a", version=2, kv_capacity_tokens=1500, kv_used_tokens=1500, kv_pinned_tokens=1000), 0.0)
     audit, _ = decide(c, call("c1", session="s2", tokens=1000), 0.0)
-    assert by_instance(audit)["a"].reason == "hbm"
+    assert by_instance(audit)["a"].reason == "kv_full"
 
 
 def test_hot_pool_never_serves_another_model():
