@@ -92,6 +92,9 @@ VARIANTS = (
     ("gaps", "heavy"), ("arrivals", "bursts"), ("catalogue", 20), ("instances", 1), ("instances", 16),
     ("shared", 16_000), ("gaps", "human"), ("mixed_depth", True),
 )
+# A smaller GPU under the same TP=8 server (GPU_HBM_BYTES): the weights leave little KV room,
+# so running calls fill the pool and idle sessions' KV spills to host.
+GPU_HBM_BYTES = {"h100-80gb": 80 * 10**9}  # [hw] NVIDIA H100 SXM5 80 GB
 # An agent product: every session of a model opens with the same 16K-token system prompt
 # and tool schema, a person answers between some calls (minutes), depths are mixed.
 PRODUCT = {"shared": 16_000, "gaps": "human", "mixed_depth": True}
@@ -116,6 +119,7 @@ class Cell:
     shared: int = 0  # tokens of a system prompt + tool schema every session of a model opens with
     mixed_depth: bool = False  # depths drawn from workloads.MIXED_DEPTHS
     shift: bool = False  # the popular model changes halfway (shifted_mix)
+    gpu: str = ""  # "": the profile's own GPUs; else a key of GPU_HBM_BYTES
 
     @property
     def models(self) -> int:
@@ -138,6 +142,8 @@ def cells(seed: int = 0) -> list[Cell]:
         out.append(Cell(f"product@{int(L * 100)}%", load=L, **PRODUCT))
     for L in VARIANT_LOADS:
         out.append(Cell(f"mix=shift@{int(L * 100)}%", load=L, shift=True))
+    for L in VARIANT_LOADS:  # last, so every earlier cell keeps its seed
+        out.append(Cell(f"gpu=h100-80gb@{int(L * 100)}%", load=L, gpu="h100-80gb"))
     out = [replace(c, seed=seed + k) for k, c in enumerate(out)]
     out.append(Cell("weka fixed replay (1 inst, t=0)", instances=1, load=None, weka="fixed-replay", seed=seed))
     out.append(Cell("weka router testbed (2 inst, high)", instances=2, load=None, weka="router-testbed",
@@ -148,7 +154,8 @@ def cells(seed: int = 0) -> list[Cell]:
 def server_for(cell: Cell) -> ServerProfile:
     if cell.weka == "router-testbed":
         return ROUTER_TP4
-    return PAPER_TP8 if cell.catalogue == 3 else catalogue(PAPER_TP8, cell.catalogue)
+    server = PAPER_TP8 if cell.catalogue == 3 else catalogue(PAPER_TP8, cell.catalogue)
+    return replace(server, hbm_per_gpu_bytes=GPU_HBM_BYTES[cell.gpu]) if cell.gpu else server
 
 
 def session_work_s(session: Session, server: ServerProfile, max_batch: int, shared: int = 0) -> float:

@@ -2,6 +2,7 @@
 arrivals, and the win table / goals are computed the way the report states them."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -95,6 +96,17 @@ def test_one_small_cell_runs_every_policy_to_completion():
         r = run_one(cell, policy)
         assert r["complete"] and r["gave_up"] == 0 and r["calls"] > 0
         assert r["shape"]["capacity_sessions_s"] > 0
+
+
+def test_on_kv_tight_gpus_talaria_refuses_nothing_the_peers_serve():
+    """H100-80GB under the TP=8 server: running calls fill the KV pool, and before any
+    completion a call's output estimate is its client's cap. Refusing such calls (hard "hbm")
+    cost 61 rejections and 4 abandoned sessions at 60 % load; they wait (soft "kv_full")."""
+    cell = replace(next(c for c in cells() if c.name == "base@60%"), gpu="h100-80gb")  # seed 1: it bit there
+    small = server_for(cell)
+    assert small.kv_pool_bytes("qwen3-235b") < server_for(cells()[0]).kv_pool_bytes("qwen3-235b") / 10
+    r = run_one(cell, OURS)
+    assert r["complete"] and r["rejected"] == 0 and r["gave_up"] == 0
 
 
 def test_sensitivity_variants_change_one_knob_and_are_reported_against_ours():
