@@ -67,11 +67,13 @@ Admission (both must pass, else the candidate is kept in the audit with feasible
             hard: r can never start there. r's expected KV (prompt + the KV quantile of its
             output, output_estimate.py; not prompt + max_tokens, a cap it seldom uses) beside
             the KV running calls hold: where it does not fit, "kv_full", soft. An instance
-            with room is preferred; where none has any, the call queues (overload "queue")
-            and the engine admits it as KV frees, or preempts it if its output outgrows the
-            pool, as every peer's engine does. Refusing it (before any completion the
-            estimate is the client's cap: 32,000 from Claude Code) made talaria reject calls
-            at 60 % load on a KV-tight server that every peer served.
+            with room is preferred, unless r's own KV is here (with kv_home_admits r waits
+            at home, as it passes round admission there, rather than recompute elsewhere);
+            where none has any, the call queues (overload "queue") and the engine admits it
+            as KV frees, or preempts it if its output outgrows the pool, as every peer's
+            engine does. Refusing it (before any completion the estimate is the client's
+            cap: 32,000 from Claude Code) made talaria reject calls at 60 % load on a
+            KV-tight server that every peer served.
 """
 
 from __future__ import annotations
@@ -305,8 +307,12 @@ class CostModel:
                 reason = "round_admission"
             elif not st.weights_fit or (st.kv_cap > 0 and prompt >= st.kv_cap):
                 reason = "hbm"  # it can never start here
-            elif st.kv_cap > 0 and (overlay + st.kv_used if st.mstate == "active" else 0) + prompt + kv_out > st.kv_cap:
-                reason = "kv_full"  # a wait for running calls' KV, or an output past the estimate: soft
+            elif st.kv_cap > 0 and (overlay + st.kv_used if st.mstate == "active" else 0) + prompt + kv_out > st.kv_cap \
+                    and not (cfg.kv_home_admits and own and kv_state in ("device", "host") and k_have > 0):
+                # a wait for running calls' KV, or an output past the estimate: soft. Its own
+                # KV's instance passes, as for round admission: it waits there rather than
+                # recompute elsewhere
+                reason = "kv_full"
             out.append(Priced(
                 CandidateCost(iid, queue + prefill + decode + kv_s + act + place, queued, prefill, decode, kv_s,
                               act, place, kv_state, st.mstate, not reason, reason, reserved_s=reserved),

@@ -570,3 +570,16 @@ def test_a_model_new_to_a_rotation_pays_the_slot_and_switch_it_adds_to_the_sessi
     assert on["b"].placement_s - off["b"].placement_s == pytest.approx(3 * (decode + sw))
     assert on["a"].placement_s == off["a"].placement_s  # m1 already rotates on a: nothing new
     assert (off_audit.chosen, on_audit.chosen) == ("b", "a")
+
+
+def test_a_return_waits_for_kv_where_its_own_kv_is_rather_than_recompute_elsewhere():
+    """Its home holds its KV but running calls fill the pool: it queues there (as its home
+    passes round admission), it does not move to recompute its whole prompt elsewhere."""
+    c = core()
+    c.observe(snap("a", kv_capacity_tokens=3000, kv_used_tokens=2800, kv_pinned_tokens=2000,
+                   sessions=[("s1", "m1", "device", 1000)]), 0.0)
+    c.observe(snap("b", kv_capacity_tokens=100_000), 0.0)
+    audit, _ = decide(c, call("c1", tokens=1200), 0.0)
+    assert audit.chosen == "a" and by_instance(audit)["a"].feasible
+    stranger, _ = decide(c, call("c2", session="s2", tokens=1200), 0.0)  # no KV of its own there
+    assert stranger.chosen == "b" and by_instance(stranger)["a"].reason == "kv_full"
