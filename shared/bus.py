@@ -184,11 +184,11 @@ async def stored(js: JetStreamContext, subject: str, data: bytes, headers: dict[
     """`js.publish`, tried again through a stream leader's failover, for up to FAILOVER_S.
 
     On a cluster, a stream whose leader died answers nobody until its replicas elect another:
-    a publish then gets "no responders" or a 503 API error at once (nothing was stored), or, sent to the old
-    leader just before it died, no answer at all (it may or may not be stored). Either way it
-    is sent again: after "no responders" always; after no answer only with a message id,
-    which makes a second copy a no-op (a copy of our own earlier attempt that JetStream
-    reports as a duplicate is our publish, stored); an event without one gets a single
+    a publish then gets "no responders" or a 503 API error at once (nothing was stored), or,
+    sent to the old leader just before it died, no answer at all (it may or may not be
+    stored). Either way it is sent again: after a refusal always; after no answer only with a
+    message id, which makes a second copy a no-op (a copy of our own earlier attempt that
+    JetStream reports as a duplicate is our publish, stored); an event without one gets a single
     PUBLISH_TIMEOUT_S attempt, as before. Without this the gateway would refuse every call of
     an election with a 503, and a lost answer would hold a publisher for PUBLISH_TIMEOUT_S."""
     loop = asyncio.get_running_loop()
@@ -201,7 +201,8 @@ async def stored(js: JetStreamContext, subject: str, data: bytes, headers: dict[
             ack = await js.publish(subject, data, timeout=min(attempt, max(0.0, deadline - loop.time())),
                                    headers=headers)
             return dataclasses.replace(ack, duplicate=False) if unanswered and ack.duplicate else ack
-        except (NoStreamResponseError, ServiceUnavailableError, asyncio.TimeoutError, nats.errors.TimeoutError) as exc:
+        except (NoStreamResponseError, ServiceUnavailableError, asyncio.TimeoutError,
+                nats.errors.TimeoutError) as exc:
             refused = isinstance(exc, (NoStreamResponseError, ServiceUnavailableError))  # nothing stored
             if loop.time() + wait > deadline or not (resend or refused):
                 raise

@@ -307,8 +307,8 @@ class CostModel:
                 reason = "round_admission"
             elif not st.weights_fit or (st.kv_cap > 0 and prompt >= st.kv_cap):
                 reason = "hbm"  # it can never start here
-            elif st.kv_cap > 0 and (overlay + st.kv_used if st.mstate == "active" else 0) + prompt + kv_out > st.kv_cap \
-                    and not (cfg.kv_home_admits and own and kv_state in ("device", "host") and k_have > 0):
+            elif st.kv_cap > 0 and (overlay + st.kv_used if st.mstate == "active" else 0) + prompt + kv_out \
+                    > st.kv_cap and not (cfg.kv_home_admits and own and kv_state in ("device", "host") and k_have > 0):
                 # a wait for running calls' KV, or an output past the estimate: soft. Its own
                 # KV's instance passes, as for round admission: it waits there rather than
                 # recompute elsewhere

@@ -493,7 +493,7 @@ class RouterService:
                     continue
                 except Exception as exc:
                     self.log.warning("fetch failed", error=str(exc))
-                    rebuild = True
+                    rebuild = rebuild or rebuilding is None  # one under way (deleting it) covers this
                     await asyncio.sleep(RECONNECT_WAIT_S)
                     continue
                 for msg in msgs:

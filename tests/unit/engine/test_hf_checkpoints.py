@@ -141,35 +141,22 @@ def assert_bf16_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
     assert off.float().mean().item() <= 0.03, f"{int(off.sum())} of {len(off)} positions beyond two bf16 steps"
 
 
-def hf_greedy_gaps(model, ids: list[int], n: int, eos: set[int]) -> tuple[list[int], list[tuple[int, float, float]]]:
-    """transformers' greedy tokens (bf16 logits, recomputed from scratch each step), and at each
-    step (runner-up token, top logit, gap to the runner-up)."""
-    out, alts, ids = [], [], list(ids)
+def assert_bf16_greedy(model, ids: list[int], ours: list[int], n: int, eos: set[int]) -> None:
+    """Every token the engine chose is transformers' greedy choice on the engine's own prefix,
+    to bf16's resolution: its logit within two bf16 steps of the top (assert_bf16_close's
+    tolerance). Teacher-forced, so a tie at bf16's resolution (the engine's cached decode and
+    transformers' full recompute round the same sums differently) may go either way without
+    ending the comparison: comparing two free-running sequences stopped at the first such tie,
+    and a seeded qwen3_moe checkpoint ties exactly (gap 0.0) at its first token."""
+    seq = list(ids)
     with torch.no_grad():
-        for _ in range(n):
-            logits = model(torch.tensor([ids])).logits[0, -1].float()
-            out.append(int(logits.argmax()))  # the first of equal logits, as the engine's sampler
-            top = float(logits[out[-1]])
-            logits[out[-1]] = float("-inf")
-            alts.append((int(logits.argmax()), top, top - float(logits.max())))
-            ids.append(out[-1])
-            if out[-1] in eos:
-                break
-    return out, alts
-
-
-def assert_bf16_greedy(ours: list[int], theirs: list[int], alts) -> None:
-    """bf16's rule: equal tokens, except that from a step where transformers' two best logits
-    are within one bf16 step of each other (a tie at bf16's resolution: the engine's cached
-    decode and transformers' full recompute round the same sums differently) the engine may
-    take the runner-up, after which the sequences are different text and are not compared."""
-    for i, (a, b) in enumerate(zip(ours, theirs)):
-        if a != b:
-            alt, top, gap = alts[i]
-            assert a == alt and gap <= bf16_step(top), f"token {i}: {a} vs {b}, not a bf16 near-tie (gap {gap})"
-            assert i >= 8, f"diverged at token {i}"
-            return
-    assert len(ours) == len(theirs)
+        for i, tok in enumerate(ours):
+            logits = model(torch.tensor([seq])).logits[0, -1].float()
+            top = float(logits.max())
+            assert float(logits[tok]) >= top - 2 * bf16_step(top), \
+                f"token {i}: {tok} at {float(logits[tok])}, transformers' best {int(logits.argmax())} at {top}"
+            seq.append(tok)
+    assert len(ours) == n or ours[-1] in eos
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -194,14 +181,14 @@ def test_a_bf16_checkpoint_runs_in_bf16_and_matches_transformers_in_bf16(family,
         ours = reference_logits(spec, params, ids)
         assert_bf16_close(ours, theirs)
 
-        expected, alts = hf_greedy_gaps(model, ids, GREEDY, set(spec.eos_ids))
         fresh = engine.generate(GenRequest("fresh", "s1", spec.name, ids, GREEDY))
-        assert_bf16_greedy(fresh.token_ids, expected, alts)
+        assert_bf16_greedy(model, ids, fresh.token_ids, GREEDY, set(spec.eos_ids))
         engine.switch_to("qwen3-tiny")  # bf16 KV pages through the host registry and back
         assert engine.kv_state("s1", spec.name) == "host"
         again = engine.generate(GenRequest("again", "s1", spec.name, ids, GREEDY))
         assert again.kv_source == "host"
-        assert_bf16_greedy(again.token_ids, expected, alts)
+        if again.token_ids != fresh.token_ids:
+            assert_bf16_greedy(model, ids, again.token_ids, GREEDY, set(spec.eos_ids))
     finally:
         engine.close()
 
