@@ -302,17 +302,15 @@ class CostModel:
             place = snap.running * (decode if running_s is None else running_s) \
                 if first_call else 0.0
             place += later * stretch + join  # the session keeps paying this rotation here
-            if queue > 0 and queue + prefill + kv_s + act > budget and not (
-                    cfg.kv_home_admits and own and kv_state in ("device", "host") and k_have > 0):
+            # r's own KV is here: with kv_home_admits it waits here rather than recompute elsewhere
+            home = cfg.kv_home_admits and own and kv_state in ("device", "host") and k_have > 0
+            if queue > 0 and queue + prefill + kv_s + act > budget and not home:
                 reason = "round_admission"
             elif not st.weights_fit or (st.kv_cap > 0 and prompt >= st.kv_cap):
                 reason = "hbm"  # it can never start here
-            elif st.kv_cap > 0 and (overlay + st.kv_used if st.mstate == "active" else 0) + prompt + kv_out \
-                    > st.kv_cap and not (cfg.kv_home_admits and own and kv_state in ("device", "host") and k_have > 0):
-                # a wait for running calls' KV, or an output past the estimate: soft. Its own
-                # KV's instance passes, as for round admission: it waits there rather than
-                # recompute elsewhere
-                reason = "kv_full"
+            elif st.kv_cap > 0 and not home and \
+                    (overlay + st.kv_used if st.mstate == "active" else 0) + prompt + kv_out > st.kv_cap:
+                reason = "kv_full"  # a wait for running calls' KV, or an output past the estimate: soft
             out.append(Priced(
                 CandidateCost(iid, queue + prefill + decode + kv_s + act + place, queued, prefill, decode, kv_s,
                               act, place, kv_state, st.mstate, not reason, reason, reserved_s=reserved),

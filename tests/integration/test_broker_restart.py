@@ -28,7 +28,7 @@ from talaria.shared.events import CallSubmitted
 from talaria.shared.nats_auth import sender_headers
 from talaria.shared.settings import Settings
 from talaria.shared.wire import encode
-from tests.integration.harness import Services, wait_rows
+from tests.integration.harness import Services, wait_rows, wait_until
 from talaria.shared.subjects import Deployment
 
 DEP = Deployment()  # the default deployment's subject names
@@ -56,8 +56,11 @@ async def missed_reply(nats_url: str, call_id: str):
         call = CallSubmitted(call_id=call_id, session_id="s1", model="qwen3-tiny", prompt_ids=[1, 2],
                              block_hashes=[], max_tokens=1, submitted_at=time.time())
         pending = asyncio.ensure_future(submitter.submit(call))
-        while call_id not in submitter._calls:  # submitted (the stream acked it)
-            await asyncio.sleep(0.01)
+
+        async def submitted():  # the stream acked it: no event says so
+            return call_id in submitter._calls
+
+        await wait_until(submitted, f"call {call_id} submitted", timeout=10, every=0.01)
         await submitter._sub.unsubscribe()
         submitter._sub = None
         reply_to = submitter._calls[call_id].reply_to
