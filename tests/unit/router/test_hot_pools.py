@@ -147,3 +147,35 @@ def test_an_instance_moves_only_to_a_model_that_is_short_of_instances():
     assert pools.decide(10.0, {"a": 0.0, "b": 0.0}, {}) == []
     _sessions(pools, "a", 1, "i1", 1.0, prefix="x")
     assert [(m.model, m.previous) for m in pools.decide(20.0, {"a": 0.0, "b": 0.0}, {})] == [("a", "b")]
+
+
+def test_the_last_cold_instance_stays_cold_while_a_model_has_no_hot_instance():
+    # One agent, two models, every session on a: pinning it to a would leave b's calls
+    # nowhere to run.
+    pools = HotPools()
+    pools.instance("i0", None, ("a", "b"))
+    _sessions(pools, "a", 40, "i0", 0.0)
+    assert pools.decide(10.0, {"a": 1.0, "b": 1.0}, {}) == []
+    # with a second agent, one of them turns hot for a and the other stays cold for b
+    pools.instance("i1", None, ("a", "b"))
+    moves = pools.decide(20.0, {"a": 1.0, "b": 1.0}, {})
+    assert [m.model for m in moves] == ["a"]
+    assert pools.decide(1000.0, {"a": 1.0, "b": 1.0}, {}) == [] and list(pools.pins.values()).count(None) == 1
+
+
+def test_an_instance_turns_hot_only_if_the_cold_pool_left_carries_the_other_models():
+    # 4 instances, i3 hot for b (its floor). a: 60 sessions (2.4 instances of demand), c: 36
+    # (1.44), b: 4. a gets i0; then c is the most short, but pinning a second cold instance
+    # would leave one for a's 1.4 instances past its hot one: refused, both stay cold.
+    pools = HotPools()
+    for i in INST:
+        pools.instance(i, None, ("a", "b", "c"))
+    pools.pinned("i3", "b", -1000.0)
+    _sessions(pools, "a", 60, "i0", 0.0)
+    _sessions(pools, "c", 36, "i1", 0.0)
+    _sessions(pools, "b", 4, "i3", 0.0)
+    cost = {"a": 1.0, "b": 1.0, "c": 1.0}
+    assert [m.model for m in pools.decide(10.0, cost, {})] == ["a"]
+    _sessions(pools, "b", 1, "i3", 500.0, prefix="late")  # demand moved: a decision is due
+    assert pools.due(1000.0) and pools.decide(1000.0, cost, {}) == []
+    assert pools.counts() == {"a": 1, "b": 1, "c": 0}
