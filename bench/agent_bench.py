@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from talaria.services.instance_agent.engine import GenRequest, TorchEngine  # noqa: E402
+from talaria.services.instance_agent.engine import Sequence, TorchEngine  # noqa: E402
 
 MODEL = "qwen3-tiny"
 OTHER = "gpt2-tiny"
@@ -44,14 +44,14 @@ def return_latency(data: Path, device: str, n: int, source: str, reps: int) -> t
         for r in range(reps):
             sid = f"s{r}"
             first_prompt = prompt_of(n, r)
-            first = eng.generate(GenRequest(f"a{r}", sid, MODEL, first_prompt, 2))
+            first = eng.generate(Sequence(f"a{r}", sid, MODEL, first_prompt, 2))
             if eng.hkvr is not None:
                 eng.hkvr.drain(MODEL)  # the tool gap: the call's D2H checkpoint completes meanwhile
             if source != "device":
                 eng.switch_to(OTHER)  # forced switch: the device KV of MODEL is released
                 eng.switch_to(MODEL)
             ret = first_prompt + first.token_ids + prompt_of(17, r + 1)[1:]
-            res = eng.generate(GenRequest(f"b{r}", sid, MODEL, ret, 1))
+            res = eng.generate(Sequence(f"b{r}", sid, MODEL, ret, 1))
             times.append(res.ttft_s)
             cached, seen = res.cached_tokens, res.kv_source
             eng.switch_to(OTHER)  # start the next rep from a clean device pool
@@ -92,7 +92,7 @@ def _dirty_tail(eng: TorchEngine, r: int) -> None:
     staged_lo = min(c.dst_lo for c in eng.staging.planner.chunks if c.dst_lo >= 0)
     pages = (staged_lo - eng.bump.kv_base) // pb + 24
     n = min(pages * 16 - 8, eng.stats().kv_capacity_tokens - 16, eng.specs[eng.active_model].context_length - 4)
-    eng.generate(GenRequest(f"fill{r}", f"fill{r}", eng.active_model, prompt_of(n, 99 + r), 1))
+    eng.generate(Sequence(f"fill{r}", f"fill{r}", eng.active_model, prompt_of(n, 99 + r), 1))
     eng.hkvr.drain(eng.active_model)  # keep this call's D2H out of the switch's P1
 
 

@@ -64,21 +64,20 @@ def prompts(n: int, length: int, vocab: int, salt: int) -> list[list[int]]:
 
 def run_batch(engine, model: str, batch: list[list[int]], decode: int, tag: str) -> tuple[float, float]:
     """(prefill tok/s, decode tok/s) for one batch admitted together."""
-    from talaria.services.instance_agent.engine import GenRequest
+    from talaria.services.instance_agent.engine import Sequence
 
-    reqs = [GenRequest(f"{tag}.{i}", f"{tag}.{i}", model, p, decode) for i, p in enumerate(batch)]
+    reqs = [Sequence(f"{tag}.{i}", f"{tag}.{i}", model, p, decode) for i, p in enumerate(batch)]
     t0 = time.perf_counter()
     steps = engine.prefill(reqs)
     t1 = time.perf_counter()
-    live = [s.call_id for s in steps if not s.finished]
+    live = [r for r in reqs if not r.finished]
     made = 0
     while live:
-        out = engine.decode(live)
-        made += len(out)
-        live = [s.call_id for s in out if not s.finished]
+        made += len(engine.decode(live))
+        live = [r for r in live if not r.finished]
     t2 = time.perf_counter()
     for r in reqs:
-        engine.finish(r.call_id)
+        engine.finish(r)
     return sum(map(len, batch)) / (t1 - t0), made / (t2 - t1) if made else 0.0
 
 

@@ -243,7 +243,7 @@ def run_sim(policy: str, served: list[Session], agents: int, server=LOCAL_TORCH)
 def measure(reps: int = 5) -> dict:
     import torch
 
-    from talaria.services.instance_agent.engine import GenRequest, TorchEngine
+    from talaria.services.instance_agent.engine import Sequence, TorchEngine
 
     torch.set_num_threads(max(1, Settings.from_env().agent.torch_threads))  # as the agent (agent_service.py)
     out = {}
@@ -257,20 +257,22 @@ def measure(reps: int = 5) -> dict:
                     ts = []
                     for r in range(reps):
                         t = time.perf_counter()
-                        eng.prefill([GenRequest(f"p{n}{r}", f"p{n}{r}", m, _ids(n, r), 1)])
+                        seq = Sequence(f"p{n}{r}", f"p{n}{r}", m, _ids(n, r), 1)
+                        eng.prefill([seq])
                         ts.append(time.perf_counter() - t)
-                        eng.finish(f"p{n}{r}")
+                        eng.finish(seq)
                     row[f"prefill_{n}_s"] = statistics.median(ts)
                 for batch, ctx in ((1, 512), (1, 2048), (4, 512)):
                     ids = [f"d{batch}{ctx}{k}" for k in range(batch)]
-                    eng.prefill([GenRequest(c, c, m, _ids(ctx, k + 7), 64) for k, c in enumerate(ids)])
+                    seqs = [Sequence(c, c, m, _ids(ctx, k + 7), 64) for k, c in enumerate(ids)]
+                    eng.prefill(seqs)
                     ts = []
                     for _ in range(8 * reps):
                         t = time.perf_counter()
-                        eng.decode(ids)
+                        eng.decode(seqs)
                         ts.append(time.perf_counter() - t)
-                    for c in ids:
-                        eng.finish(c)
+                    for seq in seqs:
+                        eng.finish(seq)
                     row[f"decode_b{batch}_ctx{ctx}_s"] = statistics.median(ts)
                 out[m] = row
         finally:

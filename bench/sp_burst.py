@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from talaria.services.instance_agent.engine import GenRequest, TorchEngine  # noqa: E402
+from talaria.services.instance_agent.engine import Sequence, TorchEngine  # noqa: E402
 from talaria.services.instance_agent.runner import INITIAL_COSTS, reusable_kv  # noqa: E402
 from talaria.shared.stats import quantile  # noqa: E402
 from talaria.services.instance_agent.scheduler import (  # noqa: E402
@@ -43,7 +43,7 @@ class Driver:
     def __init__(self, engine: TorchEngine, sp: bool) -> None:
         self.engine = engine
         self.sched = RoundScheduler(SchedulerConfig(sp=sp), [A, B], INITIAL_COSTS)
-        self.reqs: dict[str, GenRequest] = {}
+        self.reqs: dict[str, Sequence] = {}
         self.submitted: dict[str, float] = {}
         self.first_token: dict[str, float] = {}
         self.results: dict[str, object] = {}
@@ -51,7 +51,7 @@ class Driver:
         self.decodes = 0
         self.last_decode_model: str | None = None
 
-    def submit(self, req: GenRequest, continuation: bool) -> None:
+    def submit(self, req: Sequence, continuation: bool) -> None:
         state, reusable = reusable_kv(self.engine, req.session_id, req.model, len(req.prompt_ids))
         now = time.perf_counter()
         self.sched.submit(AgentCall(req.call_id, req.session_id, req.model, call_index=int(continuation),
@@ -73,7 +73,7 @@ class Driver:
                 steps = self.engine.prefill([self.reqs[c] for c in action.call_ids])
                 events = self.sched.on_prefill_done(action, time.perf_counter(), self._tokens(steps))
             case Decode():
-                steps = self.engine.decode(list(action.call_ids))
+                steps = self.engine.decode([self.reqs[c] for c in action.call_ids])
                 self.decodes += 1
                 self.last_decode_model = self.engine.active_model
                 events = self.sched.on_decode_done(action, time.perf_counter(), self._tokens(steps))
@@ -91,7 +91,7 @@ class Driver:
             if isinstance(e, CallAdmitted):
                 self.via[e.call_id] = e.via
             elif isinstance(e, CallFinished) and e.reason != "aborted":
-                self.results[e.call_id] = self.engine.finish(e.call_id)
+                self.results[e.call_id] = self.engine.finish(self.reqs[e.call_id])
 
     def run_until_idle(self, hook=None) -> None:
         while self.step():
@@ -105,13 +105,13 @@ def scenario(data: Path, device: str, sp: bool, sessions: int, prefix: int, long
     try:
         firsts = {}
         for i in range(sessions):  # warm-up: each session's first call leaves its KV here
-            req = GenRequest(f"w{i}", f"s{i}", A, prompt(prefix, i), 4)
+            req = Sequence(f"w{i}", f"s{i}", A, prompt(prefix, i), 4)
             d.submit(req, continuation=False)
             firsts[i] = req
         d.run_until_idle()
         for i in range(4):  # long work on both models keeps the rounds turning
-            d.submit(GenRequest(f"la{i}", f"la{i}", A, prompt(64, 100 + i), long_tokens), continuation=False)
-            d.submit(GenRequest(f"lb{i}", f"lb{i}", B, prompt(64, 200 + i), long_tokens), continuation=False)
+            d.submit(Sequence(f"la{i}", f"la{i}", A, prompt(64, 100 + i), long_tokens), continuation=False)
+            d.submit(Sequence(f"lb{i}", f"lb{i}", B, prompt(64, 200 + i), long_tokens), continuation=False)
         burst = []
 
         def inject(driver: Driver) -> None:
@@ -119,11 +119,11 @@ def scenario(data: Path, device: str, sp: bool, sessions: int, prefix: int, long
             if burst or "la0" not in driver.via or driver.last_decode_model != A:
                 return
             for i in range(4):  # meanwhile model B's traffic keeps arriving
-                driver.submit(GenRequest(f"nb{i}", f"nb{i}", B, prompt(64, 400 + i), long_tokens), continuation=False)
+                driver.submit(Sequence(f"nb{i}", f"nb{i}", B, prompt(64, 400 + i), long_tokens), continuation=False)
             for i in range(sessions):
                 prev = firsts[i]
                 out = d.results[prev.call_id].token_ids
-                req = GenRequest(f"r{i}", f"s{i}", A, prev.prompt_ids + out + prompt(24, 300 + i)[1:], 4)
+                req = Sequence(f"r{i}", f"s{i}", A, prev.prompt_ids + out + prompt(24, 300 + i)[1:], 4)
                 driver.submit(req, continuation=True)
                 burst.append(req.call_id)
 

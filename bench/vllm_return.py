@@ -39,14 +39,15 @@ def prompt_of(n: int, salt: int) -> list[int]:
 
 
 def timed(engine, call_id: str, session: str, prompt: list[int], n: int = 8, scope: str = ""):
-    from talaria.services.instance_agent.engine import GenRequest
+    from talaria.services.instance_agent.engine import Sequence
 
     t0 = time.perf_counter()
-    step = engine.prefill([GenRequest(call_id, session, A, prompt, n, kv_scope=scope)])[0]
+    seq = Sequence(call_id, session, A, prompt, n, kv_scope=scope)
+    step = engine.prefill([seq])[0]
     ttft = time.perf_counter() - t0
     while not step.finished:
-        step = engine.decode([call_id])[0]
-    return ttft, engine.finish(call_id)
+        step = engine.decode([seq])[0]
+    return ttft, engine.finish(seq)
 
 
 def measure(data: Path, mode: str, sizes: list[int], reps: int) -> dict:

@@ -36,17 +36,18 @@ from bench.vllm_return import A, prompt_of  # noqa: E402
 
 def one_call(engine, call_id: str, prompt: list[int], decode: int) -> tuple[float, float, list[int]]:
     """(prefill s, decode tok/s, tokens) of one call under its own scope (no prefix reuse)."""
-    from talaria.services.instance_agent.engine import GenRequest
+    from talaria.services.instance_agent.engine import Sequence
 
     t0 = time.perf_counter()
-    step = engine.prefill([GenRequest(call_id, call_id, A, prompt, decode, kv_scope=call_id)])[0]
+    seq = Sequence(call_id, call_id, A, prompt, decode, kv_scope=call_id)
+    step = engine.prefill([seq])[0]
     t1 = time.perf_counter()
     made = 0
     while not step.finished:
-        step = engine.decode([call_id])[0]
+        step = engine.decode([seq])[0]
         made += 1
     t2 = time.perf_counter()
-    res = engine.finish(call_id)
+    res = engine.finish(seq)
     assert res.cached_tokens == 0 and res.host_restored_tokens == 0, "a fresh scope reused KV"
     return t1 - t0, made / (t2 - t1) if made else 0.0, res.token_ids
 

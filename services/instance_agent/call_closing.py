@@ -77,9 +77,9 @@ class CallCloser:
         transport = call.transport
         deadline = transport.routed.call.deadline_at
         if deadline and time.time() >= deadline:  # its client got a 504: never flip that to completed
-            if transport.result is None:
+            if transport.released is False:
                 try:
-                    await self.thread.run(self.engine.finish, call_id)
+                    await self.thread.run(self.engine.finish, transport.seq)
                 except Exception:
                     pass
                 transport.in_engine = False
@@ -93,23 +93,24 @@ class CallCloser:
             except BaseException:
                 self.core.forget(call_id)  # not sent: a redelivery runs it again
                 if transport.in_engine:
-                    self.thread.release_soon(call_id)
+                    self.thread.release_soon(transport.seq)
                 raise
 
     async def _publish_completion(self, call: AgentCall, transport: CallTransport):
         call_id = call.call_id
-        result, transport.result = transport.result, None  # the engine step that finished it released it
+        released, transport.released = transport.released, False  # the engine step that finished it released it
         try:
-            if result is None:
-                result = await self.thread.run(self.engine.finish, call_id)
-            elif isinstance(result, EngineError):
-                raise result
+            if released is False:
+                await self.thread.run(self.engine.finish, transport.seq)
+            elif isinstance(released, EngineError):
+                raise released
         except EngineError as exc:
             transport.in_engine = False
             self.core.reopen(call_id)
             await self.fail(call_id, f"engine error: {exc}")
             return None
         transport.in_engine = False
+        result = transport.seq  # released: what the engine computed for the call
         routed, request, done = transport.routed, transport.routed.call, time.time()
         via = call.via
         completed = self.core.completed(
@@ -160,9 +161,9 @@ class CallCloser:
         if call is None:
             return
         transport = call.transport
-        transport.result = None
+        transport.released = False
         if transport.in_engine:
-            self.thread.release_soon(call_id)
+            self.thread.release_soon(transport.seq)
             transport.in_engine = False
         try:
             await self._publish_failure(call_id, transport, reason, status, code)

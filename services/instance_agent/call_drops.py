@@ -69,7 +69,7 @@ class CallDrops:
         except SchedulerError:
             pass  # not (or no longer) in the scheduler
         if call.transport.in_engine:
-            await self.thread.release(call_id)  # its pages back before its client hears
+            await self.thread.release(call.transport.seq)  # its pages back before its client hears
             call.transport.in_engine = False
         await self.closer.fail(call_id, reason, status=status, code=code)
 

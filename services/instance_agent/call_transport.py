@@ -1,5 +1,6 @@
 """What the live runner keeps of a call beside the core's record: how it came and how it is
-answered (the JetStream message to ack, the reply and token subjects, the trace span)."""
+answered (the JetStream message to ack, the reply and token subjects, the trace span), and
+its handle to the engine (the call's `Sequence`, handed to every engine step)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
+from talaria.services.instance_agent.engine.engine_errors import EngineError
+from talaria.services.instance_agent.engine.sequence import Sequence
 from talaria.shared.events import CallRouted
 
 
@@ -19,7 +22,9 @@ class CallTransport:
     msg: object | None
     span: trace.Span
     streamed: int = 0  # token chunks sent (the last one's index)
+    seq: Sequence | None = None  # the call on the engine, from its prefill hand-off on
     in_engine: bool = False  # the engine holds it (its prefill was handed over, not yet released)
     started_pub: asyncio.Future | None = None  # the CallStarted publish, off the prefill path
     logprobs: list = field(default_factory=list)  # a streamed call's logprobs not yet in a chunk
-    result: object = None  # the engine step that finished it released it: its GenResult (or error)
+    # The engine step that finished it released it: True, or the EngineError releasing it raised
+    released: bool | EngineError = False

@@ -2,7 +2,8 @@
 gives back to the core (first and next tokens, streamed; a switch record; a failed step).
 
 A part of `CallRunner` (runner.py) that owns no call state: it reads the calls from the core's
-table and hands finished and failed calls to the closer (call_closing.py).
+table, hands the engine each call's `Sequence` (built here at its first prefill, kept on its
+transport) and finished and failed calls to the closer (call_closing.py).
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ from collections.abc import Awaitable, Callable
 
 from talaria.services.instance_agent.call_closing import CallCloser
 from talaria.services.instance_agent.agent_core import AgentCore, Phase, StepReport
-from talaria.services.instance_agent.engine import EngineBusy, EngineError, GenRequest
+from talaria.services.instance_agent.engine import EngineBusy, EngineError, SamplingParams, Sequence
 from talaria.services.instance_agent.engine_thread import EngineThread
 from talaria.services.instance_agent.scheduler import Decode, Prefill, SchedulerError, SwitchModel
 from talaria.shared.subjects import Deployment
 from talaria.shared.bus import emit
-from talaria.shared.events import CallStarted
+from talaria.shared.events import CallRouted, CallStarted
 from talaria.shared.messages import TokenChunk
 from talaria.shared.nats_auth import sender_headers
 from talaria.shared.wire import encode
@@ -44,63 +45,61 @@ class EngineSteps:
         return report
 
     async def prefill(self, action: Prefill) -> StepReport:
-        reqs, more = [], []
+        new, more = [], []
         started = time.time()
-        for call_id in action.call_ids:
-            call = self.core.live_call(call_id)
-            if call is None:
-                continue  # cancelled while queued for this action
+        calls = self.core.live_calls(action.call_ids)  # the others were cancelled while queued for it
+        for call in calls:
             transport = call.transport
             if transport.in_engine:
-                more.append(call_id)  # chunked prefill: this call's next chunk
+                more.append(transport.seq)  # chunked prefill: this call's next chunk
                 continue
             routed = transport.routed.call
-            reqs.append(GenRequest(call_id=routed.call_id, session_id=routed.session_id, model=routed.model,
-                                   prompt_ids=list(routed.prompt_ids), max_tokens=routed.max_tokens,
-                                   temperature=routed.temperature, top_p=routed.top_p, seed=routed.seed,
-                                   stop=tuple(routed.stop), kv_scope=routed.kv_scope, logit_bias=routed.logit_bias,
-                                   logprobs=routed.logprobs, top_logprobs=routed.top_logprobs,
-                                   kv_output_tokens=transport.routed.kv_output_tokens))
+            transport.seq = _sequence(transport.routed)
+            new.append(transport.seq)
             transport.in_engine = True
             transport.span.add_event("prefill_start", {"session_prefill": action.session_prefill})
             # Published while the prefill runs: it is a progress marker (the projector keeps a
             # final outcome over it whatever the order), and awaited before the call's outcome.
             transport.started_pub = asyncio.ensure_future(
-                emit(self.js, CallStarted(call_id, routed.session_id, self.instance_id, started)))
+                emit(self.js, CallStarted(call.call_id, routed.session_id, self.instance_id, started)))
         self.thread.arrived.clear()
-        steps = await self._step(self.engine.prefill, reqs, action.chunk_tokens, more, action.pass_tokens)
+        steps = await self._step(self.engine.prefill, more + new, new, action.chunk_tokens, more, action.pass_tokens)
         firsts = [s.call_id for s in steps]
-        left = self.engine.prompt_left(action.call_ids) if action.chunk_tokens else None
+        # What each call the engine still holds has left of its prompt (a chunk may end early).
+        left = {c.call_id: c.transport.seq.prompt_left for c in calls
+                if c.transport.in_engine} if action.chunk_tokens else None
         return self.core.prefill_done(action, time.time(), await self._tokens(steps), first_tokens=firsts,
                                       prompt_left=left)
 
     async def decode(self, action: Decode) -> StepReport:
-        steps = await self._step(self.engine.decode, list(action.call_ids))
+        seqs = [c.transport.seq for c in self.core.live_calls(action.call_ids)]
+        steps = await self._step(self.engine.decode, seqs, seqs)
         stepped = {s.call_id for s in steps}
         stalled = [c for c in action.call_ids if c not in stepped]  # no KV page for them yet
         return self.core.decode_done(action, time.time(), await self._tokens(steps), stalled=stalled)
 
-    async def _step(self, step, *args):
-        """An engine step (prefill or decode); the calls it finished are released on the
-        engine thread in the same trip, so completing them costs no second hand-off."""
-        steps, released = await self.thread.run(self._step_and_release, step, *args, kind=step.__name__)
-        for call_id, result in released.items():
-            call = self.core.live_call(call_id)
+    async def _step(self, step, seqs: list[Sequence], *args):
+        """An engine step (prefill or decode) over `seqs`; the calls it finished are released
+        on the engine thread in the same trip, so completing them costs no second hand-off."""
+        steps, released = await self.thread.run(self._step_and_release, step, seqs, *args, kind=step.__name__)
+        for seq, outcome in released:
+            call = self.core.live_call(seq.call_id)
             if call is not None:
-                call.transport.result, call.transport.in_engine = result, False
+                call.transport.released, call.transport.in_engine = outcome, False
         return steps
 
-    def _step_and_release(self, step, *args):
-        """On the engine thread: the step, then each call it finished released (its GenResult,
-        or the EngineError releasing it raised)."""
+    def _step_and_release(self, step, seqs: list[Sequence], *args):
+        """On the engine thread: the step, then each call it finished released ((its
+        sequence, True), or the EngineError releasing it raised)."""
         steps = step(*args)
-        released = {}
-        for s in steps:
-            if s.finished:
+        released = []
+        for seq in seqs:
+            if seq.finished:  # it ended in this step (a finished call cannot step)
                 try:
-                    released[s.call_id] = self.engine.finish(s.call_id)
+                    self.engine.finish(seq)
+                    released.append((seq, True))
                 except EngineError as exc:
-                    released[s.call_id] = exc
+                    released.append((seq, exc))
         return steps, released
 
     async def _tokens(self, steps) -> set[str]:
@@ -150,13 +149,23 @@ class EngineSteps:
             report.merge(self.core.action_failed(action, time.time()))
         return report
 
-    async def _release_strays(self, held: list[str]) -> None:
-        """The engine named the calls it holds: those the call table says are not running here
-        (ended, or never known) are released. One still closing keeps its entry: its
-        completion releases it."""
-        for call_id in held:
-            call = self.core.calls.get(call_id)
+    async def _release_strays(self, held: list[Sequence]) -> None:
+        """The engine handed back the calls it holds: those the call table says are not
+        running here (ended, or never known) are released. One still closing keeps its entry:
+        its completion releases it."""
+        for seq in held:
+            call = self.core.calls.get(seq.call_id)
             if call is None or call.phase in (Phase.FINISHED, Phase.CANCELLED):
                 if call is None:
-                    self.log.error("the engine held a call this agent does not know; releasing it", call_id=call_id)
-                await self.thread.release(call_id)
+                    self.log.error("the engine held a call this agent does not know; releasing it",
+                                   call_id=seq.call_id)
+                await self.thread.release(seq)
+
+
+def _sequence(routed: CallRouted) -> Sequence:
+    """The engine's record of a routed call: its request and sampling parameters."""
+    call = routed.call
+    params = SamplingParams(temperature=call.temperature, top_p=call.top_p, seed=call.seed, stop=tuple(call.stop),
+                            logit_bias=call.logit_bias, logprobs=call.logprobs, top_logprobs=call.top_logprobs)
+    return Sequence(call.call_id, call.session_id, call.model, list(call.prompt_ids), call.max_tokens, params,
+                    kv_scope=call.kv_scope, kv_output_tokens=routed.kv_output_tokens)

@@ -11,7 +11,7 @@ import threading
 import time
 from concurrent.futures import Executor
 
-from talaria.services.instance_agent.engine.contract import Engine
+from talaria.services.instance_agent.engine.contract import Engine, Sequence
 from talaria.services.instance_agent.scheduler.calls import AgentCall
 from talaria.services.instance_agent.watchdog import Watchdog
 
@@ -42,20 +42,20 @@ class EngineThread:
         the loop, so the watchdog's view of the step in flight stays whole)."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-    async def release(self, call_id: str) -> None:
+    async def release(self, seq: Sequence) -> None:
         """Release what the engine holds of a call, if anything (its KV stays as the session's cache)."""
         try:
-            await self.call(self.engine.finish, call_id)
+            await self.call(self.engine.finish, seq)
         except Exception:
             pass  # the engine never admitted it, or released it already
 
-    def release_soon(self, call_id: str) -> None:
+    def release_soon(self, seq: Sequence) -> None:
         """`release`, queued now without waiting: it runs once the step in flight (even a stuck
         one) returns, before the next."""
-        asyncio.get_running_loop().run_in_executor(self.executor, self._finish_quietly, call_id)
+        asyncio.get_running_loop().run_in_executor(self.executor, self._finish_quietly, seq)
 
-    def _finish_quietly(self, call_id: str) -> None:
+    def _finish_quietly(self, seq: Sequence) -> None:
         try:
-            self.engine.finish(call_id)
+            self.engine.finish(seq)
         except Exception:
             pass

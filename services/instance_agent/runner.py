@@ -195,7 +195,7 @@ class CallRunner:
         if call is None:
             return
         if call.transport.in_engine:  # after any step in flight: the engine thread runs one thing at a time
-            await self.thread.release(call_id)
+            await self.thread.release(call.transport.seq)
             call.transport.in_engine = False
         await self.closer.fail(call_id, f"cancelled: {reason}", status=CANCELLED_STATUS, code="cancelled")
         self.wakeup.set()

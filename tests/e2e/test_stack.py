@@ -77,11 +77,11 @@ class Stack:
 
 def from_scratch(data_dir: Path, messages: list[dict], max_tokens: int) -> str:
     """The same prompt on a fresh engine in this process: greedy output must match."""
-    from talaria.services.instance_agent.engine import GenRequest, TorchEngine
+    from talaria.services.instance_agent.engine import Sequence, TorchEngine
 
     engine = TorchEngine(data_dir, ["qwen3-tiny"])
     ids = text_for(CATALOG["qwen3-tiny"]).encode(render_chat([(m["role"], m["content"]) for m in messages]))
-    return engine.generate(GenRequest("ref", "ref", "qwen3-tiny", ids, max_tokens)).text
+    return engine.generate(Sequence("ref", "ref", "qwen3-tiny", ids, max_tokens)).text
 
 
 async def completed_rows(url: str, n: int) -> list:

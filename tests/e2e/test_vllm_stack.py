@@ -52,11 +52,11 @@ class VllmStack(Stack):
 
 
 def greedy(data_dir, model: str, prompt_ids: list[int], n: int) -> list[int]:
-    from talaria.services.instance_agent.engine import GenRequest, TorchEngine
+    from talaria.services.instance_agent.engine import Sequence, TorchEngine
 
     engine = TorchEngine(data_dir, [model], hkvr=False, staging=False)
     try:
-        return engine.generate(GenRequest("ref", "ref", model, prompt_ids, n)).token_ids
+        return engine.generate(Sequence("ref", "ref", model, prompt_ids, n)).token_ids
     finally:
         engine.close()
 

@@ -23,7 +23,7 @@ import pytest
 
 from talaria.services.instance_agent import record_sender
 from talaria.services.instance_agent import agent_service
-from talaria.services.instance_agent.engine import GenRequest
+from talaria.services.instance_agent.engine import Sequence
 from talaria.shared.events import CallCompleted, CallRouted, CallSubmitted
 from talaria.shared.messages import CallResult, REPLY_DECODER
 from talaria.shared.bus import connect, emit, publish_fast
@@ -155,11 +155,11 @@ def hold_engine_release(stack: Stack, call_id: str):
     engine = stack.runner.engine
     finish = engine.finish
 
-    def held_finish(cid):
-        if cid == call_id and not resume.is_set():
+    def held_finish(seq):
+        if seq.call_id == call_id and not resume.is_set():
             held.set()
             resume.wait(30)
-        return finish(cid)
+        return finish(seq)
 
     engine.finish = held_finish
     loop = asyncio.get_running_loop()
@@ -195,7 +195,7 @@ async def test_a_durable_copy_arriving_while_its_call_finishes_is_acked_never_ru
     assert stack.replies["x"].empty()  # one answer
     assert stack.copies["x"] == [False, True]
     await wait_until(lambda: acked(stack.js, f"agent-{AGENT}", routed_seq), "the durable copy acked")
-    assert stack.runner.engine.running == {} and not list(stack.runner.core.live())
+    assert not stack.runner.engine.running and not list(stack.runner.core.live())
 
 
 async def _durable_arrived(stack: Stack, call_id: str) -> None:
@@ -211,13 +211,13 @@ async def test_an_engine_entry_nobody_runs_cannot_wedge_the_agent(stack):
     # scheduler owns it (the kind of state a lost completion used to leave behind).
     await stack.route("w", "qwen3-tiny", "s-w")
     assert isinstance(await stack.reply("w"), CallResult)
-    leak = GenRequest(call_id="leaked", session_id="s-leak", model="qwen3-tiny", prompt_ids=[1, 2, 3], max_tokens=8)
+    leak = Sequence(call_id="leaked", session_id="s-leak", model="qwen3-tiny", prompt_ids=[1, 2, 3], max_tokens=8)
     await asyncio.get_running_loop().run_in_executor(stack.runner.thread.executor, stack.runner.engine.prefill, [leak])
-    assert "leaked" in stack.runner.engine.running
+    assert leak in stack.runner.engine.running
     # A call for the other model needs a switch, which the engine refuses while it holds a call.
     await stack.route("y", "gpt2-tiny", "s-y")
     assert isinstance(await stack.reply("y", timeout=30), CallResult)
-    assert "leaked" not in stack.runner.engine.running
+    assert leak not in stack.runner.engine.running
 
 
 async def test_an_agent_whose_work_loop_dies_exits_rather_than_heartbeat_with_no_one_working(

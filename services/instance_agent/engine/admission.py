@@ -23,7 +23,6 @@ from functools import partial
 
 import torch
 
-from talaria.services.instance_agent.engine.contract import GenRequest
 from talaria.services.instance_agent.engine.device_model import DeviceModel, Rates
 from talaria.services.instance_agent.engine.engine_errors import (
     ContextTooLong, InvalidRequest, OutOfKvPages, UnknownCall,
@@ -44,9 +43,11 @@ class KvAdmission:
         self.page_size, self.device, self.hkvr, self.staging, self.rates = page_size, device, hkvr, staging, rates
 
     @staticmethod
-    def validate(spec: ModelSpec, running: dict[str, Sequence], r: GenRequest) -> None:
-        if r.call_id in running:
+    def validate(spec: ModelSpec, running: set[Sequence], r: Sequence) -> None:
+        if any(s.call_id == r.call_id for s in running):
             raise InvalidRequest(r.call_id, "call_id", "a call with this id is already running")
+        if r.admitted:  # its engine state is spent: a copy of the request runs it again
+            raise InvalidRequest(r.call_id, "call_id", "this sequence already ran")
         if not r.prompt_ids:
             raise InvalidRequest(r.call_id, "prompt_ids", "empty prompt")
         if any((not isinstance(t, int)) or t < 0 or t >= spec.vocab_size for t in r.prompt_ids):
@@ -55,30 +56,32 @@ class KvAdmission:
             raise ContextTooLong(r.model, len(r.prompt_ids), spec.context_length)
         if r.max_tokens < 1:
             raise InvalidRequest(r.call_id, "max_tokens", "must be >= 1")
-        if not r.temperature >= 0.0:
+        if not r.params.temperature >= 0.0:
             raise InvalidRequest(r.call_id, "temperature", "must be >= 0")
-        if not 0.0 < r.top_p <= 1.0:
+        if not 0.0 < r.params.top_p <= 1.0:
             raise InvalidRequest(r.call_id, "top_p", "must be in (0, 1]")
-        problem = logprob_problem(r.logit_bias, r.logprobs, r.top_logprobs, r.max_tokens, spec.vocab_size)
+        p = r.params
+        problem = logprob_problem(p.logit_bias, p.logprobs, p.top_logprobs, r.max_tokens, spec.vocab_size)
         if problem is not None:
             raise InvalidRequest(r.call_id, *problem)
 
-    def admit(self, dev: DeviceModel, running: dict[str, Sequence], req: GenRequest, t0: float) -> Sequence:
-        """Match device pages, then host pages; reserve the rest. Only the suffix is computed."""
-        spec, ps, prompt = dev.spec, self.page_size, list(req.prompt_ids)
+    def admit(self, dev: DeviceModel, running: set[Sequence], seq: Sequence, t0: float) -> Sequence:
+        """Match device pages, then host pages; reserve the rest (`seq` is admitted only when
+        all of it succeeded). Only the suffix is computed."""
+        spec, ps, prompt = dev.spec, self.page_size, list(seq.prompt_ids)
         max_match = len(prompt) - 1  # the last prompt token is always computed (its logits)
-        hashes = block_hashes(prompt[:max_match], ps, scope=req.kv_scope)
-        shared, cow_src, cached = self.match_device(dev, req.session_id, prompt, hashes, max_match)
+        hashes = block_hashes(prompt[:max_match], ps, scope=seq.kv_scope)
+        shared, cow_src, cached = self.match_device(dev, seq.session_id, prompt, hashes, max_match)
         for p in shared:
             dev.pool.use(p)
-        kv_tokens = min(len(prompt) + reserved_output(req) - 1, spec.context_length)
+        kv_tokens = min(len(prompt) + reserved_output(seq) - 1, spec.context_length)
         total_pages = math.ceil(kv_tokens / ps)
         new_pages = total_pages - len(shared)
-        available = dev.pool.num_unused() - sum(s.pages_to_come() for s in running.values())
+        available = dev.pool.num_unused() - sum(s.pages_to_come() for s in running)
         if new_pages > available:
             for p in shared:
                 dev.pool.unuse(p)
-            raise OutOfKvPages(req.model, new_pages, max(0, available))
+            raise OutOfKvPages(seq.model, new_pages, max(0, available))
         pages, host_tokens = list(shared), 0
         if cow_src is not None:  # partial page: copy, never write into a shared page
             dev.pool.use(cow_src)  # so the allocator's eviction cannot hand it out meanwhile
@@ -88,18 +91,18 @@ class KvAdmission:
             pages.append(page)
         elif self.hkvr is not None and len(shared) < len(hashes):
             t = time.perf_counter()
-            restored = self.hkvr.restore(req.model, hashes[len(shared):], dev.kv, partial(self.alloc_page, dev))
+            restored = self.hkvr.restore(seq.model, hashes[len(shared):], dev.kv, partial(self.alloc_page, dev))
             pages += restored
             host_tokens = len(restored) * ps
             cached += host_tokens
             if restored:
                 self.rates.measured("restore", host_tokens, time.perf_counter() - t)
-        dev.sessions.drop(req.session_id)  # its pages are now held by this call
-        gen = make_generator(req.seed, self.device) if req.temperature > 0 else None
-        return Sequence(req, spec.context_length, prompt, pages, cached, host_tokens, total_pages, t0, gen,
-                        text=text_for(spec))
+        dev.sessions.drop(seq.session_id)  # its pages are now held by this call
+        gen = make_generator(seq.params.seed, self.device) if seq.params.temperature > 0 else None
+        return seq.admit(spec.context_length, text_for(spec), t0, cached_tokens=cached,
+                         host_restored_tokens=host_tokens, pages=pages, total_pages=total_pages, gen=gen)
 
-    def next_page(self, dev: DeviceModel, running: dict[str, Sequence], seq: Sequence) -> int:
+    def next_page(self, dev: DeviceModel, running: set[Sequence], seq: Sequence) -> int:
         """A page for `seq`'s next tokens: within its reservation, or grown past it."""
         if len(seq.pages) < seq.total_pages:
             return self.alloc_page(dev)
@@ -108,17 +111,17 @@ class KvAdmission:
             raise OutOfKvPages(dev.name, 1, 0)
         return page
 
-    def grow_page(self, dev: DeviceModel, running: dict[str, Sequence], seq: Sequence) -> int | None:
+    def grow_page(self, dev: DeviceModel, running: set[Sequence], seq: Sequence) -> int | None:
         """One page past `seq`'s reservation, taken only where no other running call reserved
         it (free pages, then idle prefixes and sessions, evicted by alloc_page); None if none."""
-        others = sum(s.pages_to_come() for s in running.values() if s is not seq)
+        others = sum(s.pages_to_come() for s in running if s is not seq)
         if dev.pool.num_unused() - others < 1:
             return None
         page = self.alloc_page(dev)
         seq.total_pages += 1
         return page
 
-    def grow_into(self, dev: DeviceModel, running: dict[str, Sequence], seq: Sequence) -> bool:
+    def grow_into(self, dev: DeviceModel, running: set[Sequence], seq: Sequence) -> bool:
         """Give `seq` one page past its reservation if one is unreserved; whether it got it."""
         page = self.grow_page(dev, running, seq)
         if page is not None:
@@ -145,20 +148,20 @@ class KvAdmission:
         return from_index, None, len(from_index) * ps
 
     @staticmethod
-    def release(dev: DeviceModel, running: dict[str, Sequence], seq: Sequence) -> None:
-        running.pop(seq.req.call_id, None)
+    def release(dev: DeviceModel, running: set[Sequence], seq: Sequence) -> None:
+        running.discard(seq)
         for p in seq.pages:
             dev.pool.unuse(p)
 
     @staticmethod
-    def running_seq(running: dict[str, Sequence], call_id: str) -> Sequence:
-        seq = running.get(call_id)
-        if seq is None:
-            raise UnknownCall(call_id)
+    def decodable(running: set[Sequence], seq: Sequence) -> Sequence:
+        """`seq`, checked to be running with a first token and not finished."""
+        if seq not in running:
+            raise UnknownCall(seq.call_id)
         if seq.finished:
-            raise UnknownCall(call_id, f"already finished ({seq.finish_reason}); call finish()")
+            raise UnknownCall(seq.call_id, f"already finished ({seq.finish_reason}); call finish()")
         if seq.t_first is None and seq.kv_len < len(seq.tokens):
-            raise UnknownCall(call_id, "still prefilling (chunked); it cannot decode yet")
+            raise UnknownCall(seq.call_id, "still prefilling (chunked); it cannot decode yet")
         return seq
 
     def alloc_page(self, dev: DeviceModel) -> int:
@@ -175,11 +178,11 @@ class KvAdmission:
             raise OutOfKvPages(dev.name, 1, 0)
 
 
-def reserved_output(req: GenRequest) -> int:
+def reserved_output(seq: Sequence) -> int:
     """Output tokens a call's pages are reserved for: the router's estimate, never above
     max_tokens; max_tokens when the router sent none."""
-    k = req.kv_output_tokens
-    return min(req.max_tokens, k) if k > 0 else req.max_tokens
+    k = seq.kv_output_tokens
+    return min(seq.max_tokens, k) if k > 0 else seq.max_tokens
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -1,5 +1,10 @@
 """What an engine is: the calls the instance agent's runner makes, the records they take and
-give back (GenRequest, StepToken, GenResult, SwitchRecord, EngineStats), and what it declares it can do.
+give back (the call's `Sequence` and the `StepToken`s it yields, sequence.py; SwitchRecord,
+EngineStats), and what it declares it can do.
+
+The runner builds each call's `Sequence` (the request: ids, prompt, cap, `SamplingParams`)
+and hands that same object to `prefill`, `decode` and `finish`: the engine fills in its own
+parts and gives it back finished. No engine method takes a call id.
 
 The runner drives an engine one step at a time (switch, prefill, decode, finish) from one
 worker thread; the scheduler never touches it, but its mechanisms follow the engine's
@@ -16,59 +21,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from talaria.services.instance_agent.engine.sequence import Sequence, StepToken
 from talaria.shared.catalog import ModelSpec
+from talaria.shared.wire import SwitchPath
 
-from talaria.shared.messages import TokenLogprob
-from talaria.shared.wire import KvSource, SwitchPath
-
-
-@dataclass
-class GenRequest:
-    call_id: str
-    session_id: str
-    model: str
-    prompt_ids: list[int]
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] | list[str] = ()
-    kv_scope: str = ""  # salts the KV block hashes: prefixes are shared only within one scope
-    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
-    logprobs: bool = False  # report each generated token's logprob ...
-    top_logprobs: int = 0  # ... and this many most likely alternatives
-    # Output tokens to reserve KV pages for: the router's estimate (CallRouted.kv_output_tokens,
-    # <= max_tokens); 0 = max_tokens. A call that outgrows it grows into unreserved pages.
-    kv_output_tokens: int = 0
-
-
-@dataclass
-class GenResult:
-    call_id: str
-    token_ids: list[int]
-    text: str
-    finish_reason: str  # stop | length
-    prompt_tokens: int
-    cached_tokens: int
-    kv_source: KvSource
-    prefill_s: float
-    decode_s: float
-    ttft_s: float  # from the engine's start of this call to its first token
-    session_id: str = ""
-    model: str = ""
-    host_restored_tokens: int = 0
-    stop_sequence: str | None = None  # the stop string that ended the call, if one did
-    logprobs: list[TokenLogprob] | None = None  # one per generated token, when the request asked
-
-
-@dataclass
-class StepToken:
-    call_id: str
-    token_id: int
-    text: str  # incremental text released by this token (stop-string hold-back applied)
-    finished: bool
-    finish_reason: str | None
-    logprob: TokenLogprob | None = None  # when the request asked for logprobs
+__all__ = ["Capabilities", "Engine", "EngineStats", "Sequence", "StepToken", "SwitchRecord"]
 
 
 @dataclass
@@ -172,23 +129,21 @@ class Engine(Protocol):
     def stage(self, model: str, *, wait: bool = False) -> int:
         """Pre-stage `model` for the next switch; returns staged bytes (0 without d2d_staging)."""
 
-    def prefill(self, reqs: list[GenRequest], chunk_tokens: int = 0, more: Iterable[str] = (),
+    def prefill(self, seqs: list[Sequence], chunk_tokens: int = 0, more: Iterable[Sequence] = (),
                 pass_tokens: int = 0) -> list[StepToken]:
         """Admit calls for the active model (or switch to theirs when none run) and return
         each one's first token; a session's reusable KV (device or host) is used. With
         `chunk_tokens` > 0 (only where `chunked_prefill`): at most that many prompt tokens per
         call, continuing the calls `more` admitted by an earlier chunk; only calls whose
-        prompt is then complete return a token. `pass_tokens` > 0 caps one forward pass."""
+        prompt is then complete return a token (the others' `Sequence.prompt_left` says what
+        is left). `pass_tokens` > 0 caps one forward pass."""
 
-    def prompt_left(self, call_ids: Iterable[str]) -> dict[str, int]:
-        """Prompt tokens each running call still has to prefill (0 once it has its first token)."""
-
-    def decode(self, call_ids: list[str]) -> list[StepToken]:
+    def decode(self, seqs: list[Sequence]) -> list[StepToken]:
         """One decode step for each listed running call."""
 
-    def finish(self, call_id: str) -> GenResult:
-        """Release a call; an unfinished one is aborted (finish_reason 'abort'). Its KV stays
-        reusable by its session's next call."""
+    def finish(self, seq: Sequence) -> Sequence:
+        """Release a call and give it back; an unfinished one is aborted (finish_reason
+        'abort'). Its KV stays reusable by its session's next call."""
 
     def kv_state(self, session_id: str, model: str) -> str:
         """Where the session's KV for `model` is: 'device', 'host' or 'none'."""

@@ -60,14 +60,16 @@ class ModelNotActive(EngineError, RuntimeError):
 
 
 class EngineBusy(EngineError, RuntimeError):
-    """A switch was asked for while calls of the active model are still running."""
+    """A switch was asked for while calls of the active model are still running: `running`
+    holds their sequences (sequence.py), so a caller can release those it no longer runs."""
 
-    def __init__(self, running: list[str]) -> None:
+    def __init__(self, running: list) -> None:
         super().__init__(running)
         self.running = running
 
     def __str__(self) -> str:
-        return f"cannot switch model: {len(self.running)} call(s) still running: {self.running[:5]}"
+        ids = sorted(s.call_id for s in self.running)
+        return f"cannot switch model: {len(ids)} call(s) still running: {ids[:5]}"
 
 
 class UnknownCall(EngineError, KeyError):

@@ -48,7 +48,7 @@ def session_states(dev: DeviceModel | None, hkvr: HostKvRegistry | None, page_si
     return out
 
 
-def stats(dev: DeviceModel | None, running: dict[str, Sequence], models: ModelStore, bump: BumpBuffer,
+def stats(dev: DeviceModel | None, running: set[Sequence], models: ModelStore, bump: BumpBuffer,
           hkvr: HostKvRegistry | None, staging: StagingExecutor | None, rates: Rates,
           switches: list[SwitchRecord]) -> EngineStats:
     ps = models.page_size
@@ -58,7 +58,7 @@ def stats(dev: DeviceModel | None, running: dict[str, Sequence], models: ModelSt
         pool = dev.pool
         cap = pool.num_pages * ps
         used = (pool.num_pages - pool.num_free) * ps
-        to_come = sum(s.pages_to_come() for s in list(running.values()))
+        to_come = sum(s.pages_to_come() for s in list(running))
         pinned = min(cap, (pool.num_pages - pool.num_unused() + to_come) * ps)
         pb = models.page_bytes(active)
         top = bump.kv_base + (pool.highest_used() + 1) * pb

@@ -24,33 +24,31 @@ class ForwardPass:
     def __init__(self, page_size: int, device: torch.device, prefill_chunk: int, admission: KvAdmission) -> None:
         self.page_size, self.device, self.prefill_chunk, self.admission = page_size, device, prefill_chunk, admission
 
-    def run_prefill(self, dev: DeviceModel, running: dict[str, Sequence], seqs: list[Sequence], chunk: int = 0,
-                    pass_tokens: int = 0, should_yield: Callable[[], bool] | None = None) -> dict[str, torch.Tensor]:
+    def run_prefill(self, dev: DeviceModel, running: set[Sequence], seqs: list[Sequence], chunk: int = 0,
+                    pass_tokens: int = 0,
+                    should_yield: Callable[[], bool] | None = None) -> dict[Sequence, torch.Tensor]:
         """Batched prefill of each sequence's unmatched suffix, at most `chunk` tokens each
         (0: all), in forward passes of at most `pass_tokens` (0: `prefill_chunk`) tokens each;
         last-token logits of the sequences whose prompt is complete. With `chunk`, a true
         `should_yield()` between passes ends the chunk early."""
-        todo = {s.req.call_id: s for s in seqs}
-        left = {i: (chunk if chunk > 0 else len(s.tokens)) for i, s in todo.items()}
+        left = {s: (chunk if chunk > 0 else len(s.tokens)) for s in seqs}  # tokens this chunk may still take
         per_pass = min(self.prefill_chunk, pass_tokens) if pass_tokens > 0 else self.prefill_chunk
-        last: dict[str, torch.Tensor] = {}
-        while todo:
-            parts = [(s, s.kv_len, min(per_pass, len(s.tokens) - s.kv_len, left[i]))
-                     for i, s in todo.items()]
+        last: dict[Sequence, torch.Tensor] = {}
+        while left:
+            parts = [(s, s.kv_len, min(per_pass, len(s.tokens) - s.kv_len, n)) for s, n in left.items()]
             logits = self.forward_batch(dev, running, parts)
             for i, (s, _, n) in enumerate(parts):
-                cid = s.req.call_id
-                left[cid] -= n
+                left[s] -= n
                 if s.kv_len == len(s.tokens):
-                    last[cid] = logits[i]
-                    del todo[cid]
-                elif left[cid] <= 0:
-                    del todo[cid]  # this chunk is done; the call continues in a later one
-            if chunk > 0 and todo and should_yield is not None and should_yield():
+                    last[s] = logits[i]
+                    del left[s]
+                elif left[s] <= 0:
+                    del left[s]  # this chunk is done; the call continues in a later one
+            if chunk > 0 and left and should_yield is not None and should_yield():
                 break  # new work arrived: end the chunk at this forward pass
         return last
 
-    def forward_batch(self, dev: DeviceModel, running: dict[str, Sequence],
+    def forward_batch(self, dev: DeviceModel, running: set[Sequence],
                       parts: list[tuple[Sequence, int, int]]) -> torch.Tensor:
         """Compute tokens[p0:p0+n] of each part at positions p0.. ; logits of each part's last row.
         `running`: the engine's sequences (a call growing past its reservation takes only pages

@@ -1,12 +1,31 @@
-"""Token sampling (greedy, temperature + top-p with a per-call generator) and stop strings."""
+"""Token sampling (greedy, temperature + top-p with a per-call generator) and stop strings,
+and a call's knobs for them (`SamplingParams`)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from talaria.shared.messages import TokenLogprob
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a call's tokens are chosen and reported: parameters, not a call (no identity), as
+    vLLM's `SamplingParams`. The routed call's fields of the same names."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    logprobs: bool = False  # report each generated token's logprob ...
+    top_logprobs: int = 0  # ... and this many most likely alternatives
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", tuple(self.stop))  # a list (the wire's) is accepted
 
 
 _masks: dict[tuple[int, int, str], torch.Tensor] = {}

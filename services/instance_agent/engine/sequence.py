@@ -1,5 +1,13 @@
-"""One call's running state, on every engine: its tokens, the text side (the model's decoder,
-stop strings held back, EOS, length), timings, and what the engine that runs it needs.
+"""One call on an engine, from request to result (nano-vllm's `Sequence`): what the caller
+asks (identity, prompt, output cap, `SamplingParams`, KV scope and reservation), what the
+engine that runs it fills in (context, the model's text side, tokens, timings, and what that
+engine needs), and what it gives back (the generated ids and text, finish reason, KV source).
+
+The caller builds it (`Sequence(call_id, session_id, model, prompt_ids, max_tokens, params)`)
+and hands it to the engine's `prefill`, `decode` and `finish`; an engine admits it once
+(`admit`, or `admit_streamed` for an engine that streams token ids) and gives it back finished. A
+sequence runs once: to run the same request again, build another
+(`dataclasses.replace(seq)` copies the request alone).
 
 The torch engine computes the call: page table, sampler and KV length are its (`take`
 samples from the logits it computed). An engine that streams token ids (vLLM, SGLang) is
@@ -17,86 +25,141 @@ from typing import Any
 
 import torch
 
-from talaria.services.instance_agent.engine.contract import GenRequest, GenResult, StepToken
 from talaria.services.instance_agent.engine.sampling import (
-    StopMatcher, bias_vector, logprob_of, output_mask, sample, token_logprob,
+    SamplingParams, StopMatcher, bias_vector, logprob_of, output_mask, sample, token_logprob,
 )
+from talaria.shared.messages import TokenLogprob
 from talaria.shared.model_text import BYTE_TEXT
+from talaria.shared.wire import KvSource
 
 
 @dataclass
+class StepToken:
+    """What one prefill or decode step gave one call."""
+
+    call_id: str
+    token_id: int
+    text: str  # incremental text released by this token (stop-string hold-back applied)
+    finished: bool
+    finish_reason: str | None
+    logprob: TokenLogprob | None = None  # when the request asked for logprobs
+
+
+def _engine(default: Any = None, factory: Any = None) -> Any:
+    """A field the engine fills in when it admits the call (not the caller's)."""
+    if factory is not None:
+        return field(default_factory=factory, init=False)
+    return field(default=default, init=False)
+
+
+@dataclass(eq=False)  # one call: compared and hashed by identity (engines keep sets of them)
 class Sequence:
     """Torch engine invariant while running: tokens[:kv_len] have KV in pages; len(tokens) ==
     kv_len + 1 after the first token is sampled (the last sampled token is fed by the next decode)."""
 
-    req: GenRequest
-    context_length: int
-    tokens: list[int] = field(default_factory=list)  # the prompt, then each generated token
-    pages: list[int] = field(default_factory=list)  # torch: the page table
-    cached_tokens: int = 0
-    host_tokens: int = 0
-    total_pages: int = 0  # torch: pages reserved (prompt + the expected output, capped); grows past it
-    t_start: float = 0.0
-    gen: torch.Generator | None = None  # torch: the sampler's generator (temperature > 0)
-    kv_len: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    t_first: float | None = None
-    finish_reason: str | None = None
-    generated: list[int] = field(default_factory=list)
-    text: object = BYTE_TEXT  # the model's text side (shared/model_text.py): decoder, EOS ids
-    decoder: object = None
-    stop: StopMatcher | None = None
-    logprobs: list = field(default_factory=list)  # TokenLogprob per generated token, when asked
-    bias: torch.Tensor | None = None  # torch: req.logit_bias as a [V] addend, built on first use
+    # -- the request (the caller's) --
+    call_id: str
+    session_id: str
+    model: str
+    prompt_ids: list[int]
+    max_tokens: int
+    params: SamplingParams = field(default_factory=SamplingParams)
+    kv_scope: str = ""  # salts the KV block hashes: prefixes are shared only within one scope
+    # Output tokens to reserve KV pages for: the router's estimate (CallRouted.kv_output_tokens,
+    # <= max_tokens); 0 = max_tokens. A call that outgrows it grows into unreserved pages.
+    kv_output_tokens: int = 0
+
+    # -- the engine's, from admission on --
+    context_length: int = _engine(0)  # 0: not admitted yet
+    text_side: Any = _engine(BYTE_TEXT)  # the model's text side (shared/model_text.py): decoder, EOS ids
+    tokens: list[int] = _engine(factory=list)  # the prompt, then each generated token
+    pages: list[int] = _engine(factory=list)  # torch: the page table
+    total_pages: int = _engine(0)  # torch: pages reserved (prompt + the expected output, capped); grows past it
+    kv_len: int = _engine(0)
+    gen: torch.Generator | None = _engine()  # torch: the sampler's generator (temperature > 0)
+    bias: torch.Tensor | None = _engine()  # torch: params.logit_bias as a [V] addend, built on first use
+    decoder: Any = _engine()
+    eos: frozenset = _engine(frozenset())
+    stop_matcher: StopMatcher | None = _engine()
+    t_start: float = _engine(0.0)
+    t_first: float | None = _engine()
     # A streaming engine's delivery: (token id, {id: logprob} | None) delivered, not yet taken
-    events: queue.SimpleQueue | None = None
-    pending: list = field(default_factory=list)
-    engine_done: bool = False  # the engine sent its last output (or the call was aborted there)
-    stream: Any = None  # SGLang: the call's output stream
+    events: queue.SimpleQueue | None = _engine()
+    pending: list = _engine(factory=list)
+    engine_done: bool = _engine(False)  # the engine sent its last output (or the call was aborted there)
+    stream: Any = _engine()  # SGLang: the call's output stream
 
-    def __post_init__(self) -> None:
-        self.stop = StopMatcher(tuple(self.req.stop))
-        self.decoder = self.text.decoder()
-        self.eos = frozenset(self.text.eos_ids)
-        self.kv_len = self.cached_tokens
+    # -- the result --
+    token_ids: list[int] = _engine(factory=list)  # the generated tokens
+    finish_reason: str | None = _engine()  # stop | length | abort (released unfinished) | None: running
+    cached_tokens: int = _engine(0)  # prompt tokens whose KV was reused (device or host)
+    host_restored_tokens: int = _engine(0)  # of them, restored from host memory
+    prefill_s: float = _engine(0.0)
+    decode_s: float = _engine(0.0)
+    logprobs: list[TokenLogprob] | None = _engine()  # one per generated token, when the request asked
 
-    @classmethod
-    def streamed(cls, req: GenRequest, context_length: int, t_start: float, text: object) -> Sequence:
-        """A call an engine computes and streams to us (vLLM, SGLang)."""
-        return cls(req, context_length, list(req.prompt_ids), t_start=t_start, text=text,
-                   events=queue.SimpleQueue())
+    # -- admission --
+
+    @property
+    def admitted(self) -> bool:
+        return self.context_length > 0
+
+    def admit(self, context_length: int, text_side: Any, t_start: float, *, cached_tokens: int = 0,
+              host_restored_tokens: int = 0, pages: list[int] | None = None, total_pages: int = 0,
+              gen: torch.Generator | None = None) -> Sequence:
+        """The engine takes the call: its context, the model's text side, and (torch) the KV
+        it reuses and the pages it reserved."""
+        self.context_length, self.text_side, self.t_start = context_length, text_side, t_start
+        self.tokens = list(self.prompt_ids)
+        self.pages, self.total_pages, self.gen = list(pages or ()), total_pages, gen
+        self.cached_tokens, self.host_restored_tokens = cached_tokens, host_restored_tokens
+        self.kv_len = cached_tokens
+        self.stop_matcher = StopMatcher(self.params.stop)
+        self.decoder = text_side.decoder()
+        self.eos = frozenset(text_side.eos_ids)
+        self.logprobs = [] if self.params.logprobs else None
+        return self
+
+    def admit_streamed(self, context_length: int, text_side: Any, t_start: float) -> Sequence:
+        """Admitted by an engine that computes the call and streams its token ids to us (vLLM, SGLang)."""
+        self.admit(context_length, text_side, t_start)
+        self.events = queue.SimpleQueue()
+        return self
+
+    # -- while running --
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     @property
-    def kv_source(self) -> str:
-        if self.host_tokens:
-            return "host"
-        return "device" if self.cached_tokens else "recompute"
+    def prompt_left(self) -> int:
+        """Prompt tokens still to prefill (0 once it has its first token; a streaming engine
+        returns every call with its first token)."""
+        return 0 if self.t_first is not None else max(0, len(self.tokens) - self.kv_len)
 
     def pages_to_come(self) -> int:
         return max(0, self.total_pages - len(self.pages))
 
     def take(self, logits: torch.Tensor, now: float) -> StepToken:
         """Sample from this call's logits, advance, and decide whether it finished."""
-        if self.text.allowed_output is not None:
-            logits = logits + output_mask(self.text.allowed_output, logits.shape[-1], logits.device)
-        if self.req.logit_bias:
+        p = self.params
+        if self.text_side.allowed_output is not None:
+            logits = logits + output_mask(self.text_side.allowed_output, logits.shape[-1], logits.device)
+        if p.logit_bias:
             if self.bias is None:
-                self.bias = bias_vector(self.req.logit_bias, logits.shape[-1], logits.device)
+                self.bias = bias_vector(p.logit_bias, logits.shape[-1], logits.device)
             logits = logits + self.bias
-        tok = sample(logits, self.req.temperature, self.req.top_p, self.gen)
-        lp = token_logprob(logits, tok, self.req.top_logprobs) if self.req.logprobs else None
+        tok = sample(logits, p.temperature, p.top_p, self.gen)
+        lp = token_logprob(logits, tok, p.top_logprobs) if p.logprobs else None
         return self._emit(tok, lp, now)
 
     def take_streamed(self, now: float) -> StepToken:
         """The next token the engine delivered. The caller aborts the call in its engine when
         it ended here first (a stop string)."""
         tok, lp = self.pending.pop(0)
-        logprob = logprob_of(tok, lp, self.req.top_logprobs) if self.req.logprobs and lp is not None else None
+        p = self.params
+        logprob = logprob_of(tok, lp, p.top_logprobs) if p.logprobs and lp is not None else None
         return self._emit(tok, logprob, now)
 
     def _emit(self, tok: int, logprob, now: float) -> StepToken:
@@ -105,32 +168,54 @@ class Sequence:
         if self.t_first is None:
             self.t_first = now
         self.tokens.append(tok)
-        self.generated.append(tok)
-        text, stopped = self.stop.push(self.decoder.push(tok))
+        self.token_ids.append(tok)
+        text, stopped = self.stop_matcher.push(self.decoder.push(tok))
         if stopped or tok in self.eos:
             self.finish_reason = "stop"
-        elif len(self.generated) >= self.req.max_tokens or len(self.tokens) >= self.context_length:
+        elif len(self.token_ids) >= self.max_tokens or len(self.tokens) >= self.context_length:
             self.finish_reason = "length"
         elif self.engine_done and not self.pending:
             self.finish_reason = "length"  # a streaming engine stopped at its own cap (the context left)
         if self.finished and not stopped:
-            text += self.stop.flush(self.decoder.flush())
-        return StepToken(self.req.call_id, tok, text, self.finished, self.finish_reason, logprob)
+            text += self.stop_matcher.flush(self.decoder.flush())
+        return StepToken(self.call_id, tok, text, self.finished, self.finish_reason, logprob)
 
     def end_for_kv(self) -> StepToken:
         """The instance has no KV page left for this call's next token: it finishes with the
         tokens it has, finish reason "length" (its held-back text released)."""
         self.finish_reason = "length"
-        text = self.stop.flush(self.decoder.flush())
-        return StepToken(self.req.call_id, -1, text, True, "length")
+        text = self.stop_matcher.flush(self.decoder.flush())
+        return StepToken(self.call_id, -1, text, True, "length")
 
-    def result(self, model: str) -> GenResult:
-        ttft = (self.t_first - self.t_start) if self.t_first is not None else 0.0
-        return GenResult(
-            call_id=self.req.call_id, token_ids=list(self.generated), text=self.stop.text,
-            finish_reason=self.finish_reason or "abort", prompt_tokens=len(self.req.prompt_ids),
-            cached_tokens=self.cached_tokens, kv_source=self.kv_source,  # type: ignore[arg-type]
-            prefill_s=self.prefill_s, decode_s=self.decode_s, ttft_s=ttft,
-            session_id=self.req.session_id, model=model, host_restored_tokens=self.host_tokens,
-            stop_sequence=self.stop.matched, logprobs=list(self.logprobs) if self.req.logprobs else None,
-        )
+    def released(self) -> Sequence:
+        """Its engine let it go (`finish`): one not finished was aborted."""
+        if self.finish_reason is None:
+            self.finish_reason = "abort"
+        return self
+
+    # -- the result --
+
+    @property
+    def text(self) -> str:
+        """The generated text (a stop string that ended it excluded)."""
+        return self.stop_matcher.text if self.stop_matcher is not None else ""
+
+    @property
+    def stop_sequence(self) -> str | None:
+        """The stop string that ended the call, if one did."""
+        return self.stop_matcher.matched if self.stop_matcher is not None else None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def kv_source(self) -> KvSource:
+        if self.host_restored_tokens:
+            return "host"
+        return "device" if self.cached_tokens else "recompute"
+
+    @property
+    def ttft_s(self) -> float:
+        """From the engine's start of this call to its first token."""
+        return (self.t_first - self.t_start) if self.t_first is not None else 0.0

@@ -6,10 +6,11 @@ against SGLang's own source by tests/unit/engine/test_sglang_source.py (the whee
 downloaded without dependencies and parsed, never imported), so it fails when either side
 drifts; whether it serves correctly is unknown until it runs on a GPU.
 
-    prefill(reqs)  `Engine.async_generate(input_ids=..., sampling_params=..., stream=True,
-                   rid=call_id, cache_salt=kv_scope, ...)` per call; returns each first token
-    decode(ids)    the next token each call's stream delivered (incremental streaming output)
-    finish(id)     an unfinished call is aborted (`tokenizer_manager.abort_request(rid=...)`;
+    prefill(seqs)  `Engine.async_generate(input_ids=..., sampling_params=..., stream=True,
+                   rid=call_id, cache_salt=kv_scope, ...)` per call, its stream kept on the
+                   call's `Sequence`; returns each first token
+    decode(seqs)   the next token each call's stream delivered (incremental streaming output)
+    finish(seq)    an unfinished call is aborted (`tokenizer_manager.abort_request(rid=...)`;
                    `sglang.Engine` has no abort of its own)
     switch_to      `memory` (default): one Engine per model, started with the memory saver;
                    the outgoing one `release_memory_occupation(tags=["kv_cache", "weights"])`,
@@ -34,12 +35,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from talaria.services.instance_agent.engine.contract import EngineStats, GenRequest, GenResult, StepToken
+from talaria.services.instance_agent.engine.contract import EngineStats
 from talaria.services.instance_agent.engine.contract import Capabilities
 from talaria.services.instance_agent.engine.dtypes import choose
 from talaria.services.instance_agent.engine.engine_errors import EngineError
 from talaria.services.instance_agent.engine.hf_export import hf_dir
-from talaria.services.instance_agent.engine.sequence import Sequence
+from talaria.services.instance_agent.engine.sequence import Sequence, StepToken
 from talaria.services.instance_agent.engine.streaming import StreamingEngine
 from talaria.shared.catalog import ModelSpec
 from talaria.shared.model_text import text_for
@@ -82,19 +83,20 @@ def engine_kwargs(model_path: str, spec: ModelSpec, *, mem_fraction: float, hkvr
     return kwargs
 
 
-def sampling_params(r: GenRequest, text, room: int) -> dict[str, Any]:
+def sampling_params(r: Sequence, text, room: int) -> dict[str, Any]:
     """SGLang's sampling parameters (sglang.srt.sampling.sampling_params.SamplingParams fields)."""
+    p = r.params
     params: dict[str, Any] = {
         "max_new_tokens": max(1, min(r.max_tokens, room)),
-        "temperature": r.temperature,
-        "top_p": r.top_p,
+        "temperature": p.temperature,
+        "top_p": p.top_p,
         "stop_token_ids": list(text.eos_ids),
         "ignore_eos": True,  # EOS is the model text side's (stop_token_ids), not the tokenizer's
     }
-    if r.seed is not None:
-        params["sampling_seed"] = r.seed
-    if r.logit_bias:
-        params["logit_bias"] = {str(k): float(v) for k, v in r.logit_bias.items()}
+    if p.seed is not None:
+        params["sampling_seed"] = p.seed
+    if p.logit_bias:
+        params["logit_bias"] = {str(k): float(v) for k, v in p.logit_bias.items()}
     return params
 
 
@@ -155,31 +157,31 @@ class SglangEngine(StreamingEngine):
     def _switch_path(self) -> str:
         return "host_only"
 
-    def prefill(self, reqs: list[GenRequest], chunk_tokens: int = 0, more: Iterable[str] = (),
+    def prefill(self, seqs: list[Sequence], chunk_tokens: int = 0, more: Iterable[Sequence] = (),
                 pass_tokens: int = 0) -> list[StepToken]:
-        self._admit(reqs, busy=lambda model: bool(self.running))
+        self._admit(seqs, busy=lambda model: bool(self.running))
         t0 = time.perf_counter()
-        calls = []
-        for r in reqs:
-            spec = self.specs[r.model]
+        for call in seqs:
+            spec = self.specs[call.model]
             text = text_for(spec)
-            call = Sequence.streamed(r, spec.context_length, t0, text)
-            engine = self._engine(r.model)
+            call.admit_streamed(spec.context_length, text, t0)
+            engine = self._engine(call.model)
+            p = call.params
             call.stream = engine.loop.run_until_complete(engine.async_generate(
-                input_ids=list(r.prompt_ids), sampling_params=sampling_params(r, text, spec.context_length - len(r.prompt_ids)),
-                stream=True, rid=r.call_id, cache_salt=r.kv_scope or None, session_id=None,
-                return_logprob=r.logprobs, top_logprobs_num=r.top_logprobs if r.logprobs else None))
-            self.running[r.call_id] = call
-            calls.append(call)
-        return [self._next(c, prefill=True) for c in calls]
+                input_ids=list(call.prompt_ids),
+                sampling_params=sampling_params(call, text, spec.context_length - len(call.prompt_ids)),
+                stream=True, rid=call.call_id, cache_salt=call.kv_scope or None, session_id=None,
+                return_logprob=p.logprobs, top_logprobs_num=p.top_logprobs if p.logprobs else None))
+            self.running.add(call)
+        return [self._next(c, prefill=True) for c in seqs]
 
-    def decode(self, call_ids: list[str]) -> list[StepToken]:
-        return [self._next(c) for c in self._decoding(call_ids)]
+    def decode(self, seqs: list[Sequence]) -> list[StepToken]:
+        return [self._next(c) for c in self._decoding(seqs)]
 
     def _fetch(self, call: Sequence) -> None:
         """Run SGLang's loop until the call's stream yields its next chunk."""
         try:
-            out = self._engine(call.req.model).loop.run_until_complete(call.stream.__anext__())
+            out = self._engine(call.model).loop.run_until_complete(call.stream.__anext__())
         except StopAsyncIteration:
             call.engine_done = True
             return
@@ -191,12 +193,12 @@ class SglangEngine(StreamingEngine):
         call.engine_done = call.engine_done or meta.get("finish_reason") is not None
 
     def _abort(self, call: Sequence, wait: bool = True) -> None:  # abort_request returns at once
-        self._engine(call.req.model).tokenizer_manager.abort_request(rid=call.req.call_id)
+        self._engine(call.model).tokenizer_manager.abort_request(rid=call.call_id)
 
-    def finish(self, call_id: str) -> GenResult:
-        call = self._end(call_id)
-        self.sessions[(call.req.session_id, call.req.model)] = call.tokens[:-1]
-        return call.result(call.req.model)
+    def finish(self, seq: Sequence) -> Sequence:
+        call = self._end(seq)
+        self.sessions[(call.session_id, call.model)] = call.tokens[:-1]
+        return call
 
     def kv_state(self, session_id: str, model: str) -> str:
         return "device" if (session_id, model) in self.sessions else "none"

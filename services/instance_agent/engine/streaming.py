@@ -3,6 +3,10 @@ models, a prefill's admission (checks, one model, the switch to it), decode's ch
 out the tokens an engine delivered (`Sequence.take_streamed` decides text, stop and length,
 as the torch engine does), and a call's end.
 
+Each call's stream carries its own `Sequence` (the engine's pump hands what arrives to
+that sequence's `events`), so no call is looked up by id; `running` is the set of calls
+admitted and not finished, for the switch they block and the stats.
+
 A subclass starts a call in its engine, moves what its engine delivered into a call's
 `pending` (`_fetch`: blocks until something came, sets `engine_done` with the last output),
 aborts a call there (`_abort`), and takes a model switch's two halves: the outgoing model
@@ -13,15 +17,15 @@ from __future__ import annotations
 
 import importlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 from talaria.services.instance_agent.engine.admission import KvAdmission
-from talaria.services.instance_agent.engine.contract import GenRequest, StepToken, SwitchRecord
+from talaria.services.instance_agent.engine.contract import SwitchRecord
 from talaria.services.instance_agent.engine.engine_errors import (
     EngineBusy, EngineError, EngineFailed, ModelNotActive, UnknownCall, UnknownModel,
 )
-from talaria.services.instance_agent.engine.sequence import Sequence
+from talaria.services.instance_agent.engine.sequence import Sequence, StepToken
 from talaria.shared.catalog import CATALOG, ModelSpec
 
 
@@ -39,7 +43,7 @@ class StreamingEngine:
             raise missing() from err
         self.data_dir = Path(data_dir)
         self.specs: dict[str, ModelSpec] = {m: CATALOG[m] for m in models}
-        self.running: dict[str, Sequence] = {}
+        self.running: set[Sequence] = set()
         self.switches: list[SwitchRecord] = []
         self.should_yield = None  # the engine chunks long prefills itself
         self._active: str | None = None
@@ -61,7 +65,7 @@ class StreamingEngine:
         if model == self._active:
             return SwitchRecord(model, model, "noop")  # type: ignore[arg-type]
         if self.running and not self.capabilities.switch_with_calls_running:
-            raise EngineBusy(sorted(self.running))
+            raise EngineBusy(list(self.running))
         t0 = time.perf_counter()
         previous = self._active
         if previous is not None:
@@ -80,17 +84,13 @@ class StreamingEngine:
         self._spec(model)
         return 0
 
-    def prompt_left(self, call_ids: Iterable[str]) -> dict[str, int]:
-        """The engine computes a prompt in chunks of its own inside its steps: every call has
-        its first token when prefill returns."""
-        return {c: 0 for c in call_ids if c in self.running}
-
-    def _admit(self, reqs: list[GenRequest], busy: Callable[[str], bool]) -> None:
+    def _admit(self, seqs: list[Sequence], busy: Callable[[str], bool]) -> None:
         """Check each request; all must be for one model, switched to when `busy(model)` says
-        no call stands in the way."""
-        for r in reqs:
+        no call stands in the way. (The engine computes a prompt in chunks of its own inside
+        its steps: every call has its first token when prefill returns.)"""
+        for r in seqs:
             KvAdmission.validate(self._spec(r.model), self.running, r)
-        models = {r.model for r in reqs}
+        models = {r.model for r in seqs}
         if len(models) > 1:
             raise ModelNotActive(sorted(models)[1], sorted(models)[0])
         if models and (model := next(iter(models))) != self._active:
@@ -98,25 +98,22 @@ class StreamingEngine:
                 raise ModelNotActive(model, self._active)
             self.switch_to(model)
 
-    def _decoding(self, call_ids: list[str]) -> list[Sequence]:
-        calls = []
-        for cid in call_ids:
-            call = self.running.get(cid)
-            if call is None:
-                raise UnknownCall(cid)
+    def _decoding(self, seqs: list[Sequence]) -> list[Sequence]:
+        for call in seqs:
+            if call not in self.running:
+                raise UnknownCall(call.call_id)
             if call.finish_reason is not None:
-                raise UnknownCall(cid, f"already finished ({call.finish_reason}); call finish()")
-            if call.req.model != self._active:
-                raise ModelNotActive(call.req.model, self._active)
-            calls.append(call)
-        return calls
+                raise UnknownCall(call.call_id, f"already finished ({call.finish_reason}); call finish()")
+            if call.model != self._active:
+                raise ModelNotActive(call.model, self._active)
+        return list(seqs)
 
     def _next(self, call: Sequence, prefill: bool = False) -> StepToken:
         """The call's next delivered token, waiting for the engine when none is there yet."""
         t0 = time.perf_counter()
         while not call.pending:
             if call.engine_done:
-                raise self._failed(call, f"call {call.req.call_id} ended without a token")
+                raise self._failed(call, f"call {call.call_id} ended without a token")
             self._fetch(call)
         now = time.perf_counter()
         if prefill:
@@ -129,18 +126,18 @@ class StreamingEngine:
             call.engine_done = True
         return step
 
-    def _end(self, call_id: str) -> Sequence:
+    def _end(self, call: Sequence) -> Sequence:
         """finish()'s common part: the call leaves, aborted in the engine if unfinished there."""
-        call = self.running.pop(call_id, None)
-        if call is None:
-            raise UnknownCall(call_id)
+        if call not in self.running:
+            raise UnknownCall(call.call_id)
+        self.running.discard(call)
         if not call.engine_done:
             self._abort(call)
             call.engine_done = True
-        return call
+        return call.released()
 
     def _failed(self, call: Sequence, reason: str) -> EngineFailed:
-        return EngineFailed(self.name, call.req.model, reason)
+        return EngineFailed(self.name, call.model, reason)
 
     def _leave(self, model: str) -> None:  # pragma: no cover - every engine has its own
         raise NotImplementedError

@@ -1,10 +1,11 @@
 """TorchEngine: small real models served from a bump-managed buffer with paged KV.
 
-One call's path:  prefill(reqs) -> admit (admission.py: match device session/prefix pages,
-then host pages via HKVR, reserve the rest) -> chunked batched prefill of the unmatched
-suffix (forward_pass.py) -> first token;  decode(ids) -> one batched step;  finish(id) ->
-index full pages, keep the session entry on device, checkpoint full pages to HKVR
-asynchronously. Model switches: switch.py; what it reports: engine_report.py.
+One call's path (its `Sequence`, sequence.py, handed in by the caller):  prefill(seqs) ->
+admit (admission.py: match device session/prefix pages, then host pages via HKVR, reserve
+the rest) -> chunked batched prefill of the unmatched suffix (forward_pass.py) -> first
+token;  decode(seqs) -> one batched step;  finish(seq) -> index full pages, keep the
+session entry on device, checkpoint full pages to HKVR asynchronously; the sequence comes
+back finished. Model switches: switch.py; what it reports: engine_report.py.
 
 Parts, each owning its state and handed its collaborators: `ModelStore` (specs, layouts,
 host images), `ModelSwitcher` (switch.py: the views it caches across switches),
@@ -28,15 +29,13 @@ import torch
 
 from talaria.services.instance_agent.engine import engine_report as report
 from talaria.services.instance_agent.engine.admission import KvAdmission
-from talaria.services.instance_agent.engine.contract import (
-    Capabilities, EngineStats, GenRequest, GenResult, StepToken, SwitchRecord,
-)
+from talaria.services.instance_agent.engine.contract import Capabilities, EngineStats, SwitchRecord
 from talaria.services.instance_agent.engine.device_model import DeviceModel, Rates
 from talaria.services.instance_agent.engine.engine_errors import EngineBusy, ModelNotActive, UnknownCall, UnknownModel
 from talaria.services.instance_agent.engine.forward_pass import ForwardPass
 from talaria.services.instance_agent.engine.kv_cache import DeviceKvSession
 from talaria.services.instance_agent.engine.model_store import ModelStore
-from talaria.services.instance_agent.engine.sequence import Sequence
+from talaria.services.instance_agent.engine.sequence import Sequence, StepToken
 from talaria.services.instance_agent.engine.switch import ModelSwitcher
 from talaria.services.instance_agent.engine.weights import align_up
 from talaria.services.instance_agent.memory.bump import BumpBuffer
@@ -112,7 +111,9 @@ class TorchEngine:
         self.admission = KvAdmission(page_size, self.device, self.hkvr, self.staging, self.rates)
         self.forward = ForwardPass(page_size, self.device, prefill_chunk, self.admission)
         self.dev: DeviceModel | None = None  # the active model on the device
-        self.running: dict[str, Sequence] = {}
+        # The sequences admitted and not finished: for the pages they reserved and the switch
+        # they block; callers hand each step its sequences, so none is looked up by id.
+        self.running: set[Sequence] = set()
 
     # -- models and weights --------------------------------------------------------------
 
@@ -145,7 +146,7 @@ class TorchEngine:
         if model == self.active_model:
             return SwitchRecord(model, model, "noop")  # type: ignore[arg-type]
         if self.running:
-            raise EngineBusy(sorted(self.running))
+            raise EngineBusy(list(self.running))
         previous, self.dev = self.dev, None  # a switch that fails leaves no model active
         self.dev = self.switcher.switch(previous, model)
         if self.staging is not None and self.auto_stage and previous is not None:
@@ -171,79 +172,75 @@ class TorchEngine:
 
     # -- blocking API --------------------------------------------------------------------
 
-    def generate(self, req: GenRequest, on_token: Callable[[int, str], None] | None = None) -> GenResult:
+    def generate(self, seq: Sequence, on_token: Callable[[int, str], None] | None = None) -> Sequence:
         t0 = time.perf_counter()
-        self.models.spec(req.model)
-        if req.model != self.active_model:
-            self.switch_to(req.model)
-        step = self._prefill_step([req], t0)[0]
+        self.models.spec(seq.model)
+        if seq.model != self.active_model:
+            self.switch_to(seq.model)
+        step = self._prefill_step([seq], t0)[0]
         while True:
             if on_token is not None:
                 on_token(step.token_id, step.text)
             if step.finished:
                 break
-            step = self.decode([req.call_id])[0]
-        return self.finish(req.call_id)
+            step = self.decode([seq])[0]
+        return self.finish(seq)
 
     # -- stepped API ---------------------------------------------------------------------
 
-    def prefill(self, reqs: list[GenRequest], chunk_tokens: int = 0, more: Iterable[str] = (),
+    def prefill(self, seqs: list[Sequence], chunk_tokens: int = 0, more: Iterable[Sequence] = (),
                 pass_tokens: int = 0) -> list[StepToken]:
-        """Admit and prefill `reqs` (all for one model; switches if nothing is running), and
+        """Admit and prefill `seqs` (all for one model; switches if nothing is running), and
         continue the prefill of running calls `more` (admitted by an earlier chunk).
         `chunk_tokens` > 0 computes at most that many prompt tokens per call; only calls
         whose prompt is then complete return their first token. `pass_tokens` > 0 caps a
         forward pass below `prefill_chunk` (`should_yield` is asked between passes)."""
-        return self._prefill_step(reqs, time.perf_counter(), chunk_tokens, tuple(more), pass_tokens)
+        return self._prefill_step(seqs, time.perf_counter(), chunk_tokens, tuple(more), pass_tokens)
 
-    def _prefill_step(self, reqs: list[GenRequest], t0: float, chunk: int = 0, more: tuple[str, ...] = (),
+    def _prefill_step(self, new: list[Sequence], t0: float, chunk: int = 0, more: tuple[Sequence, ...] = (),
                       pass_tokens: int = 0) -> list[StepToken]:
-        """Admit `reqs` and prefill them with the running calls `more` that have prompt left;
+        """Admit `new` and prefill them with the running calls `more` that have prompt left;
         first tokens of the calls whose prompt is now complete."""
-        if not reqs and not more:
+        if not new and not more:
             return []
-        cont = []
-        for call_id in more:
-            seq = self.running.get(call_id)
-            if seq is None or seq.kv_len >= len(seq.tokens):
-                raise UnknownCall(call_id, "not a call with prefill left")
-            cont.append(seq)
-        for r in reqs:
+        for seq in more:
+            if seq not in self.running or seq.kv_len >= len(seq.tokens):
+                raise UnknownCall(seq.call_id, "not a call with prefill left")
+        for r in new:
             self.admission.validate(self.models.spec(r.model), self.running, r)
-        models = {r.model for r in reqs}
+        models = {r.model for r in new}
         if len(models) > 1:
             raise ModelNotActive(sorted(models)[1], self.active_model)
-        if reqs and reqs[0].model != self.active_model:
+        if new and new[0].model != self.active_model:
             if self.running:
-                raise ModelNotActive(reqs[0].model, self.active_model)
-            self.switch_to(reqs[0].model)
+                raise ModelNotActive(new[0].model, self.active_model)
+            self.switch_to(new[0].model)
         dev = self.dev
         self._poll()
-        seqs: list[Sequence] = []
+        admitted: list[Sequence] = []
         try:
-            for r in reqs:
-                seqs.append(self.admission.admit(dev, self.running, r, t0))
+            for r in new:
+                admitted.append(self.admission.admit(dev, self.running, r, t0))
         except Exception:
-            for s in seqs:
+            for s in admitted:
                 self.admission.release(dev, self.running, s)
             raise
-        for s in seqs:
-            self.running[s.req.call_id] = s
-        seqs = cont + seqs
+        self.running.update(admitted)
+        seqs = list(more) + admitted
         before = sum(s.kv_len for s in seqs)
         try:
             t1 = time.perf_counter()
             last = self.forward.run_prefill(dev, self.running, seqs, chunk, pass_tokens, self.should_yield)
             now = time.perf_counter()
-            done = [s for s in seqs if s.req.call_id in last]
+            done = [s for s in seqs if s in last]
             if self.on_logits is not None and done:
-                self.on_logits([s.req.call_id for s in done], torch.stack([last[s.req.call_id] for s in done]))
+                self.on_logits([s.call_id for s in done], torch.stack([last[s] for s in done]))
             self.rates.measured("prefill", sum(s.kv_len for s in seqs) - before, now - t1)
             out = []
             for s in seqs:
                 s.prefill_s += now - t1
             for s in done:
-                out.append(s.take(last[s.req.call_id], now))
+                out.append(s.take(last[s], now))
         except Exception:  # nothing of a failed batch stays running or holds pages
             for s in seqs:
                 self.admission.release(dev, self.running, s)
@@ -251,9 +248,9 @@ class TorchEngine:
         self._pump()
         return out
 
-    def decode(self, call_ids: list[str]) -> list[StepToken]:
+    def decode(self, seqs: list[Sequence]) -> list[StepToken]:
         """One batched decode step for each listed running, unfinished call."""
-        seqs = [self.admission.running_seq(self.running, c) for c in call_ids]
+        seqs = [self.admission.decodable(self.running, s) for s in seqs]
         if not seqs:
             return []
         self._poll()
@@ -271,13 +268,12 @@ class TorchEngine:
             stalled.remove(latest)
         if ended or stalled:
             seqs = [s for s in seqs if not s.finished and s not in stalled]
-            call_ids = [s.req.call_id for s in seqs]
             if not seqs:
                 return ended
         t0 = time.perf_counter()
         logits = self.forward.forward_batch(self.dev, self.running, [(s, s.kv_len, 1) for s in seqs])
         if self.on_logits is not None:
-            self.on_logits(call_ids, logits)
+            self.on_logits([s.call_id for s in seqs], logits)
         now = time.perf_counter()
         out = ended + [s.take(logits[i], now) for i, s in enumerate(seqs)]
         for s in seqs:
@@ -286,35 +282,26 @@ class TorchEngine:
         self._pump()
         return out
 
-    def finish(self, call_id: str) -> GenResult:
+    def finish(self, seq: Sequence) -> Sequence:
         """Release the call's running state; keep its KV as the session's device entry and
         checkpoint its full pages to HKVR. An unfinished call is ended with 'abort'."""
-        seq = self.running.pop(call_id, None)
-        if seq is None:
-            raise UnknownCall(call_id)
+        if seq not in self.running:
+            raise UnknownCall(seq.call_id)
+        self.running.discard(seq)
         dev, ps = self.dev, self.page_size
         committed = seq.tokens[: seq.kv_len]
         pages = seq.pages[: math.ceil(seq.kv_len / ps)]
         for extra in seq.pages[len(pages):]:
             dev.pool.unuse(extra)
-        hashes = block_hashes(committed, ps, scope=seq.req.kv_scope)
+        hashes = block_hashes(committed, ps, scope=seq.kv_scope)
         for h, page in zip(hashes, pages):
             dev.index.insert(h, page)
-        dev.sessions.put(DeviceKvSession(seq.req.session_id, dev.name, committed, list(pages)))
+        dev.sessions.put(DeviceKvSession(seq.session_id, dev.name, committed, list(pages)))
         if self.hkvr is not None and hashes:
-            self._checkpoint(dev, seq.req.session_id, committed, pages[: len(hashes)], hashes)
+            self._checkpoint(dev, seq.session_id, committed, pages[: len(hashes)], hashes)
         for page in pages:
             dev.pool.unuse(page)
-        return seq.result(dev.name)
-
-    def prompt_left(self, call_ids: Iterable[str]) -> dict[str, int]:
-        """Prompt tokens each running call still has to prefill (0 once it has its first token)."""
-        out = {}
-        for c in call_ids:
-            seq = self.running.get(c)
-            if seq is not None:
-                out[c] = 0 if seq.t_first is not None else max(0, len(seq.tokens) - seq.kv_len)
-        return out
+        return seq.released()
 
     # -- state for telemetry (engine_report.py) ----------------------------------------------
 

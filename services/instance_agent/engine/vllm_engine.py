@@ -1,10 +1,11 @@
 """The `vllm` engine (`TALARIA_ENGINE=vllm`): the agent's models served by vLLM's in-process
 `AsyncLLM`, one per model, behind the engine contract (contract.py).
 
-    prefill(reqs)  each request starts a streamed `AsyncLLM.generate` (token ids in, DELTA
-                   outputs, no detokenizer); the call returns when each has its first token
-    decode(ids)    the next token of each call, from the tokens its stream has delivered
-    finish(id)     an unfinished call is aborted in vLLM (`AsyncLLM.abort`)
+    prefill(seqs)  each call starts a streamed `AsyncLLM.generate` (token ids in, DELTA
+                   outputs, no detokenizer) whose pump feeds that call's `Sequence`; the
+                   call returns when each has its first token
+    decode(seqs)   the next token of each call, from the tokens its stream has delivered
+    finish(seq)    an unfinished call is aborted in vLLM (`AsyncLLM.abort`)
 
 vLLM batches continuously on its own: inside a slot it computes ahead of the agent's decode
 steps, which drain what it produced. Text, stop strings and EOS are decided here with the
@@ -47,12 +48,12 @@ from pathlib import Path
 from typing import Any
 
 from talaria.services.instance_agent.engine.admission import common_prefix
-from talaria.services.instance_agent.engine.contract import EngineStats, GenRequest, GenResult, StepToken
+from talaria.services.instance_agent.engine.contract import EngineStats
 from talaria.services.instance_agent.engine.contract import Capabilities
 from talaria.services.instance_agent.engine.dtypes import choose_all
 from talaria.services.instance_agent.engine.engine_errors import EngineError
 from talaria.services.instance_agent.engine.hf_export import hf_dir
-from talaria.services.instance_agent.engine.sequence import Sequence
+from talaria.services.instance_agent.engine.sequence import Sequence, StepToken
 from talaria.services.instance_agent.engine.streaming import StreamingEngine
 from talaria.services.instance_agent.engine.vllm_loop import LoopThread
 from talaria.shared.catalog import ModelSpec
@@ -236,72 +237,74 @@ class VllmEngine(StreamingEngine):
 
     # -- stepped API ---------------------------------------------------------------------
 
-    def prefill(self, reqs: list[GenRequest], chunk_tokens: int = 0, more: Iterable[str] = (),
+    def prefill(self, seqs: list[Sequence], chunk_tokens: int = 0, more: Iterable[Sequence] = (),
                 pass_tokens: int = 0) -> list[StepToken]:
         """Start each call and return its first token. vLLM computes a prompt in chunks of its
         own inside the step, so every call comes back with its first token (`prompt_left` 0)
         and `more` (continuations of chunked calls) is always empty here."""
-        self._admit(reqs, busy=lambda model: any(c.req.model == self._active for c in self.running.values()))
+        self._admit(seqs, busy=lambda model: any(c.model == self._active for c in self.running))
         t0 = time.perf_counter()
-        calls = [self._submit(r, t0) for r in reqs]
+        calls = [self._submit(r, t0) for r in seqs]
         out = [self._next(c, prefill=True) for c in calls]
         now = time.perf_counter()
-        computed = sum(len(c.req.prompt_ids) - c.cached_tokens for c in calls)
+        computed = sum(len(c.prompt_ids) - c.cached_tokens for c in calls)
         self._rate("prefill", computed, now - t0)
-        host = sum(c.host_tokens for c in calls)
+        host = sum(c.host_restored_tokens for c in calls)
         if host:
             self._rate("restore", host, now - t0)
         return out
 
-    def decode(self, call_ids: list[str]) -> list[StepToken]:
-        calls = self._decoding(call_ids)
+    def decode(self, seqs: list[Sequence]) -> list[StepToken]:
+        calls = self._decoding(seqs)
         t0 = time.perf_counter()
         out = [self._next(c) for c in calls]
         self._rate("decode", len(calls), time.perf_counter() - t0)
         return out
 
-    def finish(self, call_id: str) -> GenResult:
-        call = self._end(call_id)
+    def finish(self, seq: Sequence) -> Sequence:
+        call = self._end(seq)
         # The prefix cache keeps what the call computed: the prompt and the tokens fed back.
-        self._remember(call.req.session_id, call.req.model, call.tokens[:-1])
-        return call.result(call.req.model)
+        self._remember(call.session_id, call.model, call.tokens[:-1])
+        return call
 
     # -- one call's stream -----------------------------------------------------------------
 
-    def _params(self, r: GenRequest, spec: ModelSpec, text):
+    def _params(self, r: Sequence, spec: ModelSpec, text):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         room = spec.context_length - len(r.prompt_ids)
+        p = r.params
         kw: dict[str, Any] = {}
         if text.allowed_output is not None:
             kw["allowed_token_ids"] = [t for t in text.allowed_output if t < spec.vocab_size]
-        if r.logit_bias:
-            kw["logit_bias"] = {int(k): float(v) for k, v in r.logit_bias.items()}
-        if r.logprobs:
-            kw["logprobs"] = r.top_logprobs
+        if p.logit_bias:
+            kw["logit_bias"] = {int(k): float(v) for k, v in p.logit_bias.items()}
+        if p.logprobs:
+            kw["logprobs"] = p.top_logprobs
         return SamplingParams(
-            max_tokens=max(1, min(r.max_tokens, room)), temperature=r.temperature, top_p=r.top_p, seed=r.seed,
+            max_tokens=max(1, min(r.max_tokens, room)), temperature=p.temperature, top_p=p.top_p, seed=p.seed,
             stop_token_ids=list(text.eos_ids), ignore_eos=True, detokenize=False,
             output_kind=RequestOutputKind.DELTA, **kw)
 
-    def _submit(self, r: GenRequest, t0: float) -> Sequence:
-        spec = self.specs[r.model]
+    def _submit(self, call: Sequence, t0: float) -> Sequence:
+        spec = self.specs[call.model]
         text = text_for(spec)
-        call = Sequence.streamed(r, spec.context_length, t0, text)
-        prompt: dict[str, Any] = {"prompt_token_ids": list(r.prompt_ids)}
-        if r.kv_scope:
-            prompt["cache_salt"] = r.kv_scope
-        params = self._params(r, spec, text)
-        self.running[r.call_id] = call
-        self._loop.spawn(self._pump(self._llms[r.model], call, prompt, params))
+        call.admit_streamed(spec.context_length, text, t0)
+        prompt: dict[str, Any] = {"prompt_token_ids": list(call.prompt_ids)}
+        if call.kv_scope:
+            prompt["cache_salt"] = call.kv_scope
+        params = self._params(call, spec, text)
+        self.running.add(call)
+        self._loop.spawn(self._pump(self._llms[call.model], call, prompt, params))
         return call
 
     async def _pump(self, llm, call: Sequence, prompt: dict, params) -> None:
-        """On the loop: forward the call's DELTA outputs to the engine thread."""
+        """On the loop: forward the call's DELTA outputs to the engine thread (through the
+        call's own `events`: the pump holds its sequence)."""
         try:
-            async for out in llm.generate(prompt, params, call.req.call_id,
-                                          session_id=call.req.session_id or None):
+            async for out in llm.generate(prompt, params, call.call_id,
+                                          session_id=call.session_id or None):
                 c = out.outputs[0]
                 call.events.put(("out", list(c.token_ids), c.logprobs, out.num_cached_tokens,
                                  out.kv_transfer_params, out.finished))
@@ -313,22 +316,22 @@ class VllmEngine(StreamingEngine):
         try:
             event = call.events.get(timeout=STEP_TIMEOUT_S)
         except queue.Empty:
-            raise self._failed(call, f"no token for {call.req.call_id} in {STEP_TIMEOUT_S:.0f} s") from None
+            raise self._failed(call, f"no token for {call.call_id} in {STEP_TIMEOUT_S:.0f} s") from None
         if event[0] == "error":
             call.finish_reason, call.engine_done = "error", True
-            raise self._failed(call, f"call {call.req.call_id}: {event[1]}")
+            raise self._failed(call, f"call {call.call_id}: {event[1]}")
         _, ids, lps, cached, transfer, finished = event
         if cached is not None and call.t_first is None and not call.pending:
             call.cached_tokens = int(cached)
         if transfer:
-            call.host_tokens = int(transfer.get("host_tokens", call.host_tokens))
+            call.host_restored_tokens = int(transfer.get("host_tokens", call.host_restored_tokens))
         call.pending += list(zip(ids, lps if lps else [None] * len(ids)))
         call.engine_done = call.engine_done or finished
 
     def _abort(self, call: Sequence, wait: bool = True) -> None:
         # The loop runs its tasks in order, so an abort not waited for still lands before any
         # later generate on that loop.
-        abort = self._llms[call.req.model].abort(call.req.call_id)
+        abort = self._llms[call.model].abort(call.call_id)
         self._loop.run(abort) if wait else self._loop.spawn(abort)
 
     # -- state -----------------------------------------------------------------------------
@@ -359,8 +362,8 @@ class VllmEngine(StreamingEngine):
         if self._active is not None:
             cfg = self._llms[self._active].vllm_config.cache_config
             cap = (cfg.num_gpu_blocks or 0) * cfg.block_size
-        for call in self.running.values():
-            if call.req.model == self._active:
+        for call in self.running:
+            if call.model == self._active:
                 used += len(call.tokens)
         pinned = used
         used += sum(len(t) for (s, m), t in self.sessions.items() if m == self._active)

@@ -1,12 +1,15 @@
 """The layers as the design draws them, read from the source: the wire layer (shared/) imports
 no service and nothing of the command line or simulator above it; there are no import cycles;
-the environment is read in one place."""
+the environment is read in one place; in the instance agent one call has three shapes and
+one table by call id."""
 
 from __future__ import annotations
 
 import ast
 
-from bench.structure_counts import ROOT, cycles, import_graph, module_name, source_files
+from bench.structure_counts import (
+    ROOT, call_id_maps, call_shapes, cycles, import_graph, module_name, source_files,
+)
 
 
 def test_the_wire_layer_imports_no_service():
@@ -62,3 +65,10 @@ def test_no_module_rewrites_its_globals_at_run_time():
         if lines:
             found[str(path.relative_to(ROOT))] = lines
     assert not found, found
+
+
+def test_one_call_in_the_agent_has_three_shapes_and_one_table():
+    """The core's record, the runner's transport and the engine's sequence; the core's table
+    is the only thing indexed by call id (an engine is handed sequences, never ids)."""
+    assert call_shapes() == ["AgentCall", "CallTransport", "Sequence"]
+    assert call_id_maps() == ["calls"]

@@ -11,8 +11,7 @@ import importlib.util
 
 import pytest
 
-from talaria.services.instance_agent.engine.contract import GenRequest
-from talaria.services.instance_agent.engine.contract import Capabilities, Engine
+from talaria.services.instance_agent.engine.contract import Capabilities, Engine, Sequence
 from talaria.services.instance_agent.engine.engine_errors import EngineError
 from talaria.services.instance_agent.engine.engine_registry import ENGINES, UnknownEngine, build_engine
 from talaria.services.instance_agent.scheduler.config import SchedulerConfig
@@ -65,10 +64,11 @@ def engine(request, data_dir, shared_engines):
 
 
 def run(engine: Engine, call_id: str, session: str, prompt: list[int], max_tokens: int = 8, model: str = A):
-    step = engine.prefill([GenRequest(call_id, session, model, list(prompt), max_tokens)])[0]
+    seq = Sequence(call_id, session, model, list(prompt), max_tokens)
+    step = engine.prefill([seq])[0]
     while not step.finished:
-        step = engine.decode([call_id])[0]
-    return engine.finish(call_id)
+        step = engine.decode([seq])[0]
+    return engine.finish(seq)
 
 
 def test_it_is_an_engine_and_declares_capabilities(engine):
@@ -97,24 +97,28 @@ def test_a_sessions_next_call_reuses_its_kv_on_the_device(engine):
 
 
 def test_an_unfinished_call_is_aborted_and_unknown_calls_are_errors(engine):
-    engine.prefill([GenRequest("c1", "s1", A, list(PROMPT), 50)])
-    assert engine.finish("c1").finish_reason == "abort"
+    seq = Sequence("c1", "s1", A, list(PROMPT), 50)
+    engine.prefill([seq])
+    assert engine.finish(seq) is seq and seq.finish_reason == "abort"
     with pytest.raises(EngineError):
-        engine.finish("c1")
+        engine.finish(seq)
     with pytest.raises(EngineError):
-        engine.decode(["nope"])
+        engine.decode([Sequence("nope", "s", A, list(PROMPT), 4)])
+    with pytest.raises(EngineError, match="already ran"):  # a sequence runs once; a copy runs again
+        engine.prefill([seq])
 
 
 def test_bad_requests_fail_that_call_only(engine):
-    for bad in (GenRequest("x", "s", A, [], 4), GenRequest("x", "s", "no-such-model", list(PROMPT), 4),
-                GenRequest("x", "s", A, list(PROMPT), 0)):
+    for bad in (Sequence("x", "s", A, [], 4), Sequence("x", "s", "no-such-model", list(PROMPT), 4),
+                Sequence("x", "s", A, list(PROMPT), 0)):
         with pytest.raises(EngineError):
             engine.prefill([bad])
     assert run(engine, "ok", "s", PROMPT).finish_reason in ("stop", "length")
 
 
 def test_switching_with_calls_running_matches_the_declared_capability(engine):
-    engine.prefill([GenRequest("c1", "s1", A, list(PROMPT), 50)])
+    seq = Sequence("c1", "s1", A, list(PROMPT), 50)
+    engine.prefill([seq])
     if engine.capabilities.switch_with_calls_running:
         engine.switch_to(B)
         assert engine.active_model == B
@@ -122,7 +126,7 @@ def test_switching_with_calls_running_matches_the_declared_capability(engine):
         with pytest.raises(EngineError):
             engine.switch_to(B)
         assert engine.active_model == A
-    engine.finish("c1")
+    engine.finish(seq)
     engine.switch_to(B)
     assert engine.active_model == B
 

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from talaria.services.instance_agent.engine import GenRequest, TorchEngine
+from talaria.services.instance_agent.engine import Sequence, TorchEngine
 from talaria.services.instance_agent.engine.dtypes import BadDtype, choose
 from talaria.shared.catalog import CATALOG
 from talaria.shared.hf_config import _dtype
@@ -54,10 +54,10 @@ def test_a_bf16_engine_holds_weights_and_kv_in_bf16_and_restores_host_kv(data_di
         assert engine.page_bytes("qwen3-tiny") * 2 == half.page_bytes("qwen3-tiny")
         half.close()
         prompt = list(range(5, 90))
-        fresh = engine.generate(GenRequest("a", "s", "qwen3-tiny", prompt, 12))
+        fresh = engine.generate(Sequence("a", "s", "qwen3-tiny", prompt, 12))
         engine.switch_to("gpt2-tiny")  # the session's bf16 pages go to the host registry ...
         assert engine.kv_state("s", "qwen3-tiny") == "host"
-        back = engine.generate(GenRequest("b", "s", "qwen3-tiny", prompt, 12))
+        back = engine.generate(Sequence("b", "s", "qwen3-tiny", prompt, 12))
         assert back.kv_source == "host" and back.cached_tokens >= 64  # ... and come back
         assert back.token_ids == fresh.token_ids
     finally:

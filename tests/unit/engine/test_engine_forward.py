@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from talaria.services.instance_agent.engine import GenRequest
+from talaria.services.instance_agent.engine import Sequence
 from talaria.services.instance_agent.engine.model import reference_logits
 from talaria.shared.tokenizer import encode
 
@@ -16,12 +16,12 @@ def test_paged_batched_matches_reference(make_engine, model):
     eng.switch_to(model)
     seen: dict[str, list[torch.Tensor]] = {}
     eng.on_logits = lambda ids, logits: [seen.setdefault(c, []).append(logits[i].clone()) for i, c in enumerate(ids)]
-    reqs = [GenRequest(f"c{i}", f"s{i}", model, encode(t), 6) for i, t in enumerate(TEXTS)]
+    reqs = [Sequence(f"c{i}", f"s{i}", model, encode(t), 6) for i, t in enumerate(TEXTS)]
     tokens = {r.call_id: list(r.prompt_ids) for r in reqs}
     for st in eng.prefill(reqs):
         tokens[st.call_id].append(st.token_id)
     for _ in range(5):
-        for st in eng.decode([r.call_id for r in reqs]):
+        for st in eng.decode(reqs):
             tokens[st.call_id].append(st.token_id)
     spec = eng.specs[model]
     for r in reqs:
@@ -29,6 +29,6 @@ def test_paged_batched_matches_reference(make_engine, model):
         n = len(r.prompt_ids)
         for step, got in enumerate(seen[r.call_id]):
             torch.testing.assert_close(got, full[n - 1 + step], rtol=1e-4, atol=1e-4)
-        res = eng.finish(r.call_id)
+        res = eng.finish(r)
         assert res.token_ids == tokens[r.call_id][n:]
         assert res.finish_reason == "length"

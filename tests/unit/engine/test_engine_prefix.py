@@ -1,6 +1,6 @@
 """Prefix reuse: device session entry, cross-session prefix index; same greedy output."""
 
-from talaria.services.instance_agent.engine import GenRequest
+from talaria.services.instance_agent.engine import Sequence
 from talaria.shared.tokenizer import encode
 
 SYSTEM = encode("You are a coding agent. Read the issue, run the tests, patch the bug. " * 2)
@@ -8,16 +8,16 @@ SYSTEM = encode("You are a coding agent. Read the issue, run the tests, patch th
 
 def _fresh(make_engine, model, prompt, n):
     eng = make_engine([model], hkvr=False, staging=False)
-    return eng.generate(GenRequest("ref", "ref", model, prompt, n))
+    return eng.generate(Sequence("ref", "ref", model, prompt, n))
 
 
 def test_session_return_reuses_device_kv(make_engine):
     eng = make_engine(["qwen3-tiny"])
-    first = eng.generate(GenRequest("c1", "s1", "qwen3-tiny", SYSTEM, 10))
+    first = eng.generate(Sequence("c1", "s1", "qwen3-tiny", SYSTEM, 10))
     assert first.kv_source == "recompute" and first.cached_tokens == 0
     assert eng.kv_state("s1", "qwen3-tiny") == "device"
     prompt2 = SYSTEM + first.token_ids + encode(" tool output: 3 passed", bos=False)
-    second = eng.generate(GenRequest("c2", "s1", "qwen3-tiny", prompt2, 10))
+    second = eng.generate(Sequence("c2", "s1", "qwen3-tiny", prompt2, 10))
     assert second.kv_source == "device"
     # committed KV = prompt + all generated tokens but the last (never fed back)
     assert second.cached_tokens == len(SYSTEM) + len(first.token_ids) - 1
@@ -26,9 +26,9 @@ def test_session_return_reuses_device_kv(make_engine):
 
 def test_prefix_index_shares_full_pages_across_sessions(make_engine):
     eng = make_engine(["gpt2-tiny"])
-    eng.generate(GenRequest("c1", "s1", "gpt2-tiny", SYSTEM + encode("first", bos=False), 4))
+    eng.generate(Sequence("c1", "s1", "gpt2-tiny", SYSTEM + encode("first", bos=False), 4))
     prompt = SYSTEM + encode("second question", bos=False)
-    res = eng.generate(GenRequest("c2", "s2", "gpt2-tiny", prompt, 8))
+    res = eng.generate(Sequence("c2", "s2", "gpt2-tiny", prompt, 8))
     assert res.kv_source == "device"
     assert res.cached_tokens == len(SYSTEM) // 16 * 16
     assert res.token_ids == _fresh(make_engine, "gpt2-tiny", prompt, 8).token_ids
@@ -36,8 +36,8 @@ def test_prefix_index_shares_full_pages_across_sessions(make_engine):
 
 def test_identical_prompt_recomputes_only_last_token(make_engine):
     eng = make_engine(["qwen3-moe-tiny"])
-    a = eng.generate(GenRequest("c1", "s1", "qwen3-moe-tiny", SYSTEM, 6))
-    b = eng.generate(GenRequest("c2", "s1", "qwen3-moe-tiny", SYSTEM, 6))
+    a = eng.generate(Sequence("c1", "s1", "qwen3-moe-tiny", SYSTEM, 6))
+    b = eng.generate(Sequence("c2", "s1", "qwen3-moe-tiny", SYSTEM, 6))
     assert b.cached_tokens == len(SYSTEM) - 1
     assert a.token_ids == b.token_ids
 
@@ -49,11 +49,11 @@ def test_reusable_estimate_is_what_admission_reuses(make_engine):
     from talaria.services.instance_agent.runner import reusable_kv
 
     eng = make_engine(["qwen3-tiny"])
-    first = eng.generate(GenRequest("c1", "s1", "qwen3-tiny", SYSTEM + encode(" first turn", bos=False), 4))
+    first = eng.generate(Sequence("c1", "s1", "qwen3-tiny", SYSTEM + encode(" first turn", bos=False), 4))
     extended = SYSTEM + encode(" first turn", bos=False) + first.token_ids[:-1] + encode(" more", bos=False)
     rewritten = SYSTEM + encode(" another turn entirely", bos=False)
     for call_id, prompt in (("c2", extended), ("c3", rewritten)):
         state, reusable = reusable_kv(eng, "s1", "qwen3-tiny", len(prompt), prompt)
-        got = eng.generate(GenRequest(call_id, "s1", "qwen3-tiny", prompt, 1))
+        got = eng.generate(Sequence(call_id, "s1", "qwen3-tiny", prompt, 1))
         assert state == "device" and got.kv_source == "device"
         assert reusable == got.cached_tokens, call_id

@@ -3,7 +3,7 @@
 import pytest
 
 from talaria.services.instance_agent.engine import (
-    ContextTooLong, EngineBusy, GenRequest, InvalidRequest, OutOfKvPages, UnknownCall, UnknownModel,
+    ContextTooLong, EngineBusy, InvalidRequest, OutOfKvPages, SamplingParams, Sequence, UnknownCall, UnknownModel,
 )
 from talaria.shared.catalog import CATALOG, ModelSpec
 from talaria.shared.tokenizer import encode
@@ -15,7 +15,7 @@ def test_switch_record_phases(make_engine):
     eng = make_engine(["qwen3-tiny", "gpt2-tiny"], staging=False)
     first = eng.switch_to("qwen3-tiny")
     assert first.from_model is None and first.path == "host_only"
-    eng.generate(GenRequest("c", "s", "qwen3-tiny", PROMPT, 4))
+    eng.generate(Sequence("c", "s", "qwen3-tiny", PROMPT, 4))
     rec = eng.switch_to("gpt2-tiny")
     assert rec.from_model == "qwen3-tiny" and rec.to_model == "gpt2-tiny"
     assert set(rec.phases()) == {"save_teardown", "open_weights", "kv_shell", "runtime", "publish"}
@@ -30,11 +30,12 @@ def test_switch_record_phases(make_engine):
 
 def test_switch_refused_while_running(make_engine):
     eng = make_engine(["qwen3-tiny", "gpt2-tiny"])
-    eng.prefill([GenRequest("c", "s", "qwen3-tiny", PROMPT, 4)])
+    c = Sequence("c", "s", "qwen3-tiny", PROMPT, 4)
+    eng.prefill([c])
     with pytest.raises(EngineBusy) as err:
         eng.switch_to("gpt2-tiny")
-    assert err.value.running == ["c"]
-    eng.finish("c")
+    assert err.value.running == [c]  # the caller gets them back, to release the ones it no longer runs
+    eng.finish(c)
     eng.switch_to("gpt2-tiny")
 
 
@@ -49,9 +50,9 @@ def test_context_limit(make_engine, monkeypatch):
     monkeypatch.setitem(CATALOG, spec.name, spec)
     eng = make_engine([spec.name])
     with pytest.raises(ContextTooLong) as err:
-        eng.generate(GenRequest("c", "s", spec.name, [65] * 65, 4))
+        eng.generate(Sequence("c", "s", spec.name, [65] * 65, 4))
     assert (err.value.model, err.value.tokens, err.value.limit) == ("ctx-tiny", 65, 64)
-    res = eng.generate(GenRequest("c", "s", spec.name, [65] * 60, 50))
+    res = eng.generate(Sequence("c", "s", spec.name, [65] * 60, 50))
     assert res.finish_reason == "length"
     assert 60 + len(res.token_ids) == 64 or res.token_ids[-1] == 257
 
@@ -59,22 +60,22 @@ def test_context_limit(make_engine, monkeypatch):
 def test_invalid_requests(make_engine):
     eng = make_engine(["qwen3-tiny"])
     with pytest.raises(UnknownModel):
-        eng.generate(GenRequest("c", "s", "llama-70b", PROMPT, 4))
+        eng.generate(Sequence("c", "s", "llama-70b", PROMPT, 4))
     bad = [
-        GenRequest("c", "s", "qwen3-tiny", [], 4),
-        GenRequest("c", "s", "qwen3-tiny", [10**6], 4),  # past the vocabulary
-        GenRequest("c", "s", "qwen3-tiny", PROMPT, 0),
-        GenRequest("c", "s", "qwen3-tiny", PROMPT, 4, temperature=-1),
-        GenRequest("c", "s", "qwen3-tiny", PROMPT, 4, top_p=0),
+        Sequence("c", "s", "qwen3-tiny", [], 4),
+        Sequence("c", "s", "qwen3-tiny", [10**6], 4),  # past the vocabulary
+        Sequence("c", "s", "qwen3-tiny", PROMPT, 0),
+        Sequence("c", "s", "qwen3-tiny", PROMPT, 4, SamplingParams(temperature=-1)),
+        Sequence("c", "s", "qwen3-tiny", PROMPT, 4, SamplingParams(top_p=0)),
     ]
     for req in bad:
         with pytest.raises(InvalidRequest):
             eng.prefill([req])
     assert not eng.running
     with pytest.raises(UnknownCall):
-        eng.decode(["nope"])
+        eng.decode([Sequence("nope", "s", "qwen3-tiny", PROMPT, 4)])
     with pytest.raises(UnknownCall):
-        eng.finish("nope")
+        eng.finish(Sequence("nope", "s", "qwen3-tiny", PROMPT, 4))
 
 
 def test_out_of_kv_pages(make_engine):
@@ -82,6 +83,6 @@ def test_out_of_kv_pages(make_engine):
     eng.switch_to("gpt2-tiny")
     capacity = eng.stats().kv_capacity_tokens
     with pytest.raises(OutOfKvPages) as err:
-        eng.generate(GenRequest("c", "s", "gpt2-tiny", [65] * 100, capacity))
+        eng.generate(Sequence("c", "s", "gpt2-tiny", [65] * 100, capacity))
     assert err.value.needed > err.value.available
     assert not eng.running and eng.pool.num_free == eng.pool.num_pages

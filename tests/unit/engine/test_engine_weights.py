@@ -1,6 +1,6 @@
 import torch
 
-from talaria.services.instance_agent.engine import GenRequest
+from talaria.services.instance_agent.engine import Sequence
 from talaria.services.instance_agent.engine.weights import (
     ensure_weights_file, init_weights, load_host_image, model_paths, weight_layout,
 )
@@ -36,7 +36,7 @@ def test_two_engines_same_greedy_output(make_engine):
     outs = []
     for _ in range(2):
         eng = make_engine(["qwen3-tiny", "gpt2-tiny"])
-        outs.append([eng.generate(GenRequest(f"c{m}", "s", m, PROMPT, 12)).token_ids
+        outs.append([eng.generate(Sequence(f"c{m}", "s", m, PROMPT, 12)).token_ids
                      for m in ("qwen3-tiny", "gpt2-tiny")])
     assert outs[0] == outs[1]
     assert len(set(outs[0][0])) > 2, "greedy output should not be degenerate"

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from talaria.services.instance_agent.engine import GenRequest, TorchEngine  # noqa: E402
+from talaria.services.instance_agent.engine import Sequence, TorchEngine  # noqa: E402
 from talaria.services.instance_agent.engine.dtypes import native_bf16  # noqa: E402
 from talaria.services.instance_agent.engine.model import reference_logits  # noqa: E402
 from talaria.shared.catalog import register  # noqa: E402
@@ -109,16 +109,16 @@ def test_logits_and_greedy_tokens_match_transformers_with_and_without_kv_restore
         assert (ours - theirs).abs().max().item() < 1e-4
 
         eos = set(spec.eos_ids)
-        first = engine.generate(GenRequest("c1", "s1", spec.name, ids, 8))
+        first = engine.generate(Sequence("c1", "s1", spec.name, ids, 8))
         follow = ids + first.token_ids
         expected = hf_greedy(model, follow, GREEDY, eos)
         assert len(expected) == GREEDY or expected[-1] in eos
 
-        fresh = engine.generate(GenRequest("fresh", "s-fresh", spec.name, follow, GREEDY))
+        fresh = engine.generate(Sequence("fresh", "s-fresh", spec.name, follow, GREEDY))
         assert fresh.token_ids == expected
         engine.switch_to("qwen3-tiny")  # the session's KV leaves the device; HKVR keeps it on the host
         assert engine.kv_state("s1", spec.name) == "host"
-        restored = engine.generate(GenRequest("c2", "s1", spec.name, follow, GREEDY))
+        restored = engine.generate(Sequence("c2", "s1", spec.name, follow, GREEDY))
         assert restored.kv_source == "host" and restored.cached_tokens >= 16
         assert restored.token_ids == expected
     finally:
@@ -181,11 +181,11 @@ def test_a_bf16_checkpoint_runs_in_bf16_and_matches_transformers_in_bf16(family,
         ours = reference_logits(spec, params, ids)
         assert_bf16_close(ours, theirs)
 
-        fresh = engine.generate(GenRequest("fresh", "s1", spec.name, ids, GREEDY))
+        fresh = engine.generate(Sequence("fresh", "s1", spec.name, ids, GREEDY))
         assert_bf16_greedy(model, ids, fresh.token_ids, GREEDY, set(spec.eos_ids))
         engine.switch_to("qwen3-tiny")  # bf16 KV pages through the host registry and back
         assert engine.kv_state("s1", spec.name) == "host"
-        again = engine.generate(GenRequest("again", "s1", spec.name, ids, GREEDY))
+        again = engine.generate(Sequence("again", "s1", spec.name, ids, GREEDY))
         assert again.kv_source == "host"
         if again.token_ids != fresh.token_ids:
             assert_bf16_greedy(model, ids, again.token_ids, GREEDY, set(spec.eos_ids))

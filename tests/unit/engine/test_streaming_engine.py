@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from talaria.services.instance_agent.engine import GenRequest
+from talaria.services.instance_agent.engine import SamplingParams, Sequence
 from talaria.services.instance_agent.engine.contract import Capabilities
 from talaria.services.instance_agent.engine.engine_errors import (
     EngineBusy, EngineFailed, ModelNotActive, UnknownCall, UnknownModel,
 )
-from talaria.services.instance_agent.engine.sequence import Sequence
 from talaria.services.instance_agent.engine.streaming import StreamingEngine
 from talaria.shared.model_text import BYTE_TEXT
 from talaria.shared.tokenizer import encode
@@ -37,27 +36,25 @@ class ScriptedEngine(StreamingEngine):
         self.aborted: list[tuple[str, bool]] = []  # (call, waited)
         self.moves: list[str] = []
 
-    def prefill(self, reqs: list[GenRequest]):
-        self._admit(reqs, busy=lambda model: bool(self.running))
-        calls = []
-        for r in reqs:
-            call = self.running[r.call_id] = Sequence.streamed(r, 8192, 0.0, BYTE_TEXT)
-            calls.append(call)
-        return [self._next(c, prefill=True) for c in calls]
+    def prefill(self, seqs: list[Sequence]):
+        self._admit(seqs, busy=lambda model: bool(self.running))
+        for call in seqs:
+            self.running.add(call.admit_streamed(8192, BYTE_TEXT, 0.0))
+        return [self._next(c, prefill=True) for c in seqs]
 
-    def decode(self, call_ids):
-        return [self._next(c) for c in self._decoding(call_ids)]
+    def decode(self, seqs):
+        return [self._next(c) for c in self._decoding(seqs)]
 
-    def finish(self, call_id: str):
-        return self._end(call_id).result(A)
+    def finish(self, seq: Sequence):
+        return self._end(seq)
 
     def _fetch(self, call: Sequence) -> None:
-        ids, finished = self.script[call.req.call_id].pop(0)
+        ids, finished = self.script[call.call_id].pop(0)
         call.pending += [(t, None) for t in ids]
         call.engine_done = call.engine_done or finished
 
     def _abort(self, call: Sequence, wait: bool = True) -> None:
-        self.aborted.append((call.req.call_id, wait))
+        self.aborted.append((call.call_id, wait))
 
     def _leave(self, model: str) -> None:
         self.moves.append(f"leave {model}")
@@ -69,32 +66,34 @@ class ScriptedEngine(StreamingEngine):
         return "resident"
 
 
-def req(call_id: str, model: str = A, max_tokens: int = 20, stop=()) -> GenRequest:
-    return GenRequest(call_id, "s", model, PROMPT, max_tokens, stop=stop)
+def req(call_id: str, model: str = A, max_tokens: int = 20, stop=()) -> Sequence:
+    return Sequence(call_id, "s", model, PROMPT, max_tokens, SamplingParams(stop=stop))
 
 
 def test_a_stop_string_aborts_the_call_in_its_engine_without_waiting(tmp_path):
     eng = ScriptedEngine(tmp_path)
     eng.script["c"] = [(list(b"ok E"), False), (list(b"ND more"), False)]
-    [first] = eng.prefill([req("c", stop=("END",))])
+    c = req("c", stop=("END",))
+    [first] = eng.prefill([c])
     steps = [first]
     while not steps[-1].finished:
-        [step] = eng.decode(["c"])
+        [step] = eng.decode([c])
         steps.append(step)
     assert steps[-1].finish_reason == "stop" and "".join(s.text for s in steps) == "ok "
     assert eng.aborted == [("c", False)]  # mid-step: the others' tokens do not wait for it
-    res = eng.finish("c")
+    res = eng.finish(c)
     assert eng.aborted == [("c", False)] and res.finish_reason == "stop"  # not aborted twice
 
 
 def test_finishing_a_call_the_engine_still_runs_aborts_it_and_waits(tmp_path):
     eng = ScriptedEngine(tmp_path)
     eng.script["c"] = [(list(b"abc"), False)]
-    eng.prefill([req("c")])
-    assert eng.finish("c").token_ids == [ord("a")]
-    assert eng.aborted == [("c", True)]
+    c = req("c")
+    eng.prefill([c])
+    assert eng.finish(c).token_ids == [ord("a")]
+    assert eng.aborted == [("c", True)] and c.finish_reason == "abort"
     with pytest.raises(UnknownCall):
-        eng.finish("c")
+        eng.finish(c)
 
 
 def test_a_call_the_engine_ended_without_a_token_is_the_engines_failure(tmp_path):
@@ -107,11 +106,12 @@ def test_a_call_the_engine_ended_without_a_token_is_the_engines_failure(tmp_path
 def test_the_engines_own_cap_ends_a_call_as_length(tmp_path):
     eng = ScriptedEngine(tmp_path)
     eng.script["c"] = [(list(b"ab"), True)]
-    first = eng.prefill([req("c")])[0]
-    [last] = eng.decode(["c"])
+    c = req("c")
+    first = eng.prefill([c])[0]
+    [last] = eng.decode([c])
     assert not first.finished and last.finish_reason == "length" and eng.aborted == []
     with pytest.raises(UnknownCall, match="already finished"):
-        eng.decode(["c"])
+        eng.decode([c])
 
 
 def test_admission_one_model_per_step_and_no_switch_under_running_calls(tmp_path):
@@ -119,13 +119,14 @@ def test_admission_one_model_per_step_and_no_switch_under_running_calls(tmp_path
     with pytest.raises(ModelNotActive):
         eng.prefill([req("a", A), req("b", B)])
     eng.script["a"] = [(list(b"xyz"), False)]
-    eng.prefill([req("a", A)])
+    a = req("a", A)
+    eng.prefill([a])
     assert eng.active_model == A and eng.moves == [f"enter {A}"]
     with pytest.raises(ModelNotActive):  # B waits: a call of A still runs here
         eng.prefill([req("b", B)])
     with pytest.raises(EngineBusy):
         eng.switch_to(B)
-    eng.finish("a")
+    eng.finish(a)
     assert eng.switch_to(B).path == "resident" and eng.moves == [f"enter {A}", f"leave {A}", f"enter {B}"]
     assert eng.switch_to(B).path == "noop"
     with pytest.raises(UnknownModel):

@@ -18,7 +18,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not installed (the vllm engine's tests run in .ci/vllm_stage.sh's venv)",
                 allow_module_level=True)
 
-from talaria.services.instance_agent.engine import GenRequest, TorchEngine  # noqa: E402
+from talaria.services.instance_agent.engine import SamplingParams, Sequence, TorchEngine  # noqa: E402
 from talaria.services.instance_agent.engine.vllm_engine import VllmEngine  # noqa: E402
 from talaria.shared.catalog import register  # noqa: E402
 from talaria.shared.hf_config import load_spec  # noqa: E402
@@ -60,34 +60,36 @@ def torch_engine(data_dir, checkpoints):
     eng.close()
 
 
-def run(engine, call_id, session, prompt, max_tokens=8, model=A, **kw):
-    step = engine.prefill([GenRequest(call_id, session, model, list(prompt), max_tokens, **kw)])[0]
+def run(engine, call_id, session, prompt, max_tokens=8, model=A, kv_scope="", **sampling):
+    seq = Sequence(call_id, session, model, list(prompt), max_tokens, SamplingParams(**sampling), kv_scope=kv_scope)
+    step = engine.prefill([seq])[0]
     while not step.finished:
-        step = engine.decode([call_id])[0]
-    return engine.finish(call_id)
+        step = engine.decode([seq])[0]
+    return engine.finish(seq)
 
 
 def test_greedy_tokens_match_the_torch_engine_with_the_prompt_prefilled_in_chunks(engine, torch_engine):
-    want = torch_engine.generate(GenRequest("t", "t", A, PROMPT, 12)).token_ids
-    engine.prefill([GenRequest("other", "o", A, encode("hello there"), 40)])  # decodes while PROMPT chunks
+    want = torch_engine.generate(Sequence("t", "t", A, PROMPT, 12)).token_ids
+    other = Sequence("other", "o", A, encode("hello there"), 40)
+    engine.prefill([other])  # decodes while PROMPT chunks
     got = run(engine, "long", "s-long", PROMPT, 12)
     assert len(PROMPT) > 3 * BATCH and got.token_ids == want and got.kv_source == "recompute"
-    engine.finish("other")
+    engine.finish(other)
 
 
 def test_a_cancelled_call_stops_in_vllm_and_the_engine_serves_on(engine):
-    step = engine.prefill([GenRequest("cancel-me", "s-cancel", A, list(PROMPT), 400)])[0]
-    engine.decode(["cancel-me"])
-    result = engine.finish("cancel-me")
+    seq = Sequence("cancel-me", "s-cancel", A, list(PROMPT), 400)
+    step = engine.prefill([seq])[0]
+    engine.decode([seq])
+    result = engine.finish(seq)
     assert result.finish_reason == "abort" and 2 <= len(result.token_ids) < 400 and step.token_id == result.token_ids[0]
     assert engine._llms[A].output_processor.get_num_unfinished_requests() == 0  # gone from vLLM too
     assert run(engine, "after", "s-after", PROMPT, 4).finish_reason in ("stop", "length")
 
 
 def test_logprobs_and_logit_bias_match_the_torch_engine(engine, torch_engine):
-    req = dict(max_tokens=4, logprobs=True, top_logprobs=3)
-    want = torch_engine.generate(GenRequest("lp", "lp", A, PROMPT, **req))
-    got = run(engine, "lp", "s-lp", PROMPT, kv_scope="lp", **req)
+    want = torch_engine.generate(Sequence("lp", "lp", A, PROMPT, 4, SamplingParams(logprobs=True, top_logprobs=3)))
+    got = run(engine, "lp", "s-lp", PROMPT, 4, kv_scope="lp", logprobs=True, top_logprobs=3)
     assert got.token_ids == want.token_ids
     for a, b in zip(got.logprobs, want.logprobs):
         assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-3
@@ -98,9 +100,9 @@ def test_logprobs_and_logit_bias_match_the_torch_engine(engine, torch_engine):
 
 
 def test_stop_strings_end_the_call_as_in_the_torch_engine(engine, torch_engine):
-    free = torch_engine.generate(GenRequest("free", "free", A, PROMPT, 12))
+    free = torch_engine.generate(Sequence("free", "free", A, PROMPT, 12))
     stop = free.text[4:7]
-    want = torch_engine.generate(GenRequest("stop", "stop", A, PROMPT, 12, stop=[stop]))
+    want = torch_engine.generate(Sequence("stop", "stop", A, PROMPT, 12, SamplingParams(stop=[stop])))
     got = run(engine, "stop", "s-stop", PROMPT, 12, stop=[stop], kv_scope="stop")
     assert (got.text, got.finish_reason, got.stop_sequence) == (want.text, "stop", stop)
 

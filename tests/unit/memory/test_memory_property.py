@@ -15,7 +15,7 @@ from talaria.shared.tokenizer import EOS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from talaria.services.instance_agent.engine import GenRequest, TorchEngine
+from talaria.services.instance_agent.engine import Sequence, TorchEngine
 from talaria.services.instance_agent.engine.model import reference_logits
 from talaria.services.instance_agent.memory.host_pages import RankReport
 
@@ -78,7 +78,7 @@ def test_random_interleavings_match_scratch(ops, chunk):
                 model = MODELS[m]
                 prev = history.get((s, model), [256])
                 prompt = prev + [(s * 37 + m * 11 + i + len(prev)) % 256 for i in range(extend)]
-                res = eng.generate(GenRequest(f"c{n_calls}", f"s{s}", model, prompt, max_tokens))
+                res = eng.generate(Sequence(f"c{n_calls}", f"s{s}", model, prompt, max_tokens))
                 n_calls += 1
                 assert tuple(res.token_ids) == reference(model, tuple(prompt), max_tokens)
                 assert 0 <= res.cached_tokens <= len(prompt) - 1
@@ -100,7 +100,7 @@ def test_random_interleavings_match_scratch(ops, chunk):
                 # (dirties chunks) and whose checkpoint pushes HKVR into eviction
                 eng.stage(MODELS[o[2]], wait=True)
                 prompt = [256] + [(7 * i) % 256 for i in range(o[1] * 8)]
-                eng.generate(GenRequest(f"f{n_calls}", f"flood{n_calls}", eng.active_model, prompt, 1))
+                eng.generate(Sequence(f"f{n_calls}", f"flood{n_calls}", eng.active_model, prompt, 1))
                 n_calls += 1
             if eng.active_model is not None:
                 assert torch.equal(eng.bump.weight_region(), eng.host_images[eng.active_model])
