@@ -393,8 +393,9 @@ class HotPools:
         once one more is hot for `r`: each model's demand past its hot instances, in instances,
         and at least one cold instance while a model has none hot (else its calls have nowhere
         to run, as with one agent and two models). r's own overflow does not count: the pin
-        only adds to what r gets. Measured: without this, 20 models on 4 instances pinned 3
-        to the popular ones and rotated 17 on the last (SCT p95 1.7x the all-cold pool)."""
+        only adds to what r gets. Measured (bench/hot_cold_sim.py, every agent cold): without
+        it the single-instance and one human-turn cell never finished (a model left with no
+        instance), and 20-model cells were slower still (results/matrix_notes.md)."""
         others = [m for m in self._m if m != r]
         overflow = sum(max(0.0, share[m] - count[m]) for m in others)
         needs_one = any(count[m] == 0 for m in others)
