@@ -78,8 +78,8 @@ class VllmEngine(StreamingEngine):
         data_dir: Path,
         models: list[str],
         *,
-        catalogue: Catalogue = BUILTIN_MODELS,
         device: str = "cpu",
+        catalogue: Catalogue = BUILTIN_MODELS,
         hkvr: bool = True,
         staging: bool = True,  # noqa: ARG002 - no D2D staging in vLLM (capabilities say so)
         switch_mode: str | None = None,
