@@ -81,14 +81,16 @@ def run_batch(engine, model: str, batch: list[list[int]], decode: int, tag: str)
     return sum(map(len, batch)) / (t1 - t0), made / (t2 - t1) if made else 0.0
 
 
-def build(name: str, data: Path, model: str, device: str, tokens: int, batch: int, dtype: str):
+def build(name: str, data: Path, spec, device: str, tokens: int, batch: int, dtype: str):
     from talaria.services.instance_agent.engine.engine_registry import build_engine
+    from talaria.shared.catalog import BUILTIN_MODELS
 
+    catalogue = BUILTIN_MODELS.with_(spec)
     if name == "torch":
-        return build_engine("torch", data, [model], device=device, hkvr=False, staging=False,
-                            kv_pages=(tokens // 16 + 2) * batch + 16, dtype=dtype)
-    return build_engine("vllm", data, [model], device=device, hkvr=False, max_model_len=tokens + 16,
-                        dtype=dtype, kv_cache_bytes=2 << 30)
+        return build_engine("torch", data, [spec.name], catalogue=catalogue, device=device, hkvr=False,
+                            staging=False, kv_pages=(tokens // 16 + 2) * batch + 16, dtype=dtype)
+    return build_engine("vllm", data, [spec.name], catalogue=catalogue, device=device, hkvr=False,
+                        max_model_len=tokens + 16, dtype=dtype, kv_cache_bytes=2 << 30)
 
 
 def compute_dtype(engine, model: str) -> str:
@@ -116,7 +118,6 @@ def main() -> None:
 
     import torch
 
-    from talaria.shared.catalog import register
     from talaria.shared.hf_config import load_spec
 
     # vLLM's CPU worker computes on one OpenMP thread bound to a core (the other is its
@@ -128,12 +129,11 @@ def main() -> None:
     path = checkpoint(data, args.shape, args.dtype)
     made_s = time.perf_counter() - t0
     spec = load_spec(args.shape, path)
-    register(spec)
     rows, notes = [], []
     for name in args.engines:
         t0 = time.perf_counter()
         try:
-            engine = build(name, data, spec.name, args.device, args.prompt + args.decode, max(args.batch), args.compute)
+            engine = build(name, data, spec, args.device, args.prompt + args.decode, max(args.batch), args.compute)
         except Exception as exc:  # noqa: BLE001 - reported: the other engine still runs
             notes.append(f"{name}: not run ({type(exc).__name__}: {str(exc)[:200]})")
             continue

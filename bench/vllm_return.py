@@ -31,10 +31,10 @@ A, B = "qwen3-tiny", "gpt2-tiny"
 
 
 def prompt_of(n: int, salt: int) -> list[int]:
-    from talaria.shared.catalog import CATALOG
+    from talaria.shared.catalog import BUILTIN_MODELS
     from talaria.shared.model_text import text_for
 
-    allowed = [t for t in text_for(CATALOG[A]).allowed_output if t < 4000]
+    allowed = [t for t in text_for(BUILTIN_MODELS[A]).allowed_output if t < 4000]
     return [allowed[(salt * 131 + i * 7 + i // 97) % len(allowed)] for i in range(n)]
 
 

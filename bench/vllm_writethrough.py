@@ -117,9 +117,9 @@ def main() -> None:
 
 
 def _kv_token_bytes() -> int:
-    from talaria.shared.catalog import CATALOG
+    from talaria.shared.catalog import BUILTIN_MODELS
 
-    s = CATALOG[A]
+    s = BUILTIN_MODELS[A]
     return s.layers * 2 * s.kv_heads * s.head_dim * 4
 
 

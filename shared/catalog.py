@@ -1,5 +1,7 @@
-"""The model catalogue: tiny random-weight models the torch engine serves (and, registered at
-start, Hugging Face checkpoints: hf_config.py).
+"""The model catalogue: tiny random-weight models the torch engine serves (`BUILTIN_MODELS`),
+and a deployment's `Catalogue`: those plus the Hugging Face checkpoints among its models
+(hf_config.py; built once per service by `CommonSettings.catalogue()` and handed to what
+looks models up, so two deployments in one process never see each other's checkpoints).
 
 Each entry fixes the architecture, the seed its weights are drawn from, and its
 context length. Weights are built from this config once and written as safetensors
@@ -8,7 +10,9 @@ into the data directory; nothing is ever downloaded.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from talaria.shared.tokenizer import VOCAB_SIZE
 
@@ -44,28 +48,43 @@ class ModelSpec:
     dtype: str = "float32"
 
 
-CATALOG: dict[str, ModelSpec] = {
-    spec.name: spec
-    for spec in (
-        ModelSpec("qwen3-tiny", "dense", 128, 4, 4, 2, 32, 384, DEMO_CONTEXT, seed=1,
-                  vocab_size=DEMO_VOCAB_SIZE, tokenizer="bpe"),
-        ModelSpec(
-            "qwen3-moe-tiny", "moe", 128, 4, 4, 2, 32, 192, DEMO_CONTEXT, seed=2,
-            experts=8, experts_per_token=2, vocab_size=DEMO_VOCAB_SIZE, tokenizer="bpe",
-        ),
-        # GPT-2's learned positions make a long context costly: it keeps the byte tokenizer.
-        ModelSpec("gpt2-tiny", "gpt2", 128, 4, 4, 4, 32, 512, 8192, seed=3),
-    )
-}
+class Catalogue(Mapping[str, ModelSpec]):
+    """Models by name, immutable. Picklable, so a gateway's parser process gets its parent's
+    with each body it parses."""
+
+    __slots__ = ("_by_name",)
+
+    def __init__(self, specs: Iterable[ModelSpec] = ()) -> None:
+        object.__setattr__(self, "_by_name", MappingProxyType({s.name: s for s in specs}))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("a Catalogue is immutable; `with_` makes one with more models")
+
+    def __getitem__(self, name: str) -> ModelSpec:
+        return self._by_name[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_name)
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def __reduce__(self):  # the mapping proxy itself does not pickle
+        return (Catalogue, (tuple(self._by_name.values()),))
+
+    def __repr__(self) -> str:
+        return f"Catalogue({', '.join(self._by_name)})"
+
+    def with_(self, *specs: ModelSpec) -> Catalogue:
+        """This catalogue and `specs` (a spec replaces one of the same name)."""
+        return Catalogue((*self.values(), *specs))
 
 
-def register(spec: ModelSpec) -> None:
-    """Add a model (a Hugging Face directory, see shared/hf_config.py) to this process's catalogue."""
-    CATALOG[spec.name] = spec
-
-
-def register_all(specs: tuple[ModelSpec, ...]) -> None:
-    """`register` each: how a worker process learns the checkpoints its parent serves."""
-    for spec in specs:
-        register(spec)
-
+BUILTIN_MODELS = Catalogue((
+    ModelSpec("qwen3-tiny", "dense", 128, 4, 4, 2, 32, 384, DEMO_CONTEXT, seed=1,
+              vocab_size=DEMO_VOCAB_SIZE, tokenizer="bpe"),
+    ModelSpec("qwen3-moe-tiny", "moe", 128, 4, 4, 2, 32, 192, DEMO_CONTEXT, seed=2,
+              experts=8, experts_per_token=2, vocab_size=DEMO_VOCAB_SIZE, tokenizer="bpe"),
+    # GPT-2's learned positions make a long context costly: it keeps the byte tokenizer.
+    ModelSpec("gpt2-tiny", "gpt2", 128, 4, 4, 4, 32, 512, 8192, seed=3),
+))

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from talaria.shared.ablations import ABLATIONS
 from talaria.shared.api_keys import InvalidKeyEntry, parse_key_entry
-from talaria.shared.catalog import CATALOG, ModelSpec
+from talaria.shared.catalog import BUILTIN_MODELS, Catalogue, ModelSpec
 from talaria.shared.hf_config import CheckpointError, load_spec, parse_models
 from talaria.shared.subjects import Deployment
 
@@ -89,8 +89,7 @@ class CommonSettings:
         return self.traces_dir or (self.data_dir / "traces")
 
     def checkpoints(self) -> tuple[ModelSpec, ...]:
-        """The Hugging Face checkpoints among the models, read from their directories; a
-        service adds them to its catalogue at start (`catalog.register_all`)."""
+        """The Hugging Face checkpoints among the models, read from their directories."""
         specs = []
         for name, path in self.model_dirs:
             try:
@@ -98,6 +97,11 @@ class CommonSettings:
             except CheckpointError as exc:
                 raise SettingsError("TALARIA_MODELS", f"{name}={path}", f"a servable checkpoint: {exc}") from None
         return tuple(specs)
+
+    def catalogue(self) -> Catalogue:
+        """The models this deployment can name: the built-ins and its checkpoints. Reads the
+        checkpoint directories, so a service builds it once at start and hands it on."""
+        return BUILTIN_MODELS.with_(*self.checkpoints())
 
     def models_env(self) -> str:
         """TALARIA_MODELS for child processes: names, with `=path` for checkpoint directories."""
@@ -141,11 +145,11 @@ class CommonSettings:
             _check_file(name, getattr(self, name))
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise SettingsError("TALARIA_METRICS_PORT", str(self.metrics_port), "a TCP port, or 0 for a free one")
-        known = set(CATALOG) | {name for name, _ in self.model_dirs}
+        known = set(BUILTIN_MODELS) | {name for name, _ in self.model_dirs}
         unknown = [m for m in self.models if m not in known]
         if unknown or not self.models:
             raise SettingsError("TALARIA_MODELS", ",".join(self.models),
-                                f"models from the catalogue ({', '.join(sorted(CATALOG))})")
+                                f"models from the catalogue ({', '.join(sorted(BUILTIN_MODELS))})")
         self.checkpoints()  # a directory that is no servable checkpoint fails at start
 
 

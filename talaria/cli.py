@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 from talaria.shared.ablations import ABLATIONS
-from talaria.shared.catalog import CATALOG, register_all
 from talaria.shared.settings import Settings, SettingsError, redact_url
 
 
@@ -46,9 +45,10 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         print(f"talaria: {exc}", file=sys.stderr)
         return 2
     _check_policy(settings.router.policy)
-    unknown = [m for m in args.hot if m not in CATALOG]
+    catalogue = settings.common.catalogue()  # `--hot` may name a checkpoint among the models
+    unknown = [m for m in args.hot if m not in catalogue]
     if unknown:
-        print(f"talaria: --hot {unknown[0]}: unknown model; known: {', '.join(sorted(CATALOG))}", file=sys.stderr)
+        print(f"talaria: --hot {unknown[0]}: unknown model; known: {', '.join(sorted(catalogue))}", file=sys.stderr)
         return 2
     if not 1 <= args.nats_cluster <= 5:
         print(f"talaria: --nats-cluster {args.nats_cluster}: 1 to 5 servers", file=sys.stderr)
@@ -228,7 +228,8 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
         print(f"talaria replay: {len(sessions)} sessions, {sum(len(s.calls) for s in sessions)} calls, "
               f"{gaps.describe()}, token scale {cfg.token_scale:g}", file=sys.stderr)
         t0 = time.monotonic()
-        stats = asyncio.run(Replayer(nats_url, cfg, gaps, run_id, api_key, settings.common.deployment).run(sessions))
+        stats = asyncio.run(Replayer(nats_url, cfg, gaps, run_id, api_key, settings.common.deployment,
+                                     settings.common.catalogue()).run(sessions))
         metrics = asyncio.run(metrics_from_db(db_url, run_id, stats.calls_sent))
         result = {"run_id": run_id, "policy": args.policy or settings.router.policy, "gaps": gaps.describe(),
                   "ablation": args.ablation or settings.agent.ablation,
@@ -330,7 +331,6 @@ def _main(argv: list[str] | None) -> int:
     except SettingsError as exc:
         print(f"talaria: configuration error: {exc}", file=sys.stderr)
         return 2
-    register_all(settings.common.checkpoints())  # `--hot` and `replay` may name a checkpoint
     from talaria.services.router.policy.registry import UnknownPolicyError
 
     handlers = {"up": cmd_up, "migrate": cmd_migrate, "nats-config": cmd_nats_config, "trace": cmd_trace, "audit": cmd_audit,

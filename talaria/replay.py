@@ -24,7 +24,7 @@ import nats
 
 from talaria.shared.subjects import Deployment
 from talaria.shared.bus import servers
-from talaria.shared.catalog import CATALOG
+from talaria.shared.catalog import BUILTIN_MODELS, Catalogue
 from talaria.shared.messages import CallRequest, CallResult, ErrorReply, REPLY_DECODER
 from talaria.shared.wire import encode
 from talaria.shared.nats_auth import client_options
@@ -70,9 +70,11 @@ def model_map(sessions: list[Session], models: tuple[str, ...]) -> dict[str, str
 
 class Replayer:
     def __init__(self, nats_url: str, cfg: ReplayConfig, gaps: GapModel, run_id: str,
-                 api_key: str | None = None, deployment: Deployment = Deployment()) -> None:
+                 api_key: str | None = None, deployment: Deployment = Deployment(),
+                 catalogue: Catalogue = BUILTIN_MODELS) -> None:
         self.nats_url, self.cfg, self.gaps, self.run_id = nats_url, cfg, gaps, run_id
         self.deployment = deployment  # the deployment the stack serves (TALARIA_DEPLOYMENT)
+        self.catalogue = catalogue  # its models, for their context lengths (CommonSettings.catalogue)
         self.api_key = api_key
         self.stats = ReplayStats()
         self.total_calls = 0
@@ -95,7 +97,7 @@ class Replayer:
         return f"{self.run_id}-{s.id}"
 
     async def _session(self, s: Session, model: str) -> None:
-        limit = min(self.cfg.max_prompt_tokens, CATALOG[model].context_length - self.cfg.max_output_tokens - 2)
+        limit = min(self.cfg.max_prompt_tokens, self.catalogue[model].context_length - self.cfg.max_output_tokens - 2)
         context = ""
         for call in s.calls:
             await asyncio.sleep(self.gaps.gap(call))  # the workload's own think/tool time

@@ -25,6 +25,7 @@ from talaria.services.gateway.prepare import RequestError, prepare, tool_format
 from talaria.services.gateway.validation import decode_bounded
 from talaria.services.gateway.session_ids import InvalidSessionId
 from talaria.services.gateway.submitter import Submitter
+from talaria.shared.catalog import Catalogue
 from talaria.shared.messages import CallRequest, CallResult, ErrorReply, TokenChunk
 from talaria.shared.tool_calls import TextUntilCalls, ToolCall, parse_calls
 
@@ -91,9 +92,10 @@ class AnthropicApi:
     """Routes on the gateway's app: its middleware has checked the API key (`x-api-key` or
     `Authorization: Bearer`, auth.py) and put the tenant on the request."""
 
-    def __init__(self, submitter: Submitter, log, prefix_sharing: str = "tenant",
+    def __init__(self, submitter: Submitter, catalogue: Catalogue, log, prefix_sharing: str = "tenant",
                  idempotency: IdempotentCalls | None = None) -> None:
         self.submitter, self.log, self.prefix_sharing = submitter, log, prefix_sharing
+        self.catalogue = catalogue  # the models requests may name (CommonSettings.catalogue)
         self.idempotency = idempotency
 
     def routes(self) -> list[web.RouteDef]:
@@ -103,9 +105,9 @@ class AnthropicApi:
         try:
             req = decode_bounded(DECODER, await request.read())
             chat = chat_turns(req)
-            call = prepare(CallRequest(model=req.model, messages=chat.messages, tools=chat.tools,
-                                       tool_choice=chat.choice, forced_tool=chat.forced, max_tokens=1),
-                           "count", "anthropic", fit_max_tokens=True)
+            counted = CallRequest(model=req.model, messages=chat.messages, tools=chat.tools,
+                                  tool_choice=chat.choice, forced_tool=chat.forced, max_tokens=1)
+            call = prepare(self.catalogue, counted, "count", "anthropic", fit_max_tokens=True)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             return error_response(decode_error(exc))
         except RequestError as exc:
@@ -118,8 +120,9 @@ class AnthropicApi:
             call_req = to_call_request(req, chat_turns(req))
             tenant = request.get(TENANT, "")
             session_id = scoped_session(tenant, session_of(request.headers, req.metadata))
-            call = prepare(call_req, session_id, "anthropic", tenant, self.prefix_sharing, fit_max_tokens=True)
-            fmt = tool_format(call_req)
+            call = prepare(self.catalogue, call_req, session_id, "anthropic", tenant, self.prefix_sharing,
+                           fit_max_tokens=True)
+            fmt = tool_format(self.catalogue, call_req)
             key = key_from(request.headers)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             return error_response(decode_error(exc))

@@ -19,7 +19,6 @@ from talaria.services.gateway.nats_api import NatsApi
 from talaria.services.gateway.submitter import Submitter
 from talaria.shared import logs, tracing
 from talaria.shared.bus import close, connect
-from talaria.shared.catalog import register_all
 from talaria.shared.metrics import FrontendMetrics, handler as metrics_handler
 from talaria.shared.snapshots import HEARTBEAT_DECODER, InstanceSnapshot, SNAPSHOT_DECODER
 from talaria.shared.settings import CommonSettings, GatewaySettings, Settings
@@ -96,10 +95,7 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
 async def serve(common: CommonSettings, settings: GatewaySettings, ready: asyncio.Event | None,
                 stop: asyncio.Event) -> None:
     log = logs.get("gateway")
-    # Checkpoints among the models join this process's catalogue; a spawned parser worker
-    # starts with the built-in one only, so it is given them too.
-    checkpoints = common.checkpoints()
-    register_all(checkpoints)
+    catalogue = common.catalogue()  # the models requests may name; the parser worker gets it with each body
     provider = tracing.setup("gateway", common)
     tracer = provider.get_tracer("talaria.gateway")
     recovering: list[Submitter] = []
@@ -124,15 +120,14 @@ async def serve(common: CommonSettings, settings: GatewaySettings, ready: asynci
     keys = KeyStore.from_settings(settings)
     if not keys.enabled:
         log.warning("no API keys configured: the gateway is open to anyone who can reach it")
-    nats_api = NatsApi(nc, submitter, log, keys, settings.prefix_sharing, idempotency)
+    nats_api = NatsApi(nc, submitter, catalogue, log, keys, settings.prefix_sharing, idempotency)
     await nats_api.start()
     # handler_cancellation: a client that disconnects cancels its handler, which cancels the call.
     # One worker process parses large bodies: they queue among themselves, not on the loop.
-    parser_pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                                      initializer=register_all, initargs=(checkpoints,))
+    parser_pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
     await asyncio.get_running_loop().run_in_executor(parser_pool, int)  # start it now, not on a call
     limits = HttpLimits.from_settings(settings)
-    api = HttpApi(submitter, served, log, keys, settings.prefix_sharing, parser_pool, idempotency,
+    api = HttpApi(submitter, served, catalogue, log, keys, settings.prefix_sharing, parser_pool, idempotency,
                   body_timeout_s=limits.body_timeout_s)
     app = api.app()
     app.middlewares.insert(0, metrics.http_middleware())  # outermost: 401s and 4xx counted too

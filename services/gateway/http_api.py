@@ -34,6 +34,7 @@ from talaria.services.gateway.prepare import RequestError, prepare, tool_format
 from talaria.services.gateway.responses_api import ResponsesApi
 from talaria.services.gateway.session_ids import InvalidSessionId, session_id_from
 from talaria.services.gateway.submitter import Submitter
+from talaria.shared.catalog import Catalogue
 from talaria.shared.events import CallSubmitted
 from talaria.shared.messages import CallRequest, CallResult, ErrorReply, TokenChunk
 from talaria.services.gateway.validation import decode
@@ -52,16 +53,17 @@ def error_response(err: ErrorReply) -> web.Response:
     return web.json_response(error_body(err), status=err.status, headers=headers)
 
 
-def parse_request(body: bytes, chat: bool, headers, tenant: str = "",
+def parse_request(catalogue: Catalogue, body: bytes, chat: bool, headers, tenant: str = "",
                   prefix_sharing: str = "tenant") -> tuple[CallSubmitted, bool, str | None] | ErrorReply:
     """Decode, validate and tokenise one HTTP body: (the call, include_usage, its tool-call
-    format) or the 4xx reply. Pure (no I/O), so it may run in a worker process."""
+    format) or the 4xx reply. Pure (no I/O; the catalogue travels with the body), so it may
+    run in a worker process."""
     try:
         decoded = decode(CHAT_DECODER if chat else COMPLETION_DECODER, body)
         req, include_usage = _to_call_request(decoded, chat)
         session_id = scoped_session(tenant, session_id_from(headers, decoded.user))
-        call = prepare(req, session_id, "chat" if chat else "completion", tenant, prefix_sharing)
-        return call, include_usage, tool_format(req)
+        call = prepare(catalogue, req, session_id, "chat" if chat else "completion", tenant, prefix_sharing)
+        return call, include_usage, tool_format(catalogue, req)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         return validation_error(exc)
     except InvalidSessionId as exc:
@@ -71,12 +73,13 @@ def parse_request(body: bytes, chat: bool, headers, tenant: str = "",
 
 
 class HttpApi:
-    def __init__(self, submitter: Submitter, models, log, keys: KeyStore | None = None,
+    def __init__(self, submitter: Submitter, models, catalogue: Catalogue, log, keys: KeyStore | None = None,
                  prefix_sharing: str = "tenant", parser_pool=None, idempotency: IdempotentCalls | None = None,
                  body_timeout_s: float = HttpLimits.body_timeout_s) -> None:
         self.body_timeout_s = body_timeout_s
         self.submitter = submitter
         self.models = models  # callable -> list of (model, owned_by) currently served
+        self.catalogue = catalogue  # the models requests may name (CommonSettings.catalogue)
         self.log = log
         self.keys = keys or KeyStore()
         self.prefix_sharing = prefix_sharing
@@ -93,9 +96,9 @@ class HttpApi:
             web.get("/v1/models", self.list_models),
             web.get("/healthz", self.healthz),
             web.get("/readyz", self.healthz),
-            *AnthropicApi(self.submitter, self.log, self.prefix_sharing, self.idempotency).routes(),
-            *ResponsesApi(self.submitter, self.log, self.prefix_sharing, self.big_bodies, OFFLOAD_BYTES,
-                          self.idempotency).routes(),
+            *AnthropicApi(self.submitter, self.catalogue, self.log, self.prefix_sharing, self.idempotency).routes(),
+            *ResponsesApi(self.submitter, self.catalogue, self.log, self.prefix_sharing, self.big_bodies,
+                          OFFLOAD_BYTES, self.idempotency).routes(),
         ])
         return app
 
@@ -118,7 +121,7 @@ class HttpApi:
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await request.read()
         tenant = request.get(TENANT, "")
-        args = (body, chat, {k: v for k, v in request.headers.items()}, tenant, self.prefix_sharing)
+        args = (self.catalogue, body, chat, {k: v for k, v in request.headers.items()}, tenant, self.prefix_sharing)
         if self.big_bodies is not None and len(body) > OFFLOAD_BYTES:
             parsed = await self.big_bodies.parse(tenant, parse_request, *args)
         else:
@@ -139,7 +142,7 @@ class HttpApi:
         reply = await (claim.run() if claim else self.submitter.submit(call))
         if isinstance(reply, ErrorReply):
             return error_response(reply)
-        body = chat_response(reply, fmt) if chat else completion_response(reply)
+        body = chat_response(self.catalogue, reply, fmt) if chat else completion_response(reply)
         return web.json_response(body, headers=_call_headers(reply, call.tenant, claim))
 
     async def _stream(self, request, call, chat: bool, include_usage: bool,
@@ -204,11 +207,10 @@ class HttpApi:
         await resp.write_eof()
         return resp
 
-    @staticmethod
-    def _chunk(call, chat: bool, content, finish: str | None, include_usage: bool, logprobs=None) -> dict:
+    def _chunk(self, call, chat: bool, content, finish: str | None, include_usage: bool, logprobs=None) -> dict:
         if chat:
             delta = content if isinstance(content, dict) else ({"content": content} if content else {})
-            body = chat_chunk(call.call_id, call.model, delta, finish, logprobs)
+            body = chat_chunk(self.catalogue, call.call_id, call.model, delta, finish, logprobs)
         else:
             body = completion_chunk(call.call_id, call.model, content, finish)
         if include_usage:

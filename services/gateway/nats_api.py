@@ -25,6 +25,7 @@ from talaria.services.gateway.prepare import RequestError, prepare
 from talaria.services.gateway.session_ids import InvalidSessionId, check
 from talaria.services.gateway.submitter import Submitter
 from talaria.services.gateway.validation import decode
+from talaria.shared.catalog import Catalogue
 from talaria.shared.subjects import API_QUEUE_GROUP
 from talaria.shared.messages import CALL_REQUEST_DECODER, CANCEL_DECODER, CallResult, ErrorReply
 from talaria.shared.nats_auth import reply_allowed
@@ -32,9 +33,10 @@ from talaria.shared.wire import encode, replace
 
 
 class NatsApi:
-    def __init__(self, nc, submitter: Submitter, log, keys: KeyStore | None = None,
+    def __init__(self, nc, submitter: Submitter, catalogue: Catalogue, log, keys: KeyStore | None = None,
                  prefix_sharing: str = "tenant", idempotency: IdempotentCalls | None = None) -> None:
         self.nc, self.submitter, self.log = nc, submitter, log
+        self.catalogue = catalogue  # the models requests may name (CommonSettings.catalogue)
         self.deployment = submitter.deployment
         self.idempotency = idempotency  # honours `idempotency_key`; None: it is ignored
         self.keys, self.prefix_sharing = keys or KeyStore(), prefix_sharing
@@ -100,7 +102,8 @@ class NatsApi:
             if self._foreign(msg, tenant):  # checked before anything runs (synchronously, in order)
                 return
             session_id = check(req.session_id) if req.session_id else f"anon-{uuid.uuid4().hex}"
-            call = prepare(req, scoped_session(tenant, session_id), "nats", tenant, self.prefix_sharing)
+            call = prepare(self.catalogue, req, scoped_session(tenant, session_id), "nats", tenant,
+                           self.prefix_sharing)
         except InvalidSessionId as exc:
             reply = ErrorReply(400, "invalid_session_id", str(exc), param="session_id")
         except RequestError as exc:

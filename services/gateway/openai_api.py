@@ -11,7 +11,7 @@ from msgspec import Struct
 
 from talaria.services.gateway.validation import bad
 from talaria.shared import tokenizer as byte_tok
-from talaria.shared.catalog import CATALOG
+from talaria.shared.catalog import Catalogue
 from talaria.shared.messages import CallResult, ChatMessage, TokenLogprob, ToolCallMsg, ToolSpec
 from talaria.shared.model_text import text_for
 from talaria.shared.tool_calls import ToolCall, parse_calls
@@ -193,9 +193,9 @@ def logit_bias(value: dict[str, float] | None) -> dict[int, float] | None:
         raise bad("`logit_bias` keys must be token ids (integers)", "logit_bias") from None
 
 
-def token_bytes(model: str, token_id: int) -> bytes:
+def token_bytes(catalogue: Catalogue, model: str, token_id: int) -> bytes:
     """The bytes one token stands for (special tokens as their name; b"" if the model is unknown)."""
-    spec = CATALOG.get(model)
+    spec = catalogue.get(model)
     if spec is None:
         return b""
     text = text_for(spec)
@@ -207,13 +207,13 @@ def token_bytes(model: str, token_id: int) -> bytes:
     return {byte_tok.BOS: b"<|bos|>", byte_tok.EOS: b"<|end|>"}.get(token_id, b"")
 
 
-def logprobs_content(model: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
+def logprobs_content(catalogue: Catalogue, model: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
     """`choices[i].logprobs` in OpenAI's chat shape, or None when the call did not ask."""
     if logprobs is None:
         return None
 
     def entry(tid: int, lp: float) -> dict[str, Any]:
-        raw = token_bytes(model, tid)
+        raw = token_bytes(catalogue, model, tid)
         return {"token": raw.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(raw)}
 
     return {"content": [{**entry(t.token_id, t.logprob),
@@ -236,8 +236,9 @@ def usage(result: CallResult) -> dict[str, Any]:
     }
 
 
-def chat_response(result: CallResult, tool_format: str | None = None) -> dict[str, Any]:
-    """`tool_format`: the model's tool-call form when tools were offered (else None)."""
+def chat_response(catalogue: Catalogue, result: CallResult, tool_format: str | None = None) -> dict[str, Any]:
+    """`catalogue` spells the logprobs' tokens; `tool_format`: the model's tool-call form when
+    tools were offered (else None)."""
     message: dict[str, Any] = {"role": "assistant", "content": result.text}
     finish = result.finish_reason
     if tool_format:
@@ -256,7 +257,7 @@ def chat_response(result: CallResult, tool_format: str | None = None) -> dict[st
                 "index": 0,
                 "message": message,
                 "finish_reason": finish,
-                "logprobs": logprobs_content(result.model, result.logprobs),
+                "logprobs": logprobs_content(catalogue, result.model, result.logprobs),
             }
         ],
         "usage": usage(result),
@@ -277,7 +278,7 @@ def completion_response(result: CallResult) -> dict[str, Any]:
     }
 
 
-def chat_chunk(call_id: str, model: str, delta: dict, finish_reason: str | None,
+def chat_chunk(catalogue: Catalogue, call_id: str, model: str, delta: dict, finish_reason: str | None,
                logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
     return {
         "id": f"chatcmpl-{call_id}",
@@ -285,7 +286,7 @@ def chat_chunk(call_id: str, model: str, delta: dict, finish_reason: str | None,
         "created": int(time.time()),
         "model": model,
         "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
-                     "logprobs": logprobs_content(model, logprobs)}],
+                     "logprobs": logprobs_content(catalogue, model, logprobs)}],
     }
 
 

@@ -12,7 +12,7 @@ from functools import lru_cache
 from talaria.services.gateway.auth import kv_scope
 from talaria.services.gateway.validation import RequestError, bad, check_request
 from talaria.shared import subjects
-from talaria.shared.catalog import CATALOG
+from talaria.shared.catalog import Catalogue
 from talaria.shared.events import CallSubmitted
 from talaria.shared.messages import CallRequest, ErrorReply
 from talaria.shared.wire import MAX_TOKEN_LEN
@@ -24,9 +24,9 @@ __all__ = ["RequestError", "bad", "prepare", "tool_format"]
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def tool_format(req: CallRequest) -> str | None:
+def tool_format(catalogue: Catalogue, req: CallRequest) -> str | None:
     """The form the model writes tool calls in, when the request offers tools (else None)."""
-    spec = CATALOG.get(req.model)
+    spec = catalogue.get(req.model)
     if spec is None or not req.tools or req.tool_choice == "none":
         return None
     return text_for(spec).tool_format
@@ -99,12 +99,13 @@ def _too_long(spec, prompt: int, max_tokens: int, exact: bool, param: str) -> Re
         f"{max_tokens} for the completion).", param=param))
 
 
-def prepare(req: CallRequest, session_id: str, api: str, tenant: str = "", sharing: str = "tenant",
-            fit_max_tokens: bool = False) -> CallSubmitted:
-    """`session_id` is already scoped to `tenant` (auth.scoped_session). `fit_max_tokens`: a
+def prepare(catalogue: Catalogue, req: CallRequest, session_id: str, api: str, tenant: str = "",
+            sharing: str = "tenant", fit_max_tokens: bool = False) -> CallSubmitted:
+    """`catalogue`: the models this gateway serves by name (CommonSettings.catalogue).
+    `session_id` is already scoped to `tenant` (auth.scoped_session). `fit_max_tokens`: a
     prompt that fits gets `max_tokens` cut to the context left (Anthropic clients such as
     Claude Code ask for 32,000 whatever the model), instead of a 400."""
-    spec = CATALOG.get(req.model)
+    spec = catalogue.get(req.model)
     if spec is None:
         raise RequestError(
             ErrorReply(404, "model_not_found", f"The model `{req.model}` does not exist.", param="model")

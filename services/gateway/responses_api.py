@@ -31,6 +31,7 @@ from talaria.services.gateway.idempotency import IdempotentCalls, answers_as, cl
 from talaria.services.gateway.idempotency_rules import key_from
 from talaria.services.gateway.submitter import Submitter
 from talaria.services.gateway.validation import decode
+from talaria.shared.catalog import Catalogue
 from talaria.shared.events import CallSubmitted
 from talaria.shared.messages import CallResult, ErrorReply, TokenChunk
 from talaria.shared.tool_calls import TextUntilCalls, ToolCall, parse_calls
@@ -48,19 +49,19 @@ class Parsed:
     namespaces: tuple[str, ...] = ()  # namespace tools: their functions' calls are named `ns.name`
 
 
-def parse_request(body: bytes, headers: dict[str, str], tenant: str = "",
+def parse_request(catalogue: Catalogue, body: bytes, headers: dict[str, str], tenant: str = "",
                   prefix_sharing: str = "tenant") -> Parsed | ErrorReply:
     """Decode, validate and tokenise one body, or say what is wrong (a 4xx reply). Pure
-    (no I/O), so it may run in a worker process."""
+    (no I/O; the catalogue travels with the body), so it may run in a worker process."""
     try:
         req = decode(DECODER, body)
         refuse_unsupported(req)
         call_req = to_call_request(req, chat_input(req))
         # Codex CLI sends a `session-id` header, and its conversation id as `prompt_cache_key`.
         session_id = scoped_session(tenant, session_id_from(headers, req.prompt_cache_key or req.user))
-        call = prepare(call_req, session_id, "responses", tenant, prefix_sharing,
+        call = prepare(catalogue, call_req, session_id, "responses", tenant, prefix_sharing,
                        fit_max_tokens=req.max_output_tokens is None)
-        return Parsed(call, tool_format(call_req), echo(req), tuple(namespaces(req.tools)))
+        return Parsed(call, tool_format(catalogue, call_req), echo(req), tuple(namespaces(req.tools)))
     except InvalidSessionId as exc:
         return ErrorReply(400, "invalid_session_id", str(exc), param="session_id")
     except RequestError as exc:
@@ -147,9 +148,10 @@ class ResponsesApi:
     """Routes on the gateway's app: its middleware has checked the API key and put the
     tenant on the request. Bodies over `offload_bytes` are parsed in `parser_pool` (big_bodies.BigBodies)."""
 
-    def __init__(self, submitter: Submitter, log, prefix_sharing: str = "tenant", parser_pool=None,
-                 offload_bytes: int = 0, idempotency: IdempotentCalls | None = None) -> None:
+    def __init__(self, submitter: Submitter, catalogue: Catalogue, log, prefix_sharing: str = "tenant",
+                 parser_pool=None, offload_bytes: int = 0, idempotency: IdempotentCalls | None = None) -> None:
         self.submitter, self.log, self.prefix_sharing = submitter, log, prefix_sharing
+        self.catalogue = catalogue  # the models requests may name (CommonSettings.catalogue)
         self.parser_pool, self.offload_bytes = parser_pool, offload_bytes
         self.idempotency = idempotency  # honours Idempotency-Key; None: the header is ignored
 
@@ -158,9 +160,10 @@ class ResponsesApi:
 
     async def create(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        args = (body, dict(request.headers.items()), request.get(TENANT, ""), self.prefix_sharing)
+        tenant = request.get(TENANT, "")
+        args = (self.catalogue, body, dict(request.headers.items()), tenant, self.prefix_sharing)
         if self.parser_pool is not None and len(body) > self.offload_bytes:  # a BigBodies
-            parsed = await self.parser_pool.parse(args[2], parse_request, *args)
+            parsed = await self.parser_pool.parse(tenant, parse_request, *args)
         else:
             parsed = parse_request(*args)
         if isinstance(parsed, ErrorReply):

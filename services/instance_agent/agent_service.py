@@ -27,7 +27,6 @@ from talaria.shared.nats_auth import parse_sender, sender_headers, sender_of, tr
 from talaria.shared.events import CallFailed, CallRouted, CallSubmitted, EVENT_DECODER, PoolPinned, ROUTED_DECODER
 from talaria.shared.messages import CANCEL_DECODER, ErrorReply
 from talaria.shared.wire import encode
-from talaria.shared.catalog import register_all
 from talaria.shared.settings import AgentSettings, CommonSettings, Settings
 from talaria.services.instance_agent.engine.engine_registry import build_engine
 
@@ -44,7 +43,6 @@ async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyn
 async def serve(common: CommonSettings, settings: AgentSettings, ready: asyncio.Event | None,
                 stop: asyncio.Event) -> None:
     log = logs.get("instance_agent").bind(instance_id=settings.instance_id)
-    register_all(common.checkpoints())  # the engine builds checkpoints from the catalogue
     deployment = common.deployment
     provider = tracing.setup(f"agent-{settings.instance_id}", common)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -130,8 +128,9 @@ def _build_engine(common: CommonSettings, settings: AgentSettings):
     import torch
 
     torch.set_num_threads(max(1, settings.torch_threads))
-    engine = build_engine(settings.engine, common.data_dir, list(common.models), device=settings.device,
-                          hkvr=settings.hkvr, staging=settings.staging, **settings.engine_options())
+    engine = build_engine(settings.engine, common.data_dir, list(common.models), catalogue=common.catalogue(),
+                          device=settings.device, hkvr=settings.hkvr, staging=settings.staging,
+                          **settings.engine_options())
     engine.ensure_weights()
     return engine
 

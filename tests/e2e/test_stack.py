@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from talaria.shared.settings import asyncpg_dsn
-from talaria.shared.catalog import CATALOG
+from talaria.shared.catalog import BUILTIN_MODELS
 from talaria.shared.model_text import text_for
 from talaria.shared.tokenizer import render_chat
 from talaria.shared.tracing import read_spans, session_span_id, session_trace_id
@@ -80,7 +80,7 @@ def from_scratch(data_dir: Path, messages: list[dict], max_tokens: int) -> str:
     from talaria.services.instance_agent.engine import Sequence, TorchEngine
 
     engine = TorchEngine(data_dir, ["qwen3-tiny"])
-    ids = text_for(CATALOG["qwen3-tiny"]).encode(render_chat([(m["role"], m["content"]) for m in messages]))
+    ids = text_for(BUILTIN_MODELS["qwen3-tiny"]).encode(render_chat([(m["role"], m["content"]) for m in messages]))
     return engine.generate(Sequence("ref", "ref", "qwen3-tiny", ids, max_tokens)).text
 
 

@@ -99,10 +99,10 @@ def test_a_session_is_served_through_vllm_with_rounds_across_two_models(tmp_path
                                            stream=True, extra_headers={"X-Session-Id": "vllm-stream"})
         text = "".join(c.choices[0].text for c in stream)
         [row] = asyncio.run(rows(db, "session_id=$1 AND outcome='completed'", 1, f"{TENANT}:vllm-stream"))
-        from talaria.shared.catalog import CATALOG
+        from talaria.shared.catalog import BUILTIN_MODELS
         from talaria.shared.model_text import text_for
 
-        tx = text_for(CATALOG[A])
+        tx = text_for(BUILTIN_MODELS[A])
         want = greedy(data_dir, A, tx.encode("def parse(s):", chat=False), 10)
         assert row["output_tokens"] == len(want)
         dec = tx.decoder()

@@ -173,7 +173,7 @@ async def test_tool_calls_parsed_from_a_served_checkpoint_through_both_apis(tool
 
 
 async def test_openai_logprobs_and_logit_bias_plain_and_streamed(served):
-    from talaria.shared.catalog import CATALOG
+    from talaria.shared.catalog import BUILTIN_MODELS
     from talaria.shared.model_text import text_for
 
     client = openai.AsyncOpenAI(base_url=f"{served}/v1", api_key="unused", max_retries=0)
@@ -192,7 +192,7 @@ async def test_openai_logprobs_and_logit_bias_plain_and_streamed(served):
     assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
 
     # A +100 bias forces a token the greedy answer did not contain.
-    tid = text_for(CATALOG["qwen3-tiny"]).encode("Z", chat=False)[-1]
+    tid = text_for(BUILTIN_MODELS["qwen3-tiny"]).encode("Z", chat=False)[-1]
     forced = await client.chat.completions.create(messages=messages, logit_bias={str(tid): 100},
                                                   **kw, extra_headers={"session_id": "lp-3"})
     assert forced.choices[0].message.content == "Z" * 5

@@ -13,6 +13,7 @@ import aiohttp
 import nats
 import pytest
 
+from talaria.shared.catalog import BUILTIN_MODELS
 from talaria.services.gateway.http_api import parse_request
 from talaria.services.gateway.idempotency import IdempotentCalls
 from talaria.services.gateway.idempotency_rules import ORPHANED, outcome_subject, waiting_subject
@@ -190,7 +191,7 @@ async def dead_gateway(nats_url, settings, body: dict, session: str, key: str, s
     try:
         calls = IdempotentCalls(Submitter(nc, js, None, settings.gateway.call_timeout_s, logs.get("dead-gateway")),
                                 settings.gateway.idempotency_window_s)
-        call, _, _ = parse_request(json.dumps(body).encode(), True, headers(session, key), "tenant-a")
+        call, _, _ = parse_request(BUILTIN_MODELS, json.dumps(body).encode(), True, headers(session, key), "tenant-a")
         claim = await calls.claim(call, key)
         assert claim.owner
         if submit:

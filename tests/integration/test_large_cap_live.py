@@ -11,7 +11,7 @@ import nats
 import pytest
 
 from talaria.services.instance_agent.agent_service import run as run_agent
-from talaria.shared.catalog import CATALOG
+from talaria.shared.catalog import BUILTIN_MODELS
 from talaria.shared.health import wait_for_router
 from talaria.shared.messages import REPLY_DECODER, CallRequest, CallResult
 from talaria.shared.model_text import text_for
@@ -35,8 +35,8 @@ async def test_a_32k_cap_is_neither_refused_nor_queued_for_its_cap(nats_url, dat
     await services.start_control_plane(settings)
     await services.start("agent-0", run_agent, settings.with_(instance_id="agent-0"))
     nc = await nats.connect(settings.common.nats_url)
-    assert CATALOG[MODEL].context_length == 131_072
-    eos = text_for(CATALOG[MODEL]).eos_ids[0]
+    assert BUILTIN_MODELS[MODEL].context_length == 131_072
+    eos = text_for(BUILTIN_MODELS[MODEL]).eos_ids[0]
     filler = "the quick brown fox jumps over the lazy dog; " * 230  # ~2,000 tokens
 
     async def call(session: str, call_id: str):

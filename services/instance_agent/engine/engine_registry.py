@@ -7,7 +7,7 @@ from pathlib import Path
 
 from talaria.services.instance_agent.engine.contract import Engine
 
-# factory(data_dir, models, *, device, hkvr, staging) -> Engine
+# factory(data_dir, models, *, catalogue, device, hkvr, staging) -> Engine
 EngineFactory = Callable[..., Engine]
 
 

@@ -42,7 +42,7 @@ from talaria.services.instance_agent.engine.engine_errors import EngineError
 from talaria.services.instance_agent.engine.hf_export import hf_dir
 from talaria.services.instance_agent.engine.sequence import Sequence, StepToken
 from talaria.services.instance_agent.engine.streaming import StreamingEngine
-from talaria.shared.catalog import ModelSpec
+from talaria.shared.catalog import BUILTIN_MODELS, Catalogue, ModelSpec
 from talaria.shared.model_text import text_for
 
 RELEASE_TAGS = ["kv_cache", "weights"]  # sglang.srt.constants GPU_MEMORY_TYPE_*
@@ -103,10 +103,10 @@ def sampling_params(r: Sequence, text, room: int) -> dict[str, Any]:
 class SglangEngine(StreamingEngine):
     name = "SGLang"
 
-    def __init__(self, data_dir: Path, models: list[str], *, device: str = "cuda", hkvr: bool = True,
-                 staging: bool = True, switch_mode: str | None = None, host_kv_pages: int = 4096,
-                 dtype: str = "auto", **_torch_only: Any) -> None:
-        self._serve(data_dir, models, "sglang", SglangUnavailable)
+    def __init__(self, data_dir: Path, models: list[str], *, catalogue: Catalogue = BUILTIN_MODELS,
+                 device: str = "cuda", hkvr: bool = True, staging: bool = True, switch_mode: str | None = None,
+                 host_kv_pages: int = 4096, dtype: str = "auto", **_torch_only: Any) -> None:
+        self._serve(data_dir, models, catalogue, "sglang", SglangUnavailable)
         self.switch_mode = switch_mode or "memory"
         if self.switch_mode not in ("memory", "weights"):
             raise ValueError(f"TALARIA_SGLANG_SWITCH={self.switch_mode!r}: 'memory' or 'weights'")

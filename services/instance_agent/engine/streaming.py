@@ -26,23 +26,24 @@ from talaria.services.instance_agent.engine.engine_errors import (
     EngineBusy, EngineError, EngineFailed, ModelNotActive, UnknownCall, UnknownModel,
 )
 from talaria.services.instance_agent.engine.sequence import Sequence, StepToken
-from talaria.shared.catalog import CATALOG, ModelSpec
+from talaria.shared.catalog import Catalogue, ModelSpec
 
 
 class StreamingEngine:
     name = "streaming"  # the engine's name in errors
 
-    def _serve(self, data_dir: Path, models: list[str], package: str, missing: type[EngineError]) -> None:
-        """The served models (all in the catalogue), and the engine's package (else `missing`)."""
-        unknown = [m for m in models if m not in CATALOG]
+    def _serve(self, data_dir: Path, models: list[str], catalogue: Catalogue, package: str,
+               missing: type[EngineError]) -> None:
+        """The served models (all in `catalogue`), and the engine's package (else `missing`)."""
+        unknown = [m for m in models if m not in catalogue]
         if unknown or not models:
-            raise UnknownModel(unknown[0] if unknown else "", sorted(CATALOG))
+            raise UnknownModel(unknown[0] if unknown else "", sorted(catalogue))
         try:
             importlib.import_module(package)
         except ImportError as err:
             raise missing() from err
         self.data_dir = Path(data_dir)
-        self.specs: dict[str, ModelSpec] = {m: CATALOG[m] for m in models}
+        self.specs: dict[str, ModelSpec] = {m: catalogue[m] for m in models}
         self.running: set[Sequence] = set()
         self.switches: list[SwitchRecord] = []
         self.should_yield = None  # the engine chunks long prefills itself

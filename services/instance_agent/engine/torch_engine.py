@@ -42,7 +42,7 @@ from talaria.services.instance_agent.memory.bump import BumpBuffer
 from talaria.services.instance_agent.memory.hkvr import HostKvRegistry
 from talaria.services.instance_agent.memory.host_pages import LayoutDescriptor, RankReport
 from talaria.services.instance_agent.memory.staging import StagingExecutor
-from talaria.shared.catalog import CATALOG
+from talaria.shared.catalog import BUILTIN_MODELS, Catalogue
 from talaria.shared.tokenizer import block_hashes
 
 
@@ -52,6 +52,7 @@ class TorchEngine:
         data_dir: Path,
         models: list[str],
         *,
+        catalogue: Catalogue = BUILTIN_MODELS,
         device: str = "cpu",
         kv_pages: int | None = None,
         page_size: int = 16,
@@ -68,17 +69,18 @@ class TorchEngine:
         """kv_pages (default: one longest-context call) sizes the KV gap for the model with the largest pages; models with smaller
         pages (or smaller weights) get more. Host images are preloaded (the host model entry)
         unless preload_host=False, in which case a model's first open reads its file ('cold').
-        dtype (TALARIA_DTYPE): auto | float32 | bfloat16, what each model is held in (dtypes.py)."""
-        unknown = [m for m in models if m not in CATALOG]
+        dtype (TALARIA_DTYPE): auto | float32 | bfloat16, what each model is held in (dtypes.py).
+        `models` are names in `catalogue` (the deployment's: CommonSettings.catalogue)."""
+        unknown = [m for m in models if m not in catalogue]
         if unknown or not models:
-            raise UnknownModel(unknown[0] if unknown else "", sorted(CATALOG))
+            raise UnknownModel(unknown[0] if unknown else "", sorted(catalogue))
         self.device = torch.device(device)
         self.page_size = page_size
         # Chunked prefill: asked between forward passes whether to end the chunk early (a
         # driver sets it when a call arrives); the calls not done continue in a later chunk.
         self.should_yield: Callable[[], bool] | None = None
         self.auto_stage = auto_stage
-        self.models = ModelStore(data_dir, {m: CATALOG[m] for m in models}, self.device, page_size, dtype)
+        self.models = ModelStore(data_dir, {m: catalogue[m] for m in models}, self.device, page_size, dtype)
         self.specs = self.models.specs
         self.layouts = self.models.layouts
         self.host_images = self.models.host_images

@@ -56,7 +56,7 @@ from talaria.services.instance_agent.engine.hf_export import hf_dir
 from talaria.services.instance_agent.engine.sequence import Sequence, StepToken
 from talaria.services.instance_agent.engine.streaming import StreamingEngine
 from talaria.services.instance_agent.engine.vllm_loop import LoopThread
-from talaria.shared.catalog import ModelSpec
+from talaria.shared.catalog import BUILTIN_MODELS, Catalogue, ModelSpec
 from talaria.shared.model_text import text_for
 from talaria.shared.stats import ewma
 
@@ -79,6 +79,7 @@ class VllmEngine(StreamingEngine):
         models: list[str],
         *,
         device: str = "cpu",
+        catalogue: Catalogue = BUILTIN_MODELS,
         hkvr: bool = True,
         staging: bool = True,  # noqa: ARG002 - no D2D staging in vLLM (capabilities say so)
         switch_mode: str | None = None,
@@ -92,7 +93,7 @@ class VllmEngine(StreamingEngine):
         async_scheduling: bool | None = None,  # None: vLLM's default (off with the connector, which needs it off)
         **_torch_only: Any,  # the torch engine's knobs (kv_pages, tp_ranks, ...) do not apply
     ) -> None:
-        self._serve(data_dir, models, "vllm", VllmUnavailable)
+        self._serve(data_dir, models, catalogue, "vllm", VllmUnavailable)
         self.device = device
         self.switch_mode = switch_mode or (
             "sleep" if device.startswith("cuda") and len(models) > 1 else "resident")

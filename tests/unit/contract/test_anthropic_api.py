@@ -10,7 +10,7 @@ from talaria.services.gateway.anthropic_input import DECODER, chat_turns, sessio
 from talaria.services.gateway.http_api import _to_call_request
 from talaria.services.gateway.openai_api import CHAT_DECODER
 from talaria.services.gateway.prepare import RequestError, prepare
-from talaria.shared.catalog import CATALOG
+from talaria.shared.catalog import BUILTIN_MODELS
 from talaria.shared.model_text import text_for
 from talaria.shared.messages import CallResult, ErrorReply, Timings, Usage
 
@@ -25,7 +25,7 @@ def decode(body: dict):
 
 def prompt_of(body: dict) -> list[int]:
     req = decode(body)
-    return prepare(to_call_request(req, chat_turns(req)), "s", "anthropic", fit_max_tokens=True).prompt_ids
+    return prepare(BUILTIN_MODELS, to_call_request(req, chat_turns(req)), "s", "anthropic", fit_max_tokens=True).prompt_ids
 
 
 def result(text, finish="stop", stop_sequence=None):
@@ -51,21 +51,21 @@ def test_a_tool_session_renders_as_the_same_prompt_as_its_openai_twin():
                      {"role": "tool", "tool_call_id": "c", "content": "18C, sunny"},
                      {"role": "user", "content": "And tomorrow?"}]}
     req, _ = _to_call_request(CHAT_DECODER.decode(json.dumps(openai).encode()), chat=True)
-    assert prompt_of(anthropic) == prepare(req, "s", "chat").prompt_ids
+    assert prompt_of(anthropic) == prepare(BUILTIN_MODELS, req, "s", "chat").prompt_ids
 
 
 def test_system_messages_inside_the_conversation_are_system_turns():
     body = {"model": "qwen3-tiny", "max_tokens": 8, "system": "Top.", "messages": [
         {"role": "user", "content": "a"}, {"role": "system", "content": [{"type": "text", "text": "Mid."}]},
         {"role": "user", "content": "b"}]}
-    prompt = text_for(CATALOG["qwen3-tiny"]).tok.decode(prompt_of(body)[1:])
+    prompt = text_for(BUILTIN_MODELS["qwen3-tiny"]).tok.decode(prompt_of(body)[1:])
     assert prompt == "<|system|>Top.<|end|><|user|>a<|end|><|system|>Mid.<|end|><|user|>b<|end|><|assistant|>"
 
 
 def test_a_trailing_assistant_message_is_continued():
     body = {"model": "qwen3-tiny", "max_tokens": 8, "messages": [
         {"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi, I am"}]}
-    prompt = text_for(CATALOG["qwen3-tiny"]).tok.decode(prompt_of(body)[1:])
+    prompt = text_for(BUILTIN_MODELS["qwen3-tiny"]).tok.decode(prompt_of(body)[1:])
     assert prompt == "<|user|>Say hi<|end|><|assistant|>Hi, I am"
 
 
@@ -101,8 +101,8 @@ def test_claude_code_session_ids_come_from_its_header_or_metadata():
 def test_max_tokens_beyond_the_context_is_cut_to_fit():
     body = {"model": "qwen3-tiny", "max_tokens": 10**6, "messages": [{"role": "user", "content": "hi"}]}
     req = decode(body)
-    call = prepare(to_call_request(req, chat_turns(req)), "s", "anthropic", fit_max_tokens=True)
-    assert call.max_tokens + call.prompt_tokens == CATALOG["qwen3-tiny"].context_length
+    call = prepare(BUILTIN_MODELS, to_call_request(req, chat_turns(req)), "s", "anthropic", fit_max_tokens=True)
+    assert call.max_tokens + call.prompt_tokens == BUILTIN_MODELS["qwen3-tiny"].context_length
 
 
 @pytest.mark.parametrize("change,param", [

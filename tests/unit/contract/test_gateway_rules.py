@@ -6,7 +6,7 @@ import pytest
 
 from talaria.services.gateway.prepare import RequestError, prepare
 from talaria.services.gateway.session_ids import SESSION_HEADERS, InvalidSessionId, session_id_from
-from talaria.shared.catalog import CATALOG
+from talaria.shared.catalog import BUILTIN_MODELS
 from talaria.shared.messages import CallRequest, ChatMessage
 from talaria.shared.model_text import text_for
 from talaria.shared.tokenizer import block_hashes, encode, render_chat
@@ -19,8 +19,8 @@ def chat(**kw):
 
 
 def test_a_chat_call_is_tokenised_and_hashed():
-    call = prepare(chat(), "s1", "chat")
-    text = text_for(CATALOG["qwen3-tiny"])
+    call = prepare(BUILTIN_MODELS, chat(), "s1", "chat")
+    text = text_for(BUILTIN_MODELS["qwen3-tiny"])
     assert call.prompt_ids == text.encode(render_chat([("user", "hi")]))
     assert text.tok.decode(call.prompt_ids[1:]) == render_chat([("user", "hi")])
     assert call.block_hashes == block_hashes(call.prompt_ids)
@@ -29,14 +29,14 @@ def test_a_chat_call_is_tokenised_and_hashed():
 
 def test_unknown_model_is_404_in_openai_shape():
     with pytest.raises(RequestError) as info:
-        prepare(chat(model="gpt-9"), "s", "chat")
+        prepare(BUILTIN_MODELS, chat(model="gpt-9"), "s", "chat")
     assert info.value.reply.status == 404 and info.value.reply.code == "model_not_found"
 
 
 def test_prompt_longer_than_the_context_is_400():
-    limit = CATALOG["gpt2-tiny"].context_length
+    limit = BUILTIN_MODELS["gpt2-tiny"].context_length
     with pytest.raises(RequestError) as info:
-        prepare(chat(model="gpt2-tiny", messages=[ChatMessage("user", "x" * limit)]), "s", "chat")
+        prepare(BUILTIN_MODELS, chat(model="gpt2-tiny", messages=[ChatMessage("user", "x" * limit)]), "s", "chat")
     assert info.value.reply.status == 400 and info.value.reply.code == "context_length_exceeded"
 
 
@@ -49,14 +49,14 @@ def test_prompt_longer_than_the_context_is_400():
 ])
 def test_bad_fields_are_400_naming_the_field(kw, param):
     with pytest.raises(RequestError) as info:
-        prepare(chat(**kw), "s", "chat")
+        prepare(BUILTIN_MODELS, chat(**kw), "s", "chat")
     assert info.value.reply.status == 400 and info.value.reply.param == param
 
 
 def test_extreme_but_valid_sampling_values_are_accepted():
     # The engine handles these (engine/sampling.py); only values outside the API's bounds are refused.
     for kw in ({"temperature": 1e-300}, {"top_p": 5e-324}, {"seed": 2**63 - 1}, {"seed": -(2**63)}):
-        prepare(chat(**kw), "s", "chat")
+        prepare(BUILTIN_MODELS, chat(**kw), "s", "chat")
 
 
 def test_deeply_nested_json_is_a_400_not_a_crash():
@@ -72,7 +72,7 @@ def test_deeply_nested_json_is_a_400_not_a_crash():
 def test_a_call_larger_than_one_bus_message_is_a_permanent_413():
     from talaria.services.gateway.validation import check_size
 
-    call = prepare(chat(), "s", "chat")
+    call = prepare(BUILTIN_MODELS, chat(), "s", "chat")
     assert check_size(call, 1 << 20) is None
     reply = check_size(call, 64)
     assert reply.status == 413 and reply.retry_after_s is None
@@ -123,8 +123,8 @@ def test_the_demo_bpe_fits_a_coding_agents_first_request():
     system = (Path(__file__).resolve().parents[3] / "README.md").read_text()
     while len(system) < 100_000:
         system += system
-    call = prepare(chat(messages=[ChatMessage("system", system[:100_000]), ChatMessage("user", "hi")]), "s", "chat")
-    assert call.prompt_tokens < 40_000 < CATALOG["qwen3-tiny"].context_length
+    call = prepare(BUILTIN_MODELS, chat(messages=[ChatMessage("system", system[:100_000]), ChatMessage("user", "hi")]), "s", "chat")
+    assert call.prompt_tokens < 40_000 < BUILTIN_MODELS["qwen3-tiny"].context_length
 
 
 def test_continuation_prompt_starts_with_previous_prompt_and_answer():
@@ -139,7 +139,7 @@ def test_continuation_prompt_starts_with_previous_prompt_and_answer():
 def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenised(model, monkeypatch):
     """Issue 25: a 7.9 MB body took 6-11 s to tokenise before the context check refused it.
     Its length in bytes bounds its tokens from below: refused without tokenising."""
-    text = text_for(CATALOG[model])
+    text = text_for(BUILTIN_MODELS[model])
 
     def no_tokenising(*a, **kw):
         raise AssertionError("tokenised a prompt that cannot fit")
@@ -151,10 +151,10 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenised(model, monke
     for req in (CallRequest(model=model, prompt=huge, max_tokens=1),
                 CallRequest(model=model, messages=[ChatMessage("user", huge)], max_tokens=1)):
         with pytest.raises(RequestError) as err:
-            prepare(req, "s", "chat")
+            prepare(BUILTIN_MODELS, req, "s", "chat")
         assert err.value.reply.code == "context_length_exceeded" and "at least" in err.value.reply.message
     if hasattr(text, "tok"):  # it stopped soon after the count passed the context
-        assert text.tok.chars < 4 * CATALOG[model].context_length * 8
+        assert text.tok.chars < 4 * BUILTIN_MODELS[model].context_length * 8
 
 
 class _CountingTok:
@@ -176,7 +176,7 @@ def test_the_bound_never_exceeds_the_real_token_count(model, sample):
     """The early refusal is sound: it never refuses a prompt that would have fitted."""
     from talaria.services.gateway.prepare import prompt_tokens_at_least
 
-    text = text_for(CATALOG[model])
+    text = text_for(BUILTIN_MODELS[model])
     assert prompt_tokens_at_least(text, sample) <= len(text.encode(sample, chat=False))
 
 
@@ -185,6 +185,6 @@ def test_the_bound_never_exceeds_the_real_token_count(model, sample):
 def test_the_demo_bpe_counted_piece_by_piece_gives_the_same_ids(sample):
     from talaria.services.gateway.prepare import encode_within, word_pieces
 
-    text = text_for(CATALOG["qwen3-tiny"])
+    text = text_for(BUILTIN_MODELS["qwen3-tiny"])
     assert "".join(word_pieces(sample, 1000)) == sample
     assert encode_within(text, sample, True, 10**9) == text.encode(sample, chat=True)

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from talaria.shared.catalog import BUILTIN_MODELS
 from talaria.services.gateway.http_api import parse_request
 from talaria.services.gateway.idempotency_rules import (
     ORPHANED,
@@ -38,7 +39,7 @@ DEP = Deployment()  # the default deployment's subject names
 def chat_call(headers=None, tenant="acme", **body):
     payload = {"model": "qwen3-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
                "temperature": 0, **body}
-    parsed = parse_request(json.dumps(payload).encode(), True, headers or {}, tenant)
+    parsed = parse_request(BUILTIN_MODELS, json.dumps(payload).encode(), True, headers or {}, tenant)
     assert not isinstance(parsed, m.ErrorReply), parsed
     return parsed[0]
 

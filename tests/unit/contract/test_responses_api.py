@@ -12,7 +12,7 @@ from talaria.services.gateway.openai_api import CHAT_DECODER
 from talaria.services.gateway.prepare import prepare
 from talaria.services.gateway.responses_api import parse_request, result_body
 from talaria.services.gateway.responses_input import DEFAULT_MAX_OUTPUT_TOKENS
-from talaria.shared.catalog import CATALOG
+from talaria.shared.catalog import BUILTIN_MODELS
 from talaria.shared.model_text import text_for
 from talaria.shared.messages import CallResult, ErrorReply, Timings, Usage
 
@@ -23,7 +23,7 @@ CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}
 
 
 def parse(body: dict, headers: dict | None = None):
-    return parse_request(json.dumps({"model": "qwen3-tiny", **body}).encode(), headers or {})
+    return parse_request(BUILTIN_MODELS, json.dumps({"model": "qwen3-tiny", **body}).encode(), headers or {})
 
 
 def result(text, finish="stop"):
@@ -49,7 +49,7 @@ def test_a_tool_session_renders_as_the_same_prompt_as_its_chat_twin():
     parsed = parse(responses)
     call, fmt = parsed.call, parsed.fmt
     req, _ = _to_call_request(CHAT_DECODER.decode(json.dumps(chat).encode()), chat=True)
-    assert call.prompt_ids == prepare(req, "s", "chat").prompt_ids
+    assert call.prompt_ids == prepare(BUILTIN_MODELS, req, "s", "chat").prompt_ids
     assert fmt == "hermes" and call.max_tokens == 8 and call.api == "responses"
 
 
@@ -60,7 +60,7 @@ def test_a_string_input_is_one_user_turn_and_the_default_answer_fits_the_context
     assert call.prompt_ids == twin.call.prompt_ids and parsed.fmt is None
     assert call.max_tokens == DEFAULT_MAX_OUTPUT_TOKENS  # no max_output_tokens
     small = parse({"model": "gpt2-tiny", "input": "x" * 8000}).call  # the default, cut to the context left
-    assert small.max_tokens == CATALOG["gpt2-tiny"].context_length - small.prompt_tokens
+    assert small.max_tokens == BUILTIN_MODELS["gpt2-tiny"].context_length - small.prompt_tokens
     assert parsed.fields["instructions"] == "Be brief." and parsed.fields["store"] is False
 
 
@@ -105,7 +105,7 @@ def test_what_cannot_be_honoured_is_a_400_naming_the_field(body, param):
 
 
 def test_a_missing_required_field_is_named():
-    reply = parse_request(b'{"input": "x"}', {})
+    reply = parse_request(BUILTIN_MODELS, b'{"input": "x"}', {})
     assert isinstance(reply, ErrorReply) and reply.status == 400 and reply.param == "model"
 
 
@@ -139,7 +139,7 @@ def test_namespace_functions_are_offered_qualified_and_answered_split():
     spawn = {"type": "function", "name": "spawn", "description": "Start one.", "parameters": PARAMS}
     space = {"type": "namespace", "name": "agents", "description": "Sub-agents.", "tools": [spawn]}
     parsed = parse({"input": "go", "tools": [TOOL, space]})
-    prompt = text_for(CATALOG["qwen3-tiny"]).tok.decode(parsed.call.prompt_ids)
+    prompt = text_for(BUILTIN_MODELS["qwen3-tiny"]).tok.decode(parsed.call.prompt_ids)
     assert '"name": "agents.spawn"' in prompt and "Sub-agents. Start one." in prompt
     text = CALL_TEXT.replace("get_weather", "agents.spawn")
     body = Response.model_validate(result_body(parsed, result(text)))
@@ -149,4 +149,4 @@ def test_namespace_functions_are_offered_qualified_and_answered_split():
                {"type": "function_call_output", "call_id": fc.call_id, "output": "started"}]
     again = parse({"input": history, "tools": [TOOL, space]})
     assert again.call.prompt_ids[:len(parsed.call.prompt_ids)] == parsed.call.prompt_ids
-    assert text.split("\n")[1] in text_for(CATALOG["qwen3-tiny"]).tok.decode(again.call.prompt_ids)
+    assert text.split("\n")[1] in text_for(BUILTIN_MODELS["qwen3-tiny"]).tok.decode(again.call.prompt_ids)

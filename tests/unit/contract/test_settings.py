@@ -87,21 +87,63 @@ def test_the_deployment_is_a_value_two_can_live_in_one_process():
     assert info.value.variable == "TALARIA_DEPLOYMENT" and "lowercase letters" in info.value.expected
 
 
-def test_reading_settings_registers_nothing(tmp_path):
-    """A checkpoint among the models is read and checked, but joins a catalogue only when a
-    service registers it at start (`catalog.register_all(common.checkpoints())`)."""
+def _checkpoint_dir(path: Path, hidden: int = 64) -> Path:
+    """A Hugging Face directory's config.json: enough for settings to read it as a catalogue entry."""
     import json
 
-    from talaria.shared.catalog import CATALOG
-
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3ForCausalLM"], "hidden_size": hidden, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
         "max_position_embeddings": 1024, "vocab_size": 300}))
-    before = dict(CATALOG)
+    return path
+
+
+def _settings_or_skip(models: str) -> Settings:
     try:
-        s = Settings.from_env({"TALARIA_MODELS": f"qwen3-tiny,mine={tmp_path}"})
+        return Settings.from_env({"TALARIA_MODELS": models})
     except SettingsError as exc:  # the directory's config is not servable as written here
         pytest.skip(str(exc))
-    assert CATALOG == before
+
+
+def test_reading_settings_changes_nothing_global(tmp_path):
+    """A checkpoint among the models is read and checked, and is in the catalogue value the
+    settings give (`common.catalogue()`), never in a module's state."""
+    import talaria.shared.catalog as catalog
+
+    module_before = dict(vars(catalog))
+    builtins_before = dict(catalog.BUILTIN_MODELS)
+    s = _settings_or_skip(f"qwen3-tiny,mine={_checkpoint_dir(tmp_path)}")
+    catalogue = s.common.catalogue()
+    assert vars(catalog) == module_before and dict(catalog.BUILTIN_MODELS) == builtins_before
+    assert "mine" in catalogue and "mine" not in catalog.BUILTIN_MODELS
     assert [spec.name for spec in s.common.checkpoints()] == ["mine"]
+    assert set(catalogue) == {*catalog.BUILTIN_MODELS, "mine"}
+    with pytest.raises(AttributeError, match="immutable"):
+        catalogue._by_name = {}
+    with pytest.raises(TypeError):
+        catalogue["other"] = catalogue["mine"]  # type: ignore[index]
+
+
+def test_two_deployments_in_one_process_do_not_see_each_others_checkpoints(tmp_path):
+    """Each service builds its catalogue from its own settings: a second deployment's checkpoint
+    (or its own directory for the same name) is not seen by the first's gateway or engine."""
+    import pickle
+
+    from talaria.services.gateway.prepare import RequestError, prepare
+    from talaria.services.instance_agent.engine import TorchEngine
+    from talaria.services.instance_agent.engine.engine_errors import UnknownModel
+    from talaria.shared.messages import CallRequest, ChatMessage
+
+    blue = _settings_or_skip(f"qwen3-tiny,mine={_checkpoint_dir(tmp_path / 'blue', 64)}").common.catalogue()
+    green = _settings_or_skip(f"qwen3-tiny,mine={_checkpoint_dir(tmp_path / 'green', 128)},"
+                              f"theirs={_checkpoint_dir(tmp_path / 'theirs')}").common.catalogue()
+    assert (blue["mine"].hidden, green["mine"].hidden) == (64, 128)
+    assert "theirs" in green and "theirs" not in blue
+    assert pickle.loads(pickle.dumps(green)) == green  # as the gateway's parser process gets it
+    with pytest.raises(RequestError) as info:  # blue's gateway
+        prepare(blue, CallRequest(model="theirs", messages=[ChatMessage("user", "hi")]), "s", "chat")
+    assert info.value.reply.code == "model_not_found"
+    with pytest.raises(UnknownModel) as refused:  # blue's engine
+        TorchEngine(tmp_path / "data", ["theirs"], catalogue=blue)
+    assert "theirs" in str(refused.value) and "mine" in str(refused.value)

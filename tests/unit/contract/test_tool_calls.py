@@ -10,12 +10,12 @@ from talaria.services.gateway.openai_api import CHAT_DECODER, COMPLETION_DECODER
 from talaria.services.gateway.prepare import RequestError, prepare, tool_format
 from talaria.shared.tool_calls import TextUntilCalls, ToolCall, parse_calls, render_assistant
 from talaria.shared.messages import CallResult, ChatMessage, Timings, Usage
-from talaria.shared.catalog import CATALOG
+from talaria.shared.catalog import BUILTIN_MODELS
 from talaria.shared.model_text import text_for
 
 
 def decode(ids):
-    return text_for(CATALOG["qwen3-tiny"]).tok.decode(ids[1:])
+    return text_for(BUILTIN_MODELS["qwen3-tiny"]).tok.decode(ids[1:])
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
@@ -77,22 +77,22 @@ def test_openai_tools_and_tool_history_are_rendered_into_the_prompt():
         {"role": "tool", "tool_call_id": "call_1", "content": "18C, sunny"},
     ]}
     req = openai_request(body)
-    assert tool_format(req) == "hermes"
-    prompt = decode(prepare(req, "s", "chat").prompt_ids)
+    assert tool_format(BUILTIN_MODELS, req) == "hermes"
+    prompt = decode(prepare(BUILTIN_MODELS, req, "s", "chat").prompt_ids)
     assert prompt.startswith("<|system|>Be brief.\n\n# Tools") and '"name": "get_weather"' in prompt
     assert CALL_TEXT in prompt and "<|tool|>18C, sunny<|end|>" in prompt
     body["tool_choice"] = "none"
-    assert "# Tools" not in decode(prepare(openai_request(body), "s", "chat").prompt_ids)
+    assert "# Tools" not in decode(prepare(BUILTIN_MODELS, openai_request(body), "s", "chat").prompt_ids)
 
 
 def test_openai_response_carries_parsed_tool_calls():
-    body = chat_response(result("Checking.\n" + CALL_TEXT), "hermes")
+    body = chat_response(BUILTIN_MODELS, result("Checking.\n" + CALL_TEXT), "hermes")
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     [call] = choice["message"]["tool_calls"]
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'} and call["id"]
     # without tools offered the text is just text
-    assert chat_response(result(CALL_TEXT))["choices"][0]["message"] == {"role": "assistant", "content": CALL_TEXT}
+    assert chat_response(BUILTIN_MODELS, result(CALL_TEXT))["choices"][0]["message"] == {"role": "assistant", "content": CALL_TEXT}
 
 
 @pytest.mark.parametrize("extra,param", [
@@ -109,7 +109,7 @@ def test_openai_response_carries_parsed_tool_calls():
 def test_openai_fields_we_do_not_honour_are_400_naming_them(extra, param):
     body = {"model": "qwen3-tiny", "messages": [{"role": "user", "content": "x"}], **extra}
     with pytest.raises(RequestError) as info:
-        prepare(openai_request(body), "s", "chat")
+        prepare(BUILTIN_MODELS, openai_request(body), "s", "chat")
     assert info.value.reply.status == 400 and info.value.reply.param == param
 
 
@@ -124,5 +124,5 @@ def test_nats_api_roles_are_checked_too():
     from talaria.shared.messages import CallRequest
 
     with pytest.raises(RequestError) as info:
-        prepare(CallRequest(model="qwen3-tiny", messages=[ChatMessage("robot", "x")]), "s", "nats")
+        prepare(BUILTIN_MODELS, CallRequest(model="qwen3-tiny", messages=[ChatMessage("robot", "x")]), "s", "nats")
     assert info.value.reply.param == "messages[0].role"

@@ -12,12 +12,12 @@ import torch
 
 from talaria.services.instance_agent.engine import Sequence, TorchEngine
 from talaria.services.instance_agent.engine.dtypes import BadDtype, choose
-from talaria.shared.catalog import CATALOG
+from talaria.shared.catalog import BUILTIN_MODELS
 from talaria.shared.hf_config import _dtype
 from talaria.shared.settings import Settings
 
-BF16 = replace(CATALOG["qwen3-tiny"], dtype="bfloat16")
-BUILTIN = CATALOG["qwen3-tiny"]
+BF16 = replace(BUILTIN_MODELS["qwen3-tiny"], dtype="bfloat16")
+BUILTIN = BUILTIN_MODELS["qwen3-tiny"]
 
 
 def test_a_bf16_checkpoint_runs_in_bf16_only_where_the_hardware_has_it():

@@ -4,7 +4,7 @@ import torch
 
 from talaria.services.instance_agent.engine import SamplingParams, Sequence
 from talaria.services.instance_agent.engine.sampling import output_mask
-from talaria.shared.catalog import CATALOG
+from talaria.shared.catalog import BUILTIN_MODELS
 from talaria.shared.model_text import text_for
 from talaria.shared.tokenizer import encode
 
@@ -29,7 +29,7 @@ def test_logprobs_are_the_log_softmax_of_the_models_logits(make_engine):
     res = eng.generate(Sequence("l", "l", "qwen3-tiny", PROMPT, 3, SamplingParams(logprobs=True, top_logprobs=5)))
     assert len(res.logprobs) == len(res.token_ids) == 3 == len(seen)
     # The built-in models mask non-printable output ids (shared/model_text.py): the same mask here.
-    allowed = text_for(CATALOG["qwen3-tiny"]).allowed_output
+    allowed = text_for(BUILTIN_MODELS["qwen3-tiny"]).allowed_output
     for logits, lp, tok in zip(seen, res.logprobs, res.token_ids):
         masked = logits.float() + output_mask(allowed, logits.shape[-1], logits.device)
         want = torch.log_softmax(masked, dim=-1)

@@ -5,7 +5,7 @@ import pytest
 from talaria.services.instance_agent.engine import (
     ContextTooLong, EngineBusy, InvalidRequest, OutOfKvPages, SamplingParams, Sequence, UnknownCall, UnknownModel,
 )
-from talaria.shared.catalog import CATALOG, ModelSpec
+from talaria.shared.catalog import BUILTIN_MODELS, ModelSpec
 from talaria.shared.tokenizer import encode
 
 PROMPT = encode("switch me")
@@ -45,10 +45,9 @@ def test_cold_open_reads_file(make_engine):
     assert rec.path == "cold" and rec.bytes_from_file == eng.layouts["gpt2-tiny"].nbytes
 
 
-def test_context_limit(make_engine, monkeypatch):
+def test_context_limit(make_engine):
     spec = ModelSpec("ctx-tiny", "dense", 32, 1, 2, 2, 16, 64, 64, seed=9)
-    monkeypatch.setitem(CATALOG, spec.name, spec)
-    eng = make_engine([spec.name])
+    eng = make_engine([spec.name], catalogue=BUILTIN_MODELS.with_(spec))
     with pytest.raises(ContextTooLong) as err:
         eng.generate(Sequence("c", "s", spec.name, [65] * 65, 4))
     assert (err.value.model, err.value.tokens, err.value.limit) == ("ctx-tiny", 65, 64)

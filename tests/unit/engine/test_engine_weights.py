@@ -4,22 +4,22 @@ from talaria.services.instance_agent.engine import Sequence
 from talaria.services.instance_agent.engine.weights import (
     ensure_weights_file, init_weights, load_host_image, model_paths, weight_layout,
 )
-from talaria.shared.catalog import CATALOG
+from talaria.shared.catalog import BUILTIN_MODELS
 from talaria.shared.tokenizer import encode
 
 PROMPT = encode("Determinism: same spec, same weights, same greedy output.")
 
 
 def test_init_is_deterministic_per_seed():
-    a, b = init_weights(CATALOG["qwen3-tiny"]), init_weights(CATALOG["qwen3-tiny"])
+    a, b = init_weights(BUILTIN_MODELS["qwen3-tiny"]), init_weights(BUILTIN_MODELS["qwen3-tiny"])
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
-    other = init_weights(CATALOG["qwen3-moe-tiny"])
+    other = init_weights(BUILTIN_MODELS["qwen3-moe-tiny"])
     assert not torch.equal(a["embed"], other["embed"])
 
 
 def test_weights_written_once_and_loaded_back(data_dir):
-    spec = CATALOG["gpt2-tiny"]
+    spec = BUILTIN_MODELS["gpt2-tiny"]
     ensure_weights_file(data_dir, spec)
     st, cfg = model_paths(data_dir, spec.name)
     assert st.exists() and cfg.exists()

@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 from talaria.services.instance_agent.engine import Sequence, TorchEngine  # noqa: E402
 from talaria.services.instance_agent.engine.dtypes import native_bf16  # noqa: E402
 from talaria.services.instance_agent.engine.model import reference_logits  # noqa: E402
-from talaria.shared.catalog import register  # noqa: E402
+from talaria.shared.catalog import BUILTIN_MODELS  # noqa: E402
 from talaria.shared.hf_config import CheckpointError, load_spec  # noqa: E402
 from talaria.shared.messages import ChatMessage, ToolCallMsg, ToolSpec  # noqa: E402
 from talaria.shared.model_text import HfText, text_for  # noqa: E402
@@ -96,13 +96,13 @@ def test_chat_template_and_tokenizer_match_transformers(family, checkpoints):
 def test_logits_and_greedy_tokens_match_transformers_with_and_without_kv_restore(family, checkpoints, data_dir):
     path = checkpoints[family]
     spec = load_spec(f"hf-{family}", path)
-    register(spec)
     ids = prompt_ids(family, path)
     model = hf_model(path)
     with torch.no_grad():
         theirs = model(torch.tensor([ids])).logits[0]
 
-    engine = TorchEngine(data_dir, [spec.name, "qwen3-tiny"], kv_pages=128, host_kv_pages=1024)
+    engine = TorchEngine(data_dir, [spec.name, "qwen3-tiny"], catalogue=BUILTIN_MODELS.with_(spec), kv_pages=128,
+                         host_kv_pages=1024)
     try:
         params = engine.layouts[spec.name].views(engine.models.host_image(spec.name))
         ours = reference_logits(spec, params, ids)
@@ -166,12 +166,11 @@ def test_a_bf16_checkpoint_runs_in_bf16_and_matches_transformers_in_bf16(family,
     path = make_checkpoint(family, tmp_path / family, dtype="bfloat16")
     spec = load_spec(f"hf-bf16-{family}", path)
     assert spec.dtype == "bfloat16"
-    register(spec)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     ids = prompt_ids(family, path)
     # auto where this CPU computes bf16 natively (AVX512-BF16/AMX); forced elsewhere, so bf16 is tested anyway
-    engine = TorchEngine(data_dir, [spec.name, "qwen3-tiny"], kv_pages=128, host_kv_pages=1024,
-                         dtype="auto" if native_bf16("cpu") else "bfloat16")
+    engine = TorchEngine(data_dir, [spec.name, "qwen3-tiny"], catalogue=BUILTIN_MODELS.with_(spec), kv_pages=128,
+                         host_kv_pages=1024, dtype="auto" if native_bf16("cpu") else "bfloat16")
     try:
         assert engine.models.dtypes[spec.name].dtype == torch.bfloat16
         params = engine.layouts[spec.name].views(engine.models.host_image(spec.name))

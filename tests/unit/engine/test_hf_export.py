@@ -12,14 +12,14 @@ pytest.importorskip("transformers")
 from talaria.services.instance_agent.engine.hf_export import hf_dir  # noqa: E402
 from talaria.services.instance_agent.engine.model import reference_logits  # noqa: E402
 from talaria.services.instance_agent.engine.weights import init_weights  # noqa: E402
-from talaria.shared.catalog import CATALOG  # noqa: E402
+from talaria.shared.catalog import BUILTIN_MODELS  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-moe-tiny", "gpt2-tiny"])
 def test_the_export_computes_the_torch_engines_logits(name, data_dir):
     import transformers
 
-    spec = CATALOG[name]
+    spec = BUILTIN_MODELS[name]
     path = hf_dir(data_dir, spec)
     assert hf_dir(data_dir, spec) == path  # written once
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -15,6 +15,7 @@ from talaria.services.instance_agent.engine.engine_errors import (
     EngineBusy, EngineFailed, ModelNotActive, UnknownCall, UnknownModel,
 )
 from talaria.services.instance_agent.engine.streaming import StreamingEngine
+from talaria.shared.catalog import BUILTIN_MODELS
 from talaria.shared.model_text import BYTE_TEXT
 from talaria.shared.tokenizer import encode
 
@@ -29,7 +30,7 @@ class ScriptedEngine(StreamingEngine):
     name = "scripted"
 
     def __init__(self, tmp_path, models=(A, B), switch_with_calls_running=False) -> None:
-        self._serve(tmp_path, list(models), "json", UnknownModel)  # any importable package
+        self._serve(tmp_path, list(models), BUILTIN_MODELS, "json", UnknownModel)  # any importable package
         self.capabilities = Capabilities(switch_with_calls_running=switch_with_calls_running, host_kv=False,
                                          d2d_staging=False, chunked_prefill=False, resident_models=True)
         self.script: dict[str, list[tuple[list[int], bool]]] = {}  # call -> deliveries (ids, finished)

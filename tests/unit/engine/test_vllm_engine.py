@@ -20,7 +20,7 @@ if importlib.util.find_spec("vllm") is None:
 
 from talaria.services.instance_agent.engine import SamplingParams, Sequence, TorchEngine  # noqa: E402
 from talaria.services.instance_agent.engine.vllm_engine import VllmEngine  # noqa: E402
-from talaria.shared.catalog import register  # noqa: E402
+from talaria.shared.catalog import BUILTIN_MODELS  # noqa: E402
 from talaria.shared.hf_config import load_spec  # noqa: E402
 from talaria.shared.messages import ChatMessage, ToolSpec  # noqa: E402
 from talaria.shared.model_text import text_for  # noqa: E402
@@ -40,22 +40,21 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-hf")
     hf = load_spec(HF, make_checkpoint("qwen3", root / "qwen3", head_dim=64))
     tools = load_spec(TOOLS, make_tool_caller(root / "toolbot"))
-    register(hf)
-    register(tools)
     return {HF: hf, TOOLS: tools}
 
 
 @pytest.fixture(scope="module")
 def engine(data_dir, checkpoints):
-    eng = VllmEngine(data_dir, [A, HF, TOOLS], hkvr=True, switch_mode="release", max_num_batched_tokens=BATCH,
-                     max_model_len=4096)
+    eng = VllmEngine(data_dir, [A, HF, TOOLS], catalogue=BUILTIN_MODELS.with_(*checkpoints.values()), hkvr=True,
+                     switch_mode="release", max_num_batched_tokens=BATCH, max_model_len=4096)
     yield eng
     eng.close()
 
 
 @pytest.fixture(scope="module")
 def torch_engine(data_dir, checkpoints):
-    eng = TorchEngine(data_dir, [A, HF], kv_pages=512, hkvr=False, staging=False)
+    eng = TorchEngine(data_dir, [A, HF], catalogue=BUILTIN_MODELS.with_(checkpoints[HF]), kv_pages=512, hkvr=False,
+                      staging=False)
     yield eng
     eng.close()
 
