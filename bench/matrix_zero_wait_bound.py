@@ -18,23 +18,7 @@ import math
 import sys
 
 from talaria.shared.stats import quantile
-from talaria.sim.executor import instance_config
-from talaria.sim.matrix import cells, server_for, workload
-
-
-def zero_wait_scts(cell) -> list[float]:
-    sessions, _, _ = workload(cell, instance_config("talaria"))
-    server = server_for(cell)
-    out = []
-    for s in sessions:
-        mp = server.model(s.model)
-        t = 0.0
-        for c in s.calls:
-            cached = c.reusable_prefix_tokens or min(cell.shared, c.prompt_tokens - 1)
-            t += (c.gap_before_s if c.call_index else 0.0) + mp.prefill_s(c.prompt_tokens - cached, cached) \
-                + c.output_tokens * mp.decode_step_s(1, c.prompt_tokens)
-        out.append(t)
-    return out
+from talaria.sim.matrix import cells, zero_wait_scts
 
 
 def main(path: str = "results/matrix.json") -> None:

@@ -34,7 +34,7 @@ from talaria.traces.format import Session, TraceFormatError
 from talaria.traces.load import load_trace
 from talaria.traces.gaps import parse_gap_model
 from talaria.traces.weka import convert_file
-from talaria.sim.deployment import deploy
+from talaria.sim.deployment import TALARIA_POOLS, deploy, talaria_pools
 from talaria.sim.matrix import demand_s
 
 
@@ -61,16 +61,18 @@ def _run(args) -> int:
     sched = instance_config(args.ablation)
     pc = PolicyConfig(lease_timeout_s=args.tau, adaptive_lease=args.adaptive_lease)
     pinned: tuple[str, ...] = ()
-    if args.deploy == "as-deployed":  # deployment.py: pools by the trace's demand, else serverless
-        demand = {m: d for m, d in demand_s(sessions, server, sched.max_batch).items()
-                  if any(x.model == m for x in sessions)}
-        pc, pinned = deploy(pc, demand, args.instances, len(demand))
+    online = False
+    if args.deploy == "as-deployed":  # deployment.py: a peer in pools by the trace's demand, else
+        demand = {m: d for m, d in demand_s(sessions, server, sched.max_batch).items()  # serverless;
+                  if any(x.model == m for x in sessions)}  # talaria with its own pools (--pools)
         if args.policy == "talaria":
-            pc = PolicyConfig(lease_timeout_s=args.tau, adaptive_lease=args.adaptive_lease)  # never serverless
+            pinned, online = talaria_pools(demand, args.instances, len(demand), args.pools)
+        else:
+            pc, pinned = deploy(pc, demand, args.instances, len(demand))
     config = RunConfig(
         server, args.instances, args.policy, pc,
         sched, parse_gap_model(args.gaps, args.seed),
-        label=args.policy, progress=True, pinned=pinned, log_actions=args.bound,
+        label=args.policy, progress=True, pinned=pinned, log_actions=args.bound, hot_pools=online,
     )
     result = simulate(sessions, config)
     summary = summarise(result)
@@ -141,7 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--deploy", choices=("shared", "as-deployed"), default="shared",
                      help="shared: every instance may serve every model (cold pools); as-deployed: per-model "
                           "hot pools split by the trace's demand where the models fit the instances, else "
-                          "serverless on-demand loading for a peer (talaria keeps its cold pool)")
+                          "serverless on-demand loading for a peer; talaria runs its own pools (--pools) where "
+                          "the models fit, else its cold pool (talaria/sim/deployment.py)")
+    run.add_argument("--pools", choices=TALARIA_POOLS, default="online",
+                     help="talaria under --deploy as-deployed: online = hot pools from an even split that its "
+                          "router resizes from measured demand (services/router/hot_pools.py; the matrix's "
+                          "configuration); forecast = the peers' split of the trace's demand, as an operator "
+                          "would pin it (talaria up --hot)")
     run.add_argument("--json", default=None)
     run.add_argument("--bound", action="store_true",
                      help="also print the capacity-aware bound (schedule bound and free-memory run)")

@@ -55,3 +55,22 @@ def deploy(policy_config: PolicyConfig, demand: dict[str, float], instances: int
     if catalogue <= instances:
         return policy_config, pool_split(demand, instances)
     return replace(policy_config, serverless=True), ()
+
+
+TALARIA_POOLS = ("online", "forecast")
+
+
+def talaria_pools(demand: dict[str, float], instances: int, catalogue: int,
+                  pools: str = "online") -> tuple[tuple[str, ...], bool]:
+    """(pinned model per instance, resized online?) for talaria (module doc). Where the models
+    fit: `online` starts every instance hot from an even split (no forecast) and its router
+    resizes the pools from measured demand; `forecast` pins the peers' split of `demand` (what
+    an operator who knows the traffic configures with `talaria up --hot`; the matrix's
+    talaria-forecast-pools ablation). Where they do not: every instance cold (no pins)."""
+    if pools not in TALARIA_POOLS:
+        raise ValueError(f"pools must be one of {TALARIA_POOLS}, not {pools!r}")
+    if catalogue > instances:
+        return (), False
+    if pools == "forecast":
+        return pool_split(demand, instances), False
+    return pool_split({m: 1.0 for m in demand}, instances), True

@@ -51,7 +51,7 @@ from dataclasses import asdict, dataclass, replace
 from talaria.services.router.hot_pools import HotPools
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.sim.cluster import RunConfig, simulate
-from talaria.sim.deployment import deploy, pool_split
+from talaria.sim.deployment import deploy, pool_split, talaria_pools
 from talaria.sim.executor import instance_config
 from talaria.shared.stats import quantile
 from talaria.sim.metrics import summarise
@@ -268,8 +268,6 @@ def run_one(cell: Cell, policy: str) -> dict:
     online = False
     if policy in BASELINES:
         pc, pinned = deploy(pc, shape["demand"], cell.instances, cell.models)
-    elif cell.models <= cell.instances and policy == FORECAST_POOLS:  # the peers' forecast pools
-        pinned = pool_split(shape["demand"], cell.instances)
     elif cell.models <= cell.instances and policy == SPLIT_START:
         pinned = pool_split(shape["demand"], cell.instances)
         online = True
@@ -278,11 +276,9 @@ def run_one(cell: Cell, policy: str) -> dict:
         pools = HotPools.spare_cold([str(k) for k in range(cell.instances)], sorted(shape["demand"]))
         pinned = tuple(pools.pins.values())
         online = True
-    elif cell.models <= cell.instances:
-        # ours: every instance hot, from an even split (no forecast); the router moves
-        # instances between models online from the demand it measures (hot_pools.py)
-        pinned = pool_split({m: 1.0 for m in shape["demand"]}, cell.instances)
-        online = True
+    else:  # ours (deployment.talaria_pools): an even start resized online, or the peers' forecast
+        pinned, online = talaria_pools(shape["demand"], cell.instances, cell.models,
+                                       "forecast" if policy == FORECAST_POOLS else "online")
     sched = instance_config("round-only") if policy == ROUND_ONLY else flags
     shared = {m: cell.shared for m in server_for(cell).models} if cell.shared else {}
     cfg = RunConfig(server_for(cell), cell.instances, name, pc, sched, gaps, label=f"{cell.name}/{policy}",
@@ -311,6 +307,32 @@ def run_one(cell: Cell, policy: str) -> dict:
     return out
 
 
+def zero_wait_scts(cell: Cell) -> list[float]:
+    """Each session's zero-wait SCT: its recorded gaps plus every call run alone the moment it
+    arrives, its reusable prefix (or the model's shared system prompt) on device, no switch,
+    no queue, decoding at batch 1 (the fastest step per token). No policy on this hardware
+    finishes a session sooner (bench/matrix_zero_wait_bound.py; generated cells only)."""
+    sessions, _, _ = workload(cell, instance_config("talaria"))
+    server = server_for(cell)
+    out = []
+    for s in sessions:
+        mp = server.model(s.model)
+        t = 0.0
+        for c in s.calls:
+            cached = c.reusable_prefix_tokens or min(cell.shared, c.prompt_tokens - 1)
+            t += (c.gap_before_s if c.call_index else 0.0) + mp.prefill_s(c.prompt_tokens - cached, cached) \
+                + c.output_tokens * mp.decode_step_s(1, c.prompt_tokens)
+        out.append(t)
+    return out
+
+
+def _zero_wait(cell: Cell) -> dict | None:
+    if cell.weka:
+        return None  # a closed replay with a gap model: its bound says nothing about routing
+    b = zero_wait_scts(cell)
+    return {"sct_p50": quantile(b, 0.5), "sct_p95": quantile(b, 0.95)}
+
+
 def _task(args: tuple[Cell, str]) -> tuple[str, str, dict]:
     cell, policy = args
     return cell.name, policy, run_one(cell, policy)
@@ -337,7 +359,8 @@ def run_matrix(policies=POLICIES, seed: int = 0, workers: int = 2, only: list[st
     return {
         "experiment": "matrix", "seed": seed, "workers": workers, "wall_s": time.perf_counter() - started,
         "policies": list(policies), "baselines": [p for p in policies if p in BASELINES], "ours": OURS,
-        "cells": [{**asdict(c), "sessions": c.sessions, "results": results[c.name]} for c in grid],
+        "cells": [{**asdict(c), "sessions": c.sessions, "zero_wait": _zero_wait(c), "results": results[c.name]}
+                  for c in grid],
         "cpu_count": os.cpu_count(),
     }
 

@@ -119,6 +119,50 @@ def win_table(matrix: dict) -> str:
     return "\n".join(lines)
 
 
+def miss_table(matrix: dict) -> str:
+    """Each cell where talaria is more than 2 % behind the best peer at SCT p50 or p95, and why,
+    as far as this run's own runs say: a quantile the peers' forecast split recovers is the
+    online pools' cost; one no ablation recovers is placement among the cell's instances, set
+    beside how far the peers themselves spread at that quantile (a miss inside that spread is
+    which policy this draw of sessions happened to favour, not a rule any peer has and talaria
+    lacks); the room is the zero-wait bound (matrix.zero_wait_scts) over the best peer."""
+    lines = ["| cell | misses | why (from this run) | peers' own spread (worst / best peer) | "
+             "room: zero-wait bound / best peer (p50 / p95) |", "|---|---|---|---|---|"]
+    by_name = {c["name"]: c for c in matrix["cells"]}
+    for r in wins(matrix)["rows"]:
+        if r["ok_sct"]:
+            continue
+        cell = by_name[r["cell"]]
+        res = cell["results"]
+        peers = [res[b] for b in matrix["baselines"] if b in res]
+        serverless = (3 if cell.get("weka") else cell["catalogue"]) > cell["instances"]
+        misses, why, spread = [], [], []
+        for q, ratio in (("p50", r["ratio_p50"]), ("p95", r["ratio_p95"])):
+            if ratio <= 1.02:
+                continue
+            key = f"sct_{q}"
+            best = min(_num(p[key]) for p in peers)
+            misses.append(f"{q} {_x(ratio)}")
+            spread.append(f"{q} {_x(max(_num(p[key]) for p in peers) / best)}")
+            forecast = res.get(FORECAST_POOLS)
+            f = _num(forecast[key]) / best if forecast is not None else math.inf
+            if serverless:
+                why.append(f"{q}: placement and rotation over instances that time-share models")
+            elif f <= 1.02:
+                why.append(f"{q}: online pools (with the peers' forecast split {_x(f)})")
+            elif f < ratio - 0.02:
+                why.append(f"{q}: online pools (with the peers' forecast split {_x(f)}) and placement in a "
+                           f"model's pool")
+            else:
+                why.append(f"{q}: placement in a model's pool (no ablation recovers it)")
+        zw = cell.get("zero_wait")
+        best50 = res[r["best_p50"]]["sct_p50"]
+        best95 = res[r["best_p95"]]["sct_p95"]
+        room = f"{_x(zw['sct_p50'] / best50)} / {_x(zw['sct_p95'] / best95)}" if zw else "— (closed replay)"
+        lines.append(f"| {r['cell']} | {', '.join(misses)} | {'; '.join(why)} | {', '.join(spread)} | {room} |")
+    return "\n".join(lines)
+
+
 def _mech(row: dict) -> str:
     m = row.get("mechanism")
     return "—" if m is None else f"{m[0]} ({_x(m[1])})"
@@ -290,6 +334,7 @@ def write_outputs(matrix: dict, out_dir: Path) -> Path:
                   "\"online hot pools\" there means talaria's own pools beat the peers' exact forecast "
                   "in that cell.\n\n"
                   + win_table(matrix) + "\n\n"
+                  + "## Where talaria is more than 2 % behind, cell by cell\n\n" + miss_table(matrix) + "\n\n"
                   + ("## Old (transplanted baselines) beside new (faithful peers)\n\n" + side_by_side(matrix, old)
                      + "\n\n" if old else "")
                   + notes + "\n\n![heat map](matrix_heatmap.png)\n\n"

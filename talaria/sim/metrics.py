@@ -162,6 +162,7 @@ def summarise(result: RunResult) -> dict:
             "leases_expired": rc.leases_expired,
             "unused_leases": rc.leases_discarded + rc.leases_expired,
             "mean_decision_us": rc.decision_us / rc.routed if rc.routed else math.nan,
+            "repins": rc.repins,  # hot-pool moves (RunConfig.hot_pools)
         },
         "avoidable_cold_opens": rc.avoidable_cold_opens,
         "rejected": rc.rejected,

@@ -106,3 +106,40 @@ def test_sim_run_deploys_a_peer_as_deployed(tmp_path, capsys):
             assert got["router"]["model_opens"] == opens
         else:
             assert got["router"]["model_opens"] > 0
+
+
+def test_talaria_sizes_its_own_pools_unless_told_the_forecast():
+    from talaria.sim.deployment import talaria_pools
+
+    demand = {"a": 1.0, "b": 5.0}
+    assert talaria_pools(demand, 3, 2) == (("a", "a", "b"), True)  # even start, resized online
+    assert talaria_pools(demand, 3, 2, "forecast") == (("a", "b", "b"), False)  # the peers' split
+    assert talaria_pools(demand, 1, 2) == ((), False)  # models > instances: its cold pool
+    with pytest.raises(ValueError, match="pools must be one of"):
+        talaria_pools(demand, 3, 2, "guess")
+
+
+def test_sim_run_deploys_talaria_with_its_online_pools(tmp_path):
+    """`talaria sim run --deploy as-deployed --policy talaria` is the matrix's talaria: hot pools
+    from an even split that its router moves towards the demand it measures."""
+    import json
+
+    from talaria.sim.cli import main
+    from talaria.sim.workloads import on_model
+    from talaria.traces.format import save_sessions
+
+    # the later name carries nearly all the work; the even start gives the spare instance to the other
+    light, heavy = sorted(MODELS[:2])
+    sessions = agent_sessions(16, [heavy], 10, 8_000, 100, seed=3)
+    sessions[0] = on_model(sessions[0], light, sessions[0].calls[0].gap_before_s, suffix=False)
+    trace = tmp_path / "t.jsonl"
+    save_sessions(at_rate(sessions, 0.5), trace)
+    out = tmp_path / "r.json"
+    repins = {}
+    for pools in ("online", "forecast"):
+        assert main(["run", "--trace", str(trace), "--policy", "talaria", "--instances", "3", "--deploy",
+                     "as-deployed", "--pools", pools, "--gaps", "recorded", "--json", str(out)]) == 0
+        got = json.loads(out.read_text())
+        assert got["complete"] and got["router"]["model_opens"] <= got["router"]["repins"]
+        repins[pools] = got["router"]["repins"]
+    assert repins["online"] >= 1 and repins["forecast"] == 0

@@ -141,3 +141,22 @@ def test_the_mechanism_column_names_the_ablation_that_costs_most_and_old_sits_be
     old = _fake(ours95=10.0)
     text = side_by_side(m, old)
     assert f"| c1 | 0.90× ({BASELINES[0]}) | 0.50× | 0.90× ({BASELINES[0]}) | 0.90× |" in text
+
+
+def test_each_missed_cell_says_why_from_its_own_ablations():
+    from talaria.sim.matrix import FORECAST_POOLS
+    from talaria.sim.matrix_report import miss_table
+
+    m = _fake(ours95=24.0)  # 20 % behind the best peer's p95 in both cells
+    for cell in m["cells"]:
+        cell.update(catalogue=3, instances=4, zero_wait={"sct_p50": 8.0, "sct_p95": 19.0})
+    m["cells"][0]["results"][FORECAST_POOLS] = {**m["cells"][0]["results"][OURS], "sct_p95": 20.2}
+    m["cells"][1]["results"][FORECAST_POOLS] = {**m["cells"][1]["results"][OURS]}
+    m["cells"][1]["catalogue"] = 20  # more models than instances: serverless
+    table = miss_table(m)
+    assert "| c1 | p95 1.20× | p95: online pools (with the peers' forecast split 1.01×) |" in table
+    assert "| c2 | p95 1.20× | p95: placement and rotation over instances that time-share models |" in table
+    assert "0.80× / 0.95× |" in table  # the zero-wait bound over the best peer: p50 8 / 10, p95 19 / 20
+    m["cells"][0]["results"][FORECAST_POOLS]["sct_p95"] = 24.0  # the forecast does not recover it
+    assert "p95: placement in a model's pool (no ablation recovers it)" in miss_table(m)
+    assert "| c1 |" not in miss_table(_fake(ours95=18.0))  # within 2 %: not listed
