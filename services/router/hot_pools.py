@@ -39,21 +39,14 @@ of L_m + z sqrt(L_m), headroom for arrivals: 242 repins, 79.1 s). A move must be
 Two rules, by how the pools were started:
 
 - every instance hot (the swap rule): one instance moves from the most over-provisioned
-  model d to the most under-provisioned r, x_m = s_m - count_m, while r's calls wait for
-  room on its instances (a call queued there, not running: a share r's instances absorb in
-  their batches serves nothing moved), when the imbalance it
+  model d to the most under-provisioned r, x_m = s_m - count_m, when the imbalance it
   removes beats the noise, x_r - x_d - 1 > z sqrt(sigma_r^2 + sigma_d^2), and the demand it
   serves pays for itself over the window W: (clip(x_r) - clip(1 + x_d)) x W > switch_s(r) +
   the context the donor instance's live sessions recompute elsewhere (their last prompt x
   d's prefill s/token); clip to [0, 1]: r's shortfall up to the one instance, less d's
   shortfall once it has one fewer (3 seeds: neutral against (x_r - x_d - 1) x W, SCT p95
   1.043x vs 1.042x the best peer; kept because a move to a model that is not short serves
-  nothing). The waiting condition (2026-12-02) came from the real WEKA sessions
-  (bench/weka_as_deployed.py), where the share of a few live sessions moved instances in the
-  first seconds and back later: without it, at scale (64 instances, 20 models, seeds 0-2)
-  72 / 75 / 80 repins and SCT p50 / p95 77.7 / 366.8, 75.7 / 345.5, 79.4 / 374.2 s; with it
-  23 / 33 / 30 repins and 76.8 / 357.1, 74.7 / 342.5, 78.1 / 364.5 s; the matrix over 3 seeds
-  SCT p95 1.045x -> 1.042x the best peer per cell, 84 -> 81 of 123 cell-seeds behind.
+  nothing).
 - a cold pool beside the hot pools (the hot+cold rule; instances start or register cold):
   a cold instance turns hot for r when r's demand surely fills one more instance,
   s_r - z sigma_r >= count_r + 1, and that instance's work over W outweighs its cost (the
@@ -297,11 +290,9 @@ class HotPools:
         n = len(self.pins)
         return self._changed and n > 0 and now - self._last_move_at >= self.window_s(now) / n
 
-    def decide(self, now: float, switch_s: Mapping[str, float], load: Mapping[str, int],
-               waiting: Mapping[str, int]) -> list[PoolMove]:
+    def decide(self, now: float, switch_s: Mapping[str, float], load: Mapping[str, int]) -> list[PoolMove]:
         """At most one move (module doc). `switch_s`: seconds to load each model (the agents'
-        advertised open cost); `load`: calls in flight per instance (the router's view);
-        `waiting`: calls queued for room on each instance, not running (its snapshot)."""
+        advertised open cost); `load`: calls in flight per instance (the router's view)."""
         if not self.due(now):
             return []
         n = len(self.pins)
@@ -323,7 +314,7 @@ class HotPools:
         share = {m: min(raw[m], float(live[m])) for m in self._m}
         if self.cold_pool:
             return self._hot_cold(now, w, share, sigma, switch_s, load)
-        return self._swap(now, w, share, sigma, switch_s, load, waiting)
+        return self._swap(now, w, share, sigma, switch_s, load)
 
     def _movable(self, model: str | None) -> list[str]:
         return [i for i, m in self.pins.items() if m == model and i not in self.fixed]
@@ -346,14 +337,11 @@ class HotPools:
                 out[s.instance] += 1
         return out
 
-    def _swap(self, now, w, share, sigma, switch_s, load, waiting) -> list[PoolMove]:
+    def _swap(self, now, w, share, sigma, switch_s, load) -> list[PoolMove]:
         count = self.counts()
         floor = lambda m: self.floor.get(m, 1)  # noqa: E731
         x = {m: share[m] - count[m] for m in self._m}
         r = max(self._m, key=lambda m: (x[m], m))
-        queued = sum(waiting.get(i, 0) for i, m in self.pins.items() if m == r)
-        if not queued:  # r's instances absorb its calls as they come: another one serves nothing now
-            return []
         donors = [m for m in self._m if m != r and count[m] > floor(m) and self._movable(m)]
         if not donors:
             return []
@@ -371,9 +359,8 @@ class HotPools:
         cost = switch_s.get(r, 0.0) + displaced[inst]
         if not gain * w > cost:
             return []
-        return [self._move(inst, r, d, now, f"{r} {x[r]:+.2f} / {d} {x[d]:+.2f} instances vs demand, {queued} "
-                                            f"calls of {r} waiting: gain {gain * w:.1f}s over W={w:.0f}s > "
-                                            f"cost {cost:.1f}s")]
+        return [self._move(inst, r, d, now, f"{r} {x[r]:+.2f} / {d} {x[d]:+.2f} instances vs demand: gain "
+                                            f"{gain * w:.1f}s over W={w:.0f}s > cost {cost:.1f}s")]
 
     def _hot_cold(self, now, w, share, sigma, switch_s, load) -> list[PoolMove]:
         count = self.counts()
@@ -427,19 +414,17 @@ def _clip01(v: float) -> float:
 
 def decide_from_state(pools: HotPools, state, now: float) -> list[PoolMove]:
     """`pools.decide` with what the router state knows: each model's open cost as the agents
-    advertise it (the largest reported: the cost of loading it anywhere), the calls in
-    flight on each instance (snapshot + routed since) and those its snapshot says wait for room. Nothing is gathered when no decision
+    advertise it (the largest reported: the cost of loading it anywhere) and the calls in
+    flight on each instance (snapshot + routed since). Nothing is gathered when no decision
     is due (it runs after every event the router handles)."""
     if not pools.due(now):
         return []
     switch: dict[str, float] = {}
     load: dict[str, int] = {}
-    waiting: dict[str, int] = {}
     for iid, view in state.instances.items():
         load[iid] = view.queued_calls()
-        waiting[iid] = sum(view.snapshot.queued.values())
         for name, res in view.models.items():
             cost = res.open_cost_s or res.switch_cost_s
             if cost > switch.get(name, 0.0):
                 switch[name] = cost
-    return pools.decide(now, switch, load, waiting)
+    return pools.decide(now, switch, load)

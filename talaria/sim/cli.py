@@ -62,9 +62,11 @@ def _run(args) -> int:
     pc = PolicyConfig(lease_timeout_s=args.tau, adaptive_lease=args.adaptive_lease)
     pinned: tuple[str, ...] = ()
     online = False
-    if args.deploy == "as-deployed":  # deployment.py: a peer in pools by the trace's demand, else
-        demand = {m: d for m, d in demand_s(sessions, server, sched.max_batch).items()  # serverless;
-                  if any(x.model == m for x in sessions)}  # talaria with its own pools (--pools)
+    if args.deploy == "as-deployed":
+        # deployment.py: a peer in per-model pools by the trace's demand, else serverless;
+        # talaria with its own pools (--pools)
+        demand = {m: d for m, d in demand_s(sessions, server, sched.max_batch).items()
+                  if any(x.model == m for x in sessions)}
         if args.policy == "talaria":
             pinned, online = talaria_pools(demand, args.instances, len(demand), args.pools)
         else:
