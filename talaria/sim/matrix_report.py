@@ -121,7 +121,7 @@ def win_table(matrix: dict) -> str:
 
 def miss_table(matrix: dict) -> str:
     """Each cell where talaria is more than 2 % behind the best peer at SCT p50 or p95, and why,
-    as far as this run's own runs say: a quantile the peers' forecast split recovers is the
+    as far as this run's ablations say: a quantile the peers' forecast split recovers is the
     online pools' cost; one no ablation recovers is placement among the cell's instances, set
     beside how far the peers themselves spread at that quantile (a miss inside that spread is
     which policy this draw of sessions happened to favour, not a rule any peer has and talaria
