@@ -16,9 +16,11 @@ import aiohttp
 import nats
 import pytest
 import structlog
+from nats.js.errors import NotFoundError
 from opentelemetry import trace
 
 from talaria.embedded import EmbeddedNats, free_port
+from talaria.services.gateway.idempotency_rules import is_outcome_subject
 from talaria.services.gateway.submitter import Submitter
 from talaria.services.instance_agent.record_sender import RecordSender
 from talaria.shared import messages as m
@@ -66,6 +68,15 @@ async def missed_reply(nats_url: str, call_id: str):
         reply_to = submitter._calls[call_id].reply_to
         await agent_nc.publish(reply_to, encode(result(call_id)), headers=sender_headers(agent_nc))
         await agent_nc.flush()
+        stream = DEP.idempotency_stream if is_outcome_subject(reply_to) else DEP.replies_stream
+
+        async def kept():  # the stream stores a plain publish after the server has taken it
+            try:
+                return await gw_js.get_last_msg(stream, reply_to) is not None
+            except NotFoundError:
+                return False
+
+        await wait_until(kept, f"the reply to {call_id} kept in {stream}", timeout=10, every=0.01)
         yield submitter, gw_js, pending
     finally:
         await submitter.stop()
