@@ -5,8 +5,8 @@ The runs themselves are `matrix.py`."""
 from __future__ import annotations
 
 import json
-
 import math
+from dataclasses import fields
 from pathlib import Path
 
 from talaria.sim.result_json import write_json
@@ -135,7 +135,8 @@ def miss_table(matrix: dict) -> str:
         cell = by_name[r["cell"]]
         res = cell["results"]
         peers = [res[b] for b in matrix["baselines"] if b in res]
-        serverless = (3 if cell.get("weka") else cell["catalogue"]) > cell["instances"]
+        design = matrix_design.Cell(**{f.name: cell[f.name] for f in fields(matrix_design.Cell) if f.name in cell})
+        serverless = design.models > design.instances
         misses, why, spread = [], [], []
         for q, ratio in (("p50", r["ratio_p50"]), ("p95", r["ratio_p95"])):
             if ratio <= 1.02:

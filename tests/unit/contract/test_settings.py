@@ -134,7 +134,7 @@ def test_two_deployments_in_one_process_do_not_see_each_others_checkpoints(tmp_p
 
     blue = _settings(f"qwen3-tiny,mine={_checkpoint_dir(tmp_path / 'blue', 64)}").common.catalogue()
     green = _settings(f"qwen3-tiny,mine={_checkpoint_dir(tmp_path / 'green', 128)},"
-                              f"theirs={_checkpoint_dir(tmp_path / 'theirs')}").common.catalogue()
+                      f"theirs={_checkpoint_dir(tmp_path / 'theirs')}").common.catalogue()
     assert (blue["mine"].hidden, green["mine"].hidden) == (64, 128)
     assert "theirs" in green and "theirs" not in blue
     assert pickle.loads(pickle.dumps(green)) == green  # as the gateway's parser process gets it
