@@ -179,3 +179,44 @@ def test_an_instance_turns_hot_only_if_the_cold_pool_left_carries_the_other_mode
     _sessions(pools, "b", 1, "i3", 500.0, prefix="late")  # demand moved: a decision is due
     assert pools.due(1000.0) and pools.decide(1000.0, cost, {}) == []
     assert pools.counts() == {"a": 1, "b": 1, "c": 0}
+
+
+def _history(pools: HotPools, per_model: dict[str, int], span: float = 100.0, until: float = 900.0) -> None:
+    """Sessions that started evenly over [0, until), each lasting `span` s, all over by now."""
+    for model, n in per_model.items():
+        for k in range(n):
+            t = k * until / n
+            sid = f"h-{model}-{k}"
+            pools.routed(sid, model, "i0" if model == "a" else "i2", 1000, t)
+            pools.completed(sid, model, 1000, 0, 100, 0.1, 1.0, t + span)
+    pools.expire(until + span + 2.0, lambda m: 1.0)
+
+
+def test_the_stay_share_is_the_mean_residual_life_of_the_measured_sessions():
+    pools = HotPools.even(INST, ("a", "b"))
+    assert pools.stay_share(0.0) == 1.0  # nothing has ended: the live sessions are all there is
+    _history(pools, {"a": 5, "b": 5})
+    # every session lasts exactly W: on average half of the live ones remain over the next W
+    assert pools.window_s(1000.0) == pytest.approx(100.0)
+    assert pools.stay_share(1000.0) == pytest.approx(0.5)
+
+
+def test_a_surge_of_live_sessions_that_the_arrival_rates_say_will_pass_moves_nothing():
+    # a and b have started sessions at the same rate; right now b has 4 live, a 1. Counting
+    # only the live sessions moves an instance to b (the rule before the forecast); the
+    # forecast over the next W (half of the live ones remain, the rest arrive evenly) does not.
+    surge = HotPools.even(INST, ("a", "b"))
+    _history(surge, {"a": 20, "b": 20})
+    _sessions(surge, "b", 4, "i2", 1003.0)
+    _sessions(surge, "a", 1, "i0", 1003.0)
+    assert surge.decide(1010.0, {"a": 1.0, "b": 1.0}, {}) == []
+    live_only = HotPools.even(INST, ("a", "b"))
+    _sessions(live_only, "b", 4, "i2", 1003.0)
+    _sessions(live_only, "a", 1, "i0", 1003.0)
+    assert [(m.model, m.previous) for m in live_only.decide(1010.0, {"a": 1.0, "b": 1.0}, {})] == [("b", "a")]
+    # the same live sessions after b has been arriving four times as fast: b gets the instance
+    sustained = HotPools.even(INST, ("a", "b"))
+    _history(sustained, {"a": 10, "b": 40})
+    _sessions(sustained, "b", 4, "i2", 1003.0)
+    _sessions(sustained, "a", 1, "i0", 1003.0)
+    assert [(m.model, m.previous) for m in sustained.decide(1010.0, {"a": 1.0, "b": 1.0}, {})] == [("b", "a")]
