@@ -41,6 +41,16 @@
             for every call r's session makes. The stretch above is what r suffers in a
             rotation; this is what r's session does to the sessions already there. Not on hot
             instances (their other models' sessions are leaving).
+            move (ours): a return whose KV is not here (its session's context lives on another
+            instance, or was lost) recomputes it here, kv_s of work its home would not need,
+            and every other session living here (homes.py; a call running, or between calls
+            and coming back) waits behind it: chunked prefill shares each step with their
+            calls. So a move also pays kv_s x those sessions. The terms above are what r
+            suffers; this, like join, is what r does to the others. Measured (issue 21, real
+            WEKA sessions, gaps capped at 10 s, 6 seeds): returns moved 19-55 / 6-12 of
+            ~9,700 at 60 / 100 % load instead of 65-160 / 78-138, SCT p50 over the best peer
+            1.053x -> 1.046x and 1.081x -> 1.014x; with the users' gaps kept moves 40-83 ->
+            3-30 at the same SCT (results/matrix_notes.md).
             placement_s ranks candidates; admission and Eq. 2 use the Eq. 1 terms only
             (Eq. 2's demand already counts the later calls).
 
@@ -302,6 +312,8 @@ class CostModel:
             place = snap.running * (decode if running_s is None else running_s) \
                 if first_call else 0.0
             place += later * stretch + join  # the session keeps paying this rotation here
+            if kv_state == "recompute" and known > 0:  # a move: r's KV is elsewhere, or lost
+                place += kv_s * state.homes.sessions_on(iid, call.session_id)
             # r's own KV is here: with kv_home_admits it waits here rather than recompute elsewhere
             home = cfg.kv_home_admits and own and kv_state in ("device", "host") and k_have > 0
             if queue > 0 and queue + prefill + kv_s + act > budget and not home:

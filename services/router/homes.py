@@ -126,6 +126,11 @@ class HomeBook:
         """How many sessions of models other than `model` the book homes on the instance."""
         return sum(len(h.idle_since) for m, h in self.by_instance.get(instance_id, {}).items() if m != model)
 
+    def sessions_on(self, instance_id: str, except_session: str = "") -> int:
+        """How many sessions the book homes on the instance (all models), but one."""
+        n = sum(len(h.idle_since) for h in self.by_instance.get(instance_id, {}).values())
+        return n - 1 if self.home_of.get(except_session, ("",))[0] == instance_id else n
+
     def to_list(self) -> list[list]:
         return [[s, i, m, t, homes.running.get(s, 0)]
                 for i, models in self.by_instance.items() for m, homes in models.items()

@@ -260,6 +260,22 @@ def test_device_kv_shorter_than_what_the_session_knows_recomputes_the_rest():
 
 
 
+def test_a_move_pays_its_recompute_once_for_every_other_session_living_where_it_goes():
+    # s1's context (1,000 tokens) lives on j; on i it recomputes 0.1 s of prefill that each
+    # session living on i waits behind: two of them, plus s1's own old home there, not counted
+    entry = SessionEntry("s1", model="m1", last_instance="j", kv_tokens=1000, last_used=0.0, calls=1)
+    st = state_of(snap("i"))
+    assert price(st, "i", call("c", tokens=1000), entry).placement_s == 0.0  # nobody lives on i
+    for sid in ("a", "b"):
+        st.apply(routed_to(call(sid, session=sid, model="m2"), "i"))
+    c = price(st, "i", call("c", tokens=1000), entry)
+    assert c.kv_state == "recompute" and c.placement_s == pytest.approx(2 * 1000 * 1e-4)
+    st.apply(routed_to(call("old", session="s1", model="m1"), "i"))  # s1 itself lived on i
+    assert price(st, "i", call("c", tokens=1000), entry).placement_s == pytest.approx(2 * 1000 * 1e-4)
+    # a first call has no context to move: it pays nothing for the sessions there
+    assert price(st, "i", call("c", tokens=1000)).placement_s == 0.0
+
+
 # ---- round sharing: each other model counted once, wherever it is seen ----------------------
 
 SHARING = PolicyConfig(new_session_running_s=0.0, price_round_sharing=True)
