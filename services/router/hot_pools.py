@@ -336,12 +336,12 @@ class HotPools:
         rate = {m: (self._m[m].arrivals / self._exposure if self._exposure > 0 else 0.0) for m in live}
         return {m: alpha * live[m] + (1.0 - alpha) * rate[m] * w for m in live}
 
-    def demand(self, now: float | None = None) -> dict[str, float]:
+    def demand(self, now: float) -> dict[str, float]:
         """The work the open sessions will offer over the next W: expected live sessions x
-        the model's work per call (now None: the sessions live now)."""
+        the model's work per call."""
         calls = sum(m.calls for m in self._m.values())
         pooled = sum(m.total_work for m in self._m.values()) / calls if calls else 1.0
-        live = self.live() if now is None else self.expected_live(now)
+        live = self.expected_live(now)
         return {name: live[name] * (m.work_per_call() or pooled) for name, m in self._m.items()}
 
     def counts(self) -> dict[str, int]:
