@@ -141,11 +141,29 @@ def assert_bf16_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
     assert off.float().mean().item() <= 0.03, f"{int(off.sum())} of {len(off)} positions beyond two bf16 steps"
 
 
+def router_tie(model, seq: list[int]) -> bool:
+    """Whether a MoE model's router, at the last position of `seq`, ranks its k-th and (k+1)-th
+    expert within two bf16 steps in some layer: a tie at bf16's resolution, where the engine's
+    cached decode and transformers' full recompute may pick different experts (a logit moves by
+    a whole expert's output, not by rounding). False for dense models."""
+    k = getattr(model.config, "num_experts_per_tok", None)
+    if not k:
+        return False
+    with torch.no_grad():
+        layers = model(torch.tensor([seq]), output_router_logits=True).router_logits
+    for logits in layers:
+        ranked = logits.float().reshape(-1, logits.shape[-1])[-1].sort(descending=True).values
+        if float(ranked[k - 1] - ranked[k]) <= 2 * bf16_step(float(ranked[k - 1])):
+            return True
+    return False
+
+
 def assert_bf16_greedy(model, ids: list[int], ours: list[int], n: int, eos: set[int]) -> None:
     """Every token the engine chose is transformers' greedy choice on the engine's own prefix,
     to bf16's resolution: its logit within two bf16 steps of the top (assert_bf16_close's
-    tolerance). Teacher-forced, so a tie at bf16's resolution (the engine's cached decode and
-    transformers' full recompute round the same sums differently) may go either way without
+    tolerance), or, for a MoE model, at a position where the router itself ties at bf16's
+    resolution (router_tie; seen on a CPU without native bf16: token 46 of 64, a layer's
+    top-2 gap 0.008, the logit 0.66 off). Teacher-forced, so a tie may go either way without
     ending the comparison: comparing two free-running sequences stopped at the first such tie,
     and a seeded qwen3_moe checkpoint ties exactly (gap 0.0) at its first token."""
     seq = list(ids)
@@ -153,7 +171,7 @@ def assert_bf16_greedy(model, ids: list[int], ours: list[int], n: int, eos: set[
         for i, tok in enumerate(ours):
             logits = model(torch.tensor([seq])).logits[0, -1].float()
             top = float(logits.max())
-            assert float(logits[tok]) >= top - 2 * bf16_step(top), \
+            assert float(logits[tok]) >= top - 2 * bf16_step(top) or router_tie(model, seq), \
                 f"token {i}: {tok} at {float(logits[tok])}, transformers' best {int(logits.argmax())} at {top}"
             seq.append(tok)
     assert len(ours) == n or ours[-1] in eos
