@@ -25,15 +25,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from talaria.sim.matrix import BASELINES, OURS, cells, run_one  # noqa: E402
+from talaria.sim.matrix import BASELINES, OURS, PEER_SPLITS, cells, run_one  # noqa: E402
 
 SLACK = 1.02  # the issue's "no worse than the best baseline by more than 2 %"
 
 
-def _task(args: tuple[int, str, str]) -> tuple[int, str, str, float, float]:
-    seed, name, policy = args
+def _task(args: tuple[int, str, str, str]) -> tuple[int, str, str, float, float]:
+    seed, name, policy, peer_split = args
     cell = next(c for c in cells(seed) if c.name == name)
-    r = run_one(cell, policy)
+    r = run_one(cell, policy, peer_split)
     return seed, name, policy, r["sct_p50"], r["sct_p95"]
 
 
@@ -50,11 +50,14 @@ def main() -> int:
     ap.add_argument("--ours", default=OURS, help="talaria variants to compare with the peers, comma-separated "
                     "(e.g. talaria,talaria-forecast-pools: online hot pools vs the peers' forecast)")
     ap.add_argument("--cells", default="", help="only cells whose name contains one of these (comma-separated)")
+    ap.add_argument("--peer-split", choices=PEER_SPLITS, default="exact",
+                    help="size the peers' pools on the run's own demand (exact) or on another draw of the "
+                         "same workload (history: last week's traffic); talaria.sim.matrix.peer_demand")
     args = ap.parse_args()
     variants = tuple(v for v in args.ours.split(",") if v)
     policies = (*BASELINES, *variants)
     only = [c for c in args.cells.split(",") if c]
-    tasks = [(seed, c.name, p) for seed in range(args.seeds) for c in cells(seed)
+    tasks = [(seed, c.name, p, args.peer_split) for seed in range(args.seeds) for c in cells(seed)
              if c.weka != "fixed-replay" and (not only or any(o in c.name for o in only)) for p in policies]
     started = time.perf_counter()
     res: dict[tuple[int, str], dict[str, tuple[float, float]]] = defaultdict(dict)
@@ -78,7 +81,8 @@ def main() -> int:
         "# Workload matrix over workload seeds",
         "",
         f"`python bench/matrix_seeds.py --seeds {args.seeds}" + (f" --ours {args.ours}" if args.ours != OURS else "")
-        + (f" --cells {args.cells}" if only else "") + f"` ({len(tasks)} runs, {wall:.0f} s wall with "
+        + (f" --cells {args.cells}" if only else "")
+        + (f" --peer-split {args.peer_split}" if args.peer_split != "exact" else "") + f"` ({len(tasks)} runs, {wall:.0f} s wall with "
         f"{args.workers} processes on the shared 2-core machine). Generated cells and the router-testbed "
         "cell of talaria.sim.matrix, each seed drawing new sessions, arrivals and gaps; ratios are "
         "talaria / best baseline of the same cell and seed (below 1: talaria faster). Seed 0 is "

@@ -42,7 +42,7 @@ from talaria.sim.profiles import PAPER_TP8, ROUTER_TP4, catalogue
 from talaria.sim.schedule_bound import schedule_bound_scts
 from talaria.sim.workloads import fixed_replay, router_testbed, synthetic_catalogue
 from talaria.traces.gaps import GapModel
-from talaria.sim.matrix import ABLATIONS, FORECAST_POOLS, POLICIES, SENSITIVITY, run_matrix
+from talaria.sim.matrix import ABLATIONS, FORECAST_POOLS, PEER_SPLITS, POLICIES, SENSITIVITY, run_matrix
 from talaria.sim.report import write_report
 from talaria.sim.matrix_report import write_outputs
 
@@ -360,6 +360,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-report", action="store_true")
     parser.add_argument("--workers", type=int, default=2, help="matrix: parallel processes (default 2)")
     parser.add_argument("--cells", default=None, help="matrix: only cells whose name contains one of these")
+    parser.add_argument("--peer-split", choices=PEER_SPLITS, default="exact",
+                        help="matrix: size the peers' pools on the run's own demand (exact, the published "
+                             "table) or on another draw of the same workload (history)")
     parser.add_argument("--ablations", action="store_true",
                         help="matrix: also run talaria without leases and without its instance mechanisms "
                              "(the report's mechanism column)")
@@ -396,7 +399,8 @@ def run_from_args(args) -> int:
                   "policies": POLICIES + tuple(a for a in ABLATIONS if a not in POLICIES
                                                and getattr(args, "ablations", False))
                   + (SENSITIVITY if getattr(args, "sensitivity", False) else ()),
-                  "only": [c.strip() for c in args.cells.split(",")] if getattr(args, "cells", None) else None}
+                  "only": [c.strip() for c in args.cells.split(",")] if getattr(args, "cells", None) else None,
+                  "peer_split": getattr(args, "peer_split", "exact")}
         run(names, args.out, args.json, args.quick, args.scale_sessions, scale, matrix)
     if not args.no_report:
         path = write_report(load_results(args.out), args.out)

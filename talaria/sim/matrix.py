@@ -256,18 +256,35 @@ def policy_config(policy: str) -> tuple[str, PolicyConfig]:
     return policy, PolicyConfig()
 
 
+# How the peers' static pools are sized (deployment.py). "exact": from this run's own demand,
+# a forecast no operator has (it favours the peers; the published table). "history": from
+# another draw of the same workload, as an operator sizes pools from last week's traffic.
+PEER_SPLITS = ("exact", "history")
+HISTORY_SEED_OFFSET = 1_000_003  # any seed the matrix's own cells never draw
+
+
+def peer_demand(cell: Cell, shape: dict, flags, peer_split: str = "exact") -> dict[str, float]:
+    """The demand the peers' (and talaria-forecast-pools') static split is sized on."""
+    if peer_split not in PEER_SPLITS:
+        raise ValueError(f"peer_split must be one of {PEER_SPLITS}, not {peer_split!r}")
+    if peer_split == "exact" or cell.weka:  # a WEKA cell replays one fixed trace: nothing else to size on
+        return shape["demand"]
+    history = workload(replace(cell, seed=cell.seed + HISTORY_SEED_OFFSET), flags)[2]["demand"]
+    return {m: history.get(m, 0.0) for m in shape["demand"]}
+
+
 KEEP = ("sct_p50", "sct_p95", "ttft_p50", "ttft_p95", "goodput_calls_s", "rejected", "retries", "gave_up",
         "sessions_incomplete", "avoidable_cold_opens", "calls", "sessions", "complete", "sim_wall_s")
 
 
-def run_one(cell: Cell, policy: str) -> dict:
+def run_one(cell: Cell, policy: str, peer_split: str = "exact") -> dict:
     flags = instance_config("talaria")
     sessions, gaps, shape = workload(cell, flags)
     name, pc = policy_config(policy)
     pinned: tuple[str, ...] = ()
     online = False
     if policy in BASELINES:
-        pc, pinned = deploy(pc, shape["demand"], cell.instances, cell.models)
+        pc, pinned = deploy(pc, peer_demand(cell, shape, flags, peer_split), cell.instances, cell.models)
     elif cell.models <= cell.instances and policy == SPLIT_START:
         pinned = pool_split(shape["demand"], cell.instances)
         online = True
@@ -277,7 +294,8 @@ def run_one(cell: Cell, policy: str) -> dict:
         pinned = tuple(pools.pins.values())
         online = True
     else:  # ours (deployment.talaria_pools): an even start resized online, or the peers' forecast
-        pinned, online = talaria_pools(shape["demand"], cell.instances, cell.models,
+        demand = peer_demand(cell, shape, flags, peer_split) if policy == FORECAST_POOLS else shape["demand"]
+        pinned, online = talaria_pools(demand, cell.instances, cell.models,
                                        "forecast" if policy == FORECAST_POOLS else "online")
     sched = instance_config("round-only") if policy == ROUND_ONLY else flags
     shared = {m: cell.shared for m in server_for(cell).models} if cell.shared else {}
@@ -333,15 +351,16 @@ def _zero_wait(cell: Cell) -> dict | None:
     return {"sct_p50": quantile(b, 0.5), "sct_p95": quantile(b, 0.95)}
 
 
-def _task(args: tuple[Cell, str]) -> tuple[str, str, dict]:
-    cell, policy = args
-    return cell.name, policy, run_one(cell, policy)
+def _task(args: tuple[Cell, str, str]) -> tuple[str, str, dict]:
+    cell, policy, peer_split = args
+    return cell.name, policy, run_one(cell, policy, peer_split)
 
 
-def run_matrix(policies=POLICIES, seed: int = 0, workers: int = 2, only: list[str] | None = None) -> dict:
+def run_matrix(policies=POLICIES, seed: int = 0, workers: int = 2, only: list[str] | None = None,
+               peer_split: str = "exact") -> dict:
     grid = [c for c in cells(seed) if not only or any(o in c.name for o in only)]
     # the costliest first, so the two workers finish together
-    tasks = sorted(((c, p) for c in grid for p in policies),
+    tasks = sorted(((c, p, peer_split) for c in grid for p in policies),
                    key=lambda t: -(t[0].sessions * t[0].depth * (t[0].instances ** 0.5)))
     results: dict[str, dict] = {c.name: {} for c in grid}
     started = time.perf_counter()
@@ -358,6 +377,7 @@ def run_matrix(policies=POLICIES, seed: int = 0, workers: int = 2, only: list[st
         pool.shutdown()
     return {
         "experiment": "matrix", "seed": seed, "workers": workers, "wall_s": time.perf_counter() - started,
+        "peer_split": peer_split,
         "policies": list(policies), "baselines": [p for p in policies if p in BASELINES], "ours": OURS,
         "cells": [{**asdict(c), "sessions": c.sessions, "zero_wait": _zero_wait(c), "results": results[c.name]}
                   for c in grid],

@@ -319,6 +319,10 @@ def _shape_row(cell: dict) -> str:
             f"{sh['output_p50']} | {sh['gaps_over_5s'] * 100:.0f} % | {sh['capacity_sessions_s']:.3f} |")
 
 
+SPLIT_WORDS = {"exact": "this run's own demand (an exact forecast, which favours them)",
+               "history": "another draw of the same workload (last week's traffic, as an operator has it)"}
+
+
 def write_outputs(matrix: dict, out_dir: Path) -> Path:
     write_json({**matrix, "wins": wins(matrix)}, out_dir / "matrix.json")
     heat_map(matrix, out_dir / "matrix_heatmap.png")
@@ -329,7 +333,8 @@ def write_outputs(matrix: dict, out_dir: Path) -> Path:
     md.write_text("# Workload matrix: talaria vs the faithful peers, each deployed as it is deployed\n\n"
                   "Ratio = talaria / best peer (below 1: talaria is faster); ✗ marks a missed goal. "
                   "Peers: " + ", ".join(matrix["baselines"]) + " (services/router/policy/, each citing its "
-                  "source); deployment: talaria/sim/deployment.py. The mechanism column names the talaria "
+                  "source); deployment: talaria/sim/deployment.py, the peers' pools sized on "
+                  + SPLIT_WORDS[matrix.get("peer_split", "exact")] + ". The mechanism column names the talaria "
                   "ablation whose SCT p95 is worst in the cell (talaria-paper, talaria-no-lease, "
                   "talaria-round-only, talaria-forecast-pools), i.e. the mechanism that wins it; "
                   "\"online hot pools\" there means talaria's own pools beat the peers' exact forecast "

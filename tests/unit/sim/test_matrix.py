@@ -7,8 +7,9 @@ from dataclasses import replace
 import pytest
 
 from talaria.sim.executor import instance_config
-from talaria.sim.matrix import (BASELINES, OURS, PAPER, POLICIES, Cell, capacity_s, cells, run_one, server_for,
-                                session_work_s, workload)
+from talaria.sim.deployment import pool_split
+from talaria.sim.matrix import (BASELINES, FORECAST_POOLS, OURS, PAPER, POLICIES, Cell, capacity_s, cells, peer_demand,
+                                run_one, server_for, session_work_s, workload)
 from talaria.sim.matrix_report import heat_map, wins, win_table
 from talaria.sim.workloads import agent_sessions, at_rate
 
@@ -96,6 +97,26 @@ def test_one_small_cell_runs_every_policy_to_completion():
         r = run_one(cell, policy)
         assert r["complete"] and r["gave_up"] == 0 and r["calls"] > 0
         assert r["shape"]["capacity_sessions_s"] > 0
+
+
+def test_history_sizes_the_peers_pools_on_another_draw_of_the_workload_not_this_runs_demand():
+    """An operator sizes static pools from past traffic: "history" splits on a different draw of
+    the same cell (its sessions differ, its models do not), "exact" on the run's own demand."""
+    flags = instance_config("talaria")
+    cell = next(c for c in cells() if c.name == "base@60%")
+    shape = workload(cell, flags)[2]
+    exact = peer_demand(cell, shape, flags, "exact")
+    history = peer_demand(cell, shape, flags, "history")
+    assert exact == shape["demand"]
+    assert history.keys() == exact.keys() and history != exact
+    assert pool_split(history, cell.instances) != pool_split(exact, cell.instances)  # so a run can tell them apart
+    for policy in ("sglang-cache-aware", FORECAST_POOLS):
+        r = run_one(cell, policy, "history")
+        assert r["deployment"].startswith("4 hot") and r["complete"]
+        hot = pool_split(history, cell.instances)
+        assert f"({'/'.join(str(hot.count(m)) for m in sorted(set(hot)))})" in r["deployment"]
+    with pytest.raises(ValueError, match="peer_split"):
+        peer_demand(cell, shape, flags, "oracle")
 
 
 def test_on_kv_tight_gpus_talaria_refuses_nothing_the_peers_serve():
