@@ -285,8 +285,8 @@ def run_one(cell: Cell, policy: str, peer_split: str = "exact") -> dict:
     online = False
     if policy in BASELINES:
         pc, pinned = deploy(pc, peer_demand(cell, shape, flags, peer_split), cell.instances, cell.models)
-    elif cell.models <= cell.instances and policy == SPLIT_START:
-        pinned = pool_split(shape["demand"], cell.instances)
+    elif cell.models <= cell.instances and policy == SPLIT_START:  # online, from the peers' split
+        pinned = pool_split(peer_demand(cell, shape, flags, peer_split), cell.instances)
         online = True
     elif cell.models <= cell.instances and policy == HOT_COLD:
         # one hot pool per model and a cold pool; the router turns instances hot and cold
