@@ -82,7 +82,8 @@ def main() -> int:
         "",
         f"`python bench/matrix_seeds.py --seeds {args.seeds}" + (f" --ours {args.ours}" if args.ours != OURS else "")
         + (f" --cells {args.cells}" if only else "")
-        + (f" --peer-split {args.peer_split}" if args.peer_split != "exact" else "") + f"` ({len(tasks)} runs, {wall:.0f} s wall with "
+        + (f" --peer-split {args.peer_split}" if args.peer_split != "exact" else "")
+        + f"` ({len(tasks)} runs, {wall:.0f} s wall with "
         f"{args.workers} processes on the shared 2-core machine). Generated cells and the router-testbed "
         "cell of talaria.sim.matrix, each seed drawing new sessions, arrivals and gaps; ratios are "
         "talaria / best baseline of the same cell and seed (below 1: talaria faster). Seed 0 is "

@@ -49,8 +49,8 @@
             suffers; this, like join, is what r does to the others. Measured (issue 21, real
             WEKA sessions, gaps capped at 10 s, 6 seeds): returns moved 19-55 / 6-12 of
             ~9,700 at 60 / 100 % load instead of 65-160 / 78-138 (before it and the hot pools'
-            forecast), SCT p50 over the best peer 1.053x -> 1.046x and 1.081x -> 1.014x; with the users' gaps kept moves 40-83 ->
-            3-30 at the same SCT (results/matrix_notes.md).
+            forecast), SCT p50 over the best peer 1.053x -> 1.046x and 1.081x -> 1.014x; with
+            the users' gaps kept moves 40-83 -> 3-30 at the same SCT (results/matrix_notes.md).
             placement_s ranks candidates; admission and Eq. 2 use the Eq. 1 terms only
             (Eq. 2's demand already counts the later calls).
 

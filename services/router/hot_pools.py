@@ -112,7 +112,7 @@ class _Model:
     total_prefill: float = 0.0
     prefill_s_per_tok: float = 0.0
     decode_s_per_tok: float = 0.0
-    arrivals: float = 0.0  # sessions started, decayed over the arrival memory (HotPools._arrived)
+    arrivals: float = 0.0  # sessions started, decayed over the arrival memory (HotPools._decay_arrivals)
 
     def work_per_call(self) -> float | None:
         return self.total_work / self.calls if self.calls else None
@@ -245,7 +245,7 @@ class HotPools:
         s = self._sessions.get(session_id)
         if s is None:
             s = self._sessions[session_id] = _Session(instance_id, model, prompt_tokens, now, now)
-            self._arrived(now)
+            self._decay_arrivals(now)
             self._m[model].arrivals += 1.0
             self._changed = True
         s.instance, s.model, s.prompt, s.last = instance_id, model, prompt_tokens, now
@@ -296,7 +296,7 @@ class HotPools:
             out[s.model] += 1
         return out
 
-    def _arrived(self, now: float) -> None:
+    def _decay_arrivals(self, now: float) -> None:
         """Decay the arrival counts and their exposure to `now`: arrivals are remembered over
         ARRIVAL_MEMORY windows (a long-running router follows a day's drift; the matrix's and
         the traces' runs are shorter than it, so there it is all history)."""
@@ -331,7 +331,7 @@ class HotPools:
         alpha = self.stay_share(now)
         if alpha >= 1.0:
             return {m: float(n) for m, n in live.items()}
-        self._arrived(now)
+        self._decay_arrivals(now)
         w = self.window_s(now)
         rate = {m: (self._m[m].arrivals / self._exposure if self._exposure > 0 else 0.0) for m in live}
         return {m: alpha * live[m] + (1.0 - alpha) * rate[m] * w for m in live}

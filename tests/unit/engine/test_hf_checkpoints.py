@@ -133,8 +133,8 @@ def bf16_step(x: float) -> float:
 def assert_bf16_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
     """Logits [positions, vocab] equal to bf16's resolution: at 97 % of the positions within two
     bf16 steps of the largest logit. Not at every one: where the CPU has no native bf16 (some CI
-    hosts; .ci/run also forces it with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2), torch emulates it and the engine's and transformers' op sequences round
-    differently; seen: one llama position of 492 at 1.1 steps, and a MoE router's near-tie
+    hosts; .ci/run also forces it with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2), torch
+    emulates it and the engine's and transformers' op sequences round differently; seen: one llama position of 492 at 1.1 steps, and a MoE router's near-tie
     picking another expert at 8 of 450 positions (a logit 1.6 off)."""
     step = bf16_step(theirs.abs().max().item())
     off = (ours - theirs).abs().max(dim=-1).values > 2 * step
