@@ -83,6 +83,7 @@ cannot serve another). Left as a constant: z.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -92,6 +93,12 @@ from dataclasses import dataclass
 # a router running for days follows the day. Flat: 3 / 10 / all history gave matrix SCT p95
 # geomean 1.0325x / 1.0312x / 1.0305x the best peer (results/matrix_notes.md).
 ARRIVAL_MEMORY = 10.0
+# Session durations are remembered for this many of the most recent sessions: W and the stay
+# share follow today's sessions, and a decision (due() runs after every event the router
+# handles) costs the same after a month as after a minute (all history: 0.9 ms per due()
+# after 100,000 ended sessions, 0.7 us now; results/matrix_notes.md). More than any matrix
+# cell, the scale run or the shipped traces hold, so their runs are unchanged.
+SPAN_MEMORY = 1024
 
 
 @dataclass(frozen=True)
@@ -162,8 +169,10 @@ class HotPools:
         if sum(self.floor.values()) > len(self.pins) and self.pins:
             raise ValueError(f"hot floors {self.floor} need more than {len(self.pins)} instances")
         self._sessions: dict[str, _Session] = {}
-        self._spans: list[float] = []
-        self._stay: tuple[int, float] = (0, 1.0)  # (spans it was measured on, stay share)
+        self._spans: deque[float] = deque(maxlen=SPAN_MEMORY)  # the latest session durations
+        self._span_total = 0.0  # their sum (W is read after every event)
+        self._ended = 0  # sessions ended so far (the stay share is recomputed when one ends)
+        self._stay: tuple[int, float] = (0, 1.0)  # (sessions ended when measured, stay share)
         self._first_at: float | None = None
         self._decayed_at = 0.0
         self._exposure = 0.0  # seconds of arrival memory behind the decayed counts
@@ -275,15 +284,22 @@ class HotPools:
         for sid, s in list(self._sessions.items()):
             if not s.inflight and now - s.last > horizon(s.model):
                 del self._sessions[sid]
-                self._spans.append(s.last - s.started)
+                self._remember_span(s.last - s.started)
                 self._changed = True
+
+    def _remember_span(self, span: float) -> None:
+        if len(self._spans) == self._spans.maxlen:
+            self._span_total -= self._spans[0]
+        self._spans.append(span)
+        self._span_total += span
+        self._ended += 1
 
     # ---- measured quantities ---------------------------------------------------------------
 
     def window_s(self, now: float) -> float:
         """W: the mean measured session duration, else the time since the first call."""
         if self._spans:
-            w = sum(self._spans) / len(self._spans)
+            w = self._span_total / len(self._spans)
         elif self._first_at is not None:
             w = now - self._first_at
         else:
@@ -317,10 +333,10 @@ class HotPools:
         traces). 1 before any session has ended."""
         if not self._spans:
             return 1.0
-        if self._stay[0] != len(self._spans):  # W and alpha change only when a session ends
+        if self._stay[0] != self._ended:  # W and alpha change only when a session ends
             w = self.window_s(now)
             alpha = sum(min(d, w) * d - min(d, w) ** 2 / 2 for d in self._spans) / (len(self._spans) * w * w)
-            self._stay = (len(self._spans), min(1.0, alpha))
+            self._stay = (self._ended, min(1.0, alpha))
         return self._stay[1]
 
     def expected_live(self, now: float) -> dict[str, float]:

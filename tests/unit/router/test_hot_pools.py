@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from talaria.services.router.hot_pools import HotPools, split
+from talaria.services.router.hot_pools import SPAN_MEMORY, HotPools, split
 
 INST = ("i0", "i1", "i2", "i3")
 
@@ -220,3 +220,18 @@ def test_a_surge_of_live_sessions_that_the_arrival_rates_say_will_pass_moves_not
     _sessions(sustained, "b", 4, "i2", 1003.0)
     _sessions(sustained, "a", 1, "i0", 1003.0)
     assert [(m.model, m.previous) for m in sustained.decide(1010.0, {"a": 1.0, "b": 1.0}, {})] == [("b", "a")]
+
+
+def test_the_window_follows_the_most_recent_sessions_and_its_memory_is_bounded():
+    # A router runs for weeks: W and the stay share come from the last SPAN_MEMORY session
+    # durations, so they follow today's sessions, and a decision (run after every event)
+    # costs the same on day 30 as on day 1.
+    pools = HotPools.even(INST, ("a", "b"))
+    for batch, (start, span) in enumerate(((0.0, 10.0), (1000.0, 100.0))):
+        for k in range(SPAN_MEMORY):
+            sid = f"s{batch}-{k}"
+            pools.routed(sid, "a", "i0", 1000, start)
+            pools.completed(sid, "a", 1000, 0, 100, 0.1, 1.0, start + span)
+        pools.expire(start + span + 2.0, lambda m: 1.0)
+    assert pools.window_s(2000.0) == pytest.approx(100.0)  # all 2 x SPAN_MEMORY: 55 s
+    assert pools.stay_share(2000.0) == pytest.approx(0.5)
