@@ -101,7 +101,15 @@ TICK_S = 0.05
 # ends early once every instance of the restored table has been heard from again.
 WARMUP_S = 1.2
 SAVE_EVERY_S = 2.0
+# A checkpoint may take at most this share of the router's time: past it the saves space out
+# (a large session table; the restart replays a little more of the stream instead).
+SAVE_SHARE = 0.05
 MAX_DELIVER = 20  # a message that keeps failing is given up (and logged) rather than looping
+
+
+def save_interval(spent_s: float) -> float:
+    """Seconds to the next checkpoint after one that took `spent_s` (encode + write)."""
+    return max(SAVE_EVERY_S, spent_s / SAVE_SHARE)
 
 
 def policy_config(settings: RouterSettings) -> PolicyConfig:
@@ -144,6 +152,8 @@ class RouterService:
         self.metrics = RouterMetrics()
         self.metrics.scrape_gauge("talaria_router_leases_active", "Live leases (soft reservations) by model",
                                   ("model",), self._live_leases)
+        self.metrics.scrape_gauge("talaria_router_sessions", "Rows in the router's session table (bounded: "
+                                  "state.SESSIONS_KEPT)", (), lambda: {(): len(self.core.state.sessions)})
         self.metrics.scrape_gauge("talaria_router_instances", "Instances in the router's view",
                                   (), lambda: {(): len(self.core.state.instances)})
         self.metrics.scrape_gauge("talaria_router_partitions_owned", "Intake partitions this router consumes",
@@ -612,28 +622,37 @@ class RouterService:
             self.core.state.excuse_silence(started, now, self.core.policy.config.stale_after_s)
 
     async def _save_loop(self, store: ProjectionStore, stop: asyncio.Event) -> None:
+        wait = SAVE_EVERY_S
         while not stop.is_set():
             try:
-                await asyncio.wait_for(stop.wait(), SAVE_EVERY_S)
+                await asyncio.wait_for(stop.wait(), wait)
             except TimeoutError:
                 pass
             if self.dirty:
                 try:
-                    await self._save(store, drain_s=SAVE_EVERY_S)
+                    wait = save_interval(await self._save(store, drain_s=SAVE_EVERY_S))
                 except Exception as exc:  # Postgres is off the hot path: routing goes on
                     self.log.warning("projection save failed", error=str(exc))
 
-    async def _save(self, store: ProjectionStore, drain_s: float) -> None:
+    async def _save(self, store: ProjectionStore, drain_s: float) -> float:
+        """Checkpoint the state; returns the seconds the checkpoint itself took (the state's
+        encoding, under the lock, and its write), not the wait for the stream's acks."""
         async with self.lock:  # a consistent cut: never in the middle of handling an input
             # ... and never ahead of the stream: every folded input's outputs are stored first.
             started = time.time()
             stored = await self.outputs.all_stored(drain_s)
             self._waited_on_bus(started)
             if not stored:  # the bus is slow or down: try later
-                return
+                return 0.0
+            encoding = time.perf_counter()
             seq, snapshot = self.seq, self.core.state.to_dict()
             self.dirty = False
+            spent = time.perf_counter() - encoding
+        writing = time.perf_counter()
         await store.save_dict(seq, snapshot)
+        spent += time.perf_counter() - writing
+        self.metrics.checkpoint.observe(spent)
+        return spent
 
 
 class _null:

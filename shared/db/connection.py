@@ -5,6 +5,7 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
+import msgspec
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from talaria.shared.settings import async_database_url
@@ -12,8 +13,18 @@ from talaria.shared.settings import async_database_url
 MIGRATIONS_DIR = Path(str(resources.files("talaria.migrations")))
 
 
+_JSON = msgspec.json.Encoder()
+
+
+def _json(value) -> str:
+    # JSONB values (the router's checkpoint, audit rows) encoded by msgspec: ~10x faster than
+    # json.dumps on the router's checkpoint (results/router_checkpoint.md).
+    return _JSON.encode(value).decode()
+
+
 def create_engine(url: str) -> AsyncEngine:
-    return create_async_engine(async_database_url(url), pool_size=5, max_overflow=5, pool_pre_ping=True)
+    return create_async_engine(async_database_url(url), pool_size=5, max_overflow=5, pool_pre_ping=True,
+                               json_serializer=_json)
 
 
 def upgrade(url: str, revision: str = "head") -> None:

@@ -41,6 +41,8 @@ EXPECTED = {
         "talaria_router_lease_events": ("counter", {"model", "outcome"}),
         "talaria_router_leases_active": ("gauge", {"model"}),
         "talaria_router_instances": ("gauge", set()),
+        "talaria_router_sessions": ("gauge", set()),
+        "talaria_router_checkpoint_seconds": ("histogram", set()),
         "talaria_router_decision_seconds": ("histogram", {"phase"}),
         "talaria_router_queue_estimate_error_seconds": ("histogram", {"model", "direction"}),
         "talaria_router_partitions_owned": ("gauge", set()),
@@ -154,6 +156,7 @@ async def test_every_service_exposes_its_metrics_after_calls(nats_url, database_
     assert value(gw["talaria_frontend_output_tokens"], "_total") > 0
     assert value(router["talaria_router_decisions"], "_total", outcome="route") == 2
     assert value(router["talaria_router_instances"]) == 1
+    assert value(router["talaria_router_sessions"]) == 1
     assert value(agent["talaria_agent_calls"], "_total", outcome="completed") == 2
     assert value(agent["talaria_agent_engine_step_seconds"], "_count", kind="prefill") >= 2
     # The second call of the session found its prefix kept on the device (no recompute).

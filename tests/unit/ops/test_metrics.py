@@ -93,7 +93,7 @@ def defined_series() -> set[str]:
             for fam in collector.describe():
                 suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}.get(fam.type, ("",))
                 names |= {fam.name + s for s in suffixes}
-    names |= {"talaria_router_leases_active", "talaria_router_instances",
+    names |= {"talaria_router_leases_active", "talaria_router_instances", "talaria_router_sessions",
               "talaria_router_partitions_owned"}  # scrape gauges of the router service
     return names
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 from router_support import call, core, done, one, snap
 
+from talaria.services.router import state as router_state
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.shared.events import RoutingDecision
 
@@ -135,3 +136,23 @@ def test_the_idle_horizon_is_the_longest_gap_still_in_the_window():
         prof.observe_gap(gap)
         assert prof.idle_horizon_s() == max(prof.gaps)
     assert ModelProfile(gaps=[0.5, 3.0]).idle_horizon_s() == 3.0  # a profile stored without gap_max
+
+
+def test_past_its_bound_the_session_table_forgets_the_least_recently_routed_idle_sessions(monkeypatch):
+    # A router runs for weeks: past SESSIONS_KEPT rows it forgets the sessions routed longest
+    # ago, so its table and its checkpoint stay bounded, but never one with a call in flight
+    # or a lease (the session is coming back to it now).
+    monkeypatch.setattr(router_state, "SESSIONS_KEPT", 3)
+    def serve(c, sessions):
+        c.observe(snap("a", at=0.0, models={"m1": "active"}), 0.0)
+        c.handle(call("s0-0", session="s0"), 0.1)  # in flight throughout
+        for k, sid in enumerate(sessions):
+            c.observe(snap("a", version=k + 2, at=0.2 + k, models={"m1": "active"}), 0.2 + k)
+            assert one(c.handle(call(f"{sid}-{k}", session=sid), 0.2 + k), RoutingDecision).chosen == "a"
+            c.handle(done(f"{sid}-{k}", "a", session=sid, at=0.5 + k), 0.5 + k)
+        return list(c.state.sessions)
+
+    # s1 comes back before s3 starts: s2 is the one routed longest ago
+    assert serve(core(**NO_LEASE), ("s1", "s2", "s1", "s3")) == ["s0", "s1", "s3"]
+    # every completed session holds its lease: nothing is idle enough to forget
+    assert serve(core(lease_timeout_s=100.0), ("s1", "s2", "s3")) == ["s0", "s1", "s2", "s3"]
