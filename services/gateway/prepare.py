@@ -133,8 +133,9 @@ def prepare(catalogue: Catalogue, req: CallRequest, session_id: str, api: str, t
     param = "messages" if req.messages is not None else "prompt"
     budget = spec.context_length - (1 if fit_max_tokens else req.max_tokens)  # the most prompt tokens that fit
     ids = encode_within(model_text, text, req.messages is not None, budget)
-    if ids is None:
-        raise _too_long(spec, budget + 1, req.max_tokens, exact=False, param=param)
+    if ids is None:  # past the budget; a max_tokens past the context leaves it below 1
+        at_least = max(budget + 1, prompt_tokens_at_least(model_text, text), 1)
+        raise _too_long(spec, at_least, req.max_tokens, exact=False, param=param)
     check_request(req, spec.vocab_size)
     call_id = req.call_id or uuid.uuid4().hex
     if not subjects.valid_token(call_id) or len(call_id) > MAX_TOKEN_LEN or not call_id.isprintable():

@@ -40,6 +40,17 @@ def test_prompt_longer_than_the_context_is_400():
     assert info.value.reply.status == 400 and info.value.reply.code == "context_length_exceeded"
 
 
+def test_a_max_tokens_past_the_context_is_400_naming_what_was_asked():
+    limit = BUILTIN_MODELS["qwen3-tiny"].context_length
+    with pytest.raises(RequestError) as info:
+        prepare(BUILTIN_MODELS, chat(model="qwen3-tiny", max_tokens=10**9), "s", "chat")
+    reply = info.value.reply
+    assert reply.status == 400 and reply.code == "context_length_exceeded" and reply.param == "messages"
+    # the prompt's own lower bound, never a negative count left from the context
+    assert f"maximum context length is {limit}" in reply.message and "-" not in reply.message
+    assert "1000000000 for the completion" in reply.message
+
+
 @pytest.mark.parametrize("kw,param", [
     ({"max_tokens": 0}, "max_tokens"), ({"temperature": 3.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
     ({"messages": []}, "messages"), ({"call_id": "a.b"}, "call_id"), ({"stop": [""]}, "stop"),
