@@ -215,6 +215,7 @@ class HkvrCore:
                 self._unreferenced.discard(page.key)
             old.hashes, old.pages = hashes, held
             self._advance(skey, old)
+            self.sessions[skey] = self.sessions.pop(skey)  # the most recently saved last
             return
         self.drop_session(session_id, model)
         for page in held:
@@ -222,6 +223,19 @@ class HkvrCore:
             self._unreferenced.discard(page.key)
         pre = self.sessions[skey] = _SessionPrefix(model, hashes, held)
         self._advance(skey, pre)
+        self._forget_oldest_sessions(keep=skey)
+
+    def _forget_oldest_sessions(self, keep: SessionKey) -> None:
+        """Past capacity / ranks sessions, some hold no page of their own (a page per rank is
+        the least one holds), so the least recently saved are dropped: their refs go, and their
+        pages are reclaimed first. Without it every session ever saved stayed, ~100 KB each
+        (an agent at 0.25 sessions/s: ~2 GB a day), and each heartbeat listed them all."""
+        limit = max(1, self.capacity // self.ranks)
+        while len(self.sessions) > limit:
+            oldest = next(iter(self.sessions))
+            if oldest == keep:
+                return
+            self.drop_session(*oldest)
 
     def drop_session(self, session_id: str, model: str) -> None:
         skey = (session_id, model)

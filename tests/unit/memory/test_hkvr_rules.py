@@ -185,9 +185,25 @@ def test_evicting_a_published_page_cuts_every_session_back_to_it():
     saved(core, "c", [5])  # evicts 2
     assert core.match("m", [1, 2]) == 1 and core.session_tokens("a", "m", PS) == PS
     assert ("m", 2) not in core.published
-    # a later save of 2 extends a again (it waits on 2)
-    saved(core, "d", [1, 2])
+    # a later save of 2 (b's next checkpoint) extends a again (it waits on 2)
+    saved(core, "b", [1, 2])
     assert core.session_tokens("a", "m", PS) == 2 * PS
+
+
+def test_past_capacity_over_ranks_sessions_the_least_recently_saved_are_dropped():
+    # 3 pages: a session holds at least one (one per rank), so past 3 sessions some hold
+    # nothing of their own (here they share page 1, a system prompt). The least recently
+    # saved goes, and its refs with it; before, every session ever saved stayed.
+    core = HkvrCore(3, ranks=1)
+    core.changes = set()
+    for sid, hashes in (("a", [1]), ("b", [1, 2]), ("a", [1, 3]), ("c", [1])):  # a saved again
+        saved(core, sid, hashes)
+    assert list(core.sessions) == [("b", "m"), ("a", "m"), ("c", "m")]
+    core.changes.clear()
+    saved(core, "d", [1])
+    assert list(core.sessions) == [("a", "m"), ("c", "m"), ("d", "m")] and core.changes >= {("b", "m")}
+    assert core.session_tokens("b", "m", PS) == 0 and core.session_tokens("a", "m", PS) == 2 * PS
+    assert core.pages[("m", 0, 2)].refs == 0  # b's own page: reclaimed first from now on
 
 
 def test_a_dropped_session_leaves_the_restorable_index():
