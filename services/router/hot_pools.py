@@ -169,6 +169,7 @@ class HotPools:
         if sum(self.floor.values()) > len(self.pins) and self.pins:
             raise ValueError(f"hot floors {self.floor} need more than {len(self.pins)} instances")
         self._sessions: dict[str, _Session] = {}
+        self._calls: dict[str, str] = {}  # call in flight -> its session (a failure ends it too)
         self._spans: deque[float] = deque(maxlen=SPAN_MEMORY)  # the latest session durations
         self._span_total = 0.0  # their sum (W is read after every event)
         self._ended = 0  # sessions ended so far (the stay share is recomputed when one ends)
@@ -247,7 +248,8 @@ class HotPools:
         if decode_tok_s > 0:
             m.decode_s_per_tok = 1.0 / decode_tok_s
 
-    def routed(self, session_id: str, model: str, instance_id: str, prompt_tokens: int, now: float) -> None:
+    def routed(self, session_id: str, model: str, instance_id: str, prompt_tokens: int, now: float,
+               call_id: str = "") -> None:
         if self._first_at is None:
             self._first_at = now
         self._model(model)
@@ -259,9 +261,11 @@ class HotPools:
             self._changed = True
         s.instance, s.model, s.prompt, s.last = instance_id, model, prompt_tokens, now
         s.inflight += 1
+        if call_id:
+            self._calls[call_id] = session_id
 
     def completed(self, session_id: str, model: str, prompt_tokens: int, cached_tokens: int, output_tokens: int,
-                  prefill_s: float, decode_s: float, now: float) -> None:
+                  prefill_s: float, decode_s: float, now: float, call_id: str = "") -> None:
         m = self._model(model)
         fresh = max(0, prompt_tokens - cached_tokens)
         if m.prefill_s_per_tok > 0 and m.decode_s_per_tok > 0:
@@ -272,11 +276,23 @@ class HotPools:
         m.calls += 1
         m.total_work += work
         m.total_prefill += pf
+        self._calls.pop(call_id, None)
+        self._call_ended(session_id, now)
+        self._changed = True
+
+    def failed(self, call_id: str, now: float) -> None:
+        """A routed call failed (timed out, cancelled, its instance lost): it is no longer in
+        flight, so its session can end (before, such a session stayed live for ever). A call
+        refused before placement was never routed here: nothing to end."""
+        session_id = self._calls.pop(call_id, None)
+        if session_id is not None:
+            self._call_ended(session_id, now)
+
+    def _call_ended(self, session_id: str, now: float) -> None:
         s = self._sessions.get(session_id)
         if s is not None:
             s.inflight = max(0, s.inflight - 1)
             s.last = now
-        self._changed = True
 
     def expire(self, now: float, horizon: Callable[[str], float]) -> None:
         """Sessions idle (no call running) longer than their model's idle horizon are over:

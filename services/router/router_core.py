@@ -83,6 +83,8 @@ class RouterCore:
         out += self._fail_placed(placed, view.instance_id, reason, now)
         for event in out:
             self.state.apply(event)
+            if self.pools is not None and isinstance(event, CallFailed):
+                self.pools.failed(event.call_id, now)
         return out
 
     def _fail_placed(self, calls, instance_id: str, reason: str, now: float) -> list[Event]:
@@ -109,9 +111,15 @@ class RouterCore:
         self.state.apply(event)
         for produced in out:
             self.state.apply(produced)
-        if self.pools is not None and isinstance(event, CallRouted):  # the controller hears every placement
+        if self.pools is not None and isinstance(event, CallRouted) and event.call.call_id in self.state.inflight_calls:
+            # the controller hears every placement still running (one folded after its
+            # completion would stay in flight there for ever)
             call = event.call
-            self.pools.routed(call.session_id, call.model, event.instance_id, call.prompt_tokens, now)
+            self.pools.routed(call.session_id, call.model, event.instance_id, call.prompt_tokens, now, call.call_id)
+        if self.pools is not None:
+            for ended in (event, *out):
+                if isinstance(ended, CallFailed):
+                    self.pools.failed(ended.call_id, now)
         if self.pools is not None and isinstance(event, PoolPinned):
             # Partition 0's owner moved a pool: known here at once (not a heartbeat later), so
             # this router's controller starts from it if partition 0 comes to this router.
@@ -139,11 +147,15 @@ class RouterCore:
         pools = self.pools
         if isinstance(event, CallCompleted):
             pools.completed(event.session_id, event.model, event.prompt_tokens, event.cached_tokens,
-                            event.output_tokens, event.prefill_s, event.decode_s, now)
+                            event.output_tokens, event.prefill_s, event.decode_s, now, event.call_id)
+        elif isinstance(event, CallFailed):
+            pools.failed(event.call_id, now)
         for produced in out:
             if isinstance(produced, CallRouted):
                 call = produced.call
-                pools.routed(call.session_id, call.model, produced.instance_id, call.prompt_tokens, now)
+                pools.routed(call.session_id, call.model, produced.instance_id, call.prompt_tokens, now, call.call_id)
+            elif isinstance(produced, CallFailed):
+                pools.failed(produced.call_id, now)
         if not self.partitioning.owns(None):
             return []  # another router (partition 0's owner) decides the pools
         return [PoolPinned(m.instance_id, m.model, m.previous, m.at, m.reason)

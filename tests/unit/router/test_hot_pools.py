@@ -235,3 +235,28 @@ def test_the_window_follows_the_most_recent_sessions_and_its_memory_is_bounded()
         pools.expire(start + span + 2.0, lambda m: 1.0)
     assert pools.window_s(2000.0) == pytest.approx(100.0)  # all 2 x SPAN_MEMORY: 55 s
     assert pools.stay_share(2000.0) == pytest.approx(0.5)
+
+
+def test_a_session_whose_call_failed_ends_like_one_whose_call_completed():
+    # The controller counts a session live while a call of it runs. A call that fails (timed
+    # out, cancelled, its instance lost) runs no more: before, its session stayed live for
+    # ever, one more with every failure, and the pools followed sessions that had ended.
+    from talaria.shared.events import CallFailed
+    from router_support import call, core as router_core, snap
+
+    rc = router_core(lease_timeout_s=0.0)
+    rc.pools = pools = HotPools.even(INST, ("m1", "m2"))
+    rc.observe(snap("i0", at=0.0, models={"m1": "active"}), 0.0)
+    rc.handle(call("c1", session="s1"), 0.1)
+    rc.handle(call("c2", session="s2"), 0.2)
+    assert pools.live()["m1"] == 2
+    rc.handle(CallFailed("c1", "s1", "m1", "deadline passed", "gateway", 5.0), 5.0)
+    lost = rc.lose(rc.state.instances["i0"], "gone", 6.0)  # fails c2 on the lost instance
+    assert [e.call_id for e in lost if isinstance(e, CallFailed)] == ["c2"]
+    rc.tick(100.0)
+    assert pools.live()["m1"] == 0
+    # a call refused before placement was never routed: failing it ends nothing
+    pools.routed("s3", "m1", "i0", 1000, 200.0, "c3")
+    pools.failed("never-routed", 201.0)
+    pools.expire(300.0, lambda m: 1.0)
+    assert pools.live()["m1"] == 1
