@@ -28,6 +28,11 @@ from talaria.shared.wire import SwitchPath
 __all__ = ["Capabilities", "Engine", "EngineStats", "Sequence", "StepToken", "SwitchRecord"]
 
 
+# Switch records an engine keeps (its report reads the last one): a list grew by one per
+# switch for the life of the process.
+SWITCHES_KEPT = 64
+
+
 @dataclass
 class SwitchRecord:
     """One model switch, phase by phase (paper App. D). Times in seconds."""

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import importlib
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
 from talaria.services.instance_agent.engine.admission import KvAdmission
-from talaria.services.instance_agent.engine.contract import SwitchRecord
+from talaria.services.instance_agent.engine.contract import SWITCHES_KEPT, SwitchRecord
 from talaria.services.instance_agent.engine.engine_errors import (
     EngineBusy, EngineError, EngineFailed, ModelNotActive, UnknownCall, UnknownModel,
 )
@@ -45,7 +46,7 @@ class StreamingEngine:
         self.data_dir = Path(data_dir)
         self.specs: dict[str, ModelSpec] = {m: catalogue[m] for m in models}
         self.running: set[Sequence] = set()
-        self.switches: list[SwitchRecord] = []
+        self.switches: deque[SwitchRecord] = deque(maxlen=SWITCHES_KEPT)  # the report reads the last
         self.should_yield = None  # the engine chunks long prefills itself
         self._active: str | None = None
 

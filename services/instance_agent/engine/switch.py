@@ -17,10 +17,11 @@ the active `DeviceModel` into the next one.
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 
-from talaria.services.instance_agent.engine.contract import SwitchRecord
+from talaria.services.instance_agent.engine.contract import SWITCHES_KEPT, SwitchRecord
 from talaria.services.instance_agent.engine.device_model import DeviceModel
 from talaria.services.instance_agent.engine.kv_cache import DevicePrefixIndex, PagePool, SessionCache
 from talaria.services.instance_agent.engine.model import rope_tables
@@ -34,7 +35,7 @@ class ModelSwitcher:
     def __init__(self, models: ModelStore, bump: BumpBuffer, hkvr: HostKvRegistry | None,
                  staging: StagingExecutor | None) -> None:
         self.models, self.bump, self.hkvr, self.staging = models, bump, hkvr, staging
-        self.records: list[SwitchRecord] = []
+        self.records: deque[SwitchRecord] = deque(maxlen=SWITCHES_KEPT)
         self._shells: dict[str, torch.Tensor] = {}
         self._views: dict[str, dict[str, torch.Tensor]] = {}
         self._runtime_owner: tuple | None = None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -124,7 +125,7 @@ class TorchEngine:
         return self.dev.name if self.dev is not None else None
 
     @property
-    def switches(self) -> list[SwitchRecord]:
+    def switches(self) -> deque[SwitchRecord]:
         return self.switcher.records
 
     # The active model's device tables (None while no model is active), for tests and tools.
