@@ -229,6 +229,14 @@ class HotPools:
             if models:
                 self.pins[instance_id] = models[0]
 
+    def forget(self, instance_id: str) -> None:
+        """The agent behind `instance_id` is gone: it keeps nothing resident (restarted, it
+        registers again with its next snapshot). Before, a lost agent stayed pinned for ever:
+        its model looked an instance richer than it was, and the pools N instances larger."""
+        if self.pins.pop(instance_id, "absent") != "absent":
+            self._changed = True
+        self.fixed.discard(instance_id)
+
     def pinned(self, instance_id: str, model: str | None, at: float) -> None:
         """Another router's controller moved `instance_id` to `model` at `at`: the same pins
         and the same pace (its move counts against the rate gate here too)."""

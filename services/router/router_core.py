@@ -85,6 +85,8 @@ class RouterCore:
             self.state.apply(event)
             if self.pools is not None and isinstance(event, CallFailed):
                 self.pools.failed(event.call_id, now)
+        if self.pools is not None:
+            self.pools.forget(view.instance_id)
         return out
 
     def _fail_placed(self, calls, instance_id: str, reason: str, now: float) -> list[Event]:
@@ -111,6 +113,8 @@ class RouterCore:
         self.state.apply(event)
         for produced in out:
             self.state.apply(produced)
+        if self.pools is not None and isinstance(event, InstanceLost) and event.instance_id not in self.state.instances:
+            self.pools.forget(event.instance_id)
         if self.pools is not None and isinstance(event, CallRouted) and event.call.call_id in self.state.inflight_calls:
             # the controller hears every placement still running (one folded after its
             # completion would stay in flight there for ever)

@@ -260,3 +260,23 @@ def test_a_session_whose_call_failed_ends_like_one_whose_call_completed():
     pools.failed("never-routed", 201.0)
     pools.expire(300.0, lambda m: 1.0)
     assert pools.live()["m1"] == 1
+
+
+def test_a_lost_agent_leaves_the_pools_and_registers_again_when_it_comes_back():
+    # Before, a lost agent stayed pinned for ever: its model looked an instance richer than it
+    # was (agents restart under new ids by default), and the controller moved a live one away.
+    from talaria.shared.events import InstanceLost
+    from router_support import core as router_core, snap
+
+    rc = router_core()
+    rc.pools = pools = HotPools.even(INST, ("a", "b"))  # a: i0, i1; b: i2, i3
+    for iid in INST:
+        rc.observe(snap(iid, at=0.0, models={"a": "active", "b": "absent"}), 0.0)
+    rc.lose(rc.state.instances["i1"], "no heartbeat", 5.0)
+    assert pools.counts() == {"a": 1, "b": 2} and "i1" not in pools.pins
+    # another router noticed i3 first: its InstanceLost, folded here, does the same
+    rc.fold_peer(InstanceLost("i3", rc.state.instances["i3"].snapshot.incarnation, "gone", 6.0, []), 6.0)
+    assert pools.counts() == {"a": 1, "b": 1}
+    # i1 back (a new process): registered again as its snapshot says, cold here
+    rc.observe(snap("i1", at=7.0, models={"a": "active", "b": "absent"}), 7.0)
+    assert "i1" in pools.pins and pools.counts() == {"a": 1, "b": 1}
