@@ -24,6 +24,9 @@ from talaria.shared.snapshots import HEARTBEAT_DECODER, InstanceSnapshot, SNAPSH
 from talaria.shared.settings import CommonSettings, GatewaySettings, Settings
 
 STALE_AFTER_S = 3.0
+# An agent silent this long is forgotten (agents restart under new ids: one stale snapshot per
+# restart was kept for the gateway's life; a stale one counts for nothing already).
+FORGET_AFTER_S = 10 * STALE_AFTER_S
 
 
 class ServedModels:
@@ -76,7 +79,10 @@ class ServedModels:
             snap = SNAPSHOT_DECODER.decode(msg.data)
         except msgspec.DecodeError:
             return
-        self._snapshots[snap.instance_id] = (time.monotonic(), snap)
+        now = time.monotonic()
+        self._snapshots[snap.instance_id] = (now, snap)
+        for gone in [i for i, (seen, _) in self._snapshots.items() if now - seen > FORGET_AFTER_S]:
+            del self._snapshots[gone]
 
     def __call__(self) -> list[tuple[str, str]]:
         now = time.monotonic()
