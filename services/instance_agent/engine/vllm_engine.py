@@ -122,7 +122,8 @@ class VllmEngine(StreamingEngine):
         # (session, model) -> tokens in its prefix cache, least recently used first; cut to each
         # model's KV capacity (`_remember`), as vLLM's LRU prefix cache evicts them
         self.sessions: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
-        self.host_sessions: dict[tuple[str, str], int] = {}  # (session, model) -> tokens the connector holds
+        # (session, model) -> tokens the connector holds, least recently saved first
+        self.host_sessions: OrderedDict[tuple[str, str], int] = OrderedDict()
         self._rates = {"prefill": 0.0, "decode": 0.0, "restore": 0.0}
         self._llms: dict[str, Any] = {}
         self._asleep: set[str] = set()
@@ -412,7 +413,22 @@ class VllmEngine(StreamingEngine):
         their host state (the connector saves every finished call's full blocks)."""
         for (s, m), tokens in list(self.sessions.items()):
             if m == model:
+                self.host_sessions.pop((s, m), None)
                 self.host_sessions[(s, m)] = len(tokens) // self._block * self._block
+        self._forget_host(model)
+
+    def _forget_host(self, model: str) -> None:
+        """The connector evicts its least recently used pages once its pool is full: the oldest
+        host entries of `model` past the pool's tokens are gone there too. Before, every session
+        ever saved stayed "host" for ever (and in every snapshot)."""
+        spec = self.specs[model]
+        token_bytes = _kv_bytes(spec, self.dtypes[model].dtype.itemsize) // spec.context_length
+        capacity = self.host_kv_bytes // max(1, token_bytes)
+        held = sum(n for (_, m), n in self.host_sessions.items() if m == model)
+        for key in [k for k in self.host_sessions if k[1] == model]:
+            if held <= capacity:
+                break
+            held -= self.host_sessions.pop(key)
 
     def _rate(self, kind: str, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:

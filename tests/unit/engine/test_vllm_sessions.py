@@ -33,3 +33,22 @@ def test_a_session_larger_than_the_cache_is_still_its_newest_entry():
     eng = engine_with_capacity({"a": 1})
     eng._remember("big", "a", [1] * 1000)
     assert list(eng.sessions) == [("big", "a")]
+
+
+def test_host_entries_past_the_connectors_pool_are_forgotten_oldest_first():
+    # The connector's pool holds host_kv_bytes of KV (its LRU evicts past that): what the
+    # engine reports as "host" follows it, instead of every session ever saved.
+    eng = engine_with_capacity({"a": 8, "b": 8})
+    spec = SimpleNamespace(layers=2, kv_heads=1, head_dim=4, context_length=4096)  # 16 B/token at 1 B
+    eng.specs = {"a": spec, "b": spec}
+    eng.dtypes = {m: SimpleNamespace(dtype=SimpleNamespace(itemsize=1)) for m in ("a", "b")}
+    eng.host_kv_bytes = 16 * 1000  # 1,000 tokens of each model
+    for sid, n in (("s1", 400), ("s2", 400)):
+        eng._remember(sid, "a", [1] * n)
+    eng._save_sessions("a")  # a sleeps: both to host (whole 128-token blocks: 384 each)
+    eng._remember("t1", "b", [2] * 900)
+    eng._save_sessions("b")
+    eng._remember("s3", "a", [3] * 400)
+    eng._save_sessions("a")  # s2, s3 saved (s1 left the device cache): 3 x 384 > 1,000, s1 the oldest goes
+    assert list(eng.host_sessions) == [("t1", "b"), ("s2", "a"), ("s3", "a")]
+    assert sum(n for (_, m), n in eng.host_sessions.items() if m == "a") <= 1000
