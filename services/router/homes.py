@@ -84,7 +84,9 @@ class HomeBook:
         for homes in self.by_instance.pop(instance_id, {}).values():
             for session_id in homes.idle_since:
                 self.home_of.pop(session_id, None)
-        self._touch(instance_id)
+        # its cache entries go too (agents restart under new ids: one each per restart stayed)
+        self._live.pop(instance_id, None)
+        self._versions.pop(instance_id, None)
 
     def prune(self, instance_id: str, now: float, horizon_s: Callable[[str], float]) -> None:
         models = self.by_instance.get(instance_id)

@@ -156,3 +156,16 @@ def test_past_its_bound_the_session_table_forgets_the_least_recently_routed_idle
     assert serve(core(**NO_LEASE), ("s1", "s2", "s1", "s3")) == ["s0", "s1", "s3"]
     # every completed session holds its lease: nothing is idle enough to forget
     assert serve(core(lease_timeout_s=100.0), ("s1", "s2", "s3")) == ["s0", "s1", "s2", "s3"]
+
+
+def test_a_lost_instance_leaves_nothing_in_the_home_book_and_starts_afresh_if_it_returns():
+    from talaria.services.router.homes import HomeBook
+
+    book = HomeBook()
+    book.routed("s1", "a", "m1", 0.0)
+    assert book.live_models("a", 0.5, lambda m: 1.0) == ("m1",)  # cached for "a"
+    book.forget_instance("a")  # lost: agents restart under new ids, so nothing of it may stay
+    assert (book.by_instance, book.home_of, book._live, book._versions) == ({}, {}, {}, {})
+    assert book.live_models("a", 0.5, lambda m: 1.0) == ()  # not the cached answer
+    book.routed("s2", "a", "m2", 1.0)  # the same id back (a restart): its own sessions only
+    assert book.live_models("a", 1.5, lambda m: 1.0) == ("m2",)
