@@ -83,9 +83,8 @@ class RouterCore:
         out += self._fail_placed(placed, view.instance_id, reason, now)
         for event in out:
             self.state.apply(event)
-            if self.pools is not None and isinstance(event, CallFailed):
-                self.pools.failed(event.call_id, now)
         if self.pools is not None:
+            self._pools_hear(out, now)
             self.pools.forget(view.instance_id)
         return out
 
@@ -113,17 +112,10 @@ class RouterCore:
         self.state.apply(event)
         for produced in out:
             self.state.apply(produced)
-        if self.pools is not None and isinstance(event, InstanceLost) and event.instance_id not in self.state.instances:
-            self.pools.forget(event.instance_id)
-        if self.pools is not None and isinstance(event, CallRouted) and event.call.call_id in self.state.inflight_calls:
-            # the controller hears every placement still running (one folded after its
-            # completion would stay in flight there for ever)
-            call = event.call
-            self.pools.routed(call.session_id, call.model, event.instance_id, call.prompt_tokens, now, call.call_id)
         if self.pools is not None:
-            for ended in (event, *out):
-                if isinstance(ended, CallFailed):
-                    self.pools.failed(ended.call_id, now)
+            self._pools_hear((event, *out), now)
+            if isinstance(event, InstanceLost) and event.instance_id not in self.state.instances:
+                self.pools.forget(event.instance_id)
         if self.pools is not None and isinstance(event, PoolPinned):
             # Partition 0's owner moved a pool: known here at once (not a heartbeat later), so
             # this router's controller starts from it if partition 0 comes to this router.
@@ -152,18 +144,22 @@ class RouterCore:
         if isinstance(event, CallCompleted):
             pools.completed(event.session_id, event.model, event.prompt_tokens, event.cached_tokens,
                             event.output_tokens, event.prefill_s, event.decode_s, now, event.call_id)
-        elif isinstance(event, CallFailed):
-            pools.failed(event.call_id, now)
-        for produced in out:
-            if isinstance(produced, CallRouted):
-                call = produced.call
-                pools.routed(call.session_id, call.model, produced.instance_id, call.prompt_tokens, now, call.call_id)
-            elif isinstance(produced, CallFailed):
-                pools.failed(produced.call_id, now)
+        self._pools_hear((event, *out), now)
         if not self.partitioning.owns(None):
             return []  # another router (partition 0's owner) decides the pools
         return [PoolPinned(m.instance_id, m.model, m.previous, m.at, m.reason)
                 for m in decide_from_state(pools, self.state, now)]
+
+    def _pools_hear(self, events, now: float) -> None:
+        """The controller hears, of events already folded, every placement still running (one
+        folded after its completion would stay in flight there for ever) and every failed call
+        (it ends like a completed one)."""
+        for e in events:
+            if isinstance(e, CallRouted) and e.call.call_id in self.state.inflight_calls:
+                call = e.call
+                self.pools.routed(call.session_id, call.model, e.instance_id, call.prompt_tokens, now, call.call_id)
+            elif isinstance(e, CallFailed):
+                self.pools.failed(e.call_id, now)
 
     def tick(self, now: float) -> list[Event]:
         # Another router's due leases are its to expire: they leave this view when its
