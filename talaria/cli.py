@@ -36,6 +36,8 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         changes["data_dir"] = Path(args.data_dir)
     if args.policy is not None:
         changes["policy"] = args.policy
+    if args.nats_url is not None:
+        changes["nats_url"] = args.nats_url
     models = [m.strip() for m in (args.models or "").split(",") if m.strip()] + list(args.model)
     if models:
         changes["models"] = tuple(models)
@@ -57,8 +59,18 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         print(f"talaria: --routers {args.routers}: 1 to {settings.router.router_partitions} (TALARIA_ROUTER_PARTITIONS: "
               "each router needs a partition of the sessions)", file=sys.stderr)
         return 2
-    stack = Stack(settings, agents=args.agents, hot=tuple(args.hot), nats_cluster=args.nats_cluster,
-                  routers=args.routers)
+    from talaria.roles import HostPlan, RoleError, parse_roles
+
+    credentials = Path(args.nats_credentials) if args.nats_credentials else None
+    try:
+        plan = HostPlan(parse_roles(args.role))
+        plan.check(settings.common.nats_url, args.agents, credentials)
+    except RoleError as exc:
+        print(f"talaria: {exc}", file=sys.stderr)
+        return 2
+    stack = Stack(settings, agents=plan.agents(args.agents), hot=tuple(args.hot) if "agent" in plan.roles else (),
+                  nats_cluster=args.nats_cluster, routers=args.routers, plan=plan, credentials=credentials,
+                  agent_prefix=args.agent_prefix)
     stopping = False
 
     def on_signal(signum, frame):
@@ -73,28 +85,23 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     t0 = time.monotonic()
     try:
         stack.start(timeout=args.ready_timeout, progress=lambda m: print(f"talaria: {m}", flush=True))
-        print(f"talaria: ready in {time.monotonic() - t0:.1f}s — gateway {stack.gateway_url} "
-              f"(policy {settings.router.policy}, {args.agents} cold agents, {len(args.hot)} hot)", flush=True)
+        where = f"gateway {stack.gateway_url}" if stack.gateway_url else "no gateway on this host"
+        print(f"talaria: ready in {time.monotonic() - t0:.1f}s — {where} (roles {','.join(sorted(plan.roles))}, "
+              f"policy {settings.router.policy}, {stack.agents} cold agents, {len(stack.hot)} hot)", flush=True)
         print(f"talaria: metrics (GET /metrics) {', '.join(f'{n} {u}' for n, u in sorted(stack.metrics.items()))}; "
               f"Prometheus config {settings.common.data_dir / 'prometheus.yml'}", flush=True)
-        print(f"talaria: NATS {redact_url(stack.nats_url)}  Postgres {redact_url(stack.database_url)}  "
+        print(f"talaria: NATS {redact_url(stack.nats_url)}  Postgres {redact_url(stack.database_url) or 'elsewhere'}  "
               f"(credentials in {settings.common.data_dir / 'stack.json'}, mode 0600)", flush=True)
-        auth = ""
-        if stack.api_key:
-            print(f"talaria: API key (tenant `default`, this run only; also in "
-                  f"{settings.common.data_dir / 'api_key'}): {stack.api_key}", flush=True)
-            auth = f"-H 'Authorization: Bearer {stack.api_key}' "
-        print(f"talaria: try  curl -s {stack.gateway_url}/v1/chat/completions {auth}-H 'X-Session-Id: demo' "
-              "-H 'Content-Type: application/json' -d '{\"model\":\"qwen3-tiny\",\"messages\":"
-              "[{\"role\":\"user\",\"content\":\"hello\"}],\"max_tokens\":16,\"temperature\":0}'", flush=True)
-        print("talaria: Ctrl-C stops everything; a service that exits is restarted", flush=True)
+        if stack.gateway_url:
+            _print_try(stack)
+        print("talaria: Ctrl-C stops everything this host started; a service that exits is restarted", flush=True)
         while True:  # supervise: restart what exits, with backoff; the rest keeps serving
             stack.supervise(progress=lambda m: print(f"talaria: {m}", file=sys.stderr, flush=True))
             time.sleep(0.2)
     except KeyboardInterrupt:
         print("talaria: stopping", flush=True)
         return 0
-    except (StackError, OSError, subprocess.CalledProcessError, EmbeddedServerError) as exc:
+    except (StackError, OSError, subprocess.CalledProcessError, EmbeddedServerError, RoleError) as exc:
         print(f"talaria: {exc}", file=sys.stderr)  # one line, never a traceback or a server's log
         return 1
     finally:
@@ -102,6 +109,17 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
             signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not orphan children
         stack.stop()
         print("talaria: stopped", flush=True)
+
+
+def _print_try(stack) -> None:
+    auth = ""
+    if stack.api_key:
+        print(f"talaria: API key (tenant `default`, this run only; also in "
+              f"{stack.settings.common.data_dir / 'api_key'}): {stack.api_key}", flush=True)
+        auth = f"-H 'Authorization: Bearer {stack.api_key}' "
+    print(f"talaria: try  curl -s {stack.gateway_url}/v1/chat/completions {auth}-H 'X-Session-Id: demo' "
+          "-H 'Content-Type: application/json' -d '{\"model\":\"qwen3-tiny\",\"messages\":"
+          "[{\"role\":\"user\",\"content\":\"hello\"}],\"max_tokens\":16,\"temperature\":0}'", flush=True)
 
 
 def _check_policy(name: str) -> None:
@@ -275,6 +293,16 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--models", default=None, help="comma-separated models each agent serves")
     up.add_argument("--model", action="append", default=[], metavar="NAME=DIR",
                     help="serve the Hugging Face checkpoint in DIR as NAME (repeatable; with --models: added)")
+    up.add_argument("--role", default="all", metavar="ROLES",
+                    help="what this host runs: all (default), or a comma-separated subset of control (router, "
+                         "telemetry, Postgres, migrations), gateway, agent; every role but all joins an existing "
+                         "NATS (docs/deployment.md)")
+    up.add_argument("--nats-url", default=None, metavar="URL",
+                    help="the NATS cluster to join (every member, comma-separated; default TALARIA_NATS_URL)")
+    up.add_argument("--nats-credentials", default=None, metavar="DIR",
+                    help="a `talaria nats-config` directory: each service connects as its own NATS user")
+    up.add_argument("--agent-prefix", default="agent", metavar="NAME",
+                    help="instance ids NAME-0, NAME-1, ... (unique across agent hosts; default agent)")
     _ablation_flags(up)
     sub.add_parser("migrate", help="apply database migrations to TALARIA_DATABASE_URL")
     nc = sub.add_parser("nats-config", help="write per-service NATS users and permissions for an external NATS")

@@ -26,6 +26,7 @@ from talaria.services.gateway.auth import KeyStore
 from talaria.shared.api_keys import hash_key, new_key, write_key_file
 from talaria.shared.db.connection import upgrade
 from talaria.shared.nats_auth import generate_users
+from talaria.roles import ROLES, HostPlan, credentials_env
 from talaria.shared.settings import Settings, redact_url
 from talaria.embedded import (
     EmbeddedNats,
@@ -99,6 +100,23 @@ def write_private(path: Path, text: str) -> None:
     path.chmod(0o600)
 
 
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _logged_ready(path: Path, offset: int) -> bool:
+    """Has the service's log, past `offset`, a structured `... ready` event?"""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return any(b' ready"' in line or b' ready ' in line for line in f)
+    except OSError:
+        return False
+
+
 def _server_key(server) -> str:
     """stack.json's name of an embedded server (a cluster member: EmbeddedNats:<its name>)."""
     name = type(server).__name__
@@ -137,6 +155,9 @@ class Stack:
     hot: tuple[str, ...] = ()  # one extra hot-pool agent pinned to each of these models
     nats_cluster: int = 1  # embedded NATS: this many JetStream servers, streams replicated on all (at most 5)
     routers: int = 1  # router replicas splitting the sessions (services/router/ownership.py)
+    plan: HostPlan = HostPlan(frozenset(ROLES))  # what this host runs (talaria/roles.py)
+    credentials: Path | None = None  # `talaria nats-config` output: each service's own NATS user
+    agent_prefix: str = "agent"  # instance ids <prefix>-0, <prefix>-1, ...: unique across hosts
     log_to_files: bool = True
     embedded: list = field(default_factory=list)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
@@ -161,13 +182,15 @@ class Stack:
         self._lock = lock_data_dir(data)  # before anything: a second run must not touch the first's
         try:
             self._stop_leftovers(data, progress)
-            self._api_keys(data)  # before NATS: each tenant gets its own NATS API client user
+            if self.plan.api_keys:
+                self._api_keys(data)  # before NATS: each tenant gets its own NATS API client user
             self._servers(data, progress)
-            progress("applying migrations")
-            try:
-                upgrade(self.database_url)
-            except Exception as exc:
-                raise StackError(f"could not migrate the database at {redact_url(self.database_url)}: {exc}") from exc
+            if self.plan.database:
+                progress("applying migrations")
+                try:
+                    upgrade(self.database_url)
+                except Exception as exc:
+                    raise StackError(f"could not migrate the database at {redact_url(self.database_url)}: {exc}") from exc
             self._services(data, progress)
             self._wait_ready(timeout, progress)
         except BaseException:
@@ -233,6 +256,7 @@ class Stack:
                 "nats_client": self.client_nats_url, "nats_clients": self.client_nats_urls, "api_key": self.api_key,
                 "data_dir": str(self.settings.common.data_dir.resolve()), "agents": self.agents,
                 "traces": str(self.settings.common.traces_path.resolve()), "metrics": self.metrics,
+                "roles": sorted(self.plan.roles),
                 "prometheus_config": str(self.settings.common.data_dir.resolve() / "prometheus.yml"),
                 "pids": {**{name: p.pid for name, p in self.procs.items()},
                          **{_server_key(s): s.proc.pid for s in self.embedded if s.proc is not None}}}
@@ -254,7 +278,7 @@ class Stack:
                     progress(f"stopped a NATS server (pid {nats.stale}) left running by an earlier run")
         if self.settings.common.database_url:
             self.database_url = self.settings.common.database_url
-        else:
+        elif self.plan.database:
             progress("starting embedded PostgreSQL")
             pg = EmbeddedPostgres(data / "postgres")
             self.embedded.append(pg)
@@ -277,7 +301,7 @@ class Stack:
         self.nats_url = cluster.url
 
     def _agent_ids(self) -> list[str]:
-        return [f"agent-{i}" for i in range(self.agents)] + [f"hot-{m}" for m in self.hot]
+        return [f"{self.agent_prefix}-{i}" for i in range(self.agents)] + [f"hot-{m}" for m in self.hot]
 
     def _env(self, **extra: str) -> dict[str, str]:
         s = self.settings
@@ -313,9 +337,12 @@ class Stack:
         # A session of its own: Ctrl-C reaches only `talaria up`, which then stops the
         # services first and the servers they write to last, in that order.
         role = "router" if name.startswith("router") else name  # every router replica is the router user
-        user = self.nats_users.get(role if role in ("gateway", "router", "telemetry") else f"agent-{name}")
+        key = role if role in ("gateway", "router", "telemetry") else f"agent-{name}"
+        user = self.nats_users.get(key)
         if user is not None:  # embedded NATS: this service's own user (its permissions)
             env = {**user.env(), **env}
+        elif self.credentials is not None:  # an operator's NATS: the user `talaria nats-config` wrote
+            env = {**credentials_env(self.credentials, key), **env}
         proc = subprocess.Popen(
             [sys.executable, "-m", module], env=self._env(**extra, **env), stdin=subprocess.DEVNULL,
             stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True,
@@ -331,24 +358,31 @@ class Stack:
         port = self.settings.gateway.http_port or free_port()
         self.gateway_url = f"http://{self.settings.gateway.http_host}:{port}"
         progress(f"starting {self.routers} router(s), telemetry, gateway and {self.agents} instance agent(s)")
-        self._spawn("telemetry", "talaria.services.telemetry", data)
-        if self.routers == 1:  # a stable id: a restart adopts its claims at once, not a TTL later
+        roles = self.plan.roles
+        if "control" in roles:
+            self._spawn("telemetry", "talaria.services.telemetry", data)
+        if "control" in roles and self.routers == 1:  # a stable id: a restart adopts its claims at once
             self._spawn("router", "talaria.services.router", data, TALARIA_ROUTER_ID="router-0")
-        for i in range(self.routers if self.routers > 1 else 0):  # a stable id: a restart adopts its claims
+        for i in range(self.routers if self.routers > 1 and "control" in roles else 0):
             self._spawn(f"router-{i}", "talaria.services.router", data, TALARIA_ROUTER_ID=f"router-{i}")
-        for i in range(self.agents):
-            self._spawn(f"agent-{i}", "talaria.services.instance_agent", data, TALARIA_INSTANCE_ID=f"agent-{i}",
+        for agent_id in self._agent_ids()[:self.agents]:
+            self._spawn(agent_id, "talaria.services.instance_agent", data, TALARIA_INSTANCE_ID=agent_id,
                         TALARIA_POOL=self.settings.agent.pool)
         for model in self.hot:
             self._spawn(f"hot-{model}", "talaria.services.instance_agent", data, TALARIA_INSTANCE_ID=f"hot-{model}",
                         TALARIA_POOL="hot", TALARIA_MODELS=model)
-        self._spawn("gateway", "talaria.services.gateway", data, TALARIA_HTTP_PORT=str(port))
-        self.metrics["gateway"] = f"{self.gateway_url}/metrics"
+        if "gateway" in roles:
+            self._spawn("gateway", "talaria.services.gateway", data, TALARIA_HTTP_PORT=str(port))
+            self.metrics["gateway"] = f"{self.gateway_url}/metrics"
+        else:
+            self.gateway_url = ""
         write_prometheus_config(data / "prometheus.yml", self.metrics)
 
     def _wait_ready(self, timeout: float, progress) -> None:
+        if "gateway" not in self.plan.roles:
+            return self._wait_logged_ready(timeout, progress)
         deadline = time.monotonic() + timeout
-        want_agents = {f"agent-{i}" for i in range(self.agents)} | {f"hot-{m}" for m in self.hot}
+        want_agents = set(self._agent_ids())
         last = None
         while time.monotonic() < deadline:
             for name, proc in self.procs.items():
@@ -372,6 +406,25 @@ class Stack:
                 pass
             time.sleep(0.2)  # polling an external readiness condition, not synchronising tests
         raise StackError(f"stack not ready after {timeout:.0f}s")
+
+    def _wait_logged_ready(self, timeout: float, progress) -> None:
+        """A host without the gateway has no /healthz to ask: each service it started says it
+        is ready in its own log (its `... ready` line, after it connected and subscribed)."""
+        logs = self.settings.common.data_dir.resolve() / "logs"
+        offsets = {name: _size(logs / f"{name}.log") for name in self.procs}
+        pending = set(self.procs)
+        deadline = time.monotonic() + timeout
+        while pending:
+            for name in sorted(pending):
+                proc = self.procs[name]
+                if proc.poll() is not None:
+                    raise StackError(f"{name} exited with code {proc.returncode}; see {logs / (name + '.log')}")
+                if _logged_ready(logs / f"{name}.log", offsets[name]):
+                    pending.discard(name)
+                    progress(f"{name} ready")
+            if time.monotonic() > deadline:
+                raise StackError(f"not ready after {timeout:.0f}s: {', '.join(sorted(pending))}")
+            time.sleep(0.2)  # polling another process's log: there is no event to wait on
 
     # ---- supervision -------------------------------------------------------------------
 
