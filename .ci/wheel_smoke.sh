@@ -23,8 +23,8 @@ PY="$WORK/venv/bin/python"
 "$PY" -m pip install -q --upgrade pip
 # shellcheck disable=SC2086
 "$PY" -m pip install -q $TORCH_SPEC
-"$PY" -m pip wheel -q --no-deps -w "$WORK/dist" "$ROOT" 2>/dev/null
-"$PY" -m pip install -q "$WORK"/dist/talaria-*.whl
+"$PY" -m pip wheel -q --no-deps -w "$WORK/dist" "$ROOT"
+"$PY" -m pip install -q "$WORK"/dist/talaria_serving-*.whl  # the distribution; command and imports: talaria
 cd "$WORK"
 TALARIA="$WORK/venv/bin/talaria"
 
