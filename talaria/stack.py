@@ -332,9 +332,7 @@ class Stack:
         self.gateway_url = f"http://{self.settings.gateway.http_host}:{port}"
         progress(f"starting {self.routers} router(s), telemetry, gateway and {self.agents} instance agent(s)")
         self._spawn("telemetry", "talaria.services.telemetry", data)
-        if self.routers == 1:  # a stable id: a restart adopts its claims at once, not a TTL later
-            self._spawn("router", "talaria.services.router", data, TALARIA_ROUTER_ID="router-0")
-        for i in range(self.routers if self.routers > 1 else 0):  # a stable id: a restart adopts its claims
+        for i in range(self.routers):  # a stable id: a restart adopts its claims at once, not a TTL later
             self._spawn(f"router-{i}", "talaria.services.router", data, TALARIA_ROUTER_ID=f"router-{i}")
         for i in range(self.agents):
             self._spawn(f"agent-{i}", "talaria.services.instance_agent", data, TALARIA_INSTANCE_ID=f"agent-{i}",

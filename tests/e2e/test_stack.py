@@ -107,7 +107,7 @@ def test_one_agent_session_end_to_end(tmp_path):
         assert described["api_key"] == key == (data_dir / "api_key").read_text().strip()
         db_url = described["database"]
         # Every service's GET /metrics is recorded, and Prometheus is told where.
-        assert set(described["metrics"]) == {"gateway", "router", "telemetry", "agent-0", "agent-1"}
+        assert set(described["metrics"]) == {"gateway", "router-0", "telemetry", "agent-0", "agent-1"}
         scrape_config = (data_dir / "prometheus.yml").read_text()
         assert all(f"'{urlsplit(u).netloc}'" in scrape_config for u in described["metrics"].values())
         anonymous = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0)

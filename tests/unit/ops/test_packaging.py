@@ -1,6 +1,7 @@
 """One import root: the wheel installs everything under `talaria.`, with its data files."""
 
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -37,8 +38,14 @@ def test_the_distribution_name_is_not_the_unrelated_pypi_talaria():
 
 
 def test_the_wheel_builds_without_warnings_and_carries_its_data(tmp_path):
+    src = tmp_path / "src"  # a copy: an in-tree build would leave build/ in the checkout
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for folder in set(MAPPED.values()):
+        shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
     out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v",
-                          "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
+                          "-w", str(tmp_path), str(src)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "would be ignored" not in out.stdout + out.stderr
     (wheel,) = tmp_path.glob("talaria_serving-*.whl")
