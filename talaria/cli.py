@@ -39,16 +39,16 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     models = [m.strip() for m in (args.models or "").split(",") if m.strip()] + list(args.model)
     if models:
         changes["models"] = tuple(models)
-    try:
+    try:  # every flag checked as the environment is, before anything starts
         settings = _apply_ablation(settings.with_(**changes), args)
+        settings.validate()
+        catalogue = settings.common.catalogue()  # reads each --model directory; `--hot` may name one
     except SettingsError as exc:
-        print(f"talaria: {exc}", file=sys.stderr)
+        print(f"talaria: {_flag_error(exc, args)}", file=sys.stderr)
         return 2
     _check_policy(settings.router.policy)
-    try:
-        catalogue = settings.common.catalogue()  # `--hot` may name a checkpoint among the models
-    except SettingsError as exc:  # a --model directory that is not a checkpoint: before anything starts
-        print(f"talaria: {_flag_error(exc, args)}", file=sys.stderr)
+    if args.agents < 0 or args.agents + len(args.hot) < 1:
+        print(f"talaria: --agents {args.agents}: at least one agent (cold, or --hot) must serve", file=sys.stderr)
         return 2
     unknown = [m for m in args.hot if m not in catalogue]
     if unknown:
@@ -109,11 +109,15 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _flag_error(exc: SettingsError, args: argparse.Namespace) -> str:
-    """A model error named as the user typed it: `--model` / `--models` rather than TALARIA_MODELS."""
-    if exc.variable == "TALARIA_MODELS" and (exc.value in args.model or args.models):
+    """A setting's error named as the user gave it: the flag (`--port 99999`) rather than its
+    variable, when the flag set it."""
+    flags = {"TALARIA_HTTP_PORT": ("--port", args.port), "TALARIA_DATA_DIR": ("--data-dir", args.data_dir),
+             "TALARIA_POLICY": ("--policy", args.policy)}
+    if exc.variable == "TALARIA_MODELS" and (args.model or args.models):
         flag = "--model" if exc.value in args.model else "--models"
         return f"{flag} {exc.value}: expected {exc.expected}"
-    return str(exc)
+    flag, given = flags.get(exc.variable, (None, None))
+    return f"{flag} {given}: expected {exc.expected}" if given is not None else f"configuration error: {exc}"
 
 
 def _check_policy(name: str) -> None:

@@ -70,11 +70,17 @@ def _one_line(text: str) -> str:
     return lines[0]
 
 
-def test_a_bad_model_directory_fails_in_one_line_before_anything_starts(tmp_path, capsys):
+@pytest.mark.parametrize("flags, says", [
+    (["--model", "foo=/nonexistent"], "talaria: --model foo=/nonexistent: expected a servable checkpoint"),
+    (["--models", "nope"], "talaria: --models nope: expected models from the catalogue"),
+    (["--port", "99999"], "talaria: --port 99999: expected a TCP port"),
+    (["--agents", "-1"], "talaria: --agents -1: at least one agent"),
+    (["--hot", "nope"], "talaria: --hot nope: unknown model"),
+])
+def test_bad_up_flags_fail_in_one_line_before_anything_starts(tmp_path, capsys, flags, says):
     data = tmp_path / "data"
-    assert main(["up", "--model", f"foo={tmp_path / 'nonexistent'}", "--data-dir", str(data)]) == 2
-    line = _one_line(capsys.readouterr().err)
-    assert line.startswith("talaria: --model foo=") and "config.json" in line
+    assert main(["up", *flags, "--data-dir", str(data)]) == 2
+    assert _one_line(capsys.readouterr().err).startswith(says)
     assert not data.exists()  # nothing was started or written
 
 
