@@ -162,6 +162,10 @@ def test_one_agent_session_end_to_end(tmp_path):
         audited = json.loads(cli(tmp_path, "audit", "session_calls", "--param", f"session_id={SESSION}",
                                  "--format", "json"))
         assert [r["call_index"] for r in audited] == [0, 1, 2]
+        cli(tmp_path, "trace", "export", "served.jsonl")  # and counterfactual replay, against this stack
+        replayed = json.loads(cli(tmp_path, "replay", "served.jsonl", "--running", "--sessions", "1",
+                                  "--token-scale", "1"))
+        assert replayed["stats"]["calls_ok"] == 3 and replayed["gaps"].startswith("recorded gaps")
 
         pids = json.loads((data_dir / "stack.json").read_text())["pids"]
         stack.proc.send_signal(signal.SIGINT)
