@@ -1,6 +1,6 @@
 # One image for every Talaria service; docker-compose.yml picks the module to run.
 # Build the wheel in one stage and install it (not `pip install -e .`) in the next, so the image
-# runs exactly what a user's `pip install talaria-*.whl` gets: one `talaria` import root with its
+# runs exactly what a user's `pip install talaria_serving-*.whl` gets: one `talaria` import root with its
 # migrations, audit queries and simulator data as package data.
 FROM python:3.11-slim AS build
 WORKDIR /src

@@ -17,7 +17,10 @@ setup() {
   "$VENV/bin/python" -m pip install -q --upgrade pip
   # shellcheck disable=SC2086
   "$VENV/bin/python" -m pip install -q $TORCH_SPEC
+  # the distribution was called `talaria` before (a name PyPI gives an unrelated project): drop it
+  "$VENV/bin/python" -m pip uninstall -y -q talaria >/dev/null 2>&1 || true
   "$VENV/bin/python" -m pip install -q -e ".[test]"
+  echo "dev.sh: installed; put \`talaria\` on your PATH with: source $VENV/bin/activate" >&2
   touch "$VENV/.installed"
 }
 

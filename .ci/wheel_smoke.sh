@@ -23,8 +23,8 @@ PY="$WORK/venv/bin/python"
 "$PY" -m pip install -q --upgrade pip
 # shellcheck disable=SC2086
 "$PY" -m pip install -q $TORCH_SPEC
-"$PY" -m pip wheel -q --no-deps -w "$WORK/dist" "$ROOT" 2>/dev/null
-"$PY" -m pip install -q "$WORK"/dist/talaria-*.whl
+"$PY" -m pip wheel -q --no-deps -w "$WORK/dist" "$ROOT"
+"$PY" -m pip install -q "$WORK"/dist/talaria_serving-*.whl  # the distribution; command and imports: talaria
 cd "$WORK"
 TALARIA="$WORK/venv/bin/talaria"
 
@@ -64,5 +64,13 @@ reply = json.load(urllib.request.urlopen(req, timeout=120))
 assert reply["usage"]["completion_tokens"] >= 1, reply
 print("wheel: talaria up served a call:", reply["usage"])
 PY
+# The operator's view finds the stack by its data directory (stack.json) and the session as sent.
+for _ in $(seq 1 60); do
+  "$TALARIA" audit session_calls --param session_id=wheel-smoke --data-dir "$WORK/data" --format json \
+    | grep -q '"outcome": "completed"' && break
+  sleep 0.5
+done
+"$TALARIA" audit session_calls --param session_id=wheel-smoke --data-dir "$WORK/data" | grep -q completed \
+  || { echo "wheel: talaria audit did not find the call"; exit 1; }
 kill -INT "$UP_PID"; wait "$UP_PID" || true; UP_PID=""
 echo "wheel smoke: ok"

@@ -201,7 +201,7 @@ def injector(up: UpProcess, fault: str, phase: Phase):
     def inject() -> None:
         match fault:
             case "kill-router":
-                kill("router")
+                kill("router-0")
             case "kill-agent":
                 kill("agent-0")
             case "kill-telemetry":

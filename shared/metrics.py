@@ -462,7 +462,8 @@ def handler(metrics: ServiceMetrics):
 async def serve(metrics: ServiceMetrics, name: str, settings, log):
     """`GET /metrics` on its own port (TALARIA_METRICS_PORT: unset = off, 0 = a free port); the
     runner to clean up, or None when off. Where it listens is logged and written to
-    <data_dir>/metrics/<name>.url, for a port chosen by the OS."""
+    <data_dir>/metrics/<name>.url for a port chosen by the OS (name: `telemetry`, an agent's
+    instance id, a router's id: the names stack.json uses)."""
     if settings.metrics_port is None:
         return None
     from aiohttp import web

@@ -1,7 +1,8 @@
 """`talaria audit`: run the operator's SQL audits in ops/audit/ against the database.
 
 Each query is a plain .sql file (first comment lines describe it; `-- params: a, b` lists
-its bind parameters), so operators can also paste them into psql.
+its bind parameters), so operators can also paste them into psql. A `session_id` parameter
+is the id the client sent; it is matched to the stored, tenant-scoped id (talaria/running.py).
 """
 
 from __future__ import annotations
@@ -9,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import sys
 from importlib import resources
 from pathlib import Path
 
 from sqlalchemy import text
 
+from talaria.running import match_sessions, pick_session
 from talaria.shared.db.connection import create_engine
-from talaria.shared.settings import Settings
 
 # ops/audit/ ships in the wheel as package data of `talaria.ops`.
 AUDIT_DIR = Path(str(resources.files("talaria.ops").joinpath("audit")))
@@ -49,24 +51,39 @@ async def query(database_url: str, name: str, params: dict[str, str]) -> list[di
         await db.dispose()
 
 
-def run_audit(settings: Settings, name: str | None, raw_params: list[str], fmt: str) -> int:
+async def stored_sessions(database_url: str, typed: str) -> list[str]:
+    """The stored session ids that are `typed` or end in `:<typed>` (one per tenant that sent it)."""
+    sql = text("SELECT session_id FROM sessions WHERE session_id = :t OR right(session_id, length(:t) + 1) = ':' || :t")
+    db = create_engine(database_url)
+    try:
+        async with db.connect() as conn:
+            return [r[0] for r in await conn.execute(sql, {"t": typed})]
+    finally:
+        await db.dispose()
+
+
+def run_audit(database_url, name: str | None, raw_params: list[str], fmt: str,
+              tenant: str | None = None) -> int:
+    """`database_url`: a callable giving the URL, asked only when a query runs (listing needs none)."""
     known = audits()
     if name is None:
         for stem, path in known.items():
             print(f"{stem:32} {describe(path)}")
         return 0
     if name not in known:
-        print(f"talaria audit: unknown audit {name!r}; known: {', '.join(known)}")
-        return 2
-    if not settings.common.database_url:
-        print("talaria audit: set TALARIA_DATABASE_URL (`talaria up` prints it)")
+        print(f"talaria audit: unknown audit {name!r}; known: {', '.join(known)}", file=sys.stderr)
         return 2
     params = dict(p.split("=", 1) for p in raw_params if "=" in p)
     missing = [p for p in params_of(known[name].read_text()) if p not in params]
     if missing:
-        print(f"talaria audit: {name} needs --param {'=… --param '.join(missing)}=…")
+        print(f"talaria audit: {name} needs --param {'=… --param '.join(missing)}=…", file=sys.stderr)
         return 2
-    rows = asyncio.run(query(settings.common.database_url, name, params))
+    url = database_url()
+    if "session_id" in params:  # the id the client sent -> the stored `<tenant>:<id>`
+        typed = params["session_id"]
+        params["session_id"] = pick_session(typed, match_sessions(typed, asyncio.run(stored_sessions(url, typed)),
+                                                                  tenant))
+    rows = asyncio.run(query(url, name, params))
     if fmt == "json":
         print(json.dumps(rows, default=str, indent=2))
     else:

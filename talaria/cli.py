@@ -41,13 +41,26 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     models = [m.strip() for m in (args.models or "").split(",") if m.strip()] + list(args.model)
     if models:
         changes["models"] = tuple(models)
-    try:
+    try:  # every flag checked as the environment is, before anything starts
         settings = _apply_ablation(settings.with_(**changes), args)
+        settings.validate()
+        catalogue = settings.common.catalogue()  # reads each --model directory; `--hot` may name one
     except SettingsError as exc:
-        print(f"talaria: {exc}", file=sys.stderr)
+        print(f"talaria: {_flag_error(exc, args)}", file=sys.stderr)
         return 2
     _check_policy(settings.router.policy)
-    catalogue = settings.common.catalogue()  # `--hot` may name a checkpoint among the models
+    from talaria.roles import HostPlan, RoleError, parse_roles
+
+    credentials = Path(args.nats_credentials) if args.nats_credentials else None
+    try:
+        plan = HostPlan(parse_roles(args.role))
+        plan.check(settings.common.nats_url, args.agents, credentials)
+    except RoleError as exc:
+        print(f"talaria: {exc}", file=sys.stderr)
+        return 2
+    if "agent" in plan.roles and (args.agents < 0 or args.agents + len(args.hot) < 1):
+        print(f"talaria: --agents {args.agents}: at least one agent (cold, or --hot) must serve", file=sys.stderr)
+        return 2
     unknown = [m for m in args.hot if m not in catalogue]
     if unknown:
         print(f"talaria: --hot {unknown[0]}: unknown model; known: {', '.join(sorted(catalogue))}", file=sys.stderr)
@@ -58,15 +71,6 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     if not 1 <= args.routers <= settings.router.router_partitions:
         print(f"talaria: --routers {args.routers}: 1 to {settings.router.router_partitions} (TALARIA_ROUTER_PARTITIONS: "
               "each router needs a partition of the sessions)", file=sys.stderr)
-        return 2
-    from talaria.roles import HostPlan, RoleError, parse_roles
-
-    credentials = Path(args.nats_credentials) if args.nats_credentials else None
-    try:
-        plan = HostPlan(parse_roles(args.role))
-        plan.check(settings.common.nats_url, args.agents, credentials)
-    except RoleError as exc:
-        print(f"talaria: {exc}", file=sys.stderr)
         return 2
     stack = Stack(settings, agents=plan.agents(args.agents), hot=tuple(args.hot) if "agent" in plan.roles else (),
                   nats_cluster=args.nats_cluster, routers=args.routers, plan=plan, credentials=credentials,
@@ -122,6 +126,18 @@ def _print_try(stack) -> None:
           "[{\"role\":\"user\",\"content\":\"hello\"}],\"max_tokens\":16,\"temperature\":0}'", flush=True)
 
 
+def _flag_error(exc: SettingsError, args: argparse.Namespace) -> str:
+    """A setting's error named as the user gave it: the flag (`--port 99999`) rather than its
+    variable, when the flag set it."""
+    flags = {"TALARIA_HTTP_PORT": ("--port", args.port), "TALARIA_DATA_DIR": ("--data-dir", args.data_dir),
+             "TALARIA_POLICY": ("--policy", args.policy)}
+    if exc.variable == "TALARIA_MODELS" and (args.model or args.models):
+        flag = "--model" if exc.value in args.model else "--models"
+        return f"{flag} {exc.value}: expected {exc.expected}"
+    flag, given = flags.get(exc.variable, (None, None))
+    return f"{flag} {given}: expected {exc.expected}" if given is not None else f"configuration error: {exc}"
+
+
 def _check_policy(name: str) -> None:
     from talaria.services.router.policy.registry import create_policy
 
@@ -175,39 +191,59 @@ def cmd_nats_config(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _traces_dir(args: argparse.Namespace, settings: Settings) -> Path:
+    """--traces-dir, else TALARIA_TRACES_DIR, else where the running stack writes them."""
+    from talaria.running import StackNotFound, data_dir, find_stack
+
+    if args.traces_dir:
+        return Path(args.traces_dir)
+    if settings.common.traces_dir:
+        return settings.common.traces_dir
+    directory = data_dir(settings, args.data_dir)
+    try:
+        return find_stack(directory).traces_dir
+    except StackNotFound:  # a stopped stack's spans stay on disk
+        return directory / "traces"
+
+
 def cmd_trace(args: argparse.Namespace, settings: Settings) -> int:
     from talaria.timeline import print_timeline
 
-    directory = Path(args.traces_dir) if args.traces_dir else settings.common.traces_path
-    return print_timeline(directory, args.session)
+    return print_timeline(_traces_dir(args, settings), args.session, args.tenant)
 
 
 def cmd_trace_export(argv: list[str]) -> int:
+    from talaria.running import StackNotFound, database_url
     from talaria.trace_export import export, parse_since
 
     p = argparse.ArgumentParser(prog="talaria trace export",
                                 description="the served calls as a normalised trace the simulator replays")
     p.add_argument("out", help="output JSONL (replay: talaria sim run --trace OUT --policy P)")
     p.add_argument("--since", default=None, help="ISO-8601 time or a duration back from now (30m, 2h, 1d)")
+    _data_dir_flag(p)
     args = p.parse_args(argv)
     try:
         settings = Settings.from_env()
         since = parse_since(args.since) if args.since else None
-    except (SettingsError, ValueError) as exc:
+        url = database_url(settings, args.data_dir)
+    except (SettingsError, ValueError, StackNotFound) as exc:
         print(f"talaria trace export: {exc}", file=sys.stderr)
         return 2
-    if not settings.common.database_url:
-        print("talaria trace export: set TALARIA_DATABASE_URL (`talaria up` prints it)", file=sys.stderr)
-        return 2
-    summary = export(settings.common.database_url, Path(args.out), since)
+    try:
+        summary = export(url, Path(args.out), since)
+    except OSError as exc:
+        print(f"talaria trace export: {exc}", file=sys.stderr)
+        return 1
     print(f"talaria: exported {summary['calls']} calls in {summary['sessions']} sessions to {summary['out']}")
     return 0
 
 
 def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
     from talaria.audit import run_audit
+    from talaria.running import database_url
 
-    return run_audit(settings, None if args.list else args.query, args.param, args.format)
+    return run_audit(lambda: database_url(settings, args.data_dir), None if args.list else args.query,
+                     args.param, args.format, args.tenant)
 
 
 def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
@@ -217,19 +253,25 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
     import uuid
 
     from talaria.replay import ReplayConfig, Replayer, metrics_from_db, write_report
+    from talaria.running import StackNotFound, data_dir, find_stack
     from talaria.stack import Stack, StackError
     from talaria.traces import TraceFormatError, load_trace, parse_gap_model
+    from talaria.traces.gaps import default_gap_spec
 
     try:
         sessions = load_trace(args.trace)[: args.sessions or None]
-        gaps = parse_gap_model(args.gaps, seed=args.seed)
+        gaps = parse_gap_model(args.gaps or default_gap_spec(sessions), seed=args.seed)
     except (OSError, TraceFormatError, ValueError) as exc:
         print(f"talaria replay: {exc}", file=sys.stderr)
         return 2
     cfg = ReplayConfig(token_scale=args.token_scale, max_prompt_tokens=args.max_prompt)
     stack = None
     try:
-        if args.nats:
+        if args.running:  # the stack `talaria up` runs on --data-dir / TALARIA_DATA_DIR / .talaria
+            running = find_stack(data_dir(settings, args.data_dir))
+            nats_url, db_url = running.nats_client_url, running.database_url
+            api_key = settings.cli.api_key or running.api_key
+        elif args.nats:
             if not args.database:
                 print("talaria replay: --nats needs --database too", file=sys.stderr)
                 return 2
@@ -257,7 +299,7 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
         if args.json:
             write_report(Path(args.json), result)
         return 0 if stats.calls_failed == 0 else 1
-    except StackError as exc:
+    except (StackError, StackNotFound) as exc:
         print(f"talaria replay: {exc}", file=sys.stderr)
         return 1
     finally:
@@ -269,6 +311,17 @@ def cmd_sim(argv: list[str]) -> int:
     from talaria.sim.cli import main as sim_main
 
     return sim_main(argv)
+
+
+def _data_dir_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-dir", default=None,
+                   help="the running stack's data directory, as given to `talaria up` (default: "
+                        "TALARIA_DATA_DIR, else .talaria); its stack.json names the database")
+
+
+def _tenant_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tenant", default=None,
+                   help="the tenant whose session id this is (needed only when several tenants used it)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -311,23 +364,33 @@ def build_parser() -> argparse.ArgumentParser:
                     "(NATS API client users: one per tenant of TALARIA_API_KEYS / TALARIA_API_KEYS_FILE)")
     tr = sub.add_parser("trace", help="print a session's timeline from exported spans; "
                         "`talaria trace export OUT.jsonl` writes the served calls as a replayable trace")
-    tr.add_argument("session", nargs="?", help="session id (default: list sessions)")
-    tr.add_argument("--traces-dir", default=None)
+    tr.add_argument("session", nargs="?", help="session id as the client sent it (default: list sessions)")
+    tr.add_argument("--traces-dir", default=None, help="span files (default: the running stack's)")
+    _data_dir_flag(tr)
+    _tenant_flag(tr)
     au = sub.add_parser("audit", help="run an operator's SQL audit from ops/audit/")
     au.add_argument("query", nargs="?", help="audit name (default: list them)")
     au.add_argument("--list", action="store_true", help="list the audits and what each answers")
-    au.add_argument("--param", action="append", default=[], help="name=value for the query")
+    au.add_argument("--param", action="append", default=[],
+                    help="name=value for the query (session_id: as the client sent it)")
     au.add_argument("--format", choices=["table", "json"], default="table")
+    _data_dir_flag(au)
+    _tenant_flag(au)
     rp = sub.add_parser("replay", help="replay a normalised trace against a live stack over NATS")
     rp.add_argument("trace", help="normalised trace (JSONL; `talaria sim convert` makes one)")
     rp.add_argument("--sessions", type=int, default=0, help="replay only the first N sessions")
-    rp.add_argument("--gaps", default="paper", help="recorded[:cap] | rescaled:F[:cap] | paper[:cap]")
+    rp.add_argument("--gaps", default=None, help="recorded[:cap] | rescaled:F[:cap] | paper[:cap] (default: "
+                    "recorded for a trace `talaria trace export` wrote, paper for any other)")
     rp.add_argument("--seed", type=int, default=0)
     rp.add_argument("--token-scale", type=float, default=1 / 64, help="trace tokens -> tiny-model tokens")
     rp.add_argument("--max-prompt", type=int, default=3000, help="stop a session whose prompt grows past this")
     rp.add_argument("--policy", default=None)
     rp.add_argument("--agents", type=int, default=2)
-    rp.add_argument("--data-dir", default=None)
+    rp.add_argument("--data-dir", default=None,
+                    help="the stack's data directory (default: a fresh temporary one; with --running: "
+                         "TALARIA_DATA_DIR, else .talaria)")
+    rp.add_argument("--running", action="store_true",
+                    help="replay against the stack `talaria up` runs on the data directory (its stack.json)")
     rp.add_argument("--nats", default=None, help="replay against this running stack instead of starting one")
     rp.add_argument("--database", default=None, help="its Postgres (for the metrics)")
     rp.add_argument("--json", default=None, help="write the metrics here")
@@ -359,14 +422,15 @@ def _main(argv: list[str] | None) -> int:
     except SettingsError as exc:
         print(f"talaria: configuration error: {exc}", file=sys.stderr)
         return 2
+    from talaria.running import AmbiguousSession, StackNotFound
     from talaria.services.router.policy.registry import UnknownPolicyError
 
     handlers = {"up": cmd_up, "migrate": cmd_migrate, "nats-config": cmd_nats_config, "trace": cmd_trace, "audit": cmd_audit,
                 "replay": cmd_replay}
     try:
         return handlers[args.command](args, settings)
-    except UnknownPolicyError as exc:
-        print(f"talaria: {exc}", file=sys.stderr)
+    except (UnknownPolicyError, StackNotFound, AmbiguousSession) as exc:
+        print(f"talaria {args.command}: {exc}", file=sys.stderr)
         return 2
 
 

@@ -361,9 +361,7 @@ class Stack:
         roles = self.plan.roles
         if "control" in roles:
             self._spawn("telemetry", "talaria.services.telemetry", data)
-        if "control" in roles and self.routers == 1:  # a stable id: a restart adopts its claims at once
-            self._spawn("router", "talaria.services.router", data, TALARIA_ROUTER_ID="router-0")
-        for i in range(self.routers if self.routers > 1 and "control" in roles else 0):
+        for i in range(self.routers if "control" in roles else 0):  # a stable id: a restart adopts its claims
             self._spawn(f"router-{i}", "talaria.services.router", data, TALARIA_ROUTER_ID=f"router-{i}")
         for agent_id in self._agent_ids()[:self.agents]:
             self._spawn(agent_id, "talaria.services.instance_agent", data, TALARIA_INSTANCE_ID=agent_id,

@@ -1,29 +1,39 @@
 """`talaria trace`: a session's timeline from the spans the services exported as JSON lines.
 
 With OTLP export configured, use your trace viewer instead; this reads the local files.
+Sessions are named as their clients sent them; the stored id is `<tenant>:<id>`.
 """
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 from pathlib import Path
 
+from talaria.running import match_sessions, pick_session
+from talaria.services.gateway.auth import SCOPE_SEPARATOR
 from talaria.shared.tracing import read_spans, session_trace_id
 
 
-def print_timeline(directory: Path, session_id: str | None) -> int:
+def print_timeline(directory: Path, session_id: str | None, tenant: str | None = None) -> int:
     if not directory.exists():
-        print(f"talaria trace: no spans under {directory} (is OTLP export on?)")
+        print(f"talaria trace: no spans under {directory} (is OTLP export on?)", file=sys.stderr)
         return 1
     spans = read_spans(directory)
+    stored = {s["attributes"].get("gen_ai.conversation.id") for s in spans} - {None}
     if session_id is None:
-        sessions = sorted({s["attributes"].get("gen_ai.conversation.id") for s in spans} - {None})
-        print("\n".join(sessions) if sessions else "no sessions traced yet")
+        for sid in sorted(stored):
+            owner, sep, sent = sid.partition(SCOPE_SEPARATOR)
+            print(f"{sent}  (tenant {owner})" if sep else sid)
+        if not stored:
+            print("no sessions traced yet")
         return 0
-    trace_id = f"{session_trace_id(session_id):032x}"
+    scoped = pick_session(session_id, match_sessions(session_id, stored, tenant))
+    trace_id = f"{session_trace_id(scoped):032x}"
     mine = [s for s in spans if s["trace_id"] == trace_id]
     if not mine:
-        print(f"talaria trace: no spans for session {session_id!r}")
+        print(f"talaria trace: no spans for session {session_id!r}"
+              f"{f' of tenant {tenant!r}' if tenant else ''} under {directory}", file=sys.stderr)
         return 1
     children: dict[str | None, list[dict]] = defaultdict(list)
     for s in mine:
@@ -31,7 +41,8 @@ def print_timeline(directory: Path, session_id: str | None) -> int:
     t0 = min(s["start"] for s in mine)
     ids = {s["span_id"] for s in mine}
     roots = [s for s in mine if s["parent_id"] is None or s["parent_id"] not in ids]
-    print(f"session {session_id}  trace {trace_id}")
+    owner, sep, sent = scoped.partition(SCOPE_SEPARATOR)
+    print(f"session {sent} (tenant {owner})  trace {trace_id}" if sep else f"session {scoped}  trace {trace_id}")
     for root in sorted(roots, key=lambda s: s["start"]):
         _print(root, children, t0, 0)
     return 0

@@ -23,7 +23,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from talaria.shared.settings import asyncpg_dsn
-from talaria.traces.format import Session, TraceCall, save_sessions
+from talaria.traces.format import SERVED_SOURCE, Session, TraceCall, save_sessions
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -69,7 +69,7 @@ def rows_to_sessions(rows) -> list[Session]:
                 reuse = context if prompt >= context else int(r["cached_tokens"] or 0)
                 gap = float(r["sub"]) - float(prev["done"])
             trace.append(TraceCall(name, idx, model, prompt, max(0, min(reuse, prompt - 1)), output,
-                                   max(0.0, gap), "start" if idx == 0 else "tool", f"calls:{r.get('call_id', '')}"))
+                                   max(0.0, gap), "start" if idx == 0 else "tool", f"{SERVED_SOURCE}{r.get('call_id', '')}"))
             prev = r
         out.append(Session(name, tuple(trace)))
     return out

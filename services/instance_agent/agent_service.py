@@ -54,7 +54,8 @@ async def serve(common: CommonSettings, settings: AgentSettings, ready: asyncio.
     tap(js, meter.observe)
     runner.thread.watchdog.on_step = meter.engine_step
     meter.snapshot_gauges(lambda: build_snapshot(settings, common.models, engine, runner.core, runner.version, time.time()))
-    metrics_runner = await metrics.serve(meter, f"agent-{settings.instance_id}", common, log)
+    # <data_dir>/metrics/<instance id>.url: the agent's name in stack.json (`agent-0`, `hot-<model>`)
+    metrics_runner = await metrics.serve(meter, settings.instance_id, common, log)
     durable = f"agent-{settings.instance_id}"
     sub = await js.pull_subscribe(
         deployment.call_routed(settings.instance_id),

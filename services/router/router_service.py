@@ -179,7 +179,8 @@ class RouterService:
             self.log.warning("the ownership bucket's TTL differs from this router's; using the bucket's",
                              bucket_ttl_s=self.claims.ttl_s, setting=self.ownership.ttl_s)
             self.ownership.ttl_s = self.claims.ttl_s
-        metrics_runner = await metrics.serve(self.metrics, "router", self.common, self.log)
+        # one file per replica (<data_dir>/metrics/<router id>.url): replicas share a data directory
+        metrics_runner = await metrics.serve(self.metrics, self.router_id, self.common, self.log)
         saved = await store.load()
         if saved is not None:
             self.core.state, self.seq = saved

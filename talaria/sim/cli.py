@@ -32,7 +32,7 @@ from talaria.sim.profiles import PROFILES, get_profile
 from talaria.sim.workloads import fixed_replay, on_model
 from talaria.traces.format import Session, TraceFormatError
 from talaria.traces.load import load_trace
-from talaria.traces.gaps import parse_gap_model
+from talaria.traces.gaps import default_gap_spec, parse_gap_model
 from talaria.traces.weka import convert_file
 from talaria.sim.deployment import TALARIA_POOLS, deploy, talaria_pools
 from talaria.sim.matrix import demand_s
@@ -44,9 +44,14 @@ def _run(args) -> int:
     else:
         try:
             sessions = load_trace(args.trace)
-        except TraceFormatError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+        except (TraceFormatError, OSError) as exc:  # a missing or unreadable file: one line
+            print(f"error: --trace: {exc}", file=sys.stderr)
             return 2
+    try:
+        gaps = parse_gap_model(args.gaps or default_gap_spec(sessions), args.seed)
+    except ValueError as exc:
+        print(f"error: --gaps: {exc}", file=sys.stderr)
+        return 2
     server = get_profile(args.profile)
     try:
         sessions = map_models(sessions, args.model_map, sorted(server.models))
@@ -73,7 +78,7 @@ def _run(args) -> int:
             pc, pinned = deploy(pc, demand, args.instances, len(demand))
     config = RunConfig(
         server, args.instances, args.policy, pc,
-        sched, parse_gap_model(args.gaps, args.seed),
+        sched, gaps,
         label=args.policy, progress=True, pinned=pinned, log_actions=args.bound, hot_pools=online,
     )
     result = simulate(sessions, config)
@@ -121,7 +126,11 @@ def map_models(sessions: list[Session], spec: str | None, served: list[str]) -> 
 
 
 def _convert(args) -> int:
-    summary = convert_file(args.src, args.dst, args.subagents, args.limit)
+    try:
+        summary = convert_file(args.src, args.dst, args.subagents, args.limit)
+    except (TraceFormatError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps(summary.as_dict(), indent=1))
     return 0
 
@@ -138,7 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="which of Talaria's mechanisms run (shared/ablations.py)")
     run.add_argument("--tau", type=float, default=1.0, help="lease timeout (s)")
     run.add_argument("--adaptive-lease", action="store_true")
-    run.add_argument("--gaps", default="paper", help="paper | recorded[:cap] | rescaled:F[:cap]")
+    run.add_argument("--gaps", default=None,
+                     help="paper | recorded[:cap] | rescaled:F[:cap] (default: recorded for a trace "
+                          "`talaria trace export` wrote, paper for any other)")
     run.add_argument("--model-map", default=None,
                      help="replay trace models as served ones: 'auto' or TRACE=SERVED,... (default: none)")
     run.add_argument("--seed", type=int, default=0)

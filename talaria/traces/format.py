@@ -20,7 +20,8 @@ gap_before_s             float  call 0: the session's start offset from the repl
 =======================  =====  ==========================================================
 
 Optional fields: ``kind`` ("tool" continuation, "user" turn, "start"), ``source`` (free
-text, e.g. the original trace id), ``max_tokens`` (the client's cap on the output, >=
+text, e.g. the original trace id; ``calls:<call_id>`` for a call a stack served, written by
+``talaria trace export``), ``max_tokens`` (the client's cap on the output, >=
 output_tokens; absent: a documented mix of API defaults, traces/caps.py). Unknown fields are
 an error, so typos do not pass.
 
@@ -47,6 +48,7 @@ REQUIRED = (
     "gap_before_s",
 )
 OPTIONAL = ("kind", "source", "max_tokens")
+SERVED_SOURCE = "calls:"  # `source` prefix of an exported call: `calls:<call_id>`
 KINDS = ("start", "tool", "user")
 
 

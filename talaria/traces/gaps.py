@@ -12,6 +12,8 @@ string that reports print verbatim:
   (seed, session, call_index) so it does not depend on replay order or configuration.
 
 Gap 0 (a session's start offset) is never modified: it is workload placement, not a tool gap.
+Without a choice, a trace a stack served (`talaria trace export`) replays its recorded gaps
+(what its clients did); any other trace the paper's.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from talaria.traces.format import TraceCall
+from talaria.traces.format import SERVED_SOURCE, TraceCall
 
 PAPER_GAP_P50_S = 0.39  # calibration.md, workload table
 PAPER_GAP_P95_S = 1.32
@@ -79,6 +81,12 @@ class GapModel:
             f"lognormal(mu={mu:.3f}, sigma={sigma:.3f}) fitted to the paper's p50 "
             f"{self.p50_s} s / p95 {self.p95_s} s, seed {self.seed}, {cap}"
         )
+
+
+def default_gap_spec(sessions) -> str:
+    """`recorded` for a trace every call of which a stack served (exported), else `paper`."""
+    calls = [c for s in sessions for c in s.calls]
+    return "recorded" if calls and all(c.source.startswith(SERVED_SOURCE) for c in calls) else "paper"
 
 
 def parse_gap_model(spec: str, seed: int = 0) -> GapModel:

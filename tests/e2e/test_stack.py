@@ -29,6 +29,7 @@ from talaria.shared.tokenizer import render_chat
 from talaria.shared.tracing import read_spans, session_span_id, session_trace_id
 from talaria.embedded import free_port
 from tests.integration.harness import wait_rows
+from tests.unit.ops.test_operator_cli import _documented_stack_keys
 
 pytestmark = pytest.mark.e2e
 
@@ -84,6 +85,15 @@ def from_scratch(data_dir: Path, messages: list[dict], max_tokens: int) -> str:
     return engine.generate(Sequence("ref", "ref", "qwen3-tiny", ids, max_tokens)).text
 
 
+def cli(cwd: Path, *args: str) -> str:
+    """A `talaria` operator command as a user runs it: from where `talaria up` runs, no variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TALARIA_")}
+    out = subprocess.run([sys.executable, "-m", "talaria.cli", *args], cwd=cwd, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
 async def completed_rows(url: str, n: int) -> list:
     conn = await asyncpg.connect(asyncpg_dsn(url))
     try:
@@ -94,20 +104,21 @@ async def completed_rows(url: str, n: int) -> list:
 
 
 def test_one_agent_session_end_to_end(tmp_path):
-    data_dir, port = tmp_path / "data", free_port()
+    data_dir, port = tmp_path / ".talaria", free_port()  # the default: commands run in tmp_path find it
     stack = Stack(data_dir, port)
     try:
         stack.wait_for(r"ready in", timeout=120)
         printed = stack.wait_for(r"Postgres (\S+)", timeout=10).group(1)
         key = stack.wait_for(r"API key .*: (\S+)", timeout=10).group(1)
         described = json.loads((data_dir / "stack.json").read_text())
+        assert set(described) - {"nats_cluster"} == _documented_stack_keys() - {"nats_cluster"}  # docs/operating.md
         password = urlsplit(described["database"]).password
         assert not password or password not in "".join(stack.output)  # passwords are never printed
         assert (data_dir / "stack.json").stat().st_mode & 0o777 == 0o600
         assert described["api_key"] == key == (data_dir / "api_key").read_text().strip()
         db_url = described["database"]
         # Every service's GET /metrics is recorded, and Prometheus is told where.
-        assert set(described["metrics"]) == {"gateway", "router", "telemetry", "agent-0", "agent-1"}
+        assert set(described["metrics"]) == {"gateway", "router-0", "telemetry", "agent-0", "agent-1"}
         scrape_config = (data_dir / "prometheus.yml").read_text()
         assert all(f"'{urlsplit(u).netloc}'" in scrape_config for u in described["metrics"].values())
         anonymous = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0)
@@ -147,6 +158,15 @@ def test_one_agent_session_end_to_end(tmp_path):
         # Later calls reuse the session's KV wherever the router put them.
         assert rows[2]["kv_source"] in ("device", "host") or rows[2]["instance_id"] != rows[1]["instance_id"]
 
+        # The operator's view: the session as the client named it, the database found through stack.json.
+        audited = json.loads(cli(tmp_path, "audit", "session_calls", "--param", f"session_id={SESSION}",
+                                 "--format", "json"))
+        assert [r["call_index"] for r in audited] == [0, 1, 2]
+        cli(tmp_path, "trace", "export", "served.jsonl")  # and counterfactual replay, against this stack
+        replayed = json.loads(cli(tmp_path, "replay", "served.jsonl", "--running", "--sessions", "1",
+                                  "--token-scale", "1"))
+        assert replayed["stats"]["calls_ok"] == 3 and replayed["gaps"].startswith("recorded gaps")
+
         pids = json.loads((data_dir / "stack.json").read_text())["pids"]
         stack.proc.send_signal(signal.SIGINT)
         assert stack.proc.wait(60) == 0
@@ -163,6 +183,8 @@ def test_one_agent_session_end_to_end(tmp_path):
         assert all("talaria.ttft_s" in s["attributes"] and "talaria.prefill_s" in s["attributes"] for s in call_spans)
         executes = [s for s in spans if s["name"] == "execute"]
         assert len(executes) == 3
+        timeline = cli(tmp_path, "trace", SESSION)
+        assert timeline.startswith(f"session {SESSION} (tenant {TENANT})") and timeline.count("chat qwen3-tiny") == 3
     finally:
         if stack.proc.poll() is None:
             stack.proc.send_signal(signal.SIGINT)

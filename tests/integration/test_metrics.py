@@ -92,7 +92,7 @@ def value(family, suffix: str = "", **labels) -> float:
 async def test_every_service_exposes_its_metrics_after_calls(nats_url, database_url, tmp_path):
     settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
                         session_idle_s=3600, call_timeout_s=60, models=(MODEL,), metrics_port=0,
-                        projection_interval_s=0.0)
+                        projection_interval_s=0.0, router_id="router-0")
     services = Services()
     call_ids = []
     try:
@@ -114,8 +114,8 @@ async def test_every_service_exposes_its_metrics_after_calls(nats_url, database_
                     call_ids.append(r.headers["X-Talaria-Call-Id"])
                     await r.read()
         urls = {"gateway": f"{base}/metrics"}
-        for name in ("router", "telemetry", "agent-agent-0"):
-            urls[name] = (tmp_path / "metrics" / f"{name}.url").read_text().strip()
+        for name, file in (("router", "router-0"), ("telemetry", "telemetry"), ("agent-agent-0", "agent-0")):
+            urls[name] = (tmp_path / "metrics" / f"{file}.url").read_text().strip()
 
         async def projected():  # telemetry commits on its own schedule
             fams = await scrape(urls["telemetry"])
@@ -162,3 +162,21 @@ async def test_every_service_exposes_its_metrics_after_calls(nats_url, database_
     # The second call of the session found its prefix kept on the device (no recompute).
     assert value(agent["talaria_agent_call_kv_source"], "_total", source="device") == 1
     assert json.dumps(sorted(scraped))  # every service answered
+
+
+async def test_router_replicas_each_record_their_own_metrics_address(nats_url, database_url, tmp_path):
+    """Replicas share the data directory: each writes <router id>.url, none overwrites another's."""
+    from talaria.services.router.router_service import run as run_router
+
+    settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, metrics_port=0,
+                           models=(MODEL,))
+    services = Services()
+    try:
+        for rid in ("router-0", "router-1"):
+            await services.start(rid, run_router, settings.with_(router_id=rid))
+        urls = {rid: (tmp_path / "metrics" / f"{rid}.url").read_text().strip() for rid in ("router-0", "router-1")}
+        assert len(set(urls.values())) == 2 and not (tmp_path / "metrics" / "router.url").exists()
+        for url in urls.values():
+            assert "talaria_router_partitions_owned" in await scrape(url)
+    finally:
+        await services.close()

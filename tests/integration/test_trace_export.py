@@ -54,6 +54,7 @@ async def test_a_live_session_exports_and_replays_with_the_same_call_count(nats_
     assert all(c.reusable_prefix_tokens > 0 for c in session.calls[1:])  # the context was repeated
     summary = tmp_path / "sim.json"
     assert sim_main(["run", "--trace", str(out), "--profile", "local-torch", "--policy", "session-sticky",
-                     "--gaps", "recorded", "--json", str(summary)]) == 0
+                     "--json", str(summary)]) == 0
     replayed = json.loads(summary.read_text())
     assert replayed["calls"] == 3 and replayed["complete"]
+    assert replayed["gap_model"].startswith("recorded gaps")  # an exported trace keeps its clients' gaps

@@ -1,7 +1,11 @@
 """One import root: the wheel installs everything under `talaria.`, with its data files."""
 
 import re
+import shutil
+import subprocess
+import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -18,8 +22,39 @@ def _package_folders() -> set[str]:
     return names
 
 
+def _data_folders() -> set[str]:
+    """Packages that hold only data (no __init__.py): listed so setuptools ships them quietly."""
+    return {name for name in PYPROJECT["tool"]["setuptools"]["package-data"] if name not in _package_folders()}
+
+
 def test_every_package_folder_is_installed():
-    assert _package_folders() == set(PYPROJECT["tool"]["setuptools"]["packages"])
+    assert _package_folders() | _data_folders() == set(PYPROJECT["tool"]["setuptools"]["packages"])
+
+
+def test_the_distribution_name_is_not_the_unrelated_pypi_talaria():
+    # `pip install talaria` installs someone else's project; ours installs as this name, from a clone.
+    assert PYPROJECT["project"]["name"] == "talaria-serving"
+    assert PYPROJECT["project"]["scripts"] == {"talaria": "talaria.cli:main"}
+
+
+def test_the_wheel_builds_without_warnings_and_carries_its_data(tmp_path):
+    src = tmp_path / "src"  # a copy: an in-tree build would leave build/ in the checkout
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for folder in set(MAPPED.values()):
+        shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v",
+                          "-w", str(tmp_path), str(src)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "would be ignored" not in out.stdout + out.stderr
+    (wheel,) = tmp_path.glob("talaria_serving-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for data in ("talaria/ops/audit/session_calls.sql", "talaria/ops/otel/collector.yaml",
+                 "talaria/sim/data/fixed_replay_sessions.jsonl", "talaria/shared/data/demo_bpe_corpus.txt",
+                 "talaria/migrations/alembic.ini"):
+        assert data in names
+    assert not {n.split("/")[0] for n in names} - {"talaria", "talaria_serving-0.1.0.dist-info"}
 
 
 def test_no_generic_top_level_imports():
