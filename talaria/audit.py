@@ -81,8 +81,12 @@ def run_audit(database_url, name: str | None, raw_params: list[str], fmt: str,
     url = database_url()
     if "session_id" in params:  # the id the client sent -> the stored `<tenant>:<id>`
         typed = params["session_id"]
-        params["session_id"] = pick_session(typed, match_sessions(typed, asyncio.run(stored_sessions(url, typed)),
-                                                                  tenant))
+        matches = match_sessions(typed, asyncio.run(stored_sessions(url, typed)), tenant)
+        if not matches:
+            print(f"talaria audit: no session {typed!r}{f' of tenant {tenant!r}' if tenant else ''} "
+                  "has been recorded", file=sys.stderr)
+            return 1
+        params["session_id"] = pick_session(typed, matches)
     rows = asyncio.run(query(url, name, params))
     if fmt == "json":
         print(json.dumps(rows, default=str, indent=2))

@@ -82,7 +82,8 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         print(f"talaria: metrics (GET /metrics) {', '.join(f'{n} {u}' for n, u in sorted(stack.metrics.items()))}; "
               f"Prometheus config {settings.common.data_dir / 'prometheus.yml'}", flush=True)
         print(f"talaria: NATS {redact_url(stack.nats_url)}  Postgres {redact_url(stack.database_url)}  "
-              f"(credentials in {settings.common.data_dir / 'stack.json'}, mode 0600)", flush=True)
+              f"(credentials in {settings.common.data_dir / 'stack.json'}, mode 0600, which `talaria audit`, "
+              "`trace` and `replay --running` read)", flush=True)
         auth = ""
         if stack.api_key:
             print(f"talaria: API key (tenant `default`, this run only; also in "
