@@ -196,6 +196,8 @@ def cmd_trace(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_trace_export(argv: list[str]) -> int:
+    import asyncpg
+
     from talaria.running import StackNotFound, database_url
     from talaria.trace_export import export, parse_since
 
@@ -214,7 +216,7 @@ def cmd_trace_export(argv: list[str]) -> int:
         return 2
     try:
         summary = export(url, Path(args.out), since)
-    except OSError as exc:
+    except (OSError, asyncpg.PostgresError) as exc:  # unwritable OUT, or a database that is gone
         print(f"talaria trace export: {exc}", file=sys.stderr)
         return 1
     print(f"talaria: exported {summary['calls']} calls in {summary['sessions']} sessions to {summary['out']}")
@@ -235,6 +237,9 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
     import tempfile
     import uuid
 
+    import asyncpg
+    import nats.errors
+
     from talaria.replay import ReplayConfig, Replayer, metrics_from_db, write_report
     from talaria.running import StackNotFound, data_dir, find_stack
     from talaria.stack import Stack, StackError
@@ -251,7 +256,7 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
     stack = None
     try:
         if args.running:  # the stack `talaria up` runs on --data-dir / TALARIA_DATA_DIR / .talaria
-            running = find_stack(data_dir(settings, args.data_dir))
+            running = find_stack(data_dir(settings, args.data_dir)).check_running()
             nats_url, db_url = running.nats_client_url, running.database_url
             api_key = settings.cli.api_key or running.api_key
         elif args.nats:
@@ -284,6 +289,9 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
         return 0 if stats.calls_failed == 0 else 1
     except (StackError, StackNotFound) as exc:
         print(f"talaria replay: {exc}", file=sys.stderr)
+        return 1
+    except (OSError, nats.errors.Error, asyncpg.PostgresError) as exc:  # e.g. --running on a stopped stack
+        print(f"talaria replay: cannot reach the stack: {exc!r} (is it running?)", file=sys.stderr)
         return 1
     finally:
         if stack is not None:
