@@ -92,6 +92,9 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         print(f"talaria: try  curl -s {stack.gateway_url}/v1/chat/completions {auth}-H 'X-Session-Id: demo' "
               "-H 'Content-Type: application/json' -d '{\"model\":\"qwen3-tiny\",\"messages\":"
               "[{\"role\":\"user\",\"content\":\"hello\"}],\"max_tokens\":16,\"temperature\":0}'", flush=True)
+        where = f" --data-dir {args.data_dir}" if args.data_dir else ""
+        print(f"talaria: then  talaria trace demo{where}   talaria audit session_calls --param session_id=demo{where}",
+              flush=True)
         print("talaria: Ctrl-C stops everything; a service that exits is restarted", flush=True)
         while True:  # supervise: restart what exits, with backoff; the rest keeps serving
             stack.supervise(progress=lambda m: print(f"talaria: {m}", file=sys.stderr, flush=True))
