@@ -14,10 +14,13 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+import asyncpg
 from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
 
 from talaria.running import match_sessions, pick_session
 from talaria.shared.db.connection import create_engine
+from talaria.shared.settings import redact_url
 
 # ops/audit/ ships in the wheel as package data of `talaria.ops`.
 AUDIT_DIR = Path(str(resources.files("talaria.ops").joinpath("audit")))
@@ -79,10 +82,26 @@ def run_audit(database_url, name: str | None, raw_params: list[str], fmt: str,
         print(f"talaria audit: {name} needs --param {'=… --param '.join(missing)}=…", file=sys.stderr)
         return 2
     url = database_url()
+    try:
+        return _run(url, name, params, fmt, tenant)
+    except OSError as exc:  # e.g. a stopped stack: its stack.json stays behind
+        print(f"talaria audit: cannot reach the database at {redact_url(url)}: {exc} (is the stack running?)",
+              file=sys.stderr)
+        return 1
+    except (DBAPIError, asyncpg.PostgresError) as exc:  # refused login, a parameter of the wrong type
+        print(f"talaria audit: {name}: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 1
+
+
+def _run(url: str, name: str, params: dict[str, str], fmt: str, tenant: str | None) -> int:
     if "session_id" in params:  # the id the client sent -> the stored `<tenant>:<id>`
         typed = params["session_id"]
-        params["session_id"] = pick_session(typed, match_sessions(typed, asyncio.run(stored_sessions(url, typed)),
-                                                                  tenant))
+        matches = match_sessions(typed, asyncio.run(stored_sessions(url, typed)), tenant)
+        if not matches:
+            print(f"talaria audit: no session {typed!r}{f' of tenant {tenant!r}' if tenant else ''} "
+                  "has been recorded", file=sys.stderr)
+            return 1
+        params["session_id"] = pick_session(typed, matches)
     rows = asyncio.run(query(url, name, params))
     if fmt == "json":
         print(json.dumps(rows, default=str, indent=2))

@@ -95,9 +95,10 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         print(f"talaria: metrics (GET /metrics) {', '.join(f'{n} {u}' for n, u in sorted(stack.metrics.items()))}; "
               f"Prometheus config {settings.common.data_dir / 'prometheus.yml'}", flush=True)
         print(f"talaria: NATS {redact_url(stack.nats_url)}  Postgres {redact_url(stack.database_url) or 'elsewhere'}  "
-              f"(credentials in {settings.common.data_dir / 'stack.json'}, mode 0600)", flush=True)
+              f"(credentials in {settings.common.data_dir / 'stack.json'}, mode 0600, which `talaria audit`, "
+              "`trace` and `replay --running` read)", flush=True)
         if stack.gateway_url:
-            _print_try(stack)
+            _print_try(stack, args.data_dir)
         print("talaria: Ctrl-C stops everything this host started; a service that exits is restarted", flush=True)
         while True:  # supervise: restart what exits, with backoff; the rest keeps serving
             stack.supervise(progress=lambda m: print(f"talaria: {m}", file=sys.stderr, flush=True))
@@ -115,7 +116,7 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         print("talaria: stopped", flush=True)
 
 
-def _print_try(stack) -> None:
+def _print_try(stack, data_dir: str | None) -> None:
     auth = ""
     if stack.api_key:
         print(f"talaria: API key (tenant `default`, this run only; also in "
@@ -124,6 +125,9 @@ def _print_try(stack) -> None:
     print(f"talaria: try  curl -s {stack.gateway_url}/v1/chat/completions {auth}-H 'X-Session-Id: demo' "
           "-H 'Content-Type: application/json' -d '{\"model\":\"qwen3-tiny\",\"messages\":"
           "[{\"role\":\"user\",\"content\":\"hello\"}],\"max_tokens\":16,\"temperature\":0}'", flush=True)
+    where = f" --data-dir {data_dir}" if data_dir else ""
+    print(f"talaria: then  talaria trace demo{where}   talaria audit session_calls --param session_id=demo{where}",
+          flush=True)
 
 
 def _flag_error(exc: SettingsError, args: argparse.Namespace) -> str:
@@ -213,6 +217,8 @@ def cmd_trace(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_trace_export(argv: list[str]) -> int:
+    import asyncpg
+
     from talaria.running import StackNotFound, database_url
     from talaria.trace_export import export, parse_since
 
@@ -231,7 +237,7 @@ def cmd_trace_export(argv: list[str]) -> int:
         return 2
     try:
         summary = export(url, Path(args.out), since)
-    except OSError as exc:
+    except (OSError, asyncpg.PostgresError) as exc:  # unwritable OUT, or a database that is gone
         print(f"talaria trace export: {exc}", file=sys.stderr)
         return 1
     print(f"talaria: exported {summary['calls']} calls in {summary['sessions']} sessions to {summary['out']}")
@@ -252,6 +258,9 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
     import tempfile
     import uuid
 
+    import asyncpg
+    import nats.errors
+
     from talaria.replay import ReplayConfig, Replayer, metrics_from_db, write_report
     from talaria.running import StackNotFound, data_dir, find_stack
     from talaria.stack import Stack, StackError
@@ -268,7 +277,7 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
     stack = None
     try:
         if args.running:  # the stack `talaria up` runs on --data-dir / TALARIA_DATA_DIR / .talaria
-            running = find_stack(data_dir(settings, args.data_dir))
+            running = find_stack(data_dir(settings, args.data_dir)).check_running()
             nats_url, db_url = running.nats_client_url, running.database_url
             api_key = settings.cli.api_key or running.api_key
         elif args.nats:
@@ -301,6 +310,9 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
         return 0 if stats.calls_failed == 0 else 1
     except (StackError, StackNotFound) as exc:
         print(f"talaria replay: {exc}", file=sys.stderr)
+        return 1
+    except (OSError, nats.errors.Error, asyncpg.PostgresError) as exc:  # e.g. --running on a stopped stack
+        print(f"talaria replay: cannot reach the stack: {exc!r} (is it running?)", file=sys.stderr)
         return 1
     finally:
         if stack is not None:

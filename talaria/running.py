@@ -9,11 +9,14 @@
 from __future__ import annotations
 
 import json
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
+from urllib.parse import urlsplit
 
 from talaria.services.gateway.auth import SCOPE_SEPARATOR
+from talaria.shared.bus import servers
 from talaria.shared.settings import Settings
 
 STACK_FILE = "stack.json"
@@ -49,6 +52,17 @@ class RunningStack:
     @property
     def traces_dir(self) -> Path:
         return Path(self.description.get("traces") or self.data_dir / "traces")
+
+    def check_running(self, timeout_s: float = 3.0) -> "RunningStack":
+        """Its NATS answers (a stopped stack's stack.json stays behind): else one clear error,
+        before a client would retry a dead address and log each attempt."""
+        url = urlsplit(servers(self.nats_client_url)[0])
+        try:
+            socket.create_connection((url.hostname or "127.0.0.1", url.port or 4222), timeout=timeout_s).close()
+        except OSError as exc:
+            raise StackNotFound(f"the stack of {self.data_dir} is not running (NATS at {url.hostname}:{url.port}: "
+                                f"{exc.strerror or exc}); start it with `talaria up`") from None
+        return self
 
 
 def data_dir(settings: Settings, flag: str | None) -> Path:

@@ -1,5 +1,7 @@
 """Every operator audit in ops/audit/ runs against a real projected database and answers."""
 
+import asyncio
+
 import pytest
 
 from talaria.services.telemetry.projector import project
@@ -65,3 +67,32 @@ async def test_every_audit_query_runs_and_explains_the_session(database_url):
     assert sum(r["returns"] for r in results["tau_effectiveness"]) == 2
     assert [r["call_index"] for r in results["session_calls"]] == [0, 1, 2]
     assert results["quarantined_events"] == []
+
+
+async def test_a_session_is_found_by_the_id_its_client_sent(database_url, capsys):
+    """Two tenants sent `demo`, one `solo`: the stored ids are `<tenant>:<id>` (the gateway scopes them)."""
+    from talaria.audit import run_audit, stored_sessions
+    from talaria.running import AmbiguousSession
+
+    db = create_engine(database_url)
+    seq = 0
+    async with db.begin() as conn:
+        for sid in ("acme:demo", "default:demo", "default:solo"):
+            for i, event in enumerate(events()[:3]):  # submitted, decided, completed
+                seq += 1
+                await project(conn, event.__class__(**{**{f: getattr(event, f) for f in event.__struct_fields__},
+                                                       "call_id": f"{sid}-{i}", "session_id": sid}), seq)
+    await db.dispose()
+    assert sorted(await stored_sessions(database_url, "demo")) == ["acme:demo", "default:demo"]
+    assert await stored_sessions(database_url, "emo") == []  # a suffix of an id is not the id
+
+    async def audit(session: str, tenant: str | None = None) -> int:  # run_audit runs its own event loop
+        return await asyncio.to_thread(run_audit, lambda: database_url, "session_calls", [f"session_id={session}"],
+                                       "json", tenant)
+
+    assert await audit("solo") == 0 and '"call_index": 0' in capsys.readouterr().out
+    assert await audit("demo", tenant="acme") == 0 and '"call_index": 0' in capsys.readouterr().out
+    with pytest.raises(AmbiguousSession, match="acme, default"):
+        await audit("demo")
+    assert await audit("demo", tenant="nobody") == 1
+    assert "no session 'demo' of tenant 'nobody'" in capsys.readouterr().err

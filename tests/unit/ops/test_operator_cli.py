@@ -126,3 +126,22 @@ def test_stack_json_holds_exactly_the_documented_keys(tmp_path):
     # `nats_cluster` is documented for a clustered NATS (--nats-cluster > 1) and absent otherwise
     assert set(described) - {"nats_cluster"} == documented - {"nats_cluster"}
     assert os.path.basename(str(tmp_path)) in described["data_dir"]
+
+
+def test_a_stopped_stacks_description_gets_one_line_not_retries(tmp_path, capsys, monkeypatch):
+    """stack.json outlives its stack: the commands say it is not running instead of a traceback."""
+    from talaria.embedded import free_port
+
+    monkeypatch.delenv("TALARIA_DATABASE_URL", raising=False)
+    (tmp_path / "stack.json").write_text(json.dumps({
+        "database": f"postgresql://talaria:secret@127.0.0.1:{free_port()}/talaria",
+        "nats_client": f"nats://talaria-client-default:pw@127.0.0.1:{free_port()}", "api_key": "tk-x"}))
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"session": "s", "call_index": 0, "model": "qwen3-tiny", "prompt_tokens": 4,
+                                 "reusable_prefix_tokens": 0, "output_tokens": 1, "gap_before_s": 0.0}) + "\n")
+    assert main(["replay", str(trace), "--running", "--data-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "is not running" in _one_line(err) and "pw" not in err
+    assert main(["audit", "session_calls", "--param", "session_id=s", "--data-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "cannot reach the database" in _one_line(err) and "secret" not in err
