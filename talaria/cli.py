@@ -57,8 +57,20 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         print(f"talaria: --routers {args.routers}: 1 to {settings.router.router_partitions} (TALARIA_ROUTER_PARTITIONS: "
               "each router needs a partition of the sessions)", file=sys.stderr)
         return 2
+    route_tls = None
+    if args.nats_route_tls:
+        from talaria.embedded import RouteTls
+
+        try:
+            route_tls = RouteTls.parse(args.nats_route_tls)
+        except ValueError as exc:
+            print(f"talaria: --nats-route-tls {exc}", file=sys.stderr)
+            return 2
+        if args.nats_cluster < 2:
+            print("talaria: --nats-route-tls secures a cluster's routes: give --nats-cluster 3", file=sys.stderr)
+            return 2
     stack = Stack(settings, agents=args.agents, hot=tuple(args.hot), nats_cluster=args.nats_cluster,
-                  routers=args.routers)
+                  routers=args.routers, route_tls=route_tls)
     stopping = False
 
     def on_signal(signum, frame):
@@ -261,6 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--nats-cluster", type=int, default=1, metavar="N",
                     help="embedded NATS as an N-node JetStream cluster, streams replicated N times (3: one "
                          "node may die without a stall of more than a few seconds; default 1)")
+    up.add_argument("--nats-route-tls", default=None, metavar="CERT,KEY,CA",
+                    help="the cluster's routes over mutual TLS: each member presents CERT (KEY) and accepts "
+                         "only peers whose certificate CA signed (routes always need the generated route password)")
     up.add_argument("--routers", type=int, default=1, metavar="N",
                     help="N router replicas splitting the sessions by partition (ownership in a JetStream KV "
                          "bucket; a dead router's partitions are taken over within its TTL; default 1)")
