@@ -169,6 +169,20 @@ def cmd_nats_config(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def cmd_compose_secrets(args: argparse.Namespace, settings: Settings) -> int:
+    """docker-compose.yml's one-shot `secrets` service: generate them once into a volume."""
+    from talaria.compose_secrets import write_compose_secrets
+
+    agents = [a.strip() for a in args.agents.split(",") if a.strip()]
+    try:
+        made = write_compose_secrets(Path(args.out), agents, deployment=settings.common.deployment.name)
+    except OSError as exc:
+        print(f"talaria compose-secrets: {exc}", file=sys.stderr)
+        return 1
+    print(f"talaria: {'generated the secrets in' if made else 'kept the secrets already in'} {args.out}")
+    return 0
+
+
 def cmd_trace(args: argparse.Namespace, settings: Settings) -> int:
     from talaria.timeline import print_timeline
 
@@ -296,6 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
     nc.add_argument("out", help="directory for auth.conf (include it in nats-server.conf) and one .env per service")
     nc.add_argument("--agents", default="agent-0,agent-1", help="comma-separated instance ids "
                     "(NATS API client users: one per tenant of TALARIA_API_KEYS / TALARIA_API_KEYS_FILE)")
+    cs = sub.add_parser("compose-secrets", help="generate a docker-compose deployment's secrets once (its `secrets` "
+                        "service runs this): per-service NATS users, route, database and Grafana passwords, an API key")
+    cs.add_argument("out", help="directory (the secrets volume); kept as it is when already complete")
+    cs.add_argument("--agents", default="agent-0,agent-1", help="comma-separated instance ids")
     tr = sub.add_parser("trace", help="print a session's timeline from exported spans; "
                         "`talaria trace export OUT.jsonl` writes the served calls as a replayable trace")
     tr.add_argument("session", nargs="?", help="session id (default: list sessions)")
@@ -348,7 +366,7 @@ def _main(argv: list[str] | None) -> int:
         return 2
     from talaria.services.router.policy.registry import UnknownPolicyError
 
-    handlers = {"up": cmd_up, "migrate": cmd_migrate, "nats-config": cmd_nats_config, "trace": cmd_trace, "audit": cmd_audit,
+    handlers = {"up": cmd_up, "migrate": cmd_migrate, "nats-config": cmd_nats_config, "compose-secrets": cmd_compose_secrets, "trace": cmd_trace, "audit": cmd_audit,
                 "replay": cmd_replay}
     try:
         return handlers[args.command](args, settings)
