@@ -5,6 +5,7 @@ do not apply to routes, so an admitted route would see every subject)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import urllib.request
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import nats
 import pytest
 
-from talaria.embedded import EmbeddedNatsCluster, free_port, nats_server_binary
+from talaria.embedded import EmbeddedNatsCluster, RouteTls, free_port, nats_server_binary
 from talaria.shared.bus import servers
 from talaria.shared.nats_auth import SERVICE_INBOX, generate_users
 from tests.integration.harness import wait_until
@@ -108,3 +109,56 @@ def test_route_credentials_are_only_in_the_private_config(cluster):
         cmdline = Path(f"/proc/{node.proc.pid}/cmdline").read_bytes()
         assert node.route_password.encode() not in cmdline
     assert all("@" not in r for r in cluster.routes)  # what stack.json lists
+
+
+def _route_certs(directory: Path) -> RouteTls:
+    """A CA and one certificate it signed for 127.0.0.1 (openssl), as an operator would bring."""
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+            "-subj", "/CN=talaria-test-ca")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "route.key", "-out", "route.csr",
+            "-subj", "/CN=127.0.0.1")
+    (directory / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
+    openssl("x509", "-req", "-in", "route.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", "route.pem", "-days", "1", "-extfile", "ext.cnf")
+    return RouteTls(directory / "route.pem", directory / "route.key", directory / "ca.pem")
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make the test certificates")
+async def test_routes_over_mutual_tls_join_members_and_refuse_a_stranger(tmp_path):
+    cluster = EmbeddedNatsCluster(tmp_path / "nats", 3, users=generate_users(["agent-0"]),
+                                  route_tls=_route_certs(tmp_path / "certs")).start()
+    stranger = Stranger(tmp_path / "stranger", cluster.name, cluster.routes)
+    try:
+        for node in cluster.nodes:  # the members routed to each other over TLS
+            with urllib.request.urlopen(f"http://127.0.0.1:{node.monitor_port}/routez", timeout=1) as r:
+                routes = json.load(r)["routes"]
+            assert {route["remote_name"] for route in routes} == {n.name for n in cluster.nodes} - {node.name}
+        async def tried() -> bool:
+            text = stranger.log.read_text(errors="replace") if stranger.log.exists() else ""
+            try:
+                joined = stranger.routes() > 0
+            except OSError:  # its monitor is not up yet
+                return False
+            return joined or text.count("Router connection closed") >= 3  # each member hung up on it
+
+        await wait_until(tried, "the stranger's route attempts", timeout=20)
+        spy = await nats.connect(f"nats://127.0.0.1:{stranger.port}")
+        try:
+            seen = []
+
+            async def heard(msg) -> None:
+                seen.append(msg.subject)
+
+            await spy.subscribe(">", cb=heard)
+            await spy.flush()
+            assert stranger.routes() == 0 and seen == []
+        finally:
+            await spy.close()
+    finally:
+        stranger.stop()
+        cluster.stop()
