@@ -213,3 +213,9 @@ def authorization_block(users: dict[str, NatsUser], prefix: str = "talaria") -> 
     """The `authorization` section of a nats-server config (JSON is valid nats-server config)."""
     return {"users": [{"user": u.name, "password": u.password,
                        "permissions": permissions(u.role, prefix, u.instance_id, u.tenant)} for u in users.values()]}
+
+
+def cluster_route_urls(members: list[str], user: str, password: str) -> list[str]:
+    """A cluster's route URLs (`host:port` each) with the route user and password every member
+    must present (nats-server applies no user permissions to routes)."""
+    return [f"nats://{user}:{password}@{m.removeprefix('nats://')}" for m in members]

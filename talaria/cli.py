@@ -166,7 +166,24 @@ def cmd_nats_config(args: argparse.Namespace, settings: Settings) -> int:
         write_private(out / f"{key}.env", "".join(f"{k}={v}\n" for k, v in env.items()))
     print(f"talaria: wrote {out / 'auth.conf'} (include it from nats-server.conf) and "
           f"{', '.join(f'{k}.env' for k in users)}: one per service, mode 0600")
+    if args.cluster_routes:
+        _write_cluster_conf(out, args.cluster_routes, settings.common.deployment.name)
     return 0
+
+
+def _write_cluster_conf(out: Path, routes: str, name: str) -> None:
+    """`cluster.conf`: every member's route user and password (routes take no user permissions,
+    so a server joining without them would read every subject); `listen` is each member's own."""
+    import secrets
+
+    from talaria.shared.nats_auth import cluster_route_urls
+    from talaria.stack import write_private
+
+    password = secrets.token_urlsafe(24)
+    block = {"name": name, "authorization": {"user": "route", "password": password, "timeout": 2},
+             "routes": cluster_route_urls([r.strip() for r in routes.split(",") if r.strip()], "route", password)}
+    write_private(out / "cluster.conf", json.dumps({"cluster": block}, indent=1))
+    print(f"talaria: wrote {out / 'cluster.conf'}: include it on every member and set its own `cluster.listen`")
 
 
 def cmd_compose_secrets(args: argparse.Namespace, settings: Settings) -> int:
@@ -310,6 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     nc.add_argument("out", help="directory for auth.conf (include it in nats-server.conf) and one .env per service")
     nc.add_argument("--agents", default="agent-0,agent-1", help="comma-separated instance ids "
                     "(NATS API client users: one per tenant of TALARIA_API_KEYS / TALARIA_API_KEYS_FILE)")
+    nc.add_argument("--cluster-routes", default=None, metavar="HOST:PORT,...",
+                    help="also write cluster.conf: the members' routes with a generated route user and password")
     cs = sub.add_parser("compose-secrets", help="generate a docker-compose deployment's secrets once (its `secrets` "
                         "service runs this): per-service NATS users, route, database and Grafana passwords, an API key")
     cs.add_argument("out", help="directory (the secrets volume); kept as it is when already complete")

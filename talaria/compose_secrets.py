@@ -22,7 +22,7 @@ from pathlib import Path
 
 from talaria.embedded import cluster_block
 from talaria.shared.api_keys import hash_key, new_key, write_key_file
-from talaria.shared.nats_auth import authorization_block, generate_users
+from talaria.shared.nats_auth import authorization_block, cluster_route_urls, generate_users
 
 DONE = ".complete"  # written last: a start interrupted half-way generates everything again
 NATS_NODES = ("nats-0", "nats-1", "nats-2")
@@ -58,7 +58,7 @@ def write_compose_secrets(out: Path, agents: list[str], tenant: str = "default",
     route = secrets.token_urlsafe(24)
     cluster = cluster_block(deployment, ROUTE_PORT, (), "route", route)
     cluster["listen"] = f"0.0.0.0:{ROUTE_PORT}"
-    cluster["routes"] = [f"nats://route:{route}@{node}:{ROUTE_PORT}" for node in NATS_NODES]
+    cluster["routes"] = cluster_route_urls([f"{node}:{ROUTE_PORT}" for node in NATS_NODES], "route", route)
     _write(out / "nats" / "nats.conf", json.dumps({"authorization": authorization_block(users, deployment),
                                                    "cluster": cluster}, indent=1))
     _write(out / "postgres" / "admin_password", admin, 0o644)

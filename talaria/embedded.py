@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from talaria.shared.db.roles import app_role_sql, sql_literal
-from talaria.shared.nats_auth import authorization_block
+from talaria.shared.nats_auth import authorization_block, cluster_route_urls
 
 
 class EmbeddedServerError(RuntimeError):
@@ -229,10 +229,10 @@ class RouteTls:
 
 
 def route_urls(ports: tuple[int, ...], user: str = "", password: str = "") -> list[str]:
-    """The cluster's route URLs, with the route credentials when given (for the config only:
-    stack.json lists them without)."""
-    auth = f"{user}:{password}@" if user else ""
-    return [f"nats://{auth}127.0.0.1:{p}" for p in ports]
+    """The local cluster's route URLs, with the route credentials when given (for the config
+    only: stack.json lists them without)."""
+    members = [f"127.0.0.1:{p}" for p in ports]
+    return cluster_route_urls(members, user, password) if user else [f"nats://{m}" for m in members]
 
 
 def cluster_block(name: str, port: int, routes: tuple[int, ...], user: str, password: str,

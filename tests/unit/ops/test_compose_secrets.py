@@ -62,3 +62,16 @@ def test_the_container_entry_point_loads_the_services_env_then_runs_it(tmp_path)
     missing = subprocess.run([sys.executable, "-m", "talaria.container", "show"], capture_output=True, text=True,
                              env={**os.environ, "TALARIA_SECRETS_ENV": str(tmp_path / "nope")})
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "no secrets" in missing.stderr
+
+
+def test_nats_config_writes_an_external_clusters_route_credentials(tmp_path):
+    out = tmp_path / "nats"
+    run = subprocess.run([sys.executable, "-m", "talaria.cli", "nats-config", str(out), "--cluster-routes",
+                          "nats-a:6222,nats-b:6222"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    conf = out / "cluster.conf"
+    assert conf.stat().st_mode & 0o777 == 0o600
+    cluster = json.loads(conf.read_text())["cluster"]
+    password = cluster["authorization"]["password"]
+    assert cluster["authorization"]["user"] == "route" and len(password) >= 24
+    assert cluster["routes"] == [f"nats://route:{password}@nats-a:6222", f"nats://route:{password}@nats-b:6222"]
