@@ -38,6 +38,7 @@ from talaria.shared.events import DispatchFence
 from talaria.shared.session_slots import SLOTS, slot_of
 
 RENEWALS_PER_TTL = 4  # an owner renews every ttl_s / 4: three renewals may fail before it lapses
+CONFIDENT_SHARE = 0.5  # an owner decides within this share of the TTL after its last renewal (`current`)
 
 
 def valid_partitions(count: int) -> bool:
@@ -184,12 +185,15 @@ class Ownership:
             self.confirmed[partition] = sent_at
 
     def current(self, partition: int, now: float) -> bool:
-        """Is the partition surely still ours? Its key expires ttl_s after our last write
-        reached the bucket, which was after we sent it: until ttl_s after the send, no other
-        router can hold it. Past that (we stalled: SIGSTOP, a long pause, an unreachable
-        bucket) we decide nothing for it until a round renews the claim or finds it lost."""
+        """May we still decide for the partition? Its key expires ttl_s after our last write
+        reached the bucket, which was after we sent it: until then no other router can hold
+        it. We decide only in the first CONFIDENT_SHARE of that time, so a dispatch decided
+        at its end still reaches its agent (which checks the claim) long before another router
+        can claim the partition. Past it (we stalled: SIGSTOP, a long pause, an unreachable
+        bucket) we decide nothing for it until a round renews the claim or finds it lost;
+        renewals every ttl_s / RENEWALS_PER_TTL keep a live owner inside it."""
         at = self.confirmed.get(partition)
-        return partition in self.owned and (at is None or now < at + self.ttl_s)
+        return partition in self.owned and (at is None or now < at + CONFIDENT_SHARE * self.ttl_s)
 
     def lost(self, partition: int) -> None:
         self.owned.pop(partition, None)
