@@ -1,7 +1,8 @@
-"""A container's entry point: `python -m talaria.container MODULE [ARGS]` loads the service's
-own secrets (KEY=VALUE lines in $TALARIA_SECRETS_ENV, default /run/secrets/talaria/env, which
-`talaria compose-secrets` wrote) into the environment, then runs `python -m MODULE ARGS`.
-Secrets never appear in the compose file, an image, or a command line."""
+"""A container's entry point: `python -m talaria.container [--env FILE] MODULE [ARGS]` loads the
+service's own secrets (KEY=VALUE lines in FILE, default /run/secrets/talaria/env, which
+`talaria compose-secrets` wrote) into the environment, then runs `python -m MODULE ARGS`
+(whose settings read them). Secrets never appear in the compose file, an image, or a command
+line."""
 
 from __future__ import annotations
 
@@ -25,10 +26,12 @@ def read_env(path: Path) -> dict[str, str]:
 
 
 def main(argv: list[str]) -> int:
+    path = Path(DEFAULT_ENV)
+    if argv[:1] == ["--env"] and len(argv) > 1:
+        path, argv = Path(argv[1]), argv[2:]
     if not argv:
-        print("usage: python -m talaria.container MODULE [ARGS...]", file=sys.stderr)
+        print("usage: python -m talaria.container [--env FILE] MODULE [ARGS...]", file=sys.stderr)
         return 2
-    path = Path(os.environ.get("TALARIA_SECRETS_ENV", DEFAULT_ENV))
     try:
         os.environ.update(read_env(path))
     except FileNotFoundError:

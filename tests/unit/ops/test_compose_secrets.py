@@ -54,13 +54,13 @@ def test_the_container_entry_point_loads_the_services_env_then_runs_it(tmp_path)
     code = "import os; print(os.environ['TALARIA_NATS_USER'], os.environ['TALARIA_NATS_PASSWORD'])"
     script = tmp_path / "show.py"
     script.write_text(code)
-    run = subprocess.run([sys.executable, "-m", "talaria.container", "show"], capture_output=True, text=True,
-                         cwd=tmp_path, env={**os.environ, "TALARIA_SECRETS_ENV": str(env_file),
-                                            "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    run = subprocess.run([sys.executable, "-m", "talaria.container", "--env", str(env_file), "show"],
+                         capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["talaria-router", "p=w"]
-    missing = subprocess.run([sys.executable, "-m", "talaria.container", "show"], capture_output=True, text=True,
-                             env={**os.environ, "TALARIA_SECRETS_ENV": str(tmp_path / "nope")})
+    missing = subprocess.run([sys.executable, "-m", "talaria.container", "--env", str(tmp_path / "nope"), "show"],
+                             capture_output=True, text=True)
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "no secrets" in missing.stderr
 
 
