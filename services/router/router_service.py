@@ -441,6 +441,7 @@ class RouterService:
             return
         task, halt = running
         halt.set()
+        self.round_done.set()  # an intake held for a confirmation sees the partition gone
         await asyncio.wait([task], timeout=PUBLISH_TIMEOUT_S)
         if drain:  # its decided submissions' outputs stored and the submissions acked
             await self.outputs.all_stored(PUBLISH_TIMEOUT_S)
