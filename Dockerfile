@@ -18,5 +18,10 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 COPY --from=build /wheels /wheels
 RUN pip install /wheels/*.whl && rm -rf /wheels
+# Services run as an unprivileged user. The directories named volumes mount on are its own, so
+# a new volume (data, the generated secrets) starts owned by it; nothing else in the image is.
+RUN useradd --system --uid 10001 --user-group --home-dir /app --shell /usr/sbin/nologin talaria \
+    && mkdir -p /app /data /secrets && chown talaria:talaria /app /data /secrets && chmod 0700 /secrets
+USER talaria:talaria
 WORKDIR /app
 ENTRYPOINT ["python", "-m"]

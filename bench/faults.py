@@ -15,7 +15,9 @@ against what Postgres recorded:
 - lost: calls that got no answer within the client's timeout, plus rows still not final
   (submitted / routed / running) after the stack settled;
 - twice: completed rows beyond the answers clients received (work that ran twice, or ran
-  for a client that had already been given an error);
+  for a client that had already been given an error), or executions beyond one per call
+  counted from the agents' `call completed` log lines (one per execution; the rows record
+  a call's first run only);
 - rows wrong: completed rows missing for answers received, and `sessions` counters that
   disagree with the `calls` rows;
 - recovery: from the fault (restart-after-ctrl-c: from "ready" again) to the end of the last call that failed or was abnormally slow
@@ -58,10 +60,11 @@ CALL_TIMEOUT_S = 30.0  # the gateway's: calls carry this deadline
 RETRY_BUDGET_S = 90.0  # a logical call keeps retrying retryable errors this long
 TENANT, API_KEY = "bench", "bench-faults-key-0123456789"  # configured: the same across restarts
 SETTLE_S = 60.0  # > telemetry's ack_wait (30 s): a killed projector's batch comes back after it
-FAULTS = ("kill-router", "kill-agent", "kill-telemetry", "kill-gateway", "postgres-immediate",
+FAULTS = ("kill-router", "stop-router", "kill-agent", "kill-telemetry", "kill-gateway", "postgres-immediate",
           "nats-pause", "restart-after-ctrl-c", "kill-nats", "slowloris", "big-body", "overload", "disk-full", "disk-full-hard")
 FLOOD_TENANT, FLOOD_KEY = "flood", "bench-flood-key-0123456789"  # another tenant: big bodies, overload
 HOLD_S = 10.0  # how long the slowloris, overload and disk-full faults last
+PAUSES = 3  # stop-router: SIGSTOP / SIGCONT of one of two routers this many times, HOLD_S each
 
 
 @dataclass
@@ -202,6 +205,8 @@ def injector(up: UpProcess, fault: str, phase: Phase):
         match fault:
             case "kill-router":
                 kill("router-0")
+            case "stop-router":  # hung past its ownership TTL: its partitions are taken over meanwhile
+                phase.note = stop_router(up)
             case "kill-agent":
                 kill("agent-0")
             case "kill-telemetry":
@@ -235,6 +240,34 @@ def injector(up: UpProcess, fault: str, phase: Phase):
                 phase.ready_at = time.monotonic()
                 phase.note = f"stopped in {stopped:.1f}s, ready again {ready:.1f}s later"
     return inject
+
+
+def stop_router(up: UpProcess) -> str:
+    pid = up.pid("router-1")
+    for _ in range(PAUSES):
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(HOLD_S)  # the fault is the pause itself
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(2.0)  # resumed under load: its stale decisions go out (or not) now
+    return f"router-1 stopped {PAUSES}x {HOLD_S:g}s under load"
+
+
+def executions(data_dir: Path, prefix: str) -> dict[str, int]:
+    """call_id -> how many times an agent ran it: the agents' `call completed` log lines (one
+    per execution) of this phase's sessions."""
+    like = scoped_session(TENANT, prefix)
+    runs: dict[str, int] = {}
+    for log in sorted((data_dir / "logs").glob("agent-*.log*")):
+        for line in log.read_text(errors="replace").splitlines():
+            if '"call completed"' not in line:
+                continue
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if entry.get("event") == "call completed" and str(entry.get("session_id", "")).startswith(like):
+                runs[entry["call_id"]] = runs.get(entry["call_id"], 0) + 1
+    return runs
 
 
 def slowloris(port: int, per_address: int = 300, addresses: int = 8) -> str:
@@ -390,7 +423,7 @@ async def settle(db_url: str, prefix: str, answered: int) -> tuple[dict, dict]:
         await asyncio.sleep(0.5)  # re-query: the projection publishes no "row written" event
 
 
-def score(phase: Phase, by_session: dict, sess: dict) -> dict:
+def score(phase: Phase, by_session: dict, sess: dict, runs: dict[str, int] | None = None) -> dict:
     answered: dict[str, int] = {}
     for a in phase.attempts:
         if a.status == 200:
@@ -423,8 +456,11 @@ def score(phase: Phase, by_session: dict, sess: dict) -> dict:
                  if a.end >= since and (a.status != 200 or a.end - a.start > slow)]
     recovery = max(disturbed) - since if disturbed else 0.0
     inflight = [a.end - a.start for a in phase.attempts if a.start < phase.fault_at < a.end]
+    ran_twice = sum(n - 1 for n in (runs or {}).values())
     return {"fault": phase.fault, "ok": phase.ok, "gave_up": phase.gave_up, "errors": len(errors),
-            "error_kinds": sorted({a.error for a in errors}), "lost": no_answer + open_rows, "twice": twice,
+            "error_kinds": sorted({a.error for a in errors}), "lost": no_answer + open_rows,
+            "twice": max(twice, ran_twice), "ran_twice": ran_twice, "executions": sum((runs or {}).values()),
+            "longest_call_s": max((a.end - a.start for a in phase.attempts if a.end), default=0.0),
             "replayed": sum(1 for a in phase.attempts if a.status == 200 and a.replayed), "keys": phase.keys,
             "rows_wrong": missing + counters, "recovery_s": recovery,
             "inflight_wait_s": max(inflight, default=0.0), "rows_final_s": phase.rows_final_s,
@@ -434,7 +470,8 @@ def score(phase: Phase, by_session: dict, sess: dict) -> dict:
 def run(faults: list[str], sessions: int, calls: int, data_dir: Path | None = None, seed: int = 0,
         keys: bool = True) -> list[dict]:
     data_dir = data_dir or Path(tempfile.mkdtemp(prefix="talaria-faults-"))
-    up = UpProcess(data_dir, free_port())
+    # stop-router needs router replicas (a hung one's partitions are taken over by the other)
+    up = UpProcess(data_dir, free_port(), extra=("--routers", "2") if "stop-router" in faults else ())
     results = []
     try:
         boot = up.start()
@@ -447,7 +484,7 @@ def run(faults: list[str], sessions: int, calls: int, data_dir: Path | None = No
             by_session, sess = asyncio.run(settle(up.info()["database"] or db_url, f"{fault}-{seed + n}-",
                                                   sum(1 for a in phase.attempts if a.status == 200)))
             phase.rows_final_s = time.monotonic() - load_end
-            result = score(phase, by_session, sess)
+            result = score(phase, by_session, sess, executions(data_dir, f"{fault}-{seed + n}-"))
             results.append(result)
             print("faults: " + json.dumps(result), file=sys.stderr)
             time.sleep(2.0)  # let restarted services finish warming before the next phase's load

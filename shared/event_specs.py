@@ -99,6 +99,8 @@ SPECS: tuple[EventSpec, ...] = (
     EventSpec(e.InstanceLost, _ROUTER, dedupe=("instance_id", "incarnation"), core_readers=_AGENT),
     # The router's hot-pool decision; the agent it names repins (hot_pools.py).
     EventSpec(e.PoolPinned, _ROUTER, core_readers=_AGENT),
+    # A stale router's dispatch an agent did not run (the audit's refused_dispatches).
+    EventSpec(e.DispatchRefused, _AGENT, dedupe=("call_id", "instance_id")),
 )
 
 EVENT_TYPES: tuple[type[msgspec.Struct], ...] = get_args(e.Event)

@@ -44,6 +44,17 @@ class CallSubmitted(Struct, frozen=True, tag="call.submitted"):
         return self.prompt_tokens_hint if self.prompt_tokens_hint > 0 else len(self.prompt_ids)
 
 
+class DispatchFence(Struct, frozen=True):
+    """Which claim a dispatch was decided under: the router, the session's partition, and the
+    revision of the ownership bucket at which that router claimed it (its epoch; a later claim
+    by anyone has a higher one). An agent refuses a dispatch whose partition another router
+    has claimed since: it comes from a router that stalled past its claim (services/router/ownership.py)."""
+
+    router_id: Token
+    partition: int
+    epoch: int
+
+
 class CallRouted(Struct, frozen=True, tag="call.routed"):
     call: CallSubmitted
     call_index: int
@@ -61,12 +72,26 @@ class CallRouted(Struct, frozen=True, tag="call.routed"):
     # of what the session and model produced, <= max_tokens; services/router/output_estimate.py).
     # 0 = max_tokens (a router that does not estimate).
     kv_output_tokens: int = 0
+    fence: DispatchFence | None = None  # None: unfenced (a router without partition claims)
 
     def by_reference(self, submitted_seq: int) -> "CallRouted":
         """The stream's copy: the prompt ids stay in the CallSubmitted at `submitted_seq`."""
         call = self.call
         slim = msgspec.structs.replace(call, prompt_ids=[], prompt_tokens_hint=call.prompt_tokens)
         return msgspec.structs.replace(self, call=slim, submitted_seq=submitted_seq)
+
+
+class DispatchRefused(Struct, frozen=True, tag="dispatch.refused"):
+    """An agent did not run a dispatch: its router's claim on the partition was superseded
+    (`holder` claimed it at `holder_epoch` > `fence.epoch`). The call is the new owner's."""
+
+    call_id: Token
+    session_id: Name
+    instance_id: Token
+    fence: DispatchFence
+    holder: Token
+    holder_epoch: int
+    at: float
 
 
 class CallStarted(Struct, frozen=True, tag="call.started"):
@@ -258,6 +283,7 @@ Event = Union[
     RoundSummary,
     PoolPinned,
     InstanceLost,
+    DispatchRefused,
 ]
 
 

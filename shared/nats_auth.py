@@ -141,9 +141,13 @@ def permissions(role: str, prefix: str = "talaria", instance_id: str | None = No
     if role == "agent":
         if not instance_id:
             raise ValueError("an agent user needs its instance id")
+        # Read-only on the routers' ownership bucket: a dispatch's partition claim (fencing.py).
+        bucket = routers_bucket_name(prefix)
+        claims = [*(f"$JS.API.STREAM.{op}.KV_{bucket}" for op in ("INFO", "MSG.GET")),
+                  f"$JS.API.DIRECT.GET.KV_{bucket}.>"]
         pub = [*events, f"{prefix}.tokens.>", f"{prefix}.reply.>",
                f"{prefix}.telemetry.{instance_id}", f"{prefix}.health.agent-{instance_id}",
-               f"$JS.API.STREAM.MSG.GET.{stream}", *js]  # a routed call's prompt, read by reference
+               f"$JS.API.STREAM.MSG.GET.{stream}", *js, *claims]  # a routed call's prompt, read by reference
         sub = [*watch, *inbox, f"{prefix}.cancel", f"{prefix}.dispatch.{instance_id}", *heard]
         return {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
     if role == "client":
@@ -209,3 +213,9 @@ def authorization_block(users: dict[str, NatsUser], prefix: str = "talaria") -> 
     """The `authorization` section of a nats-server config (JSON is valid nats-server config)."""
     return {"users": [{"user": u.name, "password": u.password,
                        "permissions": permissions(u.role, prefix, u.instance_id, u.tenant)} for u in users.values()]}
+
+
+def cluster_route_urls(members: list[str], user: str, password: str) -> list[str]:
+    """A cluster's route URLs (`host:port` each) with the route user and password every member
+    must present (nats-server applies no user permissions to routes)."""
+    return [f"nats://{user}:{password}@{m.removeprefix('nats://')}" for m in members]

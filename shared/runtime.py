@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -11,6 +13,22 @@ from talaria.shared import logs
 from talaria.shared.settings import Settings, SettingsError
 
 Runner = Callable[[Settings, asyncio.Event | None, asyncio.Event | None], Awaitable[None]]
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Run in a child process (e.g. a pool's initializer): the kernel sends it SIGKILL when
+    its parent dies, however the parent died (a SIGKILLed service would otherwise leave it
+    to PID 1, and the resource tracker it holds open with it). A parent already gone before
+    the request took effect is caught by the pid check. Linux only (elsewhere: nothing)."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:
+        os._exit(1)
 
 
 def main(service: str, run: Runner) -> int:

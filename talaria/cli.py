@@ -72,9 +72,22 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         print(f"talaria: --routers {args.routers}: 1 to {settings.router.router_partitions} (TALARIA_ROUTER_PARTITIONS: "
               "each router needs a partition of the sessions)", file=sys.stderr)
         return 2
+    route_tls = None
+    if args.nats_route_tls:
+        from talaria.embedded import RouteTls
+
+        try:
+            route_tls = RouteTls.parse(args.nats_route_tls)
+        except ValueError as exc:
+            print(f"talaria: --nats-route-tls {exc}", file=sys.stderr)
+            return 2
+        if args.nats_cluster < 2:
+            print("talaria: --nats-route-tls secures a cluster's routes: give --nats-cluster 3", file=sys.stderr)
+            return 2
     stack = Stack(settings, agents=plan.agents(args.agents), hot=tuple(args.hot) if "agent" in plan.roles else (),
                   nats_cluster=args.nats_cluster, routers=args.routers, plan=plan, credentials=credentials,
-                  agent_prefix=args.agent_prefix)
+                  agent_prefix=args.agent_prefix, route_tls=route_tls)
+
     stopping = False
 
     def on_signal(signum, frame):
@@ -192,6 +205,37 @@ def cmd_nats_config(args: argparse.Namespace, settings: Settings) -> int:
         write_private(out / f"{key}.env", "".join(f"{k}={v}\n" for k, v in env.items()))
     print(f"talaria: wrote {out / 'auth.conf'} (include it from nats-server.conf) and "
           f"{', '.join(f'{k}.env' for k in users)}: one per service, mode 0600")
+    if args.cluster_routes:
+        _write_cluster_conf(out, args.cluster_routes, settings.common.deployment.name)
+    return 0
+
+
+def _write_cluster_conf(out: Path, routes: str, name: str) -> None:
+    """`cluster.conf`: every member's route user and password (routes take no user permissions,
+    so a server joining without them would read every subject); `listen` is each member's own."""
+    import secrets
+
+    from talaria.shared.nats_auth import cluster_route_urls
+    from talaria.stack import write_private
+
+    password = secrets.token_urlsafe(24)
+    block = {"name": name, "authorization": {"user": "route", "password": password, "timeout": 2},
+             "routes": cluster_route_urls([r.strip() for r in routes.split(",") if r.strip()], "route", password)}
+    write_private(out / "cluster.conf", json.dumps({"cluster": block}, indent=1))
+    print(f"talaria: wrote {out / 'cluster.conf'}: include it on every member and set its own `cluster.listen`")
+
+
+def cmd_compose_secrets(args: argparse.Namespace, settings: Settings) -> int:
+    """docker-compose.yml's one-shot `secrets` service: generate them once into a volume."""
+    from talaria.compose_secrets import write_compose_secrets
+
+    agents = [a.strip() for a in args.agents.split(",") if a.strip()]
+    try:
+        made = write_compose_secrets(Path(args.out), agents, deployment=settings.common.deployment.name)
+    except OSError as exc:
+        print(f"talaria compose-secrets: {exc}", file=sys.stderr)
+        return 1
+    print(f"talaria: {'generated the secrets in' if made else 'kept the secrets already in'} {args.out}")
     return 0
 
 
@@ -344,6 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--nats-cluster", type=int, default=1, metavar="N",
                     help="embedded NATS as an N-node JetStream cluster, streams replicated N times (3: one "
                          "node may die without a stall of more than a few seconds; default 1)")
+    up.add_argument("--nats-route-tls", default=None, metavar="CERT,KEY,CA",
+                    help="the cluster's routes over mutual TLS: each member presents CERT (KEY) and accepts "
+                         "only peers whose certificate CA signed (routes always need the generated route password)")
     up.add_argument("--routers", type=int, default=1, metavar="N",
                     help="N router replicas splitting the sessions by partition (ownership in a JetStream KV "
                          "bucket; a dead router's partitions are taken over within its TTL; default 1)")
@@ -374,6 +421,12 @@ def build_parser() -> argparse.ArgumentParser:
     nc.add_argument("out", help="directory for auth.conf (include it in nats-server.conf) and one .env per service")
     nc.add_argument("--agents", default="agent-0,agent-1", help="comma-separated instance ids "
                     "(NATS API client users: one per tenant of TALARIA_API_KEYS / TALARIA_API_KEYS_FILE)")
+    nc.add_argument("--cluster-routes", default=None, metavar="HOST:PORT,...",
+                    help="also write cluster.conf: the members' routes with a generated route user and password")
+    cs = sub.add_parser("compose-secrets", help="generate a docker-compose deployment's secrets once (its `secrets` "
+                        "service runs this): per-service NATS users, route, database and Grafana passwords, an API key")
+    cs.add_argument("out", help="directory (the secrets volume); kept as it is when already complete")
+    cs.add_argument("--agents", default="agent-0,agent-1", help="comma-separated instance ids")
     tr = sub.add_parser("trace", help="print a session's timeline from exported spans; "
                         "`talaria trace export OUT.jsonl` writes the served calls as a replayable trace")
     tr.add_argument("session", nargs="?", help="session id as the client sent it (default: list sessions)")
@@ -437,7 +490,7 @@ def _main(argv: list[str] | None) -> int:
     from talaria.running import AmbiguousSession, StackNotFound
     from talaria.services.router.policy.registry import UnknownPolicyError
 
-    handlers = {"up": cmd_up, "migrate": cmd_migrate, "nats-config": cmd_nats_config, "trace": cmd_trace, "audit": cmd_audit,
+    handlers = {"up": cmd_up, "migrate": cmd_migrate, "nats-config": cmd_nats_config, "compose-secrets": cmd_compose_secrets, "trace": cmd_trace, "audit": cmd_audit,
                 "replay": cmd_replay}
     try:
         return handlers[args.command](args, settings)

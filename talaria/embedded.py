@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from talaria.shared.db.roles import app_role_sql, sql_literal
-from talaria.shared.nats_auth import authorization_block
+from talaria.shared.nats_auth import authorization_block, cluster_route_urls
 
 
 class EmbeddedServerError(RuntimeError):
@@ -143,6 +144,12 @@ class EmbeddedNats:
     cluster_port: int = 0
     routes: tuple[int, ...] = ()
     monitor_port: int = 0
+    cluster_name: str = "talaria"
+    # What a route must present to join (generated per cluster): without it a stranger's
+    # nats-server could join and read every subject, as user permissions do not apply to routes.
+    route_user: str = ""
+    route_password: str = ""
+    route_tls: RouteTls | None = None
 
     @property
     def url(self) -> str:
@@ -165,12 +172,10 @@ class EmbeddedNats:
             nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port),
             "-js", "-sd", str(self.data_dir / "jetstream"), "-l", str(log), "-P", str(self.pidfile),
         ]
-        if self.users:
-            cmd += ["-c", str(self._write_auth_config())]
+        if self.users or self.cluster_port:
+            cmd += ["-c", str(self._write_config())]
         if self.cluster_port:
-            cmd += ["-n", self.name, "--cluster_name", "talaria", "--cluster", f"nats://127.0.0.1:{self.cluster_port}",
-                    "--routes", ",".join(f"nats://127.0.0.1:{p}" for p in self.routes),
-                    "-m", str(self.monitor_port)]
+            cmd += ["-n", self.name, "-m", str(self.monitor_port)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, start_new_session=True)
         try:
@@ -180,19 +185,68 @@ class EmbeddedNats:
             raise
         return self
 
-    def _write_auth_config(self) -> Path:
-        """Users and permissions in a config file only the owner can read (JSON is valid
-        nats-server config; command-line flags still set the address, port and store)."""
+    def _write_config(self) -> Path:
+        """Users, permissions and the cluster's routes in a config file only the owner can read
+        (JSON is valid nats-server config; command-line flags set the address, port and store):
+        credentials never appear on a command line."""
         import json
 
+        config: dict = {}
+        if self.users:
+            config["authorization"] = authorization_block(self.users, self.prefix)
+        if self.cluster_port:
+            config["cluster"] = cluster_block(self.cluster_name, self.cluster_port, self.routes,
+                                              self.route_user, self.route_password, self.route_tls)
         path = self.data_dir / "auth.conf"
         with open(path, "w", opener=lambda p, flags: os.open(p, flags, 0o600)) as f:
-            json.dump({"authorization": authorization_block(self.users, self.prefix)}, f, indent=1)
+            json.dump(config, f, indent=1)
         path.chmod(0o600)
         return path
 
     def stop(self) -> None:
         _stop(self.proc, signal.SIGTERM)
+
+
+@dataclass(frozen=True)
+class RouteTls:
+    """PEM files securing the routes: each member presents `cert` and accepts only peers whose
+    certificate `ca` signed (mutual TLS), on top of the route user and password."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+    @classmethod
+    def parse(cls, spec: str) -> "RouteTls":
+        """`CERT,KEY,CA` (as `talaria up --nats-route-tls` takes it); every file must exist."""
+        parts = [p.strip() for p in spec.split(",")]
+        if len(parts) != 3 or not all(parts):
+            raise ValueError(f"{spec!r}: CERT,KEY,CA (three PEM files)")
+        missing = [p for p in parts if not Path(p).is_file()]
+        if missing:
+            raise ValueError(f"{missing[0]}: no such file")
+        return cls(*(Path(p).resolve() for p in parts))
+
+
+def route_urls(ports: tuple[int, ...], user: str = "", password: str = "") -> list[str]:
+    """The local cluster's route URLs, with the route credentials when given (for the config
+    only: stack.json lists them without)."""
+    members = [f"127.0.0.1:{p}" for p in ports]
+    return cluster_route_urls(members, user, password) if user else [f"nats://{m}" for m in members]
+
+
+def cluster_block(name: str, port: int, routes: tuple[int, ...], user: str, password: str,
+                  tls: RouteTls | None = None) -> dict:
+    """The `cluster` section of a member's nats-server config: it listens for routes on `port`,
+    accepts only those presenting `user` / `password` (and, with `tls`, a certificate its CA
+    signed), and solicits the other members with the same credentials."""
+    block: dict = {"name": name, "listen": f"127.0.0.1:{port}", "routes": route_urls(routes, user, password)}
+    if user:
+        block["authorization"] = {"user": user, "password": password, "timeout": 2}
+    if tls is not None:
+        block["tls"] = {"cert_file": str(tls.cert), "key_file": str(tls.key), "ca_file": str(tls.ca),
+                        "verify": True, "timeout": 2}
+    return block
 
 
 @dataclass
@@ -206,6 +260,17 @@ class EmbeddedNatsCluster:
     users: dict | None = None
     prefix: str = "talaria"
     nodes: list[EmbeddedNats] = field(default_factory=list)
+    route_tls: RouteTls | None = None
+
+    @property
+    def name(self) -> str:
+        """The cluster's name (its deployment's): knowing it does not let a server join."""
+        return self.prefix
+
+    @property
+    def routes(self) -> list[str]:
+        """Where the members listen for routes (no credentials)."""
+        return route_urls(tuple(n.cluster_port for n in self.nodes))
 
     @property
     def url(self) -> str:
@@ -217,9 +282,12 @@ class EmbeddedNatsCluster:
             raise EmbeddedServerError("nats", f"a cluster needs at least one node, not {self.size}")
         if not self.nodes:
             routes = tuple(free_port() for _ in range(self.size))
+            user, password = "route", secrets.token_urlsafe(24)  # one per cluster, kept only in 0600 configs
             self.nodes = [EmbeddedNats(self.data_dir / f"node-{i}", port=free_port(), users=self.users,
                                        prefix=self.prefix, name=f"nats-{i}", cluster_port=routes[i], routes=routes,
-                                       monitor_port=free_port()) for i in range(self.size)]
+                                       monitor_port=free_port(), cluster_name=self.name, route_user=user,
+                                       route_password=password, route_tls=self.route_tls)
+                          for i in range(self.size)]
         try:
             for node in self.nodes:
                 node.start(timeout)

@@ -33,6 +33,7 @@ from talaria.embedded import (
     EmbeddedNatsCluster,
     EmbeddedPostgres,
     EmbeddedServerError,
+    RouteTls,
     free_port,
     stop_stale,
 )
@@ -158,6 +159,7 @@ class Stack:
     plan: HostPlan = HostPlan(frozenset(ROLES))  # what this host runs (talaria/roles.py)
     credentials: Path | None = None  # `talaria nats-config` output: each service's own NATS user
     agent_prefix: str = "agent"  # instance ids <prefix>-0, <prefix>-1, ...: unique across hosts
+    route_tls: RouteTls | None = None  # the embedded cluster's routes over mutual TLS
     log_to_files: bool = True
     embedded: list = field(default_factory=list)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
@@ -173,6 +175,7 @@ class Stack:
     _lock: object = None  # the data directory's lock file, held while this run lives
     _log_offsets: dict = field(default_factory=dict)  # how far each server log has been read
     broker_disabled: bool = False  # the embedded NATS turned JetStream off and awaits a restart
+    cluster: EmbeddedNatsCluster | None = None  # the embedded JetStream cluster (--nats-cluster > 1)
 
     def start(self, timeout: float = 120.0, progress=print) -> "Stack":
         data = self.settings.common.data_dir.resolve()
@@ -252,6 +255,12 @@ class Stack:
         return urls.get("default") or urls[sorted(urls)[0]]
 
     def describe(self) -> dict[str, object]:
+        described = self._describe()
+        if self.cluster is not None:  # where its members take routes (the route credentials stay in auth.conf)
+            described["nats_cluster"] = {"name": self.cluster.name, "routes": self.cluster.routes}
+        return described
+
+    def _describe(self) -> dict[str, object]:
         return {"gateway": self.gateway_url, "nats": self.nats_url, "database": self.database_url,
                 "nats_client": self.client_nats_url, "nats_clients": self.client_nats_urls, "api_key": self.api_key,
                 "data_dir": str(self.settings.common.data_dir.resolve()), "agents": self.agents,
@@ -293,7 +302,8 @@ class Stack:
             raise StackError(f"--nats-cluster {self.nats_cluster}: 1 to 5 servers (JetStream replicates at most 5x)")
         progress(f"starting an embedded {self.nats_cluster}-node NATS JetStream cluster with per-service users")
         cluster = EmbeddedNatsCluster(data / "nats-cluster", self.nats_cluster, users=self.nats_users,
-                                      prefix=self.settings.common.deployment.name)
+                                      prefix=self.settings.common.deployment.name, route_tls=self.route_tls)
+        self.cluster = cluster
         try:
             cluster.start()
         finally:  # each member supervised (restarted on its ports) like a single server

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 import msgspec
 from aiohttp import web
 
+from talaria.services.gateway import big_bodies
 from talaria.services.gateway.admission import Admission, DiskCheck, default_min_free_bytes
 from talaria.services.gateway.auth import KeyStore
 from talaria.services.gateway.connection_limits import GuardedRunner, HttpLimits
@@ -130,7 +129,7 @@ async def serve(common: CommonSettings, settings: GatewaySettings, ready: asynci
     await nats_api.start()
     # handler_cancellation: a client that disconnects cancels its handler, which cancels the call.
     # One worker process parses large bodies: they queue among themselves, not on the loop.
-    parser_pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+    parser_pool = big_bodies.parser_pool()
     await asyncio.get_running_loop().run_in_executor(parser_pool, int)  # start it now, not on a call
     limits = HttpLimits.from_settings(settings)
     api = HttpApi(submitter, served, catalogue, log, keys, settings.prefix_sharing, parser_pool, idempotency,

@@ -33,7 +33,7 @@ from talaria.shared.logs import call_context
 from talaria.shared.metrics import FrontendMetrics
 from talaria.shared.nats_auth import ANSWERING_ROLES, SENDER_HEADER, STREAMING_ROLES, sender_of, sent_by
 from talaria.shared.bus import (
-    FAILOVER_S, RECONNECT_WAIT_S, REPLIES_DISK_SHARE, deployment_of, disk_cap, emit, emit_new, written,
+    FAILOVER_S, RECONNECT_WAIT_S, REPLIES_DISK_SHARE, deployment_of, disk_cap, emit, emit_new, replicas, written,
 )
 from talaria.shared.events import CallFailed, CallSubmitted
 from talaria.shared.messages import (
@@ -80,7 +80,7 @@ class Submitter:
         config = StreamConfig(name=self.deployment.replies_stream, subjects=[f"{self.deployment.live_replies}.*.*"],
                               retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
                               discard=DiscardPolicy.OLD, max_age=2 * self.timeout_s, max_msgs_per_subject=1,
-                              max_bytes=disk_cap(self.js, REPLIES_DISK_SHARE))
+                              max_bytes=disk_cap(self.js, REPLIES_DISK_SHARE), num_replicas=replicas(self.js))
         try:
             await self.js.add_stream(config)
         except BadRequestError:

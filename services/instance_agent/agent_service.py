@@ -23,6 +23,7 @@ from talaria.shared.bus import PUBLISH_TIMEOUT_S, close, connect, deployment_of,
 from talaria.shared.metrics import AgentMetrics
 from talaria.shared.limits import call_problem
 from talaria.shared.runtime import serve_until_stopped
+from talaria.services.instance_agent.fencing import DispatchFencing
 from talaria.shared.nats_auth import parse_sender, sender_headers, sender_of, trusted
 from talaria.shared.events import CallFailed, CallRouted, CallSubmitted, EVENT_DECODER, PoolPinned, ROUTED_DECODER
 from talaria.shared.messages import CANCEL_DECODER, ErrorReply
@@ -85,13 +86,19 @@ async def serve(common: CommonSettings, settings: AgentSettings, ready: asyncio.
 
     await nc.subscribe(deployment.event("pool.pinned"), cb=on_pool_pinned)
 
+    fencing = DispatchFencing(js, deployment.routers_bucket, settings.instance_id, log)
+
     async def on_dispatch(msg) -> None:
         # The fast copy of a routed call: start it now. Anything odd is left to the durable
-        # copy, which refuses and records it (a refusal here would be recorded twice).
+        # copy, which refuses and records it (a refusal here would be recorded twice). A
+        # superseded router's dispatch is refused here: its durable copy never comes (the
+        # stream drops it as a duplicate of the new owner's).
         try:
             routed = ROUTED_DECODER.decode(msg.data)
             if (routed.instance_id == runner.instance_id and routed.call.model in common.models
                     and trusted(msg, routed)):
+                if not runner.holds(routed.call.call_id) and await fencing.refused(routed):
+                    return
                 runner.accept(routed, None, headers=msg.headers)
         except Exception as exc:
             log.warning("fast dispatch ignored", error=str(exc))
@@ -102,7 +109,7 @@ async def serve(common: CommonSettings, settings: AgentSettings, ready: asyncio.
         asyncio.create_task(runner.work_loop(stop), name="work"),
         asyncio.create_task(runner.closer.progress_loop(stop), name="progress"),
         asyncio.create_task(runner.drops.watchdog_loop(stop), name="watchdog"),
-        asyncio.create_task(_fetch_loop(sub, runner, js, nc, log, stop), name="fetch"),
+        asyncio.create_task(_fetch_loop(sub, runner, fencing, js, nc, log, stop), name="fetch"),
     ]
     await runner.publish_snapshot()
     log.info("instance agent ready", models=list(common.models), pool=settings.pool)
@@ -136,7 +143,7 @@ def _build_engine(common: CommonSettings, settings: AgentSettings):
     return engine
 
 
-async def _fetch_loop(sub, runner: CallRunner, js, nc, log, stop: asyncio.Event) -> None:
+async def _fetch_loop(sub, runner: CallRunner, fencing: DispatchFencing, js, nc, log, stop: asyncio.Event) -> None:
     while not stop.is_set():
         try:
             msgs = await sub.fetch(FETCH_BATCH, timeout=1.0)
@@ -160,6 +167,9 @@ async def _fetch_loop(sub, runner: CallRunner, js, nc, log, stop: asyncio.Event)
                 await msg.term()
                 continue
             try:
+                if not runner.holds(routed.call.call_id) and await fencing.refused(routed):
+                    await msg.ack()  # its partition's new owner placed the call
+                    continue
                 routed = await _with_prompt(js, runner, routed)
                 if routed is None:  # its submission is gone from the stream: the client may retry
                     await msg.ack()

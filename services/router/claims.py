@@ -57,16 +57,18 @@ class ClaimStore:
                                 f"{int(entry.value)}, the partition count of the routers already running")
 
     async def read(self, partitions: int) -> dict[int, PartitionClaim | None]:
-        async def one(p: int) -> PartitionClaim | None:
-            try:
-                entry = await self.kv.get(key_of(p))
-            except KeyNotFoundError:  # never claimed, expired, or released (a delete marker)
-                return None
-            if not entry.value or entry.operation in ("DEL", "PURGE"):
-                return None
-            return PartitionClaim(entry.value.decode(), entry.revision)
-        got = await asyncio.gather(*(one(p) for p in range(partitions)))
+        got = await asyncio.gather(*(self.claim(p) for p in range(partitions)))
         return dict(enumerate(got))
+
+    async def claim(self, partition: int) -> PartitionClaim | None:
+        """The partition's claim now; None when free."""
+        try:
+            entry = await self.kv.get(key_of(partition))
+        except KeyNotFoundError:  # never claimed, expired, or released (a delete marker)
+            return None
+        if not entry.value or entry.operation in ("DEL", "PURGE"):
+            return None
+        return PartitionClaim(entry.value.decode(), entry.revision)
 
     async def create(self, partition: int, me: str) -> int | None:
         """The revision of our new claim, or None if another router created it first."""

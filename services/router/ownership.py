@@ -21,6 +21,12 @@ exclusive; the member view only balances it.
 `Ownership.plan` turns what the bucket holds into actions; the router service
 (router_service.py) carries them out and reports back (`claimed`, `renewed`, `lost`,
 `released`). `Partitioning` answers "is this session mine?" for RouterCore.
+
+Fencing: a claim's epoch is the bucket revision that created it (renewals keep it; any later
+claim has a higher one). Every dispatch carries its router's (router, partition, epoch); an
+agent refuses one whose partition another router has claimed since (`superseded_by`): a
+router stalled past its TTL (SIGSTOP, a long pause) must not run a call its successor
+already placed.
 """
 
 from __future__ import annotations
@@ -28,9 +34,11 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
+from talaria.shared.events import DispatchFence
 from talaria.shared.session_slots import SLOTS, slot_of
 
 RENEWALS_PER_TTL = 4  # an owner renews every ttl_s / 4: three renewals may fail before it lapses
+CONFIDENT_SHARE = 0.5  # an owner decides within this share of the TTL after its last renewal (`current`)
 
 
 def valid_partitions(count: int) -> bool:
@@ -57,6 +65,8 @@ class Partitioning:
 
     count: int
     owned: frozenset[int]
+    router_id: str = ""  # "" with no claims (one router, the simulator): dispatches unfenced
+    epochs: tuple[tuple[int, int], ...] = ()  # (partition, epoch of our claim on it)
 
     @classmethod
     def everything(cls, count: int = 1) -> Partitioning:
@@ -66,6 +76,14 @@ class Partitioning:
         if session_id is None:
             return 0 in self.owned
         return partition_of(session_id, self.count) in self.owned
+
+    def fence(self, session_id: str) -> DispatchFence | None:
+        """What a dispatch for this session carries: our claim on its partition."""
+        partition = partition_of(session_id, self.count)
+        epoch = dict(self.epochs).get(partition)
+        if not self.router_id or epoch is None:
+            return None
+        return DispatchFence(self.router_id, partition, epoch)
 
 
 @dataclass(frozen=True)
@@ -85,6 +103,15 @@ class Plan:
     reclaim: list[int] = field(default_factory=list)  # mine, lapsed, free and still mine to prefer: create again
 
 
+def superseded_by(fence: DispatchFence | None, claim: PartitionClaim | None) -> PartitionClaim | None:
+    """The claim that supersedes a dispatch's, or None when the dispatch may run: it is
+    unfenced, its partition is free (nobody decided its calls since), or still its router's
+    (a later claim by the same router is the same process, or its restart adopting it)."""
+    if fence is None or claim is None or claim.owner == fence.router_id:
+        return None
+    return claim if claim.revision > fence.epoch else None
+
+
 def preferred(partition: int, members: frozenset[str] | set[str]) -> str:
     """Rendezvous (highest random weight) hashing: the member with the highest hash of
     (partition, member); the same answer on every router that sees the same members."""
@@ -99,6 +126,8 @@ class Ownership:
             raise ValueError(f"ownership TTL {ttl_s}: a positive number of seconds")
         self.me, self.partitions, self.ttl_s = me, partitions, ttl_s
         self.owned: dict[int, int] = {}  # partition -> revision of my last write
+        self.epochs: dict[int, int] = {}  # partition -> revision that created my claim (its epoch)
+        self.confirmed: dict[int, float] = {}  # partition -> when my last write of its claim was sent
         self.free_since: dict[int, float] = {}
 
     @property
@@ -138,14 +167,42 @@ class Ownership:
 
     # ---- outcomes reported by the shell --------------------------------------------------
 
-    def claimed(self, partition: int, revision: int) -> None:
-        self.owned[partition] = revision
-        self.free_since.pop(partition, None)
+    def claimed(self, partition: int, revision: int, sent_at: float | None = None) -> None:
+        """A claim we created at `revision` (the write sent at `sent_at`): a new epoch."""
+        self.owned[partition] = self.epochs[partition] = revision
+        self._confirm(partition, sent_at)
 
-    renewed = claimed
+    def renewed(self, partition: int, revision: int, sent_at: float | None = None) -> None:
+        """Our claim rewritten at `revision`; its epoch stays (a restart adopting a predecessor's
+        claim takes the revision it found as its epoch: nothing older than it is ours)."""
+        self.owned[partition] = revision
+        self.epochs.setdefault(partition, revision)
+        self._confirm(partition, sent_at)
+
+    def _confirm(self, partition: int, sent_at: float | None) -> None:
+        self.free_since.pop(partition, None)
+        if sent_at is not None:
+            self.confirmed[partition] = sent_at
+
+    def current(self, partition: int, now: float) -> bool:
+        """May we still decide for the partition? Its key expires ttl_s after our last write
+        reached the bucket, which was after we sent it: until then no other router can hold
+        it. We decide only in the first CONFIDENT_SHARE of that time, so a dispatch decided
+        at its end still reaches its agent (which checks the claim) long before another router
+        can claim the partition. Past it (we stalled: SIGSTOP, a long pause, an unreachable
+        bucket) we decide nothing for it until a round renews the claim or finds it lost;
+        renewals every ttl_s / RENEWALS_PER_TTL keep a live owner inside it."""
+        at = self.confirmed.get(partition)
+        return partition in self.owned and (at is None or now < at + CONFIDENT_SHARE * self.ttl_s)
 
     def lost(self, partition: int) -> None:
         self.owned.pop(partition, None)
+        self.epochs.pop(partition, None)
+        self.confirmed.pop(partition, None)
 
-    def released(self, partition: int) -> None:
-        self.owned.pop(partition, None)
+    released = lost
+
+    def fenced(self, owned, count: int) -> Partitioning:
+        """The Partitioning of the partitions in `owned`, each dispatch fenced by our epoch on it."""
+        return Partitioning(count, frozenset(owned), self.me,
+                            tuple(sorted((p, e) for p, e in self.epochs.items() if p in owned)))

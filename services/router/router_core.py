@@ -191,6 +191,7 @@ class RouterCore:
                     routed_at=now,
                     lease=decision.lease_outcome,
                     kv_output_tokens=self.state.outputs.kv_tokens(call.session_id, call.model, call.max_tokens),
+                    fence=self.partitioning.fence(call.session_id),
                 )
             )
         else:

@@ -43,7 +43,7 @@ from nats.errors import NoRespondersError
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from talaria.services.router.claims import ClaimStore
-from talaria.services.router.ownership import Ownership, Partitioning, slots_of
+from talaria.services.router.ownership import Ownership, Partitioning, partition_of, slots_of
 from talaria.services.router.router_core import PEER_OUTPUTS, RouterCore
 from talaria.services.router.outputs import RouterOutputs
 from talaria.services.router.policy.base import PolicyConfig
@@ -147,6 +147,7 @@ class RouterService:
         self.intakes: dict[int, tuple[asyncio.Task, asyncio.Event]] = {}  # partition -> consumer task, its stop
         self.taking: set[int] = set()  # partitions being taken over right now (catching up)
         self.releasing: set[int] = set()  # partitions being handed over right now (draining)
+        self.round_done = asyncio.Event()  # set after each ownership round (_claim_confirmed waits on it)
         self.caught_up_at = 0.0  # the issue time of the last view fetch that found nothing more
         self.view_moved = asyncio.Event()
         self.metrics = RouterMetrics()
@@ -345,6 +346,18 @@ class RouterService:
                 await self._own_once()
             except Exception as exc:  # the bucket is unreachable: claims lapse, intake stops with them
                 self.log.warning("ownership round failed", error=str(exc))
+            finally:
+                self.round_done.set()  # intakes held for a confirmation look again
+
+    async def _claim_confirmed(self, p: int) -> bool:
+        """Wait until our claim on p is surely current (`Ownership.current`); False once it is
+        lost. After a stall (SIGSTOP, a long pause) the claim may have lapsed and another router
+        decided these submissions: nothing is decided until the next ownership round knows."""
+        while p in self.ownership.owned and not self.ownership.current(p, time.time()):
+            self.log.warning("deciding held: the partition claim is not confirmed", partition=p)
+            self.round_done.clear()
+            await self.round_done.wait()
+        return p in self.ownership.owned
 
     async def _own_once(self) -> None:
         now = time.time()
@@ -355,6 +368,7 @@ class RouterService:
             self.ownership.lost(p)
             await self._stop_intake(p, drain=False)
         for p in plan.reclaim:
+            sent = time.time()
             revision = await self.claims.create(p, self.router_id)
             if revision is None:  # another router created it first
                 self.log.warning("partition lost: another router claimed it after ours lapsed", partition=p)
@@ -362,22 +376,26 @@ class RouterService:
                 await self._stop_intake(p, drain=False)
             else:
                 self.log.warning("partition claim lapsed and was made again; its intake kept", partition=p)
-                self.ownership.claimed(p, revision)
+                self.ownership.claimed(p, revision, sent)
+                async with self.lock:  # its dispatches carry the new epoch
+                    self._set_owned(self.core.partitioning.owned)
         for p, revision in plan.renew:
             if p in self.releasing:
                 continue
+            sent = time.time()
             new = await self.claims.renew(p, self.router_id, revision)
             if new is None:
                 self.ownership.lost(p)
                 await self._stop_intake(p, drain=False)
                 continue
-            self.ownership.renewed(p, new)
+            self.ownership.renewed(p, new, sent)
             if p not in self.intakes and p not in self.taking:  # adopted after a restart under the same id
                 self._spawn(self._take(p, "adopted"), p, self.taking)
         for p in plan.claim:
+            sent = time.time()
             revision = await self.claims.create(p, self.router_id)
             if revision is not None:
-                self.ownership.claimed(p, revision)
+                self.ownership.claimed(p, revision, sent)
                 self._spawn(self._take(p, "claimed"), p, self.taking)
         for p, revision in plan.release:
             if p not in self.releasing and p not in self.taking:
@@ -424,12 +442,13 @@ class RouterService:
             return
         task, halt = running
         halt.set()
+        self.round_done.set()  # an intake held for a confirmation sees the partition gone
         await asyncio.wait([task], timeout=PUBLISH_TIMEOUT_S)
         if drain:  # its decided submissions' outputs stored and the submissions acked
             await self.outputs.all_stored(PUBLISH_TIMEOUT_S)
 
     def _set_owned(self, owned) -> None:
-        self.core.partitioning = Partitioning(self.ownership.partitions, frozenset(owned))
+        self.core.partitioning = self.ownership.fenced(owned, self.ownership.partitions)
 
     async def _ensure_consumer(self, p: int):
         """Partition p's durable intake consumer, recreated from its ack floor: what a previous
@@ -528,6 +547,9 @@ class RouterService:
             return
         call_id = getattr(event, "call_id", None)
         session_id = getattr(event, "session_id", None)
+        if not await self._claim_confirmed(partition_of(session_id, self.ownership.partitions)):
+            await msg.nak()  # lost while we stalled: its new owner decides it
+            return
         if self.core.state.reused(call_id, msg.metadata.sequence.stream):
             await self.outputs.refuse_reused(event)  # past JetStream's duplicate window, the gateway could not tell
             await msg.ack()

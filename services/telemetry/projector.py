@@ -19,13 +19,14 @@ import datetime as dt
 from sqlalchemy import bindparam, case, func, update
 from sqlalchemy.dialects.postgresql import insert
 
-from talaria.shared.db.schema import calls, lease_decisions, lease_events, rounds, sessions, switches
+from talaria.shared.db.schema import calls, lease_decisions, lease_events, refused_dispatches, rounds, sessions, switches
 from talaria.shared.events import (
     CallCompleted,
     CallFailed,
     CallRouted,
     CallStarted,
     CallSubmitted,
+    DispatchRefused,
     Event,
     LeaseConsumed,
     LeaseDiscarded,
@@ -76,7 +77,15 @@ async def project(conn, event: Event, seq: int) -> bool:
                 active_s=event.active_s, switch_s=event.switch_s, slots=event.slots,
                 sp_admitted=event.sp_admitted, sp_parked=event.sp_parked, deadline_risk=event.deadline_risk,
                 at=ts(event.at)))
+        case DispatchRefused():
+            await conn.execute(INSERT_ONCE[refused_dispatches], refused_row(event, seq))
     return True
+
+
+def refused_row(e: DispatchRefused, seq: int) -> dict:
+    return dict(seq=seq, call_id=e.call_id, session_id=e.session_id, instance_id=e.instance_id,
+                router_id=e.fence.router_id, partition=e.fence.partition, epoch=e.fence.epoch, holder=e.holder,
+                holder_epoch=e.holder_epoch, at=ts(e.at))
 
 
 # The statements are built once: building one per event cost about half of the projector's
@@ -95,7 +104,8 @@ ROUTED = update(calls).where(calls.c.call_id == bindparam("cid")).values(
 STARTED = update(calls).where(calls.c.call_id == bindparam("cid")).values(
     started_at=bindparam("p_at"), instance_id=bindparam("p_instance"),
     outcome=func.coalesce(_final_outcome(), "running"))
-INSERT_ONCE = {t: insert(t).on_conflict_do_nothing() for t in (calls, switches, rounds, lease_events, lease_decisions)}
+INSERT_ONCE = {t: insert(t).on_conflict_do_nothing()
+               for t in (calls, switches, rounds, lease_events, lease_decisions, refused_dispatches)}
 SUBMISSION = ("api", "prompt_tokens", "submitted_at", "trace_id")
 _new_call = insert(calls)
 SUBMIT = _new_call.on_conflict_do_update(  # fills a row a later event created first; never twice

@@ -20,7 +20,8 @@ from typing import Protocol
 from sqlalchemy import func, select, text
 from sqlalchemy.dialects.postgresql import insert
 
-from talaria.services.telemetry.projector import FINAL, completed_values, failed_values, project, text_, ts
+from talaria.services.telemetry.projector import (FINAL, completed_values, failed_values, project, refused_row,
+                                                 text_, ts)
 from talaria.shared.db.schema import calls, lease_decisions, metadata, projections, quarantined_events, sessions
 from talaria.shared.events import (
     CallCompleted,
@@ -28,6 +29,7 @@ from talaria.shared.events import (
     CallRouted,
     CallStarted,
     CallSubmitted,
+    DispatchRefused,
     Event,
     LeaseConsumed,
     LeaseDiscarded,
@@ -276,6 +278,8 @@ class _MemoryBatch(_Offset):
                 self.tables["switches"].setdefault(seq, dict(seq=seq, instance_id=event.instance_id))
             case RoundSummary():
                 self.tables["rounds"].setdefault(seq, dict(seq=seq, instance_id=event.instance_id))
+            case DispatchRefused():
+                self.tables["refused_dispatches"].setdefault(seq, refused_row(event, seq))
         return True
 
     def _update(self, call_id: str, outcome: str, **values) -> None:

@@ -154,6 +154,21 @@ projections = Table(
     ts("saved_at", nullable=False),
 )
 
+refused_dispatches = Table(
+    "refused_dispatches",
+    metadata,
+    Column("seq", BigInteger, primary_key=True),
+    Column("call_id", Text, nullable=False),
+    Column("session_id", Text, nullable=False),
+    Column("instance_id", Text, nullable=False),  # the agent that refused it
+    Column("router_id", Text, nullable=False),  # the router whose claim was superseded
+    Column("partition", Integer, nullable=False),
+    Column("epoch", BigInteger, nullable=False),
+    Column("holder", Text, nullable=False),  # who held the partition then
+    Column("holder_epoch", BigInteger, nullable=False),
+    ts("at", nullable=False),
+)
+
 quarantined_events = Table(
     "quarantined_events",
     metadata,

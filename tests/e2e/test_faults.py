@@ -34,3 +34,14 @@ def test_killing_an_agent_mid_load_loses_nothing_and_runs_nothing_twice(tmp_path
     # in-flight calls on the dead agent were answered by heartbeat loss, far below the call timeout
     assert result["inflight_wait_s"] < bench.CALL_TIMEOUT_S / 2, result
     assert set(result["error_kinds"]) <= {"instance_lost", "no_capacity", "not_served"}, result
+
+
+def test_a_router_hung_under_load_runs_no_call_twice(tmp_path):
+    """`--routers 2`; one router SIGSTOPped past its ownership TTL, three times, under load:
+    its partitions are taken over meanwhile, and when it resumes nothing it decided or still
+    held runs again (executions counted from the agents' `call completed` log lines)."""
+    bench = load_bench()
+    [result] = bench.run(["stop-router"], sessions=10, calls=60, data_dir=tmp_path)
+    assert result["executions"] >= result["ok"] > 0, result
+    assert (result["lost"], result["ran_twice"], result["twice"], result["rows_wrong"]) == (0, 0, 0, 0), result
+    assert result["ok"] == 600, result

@@ -1,6 +1,6 @@
 """`talaria up --nats-cluster 3`: three embedded JetStream servers with the services' users,
 every stream on all three; a member killed with SIGKILL is restarted on its ports by the
-supervisor while calls go on."""
+supervisor while calls go on; a stranger pointed at the route ports stack.json lists is refused."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from talaria.embedded import free_port
 from talaria.shared.bus import servers
 from talaria.shared.nats_auth import SERVICE_INBOX
 from tests.e2e.test_stack import Stack
+from tests.integration.test_cluster_routes import Stranger, assert_stranger_refused
 from talaria.shared.subjects import Deployment
 
 DEP = Deployment()  # the default deployment's subject names
@@ -25,10 +26,15 @@ DEP = Deployment()  # the default deployment's subject names
 pytestmark = pytest.mark.e2e
 
 
-async def stream_replicas(url: str, user: str, password: str) -> int:
+async def stream_replicas(url: str, user: str, password: str, stream: str = DEP.events_stream) -> int:
     nc = await nats.connect(servers(url), user=user, password=password, inbox_prefix=SERVICE_INBOX)
     try:
-        return (await nc.jetstream().stream_info(DEP.events_stream)).config.num_replicas
+        for attempt in range(4):  # a stream whose leader was on the restarted member may still be electing
+            try:
+                return (await nc.jetstream().stream_info(stream)).config.num_replicas
+            except nats.errors.TimeoutError:
+                if attempt == 3:
+                    raise
     finally:
         await nc.close()
 
@@ -61,6 +67,19 @@ def test_a_three_node_cluster_serves_through_the_loss_of_a_member(tmp_path):
         auth = json.loads((data_dir / "nats-cluster" / "node-0" / "auth.conf").read_text())
         router = next(u for u in auth["authorization"]["users"] if u["user"].endswith("router"))
         assert asyncio.run(stream_replicas(described["nats"], router["user"], router["password"])) == 3
+        gateway = next(u for u in auth["authorization"]["users"] if u["user"].endswith("gateway"))
+        for stream in (DEP.replies_stream, DEP.idempotency_stream):  # the gateway's streams too
+            assert asyncio.run(stream_replicas(described["nats"], gateway["user"], gateway["password"], stream)) == 3
+        # The route ports stack.json lists take no stranger, even one that knows the cluster's name.
+        cluster = described["nats_cluster"]
+        assert cluster["name"] == "talaria" and len(cluster["routes"]) == 3
+        assert all("@" not in route for route in cluster["routes"])  # no credentials in stack.json
+        stranger = Stranger(tmp_path / "stranger", cluster["name"], cluster["routes"])
+        try:
+            asyncio.run(assert_stranger_refused(stranger, 3, described["nats"],
+                                                {"user": router["user"], "password": router["password"]}))
+        finally:
+            stranger.stop()
     finally:
         if stack.proc.poll() is None:
             stack.proc.send_signal(signal.SIGINT)

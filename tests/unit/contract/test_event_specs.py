@@ -15,13 +15,14 @@ from talaria.shared.event_specs import EVENT_TYPES, SERVICES, SPECS, spec_of
 from talaria.shared.nats_auth import owner_sender, permissions, sender_name, trusted
 from tests.unit.contract.test_codecs import EVENTS
 from talaria.shared import events
-from talaria.shared.events import InstanceLost, PoolPinned
+from talaria.shared.events import DispatchFence, DispatchRefused, InstanceLost, PoolPinned
 from talaria.shared.subjects import Deployment
 
 DEP = Deployment()  # the default deployment's subject names
 
 SAMPLES = [*EVENTS, InstanceLost("agent-0", "inc1", "heartbeats stopped", 3.0, calls=["c1"]),
-           PoolPinned("agent-0", "m1", None, 4.0, "demand")]
+           PoolPinned("agent-0", "m1", None, 4.0, "demand"),
+           DispatchRefused("c1", "s1", "agent-0", DispatchFence("router-0", 3, 17), "router-1", 42, 5.0)]
 
 
 def test_every_event_type_has_one_row_and_every_row_an_event():
@@ -58,7 +59,7 @@ def test_message_ids_keep_their_format():
         "LeaseIssued": "LeaseIssued:s1:c1", "LeaseConsumed": "LeaseConsumed:s1:c2",
         "LeaseDiscarded": "LeaseDiscarded:s1:c2", "LeaseExpired": None, "RoutingDecision": "RoutingDecision:c1",
         "SwitchDone": None, "RoundSummary": None, "InstanceLost": "InstanceLost:agent-0:inc1",
-        "PoolPinned": None,
+        "PoolPinned": None, "DispatchRefused": "DispatchRefused:c1:agent-0",
     }
 
 

@@ -108,3 +108,17 @@ def test_a_call_already_routed_by_a_dead_peer_is_not_routed_again_by_its_success
         b.fold_peer(e, 0.1)
     b.partitioning = Partitioning(P, frozenset({0, 1}))  # a died; b took partition 0 over
     assert b.handle(call("c1", session=s0), 3.0) == []  # redelivered: decided once, never twice
+
+
+def test_a_routed_call_carries_its_routers_claim_on_the_sessions_partition():
+    from talaria.services.router.ownership import Ownership
+    from talaria.shared.events import DispatchFence
+
+    a, _ = pair()
+    claims = Ownership("router-a", P, ttl_s=3.0)
+    claims.claimed(0, 41)
+    claims.renewed(0, 45)
+    a.partitioning = claims.fenced({0}, P)
+    routed = one(a.handle(call("c1", session=session_in(0)), 0.1), CallRouted)
+    assert routed.fence == DispatchFence("router-a", 0, 41)
+    assert routed.by_reference(7).fence == routed.fence  # the stream's copy carries it too
