@@ -65,18 +65,13 @@ class HostPlan:
 def credentials_env(directory: Path, key: str) -> dict[str, str]:
     """The NATS user of service `key` (gateway, router, telemetry, agent-<id>) from the
     `<key>.env` file `talaria nats-config` wrote; a clear error when it is missing."""
+    from talaria.container import read_env
+
     path = directory / f"{key}.env"
     try:
-        text = path.read_text()
+        return read_env(path)
     except OSError as exc:
         raise RoleError(f"no NATS credentials for {key} in {directory}: {exc.strerror} "
                         f"(`talaria nats-config {directory} --agents ...` must name every agent id)") from None
-    env = {}
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        name, sep, value = line.partition("=")
-        if not sep:
-            raise RoleError(f"{path}:{n}: expected NAME=VALUE")
-        env[name.strip()] = value.strip()
-    return env
+    except ValueError as exc:
+        raise RoleError(str(exc)) from None

@@ -22,22 +22,18 @@ for t in ${TENANTS//,/ }; do
   echo "$t $(python3 -c 'import hashlib,sys; print("sha256:" + hashlib.sha256(sys.argv[1].encode()).hexdigest())' "$key")" >> "$work/api_keys"
   echo "API key for tenant $t (shown once): $key"
 done
-TALARIA_API_KEYS=${keys#,} talaria nats-config "$work/nats-users" --agents "$ids" >/dev/null
-
-route=$(rand)
-{
-  echo 'listen: 0.0.0.0:4222'
-  echo 'http: 0.0.0.0:8222'
-  echo 'jetstream { store_dir: /data/jetstream }'
-  echo 'cluster {'
-  echo '  name: talaria'
-  echo '  listen: 0.0.0.0:6222'
-  echo "  authorization { user: route, password: \"$route\" }"
-  echo "  routes: [\"nats-route://route:$route@nats-0.nats:6222\", \"nats-route://route:$route@nats-1.nats:6222\", \"nats-route://route:$route@nats-2.nats:6222\"]"
-  echo '}'
-  python3 -c 'import json,sys; print("authorization: " + json.dumps(json.load(open(sys.argv[1]))["authorization"]))' \
-    "$work/nats-users/auth.conf"
-} > "$work/nats.conf"
+TALARIA_API_KEYS=${keys#,} talaria nats-config "$work/nats-users" --agents "$ids" \
+  --cluster-routes nats-0.nats:6222,nats-1.nats:6222,nats-2.nats:6222 >/dev/null
+# nats.conf: the services' users (auth.conf) and the routes' user (cluster.conf), as JSON (valid
+# nats-server config); each member's name comes from its pod (--name).
+python3 - "$work/nats-users" > "$work/nats.conf" <<'PY'
+import json, sys
+d = sys.argv[1]
+cluster = json.load(open(f"{d}/cluster.conf"))["cluster"]
+print(json.dumps({"listen": "0.0.0.0:4222", "http": "0.0.0.0:8222", "jetstream": {"store_dir": "/data/jetstream"},
+                  "cluster": {**cluster, "listen": "0.0.0.0:6222"}, **json.load(open(f"{d}/auth.conf"))}, indent=1))
+PY
+rm "$work/nats-users/cluster.conf" "$work/nats-users/auth.conf"  # the NATS servers' alone, in talaria-nats-conf
 
 app=$(rand) admin=$(rand)
 apply() { kubectl -n "$NS" create secret generic "$@" --dry-run=client -o yaml | kubectl apply -f -; }

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -144,10 +143,10 @@ class Cluster:
         self.net = Network(self.host_names).create()
         try:
             creds = self.root / "nats-credentials"
-            self._talaria(["nats-config", str(creds), "--agents", ",".join(self.agent_ids())])
-            route_password = secrets.token_urlsafe(24)
+            routes = ",".join(f"{self.net.hosts[h].ip}:{ROUTE_PORT}" for h in self.host_names)
+            self._talaria(["nats-config", str(creds), "--agents", ",".join(self.agent_ids()), "--cluster-routes", routes])
             for name in self.host_names:
-                self.start_nats(name, creds, route_password)
+                self.start_nats(name, creds)
             for name in self.host_names:
                 self._wait_jetstream(name, timeout)
             self._up("ctl", ["--role", "control,gateway", "--port", str(GATEWAY_PORT)], creds)
@@ -165,19 +164,19 @@ class Cluster:
 
     # ---- NATS --------------------------------------------------------------------------
 
-    def start_nats(self, name: str, creds: Path, route_password: str) -> None:
-        """One cluster member: routes need the cluster's user, clients the services' users."""
+    def start_nats(self, name: str, creds: Path) -> None:
+        """One cluster member, configured from `talaria nats-config`: its `cluster.conf` (routes
+        need the cluster's user) with this member's own listen address, and `auth.conf` (the
+        services' users)."""
         host = self.net.hosts[name]
         store = self.root / f"nats-{name}"
         store.mkdir(exist_ok=True)
         auth = json.loads((creds / "auth.conf").read_text())
+        cluster = json.loads((creds / "cluster.conf").read_text())["cluster"]
         config = {
             "server_name": f"nats-{name}", "listen": f"0.0.0.0:{CLIENT_PORT}", "http": f"0.0.0.0:{MONITOR_PORT}",
             "jetstream": {"store_dir": str(store / "jetstream")},
-            "cluster": {"name": "talaria", "listen": f"0.0.0.0:{ROUTE_PORT}",
-                        "authorization": {"user": "route", "password": route_password},
-                        "routes": [f"nats-route://route:{route_password}@{h.ip}:{ROUTE_PORT}"
-                                   for h in self.net.hosts.values()]},
+            "cluster": {**cluster, "listen": f"0.0.0.0:{ROUTE_PORT}"},
             **auth,
         }
         path = store / "nats.conf"

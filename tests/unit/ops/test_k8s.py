@@ -4,6 +4,7 @@ with a nats.conf that nats-server accepts."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -83,12 +84,17 @@ def test_every_secret_the_manifests_read_is_made_by_the_script(secrets_made):
         assert (tmp / "nats-users" / f"agent-agent-{agent}.env").exists()
     for service in ("gateway", "router", "telemetry"):
         assert (tmp / "nats-users" / f"{service}.env").exists()
+    for name, doc in manifests():  # each container's `talaria.container --env FILE` is a file the script made
+        for node in walk(doc):
+            if isinstance(node, dict) and node.get("args", [None])[0] == "talaria.container":
+                env_file = node["args"][2].replace("$(TALARIA_INSTANCE_ID)", "agent-0")
+                assert (tmp / "nats-users" / Path(env_file).name).exists(), (name, env_file)
 
 
 def test_the_generated_nats_conf_is_accepted_by_nats_server(secrets_made):
     tmp, stdout, _ = secrets_made
     assert "API key for tenant default (shown once): tk-" in stdout
     conf = (tmp / "nats.conf").read_text()
-    assert "authorization { user: route" in conf  # routes take no stranger
+    assert json.loads(conf)["cluster"]["authorization"]["user"] == "route"  # routes take no stranger
     check = subprocess.run([nats_server_binary(), "-c", str(tmp / "nats.conf"), "-t"], capture_output=True, text=True)
     assert check.returncode == 0, check.stderr

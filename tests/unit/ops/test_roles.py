@@ -41,7 +41,7 @@ def test_credentials_come_from_the_nats_config_env_files(tmp_path):
     with pytest.raises(RoleError, match="must name every agent id"):
         credentials_env(tmp_path, "agent-a2-0")
     (tmp_path / "router.env").write_text("garbage\n")
-    with pytest.raises(RoleError, match="router.env:1: expected NAME=VALUE"):
+    with pytest.raises(RoleError, match="router.env:1: not KEY=VALUE"):
         credentials_env(tmp_path, "router")
 
 
