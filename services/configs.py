@@ -17,7 +17,8 @@ from dataclasses import dataclass, field, fields, replace
 from talaria.services.instance_agent.scheduler.config import SchedulerConfig
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.policy.registry import policy_names
-from talaria.shared.ablations import ABLATIONS
+from talaria.shared.ablations import ABLATIONS, mechanisms
+from talaria.shared.settings import CommonSettings, SettingsError
 
 # How a configuration's instances are pooled (the simulator deploys it so, talaria/sim/deployment.py).
 POOLS = {
@@ -59,6 +60,13 @@ class Configuration:
     def with_(self, **overrides) -> Configuration:
         """A copy with knobs changed by name (module doc: `knob`, `router.knob`, `scheduler.knob`)."""
         return _override(self, overrides)
+
+    def live_scheduler(self, capabilities, pool: str = "cold", pinned_model: str | None = None) -> SchedulerConfig:
+        """The scheduler as a live agent runs it on an engine with `capabilities`
+        (SchedulerConfig.for_engine: it drains before a switch unless the engine can park)."""
+        knobs = {f.name: getattr(self.scheduler, f.name) for f in fields(SchedulerConfig)
+                 if f.name not in ("pool", "pinned_model", "drain_on_switch")}
+        return SchedulerConfig.for_engine(capabilities, pool=pool, pinned_model=pinned_model, **knobs)
 
     def sim_scheduler(self) -> SchedulerConfig:
         """The scheduler as the simulator runs it: this one with `SIM_DIFFERS` applied."""
@@ -155,6 +163,26 @@ def ablation_name(ablation: str) -> str:
     if ablation not in ABLATIONS:
         raise ConfigurationError(f"unknown ablation {ablation!r}; known: {', '.join(ABLATIONS)}")
     return "talaria" if ablation == "talaria" else f"talaria-{ablation}"
+
+
+def selected(common: CommonSettings, policy: str = "", ablation: str = "", **knobs) -> Configuration:
+    """The configuration a live service runs: TALARIA_CONFIG (or its alias TALARIA_POLICY, a
+    router's `policy`), with TALARIA_ABLATION's mechanisms, the service's own set knobs (None:
+    unset) and TALARIA_CONFIG_SET applied. A SettingsError names the variable that is wrong."""
+    if common.config and policy and policy != common.config:
+        raise SettingsError("TALARIA_POLICY", policy, f"unset or {common.config!r}: it is TALARIA_CONFIG's alias")
+    name = common.config or policy or "talaria"
+    if name not in CONFIGS:
+        raise SettingsError("TALARIA_CONFIG" if common.config else "TALARIA_POLICY", name,
+                            f"a configuration: {', '.join(CONFIGS)}")
+    overrides = {k: v for k, v in knobs.items() if v is not None}
+    if ablation:
+        overrides.update(mechanisms(ablation))
+    try:
+        overrides.update(parse_set(common.config_set))
+        return get(name, **overrides)
+    except ConfigurationError as exc:
+        raise SettingsError("TALARIA_CONFIG_SET", ",".join(common.config_set), f"knobs of {name} ({exc})") from None
 
 
 # ---- overrides by name ------------------------------------------------------------------

@@ -15,14 +15,36 @@ from talaria.shared.ablations import ABLATIONS
 from talaria.shared.settings import Settings, SettingsError, redact_url
 
 
-def _ablation_flags(p: argparse.ArgumentParser) -> None:
+def _config_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, metavar="NAME",
+                   help="the named configuration to run (services/configs.py; default: TALARIA_CONFIG, else talaria)")
+    p.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE",
+                   help="override one knob of the configuration by name (repeatable; TALARIA_CONFIG_SET)")
+    p.add_argument("--policy", default=None, metavar="NAME", help="older spelling of --config")
     p.add_argument("--ablation", choices=list(ABLATIONS), default=None,
                    help="which of Talaria's mechanisms run (shared/ablations.py; default: TALARIA_ABLATION, "
-                        "else talaria); round-only: the paper's baseline")
+                        "else the configuration's); round-only: the paper's baseline")
 
 
-def _apply_ablation(settings: Settings, args: argparse.Namespace) -> Settings:
-    return settings.with_(ablation=args.ablation) if args.ablation else settings
+def _apply_config(settings: Settings, args: argparse.Namespace) -> Settings:
+    """The settings with the command line's configuration choices; a SettingsError on a bad one."""
+    from talaria.services import configs
+
+    changes: dict[str, object] = {}
+    if args.config or args.policy:
+        changes.update(config=args.config or args.policy, policy="")
+    if args.set:
+        changes["config_set"] = (*settings.common.config_set, *args.set)
+    if args.ablation:
+        changes["ablation"] = args.ablation
+    settings = settings.with_(**changes)
+    # the whole stack's choice, checked here so that a bad name stops `up` before anything starts
+    configs.selected(settings.common, policy=settings.router.policy, ablation=settings.agent.ablation)
+    return settings
+
+
+def config_name(settings: Settings) -> str:
+    return settings.common.config or settings.router.policy or "talaria"
 
 
 def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
@@ -34,17 +56,14 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         changes["http_port"] = args.port
     if args.data_dir is not None:
         changes["data_dir"] = Path(args.data_dir)
-    if args.policy is not None:
-        changes["policy"] = args.policy
     models = [m.strip() for m in (args.models or "").split(",") if m.strip()] + list(args.model)
     if models:
         changes["models"] = tuple(models)
     try:
-        settings = _apply_ablation(settings.with_(**changes), args)
+        settings = _apply_config(settings.with_(**changes), args)
     except SettingsError as exc:
         print(f"talaria: {exc}", file=sys.stderr)
         return 2
-    _check_policy(settings.router.policy)
     catalogue = settings.common.catalogue()  # `--hot` may name a checkpoint among the models
     unknown = [m for m in args.hot if m not in catalogue]
     if unknown:
@@ -74,7 +93,7 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     try:
         stack.start(timeout=args.ready_timeout, progress=lambda m: print(f"talaria: {m}", flush=True))
         print(f"talaria: ready in {time.monotonic() - t0:.1f}s — gateway {stack.gateway_url} "
-              f"(policy {settings.router.policy}, {args.agents} cold agents, {len(args.hot)} hot)", flush=True)
+              f"(config {config_name(settings)}, {args.agents} cold agents, {len(args.hot)} hot)", flush=True)
         print(f"talaria: metrics (GET /metrics) {', '.join(f'{n} {u}' for n, u in sorted(stack.metrics.items()))}; "
               f"Prometheus config {settings.common.data_dir / 'prometheus.yml'}", flush=True)
         print(f"talaria: NATS {redact_url(stack.nats_url)}  Postgres {redact_url(stack.database_url)}  "
@@ -102,12 +121,6 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
             signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not orphan children
         stack.stop()
         print("talaria: stopped", flush=True)
-
-
-def _check_policy(name: str) -> None:
-    from talaria.services.router.policy.registry import create_policy
-
-    create_policy(name)  # raises UnknownPolicyError with the known names
 
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
@@ -218,9 +231,11 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
             nats_url, db_url, api_key = args.nats, args.database, settings.cli.api_key
         else:
             data_dir = Path(args.data_dir) if args.data_dir else Path(tempfile.mkdtemp(prefix="talaria-replay-"))
-            run_settings = _apply_ablation(settings.with_(policy=args.policy or settings.router.policy,
-                                                          data_dir=data_dir, http_port=0), args)
-            _check_policy(run_settings.router.policy)
+            try:
+                run_settings = _apply_config(settings.with_(data_dir=data_dir, http_port=0), args)
+            except SettingsError as exc:
+                print(f"talaria replay: {exc}", file=sys.stderr)
+                return 2
             stack = Stack(run_settings, agents=args.agents).start(progress=lambda m: print(f"talaria: {m}",
                                                                                         file=sys.stderr))
             nats_url, db_url, api_key = stack.client_nats_url, stack.database_url, stack.api_key
@@ -231,8 +246,8 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
         stats = asyncio.run(Replayer(nats_url, cfg, gaps, run_id, api_key, settings.common.deployment,
                                      settings.common.catalogue()).run(sessions))
         metrics = asyncio.run(metrics_from_db(db_url, run_id, stats.calls_sent))
-        result = {"run_id": run_id, "policy": args.policy or settings.router.policy, "gaps": gaps.describe(),
-                  "ablation": args.ablation or settings.agent.ablation,
+        result = {"run_id": run_id, "policy": args.config or args.policy or config_name(settings),
+                  "gaps": gaps.describe(), "ablation": args.ablation or settings.agent.ablation or "talaria",
                   "replay": dataclasses.asdict(cfg), "stats": dataclasses.asdict(stats),
                   "wall_s": time.monotonic() - t0, **metrics}
         print(json.dumps(result, indent=2, default=str))
@@ -271,11 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--ready-timeout", type=float, default=120.0,
                     help="seconds to wait for every service (default 120; TALARIA_ENGINE=vllm starts "
                          "two vLLM processes per model, allow minutes)")
-    up.add_argument("--policy", default=None, help="routing policy (default talaria)")
     up.add_argument("--models", default=None, help="comma-separated models each agent serves")
     up.add_argument("--model", action="append", default=[], metavar="NAME=DIR",
                     help="serve the Hugging Face checkpoint in DIR as NAME (repeatable; with --models: added)")
-    _ablation_flags(up)
+    _config_flags(up)
     sub.add_parser("migrate", help="apply database migrations to TALARIA_DATABASE_URL")
     nc = sub.add_parser("nats-config", help="write per-service NATS users and permissions for an external NATS")
     nc.add_argument("out", help="directory for auth.conf (include it in nats-server.conf) and one .env per service")
@@ -297,13 +311,12 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--seed", type=int, default=0)
     rp.add_argument("--token-scale", type=float, default=1 / 64, help="trace tokens -> tiny-model tokens")
     rp.add_argument("--max-prompt", type=int, default=3000, help="stop a session whose prompt grows past this")
-    rp.add_argument("--policy", default=None)
     rp.add_argument("--agents", type=int, default=2)
     rp.add_argument("--data-dir", default=None)
     rp.add_argument("--nats", default=None, help="replay against this running stack instead of starting one")
     rp.add_argument("--database", default=None, help="its Postgres (for the metrics)")
     rp.add_argument("--json", default=None, help="write the metrics here")
-    _ablation_flags(rp)
+    _config_flags(rp)
     sub.add_parser("sim", help="trace replay in the discrete-event simulator (see `talaria sim -h`)",
                    add_help=False)
     return parser
