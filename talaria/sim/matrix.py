@@ -231,7 +231,7 @@ def workload(cell: Cell, flags) -> tuple[list[Session], GapModel, dict]:
 
 
 # Flatness around the constants our configuration still has: each at half and double.
-SENSITIVITY = tuple(f"{OURS}[{knob}={v:g}]" for knob, base in (
+SENSITIVITY = tuple(configs.label(OURS, {knob: v}) for knob, base in (
     ("new_session_running_s", 1.0), ("lease_charge_s", 0.25),
 ) for v in (base / 2, base * 2))
 
