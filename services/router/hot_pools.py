@@ -184,6 +184,39 @@ class HotPools:
     def models(self) -> tuple[str, ...]:
         return tuple(sorted(self._m))
 
+    # ---- checkpoint form (saved with the router state, state.py) -----------------------------
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able dict of everything the controller knows; `from_dict` rebuilds an
+        equal controller (a restarted router resumes the same pools and the same pace). Tables
+        are lists of pairs: Postgres' JSONB keeps no key order, and sums run in table order."""
+        return {
+            "pins": list(self.pins.items()), "fixed": sorted(self.fixed), "cold_pool": self.cold_pool,
+            "floor": dict(self.floor), "z": self.z, "min_window_s": self.min_window_s,
+            "models": [[m, vars(v).copy()] for m, v in self._m.items()],
+            "sessions": [[s, vars(v).copy()] for s, v in self._sessions.items()],
+            "calls": list(self._calls.items()), "spans": list(self._spans), "span_total": self._span_total,
+            "ended": self._ended, "stay": list(self._stay), "first_at": self._first_at,
+            "decayed_at": self._decayed_at, "exposure": self._exposure,
+            "last_move_at": None if self._last_move_at == float("-inf") else self._last_move_at,  # JSON has no -inf
+            "changed": self._changed,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> HotPools:
+        pools = cls(dict(data["pins"]), data["floor"], z=data["z"], min_window_s=data["min_window_s"])
+        pools.fixed, pools.cold_pool = set(data["fixed"]), data["cold_pool"]
+        pools._m = {m: _Model(**v) for m, v in data["models"]}
+        pools._sessions = {s: _Session(**v) for s, v in data["sessions"]}
+        pools._calls = dict(data["calls"])
+        pools._spans = deque(data["spans"], maxlen=SPAN_MEMORY)
+        pools._span_total, pools._ended, pools._stay = data["span_total"], data["ended"], tuple(data["stay"])
+        pools._first_at, pools._decayed_at, pools._exposure = data["first_at"], data["decayed_at"], data["exposure"]
+        last = data["last_move_at"]
+        pools._last_move_at = float("-inf") if last is None else last
+        pools._changed = data["changed"]
+        return pools
+
     @classmethod
     def even(cls, instances: Sequence[str], models: Sequence[str], floor: Mapping[str, int] | None = None,
              **kw) -> HotPools:

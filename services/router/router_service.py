@@ -180,7 +180,10 @@ class RouterService:
         metrics_runner = await metrics.serve(self.metrics, "router", self.common, self.log)
         saved = await store.load()
         if saved is not None:
+            pools = self.core.pools
             self.core.state, self.seq = saved
+            if pools is None or self.core.pools is None:  # pools as configured now; saved ones resume
+                self.core.pools = pools
         tasks = [asyncio.create_task(self._view(stop))]
         await self._caught_up(await self._stream_last())  # the state as the stream is now
         self.log.info("router recovered", seq=self.seq, sessions=len(self.core.state.sessions))
