@@ -12,6 +12,7 @@ each with its reason; tests/unit/contract/test_configs.py fails on any other dif
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field, fields, replace
 
 from talaria.services.instance_agent.scheduler.config import SchedulerConfig
@@ -207,7 +208,9 @@ def _override(cfg: Configuration, overrides: dict[str, object]) -> Configuration
     for key, value in overrides.items():
         part, _, knob = key.rpartition(".")
         if knob not in known or (part and part not in known[knob]):
-            raise ConfigurationError(f"unknown knob {key!r}; known: {', '.join(sorted(known))}")
+            close = difflib.get_close_matches(knob, known, n=3)
+            raise ConfigurationError(f"unknown knob {key!r}; " + (f"did you mean {', '.join(close)}?" if close else
+                                     "knobs are PolicyConfig's, SchedulerConfig's, policy, pools and hot_pools_z"))
         for p in ((part,) if part else known[knob]):
             current = getattr(cfg, knob) if p == "" else getattr(getattr(cfg, p), knob)
             typed = coerce(key, value, current)
