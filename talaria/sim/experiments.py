@@ -368,6 +368,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(the report's mechanism column)")
     parser.add_argument("--sensitivity", action="store_true",
                         help="matrix: also run our configuration with each remaining constant halved and doubled")
+    parser.add_argument("--configs", default="", metavar="NAME,...",
+                        help="matrix: also run these named configurations (services/configs.py; "
+                             "NAME[knob=value] changes a knob)")
 
 
 REPORTED = ("fixed-replay", "router", "tau-sweep", "scale", "matrix")
@@ -386,6 +389,17 @@ def load_results(out_dir: Path) -> dict:
     return found
 
 
+def _extra_configs(args) -> tuple[str, ...]:
+    """`--configs`: each checked now (a bad name or knob stops before any run), in order, once."""
+    wanted = [c.strip() for c in (getattr(args, "configs", "") or "").split(",") if c.strip()]
+    for label in wanted:
+        try:
+            configs.from_label(label)
+        except configs.ConfigurationError as exc:
+            raise SystemExit(f"--configs: {exc}") from None
+    return tuple(dict.fromkeys(c for c in wanted if c not in POLICIES))
+
+
 def run_from_args(args) -> int:
     if args.experiment != "report":
         names = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
@@ -398,7 +412,7 @@ def run_from_args(args) -> int:
         matrix = {"workers": getattr(args, "workers", 2),
                   "policies": POLICIES + tuple(a for a in ABLATIONS if a not in POLICIES
                                                and getattr(args, "ablations", False))
-                  + (SENSITIVITY if getattr(args, "sensitivity", False) else ()),
+                  + (SENSITIVITY if getattr(args, "sensitivity", False) else ()) + _extra_configs(args),
                   "only": [c.strip() for c in args.cells.split(",")] if getattr(args, "cells", None) else None,
                   "peer_split": getattr(args, "peer_split", "exact")}
         run(names, args.out, args.json, args.quick, args.scale_sessions, scale, matrix)

@@ -130,3 +130,14 @@ def test_a_bad_simulator_knob_is_one_line(capsys):
     assert sim_cli.main(["run", "--config", "talaria", "--set", "bogus=1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: unknown knob 'bogus'") and err.count("\n") == 1
+
+
+def test_the_matrix_runs_named_configurations_checked_before_any_run():
+    from argparse import Namespace
+
+    from talaria.sim.experiments import _extra_configs
+
+    assert _extra_configs(Namespace(configs="talaria-no-sp, talaria,llm-d[lease_timeout_s=2],talaria-no-sp")) == \
+        ("talaria-no-sp", "llm-d[lease_timeout_s=2]")
+    with pytest.raises(SystemExit, match="--configs: unknown configuration 'nope'"):
+        _extra_configs(Namespace(configs="nope"))
