@@ -4,7 +4,8 @@ A `Configuration` holds the routing policy and every one of its knobs (`PolicyCo
 instance scheduler with its mechanisms (`SchedulerConfig`: SP, HKVR, staging, parked KV and
 every other knob) and how the instances are pooled. Live (`talaria up --config NAME`,
 `TALARIA_CONFIG`) and the simulator (`talaria sim run --config NAME`, the matrix) pick one the
-same way, `get(name, **overrides)`; any knob is overridden by name and checked.
+same way, `get(name, **overrides)`; any knob is overridden by name and checked. A knob both the
+router and the scheduler have (`gamma`, `ttft_target_s`) sets both; `router.gamma` sets one.
 
 What the simulator runs differently from a live agent is declared once, in `SIM_DIFFERS`,
 each with its reason; tests/unit/contract/test_configs.py fails on any other difference.
@@ -32,7 +33,7 @@ POOLS = {
     "per-model": "a peer as it is deployed: per-model hot pools split by demand where the models fit, "
                  "else serverless on-demand loading",
 }
-# The peers (router/policy/, each citing its source) and the model-blind routers they replaced.
+# The faithful peers (router/policy/, each citing its source), deployed as their users deploy them.
 PEERS = ("round-robin", "sglang-cache-aware", "dynamo-kv", "llm-d", "vllm-stack-session")
 
 
@@ -59,7 +60,7 @@ class Configuration:
             raise ConfigurationError(f"policy={self.policy!r}: expected one of {', '.join(policy_names())}")
 
     def with_(self, **overrides) -> Configuration:
-        """A copy with knobs changed by name (module doc: `knob`, `router.knob`, `scheduler.knob`)."""
+        """A copy with knobs changed by name (`knob`, or `router.knob` / `scheduler.knob`)."""
         return _override(self, overrides)
 
     def live_scheduler(self, capabilities, pool: str = "cold", pinned_model: str | None = None) -> SchedulerConfig:
@@ -93,12 +94,13 @@ SIM_DIFFERS = (
                "simulator is not measured yet"),
     Difference("fill_by_switch", False, "on",
                "the published simulator tables fill a slot to its share of the round cap; the live "
-               "agent bounds the fill by the switch it amortises (live_path.md), not measured in the simulator"),
+               "agent bounds the fill by the switch it amortises (results/live_path.md), not measured in the simulator"),
 )
 # Live, the router resizes hot pools only with TALARIA_HOT_POOLS=true (else the operator's
 # `--hot` pins); the simulator deploys a configuration's `pools`. Declared here, with its reason.
 LIVE_POOLS = ("operator-pinned unless TALARIA_HOT_POOLS=true",
-              "the live default stays what the pooled-parity measurement decides; until then it is off")
+              "off until measured live: live agents register cold, and the controller started cold is a "
+              "wash against all-cold agents in the simulator (results/hot_cold_sim.md)")
 
 
 def _scheduler(ablation: str = "talaria", **knobs) -> SchedulerConfig:
