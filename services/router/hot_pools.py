@@ -271,8 +271,8 @@ class HotPools:
         self.fixed.discard(instance_id)
 
     def pinned(self, instance_id: str, model: str | None, at: float) -> None:
-        """Another router's controller moved `instance_id` to `model` at `at`: the same pins
-        and the same pace (its move counts against the rate gate here too)."""
+        """A move was made (a PoolPinned folded: this controller's plan, or another router's):
+        the pins and the pace (a move counts against the rate gate)."""
         if instance_id in self.fixed:
             return
         self.pins[instance_id] = model
@@ -433,8 +433,16 @@ class HotPools:
         return self._changed and n > 0 and now - self._last_move_at >= self.window_s(now) / n
 
     def decide(self, now: float, switch_s: Mapping[str, float], load: Mapping[str, int]) -> list[PoolMove]:
-        """At most one move (module doc). `switch_s`: seconds to load each model (the agents'
-        advertised open cost); `load`: calls in flight per instance (the router's view)."""
+        """`plan`, and the moves made at once (`pinned`): for a controller driven alone."""
+        moves = self.plan(now, switch_s, load)
+        for m in moves:
+            self.pinned(m.instance_id, m.model, m.at)
+        return moves
+
+    def plan(self, now: float, switch_s: Mapping[str, float], load: Mapping[str, int]) -> list[PoolMove]:
+        """At most one move (module doc), not made: the router folds it as a PoolPinned event
+        (`pinned`). `switch_s`: seconds to load each model (the agents' advertised open cost);
+        `load`: calls in flight per instance (the router's view)."""
         if not self.due(now):
             return []
         n = len(self.pins)
@@ -545,8 +553,6 @@ class HotPools:
         return left >= overflow and (left >= 1 or not needs_one)
 
     def _move(self, inst: str, model: str | None, previous: str | None, now: float, reason: str) -> PoolMove:
-        self.pins[inst] = model
-        self._last_move_at = now
         return PoolMove(inst, model, previous, now, reason)
 
 
@@ -555,7 +561,7 @@ def _clip01(v: float) -> float:
 
 
 def decide_from_state(pools: HotPools, state, now: float) -> list[PoolMove]:
-    """`pools.decide` with what the router state knows: each model's open cost as the agents
+    """`pools.plan` with what the router state knows: each model's open cost as the agents
     advertise it (the largest reported: the cost of loading it anywhere) and the calls in
     flight on each instance (snapshot + routed since). Nothing is gathered when no decision
     is due (it runs after every event the router handles)."""
@@ -569,4 +575,4 @@ def decide_from_state(pools: HotPools, state, now: float) -> list[PoolMove]:
             cost = res.open_cost_s or res.switch_cost_s
             if cost > switch.get(name, 0.0):
                 switch[name] = cost
-    return pools.decide(now, switch, load)
+    return pools.plan(now, switch, load)

@@ -128,8 +128,11 @@ class RouterCore:
         for produced in out:
             self.state.apply(produced, now)
         if self.pools is not None and self.partitioning.owns(None):  # else partition 0's owner decides
-            out += [PoolPinned(m.instance_id, m.model, m.previous, m.at, m.reason)
-                    for m in decide_from_state(self.pools, self.state, now)]
+            moves = [PoolPinned(m.instance_id, m.model, m.previous, m.at, m.reason)
+                     for m in decide_from_state(self.pools, self.state, now)]
+            for move in moves:  # the pools move as every router's do: by folding the event
+                self.state.apply(move, now)
+            out += moves
         return out
 
     def tick(self, now: float) -> list[Event]:
