@@ -11,7 +11,7 @@ import structlog
 
 from talaria.services import configs
 from talaria.services.instance_agent.engine import TorchEngine
-from talaria.services.instance_agent.runner import CallRunner
+from talaria.services.instance_agent.runner import SNAPSHOT_ON_CHANGE_MIN_S, CallRunner
 from talaria.services.router.router_service import RouterService
 from talaria.shared.settings import Settings, SettingsError
 from talaria.sim import cli as sim_cli
@@ -50,6 +50,8 @@ def test_the_live_default_runs_the_simulators_talaria_but_for_the_declared_diffe
             assert live == simulated, f"{f.name}: live {live!r}, simulator {simulated!r} (not declared)"
     # pools: the simulator deploys talaria's online pools; live they are the operator's (configs.LIVE_POOLS)
     assert pools == "online" and sim.hot_pools and router.core.pools is None
+    # the agents' reporting: heartbeat and snapshot-on-change pace as live
+    assert (sim.heartbeat_s, sim.snapshot_on_change_s) == (Settings().agent.heartbeat_s, SNAPSHOT_ON_CHANGE_MIN_S)
 
 
 def test_the_older_live_variables_select_the_same_configurations(tmp_path):
