@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from talaria.replay import ReplayConfig, Replayer, metrics_from_db  # noqa: E402
 from talaria.services.instance_agent.engine.contract import Capabilities  # noqa: E402
+from talaria.services import configs  # noqa: E402
 from talaria.services.instance_agent.scheduler import SchedulerConfig  # noqa: E402
 from talaria.services.router.policy.base import PolicyConfig  # noqa: E402
 from talaria.shared.settings import Settings  # noqa: E402
@@ -70,7 +71,7 @@ def live_scheduler() -> SchedulerConfig:
     """The instance scheduler as the live agent builds it (runner.py) on the torch engine.
     Chunked prefill stays off here: the simulator prices a prompt's prefill whole."""
     caps = Capabilities(switch_with_calls_running=False, host_kv=True, d2d_staging=True, chunked_prefill=False)
-    return SchedulerConfig.for_engine(caps, fill_by_switch=True)
+    return configs.get("talaria", chunked_prefill=False).live_scheduler(caps)
 
 
 # ---- live --------------------------------------------------------------------------------

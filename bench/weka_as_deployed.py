@@ -43,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from talaria.sim import matrix as M  # noqa: E402
 from talaria.sim.cli import map_models  # noqa: E402
 from talaria.sim.cluster import RunConfig, simulate  # noqa: E402
-from talaria.sim.deployment import deploy, talaria_pools  # noqa: E402
+from talaria.services import configs  # noqa: E402
+from talaria.sim.deployment import place  # noqa: E402
 from talaria.sim.executor import instance_config  # noqa: E402
 from talaria.sim.metrics import summarise  # noqa: E402
 from talaria.sim.profiles import PAPER_TP8  # noqa: E402
@@ -75,15 +76,7 @@ def run(args: tuple[Path, str, float, int, str]) -> tuple[float, int, str, dict]
     sessions = workload(trace, load, seed)
     demand = {m: d for m, d in M.demand_s(sessions, PAPER_TP8, flags.max_batch).items()
               if any(s.model == m for s in sessions)}
-    name, pc = M.policy_config(policy)
-    if policy in M.BASELINES:
-        pc, pinned = deploy(pc, demand, INSTANCES, len(demand))
-        online = False
-    else:
-        pinned, online = talaria_pools(demand, INSTANCES, len(demand),
-                                       "forecast" if policy == M.FORECAST_POOLS else "online")
-    cfg = RunConfig(PAPER_TP8, INSTANCES, name, pc, flags, parse_gap_model(gaps, seed),
-                    label=policy, pinned=pinned, hot_pools=online)
+    cfg = run_config(policy, demand, flags, parse_gap_model(gaps, seed))
     result = simulate(sessions, cfg)
     s = summarise(result)
     rc = result.router
@@ -91,6 +84,14 @@ def run(args: tuple[Path, str, float, int, str]) -> tuple[float, int, str, dict]
         "sct_p50": s["sct_p50"], "sct_p95": s["sct_p95"], "complete": s["complete"], "rejected": s["rejected"],
         "returns": rc.returns, "moved": rc.returns - rc.same_instance_returns, "repins": rc.repins,
     }
+
+
+def run_config(policy: str, demand: dict[str, float], flags, gaps) -> RunConfig:
+    """Configuration `policy` (services/configs.py) deployed on INSTANCES by the trace's demand."""
+    c = configs.from_label(policy)
+    placed = place(c, demand, INSTANCES, len(demand))
+    return RunConfig(PAPER_TP8, INSTANCES, c.policy, placed.policy_config, flags, gaps, label=policy,
+                     pinned=placed.pinned, hot_pools=placed.online, hot_pools_z=c.hot_pools_z)
 
 
 def _gmean(xs: list[float]) -> float:

@@ -1,7 +1,7 @@
-"""The paper's ablations (§5), one table and one spelling: `talaria up --ablation NAME`,
-`talaria replay --ablation NAME`, `talaria sim run --ablation NAME`, `TALARIA_ABLATION=NAME`
-and the simulator's experiments all name a row of it. Each row says which of Talaria's
-mechanisms are on; turning one off changes timing only, never output.
+"""The paper's ablations (§5), one table: each row says which of Talaria's mechanisms are on;
+turning one off changes timing only, never output. The named configurations
+(services/configs.py) take their mechanisms from it (`talaria-no-sp`, ...), and
+`--ablation NAME` / `TALARIA_ABLATION=NAME` turn a configuration's mechanisms to a row's.
 
     sp        mid-slot session-prefill (off: returns wait for the next slot's P)
     hkvr      host-restorable session KV (off: host KV counts as missing, recompute)

@@ -54,6 +54,10 @@ class CommonSettings:
     """What every service needs: where the deployment's NATS and Postgres are, its name, how to
     authenticate, the models it serves, where its data and telemetry go."""
 
+    # The named configuration every service runs (services/configs.py; TALARIA_POLICY is its
+    # older alias) and knobs of it overridden by name, `knob=value` (TALARIA_CONFIG_SET)
+    config: str = ""  # "": TALARIA_POLICY's, else talaria
+    config_set: tuple[str, ...] = ()
     nats_url: str | None = None  # None: `talaria up` starts an embedded server; a cluster: comma-separated
     nats_replicas: int = 1  # replicas of each JetStream stream (3 on a 3-node cluster: one node may die)
     database_url: str | None = None  # None: `talaria up` starts an embedded PostgreSQL
@@ -211,10 +215,11 @@ class GatewaySettings:
 
 @dataclass(frozen=True)
 class RouterSettings:
-    policy: str = "talaria"
-    lease_timeout_s: float = 1.0  # 0: no leases
-    adaptive_lease: bool = False
-    overload: str = "queue"
+    # Older spellings of the configuration's choices (services/configs.py); unset: the configuration's.
+    policy: str = ""  # alias of TALARIA_CONFIG
+    lease_timeout_s: float | None = None  # 0: no leases
+    adaptive_lease: bool | None = None
+    overload: str | None = None
     # The router sizes the hot pools from measured demand (services/router/hot_pools.py): it
     # tells cold agents which model to keep resident (PoolPinned); `--hot` agents stay fixed.
     hot_pools: bool = False
@@ -228,7 +233,7 @@ class RouterSettings:
     router_id: str = ""  # "": a fresh id per process; a restart under the same id adopts its claims
 
     def validate(self) -> None:
-        if self.overload not in ("reject", "queue"):
+        if self.overload is not None and self.overload not in ("reject", "queue"):
             raise SettingsError("TALARIA_OVERLOAD", self.overload, "reject or queue")
         if self.router_partitions < 1 or 64 % self.router_partitions:
             raise SettingsError("TALARIA_ROUTER_PARTITIONS", str(self.router_partitions), "a divisor of 64")
@@ -237,7 +242,7 @@ class RouterSettings:
                                 "a positive number")
         if self.router_id and not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.router_id):
             raise SettingsError("TALARIA_ROUTER_ID", self.router_id, "1-64 letters, digits, '_' or '-'")
-        if self.lease_timeout_s < 0:
+        if self.lease_timeout_s is not None and self.lease_timeout_s < 0:
             raise SettingsError("TALARIA_LEASE_TIMEOUT_S", str(self.lease_timeout_s), "a positive number")
 
 
@@ -250,7 +255,7 @@ class AgentSettings:
     # weights and KV type, every engine: auto (the checkpoint's where the hardware computes it
     # natively, engine/dtypes.py) | float32 | bfloat16
     dtype: str = ""
-    ablation: str = "talaria"  # which of Talaria's mechanisms are on (shared/ablations.py)
+    ablation: str = ""  # which of Talaria's mechanisms are on (shared/ablations.py); "": the configuration's
     heartbeat_s: float = 0.5
     watchdog_min_s: float = 10.0  # the agent watchdog's floor for "stuck" (services/instance_agent/watchdog.py)
     torch_threads: int = 1
@@ -262,12 +267,6 @@ class AgentSettings:
     vllm_block: int = 0
     vllm_batch_tokens: int = 0
     sglang_switch: str = ""  # memory | weights
-
-    # The mechanisms the ablation runs (shared/ablations.py).
-    sp = property(lambda self: ABLATIONS[self.ablation]["sp"])
-    hkvr = property(lambda self: ABLATIONS[self.ablation]["hkvr"])
-    staging = property(lambda self: ABLATIONS[self.ablation]["staging"])
-    park_kv = property(lambda self: ABLATIONS[self.ablation]["park_kv"])
 
     def engine_options(self) -> dict[str, object]:
         """The chosen engine's own options, as its constructor takes them (unset ones left out)."""
@@ -283,7 +282,7 @@ class AgentSettings:
         return {k: v for k, v in opts.items() if v}
 
     def validate(self) -> None:
-        if self.ablation not in ABLATIONS:
+        if self.ablation and self.ablation not in ABLATIONS:
             raise SettingsError("TALARIA_ABLATION", self.ablation, f"one of {', '.join(ABLATIONS)}")
         if self.pool not in ("hot", "cold"):
             raise SettingsError("TALARIA_POOL", self.pool, "hot or cold")

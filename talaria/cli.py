@@ -15,14 +15,36 @@ from talaria.shared.ablations import ABLATIONS
 from talaria.shared.settings import Settings, SettingsError, redact_url
 
 
-def _ablation_flags(p: argparse.ArgumentParser) -> None:
+def _config_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, metavar="NAME",
+                   help="the named configuration to run (services/configs.py; default: TALARIA_CONFIG, else talaria)")
+    p.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE",
+                   help="override one knob of the configuration by name (repeatable; TALARIA_CONFIG_SET)")
+    p.add_argument("--policy", default=None, metavar="NAME", help="older spelling of --config")
     p.add_argument("--ablation", choices=list(ABLATIONS), default=None,
                    help="which of Talaria's mechanisms run (shared/ablations.py; default: TALARIA_ABLATION, "
-                        "else talaria); round-only: the paper's baseline")
+                        "else the configuration's); round-only: the paper's baseline")
 
 
-def _apply_ablation(settings: Settings, args: argparse.Namespace) -> Settings:
-    return settings.with_(ablation=args.ablation) if args.ablation else settings
+def _apply_config(settings: Settings, args: argparse.Namespace) -> Settings:
+    """The settings with the command line's configuration choices; a SettingsError on a bad one."""
+    from talaria.services import configs
+
+    changes: dict[str, object] = {}
+    if args.config or args.policy:
+        changes.update(config=args.config or args.policy, policy="")
+    if args.set:
+        changes["config_set"] = (*settings.common.config_set, *args.set)
+    if args.ablation:
+        changes["ablation"] = args.ablation
+    settings = settings.with_(**changes)
+    # the whole stack's choice, checked here so that a bad name stops `up` before anything starts
+    configs.selected(settings.common, policy=settings.router.policy, ablation=settings.agent.ablation)
+    return settings
+
+
+def config_name(settings: Settings) -> str:
+    return settings.common.config or settings.router.policy or "talaria"
 
 
 def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
@@ -34,21 +56,18 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         changes["http_port"] = args.port
     if args.data_dir is not None:
         changes["data_dir"] = Path(args.data_dir)
-    if args.policy is not None:
-        changes["policy"] = args.policy
     if args.nats_url is not None:
         changes["nats_url"] = args.nats_url
     models = [m.strip() for m in (args.models or "").split(",") if m.strip()] + list(args.model)
     if models:
         changes["models"] = tuple(models)
     try:  # every flag checked as the environment is, before anything starts
-        settings = _apply_ablation(settings.with_(**changes), args)
+        settings = _apply_config(settings.with_(**changes), args)
         settings.validate()
         catalogue = settings.common.catalogue()  # reads each --model directory; `--hot` may name one
     except SettingsError as exc:
         print(f"talaria: {_flag_error(exc, args)}", file=sys.stderr)
         return 2
-    _check_policy(settings.router.policy)
     from talaria.roles import HostPlan, RoleError, parse_roles
 
     credentials = Path(args.nats_credentials) if args.nats_credentials else None
@@ -104,7 +123,7 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         stack.start(timeout=args.ready_timeout, progress=lambda m: print(f"talaria: {m}", flush=True))
         where = f"gateway {stack.gateway_url}" if stack.gateway_url else "no gateway on this host"
         print(f"talaria: ready in {time.monotonic() - t0:.1f}s — {where} (roles {','.join(sorted(plan.roles))}, "
-              f"policy {settings.router.policy}, {stack.agents} cold agents, {len(stack.hot)} hot)", flush=True)
+              f"config {config_name(settings)}, {stack.agents} cold agents, {len(stack.hot)} hot)", flush=True)
         print(f"talaria: metrics (GET /metrics) {', '.join(f'{n} {u}' for n, u in sorted(stack.metrics.items()))}; "
               f"Prometheus config {settings.common.data_dir / 'prometheus.yml'}", flush=True)
         print(f"talaria: NATS {redact_url(stack.nats_url)}  Postgres {redact_url(stack.database_url) or 'elsewhere'}  "
@@ -147,18 +166,12 @@ def _flag_error(exc: SettingsError, args: argparse.Namespace) -> str:
     """A setting's error named as the user gave it: the flag (`--port 99999`) rather than its
     variable, when the flag set it."""
     flags = {"TALARIA_HTTP_PORT": ("--port", args.port), "TALARIA_DATA_DIR": ("--data-dir", args.data_dir),
-             "TALARIA_POLICY": ("--policy", args.policy)}
+             "TALARIA_POLICY": ("--policy", args.policy), "TALARIA_CONFIG": ("--config", args.config)}
     if exc.variable == "TALARIA_MODELS" and (args.model or args.models):
         flag = "--model" if exc.value in args.model else "--models"
         return f"{flag} {exc.value}: expected {exc.expected}"
     flag, given = flags.get(exc.variable, (None, None))
     return f"{flag} {given}: expected {exc.expected}" if given is not None else f"configuration error: {exc}"
-
-
-def _check_policy(name: str) -> None:
-    from talaria.services.router.policy.registry import create_policy
-
-    create_policy(name)  # raises UnknownPolicyError with the known names
 
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
@@ -331,9 +344,11 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
             nats_url, db_url, api_key = args.nats, args.database, settings.cli.api_key
         else:
             data_dir = Path(args.data_dir) if args.data_dir else Path(tempfile.mkdtemp(prefix="talaria-replay-"))
-            run_settings = _apply_ablation(settings.with_(policy=args.policy or settings.router.policy,
-                                                          data_dir=data_dir, http_port=0), args)
-            _check_policy(run_settings.router.policy)
+            try:
+                run_settings = _apply_config(settings.with_(data_dir=data_dir, http_port=0), args)
+            except SettingsError as exc:
+                print(f"talaria replay: {exc}", file=sys.stderr)
+                return 2
             stack = Stack(run_settings, agents=args.agents).start(progress=lambda m: print(f"talaria: {m}",
                                                                                         file=sys.stderr))
             nats_url, db_url, api_key = stack.client_nats_url, stack.database_url, stack.api_key
@@ -344,8 +359,8 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
         stats = asyncio.run(Replayer(nats_url, cfg, gaps, run_id, api_key, settings.common.deployment,
                                      settings.common.catalogue()).run(sessions))
         metrics = asyncio.run(metrics_from_db(db_url, run_id, stats.calls_sent))
-        result = {"run_id": run_id, "policy": args.policy or settings.router.policy, "gaps": gaps.describe(),
-                  "ablation": args.ablation or settings.agent.ablation,
+        result = {"run_id": run_id, "policy": args.config or args.policy or config_name(settings),
+                  "gaps": gaps.describe(), "ablation": args.ablation or settings.agent.ablation or "talaria",
                   "replay": dataclasses.asdict(cfg), "stats": dataclasses.asdict(stats),
                   "wall_s": time.monotonic() - t0, **metrics}
         print(json.dumps(result, indent=2, default=str))
@@ -401,7 +416,6 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--ready-timeout", type=float, default=120.0,
                     help="seconds to wait for every service (default 120; TALARIA_ENGINE=vllm starts "
                          "two vLLM processes per model, allow minutes)")
-    up.add_argument("--policy", default=None, help="routing policy (default talaria)")
     up.add_argument("--models", default=None, help="comma-separated models each agent serves")
     up.add_argument("--model", action="append", default=[], metavar="NAME=DIR",
                     help="serve the Hugging Face checkpoint in DIR as NAME (repeatable; with --models: added)")
@@ -415,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a `talaria nats-config` directory: each service connects as its own NATS user")
     up.add_argument("--agent-prefix", default="agent", metavar="NAME",
                     help="instance ids NAME-0, NAME-1, ... (unique across agent hosts; default agent)")
-    _ablation_flags(up)
+    _config_flags(up)
     sub.add_parser("migrate", help="apply database migrations to TALARIA_DATABASE_URL")
     nc = sub.add_parser("nats-config", help="write per-service NATS users and permissions for an external NATS")
     nc.add_argument("out", help="directory for auth.conf (include it in nats-server.conf) and one .env per service")
@@ -449,7 +463,6 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--seed", type=int, default=0)
     rp.add_argument("--token-scale", type=float, default=1 / 64, help="trace tokens -> tiny-model tokens")
     rp.add_argument("--max-prompt", type=int, default=3000, help="stop a session whose prompt grows past this")
-    rp.add_argument("--policy", default=None)
     rp.add_argument("--agents", type=int, default=2)
     rp.add_argument("--data-dir", default=None,
                     help="the stack's data directory (default: a fresh temporary one; with --running: "
@@ -459,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--nats", default=None, help="replay against this running stack instead of starting one")
     rp.add_argument("--database", default=None, help="its Postgres (for the metrics)")
     rp.add_argument("--json", default=None, help="write the metrics here")
-    _ablation_flags(rp)
+    _config_flags(rp)
     sub.add_parser("sim", help="trace replay in the discrete-event simulator (see `talaria sim -h`)",
                    add_help=False)
     return parser

@@ -60,6 +60,10 @@ class Child:
     restart_at: float | None = None  # set while it is down and waiting for its restart
 
 
+def _unset_or(value: object) -> str:
+    return "" if value is None else str(value)
+
+
 class StackError(RuntimeError):
     pass
 
@@ -319,8 +323,10 @@ class Stack:
         env.update({
             "TALARIA_NATS_URL": self.nats_url, "TALARIA_DATABASE_URL": self.database_url,
             "TALARIA_DATA_DIR": str(s.common.data_dir.resolve()), "TALARIA_TRACES_DIR": str(s.common.traces_path.resolve()),
-            "TALARIA_POLICY": s.router.policy, "TALARIA_LEASE_TIMEOUT_S": str(s.router.lease_timeout_s),
-            "TALARIA_ADAPTIVE_LEASE": str(s.router.adaptive_lease), "TALARIA_ABLATION": s.agent.ablation,
+            # the named configuration (services/configs.py), the same for every service; "": unset
+            "TALARIA_CONFIG": s.common.config or s.router.policy, "TALARIA_CONFIG_SET": ",".join(s.common.config_set),
+            "TALARIA_POLICY": s.router.policy, "TALARIA_LEASE_TIMEOUT_S": _unset_or(s.router.lease_timeout_s),
+            "TALARIA_ADAPTIVE_LEASE": _unset_or(s.router.adaptive_lease), "TALARIA_ABLATION": s.agent.ablation,
             "TALARIA_MODELS": s.common.models_env(), "TALARIA_DEVICE": s.agent.device,
             "TALARIA_HTTP_HOST": s.gateway.http_host, "TALARIA_SESSION_IDLE_S": str(s.telemetry.session_idle_s),
             "TALARIA_NATS_REPLICAS": str(self.nats_cluster if not s.common.nats_url else s.common.nats_replicas),

@@ -17,6 +17,8 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from talaria.services.instance_agent.call_closing import IN_PROGRESS_EVERY_S
 from talaria.services.instance_agent.runner import CallRunner
+from talaria.services import configs
+from talaria.services.configs import Configuration
 from talaria.services.instance_agent.telemetry import build_snapshot
 from talaria.shared import logs, metrics, tracing
 from talaria.shared.bus import PUBLISH_TIMEOUT_S, close, connect, deployment_of, emit, tap
@@ -46,15 +48,18 @@ async def serve(common: CommonSettings, settings: AgentSettings, ready: asyncio.
     log = logs.get("instance_agent").bind(instance_id=settings.instance_id)
     deployment = common.deployment
     provider = tracing.setup(f"agent-{settings.instance_id}", common)
+    configuration = configs.selected(common, ablation=settings.ablation)  # a bad name fails before the engine loads
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
     loop = asyncio.get_running_loop()
-    engine = await loop.run_in_executor(executor, _build_engine, common, settings)
+    engine = await loop.run_in_executor(executor, _build_engine, common, settings, configuration)
     nc, js = await connect(common.nats_url, f"talaria-agent-{settings.instance_id}", **common.bus_options())
-    runner = CallRunner(common, settings, engine, executor, nc, js, provider.get_tracer("talaria.agent"), log)
+    runner = CallRunner(common, settings, engine, executor, nc, js, provider.get_tracer("talaria.agent"), log,
+                        configuration)
     meter = AgentMetrics(settings.instance_id)  # fed by what the agent emits, its steps and snapshot
     tap(js, meter.observe)
     runner.thread.watchdog.on_step = meter.engine_step
-    meter.snapshot_gauges(lambda: build_snapshot(settings, common.models, engine, runner.core, runner.version, time.time()))
+    meter.snapshot_gauges(lambda: build_snapshot(settings, common.models, engine, runner.core, runner.version, time.time(),
+                                                      staging=configuration.scheduler.staging))
     # <data_dir>/metrics/<instance id>.url: the agent's name in stack.json (`agent-0`, `hot-<model>`)
     metrics_runner = await metrics.serve(meter, settings.instance_id, common, log)
     durable = f"agent-{settings.instance_id}"
@@ -132,12 +137,13 @@ async def serve(common: CommonSettings, settings: AgentSettings, ready: asyncio.
         provider.shutdown()
 
 
-def _build_engine(common: CommonSettings, settings: AgentSettings):
+def _build_engine(common: CommonSettings, settings: AgentSettings, configuration: Configuration):
     import torch
 
     torch.set_num_threads(max(1, settings.torch_threads))
     engine = build_engine(settings.engine, common.data_dir, list(common.models), catalogue=common.catalogue(),
-                          device=settings.device, hkvr=settings.hkvr, staging=settings.staging,
+                          device=settings.device, hkvr=configuration.scheduler.hkvr,
+                          staging=configuration.scheduler.staging,
                           **settings.engine_options())
     engine.ensure_weights()
     return engine

@@ -45,10 +45,11 @@ from talaria.services.instance_agent.scheduler import (
     Idle,
     LinearCosts,
     Prefill,
-    SchedulerConfig,
     SchedulerError,
     SwitchModel,
 )
+from talaria.services import configs
+from talaria.services.configs import Configuration
 from talaria.services.instance_agent.telemetry import build_snapshot
 from talaria.services.instance_agent.watchdog import Watchdog
 from talaria.shared.events import CallRouted
@@ -84,7 +85,7 @@ def reusable_kv(engine, session_id: str, model: str, prompt_tokens: int,
 
 class CallRunner:
     def __init__(self, common: CommonSettings, settings: AgentSettings, engine, executor, nc, js,
-                 tracer: trace.Tracer, log) -> None:
+                 tracer: trace.Tracer, log, configuration: Configuration | None = None) -> None:
         self.settings, self.engine = settings, engine
         self.models, self.deployment = common.models, common.deployment
         self.nc, self.js, self.tracer, self.log = nc, js, tracer, log
@@ -92,13 +93,10 @@ class CallRunner:
         # This process's identity in every snapshot: the router replaces a predecessor's view
         # at once, and calls placed on the predecessor are refused here (the router failed them).
         self.incarnation = uuid.uuid4().hex[:12]
-        config = SchedulerConfig.for_engine(
-            engine.capabilities,
-            pool=settings.pool, pinned_model=self.models[0] if settings.pool == "hot" else None,
-            sp=settings.sp, hkvr=settings.hkvr, staging=settings.staging, park_kv=settings.park_kv,
-            chunked_prefill=True,
-            fill_by_switch=True,
-        )
+        # the named configuration's scheduler on this engine (services/configs.py)
+        self.configuration = configuration or configs.selected(common, ablation=settings.ablation)
+        config = self.configuration.live_scheduler(engine.capabilities, settings.pool,
+                                                   self.models[0] if settings.pool == "hot" else None)
         self.core = AgentCore(self.instance_id, config, list(self.models), INITIAL_COSTS,
                               keep_ended=ENDED_MEMORY)
         self.wakeup = asyncio.Event()
@@ -255,7 +253,7 @@ class CallRunner:
         try:
             snap = msgspec.structs.replace(
                 build_snapshot(self.settings, self.models, self.engine, self.core, self.version, time.time(),
-                               unhealthy=self.drops.unhealthy),
+                               unhealthy=self.drops.unhealthy, staging=self.configuration.scheduler.staging),
                 incarnation=self.incarnation)
             await self.nc.publish(self.deployment.telemetry(self.instance_id), encode(snap))
         except Exception as exc:  # a torn read of engine tables; the next beat retries

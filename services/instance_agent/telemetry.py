@@ -13,7 +13,7 @@ from talaria.shared.snapshots import InstanceSnapshot, ModelResidency, SessionKv
 
 
 def build_snapshot(settings: AgentSettings, served: tuple[str, ...], engine, core, version: int, now: float,
-                   unhealthy: str = "") -> InstanceSnapshot:
+                   unhealthy: str = "", staging: bool = True) -> InstanceSnapshot:
     stats = engine.stats()
     active = engine.active_model
     staged_target = stats.staged_model
@@ -23,7 +23,7 @@ def build_snapshot(settings: AgentSettings, served: tuple[str, ...], engine, cor
         state = "active" if m == active else ("staged" if m == staged_target else "resident")
         models.append(ModelResidency(
             model=m, state=state,
-            switch_cost_s=costs.switch_s(active, m, settings.staging),
+            switch_cost_s=costs.switch_s(active, m, staging),
             open_cost_s=costs.switch_s(active, m, False),
             weight_bytes=int(stats.weight_bytes.get(m, 0)),
             context_length=int(engine.specs[m].context_length),

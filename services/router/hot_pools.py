@@ -184,6 +184,39 @@ class HotPools:
     def models(self) -> tuple[str, ...]:
         return tuple(sorted(self._m))
 
+    # ---- checkpoint form (saved with the router state, state.py) -----------------------------
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able dict of everything the controller knows; `from_dict` rebuilds an
+        equal controller (a restarted router resumes the same pools and the same pace). Tables
+        are lists of pairs: Postgres' JSONB keeps no key order, and sums run in table order."""
+        return {
+            "pins": list(self.pins.items()), "fixed": sorted(self.fixed), "cold_pool": self.cold_pool,
+            "floor": dict(self.floor), "z": self.z, "min_window_s": self.min_window_s,
+            "models": [[m, vars(v).copy()] for m, v in self._m.items()],
+            "sessions": [[s, vars(v).copy()] for s, v in self._sessions.items()],
+            "calls": list(self._calls.items()), "spans": list(self._spans), "span_total": self._span_total,
+            "ended": self._ended, "stay": list(self._stay), "first_at": self._first_at,
+            "decayed_at": self._decayed_at, "exposure": self._exposure,
+            "last_move_at": None if self._last_move_at == float("-inf") else self._last_move_at,  # JSON has no -inf
+            "changed": self._changed,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> HotPools:
+        pools = cls(dict(data["pins"]), data["floor"], z=data["z"], min_window_s=data["min_window_s"])
+        pools.fixed, pools.cold_pool = set(data["fixed"]), data["cold_pool"]
+        pools._m = {m: _Model(**v) for m, v in data["models"]}
+        pools._sessions = {s: _Session(**v) for s, v in data["sessions"]}
+        pools._calls = dict(data["calls"])
+        pools._spans = deque(data["spans"], maxlen=SPAN_MEMORY)
+        pools._span_total, pools._ended, pools._stay = data["span_total"], data["ended"], tuple(data["stay"])
+        pools._first_at, pools._decayed_at, pools._exposure = data["first_at"], data["decayed_at"], data["exposure"]
+        last = data["last_move_at"]
+        pools._last_move_at = float("-inf") if last is None else last
+        pools._changed = data["changed"]
+        return pools
+
     @classmethod
     def even(cls, instances: Sequence[str], models: Sequence[str], floor: Mapping[str, int] | None = None,
              **kw) -> HotPools:
@@ -238,8 +271,8 @@ class HotPools:
         self.fixed.discard(instance_id)
 
     def pinned(self, instance_id: str, model: str | None, at: float) -> None:
-        """Another router's controller moved `instance_id` to `model` at `at`: the same pins
-        and the same pace (its move counts against the rate gate here too)."""
+        """A move was made (a PoolPinned folded: this controller's plan, or another router's):
+        the pins and the pace (a move counts against the rate gate)."""
         if instance_id in self.fixed:
             return
         self.pins[instance_id] = model
@@ -400,8 +433,16 @@ class HotPools:
         return self._changed and n > 0 and now - self._last_move_at >= self.window_s(now) / n
 
     def decide(self, now: float, switch_s: Mapping[str, float], load: Mapping[str, int]) -> list[PoolMove]:
-        """At most one move (module doc). `switch_s`: seconds to load each model (the agents'
-        advertised open cost); `load`: calls in flight per instance (the router's view)."""
+        """`plan`, and the moves made at once (`pinned`): for a controller driven alone."""
+        moves = self.plan(now, switch_s, load)
+        for m in moves:
+            self.pinned(m.instance_id, m.model, m.at)
+        return moves
+
+    def plan(self, now: float, switch_s: Mapping[str, float], load: Mapping[str, int]) -> list[PoolMove]:
+        """At most one move (module doc), not made: the router folds it as a PoolPinned event
+        (`pinned`). `switch_s`: seconds to load each model (the agents' advertised open cost);
+        `load`: calls in flight per instance (the router's view)."""
         if not self.due(now):
             return []
         n = len(self.pins)
@@ -512,8 +553,6 @@ class HotPools:
         return left >= overflow and (left >= 1 or not needs_one)
 
     def _move(self, inst: str, model: str | None, previous: str | None, now: float, reason: str) -> PoolMove:
-        self.pins[inst] = model
-        self._last_move_at = now
         return PoolMove(inst, model, previous, now, reason)
 
 
@@ -522,7 +561,7 @@ def _clip01(v: float) -> float:
 
 
 def decide_from_state(pools: HotPools, state, now: float) -> list[PoolMove]:
-    """`pools.decide` with what the router state knows: each model's open cost as the agents
+    """`pools.plan` with what the router state knows: each model's open cost as the agents
     advertise it (the largest reported: the cost of loading it anywhere) and the calls in
     flight on each instance (snapshot + routed since). Nothing is gathered when no decision
     is due (it runs after every event the router handles)."""
@@ -536,4 +575,4 @@ def decide_from_state(pools: HotPools, state, now: float) -> list[PoolMove]:
             cost = res.open_cost_s or res.switch_cost_s
             if cost > switch.get(name, 0.0):
                 switch[name] = cost
-    return pools.decide(now, switch, load)
+    return pools.plan(now, switch, load)

@@ -1,6 +1,6 @@
 """RouterCore: policy + state, pure. Turns inputs into events and folds them in.
 
-The asyncio service (`service.py`) publishes whatever `handle` returns; the simulator
+The asyncio service (`router_service.py`) publishes whatever `handle` returns; the simulator
 and the tests call the same methods with a virtual clock.
 
 With router replicas (ownership.py) each router folds every event into the same state but
@@ -38,11 +38,20 @@ class RouterCore:
         self.policy = policy
         self.state = state or RouterState()
         # The router's hot-pool controller (hot_pools.py), when the system chooses the pools:
-        # it hears what the router routes and completes, and its decisions are PoolPinned events.
-        # With replicas every router's controller hears every placement and completion; only
-        # partition 0's owner emits its decisions (router-wide work: one router does it).
-        self.pools = pools
+        # part of the state (it hears the events the state folds, and is checkpointed with it);
+        # its decisions are PoolPinned events. With replicas every router's controller hears
+        # every placement and completion; only partition 0's owner emits its decisions.
+        if pools is not None:
+            self.state.pools = pools
         self.partitioning = partitioning or Partitioning.everything()  # one router: every session
+
+    @property
+    def pools(self) -> HotPools | None:
+        return self.state.pools
+
+    @pools.setter
+    def pools(self, pools: HotPools | None) -> None:
+        self.state.pools = pools
 
     def owns(self, event) -> bool:
         """Does this router act for `event`'s session (router-wide events: partition 0's owner)?"""
@@ -55,12 +64,7 @@ class RouterCore:
         out = []
         if old is not None and old.snapshot.incarnation != snapshot.incarnation:
             out = self.lose(old, f"instance {snapshot.instance_id} restarted", now)
-        self.state.apply(SnapshotReceived(snapshot, now))
-        if self.pools is not None:
-            self.pools.instance(snapshot.instance_id, snapshot.pinned_model if snapshot.pool == "hot" else None,
-                                (m.model for m in snapshot.models))
-            if snapshot.active_model:
-                self.pools.observe_rates(snapshot.active_model, snapshot.prefill_tok_s, snapshot.decode_tok_s)
+        self.state.apply(SnapshotReceived(snapshot, now), now)
         return out
 
     def check_liveness(self, now: float, since: float) -> list[Event]:
@@ -82,10 +86,7 @@ class RouterCore:
         out: list[Event] = [InstanceLost(view.instance_id, view.snapshot.incarnation, reason, now, placed)]
         out += self._fail_placed(placed, view.instance_id, reason, now)
         for event in out:
-            self.state.apply(event)
-        if self.pools is not None:
-            self._pools_hear(out, now)
-            self.pools.forget(view.instance_id)
+            self.state.apply(event, now)
         return out
 
     def _fail_placed(self, calls, instance_id: str, reason: str, now: float) -> list[Event]:
@@ -109,17 +110,9 @@ class RouterCore:
             if view is None or view.snapshot.incarnation == event.incarnation:
                 mine = [c for c, p in self.state.inflight_calls.items() if p.instance_id == event.instance_id]
                 out = self._fail_placed(sorted(mine), event.instance_id, event.reason, now)
-        self.state.apply(event)
+        self.state.apply(event, now)  # a PoolPinned moves this router's pools too
         for produced in out:
-            self.state.apply(produced)
-        if self.pools is not None:
-            self._pools_hear((event, *out), now)
-            if isinstance(event, InstanceLost) and event.instance_id not in self.state.instances:
-                self.pools.forget(event.instance_id)
-        if self.pools is not None and isinstance(event, PoolPinned):
-            # Partition 0's owner moved a pool: known here at once (not a heartbeat later), so
-            # this router's controller starts from it if partition 0 comes to this router.
-            self.pools.pinned(event.instance_id, event.model, event.at)
+            self.state.apply(produced, now)
         return out
 
     def handle(self, event: Event, now: float) -> list[Event]:
@@ -130,36 +123,17 @@ class RouterCore:
             case _:
                 # Fold first, then let the policy react to the updated state (a completion
                 # installs its successor lease; a round summary has refreshed the profiles).
-                self.state.apply(event)
+                self.state.apply(event, now)
                 out = self.policy.react(self.state, event, now) if self.owns(event) else []
         for produced in out:
-            self.state.apply(produced)
-        if self.pools is not None:
-            out += self._pools(event, out, now)
+            self.state.apply(produced, now)
+        if self.pools is not None and self.partitioning.owns(None):  # else partition 0's owner decides
+            moves = [PoolPinned(m.instance_id, m.model, m.previous, m.at, m.reason)
+                     for m in decide_from_state(self.pools, self.state, now)]
+            for move in moves:  # the pools move as every router's do: by folding the event
+                self.state.apply(move, now)
+            out += moves
         return out
-
-    def _pools(self, event: Event, out: list[Event], now: float) -> list[Event]:
-        """Feed the hot-pool controller what this input caused; its moves as events."""
-        pools = self.pools
-        if isinstance(event, CallCompleted):
-            pools.completed(event.session_id, event.model, event.prompt_tokens, event.cached_tokens,
-                            event.output_tokens, event.prefill_s, event.decode_s, now, event.call_id)
-        self._pools_hear((event, *out), now)
-        if not self.partitioning.owns(None):
-            return []  # another router (partition 0's owner) decides the pools
-        return [PoolPinned(m.instance_id, m.model, m.previous, m.at, m.reason)
-                for m in decide_from_state(pools, self.state, now)]
-
-    def _pools_hear(self, events, now: float) -> None:
-        """The controller hears, of events already folded, every placement still running (one
-        folded after its completion would stay in flight there for ever) and every failed call
-        (it ends like a completed one)."""
-        for e in events:
-            if isinstance(e, CallRouted) and e.call.call_id in self.state.inflight_calls:
-                call = e.call
-                self.pools.routed(call.session_id, call.model, e.instance_id, call.prompt_tokens, now, call.call_id)
-            elif isinstance(e, CallFailed):
-                self.pools.failed(e.call_id, now)
 
     def tick(self, now: float) -> list[Event]:
         # Another router's due leases are its to expire: they leave this view when its
@@ -168,7 +142,7 @@ class RouterCore:
         if self.pools is not None:
             self.pools.expire(now, self.state.idle_horizon_s)
         for produced in out:
-            self.state.apply(produced)
+            self.state.apply(produced, now)
         return out
 
     def _route(self, call: CallSubmitted, now: float) -> list[Event]:

@@ -46,7 +46,8 @@ from talaria.services.router.claims import ClaimStore
 from talaria.services.router.ownership import Ownership, Partitioning, partition_of, slots_of
 from talaria.services.router.router_core import PEER_OUTPUTS, RouterCore
 from talaria.services.router.outputs import RouterOutputs
-from talaria.services.router.policy.base import PolicyConfig
+from talaria.services import configs
+from talaria.services.configs import Configuration
 from talaria.services.router.policy.registry import create_policy
 from talaria.services.router.projection import ProjectionStore
 from talaria.services.router.state import RouterState
@@ -72,7 +73,7 @@ from talaria.shared.events import (
     RoutingDecision,
 )
 from talaria.shared.snapshots import HEARTBEAT_DECODER, SNAPSHOT_DECODER
-from talaria.shared.settings import CommonSettings, RouterSettings, Settings, SettingsError
+from talaria.shared.settings import CommonSettings, RouterSettings, Settings
 from talaria.shared.subjects import Deployment
 from talaria.shared.tracing import extract_context
 
@@ -112,22 +113,19 @@ def save_interval(spent_s: float) -> float:
     return max(SAVE_EVERY_S, spent_s / SAVE_SHARE)
 
 
-def policy_config(settings: RouterSettings) -> PolicyConfig:
-    return PolicyConfig(
-        lease_timeout_s=settings.lease_timeout_s,
-        adaptive_lease=settings.adaptive_lease,
-        overload=settings.overload,
-    )
+def configuration(common: CommonSettings, settings: RouterSettings) -> Configuration:
+    """The named configuration this router runs (services/configs.py), with the router's own
+    older knobs (TALARIA_LEASE_TIMEOUT_S, TALARIA_ADAPTIVE_LEASE, TALARIA_OVERLOAD) applied."""
+    return configs.selected(common, policy=settings.policy, lease_timeout_s=settings.lease_timeout_s,
+                            adaptive_lease=settings.adaptive_lease, overload=settings.overload)
 
 
 class RouterService:
     def __init__(self, common: CommonSettings, settings: RouterSettings, log) -> None:
         self.common, self.settings, self.log = common, settings, log
         self.deployment = common.deployment
-        try:
-            policy = create_policy(settings.policy, policy_config(settings))
-        except (KeyError, ValueError) as exc:  # unknown policy or a bad knob: a config error
-            raise SettingsError("TALARIA_POLICY", settings.policy, str(exc)) from None
+        self.configuration = configuration(common, settings)  # a SettingsError naming the variable
+        policy = create_policy(self.configuration.policy, self.configuration.router)
         self.router_id = settings.router_id or f"router-{uuid.uuid4().hex[:8]}"
         self.origin = uuid.uuid4().hex  # this process: its outputs, read back by the view, are skipped
         self.ownership = Ownership(self.router_id, settings.router_partitions, settings.router_ownership_ttl_s)
@@ -184,7 +182,10 @@ class RouterService:
         metrics_runner = await metrics.serve(self.metrics, self.router_id, self.common, self.log)
         saved = await store.load()
         if saved is not None:
+            pools = self.core.pools
             self.core.state, self.seq = saved
+            if pools is None or self.core.pools is None:  # pools as configured now; saved ones resume
+                self.core.pools = pools
         tasks = [asyncio.create_task(self._view(stop))]
         await self._caught_up(await self._stream_last())  # the state as the stream is now
         self.log.info("router recovered", seq=self.seq, sessions=len(self.core.state.sessions))

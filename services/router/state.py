@@ -8,6 +8,7 @@ Everything here is pure: no I/O, no clock. Time comes in with the inputs.
                       prefix   (approximate prefix index over routed block hashes)
     SnapshotReceived ─apply─► instances (latest snapshot + overlay of calls routed since)
     InstanceLost     ─apply─► instance dropped, its in-flight calls closed
+    every event      ─apply─► pools (the hot-pool controller, when the router chooses the pools)
 
 `to_dict` / `from_dict` give the plain-dict form the Postgres projection stores; folding
 the same inputs into a fresh state gives an equal `to_dict()` (tests/unit/router/test_router_replay.py).
@@ -23,6 +24,7 @@ from typing import NamedTuple
 import msgspec
 
 from talaria.services.router.homes import HomeBook
+from talaria.services.router.hot_pools import HotPools
 from talaria.services.router.instances import InstanceView
 from talaria.services.router.leases import LeaseBook
 from talaria.services.router.output_estimate import OutputEstimator
@@ -38,6 +40,7 @@ from talaria.shared.events import (
     LeaseDiscarded,
     LeaseExpired,
     LeaseIssued,
+    PoolPinned,
     RoundSummary,
 )
 from talaria.shared.snapshots import InstanceSnapshot
@@ -119,6 +122,9 @@ class RouterState:
     outputs: OutputEstimator = field(default_factory=OutputEstimator)  # output lengths seen (never max_tokens)
     horizon_epoch: int = 0  # bumped when a model's idle horizon changes (not state: a cache key)
     routed_total: int = 0
+    # The hot-pool controller (hot_pools.py) when the router chooses the pools: it hears the
+    # events this fold applies and is checkpointed with the rest.
+    pools: HotPools | None = None
 
     def session(self, session_id: str) -> SessionEntry:
         entry = self.sessions.get(session_id)
@@ -179,7 +185,14 @@ class RouterState:
 
     # ---- the fold -------------------------------------------------------------------
 
-    def apply(self, event: Event | SnapshotReceived) -> None:
+    def apply(self, event: Event | SnapshotReceived, now: float | None = None) -> None:
+        """Fold `event` in; `now` is when the router folds it (the hot pools' clock; default:
+        the event's own time)."""
+        self._fold(event)
+        if self.pools is not None:
+            self._pools_hear(event, _event_time(event) if now is None else now)
+
+    def _fold(self, event: Event | SnapshotReceived) -> None:
         match event:
             case SnapshotReceived():
                 self._observed(event.snapshot, event.received_at)
@@ -209,6 +222,31 @@ class RouterState:
                     view.memo.clear()  # the measured switch cost may have changed
             case _:
                 pass
+
+    def _pools_hear(self, event: Event | SnapshotReceived, now: float) -> None:
+        """The hot-pool controller hears, of a folded event: an agent's pins and rates, every
+        placement still running (one folded after its completion would stay in flight there
+        for ever), completions and failed calls (they end like completed ones), lost agents
+        and another router's pool moves."""
+        pools = self.pools
+        match event:
+            case SnapshotReceived(snapshot=snap):
+                pools.instance(snap.instance_id, snap.pinned_model if snap.pool == "hot" else None,
+                               (m.model for m in snap.models))
+                if snap.active_model:
+                    pools.observe_rates(snap.active_model, snap.prefill_tok_s, snap.decode_tok_s)
+            case CallRouted(call=call) if call.call_id in self.inflight_calls:
+                pools.routed(call.session_id, call.model, event.instance_id, call.prompt_tokens, now, call.call_id)
+            case CallCompleted():
+                pools.completed(event.session_id, event.model, event.prompt_tokens, event.cached_tokens,
+                                event.output_tokens, event.prefill_s, event.decode_s, now, event.call_id)
+            case CallFailed():
+                pools.failed(event.call_id, now)
+            case InstanceLost() if event.instance_id not in self.instances:
+                pools.forget(event.instance_id)
+            case PoolPinned():
+                # another router moved a pool: known here at once, not a heartbeat later
+                pools.pinned(event.instance_id, event.model, event.at)
 
     def _observed(self, snapshot: InstanceSnapshot, now: float) -> None:
         """A fresh snapshot replaces the overlay: it already counts what was routed before it."""
@@ -369,6 +407,7 @@ class RouterState:
             "instance_profiles": {i: dict(vars(p)) for i, p in self.instance_profiles.items()},
             "homes": self.homes.to_list(),
             "outputs": self.outputs.to_dict(),
+            "pools": self.pools.to_dict() if self.pools is not None else None,
         }
 
     @classmethod
@@ -394,7 +433,18 @@ class RouterState:
         state.instance_profiles = {i: InstanceProfile(**p) for i, p in data.get("instance_profiles", {}).items()}
         state.homes = HomeBook.from_list(data.get("homes", []))
         state.outputs = OutputEstimator.from_dict(data.get("outputs", {}))
+        pools = data.get("pools")
+        state.pools = HotPools.from_dict(pools) if pools is not None else None
         return state
+
+
+def _event_time(event: Event | SnapshotReceived) -> float:
+    """When an event happened, by its own clock (a fold with no router time given)."""
+    for name in ("received_at", "routed_at", "completed_at", "at"):
+        t = getattr(event, name, None)
+        if t is not None:
+            return t
+    return 0.0
 
 
 def _view_to_dict(view: InstanceView) -> dict:

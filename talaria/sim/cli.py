@@ -1,10 +1,12 @@
 """`talaria sim ...`: run one simulation, the experiments, or the trace converter.
 
-    talaria sim run --trace T.jsonl[.xz]|fixed-replay --profile paper-tp8 --policy least-loaded \
-        [--instances N] [--ablation talaria|no-sp|no-hkvr|h2d-only|round-only] [--tau S] \
+    talaria sim run --trace T.jsonl[.xz]|fixed-replay --profile paper-tp8 --config NAME [--set KNOB=VALUE] \
+        [--instances N] [--policy NAME --deploy shared|as-deployed --ablation A --tau S] \
         [--gaps paper|recorded[:cap]|rescaled:F[:cap]] [--model-map auto|A=B,...] [--seed N] [--json OUT] \
         [--bound]
 
+`--config NAME` runs a named configuration (services/configs.py) as it is deployed; `--policy`,
+`--deploy`, `--pools`, `--ablation`, `--tau` are the older spellings of the same choices.
 `--bound` prints the capacity-aware bound beside the run (experiments.capacity_aware_bound):
 how far the policy is from what the hardware allows on this traffic.
 
@@ -21,12 +23,11 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from talaria.services.router.policy.base import PolicyConfig
-from talaria.shared.ablations import ABLATIONS
+from talaria.services import configs
+from talaria.shared.ablations import ABLATIONS, mechanisms
 from talaria.sim.result_json import write_json
 from talaria.sim import experiments
 from talaria.sim.cluster import RunConfig, simulate
-from talaria.sim.executor import instance_config
 from talaria.sim.metrics import summarise
 from talaria.sim.profiles import PROFILES, get_profile
 from talaria.sim.workloads import fixed_replay, on_model
@@ -34,7 +35,7 @@ from talaria.traces.format import Session, TraceFormatError
 from talaria.traces.load import load_trace
 from talaria.traces.gaps import default_gap_spec, parse_gap_model
 from talaria.traces.weka import convert_file
-from talaria.sim.deployment import TALARIA_POOLS, deploy, talaria_pools
+from talaria.sim.deployment import TALARIA_POOLS, Placement, place
 from talaria.sim.matrix import demand_s
 
 
@@ -63,23 +64,23 @@ def _run(args) -> int:
         print(f"error: profile {server.name!r} has no model(s) {unknown}; known: {sorted(server.models)}; "
               "map them with --model-map auto or --model-map TRACE=SERVED,...", file=sys.stderr)
         return 2
-    sched = instance_config(args.ablation)
-    pc = PolicyConfig(lease_timeout_s=args.tau, adaptive_lease=args.adaptive_lease)
-    pinned: tuple[str, ...] = ()
-    online = False
-    if args.deploy == "as-deployed":
-        # deployment.py: a peer in per-model pools by the trace's demand, else serverless;
-        # talaria with its own pools (--pools)
+    try:
+        name, cfg = configuration(args)
+    except configs.ConfigurationError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    sched = cfg.sim_scheduler()
+    placed = Placement(cfg.router)
+    if cfg.pools != "shared":
+        # deployment.place: pools sized by the trace's offered demand of the models it names
         demand = {m: d for m, d in demand_s(sessions, server, sched.max_batch).items()
                   if any(x.model == m for x in sessions)}
-        if args.policy == "talaria":
-            pinned, online = talaria_pools(demand, args.instances, len(demand), args.pools)
-        else:
-            pc, pinned = deploy(pc, demand, args.instances, len(demand))
+        placed = place(cfg, demand, args.instances, len(demand))
     config = RunConfig(
-        server, args.instances, args.policy, pc,
+        server, args.instances, cfg.policy, placed.policy_config,
         sched, gaps,
-        label=args.policy, progress=True, pinned=pinned, log_actions=args.bound, hot_pools=online,
+        label=name, progress=True, pinned=placed.pinned, log_actions=args.bound, hot_pools=placed.online,
+        hot_pools_z=cfg.hot_pools_z,
     )
     result = simulate(sessions, config)
     summary = summarise(result)
@@ -100,6 +101,30 @@ def _run(args) -> int:
     if args.json:
         write_json(summary, Path(args.json))
     return 0
+
+
+def configuration(args) -> tuple[str, configs.Configuration]:
+    """(label, configuration) of a `sim run`: `--config NAME` with `--set knob=value`; the older
+    flags are aliases (`--policy NAME`: that configuration over shared instances unless `--deploy
+    as-deployed`; `--ablation`, `--tau`, `--adaptive-lease`, `--pools`: knobs)."""
+    name = args.config or args.policy or "least-loaded"
+    overrides: dict[str, object] = {}
+    if args.ablation:
+        overrides.update(mechanisms(args.ablation))
+    if args.tau is not None:
+        overrides["lease_timeout_s"] = args.tau
+    if args.adaptive_lease:
+        overrides["adaptive_lease"] = True
+    deploy = args.deploy or (None if args.config else "shared")
+    if deploy == "shared":
+        overrides["pools"] = "shared"
+    elif deploy == "as-deployed":
+        talaria = configs.get(name).policy == "talaria"
+        overrides["pools"] = (args.pools or "online") if talaria else "per-model"
+    elif args.pools:  # with --config: talaria's pools where the models fit
+        overrides["pools"] = args.pools
+    overrides.update(configs.parse_set(args.set))
+    return name, configs.get(name, **overrides)
 
 
 def map_models(sessions: list[Session], spec: str | None, served: list[str]) -> list[Session]:
@@ -141,11 +166,17 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="simulate one configuration")
     run.add_argument("--trace", default="fixed-replay", help="normalised JSONL trace or 'fixed-replay'")
     run.add_argument("--profile", default="paper-tp8", choices=sorted(PROFILES))
-    run.add_argument("--policy", default="least-loaded", help="routing policy (router registry name)")
+    run.add_argument("--config", default=None, choices=configs.names(), metavar="NAME",
+                     help="a named configuration (services/configs.py): router policy and knobs, scheduler, "
+                          "pools as it is deployed")
+    run.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE",
+                     help="override one knob of the configuration by name (repeatable)")
+    run.add_argument("--policy", default=None,
+                     help="alias: configuration NAME over shared instances (default least-loaded)")
     run.add_argument("--instances", type=int, default=1)
-    run.add_argument("--ablation", choices=list(ABLATIONS), default="talaria",
+    run.add_argument("--ablation", choices=list(ABLATIONS), default=None,
                      help="which of Talaria's mechanisms run (shared/ablations.py)")
-    run.add_argument("--tau", type=float, default=1.0, help="lease timeout (s)")
+    run.add_argument("--tau", type=float, default=None, help="lease timeout (s; the configuration's: 1)")
     run.add_argument("--adaptive-lease", action="store_true")
     run.add_argument("--gaps", default=None,
                      help="paper | recorded[:cap] | rescaled:F[:cap] (default: recorded for a trace "
@@ -153,12 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model-map", default=None,
                      help="replay trace models as served ones: 'auto' or TRACE=SERVED,... (default: none)")
     run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--deploy", choices=("shared", "as-deployed"), default="shared",
+    run.add_argument("--deploy", choices=("shared", "as-deployed"), default=None,
                      help="shared: every instance may serve every model (cold pools); as-deployed: per-model "
                           "hot pools split by the trace's demand where the models fit the instances, else "
                           "serverless on-demand loading for a peer; talaria runs its own pools (--pools) where "
                           "the models fit, else its cold pool (talaria/sim/deployment.py)")
-    run.add_argument("--pools", choices=TALARIA_POOLS, default="online",
+    run.add_argument("--pools", choices=TALARIA_POOLS, default=None,
                      help="talaria under --deploy as-deployed: online = hot pools from an even split that its "
                           "router resizes from measured demand (services/router/hot_pools.py; the matrix's "
                           "configuration); forecast = the peers' split of the trace's demand, as an operator "

@@ -28,8 +28,11 @@ per cell 1.05x vs 1.02x with the full split (talaria only, 38 cells).
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Mapping
 
+from talaria.services.configs import Configuration
+from talaria.services.router.hot_pools import HotPools
 from talaria.services.router.policy.base import PolicyConfig
 
 
@@ -74,3 +77,36 @@ def talaria_pools(demand: dict[str, float], instances: int, catalogue: int,
     if pools == "forecast":
         return pool_split(demand, instances), False
     return pool_split({m: 1.0 for m in demand}, instances), True
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How a run's instances start: the router's knobs (serverless or not), the model each
+    instance is pinned to (empty: every instance cold), and whether the router resizes them."""
+
+    policy_config: PolicyConfig
+    pinned: tuple[str | None, ...] = ()
+    online: bool = False
+
+
+def place(cfg: Configuration, demand: Mapping[str, float], instances: int, catalogue: int,
+          forecast: Mapping[str, float] | None = None) -> Placement:
+    """Deploy configuration `cfg` (its `pools`, services/configs.py POOLS) on `instances`.
+    `demand`: the run's offered demand per model (its keys are the models); `forecast`: what
+    static splits are sized on (default `demand`; the matrix's `--peer-split history`)."""
+    pc, fc, fits = cfg.router, dict(forecast if forecast is not None else demand), catalogue <= instances
+    if cfg.pools == "per-model":
+        pc, pinned = deploy(pc, fc, instances, catalogue)
+        return Placement(pc, pinned)
+    if cfg.pools == "shared":
+        return Placement(pc)
+    if fits and cfg.pools == "split-start":
+        return Placement(pc, pool_split(fc, instances), True)
+    if fits and cfg.pools == "hot-cold":
+        pools = HotPools.spare_cold([str(k) for k in range(instances)], sorted(demand))
+        return Placement(pc, tuple(pools.pins.values()), True)
+    if cfg.pools == "forecast":
+        pinned, online = talaria_pools(fc, instances, catalogue, "forecast")
+    else:  # online, and split-start / hot-cold where the models outnumber the instances
+        pinned, online = talaria_pools(dict(demand), instances, catalogue, "online")
+    return Placement(pc, pinned, online)

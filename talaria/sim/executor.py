@@ -26,7 +26,9 @@ added to the switch that reopens the model [asm].
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from talaria.services import configs
 
 from talaria.services.instance_agent.agent_core import AgentCore, StepReport
 from talaria.services.instance_agent.memory.parked_kv import ParkedKv, Unparked, parking_room, staging_reserve
@@ -40,13 +42,10 @@ from talaria.sim.profiles import ProfileCosts, ServerProfile
 
 
 def instance_config(name: str = "talaria", **overrides) -> SchedulerConfig:
-    """A simulated instance's scheduler: paper configuration `name` (the one ablation table,
-    `scheduler.config.ABLATIONS`) with the paper's resumable switches. [cal] §3.4: D_fin
-    spends the remaining protected budget, then the device switches with calls still in
-    flight (their KV parked with the model); the torch engine cannot, so the live agent
-    keeps the scheduler default (`drain_on_switch=True`). Every other knob is the
-    scheduler's default (gamma 0.9, T_TTFT 10 s, T_TPOT 0.2 s, batch 64, SP batch 8)."""
-    return SchedulerConfig.ablation(name, **{"drain_on_switch": False, **overrides})
+    """A simulated instance's scheduler under paper ablation `name` (shared/ablations.py): its
+    configuration's scheduler as the simulator runs it (services/configs.py, SIM_DIFFERS:
+    the paper's resumable switches), with `overrides`."""
+    return replace(configs.get(configs.ablation_name(name)).sim_scheduler(), **overrides)
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,12 +30,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from talaria.services import configs
 from talaria.services.router.policy.base import PolicyConfig
-from talaria.services.router.policy.registry import policy_names
 from talaria.shared.stats import quantile
 from talaria.sim.result_json import write_json
 from talaria.sim.cluster import RunConfig, simulate
-from talaria.sim.deployment import deploy, pool_split
+from talaria.sim.deployment import place
 from talaria.sim.executor import instance_config
 from talaria.sim.metrics import summarise
 from talaria.sim.profiles import PAPER_TP8, ROUTER_TP4, catalogue
@@ -54,6 +54,8 @@ CONFIGS = ("talaria", "no-sp", "no-hkvr", "h2d-only", "round-only")
 PEERS = ("round-robin", "sglang-cache-aware", "dynamo-kv", "llm-d", "vllm-stack-session")
 TRANSPLANTED = ("least-pressure", "session-sticky", "prefix-aware", "kv-cost")
 ROUTER_POLICIES = (*PEERS, "talaria", *(f"{p} (transplanted)" for p in TRANSPLANTED))
+# The configuration (services/configs.py) of each label that is not itself a configuration's name.
+CONFIG_OF = {f"{p} (transplanted)": p for p in TRANSPLANTED}
 # Scale: the transplanted extras are left out (least-pressure and kv-cost took 530 s and a
 # 300 s cap per run; their last numbers are in git history of results/scale.json).
 # talaria-forecast-pools: talaria given the peers' forecast pool split (the hot-pool ablation).
@@ -75,14 +77,10 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _registry_name(policy: str) -> str:
-    return "talaria" if policy == FORECAST_POOLS else policy.removesuffix(" (transplanted)")
-
-
 def _available(wanted) -> tuple[list[str], list[str]]:
-    names = set(policy_names())
-    have = [p for p in wanted if _registry_name(p) in names]
-    missing = [p for p in wanted if _registry_name(p) not in names]
+    names = set(configs.names())
+    have = [p for p in wanted if CONFIG_OF.get(p, p) in names]
+    missing = [p for p in wanted if CONFIG_OF.get(p, p) not in names]
     if FALLBACK in names and FALLBACK not in have and "least-pressure" not in names:
         have.insert(0, FALLBACK)
     return have, missing
@@ -119,29 +117,32 @@ def capacity_aware_bound(sessions, config: RunConfig, result) -> tuple[dict, dic
 
 
 def deployed(policy: str, pc: PolicyConfig, sessions, server, instances: int) -> dict:
-    """RunConfig fields that deploy `policy` as it is deployed (deployment.py): a peer gets
-    per-model pools split by the workload's offered demand where the models fit the
+    """RunConfig fields that deploy experiment label `policy` (its configuration, CONFIG_OF,
+    services/configs.py) with the router knobs `pc`, as it is deployed (deployment.place): a
+    peer gets per-model pools split by the workload's offered demand where the models fit the
     instances, else serverless on-demand loading; talaria starts its hot pools from an even
-    split and resizes them online (hot_pools.py) where the models fit, else every instance
-    is a cold talaria agent; a transplanted router routes model-blind over cold instances.
-    Also returns `deployment`, a label for the tables."""
+    split and resizes them online where the models fit, else every instance is a cold talaria
+    agent; a transplanted router routes model-blind over cold instances. Also returns
+    `deployment`, a label for the tables."""
     from talaria.sim.matrix import demand_s
 
-    name, models = _registry_name(policy), len(server.models)
-    if policy in PEERS or (policy == FORECAST_POOLS and models <= instances):
-        demand = demand_s(sessions, server, instance_config().max_batch)
-        pc, pinned = deploy(pc, demand, instances, models)
-        hot = "/".join(str(pinned.count(m)) for m in sorted(set(pinned)))
-        if policy == FORECAST_POOLS:
-            return {"policy": name, "policy_config": pc, "pinned": pinned, "hot_pools": False,
-                    "deployment": f"the peers' per-model pools ({hot}, by demand; ablation)"}
-        return {"policy": name, "policy_config": pc, "pinned": pinned, "hot_pools": False,
-                "deployment": "serverless (on-demand loading)" if pc.serverless else f"per-model pools ({hot}, by demand)"}
-    if name == "talaria" and models <= instances:
-        return {"policy": name, "policy_config": pc, "pinned": pool_split({m: 1.0 for m in server.models}, instances),
-                "hot_pools": True, "deployment": "online hot pools (even start)"}
-    return {"policy": name, "policy_config": pc, "pinned": (), "hot_pools": False,
-            "deployment": "cold instances (time-share every model)" + (" (transplanted)" if name != "talaria" else "")}
+    cfg = replace(configs.get(CONFIG_OF.get(policy, policy)), router=pc)
+    models = len(server.models)
+    static = cfg.pools in ("per-model", "forecast")
+    demand = demand_s(sessions, server, instance_config().max_batch) if static else {m: 1.0 for m in server.models}
+    placed = place(cfg, demand, instances, models)
+    hot = "/".join(str(placed.pinned.count(m)) for m in sorted(set(placed.pinned)))
+    d = {"policy": cfg.policy, "policy_config": placed.policy_config, "pinned": placed.pinned,
+         "hot_pools": placed.online}
+    if cfg.pools == "per-model":
+        return {**d, "deployment": "serverless (on-demand loading)" if placed.policy_config.serverless
+                else f"per-model pools ({hot}, by demand)"}
+    if cfg.pools == "forecast" and placed.pinned:
+        return {**d, "deployment": f"the peers' per-model pools ({hot}, by demand; ablation)"}
+    if placed.online:
+        return {**d, "deployment": "online hot pools (even start)"}
+    return {**d, "deployment": "cold instances (time-share every model)"
+            + (" (transplanted)" if cfg.policy != "talaria" else "")}
 
 
 def _run_config(server, instances: int, policy: str, pc: PolicyConfig, sessions, gaps, **kw) -> tuple[RunConfig, str]:
@@ -221,8 +222,7 @@ def router_exp(loads=("low", "medium", "high"), tau: float = 1.0, seed: int = 0,
 
 
 def tau_sweep_exp(load: str = "high", seed: int = 0) -> dict:
-    names = set(policy_names())
-    policy = "talaria" if "talaria" in names else None
+    policy = "talaria" if "talaria" in configs.names() else None
     out: dict = {"experiment": "tau-sweep", "load": load, "policy": policy, "points": {}}
     if policy is None:
         out["skipped"] = "the router registry has no 'talaria' policy yet"
@@ -368,6 +368,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(the report's mechanism column)")
     parser.add_argument("--sensitivity", action="store_true",
                         help="matrix: also run our configuration with each remaining constant halved and doubled")
+    parser.add_argument("--configs", default="", metavar="NAME,...",
+                        help="matrix: also run these named configurations (services/configs.py; "
+                             "NAME[knob=value] changes a knob)")
 
 
 REPORTED = ("fixed-replay", "router", "tau-sweep", "scale", "matrix")
@@ -386,6 +389,17 @@ def load_results(out_dir: Path) -> dict:
     return found
 
 
+def _extra_configs(args) -> tuple[str, ...]:
+    """`--configs`: each checked now (a bad name or knob stops before any run), in order, once."""
+    wanted = [c.strip() for c in (getattr(args, "configs", "") or "").split(",") if c.strip()]
+    for label in wanted:
+        try:
+            configs.from_label(label)
+        except configs.ConfigurationError as exc:
+            raise SystemExit(f"--configs: {exc}") from None
+    return tuple(dict.fromkeys(c for c in wanted if c not in POLICIES))
+
+
 def run_from_args(args) -> int:
     if args.experiment != "report":
         names = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
@@ -398,7 +412,7 @@ def run_from_args(args) -> int:
         matrix = {"workers": getattr(args, "workers", 2),
                   "policies": POLICIES + tuple(a for a in ABLATIONS if a not in POLICIES
                                                and getattr(args, "ablations", False))
-                  + (SENSITIVITY if getattr(args, "sensitivity", False) else ()),
+                  + (SENSITIVITY if getattr(args, "sensitivity", False) else ()) + _extra_configs(args),
                   "only": [c.strip() for c in args.cells.split(",")] if getattr(args, "cells", None) else None,
                   "peer_split": getattr(args, "peer_split", "exact")}
         run(names, args.out, args.json, args.quick, args.scale_sessions, scale, matrix)

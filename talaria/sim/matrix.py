@@ -48,11 +48,10 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 
-from talaria.services.router.hot_pools import HotPools
+from talaria.services import configs
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.sim.cluster import RunConfig, simulate
-from talaria.sim.deployment import deploy, pool_split, talaria_pools
-from talaria.sim.executor import instance_config
+from talaria.sim.deployment import place
 from talaria.shared.stats import quantile
 from talaria.sim.metrics import summarise
 from talaria.sim.profiles import PAPER_TP8, ROUTER_TP4, ServerProfile, catalogue
@@ -232,28 +231,16 @@ def workload(cell: Cell, flags) -> tuple[list[Session], GapModel, dict]:
 
 
 # Flatness around the constants our configuration still has: each at half and double.
-SENSITIVITY = tuple(f"{OURS}[{knob}={v:g}]" for knob, base in (
+SENSITIVITY = tuple(configs.label(OURS, {knob: v}) for knob, base in (
     ("new_session_running_s", 1.0), ("lease_charge_s", 0.25),
 ) for v in (base / 2, base * 2))
 
 
 def policy_config(policy: str) -> tuple[str, PolicyConfig]:
-    """(registry name, config) of a matrix policy; `talaria[knob=value]` is our
-    configuration with one knob changed (the sensitivity runs)."""
-    if policy.startswith(f"{OURS}[") and policy.endswith("]"):
-        knob, value = policy[len(OURS) + 1:-1].split("=")
-        if knob == "hot_pools_z":  # a RunConfig knob (run_one), not the policy's
-            return policy_config(OURS)
-        return "talaria", replace(policy_config(OURS)[1], **{knob: float(value)})
-    if policy == PAPER:
-        return "talaria", PolicyConfig(overload="reject", kv_home_admits=False,
-                                       new_session_running_s=0.0, prefix_placement=False,
-                                       price_round_sharing=False)
-    if policy in (OURS, ROUND_ONLY, FORECAST_POOLS, HOT_COLD, SPLIT_START):
-        return "talaria", PolicyConfig(overload="queue")
-    if policy == NO_LEASE:
-        return "talaria", PolicyConfig(overload="queue", lease_timeout_s=0.0)
-    return policy, PolicyConfig()
+    """(router policy, its knobs) of a matrix policy: a configuration name (services/configs.py),
+    or `name[knob=value]` for one with a knob changed (the sensitivity runs)."""
+    cfg = configs.from_label(policy)
+    return cfg.policy, cfg.router
 
 
 # How the peers' static pools are sized (deployment.py). "exact": from this run's own demand,
@@ -277,32 +264,28 @@ KEEP = ("sct_p50", "sct_p95", "ttft_p50", "ttft_p95", "goodput_calls_s", "reject
         "sessions_incomplete", "avoidable_cold_opens", "calls", "sessions", "complete", "sim_wall_s")
 
 
-def run_one(cell: Cell, policy: str, peer_split: str = "exact") -> dict:
-    flags = instance_config("talaria")
+def run_config(cell: Cell, policy: str, peer_split: str = "exact") -> tuple[RunConfig, str, list[Session], dict]:
+    """The simulator's run of configuration label `policy` (configs.from_label) on `cell`, its
+    pool mode, the cell's sessions and shape: the offered demand sizes the pools (deployment.place)."""
+    flags = configs.get(OURS).sim_scheduler()
     sessions, gaps, shape = workload(cell, flags)
-    name, pc = policy_config(policy)
-    pinned: tuple[str, ...] = ()
-    online = False
-    if policy in BASELINES:
-        pc, pinned = deploy(pc, peer_demand(cell, shape, flags, peer_split), cell.instances, cell.models)
-    elif cell.models <= cell.instances and policy == SPLIT_START:  # online, from the peers' split
-        pinned = pool_split(peer_demand(cell, shape, flags, peer_split), cell.instances)
-        online = True
-    elif cell.models <= cell.instances and policy == HOT_COLD:
-        # one hot pool per model and a cold pool; the router turns instances hot and cold
-        pools = HotPools.spare_cold([str(k) for k in range(cell.instances)], sorted(shape["demand"]))
-        pinned = tuple(pools.pins.values())
-        online = True
-    else:  # ours (deployment.talaria_pools): an even start resized online, or the peers' forecast
-        demand = peer_demand(cell, shape, flags, peer_split) if policy == FORECAST_POOLS else shape["demand"]
-        pinned, online = talaria_pools(demand, cell.instances, cell.models,
-                                       "forecast" if policy == FORECAST_POOLS else "online")
-    sched = instance_config("round-only") if policy == ROUND_ONLY else flags
+    cfg = configs.from_label(policy)
+    forecast = peer_demand(cell, shape, flags, peer_split) if cfg.pools in STATIC_SPLITS else None
+    placed = place(cfg, shape["demand"], cell.instances, cell.models, forecast)
     shared = {m: cell.shared for m in server_for(cell).models} if cell.shared else {}
-    cfg = RunConfig(server_for(cell), cell.instances, name, pc, sched, gaps, label=f"{cell.name}/{policy}",
-                    pinned=pinned, shared_prefix=shared, hot_pools=online)
-    if policy.startswith(f"{OURS}[hot_pools_z="):
-        cfg = replace(cfg, hot_pools_z=float(policy[len(OURS) + 13:-1]))
+    run = RunConfig(server_for(cell), cell.instances, cfg.policy, placed.policy_config, cfg.sim_scheduler(), gaps,
+                    label=f"{cell.name}/{policy}", pinned=placed.pinned, shared_prefix=shared,
+                    hot_pools=placed.online, hot_pools_z=cfg.hot_pools_z)
+    return run, cfg.pools, sessions, shape
+
+
+# Pool modes sized on the peers' forecast of the demand (peer_demand), not the run's own.
+STATIC_SPLITS = ("per-model", "forecast", "split-start")
+
+
+def run_one(cell: Cell, policy: str, peer_split: str = "exact") -> dict:
+    cfg, pools, sessions, shape = run_config(cell, policy, peer_split)
+    pc, pinned, online = cfg.policy_config, cfg.pinned, cfg.hot_pools
     started = time.perf_counter()
     result = simulate(sessions, cfg)
     s = summarise(result)
@@ -316,7 +299,7 @@ def run_one(cell: Cell, policy: str, peer_split: str = "exact") -> dict:
     if online:
         final = [i.sched.pin_target for i in result.instances]
         hot_final = sorted(m for m in final if m)
-        start = {HOT_COLD: "even floor + cold", SPLIT_START: "the peers' split"}.get(policy, "even")
+        start = {"hot-cold": "even floor + cold", "split-start": "the peers' split"}.get(pools, "even")
         out["deployment"] = (f"online hot pools ({start} start, "
                              f"{result.router.repins} repins): final {len(hot_final)} hot "
                              f"({'/'.join(str(hot_final.count(m)) for m in sorted(set(hot_final)))}) + "
@@ -330,7 +313,7 @@ def zero_wait_scts(cell: Cell) -> list[float]:
     arrives, its reusable prefix (or the model's shared system prompt) on device, no switch,
     no queue, decoding at batch 1 (the fastest step per token). No policy on this hardware
     finishes a session sooner (bench/matrix_zero_wait_bound.py; generated cells only)."""
-    sessions, _, _ = workload(cell, instance_config("talaria"))
+    sessions, _, _ = workload(cell, configs.get(OURS).sim_scheduler())
     server = server_for(cell)
     out = []
     for s in sessions:

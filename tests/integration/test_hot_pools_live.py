@@ -1,7 +1,8 @@
 """Hot pools chosen by the router from measured demand, over real NATS: the router hears the
 calls it routes and completes, decides that the model every session asks for should keep an
 instance resident (services/router/hot_pools.py), publishes PoolPinned, and the agent named
-repins and says so in its heartbeat; calls keep being served."""
+repins and says so in its heartbeat; calls keep being served, and a restarted router finds
+the pools in its checkpoint."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ import pytest
 
 from talaria.embedded import free_port
 from talaria.services.instance_agent import agent_service
+from talaria.services.router.projection import ProjectionStore
+from talaria.services.router.router_service import run as run_router
+from talaria.shared.db.connection import create_engine
 from talaria.shared.events import PoolPinned
 from talaria.shared.health import wait_for_router
 from talaria.shared.messages import REPLY_DECODER, CallRequest, CallResult
@@ -69,6 +73,22 @@ async def test_the_router_pins_the_model_the_traffic_asks_for_and_the_agent_serv
         snap = await asyncio.wait_for(_first(pinned, lambda s: s.instance_id == decision.instance_id), 20)
         assert snap.pool == "hot" and snap.pinned_model == "gpt2-tiny"
         reply = await call("hp-after", "hp-session-0")  # still served, by a hot instance or the other
+        assert isinstance(reply, CallResult), reply
+        # The router stops (saving its checkpoint) and restarts: the saved state holds the pools
+        # as the controller left them, the sessions it measured included, and serving goes on.
+        router = next(r for r in services.running if r.name == "router")
+        await router.close()
+        services.running.remove(router)
+        store = ProjectionStore(create_engine(database_url))
+        try:
+            saved, _ = await store.load()
+        finally:
+            await store.db.dispose()
+        assert saved.pools is not None and saved.pools.pins[decision.instance_id] == "gpt2-tiny"
+        measured = dict(saved.pools.to_dict()["models"])["gpt2-tiny"]
+        assert measured["calls"] >= 4 and measured["total_work"] > 0  # the completions it measured
+        await services.start("router", run_router, settings)
+        reply = await call("hp-restarted", "hp-session-1")
         assert isinstance(reply, CallResult), reply
         while not decisions.empty():  # nothing was ever pinned to the model no one asked for
             assert (await decisions.get()).model == "gpt2-tiny"

@@ -82,15 +82,6 @@ class SchedulerConfig:
         return self.gamma * self.ttft_target_s
 
     @classmethod
-    def ablation(cls, name: str, **overrides) -> SchedulerConfig:
-        """A config with the mechanisms of paper configuration `name` (see ABLATIONS)."""
-        try:
-            flags = ABLATIONS[name]
-        except KeyError:
-            raise ConfigError("ablation", f"unknown {name!r}; known: {', '.join(ABLATIONS)}") from None
-        return cls(**{**flags, **overrides})
-
-    @classmethod
     def for_engine(cls, capabilities, **knobs) -> SchedulerConfig:
         """A config whose mechanisms follow what the engine declares (engine/contract.py):
         it drains before a switch unless the engine can switch with calls running, and

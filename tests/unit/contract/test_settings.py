@@ -8,7 +8,7 @@ from talaria.shared.settings import Settings, SettingsError, async_database_url
 def test_defaults_run_without_any_environment():
     s = Settings.from_env({})
     assert s.common.nats_url is None and s.common.database_url is None
-    assert s.gateway.http_port == 8000 and s.router.policy == "talaria"
+    assert s.gateway.http_port == 8000 and (s.common.config, s.router.policy) == ("", "")  # configs.py: talaria
 
 
 def test_environment_is_parsed_into_typed_fields():
@@ -17,7 +17,7 @@ def test_environment_is_parsed_into_typed_fields():
         "TALARIA_MODELS": "qwen3-tiny, gpt2-tiny", "TALARIA_DATA_DIR": "/tmp/x",
         "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318",
     })
-    assert (s.gateway.http_port, s.router.lease_timeout_s, s.agent.sp, s.agent.hkvr) == (9001, 0.5, False, True)
+    assert (s.gateway.http_port, s.router.lease_timeout_s, s.agent.ablation) == (9001, 0.5, "no-sp")
     assert s.common.models == ("qwen3-tiny", "gpt2-tiny") and s.common.data_dir == Path("/tmp/x")
     assert s.common.otlp_endpoint == "http://collector:4318"
 

@@ -11,6 +11,7 @@ from router_support import PAPER_EQ1, call, core, done, of_type, one, snap
 
 from talaria.services.router.costs import CostModel
 from talaria.services.router.router_core import RouterCore
+from talaria.services import configs
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.policy.registry import create_policy
 from talaria.shared.settings import RouterSettings
@@ -365,7 +366,8 @@ def test_the_default_overload_rule_queues_what_the_matrix_measured():
     c.observe(snap("a", queued_tokens=100_000), 0.0)
     audit, out = decide(c, call("c0"), 0.0)
     assert audit.action == "route" and audit.chosen == "a" and not of_type(out, CallFailed)
-    assert RouterSettings().overload == PolicyConfig().overload
+    assert RouterSettings().overload is None  # unset: the configuration's (services/configs.py)
+    assert configs.get("talaria").router.overload == PolicyConfig().overload == "queue"
 
 
 def test_staleness_blocks_new_placements():

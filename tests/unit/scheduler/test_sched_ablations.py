@@ -6,6 +6,8 @@ import random
 
 import pytest
 
+from talaria.services import configs
+
 from sched_driver import Driver, make, ret, work
 from talaria.services.instance_agent.scheduler import (
     ABLATIONS,
@@ -73,11 +75,11 @@ def test_staging_off_asks_for_host_only_switches_and_prices_them():
 
 
 def test_round_only_turns_all_three_off():
-    config = SchedulerConfig.ablation("round-only")
+    config = configs.get("talaria-round-only").scheduler
     assert (config.sp, config.hkvr, config.staging) == (False, False, False)
-    assert SchedulerConfig.ablation("no-sp", gamma=0.5).gamma == 0.5
-    with pytest.raises(Exception):
-        SchedulerConfig.ablation("nope")
+    assert configs.get(configs.ablation_name("no-sp"), gamma=0.5).scheduler.gamma == 0.5
+    with pytest.raises(configs.ConfigurationError):
+        configs.ablation_name("nope")
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
