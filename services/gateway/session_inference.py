@@ -1,0 +1,157 @@
+"""Which live session a call that names none continues, read off its tokens.
+
+An agent's next prompt is its previous prompt, the answer it was given, then what it adds
+(a tool result, a user turn). A call continues a session's last turn when it repeats that
+turn exactly: every full block of the turn's prompt (one chained block hash, as prepare()
+computed it) and the tokens after them, through the first ANSWER_TOKENS of the answer.
+Anything less (a shared system prompt, a prompt cut mid-turn, the same prompt asked again)
+starts a session. A turn already continued that is extended again is a fork: a new session
+that keeps its parent's KV scope. State is per tenant (never shared), at most `max_turns`
+turns each, and a turn is forgotten `horizon_s` after it was answered. Pure: the clock is
+passed in; the gateway's Submitter is the shell (SessionInferrer).
+"""
+
+from __future__ import annotations
+
+import uuid
+from bisect import bisect_right, insort
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from talaria.shared.tokenizer import HASH_BLOCK_TOKENS
+
+ANSWER_TOKENS = 16  # answer tokens a continuation must repeat: tells apart two sessions asked the same
+MAX_TURNS = 8192  # per tenant: ~0.5 KB each, so ~4 MB per tenant at most
+HORIZON_S = 900.0  # the longest tool or user gap a session may sit in and still be recognised
+ANON_PREFIX = "anon-"
+
+Kind = Literal["new", "continued", "forked"]
+
+
+@dataclass(eq=False)
+class Turn:
+    """A session's answered call: what a continuation must repeat."""
+
+    session_id: str
+    blocks: int  # full blocks of its prompt (>= 1)
+    key: int  # its prompt's chained hash at block `blocks - 1`
+    expect: tuple[int, ...]  # the prompt's tokens past those blocks, then the answer's first tokens
+    kv_scope: str
+    at: float
+    continued: bool = False  # a call has claimed it (a second one is a fork)
+
+
+@dataclass(frozen=True)
+class Inferred:
+    """The decision for one call: its session, how it was found, the KV scope it runs in
+    (None: the one its sharing mode gives a new session), and the turn it claimed."""
+
+    session_id: str
+    kind: Kind
+    kv_scope: str | None = None
+    parent: str | None = None  # the session a continuation or fork extends
+    turn: Turn | None = field(default=None, compare=False)
+
+
+@dataclass
+class _Tenant:
+    by_key: dict[int, list[Turn]] = field(default_factory=dict)
+    order: OrderedDict[int, Turn] = field(default_factory=OrderedDict)  # by answer time, oldest first
+    positions: list[int] = field(default_factory=list)  # sorted block counts of the turns (repeats kept)
+
+
+class SessionIndex:
+    """Per-tenant turns of live sessions; `infer` a call's session, `record` its answered turn."""
+
+    def __init__(self, max_turns: int = MAX_TURNS, horizon_s: float = HORIZON_S,
+                 block: int = HASH_BLOCK_TOKENS, answer_tokens: int = ANSWER_TOKENS) -> None:
+        if max_turns < 1 or horizon_s <= 0:
+            raise ValueError("max_turns and horizon_s must be positive")
+        self.max_turns, self.horizon_s, self.block, self.answer_tokens = max_turns, horizon_s, block, answer_tokens
+        self._tenants: dict[str, _Tenant] = {}
+
+    def turns(self, tenant: str) -> int:
+        t = self._tenants.get(tenant)
+        return len(t.order) if t is not None else 0
+
+    def infer(self, tenant: str, hashes: Sequence[int], ids: Sequence[int], now: float,
+              new_id: str | None = None) -> Inferred:
+        """The session of a call with these block hashes (tenant-scoped, not session-salted)
+        and prompt ids. A continued turn is claimed: a second call extending it forks."""
+        t = self._tenants.get(tenant)
+        if t is not None:
+            self._expire(t, now)
+            match = self._longest(t, hashes, ids)
+            if match is not None:
+                open_turn = next((x for x in reversed(match) if not x.continued), None)
+                if open_turn is not None:
+                    open_turn.continued = True
+                    return Inferred(open_turn.session_id, "continued", open_turn.kv_scope,
+                                    open_turn.session_id, open_turn)
+                parent = match[-1]
+                return Inferred(new_id or _new_id(), "forked", parent.kv_scope, parent.session_id)
+        return Inferred(new_id or _new_id(), "new")
+
+    def release(self, tenant: str, inferred: Inferred) -> None:
+        """The continuation failed: its turn may be continued again (the client retries it)."""
+        if inferred.turn is not None and inferred.turn.continued:
+            t = self._tenants.get(tenant)
+            if t is not None and t.order.get(id(inferred.turn)) is inferred.turn:
+                inferred.turn.continued = False
+
+    def record(self, tenant: str, session_id: str, hashes: Sequence[int], ids: Sequence[int],
+               answer: Sequence[int], kv_scope: str, now: float) -> bool:
+        """Remember an answered call as its session's newest turn. False when it cannot be
+        continued by inference: a prompt under one block, or an empty answer."""
+        blocks = len(hashes)
+        if blocks < 1 or not answer:
+            return False
+        t = self._tenants.setdefault(tenant, _Tenant())
+        turn = Turn(session_id, blocks, hashes[blocks - 1],
+                    (*ids[blocks * self.block:], *answer[: self.answer_tokens]), kv_scope, now)
+        t.by_key.setdefault(turn.key, []).append(turn)
+        t.order[id(turn)] = turn
+        insort(t.positions, blocks)
+        self._expire(t, now)
+        return True
+
+    def _longest(self, t: _Tenant, hashes: Sequence[int], ids: Sequence[int]) -> list[Turn] | None:
+        """The turns repeated by the longest prefix of this prompt (most recent last), or None.
+        Walks the shorter of: the prompt's block hashes, the tenant's distinct turn lengths."""
+        m, by_key = len(hashes), t.by_key
+        below = bisect_right(t.positions, m)
+        candidates = reversed(t.positions[:below]) if below < m else range(m, 0, -1)
+        last = 0
+        for j in candidates:
+            if j == last:
+                continue
+            last = j
+            turns = by_key.get(hashes[j - 1])
+            if turns is None:
+                continue
+            start = j * self.block
+            found = [x for x in turns if x.blocks == j and tuple(ids[start:start + len(x.expect)]) == x.expect]
+            if found:
+                return found
+        return None
+
+    def _expire(self, t: _Tenant, now: float) -> None:
+        while t.order:
+            oldest = next(iter(t.order.values()))
+            if len(t.order) <= self.max_turns and now - oldest.at <= self.horizon_s:
+                break
+            self._drop(t, oldest)
+
+    def _drop(self, t: _Tenant, turn: Turn) -> None:
+        del t.order[id(turn)]
+        same = t.by_key[turn.key]
+        same.remove(turn)
+        if not same:
+            del t.by_key[turn.key]
+        t.positions.remove(turn.blocks)  # list.remove: any equal entry will do
+
+
+def _new_id() -> str:
+    return f"{ANON_PREFIX}{uuid.uuid4().hex}"
