@@ -31,7 +31,9 @@ def print_timeline(directory: Path, session_id: str | None) -> int:
     t0 = min(s["start"] for s in mine)
     ids = {s["span_id"] for s in mine}
     roots = [s for s in mine if s["parent_id"] is None or s["parent_id"] not in ids]
-    print(f"session {session_id}  trace {trace_id}")
+    inferred = any(s["attributes"].get("talaria.session.inferred") or "talaria.session.origin" in s["attributes"]
+                   for s in mine)
+    print(f"session {session_id}  trace {trace_id}{'  (inferred: the client named no session)' if inferred else ''}")
     for root in sorted(roots, key=lambda s: s["start"]):
         _print(root, children, t0, 0)
     return 0
@@ -39,7 +41,8 @@ def print_timeline(directory: Path, session_id: str | None) -> int:
 
 def _print(span: dict, children, t0: float, depth: int) -> None:
     attrs = span["attributes"]
-    keys = ("talaria.call.index", "gen_ai.request.model", "talaria.instance.id", "talaria.kv_source",
+    keys = ("talaria.call.index", "talaria.session.origin", "gen_ai.request.model", "talaria.instance.id",
+            "talaria.kv_source",
             "talaria.queue_s", "talaria.ttft_s", "talaria.prefill_s", "talaria.decode_s")
     detail = " ".join(f"{k.split('.', 1)[1] if k.startswith('talaria.') else 'model'}={_fmt(attrs[k])}"
                       for k in keys if k in attrs)

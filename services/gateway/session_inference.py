@@ -13,7 +13,6 @@ passed in; the gateway's Submitter is the shell (SessionInferrer).
 
 from __future__ import annotations
 
-import uuid
 from bisect import bisect_right, insort
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -25,7 +24,6 @@ from talaria.shared.tokenizer import HASH_BLOCK_TOKENS
 ANSWER_TOKENS = 16  # answer tokens a continuation must repeat: tells apart two sessions asked the same
 MAX_TURNS = 8192  # per tenant: ~0.5 KB each, so ~4 MB per tenant at most
 HORIZON_S = 900.0  # the longest tool or user gap a session may sit in and still be recognised
-ANON_PREFIX = "anon-"
 
 Kind = Literal["new", "continued", "forked"]
 
@@ -76,10 +74,10 @@ class SessionIndex:
         t = self._tenants.get(tenant)
         return len(t.order) if t is not None else 0
 
-    def infer(self, tenant: str, hashes: Sequence[int], ids: Sequence[int], now: float,
-              new_id: str | None = None) -> Inferred:
-        """The session of a call with these block hashes (tenant-scoped, not session-salted)
-        and prompt ids. A continued turn is claimed: a second call extending it forks."""
+    def infer(self, tenant: str, hashes: Sequence[int], ids: Sequence[int], now: float, new_id: str) -> Inferred:
+        """The session of a call with these block hashes (not salted by a session) and prompt
+        ids; `new_id` if it starts one. A continued turn is claimed: a second call extending
+        it forks."""
         t = self._tenants.get(tenant)
         if t is not None:
             self._expire(t, now)
@@ -91,8 +89,8 @@ class SessionIndex:
                     return Inferred(open_turn.session_id, "continued", open_turn.kv_scope,
                                     open_turn.session_id, open_turn)
                 parent = match[-1]
-                return Inferred(new_id or _new_id(), "forked", parent.kv_scope, parent.session_id)
-        return Inferred(new_id or _new_id(), "new")
+                return Inferred(new_id, "forked", parent.kv_scope, parent.session_id)
+        return Inferred(new_id, "new")
 
     def release(self, tenant: str, inferred: Inferred) -> None:
         """The continuation failed: its turn may be continued again (the client retries it)."""
@@ -151,7 +149,3 @@ class SessionIndex:
         if not same:
             del t.by_key[turn.key]
         t.positions.remove(turn.blocks)  # list.remove: any equal entry will do
-
-
-def _new_id() -> str:
-    return f"{ANON_PREFIX}{uuid.uuid4().hex}"

@@ -3,6 +3,8 @@ hashed as the gateway hashes them (block_hashes), driven with an explicit clock.
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 
 from talaria.services.gateway.session_inference import SessionIndex
@@ -33,7 +35,7 @@ class Agent:
 
 
 def call(index: SessionIndex, tenant: str, ids: list[int], now: float):
-    return index.infer(tenant, tok.block_hashes(ids), ids, now)
+    return index.infer(tenant, tok.block_hashes(ids), ids, now, f"anon-{uuid.uuid4().hex}")
 
 
 def done(index: SessionIndex, tenant: str, session: str, ids: list[int], text: str, now: float) -> None:
