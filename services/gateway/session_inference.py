@@ -6,7 +6,9 @@ turn exactly: every full block of the turn's prompt (one chained block hash, as 
 computed it) and the tokens after them, through the first ANSWER_TOKENS of the answer.
 Anything less (a shared system prompt, a prompt cut mid-turn, the same prompt asked again)
 starts a session. A turn already continued that is extended again is a fork: a new session
-that keeps its parent's KV scope. State is per tenant (never shared), at most `max_turns`
+that keeps its parent's KV scope, unless the call also repeats the session's newest prompt
+but for its last RERENDERED_TAIL_TOKENS (clients that rewrite the end of the last message,
+as Claude Code moves its reminders): that continues the session. State is per tenant (never shared), at most `max_turns`
 turns each, and a turn is forgotten `horizon_s` after it was answered. Pure: the clock is
 passed in; the gateway's Submitter is the shell (SessionInferrer).
 """
@@ -22,8 +24,11 @@ from typing import Literal
 from talaria.shared.tokenizer import HASH_BLOCK_TOKENS
 
 ANSWER_TOKENS = 16  # answer tokens a continuation must repeat: tells apart two sessions asked the same
+# A call that repeats a session's earlier turn whole and its newest prompt but for this many
+# final tokens continues the session: the client re-rendered the end of its last message.
+RERENDERED_TAIL_TOKENS = 128
 MAX_TURNS = 8192  # per tenant: ~0.5 KB each, so ~4 MB per tenant at most
-HORIZON_S = 900.0  # the longest tool or user gap a session may sit in and still be recognised
+HORIZON_S = 3600.0  # the longest tool or user gap after which a session is still recognised
 
 Kind = Literal["new", "continued", "forked"]
 
@@ -38,6 +43,7 @@ class Turn:
     expect: tuple[int, ...]  # the prompt's tokens past those blocks, then the answer's first tokens
     kv_scope: str
     at: float
+    tail_keys: tuple[int, ...] = ()  # its prompt's hashes at the blocks before `key`, nearest last
     continued: bool = False  # a call has claimed it (a second one is a fork)
 
 
@@ -58,6 +64,7 @@ class _Tenant:
     by_key: dict[int, list[Turn]] = field(default_factory=dict)
     order: OrderedDict[int, Turn] = field(default_factory=OrderedDict)  # by answer time, oldest first
     positions: list[int] = field(default_factory=list)  # sorted block counts of the turns (repeats kept)
+    newest: dict[str, Turn] = field(default_factory=dict)  # each session's newest turn
 
 
 class SessionIndex:
@@ -89,6 +96,10 @@ class SessionIndex:
                     return Inferred(open_turn.session_id, "continued", open_turn.kv_scope,
                                     open_turn.session_id, open_turn)
                 parent = match[-1]
+                newest = t.newest.get(parent.session_id)
+                if newest is not None and not newest.continued and self._repeats_most(newest, parent, hashes):
+                    newest.continued = True
+                    return Inferred(newest.session_id, "continued", newest.kv_scope, newest.session_id, newest)
                 return Inferred(new_id, "forked", parent.kv_scope, parent.session_id)
         return Inferred(new_id, "new")
 
@@ -107,8 +118,11 @@ class SessionIndex:
         if blocks < 1 or not answer:
             return False
         t = self._tenants.setdefault(tenant, _Tenant())
+        tail = max(0, blocks - 1 - RERENDERED_TAIL_TOKENS // self.block)
         turn = Turn(session_id, blocks, hashes[blocks - 1],
-                    (*ids[blocks * self.block:], *answer[: self.answer_tokens]), kv_scope, now)
+                    (*ids[blocks * self.block:], *answer[: self.answer_tokens]), kv_scope, now,
+                    tuple(hashes[tail:blocks - 1]))
+        t.newest[session_id] = turn
         t.by_key.setdefault(turn.key, []).append(turn)
         t.order[id(turn)] = turn
         insort(t.positions, blocks)
@@ -135,6 +149,17 @@ class SessionIndex:
                 return found
         return None
 
+    def _repeats_most(self, newest: Turn, parent: Turn, hashes: Sequence[int]) -> bool:
+        """Whether a call that extends `parent` (an earlier turn of the session) also repeats
+        `newest`'s prompt but for its re-rendered tail, past `parent`'s prompt."""
+        for d, key in enumerate(reversed(newest.tail_keys), 1):
+            j = newest.blocks - 1 - d  # block index of `key`
+            if j < parent.blocks:
+                return False
+            if j < len(hashes) and hashes[j] == key:
+                return True
+        return False
+
     def _expire(self, t: _Tenant, now: float) -> None:
         while t.order:
             oldest = next(iter(t.order.values()))
@@ -149,3 +174,5 @@ class SessionIndex:
         if not same:
             del t.by_key[turn.key]
         t.positions.remove(turn.blocks)  # list.remove: any equal entry will do
+        if t.newest.get(turn.session_id) is turn:
+            del t.newest[turn.session_id]

@@ -117,6 +117,36 @@ def test_a_fork_continues_one_session_and_starts_another_with_its_kv_scope():
     assert right.parent == root.session_id and right.kv_scope == "scope-root"
 
 
+def test_a_client_that_rewrites_the_end_of_its_last_message_stays_in_its_session():
+    """Claude Code moves its reminders: the next prompt repeats the newest one but its end."""
+    index = SessionIndex()
+    agent = Agent("long task")
+    ids = agent.ids()
+    root = call(index, "", ids, 0)
+    done(index, "", root.session_id, ids, "first answer, a tool call", 1)
+    agent.answered("first answer, a tool call", "tool output " * 20 + "<reminder>todo list</reminder>")
+    ids = agent.ids()
+    second = call(index, "", ids, 2)
+    done(index, "", second.session_id, ids, "second answer, another tool call", 3)
+    agent.turns[-1] = ("tool", "tool output " * 20)  # the reminder is gone from the old message
+    agent.answered("second answer, another tool call", "more output")
+    third = call(index, "", agent.ids(), 4)
+    assert (third.kind, third.session_id) == ("continued", root.session_id)
+
+
+def test_a_fork_that_differs_past_the_rewritable_tail_is_a_fork():
+    index = SessionIndex()
+    agent = Agent("long task")
+    ids = agent.ids()
+    root = call(index, "", ids, 0)
+    done(index, "", root.session_id, ids, "first answer, a tool call", 1)
+    agent.answered("first answer, a tool call", "tool output " * 20)
+    ids = agent.ids()
+    done(index, "", call(index, "", ids, 2).session_id, ids, "second answer", 3)
+    agent.turns[-1] = ("tool", "a different tool output " * 20)
+    assert call(index, "", agent.ids(), 4).kind == "forked"
+
+
 def test_a_failed_continuation_releases_its_turn_for_the_retry():
     index = SessionIndex()
     agent = Agent("task")

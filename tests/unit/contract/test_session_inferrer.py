@@ -72,8 +72,10 @@ def test_a_fork_under_session_sharing_keeps_its_parents_kv_scope():
     answer = "I will try approach A and approach B, one after the other."
     root = run(inferrer, request("qwen3-tiny", first), "", "session", answer)
     base = [*first, ChatMessage("assistant", answer)]
-    left = run(inferrer, request("qwen3-tiny", [*base, ChatMessage("user", "A failed")]), "", "session", "ok A")
-    right = run(inferrer, request("qwen3-tiny", [*base, ChatMessage("user", "B passed")]), "", "session", "ok B")
+    mine = ChatMessage("user", "A failed: " + "the parser still drops the last field of a line. " * 40)
+    left = run(inferrer, request("qwen3-tiny", [*base, mine]), "", "session", "ok A")
+    other = ChatMessage("user", "B passed: " + "all 40 tests of the parser are green now. " * 40)
+    right = run(inferrer, request("qwen3-tiny", [*base, other]), "", "session", "ok B")
     assert (left.session_origin, left.session_id) == ("continued", root.session_id)
     assert right.session_origin == "forked" and right.session_id != root.session_id
     assert right.kv_scope == root.kv_scope == f"session:{root.session_id}"
