@@ -15,8 +15,7 @@ passed in; the gateway's Submitter is the shell (SessionInferrer).
 
 from __future__ import annotations
 
-from bisect import bisect_right, insort
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -61,9 +60,10 @@ class Inferred:
 
 @dataclass
 class _Tenant:
-    by_key: dict[int, list[Turn]] = field(default_factory=dict)
+    keys: set[int] = field(default_factory=set)  # every turn's key: one C-speed intersection per call
+    shapes: dict[int, Counter[tuple[int, int]]] = field(default_factory=dict)  # key -> (blocks, len(expect))
+    turns: dict[tuple[int, tuple[int, ...]], list[Turn]] = field(default_factory=dict)  # (key, expect)
     order: OrderedDict[int, Turn] = field(default_factory=OrderedDict)  # by answer time, oldest first
-    positions: list[int] = field(default_factory=list)  # sorted block counts of the turns (repeats kept)
     newest: dict[str, Turn] = field(default_factory=dict)  # each session's newest turn
 
 
@@ -123,31 +123,27 @@ class SessionIndex:
                     (*ids[blocks * self.block:], *answer[: self.answer_tokens]), kv_scope, now,
                     tuple(hashes[tail:blocks - 1]))
         t.newest[session_id] = turn
-        t.by_key.setdefault(turn.key, []).append(turn)
+        t.keys.add(turn.key)
+        t.shapes.setdefault(turn.key, Counter())[(blocks, len(turn.expect))] += 1
+        t.turns.setdefault((turn.key, turn.expect), []).append(turn)
         t.order[id(turn)] = turn
-        insort(t.positions, blocks)
         self._expire(t, now)
         return True
 
     def _longest(self, t: _Tenant, hashes: Sequence[int], ids: Sequence[int]) -> list[Turn] | None:
         """The turns repeated by the longest prefix of this prompt (most recent last), or None.
-        Walks the shorter of: the prompt's block hashes, the tenant's distinct turn lengths."""
-        m, by_key = len(hashes), t.by_key
-        below = bisect_right(t.positions, m)
-        candidates = reversed(t.positions[:below]) if below < m else range(m, 0, -1)
-        last = 0
-        for j in candidates:
-            if j == last:
-                continue
-            last = j
-            turns = by_key.get(hashes[j - 1])
-            if turns is None:
-                continue
-            start = j * self.block
-            found = [x for x in turns if x.blocks == j and tuple(ids[start:start + len(x.expect)]) == x.expect]
-            if found:
-                return found
-        return None
+        The prompt's hashes that are some turn's key come from one set intersection (a miss
+        costs no Python loop over the prompt); each is then checked at its turns' lengths."""
+        m, best, found = len(hashes), 0, []
+        for key in t.keys.intersection(hashes):
+            for blocks, n in t.shapes[key]:
+                if best <= blocks <= m and hashes[blocks - 1] == key:
+                    start = blocks * self.block
+                    turns = t.turns.get((key, tuple(ids[start:start + n])))
+                    if turns:
+                        found = turns if blocks > best else found + turns
+                        best = blocks
+        return sorted(found, key=lambda x: x.at) if found else None
 
     def _repeats_most(self, newest: Turn, parent: Turn, hashes: Sequence[int]) -> bool:
         """Whether a call that extends `parent` (an earlier turn of the session) also repeats
@@ -169,10 +165,16 @@ class SessionIndex:
 
     def _drop(self, t: _Tenant, turn: Turn) -> None:
         del t.order[id(turn)]
-        same = t.by_key[turn.key]
+        same = t.turns[(turn.key, turn.expect)]
         same.remove(turn)
         if not same:
-            del t.by_key[turn.key]
-        t.positions.remove(turn.blocks)  # list.remove: any equal entry will do
+            del t.turns[(turn.key, turn.expect)]
+        shapes = t.shapes[turn.key]
+        shapes[(turn.blocks, len(turn.expect))] -= 1
+        if not shapes[(turn.blocks, len(turn.expect))]:
+            del shapes[(turn.blocks, len(turn.expect))]
+        if not shapes:
+            del t.shapes[turn.key]
+            t.keys.discard(turn.key)
         if t.newest.get(turn.session_id) is turn:
             del t.newest[turn.session_id]

@@ -180,6 +180,8 @@ def test_turns_expire_with_the_horizon():
     agent.answered("an answer, then a long pause", "result")
     assert call(index, "", agent.ids(), 71).kind == "new"
     assert index.turns("") == 0
+    t = index._tenants[""]  # nothing of the expired turn stays behind
+    assert not (t.keys or t.shapes or t.turns or t.newest or t.order)
 
 
 def test_memory_per_tenant_is_bounded_oldest_first():
