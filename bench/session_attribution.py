@@ -118,13 +118,15 @@ def run(batches, shared: int, horizon_s: float) -> Counter:
                 stats["calls"] += 1
                 if owner[got.session_id] != c.session:
                     stats["merged into another session"] += 1
+                if got.kind == "forked" and owner.get(got.parent) != c.session:
+                    stats["merged: forked off another session's turn"] += 1
                 if c.index > 0:
                     stats["continuations"] += 1
                     prev = batch_prev(c, batch)
                     if got.session_id == inferred.get(id(prev)):
                         stats["attributed to their own session"] += 1
                     else:
-                        stats[f"not attributed: {why(c, prev, got.kind, now)}"] += 1
+                        stats[f"not attributed: {why(c, prev, got.kind, horizon_s)}"] += 1
                 done = now + max(c.api_time, 0.01)
                 heapq.heappush(events, (done, 1, id(c), c))
             else:
@@ -142,11 +144,13 @@ def batch_prev(c: Call, batch) -> Call:
     raise AssertionError("a call outside its batch")
 
 
-def why(c: Call, prev: Call, kind: str, now: float) -> str:
+def why(c: Call, prev: Call, kind: str, horizon_s: float) -> str:
     if prev.hashes != c.hashes[:len(prev.hashes)]:
         return "its prompt does not repeat the previous one (edited or compacted history)"
-    if c.t - (prev.t + prev.api_time) > HORIZON_S:
+    if c.t - (prev.t + prev.api_time) > horizon_s:
         return "the previous turn expired (gap past the horizon)"
+    if c.t < prev.t + prev.api_time:
+        return "sent before the previous call was answered (parallel calls)"
     return f"other ({kind})"
 
 

@@ -14,6 +14,7 @@ prompt afresh (block_hashes) is timed alongside: that is what reuse saves.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -95,8 +96,9 @@ def main() -> int:
             print(f"{size:>7} tokens, {r['turns']:>5} turns: continue {r['continue_us']:.1f} us, "
                   f"new {r['new_us']:.1f} us, record {r['record_us']:.1f} us, hash afresh {r['hash_us']:.0f} us")
     lines = ["# Session inference: per-call cost at the gateway", "",
-             "`python bench/session_inference.py` (median of 200 calls each, one core of the shared dev box; "
-             "the block hashes are the ones prepare() computed, not recomputed).", "",
+             f"`python bench/session_inference.py` (median of {args.reps} calls each, on the shared 2-core dev box "
+             f"at load average {os.getloadavg()[0]:.1f}: compare with the last column, hashing the prompt, which "
+             "inference does not do; the block hashes are the ones prepare() computed).", "",
              "Per call: the lookup (a continuation, or a new session that matches nothing), then after the answer "
              "its turn's record (answer head tokenised with qwen3-tiny's BPE). Inference adds lookup + record.", "",
              "| prompt tokens | live turns in the tenant | lookup, continuation (us) | lookup, new session (us) "
