@@ -63,3 +63,41 @@ async def test_two_conversations_without_ids_are_two_sessions_served_from_kv(gat
             metrics = await r.text()
     assert 'talaria_frontend_inferred_sessions_total{outcome="new"} 2.0' in metrics
     assert 'talaria_frontend_inferred_sessions_total{outcome="continued"} 4.0' in metrics
+
+
+@pytest.fixture
+async def toolbot(nats_url, database_url, tmp_path):
+    """A served checkpoint whose every answer is one `read_file` tool call (hf_checkpoints.py)."""
+    pytest.importorskip("transformers")
+    from tests.unit.engine.hf_checkpoints import make_tool_caller
+
+    path = make_tool_caller(tmp_path / "toolbot")
+    settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="talaria",
+                           http_port=free_port(), session_idle_s=3600, call_timeout_s=60, models=(f"toolbot={path}",))
+    services = Services()
+    await services.start_control_plane(settings)
+    await services.start("agent-0", run_agent, settings.with_(instance_id="agent-0"))
+    nc = await nats.connect(nats_url)
+    await wait_for_router(nc, instances=1)
+    await nc.close()
+    yield f"http://127.0.0.1:{settings.gateway.http_port}"
+    await services.close()
+
+
+async def test_a_tool_loop_without_ids_through_a_real_chat_template_is_one_session(toolbot, db):
+    """The answer is a tool call the client sends back as `tool_calls`, which the checkpoint's
+    own (Qwen3) template renders again: the continuation still repeats it."""
+    client = openai.AsyncOpenAI(base_url=f"{toolbot}/v1", api_key="unused", max_retries=0)
+    tools = [{"type": "function", "function": {"name": "read_file", "description": "Read a file", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Fix the failing test"}]
+    sessions = []
+    for turn in range(3):
+        r = await client.chat.completions.create(model="toolbot", messages=messages, max_tokens=16, temperature=0,
+                                                 tools=tools)
+        [call] = r.choices[0].message.tool_calls
+        sessions.append(r.id.removeprefix("chatcmpl-"))
+        messages += [r.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": f"contents {turn}"}]
+    rows = await wait_rows(db, "SELECT call_id, session_id FROM calls WHERE outcome = 'completed'", 3)
+    assert len({r["session_id"] for r in rows}) == 1, [dict(r) for r in rows]
