@@ -36,6 +36,8 @@ class SessionInferrer:
         """`call` with its session settled; a named or already settled call as it is."""
         if call.session_origin != "pending":
             return call
+        if call.call_id in self._claims:  # a duplicate call id, refused by the Submitter: claims nothing
+            return replace(call, session_origin="new")
         hashes = call.block_hashes  # prepare() salted a pending call's hashes without a session
         got = self.index.infer(call.tenant, hashes, call.prompt_ids, self.clock(),
                                scoped_session(call.tenant, anonymous_id()))

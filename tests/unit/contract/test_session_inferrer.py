@@ -96,3 +96,16 @@ def test_the_answer_head_is_its_tokens_in_the_next_prompt(model):
                    "s", "chat").prompt_ids
     assert 0 < len(head) <= 16
     assert any(full[i:i + len(head)] == head for i in range(len(full)))
+
+
+def test_a_duplicate_call_id_claims_nothing_and_leaves_the_first_calls_turn():
+    inferrer = SessionInferrer(BUILTIN_MODELS, clock=Clock())
+    turns = [ChatMessage("user", "task")]
+    first = run(inferrer, request("qwen3-tiny", turns), "", "tenant", "an answer long enough to check")
+    turns += [ChatMessage("assistant", "an answer long enough to check"), ChatMessage("user", "result")]
+    pending = prepare(BUILTIN_MODELS, request("qwen3-tiny", turns), None, "chat")
+    mine = inferrer.resolve(pending)
+    duplicate = inferrer.resolve(pending)  # the same call id again while the first is in flight
+    assert (mine.session_origin, duplicate.session_origin) == ("continued", "new")
+    inferrer.settle(mine, result(mine, "next answer"))
+    assert mine.session_id == first.session_id and inferrer.index.turns("") == 2
