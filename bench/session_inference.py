@@ -7,7 +7,7 @@ hashes prepare() already computed for it, so the cost measured here is what infe
 the lookup (SessionIndex.infer, then release to measure again), and after the answer the
 turn's record with its answer head tokenised (SessionInferrer.answer_ids). Prompts of 1K,
 25K and 100K tokens; the tenant holds 64 live sessions (a busy tenant) or its full bound of
-turns at spread lengths (the worst case for a call that continues nothing). Hashing the
+turns at spread lengths (the worst case for a call that continues nothing); every prompt opens with a shared system prompt. Hashing the
 prompt afresh (block_hashes) is timed alongside: that is what reuse saves.
 """
 
@@ -56,8 +56,10 @@ def scenario(size: int, full: bool, reps: int) -> dict[str, float]:
     live = MAX_TURNS if full else 64
     mine = None
     for s in range(live):  # each turn at its own length: the lookup cannot skip any of them
-        n = size if s == 0 else (rng.randrange(16, size) if full else size - rng.randrange(0, 64))
-        ids = system + tokens(rng, n - len(system)) if n > len(system) else system[:n]
+        # Every prompt is the system prompt and its own turns, at a length of its own.
+        own = size - len(system) if s == 0 else (rng.randrange(16, size - len(system)) if full
+                                                  else size - len(system) - rng.randrange(0, 64))
+        ids = system + tokens(rng, own)
         index.record("t", f"s{s}", block_hashes(ids), ids, answer, "", 0.0)
         if s == 0:
             mine = ids
