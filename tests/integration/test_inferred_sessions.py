@@ -1,8 +1,11 @@
 """Sessions without a session id, live: two interleaved conversations through the official
 `openai` SDK, no session header, one shared system prompt, each call appending to its
-conversation, over real NATS, Postgres, the talaria router and a torch-engine agent."""
+conversation, then a fork of one; over real NATS, Postgres, the talaria router and a
+torch-engine agent."""
 
 from __future__ import annotations
+
+import asyncio
 
 import aiohttp
 import nats
@@ -48,8 +51,14 @@ async def test_two_conversations_without_ids_are_two_sessions_served_from_kv(gat
             ids[name].append(reply.id.removeprefix("chatcmpl-"))
             messages += [{"role": "assistant", "content": reply.choices[0].message.content},
                          {"role": "user", "content": f"$ command {step} of {name}\nexit 0"}]
+    # A fork: conversation a's last turn extended twice at once, with two tool results.
+    fork = [*conversations["a"][:-1], {"role": "user", "content": "$ another command\nexit 1"}]
+    replies = await asyncio.gather(*(client.chat.completions.create(model="qwen3-tiny", messages=m, max_tokens=24,
+                                                                    temperature=0)
+                                     for m in (conversations["a"], fork)))
+    branches = [r.id.removeprefix("chatcmpl-") for r in replies]
     rows = await wait_rows(db, "SELECT call_id, session_id, kv_source, cached_tokens, prompt_tokens FROM calls "
-                               "WHERE outcome = 'completed' ORDER BY submitted_at", 6)
+                               "WHERE outcome = 'completed' ORDER BY submitted_at", 8)
     by_call = {r["call_id"]: r for r in rows}
     sessions = {name: {by_call[c]["session_id"] for c in calls} for name, calls in ids.items()}
     assert all(len(s) == 1 for s in sessions.values()), sessions  # 2 sessions of 3 calls
@@ -58,11 +67,18 @@ async def test_two_conversations_without_ids_are_two_sessions_served_from_kv(gat
         for before, c in zip(calls, calls[1:]):  # every continuation found its session's KV
             assert by_call[c]["kv_source"] in ("device", "host"), (name, dict(by_call[c]))
             assert by_call[c]["cached_tokens"] >= by_call[before]["prompt_tokens"] // 16 * 16
+    # one branch continues a, the other is a session of its own that still found a's KV
+    [kept] = [c for c in branches if by_call[c]["session_id"] in sessions["a"]]
+    [fork_id] = [c for c in branches if c != kept]
+    assert by_call[fork_id]["session_id"] not in sessions["a"] | sessions["b"]
+    assert by_call[fork_id]["kv_source"] in ("device", "host")
+    assert by_call[fork_id]["cached_tokens"] >= by_call[ids["a"][-1]]["prompt_tokens"] // 16 * 16
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{gateway}/metrics") as r:
             metrics = await r.text()
     assert 'talaria_frontend_inferred_sessions_total{outcome="new"} 2.0' in metrics
-    assert 'talaria_frontend_inferred_sessions_total{outcome="continued"} 4.0' in metrics
+    assert 'talaria_frontend_inferred_sessions_total{outcome="continued"} 5.0' in metrics
+    assert 'talaria_frontend_inferred_sessions_total{outcome="forked"} 1.0' in metrics
 
 
 @pytest.fixture
