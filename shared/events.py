@@ -9,7 +9,9 @@ from typing import Annotated, Union
 import msgspec
 from msgspec import Meta, Struct
 
-from talaria.shared.wire import DecisionAction, KvSource, LeaseOutcome, ModelState, Name, Subject, SwitchPath, Token
+from talaria.shared.wire import (
+    DecisionAction, KvSource, LeaseOutcome, ModelState, Name, SessionOrigin, Subject, SwitchPath, Token,
+)
 
 
 class CallSubmitted(Struct, frozen=True, tag="call.submitted"):
@@ -38,6 +40,7 @@ class CallSubmitted(Struct, frozen=True, tag="call.submitted"):
     logit_bias: dict[int, float] | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    session_origin: SessionOrigin = "named"
 
     @property
     def prompt_tokens(self) -> int:

@@ -155,6 +155,10 @@ class FrontendMetrics(ServiceMetrics):
         self.input_tokens = self.counter("talaria_frontend_input_tokens_total", "Prompt tokens of answered calls", m)
         self.output_tokens = self.counter("talaria_frontend_output_tokens_total", "Generated tokens", m)
         self.cached_tokens = self.counter("talaria_frontend_cached_input_tokens_total", "Prompt tokens reused from KV", m)
+        self.sessions_inferred = self.counter(
+            "talaria_frontend_inferred_sessions_total",
+            "Calls that named no session, by what the gateway inferred: a new session, a continuation "
+            "merged into a live one, or a fork of one", ("outcome",))
         self.http = self.counter("talaria_frontend_http_responses_total",
                                  "Every HTTP response by route and status, refusals before submission included "
                                  "(400, 401, 404, 413)", ("route", "status"))

@@ -183,6 +183,9 @@ class GatewaySettings:
     # refused with Retry-After (the limit adapts online to keep calls under it); 0: never refused.
     admission_target_queue_s: float = 2.0
     min_free_disk_mb: int = 0  # new calls refused below this free on the data dir's disk; 0: 5%, <= 1 GiB
+    # A call naming no session continues the live session it repeats (gateway/session_inference.py);
+    # a session's turn is forgotten this long after its answer. 0: every such call is its own session.
+    session_inference_horizon_s: float = 3600.0
 
     def validate(self) -> None:
         if not 0 < self.http_port < 65536 and self.http_port != 0:
@@ -194,7 +197,7 @@ class GatewaySettings:
         for name in ("http_header_timeout_s", "http_body_timeout_s", "http_max_connections_per_address"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"TALARIA_{name.upper()}", str(getattr(self, name)), "a positive number")
-        for name in ("admission_target_queue_s", "min_free_disk_mb"):
+        for name in ("admission_target_queue_s", "min_free_disk_mb", "session_inference_horizon_s"):
             if getattr(self, name) < 0:
                 raise SettingsError(f"TALARIA_{name.upper()}", str(getattr(self, name)), "zero or more")
         if self.http_max_connections < 0:

@@ -57,6 +57,8 @@ def request_attributes(call) -> dict:
     }
     if call.seed is not None:
         attrs["gen_ai.request.seed"] = call.seed
+    if call.session_origin != "named":  # the gateway inferred the session: new, continued or forked
+        attrs["talaria.session.origin"] = call.session_origin
     return attrs
 
 

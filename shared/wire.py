@@ -15,6 +15,9 @@ from msgspec import Meta, Struct
 # The one definition of each KV vocabulary (the engine, scheduler and router import these).
 KvState = Literal["device", "host", "none"]  # where a session's KV sits now
 KvSource = Literal["device", "host", "recompute", "none"]  # where a call's prefix came from
+# How a call's session was known: the client named it, or the gateway inferred it from the
+# prompt (services/gateway/session_inference.py): "pending" only until the gateway decides.
+SessionOrigin = Literal["named", "pending", "new", "continued", "forked"]
 # The other closed vocabularies on the wire: a value outside them is a decode error, never a
 # string some consumer silently misreads.
 LeaseOutcome = Literal["consumed", "discarded", "none"]

@@ -42,7 +42,10 @@ def print_timeline(directory: Path, session_id: str | None, tenant: str | None =
     ids = {s["span_id"] for s in mine}
     roots = [s for s in mine if s["parent_id"] is None or s["parent_id"] not in ids]
     owner, sep, sent = scoped.partition(SCOPE_SEPARATOR)
-    print(f"session {sent} (tenant {owner})  trace {trace_id}" if sep else f"session {scoped}  trace {trace_id}")
+    inferred = any(s["attributes"].get("talaria.session.inferred") or "talaria.session.origin" in s["attributes"]
+                   for s in mine)
+    mark = "  (inferred: the client named no session)" if inferred else ""
+    print(f"session {sent} (tenant {owner})  trace {trace_id}{mark}" if sep else f"session {scoped}  trace {trace_id}{mark}")
     for root in sorted(roots, key=lambda s: s["start"]):
         _print(root, children, t0, 0)
     return 0
@@ -50,7 +53,8 @@ def print_timeline(directory: Path, session_id: str | None, tenant: str | None =
 
 def _print(span: dict, children, t0: float, depth: int) -> None:
     attrs = span["attributes"]
-    keys = ("talaria.call.index", "gen_ai.request.model", "talaria.instance.id", "talaria.kv_source",
+    keys = ("talaria.call.index", "talaria.session.origin", "gen_ai.request.model", "talaria.instance.id",
+            "talaria.kv_source",
             "talaria.queue_s", "talaria.ttft_s", "talaria.prefill_s", "talaria.decode_s")
     detail = " ".join(f"{k.split('.', 1)[1] if k.startswith('talaria.') else 'model'}={_fmt(attrs[k])}"
                       for k in keys if k in attrs)

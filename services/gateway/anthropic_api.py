@@ -135,6 +135,8 @@ class AnthropicApi:
             return error_response(claim)
         if claim is not None:
             call = claim.call  # a retry answers as the call it attaches to
+        else:
+            call = self.submitter.resolve(call)  # the streamed headers name its session
         if req.stream:
             return await self._stream(request, call, fmt, claim)
         reply = await (claim.run() if claim else self.submitter.submit(call))

@@ -13,7 +13,7 @@ from msgspec import Struct
 
 from talaria.services.gateway.openai_api import ChatInput
 from talaria.services.gateway.prepare import bad
-from talaria.services.gateway.session_ids import session_id_from
+from talaria.services.gateway.session_ids import named_session_id
 from talaria.shared.messages import CallRequest, ChatMessage, ToolCallMsg, ToolSpec
 
 # --------------------------------------------------------------------------------------
@@ -179,13 +179,13 @@ def _choice(choice: ToolChoice | None) -> tuple[str, str | None]:
 CLAUDE_CODE_SESSION = re.compile(r"_session_([0-9A-Za-z-]+)$")
 
 
-def session_of(headers, metadata: Metadata | None) -> str:
+def session_of(headers, metadata: Metadata | None) -> str | None:
     """Claude Code sends `X-Claude-Code-Session-Id`; its `metadata.user_id` also ends in
-    `_session_<uuid>`. Any other user_id is taken whole, like OpenAI's `user`."""
+    `_session_<uuid>`. Any other user_id is taken whole, like OpenAI's `user`. None: unnamed."""
     user = metadata.user_id if metadata else None
     if user and (m := CLAUDE_CODE_SESSION.search(user)):
         user = m.group(1)
-    return session_id_from(headers, user)
+    return named_session_id(headers, user)
 
 
 def to_call_request(req: MessagesRequest, chat: ChatInput) -> CallRequest:

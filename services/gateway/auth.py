@@ -68,8 +68,11 @@ class KeyStore:
         return self.tenant_for_key(key)
 
 
-def scoped_session(tenant: str, session_id: str) -> str:
-    """The session id as services see it: the same header value from two tenants is two sessions."""
+def scoped_session(tenant: str, session_id: str | None) -> str | None:
+    """The session id as services see it: the same header value from two tenants is two
+    sessions. None (the client named none) stays None."""
+    if session_id is None:
+        return None
     return f"{tenant}{SCOPE_SEPARATOR}{session_id}" if tenant else session_id
 
 

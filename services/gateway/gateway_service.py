@@ -15,6 +15,8 @@ from talaria.services.gateway.connection_limits import GuardedRunner, HttpLimits
 from talaria.services.gateway.http_api import HttpApi
 from talaria.services.gateway.idempotency import IdempotentCalls
 from talaria.services.gateway.nats_api import NatsApi
+from talaria.services.gateway.session_inference import SessionIndex
+from talaria.services.gateway.session_inferrer import SessionInferrer
 from talaria.services.gateway.submitter import Submitter
 from talaria.shared import logs, tracing
 from talaria.shared.bus import close, connect
@@ -114,7 +116,12 @@ async def serve(common: CommonSettings, settings: GatewaySettings, ready: asynci
     disk = DiskCheck(common.data_dir, settings.min_free_disk_mb << 20 or default_min_free_bytes(common.data_dir))
     admission = Admission(settings.admission_target_queue_s) if settings.admission_target_queue_s > 0 else None
     metrics = FrontendMetrics()
-    submitter = Submitter(nc, js, tracer, settings.call_timeout_s, log, admission, disk, metrics=metrics)
+    sessions = None  # TALARIA_SESSION_INFERENCE_HORIZON_S=0: a call naming no session is its own
+    if settings.session_inference_horizon_s > 0:
+        sessions = SessionInferrer(catalogue, settings.prefix_sharing, metrics,
+                                   SessionIndex(horizon_s=settings.session_inference_horizon_s))
+    submitter = Submitter(nc, js, tracer, settings.call_timeout_s, log, admission, disk, metrics=metrics,
+                          sessions=sessions)
     recovering.append(submitter)
     await submitter.start()
     idempotency = IdempotentCalls(submitter, settings.idempotency_window_s, settings.idempotent_orphan_s)

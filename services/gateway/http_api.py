@@ -32,7 +32,7 @@ from talaria.services.gateway.openai_api import (
 from talaria.shared.tool_calls import TextUntilCalls, parse_calls
 from talaria.services.gateway.prepare import RequestError, prepare, tool_format
 from talaria.services.gateway.responses_api import ResponsesApi
-from talaria.services.gateway.session_ids import InvalidSessionId, session_id_from
+from talaria.services.gateway.session_ids import InvalidSessionId, named_session_id
 from talaria.services.gateway.submitter import Submitter
 from talaria.shared.catalog import Catalogue
 from talaria.shared.events import CallSubmitted
@@ -61,7 +61,7 @@ def parse_request(catalogue: Catalogue, body: bytes, chat: bool, headers, tenant
     try:
         decoded = decode(CHAT_DECODER if chat else COMPLETION_DECODER, body)
         req, include_usage = _to_call_request(decoded, chat)
-        session_id = scoped_session(tenant, session_id_from(headers, decoded.user))
+        session_id = scoped_session(tenant, named_session_id(headers, decoded.user))
         call = prepare(catalogue, req, session_id, "chat" if chat else "completion", tenant, prefix_sharing)
         return call, include_usage, tool_format(catalogue, req)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -137,6 +137,8 @@ class HttpApi:
             return error_response(claim)
         if claim is not None:
             call = claim.call  # a retry answers as the call it attaches to
+        else:
+            call = self.submitter.resolve(call)  # the streamed headers name its session
         if call.stream:
             return await self._stream(request, call, chat, include_usage, fmt, claim)
         reply = await (claim.run() if claim else self.submitter.submit(call))

@@ -15,7 +15,6 @@ the gateway write into another tenant's replies (nats_auth.reply_allowed).
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 import msgspec
 
@@ -101,7 +100,7 @@ class NatsApi:
             tenant = self.keys.tenant_for_key(req.api_key)
             if self._foreign(msg, tenant):  # checked before anything runs (synchronously, in order)
                 return
-            session_id = check(req.session_id) if req.session_id else f"anon-{uuid.uuid4().hex}"
+            session_id = check(req.session_id) if req.session_id else None
             call = prepare(self.catalogue, req, scoped_session(tenant, session_id), "nats", tenant,
                            self.prefix_sharing)
         except InvalidSessionId as exc:

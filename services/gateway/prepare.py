@@ -9,7 +9,8 @@ import time
 import uuid
 from functools import lru_cache
 
-from talaria.services.gateway.auth import kv_scope
+from talaria.services.gateway.auth import kv_scope, scoped_session
+from talaria.services.gateway.session_ids import anonymous_id
 from talaria.services.gateway.validation import RequestError, bad, check_request
 from talaria.shared import subjects
 from talaria.shared.catalog import Catalogue
@@ -99,10 +100,12 @@ def _too_long(spec, prompt: int, max_tokens: int, exact: bool, param: str) -> Re
         f"{max_tokens} for the completion).", param=param))
 
 
-def prepare(catalogue: Catalogue, req: CallRequest, session_id: str, api: str, tenant: str = "",
+def prepare(catalogue: Catalogue, req: CallRequest, session_id: str | None, api: str, tenant: str = "",
             sharing: str = "tenant", fit_max_tokens: bool = False) -> CallSubmitted:
     """`catalogue`: the models this gateway serves by name (CommonSettings.catalogue).
-    `session_id` is already scoped to `tenant` (auth.scoped_session). `fit_max_tokens`: a
+    `session_id` is already scoped to `tenant` (auth.scoped_session); None when the client
+    named none: the call is "pending" until the Submitter infers its session, and its block
+    hashes are salted without a session so that inference can match them. `fit_max_tokens`: a
     prompt that fits gets `max_tokens` cut to the context left (Anthropic clients such as
     Claude Code ask for 32,000 whatever the model), instead of a 400."""
     spec = catalogue.get(req.model)
@@ -140,6 +143,11 @@ def prepare(catalogue: Catalogue, req: CallRequest, session_id: str, api: str, t
     call_id = req.call_id or uuid.uuid4().hex
     if not subjects.valid_token(call_id) or len(call_id) > MAX_TOKEN_LEN or not call_id.isprintable():
         raise bad("`call_id` must be a NATS subject token (no '.', '*', '>' or spaces)", "call_id")
+    origin = "named"
+    if session_id is None:
+        session_id, origin = scoped_session(tenant, anonymous_id()), "pending"
+        if sharing == "session":  # salted again once the session is known (SessionInferrer)
+            sharing = "tenant"
     scope = kv_scope(sharing, tenant, session_id)
     max_tokens = req.max_tokens
     if fit_max_tokens and len(ids) < spec.context_length:
@@ -165,4 +173,5 @@ def prepare(catalogue: Catalogue, req: CallRequest, session_id: str, api: str, t
         logit_bias=dict(req.logit_bias) if req.logit_bias else None,
         logprobs=req.logprobs,
         top_logprobs=req.top_logprobs,
+        session_origin=origin,
     )

@@ -26,7 +26,7 @@ from talaria.services.gateway.openai_api import openai_tool_calls
 from talaria.services.gateway.prepare import RequestError, prepare, tool_format
 from talaria.services.gateway.responses_input import (DECODER, chat_input, echo, namespaces, refuse_unsupported,
                                                       to_call_request)
-from talaria.services.gateway.session_ids import InvalidSessionId, session_id_from
+from talaria.services.gateway.session_ids import InvalidSessionId, named_session_id
 from talaria.services.gateway.idempotency import IdempotentCalls, answers_as, claim_for, replayed, restamp
 from talaria.services.gateway.idempotency_rules import key_from
 from talaria.services.gateway.submitter import Submitter
@@ -58,7 +58,7 @@ def parse_request(catalogue: Catalogue, body: bytes, headers: dict[str, str], te
         refuse_unsupported(req)
         call_req = to_call_request(req, chat_input(req))
         # Codex CLI sends a `session-id` header, and its conversation id as `prompt_cache_key`.
-        session_id = scoped_session(tenant, session_id_from(headers, req.prompt_cache_key or req.user))
+        session_id = scoped_session(tenant, named_session_id(headers, req.prompt_cache_key or req.user))
         call = prepare(catalogue, call_req, session_id, "responses", tenant, prefix_sharing,
                        fit_max_tokens=req.max_output_tokens is None)
         return Parsed(call, tool_format(catalogue, call_req), echo(req), tuple(namespaces(req.tools)))
@@ -176,6 +176,8 @@ class ResponsesApi:
             return error_response(claim)
         if claim is not None:
             parsed = dataclasses.replace(parsed, call=claim.call)  # a retry answers as the call it attaches to
+        else:  # the streamed headers name its session
+            parsed = dataclasses.replace(parsed, call=self.submitter.resolve(parsed.call))
         call = parsed.call
         if call.stream:
             return await ResponseStream(request, parsed, claim).run(self.submitter)

@@ -4,7 +4,8 @@ Agents identify sessions in different ways; we accept the common ones, in this o
 our own `X-Session-Id`, the headers coding agents send (Codex CLI sends `session_id`,
 Claude Code `X-Claude-Code-Session-Id`; LiteLLM and others use `X-Session-Affinity`
 or a conversation id), then the OpenAI body's `user` field. A call without any of
-these is its own one-call session.
+these gets the session it continues, inferred from its prompt (session_inference.py), or
+a new one.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ class InvalidSessionId(ValueError):
 
 
 def session_id_from(headers: Mapping[str, str], user: str | None = None) -> str:
+    return named_session_id(headers, user) or anonymous_id()
+
+
+def named_session_id(headers: Mapping[str, str], user: str | None = None) -> str | None:
+    """The session the client named, or None (the gateway then infers it: session_inference.py)."""
     lowered = {k.lower(): v for k, v in headers.items()}
     for name in SESSION_HEADERS:
         value = lowered.get(name)
@@ -40,6 +46,11 @@ def session_id_from(headers: Mapping[str, str], user: str | None = None) -> str:
             return check(value.strip())
     if user:
         return check(user.strip())
+    return None
+
+
+def anonymous_id() -> str:
+    """A session id of the gateway's own (idempotency_rules.ANONYMOUS_SESSION matches it)."""
     return f"anon-{uuid.uuid4().hex}"
 
 

@@ -28,6 +28,7 @@ from opentelemetry import trace
 
 from talaria.services.gateway.admission import Admission, DiskCheck
 from talaria.services.gateway.idempotency_rules import is_outcome_subject, reply_call_id
+from talaria.services.gateway.session_inferrer import SessionInferrer
 from talaria.services.gateway.validation import check_size
 from talaria.shared.logs import call_context
 from talaria.shared.metrics import FrontendMetrics
@@ -63,10 +64,11 @@ ReplyCallback = Callable[[Reply], Awaitable[None]]
 class Submitter:
     def __init__(self, nc: NATS, js: JetStreamContext, tracer: trace.Tracer, timeout_s: float, log,
                  admission: Admission | None = None, disk: DiskCheck | None = None,
-                 metrics: FrontendMetrics | None = None) -> None:
+                 metrics: FrontendMetrics | None = None, sessions: SessionInferrer | None = None) -> None:
         self.nc, self.js, self.tracer, self.timeout_s, self.log = nc, js, tracer, timeout_s, log
         self.admission, self.disk = admission, disk  # None: every call is admitted
         self.metrics = metrics or FrontendMetrics()
+        self.sessions = sessions  # infers the session of calls that name none; None: each is its own
         self.deployment = deployment_of(js)  # the deployment its connection was opened for
         self.inbox = f"{self.deployment.live_replies}.{uuid.uuid4().hex}"  # only agents and the router may publish here
         self._pending: dict[str, asyncio.Future[Reply]] = {}
@@ -167,11 +169,19 @@ class Submitter:
             return refused
         return self.admission.check(tenant) if self.admission is not None else None
 
+    def resolve(self, call: CallSubmitted) -> CallSubmitted:
+        """`call` with its session settled (session_inferrer.py); submit() does it too, the APIs
+        earlier when a response header names the session before the reply."""
+        if self.sessions is not None:
+            return self.sessions.resolve(call)
+        return replace(call, session_origin="new") if call.session_origin == "pending" else call
+
     async def submit(self, call: CallSubmitted, on_token: TokenCallback | None = None,
                      on_reply: ReplyCallback | None = None) -> Reply:
         """The call's reply. `on_reply`, when given, gets the answer of a submitted call as
         soon as it is in hand, ahead of the gateway's own logging and span (the NATS API
         forwards it from there); a call refused before submission is only returned."""
+        call = self.resolve(call)
         with call_context(call.session_id, call.call_id):
             watch = self.metrics.call(call.model, call.api)
             if on_token is not None:
@@ -181,6 +191,8 @@ class Submitter:
                 reply = await self._submit(call, on_token, on_reply)
                 return reply
             finally:  # no reply: the client went away (499, as for a cancel)
+                if self.sessions is not None:
+                    self.sessions.settle(call, reply)
                 if isinstance(reply, CallResult):
                     watch.answered(200, reply.usage, reply.timings)
                 else:

@@ -30,6 +30,7 @@ class OpenSession:
     failed: int = 0
     models: set[str] = field(default_factory=set)
     instances: set[str] = field(default_factory=set)
+    inferred: bool = False  # the gateway inferred it: its client named no session
 
 
 class SessionSpans:
@@ -44,6 +45,7 @@ class SessionSpans:
                 s = self._get(event.session_id, event.submitted_at)
                 s.calls += 1
                 s.models.add(event.model)
+                s.inferred = s.inferred or event.session_origin != "named"
                 s.last_activity = max(s.last_activity, event.submitted_at)
             case CallCompleted():
                 s = self._get(event.session_id, event.submitted_at)
@@ -87,5 +89,6 @@ class SessionSpans:
                 "gen_ai.conversation.id": s.session_id, "talaria.session.calls": s.calls,
                 "talaria.session.completed": s.completed, "talaria.session.failed": s.failed,
                 "talaria.session.models": sorted(s.models), "talaria.session.instances": sorted(s.instances),
+                "talaria.session.inferred": s.inferred,
             },
         )
