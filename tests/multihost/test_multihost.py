@@ -37,10 +37,10 @@ async def test_calls_flow_across_hosts_through_a_partition_and_a_nats_node_kill(
 
     load, seen = await under_fault(cluster.gateway_url, cluster.api_key, partition, cluster.executions)
     served = cluster.executions()
-    assert seen.answered > 20
+    assert seen.answered > 20, seen
     assert seen.lost == 0, [c for c in load.calls if c.status != 200]
     assert seen.twice == 0, {k: n for k, n in served.items() if n > 1}
-    assert seen.longest_stall_s <= PARTITION_S + ELECTION_MAX_S
+    assert seen.longest_stall_s <= PARTITION_S + ELECTION_MAX_S, seen
     assert {c.call_id for c in load.calls} <= set(served)  # every answer was an agent's execution
 
     def kill_node():
@@ -50,5 +50,5 @@ async def test_calls_flow_across_hosts_through_a_partition_and_a_nats_node_kill(
 
     load, seen = await under_fault(cluster.gateway_url, cluster.api_key, kill_node, cluster.executions, seed=1)
     assert seen.lost == 0, [c for c in load.calls if c.status != 200]
-    assert seen.twice == 0
-    assert seen.longest_stall_s <= ELECTION_MAX_S
+    assert seen.twice == 0, seen
+    assert seen.longest_stall_s <= ELECTION_MAX_S, seen
