@@ -71,9 +71,9 @@ class CommonSettings:
     log_json: bool = True
     traces_dir: Path | None = None  # spans as JSON lines when no OTLP endpoint is set
     otlp_endpoint: str | None = None  # OTEL_EXPORTER_OTLP_ENDPOINT
-    # GET /metrics (shared/metrics.py) on its own port for router, telemetry and agents (the
-    # gateway serves it on its API port): unset = no listener, 0 = a free port (logged and
-    # written to <data_dir>/metrics/<service>.url).
+    # GET /metrics (shared/metrics.py) on its own port for every service (the gateway also
+    # serves it on its API port, behind an API key): unset = no listener, 0 = a free port
+    # (logged and written to <data_dir>/metrics/<service>.url). Localhost unless configured.
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
 

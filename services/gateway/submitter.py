@@ -27,6 +27,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 from opentelemetry import trace
 
 from talaria.services.gateway.admission import Admission, DiskCheck
+from talaria.services.gateway.call_flow import CallFlow
 from talaria.services.gateway.idempotency_rules import is_outcome_subject, reply_call_id
 from talaria.services.gateway.validation import check_size
 from talaria.shared.logs import call_context
@@ -69,6 +70,7 @@ class Submitter:
         self.metrics = metrics or FrontendMetrics()
         self.deployment = deployment_of(js)  # the deployment its connection was opened for
         self.inbox = f"{self.deployment.live_replies}.{uuid.uuid4().hex}"  # only agents and the router may publish here
+        self.flow = CallFlow()  # readiness: red from an unanswered call until one is answered
         self._pending: dict[str, asyncio.Future[Reply]] = {}
         self._calls: dict[str, CallSubmitted] = {}  # accepted and still waiting, for stop()
         self._sub = None
@@ -155,6 +157,7 @@ class Submitter:
             self.log.warning("reply not from the router or an agent dropped", call_id=call_id,
                              sender=sender_of(msg))
             return
+        self.flow.answered(time.monotonic())
         try:
             fut.set_result(REPLY_DECODER.decode(msg.data))
         except msgspec.DecodeError as exc:
@@ -204,6 +207,8 @@ class Submitter:
         if refused is None and self.admission is not None:
             refused = self.admission.admit(call.tenant, time.monotonic())
         if refused is not None:  # nothing was submitted: the client retries after Retry-After
+            if refused.code == "insufficient_storage":  # ready again only once a call is answered
+                self.flow.stalled(refused.message, time.monotonic())
             self.log.warning("call refused", code=refused.code, reason=refused.message)
             return replace(refused, call_id=call.call_id)
         started, reply = time.monotonic(), None
@@ -237,12 +242,14 @@ class Submitter:
                                           call_id=call.call_id)
                 except Exception as exc:  # the bus refused: the call was never accepted
                     self.log.error("submit failed", call_id=call.call_id, error=str(exc))
+                    self.flow.stalled(f"the bus refused a call: {exc or type(exc).__name__}", time.monotonic())
                     return ErrorReply(503, "bus_unavailable", f"could not submit the call: {exc}",
                                       retry_after_s=1.0, call_id=call.call_id)
                 self._calls[call.call_id] = call
-                try:
-                    reply = await asyncio.wait_for(fut, self.timeout_s)
+                try:  # to its deadline, not a full timeout from here: submitting may have taken a failover
+                    reply = await asyncio.wait_for(fut, max(0.0, call.deadline_at - time.time()))
                 except TimeoutError:
+                    self.flow.stalled(f"no reply to a call within {self.timeout_s:.0f}s", time.monotonic())
                     reply = await self.timed_out(call, f"no reply within {self.timeout_s:.0f}s")
                 except asyncio.CancelledError:  # the client went away (HTTP disconnect)
                     if not kept:  # with a key, a retry may attach: Claim.run gives it a grace first

@@ -113,8 +113,8 @@ async def test_every_service_exposes_its_metrics_after_calls(nats_url, database_
                     assert r.status == 200
                     call_ids.append(r.headers["X-Talaria-Call-Id"])
                     await r.read()
-        urls = {"gateway": f"{base}/metrics"}
-        for name in ("router", "telemetry", "agent-agent-0"):
+        urls = {}
+        for name in ("gateway", "router", "telemetry", "agent-agent-0"):
             urls[name] = (tmp_path / "metrics" / f"{name}.url").read_text().strip()
 
         async def projected():  # telemetry commits on its own schedule
