@@ -124,6 +124,8 @@ async def serve(common: CommonSettings, settings: GatewaySettings, ready: asynci
     idempotency = IdempotentCalls(submitter, settings.idempotency_window_s, settings.idempotent_orphan_s)
     await idempotency.start()
     served = ServedModels(common.models, lambda: nc.is_connected, disk.problem, submitter.flow.problem)
+    if admission is not None:  # work-fair shares are shares of the live instances
+        admission.instances = lambda: max(1, len(served.health()["instances"]))
     await nc.subscribe(common.deployment.telemetry_wildcard, cb=served.on_snapshot)
     await nc.subscribe(common.deployment.health_wildcard, cb=served.on_heartbeat)
     keys = KeyStore.from_settings(settings)

@@ -204,8 +204,9 @@ class Submitter:
         if too_large is not None:  # permanent: retrying cannot make it fit
             return too_large
         refused = self.disk.refusal() if self.disk is not None else None
+        work = self.admission.work_s(call.model, call.prompt_tokens) if self.admission is not None else 0.0
         if refused is None and self.admission is not None:
-            refused = self.admission.admit(call.tenant, time.monotonic())
+            refused = self.admission.admit(call.tenant, time.monotonic(), work)
         if refused is not None:  # nothing was submitted: the client retries after Retry-After
             if refused.code == "insufficient_storage":  # ready again only once a call is answered
                 self.flow.stalled(refused.message, time.monotonic())
@@ -217,7 +218,8 @@ class Submitter:
             return reply
         finally:
             if self.admission is not None:
-                self.admission.done(call.tenant, reply, time.monotonic() - started, time.monotonic())
+                self.admission.done(call.tenant, reply, time.monotonic() - started, time.monotonic(), work,
+                                    call.model)
 
     async def _admitted(self, call: CallSubmitted, data: bytes, kept: bool, on_token: TokenCallback | None,
                         on_reply: ReplyCallback | None) -> Reply:
