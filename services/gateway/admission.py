@@ -14,9 +14,9 @@ is in flight. Past the limit a tenant still gets its fair share (limit / tenants
 in flight): a tenant over its share is refused 429, so one tenant's flood cannot starve the
 others; when every tenant is over its share, 503. `Retry-After`: the target, at least 1 s.
 
-Work: past the count, calls are weighed by their prefill work per tenant (work_fairness.py,
-a virtual token counter): while the stack is contended, a tenant whose long prompts put it
-ahead of another active tenant's service is refused 429, whatever its count of calls.
+Work: calls are also weighed by their prefill work per tenant (work_fairness.py): while
+another tenant is active, a tenant's long prompts (each predicted to prefill longer than the
+target) may hold only its share of the instances; past it, the next is refused 429 at once.
 
 Disk: below `TALARIA_MIN_FREE_DISK_MB` free on the data directory's filesystem, new calls are
 refused 503 `insufficient_storage` and `/readyz` says so; calls already running finish.
@@ -46,7 +46,7 @@ class Admission:
     in_flight: Counter = field(default_factory=Counter)  # tenant -> calls in flight
     delays: deque = field(default_factory=deque)  # (answered at, queueing delay) in the last interval
     adjusted_at: float = 0.0
-    fairness: WorkFairness | None = None  # work-fair shares (default: slack = the target)
+    fairness: WorkFairness | None = None  # work-fair shares (default: long = past the target)
     rates: PrefillRates = field(default_factory=PrefillRates)
     instances: Callable[[], int] = lambda: 1  # live instances (the gateway's view of snapshots)
 

@@ -1,18 +1,17 @@
-"""Work-fair admission across tenants: a virtual token counter (VTC, Sheng et al., OSDI'24,
-"Fairness in Serving Large Language Models") applied at admission.
+"""Work-fair admission across tenants: each tenant's share of the instances, counted in
+prefill work (a call's fresh prompt tokens x its model's measured seconds per token,
+`PrefillRates`), not in calls.
 
-Each tenant has a counter of the service it was given, in seconds of engine work: a call is
-charged its prefill work when admitted (fresh prompt tokens x its model's measured seconds
-per token, `PrefillRates`), and corrected to the prefill + decode time the agent measured
-when it ends. A tenant that becomes active (a call in flight) is lifted to the least counter
-among the active ones, as VTC lifts a newly backlogged client, so idle time banks no credit.
-
-VTC serves the least-served backlogged client next; a gateway that does not queue refuses
-instead. While the stack is contended (the work in flight exceeds what the live instances
-do in the admission target's time), a tenant with a call in flight whose counter is more
-than that same amount of work ahead of the least-served other active tenant is refused 429
-with Retry-After. So one tenant's long prompts take at most one share of the instances
-while another tenant is active; alone, a tenant may use them all. Pure: no clock, no I/O.
+A *long* call is one whose predicted prefill exceeds the admission target's wait
+(`slack_s`): it holds an instance's steps longer than any other call should wait, so it
+takes that instance. While another tenant has calls in flight, a tenant may hold at most its
+share of the instances in long calls (instances / active tenants, at least one); past that,
+its next long call is refused 429 with Retry-After at once, with the reason. Short calls are
+never refused here (count-based shares still apply, admission.py). Alone, a tenant may use
+every instance. This is flow control by work in the manner of llm-d's per-flow fairness, as a
+refusal instead of a queue (the gateway queues nothing); per-tenant service counters as VTC
+keeps (Sheng et al., OSDI'24) are the audit's: `served_s`, corrected by what agents measured.
+Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -45,53 +44,54 @@ class PrefillRates:
 
 @dataclass
 class WorkFairness:
-    slack_s: float = 2.0  # seconds of work per instance a tenant may run ahead (the admission target)
-    counters: dict[str, float] = field(default_factory=dict)  # tenant -> seconds of work served
+    slack_s: float = 2.0  # a call predicted to prefill longer than this is long (the admission target)
     in_flight: Counter = field(default_factory=Counter)  # tenant -> calls in flight
-    work_in_flight: dict[str, float] = field(default_factory=dict)  # tenant -> their charged work
+    long_in_flight: Counter = field(default_factory=Counter)  # tenant -> long calls in flight
+    long_work_s: Counter = field(default_factory=Counter)  # tenant -> their predicted prefill seconds
+    served_s: Counter = field(default_factory=Counter)  # tenant -> engine seconds its calls took
 
-    def check(self, tenant: str, instances: int) -> ErrorReply | None:
-        """Would a call of `tenant` be refused for being ahead of its fair share of work?"""
-        slack = self.slack_s * max(1, instances)
-        others = [self.counters[t] for t in self.in_flight if t != tenant]
-        if not others or not self.in_flight[tenant] or sum(self.work_in_flight.values()) <= slack:
+    def is_long(self, work_s: float) -> bool:
+        return work_s > self.slack_s
+
+    def check(self, tenant: str, work_s: float, instances: int) -> ErrorReply | None:
+        """Would a call of `tenant` with `work_s` seconds of prefill be refused as past its share?"""
+        active = {t for t, n in self.in_flight.items() if n > 0} | {tenant}
+        if len(active) == 1 or not self.is_long(work_s):
             return None
-        ahead = self._counter(tenant) - min(others)
-        if ahead <= slack:
+        share = max(1, max(1, instances) // len(active))
+        if self.long_in_flight[tenant] < share:
             return None
-        retry = max(1.0, min(60.0, self.work_in_flight.get(tenant, 0.0) / max(1, instances)))
+        retry = max(1.0, min(60.0, self.long_work_s[tenant] / max(1, self.long_in_flight[tenant])))
         return ErrorReply(429, "over_fair_share",
-                          f"your calls in flight hold {self.work_in_flight.get(tenant, 0.0):.1f} s of prefill work "
-                          f"and you have been served {ahead:.1f} s of work more than another tenant waiting; "
-                          "retry when your calls in flight are done", retry_after_s=retry)
+                          f"this call's prompt is ~{work_s:.1f} s of prefill work, and your long calls in flight "
+                          f"({self.long_in_flight[tenant]}, ~{self.long_work_s[tenant]:.1f} s) already hold your share "
+                          f"of the instances ({share} of {instances}, shared by {len(active)} tenants); retry when "
+                          "one is done", retry_after_s=retry)
 
     def admit(self, tenant: str, work_s: float, instances: int) -> ErrorReply | None:
-        """Charge a call of `tenant` with `work_s` seconds of prefill, or the reply refusing it."""
-        refused = self.check(tenant, instances)
+        """Count a call of `tenant` with `work_s` seconds of prefill, or the reply refusing it."""
+        refused = self.check(tenant, work_s, instances)
         if refused is not None:
             return refused
-        self.counters[tenant] = self._counter(tenant)  # the lift, when it becomes active
-        self.counters[tenant] += work_s
         self.in_flight[tenant] += 1
-        self.work_in_flight[tenant] = self.work_in_flight.get(tenant, 0.0) + work_s
+        if self.is_long(work_s):
+            self.long_in_flight[tenant] += 1
+            self.long_work_s[tenant] += work_s
         return None
 
     def done(self, tenant: str, work_s: float, reply: Reply | None) -> None:
-        """A call charged `work_s` ended: its measured work replaces the estimate."""
+        """A call admitted with `work_s` ended; what the agent measured is added to its service."""
         if self.in_flight[tenant] <= 0:
             return
-        served = reply.timings.prefill_s + reply.timings.decode_s if isinstance(reply, CallResult) else 0.0
-        self.counters[tenant] = self.counters.get(tenant, 0.0) - work_s + served
-        self.in_flight[tenant] -= 1
-        self.work_in_flight[tenant] = max(0.0, self.work_in_flight.get(tenant, 0.0) - work_s)
-        if self.in_flight[tenant] <= 0:
-            del self.in_flight[tenant]
-            self.work_in_flight.pop(tenant, None)
+        if isinstance(reply, CallResult):
+            self.served_s[tenant] += reply.timings.prefill_s + reply.timings.decode_s
+        _take(self.in_flight, tenant, 1)
+        if self.is_long(work_s):
+            _take(self.long_in_flight, tenant, 1)
+            _take(self.long_work_s, tenant, work_s)
 
-    def _counter(self, tenant: str) -> float:
-        """`tenant`'s counter, lifted to the least active one when it has nothing in flight."""
-        own = self.counters.get(tenant, 0.0)
-        if self.in_flight[tenant]:
-            return own
-        active = [self.counters[t] for t in self.in_flight if t != tenant and self.in_flight[t]]
-        return max(own, min(active)) if active else own
+
+def _take(counter: Counter, key: str, amount: float) -> None:
+    counter[key] -= amount
+    if counter[key] <= 1e-9:
+        del counter[key]
