@@ -52,7 +52,7 @@ class Admission:
 
     def __post_init__(self) -> None:
         if self.fairness is None:
-            self.fairness = WorkFairness(slack_s=self.target_queue_s)
+            self.fairness = WorkFairness(slack_s=self.target_queue_s, active_window_s=self.target_queue_s)
 
     @property
     def total(self) -> int:
@@ -65,7 +65,7 @@ class Admission:
 
     def admit(self, tenant: str, now: float, work_s: float = 0.0) -> ErrorReply | None:
         """Count a new call of `tenant` with `work_s` seconds of prefill, or the reply refusing it."""
-        refused = self.check(tenant) or self.fairness.admit(tenant, work_s, self.instances())
+        refused = self.check(tenant) or self.fairness.admit(tenant, work_s, self.instances(), now)
         if refused is None:
             self.in_flight[tenant] += 1
         return refused
@@ -90,7 +90,7 @@ class Admission:
     def done(self, tenant: str, reply: Reply | None, elapsed_s: float, now: float, work_s: float = 0.0,
              model: str = "") -> None:
         """A call admitted for `tenant` (charged `work_s`) ended after `elapsed_s` at the gateway."""
-        self.fairness.done(tenant, work_s, reply)
+        self.fairness.done(tenant, work_s, reply, now)
         if isinstance(reply, CallResult):
             self.rates.observe(model or reply.model, reply)
         self.in_flight[tenant] -= 1

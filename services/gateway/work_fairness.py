@@ -49,13 +49,22 @@ class WorkFairness:
     long_in_flight: Counter = field(default_factory=Counter)  # tenant -> long calls in flight
     long_work_s: Counter = field(default_factory=Counter)  # tenant -> their predicted prefill seconds
     served_s: Counter = field(default_factory=Counter)  # tenant -> engine seconds its calls took
+    # A client loop is idle for a moment between its calls: a tenant counts as active for this
+    # long after its last call ended, so that moment does not hand its share to another.
+    active_window_s: float = 2.0
+    last_done: dict[str, float] = field(default_factory=dict)  # tenant -> when its last call ended
 
     def is_long(self, work_s: float) -> bool:
         return work_s > self.slack_s
 
-    def check(self, tenant: str, work_s: float, instances: int) -> ErrorReply | None:
+    def active(self, now: float) -> set[str]:
+        """Tenants with a call in flight or one that ended within `active_window_s`."""
+        recent = {t for t, at in self.last_done.items() if now - at <= self.active_window_s}
+        return {t for t, n in self.in_flight.items() if n > 0} | recent
+
+    def check(self, tenant: str, work_s: float, instances: int, now: float) -> ErrorReply | None:
         """Would a call of `tenant` with `work_s` seconds of prefill be refused as past its share?"""
-        active = {t for t, n in self.in_flight.items() if n > 0} | {tenant}
+        active = self.active(now) | {tenant}
         if len(active) == 1 or not self.is_long(work_s):
             return None
         share = max(1, max(1, instances) // len(active))
@@ -68,9 +77,9 @@ class WorkFairness:
                           f"of the instances ({share} of {instances}, shared by {len(active)} tenants); retry when "
                           "one is done", retry_after_s=retry)
 
-    def admit(self, tenant: str, work_s: float, instances: int) -> ErrorReply | None:
+    def admit(self, tenant: str, work_s: float, instances: int, now: float) -> ErrorReply | None:
         """Count a call of `tenant` with `work_s` seconds of prefill, or the reply refusing it."""
-        refused = self.check(tenant, work_s, instances)
+        refused = self.check(tenant, work_s, instances, now)
         if refused is not None:
             return refused
         self.in_flight[tenant] += 1
@@ -79,10 +88,13 @@ class WorkFairness:
             self.long_work_s[tenant] += work_s
         return None
 
-    def done(self, tenant: str, work_s: float, reply: Reply | None) -> None:
+    def done(self, tenant: str, work_s: float, reply: Reply | None, now: float) -> None:
         """A call admitted with `work_s` ended; what the agent measured is added to its service."""
         if self.in_flight[tenant] <= 0:
             return
+        self.last_done[tenant] = now
+        for gone in [t for t, at in self.last_done.items() if now - at > self.active_window_s]:
+            del self.last_done[gone]  # bounded by the tenants active in the window
         if isinstance(reply, CallResult):
             self.served_s[tenant] += reply.timings.prefill_s + reply.timings.decode_s
         _take(self.in_flight, tenant, 1)
