@@ -226,8 +226,14 @@ class RouterSettings:
     router_partitions: int = 8
     router_ownership_ttl_s: float = 3.0
     router_id: str = ""  # "": a fresh id per process; a restart under the same id adopts its claims
+    # Memory the session table may take (services/router/state.py: SESSION_ROW_BYTES a row,
+    # measured); past it the least recently routed idle sessions are forgotten.
+    router_session_table_bytes: int = 128 << 20
 
     def validate(self) -> None:
+        if self.router_session_table_bytes < 1 << 20:
+            raise SettingsError("TALARIA_ROUTER_SESSION_TABLE_BYTES", str(self.router_session_table_bytes),
+                                "at least 1 MiB (1048576)")
         if self.overload not in ("reject", "queue"):
             raise SettingsError("TALARIA_OVERLOAD", self.overload, "reject or queue")
         if self.router_partitions < 1 or 64 % self.router_partitions:

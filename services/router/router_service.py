@@ -49,7 +49,7 @@ from talaria.services.router.outputs import RouterOutputs
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.policy.registry import create_policy
 from talaria.services.router.projection import ProjectionStore
-from talaria.services.router.state import RouterState
+from talaria.services.router.state import RouterState, rows_for
 from talaria.shared import logs, metrics, tracing
 from talaria.shared.metrics import RouterMetrics
 from talaria.shared.health import INTERVAL_S as HEARTBEAT_INTERVAL_S, BusHearing, heartbeat_loop
@@ -152,8 +152,8 @@ class RouterService:
         self.metrics = RouterMetrics()
         self.metrics.scrape_gauge("talaria_router_leases_active", "Live leases (soft reservations) by model",
                                   ("model",), self._live_leases)
-        self.metrics.scrape_gauge("talaria_router_sessions", "Rows in the router's session table (bounded: "
-                                  "state.SESSIONS_KEPT)", (), lambda: {(): len(self.core.state.sessions)})
+        self.metrics.scrape_gauge("talaria_router_sessions", "Rows in the router's session table (bounded in bytes: "
+                                  "TALARIA_ROUTER_SESSION_TABLE_BYTES)", (), lambda: {(): len(self.core.state.sessions)})
         self.metrics.scrape_gauge("talaria_router_instances", "Instances in the router's view",
                                   (), lambda: {(): len(self.core.state.instances)})
         self.metrics.scrape_gauge("talaria_router_partitions_owned", "Intake partitions this router consumes",
@@ -183,6 +183,7 @@ class RouterService:
         saved = await store.load()
         if saved is not None:
             self.core.state, self.seq = saved
+        self.core.state.sessions_kept = rows_for(self.settings.router_session_table_bytes)
         tasks = [asyncio.create_task(self._view(stop))]
         await self._caught_up(await self._stream_last())  # the state as the stream is now
         self.log.info("router recovered", seq=self.seq, sessions=len(self.core.state.sessions))
