@@ -55,12 +55,18 @@ def tmpfs(path, size: str):
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
+TOOK: dict[str, float] = {}  # the longest call of each test, printed for results/faults.md
+
+
 async def chat(s: aiohttp.ClientSession, base: str, session: str, timeout: float = 60.0):
     body = {"model": MODEL, "messages": [{"role": "user", "content": f"hello {session}"}], "max_tokens": 4,
             "temperature": 0}
+    start = time.monotonic()
     async with s.post(f"{base}/v1/chat/completions", json=body, headers={"X-Session-Id": session},
                       timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-        return r.status, r.headers.get("Content-Type", ""), r.headers.get("Retry-After"), await r.text()
+        answer = r.status, r.headers.get("Content-Type", ""), r.headers.get("Retry-After"), await r.text()
+    TOOK["longest"] = max(TOOK.get("longest", 0.0), time.monotonic() - start)
+    return answer
 
 
 async def ready(s: aiohttp.ClientSession, base: str) -> dict:
@@ -95,6 +101,8 @@ async def test_a_full_log_disk_under_load_never_gives_a_plain_text_500(nats_url,
                 answers = await asyncio.gather(*(chat(s, base, f"full-{i}") for i in range(12)))
         finally:
             await services.close()
+    print(f"\nlog disk full: {sum(a[0] == 200 for a in answers)}/{len(answers)} answered, "
+          f"longest call {TOOK.pop('longest'):.2f} s")
     for status, ctype, _, text in answers:
         assert status == 200 and ctype.startswith("application/json"), (status, text[:200])
 
@@ -113,7 +121,10 @@ async def test_a_full_data_disk_refuses_with_json_503_and_readiness_follows(nats
                     while True:  # until the disk itself says ENOSPC
                         f.write(b"\0" * 65536)
                         f.flush()
+                TOOK.pop("longest", None)
                 refused = await asyncio.gather(*(chat(s, base, f"full-{i}") for i in range(8)))
+                print(f"\ndata disk full: {sum(r[0] == 503 for r in refused)}/{len(refused)} refused 503, "
+                      f"longest {TOOK['longest']:.2f} s")
                 for status, ctype, retry, text in refused:
                     assert status == 503 and ctype.startswith("application/json") and retry, (status, text)
                     assert "insufficient_storage" in text
