@@ -152,8 +152,9 @@ class RouterService:
         self.metrics = RouterMetrics()
         self.metrics.scrape_gauge("talaria_router_leases_active", "Live leases (soft reservations) by model",
                                   ("model",), self._live_leases)
-        self.metrics.scrape_gauge("talaria_router_sessions", "Rows in the router's session table (bounded in bytes: "
-                                  "TALARIA_ROUTER_SESSION_TABLE_BYTES)", (), lambda: {(): len(self.core.state.sessions)})
+        self.metrics.scrape_gauge("talaria_router_sessions", "Rows in the router's session table (bounded in "
+                                  "bytes: TALARIA_ROUTER_SESSION_TABLE_BYTES)", (),
+                                  lambda: {(): len(self.core.state.sessions)})
         self.metrics.scrape_gauge("talaria_router_instances", "Instances in the router's view",
                                   (), lambda: {(): len(self.core.state.instances)})
         self.metrics.scrape_gauge("talaria_router_partitions_owned", "Intake partitions this router consumes",
@@ -183,7 +184,9 @@ class RouterService:
         saved = await store.load()
         if saved is not None:
             self.core.state, self.seq = saved
-        self.core.state.sessions_kept = rows_for(self.settings.router_session_table_bytes)
+        # Session memory in bytes: the table's rows and the output estimates kept per session.
+        rows = rows_for(self.settings.router_session_table_bytes)
+        self.core.state.sessions_kept = self.core.state.outputs.kept = rows
         tasks = [asyncio.create_task(self._view(stop))]
         await self._caught_up(await self._stream_last())  # the state as the stream is now
         self.log.info("router recovered", seq=self.seq, sessions=len(self.core.state.sessions))
