@@ -5,7 +5,7 @@
     2  price every instance (costs.py): Eq. 1 terms, round-admission and HBM checks
     3  a candidate that would open a fresh replica must also pass Eq. 2
     4  none left ──► overload policy: reject (retry_after_s) | queue (least cost, bounded)
-    5  of those, only where r finishes by its deadline (deadlines.py); none ──► reject
+    5  of those, only where r's first token comes by its deadline (deadlines.py); none ──► reject
     6  route to argmin Cost(r, i)
 
 Beyond the paper: a new session whose prompt shares a prefix with KV another session left
@@ -96,7 +96,7 @@ class Talaria(PlacementPolicy):
                         and p.view is not None and p.view.queued_calls() < self.config.max_queued_per_instance]
             reason = "overload: queued past admission"
         candidates = tuple(p.cost for p in priced)
-        if feasible and call.deadline_at > 0:  # placed where it cannot finish in time, it only holds others up
+        if feasible and call.deadline_at > 0:  # placed where it cannot answer in time, it holds others up
             timely = {c.instance_id for c in deadlines.in_time(call, [p.cost for p in feasible], now)}
             if not timely:
                 status, why = deadlines.refusal(call, [p.cost for p in feasible], now)

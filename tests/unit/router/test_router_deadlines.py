@@ -24,6 +24,7 @@ def test_a_prompt_whose_prefill_alone_outlasts_the_deadline_is_a_413_naming_the_
     decision, failed = one(out, RoutingDecision), one(out, CallFailed)
     assert decision.action == "reject" and decision.status == failed.status == DEADLINE_UNREACHABLE
     assert decision.retry_after_s is None and "20.0 s to prefill 200000 prompt tokens" in decision.reason
+    assert "first token" in decision.reason
 
 
 def test_the_same_prompt_with_time_enough_is_routed():
@@ -46,3 +47,11 @@ def test_a_call_without_a_deadline_is_never_refused_for_time():
     c = core(**NO_LEASE)
     c.observe(snap("a"), 0.0)
     assert one(c.handle(call("long", tokens=200_000, at=0.0), 0.0), RoutingDecision).chosen == "a"
+
+
+def test_a_long_max_tokens_is_a_cap_not_a_reason_to_refuse():
+    c = core(**NO_LEASE)
+    c.observe(snap("a"), 0.0)
+    # 4,000 tokens at 1e-2 s/token would be 40 s of decode; the call may stop long before
+    out = c.handle(with_deadline(call("c", tokens=100, max_tokens=4000, at=0.0), 10.0), 0.0)
+    assert one(out, RoutingDecision).chosen == "a"
