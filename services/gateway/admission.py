@@ -90,7 +90,7 @@ class Admission:
     def done(self, tenant: str, reply: Reply | None, elapsed_s: float, now: float, work_s: float = 0.0,
              model: str = "") -> None:
         """A call admitted for `tenant` (charged `work_s`) ended after `elapsed_s` at the gateway."""
-        self.fairness.done(tenant, work_s, reply, now)
+        self.fairness.done(tenant, work_s, now)
         if isinstance(reply, CallResult):
             self.rates.observe(model or reply.model, reply)
         self.in_flight[tenant] -= 1

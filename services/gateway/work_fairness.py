@@ -9,9 +9,9 @@ share of the instances in long calls (instances / active tenants, at least one);
 its next long call is refused 429 with Retry-After at once, with the reason. Short calls are
 never refused here (count-based shares still apply, admission.py). Alone, a tenant may use
 every instance. This is flow control by work in the manner of llm-d's per-flow fairness, as a
-refusal instead of a queue (the gateway queues nothing); per-tenant service counters as VTC
-keeps (Sheng et al., OSDI'24) are the audit's: `served_s`, corrected by what agents measured.
-Pure: no clock, no I/O.
+refusal instead of a queue: a virtual token counter (VTC, Sheng et al., OSDI'24) orders a
+queue by each client's service so far, and the gateway queues nothing. Pure: the clock is
+passed in.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from talaria.shared.messages import CallResult, ErrorReply, Reply
+from talaria.shared.messages import CallResult, ErrorReply
 
 
 @dataclass
@@ -48,7 +48,6 @@ class WorkFairness:
     in_flight: Counter = field(default_factory=Counter)  # tenant -> calls in flight
     long_in_flight: Counter = field(default_factory=Counter)  # tenant -> long calls in flight
     long_work_s: Counter = field(default_factory=Counter)  # tenant -> their predicted prefill seconds
-    served_s: Counter = field(default_factory=Counter)  # tenant -> engine seconds its calls took
     # A client loop is idle for a moment between its calls: a tenant counts as active for this
     # long after its last call ended, so that moment does not hand its share to another.
     active_window_s: float = 2.0
@@ -88,15 +87,13 @@ class WorkFairness:
             self.long_work_s[tenant] += work_s
         return None
 
-    def done(self, tenant: str, work_s: float, reply: Reply | None, now: float) -> None:
-        """A call admitted with `work_s` ended; what the agent measured is added to its service."""
+    def done(self, tenant: str, work_s: float, now: float) -> None:
+        """A call admitted with `work_s` ended."""
         if self.in_flight[tenant] <= 0:
             return
         self.last_done[tenant] = now
         for gone in [t for t, at in self.last_done.items() if now - at > self.active_window_s]:
             del self.last_done[gone]  # bounded by the tenants active in the window
-        if isinstance(reply, CallResult):
-            self.served_s[tenant] += reply.timings.prefill_s + reply.timings.decode_s
         _take(self.in_flight, tenant, 1)
         if self.is_long(work_s):
             _take(self.long_in_flight, tenant, 1)
