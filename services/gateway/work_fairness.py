@@ -1,10 +1,11 @@
 """Work-fair admission across tenants: each tenant's share of the instances, counted in
-prefill work (a call's fresh prompt tokens x its model's measured seconds per token,
+prefill work (a call's prompt tokens x its model's measured seconds per fresh prompt token,
 `PrefillRates`), not in calls.
 
 A *long* call is one whose predicted prefill exceeds the admission target's wait
 (`slack_s`): it holds an instance's steps longer than any other call should wait, so it
-takes that instance. While another tenant has calls in flight, a tenant may hold at most its
+takes that instance. While another tenant is active (a call in flight, or one that ended
+within `active_window_s`), a tenant may hold at most its
 share of the instances in long calls (instances / active tenants, at least one); past that,
 its next long call is refused 429 with Retry-After at once, with the reason. Short calls are
 never refused here (count-based shares still apply, admission.py). Alone, a tenant may use
