@@ -7,11 +7,11 @@ A *long* call is one whose predicted prefill exceeds the admission target's wait
 takes that instance. While another tenant is active (a call in flight, or one that ended
 within `active_window_s`), a tenant may hold at most its share of the instances in long
 calls (instances / active tenants, at least one); past that, its next long call is refused
-429 with Retry-After at once, with the reason. Short calls are never refused here (count-
-based shares still apply, admission.py). Alone, a tenant may use every instance. This is
-flow control by work in the manner of llm-d's per-flow fairness, as a refusal instead of a
-queue: a virtual token counter (VTC, Sheng et al., OSDI'24) orders a queue by each client's
-service so far, and the gateway queues nothing. Pure: the clock is passed in.
+429 with Retry-After at once, with the reason. Short calls are never refused here
+(count-based shares still apply, admission.py). Alone, a tenant may use every instance. This
+is flow control by work in the manner of llm-d's per-flow fairness, as a refusal instead of
+a queue: a virtual token counter (VTC, Sheng et al., OSDI'24) orders a queue by each
+client's service so far, and the gateway queues nothing. Pure: the clock is passed in.
 """
 
 from __future__ import annotations
