@@ -164,11 +164,15 @@ class Submitter:
             self.log.error("undecodable reply", call_id=call_id, error=str(exc))
             fut.set_result(ErrorReply(502, "bad_reply", f"undecodable reply from the serving instance: {exc}"))
 
-    def refusal(self, tenant: str) -> ErrorReply | None:
-        """Would a new call of `tenant` be refused now (disk, or load: admission.py)?"""
+    def refusal(self, call: CallSubmitted) -> ErrorReply | None:
+        """Would `call` be refused now (disk, or load or its tenant's share of work: admission.py)?"""
         if self.disk is not None and (refused := self.disk.refusal()) is not None:
             return refused
-        return self.admission.check(tenant) if self.admission is not None else None
+        if self.admission is None:
+            return None
+        return self.admission.check(call.tenant) or self.admission.fairness.check(
+            call.tenant, self.admission.work_s(call.model, call.prompt_tokens), self.admission.instances(),
+            time.monotonic())
 
     async def submit(self, call: CallSubmitted, on_token: TokenCallback | None = None,
                      on_reply: ReplyCallback | None = None) -> Reply:
