@@ -34,6 +34,8 @@ async def json_errors(request: web.Request, handler):
             body = error_body(ErrorReply(exc.status, CODES.get(exc.status, "http_error"), message))
         headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
         return web.json_response(body, status=exc.status, headers=headers)
+    except ConnectionError:  # the client went away mid-answer: nobody to tell (aiohttp handles it)
+        raise
     except OSError as exc:  # not a bug of the request: the machine ran out of something; retry
         logs.get("gateway").error("request failed on a system error", path=request.path, error=str(exc))
         code = "insufficient_storage" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "system_error"

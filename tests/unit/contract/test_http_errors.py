@@ -65,3 +65,15 @@ def test_a_log_line_that_cannot_be_written_is_dropped_not_raised():
     assert SparingPrintLogger.dropped == before + 1
     with contextlib.suppress(OSError):  # what is still buffered fails once more
         full.close()
+
+
+async def test_a_client_gone_mid_answer_is_not_answered_as_a_system_error():
+    import pytest
+
+    from talaria.services.gateway.http_errors import json_errors as middleware
+
+    async def handler(request):
+        raise ConnectionResetError("peer gone")
+
+    with pytest.raises(ConnectionResetError):
+        await middleware(type("R", (), {"path": "/v1/chat/completions", "method": "POST"})(), handler)
