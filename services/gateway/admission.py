@@ -59,9 +59,14 @@ class Admission:
         return sum(self.in_flight.values())
 
     def work_s(self, model: str, prompt_tokens: int) -> float:
-        """A call's prefill work as admission charges it (its prefix may be cached: the
-        charge is corrected by what the agent measured when it ends)."""
+        """A call's prefill work as admission charges it: the whole prompt (the gateway cannot
+        know which prefix an instance holds)."""
         return self.rates.work_s(model, prompt_tokens)
+
+    def refusal(self, tenant: str, work_s: float, now: float) -> ErrorReply | None:
+        """Would a call of `tenant` with `work_s` seconds of prefill be refused? (Nothing is
+        counted: a keyed call asks before it claims its key.)"""
+        return self.check(tenant) or self.fairness.check(tenant, work_s, self.instances(), now)
 
     def admit(self, tenant: str, now: float, work_s: float = 0.0) -> ErrorReply | None:
         """Count a new call of `tenant` with `work_s` seconds of prefill, or the reply refusing it."""

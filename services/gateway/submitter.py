@@ -170,9 +170,8 @@ class Submitter:
             return refused
         if self.admission is None:
             return None
-        return self.admission.check(call.tenant) or self.admission.fairness.check(
-            call.tenant, self.admission.work_s(call.model, call.prompt_tokens), self.admission.instances(),
-            time.monotonic())
+        work = self.admission.work_s(call.model, call.prompt_tokens)
+        return self.admission.refusal(call.tenant, work, time.monotonic())
 
     async def submit(self, call: CallSubmitted, on_token: TokenCallback | None = None,
                      on_reply: ReplyCallback | None = None) -> Reply:
