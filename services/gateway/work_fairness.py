@@ -24,22 +24,33 @@ from talaria.shared.messages import CallResult, ErrorReply
 
 @dataclass
 class PrefillRates:
-    """Seconds per fresh prompt token, per model, as the agents' answers measured them (EWMA)."""
+    """Seconds per fresh prompt token, per model (EWMA), as the router prices them: what the
+    engines running the model report in their snapshots (step tokens / step time), else what
+    the agents' answers measured (a short call's prefill_s is mostly a step's fixed cost, so
+    per token it overstates the rate several times; the engines' measure comes first)."""
 
     alpha: float = 0.2
-    s_per_token: dict[str, float] = field(default_factory=dict)
+    s_per_token: dict[str, float] = field(default_factory=dict)  # from answers
+    engine_s_per_token: dict[str, float] = field(default_factory=dict)  # from snapshots
 
     def observe(self, model: str, reply: CallResult) -> None:
         fresh = reply.usage.prompt_tokens - reply.usage.cached_tokens
-        if fresh <= 0 or reply.timings.prefill_s <= 0:
-            return
-        sample = reply.timings.prefill_s / fresh
-        old = self.s_per_token.get(model)
-        self.s_per_token[model] = sample if old is None else (1 - self.alpha) * old + self.alpha * sample
+        if fresh > 0 and reply.timings.prefill_s > 0:
+            self._fold(self.s_per_token, model, reply.timings.prefill_s / fresh)
+
+    def observe_engine(self, model: str | None, prefill_tok_s: float) -> None:
+        """A snapshot's prefill rate: its active model's."""
+        if model and prefill_tok_s > 0:
+            self._fold(self.engine_s_per_token, model, 1.0 / prefill_tok_s)
 
     def work_s(self, model: str, fresh_tokens: int) -> float:
         """Predicted prefill seconds of `fresh_tokens` (0 before any measure of the model)."""
-        return fresh_tokens * self.s_per_token.get(model, 0.0)
+        rate = self.engine_s_per_token.get(model) or self.s_per_token.get(model, 0.0)
+        return fresh_tokens * rate
+
+    def _fold(self, table: dict[str, float], model: str, sample: float) -> None:
+        old = table.get(model)
+        table[model] = sample if old is None else (1 - self.alpha) * old + self.alpha * sample
 
 
 @dataclass

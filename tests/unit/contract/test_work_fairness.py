@@ -4,6 +4,8 @@ short calls are never refused by it; alone, a tenant may use every instance."""
 
 from __future__ import annotations
 
+import pytest
+
 from talaria.services.gateway.work_fairness import PrefillRates, WorkFairness
 from talaria.shared.messages import CallResult, Timings, Usage
 
@@ -62,3 +64,13 @@ def test_a_tenant_between_two_calls_is_still_active_for_the_window():
     fair.admit("a", 30.0, instances=2, now=1.5)
     assert fair.admit("a", 30.0, instances=2, now=2.5) is not None  # b ended 1.5 s ago: still active
     assert fair.admit("a", 30.0, instances=2, now=3.5) is None  # 2.5 s ago: a is alone
+
+
+def test_the_engines_measured_rate_comes_before_the_answers_average():
+    rates = PrefillRates()
+    rates.observe("m", result(20, prefill_s=0.1))  # a short call: 5 ms a token, mostly a step's fixed cost
+    assert rates.work_s("m", 1000) == pytest.approx(5.0)
+    rates.observe_engine("m", 2000.0)  # the engine: 2,000 tokens a second
+    assert rates.work_s("m", 1000) == pytest.approx(0.5)
+    rates.observe_engine(None, 5000.0)  # a snapshot with no active model says nothing
+    assert rates.work_s("m", 1000) == pytest.approx(0.5)
