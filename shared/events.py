@@ -201,6 +201,9 @@ class CandidateCost(Struct, frozen=True):
     reserved_s: float = 0.0
 
 
+DEADLINE_UNREACHABLE = 413  # a call that cannot finish by its deadline even on an idle instance
+
+
 class RoutingDecision(Struct, frozen=True, tag="decision"):
     call_id: Token
     session_id: Name
@@ -220,6 +223,9 @@ class RoutingDecision(Struct, frozen=True, tag="decision"):
     expected_kv: KvSource = "none"  # where the router expects the chosen instance to find r's prefix
     decision_us: float = 0.0
     reason: Annotated[str, Meta(max_length=2048)] = ""  # why: a rejection names the bound it hit
+    # A rejection's HTTP status: 503 (retry later) unless retrying cannot help, e.g. 413 for
+    # a call whose own work, on an idle instance, ends past its deadline.
+    status: int = 503
 
 
 class InstanceLost(Struct, frozen=True, tag="instance.lost"):

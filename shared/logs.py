@@ -44,7 +44,33 @@ def _redacting_stdlib_handler() -> None:
         root.addHandler(handler)
 
 
-def configure(service: str, level: str = "info", json: bool = True) -> structlog.BoundLogger:
+class SparingPrintLogger(structlog.PrintLogger):
+    """A log line that cannot be written (a full disk under the log file: ENOSPC) is dropped
+    and counted, never raised into the code that logged it: the call being served matters
+    more than its log line."""
+
+    dropped = 0  # lines lost to write errors, in this process
+
+    def msg(self, message: str) -> None:
+        try:
+            super().msg(message)
+        except OSError:
+            SparingPrintLogger.dropped += 1
+
+    log = debug = info = warn = warning = msg
+    fatal = failure = err = error = critical = exception = msg
+
+
+class SparingPrintLoggerFactory:
+    def __init__(self, file) -> None:
+        self._file = file
+
+    def __call__(self, *args) -> SparingPrintLogger:
+        return SparingPrintLogger(self._file)
+
+
+def configure(service: str, level: str = "info", json: bool = True, file=None) -> structlog.BoundLogger:
+    """Log lines as JSON to `file` (stderr: `talaria up` sends it to the service's log file)."""
     lvl = getattr(logging, level.upper(), logging.INFO)
     _redacting_stdlib_handler()
     processors = [
@@ -57,7 +83,7 @@ def configure(service: str, level: str = "info", json: bool = True) -> structlog
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=SparingPrintLoggerFactory(file or sys.stderr),
         cache_logger_on_first_use=False,
     )
     return structlog.get_logger().bind(service=service)

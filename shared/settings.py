@@ -75,9 +75,9 @@ class CommonSettings:
     log_json: bool = True
     traces_dir: Path | None = None  # spans as JSON lines when no OTLP endpoint is set
     otlp_endpoint: str | None = None  # OTEL_EXPORTER_OTLP_ENDPOINT
-    # GET /metrics (shared/metrics.py) on its own port for router, telemetry and agents (the
-    # gateway serves it on its API port): unset = no listener, 0 = a free port (logged and
-    # written to <data_dir>/metrics/<service>.url).
+    # GET /metrics (shared/metrics.py) on its own port for every service (the gateway also
+    # serves it on its API port, behind an API key): unset = no listener, 0 = a free port
+    # (logged and written to <data_dir>/metrics/<service>.url). Localhost unless configured.
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
 
@@ -234,8 +234,14 @@ class RouterSettings:
     router_partitions: int = 8
     router_ownership_ttl_s: float = 3.0
     router_id: str = ""  # "": a fresh id per process; a restart under the same id adopts its claims
+    # Memory the session table may take (services/router/state.py: SESSION_ROW_BYTES a row,
+    # measured); past it the least recently routed idle sessions are forgotten.
+    router_session_table_bytes: int = 128 << 20
 
     def validate(self) -> None:
+        if self.router_session_table_bytes < 1 << 20:
+            raise SettingsError("TALARIA_ROUTER_SESSION_TABLE_BYTES", str(self.router_session_table_bytes),
+                                "at least 1 MiB (1048576)")
         if self.overload is not None and self.overload not in ("reject", "queue"):
             raise SettingsError("TALARIA_OVERLOAD", self.overload, "reject or queue")
         if self.router_partitions < 1 or 64 % self.router_partitions:

@@ -43,6 +43,9 @@ class InstanceSnapshot(Struct, frozen=True):
     # priced with the agent's calibrated costs, counting only what each call must compute:
     # a prompt whose prefix is on device costs its new tokens). -1: not reported.
     queued_prefill_s: float = -1.0
+    # Predicted seconds of prefill the calls admitted here still owe past that (a long prompt
+    # under way, chunk by chunk): calls placed here share every step with it. -1: not reported.
+    prefill_left_s: float = -1.0
     running: int = 0
     round_remaining_s: float = 0.0
     deadline_risk: int = 0

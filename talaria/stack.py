@@ -330,7 +330,7 @@ class Stack:
             "TALARIA_MODELS": s.common.models_env(), "TALARIA_DEVICE": s.agent.device,
             "TALARIA_HTTP_HOST": s.gateway.http_host, "TALARIA_SESSION_IDLE_S": str(s.telemetry.session_idle_s),
             "TALARIA_NATS_REPLICAS": str(self.nats_cluster if not s.common.nats_url else s.common.nats_replicas),
-            "TALARIA_LOG_LEVEL": s.common.log_level, "TALARIA_METRICS_HOST": s.gateway.http_host, "TALARIA_DEPLOYMENT": s.common.deployment.name, "PYTHONUNBUFFERED": "1",
+            "TALARIA_LOG_LEVEL": s.common.log_level, "TALARIA_METRICS_HOST": s.common.metrics_host, "TALARIA_DEPLOYMENT": s.common.deployment.name, "PYTHONUNBUFFERED": "1",
         })
         if self.api_key is not None:
             env["TALARIA_API_KEYS_FILE"] = str((s.common.data_dir / "api_keys").resolve())
@@ -339,10 +339,9 @@ class Stack:
 
     def _spawn(self, name: str, module: str, data: Path, **env: str) -> None:
         extra = {}
-        if name != "gateway":  # the gateway serves GET /metrics on its API port
-            if name not in self.metrics:  # a port for the service's life: a restart comes back on it
-                self.metrics[name] = f"http://{self.settings.gateway.http_host}:{free_port()}/metrics"
-            extra["TALARIA_METRICS_PORT"] = self.metrics[name].rsplit(":", 1)[1].split("/")[0]
+        if name not in self.metrics:  # a port for the service's life: a restart comes back on it
+            self.metrics[name] = f"http://{self.settings.common.metrics_host}:{free_port()}/metrics"
+        extra["TALARIA_METRICS_PORT"] = self.metrics[name].rsplit(":", 1)[1].split("/")[0]
         logs = data / "logs"
         logs.mkdir(mode=0o700, exist_ok=True)  # logs name every tenant's calls: owner-only
         logs.chmod(0o700)
@@ -387,7 +386,6 @@ class Stack:
                         TALARIA_POOL="hot", TALARIA_MODELS=model)
         if "gateway" in roles:
             self._spawn("gateway", "talaria.services.gateway", data, TALARIA_HTTP_PORT=str(port))
-            self.metrics["gateway"] = f"{self.gateway_url}/metrics"
         else:
             self.gateway_url = ""
         write_prometheus_config(data / "prometheus.yml", self.metrics)

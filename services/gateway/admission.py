@@ -14,6 +14,10 @@ is in flight. Past the limit a tenant still gets its fair share (limit / tenants
 in flight): a tenant over its share is refused 429, so one tenant's flood cannot starve the
 others; when every tenant is over its share, 503. `Retry-After`: the target, at least 1 s.
 
+Work: calls are also weighed by their prefill work per tenant (work_fairness.py): while
+another tenant is active, a tenant's long prompts (each predicted to prefill longer than the
+target) may hold only its share of the instances; past it, the next is refused 429 at once.
+
 Disk: below `TALARIA_MIN_FREE_DISK_MB` free on the data directory's filesystem, new calls are
 refused 503 `insufficient_storage` and `/readyz` says so; calls already running finish.
 
@@ -25,9 +29,11 @@ from __future__ import annotations
 import math
 import shutil
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from talaria.services.gateway.work_fairness import PrefillRates, WorkFairness
 from talaria.shared.messages import CallResult, ErrorReply, Reply
 
 DECREASE, INCREASE = 0.9, 1.1  # AIMD steps: a gentle cut per interval, as TCP Vegas-style limiters
@@ -40,14 +46,31 @@ class Admission:
     in_flight: Counter = field(default_factory=Counter)  # tenant -> calls in flight
     delays: deque = field(default_factory=deque)  # (answered at, queueing delay) in the last interval
     adjusted_at: float = 0.0
+    fairness: WorkFairness | None = None  # work-fair shares (default: long = past the target)
+    rates: PrefillRates = field(default_factory=PrefillRates)
+    instances: Callable[[], int] = lambda: 1  # live instances (the gateway's view of snapshots)
+
+    def __post_init__(self) -> None:
+        if self.fairness is None:
+            self.fairness = WorkFairness(slack_s=self.target_queue_s, active_window_s=self.target_queue_s)
 
     @property
     def total(self) -> int:
         return sum(self.in_flight.values())
 
-    def admit(self, tenant: str, now: float) -> ErrorReply | None:
-        """Count a new call of `tenant`, or the reply refusing it."""
-        refused = self.check(tenant)
+    def work_s(self, model: str, prompt_tokens: int) -> float:
+        """A call's prefill work as admission charges it: the whole prompt (the gateway cannot
+        know which prefix an instance holds)."""
+        return self.rates.work_s(model, prompt_tokens)
+
+    def refusal(self, tenant: str, work_s: float, now: float) -> ErrorReply | None:
+        """Would a call of `tenant` with `work_s` seconds of prefill be refused? (Nothing is
+        counted: a keyed call asks before it claims its key.)"""
+        return self.check(tenant) or self.fairness.check(tenant, work_s, self.instances(), now)
+
+    def admit(self, tenant: str, now: float, work_s: float = 0.0) -> ErrorReply | None:
+        """Count a new call of `tenant` with `work_s` seconds of prefill, or the reply refusing it."""
+        refused = self.check(tenant) or self.fairness.admit(tenant, work_s, self.instances(), now)
         if refused is None:
             self.in_flight[tenant] += 1
         return refused
@@ -69,8 +92,12 @@ class Admission:
                                   f"queueing over {self.target_queue_s:g}s); retry later", retry_after_s=retry)
         return None
 
-    def done(self, tenant: str, reply: Reply | None, elapsed_s: float, now: float) -> None:
-        """A call admitted for `tenant` ended after `elapsed_s` at the gateway."""
+    def done(self, tenant: str, reply: Reply | None, elapsed_s: float, now: float, work_s: float = 0.0,
+             model: str = "") -> None:
+        """A call admitted for `tenant` (charged `work_s`) ended after `elapsed_s` at the gateway."""
+        self.fairness.done(tenant, work_s, now)
+        if isinstance(reply, CallResult):
+            self.rates.observe(model or reply.model, reply)
         self.in_flight[tenant] -= 1
         if self.in_flight[tenant] <= 0:
             del self.in_flight[tenant]

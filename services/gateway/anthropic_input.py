@@ -111,12 +111,12 @@ def chat_turns(req: MessagesRequest) -> ChatInput:
         turns.append(ChatMessage("system", _text_of(req.system, "system")))
     for i, m in enumerate(req.messages):
         where = f"messages.{i}.content"
-        if m.role not in ("user", "assistant", "system"):
-            raise bad(f"unexpected role {m.role!r} in messages.{i}: use 'user', 'assistant' or 'system'",
+        if m.role == "system":  # as Anthropic's API: the system prompt is the top-level field only
+            raise bad(f"unexpected role 'system' in messages.{i}: the Messages API takes the system prompt "
+                      "as the top-level `system` field", f"messages.{i}.role")
+        if m.role not in ("user", "assistant"):
+            raise bad(f"unexpected role {m.role!r} in messages.{i}: use 'user' or 'assistant'",
                       f"messages.{i}.role")
-        if m.role == "system":  # system messages inside the conversation (Claude Code 2.x sends them)
-            turns.append(ChatMessage("system", _text_of(m.content, where)))
-            continue
         blocks = [Block("text", m.content)] if isinstance(m.content, str) else m.content
         if m.role == "assistant":
             text, calls = [], []

@@ -22,9 +22,13 @@ SCOPE_SEPARATOR = ":"  # tenant names cannot contain it, so `tenant:session` is 
 
 
 class Unauthenticated(Exception):
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, status: int = 401) -> None:
         super().__init__(message)
         self.message = message
+        self.status = status  # 400: a malformed request (two keys), not a wrong key
+
+
+CREDENTIAL_HEADERS = ("Authorization", "x-api-key")
 
 
 @dataclass
@@ -57,7 +61,12 @@ class KeyStore:
         return tenant
 
     def tenant_for(self, headers: Mapping[str, str]) -> str:
-        """From `Authorization: Bearer <key>` (OpenAI clients) or `x-api-key` (Anthropic-style)."""
+        """From `Authorization: Bearer <key>` (OpenAI clients) or `x-api-key` (Anthropic-style).
+        A header sent twice is refused: proxies and servers disagree on which copy counts."""
+        getall = getattr(headers, "getall", None) if self.enabled else None
+        for name in CREDENTIAL_HEADERS:
+            if getall is not None and len(getall(name, ())) > 1:
+                raise Unauthenticated(f"the `{name}` header is sent more than once; send one", status=400)
         key = headers.get("x-api-key") or headers.get("X-Api-Key")
         auth = headers.get("Authorization") or headers.get("authorization")
         if auth:
@@ -93,11 +102,14 @@ def kv_scope(sharing: str, tenant: str, session_id: str) -> str:
 
 
 def unauthenticated_reply(exc: Unauthenticated) -> ErrorReply:
+    if exc.status == 400:
+        return ErrorReply(400, "duplicate_header", exc.message)
     return ErrorReply(401, "invalid_api_key", exc.message)
 
 
-# /metrics: Prometheus scrapes without a key; it names models and counts, never a session.
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+# /metrics is not open here: on the API port it takes a key; open, it has its own listener
+# (TALARIA_METRICS_PORT, on localhost by default).
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 try:
     from aiohttp.web import RequestKey
 
@@ -107,8 +119,9 @@ except ImportError:  # older aiohttp: plain string keys
 
 
 def http_middleware(keys: KeyStore):
-    """aiohttp middleware: every path but /healthz, /readyz and /metrics needs a key when keys are configured; the
-    tenant lands in `request[TENANT]`. 401s use the shape of the API the path belongs to."""
+    """aiohttp middleware: every path but /healthz and /readyz needs a key when keys are configured; the
+    tenant lands in `request[TENANT]`. 401s (and a doubled key header's 400) use the shape of the API the
+    path belongs to."""
     @web.middleware
     async def authenticate(request, handler):
         if request.path in OPEN_PATHS:
@@ -117,10 +130,11 @@ def http_middleware(keys: KeyStore):
             request[TENANT] = keys.tenant_for(request.headers)
         except Unauthenticated as exc:
             if request.path.startswith("/v1/messages"):
-                body = anthropic_error_body(401, exc.message)
+                body = anthropic_error_body(exc.status, exc.message)
             else:
                 body = error_body(unauthenticated_reply(exc))
-            return web.json_response(body, status=401, headers={"WWW-Authenticate": "Bearer"})
+            headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
+            return web.json_response(body, status=exc.status, headers=headers)
         return await handler(request)
 
     return authenticate

@@ -110,7 +110,7 @@ class GuardedHandler(RequestHandler):
         if self._request_count > self._seen:  # a whole header arrived
             self._seen = self._request_count
             self._disarm()
-        elif data and self._header_timer is None and self._current_request is None and not self._messages:
+        elif data and self._header_timer is None and self._between_requests():
             self._arm()  # the first bytes of the next request on a kept-alive connection
 
     def connection_lost(self, exc) -> None:
@@ -128,8 +128,15 @@ class GuardedHandler(RequestHandler):
             self._header_timer.cancel()
             self._header_timer = None
 
+    def _between_requests(self) -> bool:
+        """No request is queued or being handled. (A body's bytes can arrive after its message
+        left the queue and before its handler starts: they are not a next request's header.)"""
+        return self._current_request is None and not self._messages and not self._request_in_progress
+
     def _header_late(self) -> None:
         self._header_timer = None
+        if not self._between_requests():
+            return  # armed by a body's bytes as its handler started: that request is under way
         if self.transport is not None and self._request_count == self._seen:
             self.transport.write(_raw_response(
                 "408 Request Timeout", "request_timeout",

@@ -20,7 +20,7 @@ from talaria.services.gateway.session_inferrer import SessionInferrer
 from talaria.services.gateway.submitter import Submitter
 from talaria.shared import logs, tracing
 from talaria.shared.bus import close, connect
-from talaria.shared.metrics import FrontendMetrics, handler as metrics_handler
+from talaria.shared.metrics import FrontendMetrics, handler as metrics_handler, serve as metrics_serve
 from talaria.shared.snapshots import HEARTBEAT_DECODER, InstanceSnapshot, SNAPSHOT_DECODER
 from talaria.shared.settings import CommonSettings, GatewaySettings, Settings
 
@@ -34,8 +34,10 @@ class ServedModels:
     """Which models live instances serve, from their telemetry heartbeats."""
 
     def __init__(self, configured: tuple[str, ...] = (), nats_connected=lambda: True,
-                 disk_problem=lambda: None) -> None:
+                 disk_problem=lambda: None, flow_problem=lambda: None, on_rates=lambda model, tok_s: None) -> None:
+        self._on_rates = on_rates  # a snapshot's measured prefill rate (admission prices work with it)
         self._disk_problem = disk_problem  # why new calls are refused for lack of disk, or None
+        self._flow_problem = flow_problem  # why calls are not answered (call_flow.py), or None
         self._snapshots: dict[str, tuple[float, InstanceSnapshot]] = {}
         self._services: dict[str, float] = {}
         self.configured = tuple(configured)  # models the stack is configured to serve
@@ -56,7 +58,8 @@ class ServedModels:
 
     def readiness(self) -> tuple[bool, dict[str, object]]:
         """(ready, report). Ready: NATS connected, the router alive, and at least one live
-        instance serving each configured model. Telemetry is reported, not required: calls
+        instance serving each configured model, room on disk, and no call unanswered since the
+        last answered one (call_flow.py). Telemetry is reported, not required: calls
         are served without it and its projection catches up from the stream."""
         health = self.health()
         by_model: dict[str, list[str]] = {m: [] for m in self.configured}
@@ -70,6 +73,7 @@ class ServedModels:
             "router": "ok" if "router" in health["services"] else "no heartbeat",
             "telemetry": "ok" if "telemetry" in health["services"] else "no heartbeat",
             "disk": self._disk_problem() or "ok",
+            "calls": self._flow_problem() or "ok",
             **{f"model:{m}": "ok" if by_model.get(m) else "no instance" for m in self.configured},
         }
         ready = all(v == "ok" for k, v in checks.items() if k != "telemetry")
@@ -82,6 +86,7 @@ class ServedModels:
             return
         now = time.monotonic()
         self._snapshots[snap.instance_id] = (now, snap)
+        self._on_rates(snap.active_model, snap.prefill_tok_s)
         for gone in [i for i, (seen, _) in self._snapshots.items() if now - seen > FORGET_AFTER_S]:
             del self._snapshots[gone]
 
@@ -126,7 +131,10 @@ async def serve(common: CommonSettings, settings: GatewaySettings, ready: asynci
     await submitter.start()
     idempotency = IdempotentCalls(submitter, settings.idempotency_window_s, settings.idempotent_orphan_s)
     await idempotency.start()
-    served = ServedModels(common.models, lambda: nc.is_connected, disk.problem)
+    served = ServedModels(common.models, lambda: nc.is_connected, disk.problem, submitter.flow.problem,
+                          admission.rates.observe_engine if admission is not None else lambda model, tok_s: None)
+    if admission is not None:  # work-fair shares are shares of the live instances
+        admission.instances = lambda: max(1, len(served.health()["instances"]))
     await nc.subscribe(common.deployment.telemetry_wildcard, cb=served.on_snapshot)
     await nc.subscribe(common.deployment.health_wildcard, cb=served.on_heartbeat)
     keys = KeyStore.from_settings(settings)
@@ -143,7 +151,8 @@ async def serve(common: CommonSettings, settings: GatewaySettings, ready: asynci
                   body_timeout_s=limits.body_timeout_s)
     app = api.app()
     app.middlewares.insert(0, metrics.http_middleware())  # outermost: 401s and 4xx counted too
-    app.router.add_get("/metrics", metrics_handler(metrics))  # Prometheus, on the API port
+    app.router.add_get("/metrics", metrics_handler(metrics))  # on the API port: behind a key (auth.py)
+    metrics_runner = await metrics_serve(metrics, "gateway", common, log)  # open, on its own listener
     # Connections counted per client address and overall, headers held to a deadline.
     runner = GuardedRunner(app, limits, log, access_log=None, handler_cancellation=True)
     await runner.setup()
@@ -159,6 +168,8 @@ async def serve(common: CommonSettings, settings: GatewaySettings, ready: asynci
         await submitter.stop()  # first: calls still waiting get a 503 now, not at their timeout
         await nats_api.stop()
         await runner.cleanup()
+        if metrics_runner is not None:
+            await metrics_runner.cleanup()
         await idempotency.stop()  # after the handlers: the keyed calls they were waiting for run on
         parser_pool.shutdown(wait=False, cancel_futures=True)
         await close(nc)

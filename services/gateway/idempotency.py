@@ -321,7 +321,7 @@ async def claim_for(calls: IdempotentCalls | None, call: CallSubmitted, key: str
     """The claim for a request that sent `key`; None when it sent none (or the gateway has no store)."""
     if key is None or calls is None:
         return None
-    refused = calls.submitter.refusal(call.tenant)  # before claiming: a refused call leaves no claim
+    refused = calls.submitter.refusal(call)  # before claiming: a refused call leaves no claim
     if refused is not None:
         return replace(refused, call_id=call.call_id)
     return await calls.claim(call, key)

@@ -90,6 +90,8 @@ class _Common(Struct, forbid_unknown_fields=False):
     stop: str | list[str] | None = None
     seed: int | None = None
     user: str | None = None
+    presence_penalty: float = 0.0  # typed so a string is a 400; anything but 0 is refused (not implemented)
+    frequency_penalty: float = 0.0
 
 
 class ChatCompletionRequest(_Common):
@@ -127,6 +129,9 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
          "tool": "tool", "function": "tool"}
 
 
+PENALTIES = ("presence_penalty", "frequency_penalty")
+
+
 def refuse_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
     """Fields we do not implement get a 400 naming them: silently ignoring one would hand
     the client an answer it did not ask for. (Chat's `logprobs`/`top_logprobs` and both
@@ -134,6 +139,12 @@ def refuse_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
     if isinstance(req, CompletionRequest) and req.logprobs:
         raise bad("`logprobs` is not supported on /v1/completions (use chat completions)", "logprobs",
                   "unsupported_parameter")
+    for name in PENALTIES:
+        value = getattr(req, name)
+        if not -2.0 <= value <= 2.0:
+            raise bad(f"`{name}` must be between -2 and 2", name)
+        if value != 0.0:
+            raise bad(f"`{name}` is not supported by this server (only 0)", name, "unsupported_parameter")
     fmt = getattr(req, "response_format", None)
     if fmt is not None and fmt.type != "text":
         raise bad(f"`response_format` {fmt.type!r} is not supported by this server (only 'text')",
@@ -163,6 +174,10 @@ def chat_messages(req: ChatCompletionRequest) -> ChatInput:
         if role is None:
             raise bad(f"unknown role {m.role!r} in messages[{i}]; expected one of: {', '.join(ROLES)}",
                       f"messages[{i}].role")
+        if m.content is None and not (role == "assistant" and m.tool_calls):
+            # OpenAI: only an assistant turn that calls tools may leave its content null
+            raise bad(f"messages[{i}].content must be a string or a list of text parts (null only in an "
+                      "assistant message with tool_calls)", f"messages[{i}].content")
         if isinstance(m.content, list):
             for part in m.content:
                 if part.type not in TEXT_PART_TYPES:

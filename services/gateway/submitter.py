@@ -27,6 +27,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 from opentelemetry import trace
 
 from talaria.services.gateway.admission import Admission, DiskCheck
+from talaria.services.gateway.call_flow import CallFlow
 from talaria.services.gateway.idempotency_rules import is_outcome_subject, reply_call_id
 from talaria.services.gateway.session_inferrer import SessionInferrer
 from talaria.services.gateway.validation import check_size
@@ -71,6 +72,7 @@ class Submitter:
         self.sessions = sessions  # infers the session of calls that name none; None: each is its own
         self.deployment = deployment_of(js)  # the deployment its connection was opened for
         self.inbox = f"{self.deployment.live_replies}.{uuid.uuid4().hex}"  # only agents and the router may publish here
+        self.flow = CallFlow()  # readiness: red from an unanswered call until one is answered
         self._pending: dict[str, asyncio.Future[Reply]] = {}
         self._calls: dict[str, CallSubmitted] = {}  # accepted and still waiting, for stop()
         self._sub = None
@@ -157,17 +159,21 @@ class Submitter:
             self.log.warning("reply not from the router or an agent dropped", call_id=call_id,
                              sender=sender_of(msg))
             return
+        self.flow.answered(time.monotonic())
         try:
             fut.set_result(REPLY_DECODER.decode(msg.data))
         except msgspec.DecodeError as exc:
             self.log.error("undecodable reply", call_id=call_id, error=str(exc))
             fut.set_result(ErrorReply(502, "bad_reply", f"undecodable reply from the serving instance: {exc}"))
 
-    def refusal(self, tenant: str) -> ErrorReply | None:
-        """Would a new call of `tenant` be refused now (disk, or load: admission.py)?"""
+    def refusal(self, call: CallSubmitted) -> ErrorReply | None:
+        """Would `call` be refused now (disk, or load or its tenant's share of work: admission.py)?"""
         if self.disk is not None and (refused := self.disk.refusal()) is not None:
             return refused
-        return self.admission.check(tenant) if self.admission is not None else None
+        if self.admission is None:
+            return None
+        work = self.admission.work_s(call.model, call.prompt_tokens)
+        return self.admission.refusal(call.tenant, work, time.monotonic())
 
     def resolve(self, call: CallSubmitted) -> CallSubmitted:
         """`call` with its session settled (session_inferrer.py); submit() does it too, the APIs
@@ -213,9 +219,12 @@ class Submitter:
         if too_large is not None:  # permanent: retrying cannot make it fit
             return too_large
         refused = self.disk.refusal() if self.disk is not None else None
+        work = self.admission.work_s(call.model, call.prompt_tokens) if self.admission is not None else 0.0
         if refused is None and self.admission is not None:
-            refused = self.admission.admit(call.tenant, time.monotonic())
+            refused = self.admission.admit(call.tenant, time.monotonic(), work)
         if refused is not None:  # nothing was submitted: the client retries after Retry-After
+            if refused.code == "insufficient_storage":  # ready again only once a call is answered
+                self.flow.stalled(refused.message, time.monotonic())
             self.log.warning("call refused", code=refused.code, reason=refused.message)
             return replace(refused, call_id=call.call_id)
         started, reply = time.monotonic(), None
@@ -224,7 +233,8 @@ class Submitter:
             return reply
         finally:
             if self.admission is not None:
-                self.admission.done(call.tenant, reply, time.monotonic() - started, time.monotonic())
+                self.admission.done(call.tenant, reply, time.monotonic() - started, time.monotonic(), work,
+                                    call.model)
 
     async def _admitted(self, call: CallSubmitted, data: bytes, kept: bool, on_token: TokenCallback | None,
                         on_reply: ReplyCallback | None) -> Reply:
@@ -249,12 +259,14 @@ class Submitter:
                                           call_id=call.call_id)
                 except Exception as exc:  # the bus refused: the call was never accepted
                     self.log.error("submit failed", call_id=call.call_id, error=str(exc))
+                    self.flow.stalled(f"the bus refused a call: {exc or type(exc).__name__}", time.monotonic())
                     return ErrorReply(503, "bus_unavailable", f"could not submit the call: {exc}",
                                       retry_after_s=1.0, call_id=call.call_id)
                 self._calls[call.call_id] = call
-                try:
-                    reply = await asyncio.wait_for(fut, self.timeout_s)
+                try:  # to its deadline, not a full timeout from here: submitting may have taken a failover
+                    reply = await asyncio.wait_for(fut, max(0.0, call.deadline_at - time.time()))
                 except TimeoutError:
+                    self.flow.stalled(f"no reply to a call within {self.timeout_s:.0f}s", time.monotonic())
                     reply = await self.timed_out(call, f"no reply within {self.timeout_s:.0f}s")
                 except asyncio.CancelledError:  # the client went away (HTTP disconnect)
                     if not kept:  # with a key, a retry may attach: Claim.run gives it a grace first

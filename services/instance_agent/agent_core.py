@@ -269,7 +269,7 @@ class AgentCore:
             # With chunked prefill (the live agent) also the prefill a newcomer waits behind.
             queued_tokens=sched.prefill_ahead_tokens() if sched.config.chunked_prefill
             else sum(c.prompt_tokens for q in calls.queued.values() for c in q),
-            queued_prefill_s=sched.prefill_ahead_s(),
+            queued_prefill_s=sched.prefill_ahead_s(), prefill_left_s=sched.prefill_left_s(),
             running=sum(len(r) for r in calls.running.values()),
             round_remaining_s=sched.round_remaining_s(now),
             deadline_risk=sched.deadline_risk, kv_capacity_tokens=memory.kv_capacity_tokens,

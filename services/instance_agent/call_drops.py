@@ -18,9 +18,27 @@ from talaria.services.instance_agent.call_closing import CallCloser
 from talaria.services.instance_agent.agent_core import AgentCore
 from talaria.services.instance_agent.engine_thread import EngineThread
 from talaria.services.instance_agent.scheduler import SchedulerError
+from talaria.services.instance_agent.scheduler.calls import AgentCall
+from talaria.services.instance_agent.scheduler.work_costs import compute_tokens
 from talaria.services.instance_agent.watchdog import Watchdog
-from talaria.shared.events import InstanceLost
+from talaria.shared.events import DEADLINE_UNREACHABLE, InstanceLost
 from talaria.shared.nats_auth import trusted
+
+
+# A prefill is judged only after this much of it ran: its measured rate is then more than
+# the first chunk, and a chunk still in flight skews it little.
+JUDGE_AFTER_S = 2.0
+
+
+def prefill_left_s(call: AgentCall, hkvr: bool, now: float) -> float | None:
+    """The rest of a chunked prefill under way at the rate measured on it so far: a floor on
+    what it needs (later chunks attend over more context), None before it can be judged."""
+    if call.first_chunk_at is None or not call.prefill_left or now - call.first_chunk_at < JUDGE_AFTER_S:
+        return None
+    done = compute_tokens(call, hkvr) - call.prefill_left
+    if done <= 0:
+        return None
+    return call.prefill_left * (now - call.first_chunk_at) / done
 
 
 class CallDrops:
@@ -40,12 +58,20 @@ class CallDrops:
 
     async def drop_expired(self, now: float) -> None:
         """Calls whose client stopped waiting (the deadline the gateway set has passed; it
-        answered 504) are dropped before another step is spent on them, and recorded."""
+        answered 504) are dropped before another step is spent on them, and recorded. So is a
+        prefill that, at the rate measured on it, cannot end before its deadline: it would hold
+        the instance for an answer nobody reads (the router's linear estimate let it in)."""
+        hkvr = self.core.sched.config.hkvr
         for call in list(self.core.live()):
             deadline = call.transport.routed.call.deadline_at
             if deadline and now >= deadline:
                 await self.drop(call.call_id, f"dropped: its deadline passed {now - deadline:.1f}s ago "
                                               "(the client stopped waiting)", status=504, code="deadline_passed")
+            elif deadline and (left := prefill_left_s(call, hkvr, now)) is not None and now + left > deadline:
+                await self.drop(call.call_id, f"deadline: its prefill needs at least {left:.0f}s more at the rate "
+                                              f"measured on it ({call.prefill_left} prompt tokens left), past its "
+                                              f"deadline in {deadline - now:.0f}s; shorten the prompt or raise the "
+                                              "call timeout", status=DEADLINE_UNREACHABLE, code="deadline_unreachable")
 
     async def on_instance_lost(self, msg) -> None:
         """The router declared this very process lost (heartbeats late) and failed its calls

@@ -4,6 +4,8 @@
 
     dR_req  queue_s   = the agent's predicted prefill ahead (its calibrated costs: a queued
                         prompt whose prefix is on device costs its new tokens only)
+                        + the rest of the prefill under way there (prefill_left_s: a long
+                        prompt's later chunks, which r's every step alternates with)
                         + overlay tokens still to compute * prefill rate
                         + round_remaining_s if m_r is not the active model (wait for the slot)
                         (audited as queue_s: the work queued there)
@@ -164,7 +166,8 @@ def _static_terms(cfg: PolicyConfig, view: InstanceView, model: str, prof, state
         pf or _model_rates(cfg, prof)[0])
     # (Not the snapshot's deadline_risk: that is the agent's lifetime count of risk events,
     # so charging it as a level penalised an instance for its whole history.)
-    queue = ahead
+    # A long prefill under way: each of r's steps alternates with its chunks until it is done.
+    queue = ahead + max(0.0, snap.prefill_left_s)
     if mstate != "active" and snap.active_model is not None:
         queue += snap.round_remaining_s
     # HBM: an absent model's weights must fit at all; r's KV must fit the KV pool, where a

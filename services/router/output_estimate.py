@@ -65,6 +65,7 @@ class _History:
 class OutputEstimator:
     models: dict[str, _History] = field(default_factory=dict)
     sessions: OrderedDict[tuple[str, str], _History] = field(default_factory=OrderedDict)
+    kept: int = SESSIONS_KEPT  # the router's session-table bound (state.rows_for), not saved
 
     def observe(self, session_id: str, model: str, output_tokens: int) -> None:
         """Fold one completed call's output length."""
@@ -75,7 +76,7 @@ class OutputEstimator:
         hist = self.sessions.pop(key, None) or _History()
         hist.add(output_tokens, SESSION_KEEP)
         self.sessions[key] = hist  # most recently used last
-        while len(self.sessions) > SESSIONS_KEPT:
+        while len(self.sessions) > self.kept:
             self.sessions.popitem(last=False)
 
     def expected(self, session_id: str, model: str, cap: int) -> float:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 
 from talaria.shared.bus import ATTEMPT_S, PUBLISH_TIMEOUT_S, RECONNECT_WAIT_S, emit, emit_async, event_msg_id
-from talaria.shared.events import CallFailed, CallSubmitted
+from talaria.shared.events import DEADLINE_UNREACHABLE, CallFailed, CallSubmitted
 from talaria.shared.messages import ErrorReply
 from talaria.shared.metrics import RouterMetrics
 from talaria.shared.nats_auth import sender_headers
@@ -122,6 +122,8 @@ class RouterOutputs:
         """The router owes this client its answer: a rejection, or its agent was lost."""
         retry = getattr(self.policy_config, "retry_after_s", 1.0)
         code = "no_capacity" if failed.stage == "router" else "instance_lost"
+        if failed.status == DEADLINE_UNREACHABLE:  # retrying the same call cannot help
+            code, retry = "deadline_unreachable", None
         try:
             await self.nc.publish(failed.reply_to, encode(
                 ErrorReply(failed.status, code, failed.reason, retry_after_s=retry, call_id=failed.call_id)),

@@ -177,7 +177,7 @@ class RouterCore:
                     reason=decision.reason or "no instance can serve this call",
                     stage="router",
                     at=now,
-                    status=503,
+                    status=decision.status,
                     call_index=call_index,
                     reply_to=call.reply_to,
                 )

@@ -50,7 +50,7 @@ from talaria.services import configs
 from talaria.services.configs import Configuration
 from talaria.services.router.policy.registry import create_policy
 from talaria.services.router.projection import ProjectionStore
-from talaria.services.router.state import RouterState
+from talaria.services.router.state import RouterState, rows_for
 from talaria.shared import logs, metrics, tracing
 from talaria.shared.metrics import RouterMetrics
 from talaria.shared.health import INTERVAL_S as HEARTBEAT_INTERVAL_S, BusHearing, heartbeat_loop
@@ -151,8 +151,9 @@ class RouterService:
         self.metrics = RouterMetrics()
         self.metrics.scrape_gauge("talaria_router_leases_active", "Live leases (soft reservations) by model",
                                   ("model",), self._live_leases)
-        self.metrics.scrape_gauge("talaria_router_sessions", "Rows in the router's session table (bounded: "
-                                  "state.SESSIONS_KEPT)", (), lambda: {(): len(self.core.state.sessions)})
+        self.metrics.scrape_gauge("talaria_router_sessions", "Rows in the router's session table (bounded in "
+                                  "bytes: TALARIA_ROUTER_SESSION_TABLE_BYTES)", (),
+                                  lambda: {(): len(self.core.state.sessions)})
         self.metrics.scrape_gauge("talaria_router_instances", "Instances in the router's view",
                                   (), lambda: {(): len(self.core.state.instances)})
         self.metrics.scrape_gauge("talaria_router_partitions_owned", "Intake partitions this router consumes",
@@ -186,6 +187,9 @@ class RouterService:
             self.core.state, self.seq = saved
             if pools is None or self.core.pools is None:  # pools as configured now; saved ones resume
                 self.core.pools = pools
+        # Session memory in bytes: the table's rows and the output estimates kept per session.
+        rows = rows_for(self.settings.router_session_table_bytes)
+        self.core.state.sessions_kept = self.core.state.outputs.kept = rows
         tasks = [asyncio.create_task(self._view(stop))]
         await self._caught_up(await self._stream_last())  # the state as the stream is now
         self.log.info("router recovered", seq=self.seq, sessions=len(self.core.state.sessions))

@@ -55,6 +55,15 @@ ROUTED_KEPT = 100_000  # call ids remembered for redelivery dedupe (oldest forgo
 # in ~0.2 s; before, the table held every session ever seen, a month at 0.25 sessions/s is
 # 650,000). A session forgotten and back is placed as a new one.
 SESSIONS_KEPT = 100_000
+# What one session costs the router, across its row, lease and home, output estimate and
+# checkpoint share (measured: ~2.5 KB a session up to the row cap). The table's cap in bytes
+# (RouterSettings.router_session_table_bytes) is this many rows (`rows_for`).
+SESSION_ROW_BYTES = 2_560
+
+
+def rows_for(max_bytes: int) -> int:
+    """Session rows that fit `max_bytes` of router memory."""
+    return max(100, max_bytes // SESSION_ROW_BYTES)
 STATE_FORMAT = 2  # 2: session rows are lists in "session_fields" order; 1 (dict rows) still reads
 READABLE_FORMATS = (1, 2)
 
@@ -119,6 +128,7 @@ class RouterState:
     instance_profiles: dict[str, InstanceProfile] = field(default_factory=dict)
     prefix: PrefixIndex = field(default_factory=PrefixIndex)
     homes: HomeBook = field(default_factory=HomeBook)  # where each live session lives
+    sessions_kept: int = SESSIONS_KEPT  # rows past which idle sessions are forgotten (not saved: settings)
     outputs: OutputEstimator = field(default_factory=OutputEstimator)  # output lengths seen (never max_tokens)
     horizon_epoch: int = 0  # bumped when a model's idle horizon changes (not state: a cache key)
     routed_total: int = 0
@@ -136,15 +146,15 @@ class RouterState:
         """The session's row, now the most recently used (the table is in order of use)."""
         entry = self.sessions.pop(session_id, None) or SessionEntry(session_id)
         self.sessions[session_id] = entry
-        if len(self.sessions) > SESSIONS_KEPT:
+        if len(self.sessions) > self.sessions_kept:
             self._forget_idle_sessions(keep=session_id)
         return entry
 
     def _forget_idle_sessions(self, keep: str) -> None:
-        """Forget the least recently used rows past SESSIONS_KEPT, a hundredth of it at once
+        """Forget the least recently used rows past `sessions_kept`, a hundredth of it at once
         (so a new session costs O(1) amortised), skipping any with a lease or a call in flight."""
         busy = {p.session_id for p in self.inflight_calls.values()}
-        excess = len(self.sessions) - SESSIONS_KEPT + SESSIONS_KEPT // 100
+        excess = len(self.sessions) - self.sessions_kept + self.sessions_kept // 100
         idle = []
         for sid, entry in self.sessions.items():
             if len(idle) >= excess:

@@ -88,3 +88,24 @@ async def test_invalid_utf8_or_a_non_bearer_authorization_is_a_401(gateway):
         answer = await asyncio.wait_for(reader.read(), 5)
         assert answer.startswith(b"HTTP/1.1 401"), (auth, answer[:200])
         writer.close()
+
+
+async def test_a_large_body_whose_call_outlasts_the_header_deadline_is_answered_not_cut(nats_url, database_url,
+                                                                                        tmp_path):
+    # The header deadline ends once a request's header is in: body bytes that arrive as its
+    # handler starts must not arm it again (they did: a long prompt got a 408 mid-call).
+    settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
+                           api_keys=(f"acme:{KEY}",), http_header_timeout_s=1.0, call_timeout_s=3.0)
+    services = Services()
+    await services.start("gateway", run_gateway, settings)  # no router: the call waits for its deadline
+    try:
+        body = {"model": "qwen3-tiny", "max_tokens": 2,
+                "messages": [{"role": "user", "content": "word " * 60_000}]}  # 300 KB: parsed in the worker
+        async with aiohttp.ClientSession() as s:
+            for _ in range(3):
+                async with s.post(f"http://127.0.0.1:{settings.gateway.http_port}/v1/chat/completions", json=body,
+                                  headers={"Authorization": f"Bearer {KEY}"}) as r:
+                    answer = await r.json()
+                    assert r.status == 504 and answer["error"]["code"] == "timeout", (r.status, answer)
+    finally:
+        await services.close()

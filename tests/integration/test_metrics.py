@@ -113,8 +113,8 @@ async def test_every_service_exposes_its_metrics_after_calls(nats_url, database_
                     assert r.status == 200
                     call_ids.append(r.headers["X-Talaria-Call-Id"])
                     await r.read()
-        urls = {"gateway": f"{base}/metrics"}
-        for name, file in (("router", "router-0"), ("telemetry", "telemetry"), ("agent-agent-0", "agent-0")):
+        urls = {}
+        for name, file in (("gateway", "gateway"), ("router", "router-0"), ("telemetry", "telemetry"), ("agent-agent-0", "agent-0")):
             urls[name] = (tmp_path / "metrics" / f"{file}.url").read_text().strip()
 
         async def projected():  # telemetry commits on its own schedule

@@ -11,6 +11,7 @@ import uuid
 import aiohttp
 import asyncpg
 import msgspec
+from multidict import CIMultiDict
 import nats
 import pytest
 
@@ -364,6 +365,17 @@ async def test_http_api_refuses_calls_without_a_valid_key_in_each_apis_shape(nat
             for headers in ({"Authorization": "Bearer victim-key-0123456789"}, {"x-api-key": "victim-key-0123456789"}):
                 async with s.get(f"{base}/v1/models", headers=headers) as r:
                     assert r.status == 200
+            # Two Authorization headers: which one a proxy checked is anyone's guess, so neither counts.
+            doubled = CIMultiDict([("Authorization", "Bearer victim-key-0123456789"),
+                                   ("Authorization", "Bearer wrong-key-0123456789")])
+            async with s.get(f"{base}/v1/models", headers=doubled) as r:
+                body = await r.json()
+                assert r.status == 400 and body["error"]["code"] == "duplicate_header", body
+            # /metrics on the API port takes a key (its open listener is TALARIA_METRICS_PORT, localhost).
+            async with s.get(f"{base}/metrics") as r:
+                assert r.status == 401
+            async with s.get(f"{base}/metrics", headers={"x-api-key": "victim-key-0123456789"}) as r:
+                assert r.status == 200 and "talaria_frontend" in await r.text()
         nc = await nats.connect(nats_url)
         try:
             req = CallRequest(model="qwen3-tiny", prompt="x", max_tokens=1)

@@ -84,6 +84,17 @@ class PrefillPlanner:
             ahead += self.costs.prefill_s(model, n, c.prompt_tokens - c.prefill_left)
         return ahead
 
+    def prefill_left_s(self, slot: Slot | None) -> float:
+        """Predicted seconds of prefill admitted calls still owe beyond what `prefill_ahead_s`
+        counts (its first chunk): a newcomer's first token waits one chunk, but its every
+        later step alternates with the rest, so a long prompt under way keeps the instance
+        busy for all of it (the router prices that, costs.py)."""
+        left = 0.0
+        for model, c, n in self._prefill_under_way(slot):
+            if c.prefill_left > n:
+                left += self.pricing.left_cost(c, c.prefill_left - n, c.prefill_left - n)
+        return left
+
     def _prefill_under_way(self, slot: Slot | None):
         """(model, call, prompt tokens a newcomer waits for) of each admitted call still prefilling."""
         for model, running in self.calls.running.items():

@@ -303,6 +303,10 @@ class RoundScheduler:
         """The same work in predicted seconds (chunked_prefill.py)."""
         return self.prefill.prefill_ahead_s(self.cold.slot)
 
+    def prefill_left_s(self) -> float:
+        """The rest of the prefill under way, past its first chunk (chunked_prefill.py)."""
+        return self.prefill.prefill_left_s(self.cold.slot)
+
     def kv_used(self, model: str) -> int:
         return self.pricing.kv_used(model)
 

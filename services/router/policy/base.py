@@ -159,9 +159,10 @@ class PlacementPolicy(ABC):
         return self._record(state, call, now, "route", chosen=instance_id, candidates=list(candidates), **fields)
 
     def reject(self, state: RouterState, call: CallSubmitted, now: float, reason: str,
-               candidates=()) -> RoutingDecision:
+               candidates=(), status: int = 503) -> RoutingDecision:
+        retry = self.config.retry_after_s if status == 503 else None
         return self._record(state, call, now, "reject", candidates=list(candidates),
-                            retry_after_s=self.config.retry_after_s, reason=reason)
+                            retry_after_s=retry, reason=reason, status=status)
 
     def _record(self, state: RouterState, call: CallSubmitted, now: float, action: str,
                 **fields) -> RoutingDecision:

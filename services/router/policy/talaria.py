@@ -5,7 +5,8 @@
     2  price every instance (costs.py): Eq. 1 terms, round-admission and HBM checks
     3  a candidate that would open a fresh replica must also pass Eq. 2
     4  none left ──► overload policy: reject (retry_after_s) | queue (least cost, bounded)
-    5  route to argmin Cost(r, i)
+    5  of those, only where r's first token comes by its deadline (deadlines.py); none ──► reject
+    6  route to argmin Cost(r, i)
 
 Beyond the paper: a new session whose prompt shares a prefix with KV another session left
 on an instance gets that prefix priced as reusable there (PolicyConfig.prefix_placement),
@@ -14,6 +15,7 @@ and tau can adapt to the session's observed tool gaps (PolicyConfig.adaptive_lea
 
 from __future__ import annotations
 
+from talaria.services.router import deadlines
 from talaria.services.router.costs import HARD_REASONS, CostModel, Priced, eq1_total
 from talaria.services.router.instances import ON_DEVICE
 from talaria.services.router.policy import soft_reservation as sr
@@ -94,6 +96,12 @@ class Talaria(PlacementPolicy):
                         and p.view is not None and p.view.queued_calls() < self.config.max_queued_per_instance]
             reason = "overload: queued past admission"
         candidates = tuple(p.cost for p in priced)
+        if feasible and call.deadline_at > 0:  # placed where it cannot answer in time, it holds others up
+            timely = {c.instance_id for c in deadlines.in_time(call, [p.cost for p in feasible], now)}
+            if not timely:
+                status, why = deadlines.refusal(call, [p.cost for p in feasible], now)
+                return self.reject(state, call, now, why, candidates, status=status)
+            feasible = [p for p in feasible if p.cost.instance_id in timely]
         if not feasible:
             hard = all(p.cost.reason in HARD_REASONS for p in priced)
             if hard:

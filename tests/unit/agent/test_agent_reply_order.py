@@ -3,6 +3,7 @@ agent's bookkeeping of it, and neither the agent's loop nor the gateway waits on
 client's answer does not need."""
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import structlog
@@ -92,7 +93,7 @@ async def test_the_gateway_answers_before_its_own_bookkeeping(monkeypatch):
     js._nc = nc  # the bus reads the sender's name from the connection
     submitter = Submitter(nc, js, tracer, 5.0, Log())
     call = CallSubmitted(call_id="c1", session_id="s1", model="qwen3-tiny", prompt_ids=[1, 2], block_hashes=[],
-                         max_tokens=1, submitted_at=1000.0)
+                         max_tokens=1, submitted_at=time.time())  # the wait ends at its deadline
     result = CallResult(call_id="c1", session_id="s1", call_index=0, model="qwen3-tiny", instance_id="agent-0",
                         text="x", finish_reason="length", usage=Usage(2, 1, 3, 0),
                         timings=Timings(0.0, 0.0, 0.0, 0.0, 0.0, 0.0))

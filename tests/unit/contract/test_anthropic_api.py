@@ -54,12 +54,13 @@ def test_a_tool_session_renders_as_the_same_prompt_as_its_openai_twin():
     assert prompt_of(anthropic) == prepare(BUILTIN_MODELS, req, "s", "chat").prompt_ids
 
 
-def test_system_messages_inside_the_conversation_are_system_turns():
+def test_a_system_message_inside_the_conversation_is_refused_as_anthropic_does():
     body = {"model": "qwen3-tiny", "max_tokens": 8, "system": "Top.", "messages": [
         {"role": "user", "content": "a"}, {"role": "system", "content": [{"type": "text", "text": "Mid."}]},
         {"role": "user", "content": "b"}]}
-    prompt = text_for(BUILTIN_MODELS["qwen3-tiny"]).tok.decode(prompt_of(body)[1:])
-    assert prompt == "<|system|>Top.<|end|><|user|>a<|end|><|system|>Mid.<|end|><|user|>b<|end|><|assistant|>"
+    with pytest.raises(RequestError, match="top-level `system`") as info:
+        prompt_of(body)
+    assert info.value.reply.status == 400 and info.value.reply.param == "messages.1.role"
 
 
 def test_a_trailing_assistant_message_is_continued():

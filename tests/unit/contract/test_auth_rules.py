@@ -119,3 +119,15 @@ def test_kv_scope_per_sharing_mode():
     assert kv_scope("session", "a", "a:s") == "session:a:s"
     assert kv_scope("tenant", "a", "a:s") == "tenant:a"
     assert kv_scope("tenant", "", "s") == ""
+
+
+def test_a_key_header_sent_twice_is_a_400_whichever_copy_is_valid():
+    from multidict import CIMultiDict
+
+    store = KeyStore({DIGEST: "acme"})
+    for name, good in (("Authorization", f"Bearer {KEY}"), ("x-api-key", KEY)):
+        for pair in ((good, "Bearer nope"), ("Bearer nope", good)):
+            with pytest.raises(Unauthenticated, match="more than once") as info:
+                store.tenant_for(CIMultiDict([(name, pair[0]), (name.upper(), pair[1])]))
+            assert info.value.status == 400
+    assert store.tenant_for(CIMultiDict([("Authorization", f"Bearer {KEY}")])) == "acme"

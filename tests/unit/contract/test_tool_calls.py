@@ -113,6 +113,28 @@ def test_openai_fields_we_do_not_honour_are_400_naming_them(extra, param):
     assert info.value.reply.status == 400 and info.value.reply.param == param
 
 
+@pytest.mark.parametrize("extra,param", [
+    ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}]}, "messages[1].content"),
+])
+def test_fields_outside_the_strict_rules_are_400_naming_them(extra, param):
+    body = {"model": "qwen3-tiny", "messages": [{"role": "user", "content": "x"}], **extra}
+    with pytest.raises(RequestError) as info:
+        openai_request(body)
+    assert info.value.reply.status == 400 and info.value.reply.param == param
+
+
+def test_a_string_penalty_is_a_decode_error_naming_it():
+    body = {"model": "qwen3-tiny", "messages": [{"role": "user", "content": "x"}], "presence_penalty": "high"}
+    with pytest.raises(msgspec.ValidationError, match="presence_penalty"):
+        CHAT_DECODER.decode(json.dumps(body).encode())
+    body = {"model": "qwen3-tiny", "presence_penalty": 0, "frequency_penalty": 0.0, "messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}
+    assert openai_request(body).messages[1].tool_calls  # null content with tool calls, zero penalties: fine
+
+
 def test_completions_refuse_logprobs_and_echo():
     for extra in ({"logprobs": 1}, {"echo": True}):
         decoded = COMPLETION_DECODER.decode(msgspec.json.encode({"model": "gpt2-tiny", "prompt": "x", **extra}))

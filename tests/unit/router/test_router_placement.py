@@ -585,3 +585,15 @@ def test_a_return_waits_for_kv_where_its_own_kv_is_rather_than_recompute_elsewhe
     assert audit.chosen == "a" and by_instance(audit)["a"].feasible
     stranger, _ = decide(c, call("c2", session="s2", tokens=1200), 0.0)  # no KV of its own there
     assert stranger.chosen == "b" and by_instance(stranger)["a"].reason == "kv_full"
+
+
+def test_the_rest_of_a_long_prefill_under_way_counts_as_work_queued_there():
+    from talaria.shared.wire import replace
+
+    c = core(**NO_LEASE)
+    c.observe(replace(snap("busy"), prefill_left_s=30.0), 0.0)  # a long prompt's later chunks
+    c.observe(snap("idle"), 0.0)
+    audit, _ = decide(c, call("c1", tokens=1000, at=0.0), 0.0)
+    x = by_instance(audit)
+    assert x["busy"].queue_s == pytest.approx(30.0) and x["idle"].queue_s == 0.0
+    assert audit.chosen == "idle"

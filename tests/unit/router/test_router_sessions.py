@@ -138,12 +138,12 @@ def test_the_idle_horizon_is_the_longest_gap_still_in_the_window():
     assert ModelProfile(gaps=[0.5, 3.0]).idle_horizon_s() == 3.0  # a profile stored without gap_max
 
 
-def test_past_its_bound_the_session_table_forgets_the_least_recently_routed_idle_sessions(monkeypatch):
-    # A router runs for weeks: past SESSIONS_KEPT rows it forgets the sessions routed longest
+def test_past_its_bound_the_session_table_forgets_the_least_recently_routed_idle_sessions():
+    # A router runs for weeks: past `sessions_kept` rows it forgets the sessions routed longest
     # ago, so its table and its checkpoint stay bounded, but never one with a call in flight
     # or a lease (the session is coming back to it now).
-    monkeypatch.setattr(router_state, "SESSIONS_KEPT", 3)
     def serve(c, sessions):
+        c.state.sessions_kept = 3
         c.observe(snap("a", at=0.0, models={"m1": "active"}), 0.0)
         c.handle(call("s0-0", session="s0"), 0.1)  # in flight throughout
         for k, sid in enumerate(sessions):
@@ -169,3 +169,12 @@ def test_a_lost_instance_leaves_nothing_in_the_home_book_and_starts_afresh_if_it
     assert book.live_models("a", 0.5, lambda m: 1.0) == ()  # not the cached answer
     book.routed("s2", "a", "m2", 1.0)  # the same id back (a restart): its own sessions only
     assert book.live_models("a", 1.5, lambda m: 1.0) == ("m2",)
+
+
+def test_the_session_table_is_capped_in_bytes():
+    from talaria.shared.settings import RouterSettings, SettingsError
+
+    assert router_state.rows_for(128 << 20) == (128 << 20) // router_state.SESSION_ROW_BYTES == 52_428
+    assert router_state.rows_for(1 << 20) == 409
+    with pytest.raises(SettingsError, match="TALARIA_ROUTER_SESSION_TABLE_BYTES"):
+        RouterSettings(router_session_table_bytes=1000).validate()

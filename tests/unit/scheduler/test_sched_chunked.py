@@ -186,3 +186,20 @@ def test_slot_fill_by_switch_bounds_how_long_another_models_call_waits():
         d.run_until(lambda: isinstance(d.actions[-1], Switch) and d.actions[-1].to_model == "b")
         waits[fill_by_switch] = d.now - t0
     assert waits[True] < 0.5 < waits[False]
+
+
+def test_the_view_reports_the_rest_of_a_long_prefill_so_the_router_sees_the_busy_instance():
+    d = ChunkDriver(make(("a",), costs=COSTS, chunked_prefill=True, tpot_target_s=0.2, ttft_target_s=2.0))
+    d.sched.submit(work("running", prompt=100, max_tokens=5_000), 0.0)
+    d.run_until(lambda: "running" in d.first_token_at)
+    assert d.sched.prefill_left_s() == 0.0
+    d.sched.submit(work("long", prompt=50_000), d.now)
+    d.run_until(lambda: any(isinstance(a, Prefill) and "long" in a.call_ids for a in d.actions))
+    seen = []
+    while "long" not in d.first_token_at:
+        left = d.sched.calls.get("long").prefill_left
+        # all but the one chunk a newcomer waits behind (queued_prefill_s counts that one)
+        assert d.sched.prefill_left_s() == pytest.approx(max(0, left - 1_900) * 1e-4, abs=1e-3)
+        seen.append(d.sched.prefill_left_s())
+        d.step()
+    assert seen[0] > 4.0 and seen == sorted(seen, reverse=True) and d.sched.prefill_left_s() == 0.0

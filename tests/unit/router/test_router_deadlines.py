@@ -1,0 +1,59 @@
+"""A call that cannot finish by its deadline is refused up front (services/router/deadlines.py):
+413 when its own work to a first token, on an idle instance at the measured rates, ends past
+MARGIN (2) times the time it has left; 503 with Retry-After when only the work queued ahead
+does. Rates: router_support.snap (prefill 1e-4 s/token, decode 1e-2 s/token)."""
+
+from __future__ import annotations
+
+from router_support import call, core, one, snap
+
+from talaria.shared.events import DEADLINE_UNREACHABLE, CallFailed, RoutingDecision
+from talaria.shared.wire import replace
+
+NO_LEASE = dict(lease_timeout_s=0.0)
+
+
+def with_deadline(c, deadline_at: float):
+    return replace(c, deadline_at=deadline_at)
+
+
+def test_a_prompt_whose_prefill_alone_outlasts_the_deadline_is_a_413_naming_the_work():
+    c = core(**NO_LEASE)
+    c.observe(snap("a"), 0.0)
+    # 200,000 tokens at 1e-4 s/token: 20 s of prefill, with a deadline in 8 s (20 > 2 x 8)
+    out = c.handle(with_deadline(call("long", tokens=200_000, at=0.0), 8.0), 0.0)
+    decision, failed = one(out, RoutingDecision), one(out, CallFailed)
+    assert decision.action == "reject" and decision.status == failed.status == DEADLINE_UNREACHABLE
+    assert decision.retry_after_s is None and "20.0 s to prefill 200000 prompt tokens" in decision.reason
+    assert "first token" in decision.reason
+
+
+def test_a_miss_within_the_margin_is_left_to_the_agent():
+    c = core(**NO_LEASE)
+    c.observe(snap("a"), 0.0)
+    # 20 s predicted against 12 s left: the rates may be off by 2x either way
+    out = c.handle(with_deadline(call("long", tokens=200_000, at=0.0), 12.0), 0.0)
+    assert one(out, RoutingDecision).chosen == "a"
+
+
+def test_work_queued_ahead_past_the_deadline_is_a_retryable_503():
+    c = core(**NO_LEASE, overload="queue")
+    c.observe(snap("a", queued={"m1": 3}, queued_prefill_s=8.0), 0.0)
+    out = c.handle(with_deadline(call("c", tokens=10_000, at=0.0), 4.0), 0.0)  # 1 s alone, 9 s behind the queue
+    decision = one(out, RoutingDecision)
+    assert decision.action == "reject" and decision.status == 503 and decision.retry_after_s
+    assert "8.0 s of work queued ahead" in decision.reason
+
+
+def test_a_call_without_a_deadline_is_never_refused_for_time():
+    c = core(**NO_LEASE)
+    c.observe(snap("a"), 0.0)
+    assert one(c.handle(call("long", tokens=200_000, at=0.0), 0.0), RoutingDecision).chosen == "a"
+
+
+def test_a_long_max_tokens_is_a_cap_not_a_reason_to_refuse():
+    c = core(**NO_LEASE)
+    c.observe(snap("a"), 0.0)
+    # 4,000 tokens at 1e-2 s/token would be 40 s of decode; the call may stop long before
+    out = c.handle(with_deadline(call("c", tokens=100, max_tokens=4000, at=0.0), 10.0), 0.0)
+    assert one(out, RoutingDecision).chosen == "a"
