@@ -30,8 +30,8 @@ async def test_a_stuck_engine_step_fails_its_call_flags_the_agent_and_the_stack_
     gate = threading.Event()  # holds the engine thread of whichever agent takes the "stuck" call
     build = agent_service._build_engine
 
-    def build_with_hang(common, settings):
-        engine = build(common, settings)
+    def build_with_hang(*args):
+        engine = build(*args)
 
         def on_logits(call_ids, logits):  # runs on the engine thread, inside the step
             if any(c.startswith("stuck") for c in call_ids):
