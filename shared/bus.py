@@ -141,10 +141,35 @@ async def ensure_stream(js: JetStreamContext) -> None:
         duplicate_window=DUPLICATE_WINDOW_S,
         num_replicas=replicas(js),
     )
-    try:
-        await js.add_stream(config)
-    except BadRequestError:
-        await js.update_stream(config)
+    await ensure_stream_config(js, config)
+
+
+async def ensure_stream_config(js: JetStreamContext, config: StreamConfig) -> None:
+    """Create the stream, or bring an existing one to `config`; through a cluster's election."""
+    async def add_or_update() -> None:
+        try:
+            await js.add_stream(config)
+        except BadRequestError:
+            await js.update_stream(config)
+
+    await elected(add_or_update)
+
+
+async def elected(call, within_s: float = FAILOVER_S):
+    """An idempotent JetStream API call, tried again while a cluster has no leader to answer
+    it (a service starting as the cluster forms or elects: unanswered, or 503), for up to
+    `within_s`; then its error is raised."""
+    loop = asyncio.get_running_loop()
+    deadline, wait = loop.time() + within_s, 0.1
+    while True:
+        try:
+            return await call()
+        except (ServiceUnavailableError, asyncio.TimeoutError, nats.errors.TimeoutError,
+                nats.errors.NoRespondersError):
+            if loop.time() + wait > deadline:
+                raise
+            await asyncio.sleep(wait)  # no event says "a leader is elected": retry, backing off
+            wait = min(2 * wait, RECONNECT_WAIT_S)
 
 
 # What each connection's events are also shown to (a service's metrics): what a service

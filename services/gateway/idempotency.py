@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import msgspec
 from nats.errors import NoRespondersError
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import APIError, BadRequestError, NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from talaria.services.gateway.idempotency_rules import (
     KEY_HEADER,
@@ -55,7 +55,7 @@ from talaria.services.gateway.idempotency_rules import (
     waiting_subject,
 )
 from talaria.services.gateway.validation import check_size
-from talaria.shared.bus import IDEMPOTENCY_DISK_SHARE, disk_cap, emit_new, replicas
+from talaria.shared.bus import IDEMPOTENCY_DISK_SHARE, disk_cap, emit_new, ensure_stream_config, replicas
 from talaria.shared.events import CallSubmitted
 from talaria.shared.messages import REPLY_DECODER, ErrorReply, Reply
 from talaria.shared.nats_auth import ANSWERING_ROLES, sent_by
@@ -87,10 +87,7 @@ class IdempotentCalls:
             num_replicas=replicas(self.js),
             max_bytes=disk_cap(self.js, IDEMPOTENCY_DISK_SHARE),  # oldest first past it (shared/bus.py)
         )
-        try:
-            await self.js.add_stream(config)
-        except BadRequestError:
-            await self.js.update_stream(config)
+        await ensure_stream_config(self.js, config)
 
     async def stop(self) -> None:
         """Drop the graces in progress: a stopping gateway leaves keyed calls running (a client

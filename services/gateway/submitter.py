@@ -23,7 +23,7 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import NotFoundError
 from opentelemetry import trace
 
 from talaria.services.gateway.admission import Admission, DiskCheck
@@ -35,7 +35,8 @@ from talaria.shared.logs import call_context
 from talaria.shared.metrics import FrontendMetrics
 from talaria.shared.nats_auth import ANSWERING_ROLES, SENDER_HEADER, STREAMING_ROLES, sender_of, sent_by
 from talaria.shared.bus import (
-    FAILOVER_S, RECONNECT_WAIT_S, REPLIES_DISK_SHARE, deployment_of, disk_cap, emit, emit_new, replicas, written,
+    FAILOVER_S, RECONNECT_WAIT_S, REPLIES_DISK_SHARE, deployment_of, disk_cap, emit, emit_new, ensure_stream_config,
+    replicas, written,
 )
 from talaria.shared.events import CallFailed, CallSubmitted
 from talaria.shared.messages import (
@@ -85,10 +86,7 @@ class Submitter:
                               retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
                               discard=DiscardPolicy.OLD, max_age=2 * self.timeout_s, max_msgs_per_subject=1,
                               max_bytes=disk_cap(self.js, REPLIES_DISK_SHARE), num_replicas=replicas(self.js))
-        try:
-            await self.js.add_stream(config)
-        except BadRequestError:
-            await self.js.update_stream(config)
+        await ensure_stream_config(self.js, config)
 
     async def recover(self) -> int:
         """After the connection to NATS came back: answer every waiting call whose reply was

@@ -62,3 +62,29 @@ async def test_an_unanswered_publish_is_sent_again_only_with_a_message_id():
 async def test_a_duplicate_on_the_first_attempt_stays_a_duplicate():
     js = ScriptedJetStream([PubAck(stream="S", seq=3, duplicate=True)])
     assert (await bus.stored(js, "s", b"x", {"Nats-Msg-Id": "CallSubmitted:c1"})).duplicate
+
+
+async def test_a_stream_made_while_the_cluster_elects_is_tried_until_a_leader_answers():
+    script = [asyncio.TimeoutError(), ServiceUnavailableError(), "made"]
+
+    async def call():
+        outcome = script.pop(0)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    assert await bus.elected(call, within_s=5.0) == "made"
+    assert not script
+
+
+async def test_a_cluster_that_never_answers_raises_once_the_failover_time_is_spent():
+    calls = 0
+
+    async def call():
+        nonlocal calls
+        calls += 1
+        raise asyncio.TimeoutError()
+
+    with pytest.raises(asyncio.TimeoutError):
+        await bus.elected(call, within_s=0.2)
+    assert calls > 1
