@@ -13,10 +13,11 @@ from tests.multihost.load import under_fault
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(available() is not None, reason=available() or "")]
 
-PARTITION_S = 10.0
-# A cut-off NATS node may hold RAFT leaders (meta, streams, consumers); the majority replaces
-# them only after an election timeout, at most 9 s in nats-server's RAFT. Calls that wait on
-# those leaders may stall that long past the fault's end.
+PARTITION_S, NODE_DEAD_S = 10.0, 5.0
+# A cut-off or dead NATS node may hold RAFT leaders (meta, streams, consumers); the majority
+# replaces them only after an election timeout, at most 9 s in nats-server's RAFT, and the node
+# coming back may depose them once more (its term grew meanwhile). Calls that wait on those
+# leaders may stall that long past the fault's end: a fault's bound is its length plus that.
 ELECTION_MAX_S = 9.0
 
 
@@ -45,10 +46,10 @@ async def test_calls_flow_across_hosts_through_a_partition_and_a_nats_node_kill(
 
     def kill_node():
         cluster.kill_nats("a1")
-        time.sleep(5.0)  # the node stays dead for a while
+        time.sleep(NODE_DEAD_S)  # the node stays dead for a while
         cluster.restart_nats("a1")
 
     load, seen = await under_fault(cluster.gateway_url, cluster.api_key, kill_node, cluster.executions, seed=1)
     assert seen.lost == 0, [c for c in load.calls if c.status != 200]
     assert seen.twice == 0, seen
-    assert seen.longest_stall_s <= ELECTION_MAX_S, seen
+    assert seen.longest_stall_s <= NODE_DEAD_S + ELECTION_MAX_S, seen
