@@ -51,6 +51,7 @@ from faults_report import FAULT_AT_S, MODELS, goals_met, write_markdown  # noqa:
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from talaria import running  # noqa: E402
 from talaria.embedded import free_port  # noqa: E402
 from talaria.services.gateway.auth import client_session, scoped_session  # noqa: E402
 from talaria.shared.settings import asyncpg_dsn  # noqa: E402
@@ -253,21 +254,8 @@ def stop_router(up: UpProcess) -> str:
 
 
 def executions(data_dir: Path, prefix: str) -> dict[str, int]:
-    """call_id -> how many times an agent ran it: the agents' `call completed` log lines (one
-    per execution) of this phase's sessions."""
-    like = scoped_session(TENANT, prefix)
-    runs: dict[str, int] = {}
-    for log in sorted((data_dir / "logs").glob("agent-*.log*")):
-        for line in log.read_text(errors="replace").splitlines():
-            if '"call completed"' not in line:
-                continue
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue
-            if entry.get("event") == "call completed" and str(entry.get("session_id", "")).startswith(like):
-                runs[entry["call_id"]] = runs.get(entry["call_id"], 0) + 1
-    return runs
+    """call_id -> how many times an agent ran it, for this phase's sessions."""
+    return running.executions(sorted((data_dir / "logs").glob("agent-*.log*")), scoped_session(TENANT, prefix))
 
 
 def slowloris(port: int, per_address: int = 300, addresses: int = 8) -> str:

@@ -118,3 +118,23 @@ def pick_session(typed: str, matches: list[str]) -> str:
         tenants = ", ".join(m.partition(SCOPE_SEPARATOR)[0] for m in matches)
         raise AmbiguousSession(f"session {typed!r} was sent by several tenants ({tenants}): pass --tenant NAME")
     return matches[0] if matches else typed
+
+
+def executions(logs: Iterable[Path], session_prefix: str = "") -> dict[str, int]:
+    """call_id -> how many times an agent ran it to completion, read from the agents' logs: one
+    JSON `call completed` line per execution (docs/operating.md); only sessions starting with
+    `session_prefix` (scoped, `<tenant>:...`)."""
+    runs: dict[str, int] = {}
+    for log in logs:
+        for line in log.read_text(errors="replace").splitlines():
+            if '"call completed"' not in line:
+                continue
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            call_id = entry.get("call_id")
+            if entry.get("event") == "call completed" and call_id \
+                    and str(entry.get("session_id", "")).startswith(session_prefix):
+                runs[call_id] = runs.get(call_id, 0) + 1
+    return runs

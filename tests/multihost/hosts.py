@@ -20,6 +20,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from talaria import running
 from talaria.embedded import nats_server_binary
 
 CLIENT_PORT, ROUTE_PORT, MONITOR_PORT, GATEWAY_PORT = 4222, 6222, 8222, 8000
@@ -243,21 +244,8 @@ class Cluster:
                    timeout)
 
     def executions(self) -> dict[str, int]:
-        """call_id -> how many times an agent ran it to completion, from every agent host's
-        `call completed` log lines (one per execution)."""
-        counts: dict[str, int] = {}
-        for name in self.agent_hosts:
-            for log in (self.root / name / "logs").glob("*.log*"):
-                for line in log.read_text(errors="replace").splitlines():
-                    if '"call completed"' not in line:
-                        continue
-                    try:
-                        call_id = json.loads(line).get("call_id")
-                    except ValueError:
-                        continue
-                    if call_id:
-                        counts[call_id] = counts.get(call_id, 0) + 1
-        return counts
+        """call_id -> how many times an agent ran it to completion, from every agent host's logs."""
+        return running.executions(log for name in self.agent_hosts for log in (self.root / name / "logs").glob("*.log*"))
 
     @staticmethod
     def _poll(done, what: str, timeout: float) -> None:

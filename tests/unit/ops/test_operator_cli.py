@@ -145,3 +145,14 @@ def test_a_stopped_stacks_description_gets_one_line_not_retries(tmp_path, capsys
     assert main(["audit", "session_calls", "--param", "session_id=s", "--data-dir", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "cannot reach the database" in _one_line(err) and "secret" not in err
+
+
+def test_executions_count_each_call_completed_line_of_the_sessions_asked_for(tmp_path):
+    from talaria.running import executions
+
+    log = tmp_path / "agent-0.log"
+    line = '{{"event": "call completed", "call_id": "{}", "session_id": "{}"}}\n'
+    log.write_text(line.format("c1", "default:a") + line.format("c1", "default:a") + "not json \"call completed\"\n"
+                   + line.format("c2", "other:b") + '{"event": "call failed", "call_id": "c3"}\n')
+    assert executions([log]) == {"c1": 2, "c2": 1}
+    assert executions([log], "default:") == {"c1": 2}
