@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from talaria.services.gateway.session_inference import MAX_TURNS, SessionIndex  # noqa: E402
+from talaria.services.gateway.session_inference import MAX_TURNS  # noqa: E402
 from talaria.services.gateway.session_inferrer import SessionInferrer  # noqa: E402
 from talaria.shared.catalog import BUILTIN_MODELS  # noqa: E402
 from talaria.shared.tokenizer import block_hashes  # noqa: E402

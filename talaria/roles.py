@@ -55,8 +55,6 @@ class HostPlan:
         if not self.everything and not nats_url:
             raise RoleError(f"--role {','.join(sorted(self.roles))}: give the cluster's NATS URL "
                             "(--nats-url or TALARIA_NATS_URL); only --role all embeds one")
-        if self.roles == {"agent"} and agents < 1:
-            raise RoleError("--role agent: --agents must be at least 1")
         if credentials is not None and not credentials.is_dir():
             raise RoleError(f"--nats-credentials {credentials}: not a directory (write one with "
                             "`talaria nats-config DIR`)")

@@ -259,13 +259,7 @@ class Stack:
         return urls.get("default") or urls[sorted(urls)[0]]
 
     def describe(self) -> dict[str, object]:
-        described = self._describe()
-        if self.cluster is not None:  # where its members take routes (the route credentials stay in auth.conf)
-            described["nats_cluster"] = {"name": self.cluster.name, "routes": self.cluster.routes}
-        return described
-
-    def _describe(self) -> dict[str, object]:
-        return {"gateway": self.gateway_url, "nats": self.nats_url, "database": self.database_url,
+        described = {"gateway": self.gateway_url, "nats": self.nats_url, "database": self.database_url,
                 "nats_client": self.client_nats_url, "nats_clients": self.client_nats_urls, "api_key": self.api_key,
                 "data_dir": str(self.settings.common.data_dir.resolve()), "agents": self.agents,
                 "traces": str(self.settings.common.traces_path.resolve()), "metrics": self.metrics,
@@ -273,6 +267,9 @@ class Stack:
                 "prometheus_config": str(self.settings.common.data_dir.resolve() / "prometheus.yml"),
                 "pids": {**{name: p.pid for name, p in self.procs.items()},
                          **{_server_key(s): s.proc.pid for s in self.embedded if s.proc is not None}}}
+        if self.cluster is not None:  # where its members take routes (the route credentials stay in auth.conf)
+            described["nats_cluster"] = {"name": self.cluster.name, "routes": self.cluster.routes}
+        return described
 
     def _servers(self, data: Path, progress) -> None:
         if self.settings.common.nats_url:

@@ -20,7 +20,7 @@ from talaria.shared.wire import MAX_IDEMPOTENCY_KEY_LEN
 
 KEY_HEADER = "Idempotency-Key"  # OpenAI's spelling (its SDK's agents endpoints) and the IETF draft's
 KEY_PATTERN = re.compile(rf"[\x20-\x7e]{{1,{MAX_IDEMPOTENCY_KEY_LEN}}}")
-ANONYMOUS_SESSION = re.compile(r"(?:^|:)anon-[0-9a-f]{32}\Z")  # session_ids.py / nats_api.py make these
+ANONYMOUS_SESSION = re.compile(r"(?:^|:)anon-[0-9a-f]{32}\Z")  # session_ids.anonymous_id makes these
 # A young claim may not have its submission published yet (its gateway died in between):
 # an attaching retry re-publishes it under the same message id. That is a no-op only inside
 # JetStream's duplicate window; half of it leaves the other half for clock skew between gateways.

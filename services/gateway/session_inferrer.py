@@ -31,6 +31,7 @@ class SessionInferrer:
         self.metrics = metrics
         self.index = index or SessionIndex()
         self._claims: dict[str, tuple[Inferred, list[int]]] = {}  # call id -> decision, hashes it matched on
+        self._lead: dict[str, list[int]] = {}  # model -> what its encoder puts before any text (BOS)
 
     def resolve(self, call: CallSubmitted) -> CallSubmitted:
         """`call` with its session settled; a named or already settled call as it is."""
@@ -67,6 +68,8 @@ class SessionInferrer:
         if spec is None:
             return []
         model_text = text_for(spec)
-        lead = model_text.encode("", chat=False)
+        lead = self._lead.get(model)
+        if lead is None:
+            lead = self._lead[model] = model_text.encode("", chat=False)
         ids = model_text.encode(text[:ANSWER_CHARS], chat=False)
         return ids[len(lead):ANSWER_TOKENS + len(lead)] if ids[:len(lead)] == lead else ids[:ANSWER_TOKENS]

@@ -264,8 +264,8 @@ class Submitter:
                 try:  # to its deadline, not a full timeout from here: submitting may have taken a failover
                     reply = await asyncio.wait_for(fut, max(0.0, call.deadline_at - time.time()))
                 except TimeoutError:
-                    self.flow.stalled(f"no reply to a call within {self.timeout_s:.0f}s", time.monotonic())
-                    reply = await self.timed_out(call, f"no reply within {self.timeout_s:.0f}s")
+                    self.flow.stalled(f"no reply to a call by its deadline ({self.timeout_s:.0f}s)", time.monotonic())
+                    reply = await self.timed_out(call, f"no reply by the call's deadline ({self.timeout_s:.0f}s)")
                 except asyncio.CancelledError:  # the client went away (HTTP disconnect)
                     if not kept:  # with a key, a retry may attach: Claim.run gives it a grace first
                         await self.cancel(call.call_id, "client disconnected", call.tenant)

@@ -20,6 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from talaria.shared.messages import CallResult, ErrorReply
+from talaria.shared.stats import ewma
 
 
 @dataclass
@@ -36,21 +37,18 @@ class PrefillRates:
     def observe(self, model: str, reply: CallResult) -> None:
         fresh = reply.usage.prompt_tokens - reply.usage.cached_tokens
         if fresh > 0 and reply.timings.prefill_s > 0:
-            self._fold(self.s_per_token, model, reply.timings.prefill_s / fresh)
+            self.s_per_token[model] = ewma(self.s_per_token.get(model), reply.timings.prefill_s / fresh, self.alpha)
 
     def observe_engine(self, model: str | None, prefill_tok_s: float) -> None:
         """A snapshot's prefill rate: its active model's."""
         if model and prefill_tok_s > 0:
-            self._fold(self.engine_s_per_token, model, 1.0 / prefill_tok_s)
+            self.engine_s_per_token[model] = ewma(self.engine_s_per_token.get(model), 1.0 / prefill_tok_s, self.alpha)
 
     def work_s(self, model: str, fresh_tokens: int) -> float:
         """Predicted prefill seconds of `fresh_tokens` (0 before any measure of the model)."""
         rate = self.engine_s_per_token.get(model) or self.s_per_token.get(model, 0.0)
         return fresh_tokens * rate
 
-    def _fold(self, table: dict[str, float], model: str, sample: float) -> None:
-        old = table.get(model)
-        table[model] = sample if old is None else (1 - self.alpha) * old + self.alpha * sample
 
 
 @dataclass

@@ -18,7 +18,7 @@ from talaria.services.router.leases import settlement
 from talaria.services.router.ownership import Partitioning
 from talaria.services.router.policy.base import PlacementPolicy
 from talaria.services.router.state import RouterState, SnapshotReceived
-from talaria.shared.events import (CallCompleted, CallFailed, CallRouted, CallSubmitted, Event, InstanceLost, LeaseConsumed,
+from talaria.shared.events import (CallFailed, CallRouted, CallSubmitted, Event, InstanceLost, LeaseConsumed,
                                    LeaseDiscarded, LeaseExpired, LeaseIssued, PoolPinned)
 from talaria.shared.snapshots import InstanceSnapshot
 

@@ -130,7 +130,7 @@ class RouterService:
         self.origin = uuid.uuid4().hex  # this process: its outputs, read back by the view, are skipped
         self.ownership = Ownership(self.router_id, settings.router_partitions, settings.router_ownership_ttl_s)
         # Owns nothing until a partition is claimed and the view has caught up with it.
-        self.core = RouterCore(policy, pools=HotPools() if settings.hot_pools else None,
+        self.core = RouterCore(policy, pools=HotPools(z=self.configuration.hot_pools_z) if settings.hot_pools else None,
                                partitioning=Partitioning(settings.router_partitions, frozenset()))
         self.lock = asyncio.Lock()  # one input at a time: the core is single-threaded by design
         self.dirty = False

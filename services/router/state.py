@@ -64,6 +64,8 @@ SESSION_ROW_BYTES = 2_560
 def rows_for(max_bytes: int) -> int:
     """Session rows that fit `max_bytes` of router memory."""
     return max(100, max_bytes // SESSION_ROW_BYTES)
+
+
 STATE_FORMAT = 2  # 2: session rows are lists in "session_fields" order; 1 (dict rows) still reads
 READABLE_FORMATS = (1, 2)
 
@@ -128,7 +130,10 @@ class RouterState:
     instance_profiles: dict[str, InstanceProfile] = field(default_factory=dict)
     prefix: PrefixIndex = field(default_factory=PrefixIndex)
     homes: HomeBook = field(default_factory=HomeBook)  # where each live session lives
-    sessions_kept: int = SESSIONS_KEPT  # rows past which idle sessions are forgotten (not saved: settings)
+    # Rows past which idle sessions are forgotten (not saved: settings). Live sets it from
+    # TALARIA_ROUTER_SESSION_TABLE_BYTES (rows_for); the simulator keeps SESSIONS_KEPT: no
+    # replayed trace comes near either, so the two never differ in what they decide.
+    sessions_kept: int = SESSIONS_KEPT
     outputs: OutputEstimator = field(default_factory=OutputEstimator)  # output lengths seen (never max_tokens)
     horizon_epoch: int = 0  # bumped when a model's idle horizon changes (not state: a cache key)
     routed_total: int = 0

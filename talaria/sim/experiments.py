@@ -42,7 +42,7 @@ from talaria.sim.profiles import PAPER_TP8, ROUTER_TP4, catalogue
 from talaria.sim.schedule_bound import schedule_bound_scts
 from talaria.sim.workloads import fixed_replay, router_testbed, synthetic_catalogue
 from talaria.traces.gaps import GapModel
-from talaria.sim.matrix import ABLATIONS, FORECAST_POOLS, PEER_SPLITS, POLICIES, SENSITIVITY, run_matrix
+from talaria.sim.matrix import ABLATIONS, FORECAST_POOLS, PEER_SPLITS, POLICIES, SENSITIVITY, STATIC_SPLITS, run_matrix
 from talaria.sim.report import write_report
 from talaria.sim.matrix_report import write_outputs
 
@@ -51,7 +51,7 @@ CONFIGS = ("talaria", "no-sp", "no-hkvr", "h2d-only", "round-only")
 # deployed (deployment.py, `deployed`), then talaria with its own machinery. The model-blind
 # routers they replace run as labelled extras ("transplanted": every instance a cold instance
 # that time-shares every model, the deployment no one runs; the earlier tables' baselines).
-PEERS = ("round-robin", "sglang-cache-aware", "dynamo-kv", "llm-d", "vllm-stack-session")
+PEERS = configs.PEERS
 TRANSPLANTED = ("least-pressure", "session-sticky", "prefix-aware", "kv-cost")
 ROUTER_POLICIES = (*PEERS, "talaria", *(f"{p} (transplanted)" for p in TRANSPLANTED))
 # The configuration (services/configs.py) of each label that is not itself a configuration's name.
@@ -128,7 +128,7 @@ def deployed(policy: str, pc: PolicyConfig, sessions, server, instances: int) ->
 
     cfg = replace(configs.get(CONFIG_OF.get(policy, policy)), router=pc)
     models = len(server.models)
-    static = cfg.pools in ("per-model", "forecast")
+    static = cfg.pools in STATIC_SPLITS
     demand = demand_s(sessions, server, instance_config().max_batch) if static else {m: 1.0 for m in server.models}
     placed = place(cfg, demand, instances, models)
     hot = "/".join(str(placed.pinned.count(m)) for m in sorted(set(placed.pinned)))

@@ -63,7 +63,7 @@ from talaria.traces.gaps import GapModel
 # deployed (deployment.py). The model-blind baselines they replace (least-pressure,
 # session-sticky, prefix-aware, kv-cost on instances that time-share every model) are kept
 # in the registry; their last matrix is results/matrix_transplanted.json.
-BASELINES = ("round-robin", "sglang-cache-aware", "dynamo-kv", "llm-d", "vllm-stack-session")
+BASELINES = configs.PEERS
 TRANSPLANTED = ("least-pressure", "session-sticky", "prefix-aware", "kv-cost")
 OURS = "talaria"
 PAPER = "talaria-paper"
