@@ -66,14 +66,19 @@ class Admission:
     def refusal(self, tenant: str, work_s: float, now: float) -> ErrorReply | None:
         """Would a call of `tenant` with `work_s` seconds of prefill be refused? (Nothing is
         counted: a keyed call asks before it claims its key.)"""
-        return self.check(tenant) or self.fairness.check(tenant, work_s, self.instances(), now)
+        return self.check(tenant) or self.fairness.check(tenant, work_s, self._instances_for(work_s), now)
 
     def admit(self, tenant: str, now: float, work_s: float = 0.0) -> ErrorReply | None:
         """Count a new call of `tenant` with `work_s` seconds of prefill, or the reply refusing it."""
-        refused = self.check(tenant) or self.fairness.admit(tenant, work_s, self.instances(), now)
+        refused = self.check(tenant) or self.fairness.admit(tenant, work_s, self._instances_for(work_s), now)
         if refused is None:
             self.in_flight[tenant] += 1
         return refused
+
+    def _instances_for(self, work_s: float) -> int:
+        """The live instances, counted only for a long call: a short one is never refused by its
+        share (work_fairness.py), and the count walks every service's health per call."""
+        return self.instances() if self.fairness.is_long(work_s) else 0
 
     def check(self, tenant: str) -> ErrorReply | None:
         """Would a new call of `tenant` be refused? (Not counted: a keyed call asks before it
