@@ -21,7 +21,8 @@ from talaria.services import configs
 from talaria.services.configs import Configuration
 from talaria.services.instance_agent.telemetry import build_snapshot
 from talaria.shared import logs, metrics, tracing
-from talaria.shared.bus import PUBLISH_TIMEOUT_S, close, connect, deployment_of, emit, tap
+from talaria.shared.bus import PUBLISH_TIMEOUT_S, close, connect, deployment_of, emit, retried_api, tap
+from talaria.shared.durable_pull import DurablePull
 from talaria.shared.metrics import AgentMetrics
 from talaria.shared.limits import call_problem
 from talaria.shared.runtime import serve_until_stopped
@@ -63,19 +64,20 @@ async def serve(common: CommonSettings, settings: AgentSettings, ready: asyncio.
     # <data_dir>/metrics/<instance id>.url: the agent's name in stack.json (`agent-0`, `hot-<model>`)
     metrics_runner = await metrics.serve(meter, settings.instance_id, common, log)
     durable = f"agent-{settings.instance_id}"
-    sub = await js.pull_subscribe(
-        deployment.call_routed(settings.instance_id),
-        durable=durable,
-        stream=deployment.events_stream,
-        config=ConsumerConfig(
-            durable_name=durable,
-            ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL,
-            ack_wait=HELD_CALL_ACK_WAIT_S,
-            max_ack_pending=10_000,
-            max_deliver=5,
-        ),
+    consumer = ConsumerConfig(
+        durable_name=durable,
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        filter_subject=deployment.call_routed(settings.instance_id),
+        ack_wait=HELD_CALL_ACK_WAIT_S,
+        max_ack_pending=10_000,
+        max_deliver=5,
     )
+    sub = await js.pull_subscribe(consumer.filter_subject, durable=durable, stream=deployment.events_stream,
+                                  config=consumer)
+    # A routed call JetStream handed to a pull request that died with a broker node would come
+    # back only after HELD_CALL_ACK_WAIT_S, the call's whole deadline: made again from the ack floor.
+    intake = DurablePull(nc, retried_api(nc), deployment.events_stream, consumer, sub, log, 0.5)
     # First heartbeat before the first fetch: the router then knows this incarnation (and
     # fails the predecessor's calls) by the time a predecessor's call is refused here.
     await runner.publish_snapshot()
@@ -114,7 +116,7 @@ async def serve(common: CommonSettings, settings: AgentSettings, ready: asyncio.
         asyncio.create_task(runner.work_loop(stop), name="work"),
         asyncio.create_task(runner.closer.progress_loop(stop), name="progress"),
         asyncio.create_task(runner.drops.watchdog_loop(stop), name="watchdog"),
-        asyncio.create_task(_fetch_loop(sub, runner, fencing, js, nc, log, stop), name="fetch"),
+        asyncio.create_task(_fetch_loop(intake, runner, fencing, js, nc, log, stop), name="fetch"),
     ]
     await runner.publish_snapshot()
     log.info("instance agent ready", models=list(common.models), pool=settings.pool)
@@ -149,49 +151,49 @@ def _build_engine(common: CommonSettings, settings: AgentSettings, configuration
     return engine
 
 
-async def _fetch_loop(sub, runner: CallRunner, fencing: DispatchFencing, js, nc, log, stop: asyncio.Event) -> None:
-    while not stop.is_set():
+async def _fetch_loop(intake: DurablePull, runner: CallRunner, fencing: DispatchFencing, js, nc, log,
+                      stop: asyncio.Event) -> None:
+    try:
+        while not stop.is_set():
+            await _intake(await intake.fetch(FETCH_BATCH, timeout=1.0), runner, fencing, js, nc, log)
+    finally:
+        await intake.close()
+
+
+async def _intake(msgs, runner: CallRunner, fencing: DispatchFencing, js, nc, log) -> None:
+    for msg in msgs:
         try:
-            msgs = await sub.fetch(FETCH_BATCH, timeout=1.0)
-        except asyncio.TimeoutError:
+            routed = ROUTED_DECODER.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            log.error("undecodable routed call dropped", error=str(exc), seq=msg.metadata.sequence.stream)
+            await msg.term()
             continue
-        except Exception as exc:  # connection blips: log, back off, keep serving
-            log.warning("fetch failed", error=str(exc))
-            await asyncio.sleep(0.5)
+        if routed.instance_id != runner.instance_id or not trusted(msg, routed):
+            # Only the router dispatches: a CallRouted from anyone else is never run.
+            log.error("routed call not from the router dropped", call_id=routed.call.call_id,
+                      sender=sender_of(msg))
+            await msg.term()
             continue
-        for msg in msgs:
-            try:
-                routed = ROUTED_DECODER.decode(msg.data)
-            except msgspec.DecodeError as exc:
-                log.error("undecodable routed call dropped", error=str(exc), seq=msg.metadata.sequence.stream)
-                await msg.term()
+        try:
+            if not runner.holds(routed.call.call_id) and await fencing.refused(routed):
+                await msg.ack()  # its partition's new owner placed the call
                 continue
-            if routed.instance_id != runner.instance_id or not trusted(msg, routed):
-                # Only the router dispatches: a CallRouted from anyone else is never run.
-                log.error("routed call not from the router dropped", call_id=routed.call.call_id,
-                          sender=sender_of(msg))
-                await msg.term()
+            routed = await _with_prompt(js, runner, routed)
+            if routed is None:  # its submission is gone from the stream: the client may retry
+                await msg.ack()
                 continue
-            try:
-                if not runner.holds(routed.call.call_id) and await fencing.refused(routed):
-                    await msg.ack()  # its partition's new owner placed the call
-                    continue
-                routed = await _with_prompt(js, runner, routed)
-                if routed is None:  # its submission is gone from the stream: the client may retry
-                    await msg.ack()
-                    continue
-                problem = call_problem(routed.call)
-                if problem is not None:  # published past the gateway's checks: fail it alone
-                    await _refuse(js, nc, routed, f"invalid {problem[0]}: {problem[1]}", status=400)
-                    await msg.ack()
-                    continue
-                refused = runner.accept(routed, msg)
-                if refused is not None:
-                    await _refuse(js, nc, routed, refused)
-                    await msg.ack()
-            except Exception:  # never let one message stop intake
-                log.exception("intake failed", call_id=routed.call.call_id)
-                await msg.nak(delay=1)
+            problem = call_problem(routed.call)
+            if problem is not None:  # published past the gateway's checks: fail it alone
+                await _refuse(js, nc, routed, f"invalid {problem[0]}: {problem[1]}", status=400)
+                await msg.ack()
+                continue
+            refused = runner.accept(routed, msg)
+            if refused is not None:
+                await _refuse(js, nc, routed, refused)
+                await msg.ack()
+        except Exception:  # never let one message stop intake
+            log.exception("intake failed", call_id=routed.call.call_id)
+            await msg.nak(delay=1)
 
 
 async def _on_pool_pinned(msg, runner: CallRunner, settings: AgentSettings, log) -> None:

@@ -128,9 +128,9 @@ class CallRunner:
             return f"this instance does not serve {call.model}"
         known = self.core.calls.get(call.call_id)
         if known is not None and known.phase in (Phase.QUEUED, Phase.RUNNING, Phase.CLOSING):
-            if known.transport.msg is None:  # the durable copy of a call started from its fast copy:
-                known.transport.msg = msg  # acked once the call's outcome is out
-            return None  # redelivered while still here: keep the first copy
+            if msg is not None:  # the durable copy of a call started from its fast copy, or a copy
+                known.transport.msg = msg  # redelivered (a rebuilt consumer): the latest is acked at the end
+            return None  # redelivered while still here: keep running the first
         if known is not None and known.phase is Phase.FINISHED:
             if msg is not None:
                 asyncio.ensure_future(msg.ack())

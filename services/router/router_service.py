@@ -40,7 +40,7 @@ import nats.errors
 from msgspec.structs import replace
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.errors import NoRespondersError
-from nats.js.errors import NotFoundError, ServiceUnavailableError
+from nats.js.errors import ServiceUnavailableError
 
 from talaria.services.router.claims import ClaimStore
 from talaria.services.router.ownership import Ownership, Partitioning, partition_of, slots_of
@@ -61,6 +61,7 @@ from talaria.shared.bus import (ACK_WAIT_S, FAILOVER_S, PUBLISH_TIMEOUT_S, RECON
                                 publish_fast, retried_api, set_origin)
 from talaria.shared.nats_auth import sender_of, trusted
 from talaria.shared.db.connection import create_engine
+from talaria.shared.durable_pull import DurablePull, from_ack_floor, unsubscribed
 from talaria.shared.events import (
     CallRouted,
     CallSubmitted,
@@ -276,7 +277,7 @@ class RouterService:
                                  seq=self.seq, error=str(exc))
                 await asyncio.sleep(0.2)
             finally:
-                await _unsubscribed(sub)
+                await unsubscribed(sub)
 
     async def _view_from(self, sub, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
@@ -455,29 +456,20 @@ class RouterService:
     def _set_owned(self, owned) -> None:
         self.core.partitioning = self.ownership.fenced(owned, self.ownership.partitions)
 
-    async def _ensure_consumer(self, p: int):
-        """Partition p's durable intake consumer, recreated from its ack floor: what a previous
+    def _consumer_config(self, p: int) -> ConsumerConfig:
+        return ConsumerConfig(durable_name=durable(p), ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
+                              filter_subjects=intake_subjects(self.deployment, p, self.ownership.partitions),
+                              ack_wait=ACK_WAIT_S, max_deliver=MAX_DELIVER)
+
+    async def _ensure_consumer(self, p: int) -> DurablePull:
+        """Partition p's durable intake consumer, made again from its ack floor: what a previous
         owner had fetched and not acked is delivered at once (not after `ack_wait`, 30 s: a call
         submitted just before its death would time out), and its pending pulls end. Submissions
         already decided are skipped by the core (the call-id fence), as for any redelivery."""
-        name = durable(p)
-        config = ConsumerConfig(durable_name=name, ack_policy=AckPolicy.EXPLICIT,
-                                deliver_policy=DeliverPolicy.ALL,
-                                filter_subjects=intake_subjects(self.deployment, p, self.ownership.partitions),
-                                ack_wait=ACK_WAIT_S, max_deliver=MAX_DELIVER)
-        try:
-            info = await self.api.consumer_info(self.deployment.events_stream, name)
-        except NotFoundError:
-            info = None
-        if info is not None:
-            start = info.ack_floor.stream_seq + 1
-            if info.num_ack_pending:
-                self.log.warning("resuming a partition's consumer after its ack floor", partition=p,
-                                 resume_at=start, unacked=info.num_ack_pending)
-            await self.api.delete_consumer(self.deployment.events_stream, name)
-            config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, start
-        await self.api.add_consumer(self.deployment.events_stream, config=config)
-        return await self.api.pull_subscribe_bind(name, stream=self.deployment.events_stream)
+        config = self._consumer_config(p)
+        sub, _ = await from_ack_floor(self.api, self.deployment.events_stream, config, self.log, partition=p)
+        return DurablePull(self.nc, self.api, self.deployment.events_stream, config, sub, self.log,
+                           RECONNECT_WAIT_S, partition=p)
 
     # ---- live --------------------------------------------------------------------------
 
@@ -499,44 +491,15 @@ class RouterService:
                 await self.outputs.publish_all(outputs)
                 self.dirty = True
 
-    async def _consume(self, p: int, sub, halt: asyncio.Event) -> None:
+    async def _consume(self, p: int, intake: DurablePull, halt: asyncio.Event) -> None:
         """Partition p's submissions, in order. After a failed fetch (the consumer's leader
-        lost) or a reconnect, the consumer is made again from its ack floor: a message
-        JetStream delivered to a pull request that died with a broker node is otherwise
-        delivered again only ACK_WAIT_S (30 s) later (a node killed under load: one call
-        answered after 30 s). A rebuild needs the meta leader: it runs beside the fetches, and
-        until it succeeds the old consumer is still fetched from."""
-        seen, rebuild, rebuilding = self.nc.stats["reconnects"], False, None
+        lost) or a reconnect, the consumer is made again from its ack floor (DurablePull)."""
         try:
             while not halt.is_set():
-                if self.nc.stats["reconnects"] != seen:
-                    seen, rebuild = self.nc.stats["reconnects"], True
-                if rebuild and rebuilding is None:
-                    rebuild, rebuilding = False, asyncio.create_task(self._ensure_consumer(p))
-                if rebuilding is not None and rebuilding.done():
-                    if rebuilding.exception() is None:
-                        await _unsubscribed(sub)
-                        sub = rebuilding.result()
-                    else:
-                        self.log.warning("partition consumer not made again; retrying", partition=p,
-                                         error=str(rebuilding.exception()))
-                        rebuild = True
-                    rebuilding = None
-                try:
-                    msgs = await sub.fetch(64, timeout=1.0)
-                except asyncio.TimeoutError:
-                    continue
-                except Exception as exc:
-                    self.log.warning("fetch failed", error=str(exc))
-                    rebuild = rebuild or rebuilding is None  # one under way (deleting it) covers this
-                    await asyncio.sleep(RECONNECT_WAIT_S)
-                    continue
-                for msg in msgs:
+                for msg in await intake.fetch(64, timeout=1.0):
                     await self._handle(msg)
         finally:
-            if rebuilding is not None:
-                rebuilding.cancel()
-            await _unsubscribed(sub)
+            await intake.close()
 
     async def _handle(self, msg) -> None:
         try:
@@ -693,10 +656,3 @@ class _null:
 
 async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
     await RouterService(settings.common, settings.router, logs.get("router")).run(ready, stop or asyncio.Event())
-
-
-async def _unsubscribed(sub) -> None:
-    try:
-        await sub.unsubscribe()
-    except Exception:
-        pass  # the connection it was on is gone: nothing left to end
