@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 import msgspec
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from talaria.services.instance_agent.call_closing import IN_PROGRESS_EVERY_S
 from talaria.services.instance_agent.runner import CallRunner
 from talaria.services import configs
 from talaria.services.configs import Configuration
@@ -31,21 +30,27 @@ from talaria.shared.nats_auth import parse_sender, sender_headers, sender_of, tr
 from talaria.shared.events import CallFailed, CallRouted, CallSubmitted, EVENT_DECODER, PoolPinned, ROUTED_DECODER
 from talaria.shared.messages import CANCEL_DECODER, ErrorReply
 from talaria.shared.wire import encode
-from talaria.shared.settings import AgentSettings, CommonSettings, Settings
+from talaria.shared.settings import AgentSettings, CommonSettings, GatewaySettings, Settings
 from talaria.services.instance_agent.engine.engine_registry import build_engine
 
-# Held calls send in_progress() every IN_PROGRESS_EVERY_S: after three missed, only a dead
-# agent's calls come back.
-HELD_CALL_ACK_WAIT_S = 3 * IN_PROGRESS_EVERY_S  # not bus.ACK_WAIT_S: a held call is kept alive, a fetched event is not
 FETCH_BATCH = 16
 
 
+def held_call_ack_wait_s(call_timeout_s: float) -> float:
+    """The agent consumer's ack_wait (not bus.ACK_WAIT_S: a held call is kept alive by an
+    in_progress() every third of it, so only a dead agent's calls come back). A delivery lost
+    on its way (a broker node killed with a pull request open) also comes back only after it:
+    at most a quarter of a call's deadline, and no more than a minute."""
+    return min(60.0, call_timeout_s / 4)
+
+
 async def run(settings: Settings, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
-    await serve(settings.common, settings.agent, ready, stop or asyncio.Event())
+    await serve(settings.common, settings.agent, ready, stop or asyncio.Event(), settings.gateway.call_timeout_s)
 
 
 async def serve(common: CommonSettings, settings: AgentSettings, ready: asyncio.Event | None,
-                stop: asyncio.Event) -> None:
+                stop: asyncio.Event, call_timeout_s: float = GatewaySettings.call_timeout_s) -> None:
+    """`call_timeout_s`: the gateway's (TALARIA_CALL_TIMEOUT_S), which sizes the consumer's ack_wait."""
     log = logs.get("instance_agent").bind(instance_id=settings.instance_id)
     deployment = common.deployment
     provider = tracing.setup(f"agent-{settings.instance_id}", common)
@@ -64,19 +69,20 @@ async def serve(common: CommonSettings, settings: AgentSettings, ready: asyncio.
     # <data_dir>/metrics/<instance id>.url: the agent's name in stack.json (`agent-0`, `hot-<model>`)
     metrics_runner = await metrics.serve(meter, settings.instance_id, common, log)
     durable = f"agent-{settings.instance_id}"
+    held_ack_wait_s = held_call_ack_wait_s(call_timeout_s)
     consumer = ConsumerConfig(
         durable_name=durable,
         ack_policy=AckPolicy.EXPLICIT,
         deliver_policy=DeliverPolicy.ALL,
         filter_subject=deployment.call_routed(settings.instance_id),
-        ack_wait=HELD_CALL_ACK_WAIT_S,
+        ack_wait=held_ack_wait_s,
         max_ack_pending=10_000,
         max_deliver=5,
     )
     sub = await js.pull_subscribe(consumer.filter_subject, durable=durable, stream=deployment.events_stream,
                                   config=consumer)
     # A routed call JetStream handed to a pull request that died with a broker node would come
-    # back only after HELD_CALL_ACK_WAIT_S, the call's whole deadline: made again from the ack floor.
+    # back only after the ack_wait: made again from the ack floor at once.
     intake = DurablePull(nc, retried_api(nc), deployment.events_stream, consumer, sub, log, 0.5)
     # First heartbeat before the first fetch: the router then knows this incarnation (and
     # fails the predecessor's calls) by the time a predecessor's call is refused here.
@@ -114,7 +120,7 @@ async def serve(common: CommonSettings, settings: AgentSettings, ready: asyncio.
     tasks = [
         asyncio.create_task(runner.heartbeat_loop(stop), name="heartbeat"),
         asyncio.create_task(runner.work_loop(stop), name="work"),
-        asyncio.create_task(runner.closer.progress_loop(stop), name="progress"),
+        asyncio.create_task(runner.closer.progress_loop(stop, held_ack_wait_s / 3), name="progress"),
         asyncio.create_task(runner.drops.watchdog_loop(stop), name="watchdog"),
         asyncio.create_task(_fetch_loop(intake, runner, fencing, js, nc, log, stop), name="fetch"),
     ]

@@ -29,9 +29,6 @@ from talaria.shared.nats_auth import sender_headers
 from talaria.shared.messages import CallResult, ErrorReply, Timings, TokenChunk, Usage
 from talaria.shared.wire import encode
 
-IN_PROGRESS_EVERY_S = 20.0
-
-
 class CallCloser:
     def __init__(self, core: AgentCore, thread: EngineThread, watchdog: Watchdog, nc, js, instance_id: str, log,
                  on_change: Callable[[], Awaitable[None]], deployment: Deployment) -> None:
@@ -200,9 +197,9 @@ class CallCloser:
         if transport.msg is not None:
             await transport.msg.ack()
 
-    async def progress_loop(self, stop: asyncio.Event) -> None:
-        """Tell JetStream that held calls are still being worked on, so none is redelivered
-        while it waits for its slot (the consumer's ack_wait is shorter than a long queue)."""
+    async def progress_loop(self, stop: asyncio.Event, every_s: float) -> None:
+        """Tell JetStream every `every_s` that held calls are still being worked on, so none is
+        redelivered while it waits for its slot (the consumer's ack_wait is shorter than a long queue)."""
         while not stop.is_set():
             for call in list(self.core.live()):
                 try:
@@ -211,6 +208,6 @@ class CallCloser:
                 except Exception:
                     pass
             try:
-                await asyncio.wait_for(stop.wait(), IN_PROGRESS_EVERY_S)
+                await asyncio.wait_for(stop.wait(), every_s)
             except TimeoutError:
                 pass
