@@ -35,6 +35,9 @@ ATTEMPT_S = 2 * 1.0
 # A service's durable consumer (router, telemetry): a message fetched and not acked this long is
 # delivered again; a restarted service recreates its consumer from the ack floor at once anyway.
 ACK_WAIT_S = 30.0
+# What a bus call raises when NATS or the connection to it fails: a service catches these at its
+# boundary with the bus (logs, retries or answers 503); anything else is a bug and propagates.
+BUS_ERRORS = (nats.errors.Error, TimeoutError, ConnectionError, OSError)
 
 
 def servers(url: str) -> list[str]:

@@ -55,7 +55,7 @@ from talaria.services.gateway.idempotency_rules import (
     waiting_subject,
 )
 from talaria.services.gateway.validation import check_size
-from talaria.shared.bus import IDEMPOTENCY_DISK_SHARE, disk_cap, emit_new, ensure_stream_config, replicas
+from talaria.shared.bus import BUS_ERRORS, IDEMPOTENCY_DISK_SHARE, disk_cap, emit_new, ensure_stream_config, replicas
 from talaria.shared.events import CallSubmitted
 from talaria.shared.messages import REPLY_DECODER, ErrorReply, Reply
 from talaria.shared.nats_auth import ANSWERING_ROLES, sent_by
@@ -129,7 +129,7 @@ class IdempotentCalls:
             except NoRespondersError:
                 pass
             await self.submitter.cancel(call.call_id, ORPHANED, call.tenant)
-        except Exception as exc:  # the bus is down: the call runs to its end, as without a grace
+        except BUS_ERRORS as exc:  # the bus is down: the call runs to its end, as without a grace
             self.log.warning("could not check who waits for a keyed call", call_id=call.call_id, error=str(exc))
 
     async def claim(self, call: CallSubmitted, key: str) -> "Claim | ErrorReply":
@@ -166,7 +166,7 @@ class IdempotentCalls:
                     continue
                 return Claim(self, self._attached(call, record), owner=False,
                              republish=decision is KeyDecision.ATTACH_REPUBLISH, request=call, key=key)
-        except Exception as exc:  # the bus is down: nothing was accepted
+        except BUS_ERRORS as exc:  # the bus is down: nothing was accepted
             self.log.error("idempotency claim failed", error=str(exc))
             return ErrorReply(503, "bus_unavailable", f"could not look up the {KEY_HEADER}: {exc}",
                               retry_after_s=1.0)
@@ -216,7 +216,7 @@ class IdempotentCalls:
             except TimeoutError:
                 # what its own gateway would have said and recorded at the deadline
                 return await self.submitter.timed_out(call, "no reply by the call's deadline")
-        except Exception as exc:
+        except BUS_ERRORS as exc:
             self.log.error("attaching to an idempotent call failed", call_id=call.call_id, error=str(exc))
             return ErrorReply(503, "bus_unavailable", f"could not wait for call {call.call_id}: {exc}",
                               retry_after_s=1.0, call_id=call.call_id)
@@ -274,7 +274,7 @@ class Claim:
             return self.outcome
         try:
             presence = await self.calls.waiting(self.call.tenant, self.call.call_id)  # before submitting or looking
-        except Exception as exc:  # the bus is down: nothing was submitted
+        except BUS_ERRORS as exc:  # the bus is down: nothing was submitted
             return ErrorReply(503, "bus_unavailable", f"could not wait for call {self.call.call_id}: {exc}",
                               retry_after_s=1.0, call_id=self.call.call_id)
         streamed = False  # a re-run cannot follow tokens already sent
@@ -348,5 +348,5 @@ def replayed(claim: Claim | None) -> dict[str, str]:
 async def _quietly_unsubscribe(sub) -> None:
     try:
         await sub.unsubscribe()
-    except Exception:  # the connection is closing: the server drops the subscription with it
+    except BUS_ERRORS:  # the connection is closing: the server drops the subscription with it
         return

@@ -34,7 +34,7 @@ from talaria.services.gateway.validation import check_size
 from talaria.shared.logs import call_context
 from talaria.shared.metrics import FrontendMetrics
 from talaria.shared.nats_auth import ANSWERING_ROLES, SENDER_HEADER, STREAMING_ROLES, sender_of, sent_by
-from talaria.shared.bus import (
+from talaria.shared.bus import (BUS_ERRORS, 
     FAILOVER_S, RECONNECT_WAIT_S, REPLIES_DISK_SHARE, deployment_of, disk_cap, emit, emit_new, ensure_stream_config,
     replicas, written,
 )
@@ -111,7 +111,7 @@ class Submitter:
                     raw = await self.js.get_last_msg(stream, call.reply_to)
                 except NotFoundError:
                     continue  # not answered yet: the answer comes live (the agent sends it again too)
-                except Exception as exc:
+                except BUS_ERRORS as exc:
                     failed[call_id] = str(exc) or type(exc).__name__
                     continue
                 await self._on_reply(raw)
@@ -144,7 +144,7 @@ class Submitter:
             try:
                 await emit(self.js, CallFailed(call.call_id, call.session_id, call.model, "the gateway stopped",
                                                "gateway", time.time(), status=503))
-            except Exception as exc:
+            except BUS_ERRORS as exc:
                 self.log.error("could not record a call cut off by the stop", call_id=call.call_id, error=str(exc))
 
     async def _on_reply(self, msg) -> None:
@@ -255,7 +255,7 @@ class Submitter:
                         return ErrorReply(409, "duplicate_call_id",
                                           f"call {call.call_id} was already submitted", param="call_id",
                                           call_id=call.call_id)
-                except Exception as exc:  # the bus refused: the call was never accepted
+                except BUS_ERRORS as exc:  # the bus refused: the call was never accepted
                     self.log.error("submit failed", call_id=call.call_id, error=str(exc))
                     self.flow.stalled(f"the bus refused a call: {exc or type(exc).__name__}", time.monotonic())
                     return ErrorReply(503, "bus_unavailable", f"could not submit the call: {exc}",
@@ -294,7 +294,7 @@ class Submitter:
             await self.nc.publish(self.deployment.call_cancel, encode(CancelCall(call_id, reason, tenant=tenant)),
                                   headers={SENDER_HEADER: self.nc.options.get("name") or ""})
             self.log.info("call cancelled", call_id=call_id, reason=reason)
-        except Exception as exc:  # the bus is down: the call runs to its end, nothing is lost
+        except BUS_ERRORS as exc:  # the bus is down: the call runs to its end, nothing is lost
             self.log.warning("could not send cancel", call_id=call_id, error=str(exc))
 
     def _token_handler(self, on_token: TokenCallback):
@@ -316,7 +316,7 @@ class Submitter:
         try:
             await emit(self.js, CallFailed(call.call_id, call.session_id, call.model, reason, "gateway",
                                            time.time(), status=504))
-        except Exception as exc:
+        except BUS_ERRORS as exc:
             self.log.error("could not record timeout", call_id=call.call_id, error=str(exc))
         return ErrorReply(504, "timeout", reason, call_id=call.call_id)
 

@@ -20,7 +20,7 @@ from talaria.services import configs
 from talaria.services.configs import Configuration
 from talaria.services.instance_agent.telemetry import build_snapshot
 from talaria.shared import logs, metrics, tracing
-from talaria.shared.bus import PUBLISH_TIMEOUT_S, close, connect, deployment_of, emit, retried_api, tap
+from talaria.shared.bus import BUS_ERRORS, PUBLISH_TIMEOUT_S, close, connect, deployment_of, emit, retried_api, tap
 from talaria.shared.durable_pull import DurablePull
 from talaria.shared.metrics import AgentMetrics
 from talaria.shared.limits import call_problem
@@ -246,7 +246,7 @@ async def _with_prompt(js, runner: CallRunner, routed: CallRouted) -> CallRouted
     try:
         raw = await js.get_msg(deployment_of(js).events_stream, routed.submitted_seq)
         submitted = EVENT_DECODER.decode(raw.data)
-    except Exception as exc:
+    except (*BUS_ERRORS, msgspec.DecodeError) as exc:
         await _refuse(js, runner.nc, routed, f"its submission could not be read back from the stream: {exc}")
         return None
     if (not isinstance(submitted, CallSubmitted) or submitted.call_id != call.call_id

@@ -22,7 +22,7 @@ from talaria.services.instance_agent.engine_thread import EngineThread
 from talaria.services.instance_agent.record_sender import RecordSender, settled
 from talaria.services.instance_agent.watchdog import Watchdog
 from talaria.shared.subjects import Deployment
-from talaria.shared.bus import emit, written
+from talaria.shared.bus import BUS_ERRORS, emit, written
 from talaria.shared.events import CallFailed
 from talaria.shared.logs import call_context
 from talaria.shared.nats_auth import sender_headers
@@ -77,8 +77,8 @@ class CallCloser:
             if transport.released is False:
                 try:
                     await self.thread.run(self.engine.finish, transport.seq)
-                except Exception:
-                    pass
+                except EngineError:
+                    pass  # the engine released it already
                 transport.in_engine = False
             await self.fail(call_id, "finished after its deadline (the client stopped waiting)", status=504,
                             code="deadline_passed")
@@ -205,7 +205,7 @@ class CallCloser:
                 try:
                     if call.transport.msg is not None:
                         await call.transport.msg.in_progress()
-                except Exception:
+                except BUS_ERRORS:
                     pass
             try:
                 await asyncio.wait_for(stop.wait(), every_s)

@@ -12,6 +12,7 @@ import time
 from concurrent.futures import Executor
 
 from talaria.services.instance_agent.engine.contract import Engine, Sequence
+from talaria.services.instance_agent.engine.engine_errors import EngineError
 from talaria.services.instance_agent.scheduler.calls import AgentCall
 from talaria.services.instance_agent.watchdog import Watchdog
 
@@ -46,8 +47,8 @@ class EngineThread:
         """Release what the engine holds of a call, if anything (its KV stays as the session's cache)."""
         try:
             await self.call(self.engine.finish, seq)
-        except Exception:
-            pass  # the engine never admitted it, or released it already
+        except EngineError:
+            pass  # the engine never admitted it (UnknownCall), or released it already
 
     def release_soon(self, seq: Sequence) -> None:
         """`release`, queued now without waiting: it runs once the step in flight (even a stuck
@@ -57,5 +58,5 @@ class EngineThread:
     def _finish_quietly(self, seq: Sequence) -> None:
         try:
             self.engine.finish(seq)
-        except Exception:
-            pass
+        except EngineError:
+            pass  # as in `release`

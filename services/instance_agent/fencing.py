@@ -11,7 +11,7 @@ import time
 
 from talaria.services.router.claims import ClaimStore
 from talaria.services.router.ownership import superseded_by
-from talaria.shared.bus import emit
+from talaria.shared.bus import BUS_ERRORS, emit
 from talaria.shared.events import CallRouted, DispatchRefused
 
 
@@ -29,7 +29,7 @@ class DispatchFencing:
             if self.claims is None:
                 self.claims = ClaimStore(await self.js.key_value(self.bucket), ttl_s=0.0)
             claim = await self.claims.claim(fence.partition)
-        except Exception as exc:  # the bucket unreachable: refusing would lose the call, running risks a rerun
+        except BUS_ERRORS as exc:  # the bucket unreachable: refusing would lose the call, running risks a rerun
             self.log.warning("partition claim unreadable; dispatch run unfenced", call_id=routed.call.call_id,
                              partition=fence.partition, error=str(exc))
             return False

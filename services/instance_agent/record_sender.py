@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 
-from talaria.shared.bus import PUBLISH_TIMEOUT_S, RECONNECT_WAIT_S, emit, emit_async
+from talaria.shared.bus import BUS_ERRORS, PUBLISH_TIMEOUT_S, RECONNECT_WAIT_S, emit, emit_async
 from talaria.shared.nats_auth import sender_headers
 
 
@@ -38,7 +38,7 @@ class RecordSender:
         stops): the call stays unacked. Returns the task (await it to wait for the store)."""
         try:
             ack = await emit_async(self.js, record)
-        except Exception as exc:  # not even queued (the connection is closed): the task retries
+        except BUS_ERRORS as exc:  # not even queued (the connection is closed): the task retries
             ack = asyncio.get_running_loop().create_future()
             ack.set_exception(exc)
         reconnects = self.nc.stats["reconnects"]
@@ -55,7 +55,7 @@ class RecordSender:
         refuses is logged and lost (it carries no message id that would make a retry safe)."""
         try:
             ack = await emit_async(self.js, event)
-        except Exception as exc:
+        except BUS_ERRORS as exc:
             self.log.warning("scheduler record not published", kind=type(event).__name__, error=str(exc))
             return
         task = asyncio.create_task(self._noted(event, ack))
@@ -65,7 +65,7 @@ class RecordSender:
     async def _noted(self, event, ack) -> None:
         try:
             await asyncio.wait_for(ack, PUBLISH_TIMEOUT_S)
-        except Exception as exc:
+        except BUS_ERRORS as exc:
             self.log.warning("scheduler record not stored", kind=type(event).__name__, error=str(exc))
 
     async def _reply(self, replies: list[tuple[str, bytes]]) -> None:
@@ -84,14 +84,14 @@ class RecordSender:
                     return
             except asyncio.CancelledError:
                 raise
-            except Exception:  # disconnected: wait for the client to reconnect
+            except BUS_ERRORS:  # disconnected: wait for the client to reconnect
                 await asyncio.sleep(RECONNECT_WAIT_S)
                 continue
             reconnects = self.nc.stats["reconnects"]
             self.log.info("replies sent again after a reconnect", call_id=call_id)
             try:
                 await self._reply(replies)
-            except Exception:
+            except BUS_ERRORS:
                 await asyncio.sleep(RECONNECT_WAIT_S)
 
     async def _store(self, call_id: str, started_pub, record, ack, on_stored, on_dropped,
@@ -100,13 +100,13 @@ class RecordSender:
             await settled(started_pub)
             try:
                 await asyncio.wait_for(ack, PUBLISH_TIMEOUT_S)
-            except Exception as exc:  # lost or refused: publish it again until it is stored
+            except BUS_ERRORS as exc:  # lost or refused: publish it again until it is stored
                 self.log.warning("outcome not stored yet; retrying", call_id=call_id, error=str(exc))
                 while True:
                     try:
                         await emit(self.js, record)
                         break
-                    except Exception as exc:  # the bus is down: it reconnects; the record must get there
+                    except BUS_ERRORS as exc:  # the bus is down: it reconnects; the record must get there
                         self.log.warning("outcome not stored yet; retrying", call_id=call_id, error=str(exc))
                         await asyncio.sleep(RECONNECT_WAIT_S)
         except asyncio.CancelledError:  # the agent stops: unacked, so the call is redelivered
@@ -136,5 +136,5 @@ async def settled(fut: asyncio.Future | None) -> None:
     if fut is not None:
         try:
             await fut
-        except Exception:
+        except BUS_ERRORS:
             pass

@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from talaria.shared.bus import ATTEMPT_S, PUBLISH_TIMEOUT_S, RECONNECT_WAIT_S, emit, emit_async, event_msg_id
+from talaria.shared.bus import BUS_ERRORS, ATTEMPT_S, PUBLISH_TIMEOUT_S, RECONNECT_WAIT_S, emit, emit_async, event_msg_id
 from talaria.shared.events import DEADLINE_UNREACHABLE, CallFailed, CallSubmitted
 from talaria.shared.messages import ErrorReply
 from talaria.shared.metrics import RouterMetrics
@@ -82,7 +82,7 @@ class RouterOutputs:
         for out in outputs:
             try:
                 acks.append(await emit_async(self.js, out))
-            except Exception as exc:
+            except BUS_ERRORS as exc:
                 failed = asyncio.get_running_loop().create_future()
                 failed.set_exception(exc)
                 acks.append(failed)
@@ -101,7 +101,7 @@ class RouterOutputs:
                 seqs.append((await asyncio.wait_for(ack, wait_s)).seq)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:
+            except BUS_ERRORS as exc:
                 self.log.warning("publish failed; retrying", kind=type(out).__name__, error=str(exc))
                 seqs.append(await self._publish_one(out))
         if seqs:
@@ -114,7 +114,7 @@ class RouterOutputs:
         while True:
             try:
                 return await emit(self.js, out)
-            except Exception as exc:
+            except BUS_ERRORS as exc:
                 self.log.warning("publish failed; retrying", kind=type(out).__name__, error=str(exc))
                 await asyncio.sleep(RECONNECT_WAIT_S)  # back off while NATS recovers
 
@@ -128,7 +128,7 @@ class RouterOutputs:
             await self.nc.publish(failed.reply_to, encode(
                 ErrorReply(failed.status, code, failed.reason, retry_after_s=retry, call_id=failed.call_id)),
                 headers=sender_headers(self.nc))
-        except Exception as exc:  # the failure is recorded; the gateway's timeout answers the client
+        except BUS_ERRORS as exc:  # the failure is recorded; the gateway's timeout answers the client
             self.log.warning("could not answer the client", call_id=failed.call_id, error=str(exc))
 
     async def refuse_reused(self, call: CallSubmitted) -> None:
@@ -142,7 +142,7 @@ class RouterOutputs:
                 409, "duplicate_call_id", f"call id {call.call_id} was already used for an earlier call; "
                 "send each call with a new `call_id`", param="call_id", call_id=call.call_id)),
                 headers=sender_headers(self.nc))
-        except Exception as exc:  # the gateway's timeout answers the client
+        except BUS_ERRORS as exc:  # the gateway's timeout answers the client
             self.log.warning("could not answer the client", call_id=call.call_id, error=str(exc))
 
     async def all_stored(self, timeout: float) -> bool:
@@ -159,5 +159,5 @@ class RouterOutputs:
 async def _acked(msg, log) -> None:
     try:
         await msg.ack()
-    except Exception as exc:  # redelivered; the core skips it as already handled
+    except BUS_ERRORS as exc:  # redelivered; the core skips it as already handled
         log.warning("ack failed", subject=msg.subject, error=str(exc))

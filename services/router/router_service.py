@@ -57,10 +57,10 @@ from talaria.shared.health import INTERVAL_S as HEARTBEAT_INTERVAL_S, BusHearing
 from talaria.shared.logs import call_context
 from talaria.shared.runtime import serve_until_stopped
 from talaria.services.router.hot_pools import HotPools
-from talaria.shared.bus import (ACK_WAIT_S, FAILOVER_S, PUBLISH_TIMEOUT_S, RECONNECT_WAIT_S, close, connect, origin_of,
+from talaria.shared.bus import (BUS_ERRORS, ACK_WAIT_S, FAILOVER_S, PUBLISH_TIMEOUT_S, RECONNECT_WAIT_S, close, connect, origin_of,
                                 publish_fast, retried_api, set_origin)
 from talaria.shared.nats_auth import sender_of, trusted
-from talaria.shared.db.connection import create_engine
+from talaria.shared.db.connection import DB_ERRORS, create_engine
 from talaria.shared.durable_pull import DurablePull, from_ack_floor, unsubscribed
 from talaria.shared.events import (
     CallRouted,
@@ -229,7 +229,7 @@ class RouterService:
             await asyncio.gather(*tasks, *(t for t, _ in self.intakes.values()), return_exceptions=True)
             try:
                 await self._save(store, drain_s=PUBLISH_TIMEOUT_S)
-            except Exception as exc:  # the replay on the next start covers what is not saved
+            except DB_ERRORS as exc:  # the replay on the next start covers what is not saved
                 self.log.warning("final projection save failed", error=str(exc))
             await self.outputs.cancel_pending()  # not stored: their inputs stay unacked and come back
             await self._release_all()  # a clean stop hands its partitions over now, not a TTL later
@@ -266,13 +266,13 @@ class RouterService:
                     config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
                                           opt_start_seq=self.seq + 1, filter_subjects=view_subjects(self.deployment),
                                           inactive_threshold=30))
-            except Exception as exc:
+            except BUS_ERRORS as exc:
                 self.log.warning("view consumer not made; retrying", error=str(exc))
                 await asyncio.sleep(0.5)
                 continue
             try:
                 await self._view_from(sub, stop)
-            except Exception as exc:
+            except BUS_ERRORS as exc:
                 self.log.warning("view consumer failed; resuming after the last event folded",
                                  seq=self.seq, error=str(exc))
                 await asyncio.sleep(0.2)
@@ -350,7 +350,7 @@ class RouterService:
                 return
             try:
                 await self._own_once()
-            except Exception as exc:  # the bucket is unreachable: claims lapse, intake stops with them
+            except BUS_ERRORS as exc:  # the bucket is unreachable: claims lapse, intake stops with them
                 self.log.warning("ownership round failed", error=str(exc))
             finally:
                 self.round_done.set()  # intakes held for a confirmation look again
@@ -437,7 +437,7 @@ class RouterService:
         for p, revision in list(self.ownership.owned.items()):
             try:
                 await self.claims.release(p, revision)
-            except Exception:
+            except BUS_ERRORS:
                 pass  # it lapses a TTL later instead
 
     async def _stop_intake(self, p: int, drain: bool) -> None:
@@ -622,7 +622,7 @@ class RouterService:
             if self.dirty:
                 try:
                     wait = save_interval(await self._save(store, drain_s=SAVE_EVERY_S))
-                except Exception as exc:  # Postgres is off the hot path: routing goes on
+                except DB_ERRORS as exc:  # Postgres is off the hot path: routing goes on
                     self.log.warning("projection save failed", error=str(exc))
 
     async def _save(self, store: ProjectionStore, drain_s: float) -> float:

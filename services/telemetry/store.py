@@ -22,6 +22,7 @@ from sqlalchemy.dialects.postgresql import insert
 
 from talaria.services.telemetry.projector import (FINAL, completed_values, failed_values, project, refused_row,
                                                  text_, ts)
+from talaria.shared.db.connection import DB_ERRORS
 from talaria.shared.db.schema import calls, lease_decisions, metadata, projections, quarantined_events, sessions
 from talaria.shared.events import (
     CallCompleted,
@@ -191,7 +192,7 @@ async def _alive(conn) -> bool:
     try:
         await conn.execute(text("SELECT 1"))
         return True
-    except Exception:
+    except DB_ERRORS:
         return False
 
 

@@ -31,7 +31,7 @@ from talaria.shared.nats_auth import sender_of, trusted
 from talaria.shared import logs, metrics, tracing
 from talaria.shared.metrics import TelemetryMetrics
 from talaria.shared.health import heartbeat_loop
-from talaria.shared.bus import ACK_WAIT_S, close, connect
+from talaria.shared.bus import BUS_ERRORS, ACK_WAIT_S, close, connect
 from talaria.shared.db.connection import create_engine
 from talaria.shared.events import EVENT_DECODER
 from talaria.shared.settings import CommonSettings, Settings, TelemetrySettings
@@ -76,7 +76,7 @@ async def serve(common: CommonSettings, settings: TelemetrySettings, ready: asyn
             except asyncio.TimeoutError:
                 await _flush_spans(spans, time.time())
                 continue
-            except Exception as exc:
+            except BUS_ERRORS as exc:
                 log.warning("fetch failed", error=str(exc))
                 await asyncio.sleep(0.5)
                 continue
@@ -118,7 +118,7 @@ async def _apply_until_committed(store: TelemetryStore, msgs, offset: int, spans
             for msg in msgs:
                 try:
                     await msg.in_progress()  # keep the batch ours while we wait
-                except Exception:
+                except BUS_ERRORS:
                     pass
             try:
                 await asyncio.wait_for(stop.wait(), delay)

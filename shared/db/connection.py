@@ -5,13 +5,19 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
+import asyncpg
 import msgspec
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from talaria.shared.settings import async_database_url
 
 MIGRATIONS_DIR = Path(str(resources.files("talaria.migrations")))
 
+
+# What a database call raises when Postgres or the connection to it fails: a service catches
+# these at its boundary with the database; anything else is a bug and propagates.
+DB_ERRORS = (SQLAlchemyError, asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
 
 _JSON = msgspec.json.Encoder()
 

@@ -224,7 +224,7 @@ class TorchEngine:
         try:
             for r in new:
                 admitted.append(self.admission.admit(dev, self.running, r, t0))
-        except Exception:
+        except BaseException:
             for s in admitted:
                 self.admission.release(dev, self.running, s)
             raise
@@ -244,7 +244,7 @@ class TorchEngine:
                 s.prefill_s += now - t1
             for s in done:
                 out.append(s.take(last[s], now))
-        except Exception:  # nothing of a failed batch stays running or holds pages
+        except BaseException:  # nothing of a failed batch stays running or holds pages
             for s in seqs:
                 self.admission.release(dev, self.running, s)
             raise

@@ -14,6 +14,7 @@ from talaria.services.gateway.idempotency_rules import ORPHANED, outcome_subject
 from talaria.shared import logs
 from talaria.shared import messages as m
 from talaria.shared.events import CallSubmitted
+from talaria.shared.nats_auth import SENDER_HEADER
 from talaria.shared.wire import encode
 from talaria.shared.subjects import Deployment
 
@@ -44,7 +45,8 @@ class Bus:
     async def get_last_msg(self, stream, subject):
         if not self.answered:
             raise NotFoundError
-        return type("Msg", (), {"data": encode(m.ErrorReply(504, "timeout", "late", call_id="c1"))})()
+        return type("Msg", (), {"data": encode(m.ErrorReply(504, "timeout", "late", call_id="c1")),
+                                "headers": {SENDER_HEADER: "talaria-agent-agent-0"}})()
 
     async def request(self, subject, payload, timeout):
         self.probes.append((subject, self.presence.unsubscribed))  # ours must not answer our probe
