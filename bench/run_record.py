@@ -19,7 +19,8 @@ def commit() -> str:
     def git(*a):
         return subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True).stdout.strip()
     head = git("rev-parse", "--short", "HEAD") or "unknown"
-    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    # the outputs themselves do not count: they are what is being made
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!results") else "")
 
 
 def stamp_line(command: str, at: str | None = None) -> str:
