@@ -39,7 +39,7 @@ RESULTS = (
     Result("router_decision", ("router_decision.md",), ("python bench/router_decision.py --sessions 10000 --instances 64 --calls 3000",), 3),
     Result("router_checkpoint", ("router_checkpoint.md",), ("python bench/router_checkpoint.py --sizes 1000,20000,100000",), 3),
     Result("router_sensitivity", ("router_sensitivity.md",), ("python bench/router_sensitivity.py --seeds 8 --scale-sessions 1000",), 20),
-    Result("sim_report", ("sim_report.md", "fixed-replay.json", "router.json", "scale.json", "tau-sweep.json",
+    Result("sim_report", ("sim_report.md", "sim_report.json",
                           "fixed_replay.png",
                           "router_bars.png", "tau_sweep.png"),
            ("python -m talaria.sim.experiments all --out results/",), 60,

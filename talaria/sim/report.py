@@ -307,8 +307,8 @@ NOTES = """How to read this report (details in talaria/sim/*.py docstrings):
 - Regenerate: `python -m talaria.sim.experiments all --out results/` (scale defaults to 10,000
   sessions at 0.25 sessions/s; `--scale-sessions N`, `--scale-rate R` (sessions per second) and
   `--scale-cap-s S` (wall-clock cap per policy, reported as CAPPED) change it). Each experiment
-  run alone (`fixed-replay|router|tau-sweep|scale`) rewrites its JSON and then this report from
-  every JSON in the folder; `report` only rewrites the report.
+  run alone (`fixed-replay|router|tau-sweep|scale`) rewrites its entry of sim_report.json and then
+  this report from every experiment in the folder; `report` only rewrites the report.
 - Instances: the instance agent's own core (`AgentCore`, services/instance_agent/agent_core.py, with
   its `RoundScheduler`) makes every instance decision and writes every record; the simulator's
   executor only prices actions with the profile and keeps device-KV occupancy; the host KV
