@@ -8,8 +8,6 @@ import re
 import subprocess
 from pathlib import Path
 
-import pytest
-
 from bench.regenerate import NOTES, RESULTS, main
 from bench.run_record import STAMP, stamp, stamp_line
 
@@ -30,8 +28,6 @@ def test_every_results_file_is_made_by_exactly_one_listed_command():
     assert set(made) - files == set(), "listed in bench/regenerate.py but not in results/"
 
 
-@pytest.mark.xfail(strict=True, reason="45 files: the simulator report's 6 PNGs and 4 JSONs (talaria/sim/report.py, "
-                   "experiments.py) are one file each only after a change there")
 def test_results_folder_stays_small():
     assert len(results_files()) <= MAX_FILES
 
