@@ -28,6 +28,12 @@ def test_every_results_file_is_made_by_exactly_one_listed_command():
     assert set(made) - files == set(), "listed in bench/regenerate.py but not in results/"
 
 
+def test_the_results_index_names_every_results_file():
+    index = (ROOT / "results" / "README.md").read_text()
+    assert [f for f in results_files() if f != "README.md" and f not in index] == []
+    assert [r.name for r in RESULTS if r.name not in index] == []
+
+
 def test_results_folder_stays_small():
     assert len(results_files()) <= MAX_FILES
 
