@@ -31,6 +31,7 @@ class Result:
     minutes: int  # rough wall time on the 2-core development machine
     note: str = ""  # why it is special (needs root, a GPU venv, ...)
     rerender: str = ""  # rewrites the report from the result's own JSONs, running nothing again
+    prints: bool = False  # the commands print; a person writes the report from that (and stamps it)
 
 
 RESULTS = (
@@ -74,7 +75,7 @@ RESULTS = (
            ("python bench/load.py --routers 1,2 --rounds 2 --rates 80,160,240,320 --seconds 12",), 15),
     Result("metrics", ("metrics.md",), ("python bench/metrics_overhead.py",
                                         "python -m pytest tests/integration/test_nats_cluster.py -s"), 10,
-           "both print; the report is written from their output"),
+           "both print; the report is written from their output", prints=True),
     Result("mutation", ("mutation.md",), ("python bench/mutation.py --sample 3",), 40, "not in CI"),
     Result("multihost", ("multihost.md",), ("python bench/multihost.py --out results/multihost.md",), 10,
            "needs root (network namespaces)"),
@@ -82,7 +83,7 @@ RESULTS = (
     Result("session_inference", ("session_inference.md",), ("python bench/session_inference.py",), 3),
     Result("session_attribution", ("session_attribution.md",), ("python bench/session_attribution.py --batch 64",), 5),
     Result("session_inference_live", ("session_inference_live.md",), ("python bench/mini_swe_agent_sessions.py",), 10,
-           "prints; the report is written from its output"),
+           "prints; the report is written from its output", prints=True),
 )
 # Written by hand, not by a command: read with the results they explain.
 NOTES = {"README.md": "this index", "matrix_notes.md": "the matrix's cell-by-cell reasons",
@@ -106,7 +107,10 @@ def main(argv: list[str] | None = None) -> int:
             print(command)
             if not args.dry_run:
                 subprocess.run(command, shell=True, cwd=ROOT, check=True, executable="/bin/bash")
-        if not args.dry_run:
+        if r.prints and not args.dry_run:
+            print(f"# {r.name}: write results/{r.outputs[0]} from the output above, then stamp it "
+                  "(bench/run_record.py stamp)")
+        elif not args.dry_run:
             for out in r.outputs:
                 if out.endswith(".md"):
                     stamp(ROOT / "results" / out, " && ".join(r.commands))
