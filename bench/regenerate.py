@@ -82,8 +82,6 @@ RESULTS = (
     Result("stream_bytes", ("stream_bytes.md",), ("python bench/stream_bytes.py --sessions 4 --calls 5",), 3),
     Result("session_inference", ("session_inference.md",), ("python bench/session_inference.py",), 3),
     Result("session_attribution", ("session_attribution.md",), ("python bench/session_attribution.py --batch 64",), 5),
-    Result("session_inference_live", ("session_inference_live.md",), ("python bench/mini_swe_agent_sessions.py",), 10,
-           "prints; the report is written from its output", prints=True),
 )
 # Written by hand, not by a command: read with the results they explain.
 NOTES = {"README.md": "this index", "matrix_notes.md": "the matrix's cell-by-cell reasons",
