@@ -52,7 +52,7 @@ for _ in $(seq 1 240); do
 done
 grep -q "talaria: ready" "$WORK/up.log" || { echo "wheel: talaria up not ready"; cat "$WORK/up.log"; exit 1; }
 URL=$(grep -o "gateway http://[0-9.:]*" "$WORK/up.log" | head -1 | cut -d' ' -f2)
-KEY=$(cat "$WORK/data/api_key")  # `talaria up` generated it (README: Security)
+KEY=$(cat "$WORK/data/api_key")  # `talaria up` generated it (docs/security.md)
 "$PY" - "$URL" "$KEY" <<'PY'
 import json, sys, urllib.request
 url, key = sys.argv[1], sys.argv[2]

@@ -264,6 +264,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--target", type=float, default=GatewaySettings.admission_target_queue_s)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--json", default=None, help="also write the raw rows here (results/ keeps the report only)")
     ap.add_argument("--routers", default=None, help="compare router counts, e.g. 1,2 (admission on)")
     ap.add_argument("--rounds", type=int, default=1, help="with --routers: alternate the counts this many times")
     args = ap.parse_args()
@@ -275,7 +276,8 @@ def main() -> int:
                    f"--seconds {args.seconds:g}")
         out = ROOT / (args.out or "results/routers_load.md")
         out.write_text(routers_markdown(rows, command, args.target, args.seconds))
-        out.with_suffix(".json").write_text(json.dumps(rows, indent=2))
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
         print(out.read_text())
         return 0
     args.out = args.out or "results/load.md"
@@ -283,7 +285,8 @@ def main() -> int:
     command = f"python bench/load.py --rates {args.rates} --seconds {args.seconds:g}"
     out = ROOT / args.out
     out.write_text(markdown(rows, command, args.target, args.seconds))
-    out.with_suffix(".json").write_text(json.dumps(rows, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
     print(out.read_text())
     return 0
 

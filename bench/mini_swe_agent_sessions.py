@@ -2,7 +2,7 @@
 
 Run with a Python that has mini-swe-agent (a throwaway venv: `pip install mini-swe-agent`),
 against `talaria up` serving a checkpoint that answers every chat with one `bash` tool call
-(the steps are in results/session_inference_live.md):
+(the steps and what it showed are in docs/api.md, "mini-swe-agent through litellm"):
 
     python bench/mini_swe_agent_sessions.py http://127.0.0.1:PORT/v1 API_KEY MODEL [--agents 2] [--steps 5]
 

@@ -1,10 +1,38 @@
 """A benchmark run's Markdown: printed, and appended to a results file under a heading that
-says when and with which command line it was made (so a results file keeps every run)."""
+says when, with which command line and at which commit it was made; and the one-line stamp
+(command and commit) that bench/regenerate.py puts on every Markdown result."""
 
 from __future__ import annotations
 
+import re
+import subprocess
 import sys
 import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STAMP = re.compile(r"^<!-- made by `(?P<command>.+)` at commit (?P<commit>\S+) -->$")
+
+
+def commit() -> str:
+    """The checkout's short commit, `+dirty` when the tree has changes (the stamp must not lie)."""
+    def git(*a):
+        return subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True).stdout.strip()
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    # the outputs themselves do not count: they are what is being made
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!results") else "")
+
+
+def stamp_line(command: str, at: str | None = None) -> str:
+    return f"<!-- made by `{command}` at commit {at or commit()} -->"
+
+
+def stamp(path: Path, command: str, at: str | None = None) -> None:
+    """Put the stamp on a Markdown result's first line (replacing an older stamp)."""
+    lines = path.read_text().splitlines()
+    if lines and STAMP.match(lines[0]):
+        lines = lines[1:]
+    path.write_text("\n".join([stamp_line(command, at), *lines]) + "\n")
 
 
 def publish(text: str, out: str | None, title: str) -> None:
@@ -12,4 +40,4 @@ def publish(text: str, out: str | None, title: str) -> None:
     if out:
         with open(out, "a") as f:
             f.write(f"\n### {title} {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
-                    f"`{' '.join(sys.argv)}`\n\n{text}")
+                    f"`{' '.join(sys.argv)}` at commit {commit()}\n\n{text}")

@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gaps", default="recorded:none", help="as talaria sim run --gaps (recorded caps at 10 s)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("results/weka_as_deployed.md"))
+    ap.add_argument("--json", type=Path, default=None, help="also write every run's figures here")
     args = ap.parse_args(argv)
     loads = [float(x) for x in args.loads.split(",")]
     seeds = list(range(args.seeds))
@@ -159,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     text = report(runs, loads, seeds, wall, command.strip(), args.gaps)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
-    args.out.with_suffix(".json").write_text(json.dumps(
-        {f"{load}/{seed}": res for (load, seed), res in runs.items()}, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(
+            {f"{load}/{seed}": res for (load, seed), res in runs.items()}, indent=1))
     print(text)
     return 0
 

@@ -1,6 +1,6 @@
 """Who may publish and subscribe what on NATS, and which service owns each event.
 
-Two layers (README "Security"):
+Two layers (docs/security.md):
 - **server-side permissions**: the embedded NATS runs with one user per service (and per
   instance agent) plus a `client` user for the NATS API; `permissions()` lists what each may
   publish and subscribe. A client may publish only `talaria.api.call` / `talaria.api.cancel`

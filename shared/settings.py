@@ -226,7 +226,7 @@ class RouterSettings:
     # The router sizes the hot pools from measured demand (services/router/hot_pools.py): it
     # tells cold agents which model to keep resident (PoolPinned); `--hot` agents stay fixed.
     hot_pools: bool = False
-    # -- router replicas (README "Router replicas"; services/router/ownership.py) -------------
+    # -- router replicas (docs/operating.md "More than one router"; services/router/ownership.py) -------------
     # The routers of a deployment split the sessions: 64 session slots grouped into this many
     # partitions (a divisor of 64; every router must agree: checked against the KV bucket), each
     # owned by one router through a KV key that expires this long after its last renewal (6
@@ -268,7 +268,7 @@ class AgentSettings:
     heartbeat_s: float = 0.5
     watchdog_min_s: float = 10.0  # the agent watchdog's floor for "stuck" (services/instance_agent/watchdog.py)
     torch_threads: int = 1
-    # TALARIA_ENGINE=vllm / sglang (README "Engines"); 0 or "": the adapter's default
+    # TALARIA_ENGINE=vllm / sglang (docs/engines.md); 0 or "": the adapter's default
     vllm_switch: str = ""  # resident | sleep | release
     vllm_kv_bytes: int = 0  # KV cache per model on CPU
     vllm_host_kv_bytes: int = 0  # the KV connector's host pages per model

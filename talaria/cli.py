@@ -181,7 +181,7 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
         print("talaria migrate: set TALARIA_DATABASE_URL", file=sys.stderr)
         return 2
     admin = settings.cli.database_admin_url
-    if admin:  # first set up the application role of TALARIA_DATABASE_URL (README: Security)
+    if admin:  # first set up the application role of TALARIA_DATABASE_URL (docs/security.md)
         import asyncio
         from urllib.parse import urlsplit
 
@@ -199,7 +199,7 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_nats_config(args: argparse.Namespace, settings: Settings) -> int:
-    """The embedded server's users and permissions, for an operator's NATS (README: Security)."""
+    """The embedded server's users and permissions, for an operator's NATS (docs/security.md)."""
     from talaria.shared.nats_auth import authorization_block, generate_users
     from talaria.stack import write_private
 

@@ -221,7 +221,7 @@ def tool_choice(choice: str | ToolChoiceIn | None) -> tuple[str, str | None]:
 # Without `max_output_tokens` OpenAI lets the answer run to the context's end, but here the
 # engine reserves KV for prompt + max tokens up front and the router places a call only where
 # that fits beside the KV already held: asking for the whole context made a Codex session's
-# second call unplaceable (its first call's KV still held; measured, README). So the default
+# second call unplaceable (its first call's KV still held; measured, docs/api.md). So the default
 # is what Claude Code asks of /v1/messages whatever the model, cut to the context left.
 DEFAULT_MAX_OUTPUT_TOKENS = 32_000
 

@@ -10,10 +10,11 @@ writes matrix.json, matrix.md (the win table) and matrix_heatmap.png; `all` leav
 Every simulated instance is the instance agent's own core (`AgentCore` and its
 RoundScheduler) on the simulator's executor (executor.py).
 
-Each writes `<out>/<experiment>.json` (one entry per configuration/policy with sct_p50,
-sct_p95, ttft_p50, ttft_p95 in seconds, `oracle`, counters such as avoidable_cold_opens)
-and then the Markdown report with plots (talaria/sim/report.py) from every experiment JSON in
-`<out>` (`--no-report` skips it; `report` only rewrites it).
+Each writes its entry of `<out>/sim_report.json`, keyed by experiment (one entry per
+configuration/policy with sct_p50, sct_p95, ttft_p50, ttft_p95 in seconds, `oracle`, counters
+such as avoidable_cold_opens; the matrix keeps its own matrix.json), and then the Markdown
+report with plots (talaria/sim/report.py) from every experiment in `<out>` (`--no-report` skips
+it; `report` only rewrites it).
 Routing policies come from the router's registry by name; a policy the registry does not
 have yet is skipped and listed under "skipped". `router` and `scale` run the faithful peers
 (round-robin included) deployed as they are deployed (`deployed`, deployment.py) and talaria
@@ -57,7 +58,8 @@ ROUTER_POLICIES = (*PEERS, "talaria", *(f"{p} (transplanted)" for p in TRANSPLAN
 # The configuration (services/configs.py) of each label that is not itself a configuration's name.
 CONFIG_OF = {f"{p} (transplanted)": p for p in TRANSPLANTED}
 # Scale: the transplanted extras are left out (least-pressure and kv-cost took 530 s and a
-# 300 s cap per run; their last numbers are in git history of results/scale.json).
+# 300 s cap per run; their last numbers are in git history of results/scale.json, now
+# results/sim_report.json's `scale`).
 # talaria-forecast-pools: talaria given the peers' forecast pool split (the hot-pool ablation).
 SCALE_POLICIES = (*PEERS, "talaria", FORECAST_POOLS)
 TAUS = (0.0, 0.5, 1.0, 2.0, 5.0)
@@ -291,13 +293,29 @@ EXPERIMENTS = {
 }
 
 
-def _merge_scale(path: Path, new: dict) -> dict:
+SIM_JSON = "sim_report.json"  # every experiment but the matrix, keyed by name: one file, not one each
+
+
+def _stored(out_dir: Path, strict: bool = False) -> dict:
+    """The experiments already in `out_dir`'s SIM_JSON ({} when none; a broken file stops a
+    `strict` reader with a one-line error, and is replaced by a writer)."""
+    path = out_dir / SIM_JSON
+    if not path.exists():
+        return {}
+    try:
+        found = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        if strict:
+            raise SystemExit(f"{path}: not valid JSON ({exc}); re-run the experiments") from None
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def _merge_scale(old: dict | None, new: dict) -> dict:
     """A run of some policies (`--scale-policies`) adds to the last scale result when both
     ran the same workload, so slow policies can get their own wall cap; else it replaces it."""
     same = ("sessions", "instances", "models", "arrival_rate_s", "zipf_s")
-    try:
-        old = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+    if not isinstance(old, dict):
         return new
     if any(old.get(k) != new.get(k) for k in same) or not isinstance(old.get("policies"), dict):
         return new
@@ -320,17 +338,18 @@ def run(names: list[str], out_dir: Path, json_path: Path | None, quick: bool,
             results[name] = fixed_replay_exp()
         elif name == "scale" and quick:
             picked = (scale or {}).get("policies")
-            results[name] = _merge_scale(out_dir / "scale.json", scale_exp(
+            results[name] = _merge_scale(_stored(out_dir).get("scale"), scale_exp(
                 sessions=60, instances=4, models=4, arrival_rate_s=0.2, policies=picked))
         elif name == "scale":
             kw = {k: v for k, v in (scale or {}).items() if v is not None}
             if scale_sessions:
                 kw["sessions"] = scale_sessions
-            results[name] = _merge_scale(out_dir / "scale.json", scale_exp(**kw))
+            results[name] = _merge_scale(_stored(out_dir).get("scale"), scale_exp(**kw))
         else:
             results[name] = EXPERIMENTS[name]()
-        for key in [k for k in results if k.startswith(name)]:
-            write_json(results[key], out_dir / f"{key}.json")
+        stored = _stored(out_dir)
+        stored.update({k: results[k] for k in results if k.startswith(name)})
+        write_json({k: stored[k] for k in REPORTED if k in stored}, out_dir / SIM_JSON)
     if json_path is not None:
         write_json(results, json_path)
     return results
@@ -377,15 +396,14 @@ REPORTED = ("fixed-replay", "router", "tau-sweep", "scale", "matrix")
 
 
 def load_results(out_dir: Path) -> dict:
-    """Every experiment JSON in `out_dir` (the report is always written from all of them)."""
-    found = {}
-    for key in REPORTED:
-        path = out_dir / f"{key}.json"
-        if path.exists():
-            try:
-                found[key] = json.loads(path.read_text())
-            except json.JSONDecodeError as exc:
-                raise SystemExit(f"{path}: not valid JSON ({exc}); re-run that experiment") from None
+    """Every experiment in `out_dir` (the report is always written from all of them)."""
+    found = {k: v for k, v in _stored(out_dir, strict=True).items() if k in REPORTED}
+    path = out_dir / "matrix.json"
+    if path.exists():
+        try:
+            found["matrix"] = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"{path}: not valid JSON ({exc}); re-run the matrix") from None
     return found
 
 

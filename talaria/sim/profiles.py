@@ -226,7 +226,7 @@ ROUTER_TP4 = ServerProfile(
 # as the agent runs it, medians): each model's prefill at 512 and 2,048 prompt tokens and its
 # decode step at (batch 1, 512 context), (batch 1, 2,048) and (batch 4, 4 x 512). The prefill
 # curve goes through the two prefill points; the decode line d0 + d1 * batch + d2 * context
-# through the three decode points (results/sim_fidelity.md uses this profile).
+# through the three decode points (results/sim_fidelity_peers.md uses this profile).
 _TINY_MEASURED = {  # [meas] seconds
     "qwen3-tiny": dict(p512=0.03166, p2048=0.18942, b1c512=0.001497, b1c2048=0.002347, b4c512=0.003235),
     "qwen3-moe-tiny": dict(p512=0.05248, p2048=0.25693, b1c512=0.004378, b1c2048=0.006711, b4c512=0.008831),

@@ -94,31 +94,26 @@ def fixed_replay_section(res: dict, out: Path, title: str, tag: str) -> list[str
         + f"; HBM peak {t['hbm_peak_gib_per_gpu']:.1f} GiB of {t['hbm_cap_gib_per_gpu']:.0f} GiB per GPU."
     )
     lines.append("")
-    fig, ax = plt.subplots(figsize=(5, 3.2))
+    # one figure, four panels: results/ keeps one file per plot, not one per panel
+    fig, ((sct, box), (ttft, switch)) = plt.subplots(2, 2, figsize=(10.5, 6.4))
     for name, s in cfgs.items():
-        _cdf(ax, [x["sct"] for x in s["per_session"] if x["sct"]], name, COLORS.get(name))
-    _cdf(ax, [x["oracle"] for x in t["per_session"]], "oracle", "k")
-    ax.set_xscale("log"), ax.set_xlabel("Session completion time (s)"), ax.set_ylabel("CDF"), ax.legend(fontsize=7)
-    a = _save(fig, out / f"{tag}_sct_cdf.png")
-    fig, ax = plt.subplots(figsize=(5.5, 3.2))
+        _cdf(sct, [x["sct"] for x in s["per_session"] if x["sct"]], name, COLORS.get(name))
+    _cdf(sct, [x["oracle"] for x in t["per_session"]], "oracle", "k")
+    sct.set_xscale("log"), sct.set_xlabel("Session completion time (s)"), sct.set_ylabel("CDF"), sct.legend(fontsize=7)
     data = [[x["sct"] for x in s["per_session"] if x["sct"]] for s in cfgs.values()]
-    ax.boxplot(data, whis=(0, 100), showfliers=False)
+    box.boxplot(data, whis=(0, 100), showfliers=False)
     for i, d in enumerate(data, start=1):
-        ax.scatter([i] * len(d), d, s=6, alpha=0.6)
-    ax.set_xticks(range(1, len(cfgs) + 1), list(cfgs), fontsize=7)
-    ax.set_ylabel("SCT (s)")
-    b = _save(fig, out / f"{tag}_sct_box.png")
-    fig, ax = plt.subplots(figsize=(5, 3.2))
+        box.scatter([i] * len(d), d, s=6, alpha=0.6)
+    box.set_xticks(range(1, len(cfgs) + 1), list(cfgs), fontsize=7)
+    box.set_ylabel("SCT per session (s)")
     for name, s in cfgs.items():
-        _cdf(ax, [max(v, 1e-3) for v in s.get("ttft_samples", [])], name, COLORS.get(name))
-    ax.set_xscale("log"), ax.set_xlabel("TTFT (s)"), ax.set_ylabel("CDF"), ax.legend(fontsize=7)
-    c = _save(fig, out / f"{tag}_ttft_cdf.png")
-    fig, ax = plt.subplots(figsize=(5, 3.2))
+        _cdf(ttft, [max(v, 1e-3) for v in s.get("ttft_samples", [])], name, COLORS.get(name))
+    ttft.set_xscale("log"), ttft.set_xlabel("TTFT (s)"), ttft.set_ylabel("CDF"), ttft.legend(fontsize=7)
     for name in ("talaria", "h2d-only"):
-        _cdf(ax, [x * 1000 for x in cfgs[name]["switch"]["samples"]], name, COLORS[name])
-    ax.set_xscale("log"), ax.set_xlabel("Switch latency (ms)"), ax.set_ylabel("CDF"), ax.legend(fontsize=7)
-    d = _save(fig, out / f"{tag}_switch_cdf.png")
-    lines += [f"![SCT CDF]({a}) ![per-session SCT]({b})", "", f"![TTFT CDF]({c}) ![switch CDF]({d})", ""]
+        _cdf(switch, [x * 1000 for x in cfgs[name]["switch"]["samples"]], name, COLORS[name])
+    switch.set_xscale("log"), switch.set_xlabel("Switch latency (ms)"), switch.set_ylabel("CDF"), switch.legend(fontsize=7)
+    a = _save(fig, out / f"{tag}_replay.png")
+    lines += [f"![SCT CDF, per-session SCT, TTFT CDF, switch CDF]({a})", ""]
     return lines
 
 
@@ -312,8 +307,8 @@ NOTES = """How to read this report (details in talaria/sim/*.py docstrings):
 - Regenerate: `python -m talaria.sim.experiments all --out results/` (scale defaults to 10,000
   sessions at 0.25 sessions/s; `--scale-sessions N`, `--scale-rate R` (sessions per second) and
   `--scale-cap-s S` (wall-clock cap per policy, reported as CAPPED) change it). Each experiment
-  run alone (`fixed-replay|router|tau-sweep|scale`) rewrites its JSON and then this report from
-  every JSON in the folder; `report` only rewrites the report.
+  run alone (`fixed-replay|router|tau-sweep|scale`) rewrites its entry of sim_report.json and then
+  this report from every experiment in the folder; `report` only rewrites the report.
 - Instances: the instance agent's own core (`AgentCore`, services/instance_agent/agent_core.py, with
   its `RoundScheduler`) makes every instance decision and writes every record; the simulator's
   executor only prices actions with the profile and keeps device-KV occupancy; the host KV

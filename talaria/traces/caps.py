@@ -6,12 +6,12 @@ not caps, so the simulator gives each session one client's default, drawn from t
 in equal shares by a hash of the session id ([asm]: the shares are not measured):
 
     claude-code   32,000  Claude Code's `max_tokens` on /v1/messages (its default
-                          CLAUDE_CODE_MAX_OUTPUT_TOKENS; README "max tokens" row of
+                          CLAUDE_CODE_MAX_OUTPUT_TOKENS; docs/api.md, "max tokens" of
                           /v1/responses, which uses the same number)
     model-max     context - prompt  an OpenAI SDK client that sends no `max_tokens` to a
                           vLLM or SGLang server: the server allows the rest of the context
                           (vLLM's OpenAI server, `max_tokens` default max_model_len - prompt)
-    gateway-256   256     the same client against this gateway: its chat default (README,
+    gateway-256   256     the same client against this gateway: its chat default (docs/api.md,
                           "max tokens": default 256)
 
 A call whose recorded output exceeds its session's default cannot have run under it: its cap

