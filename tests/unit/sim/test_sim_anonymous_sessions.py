@@ -118,3 +118,23 @@ def test_vllm_stack_session_hashes_a_named_session():
 def test_an_unknown_session_ids_mode_is_one_clear_error():
     with pytest.raises(ValueError, match="session_ids must be one of"):
         Cluster(_workload(), replace(_config("talaria", "named"), session_ids="nobody"))
+
+
+def test_sim_run_no_session_ids_flag(tmp_path, capsys, monkeypatch):
+    from talaria.sim import cluster
+    from talaria.sim.cli import main as cli_main
+    from talaria.traces.format import save_sessions
+
+    modes = []
+    real = cluster.AnonymousSessions
+    monkeypatch.setattr(cluster, "AnonymousSessions", lambda mode: modes.append(mode) or real(mode))
+    trace = tmp_path / "t.jsonl"
+    save_sessions(_workload(), trace)
+    for flags in ([], ["--no-session-ids"]):
+        out = tmp_path / f"run{len(flags)}.json"
+        assert cli_main(["run", "--trace", str(trace), "--config", "talaria", "--instances", "2",
+                         "--gaps", "recorded", "--json", str(out), *flags]) == 0
+    import json
+    named, anon = (json.loads((tmp_path / f"run{k}.json").read_text()) for k in (0, 1))
+    assert modes == ["inferred"]  # only the run without ids, and talaria infers
+    assert anon["sct_p95"] == pytest.approx(named["sct_p95"]) and "SCT p50" in capsys.readouterr().out
