@@ -93,6 +93,9 @@ class AnonymousSessions:
         self.latest: dict[str, str] = {}  # true session -> the visible id of its latest routed call
         self._claims: dict[str, tuple[Inferred, list[int]]] = {}  # call id -> decision, its hashes
         self.kinds: dict[str, int] = {"new": 0, "continued": 0, "forked": 0}
+        # measured against the truth, never shown to the index: calls put in another's session
+        self._owner: dict[str, str] = {}  # inferred id -> the true session that started it
+        self.merged = 0
 
     def hashes(self, session: str, index: int, prompt: int, reusable: int, shared: int, model: str) -> list[int]:
         """The call's block hashes over its whole prompt (the router reads its first blocks)."""
@@ -109,6 +112,7 @@ class AnonymousSessions:
         self._claims[call_id] = (got, hashes)
         self.visible[call_id], self.origin[call_id] = got.session_id, got.kind
         self.kinds[got.kind] += 1
+        self.merged += self._owner.setdefault(got.session_id, session) != session
         return got.session_id
 
     def routed(self, call_id: str, session: str) -> None:

@@ -70,6 +70,7 @@ def test_talaria_without_ids_attributes_every_session_and_serves_it_as_with_ids(
     sessions, calls = len(anon.sessions), sum(len(s.calls) for s in anon.sessions)
     # each session started once and every later call continued it; none merged or forked
     assert cluster.anonymous.kinds == {"new": sessions, "continued": calls - sessions, "forked": 0}
+    assert cluster.anonymous.merged == 0
     by_true = {}
     for ev in seen.submitted:
         by_true.setdefault(ev.call_id.split("#")[0], set()).add(ev.session_id)
