@@ -139,3 +139,14 @@ def test_sim_run_no_session_ids_flag(tmp_path, capsys, monkeypatch):
     named, anon = (json.loads((tmp_path / f"run{k}.json").read_text()) for k in (0, 1))
     assert modes == ["inferred"]  # only the run without ids, and talaria infers
     assert anon["sct_p95"] == pytest.approx(named["sct_p95"]) and "SCT p50" in capsys.readouterr().out
+
+
+def test_the_matrix_deploys_each_configuration_as_it_does_without_ids():
+    from talaria.sim import matrix
+
+    cell = next(c for c in matrix.cells() if c.name == "depth=5@60%")
+    assert matrix.run_config(cell, "talaria")[0].session_ids == "named"
+    assert matrix.run_config(cell, "talaria-paper", session_ids="none")[0].session_ids == "inferred"
+    assert matrix.run_config(cell, "sglang-cache-aware", session_ids="none")[0].session_ids == "per-call"
+    with pytest.raises(ValueError, match="session_ids must be one of"):
+        matrix.run_config(cell, "talaria", session_ids="some")
