@@ -80,7 +80,8 @@ RESULTS = (
     Result("multihost", ("multihost.md",), ("python bench/multihost.py --out results/multihost.md",), 10,
            "needs root (network namespaces)"),
     Result("stream_bytes", ("stream_bytes.md",), ("python bench/stream_bytes.py --sessions 4 --calls 5",), 3),
-    Result("session_inference", ("session_inference.md",), ("python bench/session_inference.py",), 3),
+    Result("session_inference", ("session_inference.md",),
+           ("python bench/session_inference.py", "python bench/matrix_session_ids.py"), 7),
     Result("session_attribution", ("session_attribution.md",), ("python bench/session_attribution.py --batch 64",), 5),
 )
 # Written by hand, not by a command: read with the results they explain.

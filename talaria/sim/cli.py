@@ -3,7 +3,7 @@
     talaria sim run --trace T.jsonl[.xz]|fixed-replay --profile paper-tp8 --config NAME [--set KNOB=VALUE] \
         [--instances N] [--policy NAME --deploy shared|as-deployed --ablation A --tau S] \
         [--gaps paper|recorded[:cap]|rescaled:F[:cap]] [--model-map auto|A=B,...] [--seed N] [--json OUT] \
-        [--bound]
+        [--bound] [--no-session-ids]
 
 `--config NAME` runs a named configuration (services/configs.py) as it is deployed; `--policy`,
 `--deploy`, `--pools`, `--ablation`, `--tau` are the older spellings of the same choices.
@@ -37,6 +37,7 @@ from talaria.traces.gaps import default_gap_spec, parse_gap_model
 from talaria.traces.weka import convert_file
 from talaria.sim.deployment import TALARIA_POOLS, Placement, place
 from talaria.sim.matrix import demand_s
+from talaria.sim.anonymous_sessions import without_ids
 
 
 def _run(args) -> int:
@@ -81,6 +82,7 @@ def _run(args) -> int:
         sched, gaps,
         label=name, progress=True, pinned=placed.pinned, log_actions=args.bound, hot_pools=placed.online,
         hot_pools_z=cfg.hot_pools_z,
+        session_ids=without_ids(cfg.policy) if args.no_session_ids else "named",
     )
     result = simulate(sessions, config)
     summary = summarise(result)
@@ -194,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "router resizes from measured demand (services/router/hot_pools.py; the matrix's "
                           "configuration); forecast = the peers' split of the trace's demand, as an operator "
                           "would pin it (talaria up --hot)")
+    run.add_argument("--no-session-ids", action="store_true",
+                     help="the clients name no session: talaria infers them from the prompts, a peer's router "
+                          "sees each call as its own session (talaria/sim/anonymous_sessions.py)")
     run.add_argument("--json", default=None)
     run.add_argument("--bound", action="store_true",
                      help="also print the capacity-aware bound (schedule bound and free-memory run)")

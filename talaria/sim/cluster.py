@@ -58,7 +58,9 @@ from talaria.shared.events import (
     PoolPinned,
     RoutingDecision,
 )
+from talaria.services.router.prefix_index import INDEXED_BLOCKS
 from talaria.sim.agents import PromptHashes, RetryPolicy
+from talaria.sim.anonymous_sessions import AnonymousSessions
 from talaria.sim.event_loop import EventLoop
 from talaria.sim.device_view import DeviceView
 from talaria.sim.executor import Job, SimExecutor, instance_config
@@ -100,6 +102,9 @@ class RunConfig:
     # (and the completions it did not receive) this much later.
     routers: int = 1
     propagation_s: float = 0.0
+    # What the router gets when clients name no session: named (the true id) | inferred
+    # (talaria's gateway) | per-call (a peer's router without a key); anonymous_sessions.py
+    session_ids: str = "named"
 
 
 @dataclass
@@ -177,6 +182,7 @@ class Cluster:
         self._prompts = PromptHashes()
         self._hashes: dict[str, list[int]] = {}  # call id -> its prompt's block hashes
         self._by_id = {s.id: s for s in sessions}
+        self.anonymous = AnonymousSessions(config.session_ids) if config.session_ids != "named" else None
 
     # ---- run --------------------------------------------------------------------------
 
@@ -232,6 +238,12 @@ class Cluster:
             shared=min(self.config.shared_prefix.get(call.model, 0), call.prompt_tokens - 1),
             max_tokens=client_cap(call, self.config.server.model(call.model).max_context),
         )
+        if self.anonymous is not None:  # the whole prompt's hashes: the session is read off them
+            full = self.anonymous.hashes(session_id, index, call.prompt_tokens, call.reusable_prefix_tokens,
+                                         job.shared, call.model)
+            self.anonymous.submit(job.call_id, session_id, full, now)
+            self._hashes[job.call_id] = full[:INDEXED_BLOCKS]  # no router reads past them (agents.py)
+            return self._route(now, job)
         self._hashes[job.call_id] = self._prompts.for_call(
             session_id, index, call.prompt_tokens, call.reusable_prefix_tokens, job.shared, call.model)
         return self._route(now, job)
@@ -278,18 +290,21 @@ class Cluster:
     def _route(self, now: float, job: Job):
         self._refresh_snapshots(now)
         later = self._tick_all(now)
+        anon = self.anonymous
+        seen = anon.visible[job.call_id] if anon is not None else job.session  # the router's session
         submitted = CallSubmitted(
             call_id=job.call_id,
-            session_id=job.session,
+            session_id=seen,
             model=job.model,
             prompt_ids=[],
             block_hashes=self._hashes[job.call_id],
             max_tokens=job.max_tokens,
             submitted_at=now,
             prompt_tokens_hint=job.prompt,
+            session_origin=anon.origin[job.call_id] if anon is not None else "named",
         )
         started = time.perf_counter()  # the decision's wall time, measured here in the shell
-        owner = self._owner(job.session)
+        owner = self._owner(seen)
         events = owner.handle(submitted, now)
         self.counters.decision_us += (time.perf_counter() - started) * 1e6
         self._count(events)
@@ -297,6 +312,9 @@ class Cluster:
         for ev in events:
             if isinstance(ev, CallRouted):
                 del self._hashes[job.call_id]
+                if anon is not None:  # the agent knows the call by the router's session and index
+                    job.routed_index = ev.call_index
+                    anon.routed(job.call_id, job.session)
                 self._measure_placement(job, ev.instance_id)
                 job.kv_output_tokens = ev.kv_output_tokens
                 out.extend(self.instances[ev.instance_id].submit(now, job) or ())
@@ -308,6 +326,8 @@ class Cluster:
                     self.counters.gave_up += 1  # the session stops here, incomplete
                     del self._hashes[job.call_id]
                     self._prompts.forget(job.session)
+                    if anon is not None:
+                        anon.gave_up(job.call_id, job.session)
                     continue
                 self.counters.retries += 1
                 out.append((now + wait, self._route, (job,)))
@@ -366,7 +386,9 @@ class Cluster:
     def completed(self, job: Job, done: CallCompleted, now: float):
         """An instance finished `job`; `done` is its agent core's completion record."""
         self.jobs.append(job)
-        owner = self._owner(job.session)
+        if self.anonymous is not None:  # the router hears of it under the session it saw
+            done = self.anonymous.answered(done, job.session, job.call_index, job.output, now)
+        owner = self._owner(done.session_id)
         reactions = owner.handle(done, now)
         self._count(reactions)
         self._repin(reactions, now)
@@ -378,6 +400,8 @@ class Cluster:
         nxt = job.call_index + 1
         if nxt >= len(session.calls):
             self._prompts.forget(job.session)
+            if self.anonymous is not None:
+                self.anonymous.forget(job.session)
             return later or None
         gap = self.config.gaps.gap(session.calls[nxt])
         self.gaps_applied[(job.session, nxt)] = gap
@@ -412,6 +436,8 @@ class Cluster:
             snap = msgspec.structs.replace(rec[4], version=ver, at=now)
         else:
             snap = inst.snapshot(ver, now, self.config.heartbeat_s)
+            if self.anonymous is not None:
+                snap = self.anonymous.relabel(snap)
             rec[3] = key
         rec[4] = snap
         for router in self.routers:

@@ -75,6 +75,7 @@ class Job:
     release_t: float  # intended enqueue (schedule-aware TTFT starts here)
     max_tokens: int = 0  # the client's cap, what the router and the scheduler see (0: output)
     kv_output_tokens: int = 0  # the router's KV estimate of its output (CallRouted)
+    routed_index: int = -1  # the router's call index when it saw another session (anonymous_sessions.py)
     first_token_t: float = -1.0
     done_t: float = -1.0
     remaining: int = 0  # decode steps left
@@ -135,7 +136,8 @@ class SimExecutor:
     def submit(self, now: float, job: Job):
         job.instance = self.id
         source, avail = self._kv_for(job)
-        self.core.accept(job.call_id, job.session, job.model, call_index=job.call_index, prompt_tokens=job.prompt,
+        index = job.call_index if job.routed_index < 0 else job.routed_index
+        self.core.accept(job.call_id, job.session, job.model, call_index=index, prompt_tokens=job.prompt,
                          max_tokens=max(job.max_tokens, job.output), submitted_at=job.release_t,
                          kv_state=source if source in ("device", "host") else "none", reusable_tokens=avail,
                          now=now, arrived_at=now, kv_output_tokens=job.kv_output_tokens)

@@ -382,6 +382,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer-split", choices=PEER_SPLITS, default="exact",
                         help="matrix: size the peers' pools on the run's own demand (exact, the published "
                              "table) or on another draw of the same workload (history)")
+    parser.add_argument("--session-ids", choices=("named", "none"), default="named",
+                        help="matrix: the clients name their sessions, or none (talaria infers them, a peer's "
+                             "router has no key: talaria/sim/anonymous_sessions.py)")
     parser.add_argument("--ablations", action="store_true",
                         help="matrix: also run talaria without leases and without its instance mechanisms "
                              "(the report's mechanism column)")
@@ -432,7 +435,8 @@ def run_from_args(args) -> int:
                                                and getattr(args, "ablations", False))
                   + (SENSITIVITY if getattr(args, "sensitivity", False) else ()) + _extra_configs(args),
                   "only": [c.strip() for c in args.cells.split(",")] if getattr(args, "cells", None) else None,
-                  "peer_split": getattr(args, "peer_split", "exact")}
+                  "peer_split": getattr(args, "peer_split", "exact"),
+                  "session_ids": getattr(args, "session_ids", "named")}
         run(names, args.out, args.json, args.quick, args.scale_sessions, scale, matrix)
     if not args.no_report:
         path = write_report(load_results(args.out), args.out)

@@ -50,6 +50,7 @@ from dataclasses import asdict, dataclass, replace
 
 from talaria.services import configs
 from talaria.services.router.policy.base import PolicyConfig
+from talaria.sim.anonymous_sessions import without_ids
 from talaria.sim.cluster import RunConfig, simulate
 from talaria.sim.deployment import place
 from talaria.shared.stats import quantile
@@ -264,9 +265,13 @@ KEEP = ("sct_p50", "sct_p95", "ttft_p50", "ttft_p95", "goodput_calls_s", "reject
         "sessions_incomplete", "avoidable_cold_opens", "calls", "sessions", "complete", "sim_wall_s")
 
 
-def run_config(cell: Cell, policy: str, peer_split: str = "exact") -> tuple[RunConfig, str, list[Session], dict]:
+def run_config(cell: Cell, policy: str, peer_split: str = "exact",
+               session_ids: str = "named") -> tuple[RunConfig, str, list[Session], dict]:
     """The simulator's run of configuration label `policy` (configs.from_label) on `cell`, its
-    pool mode, the cell's sessions and shape: the offered demand sizes the pools (deployment.place)."""
+    pool mode, the cell's sessions and shape: the offered demand sizes the pools (deployment.place).
+    `session_ids` "none": the clients name no session (anonymous_sessions.without_ids)."""
+    if session_ids not in SESSION_IDS:
+        raise ValueError(f"session_ids must be one of {SESSION_IDS}, not {session_ids!r}")
     flags = configs.get(OURS).sim_scheduler()
     sessions, gaps, shape = workload(cell, flags)
     cfg = configs.from_label(policy)
@@ -275,16 +280,19 @@ def run_config(cell: Cell, policy: str, peer_split: str = "exact") -> tuple[RunC
     shared = {m: cell.shared for m in server_for(cell).models} if cell.shared else {}
     run = RunConfig(server_for(cell), cell.instances, cfg.policy, placed.policy_config, cfg.sim_scheduler(), gaps,
                     label=f"{cell.name}/{policy}", pinned=placed.pinned, shared_prefix=shared,
-                    hot_pools=placed.online, hot_pools_z=cfg.hot_pools_z)
+                    hot_pools=placed.online, hot_pools_z=cfg.hot_pools_z,
+                    session_ids=without_ids(cfg.policy) if session_ids == "none" else "named")
     return run, cfg.pools, sessions, shape
 
 
+# The matrix's `--session-ids`: the clients name their sessions, or none (anonymous_sessions.py).
+SESSION_IDS = ("named", "none")
 # Pool modes sized on the peers' forecast of the demand (peer_demand), not the run's own.
 STATIC_SPLITS = ("per-model", "forecast", "split-start")
 
 
-def run_one(cell: Cell, policy: str, peer_split: str = "exact") -> dict:
-    cfg, pools, sessions, shape = run_config(cell, policy, peer_split)
+def run_one(cell: Cell, policy: str, peer_split: str = "exact", session_ids: str = "named") -> dict:
+    cfg, pools, sessions, shape = run_config(cell, policy, peer_split, session_ids)
     pc, pinned, online = cfg.policy_config, cfg.pinned, cfg.hot_pools
     started = time.perf_counter()
     result = simulate(sessions, cfg)
@@ -334,16 +342,16 @@ def _zero_wait(cell: Cell) -> dict | None:
     return {"sct_p50": quantile(b, 0.5), "sct_p95": quantile(b, 0.95)}
 
 
-def _task(args: tuple[Cell, str, str]) -> tuple[str, str, dict]:
-    cell, policy, peer_split = args
-    return cell.name, policy, run_one(cell, policy, peer_split)
+def _task(args: tuple[Cell, str, str, str]) -> tuple[str, str, dict]:
+    cell, policy, peer_split, session_ids = args
+    return cell.name, policy, run_one(cell, policy, peer_split, session_ids)
 
 
 def run_matrix(policies=POLICIES, seed: int = 0, workers: int = 2, only: list[str] | None = None,
-               peer_split: str = "exact") -> dict:
+               peer_split: str = "exact", session_ids: str = "named") -> dict:
     grid = [c for c in cells(seed) if not only or any(o in c.name for o in only)]
     # the costliest first, so the two workers finish together
-    tasks = sorted(((c, p, peer_split) for c in grid for p in policies),
+    tasks = sorted(((c, p, peer_split, session_ids) for c in grid for p in policies),
                    key=lambda t: -(t[0].sessions * t[0].depth * (t[0].instances ** 0.5)))
     results: dict[str, dict] = {c.name: {} for c in grid}
     started = time.perf_counter()
@@ -360,7 +368,7 @@ def run_matrix(policies=POLICIES, seed: int = 0, workers: int = 2, only: list[st
         pool.shutdown()
     return {
         "experiment": "matrix", "seed": seed, "workers": workers, "wall_s": time.perf_counter() - started,
-        "peer_split": peer_split,
+        "peer_split": peer_split, "session_ids": session_ids,
         "policies": list(policies), "baselines": [p for p in policies if p in BASELINES], "ours": OURS,
         "cells": [{**asdict(c), "sessions": c.sessions, "zero_wait": _zero_wait(c), "results": results[c.name]}
                   for c in grid],

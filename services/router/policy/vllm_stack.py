@@ -7,7 +7,8 @@ tools. The router is started with `--routing-logic session --session-key <header
     session key present -> uhashring.HashRing over the current endpoints, get_node(key)
     no session key      -> the endpoint with the lowest QPS (one with no requests first)
 
-Here every call carries its session id, which is the key. The ring is rebuilt from the
+The key is the session id the client named; a call that named none (its session_origin is
+not "named": the client sent no header) takes the keyless path. The ring is rebuilt from the
 healthy instances serving the model (production-stack updates it from service discovery
 on each request). QPS, for the keyless path: requests routed there and not finished.
 Blind to KV and model residency; no leases.
@@ -34,7 +35,7 @@ class VllmStackSession(PlacementPolicy):
         views = self.serving(state, call.model, now)
         if not views:
             return self.reject(state, call, now, f"no healthy instance serves {call.model}")
-        if not call.session_id:
+        if not call.session_id or call.session_origin != "named":
             chosen = min(views, key=lambda v: (inflight(v), v.instance_id)).instance_id
             return self.route(state, call, now, chosen, reason="no session key: lowest qps")
         nodes = tuple(sorted(v.instance_id for v in views))
