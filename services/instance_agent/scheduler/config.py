@@ -41,6 +41,9 @@ class SchedulerConfig:
     # its whole share of the round cap, so a waiting call of another model (a return, say)
     # waits about one switch's worth, not seconds, when switches are cheap.
     fill_by_switch: bool = False
+    # A round over its cap (overload) decodes at least this many seconds per second of
+    # switching (budget.py: Overload); 0 keeps the paper's least decode, d = 1 there.
+    switch_amortisation: float = 1.0
     gamma: float = 0.9  # Eq. 5 margin: round <= gamma * ttft_target_s
     ttft_target_s: float = 10.0
     tpot_target_s: float = 0.2  # Eq. 4 average time per output token
@@ -73,6 +76,8 @@ class SchedulerConfig:
             raise ConfigError("kv_budget_bytes", "must be > 0 or None")
         if self.max_slot_s is not None and self.max_slot_s < self.min_slot_s:
             raise ConfigError("max_slot_s", "must be >= min_slot_s")
+        if self.switch_amortisation < 0:
+            raise ConfigError("switch_amortisation", "must be >= 0")
         if not 0.0 < self.ewma_alpha <= 1.0:
             raise ConfigError("ewma_alpha", f"{self.ewma_alpha} not in (0, 1]")
 
