@@ -325,9 +325,12 @@ class SimExecutor:
     def _complete(self, now: float, job: Job):
         job.done_t = now
         tokens = job.prompt + job.output
-        self._put_device(now, job.session, tokens)
-        if self.config.hkvr:
-            self.kv.put_host(job.model, job.session, tokens)
+        if not self.config.keep_kv:  # the call's KV is freed now (SchedulerConfig.keep_kv)
+            self.kv.drop_device(job.session)
+        else:
+            self._put_device(now, job.session, tokens)
+            if self.config.hkvr:
+                self.kv.put_host(job.model, job.session, tokens)
         job.via = self.core.calls[job.call_id].via
         cached = job.cached if job.kv_source in ("device", "host") else 0
         # Measured as the live engine measures them: every call of a batched prefill or decode

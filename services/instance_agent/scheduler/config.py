@@ -26,6 +26,10 @@ class SchedulerConfig:
     # Resumable switches only: a switched-out model's running calls keep their KV on device
     # while HBM has room (memory/parked_kv.py); off: it is offloaded and restored on reopen.
     park_kv: bool = True
+    # A finished call's KV stays for the session's next call (an engine's prefix cache, on by
+    # default in vLLM V1 and SGLang); off: freed when the call ends (Aegaeon's per-request
+    # KV, services/configs.py). The simulator frees it; live, the engine's cache decides.
+    keep_kv: bool = True
     # Switch away from a model only once its running calls have finished (Dfin drains them).
     # The torch engine refuses `switch_to` while calls run, so this is the default; False is
     # the paper's resumable mode (running calls decode on in the model's next slot), which
