@@ -246,7 +246,7 @@ def _build() -> dict[str, Configuration]:
     table += [Configuration(f"talaria-{a}", f"talaria with the {a} mechanisms (shared/ablations.py)", router=ours,
                             scheduler=_scheduler(a)) for a in ABLATIONS if a != "talaria"]
     table += _peers()
-    named = {c.policy for c in table}
+    named = {c.name for c in table}  # a policy with no row of its own name gets a shared one
     table += [Configuration(p, f"the {p} router over cold instances", policy=p, scheduler=_scheduler(), pools="shared")
               for p in policy_names() if p not in named]
     out: dict[str, Configuration] = {}
