@@ -43,12 +43,13 @@ POOLS = {
 PEERS = ("round-robin", "sglang-cache-aware", "dynamo-kv", "llm-d", "vllm-stack-session")
 # Real multi-model serverless systems (their rows below cite the figures they are priced by).
 SERVERLESS = ("vllm-sleep", "serverlessllm", "aegaeon-like")
-# How a row's weights come and go (`Configuration.weights`): the simulator prices every load
-# as the profile's host-to-device copy (bytes / H2D + the engine's fixed phases, profiles.py).
+# How a row's weights come and go (`Configuration.weights`): the simulator prices a load as the
+# profile's host-to-device copy (bytes / H2D + the engine's fixed phases, profiles.py), or, for
+# `pinned` (SchedulerConfig.weights_in_host off), a full engine reload.
 WEIGHTS = {
-    "pinned": "loaded once per instance; where the models outnumber the instances, loaded on demand "
-              "from host memory (the profile's H2D switch: generous, a plain engine reloads in 30-100+ s, "
-              "blog.vllm.ai/2025/10/26/sleep-mode.html) and kept until another model needs the instance",
+    "pinned": "loaded once per instance; where the models outnumber the instances, a full engine reload "
+              "on demand (executor.RELOAD_OVER_WAKE x the H2D copy: a plain engine reloads in 30-100+ s, "
+              "blog.vllm.ai/2025/10/26/sleep-mode.html), kept until another model needs the instance",
     "sleep": "sleep/wake: an idle model's weights sleep in host memory and wake by H2D (bytes / H2D "
              "bandwidth + fixed cost), its KV dropped",
     "tiered": "checkpoints in host DRAM / SSD tiers, loaded by a pipelined loader into the GPU",
@@ -87,6 +88,9 @@ class Configuration:
             raise ConfigurationError(f"pools={self.pools!r}: expected one of {', '.join(POOLS)}")
         if self.weights not in WEIGHTS:
             raise ConfigurationError(f"weights={self.weights!r}: expected one of {', '.join(WEIGHTS)}")
+        if (self.weights == "pinned") == self.scheduler.weights_in_host:
+            raise ConfigurationError(f"{self.name}: weights={self.weights!r} needs weights_in_host="
+                                     f"{self.weights != 'pinned'} (a pinned engine reloads, the others wake from host)")
         if self.policy not in policy_names():
             raise ConfigurationError(f"policy={self.policy!r}: expected one of {', '.join(policy_names())}")
 
@@ -160,7 +164,8 @@ _PAPER_ROUTER = PolicyConfig(overload="reject", kv_home_admits=False, new_sessio
 # finished call's KV (vLLM V1: automatic prefix caching on by default, docs.vllm.ai/en/latest/
 # features/automatic_prefix_caching; SGLang: RadixAttention on unless --disable-radix-cache),
 # no host KV tier (HiCache, LMCache, KVBM are opt-in), no D2D staging, no parked KV.
-_PEER_MECHANISMS = {"sp": True, "hkvr": False, "staging": False, "park_kv": False, "keep_kv": True}
+_PEER_MECHANISMS = {"sp": True, "hkvr": False, "staging": False, "park_kv": False, "keep_kv": True,
+                    "weights_in_host": False}
 
 
 def _peer(name: str, summary: str, policy: str, source: str, **kw) -> Configuration:
@@ -176,7 +181,7 @@ def _peers() -> list[Configuration]:
                   f"router rule: {REGISTRY[p].__module__} (its source and version cited there)") for p in PEERS]
     rows += [
         _peer("vllm-sleep", "vLLM sleep mode (level 1) behind the production-stack session router, keep-alive LRU",
-              "vllm-stack-session", weights="sleep",
+              "vllm-stack-session", weights="sleep", mechanisms={"weights_in_host": True},
               source="docs.vllm.ai/en/latest/features/sleep_mode (level 1: weights offloaded to CPU memory, KV "
                      "discarded; wake reloads them); blog.vllm.ai/2025/10/26/sleep-mode.html (wake 18-200x faster "
                      "than a full reload of 30-100+ s; level-1 wake 0.1-6 s): priced as bytes / H2D + the profile's "
@@ -185,7 +190,7 @@ def _peers() -> list[Configuration]:
                      "recently used) and sleeps when another model needs the instance (keep-alive LRU); it sleeps "
                      "only once its calls have finished (drained); per-model pools where the models fit"),
         _peer("serverlessllm", "ServerlessLLM (OSDI'24): startup-time-optimised placement, multi-tier checkpoint "
-              "loading, keep-alive", "round-robin", weights="tiered",
+              "loading, keep-alive", "round-robin", weights="tiered", mechanisms={"weights_in_host": True},
               source="Fu et al., ServerlessLLM, OSDI'24 (arXiv 2401.14351): loader 3.6-8.2x faster than "
                      "PyTorch/Safetensors, saturating the DRAM/SSD-to-GPU bandwidth (priced here as the profile's H2D "
                      "copy: the DRAM tier); ServerlessLLM/ServerlessLLM sllm/serve/routers/roundrobin_router.py "

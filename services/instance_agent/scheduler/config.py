@@ -30,6 +30,10 @@ class SchedulerConfig:
     # default in vLLM V1 and SGLang); off: freed when the call ends (Aegaeon's per-request
     # KV, services/configs.py). The simulator frees it; live, the engine's cache decides.
     keep_kv: bool = True
+    # A model's weights wait in host memory between uses (sleep mode, host-cached checkpoints,
+    # talaria), so a load is the host-to-device copy; off: a full engine reload (the
+    # simulator prices it at RELOAD_OVER_WAKE x the copy, talaria/sim/executor.py).
+    weights_in_host: bool = True
     # Switch away from a model only once its running calls have finished (Dfin drains them).
     # The torch engine refuses `switch_to` while calls run, so this is the default; False is
     # the paper's resumable mode (running calls decode on in the model's next slot), which

@@ -10,6 +10,7 @@ import pytest
 from talaria.services import configs
 from talaria.sim.cluster import RunConfig, simulate
 from talaria.sim.deployment import place
+from talaria.sim.executor import RELOAD_OVER_WAKE
 from talaria.sim.profiles import PAPER_TP8, catalogue
 from talaria.traces.format import Session, TraceCall
 from talaria.traces.gaps import GapModel
@@ -61,6 +62,15 @@ def test_vllm_sleep_wakes_by_a_host_copy_and_has_dropped_the_kv_it_slept_with():
     assert _kv_sources(result, "a") == ["none", "recompute"]  # level 1 discards the KV
     # talaria keeps the session's KV in host memory across the switch (HKVR)
     assert _kv_sources(_run("talaria", work, server), "a") == ["none", "host"]
+
+
+def test_a_dedicated_pool_with_too_few_instances_reloads_its_engine_to_switch():
+    server, _, work = _two_models()
+    wake = _run("vllm-sleep", work, server).instances[0].switches
+    reload = _run("vllm-stack-session", work, server).instances[0].switches
+    assert [s.to_model for s in reload] == [s.to_model for s in wake]
+    for r, w in zip(reload, wake):
+        assert r.path == "cold" and r.total_s == pytest.approx(RELOAD_OVER_WAKE * w.total_s)
 
 
 @pytest.mark.parametrize("name", ["vllm-sleep", "serverlessllm", *configs.PEERS])
