@@ -211,7 +211,8 @@ def _peers() -> list[Configuration]:
                              "weighted round-robin, per-request KV, auto-scaling overhead cut 97% (component reuse, "
                              "explicit memory management, fine-grained KV sync); modelled by the paper's Round-only "
                              "scheduler (shared/ablations.py) with its resumable switches at the profile's H2D cost "
-                             "and no KV kept after a call, under the least-pressure router",
+                             "and no KV kept after a call, under the least-pressure router; [asm] the round scheduler's "
+                             "overload rule (budget.py) stands in for its decode quotas sized against switch overhead",
                       models="every instance serves every model, switching per slot with calls running",
                       not_modelled=("prefill/decode disaggregation", "grouped-FCFS prefill")),
     ]
