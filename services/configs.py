@@ -89,7 +89,7 @@ class Configuration:
         if self.weights not in WEIGHTS:
             raise ConfigurationError(f"weights={self.weights!r}: expected one of {', '.join(WEIGHTS)}")
         if (self.weights == "pinned") == self.scheduler.weights_in_host:
-            raise ConfigurationError(f"{self.name}: weights={self.weights!r} needs weights_in_host="
+            raise ConfigurationError(f"weights={self.weights!r} needs weights_in_host="
                                      f"{self.weights != 'pinned'} (a pinned engine reloads, the others wake from host)")
         if self.policy not in policy_names():
             raise ConfigurationError(f"policy={self.policy!r}: expected one of {', '.join(policy_names())}")
