@@ -104,3 +104,11 @@ def test_the_table_declares_each_peers_mechanisms_and_source():
     assert configs.get("vllm-sleep").mechanisms()["sleep/wake"]
     assert configs.get("serverlessllm").mechanisms()["tiered checkpoint loading"]
     assert not configs.get("aegaeon-like").mechanisms()["KV kept after a call"]
+
+
+def test_a_row_that_contradicts_its_weights_is_a_one_line_error():
+    with pytest.raises(configs.ConfigurationError, match="weights='pinned' needs weights_in_host=False") as err:
+        configs.get("sglang-cache-aware", weights_in_host=True)
+    assert "\n" not in str(err.value)
+    with pytest.raises(configs.ConfigurationError, match="weights='lukewarm'"):
+        configs.get("vllm-sleep", weights="lukewarm")
