@@ -330,7 +330,8 @@ def _override(cfg: Configuration, overrides: dict[str, object]) -> Configuration
         if knob not in known or (part and part not in known[knob]):
             close = difflib.get_close_matches(knob, known, n=3)
             raise ConfigurationError(f"unknown knob {key!r}; " + (f"did you mean {', '.join(close)}?" if close else
-                                     "knobs are PolicyConfig's, SchedulerConfig's, policy, pools, hot_pools_z, resumable and weights"))
+                                     "knobs are PolicyConfig's, SchedulerConfig's, policy, pools, hot_pools_z, "
+                                     "resumable and weights"))
         for p in ((part,) if part else known[knob]):
             current = getattr(cfg, knob) if p == "" else getattr(getattr(cfg, p), knob)
             typed = coerce(key, value, current)
