@@ -55,6 +55,7 @@ RESULTS = (
            ("python bench/weka_as_deployed.py --seeds 3",), 5),
     Result("weka_as_deployed_capped", ("weka_as_deployed_capped.md",),
            ("python bench/weka_as_deployed.py --seeds 3 --gaps recorded --out results/weka_as_deployed_capped.md",), 5),
+    Result("overload", ("overload.md",), ("python bench/overload.py",), 25),
     Result("hot_cold_sim", ("hot_cold_sim.md",), ("python bench/hot_cold_sim.py --seeds 3",), 5),
     Result("sim_fidelity_peers", ("sim_fidelity_peers.md", "sim_fidelity_peers.json"),
            ("python bench/sim_fidelity.py --policies talaria,sglang-cache-aware,vllm-stack-session"

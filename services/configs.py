@@ -9,6 +9,12 @@ router and the scheduler have (`gamma`, `ttft_target_s`) sets both; `router.gamm
 
 What the simulator runs differently from a live agent is declared once, in `SIM_DIFFERS`,
 each with its reason; tests/unit/contract/test_configs.py fails on any other difference.
+
+Each row also says where it comes from (`source`), how its models come and go (`models`)
+and which instance mechanisms it has on by default (`mechanisms()`, read from the knobs the
+simulator acts on, so the table cannot claim one that does not run). A peer gets only what
+its system ships on by default; an opt-in equivalent (HiCache, LMCache) is a labelled
+variant (`+hicache`). `peer_deployments()` lists the peers `sim capacity` compares.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from talaria.services.instance_agent.scheduler.config import SchedulerConfig
 from talaria.services.router.policy.base import PolicyConfig
-from talaria.services.router.policy.registry import policy_names
+from talaria.services.router.policy.registry import REGISTRY, policy_names
 from talaria.shared.ablations import ABLATIONS, mechanisms
 from talaria.shared.settings import CommonSettings, SettingsError
 
@@ -35,6 +41,23 @@ POOLS = {
 }
 # The faithful peers (router/policy/, each citing its source), deployed as their users deploy them.
 PEERS = ("round-robin", "sglang-cache-aware", "dynamo-kv", "llm-d", "vllm-stack-session")
+# Real multi-model serverless systems (their rows below cite the figures they are priced by).
+SERVERLESS = ("vllm-sleep", "serverlessllm", "aegaeon-like")
+# How a row's weights come and go (`Configuration.weights`): the simulator prices a load as the
+# profile's host-to-device copy (bytes / H2D + the engine's fixed phases, profiles.py), or, for
+# `pinned` (SchedulerConfig.weights_in_host off), a full engine reload.
+WEIGHTS = {
+    "pinned": "loaded once per instance; where the models outnumber the instances, a full engine reload "
+              "on demand (executor.RELOAD_OVER_WAKE x the H2D copy: a plain engine reloads in 30-100+ s, "
+              "blog.vllm.ai/2025/10/26/sleep-mode.html), kept until another model needs the instance",
+    "sleep": "sleep/wake: an idle model's weights sleep in host memory and wake by H2D (bytes / H2D "
+             "bandwidth + fixed cost), its KV dropped",
+    "tiered": "checkpoints in host DRAM / SSD tiers, loaded by a pipelined loader into the GPU",
+    "switched": "time-shared: every model's weights in host memory, switched in per slot",
+}
+# The instance mechanisms a row may have (mechanisms()), in the issue's words.
+MECHANISMS = ("session-prefill", "host KV across switches", "staging", "KV kept after a call",
+              "token-level time-sharing", "sleep/wake", "tiered checkpoint loading", "live migration")
 
 
 class ConfigurationError(ValueError):
@@ -52,10 +75,22 @@ class Configuration:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     pools: str = "online"  # a key of POOLS
     hot_pools_z: float = 1.0  # the online pools' noise margin in standard errors (hot_pools.py)
+    # The engine switches models with calls running (they resume in the model's next slot):
+    # token-level time-sharing. False: it drains first (vLLM sleeps only an idle engine).
+    resumable: bool = True
+    weights: str = "switched"  # a key of WEIGHTS
+    source: str = "paper (/work/shared/paper); this repository"  # where the row's rule and figures come from
+    models: str = ""  # how models come and go, in words ("" : from `pools` and `weights`)
+    not_modelled: tuple[str, ...] = ()  # mechanisms the source ships that the simulator does not run
 
     def __post_init__(self) -> None:
         if self.pools not in POOLS:
             raise ConfigurationError(f"pools={self.pools!r}: expected one of {', '.join(POOLS)}")
+        if self.weights not in WEIGHTS:
+            raise ConfigurationError(f"weights={self.weights!r}: expected one of {', '.join(WEIGHTS)}")
+        if (self.weights == "pinned") == self.scheduler.weights_in_host:
+            raise ConfigurationError(f"weights={self.weights!r} needs weights_in_host="
+                                     f"{self.weights != 'pinned'} (a pinned engine reloads, the others wake from host)")
         if self.policy not in policy_names():
             raise ConfigurationError(f"policy={self.policy!r}: expected one of {', '.join(policy_names())}")
 
@@ -71,8 +106,18 @@ class Configuration:
         return SchedulerConfig.for_engine(capabilities, pool=pool, pinned_model=pinned_model, **knobs)
 
     def sim_scheduler(self) -> SchedulerConfig:
-        """The scheduler as the simulator runs it: this one with `SIM_DIFFERS` applied."""
-        return replace(self.scheduler, **{d.knob: d.sim for d in SIM_DIFFERS})
+        """The scheduler as the simulator runs it: this one with `SIM_DIFFERS` applied (the
+        resumable switches only where its engine has them)."""
+        return replace(self.scheduler, **{**{d.knob: d.sim for d in SIM_DIFFERS}, "drain_on_switch": not self.resumable})
+
+    def mechanisms(self) -> dict[str, bool]:
+        """Which of MECHANISMS this row runs, read off the knobs the simulator acts on."""
+        sc = self.scheduler
+        return dict(zip(MECHANISMS, (sc.sp, sc.hkvr, sc.staging, sc.keep_kv, self.resumable,
+                                     self.weights == "sleep", self.weights == "tiered", False)))
+
+    def describe_models(self) -> str:
+        return self.models or f"{POOLS[self.pools]}; {WEIGHTS[self.weights]}"
 
 
 @dataclass(frozen=True)
@@ -88,7 +133,8 @@ class Difference:
 SIM_DIFFERS = (
     Difference("drain_on_switch", False, "derived from the engine (SchedulerConfig.for_engine)",
                "the paper's resumable switches (§3.4): running calls decode on in their model's next "
-               "slot; the torch engine refuses a switch while calls run, so live drains first"),
+               "slot; the torch engine refuses a switch while calls run, so live drains first "
+               "(a row that is not `resumable`, a peer's engine, drains in the simulator too)"),
     Difference("chunked_prefill", False, "on",
                "the published simulator tables price whole-prompt prefills; chunked prefill in the "
                "simulator is not measured yet"),
@@ -113,6 +159,79 @@ _PAPER_ROUTER = PolicyConfig(overload="reject", kv_home_admits=False, new_sessio
                              prefix_placement=False, price_round_sharing=False)
 
 
+# A peer's instance (faithful to its engine's defaults): continuous batching admits a request at
+# any decode step (session-prefill's effect, the engine's own), its prefix cache keeps a
+# finished call's KV (vLLM V1: automatic prefix caching on by default, docs.vllm.ai/en/latest/
+# features/automatic_prefix_caching; SGLang: RadixAttention on unless --disable-radix-cache),
+# no host KV tier (HiCache, LMCache, KVBM are opt-in), no D2D staging, no parked KV.
+_PEER_MECHANISMS = {"sp": True, "hkvr": False, "staging": False, "park_kv": False, "keep_kv": True,
+                    "weights_in_host": False}
+
+
+def _peer(name: str, summary: str, policy: str, source: str, **kw) -> Configuration:
+    """A peer row: its router `policy`, its engine's default mechanisms (overridden by `kw`'s
+    `mechanisms`), drained switches unless `resumable`."""
+    mech = {**_PEER_MECHANISMS, **kw.pop("mechanisms", {})}
+    return Configuration(name, summary, policy=policy, scheduler=_scheduler("round-only", **mech),
+                         **{"pools": "per-model", "resumable": False, "weights": "pinned", "source": source, **kw})
+
+
+def _peers() -> list[Configuration]:
+    rows = [_peer(p, f"{p} as it is deployed (router/policy/, deployment.py)", p,
+                  f"router rule: {REGISTRY[p].__module__} (its source and version cited there)") for p in PEERS]
+    rows += [
+        _peer("vllm-sleep", "vLLM sleep mode (level 1) behind the production-stack session router, keep-alive LRU",
+              "vllm-stack-session", weights="sleep", mechanisms={"weights_in_host": True},
+              source="docs.vllm.ai/en/latest/features/sleep_mode (level 1: weights offloaded to CPU memory, KV "
+                     "discarded; wake reloads them); blog.vllm.ai/2025/10/26/sleep-mode.html (wake 18-200x faster "
+                     "than a full reload of 30-100+ s; level-1 wake 0.1-6 s): priced as bytes / H2D + the profile's "
+                     "fixed phases; router: services/router/policy/vllm_stack.py",
+              models="serverless (router/policy/serverless.py): a model wakes where it starts fastest (idle, least "
+                     "recently used) and sleeps when another model needs the instance (keep-alive LRU); it sleeps "
+                     "only once its calls have finished (drained); per-model pools where the models fit"),
+        _peer("serverlessllm", "ServerlessLLM (OSDI'24): startup-time-optimised placement, multi-tier checkpoint "
+              "loading, keep-alive", "round-robin", weights="tiered", mechanisms={"weights_in_host": True},
+              source="Fu et al., ServerlessLLM, OSDI'24 (arXiv 2401.14351): loader 3.6-8.2x faster than "
+                     "PyTorch/Safetensors, saturating the DRAM/SSD-to-GPU bandwidth (priced here as the profile's H2D "
+                     "copy: the DRAM tier); ServerlessLLM/ServerlessLLM sllm/serve/routers/roundrobin_router.py "
+                     "(requests round-robin over a model's instances), schedulers/storage_aware_scheduler.py "
+                     "(load where startup is fastest)",
+              models="serverless (router/policy/serverless.py): loaded where the estimated startup is least (idle, "
+                     "checkpoint staged > in host memory, least recently used), kept alive until another model "
+                     "needs the instance",
+              not_modelled=("live migration (sllm/serve/routers/migration_router.py: token-only migration of a "
+                            "running call to free an instance for a locality-better load; here that call finishes "
+                            "where it runs)", "the SSD tier (every checkpoint loads at the DRAM tier's rate: "
+                            "favours the peer)")),
+        Configuration("aegaeon-like", "an Aegaeon-like token-level multi-model scheduler (SOSP'25): rounds over every "
+                      "model, KV freed when a call ends, no session state", policy="least-pressure",
+                      scheduler=_scheduler("round-only", keep_kv=False), pools="shared", weights="switched",
+                      source="Xiang et al., Aegaeon: Effective GPU Pooling for Concurrent LLM Serving on the Market, "
+                             "SOSP'25 (doi 10.1145/3731569.3764815): token-level preemptive switching, decode "
+                             "weighted round-robin, per-request KV, auto-scaling overhead cut 97% (component reuse, "
+                             "explicit memory management, fine-grained KV sync); modelled by the paper's Round-only "
+                             "scheduler (shared/ablations.py) with its resumable switches at the profile's H2D cost "
+                             "and no KV kept after a call, under the least-pressure router; [asm] the round scheduler's "
+                             "overload rule (budget.py) stands in for its decode quotas sized against switch overhead",
+                      models="every instance serves every model, switching per slot with calls running",
+                      not_modelled=("prefill/decode disaggregation", "grouped-FCFS prefill")),
+    ]
+    # opt-in host KV tiers, run as labelled variants (never the peer's default)
+    rows += [replace(base, name=f"{base.name}+{tier}", summary=f"{base.summary}, with opt-in {tier} host KV",
+                     scheduler=replace(base.scheduler, hkvr=True), source=f"{base.source}; {cite}")
+             for base, tier, cite in (
+                 (rows[PEERS.index("sglang-cache-aware")], "hicache",
+                  "SGLang HiCache (--enable-hierarchical-cache, off by default)"),
+                 (rows[len(PEERS)], "lmcache", "LMCache connector for vLLM (--kv-transfer-config, off by default)"))]
+    return rows
+
+
+def peer_deployments() -> tuple[str, ...]:
+    """The peer deployments a capacity search compares with talaria: dedicated pools and the
+    serverless systems, not talaria's ablations nor the opt-in variants."""
+    return (*PEERS, *SERVERLESS)
+
+
 def _build() -> dict[str, Configuration]:
     ours = PolicyConfig(overload="queue")
     table = [
@@ -132,9 +251,8 @@ def _build() -> dict[str, Configuration]:
     # each paper ablation (shared/ablations.py): talaria with some instance mechanisms off
     table += [Configuration(f"talaria-{a}", f"talaria with the {a} mechanisms (shared/ablations.py)", router=ours,
                             scheduler=_scheduler(a)) for a in ABLATIONS if a != "talaria"]
-    table += [Configuration(p, f"{p} as it is deployed (router/policy/, deployment.py)", policy=p,
-                            scheduler=_scheduler(), pools="per-model") for p in PEERS]
-    named = {c.policy for c in table}
+    table += _peers()
+    named = {c.name for c in table}  # a policy with no row of its own name gets a shared one
     table += [Configuration(p, f"the {p} router over cold instances", policy=p, scheduler=_scheduler(), pools="shared")
               for p in policy_names() if p not in named]
     out: dict[str, Configuration] = {}
@@ -190,7 +308,7 @@ def selected(common: CommonSettings, policy: str = "", ablation: str = "", **kno
 
 # ---- overrides by name ------------------------------------------------------------------
 
-_OWN = ("policy", "pools", "hot_pools_z")
+_OWN = ("policy", "pools", "hot_pools_z", "resumable", "weights")
 _PARTS = {"router": PolicyConfig, "scheduler": SchedulerConfig}
 
 
@@ -212,7 +330,8 @@ def _override(cfg: Configuration, overrides: dict[str, object]) -> Configuration
         if knob not in known or (part and part not in known[knob]):
             close = difflib.get_close_matches(knob, known, n=3)
             raise ConfigurationError(f"unknown knob {key!r}; " + (f"did you mean {', '.join(close)}?" if close else
-                                     "knobs are PolicyConfig's, SchedulerConfig's, policy, pools and hot_pools_z"))
+                                     "knobs are PolicyConfig's, SchedulerConfig's, policy, pools, hot_pools_z, "
+                                     "resumable and weights"))
         for p in ((part,) if part else known[knob]):
             current = getattr(cfg, knob) if p == "" else getattr(getattr(cfg, p), knob)
             typed = coerce(key, value, current)

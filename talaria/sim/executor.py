@@ -41,6 +41,12 @@ from talaria.sim.memory import KvStore, StagingState
 from talaria.sim.profiles import ProfileCosts, ServerProfile
 
 
+# A full engine reload over a host-memory wake: vLLM sleep-mode wakes are 18-200x faster than
+# a reload of 30-100+ s (blog.vllm.ai/2025/10/26/sleep-mode.html); the least ratio, which
+# favours an engine that reloads (SchedulerConfig.weights_in_host off).
+RELOAD_OVER_WAKE = 18.0
+
+
 def instance_config(name: str = "talaria", **overrides) -> SchedulerConfig:
     """A simulated instance's scheduler under paper ablation `name` (shared/ablations.py): its
     configuration's scheduler as the simulator runs it (services/configs.py, SIM_DIFFERS:
@@ -197,6 +203,9 @@ class SimExecutor:
         model = action.to_model
         staged = self.staged_bytes(now, model) if action.staged else 0
         path, seconds, phases = self.server.switch(model, staged)
+        if not self.config.weights_in_host:  # a full reload, not a wake (RELOAD_OVER_WAKE)
+            path, seconds = "cold", seconds * RELOAD_OVER_WAKE
+            phases = {k: v * RELOAD_OVER_WAKE for k, v in phases.items()}
         kv_phases = {k: v for k, v in self._switch_kv(model).items() if v > 0}
         phases = {**phases, **kv_phases}
         seconds += sum(kv_phases.values())
@@ -327,9 +336,12 @@ class SimExecutor:
     def _complete(self, now: float, job: Job):
         job.done_t = now
         tokens = job.prompt + job.output
-        self._put_device(now, job.session, tokens)
-        if self.config.hkvr:
-            self.kv.put_host(job.model, job.session, tokens)
+        if not self.config.keep_kv:  # the call's KV is freed now (SchedulerConfig.keep_kv)
+            self.kv.drop_device(job.session)
+        else:
+            self._put_device(now, job.session, tokens)
+            if self.config.hkvr:
+                self.kv.put_host(job.model, job.session, tokens)
         job.via = self.core.calls[job.call_id].via
         cached = job.cached if job.kv_source in ("device", "host") else 0
         # Measured as the live engine measures them: every call of a batched prefill or decode

@@ -64,7 +64,10 @@ from talaria.traces.gaps import GapModel
 # deployed (deployment.py). The model-blind baselines they replace (least-pressure,
 # session-sticky, prefix-aware, kv-cost on instances that time-share every model) are kept
 # in the registry; their last matrix is results/matrix_transplanted.json.
-BASELINES = configs.PEERS
+# Since issue 34 each peer runs on its own engine's mechanisms (a dedicated pool short of
+# instances reloads), so the serverless systems (vllm-sleep, serverlessllm, aegaeon-like) are
+# the peers that matter where the models outnumber the instances: all of them run.
+BASELINES = configs.peer_deployments()
 TRANSPLANTED = ("least-pressure", "session-sticky", "prefix-aware", "kv-cost")
 OURS = "talaria"
 PAPER = "talaria-paper"

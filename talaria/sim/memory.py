@@ -96,6 +96,11 @@ class KvStore:
         self.device_tokens = 0
         self.version += 1
 
+    def drop_device(self, session: str) -> None:
+        """Free a session's device KV (a call ended on an engine that keeps none after it)."""
+        self.device_tokens -= self.device.pop(session, 0)
+        self.version += 1
+
     def put_device(self, session: str, tokens: int, capacity: int, pinned: set[str]) -> None:
         old = self.device.pop(session, 0)
         self.device_tokens += tokens - old

@@ -34,6 +34,16 @@ Slot fill. Protected decode d is the *least* decode a slot runs. The paper's slo
 its P budget + d t_D,m + its share of the round's leftover (cap - R_i) / n, is spent.
 Without it a contended slot closes right after d, so with cheap staged switches the
 rounds shrink to a few decode steps per model and the instance thrashes between models.
+
+Overload. When the round cannot hold the cap even at the least decode (its switches and
+prefill alone, or Eq. 4 infeasible, push R_i past gamma T_TTFT), neither target is met
+and the round's length no longer buys anything; yet d stays at the least decode (often
+1 iteration per model), so a round of many models is mostly switches and a long output
+gets one token per round: sessions starve (issue 34: switch share 76 %, SCT p95 4x the
+peers'). Then every model gets d >= switch_amortisation x S / sum t_D, so the round
+decodes at least as long as it switches (rent-or-buy break-even at 1: a switch costs
+at most the work it enables, so throughput stays within 2x of switch-free). Below
+overload nothing changes (results/overload.md).
 """
 
 from __future__ import annotations
@@ -126,6 +136,9 @@ def plan_slot(model: str, loads: dict[str, ModelLoad], switch_s: float, config: 
     fixed = switch_s + prefill
     d = _decode_iterations(fixed, step_sum, slack, cap)
     d = _clamp_iterations(d, t_m, cap, config)
+    if step_sum > 0 and fixed + d * step_sum > cap + 1e-12 and config.switch_amortisation > 0:
+        # Overload (module doc): Eq. 5 is lost anyway, so decode at least the switch time.
+        d = max(d, math.ceil(config.switch_amortisation * switch_s / step_sum - 1e-9))
     predicted = fixed + d * step_sum
     over = max(0.0, predicted - cap)
     p_budget = max(0.0, p_m - over)

@@ -26,6 +26,14 @@ class SchedulerConfig:
     # Resumable switches only: a switched-out model's running calls keep their KV on device
     # while HBM has room (memory/parked_kv.py); off: it is offloaded and restored on reopen.
     park_kv: bool = True
+    # A finished call's KV stays for the session's next call (an engine's prefix cache, on by
+    # default in vLLM V1 and SGLang); off: freed when the call ends (Aegaeon's per-request
+    # KV, services/configs.py). The simulator frees it; live, the engine's cache decides.
+    keep_kv: bool = True
+    # A model's weights wait in host memory between uses (sleep mode, host-cached checkpoints,
+    # talaria), so a load is the host-to-device copy; off: a full engine reload (the
+    # simulator prices it at RELOAD_OVER_WAKE x the copy, talaria/sim/executor.py).
+    weights_in_host: bool = True
     # Switch away from a model only once its running calls have finished (Dfin drains them).
     # The torch engine refuses `switch_to` while calls run, so this is the default; False is
     # the paper's resumable mode (running calls decode on in the model's next slot), which
@@ -41,6 +49,9 @@ class SchedulerConfig:
     # its whole share of the round cap, so a waiting call of another model (a return, say)
     # waits about one switch's worth, not seconds, when switches are cheap.
     fill_by_switch: bool = False
+    # A round over its cap (overload) decodes at least this many seconds per second of
+    # switching (budget.py: Overload); 0 keeps the paper's least decode, d = 1 there.
+    switch_amortisation: float = 1.0
     gamma: float = 0.9  # Eq. 5 margin: round <= gamma * ttft_target_s
     ttft_target_s: float = 10.0
     tpot_target_s: float = 0.2  # Eq. 4 average time per output token
@@ -73,6 +84,8 @@ class SchedulerConfig:
             raise ConfigError("kv_budget_bytes", "must be > 0 or None")
         if self.max_slot_s is not None and self.max_slot_s < self.min_slot_s:
             raise ConfigError("max_slot_s", "must be >= min_slot_s")
+        if self.switch_amortisation < 0:
+            raise ConfigError("switch_amortisation", "must be >= 0")
         if not 0.0 < self.ewma_alpha <= 1.0:
             raise ConfigError("ewma_alpha", f"{self.ewma_alpha} not in (0, 1]")
 

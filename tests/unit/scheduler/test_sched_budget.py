@@ -146,3 +146,21 @@ def test_snapshot_reports_round_state():
     assert view.queued == {"a": 0, "b": 2} and view.running == {"a": 1, "b": 0}
     assert view.round_index == 0 and 0 < view.round_remaining_s <= 9.0
     assert view.switch_s == COSTS.switch_staged_s
+
+
+def test_overloaded_round_decodes_at_least_as_long_as_it_switches():
+    # 20 models, 1.5 s switches: the cycle alone (30 s) is past the 9 s cap and Eq. 4 is
+    # infeasible (sum t_D = 0.6 s > T_TPOT), so the paper's rule gives d = 1 and the round
+    # is 98 % switching; the overload rule (budget.py) makes decode >= switching.
+    loads = {f"m{i}": ModelLoad(0.03, 0.0) for i in range(20)}
+    paper = plan_slot("m0", loads, 30.0, SchedulerConfig(switch_amortisation=0.0))
+    assert paper.protected_decode == 1
+    plan = plan_slot("m0", loads, 30.0, SchedulerConfig())
+    assert plan.protected_decode * 0.6 >= 30.0 > (plan.protected_decode - 1) * 0.6
+    assert plan.over_budget
+
+
+def test_overload_rule_leaves_a_round_within_its_cap_alone():
+    loads = {"a": ModelLoad(0.01, 0.5), "b": ModelLoad(0.02, 0.3)}
+    off = plan_slot("a", loads, 2.0, SchedulerConfig(tpot_target_s=0.2, switch_amortisation=0.0))
+    assert plan_slot("a", loads, 2.0, SchedulerConfig(tpot_target_s=0.2)) == off
