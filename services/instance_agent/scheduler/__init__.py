@@ -1,19 +1,25 @@
 """Round scheduler with session-prefill (SP) for one instance (paper §3.2, §3.4, Eq. 3-5).
 
-A cold-pool instance time-shares models in rounds: one slot per active model per round, switching
-only between slots. A slot is P -> D1 -> (SP -> D)* -> Dfin: P admits the work waiting when it
-opens; at a later decode boundary SP may admit a bounded batch of returning calls (the active
-model's continuations with device or host-restorable KV); Dfin drains the protected decode budget
-and, with `drain_on_switch` (default: the torch engine refuses to switch with calls running), the
-slot's calls. A hot-pool instance pins one model and batches continuously. Pure: it takes `now` and
-returns actions and events, so the agent, the simulator and the tests drive one object
-(`RoundScheduler`, scheduler.py). It counts tokens and finishes a call at `max_tokens` (`eos` ends
-one earlier); each `CallFinished` is the cue for `engine.finish`; it calibrates from the gap between
-`estimate_s(action)` and the reported completion time. Modules: types, config, scheduler_errors,
-costs (EWMA calibration), budget (Eq. 3-5), admission, calls (`AgentCall`, the call table), rounds,
-reports, work_costs, chunked_prefill, rotation, cold_pool, hot_pool.
+A cold-pool instance time-shares models in rounds of slots, P -> D1 -> (SP -> D)* -> Dfin (cold_pool.py;
+SP admits the active model's returning calls at a decode boundary); a hot-pool one pins one model.
+Pure: the agent, the simulator and the tests drive it alike (`submit`/`abort` may come at any time):
+
+    sched = RoundScheduler(SchedulerConfig(), ["qwen", "glm"], costs)
+    sched.submit(AgentCall("c1", "s1", "qwen", prompt_tokens=900, max_tokens=64), now=clock())
+    while serving:
+        match sched.next_action(clock()):
+            case SwitchModel() as a: took = run_switch(a); events = sched.on_switch_done(a, clock(), took)
+            case Prefill() as a: eos = run_prefill(a); events = sched.on_prefill_done(a, clock(), eos)
+            case Decode() as a: eos = run_decode(a); events = sched.on_decode_done(a, clock(), eos)
+            case Idle(): events = sched.drain_events(); wait_for_submit()
+        publish(events)        # CallAdmitted / CallFinished (the cue for engine.finish) / RoundEnded ...
 """
 
+# Where each part lives: types (actions, events, SchedulerView), config (SchedulerConfig), scheduler_errors,
+# costs (StepCostModel, EWMA calibration from each action's estimate_s against its reported time),
+# budget (Eq. 3-5), admission (batches under batch, KV and time budgets), calls (AgentCall, the call
+# table), rounds, reports (outbox, counters), scheduler (RoundScheduler), work_costs, chunked_prefill,
+# rotation, cold_pool, hot_pool.
 from talaria.services.instance_agent.scheduler.calls import AgentCall
 from talaria.services.instance_agent.scheduler.budget import ModelLoad, SlotPlan, plan_slot
 from talaria.services.instance_agent.scheduler.config import ABLATIONS, SchedulerConfig
