@@ -86,6 +86,22 @@ def sampling_params(r: Sequence, text, room: int) -> dict[str, Any]:
 
 class SglangEngine(StreamingEngine):
     """SGLang's `sglang.Engine` behind the engine contract:
+
+        prefill(seqs)  `Engine.async_generate(input_ids=..., sampling_params=..., stream=True,
+                       rid=call_id, cache_salt=kv_scope, ...)` per call, its stream kept on the
+                       call's `Sequence`; returns each first token
+        decode(seqs)   the next token each call's stream delivered (incremental streaming output)
+        finish(seq)    an unfinished call is aborted (`tokenizer_manager.abort_request(rid=...)`;
+                       `sglang.Engine` has no abort of its own)
+        switch_to      `memory` (default): one Engine per model, started with the memory saver;
+                       the outgoing one `release_memory_occupation(tags=["kv_cache", "weights"])`,
+                       the incoming one `resume_memory_occupation(tags=["weights", "kv_cache"])`.
+                       `weights`: one Engine, `update_weights_from_disk(model_path=...)` to the
+                       next model's directory (same architecture and shapes only) and
+                       `flush_cache()`.
+        host KV        SGLang's hierarchical cache with HKVR as its storage backend
+                       (sglang_hicache.py, loaded by SGLang's `dynamic` backend factory), written
+                       through, so a session's pages survive the KV release of a switch.
     """
 
     name = "SGLang"
