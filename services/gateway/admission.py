@@ -6,7 +6,7 @@ Load: a standing queue of the answered calls' queueing delay (CoDel's signal) lo
 AIMD limit on calls in flight, shared fairly among tenants (429 over a tenant's share, 503 when
 every tenant is over it); prefill work is weighed per tenant too (work_fairness.py). Disk: below
 `TALARIA_MIN_FREE_DISK_MB` free, new calls are refused 503 `insufficient_storage`. The rules in
-full: `Admission`; what an unbounded queue cost: docs/decisions/2026-12-05-admission-control.md.
+full: `Admission`; what an unbounded queue cost: docs/decisions/2026-12-01-admission-control.md.
 """
 
 from __future__ import annotations
