@@ -8,6 +8,8 @@ shared/, talaria/): every file it names exists, and every `Class.attribute` of a
 from __future__ import annotations
 
 import ast
+import importlib
+import importlib.util
 import io
 import re
 import subprocess
@@ -211,3 +213,34 @@ def test_every_class_attribute_the_code_s_prose_names_exists():
                     missing.append(f"{path.relative_to(ROOT)}:{n}: {cls}.{attr}{star}")
     assert checked > 50, f"only {checked} names checked: the pattern stopped finding them"
     assert not missing, "named in a docstring or comment but not defined:\n" + "\n".join(missing)
+
+
+# `talaria.module.name` in prose, checked when `talaria.<first>` is a module of ours (not a NATS
+# subject: `talaria.api.call`, `talaria.tokens.<tenant>` name no module).
+DOTTED_IN_PROSE = re.compile(r"(?<![\w./-])talaria((?:\.[A-Za-z_]\w*)+)")
+
+
+def is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a name inside a module (`snapshots.InstanceSnapshot`): not one
+        return False
+
+
+def test_every_dotted_talaria_name_the_code_s_prose_names_imports():
+    missing, checked = [], 0
+    for path in modules():
+        for n, line in code_prose(path):
+            for m in DOTTED_IN_PROSE.finditer(line):
+                parts = ["talaria", *m.group(1).strip(".").split(".")]
+                if not is_module(".".join(parts[:2])):
+                    continue
+                checked += 1
+                k = next(k for k in range(len(parts), 1, -1) if is_module(".".join(parts[:k])))
+                obj = importlib.import_module(".".join(parts[:k]))
+                for attr in parts[k:]:
+                    obj = getattr(obj, attr, None)
+                if obj is None:
+                    missing.append(f"{path.relative_to(ROOT)}:{n}: {'.'.join(parts)}")
+    assert checked > 5, f"only {checked} names checked: the pattern stopped finding them"
+    assert not missing, "named in a docstring or comment but not importable:\n" + "\n".join(missing)
