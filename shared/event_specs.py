@@ -1,19 +1,9 @@
 """The wire contract of every event, one row each: the table subjects, NATS permissions, sender
-checks and JetStream message ids are all derived from.
+checks and JetStream message ids are all derived from (the fields: `EventSpec`).
 
 Adding an event: its Struct (with a tag) in events.py, a member of `Event`, and one
 `EventSpec` here. tests/unit/contract/test_event_specs.py fails when an event has no row or a
 row no event.
-
-    field         what it says                               derived from it
-    event         the Struct (its tag names the subject)     <deployment>.evt.<tag>
-    owners        the services that publish it               publish permissions, `trusted`
-    dedupe        fields of its natural key, () for none    the Nats-Msg-Id `<Type>:<k1>:<k2>`
-    per_instance  the subject ends in the target instance    <deployment>.evt.<tag>.<instance_id>
-    core_readers  services that read it on core NATS as it   their subscribe permissions
-                  is published (besides the stream)
-    by_session    the subject ends in its session's slot     <deployment>.evt.<tag>.<slot> (a
-                  (shared/session_slots.py)                  router partition's consumer reads its slots)
 
 Every event is durable (it is on the deployment's JetStream stream); `dedupe` says whether a
 retried publish is dropped by the stream as a duplicate (published at most once), and
@@ -37,6 +27,19 @@ SERVICES = ("gateway", "router", "telemetry", "agent")
 
 @dataclass(frozen=True)
 class EventSpec:
+    """One event's row of the wire contract:
+
+        field         what it says                               derived from it
+        event         the Struct (its tag names the subject)     <deployment>.evt.<tag>
+        owners        the services that publish it               publish permissions, `trusted`
+        dedupe        fields of its natural key, () for none    the Nats-Msg-Id `<Type>:<k1>:<k2>`
+        per_instance  the subject ends in the target instance    <deployment>.evt.<tag>.<instance_id>
+        core_readers  services that read it on core NATS as it   their subscribe permissions
+                      is published (besides the stream)
+        by_session    the subject ends in its session's slot     <deployment>.evt.<tag>.<slot> (a
+                      (shared/session_slots.py)                  router partition's consumer reads its slots)
+    """
+
     event: type[msgspec.Struct]
     owners: frozenset[str]
     dedupe: tuple[str, ...] = ()  # dotted field paths: ("call.call_id",) reads event.call.call_id

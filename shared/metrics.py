@@ -10,13 +10,8 @@ time_to_first_token_seconds, kv_cache_usage_perc) under `talaria_agent_`.
 
 Labels are bounded: model, instance_id, outcome, status, path, phase, tier. Never a session
 or call id (one series per session would grow without end). `instance_id`, not `instance`:
-Prometheus sets `instance` on every scraped series itself (the target's host:port).
-
-Each service owns its own registry (tests run several services in one process), fills it
-from what it already computes (events it emits or folds, timings it measured) and serves it
-on `GET /metrics` (the gateway on its API port, the others on a small listener:
-`serve`). What an event means for a metric is decided in the `observe` methods, pure over
-the event, so the live services and the unit tests share them.
+Prometheus sets `instance` on every scraped series itself (the target's host:port). How a
+service fills and serves its registry: `ServiceMetrics`.
 """
 
 from __future__ import annotations
@@ -90,7 +85,14 @@ class ScrapeGauges(Collector):
 
 
 class ServiceMetrics:
-    """One service's registry; `render()` is the body of `GET /metrics`."""
+    """One service's registry; `render()` is the body of `GET /metrics`.
+
+    Each service owns its own registry (tests run several services in one process), fills it
+    from what it already computes (events it emits or folds, timings it measured) and serves it
+    on `GET /metrics` (the gateway on its API port, the others on a small listener:
+    `serve`). What an event means for a metric is decided in the `observe` methods, pure over
+    the event, so the live services and the unit tests share them.
+    """
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)

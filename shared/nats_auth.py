@@ -1,22 +1,10 @@
 """Who may publish and subscribe what on NATS, and which service owns each event.
 
-Two layers (docs/security.md):
-- **server-side permissions**: the embedded NATS runs with one user per service (and per
-  instance agent) plus a `client` user for the NATS API; `permissions()` lists what each may
-  publish and subscribe. A client may publish only `talaria.api.call` / `talaria.api.cancel`
-  and read only its own inboxes and streamed tokens: it cannot read `talaria.evt.>` (prompts),
-  use the JetStream API, or publish events, routed calls or replies. With API keys there is one
-  client user per tenant, fenced to `_INBOX.<tenant>.>` and `talaria.tokens.<tenant>.>`, so one
-  tenant cannot read another's replies or streamed tokens.
-- **sender checks**: every event carries a `Talaria-Sender` header (the publishing service);
-  an agent runs only `CallRouted` sent by the router and the projector records only events
-  from their owning service (`owners` in the wire table, event_specs.py). On a NATS with
-  per-service permissions the header cannot be forged; on an open NATS it still stops
-  anything that does not set it.
-  Replies and token chunks carry it too: the gateway takes a call's answer (live or kept) only
-  from the router or an agent, and its tokens only from an agent.
-- **reply subjects**: the gateway publishes only into inbox spaces (no `allow_responses`) and
-  answers a NATS API request only inside its caller tenant's own inboxes (`reply_allowed`).
+Three defences (docs/security.md): server-side permissions, one NATS user per service, per
+instance agent and per tenant's API client (`permissions`); a `Talaria-Sender` header on every
+event, reply and token chunk, checked against the event's owners in the wire table
+(event_specs.py) and unforgeable where the permissions hold (`trusted`, `sent_by`); and reply
+subjects only inside the caller tenant's own inboxes (`reply_allowed`). The detail: `permissions`.
 """
 
 from __future__ import annotations
@@ -103,7 +91,26 @@ def owner_sender(event) -> str:
 def permissions(role: str, prefix: str = "talaria", instance_id: str | None = None,
                 tenant: str | None = None) -> dict:
     """NATS publish/subscribe permissions of one service user (nats-server config format).
-    The events a service may publish, and those it reads on core NATS, come from the wire table."""
+    The events a service may publish, and those it reads on core NATS, come from the wire table.
+
+    The layers of defence these permissions are one of (docs/security.md):
+    - **server-side permissions**: the embedded NATS runs with one user per service (and per
+      instance agent) plus a `client` user for the NATS API; `permissions()` lists what each may
+      publish and subscribe. A client may publish only `talaria.api.call` / `talaria.api.cancel`
+      and read only its own inboxes and streamed tokens: it cannot read `talaria.evt.>` (prompts),
+      use the JetStream API, or publish events, routed calls or replies. With API keys there is one
+      client user per tenant, fenced to `_INBOX.<tenant>.>` and `talaria.tokens.<tenant>.>`, so one
+      tenant cannot read another's replies or streamed tokens.
+    - **sender checks**: every event carries a `Talaria-Sender` header (the publishing service);
+      an agent runs only `CallRouted` sent by the router and the projector records only events
+      from their owning service (`owners` in the wire table, event_specs.py). On a NATS with
+      per-service permissions the header cannot be forged; on an open NATS it still stops
+      anything that does not set it.
+      Replies and token chunks carry it too: the gateway takes a call's answer (live or kept) only
+      from the router or an agent, and its tokens only from an agent.
+    - **reply subjects**: the gateway publishes only into inbox spaces (no `allow_responses`) and
+      answers a NATS API request only inside its caller tenant's own inboxes (`reply_allowed`).
+    """
     stream = stream_name(prefix)
     events = [spec.publish_pattern(prefix) for spec in published_by(role)]
     heard = [spec.subject(prefix) for spec in read_on_core_by(role)]

@@ -1,30 +1,4 @@
-"""NATS subject names: the only coupling between Talaria services.
-
-    talaria.api.call                 request/reply API for agent runtimes (gateway answers)
-    talaria.api.cancel               CancelCall from a client, with its API key (gateway answers)
-    talaria.cancel                   CancelCall stamped with the key's tenant (gateway -> every agent)
-    talaria.dispatch.<instance_id>   core-NATS fast copy of a CallRouted (the durable one is
-                                     on the stream; the agent starts from whichever comes first)
-    talaria.tokens.<tenant>.<call_id> streamed TokenChunk messages for one call (`_` = no tenant;
-                                     a NATS API client may read only its own tenant's)
-    talaria.reply.live.<id>.<call>   a call's reply (CallResult / ErrorReply) to gateway <id>; kept
-                                     for 2x the call timeout by the stream `replies_stream`, so a
-                                     gateway that was cut off from NATS finds it on reconnecting
-    talaria.reply.gateway.idem.<t>-<call> the reply of a keyed call (t: its tenant's tag): kept,
-                                     with the key's claim on talaria.idem.key.<hash>, by the
-                                     JetStream stream `idempotency_stream` (gateway/idempotency.py)
-    talaria.idem.waiting.<t>-<call>  core NATS: every gateway request waiting for that keyed call
-                                     answers a probe here (no responders: nobody waits for it)
-    talaria.telemetry.<instance_id>  InstanceSnapshot heartbeats (last value, not history)
-    talaria.health.<service>         service heartbeats (a router's names its id: routers count
-                                     their live peers from them, router/ownership.py)
-    KV bucket TALARIA_ROUTERS        router partition ownership (`partition.<p>` -> owner id)
-    talaria.evt.call.submitted.<slot> a call's submission, on its session's slot (0-63,
-                                     shared/session_slots.py): router partitions consume slots
-    talaria.evt.<tag>                the event log, captured by the JetStream stream `events_stream`:
-                                     one subject per event, named by its tag, listed with its
-                                     owner in the wire table (event_specs.py): `event("call.submitted")`;
-                                     the per-instance `call.routed.<instance_id>`: `call_routed(id)`
+"""NATS subject names: the only coupling between Talaria services (the full map: `Deployment`).
 
 `talaria` is the deployment name (TALARIA_DEPLOYMENT): `Deployment("blue")` names every subject
 `blue.…` and the streams `BLUE_…`, so two deployments can share one NATS without seeing each
@@ -64,7 +38,36 @@ def routers_bucket_name(deployment: str) -> str:
 
 @dataclass(frozen=True)
 class Deployment:
-    """One deployment's NATS names, all derived from its name."""
+    """One deployment's NATS names, all derived from its name.
+
+    Subjects (here under the default name `talaria`):
+
+        talaria.api.call                 request/reply API for agent runtimes (gateway answers)
+        talaria.api.cancel               CancelCall from a client, with its API key (gateway answers)
+        talaria.cancel                   CancelCall stamped with the key's tenant (gateway -> every agent)
+        talaria.dispatch.<instance_id>   core-NATS fast copy of a CallRouted (the durable one is
+                                         on the stream; the agent starts from whichever comes first)
+        talaria.tokens.<tenant>.<call_id> streamed TokenChunk messages for one call (`_` = no tenant;
+                                         a NATS API client may read only its own tenant's)
+        talaria.reply.live.<id>.<call>   a call's reply (CallResult / ErrorReply) to gateway <id>; kept
+                                         for 2x the call timeout by the stream `replies_stream`, so a
+                                         gateway that was cut off from NATS finds it on reconnecting
+        talaria.reply.gateway.idem.<t>-<call> the reply of a keyed call (t: its tenant's tag): kept,
+                                         with the key's claim on talaria.idem.key.<hash>, by the
+                                         JetStream stream `idempotency_stream` (gateway/idempotency.py)
+        talaria.idem.waiting.<t>-<call>  core NATS: every gateway request waiting for that keyed call
+                                         answers a probe here (no responders: nobody waits for it)
+        talaria.telemetry.<instance_id>  InstanceSnapshot heartbeats (last value, not history)
+        talaria.health.<service>         service heartbeats (a router's names its id: routers count
+                                         their live peers from them, router/ownership.py)
+        KV bucket TALARIA_ROUTERS        router partition ownership (`partition.<p>` -> owner id)
+        talaria.evt.call.submitted.<slot> a call's submission, on its session's slot (0-63,
+                                         shared/session_slots.py): router partitions consume slots
+        talaria.evt.<tag>                the event log, captured by the JetStream stream `events_stream`:
+                                         one subject per event, named by its tag, listed with its
+                                         owner in the wire table (event_specs.py): `event("call.submitted")`;
+                                         the per-instance `call.routed.<instance_id>`: `call_routed(id)`
+    """
 
     name: str = "talaria"
 

@@ -1,27 +1,12 @@
-"""Admission control (issue 25 items 2 and 6): past what the stack can serve, a new call is
-refused at once with `Retry-After` instead of joining a queue whose wait makes every answer
-useless (measured before: p50 19 s, p99 33 s at 400 calls/s, zero errors), and a disk about to
-fill refuses new calls before the broker breaks on it.
+"""Admission control: past what the stack can serve, a new call is refused at once with
+`Retry-After` instead of joining a queue whose wait makes every answer useless, and a disk about
+to fill refuses new calls before the broker breaks on it.
 
-Load: each answered call's *queueing delay* is its time at the gateway less the engine's work
-on it (prefill + decode): the time it waited for the router and for a slot. A standing queue
-is CoDel's signal: the smallest delay of the calls answered in the last interval above the
-target (`TALARIA_ADMISSION_TARGET_QUEUE_S`, the wait an operator accepts) means every call
-waited. The limit on calls in flight then adapts online (AIMD): it starts unlimited, drops to
-90% of what is in flight when a standing queue is seen (once per interval, the interval being
-the target), and grows 10% per interval without one, unlimited again once it is twice what
-is in flight. Past the limit a tenant still gets its fair share (limit / tenants with calls
-in flight): a tenant over its share is refused 429, so one tenant's flood cannot starve the
-others; when every tenant is over its share, 503. `Retry-After`: the target, at least 1 s.
-
-Work: calls are also weighed by their prefill work per tenant (work_fairness.py): while
-another tenant is active, a tenant's long prompts (each predicted to prefill longer than the
-target) may hold only its share of the instances; past it, the next is refused 429 at once.
-
-Disk: below `TALARIA_MIN_FREE_DISK_MB` free on the data directory's filesystem, new calls are
-refused 503 `insufficient_storage` and `/readyz` says so; calls already running finish.
-
-`Admission` is the policy (pure: `(state, event, now)`); the Submitter calls it.
+Load: a standing queue of the answered calls' queueing delay (CoDel's signal) lowers an online
+AIMD limit on calls in flight, shared fairly among tenants (429 over a tenant's share, 503 when
+every tenant is over it); prefill work is weighed per tenant too (work_fairness.py). Disk: below
+`TALARIA_MIN_FREE_DISK_MB` free, new calls are refused 503 `insufficient_storage`. The rules in
+full: `Admission`; what an unbounded queue cost: docs/decisions/2026-12-01-admission-control.md.
 """
 
 from __future__ import annotations
@@ -41,6 +26,27 @@ DECREASE, INCREASE = 0.9, 1.1  # AIMD steps: a gentle cut per interval, as TCP V
 
 @dataclass
 class Admission:
+    """The admission policy (pure: `(state, event, now)`); the Submitter calls it.
+
+    Load: each answered call's *queueing delay* is its time at the gateway less the engine's work
+    on it (prefill + decode): the time it waited for the router and for a slot. A standing queue
+    is CoDel's signal: the smallest delay of the calls answered in the last interval above the
+    target (`TALARIA_ADMISSION_TARGET_QUEUE_S`, the wait an operator accepts) means every call
+    waited. The limit on calls in flight then adapts online (AIMD): it starts unlimited, drops to
+    90% of what is in flight when a standing queue is seen (once per interval, the interval being
+    the target), and grows 10% per interval without one, unlimited again once it is twice what
+    is in flight. Past the limit a tenant still gets its fair share (limit / tenants with calls
+    in flight): a tenant over its share is refused 429, so one tenant's flood cannot starve the
+    others; when every tenant is over its share, 503. `Retry-After`: the target, at least 1 s.
+
+    Work: calls are also weighed by their prefill work per tenant (work_fairness.py): while
+    another tenant is active, a tenant's long prompts (each predicted to prefill longer than the
+    target) may hold only its share of the instances; past it, the next is refused 429 at once.
+
+    Disk: below `TALARIA_MIN_FREE_DISK_MB` free on the data directory's filesystem, new calls are
+    refused 503 `insufficient_storage` and `/readyz` says so; calls already running finish.
+    """
+
     target_queue_s: float = 2.0
     limit: float = math.inf  # calls in flight admitted before fair shares apply
     in_flight: Counter = field(default_factory=Counter)  # tenant -> calls in flight

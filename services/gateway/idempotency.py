@@ -1,33 +1,15 @@
 """Idempotency keys: a client's retry of a call attaches to the original instead of running it again.
 (The pure rules, record and subjects are in idempotency_rules.py; this is the protocol.)
 
-A client sends `Idempotency-Key` (HTTP header; `idempotency_key` on the NATS API) with a
-call and the same key with each retry of it (as Stripe's and OpenAI's APIs take it). The key
-is scoped to the API key's tenant. The first request with a key claims it; a later one with
-the same key and the same request:
-- gets the stored answer if the call completed (even if no gateway was listening then);
-- waits for the outcome if the call is still running (streamed: one piece at the end);
-- runs the call anew if the earlier attempt failed (an error reply, or its deadline passed
-  with no answer): a failed attempt never completed, so nothing runs twice.
-The same key with a different request is a 422. A key is remembered for the window
-(`TALARIA_IDEMPOTENCY_WINDOW_S`, default 24 h, always longer than the call timeout).
-A client that disconnects does not cancel its keyed call at once: its retry may come and
-attach. When every request waiting for the call has gone, the call is cancelled after a grace
-(`TALARIA_IDEMPOTENT_ORPHAN_S`) in which none attached.
-
-State lives in one JetStream stream, so any gateway process (a restarted one included)
-finds the original call (docs/design.md, "Idempotency keys"):
-- `<dep>.idem.key.<sha256(tenant, key)>`: the claim (which call id, the request's
-  fingerprint, its deadline), written with an expected last-subject sequence, so of two
-  requests racing for a key exactly one wins and a take-over replaces exactly the attempt
-  it saw;
-- `<dep>.reply.gateway.idem.<tag>-<call_id>` (tag: of the tenant): the reply subject. Agents and the router
-  answer there as on any reply subject, and the stream keeps that answer. Only they may publish
-  there (NATS permissions: the gateway answers clients only in their own inbox space, nats_api),
-  and a reader takes only an answer whose `Talaria-Sender` is the router or an agent.
-Each request waiting for a call (the owner, each attached retry, on any gateway) answers probes
-on `<dep>.idem.waiting.<tag>-<call_id>` until the grace after its client left; the last to stop probes
-once, and with no responders and no answer kept it cancels the call.
+A client sends `Idempotency-Key` (HTTP header; `idempotency_key` on the NATS API) with a call and
+each retry of it (as Stripe's and OpenAI's APIs take it), scoped to the API key's tenant. The first
+request claims the key; a later one with the same key and request gets the stored answer if the call
+completed, waits for it if it is running, and runs it anew if the attempt failed (an error reply or
+a deadline passed unanswered: it never completed, so nothing runs twice). The same key with another
+request is a 422. A key is kept for `TALARIA_IDEMPOTENCY_WINDOW_S` (default 24 h, longer than the
+call timeout). A client that disconnects does not cancel its keyed call at once: when every request
+waiting for it has gone, it is cancelled after a grace (`TALARIA_IDEMPOTENT_ORPHAN_S`) in which none
+attached. Where the state lives (one JetStream stream, any gateway finds it): `IdempotentCalls`.
 """
 
 from __future__ import annotations
@@ -68,7 +50,22 @@ PROBE_TIMEOUT_S = 2.0  # cut off, and counts as waiting (the call then runs to i
 
 
 class IdempotentCalls:
-    """Claims keys and runs (or attaches to) their calls through the gateway's Submitter."""
+    """Claims keys and runs (or attaches to) their calls through the gateway's Submitter.
+
+    State lives in one JetStream stream, so any gateway process (a restarted one included)
+    finds the original call (docs/design.md, "Idempotency keys"):
+    - `<dep>.idem.key.<sha256(tenant, key)>`: the claim (which call id, the request's
+      fingerprint, its deadline), written with an expected last-subject sequence, so of two
+      requests racing for a key exactly one wins and a take-over replaces exactly the attempt
+      it saw;
+    - `<dep>.reply.gateway.idem.<tag>-<call_id>` (tag: of the tenant): the reply subject. Agents and the router
+      answer there as on any reply subject, and the stream keeps that answer. Only they may publish
+      there (NATS permissions: the gateway answers clients only in their own inbox space, nats_api),
+      and a reader takes only an answer whose `Talaria-Sender` is the router or an agent.
+    Each request waiting for a call (the owner, each attached retry, on any gateway) answers probes
+    on `<dep>.idem.waiting.<tag>-<call_id>` until the grace after its client left; the last to stop probes
+    once, and with no responders and no answer kept it cancels the call.
+    """
 
     def __init__(self, submitter, window_s: float, orphan_s: float = 15.0) -> None:
         self.submitter, self.window_s, self.orphan_s = submitter, window_s, orphan_s

@@ -1,15 +1,6 @@
-"""CallRunner: the live executor of the agent core (agent_core.py) on the torch engine.
-
-    routed call ──accept──▶ AgentCore.accept (→ RoundScheduler.submit; the call's AgentCall)
-    loop: action = core.next_action(now)
-          SwitchModel → engine.switch_to      → core.switch_done  → SwitchDone event
-          Prefill     → engine.prefill(batch) → first tokens (stream), CallStarted
-          Decode      → engine.decode(batch)  → next tokens (stream)
-          Idle        → core.drain; wait for the next call
-    outcome: finished call → engine.finish → core.completed → CallCompleted + reply + ack;
-             RoundSummary → event
-
-The simulator's `SimExecutor` (talaria/sim/executor.py) runs the same core on a cost profile.
+"""CallRunner: the live executor of the agent core (agent_core.py) on the torch engine; the path of
+one call through it: `CallRunner`. The simulator's `SimExecutor` (talaria/sim/executor.py) runs
+the same core on a cost profile.
 
 The scheduler is pure and the engine blocking: engine calls run on the single engine
 thread (engine_thread.py), everything touching NATS stays on the event loop. A call's
@@ -84,6 +75,18 @@ def reusable_kv(engine, session_id: str, model: str, prompt_tokens: int,
 
 
 class CallRunner:
+    """The live executor of the agent core; one call's path through it:
+
+        routed call ──accept──▶ AgentCore.accept (→ RoundScheduler.submit; the call's AgentCall)
+        loop: action = core.next_action(now)
+              SwitchModel → engine.switch_to      → core.switch_done  → SwitchDone event
+              Prefill     → engine.prefill(batch) → first tokens (stream), CallStarted
+              Decode      → engine.decode(batch)  → next tokens (stream)
+              Idle        → core.drain; wait for the next call
+        outcome: finished call → engine.finish → core.completed → CallCompleted + reply + ack;
+                 RoundSummary → event
+    """
+
     def __init__(self, common: CommonSettings, settings: AgentSettings, engine, executor, nc, js,
                  tracer: trace.Tracer, log, configuration: Configuration | None = None) -> None:
         self.settings, self.engine = settings, engine

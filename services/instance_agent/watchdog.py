@@ -1,20 +1,9 @@
 """Watchdog: notices an engine step or a call that stopped making progress. Pure: fed
 step starts/ends, call progress and round lengths with their times, asked at `now`.
 
-Two kinds of stuck, two answers (the runner applies them):
-- an engine step running far longer than any step of its kind so far: the agent says
-  it is unhealthy in its heartbeat (the router stops choosing it) and that step's calls
-  are failed, so their clients get an answer now; the flag clears when the step returns;
-- a started call, not in the step in flight, that made no progress for far longer than
-  the longest round so far (e.g. its completion got lost in a bug): that call is failed
-  and the agent keeps serving the others.
-
-"Far longer" is STUCK_FACTOR times the slowest measured step or round, or the scheduler's
-prediction for the step in flight (a first long prefill chunk may be planned up to the
-round cap), never below MIN_STUCK_S (the first cold weight load has no measurement to
-compare with). The factor
-is not tuned on an experiment: an order of magnitude is what separates "slow" from "not
-coming back". The floor is a setting (TALARIA_WATCHDOG_MIN_S).
+A step running far longer than any of its kind so far marks the agent unhealthy and fails that
+step's calls; a started call idle far longer than the longest round is failed alone (the rules
+and the one constant, STUCK_FACTOR: `Watchdog`). The runner applies the verdicts.
 
 The watchdog keeps no table of calls: a call's progress and whether it was failed are fields
 of its record (`AgentCall.progress_at`, `.stuck`), and `check` is handed the calls to judge.
@@ -39,6 +28,21 @@ class Verdict:
 
 @dataclass
 class Watchdog:
+    """Two kinds of stuck, two answers (the runner applies them):
+    - an engine step running far longer than any step of its kind so far: the agent says
+      it is unhealthy in its heartbeat (the router stops choosing it) and that step's calls
+      are failed, so their clients get an answer now; the flag clears when the step returns;
+    - a started call, not in the step in flight, that made no progress for far longer than
+      the longest round so far (e.g. its completion got lost in a bug): that call is failed
+      and the agent keeps serving the others.
+
+    "Far longer" is STUCK_FACTOR times the slowest measured step or round, or the scheduler's
+    prediction for the step in flight (a first long prefill chunk may be planned up to the
+    round cap), never below MIN_STUCK_S (the first cold weight load has no measurement to
+    compare with). The factor is not tuned on an experiment: an order of magnitude is what
+    separates "slow" from "not coming back". The floor is a setting (TALARIA_WATCHDOG_MIN_S).
+    """
+
     min_stuck_s: float = MIN_STUCK_S
     slowest_step_s: dict[str, float] = field(default_factory=dict)  # per step kind
     slowest_round_s: float = 0.0

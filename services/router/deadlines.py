@@ -9,13 +9,7 @@ behind it waited for that. Such a call is refused up front: 413 when even an idl
 could not start answering in time (retrying cannot help), 503 with Retry-After when only the
 work queued ahead is in the way. Decode is not counted: `max_tokens` is a cap and the output
 estimate a guess, and a call may stop early. Without measured rates the prefill is priced 0
-and nothing is refused.
-
-The rates are measured on whatever steps ran (short calls' steps are mostly fixed cost, which
-overstates a long prompt's per-token cost several times; attention over a long context, on a
-CPU, understates it), so a call is refused only when its first token comes past MARGIN times
-the time it has left: a plain miss is left to the agent, which judges a prefill under way on
-the rate measured on it (instance_agent/call_drops.py).
+and nothing is refused; the rates being rough, a miss counts only past MARGIN times the time left.
 """
 
 from __future__ import annotations
@@ -23,6 +17,11 @@ from __future__ import annotations
 from talaria.shared.events import DEADLINE_UNREACHABLE, CallSubmitted, CandidateCost
 
 
+# The rates are measured on whatever steps ran (short calls' steps are mostly fixed cost, which
+# overstates a long prompt's per-token cost several times; attention over a long context, on a CPU,
+# understates it), so a call is refused only when its first token comes past MARGIN times the time
+# it has left: a plain miss is left to the agent, which judges a prefill under way on the rate
+# measured on it (instance_agent/call_drops.py).
 MARGIN = 2.0  # the factor by which the measured rates were seen to be off, both ways, on a CPU
 
 

@@ -7,13 +7,8 @@ instance's rounds. Past the horizon it is taken to have ended (an agent that ret
 later is simply live again).
 
 Folded from `CallRouted`, call ends and instance losses, like the rest of `RouterState`,
-and stored with it in the projection. The cost model asks, per instance, which models
-have live sessions there: per (instance, model) the book keeps the sessions, which of them
-have a call running and the latest time one of them went idle, so the answer costs
-O(models on the instance), not O(sessions); it is cached per instance until that instance's
-homes change, a horizon changes (`epoch`) or the first of its live models expires. Each
-routing into an instance prunes that instance's sessions idle past the horizon, so the
-book never holds the whole history.
+and stored with it in the projection; what the book keeps so the cost model's question
+costs O(models on the instance): `HomeBook`.
 """
 
 from __future__ import annotations
@@ -46,6 +41,16 @@ class _ModelHomes:
 
 @dataclass
 class HomeBook:
+    """Live sessions per instance and model.
+
+    The cost model asks, per instance, which models have live sessions there: per (instance,
+    model) the book keeps the sessions, which of them have a call running and the latest time one
+    of them went idle, so the answer costs O(models on the instance), not O(sessions); it is
+    cached per instance until that instance's homes change, a horizon changes (`epoch`) or the
+    first of its live models expires. Each routing into an instance prunes that instance's
+    sessions idle past the horizon, so the book never holds the whole history.
+    """
+
     by_instance: dict[str, dict[str, _ModelHomes]] = field(default_factory=dict)
     home_of: dict[str, tuple[str, str]] = field(default_factory=dict)  # session -> (instance, model)
     # instance -> (its homes' version, epoch, valid until, live models, computed at): a cache

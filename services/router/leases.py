@@ -1,19 +1,10 @@
 """Soft-reservation leases and their indexes. Pure data; changed only by `RouterState.apply`.
 
-A lease `(s, m, i, k, t_exp)` (paper §4.1), held as the `LeaseIssued` event that installed it, says: session `s`'s next call for model `m` is
-expected on instance `i`, whose prefix handle is the completed call `k`; it is live while
-`now < t_exp`. While live it charges one admission unit against `i` in the load overlay.
-
-`LeaseBook` keeps three indexes so that no routing decision scans all sessions:
-
-    by_instance[i] -> sorted expiries of leases on i      live count = len - bisect(now)
-    by_model[m]    -> sorted expiries of leases for m     (reserved returns, Eq. 2)
-    heap           -> (expires_at, session, call)         tick() pops the dead ones
-
-Invariant: every lease held in `SessionEntry.lease` has exactly one expiry in
-`by_instance[lease.instance_id]` and one in `by_model[lease.model]`; the heap may also hold
-entries of leases that were since consumed or replaced (lazy deletion: `prune` pops them
-once they reach the top, `due` skips them).
+A lease `(s, m, i, k, t_exp)` (paper §4.1), held as the `LeaseIssued` event that installed it,
+says: session `s`'s next call for model `m` is expected on instance `i`, whose prefix handle is
+the completed call `k`; it is live while `now < t_exp`. While live it charges one admission unit
+against `i` in the load overlay. `LeaseBook` indexes them so that no routing decision scans all
+sessions (its indexes and their invariant: there).
 """
 
 from __future__ import annotations
@@ -29,6 +20,18 @@ from talaria.shared.events import LeaseConsumed, LeaseDiscarded, LeaseIssued, Ro
 
 @dataclass
 class LeaseBook:
+    """Every live lease, with three indexes so that no routing decision scans all sessions:
+
+        by_instance[i] -> sorted expiries of leases on i      live count = len - bisect(now)
+        by_model[m]    -> sorted expiries of leases for m     (reserved returns, Eq. 2)
+        heap           -> (expires_at, session, call)         tick() pops the dead ones
+
+    Invariant: every lease held in `SessionEntry.lease` has exactly one expiry in
+    `by_instance[lease.instance_id]` and one in `by_model[lease.model]`; the heap may also hold
+    entries of leases that were since consumed or replaced (lazy deletion: `prune` pops them
+    once they reach the top, `due` skips them).
+    """
+
     leases: dict[str, LeaseIssued] = field(default_factory=dict)  # session -> its one lease
     by_instance: dict[str, list[float]] = field(default_factory=dict)
     by_model: dict[str, list[float]] = field(default_factory=dict)

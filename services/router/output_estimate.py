@@ -4,17 +4,8 @@ A live router never knows a call's output length: `max_tokens` is the client's c
 OpenAI default of our gateway is 256, Claude Code asks 32,000, an OpenAI SDK client that
 sends none gets the model's whole context), and most calls stop far below it. Pricing a call
 by its cap prices a 40-token tool call as 32,000 tokens of decode and reserves KV it never
-uses. So the router estimates, from what it has seen finish (`CallCompleted.output_tokens`):
-
-    expected(s, m, cap)  the decode work the cost terms price (decode seconds, round-sharing
-                         stretch): a mean, because work adds up. The session's own recent
-                         outputs, with the model's mean as one more observation (its prior);
-                         before the session finished any call, the model's mean; capped by cap.
-    kv_tokens(s, m, cap) the KV a call is admitted for (router KV fit, the agent's page
-                         reservation): a quantile (KV_QUANTILE) of the model's recent outputs,
-                         raised to the session's largest recent one, capped by cap. A call
-                         that outgrows it is not refused: the agent grows it into free and
-                         idle KV (engine/admission.py).
+uses. So the router estimates, from what it has seen finish (`CallCompleted.output_tokens`), a
+mean for the decode work it prices and a quantile for the KV it admits (`OutputEstimator`).
 
 With no completion of the model yet there is nothing to estimate from: both are the cap
 (the only bound a live router has; the first completions replace it).
@@ -63,6 +54,19 @@ class _History:
 
 @dataclass
 class OutputEstimator:
+    """The two estimates, from completed calls:
+
+        expected(s, m, cap)  the decode work the cost terms price (decode seconds, round-sharing
+                             stretch): a mean, because work adds up. The session's own recent
+                             outputs, with the model's mean as one more observation (its prior);
+                             before the session finished any call, the model's mean; capped by cap.
+        kv_tokens(s, m, cap) the KV a call is admitted for (router KV fit, the agent's page
+                             reservation): a quantile (KV_QUANTILE) of the model's recent outputs,
+                             raised to the session's largest recent one, capped by cap. A call
+                             that outgrows it is not refused: the agent grows it into free and
+                             idle KV (engine/admission.py).
+    """
+
     models: dict[str, _History] = field(default_factory=dict)
     sessions: OrderedDict[tuple[str, str], _History] = field(default_factory=OrderedDict)
     kept: int = SESSIONS_KEPT  # the router's session-table bound (state.rows_for), not saved

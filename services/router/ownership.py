@@ -1,26 +1,10 @@
 """Router replicas: which router decides which sessions. Pure: no I/O, no clock.
 
-Sessions hash to 64 slots (shared/session_slots.py); a deployment groups them into
-`partitions` partitions (slot s belongs to partition s % partitions), each consumed by one
-durable JetStream consumer. Each partition has at most one owner, held as a key
-`partition.<p>` in a JetStream KV bucket whose entries expire `ttl_s` after their last write:
-
-    free  ──create (fails if someone else created it first)──►  mine, revision r
-    mine  ──update(last=r) every ttl_s/4 (the renewal)──────────►  mine, revision r'
-    mine  ──update fails (expired and re-created by another)────►  lost: stop deciding it
-    mine  ──expired, nobody took it, still preferred: create────►  mine again, intake kept
-    mine  ──a live member is preferred: drain, delete(last=r)───►  free (a handover)
-    a dead owner's key expires ttl_s after its last renewal     ►  free: taken over
-
-Who should own a partition: rendezvous hashing over the live routers (those heard on the
-health subject within ttl_s), so a router that joins or leaves moves only its share. A free
-partition is claimed by its preferred router, or by anyone once it has stayed free for
-ttl_s (the preferred one is not claiming it). The KV compare-and-set is what makes ownership
-exclusive; the member view only balances it.
-
-`Ownership.plan` turns what the bucket holds into actions; the router service
-(router_service.py) carries them out and reports back (`claimed`, `renewed`, `lost`,
-`released`). `Partitioning` answers "is this session mine?" for RouterCore.
+Sessions hash to 64 slots grouped into `partitions` partitions, each consumed by one durable
+consumer and owned by at most one router through a key `partition.<p>` in an expiring JetStream KV
+bucket; the KV compare-and-set makes ownership exclusive, rendezvous hashing over the live routers
+only balances it (the states and transitions: `Ownership`). `Partitioning` answers "is this
+session mine?" for RouterCore.
 
 Fencing: a claim's epoch is the bucket revision that created it (renewals keep it; any later
 claim has a higher one). Every dispatch carries its router's (router, partition, epoch); an
@@ -119,6 +103,31 @@ def preferred(partition: int, members: frozenset[str] | set[str]) -> str:
 
 
 class Ownership:
+    """Plans claims, renewals and hand-overs of this router's partitions.
+
+    Sessions hash to 64 slots (shared/session_slots.py); a deployment groups them into
+    `partitions` partitions (slot s belongs to partition s % partitions), each consumed by one
+    durable JetStream consumer. Each partition has at most one owner, held as a key
+    `partition.<p>` in a JetStream KV bucket whose entries expire `ttl_s` after their last write:
+
+        free  ──create (fails if someone else created it first)──►  mine, revision r
+        mine  ──update(last=r) every ttl_s/4 (the renewal)──────────►  mine, revision r'
+        mine  ──update fails (expired and re-created by another)────►  lost: stop deciding it
+        mine  ──expired, nobody took it, still preferred: create────►  mine again, intake kept
+        mine  ──a live member is preferred: drain, delete(last=r)───►  free (a handover)
+        a dead owner's key expires ttl_s after its last renewal     ►  free: taken over
+
+    Who should own a partition: rendezvous hashing over the live routers (those heard on the
+    health subject within ttl_s), so a router that joins or leaves moves only its share. A free
+    partition is claimed by its preferred router, or by anyone once it has stayed free for
+    ttl_s (the preferred one is not claiming it). The KV compare-and-set is what makes ownership
+    exclusive; the member view only balances it.
+
+    `Ownership.plan` turns what the bucket holds into actions; the router service
+    (router_service.py) carries them out and reports back (`claimed`, `renewed`, `lost`,
+    `released`). `Partitioning` answers "is this session mine?" for RouterCore.
+    """
+
     def __init__(self, me: str, partitions: int, ttl_s: float) -> None:
         if not valid_partitions(partitions):
             raise ValueError(f"{partitions} partitions: a divisor of {SLOTS}")

@@ -9,12 +9,8 @@ To keep memory and fold time bounded we index a fixed set of *sampled* positions
 tokens/block). A match is therefore exact up to 256 tokens and then rounded down to the
 nearest 256-token step, up to the cap. This is the router's own prediction from routed
 calls (like sgl-router's approximate tree and Dynamo's ApproxKvIndexer), not engine truth.
-
-    by_model[m][hash] -> {instance_id: session that last sent it there}
-    lru[instance_id]  -> OrderedDict[(model, hash)] in insertion/refresh order, capped
-
-The index is a soft cache: it is not persisted by `RouterState.to_dict`; it refills from
-routed calls after a restart (Dynamo documents the same for its approximate indexer).
+A soft cache: not persisted by `RouterState.to_dict`, it refills from routed calls after a
+restart (Dynamo documents the same for its approximate indexer).
 """
 
 from __future__ import annotations
@@ -31,6 +27,12 @@ INDEXED_TOKENS = INDEXED_BLOCKS * HASH_BLOCK_TOKENS  # the longest match the ind
 
 @dataclass
 class PrefixIndex:
+    """The index's tables:
+
+        by_model[m][hash] -> {instance_id: session that last sent it there}
+        lru[instance_id]  -> OrderedDict[(model, hash)] in insertion/refresh order, capped
+    """
+
     max_entries_per_instance: int = 65_536
     by_model: dict[str, dict[int, dict[str, str]]] = field(default_factory=dict)
     lru: dict[str, OrderedDict] = field(default_factory=dict)

@@ -1,31 +1,10 @@
 """Router service: the asyncio shell around RouterCore.
 
-Two ways in from the event stream, snapshots from `talaria.telemetry.*`:
-
-    intake  call submissions, one durable consumer per partition this router owns
-            (`router-p<p>`, on its slots' `call.submitted.<slot>` subjects; ownership.py,
-            claims.py). Each is decided, the routed call's core-NATS fast copy goes to its agent
-            at once, and its outputs are published while the next is decided (in order, so the
-            stream keeps the order the state applied them in); the submission is acked only
-            once all of them are stored, so a crash redelivers rather than loses it, and the
-            call-id fence (RouterState.routed: a call is decided once) makes redelivery safe.
-    view    everything else a router folds, read in stream order by an ephemeral consumer:
-            agents' completions, failures, round summaries, and other routers' outputs (their
-            routed calls, leases, lost instances), so every router's state counts every
-            router's placements and reservations. Its own outputs (Talaria-Origin: this
-            process) are skipped: they were folded when made.
-
-A partition changes hands only through the KV bucket's compare-and-set. Taking one over
-(claimed, or adopted after a restart): wait until the view has folded the stream as it was
-at the claim (the previous owner's decisions are in the state: the fence holds), then
-recreate the partition's consumer from its ack floor (what the previous owner fetched and
-did not ack comes back at once; the recreation also cuts off a stalled previous owner's
-pulls) and consume. Releasing one (another router is preferred): stop consuming, wait for
-the outputs in flight to be stored and their submissions acked, then delete the key.
-
-A projection save waits until every output is stored, and records the view's position:
-a restart loads it from Postgres and folds the stream after that position (its own earlier
-outputs among them: the fold is idempotent) before it claims anything.
+Submissions come in on durable per-partition consumers (intake) and everything else a router folds
+on one ephemeral consumer (view), in stream order; a submission is acked only once its outputs are
+stored, and the call-id fence (RouterState.routed) makes a redelivery safe. Partitions change
+hands only through the KV bucket's compare-and-set; a projection save records the view's position
+so a restart folds the stream after it. How each step goes: `RouterService`.
 """
 
 from __future__ import annotations
@@ -122,6 +101,36 @@ def configuration(common: CommonSettings, settings: RouterSettings) -> Configura
 
 
 class RouterService:
+    """The asyncio shell around RouterCore.
+
+    Two ways in from the event stream, snapshots from `talaria.telemetry.*`:
+
+        intake  call submissions, one durable consumer per partition this router owns
+                (`router-p<p>`, on its slots' `call.submitted.<slot>` subjects; ownership.py,
+                claims.py). Each is decided, the routed call's core-NATS fast copy goes to its agent
+                at once, and its outputs are published while the next is decided (in order, so the
+                stream keeps the order the state applied them in); the submission is acked only
+                once all of them are stored, so a crash redelivers rather than loses it, and the
+                call-id fence (RouterState.routed: a call is decided once) makes redelivery safe.
+        view    everything else a router folds, read in stream order by an ephemeral consumer:
+                agents' completions, failures, round summaries, and other routers' outputs (their
+                routed calls, leases, lost instances), so every router's state counts every
+                router's placements and reservations. Its own outputs (Talaria-Origin: this
+                process) are skipped: they were folded when made.
+
+    A partition changes hands only through the KV bucket's compare-and-set. Taking one over
+    (claimed, or adopted after a restart): wait until the view has folded the stream as it was
+    at the claim (the previous owner's decisions are in the state: the fence holds), then
+    recreate the partition's consumer from its ack floor (what the previous owner fetched and
+    did not ack comes back at once; the recreation also cuts off a stalled previous owner's
+    pulls) and consume. Releasing one (another router is preferred): stop consuming, wait for
+    the outputs in flight to be stored and their submissions acked, then delete the key.
+
+    A projection save waits until every output is stored, and records the view's position:
+    a restart loads it from Postgres and folds the stream after that position (its own earlier
+    outputs among them: the fold is idempotent) before it claims anything.
+    """
+
     def __init__(self, common: CommonSettings, settings: RouterSettings, log) -> None:
         self.common, self.settings, self.log = common, settings, log
         self.deployment = common.deployment

@@ -1,23 +1,9 @@
 """The client side of the simulator: what an agent session does with each of its calls.
 
-- `RetryPolicy`: a rejected call (503 + Retry-After) is retried after Retry-After, as the
-  OpenAI and Anthropic Python SDKs do (they honour a Retry-After of up to 60 s, else back
-  off 0.5 s * 2**attempt up to 8 s). The SDKs stop after 2 retries by default; an agent
-  harness wraps them and keeps retrying, so the bound here is `max_retries` = 10 [asm].
-  The wait counts in the session's SCT (the call's TTFT keeps counting from its first
-  release). A call that exhausts the bound gives up and its session never completes:
-  metrics count it as SCT = inf, TTFT = inf, so dropping work can only make a run look worse.
-- `PromptHashes`: the block hashes the gateway would put in `CallSubmitted.block_hashes`
-  for each call's prompt (shared/tokenizer.py's chained hashing over the token ids). The
-  simulator has no text, so a session's token ids are synthetic bytes drawn per
-  (session, call): the first `reusable_prefix_tokens` of a call's prompt are the same ids
-  as the session's previous context, the rest are new. A prompt that starts afresh (a
-  session's first call, or one after compaction) opens with its model's shared prefix
-  (`shared` tokens: a system prompt and tool schema every session of the model sends, ids
-  drawn per model), so prefix matches also cross sessions; without it sessions share nothing.
-  Only the first `INDEXED_BLOCKS` blocks are hashed: the router's prefix index reads no
-  block past its last sampled position (services/router/prefix_index.py), so the rest
-  would change no decision.
+`RetryPolicy`: a rejected call is retried after Retry-After, as the OpenAI and Anthropic SDKs do,
+up to an agent harness's bound; a call that gives up counts as SCT = inf, so dropping work can
+only make a run look worse. `PromptHashes`: the block hashes the gateway would compute for each
+call's prompt, from synthetic token ids that share what the trace says is reusable.
 """
 
 from __future__ import annotations
@@ -31,6 +17,15 @@ from talaria.shared.tokenizer import HASH_BLOCK_TOKENS, chain_block_hashes
 
 @dataclass(frozen=True)
 class RetryPolicy:
+    """A rejected call (503 + Retry-After) is retried after Retry-After, as the
+    OpenAI and Anthropic Python SDKs do (they honour a Retry-After of up to 60 s, else back
+    off 0.5 s * 2**attempt up to 8 s). The SDKs stop after 2 retries by default; an agent
+    harness wraps them and keeps retrying, so the bound here is `max_retries` = 10 [asm].
+    The wait counts in the session's SCT (the call's TTFT keeps counting from its first
+    release). A call that exhausts the bound gives up and its session never completes:
+    metrics count it as SCT = inf, TTFT = inf, so dropping work can only make a run look worse.
+    """
+
     max_retries: int = 10  # [asm] an agent harness's bound (the SDKs alone stop at 2)
     retry_after_cap_s: float = 60.0  # SDKs: a Retry-After above this is ignored
     backoff_initial_s: float = 0.5  # SDKs: without Retry-After, 0.5 s * 2**attempt ...
@@ -51,7 +46,20 @@ class RetryPolicy:
 
 class PromptHashes:
     """Per session, the token ids of its context (up to the index horizon) and the chain
-    digests after each block, so a call hashes only the blocks it does not share."""
+    digests after each block, so a call hashes only the blocks it does not share.
+
+    The block hashes the gateway would put in `CallSubmitted.block_hashes`
+    for each call's prompt (shared/tokenizer.py's chained hashing over the token ids). The
+    simulator has no text, so a session's token ids are synthetic bytes drawn per
+    (session, call): the first `reusable_prefix_tokens` of a call's prompt are the same ids
+    as the session's previous context, the rest are new. A prompt that starts afresh (a
+    session's first call, or one after compaction) opens with its model's shared prefix
+    (`shared` tokens: a system prompt and tool schema every session of the model sends, ids
+    drawn per model), so prefix matches also cross sessions; without it sessions share nothing.
+    Only the first `INDEXED_BLOCKS` blocks are hashed: the router's prefix index reads no
+    block past its last sampled position (services/router/prefix_index.py), so the rest
+    would change no decision.
+    """
 
     def __init__(self, seed: int = 0, horizon_blocks: int = INDEXED_BLOCKS,
                  block: int = HASH_BLOCK_TOKENS) -> None:

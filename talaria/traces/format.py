@@ -1,29 +1,7 @@
 """The normalised session-trace format: one JSON object per line, one line per model call.
 
-Every simulator input (converted WEKA traces, users' own traces, test fixtures) uses it.
-
-Required fields, per line:
-
-=======================  =====  ==========================================================
-field                    type   meaning
-=======================  =====  ==========================================================
-session                  str    session id (non-empty); calls of a session share it
-call_index               int    0, 1, 2, ... in call order within the session, no gaps
-model                    str    model the call targets (non-empty)
-prompt_tokens            int    prompt length in tokens, > 0
-reusable_prefix_tokens   int    longest common prefix with (previous prompt + its output),
-                                0 <= r <= prompt_tokens; 0 on call_index 0
-output_tokens            int    completion tokens, >= 1
-gap_before_s             float  call 0: the session's start offset from the replay start;
-                                later calls: tool/think gap between the previous call's
-                                completion and this call's release, >= 0
-=======================  =====  ==========================================================
-
-Optional fields: ``kind`` ("tool" continuation, "user" turn, "start"), ``source`` (free
-text, e.g. the original trace id; ``calls:<call_id>`` for a call a stack served, written by
-``talaria trace export``), ``max_tokens`` (the client's cap on the output, >=
-output_tokens; absent: a documented mix of API defaults, traces/caps.py). Unknown fields are
-an error, so typos do not pass.
+Every simulator input (converted WEKA traces, users' own traces, test fixtures) uses it; the
+fields and their bounds: `TraceCall`. Unknown fields are an error, so typos do not pass.
 
 Lines of one session must be contiguous and in call order. Blank lines and lines starting
 with ``#`` are skipped. ``load_trace`` validates every line and raises ``TraceFormatError``
@@ -63,7 +41,31 @@ class TraceFormatError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class TraceCall:
-    """One model call of one session (see the module docstring for field meanings)."""
+    """One model call of one session.
+
+    Required fields, per line:
+
+    =======================  =====  ==========================================================
+    field                    type   meaning
+    =======================  =====  ==========================================================
+    session                  str    session id (non-empty); calls of a session share it
+    call_index               int    0, 1, 2, ... in call order within the session, no gaps
+    model                    str    model the call targets (non-empty)
+    prompt_tokens            int    prompt length in tokens, > 0
+    reusable_prefix_tokens   int    longest common prefix with (previous prompt + its output),
+                                    0 <= r <= prompt_tokens; 0 on call_index 0
+    output_tokens            int    completion tokens, >= 1
+    gap_before_s             float  call 0: the session's start offset from the replay start;
+                                    later calls: tool/think gap between the previous call's
+                                    completion and this call's release, >= 0
+    =======================  =====  ==========================================================
+
+    Optional fields: ``kind`` ("tool" continuation, "user" turn, "start"), ``source`` (free
+    text, e.g. the original trace id; ``calls:<call_id>`` for a call a stack served, written by
+    ``talaria trace export``), ``max_tokens`` (the client's cap on the output, >=
+    output_tokens; absent: a documented mix of API defaults, traces/caps.py). Unknown fields are
+    an error, so typos do not pass.
+    """
 
     session: str
     call_index: int

@@ -1,15 +1,7 @@
 """Gap models: what the closed-loop replayer waits between a completion and the next call.
 
-Three models, each a small frozen object with `gap(call) -> seconds` and a `describe()`
-string that reports print verbatim:
-
-- ``recorded``: the trace's own gap, capped (the paper caps at 10 s; 20 of its 960 calls).
-- ``rescaled``: the recorded gap times a factor, then capped. WEKA gaps are ~20x the
-  paper's (README), so a factor of 0.05 gives reference-like timing while keeping the
-  per-session shape.
-- ``paper``: drawn from a lognormal fitted to the paper's tool-gap distribution
-  (p50 0.39 s, p95 1.32 s; calibration.md, Fig. 2b). Each draw is seeded by
-  (seed, session, call_index) so it does not depend on replay order or configuration.
+Three models (recorded, rescaled, paper: `GapModel`), each a small frozen object with
+`gap(call) -> seconds` and a `describe()` string that reports print verbatim.
 
 Gap 0 (a session's start offset) is never modified: it is workload placement, not a tool gap.
 Without a choice, a trace a stack served (`talaria trace export`) replays its recorded gaps
@@ -42,7 +34,16 @@ def _stable_seed(*parts: object) -> int:
 
 @dataclass(frozen=True)
 class GapModel:
-    """kind: recorded | rescaled | paper. `cap_s` applies to every kind (None = no cap)."""
+    """kind: recorded | rescaled | paper. `cap_s` applies to every kind (None = no cap).
+
+    - ``recorded``: the trace's own gap, capped (the paper caps at 10 s; 20 of its 960 calls).
+    - ``rescaled``: the recorded gap times a factor, then capped. WEKA gaps are ~20x the
+      paper's (README), so a factor of 0.05 gives reference-like timing while keeping the
+      per-session shape.
+    - ``paper``: drawn from a lognormal fitted to the paper's tool-gap distribution
+      (p50 0.39 s, p95 1.32 s; calibration.md, Fig. 2b). Each draw is seeded by
+      (seed, session, call_index) so it does not depend on replay order or configuration.
+    """
 
     kind: str = "recorded"
     cap_s: float | None = 10.0

@@ -2,32 +2,8 @@
 
 Streaming: one input line (one conversation) is parsed, converted and written before the
 next is read, so the 460 MB decompressed file never sits in memory. `.xz` input is read
-through `lzma`.
-
-Field mapping, per LLM call (`type` "n"/"s"):
-
-- ``session`` = the trace ``id``; ``call_index`` = position among the session's calls.
-- ``prompt_tokens`` = ``in``; ``output_tokens`` = max(1, ``out``).
-- ``reusable_prefix_tokens``: longest common prefix of ``hash_ids`` with the previous call,
-  in 64-token blocks. When the previous prompt's blocks are *all* a prefix of this prompt,
-  the previous output is counted too (the paper's "prior prompt plus generated response"),
-  i.e. min(prev_in + prev_out, in). Capped at ``in``; 0 on call 0.
-- ``gap_before_s`` = ``think_time`` of this call (the README's choice: ``t`` has 1 s
-  resolution). Without ``think_time``: t - (t_prev + api_time_prev), floored at 0, or the
-  ``t`` difference when ``api_time`` is missing too. Call 0: 0.
-- ``kind``: "start" on call 0, "user" when ``input_types`` has "text" and no
-  "tool_result", else "tool".
-- ``model``: a session keeps one model in the normalised format; a trace whose parent calls
-  use several models takes its most frequent one (the original mix is counted in the
-  summary). The simulator maps trace models onto served models anyway.
-
-Sub-agent markers (``type`` "subagent", 63 in 19 traces) carry their own call list:
-
-- ``subagents="separate"`` (default): each becomes its own session
-  ``<trace id>/<agent_id>`` written right after its parent, starting at offset 0. Its hash
-  namespace is the parent's, but prefix reuse is computed within the sub-agent's own calls.
-- ``subagents="drop"``: markers are skipped; the parent's next gap already spans the
-  sub-agent's run (its ``think_time``), so parents are unchanged either way.
+through `lzma`. The field mapping per LLM call: `convert_session`; sub-agent markers (their
+own call lists): `iter_converted`.
 """
 
 from __future__ import annotations
@@ -110,7 +86,25 @@ def _kind(req: dict, index: int) -> str:
 def convert_session(
     session_id: str, requests: list[dict], summary: ConvertSummary, source: str = ""
 ) -> list[TraceCall]:
-    """Convert one call list (parent or sub-agent) into normalised calls."""
+    """Convert one call list (parent or sub-agent) into normalised calls.
+
+    Field mapping, per LLM call (`type` "n"/"s"):
+
+    - ``session`` = the trace ``id``; ``call_index`` = position among the session's calls.
+    - ``prompt_tokens`` = ``in``; ``output_tokens`` = max(1, ``out``).
+    - ``reusable_prefix_tokens``: longest common prefix of ``hash_ids`` with the previous call,
+      in 64-token blocks. When the previous prompt's blocks are *all* a prefix of this prompt,
+      the previous output is counted too (the paper's "prior prompt plus generated response"),
+      i.e. min(prev_in + prev_out, in). Capped at ``in``; 0 on call 0.
+    - ``gap_before_s`` = ``think_time`` of this call (the README's choice: ``t`` has 1 s
+      resolution). Without ``think_time``: t - (t_prev + api_time_prev), floored at 0, or the
+      ``t`` difference when ``api_time`` is missing too. Call 0: 0.
+    - ``kind``: "start" on call 0, "user" when ``input_types`` has "text" and no
+      "tool_result", else "tool".
+    - ``model``: a session keeps one model in the normalised format; a trace whose parent calls
+      use several models takes its most frequent one (the original mix is counted in the
+      summary). The simulator maps trace models onto served models anyway.
+    """
     llm = [r for r in requests if r.get("type") != "subagent"]
     if not llm:
         return []
@@ -152,7 +146,16 @@ def convert_session(
 def iter_converted(
     stream: IO[str], summary: ConvertSummary, subagents: str = "separate"
 ) -> Iterator[list[TraceCall]]:
-    """Yield one converted session (a list of calls) at a time."""
+    """Yield one converted session (a list of calls) at a time.
+
+    Sub-agent markers (``type`` "subagent", 63 in 19 traces) carry their own call list:
+
+    - ``subagents="separate"`` (default): each becomes its own session
+      ``<trace id>/<agent_id>`` written right after its parent, starting at offset 0. Its hash
+      namespace is the parent's, but prefix reuse is computed within the sub-agent's own calls.
+    - ``subagents="drop"``: markers are skipped; the parent's next gap already spans the
+      sub-agent's run (its ``think_time``), so parents are unchanged either way.
+    """
     if subagents not in ("separate", "drop"):
         raise ValueError(f"subagents must be 'separate' or 'drop', got {subagents!r}")
     for lineno, line in enumerate(stream, start=1):

@@ -1,26 +1,10 @@
 """The `sglang` engine (`TALARIA_ENGINE=sglang`): the agent's models on SGLang's offline
-`sglang.Engine`, behind the engine contract (contract.py). NEVER RUN: SGLang cannot run on
-this project's machines (its CPU backend needs a source build with AMX, its PyPI kernels are
-CUDA-only, its wheels are too large for the lent GPU machine). What it calls is checked
-against SGLang's own source by tests/unit/engine/test_sglang_source.py (the wheel is
-downloaded without dependencies and parsed, never imported), so it fails when either side
+`sglang.Engine`, behind the engine contract (contract.py); the calls it makes: `SglangEngine`.
+NEVER RUN: SGLang cannot run on this project's machines (its CPU backend needs a source build with
+AMX, its PyPI kernels are CUDA-only, its wheels are too large for the lent GPU machine). What it
+calls is checked against SGLang's own source by tests/unit/engine/test_sglang_source.py (the wheel
+is downloaded without dependencies and parsed, never imported), so it fails when either side
 drifts; whether it serves correctly is unknown until it runs on a GPU.
-
-    prefill(seqs)  `Engine.async_generate(input_ids=..., sampling_params=..., stream=True,
-                   rid=call_id, cache_salt=kv_scope, ...)` per call, its stream kept on the
-                   call's `Sequence`; returns each first token
-    decode(seqs)   the next token each call's stream delivered (incremental streaming output)
-    finish(seq)    an unfinished call is aborted (`tokenizer_manager.abort_request(rid=...)`;
-                   `sglang.Engine` has no abort of its own)
-    switch_to      `memory` (default): one Engine per model, started with the memory saver;
-                   the outgoing one `release_memory_occupation(tags=["kv_cache", "weights"])`,
-                   the incoming one `resume_memory_occupation(tags=["weights", "kv_cache"])`.
-                   `weights`: one Engine, `update_weights_from_disk(model_path=...)` to the
-                   next model's directory (same architecture and shapes only) and
-                   `flush_cache()`.
-    host KV        SGLang's hierarchical cache with HKVR as its storage backend
-                   (sglang_hicache.py, loaded by SGLang's `dynamic` backend factory), written
-                   through, so a session's pages survive the KV release of a switch.
 
 SGLang's offline Engine is driven through its own event loop (`Engine.loop`) from the
 thread that made it, as its synchronous methods are: this adapter does every call on the
@@ -101,6 +85,25 @@ def sampling_params(r: Sequence, text, room: int) -> dict[str, Any]:
 
 
 class SglangEngine(StreamingEngine):
+    """SGLang's `sglang.Engine` behind the engine contract:
+
+        prefill(seqs)  `Engine.async_generate(input_ids=..., sampling_params=..., stream=True,
+                       rid=call_id, cache_salt=kv_scope, ...)` per call, its stream kept on the
+                       call's `Sequence`; returns each first token
+        decode(seqs)   the next token each call's stream delivered (incremental streaming output)
+        finish(seq)    an unfinished call is aborted (`tokenizer_manager.abort_request(rid=...)`;
+                       `sglang.Engine` has no abort of its own)
+        switch_to      `memory` (default): one Engine per model, started with the memory saver;
+                       the outgoing one `release_memory_occupation(tags=["kv_cache", "weights"])`,
+                       the incoming one `resume_memory_occupation(tags=["weights", "kv_cache"])`.
+                       `weights`: one Engine, `update_weights_from_disk(model_path=...)` to the
+                       next model's directory (same architecture and shapes only) and
+                       `flush_cache()`.
+        host KV        SGLang's hierarchical cache with HKVR as its storage backend
+                       (sglang_hicache.py, loaded by SGLang's `dynamic` backend factory), written
+                       through, so a session's pages survive the KV release of a switch.
+    """
+
     name = "SGLang"
 
     def __init__(self, data_dir: Path, models: list[str], *, catalogue: Catalogue = BUILTIN_MODELS,

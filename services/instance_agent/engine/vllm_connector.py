@@ -2,24 +2,12 @@
 registry's bookkeeping (memory/hkvr_core.py), keyed by the tenant-scoped block hashes the
 router sees (shared/tokenizer.py `block_hashes`, salted with the call's `kv_scope`).
 
-    save  write-through: when a vLLM block of a request fills (prompt or decode), the worker
-          copies it to a host page after the step's forward (`wait_for_save`); the page is
-          published (restorable) once that step is over. A session's KV is thus on the host
-          before its engine drops it: a prefix-cache eviction, or a switch that sleeps the
-          engine (GPU) or releases its KV (TALARIA_VLLM_SWITCH=release).
-    load  a new request whose prompt's next blocks are on the host (beyond vLLM's own prefix
-          cache hit) gets them copied into its freshly allocated blocks before its first
-          forward (`start_load_kv`); vLLM computes only the rest.
-
-Where it runs: the scheduler-side instance (slots, LRU, publication: `HkvrCore`) in vLLM's
-engine-core process, the worker-side instance (byte copies) in its worker process; the host
-pages are one shared-memory file both map (`pool`), created by the agent (vllm_engine.py).
-A page is one vLLM block of every layer, keyed (model, rank 0, Talaria hash of the block's
-last 16-token hash block), so the same tokens under the same scope hit whoever computed them.
-The agent learns what a call loaded from its last output (`kv_transfer_params`).
-
-Needs synchronous scheduling (the agent turns vLLM's async scheduling off with it): a step's
-saves are complete when the next step is scheduled.
+It saves write-through (a filled vLLM block is copied to a host page after the step's forward),
+so a session's KV is on the host before its engine drops it (a prefix-cache eviction, a sleep, a
+release), and loads a new request's next blocks from the host before its first forward. How it
+saves and loads, and where each half runs: `TalariaHostKvConnector`. Needs synchronous scheduling
+(the agent turns vLLM's async scheduling off with it): a step's saves are complete when the next
+step is scheduled.
 """
 
 from __future__ import annotations
@@ -80,6 +68,28 @@ class _Load:
 
 
 class TalariaHostKvConnector(KVConnectorBase_V1):  # type: ignore[misc, valid-type]
+    """HKVR as vLLM's host KV tier (vLLM's `KVConnectorBase_V1`):
+
+        save  write-through: when a vLLM block of a request fills (prompt or decode), the worker
+              copies it to a host page after the step's forward (`wait_for_save`); the page is
+              published (restorable) once that step is over. A session's KV is thus on the host
+              before its engine drops it: a prefix-cache eviction, or a switch that sleeps the
+              engine (GPU) or releases its KV (TALARIA_VLLM_SWITCH=release).
+        load  a new request whose prompt's next blocks are on the host (beyond vLLM's own prefix
+              cache hit) gets them copied into its freshly allocated blocks before its first
+              forward (`start_load_kv`); vLLM computes only the rest.
+
+    Where it runs: the scheduler-side instance (slots, LRU, publication: `HkvrCore`) in vLLM's
+    engine-core process, the worker-side instance (byte copies) in its worker process; the host
+    pages are one shared-memory file both map (`pool`), created by the agent (vllm_engine.py).
+    A page is one vLLM block of every layer, keyed (model, rank 0, Talaria hash of the block's
+    last 16-token hash block), so the same tokens under the same scope hit whoever computed them.
+    The agent learns what a call loaded from its last output (`kv_transfer_params`).
+
+    Needs synchronous scheduling (the agent turns vLLM's async scheduling off with it): a step's
+    saves are complete when the next step is scheduled.
+    """
+
     def __init__(self, vllm_config, role, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config

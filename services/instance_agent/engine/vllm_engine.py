@@ -7,32 +7,11 @@
     decode(seqs)   the next token of each call, from the tokens its stream has delivered
     finish(seq)    an unfinished call is aborted in vLLM (`AsyncLLM.abort`)
 
-vLLM batches continuously on its own: inside a slot it computes ahead of the agent's decode
-steps, which drain what it produced. Text, stop strings and EOS are decided here with the
-model's own text side (shared/model_text.py), exactly as the torch engine decides them, so
-both engines give the same text for the same tokens. Prefix reuse is vLLM's prefix cache,
-salted with the request's `kv_scope` (`cache_salt`), so prefixes are shared only within a
-tenant, as in the torch engine.
-
-Model switching (`switch_to`), by `switch_mode`:
-  resident  every model's engine stays loaded with its KV cache (CPU: sleep mode does not
-            exist there). A switch pauses the outgoing engine with its requests frozen in
-            place (`pause_generation(mode="keep", clear_cache=False)`) and resumes the
-            incoming one: no weights move, no KV is lost, calls may be running
-            (capabilities: switch_with_calls_running, resident_models).
-  sleep     one engine awake at a time (GPU): the outgoing one sleeps at level 1 (weights
-            to host memory, KV discarded) and the incoming one wakes up. Its calls must be
-            drained first; its sessions' KV survives only through the host KV connector
-            (vllm_connector.py), when one is configured.
-  release   as resident, but the outgoing engine's KV is dropped (`reset_prefix_cache`), as a
-            level-1 sleep drops it: how the connector's return path is exercised and measured
-            on CPU, where sleep mode does not exist.
-Each model's engine runs as vLLM's processes (the engine core and its worker) beside the
-agent; the agent's host KV registry for them is the connector's (kv_state "host").
-
-Threading: every public method runs on the agent's engine thread; vLLM's asyncio objects
-live on a private loop thread (vllm_loop.py). Build it from a process whose main module is
-import-safe: vLLM starts its engine processes with `spawn`.
+vLLM batches continuously on its own; the agent's decode steps drain what it produced. Text, stop
+strings and EOS are decided here with the model's own text side (shared/model_text.py), as the
+torch engine decides them, so both give the same text for the same tokens. Prefix reuse is vLLM's
+prefix cache salted with the request's `kv_scope` (`cache_salt`): shared only within a tenant.
+Model switching (resident, sleep, release) and threading: `VllmEngine`.
 """
 
 from __future__ import annotations
@@ -71,6 +50,29 @@ class VllmUnavailable(EngineError, RuntimeError):
 
 
 class VllmEngine(StreamingEngine):
+    """vLLM's engines behind the engine contract; one `AsyncLLM` per model.
+
+    Model switching (`switch_to`), by `switch_mode`:
+      resident  every model's engine stays loaded with its KV cache (CPU: sleep mode does not
+                exist there). A switch pauses the outgoing engine with its requests frozen in
+                place (`pause_generation(mode="keep", clear_cache=False)`) and resumes the
+                incoming one: no weights move, no KV is lost, calls may be running
+                (capabilities: switch_with_calls_running, resident_models).
+      sleep     one engine awake at a time (GPU): the outgoing one sleeps at level 1 (weights
+                to host memory, KV discarded) and the incoming one wakes up. Its calls must be
+                drained first; its sessions' KV survives only through the host KV connector
+                (vllm_connector.py), when one is configured.
+      release   as resident, but the outgoing engine's KV is dropped (`reset_prefix_cache`), as a
+                level-1 sleep drops it: how the connector's return path is exercised and measured
+                on CPU, where sleep mode does not exist.
+    Each model's engine runs as vLLM's processes (the engine core and its worker) beside the
+    agent; the agent's host KV registry for them is the connector's (kv_state "host").
+
+    Threading: every public method runs on the agent's engine thread; vLLM's asyncio objects
+    live on a private loop thread (vllm_loop.py). Build it from a process whose main module is
+    import-safe: vLLM starts its engine processes with `spawn`.
+    """
+
     name = "vLLM"
 
     def __init__(

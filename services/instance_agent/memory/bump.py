@@ -9,14 +9,8 @@
     ^ weight base   ^ kv base = align(weight bytes of the active model)  ^ runtime base
       (never moves)   (moves only with the weight size)                    (never moves)
 
-* Weights grow from the low end; switching m -> m' releases the KV region, resizes the
-  weight region to m''s image size and rebinds m''s parameters as views at fixed offsets.
-* Runtime buffers are anchored at the high end; their base never moves.
-* The KV pool is whatever lies between; the next model's weights are staged into the
-  free high-address tail of that gap (staging.py), which low-first allocation keeps clean.
-* Nothing on the switch path allocates: every region is a view of `buf`. Views cached for
-  a model stay valid because bases are stable; `check_bases` is the restore-time pointer
-  check (the analogue of re-validating captured CUDA-graph pointers).
+Nothing on the switch path allocates: every region is a view of one buffer, and views stay
+valid because bases are stable (how each region moves at a switch: `BumpBuffer`).
 """
 
 from __future__ import annotations
@@ -36,7 +30,17 @@ class RegionBases:
 
 
 class BumpBuffer:
-    """The instance's device buffer. Single-threaded: owned by the engine's worker thread."""
+    """The instance's device buffer. Single-threaded: owned by the engine's worker thread.
+
+    * Weights grow from the low end; switching m -> m' releases the KV region, resizes the
+      weight region to m''s image size and rebinds m''s parameters as views at fixed offsets.
+    * Runtime buffers are anchored at the high end; their base never moves.
+    * The KV pool is whatever lies between; the next model's weights are staged into the
+      free high-address tail of that gap (staging.py), which low-first allocation keeps clean.
+    * Nothing on the switch path allocates: every region is a view of `buf`. Views cached for
+      a model stay valid because bases are stable; `check_bases` is the restore-time pointer
+      check (the analogue of re-validating captured CUDA-graph pointers).
+    """
 
     def __init__(self, total_bytes: int, runtime_bytes: int, device: str | torch.device) -> None:
         total_bytes = align_up(total_bytes)

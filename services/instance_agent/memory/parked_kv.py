@@ -5,17 +5,8 @@ switched away from with calls still running; their KV must survive until the mod
 slot. Offloading it (the paper's parked pool) puts a D2H copy behind the switch and an H2D
 restore, at the KV restore rate, on the critical path of the switch that reopens the model.
 Keeping it on device costs two D2D copies instead (out of the incoming weights' way; back
-into the model's pool when it reopens). This planner keeps it on device while HBM has room:
-
-    bump:  | weights(active) | active KV ->   ...free...   | parked KV | staging slots | runtime |
-
-    room = KV pool of the active model - its own KV - the staging reserve (the weights the
-           rotation may stage next, the largest other model's when staging is on)
-
-so the parked region uses only HBM that neither the active model's KV nor the staged next
-model needs: when the active KV grows into it, parked entries are offloaded oldest-parked
-first (`fit`), before any staged chunk is dirtied. An offloaded entry is restored from host
-when its model reopens (`unpark` returns it under `host`). Sizes are bytes.
+into the model's pool when it reopens). This planner keeps it on device while HBM has room
+(how much, and what is offloaded first: `ParkedKv`).
 """
 
 from __future__ import annotations
@@ -51,7 +42,18 @@ def staging_reserve(weight_bytes: Mapping[str, int], active: str, staging: bool)
 
 
 class ParkedKv:
-    """Parked running-call KV of models that are not active, oldest parked first."""
+    """Parked running-call KV of models that are not active, oldest parked first.
+
+        bump:  | weights(active) | active KV ->   ...free...   | parked KV | staging slots | runtime |
+
+        room = KV pool of the active model - its own KV - the staging reserve (the weights the
+               rotation may stage next, the largest other model's when staging is on)
+
+    so the parked region uses only HBM that neither the active model's KV nor the staged next
+    model needs: when the active KV grows into it, parked entries are offloaded oldest-parked
+    first (`fit`), before any staged chunk is dirtied. An offloaded entry is restored from host
+    when its model reopens (`unpark` returns it under `host`). Sizes are bytes.
+    """
 
     def __init__(self) -> None:
         self._device: OrderedDict[Key, int] = OrderedDict()

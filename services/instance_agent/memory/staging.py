@@ -6,15 +6,8 @@
     [hi - (i+1)*C, hi - i*C); slots stay above max(weights(m), weights(m')) so the gather
     never overwrites its own source.
 
-Chunk states: missing -> writing -> clean; clean -> dirty when a KV page allocation
-overlaps the slot; dirty/missing chunks are (re)written only while their slot is free.
-While a chunk is `writing` the KV allocator skips pages overlapping it (`blocked`), so no
-page is ever handed out over bytes being written, and nothing reads a chunk mid-write.
-At switch time the executor waits for writes in flight, copies clean chunks D2D and
-loads dirty or missing ones from the host image.
-
 `StagingPlanner` (staging_plan.py) is pure bookkeeping, driven by the simulator too;
-`StagingExecutor` moves bytes.
+`StagingExecutor` moves bytes (a chunk's states, and why nothing reads one mid-write: there).
 """
 
 from __future__ import annotations
@@ -44,7 +37,15 @@ class GatherResult:
 
 
 class StagingExecutor:
-    """Writes planned chunks from a host image into bump-buffer slots, asynchronously."""
+    """Writes planned chunks from a host image into bump-buffer slots, asynchronously.
+
+    Chunk states: missing -> writing -> clean; clean -> dirty when a KV page allocation
+    overlaps the slot; dirty/missing chunks are (re)written only while their slot is free.
+    While a chunk is `writing` the KV allocator skips pages overlapping it (`blocked`), so no
+    page is ever handed out over bytes being written, and nothing reads a chunk mid-write.
+    At switch time the executor waits for writes in flight, copies clean chunks D2D and
+    loads dirty or missing ones from the host image.
+    """
 
     def __init__(self, buf: torch.Tensor, chunk_bytes: int, device: str | torch.device, inflight: int = 2) -> None:
         self.buf = buf

@@ -1,25 +1,9 @@
 """`kv-cost`: after NVIDIA Dynamo's KV router (KV-aware worker selection), loosely.
 
 Transplanted baseline (kept for the old matrix, results/matrix_transplanted.json): Dynamo's
-router as it is, with its defaults, is `dynamo-kv` (dynamo_kv.py).
-
-Source: ai-dynamo/dynamo, `docs/router/kv_cache_routing.md` ("Cost Calculation"), read
-through the search tools:
-
-    cost = overlap_score_weight * prefill_blocks + decode_blocks      (lowest wins;
-    prefill_blocks = blocks of the prompt the worker has not cached    temperature 0 =
-    decode_blocks  = blocks of the worker's active sequences           deterministic)
-
-Our additions follow the project brief and were NOT verified against Dynamo's code:
-- tiered cache: a block the worker holds in host memory counts `host_hit_weight` of a
-  miss (device hit 0, host hit 0.5 by default, miss 1);
-- session affinity with an idle TTL: a session seen within `affinity_ttl_s` goes back to
-  the instance that served its last call while that instance is healthy.
-
-Cached blocks come from two signals: the instance's reported session KV (device or host,
-like Dynamo's KV events) and the router's approximate prefix index over routed calls
-(like Dynamo's ApproxKvIndexer). Active blocks: the instance's KV in use plus the overlay.
-Blind to model residency; issues no leases.
+router as it is, with its defaults, is `dynamo-kv` (dynamo_kv.py). Source
+(ai-dynamo/dynamo `docs/router/kv_cache_routing.md`, "Cost Calculation"), its rule and our
+additions, which were NOT verified against Dynamo's code: `KvCost`.
 """
 
 from __future__ import annotations
@@ -33,6 +17,27 @@ from talaria.shared.tokenizer import HASH_BLOCK_TOKENS as BLOCK
 
 @register
 class KvCost(PlacementPolicy):
+    """Dynamo's cost rule with the project brief's additions (the module docstring: which version).
+
+    Source: ai-dynamo/dynamo, `docs/router/kv_cache_routing.md` ("Cost Calculation"), read
+    through the search tools:
+
+        cost = overlap_score_weight * prefill_blocks + decode_blocks      (lowest wins;
+        prefill_blocks = blocks of the prompt the worker has not cached    temperature 0 =
+        decode_blocks  = blocks of the worker's active sequences           deterministic)
+
+    Our additions follow the project brief and were NOT verified against Dynamo's code:
+    - tiered cache: a block the worker holds in host memory counts `host_hit_weight` of a
+      miss (device hit 0, host hit 0.5 by default, miss 1);
+    - session affinity with an idle TTL: a session seen within `affinity_ttl_s` goes back to
+      the instance that served its last call while that instance is healthy.
+
+    Cached blocks come from two signals: the instance's reported session KV (device or host,
+    like Dynamo's KV events) and the router's approximate prefix index over routed calls
+    (like Dynamo's ApproxKvIndexer). Active blocks: the instance's KV in use plus the overlay.
+    Blind to model residency; issues no leases.
+    """
+
     name = "kv-cost"
 
     def decide(self, state: RouterState, call: CallSubmitted, now: float) -> RoutingDecision:

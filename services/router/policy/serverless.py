@@ -4,15 +4,8 @@ Where a cluster has more models than instances, the peers are deployed the way s
 LLM platforms run them (ServerlessLLM, Knative/KServe scale-from-zero): each instance serves
 one model at a time, a model is loaded where it starts fastest when no instance holds it,
 and a loaded model stays until another model needs the instance (keep-alive until evicted,
-least recently used first). The peer's own rule then picks among the instances in scope.
-
-    holders  = instances with the model on device, loading it, or with calls of it queued
-    holders, none saturated         -> holders (the peer's rule among them)
-    holders all have calls waiting  -> holders + one instance to load it on (scale out)
-    no holder                       -> the instance to load it on
-    load target: an idle instance (nothing running or waiting), fastest start first
-                 (weights staged > absent), then least recently used; none idle: the
-                 instance with the fewest calls (its scheduler runs the call after them)
+least recently used first). The peer's own rule then picks among the instances in scope
+(which instances those are: `scope`).
 
 Pure: reads snapshots, the overlay and the session homes (homes.py: when each instance's
 models were last used). Talaria does not use it (it places by its own costs).
@@ -50,7 +43,16 @@ def load_target(state: RouterState, views: list[InstanceView], model: str) -> In
 
 
 def scope(state: RouterState, views: list[InstanceView], model: str) -> list[InstanceView]:
-    """The instances a serverless deployment lets the peer's rule choose among."""
+    """The instances a serverless deployment lets the peer's rule choose among.
+
+        holders  = instances with the model on device, loading it, or with calls of it queued
+        holders, none saturated         -> holders (the peer's rule among them)
+        holders all have calls waiting  -> holders + one instance to load it on (scale out)
+        no holder                       -> the instance to load it on
+        load target: an idle instance (nothing running or waiting), fastest start first
+                     (weights staged > absent), then least recently used; none idle: the
+                     instance with the fewest calls (its scheduler runs the call after them)
+    """
     if not views:
         return views
     holders = [v for v in views if holds(v, model)]

@@ -4,21 +4,8 @@ Source: sgl-project/sglang, `sgl-model-gateway/src/policies/cache_aware.rs`
 (`CacheAwarePolicy::select_worker`) with the gateway's command-line defaults
 (`sgl-model-gateway/src/main.rs` CliArgs: cache_threshold 0.3, balance_abs_threshold 64,
 balance_rel_threshold 1.5, eviction_interval 120 s, max_tree_size 2**26), read through the
-search tools. One approximate tree per model (`trees: DashMap<model, Tree>`).
-
-    load(w)     = requests the gateway sent to w that have not finished
-    imbalanced  = max - min > balance_abs and max > balance_rel * min
-    imbalanced            -> the least-loaded worker
-    else match  = longest prefix match of the request in the model's tree / request length
-         match > threshold -> the worker holding that match
-         otherwise         -> the least-loaded worker (not the smallest tree, as in 2024)
-    the request is inserted into the tree under the chosen worker (here: CallRouted's fold)
-
-The tree is our approximate prefix index (peer_signals.routed_prefix: sampled block hashes,
-a full-horizon match on the session's own instance extended by its context); eviction is
-by size only (2**26 nodes never fill in our runs). Ties among least-loaded workers go to
-the first in order, as `min_by_key` does; among equally deep matches to any one of them
-(the tree returns the first tenant of an unordered map: here a pick seeded by the call id). Blind to model residency; no leases.
+search tools. One approximate tree per model (`trees: DashMap<model, Tree>`). The rule, and
+where ours differs (the tree is our approximate prefix index): `SglangCacheAware`.
 """
 
 from __future__ import annotations
@@ -36,6 +23,23 @@ BALANCE_REL_THRESHOLD = 1.5
 
 @register
 class SglangCacheAware(PlacementPolicy):
+    """The gateway's `CacheAwarePolicy::select_worker`, with its defaults (the module docstring: source):
+
+        load(w)     = requests the gateway sent to w that have not finished
+        imbalanced  = max - min > balance_abs and max > balance_rel * min
+        imbalanced            -> the least-loaded worker
+        else match  = longest prefix match of the request in the model's tree / request length
+             match > threshold -> the worker holding that match
+             otherwise         -> the least-loaded worker (not the smallest tree, as in 2024)
+        the request is inserted into the tree under the chosen worker (here: CallRouted's fold)
+
+    The tree is our approximate prefix index (peer_signals.routed_prefix: sampled block hashes,
+    a full-horizon match on the session's own instance extended by its context); eviction is
+    by size only (2**26 nodes never fill in our runs). Ties among least-loaded workers go to
+    the first in order, as `min_by_key` does; among equally deep matches to any one of them
+    (the tree returns the first tenant of an unordered map: here a pick seeded by the call id). Blind to model residency; no leases.
+    """
+
     name = "sglang-cache-aware"
 
     def decide(self, state: RouterState, call: CallSubmitted, now: float) -> RoutingDecision:
