@@ -1,19 +1,15 @@
 """Named configurations: what runs, in one frozen value per name.
 
-A `Configuration` holds the routing policy and every one of its knobs (`PolicyConfig`), the
-instance scheduler with its mechanisms (`SchedulerConfig`: SP, HKVR, staging, parked KV and
-every other knob) and how the instances are pooled. Live (`talaria up --config NAME`,
-`TALARIA_CONFIG`) and the simulator (`talaria sim run --config NAME`, the matrix) pick one the
-same way, `get(name, **overrides)`; any knob is overridden by name and checked. A knob both the
-router and the scheduler have (`gamma`, `ttft_target_s`) sets both; `router.gamma` sets one.
+A `Configuration` holds the routing policy and all its knobs (`PolicyConfig`), the instance
+scheduler with its mechanisms (`SchedulerConfig`) and how the instances are pooled. Live
+(`talaria up --config NAME`, `TALARIA_CONFIG`) and the simulator (`talaria sim run --config
+NAME`, the matrix) pick one the same way, `get(name, **overrides)`; any knob is overridden by
+name and checked (`gamma` sets the router's and the scheduler's; `router.gamma` one). What the
+simulator runs differently is declared once, in `SIM_DIFFERS`, each with its reason.
 
-What the simulator runs differently from a live agent is declared once, in `SIM_DIFFERS`,
-each with its reason; tests/unit/contract/test_configs.py fails on any other difference.
-
-Each row also says where it comes from (`source`), how its models come and go (`models`)
-and which instance mechanisms it has on by default (`mechanisms()`, read from the knobs the
-simulator acts on, so the table cannot claim one that does not run). A peer gets only what
-its system ships on by default; an opt-in equivalent (HiCache, LMCache) is a labelled
+Each row also cites its `source`, says how its models come and go (`models`) and which
+mechanisms it has on by default (`mechanisms()`, read from the knobs the simulator acts on).
+A peer gets only what its system ships on by default; an opt-in equivalent is a labelled
 variant (`+hicache`). `peer_deployments()` lists the peers `sim capacity` compares.
 """
 

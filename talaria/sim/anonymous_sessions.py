@@ -1,28 +1,17 @@
 """Clients that send no session id, in the simulator (issue 41, ask 4).
 
-`RunConfig.session_ids` says what a deployment's router gets when the client names no session:
-
-    named     the call's true session id (every client names its session; the default)
-    inferred  talaria's gateway: the same pure SessionIndex as live
-              (services/gateway/session_inference.py) infers the session from the call's block
-              hashes and token ids; the router sees the inferred id
-    per-call  a peer's router without a session key: every call is its own session (a fresh
-              id, session_origin "new"); vllm-stack-session then takes its no-key rule
-
+`RunConfig.session_ids`: `named` (the call's true id, the default); `inferred` (talaria's
+gateway: the live SessionIndex, services/gateway/session_inference.py, infers the session from
+the call's block hashes and token ids); `per-call` (a peer's router without a session key:
+every call its own session; vllm-stack-session then takes its no-key rule).
 `without_ids(policy)` is what a configuration does without ids. Only the router and the
-agent's scheduler see the visible id (and the router's call index under it: SP takes only a
-continuation of a session the router knows). What stays keyed by the true session is what is
-not a label: the engine's KV (content-addressed live; the simulator's content is per true
-session) and the metrics (SCT per true session); snapshots report that KV under the visible
-id of the session's latest routed call, as a live agent reports the id it was given.
+agent's scheduler see the visible id; the engine's KV (content-addressed live) and the
+metrics (SCT per true session) stay keyed by the true session.
 
-What is fabricated, the simulator having no text: token ids are bytes drawn per (session,
-call) as agents.PromptHashes draws them, over the whole prompt (not only the router's
-index horizon: SessionIndex keys a turn by its last full block); an answer is `output` bytes
-drawn per (session, call) and appended to the session's context when the call completes, so
-the next prompt repeats it wherever the trace says the call reuses its predecessor's prompt
-and answer (reusable_prefix_tokens). A live gateway has all of this: the prompt's tokens and
-the answer it returned. Nothing else about the true session reaches the index.
+Fabricated, the simulator having no text: token ids drawn per (session, call) as
+agents.PromptHashes draws them, over the whole prompt; an answer is `output` ids appended to
+the session's context at completion, so the next prompt repeats it where the trace reuses the
+previous prompt and answer. A live gateway has the same: the prompt and the answer it sent.
 """
 
 from __future__ import annotations
