@@ -9,7 +9,7 @@ way to the gateway. Replies are kept, so nothing waits for the timeout for that:
 REPLIES_STREAM keeps every reply on a gateway inbox for twice the call timeout (a keyed call's
 kept answer lives in the idempotency stream), and when the gateway's connection comes back it
 looks up the reply of every call still waiting (`recover`). An agent whose connection dropped
-after replying publishes its replies again (instance_agent/outcomes.py).
+after replying publishes its replies again (instance_agent/record_sender.py).
 """
 
 from __future__ import annotations

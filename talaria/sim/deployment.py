@@ -1,29 +1,10 @@
-"""How each policy's cluster is deployed in the simulator (issue 21, part 2).
+"""How each configuration's cluster is deployed in the simulator (issue 21, part 2).
 
-A peer router is run the way its users deploy it:
-
-- models <= instances: static per-model pools. Each model gets its own hot-pool instances
-  (pinned, loaded at start, never switching) and the peer's rule routes within the model's
-  pool (`PlacementPolicy.serving` only offers a call the instances pinned to its model).
-  Instances are split by offered demand, as an operator sizes pools ahead: each model's
-  server-seconds of work in the workload (matrix.session_work_s summed over its sessions,
-  a forecast that is exact here, which favours the peers), one instance per model first,
-  then each spare instance to the model furthest below its demand share.
-- models > instances: a serverless deployment (services/router/policy/serverless.py):
-  every instance is a cold instance that loads models on demand; the peer's rule chooses
-  among the instances holding the call's model, a model is loaded where it starts fastest
-  (idle, weights staged, least recently used), and stays until another model needs it.
-
-Talaria runs its own machinery in both regimes. Where the models fit, its hot pools (paper
-§3.1: hot instances serve one model and never switch) start from an even split (no
-forecast) and its router resizes them online from the demand it measures
-(services/router/hot_pools.py; matrix.run_one, RunConfig.hot_pools); the matrix's
-`talaria-forecast-pools` ablation gives it the peers' forecast split instead. Where the
-models outnumber the instances, every instance is a cold-pool talaria agent that
-time-shares models in rounds (residency and placement from the router's costs). Measured
-alternative, not kept: hot pools only for the instances a model's demand fills completely
-(floor(share x instances)) plus a cold pool for the rest: SCT p95 geomean over the best peer
-per cell 1.05x vs 1.02x with the full split (talaria only, 38 cells).
+A peer runs the way its users deploy it: where the models fit the instances, static
+per-model pools split by offered demand (`pool_split`); where they do not, serverless, every
+instance cold and loading models on demand (services/router/policy/serverless.py). Talaria
+runs its own machinery in both regimes: hot pools resized online where the models fit,
+cold-pool agents time-sharing models in rounds where they do not (`talaria_pools`).
 """
 
 from __future__ import annotations
@@ -93,7 +74,33 @@ def place(cfg: Configuration, demand: Mapping[str, float], instances: int, catal
           forecast: Mapping[str, float] | None = None) -> Placement:
     """Deploy configuration `cfg` (its `pools`, services/configs.py POOLS) on `instances`.
     `demand`: the run's offered demand per model (its keys are the models); `forecast`: what
-    static splits are sized on (default `demand`; the matrix's `--peer-split history`)."""
+    static splits are sized on (default `demand`; the matrix's `--peer-split history`).
+
+    A peer router is run the way its users deploy it:
+
+    - models <= instances: static per-model pools. Each model gets its own hot-pool instances
+      (pinned, loaded at start, never switching) and the peer's rule routes within the model's
+      pool (`PlacementPolicy.serving` only offers a call the instances pinned to its model).
+      Instances are split by offered demand, as an operator sizes pools ahead: each model's
+      server-seconds of work in the workload (matrix.session_work_s summed over its sessions,
+      a forecast that is exact here, which favours the peers), one instance per model first,
+      then each spare instance to the model furthest below its demand share.
+    - models > instances: a serverless deployment (services/router/policy/serverless.py):
+      every instance is a cold instance that loads models on demand; the peer's rule chooses
+      among the instances holding the call's model, a model is loaded where it starts fastest
+      (idle, weights staged, least recently used), and stays until another model needs it.
+
+    Talaria runs its own machinery in both regimes. Where the models fit, its hot pools (paper
+    §3.1: hot instances serve one model and never switch) start from an even split (no
+    forecast) and its router resizes them online from the demand it measures
+    (services/router/hot_pools.py; matrix.run_one, RunConfig.hot_pools); the matrix's
+    `talaria-forecast-pools` ablation gives it the peers' forecast split instead. Where the
+    models outnumber the instances, every instance is a cold-pool talaria agent that
+    time-shares models in rounds (residency and placement from the router's costs). Measured
+    alternative, not kept: hot pools only for the instances a model's demand fills completely
+    (floor(share x instances)) plus a cold pool for the rest: SCT p95 geomean over the best peer
+    per cell 1.05x vs 1.02x with the full split (talaria only, 38 cells).
+    """
     pc, fc, fits = cfg.router, dict(forecast if forecast is not None else demand), catalogue <= instances
     if cfg.pools == "per-model":
         pc, pinned = deploy(pc, fc, instances, catalogue)

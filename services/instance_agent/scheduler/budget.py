@@ -1,49 +1,11 @@
 """Round and slot budgets (paper Eq. 3-5). Pure arithmetic, no state.
 
-A round visits every active model once:
-
-    R_i = sum_m [ P_m + D1_m + sum_k (SP_m,k + D_m,k) + D_m,fin ] + sum S_m->m'     (Eq. 3)
-
-Split R_i into decode time and everything else, F = switches + prefill (P and SP):
-R_i = F + d * sum_m t_D,m when every model gets d protected decode iterations.
-
-Eq. 4 (decode share). U_m = R_i - d_m t_D,m is all round time not spent on m's decode.
-A sequence active for the whole round sees R_i / d_m per token; keeping that under
-T_TPOT is d_m (T_TPOT - t_D,m) >= U_m, i.e. d_m T_TPOT >= R_i. (The typeset equation
-reads `d_m T_TPOT - t_D,m >= U_m`; we use the form that matches the stated intent,
-R_i / d_m <= T_TPOT, and the stated infeasibility when T_TPOT <= t_D,m.) Every model
-needs d T >= R_i, so the smallest plan gives them all the same d:
-
-    d = ceil(F / (T_TPOT - sum_m t_D,m))            feasible only if sum_m t_D,m < T_TPOT
-
-Eq. 5 (round cap). R_i <= gamma * T_TTFT. When the plan exceeds it, P is cut back
-(cadence first: Eq. 4 keeps holding for the prefill the round actually admits) and the
-shortfall is reported as deadline risk. The cut is self-consistent: with Eq. 4 feasible
-a round that admits F seconds of switch + prefill lasts about F * T_TPOT / slack, so the
-most prefill the cap allows is F_max - S with F_max = cap * slack / T_TPOT, shared among
-the models in proportion to their queued P; d is then sized for the prefill admitted,
-not for the prefill left waiting. (Sizing d for all queued prefill and then cutting P,
-as an earlier version did, reserves decode for work that does not run: with a deep queue
-d hit the slot clamp, P's budget fell to 0 and every slot admitted a single call.)
-When Eq. 4 is infeasible, d is the longest decode the cap allows (that is the best
-cadence reachable).
-
-Slot fill. Protected decode d is the *least* decode a slot runs. The paper's slot
-"closes when the round budget is exhausted": with `fill_slot` the slot keeps decoding
-(SP opportunities included) until its share of the round budget, `slot_budget_s` =
-its P budget + d t_D,m + its share of the round's leftover (cap - R_i) / n, is spent.
-Without it a contended slot closes right after d, so with cheap staged switches the
-rounds shrink to a few decode steps per model and the instance thrashes between models.
-
-Overload. When the round cannot hold the cap even at the least decode (its switches and
-prefill alone, or Eq. 4 infeasible, push R_i past gamma T_TTFT), neither target is met
-and the round's length no longer buys anything; yet d stays at the least decode (often
-1 iteration per model), so a round of many models is mostly switches and a long output
-gets one token per round: sessions starve (issue 34: switch share 76 %, SCT p95 4x the
-peers'). Then every model gets d >= switch_amortisation x S / sum t_D, so the round
-decodes at least as long as it switches (rent-or-buy break-even at 1: a switch costs
-at most the work it enables, so throughput stays within 2x of switch-free). Below
-overload nothing changes (results/overload.md).
+A round visits every active model once (Eq. 3); each model gets d protected decode
+iterations so a sequence sees at most T_TPOT per token (Eq. 4); the round is capped at
+gamma * T_TTFT (Eq. 5), prefill cut back first. A slot then fills to its share of the round
+budget (`fill_slot`), and an overloaded round decodes at least as long as it switches
+(`switch_amortisation`). The derivation, and where we read the typeset Eq. 4 differently,
+is `plan_slot`'s docstring.
 """
 
 from __future__ import annotations
@@ -118,7 +80,53 @@ def chunk_tokens(cost_of, budget_s: float, limit: int) -> int:
 
 
 def plan_slot(model: str, loads: dict[str, ModelLoad], switch_s: float, config: SchedulerConfig) -> SlotPlan:
-    """The plan of `model`'s slot given the round's active `loads` (which include `model`)."""
+    """The plan of `model`'s slot given the round's active `loads` (which include `model`).
+
+    A round visits every active model once:
+
+        R_i = sum_m [ P_m + D1_m + sum_k (SP_m,k + D_m,k) + D_m,fin ] + sum S_m->m'     (Eq. 3)
+
+    Split R_i into decode time and everything else, F = switches + prefill (P and SP):
+    R_i = F + d * sum_m t_D,m when every model gets d protected decode iterations.
+
+    Eq. 4 (decode share). U_m = R_i - d_m t_D,m is all round time not spent on m's decode.
+    A sequence active for the whole round sees R_i / d_m per token; keeping that under
+    T_TPOT is d_m (T_TPOT - t_D,m) >= U_m, i.e. d_m T_TPOT >= R_i. (The typeset equation
+    reads `d_m T_TPOT - t_D,m >= U_m`; we use the form that matches the stated intent,
+    R_i / d_m <= T_TPOT, and the stated infeasibility when T_TPOT <= t_D,m.) Every model
+    needs d T >= R_i, so the smallest plan gives them all the same d:
+
+        d = ceil(F / (T_TPOT - sum_m t_D,m))            feasible only if sum_m t_D,m < T_TPOT
+
+    Eq. 5 (round cap). R_i <= gamma * T_TTFT. When the plan exceeds it, P is cut back
+    (cadence first: Eq. 4 keeps holding for the prefill the round actually admits) and the
+    shortfall is reported as deadline risk. The cut is self-consistent: with Eq. 4 feasible
+    a round that admits F seconds of switch + prefill lasts about F * T_TPOT / slack, so the
+    most prefill the cap allows is F_max - S with F_max = cap * slack / T_TPOT, shared among
+    the models in proportion to their queued P; d is then sized for the prefill admitted,
+    not for the prefill left waiting. (Sizing d for all queued prefill and then cutting P,
+    as an earlier version did, reserves decode for work that does not run: with a deep queue
+    d hit the slot clamp, P's budget fell to 0 and every slot admitted a single call.)
+    When Eq. 4 is infeasible, d is the longest decode the cap allows (that is the best
+    cadence reachable).
+
+    Slot fill. Protected decode d is the *least* decode a slot runs. The paper's slot
+    "closes when the round budget is exhausted": with `fill_slot` the slot keeps decoding
+    (SP opportunities included) until its share of the round budget, `slot_budget_s` =
+    its P budget + d t_D,m + its share of the round's leftover (cap - R_i) / n, is spent.
+    Without it a contended slot closes right after d, so with cheap staged switches the
+    rounds shrink to a few decode steps per model and the instance thrashes between models.
+
+    Overload. When the round cannot hold the cap even at the least decode (its switches and
+    prefill alone, or Eq. 4 infeasible, push R_i past gamma T_TTFT), neither target is met
+    and the round's length no longer buys anything; yet d stays at the least decode (often
+    1 iteration per model), so a round of many models is mostly switches and a long output
+    gets one token per round: sessions starve (issue 34: switch share 76 %, SCT p95 4x the
+    peers'). Then every model gets d >= switch_amortisation x S / sum t_D, so the round
+    decodes at least as long as it switches (rent-or-buy break-even at 1: a switch costs
+    at most the work it enables, so throughput stays within 2x of switch-free). Below
+    overload nothing changes (results/overload.md).
+    """
     cap = config.round_cap_s
     step_sum = sum(load.decode_step_s for load in loads.values())
     prefill = sum(load.prefill_s for load in loads.values())
