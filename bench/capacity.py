@@ -1,0 +1,120 @@
+"""Issue 34's capacity benchmark: the traces it names, and the table and plot of `sim capacity`.
+
+    python bench/capacity.py trace --models 20 [--sessions 150] [--rate 0.05] [--shape tool|chat] OUT.jsonl
+    talaria sim capacity --trace OUT.jsonl --catalogue 20 --slo-p95 2x --json /tmp/cap20.json
+    python bench/capacity.py report /tmp/cap20.json [/tmp/cap50.json ...] > results/capacity.md
+
+`trace`: agent sessions (workloads.agent_sessions, the matrix's base shape: depth ~30, prompt
+~25K, output ~250) over a Zipf(1) catalogue of `--models` models named z00.. (so `--catalogue N`
+maps them by popularity), Poisson arrivals at `--rate` sessions/s. `tool`: tool-call returns
+(replay with the paper's gaps, the default); `chat`: depth ~10 and a fifth of the returns human
+turns of minutes (replay with `--gaps recorded:none`). `report`: a markdown table per result
+(instances per deployment, ratios to the best peer and to the lower bound) on stdout and one
+plot (SCT p95 vs instances per deployment, every run) at results/capacity.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from talaria.sim.capacity import OURS
+from talaria.sim.workloads import agent_sessions, at_rate
+from talaria.traces.format import save_sessions
+
+SHAPES = {"tool": dict(depth=30, gaps="paper"), "chat": dict(depth=10, gaps="human")}
+
+
+def write_trace(args) -> None:
+    models = [f"z{k:02d}" for k in range(args.models)]
+    shape = SHAPES[args.shape]
+    sessions = agent_sessions(args.sessions, models, shape["depth"], 25_000, 250, shape["gaps"], zipf_s=1.0,
+                              seed=args.seed)
+    n = save_sessions(at_rate(sessions, args.rate), args.out)
+    print(f"{args.out}: {len(sessions)} sessions, {n} calls over {args.models} Zipf(1) models", file=sys.stderr)
+
+
+def _secs(v) -> str:
+    return "inf" if v is None else f"{v:.0f}"
+
+
+def _fmt(k) -> str:
+    return "-" if k is None else str(k)
+
+
+def report(paths: list[str], png: Path) -> None:
+    results = [(p, json.load(open(p))) for p in paths]
+    print("# Instances to hold an SCT p95 SLO (`talaria sim capacity`, bench/capacity.py)\n")
+    print(__doc__.split("\n\n")[2].replace("\n", " ") + "\n")
+    for path, r in results:
+        pol = r["policies"]
+        peers = {n: e["instances"] for n, e in pol.items() if n != OURS and e["instances"] is not None}
+        best = min(peers.values()) if peers else None
+        ours = pol.get(OURS, {}).get("instances")
+        lb = r["instances_lower_bound"]
+        print(f"## {r['sessions']} sessions, {r['models']} models ({Path(r['trace']).name}, {r['gaps']})\n")
+        print(f"SLO: SCT p95 <= {r['slo_p95_s']:.0f} s = {r['slo_p95_s'] / r['bound_p95_s']:.2f}x the zero-wait bound "
+              f"({r['bound_p95_s']:.0f} s). Instance lower bound (instance_bound.py): {_fmt(lb)}. "
+              f"{sum(len(e['runs']) for e in pol.values())} runs in {r.get('wall_s', 0):.0f} s.\n")
+        print("| deployment | instances | vs best peer | vs lower bound | SCT p50 / p95 at that count (s) | runs (instances: p95 s) |")
+        print("|---|---|---|---|---|---|")
+        for name, e in pol.items():
+            k = e["instances"]
+            vs_best = f"{k / best:.2f}x" if k and best else "-"
+            vs_lb = f"{k / lb:.2f}x" if k and lb else "-"
+            at = f"{e['sct_p50']:.0f} / {e['sct_p95']:.0f}" if k is not None else "-"
+            runs = ", ".join(f"{x['instances']}: {_secs(x['sct_p95'])}" for x in e["runs"])
+            print(f"| {name} | {_fmt(k) if k is not None else '> ' + str(r['max_instances'])} | {vs_best} | {vs_lb} | "
+                  f"{at} | {runs} |")
+        if ours is not None and best is not None:
+            at_best = [x for x in pol[OURS]["runs"] if x["instances"] == best]
+            peer_p95 = min(pol[n]["sct_p95"] for n, k in peers.items() if k == best)
+            line = f"\ntalaria needs {ours / best:.2f}x the best peer's instances ({ours} vs {best})"
+            if at_best and at_best[0]["sct_p95"] is not None:
+                line += f"; at the best peer's {best}, talaria's SCT p95 is {at_best[0]['sct_p95'] / peer_p95:.2f}x its"
+            print(line + ".\n")
+    _plot(results, png)
+    print(f"![SCT p95 against instances]({png.name})")
+
+
+def _plot(results, png: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), squeeze=False)
+    for ax, (path, r) in zip(axes[0], results):
+        for name, e in r["policies"].items():
+            pts = [(x["instances"], x["sct_p95"]) for x in e["runs"] if x["sct_p95"] is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=name, lw=2.5 if name == OURS else 1.2)
+        ax.axhline(r["slo_p95_s"], color="k", ls="--", lw=1, label="SLO")
+        if r["instances_lower_bound"]:
+            ax.axvline(r["instances_lower_bound"], color="grey", ls=":", lw=1, label="instance lower bound")
+        ax.set(xscale="log", yscale="log", xlabel="instances", ylabel="SCT p95 (s)",
+               title=f"{r['models']} models, {r['sessions']} sessions")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("trace")
+    t.add_argument("--models", type=int, default=20)
+    t.add_argument("--sessions", type=int, default=150)
+    t.add_argument("--rate", type=float, default=0.05, help="session arrivals per second")
+    t.add_argument("--shape", choices=sorted(SHAPES), default="tool")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("out")
+    rp = sub.add_parser("report")
+    rp.add_argument("json", nargs="+")
+    rp.add_argument("--png", type=Path, default=Path("results/capacity.png"))
+    args = ap.parse_args(argv)
+    write_trace(args) if args.cmd == "trace" else report(args.json, args.png)
+
+
+if __name__ == "__main__":
+    main()
