@@ -9,8 +9,10 @@ is seconds or `Kx`: K times the trace's zero-wait SCT p95 (metrics.oracle_sct pe
 gaps plus each call alone, no queue, no switch; results/matrix_bound.md's bound).
 `--policies all` is `talaria` and every peer deployment of the registry (configs.PEERS, read
 at run time). The search (`least_instances`) starts at the instance lower bound
-(instance_bound.py), doubles until the SLO is met, then bisects; it assumes more instances
-never hurt, and records every run so the assumption can be checked. Where talaria and a
+(instance_bound.py) for the first deployment and at the previous one's answer for the next,
+doubles up while runs miss, steps down while they meet, then bisects; it assumes more
+instances never hurt, and records every run so the assumption can be checked. A run stops
+once the SLO is out of reach (RunConfig.stop_above_p95_s): the same verdict, in seconds. Where talaria and a
 peer both run, talaria also runs at the best peer's point (the issue's comparison there).
 A progress line per run goes to stderr; docs/capacity.md has the JSON it writes.
 """
@@ -62,12 +64,14 @@ class Point:
                 "rejected": self.rejected, "complete": self.complete, "run_s": round(self.run_s, 2)}
 
 
-def least_instances(run: Callable[[int], Point], slo_p95_s: float, start: int,
-                    max_instances: int) -> tuple[int | None, list[Point]]:
+def least_instances(run: Callable[[int], Point], slo_p95_s: float, start: int, max_instances: int,
+                    guess: int | None = None) -> tuple[int | None, list[Point]]:
     """(least instance count meeting the SLO or None within `max_instances`, every run in
-    order). Counts below `start` are known to miss (a lower bound): start there, double
-    until a run meets the SLO, then bisect between the last miss and the first meet. Assumes
-    more instances never raise SCT p95; each count runs at most once."""
+    order). Counts below `start` are known to miss (a lower bound). From `guess` (default
+    `start`; another deployment's answer is a good one): while runs miss, double upwards;
+    while they meet, step down by 1, 2, 4, ... (not below `start`); then bisect between the
+    last miss and the first meet. Assumes more instances never raise SCT p95; each count runs
+    at most once."""
     if start > max_instances:
         return None, []
     runs: dict[int, Point] = {}
@@ -77,11 +81,20 @@ def least_instances(run: Callable[[int], Point], slo_p95_s: float, start: int,
             runs[n] = run(n)
         return runs[n].meets(slo_p95_s)
 
-    lo, hi = start - 1, start  # lo: the largest count known to miss
-    while not at(hi):
-        if hi >= max_instances:
-            return None, list(runs.values())
-        lo, hi = hi, min(2 * hi, max_instances)
+    hi = min(max(start, guess or start), max_instances)
+    lo = start - 1  # the largest count known to miss
+    if at(hi):
+        step = 1
+        while hi - step > lo:  # gallop down to a miss or the lower bound
+            if not at(hi - step):
+                lo = hi - step
+                break
+            hi, step = hi - step, 2 * step
+    else:
+        while not at(hi):
+            if hi >= max_instances:
+                return None, list(runs.values())
+            lo, hi = hi, min(2 * hi, max_instances)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if at(mid) else (mid, hi)
@@ -156,10 +169,12 @@ def capacity(sessions: list[Session], server: ServerProfile, gaps: GapModel, slo
     out = {"slo_p95_s": slo_s, "bound_p95_s": bound, "instances_lower_bound": lower, "max_instances": max_instances,
            "sessions": len(sessions), "models": len({s.model for s in sessions}), "policies": {}}
     runs: dict[str, list[Point]] = {}
-    for name in policies:
+    guess = None
+    for name in policies:  # each from the last answer: deployments tend to need similar counts
         k, runs[name] = (None, []) if lower is None else least_instances(
-            lambda n: runner(name, n), slo_s, max(1, lower), max_instances)
+            lambda n: runner(name, n), slo_s, max(1, lower), max_instances, guess)
         out["policies"][name] = {"instances": k}
+        guess = k or guess
     peers = [p for p in policies if p != OURS and out["policies"][p]["instances"] is not None]
     if OURS in runs and peers:  # talaria at the best peer's point too (module doc)
         best = min(out["policies"][p]["instances"] for p in peers)
@@ -177,7 +192,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", required=True, help="normalised JSONL trace (bench/capacity.py trace writes one)")
     p.add_argument("--profile", default="paper-tp8", choices=sorted(PROFILES))
     p.add_argument("--catalogue", default=None, metavar="N|FILE",
-                   help="N models calibrated like the matrix's, or a catalogue file (docs/catalogue.md); the "
+                   help="N models calibrated like the matrix's, or a catalogue file (docs/capacity.md); the "
                         "trace's models map onto them by popularity when the names differ")
     p.add_argument("--gaps", default=None, help="as `sim run --gaps` (default: paper, or recorded for an exported trace)")
     p.add_argument("--slo-p95", required=True, help="SCT p95 target: seconds, or Kx of the zero-wait SCT p95 bound")

@@ -2,7 +2,7 @@
 
 `N`: N models calibrated like the matrix's catalogue (profiles.catalogue: copies of the
 profile's models, cycled, named m00.., m01..). `FILE`: the user's own models, JSON or TOML
-(format in docs/catalogue.md); every bad field is a `CatalogueError` naming it. Where a
+(format in docs/capacity.md); every bad field is a `CatalogueError` naming it. Where a
 trace's model names are not the catalogue's, its models are mapped onto the catalogue's in
 popularity order (the trace's most-called model onto the catalogue's first, and so on,
 cycling when the trace has more models), as a Zipf catalogue's first model is its most popular.
@@ -102,7 +102,7 @@ def _model(where: str, m, base: ServerProfile) -> tuple[SimModelProfile, int]:
 
 
 def from_document(doc, base: ServerProfile, where: str = "catalogue") -> ServerProfile:
-    """The server of a parsed catalogue document (docs/catalogue.md). One instance is one
+    """The server of a parsed catalogue document (docs/capacity.md). One instance is one
     TP group, so every model must share one TP; the GPUs and links are `base`'s, the links
     scaled by TP / base GPUs (as profiles.ROUTER_TP4 is the TP=8 server's halved)."""
     if not isinstance(doc, dict) or not isinstance(doc.get("models"), list) or not doc["models"]:

@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="paper | recorded[:cap] | rescaled:F[:cap] (default: recorded for a trace "
                           "`talaria trace export` wrote, paper for any other)")
     run.add_argument("--catalogue", default=None, metavar="N|FILE",
-                     help="serve N models calibrated like the matrix's, or a catalogue file (docs/catalogue.md); "
+                     help="serve N models calibrated like the matrix's, or a catalogue file (docs/capacity.md); "
                           "the trace's models map onto them by popularity when the names differ")
     run.add_argument("--model-map", default=None,
                      help="replay trace models as served ones: 'auto' or TRACE=SERVED,... (default: none)")

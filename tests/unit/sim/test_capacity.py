@@ -171,3 +171,14 @@ def test_sim_capacity_bad_input_is_one_line(tmp_path, capsys):
                         ["capacity", "--trace", str(trace), *flags, "--json", str(tmp_path / "o.json")]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and "\n" not in err
+
+
+@pytest.mark.parametrize("need", [1, 3, 4, 5, 6, 9, 20])
+@pytest.mark.parametrize("guess", [1, 5, 6, 12, 64])
+def test_search_from_a_guess_gallops_either_way_to_the_same_answer(need, guess):
+    calls: list[int] = []
+    k, _ = least_instances(threshold_runs(need, calls), 100.0, 1, 64, guess)
+    assert k == need and len(calls) == len(set(calls)) and min(calls) >= 1
+    assert need in calls and (need == 1 or need - 1 in calls)
+    if guess == need > 1:
+        assert calls == [need, need - 1]  # the right guess costs two runs, not a search
