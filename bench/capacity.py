@@ -36,8 +36,12 @@ def write_trace(args) -> None:
     print(f"{args.out}: {len(sessions)} sessions, {n} calls over {args.models} Zipf(1) models", file=sys.stderr)
 
 
+def _gaps(described: str) -> str:
+    return "the paper's tool gaps" if "paper" in described else described.split(" (")[0]
+
+
 def _secs(v) -> str:
-    return "inf" if v is None else f"{v:.0f}"
+    return "miss" if v is None else f"{v:.0f}"
 
 
 def _fmt(k) -> str:
@@ -54,18 +58,19 @@ def report(paths: list[str], png: Path) -> None:
         best = min(peers.values()) if peers else None
         ours = pol.get(OURS, {}).get("instances")
         lb = r["instances_lower_bound"]
-        print(f"## {r['sessions']} sessions, {r['models']} models ({Path(r['trace']).name}, {r['gaps']})\n")
+        print(f"## {r['sessions']} sessions over {r['models']} models of a {r.get('catalogue')}-model catalogue "
+              f"({Path(r['trace']).name}; gaps: {_gaps(r['gaps'])})\n")
         print(f"SLO: SCT p95 <= {r['slo_p95_s']:.0f} s = {r['slo_p95_s'] / r['bound_p95_s']:.2f}x the zero-wait bound "
               f"({r['bound_p95_s']:.0f} s). Instance lower bound (instance_bound.py): {_fmt(lb)}. "
               f"{sum(len(e['runs']) for e in pol.values())} runs in {r.get('wall_s', 0):.0f} s.\n")
-        print("| deployment | instances | vs best peer | vs lower bound | SCT p50 / p95 at that count (s) | runs (instances: p95 s) |")
+        print("| deployment | instances | vs best peer | vs lower bound | SCT p50 / p95 at that count (s) | runs (instances: p95 s; miss = stopped once out of reach) |")
         print("|---|---|---|---|---|---|")
         for name, e in pol.items():
             k = e["instances"]
             vs_best = f"{k / best:.2f}x" if k and best else "-"
             vs_lb = f"{k / lb:.2f}x" if k and lb else "-"
             at = f"{e['sct_p50']:.0f} / {e['sct_p95']:.0f}" if k is not None else "-"
-            runs = ", ".join(f"{x['instances']}: {_secs(x['sct_p95'])}" for x in e["runs"])
+            runs = ", ".join(f"{x['instances']}: {_secs(x['sct_p95'])}" for x in e["runs"])  # miss: stopped or incomplete
             print(f"| {name} | {_fmt(k) if k is not None else '> ' + str(r['max_instances'])} | {vs_best} | {vs_lb} | "
                   f"{at} | {runs} |")
         if ours is not None and best is not None:
@@ -83,17 +88,27 @@ def _plot(results, png: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), squeeze=False)
-    for ax, (path, r) in zip(axes[0], results):
-        for name, e in r["policies"].items():
-            pts = [(x["instances"], x["sct_p95"]) for x in e["runs"] if x["sct_p95"] is not None]
+    cols = min(3, len(results))
+    rows = -(-len(results) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4.5 * rows), squeeze=False)
+    for ax in axes.flat[len(results):]:
+        ax.set_visible(False)
+    for ax, (path, r) in zip(axes.flat, results):
+        miss = 1.4 * r["slo_p95_s"]  # where runs stopped as out of reach (p95 unknown, > SLO) are drawn
+        for k, (name, e) in enumerate(r["policies"].items()):
+            pts = sorted((x["instances"], x["sct_p95"] if x["sct_p95"] is not None else miss) for x in e["runs"])
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=name, lw=2.5 if name == OURS else 1.2)
+                dx = 0.04 * (k - len(r["policies"]) / 2)  # side by side where counts coincide
+                ax.plot([n + dx for n, _ in pts], [v for _, v in pts], marker="o", label=name,
+                        lw=2.5 if name == OURS else 1.2)
         ax.axhline(r["slo_p95_s"], color="k", ls="--", lw=1, label="SLO")
+        ax.axhline(miss, color="grey", ls="-", lw=0.5)
+        ax.text(ax.get_xlim()[0], miss, " missed (run stopped, p95 > SLO)", fontsize=7, va="bottom")
         if r["instances_lower_bound"]:
             ax.axvline(r["instances_lower_bound"], color="grey", ls=":", lw=1, label="instance lower bound")
-        ax.set(xscale="log", yscale="log", xlabel="instances", ylabel="SCT p95 (s)",
-               title=f"{r['models']} models, {r['sessions']} sessions")
+        ax.set(yscale="log", xlabel="instances", ylabel="SCT p95 (s)",
+               title=f"{Path(r['trace']).name}: {r['models']} of {r.get('catalogue')} models, "
+                     f"SLO {r['slo_p95_s'] / r['bound_p95_s']:.1f}x bound")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
