@@ -14,9 +14,11 @@ sessions finish within S of their start, so at most k = n - q may miss.
    tokens on top of its reusable prefix (prefills run one after another on an instance), and
    per output token its share of a decode step, d0 / B + d1 + d2 x its context
    (profiles.SimModelProfile.decode_step_s). A step batches one model's calls only, and a
-   session alive beside one that meets the SLO either meets it too (so started within S of
-   it) or is one of the k misses: B <= min(max_batch, that model's sessions started within
-   S of this one + k). Take the
+   session that meets the SLO and is alive beside one that meets it started within S of it:
+   with B_s = min(max_batch, its model's sessions started within S of s), the meeting
+   sessions' shares of one step sum to at most d0 (each B_s >= the meeting sessions in that
+   step; sessions that miss may share the step too, which only lowers what is charged to
+   the ones that meet). Take the
    sessions started in [t_i, t_j] (start order); each that meets the SLO does all its work
    inside [t_i, t_j + S]. Dropping the k costliest of them (the misses, chosen in the
    scheduler's favour), N instances must supply the rest in t_j + S - t_i seconds.
@@ -58,9 +60,10 @@ def session_work_s(session: Session, server: ServerProfile, batch: int) -> float
                for c in session.calls)
 
 
-def batch_caps(order: list[Session], start: list[float], slo_p95_s: float, max_batch: int, k: int) -> list[int]:
-    """Per session (start order), the largest batch its decode can share (module doc, step 2)."""
-    return [min(max_batch, k + sum(1 for o, t in zip(order, start) if o.model == s.model and abs(t - t0) <= slo_p95_s))
+def batch_caps(order: list[Session], start: list[float], slo_p95_s: float, max_batch: int) -> list[int]:
+    """Per session (start order), B_s: at most this many sessions that meet the SLO share a
+    decode step with it (module doc, step 2)."""
+    return [min(max_batch, sum(1 for o, t in zip(order, start) if o.model == s.model and abs(t - t0) <= slo_p95_s))
             for s, t0 in zip(order, start)]
 
 
@@ -78,7 +81,7 @@ def instances_lower_bound(sessions: list[Session], server: ServerProfile, slo_p9
         return None
     order = sorted(sessions, key=lambda s: s.calls[0].gap_before_s)
     start = [s.calls[0].gap_before_s for s in order]
-    work = [session_work_s(s, server, b) for s, b in zip(order, batch_caps(order, start, slo_p95_s, max_batch, k))]
+    work = [session_work_s(s, server, b) for s, b in zip(order, batch_caps(order, start, slo_p95_s, max_batch))]
     per_instance = math.floor(server.hbm_bytes / min(m.weight_bytes for m in server.models.values()))
     load_s = min(server.switch(m, server.model(m).weight_bytes)[1] for m in server.models)
     windows = []  # (seconds, work less the k costliest, models with work less k)

@@ -105,6 +105,18 @@ def test_lower_bound_charges_an_activation_for_a_model_no_instance_holds():
     assert instances_lower_bound(same, _server(("a", "b")), 2.001, 64, GapModel()) == 1
 
 
+def test_lower_bound_lets_only_one_models_sessions_share_a_decode_step():
+    # 10 ms per step whatever the batch (d0), 1 ms per prompt token: a call of 1,000 new
+    # tokens and 100 decode steps costs 1.0 + 1.0 / B s of an instance at batch B.
+    batchy = replace(_FLAT, weight_bytes=int(0.1 * PAPER_TP8.hbm_bytes), decode_d0_s=0.01, decode_d1_s=0.0)
+    server = PAPER_TP8.with_models({m: replace(batchy, name=m) for m in ("a", "b")})
+    together = [_one_call("s0", "a", 0.0), _one_call("s1", "a", 0.0)]  # batch 2: 2 x 1.5 s in [0, 3]
+    apart = [_one_call("s0", "a", 0.0), _one_call("s1", "b", 0.0)]  # batch 1 each: 2 x 2.0 s in [0, 3]
+    assert instances_lower_bound(together, server, 3.0, 64, GapModel()) == 1
+    assert instances_lower_bound(apart, server, 3.0, 64, GapModel()) == 2
+    assert instances_lower_bound(together, server, 3.0, 1, GapModel()) == 2  # max_batch 1: no sharing
+
+
 def test_lower_bound_never_exceeds_what_the_simulator_needs(tmp_path):
     server = catalogue(PAPER_TP8, 3)
     sessions = at_rate(agent_sessions(8, list(server.models), 5, 8_000, 100, seed=3), 0.2)
