@@ -63,6 +63,8 @@ def report(paths: list[str], png: Path) -> None:
         print(f"SLO: SCT p95 <= {r['slo_p95_s']:.0f} s = {r['slo_p95_s'] / r['bound_p95_s']:.2f}x the zero-wait bound "
               f"({r['bound_p95_s']:.0f} s). Instance lower bound (instance_bound.py): {_fmt(lb)}. "
               f"{sum(len(e['runs']) for e in pol.values())} runs in {r.get('wall_s', 0):.0f} s.\n")
+        if r.get("command"):
+            print(f"`{r['command']}`\n")
         print("| deployment | instances | vs best peer | vs lower bound | SCT p50 / p95 at that count (s) | runs (instances: p95 s; miss = stopped once out of reach) |")
         print("|---|---|---|---|---|---|")
         for name, e in pol.items():

@@ -241,8 +241,13 @@ def run_from_args(args) -> int:
         return 2
     started = time.perf_counter()
     result = capacity(sessions, server, gaps, args.slo_p95, policies, args.max_instances)
+    command = " ".join(["talaria sim capacity", f"--trace {args.trace}", f"--profile {args.profile}",
+                        *([f"--catalogue {args.catalogue}"] if args.catalogue else []),
+                        *([f"--gaps {args.gaps}"] if args.gaps else []), f"--slo-p95 {args.slo_p95}",
+                        f"--policies {args.policies}", f"--max-instances {args.max_instances}",
+                        f"--seed {args.seed}", f"--json {args.json}"])
     result.update(trace=args.trace, profile=args.profile, catalogue=args.catalogue, gaps=gaps.describe(),
-                  wall_s=round(time.perf_counter() - started, 1))
+                  command=command, wall_s=round(time.perf_counter() - started, 1))
     lb = result["instances_lower_bound"]
     print(f"SLO SCT p95 {result['slo_p95_s']:.0f} s ({result['slo_p95_s'] / result['bound_p95_s']:.2f}x the zero-wait "
           f"bound {result['bound_p95_s']:.0f} s); instance lower bound: {lb if lb is not None else 'none'}")
