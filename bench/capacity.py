@@ -4,6 +4,9 @@
     talaria sim capacity --trace OUT.jsonl --catalogue 20 --slo-p95 2x --json /tmp/cap20.json
     python bench/capacity.py report /tmp/cap20.json [/tmp/cap50.json ...] > results/capacity.md
 
+results/capacity.md: the traces `trace --models 20 z20.jsonl`, `trace --models 50 z50.jsonl` and
+`trace --models 20 --shape chat c20.jsonl` (seed 0), each section's command as it prints.
+
 `trace`: agent sessions (workloads.agent_sessions, the matrix's base shape: depth ~30, prompt
 ~25K, output ~250) over a Zipf(1) catalogue of `--models` models named z00.. (so `--catalogue N`
 maps them by popularity), Poisson arrivals at `--rate` sessions/s. `tool`: tool-call returns
@@ -51,7 +54,7 @@ def _fmt(k) -> str:
 def report(paths: list[str], png: Path) -> None:
     results = [(p, json.load(open(p))) for p in paths]
     print("# Instances to hold an SCT p95 SLO (`talaria sim capacity`, bench/capacity.py)\n")
-    print(__doc__.split("\n\n")[2].replace("\n", " ") + "\n")
+    print(" ".join(__doc__.split("\n\n")[2:4]).replace("\n", " ") + "\n")
     for path, r in results:
         pol = r["policies"]
         peers = {n: e["instances"] for n, e in pol.items() if n != OURS and e["instances"] is not None}
