@@ -85,6 +85,20 @@ def report(paths: list[str], png: Path) -> None:
             if at_best and at_best[0]["sct_p95"] is not None:
                 line += f"; at the best peer's {best}, talaria's SCT p95 is {at_best[0]['sct_p95'] / peer_p95:.2f}x its"
             print(line + ".\n")
+    print("## Summary\n")
+    print("Dedicated pools (one pool of >= 1 instance per model, no switching) need at least the trace's model count.\n")
+    print("| trace | SLO (x zero-wait bound) | lower bound | talaria | best peer | talaria / best peer | "
+          "talaria / dedicated pools (at most) |")
+    print("|---|---|---|---|---|---|---|")
+    for path, r in results:
+        pol = r["policies"]
+        peers = [e["instances"] for n, e in pol.items() if n != OURS and e["instances"] is not None]
+        ours, best = pol.get(OURS, {}).get("instances"), min(peers) if peers else None
+        vs_best = f"{ours / best:.2f}x" if ours and best else "-"
+        vs_pools = f"{ours / r['models']:.2f}x" if ours else "-"
+        print(f"| {Path(r['trace']).name} ({r['models']} models) | {r['slo_p95_s'] / r['bound_p95_s']:.1f}x | "
+              f"{_fmt(r['instances_lower_bound'])} | {_fmt(ours)} | {_fmt(best)} | {vs_best} | {vs_pools} |")
+    print()
     _plot(results, png)
     print(f"![SCT p95 against instances]({png.name})")
 
