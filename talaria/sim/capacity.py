@@ -181,6 +181,13 @@ def capacity(sessions: list[Session], server: ServerProfile, gaps: GapModel, slo
         if all(r.instances != best for r in runs[OURS]):
             runs[OURS].append(runner(OURS, best))
     for name, entry in out["policies"].items():
+        ordered = sorted(runs[name], key=lambda r: r.instances)
+        # the search's assumption, checked on its own runs: no count meets the SLO below one that misses
+        entry["monotone"] = not any(a.meets(slo_s) and not b.meets(slo_s)
+                                    for k, a in enumerate(ordered) for b in ordered[k + 1:])
+        if not entry["monotone"]:
+            print(f"capacity: {name}: a larger count missed the SLO where a smaller one met it; "
+                  "its answer assumes otherwise (see its runs)", file=sys.stderr, flush=True)
         at_k = [r for r in runs[name] if r.instances == entry["instances"]]
         entry["sct_p50"] = at_k[0].sct_p50 if at_k else None
         entry["sct_p95"] = at_k[0].sct_p95 if at_k else None

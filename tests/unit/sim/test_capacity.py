@@ -162,7 +162,7 @@ def test_sim_capacity_writes_the_issue_json_shape(tmp_path, capsys):
     assert set(r["policies"]) == {"talaria", "sglang-cache-aware"}
     lb = r["instances_lower_bound"]
     for e in r["policies"].values():
-        assert {"instances", "sct_p50", "sct_p95", "runs"} <= set(e)
+        assert {"instances", "sct_p50", "sct_p95", "runs"} <= set(e) and e["monotone"] in (True, False)
         assert e["instances"] is not None and e["instances"] >= lb
         for run in e["runs"]:
             assert {"instances", "sct_p50", "sct_p95", "rejected"} <= set(run)
