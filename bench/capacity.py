@@ -68,14 +68,15 @@ def report(paths: list[str], png: Path) -> None:
               f"{sum(len(e['runs']) for e in pol.values())} runs in {r.get('wall_s', 0):.0f} s.\n")
         if r.get("command"):
             print(f"`{r['command']}`\n")
-        print("| deployment | instances | vs best peer | vs lower bound | SCT p50 / p95 at that count (s) | runs (instances: p95 s; miss = stopped once out of reach) |")
+        print("| deployment | instances | vs best peer | vs lower bound | SCT p50 / p95 at that count (s) | "
+              "runs (instances: p95 s; miss = stopped once out of reach) |")
         print("|---|---|---|---|---|---|")
         for name, e in pol.items():
             k = e["instances"]
             vs_best = f"{k / best:.2f}x" if k and best else "-"
             vs_lb = f"{k / lb:.2f}x" if k and lb else "-"
             at = f"{e['sct_p50']:.0f} / {e['sct_p95']:.0f}" if k is not None else "-"
-            runs = ", ".join(f"{x['instances']}: {_secs(x['sct_p95'])}" for x in e["runs"])  # miss: stopped or incomplete
+            runs = ", ".join(f"{x['instances']}: {_secs(x['sct_p95'])}" for x in e["runs"])
             print(f"| {name} | {_fmt(k) if k is not None else '> ' + str(r['max_instances'])} | {vs_best} | {vs_lb} | "
                   f"{at} | {runs} |")
         if ours is not None and best is not None:
@@ -86,7 +87,8 @@ def report(paths: list[str], png: Path) -> None:
                 line += f"; at the best peer's {best}, talaria's SCT p95 is {at_best[0]['sct_p95'] / peer_p95:.2f}x its"
             print(line + ".\n")
     print("## Summary\n")
-    print("Dedicated pools (one pool of >= 1 instance per model, no switching) need at least the trace's model count.\n")
+    print("Dedicated pools (one pool of >= 1 instance per model, no switching) need at least the trace's "
+          "model count.\n")
     print("| trace | SLO (x zero-wait bound) | lower bound | talaria | best peer | talaria / best peer | "
           "talaria / dedicated pools (at most) |")
     print("|---|---|---|---|---|---|---|")

@@ -201,7 +201,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--catalogue", default=None, metavar="N|FILE",
                    help="N models calibrated like the matrix's, or a catalogue file (docs/capacity.md); the "
                         "trace's models map onto them by popularity when the names differ")
-    p.add_argument("--gaps", default=None, help="as `sim run --gaps` (default: paper, or recorded for an exported trace)")
+    p.add_argument("--gaps", default=None,
+                   help="as `sim run --gaps` (default: paper, or recorded for an exported trace)")
     p.add_argument("--slo-p95", required=True, help="SCT p95 target: seconds, or Kx of the zero-wait SCT p95 bound")
     p.add_argument("--policies", default="all", help="all (talaria + configs.PEERS) or NAME,NAME,...")
     p.add_argument("--max-instances", type=int, default=DEFAULT_MAX_INSTANCES)

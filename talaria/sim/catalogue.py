@@ -53,7 +53,7 @@ def _number(where: str, value, *, integer: bool = False, positive: bool = True):
     return value
 
 
-def _model(where: str, m, base: ServerProfile) -> tuple[SimModelProfile, int]:
+def _model(where: str, m) -> tuple[SimModelProfile, int]:
     if not isinstance(m, dict):
         raise CatalogueError(f"{where}: expected a table of fields, got {type(m).__name__}")
     allowed = {"name", "weight_bytes", "tp", "kv_bytes_per_token", "max_context", "prefill", "decode"}
@@ -112,7 +112,7 @@ def from_document(doc, base: ServerProfile, where: str = "catalogue") -> ServerP
         raise CatalogueError(f"{where}: unknown top-level field(s) {extra}; known: ['models']")
     models, tps = {}, set()
     for k, m in enumerate(doc["models"]):
-        model, tp = _model(f"{where}: models[{k}]", m, base)
+        model, tp = _model(f"{where}: models[{k}]", m)
         if model.name in models:
             raise CatalogueError(f"{where}: models[{k}].name: {model.name!r} is named twice")
         models[model.name], tps = model, tps | {tp}

@@ -134,7 +134,8 @@ def test_lower_bound_never_exceeds_what_the_simulator_needs(tmp_path):
 
 def test_a_run_stopped_at_a_missed_slo_gives_the_full_runs_verdict():
     server = catalogue(PAPER_TP8, 3)
-    sessions = at_rate(agent_sessions(40, list(server.models), 20, 20_000, 200, seed=5), 1.0)  # > 4,096 events: stop() is polled so often
+    # > 4,096 events: stop() is polled that often
+    sessions = at_rate(agent_sessions(40, list(server.models), 20, 20_000, 200, seed=5), 1.0)
     base = RunConfig(server, 1, "talaria", gaps=GapModel("recorded", None))
     full = summarise(simulate(sessions, base))
     tight = full["sct_p95"] / 3

@@ -30,7 +30,8 @@ def test_a_count_is_the_matrix_catalogue():
     assert len(server.models) == 20 and list(server.models)[0].startswith("m00-")
     src = PAPER_TP8.model("qwen3-235b")
     first = server.model(list(server.models)[0])
-    assert (first.weight_bytes, first.prefill_k, first.decode_d0_s) == (src.weight_bytes, src.prefill_k, src.decode_d0_s)
+    assert (first.weight_bytes, first.prefill_k, first.decode_d0_s) == (
+        src.weight_bytes, src.prefill_k, src.decode_d0_s)
 
 
 def test_a_file_gives_the_users_models_on_one_tp_group(tmp_path):
@@ -42,7 +43,8 @@ def test_a_file_gives_the_users_models_on_one_tp_group(tmp_path):
     assert (coder.decode_d0_s, coder.decode_d1_s, coder.max_context) == (0.008, 0.0002, 32_768)
     chat = server.model("chat-14b")  # derived: the reference curve, 3x faster
     ref = PAPER_TP8.model("qwen3-235b")
-    assert chat.prefill_s(25_000, 0) - chat.prefill_c0_s == pytest.approx((ref.prefill_s(25_000, 0) - ref.prefill_c0_s) / 3)
+    ref_s = ref.prefill_s(25_000, 0) - ref.prefill_c0_s
+    assert chat.prefill_s(25_000, 0) - chat.prefill_c0_s == pytest.approx(ref_s / 3)
     toml = ("[[models]]\nname = \"a\"\nweight_bytes = 1000000000\ntp = 8\nkv_bytes_per_token = 1000\n"
             "[models.prefill]\nspeed = 2.0\n")
     assert list(resolve(_write(tmp_path, toml, "c.toml"), PAPER_TP8).models) == ["a"]
