@@ -1,11 +1,13 @@
 """Issue 34's capacity benchmark: the traces it names, and the table and plot of `sim capacity`.
 
+    python bench/capacity.py all      # results/capacity.md + .png: the CASES below (~10 min here)
     python bench/capacity.py trace --models 20 [--sessions 150] [--rate 0.05] [--shape tool|chat] OUT.jsonl
     talaria sim capacity --trace OUT.jsonl --catalogue 20 --slo-p95 2x --json /tmp/cap20.json
     python bench/capacity.py report /tmp/cap20.json [/tmp/cap50.json ...] > results/capacity.md
 
-results/capacity.md: the traces `trace --models 20 z20.jsonl`, `trace --models 50 z50.jsonl` and
-`trace --models 20 --shape chat c20.jsonl` (seed 0), each section's command as it prints.
+results/capacity.md (`all`): the traces `trace --models 20 z20.jsonl`, `trace --models 50
+z50.jsonl` and `trace --models 20 --shape chat c20.jsonl` (seed 0) in a temporary folder, each
+section's `sim capacity` command as it prints.
 
 `trace`: agent sessions (workloads.agent_sessions, the matrix's base shape: depth ~30, prompt
 ~25K, output ~250) over a Zipf(1) catalogue of `--models` models named z00.. (so `--catalogue N`
@@ -21,22 +23,44 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
+from contextlib import redirect_stdout
 from pathlib import Path
 
 from talaria.sim.capacity import OURS
+from talaria.sim.cli import main as sim_main
 from talaria.sim.workloads import agent_sessions, at_rate
 from talaria.traces.format import save_sessions
 
 SHAPES = {"tool": dict(depth=30, gaps="paper"), "chat": dict(depth=10, gaps="human")}
+# results/capacity.md: (trace file, models, shape, `--gaps` to replay it with, SLO)
+CASES = (("z20.jsonl", 20, "tool", "paper", "2x"), ("z50.jsonl", 50, "tool", "paper", "2x"),
+         ("c20.jsonl", 20, "chat", "recorded:none", "2x"), ("z20.jsonl", 20, "tool", "paper", "1.5x"),
+         ("z20.jsonl", 20, "tool", "paper", "3x"))
 
 
-def write_trace(args) -> None:
-    models = [f"z{k:02d}" for k in range(args.models)]
-    shape = SHAPES[args.shape]
-    sessions = agent_sessions(args.sessions, models, shape["depth"], 25_000, 250, shape["gaps"], zipf_s=1.0,
-                              seed=args.seed)
-    n = save_sessions(at_rate(sessions, args.rate), args.out)
-    print(f"{args.out}: {len(sessions)} sessions, {n} calls over {args.models} Zipf(1) models", file=sys.stderr)
+def write_trace(out, models: int, shape: str = "tool", sessions: int = 150, rate: float = 0.05, seed: int = 0) -> None:
+    names = [f"z{k:02d}" for k in range(models)]
+    made = agent_sessions(sessions, names, SHAPES[shape]["depth"], 25_000, 250, SHAPES[shape]["gaps"], zipf_s=1.0,
+                          seed=seed)
+    n = save_sessions(at_rate(made, rate), out)
+    print(f"{out}: {len(made)} sessions, {n} calls over {models} Zipf(1) models", file=sys.stderr)
+
+
+def run_all(md: Path, png: Path) -> None:
+    """Every case of CASES through `sim capacity`, then the report into `md` and `png`."""
+    tmp = Path(tempfile.mkdtemp(prefix="capacity-"))
+    jsons = []
+    for k, (trace, models, shape, gaps, slo) in enumerate(CASES):
+        if not (tmp / trace).exists():
+            write_trace(tmp / trace, models, shape)
+        out = tmp / f"case{k}.json"
+        if sim_main(["capacity", "--trace", str(tmp / trace), "--catalogue", str(models), "--gaps", gaps,
+                     "--slo-p95", slo, "--json", str(out)]) != 0:
+            raise SystemExit(f"capacity case {k} failed")
+        jsons.append(str(out))
+    with md.open("w") as f, redirect_stdout(f):
+        report(jsons, png)
 
 
 def _gaps(described: str) -> str:
@@ -145,11 +169,19 @@ def main(argv=None) -> None:
     t.add_argument("--shape", choices=sorted(SHAPES), default="tool")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("out")
+    a = sub.add_parser("all")
+    a.add_argument("--out", type=Path, default=Path("results/capacity.md"))
+    a.add_argument("--png", type=Path, default=Path("results/capacity.png"))
     rp = sub.add_parser("report")
     rp.add_argument("json", nargs="+")
     rp.add_argument("--png", type=Path, default=Path("results/capacity.png"))
     args = ap.parse_args(argv)
-    write_trace(args) if args.cmd == "trace" else report(args.json, args.png)
+    if args.cmd == "trace":
+        write_trace(args.out, args.models, args.shape, args.sessions, args.rate, args.seed)
+    elif args.cmd == "all":
+        run_all(args.out, args.png)
+    else:
+        report(args.json, args.png)
 
 
 if __name__ == "__main__":
