@@ -7,8 +7,8 @@ Per deployment (a configuration of services/configs.py, deployed as `sim run --c
 deploys it), the least instance count at which every call completes and SCT p95 <= S. `S`
 is seconds or `Kx`: K times the trace's zero-wait SCT p95 (metrics.oracle_sct per session:
 gaps plus each call alone, no queue, no switch; results/matrix_bound.md's bound).
-`--policies all` is `talaria` and every peer deployment of the registry (configs.PEERS, read
-at run time). The search (`least_instances`) starts at the instance lower bound
+`--policies all` is `talaria` and every peer deployment of the registry (`peer_deployments`,
+read at run time). The search (`least_instances`) starts at the instance lower bound
 (instance_bound.py) for the first deployment and at the previous one's answer for the next,
 doubles up while runs miss, steps down while they meet, then bisects; it assumes more
 instances never hurt, and records every run so the assumption can be checked. A run stops
@@ -114,10 +114,17 @@ def parse_slo(text: str, bound_p95_s: float) -> float:
     return value * bound_p95_s if t.endswith("x") else value
 
 
+def peer_deployments() -> tuple[str, ...]:
+    """The registry's peer deployments, read at run time: configs.peer_deployments() (dedicated
+    pools and serverless systems) where the registry has it, else the faithful peers (PEERS)."""
+    helper = getattr(configs, "peer_deployments", None)
+    return tuple(helper()) if helper else tuple(configs.PEERS)
+
+
 def parse_policies(text: str) -> list[str]:
-    """`--policies`: `all` (talaria and every peer deployment, configs.PEERS) or names."""
+    """`--policies`: `all` (talaria and every peer deployment) or names."""
     if text.strip() == "all":
-        return [OURS, *configs.PEERS]
+        return [OURS, *peer_deployments()]
     names = [p.strip() for p in text.split(",") if p.strip()]
     unknown = [p for p in names if p not in configs.CONFIGS]
     if unknown or not names:
@@ -204,7 +211,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gaps", default=None,
                    help="as `sim run --gaps` (default: paper, or recorded for an exported trace)")
     p.add_argument("--slo-p95", required=True, help="SCT p95 target: seconds, or Kx of the zero-wait SCT p95 bound")
-    p.add_argument("--policies", default="all", help="all (talaria + configs.PEERS) or NAME,NAME,...")
+    p.add_argument("--policies", default="all", help="all (talaria + every peer deployment of services/configs.py) or NAME,NAME,...")
     p.add_argument("--max-instances", type=int, default=DEFAULT_MAX_INSTANCES)
     p.add_argument("--seed", type=int, default=0, help="the gap model's seed")
     p.add_argument("--json", required=True, help="where to write the result")
