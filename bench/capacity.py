@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 from contextlib import redirect_stdout
@@ -60,7 +61,14 @@ def run_all(md: Path, png: Path) -> None:
             raise SystemExit(f"capacity case {k} failed")
         jsons.append(str(out))
     with md.open("w") as f, redirect_stdout(f):
+        print(f"<!-- made by `python bench/capacity.py all` at commit {_commit()} -->")  # run_record.py stamp
         report(jsons, png)
+
+
+def _commit() -> str:
+    def git(*a):
+        return subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip()
+    return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def _gaps(described: str) -> str:
