@@ -68,7 +68,8 @@ def run_all(md: Path, png: Path) -> None:
 def _commit() -> str:
     def git(*a):
         return subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip()
-    return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return git("rev-parse", "--short", "HEAD") + ("+dirty" if dirty else "")
 
 
 def _gaps(described: str) -> str:
