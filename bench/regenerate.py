@@ -56,10 +56,11 @@ RESULTS = (
     Result("weka_as_deployed_capped", ("weka_as_deployed_capped.md",),
            ("python bench/weka_as_deployed.py --seeds 3 --gaps recorded --out results/weka_as_deployed_capped.md",), 5),
     Result("overload", ("overload.md",), ("python bench/overload.py",), 25),
+    Result("capacity", ("capacity.md", "capacity.png"), ("python bench/capacity.py all",), 10),
     Result("hot_cold_sim", ("hot_cold_sim.md",), ("python bench/hot_cold_sim.py --seeds 3",), 5),
-    Result("sim_fidelity_peers", ("sim_fidelity_peers.md", "sim_fidelity_peers.json"),
+    Result("sim_fidelity_peers", ("sim_fidelity_peers.md",),
            ("python bench/sim_fidelity.py --policies talaria,sglang-cache-aware,vllm-stack-session"
-            " --out results/sim_fidelity_peers.md --json results/sim_fidelity_peers.json",), 5),
+            " --out results/sim_fidelity_peers.md",), 5),
     Result("output_estimate", ("output_estimate.md",), ("python bench/output_estimate.py --cells output=50@60%,output=1000@100%,base@100%,depth=5@100%,prompt=100000@60%",), 10),
     Result("vllm_engine", ("vllm_engine.md",),
            (f"{VLLM} bench/vllm_return.py --out results/vllm_engine.md",

@@ -338,7 +338,7 @@ def main(argv=None) -> int:
     ap.add_argument("--agents", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/sim_fidelity.md")
-    ap.add_argument("--json", default="results/sim_fidelity.json", help="live and simulated figures, per call too")
+    ap.add_argument("--json", default="", help="also write the live and simulated figures, per call too, here")
     ap.add_argument("--work", default=None, help="keep the traces and live results here (default: a temp dir)")
     ap.add_argument("--reuse-live", action="store_true", help="reuse the live results and served traces in --work")
     ap.add_argument("--measure", action="store_true", help="print the engine's costs on this machine and stop")

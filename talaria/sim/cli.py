@@ -3,7 +3,8 @@
     talaria sim run --trace T.jsonl[.xz]|fixed-replay --profile paper-tp8 --config NAME [--set KNOB=VALUE] \
         [--instances N] [--policy NAME --deploy shared|as-deployed --ablation A --tau S] \
         [--gaps paper|recorded[:cap]|rescaled:F[:cap]] [--model-map auto|A=B,...] [--seed N] [--json OUT] \
-        [--bound] [--no-session-ids]
+        [--bound] [--no-session-ids] [--catalogue N|FILE]
+    talaria sim capacity --trace T --slo-p95 S|Kx --json J [...]   (capacity.py, docs/capacity.md)
 
 `--config NAME` runs a named configuration (services/configs.py) as it is deployed; `--policy`,
 `--deploy`, `--pools`, `--ablation`, `--tau` are the older spellings of the same choices.
@@ -38,6 +39,8 @@ from talaria.traces.weka import convert_file
 from talaria.sim.deployment import TALARIA_POOLS, Placement, place
 from talaria.sim.matrix import demand_s
 from talaria.sim.anonymous_sessions import without_ids
+from talaria.sim import capacity
+from talaria.sim.catalogue import CatalogueError, by_popularity, resolve as resolve_catalogue
 
 
 def _run(args) -> int:
@@ -55,6 +58,13 @@ def _run(args) -> int:
         print(f"error: --gaps: {exc}", file=sys.stderr)
         return 2
     server = get_profile(args.profile)
+    if args.catalogue:
+        try:
+            server = resolve_catalogue(args.catalogue, server)
+        except CatalogueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        sessions = by_popularity(sessions, list(server.models))
     try:
         sessions = map_models(sessions, args.model_map, sorted(server.models))
     except ValueError as exc:
@@ -183,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--gaps", default=None,
                      help="paper | recorded[:cap] | rescaled:F[:cap] (default: recorded for a trace "
                           "`talaria trace export` wrote, paper for any other)")
+    run.add_argument("--catalogue", default=None, metavar="N|FILE",
+                     help="serve N models calibrated like the matrix's, or a catalogue file (docs/capacity.md); "
+                          "the trace's models map onto them by popularity when the names differ")
     run.add_argument("--model-map", default=None,
                      help="replay trace models as served ones: 'auto' or TRACE=SERVED,... (default: none)")
     run.add_argument("--seed", type=int, default=0)
@@ -203,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--bound", action="store_true",
                      help="also print the capacity-aware bound (schedule bound and free-memory run)")
     run.set_defaults(func=_run)
+    cap = sub.add_parser("capacity", help="the fewest instances each deployment holds an SCT p95 SLO with")
+    capacity.add_arguments(cap)
+    cap.set_defaults(func=capacity.run_from_args)
     exp = sub.add_parser("experiments", help="run the paper's experiments")
     experiments.add_arguments(exp)
     exp.set_defaults(func=experiments.run_from_args)

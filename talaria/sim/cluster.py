@@ -33,6 +33,8 @@ router sees.
 
 from __future__ import annotations
 
+import math
+
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -83,6 +85,9 @@ class RunConfig:
     progress: bool = False
     retry: RetryPolicy = field(default_factory=RetryPolicy)  # what a session does on a 503
     max_wall_s: float | None = None  # stop the run after this much wall time (result incomplete)
+    # Stop once SCT p95 <= this is out of reach (more sessions than p95 allows are past it, done
+    # or not): the verdict of a capacity search (capacity.py) without simulating the rest.
+    stop_above_p95_s: float | None = None
     max_decode_steps: int = 4096  # simulator speed: decode tokens per event (exact, see executor.py)
     log_actions: bool = False  # keep each instance's executed actions (schedule_bound.py)
     # Per instance (in order), the model a hot-pool instance is pinned to, or None for a cold
@@ -196,6 +201,8 @@ class Cluster:
         if self.config.max_wall_s is not None:
             deadline = started + self.config.max_wall_s
             stop = lambda: time.perf_counter() > deadline  # noqa: E731
+        if self.config.stop_above_p95_s is not None:
+            stop = self._p95_missed(self.config.stop_above_p95_s, stop)
         self.loop.run(progress=progress, stop=stop)
         self.stopped_early = bool(self.loop._heap)
         now = self.loop.now
@@ -212,6 +219,30 @@ class Cluster:
             time.perf_counter() - started,
             self.loop.events,
         )
+
+    def _p95_missed(self, slo_s: float, other):
+        """A stop() that is True once more than n - ceil(0.95 n) sessions have an SCT over
+        `slo_s` for sure (finished over it, or open past it), or when `other` is."""
+        allowed = len(self.sessions) - math.ceil(0.95 * len(self.sessions))
+        starts = sorted((max(0.0, s.calls[0].gap_before_s), s.id) for s in self.sessions)
+        start = {sid: t for t, sid in starts}
+        depth = {s.id: len(s.calls) for s in self.sessions}
+        finished: dict[str, float] = {}  # session -> its SCT
+        seen = 0
+
+        def stop() -> bool:
+            nonlocal seen
+            for job in self.jobs[seen:]:
+                if job.call_index + 1 == depth[job.session]:
+                    finished[job.session] = job.done_t - start[job.session]
+            seen = len(self.jobs)
+            late = sum(1 for sct in finished.values() if sct > slo_s)
+            for t, sid in starts:
+                if t + slo_s >= self.loop.now:
+                    break
+                late += sid not in finished
+            return late > allowed or (other is not None and other())
+        return stop
 
     def _progress(self, now: float, events: int) -> None:
         done = len(self.jobs)
