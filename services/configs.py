@@ -35,6 +35,8 @@ POOLS = {
 }
 # The faithful peers (router/policy/, each citing its source), deployed as their users deploy them.
 PEERS = ("round-robin", "sglang-cache-aware", "dynamo-kv", "llm-d", "vllm-stack-session")
+# Labelled variants of a peer beyond its shipped defaults (not in the headline tables).
+PEER_VARIANTS = ("llm-d-affinity",)
 
 
 class ConfigurationError(ValueError):
@@ -133,7 +135,7 @@ def _build() -> dict[str, Configuration]:
     table += [Configuration(f"talaria-{a}", f"talaria with the {a} mechanisms (shared/ablations.py)", router=ours,
                             scheduler=_scheduler(a)) for a in ABLATIONS if a != "talaria"]
     table += [Configuration(p, f"{p} as it is deployed (router/policy/, deployment.py)", policy=p,
-                            scheduler=_scheduler(), pools="per-model") for p in PEERS]
+                            scheduler=_scheduler(), pools="per-model") for p in (*PEERS, *PEER_VARIANTS)]
     named = {c.policy for c in table}
     table += [Configuration(p, f"the {p} router over cold instances", policy=p, scheduler=_scheduler(), pools="shared")
               for p in policy_names() if p not in named]
