@@ -42,7 +42,8 @@ from talaria.sim.profiles import PAPER_TP8, ROUTER_TP4, catalogue
 from talaria.sim.schedule_bound import schedule_bound_scts
 from talaria.sim.workloads import fixed_replay, router_testbed, synthetic_catalogue
 from talaria.traces.gaps import GapModel
-from talaria.sim.matrix import ABLATIONS, FORECAST_POOLS, PEER_SPLITS, POLICIES, SENSITIVITY, STATIC_SPLITS, run_matrix
+from talaria.sim.matrix import (ABLATIONS, FORECAST_POOLS, PEER_SPLITS, POLICIES, SENSITIVITY, STATIC_SPLITS,
+                                parse_seeds, run_matrix)
 from talaria.sim.report import write_report
 from talaria.sim.matrix_report import write_outputs
 
@@ -363,6 +364,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer-split", choices=PEER_SPLITS, default="exact",
                         help="matrix: size the peers' pools on the run's own demand (exact, the published "
                              "table) or on another draw of the same workload (history)")
+    parser.add_argument("--seeds", default=None, metavar="A,B,C",
+                        help="matrix: run every cell on each of these workload seeds (matrix.json's `matrix` key; "
+                             "matrix.md's across-seeds table with confidence intervals); held out: "
+                             "1000,2000,3000 (talaria/sim/matrix.py HELD_OUT_SEEDS)")
     parser.add_argument("--ablations", action="store_true",
                         help="matrix: also run talaria without leases and without its instance mechanisms "
                              "(the report's mechanism column)")
@@ -415,6 +420,11 @@ def run_from_args(args) -> int:
                   + (SENSITIVITY if getattr(args, "sensitivity", False) else ()) + _extra_configs(args),
                   "only": [c.strip() for c in args.cells.split(",")] if getattr(args, "cells", None) else None,
                   "peer_split": getattr(args, "peer_split", "exact")}
+        if getattr(args, "seeds", None):
+            try:
+                matrix["seeds"] = parse_seeds(args.seeds)
+            except ValueError as exc:
+                raise SystemExit(f"error: {exc}") from None
         run(names, args.out, args.json, args.quick, args.scale_sessions, scale, matrix)
     if not args.no_report:
         path = write_report(load_results(args.out), args.out)
