@@ -12,7 +12,9 @@ Design (one factor at a time around a base, every level of every factor present)
     mix=shift 3 Zipf(1.5) models whose popular model changes halfway (shifted_mix), at
               60/100 %: a static split sized on the whole trace is wrong in each half
     WEKA      the shipped sessions: the fixed replay (30 model-sessions at t=0, one
-              paper TP=8 server) and the router testbed (TP=4 models, 2 instances, high load)
+              paper TP=8 server) and the router testbed (TP=4 models, 2 instances, high load),
+              each model's sessions opening with the shared system prompt real sessions have
+              (workloads.SYSTEM_PROMPT_TOKENS, scaled as the replays' prompts are)
 
 Workloads come from `workloads.agent_sessions` (seeded; cell k uses seed `seed + k`).
 
@@ -55,7 +57,8 @@ from talaria.sim.deployment import place
 from talaria.shared.stats import quantile
 from talaria.sim.metrics import summarise
 from talaria.sim.profiles import PAPER_TP8, ROUTER_TP4, ServerProfile, catalogue
-from talaria.sim.workloads import agent_sessions, at_rate, fixed_replay, on_model, router_testbed
+from talaria.sim.workloads import (SYSTEM_PROMPT_TOKENS, TOKEN_SCALE, agent_sessions, at_rate, fixed_replay, on_model,
+                                   router_testbed)
 from talaria.traces.format import Session
 from talaria.traces.gaps import GapModel
 
@@ -119,6 +122,11 @@ class Cell:
     mixed_depth: bool = False  # depths drawn from workloads.MIXED_DEPTHS
     shift: bool = False  # the popular model changes halfway (shifted_mix)
     gpu: str = ""  # "": the profile's own GPUs; else a key of GPU_HBM_BYTES
+
+    @property
+    def shared_tokens(self) -> int:
+        """The system prompt a model's sessions share: the cell's, or a WEKA replay's."""
+        return round(SYSTEM_PROMPT_TOKENS * TOKEN_SCALE) if self.weka else self.shared
 
     @property
     def models(self) -> int:
@@ -209,7 +217,7 @@ def workload(cell: Cell, flags) -> tuple[list[Session], GapModel, dict]:
     if cell.weka:
         sessions = fixed_replay() if cell.weka == "fixed-replay" else router_testbed("high")
         return sessions, GapModel("paper", 10.0, seed=cell.seed), {
-            "arrival_rate_s": None, "demand": demand_s(sessions, server, flags.max_batch)}
+            "arrival_rate_s": None, "demand": demand_s(sessions, server, flags.max_batch, cell.shared_tokens)}
     base = agent_sessions(cell.sessions, list(server.models), cell.depth, cell.prompt, cell.output, cell.gaps,
                           cell.arrivals, SHIFT_ZIPF_S if cell.shift else 0.0 if cell.catalogue == 3 else 1.0,
                           cell.seed,
@@ -272,7 +280,7 @@ def run_config(cell: Cell, policy: str, peer_split: str = "exact") -> tuple[RunC
     cfg = configs.from_label(policy)
     forecast = peer_demand(cell, shape, flags, peer_split) if cfg.pools in STATIC_SPLITS else None
     placed = place(cfg, shape["demand"], cell.instances, cell.models, forecast)
-    shared = {m: cell.shared for m in server_for(cell).models} if cell.shared else {}
+    shared = {m: cell.shared_tokens for m in server_for(cell).models} if cell.shared_tokens else {}
     run = RunConfig(server_for(cell), cell.instances, cfg.policy, placed.policy_config, cfg.sim_scheduler(), gaps,
                     label=f"{cell.name}/{policy}", pinned=placed.pinned, shared_prefix=shared,
                     hot_pools=placed.online, hot_pools_z=cfg.hot_pools_z)

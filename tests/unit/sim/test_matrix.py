@@ -221,3 +221,13 @@ def test_the_matrix_runs_every_seed_and_keeps_todays_keys():
     for bad in ("1000,x", "", "5,5", "-1"):
         with pytest.raises(ValueError, match="--seeds"):
             parse_seeds(bad)
+
+
+def test_weka_cells_replay_the_shared_system_prompt_real_sessions_have():
+    from talaria.sim.matrix import run_config
+    from talaria.sim.workloads import SYSTEM_PROMPT_TOKENS, TOKEN_SCALE
+
+    weka = next(c for c in cells() if c.weka == "router-testbed")
+    cfg = run_config(weka, "round-robin")[0]
+    assert set(cfg.shared_prefix.values()) == {round(SYSTEM_PROMPT_TOKENS * TOKEN_SCALE)}
+    assert run_config(next(c for c in cells() if c.name == "base@60%"), "round-robin")[0].shared_prefix == {}
