@@ -37,9 +37,7 @@ kept: the server-seconds completed over a sliding window; it reacts a window lat
 the matrix's 20-64-session cells moved instances on noise (base@60 %: 2 repins that ended
 where they began, SCT p95 551 vs 495 s).
 
-Each model's instance share is s_m = min(N x its demand share, its sessions E_m expected
-live over W, the demand's own count; L_m, those live this instant, read a model between
-sessions as over-provisioned and moved its instances away): a
+Each model's instance share is s_m = min(N x its demand share, its live sessions L_m): a
 session's calls run one at a time on the instance that holds its context, so a model keeps
 at most L_m instances busy, and when the cluster has more instances than live sessions the
 spare ones stay where they are instead of following each model's share of a handful of
@@ -76,9 +74,7 @@ Two rules, by how the pools were started:
 
 W is the mean measured session duration (first call to its idle expiry: placements are
 sticky that long, so a decision's effect lasts that long; before any, the time since the
-first call), estimated with the live sessions' ages as censored durations (time at risk over
-sessions ended: early in a run only the short sessions have ended, and their mean alone made
-W 2-17 s in 30-180 s sessions, so the first moves came 10-50 s in, paid back over 8 s), and decisions are at most one per W / N (each instance may change about once
+first call), and decisions are at most one per W / N (each instance may change about once
 per window). A move never takes a model below its floor (one instance, or the operator's
 `--hot`), and never touches a fixed instance (an agent whose catalogue is one model: it
 cannot serve another). Left as a constant: z.
@@ -176,7 +172,6 @@ class HotPools:
         self._calls: dict[str, str] = {}  # call in flight -> its session (a failure ends it too)
         self._spans: deque[float] = deque(maxlen=SPAN_MEMORY)  # the latest session durations
         self._span_total = 0.0  # their sum (W is read after every event)
-        self._live_started = 0.0  # sum of the live sessions' start times (their ages, for W)
         self._ended = 0  # sessions ended so far (the stay share is recomputed when one ends)
         self._stay: tuple[int, float] = (0, 1.0)  # (sessions ended when measured, stay share)
         self._first_at: float | None = None
@@ -213,7 +208,6 @@ class HotPools:
         pools.fixed, pools.cold_pool = set(data["fixed"]), data["cold_pool"]
         pools._m = {m: _Model(**v) for m, v in data["models"]}
         pools._sessions = {s: _Session(**v) for s, v in data["sessions"]}
-        pools._live_started = sum(s.started for s in pools._sessions.values())
         pools._calls = dict(data["calls"])
         pools._spans = deque(data["spans"], maxlen=SPAN_MEMORY)
         pools._span_total, pools._ended, pools._stay = data["span_total"], data["ended"], tuple(data["stay"])
@@ -303,7 +297,6 @@ class HotPools:
         s = self._sessions.get(session_id)
         if s is None:
             s = self._sessions[session_id] = _Session(instance_id, model, prompt_tokens, now, now)
-            self._live_started += now
             self._decay_arrivals(now)
             self._m[model].arrivals += 1.0
             self._changed = True
@@ -348,7 +341,6 @@ class HotPools:
         for sid, s in list(self._sessions.items()):
             if not s.inflight and now - s.last > horizon(s.model):
                 del self._sessions[sid]
-                self._live_started -= s.started
                 self._remember_span(s.last - s.started)
                 self._changed = True
 
@@ -364,10 +356,7 @@ class HotPools:
     def window_s(self, now: float) -> float:
         """W: the mean measured session duration, else the time since the first call."""
         if self._spans:
-            # the live sessions' ages count as time at risk (censored durations, the
-            # exponential MLE): early in a run the sessions that ended are the short ones
-            ages = len(self._sessions) * now - self._live_started
-            w = (self._span_total + ages) / len(self._spans)
+            w = self._span_total / len(self._spans)
         elif self._first_at is not None:
             w = now - self._first_at
         else:
@@ -464,17 +453,15 @@ class HotPools:
         k = len(self._sessions)
         if total <= 0 or k == 0:
             return []
+        live = self.live()
         raw = {m: demand[m] / total * n for m in self._m}
         sigma = {m: n * (p * (1.0 - p) / k) ** 0.5 for m, p in ((m, demand[m] / total) for m in self._m)}
-        # N x demand share, but no more instances than sessions: a session's calls run one at
-        # a time where its context is, so a model keeps at most that many instances busy. The
-        # sessions are those expected live over W (the demand's own count), not those live
-        # this instant: a model between its sessions is not over-provisioned for the window.
-        # The margin stays the share's standard error: the count that caps it moves
+        # N x demand share, but no more instances than live sessions: a session's calls run one
+        # at a time where its context is, so a model keeps at most that many instances busy.
+        # The margin stays the share's standard error: the live count that caps it moves
         # with every arrival and expiry (measured: a margin scaled down with the cap made
         # 304 repins at scale instead of 99, SCT p50 80.0 vs 77.2 s).
-        cap = self.expected_live(now)
-        share = {m: min(raw[m], cap[m]) for m in self._m}
+        share = {m: min(raw[m], float(live[m])) for m in self._m}
         if self.cold_pool:
             return self._hot_cold(now, w, share, sigma, switch_s, load)
         return self._swap(now, w, share, sigma, switch_s, load)

@@ -104,18 +104,6 @@ def test_sessions_expire_only_when_idle_past_their_models_horizon():
     assert pools.live()["a"] == 0 and pools.window_s(7.0) == 5.0
 
 
-def test_the_window_counts_the_live_sessions_ages_as_time_at_risk():
-    # one session ended after 5 s, another has been live for 20 s: the mean duration is at
-    # least (5 + 20) / 1 ended, not the 5 s of the short one that happened to end first
-    pools = HotPools.even(INST, ("a", "b"))
-    pools.routed("short", "a", "i0", 100, 0.0)
-    pools.completed("short", "a", 100, 0, 10, 0.1, 0.1, 5.0)
-    pools.routed("long", "b", "i2", 100, 0.0)
-    pools.expire(6.5, lambda m: 1.0)
-    assert pools.live() == {"a": 0, "b": 1}
-    assert pools.window_s(20.0) == pytest.approx(25.0)
-
-
 def test_a_model_gets_no_more_instances_than_it_has_live_sessions():
     # 16 instances, 8 each; b holds 3 of the 4 live sessions (share 12 of 16) but can keep at
     # most 3 instances busy: it already has 8, so nothing moves.
