@@ -294,7 +294,10 @@ def matrix_section(matrix: dict) -> list[str]:
         "## Workload matrix", "",
         f"`talaria sim experiments matrix --ablations` ({sum(1 for c in matrix['cells'] if not c.get('weka'))} "
         f"generated cells + {sum(1 for c in matrix['cells'] if c.get('weka'))} WEKA cells x "
-        f"{len([p for p in matrix['policies'] if not p.startswith(OURS + '[')])} policies in "
+        f"{len([p for p in matrix['policies'] if not p.startswith(OURS + '[')])} policies"
+        + (f" x seeds {', '.join(map(str, matrix['matrix']['seeds']))} (the table below is seed "
+           f"{matrix['seed']}; results/matrix.md has the means over the seeds)" if matrix.get("matrix") else "")
+        + " in "
         f"{matrix['wall_s']:.0f} s wall with {matrix['workers']} worker processes on the shared 2-core machine"
         + (f"; the {len(SENSITIVITY)} sensitivity variants took another {matrix['sensitivity_wall_s']:.0f} s"
            if matrix.get("sensitivity_wall_s") else "") + "). Most cells have 20 sessions, so a cell's p95 "

@@ -175,7 +175,7 @@ def test_each_missed_cell_says_why_from_its_own_ablations():
     m["cells"][1]["results"][FORECAST_POOLS] = {**m["cells"][1]["results"][OURS]}
     m["cells"][1]["catalogue"] = 20  # more models than instances: serverless
     table = miss_table(m)
-    assert "| c1 | p95 1.20× | p95: online pools (with the peers' forecast split 1.01×) |" in table
+    assert "| c1 | p95 1.20× | p95: online pools (with the exact split 1.01×) |" in table
     assert "| c2 | p95 1.20× | p95: placement and rotation over instances that time-share models |" in table
     assert "0.80× / 0.95× |" in table  # the zero-wait bound over the best peer: p50 8 / 10, p95 19 / 20
     m["cells"][0]["results"][FORECAST_POOLS]["sct_p95"] = 24.0  # the forecast does not recover it
