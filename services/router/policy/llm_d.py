@@ -16,8 +16,8 @@ read through the search tools.
 
 The prefix scorer hashes at most `maxPrefixBlocksToMatch` = 256 blocks (the GIE default,
 `prefix/plugin.go` defaultMaxPrefixBlocks, kept by every llm-d guide's EndpointPickerConfig)
-of the model server's block size (`PrepareRequestData` takes it from the pods: vLLM's 16
-tokens), so past 4,096 tokens every instance holding a prompt's head scores 1: the scorer
+of the model server's block size (with the default autoTune, `GetBlockSize` reads the
+engine's reported CacheBlockSize: vLLM's 16 tokens), so past 4,096 tokens every instance holding a prompt's head scores 1: the scorer
 cannot tell a session's own instance from one that holds only the shared system prompt.
 Its index is the approximate one built from routed prompts (the "cache_tracking" mode),
 state.prefix, cut to that horizon. Blind to sessions; no leases.
