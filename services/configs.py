@@ -104,7 +104,7 @@ LIVE_POOLS = ("operator-pinned unless TALARIA_HOT_POOLS=true",
               "off until measured live: live agents register cold, and the controller started cold is a "
               "wash against all-cold agents in the simulator (results/hot_cold_sim.md); the simulator's "
               "`online` (every instance hot from an even split) beats operator-pinned pools sized on "
-              "another draw over 3 held-out seeds (SCT p95 geomean 0.98x, mix=shift@100% 0.80x: "
+              "another draw over 3 held-out seeds (SCT p95 geomean 0.986x, mix=shift 0.94x: "
               "results/matrix_notes.md, issue 35), but live has no even hot start yet")
 
 

@@ -231,3 +231,11 @@ def test_weka_cells_replay_the_shared_system_prompt_real_sessions_have():
     cfg = run_config(weka, "round-robin")[0]
     assert set(cfg.shared_prefix.values()) == {round(SYSTEM_PROMPT_TOKENS * TOKEN_SCALE)}
     assert run_config(next(c for c in cells() if c.name == "base@60%"), "round-robin")[0].shared_prefix == {}
+
+
+def test_the_held_out_seeds_draw_no_workload_a_tuning_run_drew():
+    from talaria.sim.matrix import HELD_OUT_SEEDS, HISTORY_SEED_OFFSET, TUNED_SEEDS
+
+    drawn = {c.seed + off for s in HELD_OUT_SEEDS for c in cells(s) for off in (0, HISTORY_SEED_OFFSET)}
+    assert not drawn & set(TUNED_SEEDS)
+    assert max(c.seed for c in cells(7)) in TUNED_SEEDS  # the last tuning run's cells are all counted
