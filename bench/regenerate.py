@@ -46,7 +46,7 @@ RESULTS = (
            ("python -m talaria.sim.experiments all --out results/",), 60,
            rerender="python -m talaria.sim.experiments report --out results/"),
     Result("matrix", ("matrix.md", "matrix.json", "matrix_heatmap.png"),
-           ("python -m talaria.sim.experiments matrix --ablations --out results/",), 10),
+           ("python -m talaria.sim.experiments matrix --ablations --seeds 1000,2000,3000 --peer-split history --out results/",), 30),
     Result("matrix_bound", ("matrix_bound.md",),
            ("python bench/matrix_zero_wait_bound.py results/matrix.json > results/matrix_bound.md",), 1),
     Result("matrix_seeds_peers", ("matrix_seeds_peers.md",),

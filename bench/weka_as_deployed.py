@@ -21,7 +21,9 @@ instances; sessions start in a Poisson stream at `load` x the capacity the matri
 times drawn from `seed`. Policies: the five faithful peers deployed as they are deployed
 (deployment.deploy: per-model pools split by the trace's exact demand), `talaria` with its
 own pools (an even start its router resizes online, deployment.talaria_pools) and
-`talaria-forecast-pools` (talaria given the peers' split). Per run: SCT p50 / p95, returns
+`talaria-forecast-pools` (talaria given the peers' split). Each model's sessions open with the
+shared system prompt + tool schema real sessions have (workloads.SYSTEM_PROMPT_TOKENS, 16K:
+RunConfig.shared_prefix; the recorded prompts already count its tokens). Per run: SCT p50 / p95, returns
 placed away from the instance that served the session's previous call ("moved"), and
 hot-pool moves ("repins"). Ratios are talaria over the best peer of the same seed and load.
 """
@@ -51,6 +53,7 @@ from talaria.sim.profiles import PAPER_TP8  # noqa: E402
 from talaria.traces.format import Session  # noqa: E402
 from talaria.traces.gaps import parse_gap_model  # noqa: E402
 from talaria.traces.load import load_trace  # noqa: E402
+from talaria.sim.workloads import SYSTEM_PROMPT_TOKENS  # noqa: E402
 
 TRACE = Path(__file__).resolve().parent / "data" / "weka200.jsonl.xz"
 INSTANCES = 4
@@ -62,7 +65,8 @@ def workload(trace: Path, load: float, seed: int) -> list[Session]:
     sessions = map_models(load_trace(trace), "auto", sorted(PAPER_TP8.models))
     rng = random.Random(seed)
     rng.shuffle(sessions)
-    rate = load * M.capacity_s(sessions, PAPER_TP8, INSTANCES, instance_config("talaria").max_batch)
+    rate = load * M.capacity_s(sessions, PAPER_TP8, INSTANCES, instance_config("talaria").max_batch,
+                               SYSTEM_PROMPT_TOKENS)
     out, start = [], 0.0
     for s in sessions:
         out.append(Session(s.id, (replace(s.calls[0], gap_before_s=start), *s.calls[1:])))
@@ -74,7 +78,7 @@ def run(args: tuple[Path, str, float, int, str]) -> tuple[float, int, str, dict]
     trace, gaps, load, seed, policy = args
     flags = instance_config("talaria")
     sessions = workload(trace, load, seed)
-    demand = {m: d for m, d in M.demand_s(sessions, PAPER_TP8, flags.max_batch).items()
+    demand = {m: d for m, d in M.demand_s(sessions, PAPER_TP8, flags.max_batch, SYSTEM_PROMPT_TOKENS).items()
               if any(s.model == m for s in sessions)}
     cfg = run_config(policy, demand, flags, parse_gap_model(gaps, seed))
     result = simulate(sessions, cfg)
@@ -91,7 +95,8 @@ def run_config(policy: str, demand: dict[str, float], flags, gaps) -> RunConfig:
     c = configs.from_label(policy)
     placed = place(c, demand, INSTANCES, len(demand))
     return RunConfig(PAPER_TP8, INSTANCES, c.policy, placed.policy_config, flags, gaps, label=policy,
-                     pinned=placed.pinned, hot_pools=placed.online, hot_pools_z=c.hot_pools_z)
+                     pinned=placed.pinned, hot_pools=placed.online, hot_pools_z=c.hot_pools_z,
+                     shared_prefix={m: SYSTEM_PROMPT_TOKENS for m in PAPER_TP8.models})
 
 
 def _gmean(xs: list[float]) -> float:

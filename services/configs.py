@@ -54,6 +54,8 @@ WEIGHTS = {
 # The instance mechanisms a row may have (mechanisms()), in the issue's words.
 MECHANISMS = ("session-prefill", "host KV across switches", "staging", "KV kept after a call",
               "token-level time-sharing", "sleep/wake", "tiered checkpoint loading", "live migration")
+# Labelled variants of a peer's router beyond its shipped defaults (not in the headline tables).
+PEER_VARIANTS = ("llm-d-affinity",)
 
 
 class ConfigurationError(ValueError):
@@ -142,7 +144,10 @@ SIM_DIFFERS = (
 # `--hot` pins); the simulator deploys a configuration's `pools`. Declared here, with its reason.
 LIVE_POOLS = ("operator-pinned unless TALARIA_HOT_POOLS=true",
               "off until measured live: live agents register cold, and the controller started cold is a "
-              "wash against all-cold agents in the simulator (results/hot_cold_sim.md)")
+              "wash against all-cold agents in the simulator (results/hot_cold_sim.md); the simulator's "
+              "`online` (every instance hot from an even split) beats operator-pinned pools sized on "
+              "another draw over 3 held-out seeds (SCT p95 geomean 0.986x, mix=shift 0.94x: "
+              "results/matrix_notes.md, issue 35), but live has no even hot start yet")
 
 
 def _scheduler(ablation: str = "talaria", **knobs) -> SchedulerConfig:
@@ -219,6 +224,8 @@ def _peers() -> list[Configuration]:
                  (rows[PEERS.index("sglang-cache-aware")], "hicache",
                   "SGLang HiCache (--enable-hierarchical-cache, off by default)"),
                  (rows[len(PEERS)], "lmcache", "LMCache connector for vLLM (--kv-transfer-config, off by default)"))]
+    rows += [_peer(p, f"{p}: a labelled variant of a peer's router (router/policy/), not its shipped default", p,
+                   f"router rule: {REGISTRY[p].__module__} (its source and version cited there)") for p in PEER_VARIANTS]
     return rows
 
 

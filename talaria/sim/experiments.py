@@ -43,7 +43,8 @@ from talaria.sim.profiles import PAPER_TP8, ROUTER_TP4, catalogue
 from talaria.sim.schedule_bound import schedule_bound_scts
 from talaria.sim.workloads import fixed_replay, router_testbed, synthetic_catalogue
 from talaria.traces.gaps import GapModel
-from talaria.sim.matrix import ABLATIONS, FORECAST_POOLS, PEER_SPLITS, POLICIES, SENSITIVITY, STATIC_SPLITS, run_matrix
+from talaria.sim.matrix import (ABLATIONS, FORECAST_POOLS, PEER_SPLITS, POLICIES, SENSITIVITY, STATIC_SPLITS,
+                                parse_seeds, run_matrix)
 from talaria.sim.report import write_report
 from talaria.sim.matrix_report import write_outputs
 
@@ -385,6 +386,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--session-ids", choices=("named", "none"), default="named",
                         help="matrix: the clients name their sessions, or none (talaria infers them, a peer's "
                              "router has no key: talaria/sim/anonymous_sessions.py)")
+    parser.add_argument("--seeds", default=None, metavar="A,B,C",
+                        help="matrix: run every cell on each of these workload seeds (matrix.json's `matrix` key; "
+                             "matrix.md's across-seeds table with confidence intervals); held out: "
+                             "1000,2000,3000 (talaria/sim/matrix.py HELD_OUT_SEEDS)")
     parser.add_argument("--ablations", action="store_true",
                         help="matrix: also run talaria without leases and without its instance mechanisms "
                              "(the report's mechanism column)")
@@ -437,6 +442,11 @@ def run_from_args(args) -> int:
                   "only": [c.strip() for c in args.cells.split(",")] if getattr(args, "cells", None) else None,
                   "peer_split": getattr(args, "peer_split", "exact"),
                   "session_ids": getattr(args, "session_ids", "named")}
+        if getattr(args, "seeds", None):
+            try:
+                matrix["seeds"] = parse_seeds(args.seeds)
+            except ValueError as exc:
+                raise SystemExit(f"error: {exc}") from None
         run(names, args.out, args.json, args.quick, args.scale_sessions, scale, matrix)
     if not args.no_report:
         path = write_report(load_results(args.out), args.out)

@@ -20,7 +20,7 @@ MECHANISM = {PAPER: "router rules beyond the paper", NO_LEASE: "soft leases",
              ROUND_ONLY: "instance mechanisms (SP, HKVR, staging, parked KV)",
              # the inverse ablation: pools the peers' exact forecast sizes in place of talaria's
              # online ones; "wins" where the online pools beat the forecast
-             FORECAST_POOLS: "online hot pools (vs the peers' forecast)"}
+             FORECAST_POOLS: "online hot pools (vs the exact split)"}
 
 def _ratio(a, b):
     if a is None or b is None or b == 0 or (isinstance(a, float) and math.isinf(a)):
@@ -90,7 +90,8 @@ def win_table(matrix: dict) -> str:
     w = wins(matrix)
     lines = [
         "| cell | load | talaria SCT p50 / best peer | ratio | talaria SCT p95 / best peer | ratio | "
-        "rejected (ours / paper rules) | goodput vs best | mechanism that wins it (p95 without it) |",
+        "rejected (ours / paper rules) | goodput vs best | mechanism that wins it: talaria vs its own ablations "
+        "(the costliest one's SCT p95 / talaria's) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     by_name = {c["name"]: c for c in matrix["cells"]}
@@ -121,7 +122,7 @@ def win_table(matrix: dict) -> str:
 
 def miss_table(matrix: dict) -> str:
     """Each cell where talaria is more than 2 % behind the best peer at SCT p50 or p95, and why,
-    as far as this run's ablations say: a quantile the peers' forecast split recovers is the
+    as far as this run's ablations say: a quantile the exact split recovers is the
     online pools' cost; one no ablation recovers is placement among the cell's instances, set
     beside how far the peers themselves spread at that quantile (a miss inside that spread is
     which policy this draw of sessions happened to favour, not a rule any peer has and talaria
@@ -150,9 +151,9 @@ def miss_table(matrix: dict) -> str:
             if serverless:
                 why.append(f"{q}: placement and rotation over instances that time-share models")
             elif f <= 1.02:
-                why.append(f"{q}: online pools (with the peers' forecast split {_x(f)})")
+                why.append(f"{q}: online pools (with the exact split {_x(f)})")
             elif f < ratio - 0.02:
-                why.append(f"{q}: online pools (with the peers' forecast split {_x(f)}) and placement in a "
+                why.append(f"{q}: online pools (with the exact split {_x(f)}) and placement in a "
                            f"model's pool")
             else:
                 why.append(f"{q}: placement in a model's pool (no ablation recovers it)")
@@ -271,9 +272,11 @@ where they do not. Talaria runs every instance as its own cold-pool agent.
 - sglang-cache-aware: SGLang model gateway's cache-aware policy with its current defaults
   (cache threshold 0.3, balance 64 / 1.5; a miss goes to the least-loaded worker).
 - dynamo-kv: Dynamo's KV router: overlap weight 1 x (the worker's pending prefill + this
-  request's uncached) blocks + its in-flight blocks; host hits 0.75; argmin, random ties.
-- llm-d: the inference scheduler's default profile: prefix 3, queue 2, KV utilisation 2 (+ model
-  affinity 1), max-score picker.
+  request's uncached) blocks + its in-flight blocks, deduplicated by block hash; host hits 0.75;
+  argmin, random ties.
+- llm-d: the inference scheduler's default profile as shipped: prefix 3 (its scorer sees a
+  prompt's first 256 blocks x 16 tokens), queue 2, KV utilisation 2, max-score picker
+  (llm-d-affinity, a labelled variant, adds model affinity 1).
 - vllm-stack-session: production-stack session routing: a consistent hash ring on the session.
 - talaria: ours; where the models fit, its router sizes the hot pools online from measured
   demand (services/router/hot_pools.py), from an even split, never the peers' forecast.
@@ -291,7 +294,10 @@ def matrix_section(matrix: dict) -> list[str]:
         "## Workload matrix", "",
         f"`talaria sim experiments matrix --ablations` ({sum(1 for c in matrix['cells'] if not c.get('weka'))} "
         f"generated cells + {sum(1 for c in matrix['cells'] if c.get('weka'))} WEKA cells x "
-        f"{len([p for p in matrix['policies'] if not p.startswith(OURS + '[')])} policies in "
+        f"{len([p for p in matrix['policies'] if not p.startswith(OURS + '[')])} policies"
+        + (f" x seeds {', '.join(map(str, matrix['matrix']['seeds']))} (the table below is seed "
+           f"{matrix['seed']}; results/matrix.md has the means over the seeds)" if matrix.get("matrix") else "")
+        + " in "
         f"{matrix['wall_s']:.0f} s wall with {matrix['workers']} worker processes on the shared 2-core machine"
         + (f"; the {len(SENSITIVITY)} sensitivity variants took another {matrix['sensitivity_wall_s']:.0f} s"
            if matrix.get("sensitivity_wall_s") else "") + "). Most cells have 20 sessions, so a cell's p95 "
@@ -319,6 +325,97 @@ def _shape_row(cell: dict) -> str:
             f"{sh['output_p50']} | {sh['gaps_over_5s'] * 100:.0f} % | {sh['capacity_sessions_s']:.3f} |")
 
 
+# Student's t, two-sided 95 %, by degrees of freedom (seeds - 1); 1.96 past the table.
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def _ci(values: list[float]) -> tuple[float, float, float]:
+    """(mean, low, high): the 95 % t interval of the mean of per-seed values."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, mean, mean
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = T95.get(n - 1, 1.96) * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def across_seeds(matrix: dict) -> dict:
+    """Per cell over the seeds of `matrix["matrix"]`: talaria's mean SCT p50 / p95 over the best
+    peer's mean, and the 95 % interval of the per-seed ratio to that peer (an interval holding
+    1.00 says the difference is noise); the geometric mean of talaria's mean p95 over each peer's;
+    the online pools' cost, talaria / talaria-forecast-pools (the exact split) per cell and seed."""
+    runs = matrix["matrix"]["runs"]
+    peers = matrix["baselines"]
+    names = [c["name"] for c in runs[0]["cells"]]
+    by = [{c["name"]: c["results"] for c in r["cells"]} for r in runs]
+    rows, per_peer = [], {p: [] for p in peers}
+    pools = []
+    for name in names:
+        res = [b[name] for b in by if OURS in b.get(name, {})]
+        if not res:
+            continue
+        row = {"cell": name}
+        for q in ("sct_p50", "sct_p95"):
+            means = {p: sum(_num(r[p][q]) for r in res) / len(res) for p in peers if all(p in r for r in res)}
+            best = min(means, key=means.get)
+            ours = sum(_num(r[OURS][q]) for r in res) / len(res)
+            ratio = _ratio(ours, means[best])
+            per_seed = [_ratio(r[OURS][q], r[best][q]) for r in res]
+            _, lo, hi = _ci(per_seed) if all(map(math.isfinite, per_seed)) else (0, math.inf, math.inf)
+            row[q] = {"ours": ours, "best": best, "best_mean": means[best], "ratio": ratio, "ci": (lo, hi),
+                      "noise": lo <= 1.0 <= hi, "ok": ratio <= 1.02}
+            if q == "sct_p95":
+                for p in means:
+                    per_peer[p].append(_ratio(ours, means[p]))
+        rows.append(row)
+        for seed, r in zip([x["seed"] for x in runs], res):
+            if FORECAST_POOLS in r:
+                pools.append((name, seed, _ratio(r[OURS]["sct_p95"], r[FORECAST_POOLS]["sct_p95"])))
+    seed_geo = {p: [] for p in peers}  # each seed's geomean over cells: the interval of the geomean
+    for b in by:
+        for p in peers:
+            seed_geo[p].append(_geomean([_ratio(b[n][OURS]["sct_p95"], b[n][p]["sct_p95"]) for n in names
+                                         if OURS in b.get(n, {}) and p in b[n]]))
+    return {"seeds": matrix["matrix"]["seeds"], "rows": rows,
+            "geomean_p95_vs": {p: (_geomean(v), *_ci(seed_geo[p])[1:]) for p, v in per_peer.items() if v},
+            "pools": pools}
+
+
+def seeds_table(matrix: dict) -> str:
+    a = across_seeds(matrix)
+    n = len(a["seeds"])
+    lines = [f"## Across {n} held-out seeds ({', '.join(map(str, a['seeds']))})", "",
+             f"Means over the seeds; the best peer is the one with the lowest mean. The interval is the 95 % "
+             f"t interval (n = {n}) of the per-seed ratio talaria / that peer: one holding 1.00 says the "
+             "difference is noise at this many seeds. ✗: mean more than 2 % behind.", "",
+             "| cell | talaria SCT p50 / best peer (means) | ratio | 95 % CI | talaria SCT p95 / best peer (means) "
+             "| ratio | 95 % CI |", "|---|---|---|---|---|---|---|"]
+    for r in a["rows"]:
+        cols = []
+        for q in ("sct_p50", "sct_p95"):
+            x = r[q]
+            mark = "" if x["ok"] else (" ✗ (noise)" if x["noise"] else " ✗")
+            cols.append(f"{_s(x['ours'])} / {_s(x['best_mean'])} ({x['best']}) | {_x(x['ratio'])}{mark} | "
+                        f"{x['ci'][0]:.2f}–{x['ci'][1]:.2f}")
+        lines.append(f"| {r['cell']} | {' | '.join(cols)} |")
+    behind = [r for r in a["rows"] if not (r["sct_p50"]["ok"] and r["sct_p95"]["ok"])]
+    real = [r for r in behind if not all(r[q]["ok"] or r[q]["noise"] for q in ("sct_p50", "sct_p95"))]
+    geo = ", ".join(f"{p} {_x(g)} (per-seed {lo:.2f}–{hi:.2f})" for p, (g, lo, hi) in a["geomean_p95_vs"].items())
+    lines += ["", f"Cells where talaria's mean SCT p50 or p95 is more than 2 % behind the best peer's mean: "
+                  f"{len(behind)} of {len(a['rows'])}; of those, {len(real)} with an interval that excludes 1.00"
+                  + (f" ({', '.join(r['cell'] for r in real)})" if real else "") + ". "
+                  f"Geometric mean of talaria's mean SCT p95 over each peer's (goal <= 1.00x): {geo}."]
+    if a["pools"]:
+        worst = max(a["pools"], key=lambda t: _num(t[2]))
+        over = [t for t in a["pools"] if t[2] > 1.02]
+        lines += ["", f"Online pools vs the exact split (talaria / talaria-forecast-pools, SCT p95, every cell and "
+                      f"seed): {len(over)} of {len(a['pools'])} more than 2 % slower; worst {_x(worst[2])} "
+                      f"({worst[0]}, seed {worst[1]}); geometric mean {_x(_geomean([t[2] for t in a['pools']]))}."
+                  + (" Over 2 %: " + ", ".join(f"{c} seed {s} {_x(x)}" for c, s, x in over) + "." if over else "")]
+    return "\n".join(lines)
+
+
 SPLIT_WORDS = {"exact": "this run's own demand (an exact forecast, which favours them)",
                "history": "another draw of the same workload (last week's traffic, as an operator has it)"}
 
@@ -334,11 +431,14 @@ def write_outputs(matrix: dict, out_dir: Path) -> Path:
                   "Ratio = talaria / best peer (below 1: talaria is faster); ✗ marks a missed goal. "
                   "Peers: " + ", ".join(matrix["baselines"]) + " (services/router/policy/, each citing its "
                   "source); deployment: talaria/sim/deployment.py, the peers' pools sized on "
-                  + SPLIT_WORDS[matrix.get("peer_split", "exact")] + ". The mechanism column names the talaria "
-                  "ablation whose SCT p95 is worst in the cell (talaria-paper, talaria-no-lease, "
-                  "talaria-round-only, talaria-forecast-pools), i.e. the mechanism that wins it; "
-                  "\"online hot pools\" there means talaria's own pools beat the peers' exact forecast "
-                  "in that cell.\n\n"
+                  + SPLIT_WORDS[matrix.get("peer_split", "exact")] + ". The mechanism column compares talaria "
+                  "with its own ablations, not with the peers: it names the ablation whose SCT p95 is worst in "
+                  "the cell (talaria-paper, talaria-no-lease, talaria-round-only, talaria-forecast-pools) and "
+                  "that p95 over talaria's, i.e. what talaria would lose there without that mechanism; "
+                  "\"online hot pools\" there means talaria's own pools beat the exact split of the cell's "
+                  "demand (talaria-forecast-pools is always sized on the exact demand).\n\n"
+                  + (seeds_table(matrix) + "\n\n## Seed " + str(matrix["seed"]) + " alone\n\n"
+                     if matrix.get("matrix") else "")
                   + win_table(matrix) + "\n\n"
                   + "## Where talaria is more than 2 % behind, cell by cell\n\n" + miss_table(matrix) + "\n\n"
                   + ("## Old (transplanted baselines) beside new (faithful peers)\n\n" + side_by_side(matrix, old)

@@ -35,6 +35,10 @@ ROUTER_FILE = DATA / "router_sessions.jsonl"
 WEKA_DEFAULT = Path("/work/shared/traces/weka_cc_traces.jsonl.xz")
 
 TOKEN_SCALE = 0.25  # [der] paper p50 25K / WEKA p50 104,644
+# The system prompt + tool schema every Claude Code session of a model opens with, as
+# bench/session_attribution.py models it (16K tokens); the WEKA replays share it per model
+# (RunConfig.shared_prefix), scaled with their prompts where they are scaled.
+SYSTEM_PROMPT_TOKENS = 16_384  # [asm]
 CONTEXT_CAP = 131_072
 OUTPUT_CAP = 2_048
 PAPER_MODELS = ("qwen3-235b", "glm5-nvfp4", "qwen3.5-122b-a10b")

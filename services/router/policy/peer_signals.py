@@ -22,12 +22,6 @@ def inflight(view: InstanceView) -> int:
     return len(view.inflight)
 
 
-def inflight_tokens(state: RouterState, view: InstanceView) -> int:
-    """Prompt tokens of the router's own in-flight requests there (Dynamo's ActiveSequences)."""
-    calls = state.inflight_calls
-    return sum(calls[c].tokens for c in view.inflight if c in calls)
-
-
 def waiting(view: InstanceView) -> int:
     """Requests waiting (not running) there: the engine's queue plus those routed since the
     snapshot (vLLM's num_requests_waiting as a metrics scrape sees it; the overlay stands in
@@ -50,7 +44,7 @@ def routed_prefix(state: RouterState, call: CallSubmitted) -> dict[str, int]:
 
     The index hashes the first INDEXED_TOKENS of a prompt (prefix_index.py). A full-horizon
     match on the instance the session's previous call went to is extended by the session's
-    own context there: a full-text tree (sgl-router, llm-d's approximate prefix scorer)
+    own context there: a full-text tree (sgl-router)
     holds that whole earlier prompt, so without this every instance holding a shared
     system prompt longer than the horizon would tie with the session's own instance."""
     hits = state.prefix.match(call.model, call.block_hashes)

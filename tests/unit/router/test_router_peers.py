@@ -127,6 +127,22 @@ def test_dynamo_breaks_ties_at_random_and_has_no_session_affinity():
     assert routed_to(c, call("p1", session="sx", tokens=1600), 1.0) != first
 
 
+def test_dynamo_counts_a_shared_prefix_of_in_flight_calls_once():
+    # ActiveSequences dedups by block hash: two in-flight calls sharing a 100-block system
+    # prompt hold 100 + 2 x 10 distinct blocks on a, not 220; the new call's shared blocks
+    # are not new there either.
+    c = core("dynamo-kv")
+    c.observe(snap("a"), 0.0)
+    for k in range(2):  # routed by the policy (it records what it routes), to a: the only one
+        assert routed_to(c, call(f"r{k}", session=f"o{k}", tokens=1760,
+                                 hashes=PREFIX + list(range(7000 + 100 * k, 7010 + 100 * k)))) == "a"
+    c.observe(snap("b"), 0.0)
+    x = call("x", session="s1", tokens=1760, hashes=PREFIX + list(range(9000, 9010)))
+    cost = {k.instance_id: k.decode_s for k in audit(c, x).candidates}
+    assert cost["a"] == pytest.approx(100 + 2 * 10 + 10)
+    assert cost["b"] == pytest.approx(110)
+
+
 # ---- llm-d -------------------------------------------------------------------------------
 
 def llmd_with_prefix_on(holder: str):
@@ -154,6 +170,34 @@ def test_llm_d_kv_utilisation_scorer_weight_2():
     score = {k.instance_id: -k.total_s for k in rec.candidates}
     assert score["b"] - score["a"] == pytest.approx(2 * 0.8)  # only held KV counts as used
     assert rec.chosen == "b"
+
+
+def test_llm_d_prefix_scorer_sees_only_256_blocks():
+    # past 256 blocks (4,096 tokens) the scorer cannot tell the session's own instance from
+    # one holding only the prompt's head: both score 1, and the queue decides
+    head = list(range(20_000, 20_256))
+    c = core("llm-d")
+    c.observe(snap("a", queued={"m1": 3}), 0.0)
+    c.observe(snap("b"), 0.0)
+    place(c, call("own", session="s1", tokens=8000, hashes=head + list(range(30_000, 30_244))), "a")
+    c.handle(done("own", "a", session="s1"), 0.5)
+    place(c, call("other", session="s2", tokens=4096, hashes=head), "b")
+    c.handle(done("other", "b", session="s2"), 0.5)
+    rec = audit(c, call("x", session="s1", tokens=8000, hashes=head + list(range(30_000, 30_244))), 1.0)
+    score = {k.instance_id: -k.total_s for k in rec.candidates}
+    assert score["b"] - score["a"] == pytest.approx(2.0)  # equal prefix, b's empty queue
+    assert rec.chosen == "b"
+
+
+def test_llm_d_shipped_profile_has_no_model_affinity_the_variant_does():
+    def scores(name):
+        c = core(name)
+        c.observe(snap("on", models={"m1": "active", "m2": "absent"}, active="m1"), 0.0)
+        c.observe(snap("off", models={"m1": "absent", "m2": "active"}, active="m2", running=2), 0.0)
+        return {k.instance_id: -k.total_s for k in audit(c, call("x", tokens=1600)).candidates}
+    shipped, variant = scores("llm-d"), scores("llm-d-affinity")
+    assert shipped["on"] == pytest.approx(shipped["off"])
+    assert variant["on"] - variant["off"] == pytest.approx(1.0)
 
 
 def test_llm_d_model_affinity_levels():

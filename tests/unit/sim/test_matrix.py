@@ -175,9 +175,67 @@ def test_each_missed_cell_says_why_from_its_own_ablations():
     m["cells"][1]["results"][FORECAST_POOLS] = {**m["cells"][1]["results"][OURS]}
     m["cells"][1]["catalogue"] = 20  # more models than instances: serverless
     table = miss_table(m)
-    assert "| c1 | p95 1.20× | p95: online pools (with the peers' forecast split 1.01×) |" in table
+    assert "| c1 | p95 1.20× | p95: online pools (with the exact split 1.01×) |" in table
     assert "| c2 | p95 1.20× | p95: placement and rotation over instances that time-share models |" in table
     assert "0.80× / 0.95× |" in table  # the zero-wait bound over the best peer: p50 8 / 10, p95 19 / 20
     m["cells"][0]["results"][FORECAST_POOLS]["sct_p95"] = 24.0  # the forecast does not recover it
     assert "p95: placement in a model's pool (no ablation recovers it)" in miss_table(m)
     assert "| c1 |" not in miss_table(_fake(ours95=18.0))  # within 2 %: not listed
+
+
+def _seeded(ours95: list[float], forecast95: list[float]) -> dict:
+    """A 3-seed matrix of one cell: the peers at 20 + k every seed, talaria at `ours95`."""
+    runs = []
+    for seed, o, f in zip((1000, 2000, 3000), ours95, forecast95):
+        res = _fake(o)["cells"][0]["results"]
+        res[FORECAST_POOLS] = {**res[OURS], "sct_p95": f}
+        runs.append({"seed": seed, "cells": [{"name": "c1", "load": 1.0, "results": res}]})
+    return {**_fake(ours95[0]), "cells": runs[0]["cells"],
+            "matrix": {"seeds": [1000, 2000, 3000], "runs": runs}}
+
+
+def test_across_seeds_compares_means_and_says_when_a_difference_is_noise():
+    from talaria.sim.matrix_report import across_seeds, seeds_table
+
+    steady = across_seeds(_seeded([21.0, 21.0, 21.0], [20.0, 20.0, 20.0]))["rows"][0]["sct_p95"]
+    assert steady["best"] == BASELINES[0] and steady["ratio"] == pytest.approx(1.05)
+    assert not steady["ok"] and not steady["noise"]  # 5 % behind on every seed: real
+    noisy = across_seeds(_seeded([15.0, 27.0, 21.0], [20.0, 20.0, 20.0]))["rows"][0]["sct_p95"]
+    assert noisy["ratio"] == pytest.approx(1.05) and noisy["noise"]  # 0.75..1.35: noise
+    a = across_seeds(_seeded([21.0, 21.0, 21.0], [20.0, 21.0, 21.0]))
+    assert [round(x, 3) for _, _, x in a["pools"]] == [1.05, 1.0, 1.0]  # online pools' cost per seed
+    assert "1 of 3 more than 2 % slower" in seeds_table(_seeded([21.0, 21.0, 21.0], [20.0, 21.0, 21.0]))
+
+
+def test_the_matrix_runs_every_seed_and_keeps_todays_keys():
+    from talaria.sim.matrix import parse_seeds, run_matrix
+
+    out = run_matrix(("round-robin", OURS), workers=1, only=["depth=5@60%"], seeds=[1000, 2000])
+    assert out["seed"] == 1000 and out["cells"] == out["matrix"]["runs"][0]["cells"]
+    assert [r["seed"] for r in out["matrix"]["runs"]] == out["matrix"]["seeds"] == [1000, 2000]
+    first, second = (r["cells"][0] for r in out["matrix"]["runs"])
+    assert first["name"] == second["name"] == "depth=5@60%" and first["seed"] != second["seed"]
+    assert set(first["results"]) == {"round-robin", OURS}
+    assert first["results"][OURS]["sct_p95"] != second["results"][OURS]["sct_p95"]  # another draw
+    assert parse_seeds("1000, 2000,3000") == [1000, 2000, 3000]
+    for bad in ("1000,x", "", "5,5", "-1"):
+        with pytest.raises(ValueError, match="--seeds"):
+            parse_seeds(bad)
+
+
+def test_weka_cells_replay_the_shared_system_prompt_real_sessions_have():
+    from talaria.sim.matrix import run_config
+    from talaria.sim.workloads import SYSTEM_PROMPT_TOKENS, TOKEN_SCALE
+
+    weka = next(c for c in cells() if c.weka == "router-testbed")
+    cfg = run_config(weka, "round-robin")[0]
+    assert set(cfg.shared_prefix.values()) == {round(SYSTEM_PROMPT_TOKENS * TOKEN_SCALE)}
+    assert run_config(next(c for c in cells() if c.name == "base@60%"), "round-robin")[0].shared_prefix == {}
+
+
+def test_the_held_out_seeds_draw_no_workload_a_tuning_run_drew():
+    from talaria.sim.matrix import HELD_OUT_SEEDS, HISTORY_SEED_OFFSET, TUNED_SEEDS
+
+    drawn = {c.seed + off for s in HELD_OUT_SEEDS for c in cells(s) for off in (0, HISTORY_SEED_OFFSET)}
+    assert not drawn & set(TUNED_SEEDS)
+    assert max(c.seed for c in cells(7)) in TUNED_SEEDS  # the last tuning run's cells are all counted
