@@ -1,83 +1,14 @@
 """Hot pools chosen by the system from measured demand (paper §3.1's hot pool; issue 21). Pure.
 
-The router decides how many instances each model keeps resident (pinned: a hot instance
-serves one model and never switches) from what it sees, and publishes the decision as a
-`PoolPinned` event; the agent named repins (RoundScheduler.repin) and says so in its
-snapshot (`pinned_model`). Driven by (event, now) through RouterCore like the rest of the
-router's policy: the same object runs live, in the simulator and in unit tests.
-
-Demand. A model's demand is the work its sessions will offer over the next W (below: the
-window a decision is paid back over): its expected live sessions x its mean work per call
-so far (pooled over models until it has completions). A session is live from its first call
-until it is idle past the model's idle horizon (the longest tool gap measured for it,
-RouterState.idle_horizon_s). The expected live sessions over the next W are an M/G/inf
-forecast,
-
-    E_m = alpha x L_m + (1 - alpha) x lambda_m x W
-
-L_m the sessions live now, alpha = E[int_0^W (D - t)+ dt] / W^2 the share of them still
-live, averaged over the window (D the measured session durations: 1 - 1/e for exponential
-ones, 1/2 for equal ones, about 0.65 on the WEKA traces), lambda_m the rate m's sessions
-started at (remembered over ARRIVAL_MEMORY windows). Counting only L_m reads a surge of a
-few live sessions as a lasting share and moves an instance for it (the unit test
-test_a_surge_of_live_sessions_...). Measured against counting only L_m (matrix
-SCT p95 geomean over the best peer, seeds 0/1/2: 1.0331/1.0504/1.0492 -> 1.0312/1.0495/
-1.0484; 6 capped-gap WEKA seeds, p50 1.058/1.088 -> 1.053/1.081 at 60/100 % load): a small
-gain, within noise on WEKA. A call's work is measured from its completion as
-
-    work(call) = (prompt - cached) tokens x the model's prefill s/token
-                 + output tokens x its decode step time (s/token of one sequence)
-
-with the rates the engines running the model report in their snapshots (before any, the
-completion's own prefill_s + decode_s). Every model's decode is charged per engine step,
-not per step shared by a batch, so the shares do not grow for a model that was given too
-few instances (per-call decode_s would: its batches grow). Sessions count from their first
-call, so the signal leads the completions by a session's length. Measured alternative, not
-kept: the server-seconds completed over a sliding window; it reacts a window late and in
-the matrix's 20-64-session cells moved instances on noise (base@60 %: 2 repins that ended
-where they began, SCT p95 551 vs 495 s).
-
-Each model's instance share is s_m = min(N x its demand share, its live sessions L_m): a
-session's calls run one at a time on the instance that holds its context, so a model keeps
-at most L_m instances busy, and when the cluster has more instances than live sessions the
-spare ones stay where they are instead of following each model's share of a handful of
-sessions (measured at scale, 64 instances, ~25 live sessions over 20 models: without the
-cap 572 repins, many of them moves back and forth, and SCT p50 / p95 80.1 / 386.6 s; with
-it 99 repins, 77.2 / 366.8 s; forecast pools 72.6 / 336.1 s). The share is known to one
-standard error sigma_m = N sqrt(p_m (1 - p_m) / K) (p_m its share of the demand, K the live
-sessions: a proportion estimated from K sessions), left unscaled by the cap: L_m moves with
-every arrival and expiry (scaling sigma down with the cap: 304 repins, SCT p50 80.0 s; a cap
-of L_m + z sqrt(L_m), headroom for arrivals: 242 repins, 79.1 s). A move must beat z = 1 standard error
-(the matrix's sweep: SCT p95 geomean over the best peer 1.025x at z = 0, 1.020x at 0.5,
-1.025x at 1, 1.041x at 2, 1.047x at 4; flat below 1, and z = 1 keeps a margin over noise).
-Two rules, by how the pools were started:
-
-- every instance hot (the swap rule): one instance moves from the most over-provisioned
-  model d to the most under-provisioned r, x_m = s_m - count_m, when the imbalance it
-  removes beats the noise, x_r - x_d - 1 > z sqrt(sigma_r^2 + sigma_d^2), and the demand it
-  serves pays for itself over the window W: (clip(x_r) - clip(1 + x_d)) x W > switch_s(r) +
-  the context the donor instance's live sessions recompute elsewhere (their last prompt x
-  d's prefill s/token); clip to [0, 1]: r's shortfall up to the one instance, less d's
-  shortfall once it has one fewer (3 seeds: neutral against (x_r - x_d - 1) x W, SCT p95
-  1.043x vs 1.042x the best peer; kept because a move to a model that is not short serves
-  nothing).
-- a cold pool beside the hot pools (the hot+cold rule; instances start or register cold):
-  a cold instance turns hot for r when r's demand surely fills one more instance,
-  s_r - z sigma_r >= count_r + 1, and that instance's work over W outweighs its cost (the
-  other models' sessions homed there recompute elsewhere, plus a load unless r's sessions
-  already run there), and the cold instances left still carry the other models: each one's
-  demand past its hot instances, and at least one cold instance while a model has none hot
-  (`_cold_pool_carries`; without it one agent serving two models was pinned to the busy one
-  and the other's calls had nowhere to run); a hot instance turns cold when its model's
-  demand surely no longer fills it, s_d + z sigma_d < count_d (cold, it keeps serving its
-  sessions: no cost).
-
-W is the mean measured session duration (first call to its idle expiry: placements are
-sticky that long, so a decision's effect lasts that long; before any, the time since the
-first call), and decisions are at most one per W / N (each instance may change about once
-per window). A move never takes a model below its floor (one instance, or the operator's
-`--hot`), and never touches a fixed instance (an agent whose catalogue is one model: it
-cannot serve another). Left as a constant: z.
+The router decides how many instances each model keeps resident (a hot instance serves one
+model and never switches) and publishes it as a `PoolPinned` event; the agent repins
+(RoundScheduler.repin). Demand is each model's expected live sessions over the payback window
+W (an M/G/inf forecast from the sessions live now and the rate they start at) times its mean
+work per call, measured from completions; a model's share is capped by its live sessions. A
+move must beat the share's noise by z standard errors (the one constant left) and pay for
+itself over W (the switch plus the context its donor's sessions recompute). The rules are
+`HotPools`'s docstring; the measurements behind each are in
+docs/decisions/2026-12-02-online-hot-pools.md.
 """
 
 from __future__ import annotations
@@ -151,7 +82,27 @@ def split(demand: Mapping[str, float], instances: int, floor: Mapping[str, int] 
 
 
 class HotPools:
-    """The router's hot-pool controller: which model each instance keeps resident."""
+    """The router's hot-pool controller: which model each instance keeps resident.
+
+    Demand: E_m = alpha L_m + (1 - alpha) lambda_m W expected live sessions of model m over
+    the next W (L_m live now, alpha the share of them still live averaged over the window from
+    the measured session durations, lambda_m m's session start rate), times its mean work per
+    call, work(call) = (prompt - cached) x prefill s/token + output x decode step time, at the
+    rates its engines report. Share: s_m = min(N x demand share, L_m), known to one standard
+    error sigma_m = N sqrt(p_m (1 - p_m) / K) over K live sessions.
+
+    - Every instance hot (the swap rule): one instance moves from the most over-provisioned d
+      to the most under-provisioned r (x_m = s_m - count_m) when x_r - x_d - 1 > z
+      sqrt(sigma_r^2 + sigma_d^2) and (clip(x_r) - clip(1 + x_d)) x W > switch_s(r) + the
+      context d's live sessions on the donor recompute elsewhere.
+    - A cold pool beside hot pools (the hot+cold rule): a cold instance turns hot for r when
+      s_r - z sigma_r >= count_r + 1, its work over W outweighs its cost and the cold
+      instances left still carry the other models (`_cold_pool_carries`); a hot instance
+      turns cold when s_d + z sigma_d < count_d.
+
+    W is the mean measured session duration; at most one decision per W / N; never below a
+    model's floor (one instance, or the operator's `--hot`), never a fixed instance.
+    """
 
     def __init__(self, pins: Mapping[str, str | None] | None = None, floor: Mapping[str, int] | None = None,
                  z: float = 1.0, models: Sequence[str] = (), min_window_s: float = 1.0) -> None:

@@ -3,23 +3,13 @@
     python -m talaria.sim.experiments fixed-replay|router|tau-sweep|scale|matrix|all|report \
         [--json PATH] [--out results/] [--quick] [--no-report] [--workers N] [--cells SUBSTR,...]
 
-`matrix` (talaria/sim/matrix.py) runs every policy on the generated workload grid and
-writes matrix.json, matrix.md (the win table) and matrix_heatmap.png; `all` leaves it out
-(run it on its own).
-
-Every simulated instance is the instance agent's own core (`AgentCore` and its
-RoundScheduler) on the simulator's executor (executor.py).
-
-Each writes its entry of `<out>/sim_report.json`, keyed by experiment (one entry per
-configuration/policy with sct_p50, sct_p95, ttft_p50, ttft_p95 in seconds, `oracle`, counters
-such as avoidable_cold_opens; the matrix keeps its own matrix.json), and then the Markdown
-report with plots (talaria/sim/report.py) from every experiment in `<out>` (`--no-report` skips
-it; `report` only rewrites it).
-Routing policies come from the router's registry by name; a policy the registry does not
-have yet is skipped and listed under "skipped". `router` and `scale` run the faithful peers
-(round-robin included) deployed as they are deployed (`deployed`, deployment.py) and talaria
-with its own machinery; `router` adds the model-blind routers of the earlier tables as
-"(transplanted)" rows, `scale` the talaria-forecast-pools ablation.
+Every simulated instance is the instance agent's own core (`AgentCore`, its RoundScheduler)
+on the simulator's executor. Each experiment writes its entry of `<out>/sim_report.json`
+(per configuration: SCT and TTFT p50/p95, `oracle`, counters), then the Markdown report with
+plots (talaria/sim/report.py; `--no-report` skips it, `report` only rewrites it). `matrix`
+(talaria/sim/matrix.py) keeps its own matrix.json, matrix.md and heatmap; `all` leaves it out.
+`router` and `scale` run the peers deployed as they are deployed (deployment.py) and talaria
+with its own machinery; a policy the registry lacks is skipped and listed.
 """
 
 from __future__ import annotations
@@ -59,8 +49,8 @@ ROUTER_POLICIES = (*PEERS, "talaria", *(f"{p} (transplanted)" for p in TRANSPLAN
 # The configuration (services/configs.py) of each label that is not itself a configuration's name.
 CONFIG_OF = {f"{p} (transplanted)": p for p in TRANSPLANTED}
 # Scale: the transplanted extras are left out (least-pressure and kv-cost took 530 s and a
-# 300 s cap per run; their last numbers are in git history of results/scale.json, now
-# results/sim_report.json's `scale`).
+# 300 s cap per run; their last numbers are in the git history of the scale results, now
+# the `scale` entry of results/sim_report.json).
 # talaria-forecast-pools: talaria given the peers' forecast pool split (the hot-pool ablation).
 SCALE_POLICIES = (*PEERS, "talaria", FORECAST_POOLS)
 TAUS = (0.0, 0.5, 1.0, 2.0, 5.0)
@@ -376,7 +366,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="wall-clock cap per scale policy run (reported as capped)")
     parser.add_argument("--scale-policies", default=None,
                         help="comma-separated subset of the scale policies; merged into an existing "
-                             "scale.json of the same workload")
+                             "scale entry of the same workload")
     parser.add_argument("--no-report", action="store_true")
     parser.add_argument("--workers", type=int, default=2, help="matrix: parallel processes (default 2)")
     parser.add_argument("--cells", default=None, help="matrix: only cells whose name contains one of these")

@@ -3,28 +3,9 @@
 Source: ai-dynamo/dynamo, `lib/kv-router/src/scheduling/selector.rs`
 (`DefaultWorkerSelector::select_worker`), the router's own request tracking
 (`lib/llm/src/kv_router/sequence.rs`, ActiveSequences) and `docs/router/kv_cache_routing.md`,
-read through the search tools. Defaults: kv-overlap-score-weight 1.0, router-temperature 0
-(argmin, ties broken at random), KV events on (the engine's own cache state, no TTL guess),
-tiered overlap weights device 1.0 / host 0.75 / disk 0.25 (KVBM).
-
-    cached(w)          = device blocks + 0.75 * host blocks of the request's prefix on w
-    prefill_tokens(w)  = w's pending prefill tokens + request tokens - cached(w) * block
-    decode_blocks(w)   = distinct blocks of w's in-flight requests + the request's blocks not
-                         among them (deduplicated by block hash, as ActiveSequences counts
-                         `active_blocks` = its unique_blocks and `new_blocks` = the request's
-                         hashes not in unique_blocks: `lib/llm/src/kv_router/sequence.rs`,
-                         potential_blocks_and_tokens)
-    logit(w)           = overlap_weight * prefill_tokens(w) / block + decode_blocks(w)
-    choose argmin logit; ties: uniformly at random
-
-Pending prefill: the engine's queued prefill (queued_prefill_s x its measured prefill
-rate, i.e. the uncached tokens of what waits there) plus what was routed since the
-snapshot. In-flight blocks: the prompts of the calls the router sent there and has not
-seen finish (retained KV of idle sessions is not load, as in ActiveSequences): calls that
-share a prefix (a model's system prompt) count its blocks once. The router's own record of
-the hashes it routed (`_routed`, lost on a restart as ActiveSequences is) dedups them; a
-prompt's blocks past the hashes it carries, or a call routed before a restart, count in full.
-No session affinity, no leases, blind to model residency. The disk tier does not exist here.
+read through the search tools. Its cost (`DynamoKv`'s docstring): the prefill tokens a worker
+would compute, weighted, plus its in-flight blocks deduplicated by block hash; argmin.
+No session affinity, no leases, blind to model residency.
 """
 
 from __future__ import annotations
@@ -43,6 +24,30 @@ HOST_HIT_WEIGHT = 0.75
 
 @register
 class DynamoKv(PlacementPolicy):
+    """Defaults: kv-overlap-score-weight 1.0, router-temperature 0
+    (argmin, ties broken at random), KV events on (the engine's own cache state, no TTL guess),
+    tiered overlap weights device 1.0 / host 0.75 / disk 0.25 (KVBM).
+
+        cached(w)          = device blocks + 0.75 * host blocks of the request's prefix on w
+        prefill_tokens(w)  = w's pending prefill tokens + request tokens - cached(w) * block
+        decode_blocks(w)   = distinct blocks of w's in-flight requests + the request's blocks not
+                             among them (deduplicated by block hash, as ActiveSequences counts
+                             `active_blocks` = its unique_blocks and `new_blocks` = the request's
+                             hashes not in unique_blocks: `lib/llm/src/kv_router/sequence.rs`,
+                             potential_blocks_and_tokens)
+        logit(w)           = overlap_weight * prefill_tokens(w) / block + decode_blocks(w)
+        choose argmin logit; ties: uniformly at random
+
+    Pending prefill: the engine's queued prefill (queued_prefill_s x its measured prefill
+    rate, i.e. the uncached tokens of what waits there) plus what was routed since the
+    snapshot. In-flight blocks: the prompts of the calls the router sent there and has not
+    seen finish (retained KV of idle sessions is not load, as in ActiveSequences): calls that
+    share a prefix (a model's system prompt) count its blocks once. The router's own record of
+    the hashes it routed (`_routed`, lost on a restart as ActiveSequences is) dedups them; a
+    prompt's blocks past the hashes it carries, or a call routed before a restart, count in full.
+    No session affinity, no leases, blind to model residency. The disk tier does not exist here.
+    """
+
     name = "dynamo-kv"
 
     def __init__(self, config=None) -> None:

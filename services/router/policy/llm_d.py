@@ -6,27 +6,8 @@ weight 3, queue-scorer weight 2, kv-cache-utilization-scorer weight 2, max-score
 scorers themselves are the Gateway API Inference Extension's
 (kubernetes-sigs/gateway-api-inference-extension, `pkg/epp/scheduling/framework/plugins/
 scorer/{queue,kvcache_utilization,lora_affinity}.go`, `.../plugins/multi/prefix/plugin.go`),
-read through the search tools.
-
-    prefix(w)   = blocks of the request's first 256 the scorer's LRU index places on w
-                  / min(request blocks, 256)
-    queue(w)    = (max_q - q_w) / (max_q - min_q) over the candidates (1 when all equal)
-    kv(w)       = 1 - KV cache utilisation of w
-    score(w)    = 3 prefix + 2 queue + 2 kv;  max-score picker, ties at random
-
-The prefix scorer hashes at most `maxPrefixBlocksToMatch` = 256 blocks (the GIE default,
-`prefix/plugin.go` defaultMaxPrefixBlocks, kept by every llm-d guide's EndpointPickerConfig)
-of the model server's block size (with the default autoTune, `GetBlockSize` reads the
-engine's reported CacheBlockSize: vLLM's 16 tokens), so past 4,096 tokens every instance holding a prompt's head scores 1: the scorer
-cannot tell a session's own instance from one that holds only the shared system prompt.
-Its index is the approximate one built from routed prompts (the "cache_tracking" mode),
-state.prefix, cut to that horizon. Blind to sessions; no leases.
-
-`llm-d-affinity` (a labelled variant, not the shipped default) adds the lora-affinity scorer
-with the base model in the adapter's place, weight 1 [asm]: 1.0 model active on w, 0.8 a free
-slot to load it (w idle), 0.6 already loading it, else 0; it only matters where instances
-load models on demand (serverless cells). The inference-scheduling guide's profile has no
-such scorer.
+read through the search tools. The scores are `LlmD`'s docstring; `llm-d-affinity` is a
+labelled variant (`LlmDAffinity`), not the shipped default.
 """
 
 from __future__ import annotations
@@ -68,6 +49,29 @@ def horizon_prefix(state: RouterState, call: CallSubmitted) -> tuple[dict[str, i
 
 @register
 class LlmD(PlacementPolicy):
+    """The shipped default profile's scores:
+
+        prefix(w)   = blocks of the request's first 256 the scorer's LRU index places on w
+                      / min(request blocks, 256)
+        queue(w)    = (max_q - q_w) / (max_q - min_q) over the candidates (1 when all equal)
+        kv(w)       = 1 - KV cache utilisation of w
+        score(w)    = 3 prefix + 2 queue + 2 kv;  max-score picker, ties at random
+
+    The prefix scorer hashes at most `maxPrefixBlocksToMatch` = 256 blocks (the GIE default,
+    `prefix/plugin.go` defaultMaxPrefixBlocks, kept by every llm-d guide's EndpointPickerConfig)
+    of the model server's block size (with the default autoTune, `GetBlockSize` reads the
+    engine's reported CacheBlockSize: vLLM's 16 tokens), so past 4,096 tokens every instance holding a prompt's head scores 1: the scorer
+    cannot tell a session's own instance from one that holds only the shared system prompt.
+    Its index is the approximate one built from routed prompts (the "cache_tracking" mode),
+    state.prefix, cut to that horizon. Blind to sessions; no leases.
+
+    `llm-d-affinity` (a labelled variant, not the shipped default) adds the lora-affinity scorer
+    with the base model in the adapter's place, weight 1 [asm]: 1.0 model active on w, 0.8 a free
+    slot to load it (w idle), 0.6 already loading it, else 0; it only matters where instances
+    load models on demand (serverless cells). The inference-scheduling guide's profile has no
+    such scorer.
+    """
+
     name = "llm-d"
     model_weight = 0.0  # the shipped profile has no model-affinity scorer
 

@@ -17,12 +17,8 @@ NOT_YET_TRIMMED = {
     "services/instance_agent/engine/torch_engine.py",
     "services/instance_agent/memory/hkvr_core.py",
     "services/router/costs.py",
-    "services/router/hot_pools.py",
-    "services/router/policy/dynamo_kv.py",
-    "services/router/policy/llm_d.py",
     "talaria/sim/cluster.py",
     "talaria/sim/executor.py",
-    "talaria/sim/experiments.py",
     "talaria/sim/matrix.py",
     "talaria/sim/profiles.py",
 }
