@@ -130,7 +130,8 @@ def _build() -> dict[str, Configuration]:
                       router=ours, scheduler=_scheduler(), pools="hot-cold"),
     ]
     # each paper ablation (shared/ablations.py): talaria with some instance mechanisms off
-    table += [Configuration(f"talaria-{a}", f"talaria with the {a} mechanisms (shared/ablations.py)", router=ours,
+    table += [Configuration(f"talaria-{a}", f"talaria with the {a} mechanisms (shared/ablations.py)",
+                            router=replace(ours, migrate=ABLATIONS[a]["migrate"]),  # the router prices it
                             scheduler=_scheduler(a)) for a in ABLATIONS if a != "talaria"]
     table += [Configuration(p, f"{p} as it is deployed (router/policy/, deployment.py)", policy=p,
                             scheduler=_scheduler(), pools="per-model") for p in PEERS]

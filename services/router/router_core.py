@@ -166,6 +166,7 @@ class RouterCore:
                     lease=decision.lease_outcome,
                     kv_output_tokens=self.state.outputs.kv_tokens(call.session_id, call.model, call.max_tokens),
                     fence=self.partitioning.fence(call.session_id),
+                    kv_from=next((c.kv_from for c in decision.candidates if c.instance_id == decision.chosen), ""),
                 )
             )
         else:

@@ -26,6 +26,9 @@ class SchedulerConfig:
     # Resumable switches only: a switched-out model's running calls keep their KV on device
     # while HBM has room (memory/parked_kv.py); off: it is offloaded and restored on reopen.
     park_kv: bool = True
+    # A return routed away from its KV pulls the pages from the instance holding them when the
+    # router priced that cheaper than recompute (issue 40); off: it recomputes, as before.
+    migrate: bool = True
     # Switch away from a model only once its running calls have finished (Dfin drains them).
     # The torch engine refuses `switch_to` while calls run, so this is the default; False is
     # the paper's resumable mode (running calls decode on in the model's next slot), which
