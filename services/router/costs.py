@@ -327,7 +327,8 @@ class CostModel:
             place = snap.running * (decode if running_s is None else running_s) \
                 if first_call else 0.0
             place += later * stretch + join  # the session keeps paying this rotation here
-            if kv_state == "recompute" and known > 0:  # a move: r's KV is elsewhere, or lost
+            if kv_state in ("recompute", "migrated") and known > 0:  # a move: r's KV is elsewhere, or lost
+                # (a pull too: its pages are restored inside r's prefill, which others' steps share)
                 place += kv_s * state.homes.sessions_on(iid, call.session_id)
             # r's own KV is here: with kv_home_admits it waits here rather than recompute elsewhere
             home = cfg.kv_home_admits and own and kv_state in ("device", "host") and k_have > 0
