@@ -79,6 +79,7 @@ class CallRouted(Struct, frozen=True, tag="call.routed"):
     # The instance holding the session's KV pages, to pull the prefix from before prefill
     # (the router priced migration cheaper than recompute; issue 40). "": none.
     kv_from: str = ""
+    kv_from_address: str = ""  # its page server (host:port, its snapshot's page_address)
 
     def by_reference(self, submitted_seq: int) -> "CallRouted":
         """The stream's copy: the prompt ids stay in the CallSubmitted at `submitted_seq`."""

@@ -69,6 +69,7 @@ class InstanceSnapshot(Struct, frozen=True):
     # measured yet (the router's defaults price it).
     migrate_bytes_s: float = 0.0
     migrate_setup_s: float = -1.0
+    page_address: str = ""  # host:port of this agent's KV page server ("": it serves none)
     heartbeat_s: float = 0.5
     # Random per agent process: a new one means a restart, whose snapshots replace the old
     # view at once whatever their `version` (which restarts at 1).

@@ -108,6 +108,10 @@ class CallRunner:
                                  on_change=self.snapshot_on_change, deployment=self.deployment)
         self.steps = EngineSteps(self.core, self.thread, self.closer, nc, js, self.instance_id, log,
                                  publish_snapshot=self.publish_snapshot, deployment=self.deployment)
+        # KV migration (kv_migration.py): set by the service once the page server runs
+        self.migration = None
+        self.pulling: dict[str, asyncio.Future] = {}  # call id -> its pull, accepted when it ends
+        self._pulled: dict = {}  # call id -> what its pull brought, until it is accepted
         self.drops = CallDrops(self.core, self.closer, self.thread, watchdog, self.instance_id, self.incarnation,
                                settings.heartbeat_s, log, publish_snapshot=self.publish_snapshot)
 
@@ -145,7 +149,16 @@ class CallRunner:
         if routed.incarnation and routed.incarnation != self.incarnation:
             return (f"placed on a previous process of {self.instance_id}, which stopped before running it; "
                     "retry the call")
+        if call.call_id in self.pulling:
+            return None  # its pages are on the way: accepted once they are in
         kv_state, reusable = self._kv_for(call.session_id, call.model, call.prompt_tokens, call.prompt_ids)
+        migrated = pulled.pop(call.call_id, None) if (pulled := self._pulled) else None
+        if (migrated is None and routed.kv_from_address and self.migration is not None
+                and self.configuration.scheduler.migrate and kv_state == "none"):
+            # the router priced pulling the pages below recompute: pull, then accept
+            task = asyncio.ensure_future(self._pull_then_accept(routed, msg, headers))
+            self.pulling[call.call_id] = task
+            return None
         try:
             self.core.accept(call.call_id, call.session_id, call.model, call_index=routed.call_index,
                              prompt_tokens=call.prompt_tokens, max_tokens=call.max_tokens,
@@ -156,10 +169,28 @@ class CallRunner:
             return f"the instance cannot schedule this call: {exc}"
         span = self.tracer.start_span("execute", context=extract_context(headers or getattr(msg, "headers", None)),
                                       attributes=execute_attributes(call, self.instance_id))
-        self.core.calls[call.call_id].transport = CallTransport(routed, msg, span)
+        self.core.calls[call.call_id].transport = CallTransport(routed, msg, span, migrated=migrated)
         self.thread.arrived.set()
         self.wakeup.set()
         return None
+
+    async def _pull_then_accept(self, routed: CallRouted, msg, headers) -> None:
+        call_id = routed.call.call_id
+        try:
+            migrated = await self.migration.pull_into(routed)
+        except asyncio.CancelledError:  # cancelled with its call: accept records it so, and acks it
+            self.accept(msgspec.structs.replace(routed, kv_from_address=""), msg, headers)
+            return
+        except Exception as exc:  # the pull is an optimisation: the call recomputes
+            self.log.warning("kv pull failed", call_id=call_id, error=str(exc))
+            migrated = None
+        finally:
+            self.pulling.pop(call_id, None)
+        if migrated is not None and migrated.tokens:
+            self._pulled[call_id] = migrated
+        refused = self.accept(msgspec.structs.replace(routed, kv_from_address=""), msg, headers)
+        if refused is not None:
+            self.log.warning("call refused after its pull", call_id=call_id, reason=refused)
 
     def _kv_for(self, session_id: str, model: str, prompt_tokens: int, prompt_ids) -> tuple[str, int]:
         try:
@@ -175,6 +206,8 @@ class CallRunner:
         if known is not None and known.phase in (Phase.CLOSING, Phase.FINISHED):
             return  # its outcome is out (or going out)
         if known is None or known.phase is Phase.CANCELLED:
+            if call_id in self.pulling:  # cancelled while its pages were on the way
+                self.pulling.pop(call_id).cancel()
             self.core.cancel_early(call_id, reason, tenant)
             return
         if known.tenant != tenant:
@@ -253,7 +286,8 @@ class CallRunner:
         try:
             snap = msgspec.structs.replace(
                 build_snapshot(self.settings, self.models, self.engine, self.core, self.version, time.time(),
-                               unhealthy=self.drops.unhealthy, staging=self.configuration.scheduler.staging),
+                               unhealthy=self.drops.unhealthy, staging=self.configuration.scheduler.staging,
+                               migration=self.migration),
                 incarnation=self.incarnation)
             await self.nc.publish(self.deployment.telemetry(self.instance_id), encode(snap))
         except Exception as exc:  # a torn read of engine tables; the next beat retries

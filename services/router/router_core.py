@@ -155,6 +155,8 @@ class RouterCore:
         call_index = decision.call_index
         if decision.action == "route" and decision.chosen is not None:
             view = self.state.instances.get(decision.chosen)
+            kv_from = next((c.kv_from for c in decision.candidates if c.instance_id == decision.chosen), "")
+            holder = self.state.instances.get(kv_from) if kv_from else None
             events.append(
                 CallRouted(
                     incarnation=view.snapshot.incarnation if view is not None else "",
@@ -166,7 +168,7 @@ class RouterCore:
                     lease=decision.lease_outcome,
                     kv_output_tokens=self.state.outputs.kv_tokens(call.session_id, call.model, call.max_tokens),
                     fence=self.partitioning.fence(call.session_id),
-                    kv_from=next((c.kv_from for c in decision.candidates if c.instance_id == decision.chosen), ""),
+                    kv_from=kv_from, kv_from_address=holder.snapshot.page_address if holder is not None else "",
                 )
             )
         else:

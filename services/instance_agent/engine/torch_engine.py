@@ -105,7 +105,7 @@ class TorchEngine:
         self.staging = StagingExecutor(self.bump.buf, stage_chunk_bytes, self.device) if staging else None
         # switch_to refuses while calls run (EngineBusy); host KV and staging as configured.
         self.capabilities = Capabilities(switch_with_calls_running=False, host_kv=hkvr, d2d_staging=staging,
-                                         chunked_prefill=False)
+                                         chunked_prefill=False, kv_migration=hkvr)
         self.rank_fault: Callable[[RankReport], RankReport] | None = None  # test hook: a lagging/bad rank
         self.on_logits: Callable[[list[str], torch.Tensor], None] | None = None  # test/debug hook
 
@@ -328,6 +328,9 @@ class TorchEngine:
             self.staging.close()
 
     # -- KV migration (issue 40): the page server's and the puller's side ------------------
+
+    def kv_bytes_per_token(self, model: str) -> int:
+        return self.page_bytes(model) // self.page_size
 
     def kv_layout(self, model: str) -> LayoutDescriptor:
         """How one rank's slab of one of `model`'s KV pages is laid out here."""
