@@ -121,6 +121,7 @@ class HostKvRegistry:
         """Store pulled pages as the session's host prefix (published at once: the bytes are
         already here) and return the tokens now restorable; admission restores them as any
         host prefix. The caller checked each slab's size and digest."""
+        self.drain(model)  # pages a checkpoint of ours is still copying publish first (the prefix may share them)
         ps = template.page_size
         reports = [RankReport(r, len(hashes) * ps, tuple(hashes)) for r in range(self.ranks)]
         plan = self.core.plan_save(model, session_id, reports, template)
