@@ -10,7 +10,8 @@ import into the host registry, then the prefill restoring those pages. TTFT = ca
 to first token, the pull included. Loopback: the holder on 127.0.0.1. --netns also runs
 it across two network hosts of this machine (tests/multihost/hosts.py: network namespaces
 on a bridge, the holder's link shaped to 1 Gbit/s by `tc`; this kernel lacks sch_netem, so
-the 0.5 ms latency cannot be added and is not). Replaces the "TTFT" section of --out.
+the 0.5 ms latency cannot be added and is not). Replaces the "TTFT" section of --out
+and writes its plot beside it (.png).
 """
 
 from __future__ import annotations
@@ -107,17 +108,57 @@ def run_holder(n: int, data: Path, argv_prefix: list[str], host: str) -> tuple[s
     raise RuntimeError(f"the holder did not start (N={n})")
 
 
+def plot(rows: list[dict], path: Path) -> None:
+    """TTFT by context size, migrate vs recompute, one panel per link (log scale)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    links = list(dict.fromkeys(r["link"] for r in rows))
+    fig, axes = plt.subplots(1, len(links), figsize=(5 * len(links), 3.6), squeeze=False)
+    for ax, link in zip(axes[0], links):
+        mine = [r for r in rows if r["link"] == link]
+        xs = range(len(mine))
+        ax.bar([x - 0.2 for x in xs], [r["recompute"] for r in mine], 0.4, label="recompute")
+        ax.bar([x + 0.2 for x in xs], [r["migrate"] for r in mine], 0.4, label="migrate (pull included)")
+        for x, r in zip(xs, mine):
+            ax.annotate(f"{r['migrate'] / r['recompute']:.2f}x", (x + 0.2, r["migrate"]), ha="center", va="bottom")
+        ax.set_xticks(list(xs), [f"{r['n'] // 1024}K" for r in mine])
+        ax.set_yscale("log")
+        ax.set_title(link.split(" (")[0])
+        ax.set_xlabel("context tokens")
+        ax.set_ylabel("TTFT of the moved return (s)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parse_table(text: str) -> list[dict]:
+    """The rows of --out's TTFT table (to redraw the plot without rerunning)."""
+    rows = []
+    for line in text.partition(SECTION)[2].splitlines():
+        c = [x.strip().strip("*") for x in line.strip().strip("|").split("|")]
+        if len(c) == 7 and c[1].replace(",", "").isdigit():
+            rows.append({"link": c[0], "n": int(c[1].replace(",", "")), "recompute": float(c[2]),
+                         "migrate": float(c[3])})
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="4096,16384,65536")
     ap.add_argument("--netns", action="store_true", help="also across two network namespaces (root)")
     ap.add_argument("--out", type=Path, default=Path("results/migration.md"))
+    ap.add_argument("--replot", action="store_true", help="redraw the PNG from --out's table, run nothing")
     ap.add_argument("--holder", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     ap.add_argument("--data", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.holder:
         holder_main(args.holder, args.host, 0, args.data)
+        return 0
+    if args.replot:
+        plot(parse_table(args.out.read_text()), args.out.with_suffix(".png"))
         return 0
     torch.set_num_threads(1)
     try:
@@ -168,6 +209,7 @@ def main() -> int:
     head, _, rest = text.partition(SECTION)
     tail = rest[rest.find("\n## "):] if "\n## " in rest else ""
     args.out.write_text(head.rstrip() + "\n\n" + "\n".join(body) + tail)
+    plot(rows, args.out.with_suffix(".png"))
     return 0
 
 

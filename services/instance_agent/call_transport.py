@@ -29,3 +29,4 @@ class CallTransport:
     # The engine step that finished it released it: True, or the EngineError releasing it raised
     released: bool | EngineError = False
     migrated: object | None = None  # kv_migration.Migrated: its prefix pages pulled from another instance
+    pull: asyncio.Future | None = None  # the pull of those pages while it runs (cancelled with the call)

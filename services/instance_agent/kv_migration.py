@@ -38,7 +38,6 @@ class KvMigration:
         self.store, self.thread, self.log = store, thread, log  # the engine, as a PageStore
         self.server = PageServer(self._export, host, port)
         self.address = ""
-        self.pulls: dict[str, asyncio.Task] = {}  # call id -> its pull in flight
         self.link_bytes_s: float | None = None  # this agent's pulls, measured (EWMA)
         self.setup_s: float | None = None  # connect + the holder's layout answer (EWMA)
 
@@ -52,18 +51,10 @@ class KvMigration:
         return self.address
 
     async def close(self) -> None:
-        for task in self.pulls.values():
-            task.cancel()
         await self.server.close()
 
     async def _export(self, model: str, session_id: str, hashes: list[int], limit: int) -> list:
         return await self.thread.call(self.store.export_pages, model, session_id, hashes, limit)
-
-    def cancel(self, call_id: str) -> bool:
-        task = self.pulls.pop(call_id, None)
-        if task is not None:
-            task.cancel()
-        return task is not None
 
     async def pull_into(self, routed: CallRouted) -> Migrated:
         """Pull the routed call's prefix pages from `routed.kv_from_address` into the host registry."""

@@ -110,8 +110,6 @@ class CallRunner:
                                  publish_snapshot=self.publish_snapshot, deployment=self.deployment)
         # KV migration (kv_migration.py): set by the service once the page server runs
         self.migration = None
-        self.pulling: dict[str, asyncio.Future] = {}  # call id -> its pull, accepted when it ends
-        self._pulled: dict = {}  # call id -> what its pull brought, until it is accepted
         self.drops = CallDrops(self.core, self.closer, self.thread, watchdog, self.instance_id, self.incarnation,
                                settings.heartbeat_s, log, publish_snapshot=self.publish_snapshot)
 
@@ -123,7 +121,7 @@ class CallRunner:
 
     # ---- intake ------------------------------------------------------------------------
 
-    def accept(self, routed: CallRouted, msg, headers=None) -> str | None:
+    def accept(self, routed: CallRouted, msg, headers=None, migrated=None, span=None) -> str | None:
         """Queue a routed call; returns why it was refused, or None when accepted. `msg` is
         its JetStream message, or None for the router's core-NATS fast copy (`headers` its
         trace context); the call starts from whichever comes first."""
@@ -149,15 +147,17 @@ class CallRunner:
         if routed.incarnation and routed.incarnation != self.incarnation:
             return (f"placed on a previous process of {self.instance_id}, which stopped before running it; "
                     "retry the call")
-        if call.call_id in self.pulling:
-            return None  # its pages are on the way: accepted once they are in
         kv_state, reusable = self._kv_for(call.session_id, call.model, call.prompt_tokens, call.prompt_ids)
-        migrated = pulled.pop(call.call_id, None) if (pulled := self._pulled) else None
-        if (migrated is None and routed.kv_from_address and self.migration is not None
-                and self.configuration.scheduler.migrate and kv_state == "none"):
-            # the router priced pulling the pages below recompute: pull, then accept
-            task = asyncio.ensure_future(self._pull_then_accept(routed, msg, headers))
-            self.pulling[call.call_id] = task
+        if (routed.kv_from_address and self.migration is not None and self.configuration.scheduler.migrate
+                and kv_state == "none"):
+            # The router priced pulling the pages below recompute: pull, then accept. Until
+            # then the call is recorded (a copy arriving meanwhile is kept out, a cancel ends the pull).
+            transport = CallTransport(routed, msg, self.tracer.start_span(
+                "execute", context=extract_context(headers or getattr(msg, "headers", None)),
+                attributes=execute_attributes(call, self.instance_id)))
+            self.core.record(call.call_id, call.session_id, call.model, call_index=routed.call_index,
+                             submitted_at=call.submitted_at, tenant=call.tenant, transport=transport)
+            transport.pull = asyncio.ensure_future(self._pull_then_accept(routed, transport))
             return None
         try:
             self.core.accept(call.call_id, call.session_id, call.model, call_index=routed.call_index,
@@ -167,28 +167,31 @@ class CallRunner:
         except SchedulerError as exc:
             self.log.warning("scheduler refused call", call_id=call.call_id, error=str(exc))
             return f"the instance cannot schedule this call: {exc}"
-        span = self.tracer.start_span("execute", context=extract_context(headers or getattr(msg, "headers", None)),
-                                      attributes=execute_attributes(call, self.instance_id))
+        span = span or self.tracer.start_span("execute", context=extract_context(headers or getattr(msg, "headers", None)),
+                                              attributes=execute_attributes(call, self.instance_id))
         self.core.calls[call.call_id].transport = CallTransport(routed, msg, span, migrated=migrated)
+        if migrated is not None:
+            span.set_attribute("talaria.kv_pulled_tokens", migrated.tokens)
         self.thread.arrived.set()
         self.wakeup.set()
         return None
 
-    async def _pull_then_accept(self, routed: CallRouted, msg, headers) -> None:
+    async def _pull_then_accept(self, routed: CallRouted, transport: CallTransport) -> None:
         call_id = routed.call.call_id
         try:
             migrated = await self.migration.pull_into(routed)
-        except asyncio.CancelledError:  # cancelled with its call: accept records it so, and acks it
-            self.accept(msgspec.structs.replace(routed, kv_from_address=""), msg, headers)
-            return
+        except asyncio.CancelledError:
+            return  # cancelled with its call (cancel() closed it)
         except Exception as exc:  # the pull is an optimisation: the call recomputes
             self.log.warning("kv pull failed", call_id=call_id, error=str(exc))
             migrated = None
-        finally:
-            self.pulling.pop(call_id, None)
-        if migrated is not None and migrated.tokens:
-            self._pulled[call_id] = migrated
-        refused = self.accept(msgspec.structs.replace(routed, kv_from_address=""), msg, headers)
+        known = self.core.calls.get(call_id)
+        if known is None or known.transport is not transport or known.phase is not Phase.QUEUED:
+            return  # it ended meanwhile (cancelled, or dropped)
+        self.core.forget(call_id)  # the record stood in for it during the pull; now it is scheduled
+        refused = self.accept(msgspec.structs.replace(routed, kv_from_address=""), transport.msg,
+                              migrated=migrated if migrated is not None and migrated.tokens else None,
+                              span=transport.span)
         if refused is not None:
             self.log.warning("call refused after its pull", call_id=call_id, reason=refused)
 
@@ -206,8 +209,6 @@ class CallRunner:
         if known is not None and known.phase in (Phase.CLOSING, Phase.FINISHED):
             return  # its outcome is out (or going out)
         if known is None or known.phase is Phase.CANCELLED:
-            if call_id in self.pulling:  # cancelled while its pages were on the way
-                self.pulling.pop(call_id).cancel()
             self.core.cancel_early(call_id, reason, tenant)
             return
         if known.tenant != tenant:
@@ -225,6 +226,8 @@ class CallRunner:
         call = self.core.live_call(call_id)
         if call is None:
             return
+        if call.transport.pull is not None:  # its pages were on the way: stop the transfer
+            call.transport.pull.cancel()
         if call.transport.in_engine:  # after any step in flight: the engine thread runs one thing at a time
             await self.thread.release(call.transport.seq)
             call.transport.in_engine = False
