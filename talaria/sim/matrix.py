@@ -34,8 +34,9 @@ where the models fit the instances, serverless on-demand loading where they do n
 and that its router resizes online from measured demand, services/router/hot_pools.py, never
 the peers' forecast; its cold pool elsewhere) and `talaria-paper` (the same policy under the paper's rules: Eq. 1 ranking
 only, the paper's admission, fixed tau, reject on overload); with `--ablations` also
-talaria without leases, without its instance mechanisms, and with the peers' forecast
-pools in place of its online ones (talaria-forecast-pools). Runs go to a process pool
+talaria without leases, without its instance mechanisms, without KV migration
+(talaria-no-migrate), and with the peers' forecast pools in place of its online ones
+(talaria-forecast-pools). Each run keeps its `kv_sources` (migrated beside recompute). Runs go to a process pool
 (2 workers by default: this machine's cores).
 """
 
@@ -82,7 +83,9 @@ HOT_COLD = "talaria-hot-cold"
 # Talaria's online pools started from the deployment the peers are given (deployment.pool_split
 # of the cell's demand: the operator's configuration) instead of an even split: measured.
 SPLIT_START = "talaria-split-start"
-ABLATIONS = (PAPER, NO_LEASE, ROUND_ONLY, FORECAST_POOLS)
+# KV migration off (shared/ablations.py `no-migrate`): a moved return recomputes (issue 40)
+NO_MIGRATE = "talaria-no-migrate"
+ABLATIONS = (PAPER, NO_LEASE, ROUND_ONLY, FORECAST_POOLS, NO_MIGRATE)
 POLICIES = (*BASELINES, OURS, PAPER)  # `--ablations` adds the other two (run time: results/README.md)
 BASE_LOADS = (0.3, 0.6, 0.8, 1.0, 1.2)
 VARIANT_LOADS = (0.6, 1.0)
@@ -290,6 +293,7 @@ def run_one(cell: Cell, policy: str, peer_split: str = "exact") -> dict:
     result = simulate(sessions, cfg)
     s = summarise(result)
     out = {k: s[k] for k in KEEP}
+    out["kv_sources"] = s["kv_sources"]  # migrations beside recomputes (and device / host hits)
     out["run_s"] = time.perf_counter() - started
     out["shape"] = shape
     hot = [m for m in pinned if m]
