@@ -164,6 +164,8 @@ class CallCloser:
             return
         transport = call.transport
         transport.released = False
+        if transport.pull is not None and transport.pull is not asyncio.current_task():
+            transport.pull.cancel()  # its pages were on the way (kv_migration.py): the transfer stops with it
         if transport.in_engine:
             self.thread.release_soon(transport.seq)
             transport.in_engine = False

@@ -192,8 +192,11 @@ class CallRunner:
         refused = self.accept(msgspec.structs.replace(routed, kv_from_address=""), transport.msg,
                               migrated=migrated if migrated is not None and migrated.tokens else None,
                               span=transport.span)
-        if refused is not None:
-            self.log.warning("call refused after its pull", call_id=call_id, reason=refused)
+        if refused is not None:  # answered as a refusal on arrival would have been
+            call = routed.call
+            self.core.record(call_id, call.session_id, call.model, call_index=routed.call_index,
+                             submitted_at=call.submitted_at, tenant=call.tenant, transport=transport)
+            await self.closer.fail(call_id, refused, status=503, code="not_served")
 
     def _kv_for(self, session_id: str, model: str, prompt_tokens: int, prompt_ids) -> tuple[str, int]:
         try:
@@ -226,8 +229,6 @@ class CallRunner:
         call = self.core.live_call(call_id)
         if call is None:
             return
-        if call.transport.pull is not None:  # its pages were on the way: stop the transfer
-            call.transport.pull.cancel()
         if call.transport.in_engine:  # after any step in flight: the engine thread runs one thing at a time
             await self.thread.release(call.transport.seq)
             call.transport.in_engine = False
