@@ -106,7 +106,7 @@ from talaria.services.router.state import RouterState, SessionEntry
 from talaria.shared.events import CallSubmitted, CandidateCost, LeaseIssued
 
 GIB = float(1 << 30)
-HARD_REASONS = frozenset({"stale", "unhealthy", "model_not_served", "hot_pool_pinned", "hbm"})
+HARD_REASONS = frozenset({"stale", "unhealthy", "draining", "model_not_served", "hot_pool_pinned", "hbm"})
 
 
 class Priced(NamedTuple):
@@ -254,6 +254,9 @@ class CostModel:
                 continue
             if not snap.healthy:  # its watchdog sees a stuck engine step
                 out.append(_infeasible(iid, "unhealthy", view))
+                continue
+            if iid in state.draining:  # an operator takes it out of service (`talaria drain`)
+                out.append(_infeasible(iid, "draining", view))
                 continue
             st = view.memo.get(model)
             if st is None or st.key != version:

@@ -18,6 +18,7 @@ from talaria.services.router.leases import settlement
 from talaria.services.router.ownership import Partitioning
 from talaria.services.router.policy.base import PlacementPolicy
 from talaria.services.router.state import RouterState, SnapshotReceived
+from talaria.shared.messages import DrainStatus
 from talaria.shared.events import (CallFailed, CallRouted, CallSubmitted, Event, InstanceLost, LeaseConsumed,
                                    LeaseDiscarded, LeaseExpired, LeaseIssued, PoolPinned)
 from talaria.shared.snapshots import InstanceSnapshot
@@ -100,6 +101,19 @@ class RouterCore:
                                   at=now, status=503, instance_id=instance_id, call_index=p.call_index,
                                   reply_to=p.reply_to))
         return out
+
+    def drain(self, instance_id: str) -> DrainStatus:
+        """`talaria drain`: no call is placed on the instance from now on (costs.py prices it
+        "draining"); drained once nothing runs, is queued or was placed there. Its sessions'
+        returns land elsewhere and pull their pages from it (issue 40) while it still runs."""
+        view = self.state.instances.get(instance_id)
+        if view is None:
+            known = ", ".join(sorted(self.state.instances)) or "none"
+            return DrainStatus(instance_id, error=f"no instance {instance_id!r} is known to this router (known: {known})")
+        self.state.draining.add(instance_id)
+        snap = view.snapshot
+        calls = max(snap.running + sum(snap.queued.values()), len(view.inflight))
+        return DrainStatus(instance_id, drained=calls == 0, calls=calls)
 
     def fold_peer(self, event: Event, now: float) -> list[Event]:
         """Another router's output (read from the stream): fold it in. Its InstanceLost also

@@ -1,0 +1,32 @@
+"""`talaria drain` in the router core (services/router/router_core.py, costs.py): a draining
+instance is never chosen, and it is drained once nothing runs, waits or was placed there."""
+
+from __future__ import annotations
+
+import msgspec
+from router_support import call, core, one, snap
+
+from talaria.services.router.state import SnapshotReceived
+from talaria.shared.events import CallRouted
+
+
+def test_a_draining_instance_takes_no_call_and_is_drained_once_its_calls_end():
+    r = core()
+    r.handle(SnapshotReceived(snap("a"), 0.0), 0.0)
+    r.handle(SnapshotReceived(snap("b", queued={"m1": 1}, running=2), 0.0), 0.0)
+    assert r.drain("b") == msgspec.structs.replace(r.drain("b"), drained=False, calls=3)
+    for k in range(3):  # b would be free otherwise: every call goes to a
+        assert one(r.handle(call(f"c{k}", session=f"s{k}"), 0.1), CallRouted).instance_id == "a"
+    r.handle(SnapshotReceived(snap("b", version=2), 0.2), 0.2)
+    assert r.drain("b").drained and r.drain("b").calls == 0
+    r.handle(SnapshotReceived(snap("a", version=2, running=9, queued={"m1": 9}), 0.3), 0.3)
+    routed = r.handle(call("c9", session="s9"), 0.3)
+    assert not any(isinstance(e, CallRouted) and e.instance_id == "b" for e in routed)
+
+
+def test_an_unknown_instance_is_refused_naming_the_known_ones():
+    r = core()
+    r.handle(SnapshotReceived(snap("a"), 0.0), 0.0)
+    status = r.drain("nope")
+    assert not status.drained and status.error == "no instance 'nope' is known to this router (known: a)"
+    assert r.state.draining == set()
