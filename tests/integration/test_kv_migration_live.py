@@ -2,7 +2,8 @@
 whose holder is repinned to another model returns on the other agent, which pulls the
 session's pages from the holder's page server (CallRouted.kv_from) and answers the same
 greedy text as a session that stayed, recorded kv_source = migrated with its bytes in
-Postgres. With the holder gone the return still completes, by recompute, with that text."""
+Postgres. With the holder gone the return still completes, by recompute, with that text.
+`talaria drain` (the admin user's request to the routers) moves a session the same way."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from talaria.services.instance_agent import agent_service
 from talaria.shared.bus import event_subject, publish_event
 from talaria.shared.events import PoolPinned
 from talaria.shared.health import wait_for_router
-from talaria.shared.messages import REPLY_DECODER, CallRequest, CallResult
+from talaria.drain import drain
+from talaria.shared.messages import DRAIN_STATUS_DECODER, REPLY_DECODER, CallRequest, CallResult, DrainRequest
 from talaria.shared.nats_auth import owner_sender
 from talaria.shared.settings import Settings
 from talaria.shared.snapshots import SNAPSHOT_DECODER
@@ -100,3 +102,42 @@ async def test_a_moved_return_migrates_its_pages_and_answers_as_if_it_stayed(nat
 
 async def _pinned(snap) -> bool:
     return snap is not None and snap.pinned_model == "gpt2-tiny"
+
+
+async def test_a_drained_instance_takes_no_return_its_sessions_migrate_and_drain_returns_0(
+        nats_url, database_url, tmp_path):
+    settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="talaria",
+                           http_port=free_port(), session_idle_s=3600, call_timeout_s=60, models=MODELS)
+    services = Services()
+    nc = await nats.connect(nats_url)
+
+    async def call(call_id, session, prompt):
+        req = CallRequest(model="qwen3-tiny", prompt=prompt, session_id=session, call_id=call_id, max_tokens=8)
+        reply = REPLY_DECODER.decode((await nc.request(DEP.api_call, encode(req), timeout=60)).data)
+        assert isinstance(reply, CallResult), reply
+        return reply
+
+    try:
+        await services.start_control_plane(settings)
+        await services.start("agent-0", agent_service.run, settings.with_(instance_id="agent-0"))
+        await wait_for_router(nc, instances=1)
+        first = await call("d-1", "drained", FIRST)
+        await call("k-1", "kept", FIRST)
+        follow = FIRST + first.text + " Tool output: 3 passed, 1 failed. Next step:"
+        stayed = await call("k-2", "kept", follow)
+        await services.start("agent-1", agent_service.run, settings.with_(instance_id="agent-1"))
+        await wait_for_router(nc, instances=2)
+        # Only the admin user may drain: a request that does not come from it is refused.
+        plain = await nc.request(DEP.admin_drain, encode(DrainRequest("agent-0")), timeout=10)
+        assert DRAIN_STATUS_DECODER.decode(plain.data).error == "drain refused: not sent by the admin user"
+        assert await drain(nats_url, "agent-9", timeout_s=5) == (2, "no instance 'agent-9' is known to this "
+                                                                     "router (known: agent-0, agent-1)")
+        status, line = await drain(nats_url, "agent-0", timeout_s=30)
+        assert status == 0 and "agent-0 drained" in line
+        moved = await call("d-2", "drained", follow)  # its session's context follows it
+        assert moved.instance_id == "agent-1" and moved.kv_source == "migrated" and moved.text == stayed.text
+        fresh = await call("n-1", "new", FIRST)  # and no new session lands there
+        assert fresh.instance_id == "agent-1"
+    finally:
+        await nc.close()
+        await services.close()

@@ -4,10 +4,10 @@ instance is never chosen, and it is drained once nothing runs, waits or was plac
 from __future__ import annotations
 
 import msgspec
-from router_support import call, core, one, snap
+from router_support import call, core, done, one, snap
 
 from talaria.services.router.state import SnapshotReceived
-from talaria.shared.events import CallRouted
+from talaria.shared.events import CallRouted, RoutingDecision
 
 
 def test_a_draining_instance_takes_no_call_and_is_drained_once_its_calls_end():
@@ -30,3 +30,17 @@ def test_an_unknown_instance_is_refused_naming_the_known_ones():
     status = r.drain("nope")
     assert not status.drained and status.error == "no instance 'nope' is known to this router (known: a)"
     assert r.state.draining == set()
+
+
+def test_a_session_leased_to_a_draining_instance_returns_elsewhere_its_lease_discarded():
+    r = core(lease_timeout_s=60.0)
+    r.handle(SnapshotReceived(snap("b"), 0.0), 0.0)
+    assert one(r.handle(call("c0"), 0.1), CallRouted).instance_id == "b"
+    r.handle(done("c0", "b", at=1.0), 1.0)
+    assert r.state.sessions["s1"].lease is not None  # its return is reserved on b
+    r.handle(SnapshotReceived(snap("a"), 1.1), 1.1)
+    r.drain("b")
+    events = r.handle(call("c1"), 1.2)
+    decision = one(events, RoutingDecision)
+    assert one(events, CallRouted).instance_id == "a"
+    assert (decision.lease_outcome, decision.discard_reason) == ("discarded", "draining")
