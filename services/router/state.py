@@ -271,6 +271,7 @@ class RouterState:
         old = self.instances.get(snapshot.instance_id)
         if old is not None and old.snapshot.incarnation != snapshot.incarnation:
             old = None  # a new process: its view starts afresh whatever the versions say
+            self.draining.discard(snapshot.instance_id)  # drained, then restarted: back in service
         if old is not None and snapshot.version < old.snapshot.version:
             return  # out-of-order heartbeat
         if snapshot.active_model:  # the rates it reports are its active model's

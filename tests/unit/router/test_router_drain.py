@@ -44,3 +44,14 @@ def test_a_session_leased_to_a_draining_instance_returns_elsewhere_its_lease_dis
     decision = one(events, RoutingDecision)
     assert one(events, CallRouted).instance_id == "a"
     assert (decision.lease_outcome, decision.discard_reason) == ("discarded", "draining")
+
+
+def test_a_drained_instance_that_restarts_is_back_in_service():
+    r = core()
+    r.handle(SnapshotReceived(snap("b", incarnation="one"), 0.0), 0.0)
+    r.drain("b")
+    r.handle(SnapshotReceived(snap("b", incarnation="one", version=2), 0.1), 0.1)
+    assert r.state.draining == {"b"}  # the same process: still draining
+    r.handle(SnapshotReceived(snap("b", incarnation="two"), 0.2), 0.2)
+    assert r.state.draining == set()
+    assert one(r.handle(call("c0"), 0.3), CallRouted).instance_id == "b"
