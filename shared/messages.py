@@ -168,6 +168,7 @@ class DrainStatus(Struct, frozen=True):
     instance_id: str
     drained: bool = False  # nothing runs, is queued or was placed there
     calls: int = 0  # calls still running, queued or placed there
+    sessions: int = 0  # live sessions still homed there: their next call pulls their pages from it
     error: str = ""  # the request was refused (one line)
 
 

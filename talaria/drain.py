@@ -2,9 +2,9 @@
 
 The admin NATS user (stack.json's `nats_admin`) asks the routers (`<deployment>.admin.drain`,
 router_service.py); every router stops placing calls there at once, and the command asks
-again every `every_s` until a router says nothing runs, is queued or was placed there.
-The instance's sessions return elsewhere and pull their KV pages from it while it still
-runs (docs/migration.md); stop the agent after this returns 0.
+again every `every_s` until a router says nothing runs, is queued or was placed there and
+no live session (one expected back) still lives there: each returned elsewhere and pulled
+its KV pages from it (docs/migration.md). Stop the agent after this returns 0.
 """
 
 from __future__ import annotations
@@ -43,8 +43,10 @@ async def drain(nats_url: str, instance_id: str, *, timeout_s: float, every_s: f
                 if status.error:
                     return 2, status.error
                 if status.drained:
-                    return 0, f"{instance_id} drained: no call runs or waits there, none will be placed there"
-                last = f"{status.calls} call(s) still running or queued on {instance_id}"
+                    return 0, (f"{instance_id} drained: no call runs or waits there, no live session lives there, "
+                               "none will be placed there")
+                last = (f"{status.calls} call(s) running or queued and {status.sessions} live session(s) still "
+                        f"on {instance_id}")
             except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
                 last = "no router answered"
             if time.monotonic() >= deadline:

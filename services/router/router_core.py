@@ -102,10 +102,12 @@ class RouterCore:
                                   reply_to=p.reply_to))
         return out
 
-    def drain(self, instance_id: str) -> DrainStatus:
+    def drain(self, instance_id: str, now: float) -> DrainStatus:
         """`talaria drain`: no call is placed on the instance from now on (costs.py prices it
-        "draining"); drained once nothing runs, is queued or was placed there. Its sessions'
-        returns land elsewhere and pull their pages from it (issue 40) while it still runs."""
+        "draining"). Its live sessions' next calls land elsewhere and pull their pages from it
+        (issue 40); drained once nothing runs, is queued or was placed there and no session
+        expected back (homes.py: idle within its model's measured horizon) still lives there,
+        so stopping it then loses no live session's context."""
         view = self.state.instances.get(instance_id)
         if view is None:
             known = ", ".join(sorted(self.state.instances)) or "none"
@@ -113,7 +115,8 @@ class RouterCore:
         self.state.draining.add(instance_id)
         snap = view.snapshot
         calls = max(snap.running + sum(snap.queued.values()), len(view.inflight))
-        return DrainStatus(instance_id, drained=calls == 0, calls=calls)
+        sessions = self.state.homes.live_sessions(instance_id, now, self.state.idle_horizon_s)
+        return DrainStatus(instance_id, drained=calls == 0 and sessions == 0, calls=calls, sessions=sessions)
 
     def fold_peer(self, event: Event, now: float) -> list[Event]:
         """Another router's output (read from the stream): fold it in. Its InstanceLost also

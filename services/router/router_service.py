@@ -344,10 +344,10 @@ class RouterService:
                 status = DrainStatus("", error="drain refused: not a drain request")
             else:
                 async with self.lock:
-                    status = self.core.drain(req.instance_id)
+                    status = self.core.drain(req.instance_id, time.time())
                 if not status.error:
                     self.log.info("instance draining", instance_id=req.instance_id, calls=status.calls,
-                                  drained=status.drained)
+                                  sessions=status.sessions, drained=status.drained)
         if msg.reply:
             await msg.respond(encode(status))
 
