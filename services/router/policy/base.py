@@ -80,11 +80,11 @@ class PolicyConfig:
     # Beyond the paper's recompute (issue 40): a return whose KV pages another instance holds
     # (its host registry or device) may pull them, priced bytes / link bandwidth + a fixed
     # setup, and is migrated only where that is cheaper than recompute. The rates are what the
-    # destination's pulls measured (its snapshot); these fallbacks are the page protocol over
-    # loopback TCP measured on the dev box (docs/migration.md: 64 MiB of 64 KiB pages, each
-    # hashed on arrival, 0.37 GB/s; connect + first page 0.6 ms).
+    # destination's pulls measured (its snapshot); these fallbacks were measured on the dev box:
+    # the page protocol's pull of a 64K-token session over loopback, 134 MB in 1.31 s
+    # (results/migration.md, TTFT), and connect + first 64 KiB page over loopback, 0.6 ms.
     migrate: bool = True
-    default_migrate_bytes_s: float = 0.37e9
+    default_migrate_bytes_s: float = 0.1e9
     default_migrate_setup_s: float = 0.6e-3
     # beyond the paper: place new sessions next to KV that shares their prompt prefix
     prefix_placement: bool = True
