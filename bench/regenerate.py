@@ -49,14 +49,15 @@ RESULTS = (
            ("python -m talaria.sim.experiments matrix --ablations --seeds 1000,2000,3000 --peer-split history --out results/",), 30),
     Result("matrix_bound", ("matrix_bound.md",),
            ("python bench/matrix_zero_wait_bound.py results/matrix.json > results/matrix_bound.md",), 1),
-    Result("matrix_seeds_peers", ("matrix_seeds_peers.md",),
-           ("python bench/matrix_seeds.py --seeds 3 --out results/matrix_seeds_peers.md",), 20),
     Result("weka_as_deployed", ("weka_as_deployed.md",),
            ("python bench/weka_as_deployed.py --seeds 3",), 5),
     Result("weka_as_deployed_capped", ("weka_as_deployed_capped.md",),
            ("python bench/weka_as_deployed.py --seeds 3 --gaps recorded --out results/weka_as_deployed_capped.md",), 5),
     Result("overload", ("overload.md",), ("python bench/overload.py",), 25),
     Result("capacity", ("capacity.md", "capacity.png"), ("python bench/capacity.py all",), 10),
+    Result("migration", ("migration.md", "migration.png"),
+           ("python bench/migration_sim.py --seeds 3 --link-scale 1 --setup-scale 1",
+            "python bench/migration_ttft.py --tokens 4096,16384,65536 --netns"), 30, note="the TTFT part needs root (network namespaces)"),
     Result("hot_cold_sim", ("hot_cold_sim.md",), ("python bench/hot_cold_sim.py --seeds 3",), 5),
     Result("sim_fidelity_peers", ("sim_fidelity_peers.md",),
            ("python bench/sim_fidelity.py --policies talaria,sglang-cache-aware,vllm-stack-session"
@@ -87,8 +88,7 @@ RESULTS = (
     Result("session_attribution", ("session_attribution.md",), ("python bench/session_attribution.py --batch 64",), 5),
 )
 # Written by hand, not by a command: read with the results they explain.
-NOTES = {"README.md": "this index", "matrix_notes.md": "the matrix's cell-by-cell reasons",
-         "matrix_transplanted.json": "the last transplanted-baseline matrix, read by matrix.md's report (talaria/sim/matrix_report.py)"}
+NOTES = {"README.md": "this index", "matrix_notes.md": "the matrix's cell-by-cell reasons"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -252,7 +252,8 @@ def _build() -> dict[str, Configuration]:
                       router=ours, scheduler=_scheduler(), pools="hot-cold"),
     ]
     # each paper ablation (shared/ablations.py): talaria with some instance mechanisms off
-    table += [Configuration(f"talaria-{a}", f"talaria with the {a} mechanisms (shared/ablations.py)", router=ours,
+    table += [Configuration(f"talaria-{a}", f"talaria with the {a} mechanisms (shared/ablations.py)",
+                            router=replace(ours, migrate=ABLATIONS[a]["migrate"]),  # the router prices it
                             scheduler=_scheduler(a)) for a in ABLATIONS if a != "talaria"]
     table += _peers()
     named = {c.name for c in table}  # a policy with no row of its own name gets a shared one

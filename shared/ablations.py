@@ -14,12 +14,13 @@ turning one off changes timing only, never output. The named configurations
 from __future__ import annotations
 
 ABLATIONS: dict[str, dict[str, bool]] = {
-    "talaria": {"sp": True, "hkvr": True, "staging": True, "park_kv": True},
-    "no-sp": {"sp": False, "hkvr": True, "staging": True, "park_kv": True},
-    "no-hkvr": {"sp": True, "hkvr": False, "staging": True, "park_kv": True},
-    "h2d-only": {"sp": True, "hkvr": True, "staging": False, "park_kv": True},
+    "talaria": {"sp": True, "hkvr": True, "staging": True, "park_kv": True, "migrate": True},
+    "no-sp": {"sp": False, "hkvr": True, "staging": True, "park_kv": True, "migrate": True},
+    "no-hkvr": {"sp": True, "hkvr": False, "staging": True, "park_kv": True, "migrate": True},
+    "h2d-only": {"sp": True, "hkvr": True, "staging": False, "park_kv": True, "migrate": True},
+    "no-migrate": {"sp": True, "hkvr": True, "staging": True, "park_kv": True, "migrate": False},
     # the paper's baseline: none of Talaria's mechanisms, running calls' KV parked off-device
-    "round-only": {"sp": False, "hkvr": False, "staging": False, "park_kv": False},
+    "round-only": {"sp": False, "hkvr": False, "staging": False, "park_kv": False, "migrate": False},
 }
 
 

@@ -76,6 +76,10 @@ class CallRouted(Struct, frozen=True, tag="call.routed"):
     # 0 = max_tokens (a router that does not estimate).
     kv_output_tokens: int = 0
     fence: DispatchFence | None = None  # None: unfenced (a router without partition claims)
+    # The instance holding the session's KV pages, to pull the prefix from before prefill
+    # (the router priced migration cheaper than recompute; issue 40). "": none.
+    kv_from: str = ""
+    kv_from_address: str = ""  # its page server (host:port, its snapshot's page_address)
 
     def by_reference(self, submitted_seq: int) -> "CallRouted":
         """The stream's copy: the prompt ids stay in the CallSubmitted at `submitted_seq`."""
@@ -127,6 +131,8 @@ class CallCompleted(Struct, frozen=True, tag="call.completed"):
     kv_tokens: int = 0
     model_opened: bool = False
     trace_id: str = ""
+    migrated_bytes: int = 0  # kv_source "migrated": the page bytes pulled from another instance
+    migrate_s: float = 0.0  # ... and the seconds the pull took
 
 
 class CallFailed(Struct, frozen=True, tag="call.failed"):
@@ -199,6 +205,7 @@ class CandidateCost(Struct, frozen=True):
     # Kept apart from queue_s (the work queued now) so an audit compares queue_s with the
     # queue the call met; total_s counts both.
     reserved_s: float = 0.0
+    kv_from: str = ""  # kv_state "migrated": the instance whose pages the prefix is pulled from
 
 
 DEADLINE_UNREACHABLE = 413  # a call that cannot finish by its deadline even on an idle instance

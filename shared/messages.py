@@ -156,3 +156,21 @@ CALL_REQUEST_DECODER = msgspec.json.Decoder(CallRequest)
 REPLY_DECODER = msgspec.json.Decoder(Reply)
 TOKEN_DECODER = msgspec.json.Decoder(TokenChunk)
 CANCEL_DECODER = msgspec.json.Decoder(CancelCall)
+
+
+class DrainRequest(Struct, frozen=True):
+    """`talaria drain`: take an instance out of service (admin user only, docs/operating.md)."""
+
+    instance_id: Token
+
+
+class DrainStatus(Struct, frozen=True):
+    instance_id: str
+    drained: bool = False  # nothing runs, is queued or was placed there
+    calls: int = 0  # calls still running, queued or placed there
+    sessions: int = 0  # live sessions still homed there: their next call pulls their pages from it
+    error: str = ""  # the request was refused (one line)
+
+
+DRAIN_DECODER = msgspec.json.Decoder(DrainRequest)
+DRAIN_STATUS_DECODER = msgspec.json.Decoder(DrainStatus)

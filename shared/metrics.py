@@ -248,7 +248,7 @@ def decision_path(d: RoutingDecision) -> str:
         return "none"
     if d.lease_outcome == "consumed":
         return "lease"
-    if d.expected_kv in ("device", "host"):
+    if d.expected_kv in ("device", "host", "migrated"):
         return f"kv_{d.expected_kv}"
     if d.model_opened:
         return "cold_open"
@@ -333,7 +333,8 @@ class AgentMetrics(ServiceMetrics):
                                   ("instance_id", "model", "outcome"))
         self.kv_source = self.counter("talaria_agent_call_kv_source_total",
                                       "Where a completed call's prompt prefix came from: device (kept), host "
-                                      "(HKVR restore), recompute (evicted, computed again), none (new)",
+                                      "(HKVR restore), migrated (pulled from another instance), recompute (evicted, computed again), "
+                                      "none (new)",
                                       ("instance_id", "model", "source"))
         self.prompt_tokens = self.counter("talaria_agent_prompt_tokens_total", "Prompt tokens of completed calls", im)
         self.generation_tokens = self.counter("talaria_agent_generation_tokens_total", "Generated tokens", im)

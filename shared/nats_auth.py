@@ -19,6 +19,8 @@ from talaria.shared.subjects import (client_inbox_prefix, idempotency_stream_nam
 
 SENDER_HEADER = "Talaria-Sender"
 SERVICE_INBOX = "_TALARIA_INBOX"  # services' request inboxes (JetStream API, fetches); clients use _INBOX
+ADMIN_INBOX = "_TALARIA_ADMIN"  # the admin user's request inboxes (`talaria drain`)
+ADMIN_ROLES = frozenset({"admin"})
 CLIENT_INBOX = "_INBOX"
 
 
@@ -140,8 +142,9 @@ def permissions(role: str, prefix: str = "talaria", instance_id: str | None = No
         bucket = routers_bucket_name(prefix)
         kv = [*(f"$JS.API.STREAM.{op}.KV_{bucket}" for op in ("INFO", "CREATE", "UPDATE", "MSG.GET")),
               f"$JS.API.DIRECT.GET.KV_{bucket}.>", f"$KV.{bucket}.>"]
-        pub = [*events, f"{prefix}.reply.>", f"{prefix}.health.router", f"{prefix}.dispatch.*", *js, *kv]
-        return {"publish": {"allow": pub}, "subscribe": {"allow": [*watch, *inbox, *heard]}}
+        pub = [*events, f"{prefix}.reply.>", f"{prefix}.health.router", f"{prefix}.dispatch.*", f"{ADMIN_INBOX}.>",
+               *js, *kv]
+        return {"publish": {"allow": pub}, "subscribe": {"allow": [*watch, *inbox, *heard, f"{prefix}.admin.drain"]}}
     if role == "telemetry":
         return {"publish": {"allow": [*events, f"{prefix}.health.telemetry", *js]},
                 "subscribe": {"allow": [*watch, *inbox, *heard]}}
@@ -165,6 +168,9 @@ def permissions(role: str, prefix: str = "talaria", instance_id: str | None = No
                  else [f"{CLIENT_INBOX}.>", f"{prefix}.tokens.>"])
         return {"publish": {"allow": [f"{prefix}.api.call", f"{prefix}.api.cancel"]},
                 "subscribe": {"allow": [*reads, f"{prefix}.health.*"]},
+                "allow_responses": False}
+    if role == "admin":  # an operator's commands to the routers (`talaria drain`), answered in its inbox
+        return {"publish": {"allow": [f"{prefix}.admin.drain"]}, "subscribe": {"allow": [f"{ADMIN_INBOX}.>"]},
                 "allow_responses": False}
     raise ValueError(f"unknown NATS role {role!r}")
 
@@ -204,7 +210,7 @@ def generate_users(agent_ids: list[str] | tuple[str, ...], tenants: list[str] | 
     """Fresh random credentials: one user per service and per agent, and for NATS API clients
     one per tenant (`client-<tenant>`) or, with no tenants, one shared `client`."""
     users = {}
-    for role in ("gateway", "router", "telemetry"):
+    for role in ("gateway", "router", "telemetry", "admin"):
         users[role] = NatsUser(sender_name(role), secrets.token_urlsafe(24), role)
     for tenant in dict.fromkeys(tenants):
         users[client_user_key(tenant)] = NatsUser(f"talaria-client-{tenant}", secrets.token_urlsafe(24),

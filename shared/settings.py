@@ -276,6 +276,9 @@ class AgentSettings:
     vllm_block: int = 0
     vllm_batch_tokens: int = 0
     sglang_switch: str = ""  # memory | weights
+    # KV page server peers pull a moved session's pages from (docs/migration.md); port 0: any free
+    page_host: str = "127.0.0.1"
+    page_port: int = 0
 
     def engine_options(self) -> dict[str, object]:
         """The chosen engine's own options, as its constructor takes them (unset ones left out)."""
@@ -295,6 +298,8 @@ class AgentSettings:
             raise SettingsError("TALARIA_ABLATION", self.ablation, f"one of {', '.join(ABLATIONS)}")
         if self.pool not in ("hot", "cold"):
             raise SettingsError("TALARIA_POOL", self.pool, "hot or cold")
+        if not 0 <= self.page_port <= 65535:
+            raise SettingsError("TALARIA_PAGE_PORT", str(self.page_port), "a TCP port, or 0 for a free one")
         if self.dtype and self.dtype.lower() not in DTYPES:
             raise SettingsError("TALARIA_DTYPE", self.dtype, f"one of {', '.join(DTYPES)}")
         for name in ("heartbeat_s", "watchdog_min_s"):

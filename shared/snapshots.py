@@ -17,6 +17,9 @@ class ModelResidency(Struct, frozen=True):
     open_cost_s: float = 0.0
     weight_bytes: int = 0
     context_length: int = 0
+    # KV bytes one token of this model holds (all layers, K+V): prices a page migration's
+    # bytes (services/router/costs.py). 0: not reported, the model's KV is never migrated.
+    kv_bytes_per_token: int = 0
 
 
 class SessionKv(Struct, frozen=True):
@@ -61,6 +64,12 @@ class InstanceSnapshot(Struct, frozen=True):
     decode_tok_s: float = 0.0
     restore_tok_s: float = 0.0
     switch_s: float = 0.0
+    # Page migration into this instance (issue 40), as its own pulls measured them: link
+    # bytes/s and the fixed seconds per pull (connect, request, hash checks). 0 / -1: none
+    # measured yet (the router's defaults price it).
+    migrate_bytes_s: float = 0.0
+    migrate_setup_s: float = -1.0
+    page_address: str = ""  # host:port of this agent's KV page server ("": it serves none)
     heartbeat_s: float = 0.5
     # Random per agent process: a new one means a restart, whose snapshots replace the old
     # view at once whatever their `version` (which restarts at 1).

@@ -87,6 +87,7 @@ class Deployment:
     api_call = property(lambda self: f"{self.name}.api.call")
     api_cancel = property(lambda self: f"{self.name}.api.cancel")  # clients -> gateway (checks the key)
     call_cancel = property(lambda self: f"{self.name}.cancel")  # gateway -> agents (tenant stamped)
+    admin_drain = property(lambda self: f"{self.name}.admin.drain")  # the admin user -> routers (`talaria drain`)
 
     # -- replies (a call's reply to the gateway: never a client inbox) ------------------------
     reply_prefix = property(lambda self: f"{self.name}.reply")

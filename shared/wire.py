@@ -14,7 +14,8 @@ from msgspec import Meta, Struct
 
 # The one definition of each KV vocabulary (the engine, scheduler and router import these).
 KvState = Literal["device", "host", "none"]  # where a session's KV sits now
-KvSource = Literal["device", "host", "recompute", "none"]  # where a call's prefix came from
+# where a call's prefix came from; "migrated": pulled from another instance's pages (issue 40)
+KvSource = Literal["device", "host", "migrated", "recompute", "none"]
 # How a call's session was known: the client named it, or the gateway inferred it from the
 # prompt (services/gateway/session_inference.py): "pending" only until the gateway decides.
 SessionOrigin = Literal["named", "pending", "new", "continued", "forked"]

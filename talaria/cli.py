@@ -309,6 +309,26 @@ def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
                      args.param, args.format, args.tenant)
 
 
+def cmd_drain(args: argparse.Namespace, settings: Settings) -> int:
+    import asyncio
+
+    from talaria.drain import drain
+    from talaria.running import StackNotFound, data_dir, find_stack
+
+    if args.timeout_s <= 0:
+        print("talaria drain: --timeout-s must be > 0", file=sys.stderr)
+        return 2
+    try:
+        running = find_stack(data_dir(settings, args.data_dir)).check_running()
+    except StackNotFound as exc:
+        print(f"talaria drain: {exc}", file=sys.stderr)
+        return 2
+    status, line = asyncio.run(drain(running.nats_admin_url, args.instance, timeout_s=args.timeout_s,
+                                     deployment=settings.common.deployment))
+    print(line if status == 0 else f"talaria drain: {line}", file=sys.stdout if status == 0 else sys.stderr)
+    return status
+
+
 def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
     import asyncio
     import dataclasses
@@ -455,6 +475,11 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("--format", choices=["table", "json"], default="table")
     _data_dir_flag(au)
     _tenant_flag(au)
+    dr = sub.add_parser("drain", help="take an instance out of service; returns once nothing runs there "
+                        "(docs/operating.md)")
+    dr.add_argument("instance", help="the instance id (the calls table's instance_id)")
+    dr.add_argument("--timeout-s", type=float, default=600.0, help="give up (exit 1) after this long")
+    _data_dir_flag(dr)
     rp = sub.add_parser("replay", help="replay a normalised trace against a live stack over NATS")
     rp.add_argument("trace", help="normalised trace (JSONL; `talaria sim convert` makes one)")
     rp.add_argument("--sessions", type=int, default=0, help="replay only the first N sessions")
@@ -503,7 +528,7 @@ def _main(argv: list[str] | None) -> int:
     from talaria.running import AmbiguousSession, StackNotFound
     from talaria.services.router.policy.registry import UnknownPolicyError
 
-    handlers = {"up": cmd_up, "migrate": cmd_migrate, "nats-config": cmd_nats_config, "compose-secrets": cmd_compose_secrets, "trace": cmd_trace, "audit": cmd_audit,
+    handlers = {"up": cmd_up, "migrate": cmd_migrate, "nats-config": cmd_nats_config, "compose-secrets": cmd_compose_secrets, "trace": cmd_trace, "audit": cmd_audit, "drain": cmd_drain,
                 "replay": cmd_replay}
     try:
         return handlers[args.command](args, settings)

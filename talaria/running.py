@@ -46,6 +46,11 @@ class RunningStack:
         return self.description["nats_client"]
 
     @property
+    def nats_admin_url(self) -> str:
+        """The admin user's NATS URL (`talaria drain`); the client URL on an external NATS."""
+        return self.description.get("nats_admin") or self.nats_client_url
+
+    @property
     def api_key(self) -> str | None:
         return self.description.get("api_key")
 

@@ -243,11 +243,13 @@ class Stack:
     def client_nats_urls(self) -> dict[str, str]:
         """tenant -> the NATS URL (with that tenant's user) a NATS API client connects with
         (`nats_auth.client_options(url)` adds the inbox prefix its user is fenced to)."""
-        def with_user(u) -> str:  # each member of a cluster with the same user
-            return ",".join(f"{scheme}://{u.name}:{u.password}@{rest}"
-                            for scheme, _, rest in (s.partition("://") for s in servers(self.nats_url)))
+        return {u.tenant or "": _with_user(self.nats_url, u) for u in self.nats_users.values() if u.role == "client"}
 
-        return {u.tenant or "": with_user(u) for u in self.nats_users.values() if u.role == "client"}
+    @property
+    def admin_nats_url(self) -> str:
+        """The admin user's URL (`talaria drain`), or the plain URL on an external NATS."""
+        admin = self.nats_users.get("admin")
+        return _with_user(self.nats_url, admin) if admin is not None else self.nats_url
 
     @property
     def client_nats_url(self) -> str:
@@ -261,6 +263,7 @@ class Stack:
     def describe(self) -> dict[str, object]:
         described = {"gateway": self.gateway_url, "nats": self.nats_url, "database": self.database_url,
                 "nats_client": self.client_nats_url, "nats_clients": self.client_nats_urls, "api_key": self.api_key,
+                "nats_admin": self.admin_nats_url,
                 "data_dir": str(self.settings.common.data_dir.resolve()), "agents": self.agents,
                 "traces": str(self.settings.common.traces_path.resolve()), "metrics": self.metrics,
                 "roles": sorted(self.plan.roles),
@@ -551,3 +554,9 @@ class Stack:
         if self._lock is not None:
             self._lock.close()  # releases the data directory's lock
             self._lock = None
+
+
+def _with_user(url: str, u) -> str:
+    """`url` (each member of a cluster) with NATS user `u`'s credentials."""
+    return ",".join(f"{scheme}://{u.name}:{u.password}@{rest}"
+                    for scheme, _, rest in (s.partition("://") for s in servers(url)))

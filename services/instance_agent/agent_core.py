@@ -236,7 +236,7 @@ class AgentCore:
 
     def completed(self, call_id: str, now: float, *, prompt_tokens: int, output_tokens: int, finish_reason: str,
                   cached_tokens: int = 0, kv_source: str = "none", prefill_s: float = 0.0, decode_s: float = 0.0,
-                  trace_id: str = "") -> CallCompleted:
+                  trace_id: str = "", migrated_bytes: int = 0, migrate_s: float = 0.0) -> CallCompleted:
         """The completion record of a finished call from what the executor computed for it.
         The executor ends the call (`end`) once the record is stored."""
         rec = self.calls[call_id]
@@ -250,7 +250,7 @@ class AgentCore:
             kv_source=kv_source, queue_s=started - rec.submitted_at, ttft_s=first - rec.submitted_at,
             prefill_s=prefill_s, decode_s=decode_s, slot_wait_s=rec.slot_wait_s,
             kv_tokens=prompt_tokens + output_tokens, model_opened=rec.opened_model,
-            trace_id=trace_id,
+            trace_id=trace_id, migrated_bytes=migrated_bytes, migrate_s=migrate_s,
         )
 
     def snapshot(self, version: int, now: float, *, pool: str, active_model: str | None,
@@ -277,5 +277,6 @@ class AgentCore:
             staging_free_bytes=memory.staging_free_bytes,
             hbm_bytes=memory.hbm_bytes, hbm_used_bytes=memory.hbm_used_bytes, prefill_tok_s=memory.prefill_tok_s,
             decode_tok_s=memory.decode_tok_s, restore_tok_s=memory.restore_tok_s, switch_s=sched.next_switch_s(),
-            heartbeat_s=heartbeat_s,
+            migrate_bytes_s=getattr(memory, "migrate_bytes_s", 0.0),
+            migrate_setup_s=getattr(memory, "migrate_setup_s", -1.0), heartbeat_s=heartbeat_s,
         )

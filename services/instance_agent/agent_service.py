@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import msgspec
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from talaria.services.instance_agent.kv_migration import KvMigration
 from talaria.services.instance_agent.runner import CallRunner
 from talaria.services import configs
 from talaria.services.configs import Configuration
@@ -61,6 +62,9 @@ async def serve(common: CommonSettings, settings: AgentSettings, ready: asyncio.
     nc, js = await connect(common.nats_url, f"talaria-agent-{settings.instance_id}", **common.bus_options())
     runner = CallRunner(common, settings, engine, executor, nc, js, provider.get_tracer("talaria.agent"), log,
                         configuration)
+    if configuration.scheduler.migrate and engine.capabilities.kv_migration:  # peers pull our pages, we pull theirs
+        runner.migration = KvMigration(engine, runner.thread, log, settings.page_host, settings.page_port)
+        await runner.migration.start()
     meter = AgentMetrics(settings.instance_id)  # fed by what the agent emits, its steps and snapshot
     tap(js, meter.observe)
     runner.thread.watchdog.on_step = meter.engine_step
@@ -138,6 +142,8 @@ async def serve(common: CommonSettings, settings: AgentSettings, ready: asyncio.
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await runner.closer.sender.drain(PUBLISH_TIMEOUT_S)  # records in flight: stored, or redelivered
+        if runner.migration is not None:
+            await runner.migration.close()
         await close(nc)
         if metrics_runner is not None:
             await metrics_runner.cleanup()

@@ -114,7 +114,8 @@ class CallCloser:
             call_id, done, prompt_tokens=result.prompt_tokens, output_tokens=len(result.token_ids),
             finish_reason=result.finish_reason, cached_tokens=result.cached_tokens, kv_source=result.kv_source,
             prefill_s=result.prefill_s, decode_s=result.decode_s,
-            trace_id=f"{transport.span.get_span_context().trace_id:032x}")
+            trace_id=f"{transport.span.get_span_context().trace_id:032x}",
+            **_migrated(transport.migrated if result.kv_source == "migrated" else None))
         # The record and the reply (and a stream's end) go out now (record_sender.py); the message
         # is acked only once the record is stored, so a crash before that redelivers.
         replies = []
@@ -143,7 +144,8 @@ class CallCloser:
                 "talaria.queue_s": completed.queue_s, "talaria.prefill_s": result.prefill_s,
                 "talaria.decode_s": result.decode_s, "talaria.kv_source": result.kv_source,
                 "talaria.slot_wait_s": completed.slot_wait_s, "talaria.admitted_via": via,
-                "talaria.model_opened": completed.model_opened})
+                "talaria.model_opened": completed.model_opened, "talaria.migrated_bytes": completed.migrated_bytes,
+                "talaria.migrate_s": completed.migrate_s})
             transport.span.end()
             with call_context(request.session_id, call_id):
                 self.log.info("call completed", tokens=len(result.token_ids), kv_source=result.kv_source,
@@ -159,6 +161,8 @@ class CallCloser:
             return
         transport = call.transport
         transport.released = False
+        if transport.pull is not None and transport.pull is not asyncio.current_task():
+            transport.pull.cancel()  # its pages were on the way (kv_migration.py): the transfer stops with it
         if transport.in_engine:
             self.thread.release_soon(transport.seq)
             transport.in_engine = False
@@ -211,3 +215,8 @@ class CallCloser:
                 await asyncio.wait_for(stop.wait(), every_s)
             except TimeoutError:
                 pass
+
+
+def _migrated(m) -> dict:
+    """A migrated call's pull, as CallCompleted records it."""
+    return {} if m is None else {"migrated_bytes": m.bytes, "migrate_s": m.seconds}

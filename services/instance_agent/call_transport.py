@@ -28,3 +28,5 @@ class CallTransport:
     logprobs: list = field(default_factory=list)  # a streamed call's logprobs not yet in a chunk
     # The engine step that finished it released it: True, or the EngineError releasing it raised
     released: bool | EngineError = False
+    migrated: object | None = None  # kv_migration.Migrated: its prefix pages pulled from another instance
+    pull: asyncio.Future | None = None  # the pull of those pages while it runs (cancelled with the call)

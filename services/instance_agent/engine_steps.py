@@ -54,7 +54,7 @@ class EngineSteps:
                 more.append(transport.seq)  # chunked prefill: this call's next chunk
                 continue
             routed = transport.routed.call
-            transport.seq = _sequence(transport.routed)
+            transport.seq = _sequence(transport.routed, transport.migrated.tokens if transport.migrated else 0)
             new.append(transport.seq)
             transport.in_engine = True
             transport.span.add_event("prefill_start", {"session_prefill": action.session_prefill})
@@ -162,10 +162,11 @@ class EngineSteps:
                 await self.thread.release(seq)
 
 
-def _sequence(routed: CallRouted) -> Sequence:
+def _sequence(routed: CallRouted, migrated_tokens: int = 0) -> Sequence:
     """The engine's record of a routed call: its request and sampling parameters."""
     call = routed.call
     params = SamplingParams(temperature=call.temperature, top_p=call.top_p, seed=call.seed, stop=tuple(call.stop),
                             logit_bias=call.logit_bias, logprobs=call.logprobs, top_logprobs=call.top_logprobs)
     return Sequence(call.call_id, call.session_id, call.model, list(call.prompt_ids), call.max_tokens, params,
-                    kv_scope=call.kv_scope, kv_output_tokens=routed.kv_output_tokens)
+                    kv_scope=call.kv_scope, kv_output_tokens=routed.kv_output_tokens,
+                    migrated_tokens=migrated_tokens)

@@ -111,6 +111,8 @@ class CallRunner:
                                  on_change=self.snapshot_on_change, deployment=self.deployment)
         self.steps = EngineSteps(self.core, self.thread, self.closer, nc, js, self.instance_id, log,
                                  publish_snapshot=self.publish_snapshot, deployment=self.deployment)
+        # KV migration (kv_migration.py): set by the service once the page server runs
+        self.migration = None
         self.drops = CallDrops(self.core, self.closer, self.thread, watchdog, self.instance_id, self.incarnation,
                                settings.heartbeat_s, log, publish_snapshot=self.publish_snapshot)
 
@@ -122,7 +124,7 @@ class CallRunner:
 
     # ---- intake ------------------------------------------------------------------------
 
-    def accept(self, routed: CallRouted, msg, headers=None) -> str | None:
+    def accept(self, routed: CallRouted, msg, headers=None, migrated=None, span=None) -> str | None:
         """Queue a routed call; returns why it was refused, or None when accepted. `msg` is
         its JetStream message, or None for the router's core-NATS fast copy (`headers` its
         trace context); the call starts from whichever comes first."""
@@ -149,6 +151,17 @@ class CallRunner:
             return (f"placed on a previous process of {self.instance_id}, which stopped before running it; "
                     "retry the call")
         kv_state, reusable = self._kv_for(call.session_id, call.model, call.prompt_tokens, call.prompt_ids)
+        if (routed.kv_from_address and self.migration is not None and self.configuration.scheduler.migrate
+                and kv_state == "none"):
+            # The router priced pulling the pages below recompute: pull, then accept. Until
+            # then the call is recorded (a copy arriving meanwhile is kept out, a cancel ends the pull).
+            transport = CallTransport(routed, msg, self.tracer.start_span(
+                "execute", context=extract_context(headers or getattr(msg, "headers", None)),
+                attributes=execute_attributes(call, self.instance_id)))
+            self.core.record(call.call_id, call.session_id, call.model, call_index=routed.call_index,
+                             submitted_at=call.submitted_at, tenant=call.tenant, transport=transport)
+            transport.pull = asyncio.ensure_future(self._pull_then_accept(routed, transport))
+            return None
         try:
             self.core.accept(call.call_id, call.session_id, call.model, call_index=routed.call_index,
                              prompt_tokens=call.prompt_tokens, max_tokens=call.max_tokens,
@@ -157,12 +170,36 @@ class CallRunner:
         except SchedulerError as exc:
             self.log.warning("scheduler refused call", call_id=call.call_id, error=str(exc))
             return f"the instance cannot schedule this call: {exc}"
-        span = self.tracer.start_span("execute", context=extract_context(headers or getattr(msg, "headers", None)),
-                                      attributes=execute_attributes(call, self.instance_id))
-        self.core.calls[call.call_id].transport = CallTransport(routed, msg, span)
+        span = span or self.tracer.start_span("execute", context=extract_context(headers or getattr(msg, "headers", None)),
+                                              attributes=execute_attributes(call, self.instance_id))
+        self.core.calls[call.call_id].transport = CallTransport(routed, msg, span, migrated=migrated)
+        if migrated is not None:
+            span.set_attribute("talaria.kv_pulled_tokens", migrated.tokens)
         self.thread.arrived.set()
         self.wakeup.set()
         return None
+
+    async def _pull_then_accept(self, routed: CallRouted, transport: CallTransport) -> None:
+        call_id = routed.call.call_id
+        try:
+            migrated = await self.migration.pull_into(routed)
+        except asyncio.CancelledError:
+            return  # cancelled with its call (cancel() closed it)
+        except Exception as exc:  # the pull is an optimisation: the call recomputes
+            self.log.warning("kv pull failed", call_id=call_id, error=str(exc))
+            migrated = None
+        known = self.core.calls.get(call_id)
+        if known is None or known.transport is not transport or known.phase is not Phase.QUEUED:
+            return  # it ended meanwhile (cancelled, or dropped)
+        self.core.forget(call_id)  # the record stood in for it during the pull; now it is scheduled
+        refused = self.accept(msgspec.structs.replace(routed, kv_from_address=""), transport.msg,
+                              migrated=migrated if migrated is not None and migrated.tokens else None,
+                              span=transport.span)
+        if refused is not None:  # answered as a refusal on arrival would have been
+            call = routed.call
+            self.core.record(call_id, call.session_id, call.model, call_index=routed.call_index,
+                             submitted_at=call.submitted_at, tenant=call.tenant, transport=transport)
+            await self.closer.fail(call_id, refused, status=503, code="not_served")
 
     def _kv_for(self, session_id: str, model: str, prompt_tokens: int, prompt_ids) -> tuple[str, int]:
         try:
@@ -256,7 +293,8 @@ class CallRunner:
         try:
             snap = msgspec.structs.replace(
                 build_snapshot(self.settings, self.models, self.engine, self.core, self.version, time.time(),
-                               unhealthy=self.drops.unhealthy, staging=self.configuration.scheduler.staging),
+                               unhealthy=self.drops.unhealthy, staging=self.configuration.scheduler.staging,
+                               migration=self.migration),
                 incarnation=self.incarnation)
             await self.nc.publish(self.deployment.telemetry(self.instance_id), encode(snap))
         except Exception as exc:  # a torn read of engine tables; the next beat retries

@@ -13,7 +13,10 @@ from talaria.shared.snapshots import InstanceSnapshot, ModelResidency, SessionKv
 
 
 def build_snapshot(settings: AgentSettings, served: tuple[str, ...], engine, core, version: int, now: float,
-                   unhealthy: str = "", staging: bool = True) -> InstanceSnapshot:
+                   unhealthy: str = "", staging: bool = True, migration=None) -> InstanceSnapshot:
+    """`migration` (kv_migration.KvMigration, or None): the page server peers pull from; with
+    it the models' KV bytes per token and the measured pulls are reported (the router prices
+    migration only then)."""
     stats = engine.stats()
     active = engine.active_model
     staged_target = stats.staged_model
@@ -27,10 +30,15 @@ def build_snapshot(settings: AgentSettings, served: tuple[str, ...], engine, cor
             open_cost_s=costs.switch_s(active, m, False),
             weight_bytes=int(stats.weight_bytes.get(m, 0)),
             context_length=int(engine.specs[m].context_length),
+            kv_bytes_per_token=migration.bytes_per_token(m) if migration is not None else 0,
         ))
     sessions = [SessionKv(s, m, st, n) for s, m, st, n in engine.session_states()]
     snap = core.snapshot(version, now, pool=settings.pool, active_model=active, models=models, sessions=sessions,
                          memory=stats, heartbeat_s=settings.heartbeat_s)
+    if migration is not None:
+        snap = msgspec.structs.replace(
+            snap, page_address=migration.address, migrate_bytes_s=migration.link_bytes_s or 0.0,
+            migrate_setup_s=migration.setup_s if migration.setup_s is not None else -1.0)
     if unhealthy:  # the watchdog sees a stuck engine step: the router stops choosing us
         snap = msgspec.structs.replace(snap, healthy=False, unhealthy_reason=unhealthy)
     return snap

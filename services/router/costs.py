@@ -24,7 +24,12 @@
                         r's decode stretches; it steers sessions to instances that rotate
                         fewer models, and prices a move that would add a model to a rotation
     C_KV    0 if the prefix is on device, K * restore rate if host-restorable,
-            K * prefill rate (profiled recompute) otherwise
+            K * prefill rate (profiled recompute) otherwise; or, where another instance
+            holds r's session pages (its host registry or device: "remote", issue 40),
+            migrate: setup + K_r * bytes/token / link bytes/s + K_r * restore rate
+            + (K - K_r) * prefill rate, chosen only where cheaper than recompute
+            (kv_state "migrated", kv_from the holder). Link rate and setup are what i's
+            own pulls measured (its snapshot), else PolicyConfig's measured defaults.
     C_act   0 if m_r is active, advertised switch cost if resident/staged, open cost otherwise
 
     placement_s (ours) = the session's later calls x stretch: where r goes, the session
@@ -101,7 +106,7 @@ from talaria.services.router.state import RouterState, SessionEntry
 from talaria.shared.events import CallSubmitted, CandidateCost, LeaseIssued
 
 GIB = float(1 << 30)
-HARD_REASONS = frozenset({"stale", "unhealthy", "model_not_served", "hot_pool_pinned", "hbm"})
+HARD_REASONS = frozenset({"stale", "unhealthy", "draining", "model_not_served", "hot_pool_pinned", "hbm"})
 
 
 class Priced(NamedTuple):
@@ -238,6 +243,8 @@ class CostModel:
         live_models = state.live_models
         later = entry.calls if not first_call else (prof.calls_per_session() - 1.0 if prof is not None else 0.0)
         model_pf, model_restore = _model_rates(cfg, prof)
+        # Remote tier: the instance other than r's destination that holds most of r's pages
+        remote = _holder(state, own_key, entry, now, stale_after) if cfg.migrate and known > 0 else None
         out: list[Priced] = []
         for view in views:
             snap = view.snapshot
@@ -247,6 +254,9 @@ class CostModel:
                 continue
             if not snap.healthy:  # its watchdog sees a stuck engine step
                 out.append(_infeasible(iid, "unhealthy", view))
+                continue
+            if iid in state.draining:  # an operator takes it out of service (`talaria drain`)
+                out.append(_infeasible(iid, "draining", view))
                 continue
             st = view.memo.get(model)
             if st is None or st.key != version:
@@ -258,6 +268,7 @@ class CostModel:
             # ---- KV recovery: how much of the prompt is reusable here, and from where
             kvmap = view._kv if view._kv is not None else view.kv
             kv = kvmap.get(own_key)
+            kv_from = ""
             own = True  # the KV found is this session's own (not a prefix another session left)
             if kv is not None and kv.state != "none" and kv.state != "recompute":
                 k_have, kv_state = min(kv.kv_tokens, prompt), kv.state
@@ -277,6 +288,10 @@ class CostModel:
             else:
                 kv_s = k_total * pf
                 kv_state = "recompute" if k_total > 0 else "none"
+                if remote is not None and remote[0] != iid and k_total > 0:
+                    mig_s = _migrate_s(cfg, snap, remote, k_total, pf, st.restore or model_restore)
+                    if mig_s < kv_s:
+                        kv_s, kv_state, kv_from = mig_s, "migrated", remote[0]
             # ---- incremental queue / prefill / decode work; activation is static
             expiries = lease_index.get(iid)
             leases = len(expiries) - bisect_right(expiries, now) if expiries else 0
@@ -315,7 +330,8 @@ class CostModel:
             place = snap.running * (decode if running_s is None else running_s) \
                 if first_call else 0.0
             place += later * stretch + join  # the session keeps paying this rotation here
-            if kv_state == "recompute" and known > 0:  # a move: r's KV is elsewhere, or lost
+            if kv_state in ("recompute", "migrated") and known > 0:  # a move: r's KV is elsewhere, or lost
+                # (a pull too: its pages are restored inside r's prefill, which others' steps share)
                 place += kv_s * state.homes.sessions_on(iid, call.session_id)
             # r's own KV is here: with kv_home_admits it waits here rather than recompute elsewhere
             home = cfg.kv_home_admits and own and kv_state in ("device", "host") and k_have > 0
@@ -328,7 +344,8 @@ class CostModel:
                 reason = "kv_full"  # a wait for running calls' KV, or an output past the estimate: soft
             out.append(Priced(
                 CandidateCost(iid, queue + prefill + decode + kv_s + act + place, queued, prefill, decode, kv_s,
-                              act, place, kv_state, st.mstate, not reason, reason, reserved_s=reserved),
+                              act, place, kv_state, st.mstate, not reason, reason, reserved_s=reserved,
+                              kv_from=kv_from),
                 st.fresh and not view.overlay_models.get(model),
                 view,
             ))
@@ -397,6 +414,42 @@ def _comeback(state: RouterState, iid: str, model: str, now: float, live) -> flo
         return 0.0
     prof = state.models.get(model)
     return 1.0 / (1 + (len(prof.gaps) if prof is not None else 0))
+
+
+def _holder(state: RouterState, key: tuple[str, str], entry: SessionEntry, now: float, stale_after: float
+            ) -> tuple[str, int, int] | None:
+    """(instance, tokens, KV bytes per token) of the fresh instance reporting most of the
+    session's pages for its model (device or host registry), or None; the session's last
+    instance counts with its context when its snapshot predates that completion. A holder
+    whose model reports no bytes per token cannot be priced, so is never a source."""
+    best = None
+    for iid, view in state.instances.items():
+        snap = view.snapshot
+        if now - view.received_at > stale_after or not snap.healthy:
+            continue
+        kv = (view._kv if view._kv is not None else view.kv).get(key)
+        if kv is not None and kv.state in ("device", "host") and kv.kv_tokens > 0:
+            tokens = kv.kv_tokens
+        elif iid == entry.last_instance and entry.model == key[1] and snap.at < entry.last_used:
+            tokens = entry.kv_tokens
+        else:
+            continue
+        res = view.models.get(key[1])
+        bpt = res.kv_bytes_per_token if res is not None else 0
+        if bpt > 0 and (best is None or tokens > best[1]):
+            best = (iid, tokens, bpt)
+    return best
+
+
+def _migrate_s(cfg: PolicyConfig, dest, remote: tuple[str, int, int], k_total: int, pf: float,
+               restore: float) -> float:
+    """Seconds to recover k_total prefix tokens on `dest` (a snapshot) by pulling the holder's
+    pages: a fixed setup, the bytes over the link, the restore of the pages into the device
+    pool (they arrive in the host registry), and recompute of any tail the holder lacks."""
+    k = min(remote[1], k_total)
+    bw = dest.migrate_bytes_s if dest.migrate_bytes_s > 0 else cfg.default_migrate_bytes_s
+    setup = dest.migrate_setup_s if dest.migrate_setup_s >= 0 else cfg.default_migrate_setup_s
+    return setup + k * remote[2] / bw + k * restore + (k_total - k) * pf
 
 
 def _model_rates(cfg: PolicyConfig, prof) -> tuple[float, float]:

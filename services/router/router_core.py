@@ -18,6 +18,7 @@ from talaria.services.router.leases import settlement
 from talaria.services.router.ownership import Partitioning
 from talaria.services.router.policy.base import PlacementPolicy
 from talaria.services.router.state import RouterState, SnapshotReceived
+from talaria.shared.messages import DrainStatus
 from talaria.shared.events import (CallFailed, CallRouted, CallSubmitted, Event, InstanceLost, LeaseConsumed,
                                    LeaseDiscarded, LeaseExpired, LeaseIssued, PoolPinned)
 from talaria.shared.snapshots import InstanceSnapshot
@@ -101,6 +102,22 @@ class RouterCore:
                                   reply_to=p.reply_to))
         return out
 
+    def drain(self, instance_id: str, now: float) -> DrainStatus:
+        """`talaria drain`: no call is placed on the instance from now on (costs.py prices it
+        "draining"). Its live sessions' next calls land elsewhere and pull their pages from it
+        (issue 40); drained once nothing runs, is queued or was placed there and no session
+        expected back (homes.py: idle within its model's measured horizon) still lives there,
+        so stopping it then loses no live session's context."""
+        view = self.state.instances.get(instance_id)
+        if view is None:
+            known = ", ".join(sorted(self.state.instances)) or "none"
+            return DrainStatus(instance_id, error=f"no instance {instance_id!r} is known to this router (known: {known})")
+        self.state.draining.add(instance_id)
+        snap = view.snapshot
+        calls = max(snap.running + sum(snap.queued.values()), len(view.inflight))
+        sessions = self.state.homes.live_sessions(instance_id, now, self.state.idle_horizon_s)
+        return DrainStatus(instance_id, drained=calls == 0 and sessions == 0, calls=calls, sessions=sessions)
+
     def fold_peer(self, event: Event, now: float) -> list[Event]:
         """Another router's output (read from the stream): fold it in. Its InstanceLost also
         fails this router's own calls on that instance (the peer failed only its own)."""
@@ -155,6 +172,8 @@ class RouterCore:
         call_index = decision.call_index
         if decision.action == "route" and decision.chosen is not None:
             view = self.state.instances.get(decision.chosen)
+            kv_from = next((c.kv_from for c in decision.candidates if c.instance_id == decision.chosen), "")
+            holder = self.state.instances.get(kv_from) if kv_from else None
             events.append(
                 CallRouted(
                     incarnation=view.snapshot.incarnation if view is not None else "",
@@ -166,6 +185,7 @@ class RouterCore:
                     lease=decision.lease_outcome,
                     kv_output_tokens=self.state.outputs.kv_tokens(call.session_id, call.model, call.max_tokens),
                     fence=self.partitioning.fence(call.session_id),
+                    kv_from=kv_from, kv_from_address=holder.snapshot.page_address if holder is not None else "",
                 )
             )
         else:

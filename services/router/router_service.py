@@ -38,7 +38,9 @@ from talaria.shared.runtime import serve_until_stopped
 from talaria.services.router.hot_pools import HotPools
 from talaria.shared.bus import (BUS_ERRORS, ACK_WAIT_S, FAILOVER_S, PUBLISH_TIMEOUT_S, RECONNECT_WAIT_S, close, connect, origin_of,
                                 publish_fast, retried_api, set_origin)
-from talaria.shared.nats_auth import sender_of, trusted
+from talaria.shared.messages import DRAIN_DECODER, DrainStatus
+from talaria.shared.wire import encode
+from talaria.shared.nats_auth import ADMIN_ROLES, sender_of, sent_by, trusted
 from talaria.shared.db.connection import DB_ERRORS, create_engine
 from talaria.shared.durable_pull import DurablePull, from_ack_floor, unsubscribed
 from talaria.shared.events import (
@@ -212,6 +214,7 @@ class RouterService:
             lease.instance_id for lease in state.leases.leases.values()}
         await self.nc.subscribe(self.deployment.telemetry_wildcard, cb=self._on_snapshot)
         await self.nc.subscribe(self.deployment.health("router"), cb=self._on_peer)
+        await self.nc.subscribe(self.deployment.admin_drain, cb=self._on_drain)
         try:
             await asyncio.wait_for(self.warm.wait(), WARMUP_S)
         except TimeoutError:
@@ -336,6 +339,27 @@ class RouterService:
                 self.outputs.store_soon(outputs, await self.outputs.start(outputs))
 
     # ---- ownership ---------------------------------------------------------------------
+
+    async def _on_drain(self, msg) -> None:
+        """`talaria drain INSTANCE` (the admin user only; every router marks it, and the
+        command asks again until one says drained: a restarted router learns it again)."""
+        if not sent_by(msg.headers, ADMIN_ROLES):
+            status = DrainStatus("", error="drain refused: not sent by the admin user")
+        else:
+            try:
+                req = DRAIN_DECODER.decode(msg.data)
+            except msgspec.ValidationError as exc:
+                status = DrainStatus("", error=f"drain refused: {exc}")
+            except msgspec.DecodeError:
+                status = DrainStatus("", error="drain refused: not a drain request")
+            else:
+                async with self.lock:
+                    status = self.core.drain(req.instance_id, time.time())
+                if not status.error:
+                    self.log.info("instance draining", instance_id=req.instance_id, calls=status.calls,
+                                  sessions=status.sessions, drained=status.drained)
+        if msg.reply:
+            await msg.respond(encode(status))
 
     async def _on_peer(self, msg) -> None:
         try:

@@ -137,6 +137,9 @@ class RouterState:
     outputs: OutputEstimator = field(default_factory=OutputEstimator)  # output lengths seen (never max_tokens)
     horizon_epoch: int = 0  # bumped when a model's idle horizon changes (not state: a cache key)
     routed_total: int = 0
+    # Instances an operator is draining (`talaria drain`, router_service.py): priced "draining",
+    # hard, so no call lands there; their sessions' pages stay pullable until they stop.
+    draining: set[str] = field(default_factory=set)
     # The hot-pool controller (hot_pools.py) when the router chooses the pools: it hears the
     # events this fold applies and is checkpointed with the rest.
     pools: HotPools | None = None
@@ -268,6 +271,7 @@ class RouterState:
         old = self.instances.get(snapshot.instance_id)
         if old is not None and old.snapshot.incarnation != snapshot.incarnation:
             old = None  # a new process: its view starts afresh whatever the versions say
+            self.draining.discard(snapshot.instance_id)  # drained, then restarted: back in service
         if old is not None and snapshot.version < old.snapshot.version:
             return  # out-of-order heartbeat
         if snapshot.active_model:  # the rates it reports are its active model's

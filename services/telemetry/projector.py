@@ -173,6 +173,7 @@ def completed_values(e: CallCompleted) -> tuple[dict, dict]:
         kv_source=e.kv_source, finish_reason=text_(e.finish_reason), started_at=ts(e.started_at),
         first_token_at=ts(e.first_token_at), completed_at=ts(e.completed_at), queue_s=e.queue_s,
         ttft_s=e.ttft_s, prefill_s=e.prefill_s, decode_s=e.decode_s, slot_wait_s=e.slot_wait_s,
+        migrated_bytes=e.migrated_bytes, migrate_s=e.migrate_s,
     )
     return values, dict(session_id=e.session_id, model=e.model, submitted_at=ts(e.submitted_at))
 

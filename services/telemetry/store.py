@@ -80,7 +80,7 @@ class TelemetryStore(Protocol):
 
 
 CALL_COLUMNS = ("session_id", "model", "call_index", "instance_id", "api", "outcome", "prompt_tokens",
-                "output_tokens", "cached_tokens", "kv_source", "finish_reason", "error", "failed_stage", "status",
+                "output_tokens", "cached_tokens", "kv_source", "migrated_bytes", "migrate_s", "finish_reason", "error", "failed_stage", "status",
                 "submitted_at", "routed_at", "started_at", "completed_at", "ttft_s", "queue_s")
 SESSION_COLUMNS = ("calls", "completed", "failed", "last_model", "last_instance", "first_seen_at", "last_seen_at")
 DECISION_COLUMNS = ("chosen_instance", "lease_outcome", "action", "outcome", "ttft_s", "kv_source", "reason")

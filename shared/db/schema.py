@@ -52,7 +52,9 @@ calls = Table(
     Column("prompt_tokens", Integer),
     Column("output_tokens", Integer),
     Column("cached_tokens", Integer),
-    Column("kv_source", Text),  # device | host | recompute
+    Column("kv_source", Text),  # device | host | migrated | recompute | none
+    Column("migrated_bytes", BigInteger),  # kv_source migrated: page bytes pulled (0005)
+    Column("migrate_s", Float),  # ... and the seconds the pull took
     Column("finish_reason", Text),
     Column("error", Text),
     Column("failed_stage", Text),

@@ -174,6 +174,8 @@ class Cluster:
             self.instances[iid] = SimExecutor(iid, config.server, sched, self, config.max_decode_steps, view)
             if config.log_actions:
                 self.instances[iid].log = []
+        for inst in self.instances.values():
+            inst.peers = self.instances
         # per instance, in instance order: [instance, last snapshot time, version, state key,
         # last snapshot]; one list so the per-decision heartbeat scan is a single pass
         self._snap_recs: list[list] = [[inst, -1e18, 0, None, None] for inst in self.instances.values()]
@@ -348,6 +350,7 @@ class Cluster:
                     anon.routed(job.call_id, job.session)
                 self._measure_placement(job, ev.instance_id)
                 job.kv_output_tokens = ev.kv_output_tokens
+                job.kv_from = ev.kv_from
                 out.extend(self.instances[ev.instance_id].submit(now, job) or ())
             elif isinstance(ev, CallFailed):
                 self.counters.rejected += 1

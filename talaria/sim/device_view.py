@@ -40,6 +40,8 @@ class DeviceMemory:
     prefill_tok_s: float
     decode_tok_s: float
     restore_tok_s: float
+    migrate_bytes_s: float = 0.0  # the profile's link, as an agent's pulls would measure it
+    migrate_setup_s: float = -1.0
 
 
 class DeviceView:
@@ -53,7 +55,7 @@ class DeviceView:
         self._absent = {
             name: ModelResidency(model=name, state="absent", switch_cost_s=server.switch(name, 0)[1],
                                  open_cost_s=server.switch(name, 0)[1], weight_bytes=mp.weight_bytes,
-                                 context_length=mp.max_context)
+                                 context_length=mp.max_context, kv_bytes_per_token=mp.kv_bytes_per_token)
             for name, mp in server.models.items()
         }
 
@@ -67,6 +69,7 @@ class DeviceView:
             staging_free_bytes=max(0, pool - dev * mp.kv_bytes_per_token), hbm_bytes=self.server.hbm_bytes,
             hbm_used_bytes=mp.weight_bytes + dev * mp.kv_bytes_per_token, prefill_tok_s=prefill_tok_s,
             decode_tok_s=decode_tok_s, restore_tok_s=restore_tok_s,
+            migrate_bytes_s=self.server.link_bytes_s, migrate_setup_s=self.server.link_setup_s,
         )
         return inst.core.snapshot(version, now, pool=inst.config.pool, active_model=active, models=self.models(inst, now),
                                   sessions=self.sessions(inst), memory=memory, heartbeat_s=heartbeat_s)
@@ -88,7 +91,8 @@ class DeviceView:
                 server.kv_restore_bytes_s / mp.kv_bytes_per_token,
                 open_s,
                 ModelResidency(model=name, state="active", switch_cost_s=0.0, open_cost_s=open_s,
-                               weight_bytes=mp.weight_bytes, context_length=mp.max_context),
+                               weight_bytes=mp.weight_bytes, context_length=mp.max_context,
+                               kv_bytes_per_token=mp.kv_bytes_per_token),
             )
         return c
 
@@ -136,4 +140,5 @@ class DeviceView:
         return ModelResidency(
             model=name, state="staged" if staged else "absent", switch_cost_s=server.switch(name, staged)[1],
             open_cost_s=server.switch(name, 0)[1], weight_bytes=mp.weight_bytes, context_length=mp.max_context,
+            kv_bytes_per_token=mp.kv_bytes_per_token,
         )

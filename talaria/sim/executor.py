@@ -93,6 +93,9 @@ class Job:
     cached: int = 0  # prompt tokens its prefill found cached (own KV or the shared prefix)
     prefill_s: float = 0.0  # time of the prefill actions it was in (the live engine's measure)
     decode_s: float = 0.0  # time of the decode steps it was in
+    kv_from: str = ""  # the instance the router priced pulling its pages from (CallRouted.kv_from)
+    migrated_bytes: int = 0  # what the pull moved (kv_source "migrated")
+    migrate_s: float = 0.0
 
 
 class SimExecutor:
@@ -133,6 +136,7 @@ class SimExecutor:
         self.rounds: list[RoundSummary] = []
         self.hbm_peak_bytes = 0
         self.last_peak_kv = 0  # KV high-water mark (bytes) since the last switch
+        self.peers: dict[str, SimExecutor] = {}  # the cluster's instances: page holders to pull from
 
     def snapshot(self, version: int, now: float, heartbeat_s: float) -> InstanceSnapshot:
         return self.view.snapshot(self, version, now, heartbeat_s)
@@ -259,6 +263,10 @@ class SimExecutor:
             if job.kv_source == "host":
                 self.kv.touch_host(job.model, job.session)
                 self._transfer_s += self.server.restore_s(job.model, avail)
+            elif job.kv_source == "migrated":
+                job.migrate_s = self.server.migrate_s(job.model, avail)
+                job.migrated_bytes = avail * self.server.model(job.model).kv_bytes_per_token
+                self._transfer_s += job.migrate_s
             seconds += cost
         return [(now + seconds, self._done, (self.token, None))]
 
@@ -343,12 +351,13 @@ class SimExecutor:
             if self.config.hkvr:
                 self.kv.put_host(job.model, job.session, tokens)
         job.via = self.core.calls[job.call_id].via
-        cached = job.cached if job.kv_source in ("device", "host") else 0
+        cached = job.cached if job.kv_source in ("device", "host", "migrated") else 0
         # Measured as the live engine measures them: every call of a batched prefill or decode
         # step is charged the step's time, so the router's per-model rates are learned.
         done = self.core.completed(job.call_id, now, prompt_tokens=job.prompt, output_tokens=job.output,
                                    finish_reason="length" if job.output >= job.max_tokens else "stop", cached_tokens=cached, kv_source=job.kv_source,
-                                   prefill_s=job.prefill_s, decode_s=job.decode_s)
+                                   prefill_s=job.prefill_s, decode_s=job.decode_s,
+                                   migrated_bytes=job.migrated_bytes, migrate_s=job.migrate_s)
         self.core.end(job.call_id)
         return self.sink.completed(job, done, now)
 
@@ -385,7 +394,18 @@ class SimExecutor:
             host = self.kv.host.get((job.model, job.session), 0)
             if host:
                 return "host", min(job.reusable, host)
+        holder = self.peers.get(job.kv_from) if self.config.migrate and job.kv_from else None
+        if holder is not None:  # the pages the router priced pulling: still there when the prefill starts?
+            held = holder.pages_of(job.model, job.session)
+            if held:
+                return "migrated", min(job.reusable, held)
         return "recompute", 0
+
+    def pages_of(self, model: str, session: str) -> int:
+        """Tokens of `session`'s KV this instance can serve a peer: on device or in its host registry."""
+        dev = self.kv.device.get(session, 0) if self.active == model else 0
+        host = self.kv.host.get((model, session), 0) if self.config.hkvr else 0
+        return max(dev, host)
 
     def _prefill_cost(self, job: Job) -> tuple[float, str, int]:
         source, avail = self._kv_for(job)
@@ -393,6 +413,8 @@ class SimExecutor:
         seconds = mp.prefill_s(max(1, job.prompt - avail), avail)
         if source == "host":
             seconds += self.server.restore_s(job.model, avail)
+        elif source == "migrated":
+            seconds += self.server.migrate_s(job.model, avail)
         return seconds, source, avail
 
     # ---- memory -----------------------------------------------------------------------

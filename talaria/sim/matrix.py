@@ -36,8 +36,9 @@ where the models fit the instances, serverless on-demand loading where they do n
 and that its router resizes online from measured demand, services/router/hot_pools.py, never
 the peers' forecast; its cold pool elsewhere) and `talaria-paper` (the same policy under the paper's rules: Eq. 1 ranking
 only, the paper's admission, fixed tau, reject on overload); with `--ablations` also
-talaria without leases, without its instance mechanisms, and with the peers' forecast
-pools in place of its online ones (talaria-forecast-pools). Runs go to a process pool
+talaria without leases, without its instance mechanisms, without KV migration
+(talaria-no-migrate), and with the peers' forecast pools in place of its online ones
+(talaria-forecast-pools). Each run keeps its `kv_sources` (migrated beside recompute). Runs go to a process pool
 (2 workers by default: this machine's cores).
 """
 
@@ -66,7 +67,7 @@ from talaria.traces.gaps import GapModel
 # The faithful peers (services/router/policy/, each citing its source), deployed as each is
 # deployed (deployment.py). The model-blind baselines they replace (least-pressure,
 # session-sticky, prefix-aware, kv-cost on instances that time-share every model) are kept
-# in the registry; their last matrix is results/matrix_transplanted.json.
+# in the registry; their last matrix is bench/data/matrix_transplanted.json.
 # Since issue 34 each peer runs on its own engine's mechanisms (a dedicated pool short of
 # instances reloads), so the serverless systems (vllm-sleep, serverlessllm, aegaeon-like) are
 # the peers that matter where the models outnumber the instances: all of them run.
@@ -89,7 +90,9 @@ HOT_COLD = "talaria-hot-cold"
 # Talaria's online pools started from the deployment the peers are given (deployment.pool_split
 # of the cell's demand: the operator's configuration) instead of an even split: measured.
 SPLIT_START = "talaria-split-start"
-ABLATIONS = (PAPER, NO_LEASE, ROUND_ONLY, FORECAST_POOLS)
+# KV migration off (shared/ablations.py `no-migrate`): a moved return recomputes (issue 40)
+NO_MIGRATE = "talaria-no-migrate"
+ABLATIONS = (PAPER, NO_LEASE, ROUND_ONLY, FORECAST_POOLS, NO_MIGRATE)
 POLICIES = (*BASELINES, OURS, PAPER)  # `--ablations` adds the other two (run time: results/README.md)
 BASE_LOADS = (0.3, 0.6, 0.8, 1.0, 1.2)
 VARIANT_LOADS = (0.6, 1.0)
@@ -309,6 +312,7 @@ def run_one(cell: Cell, policy: str, peer_split: str = "exact", session_ids: str
     result = simulate(sessions, cfg)
     s = summarise(result)
     out = {k: s[k] for k in KEEP}
+    out["kv_sources"] = s["kv_sources"]  # migrations beside recomputes (and device / host hits)
     out["run_s"] = time.perf_counter() - started
     out["shape"] = shape
     hot = [m for m in pinned if m]

@@ -420,10 +420,14 @@ SPLIT_WORDS = {"exact": "this run's own demand (an exact forecast, which favours
                "history": "another draw of the same workload (last week's traffic, as an operator has it)"}
 
 
+# The last matrix against the transplanted (model-blind) baselines: an input the report shows
+# beside the current one, not an output (the baselines left the registry's peers).
+TRANSPLANTED_INPUT = Path(__file__).resolve().parents[2] / "bench" / "data" / "matrix_transplanted.json"
+
 def write_outputs(matrix: dict, out_dir: Path) -> Path:
     write_json({**matrix, "wins": wins(matrix)}, out_dir / "matrix.json")
     heat_map(matrix, out_dir / "matrix_heatmap.png")
-    old_path = out_dir / "matrix_transplanted.json"
+    old_path = TRANSPLANTED_INPUT
     old = json.loads(old_path.read_text()) if old_path.exists() else None
     md = out_dir / "matrix.md"
     notes = (out_dir / "matrix_notes.md").read_text() if (out_dir / "matrix_notes.md").exists() else ""

@@ -96,6 +96,12 @@ class ServerProfile:
     runtime_reserve_bytes: int = 0  # CUDA graphs, workspaces (outside the bump buffer)
     kv_page_tokens: int = 512  # host KV page ([asm] coarse for speed, memory.SIM_PAGE_TOKENS)
     source: str = ""
+    # The network between instances, for KV page migration (issue 40). [asm] one 200 Gbit/s
+    # NIC per instance (25 GB/s; a TP=8 node usually has 8, and Mooncake's transfer engine
+    # reports 87 GB/s over 4 x 200 Gbit/s RoCE); setup, a pull's request and first page
+    # (results/migration.md sweeps both: the matrix is flat over 10x either way).
+    link_bytes_s: float = 25e9
+    link_setup_s: float = 1e-3
 
     @property
     def hbm_bytes(self) -> int:
@@ -117,6 +123,12 @@ class ServerProfile:
 
     def restore_s(self, model: str, tokens: int) -> float:
         return tokens * self.model(model).kv_bytes_per_token / self.kv_restore_bytes_s
+
+    def migrate_s(self, model: str, tokens: int) -> float:
+        """Pull `tokens` of a session's pages from another instance: setup + bytes over the
+        link, then their restore into the device pool (they land in the host registry)."""
+        return self.link_setup_s + tokens * self.model(model).kv_bytes_per_token / self.link_bytes_s \
+            + self.restore_s(model, tokens)
 
     def switch(self, to_model: str, staged_bytes: int) -> tuple[str, float, dict[str, float]]:
         """(path, seconds, phases) of a switch to `to_model` with `staged_bytes` staged."""

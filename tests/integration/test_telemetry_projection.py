@@ -53,8 +53,10 @@ async def test_calls_and_decisions_are_projected_once_even_when_replayed(nats_ur
                                          chosen="agent-0", candidates=[CandidateCost("agent-0", 0.5)]))
         await emit(js, CallRouted(call=submitted(f"c{i}", i), call_index=i, instance_id="agent-0",
                                     policy="least-loaded", routed_at=100.1 + i))
+        # the last call's prefix was pulled from another instance (issue 40): bytes and seconds kept
+        moved = dict(kv_source="migrated", migrated_bytes=4096, migrate_s=0.25) if i == 2 else dict(kv_source="device")
         await emit(js, CallCompleted(f"c{i}", "s1", i, "qwen3-tiny", "agent-0", 3, 4, "length",
-                                       100.0 + i, 100.2 + i, 100.3 + i, 100.5 + i, kv_source="device"))
+                                       100.0 + i, 100.2 + i, 100.3 + i, 100.5 + i, **moved))
     await emit(js, LeaseIssued("s1", "qwen3-tiny", "agent-0", "c2", 102.5, 103.5))
     services = Services()
     try:
@@ -63,8 +65,10 @@ async def test_calls_and_decisions_are_projected_once_even_when_replayed(nats_ur
         assert [r["call_index"] for r in rows] == [0, 1, 2]
         assert all(r["instance_id"] == "agent-0" and r["output_tokens"] == 4 for r in rows)
         assert rows[0]["ttft_s"] is not None
+        assert [(r["kv_source"], r["migrated_bytes"], r["migrate_s"]) for r in rows] == [
+            ("device", 0, 0.0), ("device", 0, 0.0), ("migrated", 4096, 0.25)]
         decisions = await wait_rows(db, "SELECT * FROM lease_decisions WHERE outcome='completed'", 3)
-        assert {d["kv_source"] for d in decisions} == {"device"}
+        assert sorted(d["kv_source"] for d in decisions) == ["device", "device", "migrated"]
         leases = await wait_rows(db, "SELECT * FROM lease_events", 1)
         assert leases[0]["kind"] == "issued"
         await services.close()

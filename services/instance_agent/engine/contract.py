@@ -109,6 +109,26 @@ class Capabilities:
     # Reused KV comes in whole blocks of this many tokens (vLLM's prefix cache); 1: any
     # prefix (the torch engine copies a partial page).
     kv_block_tokens: int = 1
+    # The engine is also a `PageStore`: a session's host KV pages can be sent to and taken
+    # from another instance (KV migration, docs/migration.md).
+    kv_migration: bool = False
+
+
+@runtime_checkable
+class PageStore(Protocol):
+    """An engine's host KV pages as peers pull them (issue 40); engine-thread methods."""
+
+    page_size: int  # tokens per page (the block hashes' block)
+
+    def kv_bytes_per_token(self, model: str) -> int:
+        """KV bytes one token of `model` holds (every layer and rank)."""
+
+    def export_pages(self, model: str, session_id: str, hashes: list[int], limit: int) -> list:
+        """(hash, layout, rank slabs) of the leading `hashes` the session's own host prefix holds."""
+
+    def import_pages(self, model: str, session_id: str, hashes: list[int], slabs: list[list[bytes]],
+                     dtype: str, shape: tuple[int, ...], ranks: int) -> int:
+        """Store pulled pages as the session's host prefix; the tokens now restorable."""
 
 
 @runtime_checkable

@@ -68,6 +68,9 @@ class Sequence:
     # Output tokens to reserve KV pages for: the router's estimate (CallRouted.kv_output_tokens,
     # <= max_tokens); 0 = max_tokens. A call that outgrows it grows into unreserved pages.
     kv_output_tokens: int = 0
+    # Prompt tokens whose pages the caller pulled from another instance into the host
+    # registry before submitting (issue 40): a host restore of them is a migration.
+    migrated_tokens: int = 0
 
     # -- the engine's, from admission on --
     context_length: int = _engine(0)  # 0: not admitted yet
@@ -212,7 +215,7 @@ class Sequence:
     @property
     def kv_source(self) -> KvSource:
         if self.host_restored_tokens:
-            return "host"
+            return "migrated" if self.migrated_tokens else "host"
         return "device" if self.cached_tokens else "recompute"
 
     @property

@@ -105,7 +105,7 @@ class TorchEngine:
         self.staging = StagingExecutor(self.bump.buf, stage_chunk_bytes, self.device) if staging else None
         # switch_to refuses while calls run (EngineBusy); host KV and staging as configured.
         self.capabilities = Capabilities(switch_with_calls_running=False, host_kv=hkvr, d2d_staging=staging,
-                                         chunked_prefill=False)
+                                         chunked_prefill=False, kv_migration=hkvr)
         self.rank_fault: Callable[[RankReport], RankReport] | None = None  # test hook: a lagging/bad rank
         self.on_logits: Callable[[list[str], torch.Tensor], None] | None = None  # test/debug hook
 
@@ -326,6 +326,38 @@ class TorchEngine:
             self.hkvr.close()
         if self.staging is not None:
             self.staging.close()
+
+    # -- KV migration (issue 40): the page server's and the puller's side ------------------
+
+    def kv_bytes_per_token(self, model: str) -> int:
+        return self.page_bytes(model) // self.page_size
+
+    def kv_layout(self, model: str) -> LayoutDescriptor:
+        """How one rank's slab of one of `model`'s KV pages is laid out here."""
+        spec, dt = self.models.spec(model), self.models.dtypes[model].dtype
+        return LayoutDescriptor(model=model, rank=0, prefix_hash=0, committed_tokens=0, page_size=self.page_size,
+                                dtype=str(dt).removeprefix("torch."),
+                                attention="gqa" if spec.kv_heads < spec.heads else "mha",
+                                shape=(spec.layers, 2, self.page_size, spec.kv_heads // self.tp_ranks, spec.head_dim),
+                                itemsize=dt.itemsize)
+
+    def export_pages(self, model: str, session_id: str, hashes: list[int], limit: int) -> list:
+        """The session's own host pages of the leading `hashes` (at most `limit`), copied out."""
+        if self.hkvr is None or model not in self.specs:
+            return []
+        self.hkvr.drain(model)  # checkpoints still copying publish first
+        return self.hkvr.export_pages(model, session_id, hashes, limit)
+
+    def import_pages(self, model: str, session_id: str, hashes: list[int], slabs: list[list[bytes]],
+                     dtype: str, shape: tuple[int, ...], ranks: int) -> int:
+        """Store pulled pages as the session's host prefix; the tokens now restorable (0 when
+        the holder's layout is not this engine's: the call recomputes)."""
+        if self.hkvr is None or model not in self.specs or not hashes:
+            return 0
+        template = self.kv_layout(model)
+        if (dtype, tuple(shape), ranks) != (template.dtype, template.shape, self.tp_ranks):
+            return 0
+        return self.hkvr.import_pages(model, session_id, hashes, slabs, template)
 
     # -- HKVR and staging plumbing ---------------------------------------------------------
 

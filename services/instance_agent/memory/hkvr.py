@@ -105,6 +105,32 @@ class HostKvRegistry:
             self.core.end_restore(plan)
         return pages
 
+    # -- migration (issue 40): a peer's pull ------------------------------------------------
+
+    def export_pages(self, model: str, session_id: str, hashes: list[int], limit: int
+                     ) -> list[tuple[int, LayoutDescriptor, list[bytes]]]:
+        """(hash, layout, each rank's slab bytes) of up to `limit` leading pages of `hashes`
+        that the session's own restorable prefix holds. Engine thread: the bytes are copied
+        here, so no page is read after it could be evicted."""
+        rows = self.core.shareable(session_id, model, hashes[:limit])
+        return [(row[0].key[2], row[0].desc, [self.pool[p.slot, : p.desc.nbytes].numpy().tobytes() for p in row])
+                for row in rows]
+
+    def import_pages(self, model: str, session_id: str, hashes: list[int], slabs: list[list[bytes]],
+                     template: LayoutDescriptor) -> int:
+        """Store pulled pages as the session's host prefix (published at once: the bytes are
+        already here) and return the tokens now restorable; admission restores them as any
+        host prefix. The caller checked each slab's size and digest."""
+        self.drain(model)  # pages a checkpoint of ours is still copying publish first (the prefix may share them)
+        ps = template.page_size
+        reports = [RankReport(r, len(hashes) * ps, tuple(hashes)) for r in range(self.ranks)]
+        plan = self.core.plan_save(model, session_id, reports, template)
+        for c in plan.copies:
+            self.pool[c.slot, : c.desc.nbytes].copy_(torch.frombuffer(bytearray(slabs[c.page_index][c.rank]),
+                                                                      dtype=torch.uint8))
+        self.core.complete(plan.job_id)
+        return self.core.session_tokens(session_id, model, ps)
+
     def close(self) -> None:
         self.drain(None)
         self._copier.close()

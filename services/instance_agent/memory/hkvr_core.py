@@ -250,6 +250,18 @@ class HkvrCore:
                     self._unreferenced.add(page.key)
         self._unindex(skey, old, 0)
 
+    def shareable(self, session_id: str, model: str, hashes: list[int] | tuple[int, ...]) -> list[list[HostPage]]:
+        """Per page, each rank's host page of the leading `hashes` that `session_id`'s own
+        restorable prefix holds: what a peer may be sent for this session (issue 40). Pages
+        another session (or tenant: the hashes are scoped) left are never in it."""
+        pre = self.sessions.get((session_id, model))
+        if pre is None:
+            return []
+        n, limit = 0, min(len(hashes), pre.published)
+        while n < limit and hashes[n] == pre.hashes[n]:
+            n += 1
+        return [[self.pages[(model, r, h)] for r in range(self.ranks)] for h in hashes[:n]]
+
     def session_tokens(self, session_id: str, model: str, page_size: int) -> int:
         pre = self.sessions.get((session_id, model))
         return 0 if pre is None else pre.published * page_size

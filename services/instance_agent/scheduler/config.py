@@ -34,6 +34,9 @@ class SchedulerConfig:
     # talaria), so a load is the host-to-device copy; off: a full engine reload (the
     # simulator prices it at RELOAD_OVER_WAKE x the copy, talaria/sim/executor.py).
     weights_in_host: bool = True
+    # A return routed away from its KV pulls the pages from the instance holding them when the
+    # router priced that cheaper than recompute (issue 40); off: it recomputes, as before.
+    migrate: bool = True
     # Switch away from a model only once its running calls have finished (Dfin drains them).
     # The torch engine refuses `switch_to` while calls run, so this is the default; False is
     # the paper's resumable mode (running calls decode on in the model's next slot), which

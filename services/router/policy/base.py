@@ -77,6 +77,15 @@ class PolicyConfig:
     default_decode_s_per_tok: float = 0.03
     default_restore_s_per_tok: float = 4.3 / 25_000 / 10  # H2D restore ~10x recompute (ours)
     default_open_s: float = 2.011  # H2D fallback switch p50
+    # Beyond the paper's recompute (issue 40): a return whose KV pages another instance holds
+    # (its host registry or device) may pull them, priced bytes / link bandwidth + a fixed
+    # setup, and is migrated only where that is cheaper than recompute. The rates are what the
+    # destination's pulls measured (its snapshot); these fallbacks were measured on the dev box:
+    # the page protocol's pull of a 64K-token session over loopback, 134 MB in 1.31 s
+    # (results/migration.md, TTFT), and connect + first 64 KiB page over loopback, 0.6 ms.
+    migrate: bool = True
+    default_migrate_bytes_s: float = 0.1e9
+    default_migrate_setup_s: float = 0.6e-3
     # beyond the paper: place new sessions next to KV that shares their prompt prefix
     prefix_placement: bool = True
     # baselines

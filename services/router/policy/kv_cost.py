@@ -1,6 +1,6 @@
 """`kv-cost`: after NVIDIA Dynamo's KV router (KV-aware worker selection), loosely.
 
-Transplanted baseline (kept for the old matrix, results/matrix_transplanted.json): Dynamo's
+Transplanted baseline (kept for the old matrix, bench/data/matrix_transplanted.json): Dynamo's
 router as it is, with its defaults, is `dynamo-kv` (dynamo_kv.py). Source
 (ai-dynamo/dynamo `docs/router/kv_cache_routing.md`, "Cost Calculation"), its rule and our
 additions, which were NOT verified against Dynamo's code: `KvCost`.

@@ -1,6 +1,6 @@
 """`prefix-aware`: after the SGLang model gateway's (sgl-router) cache-aware policy, 2024.
 
-Transplanted baseline (kept for the old matrix, results/matrix_transplanted.json): the
+Transplanted baseline (kept for the old matrix, bench/data/matrix_transplanted.json): the
 current gateway's rule and defaults are `sglang-cache-aware` (sglang_cache_aware.py).
 Source (sgl-project/sglang `rust/README.md`, "Cache-Aware Load-Balancing Router"), its rule,
 defaults and our differences: `PrefixAware`.

@@ -37,6 +37,8 @@ def lease_problem(state: RouterState, lease: LeaseIssued, call: CallSubmitted, n
         return "instance_unhealthy"
     if view.pinned is not None and view.pinned != call.model:
         return "hot_pool_pinned"
+    if lease.instance_id in state.draining:  # `talaria drain`: its sessions return elsewhere
+        return "draining"
     kv = view.kv.get((call.session_id, call.model))
     if kv is not None and kv.state in ("device", "host"):
         return None

@@ -124,7 +124,8 @@ def test_nats_config_command_writes_private_users_for_an_external_nats(tmp_path)
     assert main(["nats-config", str(tmp_path), "--agents", "a0"]) == 0
     conf = json.loads((tmp_path / "auth.conf").read_text())
     names = {u["user"] for u in conf["authorization"]["users"]}
-    assert names == {"talaria-gateway", "talaria-router", "talaria-telemetry", "talaria-client", "talaria-agent-a0"}
+    assert names == {"talaria-gateway", "talaria-router", "talaria-telemetry", "talaria-admin", "talaria-client",
+                     "talaria-agent-a0"}
     assert all(p.stat().st_mode & 0o777 == 0o600 for p in tmp_path.iterdir())
     assert "TALARIA_NATS_USER=talaria-router" in (tmp_path / "router.env").read_text()
 
@@ -137,7 +138,16 @@ def test_with_tenants_every_nats_client_user_is_a_tenants_own():
     assert client_options("nats://talaria-client-acme:pw@127.0.0.1:4222") == {"inbox_prefix": "_INBOX.acme"}
     assert client_options("nats://127.0.0.1:4222") == {}
     assert tokens("acme", "c1") == "talaria.tokens.acme.c1" and tokens("", "c1") == "talaria.tokens._.c1"
-    assert set(generate_users([])) == {"gateway", "router", "telemetry", "client"}  # open gateway: one client user
+    assert set(generate_users([])) == {"gateway", "router", "telemetry", "admin", "client"}  # open gateway: one client user
+
+
+def test_only_the_admin_user_may_ask_the_routers_to_drain_and_it_reads_only_its_own_answers():
+    admin, router = permissions("admin"), permissions("router")
+    assert admin["publish"]["allow"] == ["talaria.admin.drain"] and admin["subscribe"]["allow"] == ["_TALARIA_ADMIN.>"]
+    assert "talaria.admin.drain" in router["subscribe"]["allow"] and "_TALARIA_ADMIN.>" in router["publish"]["allow"]
+    for role in ("gateway", "telemetry", "client"):
+        assert "talaria.admin.drain" not in permissions(role)["publish"]["allow"]
+    assert "talaria.admin.drain" not in permissions("agent", instance_id="a0")["publish"]["allow"]
 
 
 def test_the_gateway_answers_only_in_the_callers_own_inbox_space():

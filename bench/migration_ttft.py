@@ -1,0 +1,217 @@
+"""TTFT of a moved return on the torch engine: migrate (pull the pages over TCP) vs recompute.
+
+    python bench/migration_ttft.py [--tokens 4096,16384,65536] [--netns] [--out results/migration.md]
+
+A holder process runs the session's first call (N tokens of context, checkpointed to its
+host KV registry) and serves its pages (memory/page_server.py, on its engine thread). In
+this process a second torch engine takes the session's return (the context plus a short
+tool result): recompute = its prefill from nothing; migrate = page_client.pull over TCP,
+import into the host registry, then the prefill restoring those pages. TTFT = call start
+to first token, the pull included. Loopback: the holder on 127.0.0.1. --netns also runs
+it across two network hosts of this machine (tests/multihost/hosts.py: network namespaces
+on a bridge, the holder's link shaped to 1 Gbit/s by `tc`; this kernel lacks sch_netem, so
+the 0.5 ms latency cannot be added and is not). Replaces the "TTFT" section of --out
+and writes its plot beside it (.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from talaria.services.instance_agent.engine import Sequence, TorchEngine  # noqa: E402
+from talaria.shared.tokenizer import block_hashes, encode  # noqa: E402
+
+MODEL = "qwen3-tiny"
+SECTION = "## TTFT"
+TAIL = encode(" Tool output: 3 passed, 1 failed. Next step:", bos=False)
+
+
+def context(n: int) -> list[int]:
+    text = encode("def parse(s): return s.split(',')  # the agent reads, edits and tests the parser\n", bos=False)
+    return (text * (n // len(text) + 1))[:n]
+
+
+def engine(data: Path, n: int, warm: bool = True) -> TorchEngine:
+    pages = (n + 4096) // 16 + 64
+    eng = TorchEngine(data, [MODEL], kv_pages=pages, host_kv_pages=2 * pages, staging=False)  # a slot per TP rank (2)
+    if warm:  # first-call costs (allocations, kernels) out of the timed calls
+        eng.generate(Sequence("warm", "warm", MODEL, context(64), 1))
+    return eng
+
+
+def holder_main(n: int, host: str, port: int, data: Path) -> None:
+    """The holder: the first call, then serve its pages until stdin closes."""
+    from talaria.services.instance_agent.memory.page_server import PageServer
+
+    torch.set_num_threads(1)
+    eng = engine(data, n, warm=False)
+    eng.generate(Sequence("c1", "s1", MODEL, context(n), 1))
+
+    async def serve():
+        server = PageServer(lambda m, s, h, k: asyncio.to_thread(eng.export_pages, m, s, h, k), host, port)
+        await server.start()
+        print(f"ready {server.port}", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+        await server.close()
+
+    asyncio.run(serve())
+
+
+def first_token_s(eng: TorchEngine, seq: Sequence) -> float:
+    t0 = time.perf_counter()
+    step = eng.prefill([seq])[0]
+    while not step.token_id and not step.finished:  # chunked: until the first token
+        step = eng.prefill([], more=[seq])[0]
+    dt = time.perf_counter() - t0
+    eng.finish(seq)
+    return dt
+
+
+def measure(n: int, address: str, data: Path) -> dict:
+    from talaria.services.instance_agent.memory.page_client import pull
+
+    prompt = context(n) + TAIL
+    recompute = first_token_s(engine(data, n), Sequence("r", "r", MODEL, prompt, 1))
+    mover = engine(data, n)
+    t0 = time.perf_counter()
+    hashes = block_hashes(prompt[:-1], mover.page_size)
+    got = asyncio.run(pull(address, "s1", MODEL, hashes, timeout_s=600, max_bytes=1 << 34))
+    lay = got.layout
+    tokens = mover.import_pages(MODEL, "s1", got.hashes, got.slabs, lay.dtype, tuple(lay.shape), lay.ranks)
+    pulled = time.perf_counter() - t0
+    seq = Sequence("m", "s1", MODEL, prompt, 1, migrated_tokens=tokens)
+    migrate = pulled + first_token_s(mover, seq)
+    assert seq.kv_source == "migrated", (seq.kv_source, got.why, tokens)
+    return {"n": n, "recompute": recompute, "migrate": migrate, "pull": got.seconds, "bytes": got.bytes,
+            "tokens": tokens}
+
+
+def run_holder(n: int, data: Path, argv_prefix: list[str], host: str) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen([*argv_prefix, sys.executable, __file__, "--holder", str(n), "--host", host,
+                             "--data", str(data)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    for raw in proc.stdout:  # its engine logs first
+        line = raw.split()
+        if line[:1] == ["ready"]:
+            return proc, int(line[1])
+    proc.kill()
+    raise RuntimeError(f"the holder did not start (N={n})")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """TTFT by context size, migrate vs recompute, one panel per link (log scale)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    links = list(dict.fromkeys(r["link"] for r in rows))
+    fig, axes = plt.subplots(1, len(links), figsize=(5 * len(links), 3.6), squeeze=False)
+    for ax, link in zip(axes[0], links):
+        mine = [r for r in rows if r["link"] == link]
+        xs = range(len(mine))
+        ax.bar([x - 0.2 for x in xs], [r["recompute"] for r in mine], 0.4, label="recompute")
+        ax.bar([x + 0.2 for x in xs], [r["migrate"] for r in mine], 0.4, label="migrate (pull included)")
+        for x, r in zip(xs, mine):
+            ax.annotate(f"{r['migrate'] / r['recompute']:.2f}x", (x + 0.2, r["migrate"]), ha="center", va="bottom")
+        ax.set_xticks(list(xs), [f"{r['n'] // 1024}K" for r in mine])
+        ax.set_yscale("log")
+        ax.set_title(link.split(" (")[0])
+        ax.set_xlabel("context tokens")
+        ax.set_ylabel("TTFT of the moved return (s)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parse_table(text: str) -> list[dict]:
+    """The rows of --out's TTFT table (to redraw the plot without rerunning)."""
+    rows = []
+    for line in text.partition(SECTION)[2].splitlines():
+        c = [x.strip().strip("*") for x in line.strip().strip("|").split("|")]
+        if len(c) == 7 and c[1].replace(",", "").isdigit():
+            rows.append({"link": c[0], "n": int(c[1].replace(",", "")), "recompute": float(c[2]),
+                         "migrate": float(c[3])})
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="4096,16384,65536")
+    ap.add_argument("--netns", action="store_true", help="also across two network namespaces (root)")
+    ap.add_argument("--out", type=Path, default=Path("results/migration.md"))
+    ap.add_argument("--replot", action="store_true", help="redraw the PNG from --out's table, run nothing")
+    ap.add_argument("--holder", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
+    ap.add_argument("--data", type=Path, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.holder:
+        holder_main(args.holder, args.host, 0, args.data)
+        return 0
+    if args.replot:
+        plot(parse_table(args.out.read_text()), args.out.with_suffix(".png"))
+        return 0
+    torch.set_num_threads(1)
+    try:
+        sizes = [int(x) for x in args.tokens.split(",") if x]
+    except ValueError:
+        ap.error("--tokens: comma-separated token counts")
+    data = Path(tempfile.mkdtemp(prefix="migration-ttft-"))
+    links = [("loopback", [], "127.0.0.1", None)]
+    net = None
+    if args.netns:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from tests.multihost.hosts import Network, available
+        why = available()
+        if why:
+            ap.error(f"--netns: {why}")
+        net = Network(("holder",)).create()
+        shaped = net.shape("holder", 0.5, "1gbit")
+        h = net.hosts["holder"]
+        links.append((f"two hosts ({shaped})", ["ip", "netns", "exec", h.name], h.ip, None))
+    rows = []
+    try:
+        for label, prefix, host, _ in links:
+            for n in sizes:
+                proc, port = run_holder(n, data, prefix, "0.0.0.0" if prefix else host)
+                try:
+                    r = measure(n, f"{host}:{port}", data)
+                finally:
+                    proc.stdin.close()
+                    proc.wait(60)
+                r["link"] = label
+                rows.append(r)
+                print(f"{label} N={n}: recompute {r['recompute']:.3f} s, migrate {r['migrate']:.3f} s "
+                      f"({r['migrate'] / r['recompute']:.2f}x; pull {r['pull']:.3f} s, {r['bytes'] / 1e6:.1f} MB)",
+                      flush=True)
+    finally:
+        if net is not None:
+            net.destroy()
+    table = ["| link | context tokens | recompute TTFT (s) | migrate TTFT (s) | migrate / recompute | pull (s) | MB moved |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    table += [f"| {r['link']} | {r['n']:,} | {r['recompute']:.3f} | {r['migrate']:.3f} | "
+              f"**{r['migrate'] / r['recompute']:.2f}x** | {r['pull']:.3f} | {r['bytes'] / 1e6:.1f} |" for r in rows]
+    cmd = f"python bench/migration_ttft.py --tokens {args.tokens}{' --netns' if args.netns else ''}"
+    body = [SECTION, "", f"`{cmd}` (torch engine, {MODEL} on CPU, {os.cpu_count()} cores shared; one run each). "
+            "The return is the context plus a short tool result; TTFT includes the pull. The recompute baseline "
+            "is measured in the same run.", "", *table, ""]
+    print("\n".join(body))
+    text = args.out.read_text() if args.out.exists() else "# KV migration (issue 40)\n\n"
+    head, _, rest = text.partition(SECTION)
+    tail = rest[rest.find("\n## "):] if "\n## " in rest else ""
+    args.out.write_text(head.rstrip() + "\n\n" + "\n".join(body) + tail)
+    plot(rows, args.out.with_suffix(".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""The agent's side of KV migration (issue 40): it serves its host pages to peers and pulls a
+routed call's pages from the holder the router named (CallRouted.kv_from) before the call
+is scheduled. Transport: the page protocol over TCP (memory/page_*.py), chosen at start and
+logged; Mooncake's transfer engine is not wired in (docs/migration.md).
+
+Engine state is read and written on the engine thread only (EngineThread.call). A pull is
+bounded (MAX_BYTES, a timeout from the measured link) and runs as a task cancelled with its
+call; whatever arrives verified is imported as the session's host prefix, the rest recomputed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from talaria.services.instance_agent.engine.contract import PageStore
+from talaria.services.instance_agent.engine.device_model import EMA
+from talaria.services.instance_agent.memory.page_client import pull
+from talaria.services.instance_agent.memory.page_server import PageServer
+from talaria.shared.events import CallRouted
+from talaria.shared.stats import ewma
+from talaria.shared.tokenizer import block_hashes
+
+MAX_BYTES = 8 << 30  # one pull moves at most this much (a 1M-token context of a mid-size model)
+MIN_TIMEOUT_S = 5.0  # a pull's time bound: this, or 4x its bytes at the measured link rate
+
+
+@dataclass(frozen=True)
+class Migrated:
+    tokens: int = 0  # prompt tokens now restorable from the pulled pages
+    bytes: int = 0
+    seconds: float = 0.0
+    why: str = ""  # why fewer pages than asked arrived ("" when all did)
+
+
+class KvMigration:
+    def __init__(self, store: PageStore, thread, log, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.store, self.thread, self.log = store, thread, log  # the engine, as a PageStore
+        self.server = PageServer(self._export, host, port)
+        self.address = ""
+        self.link_bytes_s: float | None = None  # this agent's pulls, measured (EWMA)
+        self.setup_s: float | None = None  # connect + the holder's layout answer (EWMA)
+
+    def bytes_per_token(self, model: str) -> int:
+        return self.store.kv_bytes_per_token(model)
+
+    async def start(self) -> str:
+        self.address = await self.server.start()
+        self.log.info("kv page transport", transport="tcp", address=self.address,
+                      why="mooncake transfer engine not wired in")
+        return self.address
+
+    async def close(self) -> None:
+        await self.server.close()
+
+    async def _export(self, model: str, session_id: str, hashes: list[int], limit: int) -> list:
+        return await self.thread.call(self.store.export_pages, model, session_id, hashes, limit)
+
+    async def pull_into(self, routed: CallRouted) -> Migrated:
+        """Pull the routed call's prefix pages from `routed.kv_from_address` into the host registry."""
+        call = routed.call
+        ps = self.store.page_size
+        hashes = block_hashes(call.prompt_ids[: len(call.prompt_ids) - 1], ps, scope=call.kv_scope)
+        if not hashes:
+            return Migrated(why="no full page to pull")
+        rate = self.link_bytes_s or 0.0
+        size = len(hashes) * ps * self.store.kv_bytes_per_token(call.model)
+        timeout = max(MIN_TIMEOUT_S, 4 * size / rate) if rate > 0 else MIN_TIMEOUT_S
+        got = await pull(routed.kv_from_address, call.session_id, call.model, hashes, timeout_s=timeout,
+                         max_bytes=MAX_BYTES)
+        tokens = 0
+        if got.hashes and got.layout is not None:
+            lay = got.layout
+            tokens = await self.thread.call(self.store.import_pages, call.model, call.session_id, got.hashes,
+                                            got.slabs, lay.dtype, tuple(lay.shape), lay.ranks)
+            self.setup_s = ewma(self.setup_s, got.setup_s, EMA)
+            if got.seconds > got.setup_s:
+                self.link_bytes_s = ewma(self.link_bytes_s, got.bytes / (got.seconds - got.setup_s), EMA)
+        self.log.info("kv pulled", call_id=call.call_id, holder=routed.kv_from, tokens=tokens, bytes=got.bytes,
+                      seconds=round(got.seconds, 4), why=got.why)
+        return Migrated(tokens, got.bytes if tokens else 0, got.seconds, got.why)

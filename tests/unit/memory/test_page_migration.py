@@ -1,0 +1,189 @@
+"""KV page migration between two torch engines over real TCP (issue 40): the holder's page
+server reads pages on its engine's thread, the puller checks each page on arrival, and a
+return on the other engine gets the same greedy tokens whether its pages migrated, arrived
+torn, stopped mid-transfer, or never came (recompute). Tenants' and sessions' pages stay theirs."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from talaria.services.instance_agent.engine import Sequence
+from talaria.services.instance_agent.memory.page_client import pull
+from talaria.services.instance_agent.memory.page_server import PageServer
+from talaria.shared.tokenizer import block_hashes, encode
+
+M = "qwen3-tiny"
+PROMPT = encode("<|system|>You are a careful coding agent. Read before you edit, run the tests after every "
+                "change.<|end|><|user|>parse('a,b') returns ['a,b']. Fix it.<|end|><|assistant|>")
+
+
+def generate(engine, call_id, session, prompt, n=8, **kw):
+    return engine.generate(Sequence(call_id, session, M, list(prompt), n, **kw))
+
+
+@pytest.fixture
+def pair(make_engine):
+    """The holder (s1's first call ran there, its pages checkpointed to host), its owner thread
+    and a fresh engine for the moved return; `follow` is that return's prompt, `expected` its
+    greedy tokens computed from scratch."""
+    holder, mover = make_engine([M]), make_engine([M])
+    owner = ThreadPoolExecutor(1, thread_name_prefix="holder-engine")
+    first = owner.submit(generate, holder, "c1", "s1", PROMPT).result()
+    follow = PROMPT + first.token_ids + encode("<|tool|>3 passed<|end|><|assistant|>", bos=False)
+    expected = generate(make_engine([M], hkvr=False, staging=False), "ref", "ref", follow).token_ids
+    yield holder, owner, mover, follow, expected
+    owner.shutdown()
+
+
+def serve(holder, owner, export=None):
+    async def on_owner_thread(model, session, hashes, limit):
+        return await asyncio.get_running_loop().run_in_executor(owner, holder.export_pages, model, session, hashes,
+                                                                limit)
+    return PageServer(export or on_owner_thread)
+
+
+def hashes_of(engine, prompt, scope=""):
+    return block_hashes(prompt[: len(prompt) - 1], engine.page_size, scope=scope)
+
+
+async def migrate(mover, address, follow, session="s1", scope="", **bounds):
+    bounds = {"timeout_s": 10.0, "max_bytes": 1 << 30, **bounds}
+    got = await pull(address, session, M, hashes_of(mover, follow, scope), **bounds)
+    layout = got.layout
+    tokens = mover.import_pages(M, "s1", got.hashes, got.slabs, layout.dtype, tuple(layout.shape), layout.ranks) \
+        if got.hashes else 0
+    return got, tokens
+
+
+def test_a_moved_return_gets_the_same_greedy_tokens_from_migrated_pages(pair):
+    holder, owner, mover, follow, expected = pair
+
+    async def go():
+        server = serve(holder, owner)
+        address = await server.start()
+        try:
+            return await migrate(mover, address, follow)
+        finally:
+            await server.close()
+
+    got, tokens = asyncio.run(go())
+    # the holder has the first call's full pages; the return's new tail is computed
+    assert got.why == f"the holder had {len(got.hashes)} of {len(hashes_of(mover, follow))} pages"
+    assert tokens == len(got.hashes) * mover.page_size > 0
+    assert got.bytes == len(got.hashes) * holder.page_bytes(M)
+    out = generate(mover, "c2", "s1", follow, migrated_tokens=tokens)
+    assert out.kv_source == "migrated" and out.cached_tokens >= tokens
+    assert out.token_ids == expected
+
+
+async def through_link(address, mangle):
+    """A real TCP hop in front of the holder: the request goes through as is, the reply as
+    `mangle(chunk, offset)` makes it (None: the link dies there)."""
+    async def hop(r, w):
+        ur, uw = await asyncio.open_connection(*address.split(":"))
+        uw.write(await r.read(1 << 16))
+        sent = 0
+        while chunk := await ur.read(1 << 16):
+            out = mangle(chunk, sent)
+            if out is None:
+                break
+            w.write(out)
+            sent += len(chunk)
+        await w.drain()
+        w.close()
+        uw.close()
+
+    proxy = await asyncio.start_server(hop, "127.0.0.1", 0)
+    return proxy, "127.0.0.1:%d" % proxy.sockets[0].getsockname()[1]
+
+
+def moved_through(pair, mangle):
+    holder, owner, mover, follow, _ = pair
+
+    async def go():
+        server = serve(holder, owner)
+        proxy, address = await through_link(await server.start(), mangle)
+        try:
+            return await migrate(mover, address, follow)
+        finally:
+            proxy.close()
+            await server.close()
+
+    return asyncio.run(go())
+
+
+def test_a_page_torn_in_transit_ends_the_prefix_and_the_rest_is_recomputed_with_the_same_tokens(pair):
+    holder, _, mover, follow, expected = pair
+    at = int(2.5 * holder.page_bytes(M))  # a byte inside the third page's slabs
+
+    def flip(chunk, offset):
+        if offset <= at < offset + len(chunk):
+            chunk = bytearray(chunk)
+            chunk[at - offset] ^= 1
+        return bytes(chunk)
+
+    got, tokens = moved_through(pair, flip)
+    assert len(got.hashes) == 2 and "hash check" in got.why
+    out = generate(mover, "c2", "s1", follow, migrated_tokens=tokens)
+    assert out.token_ids == expected
+
+
+def test_a_holder_dying_mid_transfer_leaves_a_verified_prefix_and_the_same_tokens(pair):
+    holder, _, mover, follow, expected = pair
+    cut = 3 * holder.page_bytes(M)  # the holder's link dies a little before three pages
+
+    got, tokens = moved_through(pair, lambda chunk, offset: chunk[: cut - offset] if offset < cut else None)
+    assert 0 < len(got.hashes) < 3 and "broke" in got.why
+    out = generate(mover, "c2", "s1", follow, migrated_tokens=tokens)
+    assert out.kv_source == "migrated" and out.token_ids == expected
+
+
+def test_pages_go_only_to_the_same_tenant_and_session_and_within_the_byte_bound(pair):
+    holder, owner, mover, follow, _ = pair
+
+    async def go():
+        server = serve(holder, owner)
+        address = await server.start()
+        try:
+            other_tenant = await pull(address, "s1", M, hashes_of(mover, follow, scope="tenant-b"), timeout_s=10,
+                                      max_bytes=1 << 30)
+            other_session = await pull(address, "s2", M, hashes_of(mover, follow), timeout_s=10, max_bytes=1 << 30)
+            bounded = await pull(address, "s1", M, hashes_of(mover, follow), timeout_s=10,
+                                 max_bytes=2 * holder.page_bytes(M))
+            return other_tenant, other_session, bounded
+        finally:
+            await server.close()
+
+    other_tenant, other_session, bounded = asyncio.run(go())
+    assert other_tenant.hashes == [] and other_session.hashes == []
+    assert len(bounded.hashes) == 2
+
+
+def test_a_silent_holder_is_given_up_at_the_time_bound_and_a_cancelled_pull_closes_its_connection():
+    async def go():
+        connected, seen_eof = asyncio.Event(), asyncio.Event()
+
+        async def silent(r, w):
+            connected.set()
+            await r.read()  # returns at EOF: the puller closed the connection
+            seen_eof.set()
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        address = "127.0.0.1:%d" % server.sockets[0].getsockname()[1]
+        timed = await pull(address, "s1", M, [1, 2], timeout_s=0.2, max_bytes=1 << 20)
+        connected.clear()
+        seen_eof.clear()
+        task = asyncio.create_task(pull(address, "s1", M, [1, 2], timeout_s=60, max_bytes=1 << 20))
+        await asyncio.wait_for(connected.wait(), 5)
+        task.cancel()  # the call was cancelled
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(seen_eof.wait(), 5)  # the holder sees the connection go
+        server.close()
+        return timed
+
+    timed = asyncio.run(go())
+    assert timed.hashes == [] and "timed out" in timed.why
