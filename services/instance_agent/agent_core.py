@@ -1,26 +1,11 @@
 """AgentCore: the instance agent's pure core, driven by two executors.
 
-    routed call ──accept──▶ AgentCall (its one record) ──▶ RoundScheduler.submit
-    executor loop: action = core.next_action(now)
-                   runs it (torch engine on the wall clock | cost profile on a virtual clock)
-                   core.switch_done / prefill_done / decode_done(action, now, ...) → StepReport
-    StepReport: calls finished (executor releases them, then core.completed → CallCompleted),
-             RoundSummary and SwitchDone messages, notes (CallParked / DeadlineRisk)
-    core.snapshot(...) → InstanceSnapshot (the one snapshot builder)
-
-The core keeps the agent's one table of calls (`calls`, a `CallTable`: an `AgentCall` per call
-id, with its phase and timeline: queue, slot wait, first token, whether its slot began with a
-model switch; the scheduler it builds is handed the same table and keeps its queues in it)
-and the translation of scheduler events into the wire messages. A call's phase is
-the truth about it:
-
-    QUEUED ──prefill issued──▶ RUNNING ──executor closes it──▶ CLOSING ──outcome stored──▶ FINISHED
-    (a cancel for a call not here yet: CANCELLED, so the call is refused when it arrives)
-
-An executor that must answer late copies of a call (the live runner: a redelivered message is
-acked, never run again) keeps ended calls (`keep_ended`); the simulator keeps none. It reads no clock and touches no engine, bus or profile,
-so the live `CallRunner` (services/instance_agent/runner.py) and the simulator's
-`SimExecutor` (talaria/sim/executor.py) publish the same records for the same schedule.
+The live `CallRunner` (runner.py, torch engine on the wall clock) and the simulator's
+`SimExecutor` (talaria/sim/executor.py, a cost profile on a virtual clock) drive the same
+core: it keeps the agent's one call table, turns routed calls into scheduler work and
+scheduler events into the wire's records, and builds the snapshot. It reads no clock and
+touches no engine, bus or profile, so both publish the same records for the same schedule.
+The loop and a call's phases are `AgentCore`'s docstring.
 """
 
 from __future__ import annotations
@@ -64,7 +49,30 @@ class StepReport:
 
 
 class AgentCore:
-    """Routed calls in, scheduler work out; scheduler events in, wire records out."""
+    """Routed calls in, scheduler work out; scheduler events in, wire records out.
+
+        routed call ──accept──▶ AgentCall (its one record) ──▶ RoundScheduler.submit
+        executor loop: action = core.next_action(now)
+                       runs it (torch engine on the wall clock | cost profile on a virtual clock)
+                       core.switch_done / prefill_done / decode_done(action, now, ...) → StepReport
+        StepReport: calls finished (executor releases them, then core.completed → CallCompleted),
+                 RoundSummary and SwitchDone messages, notes (CallParked / DeadlineRisk)
+        core.snapshot(...) → InstanceSnapshot (the one snapshot builder)
+
+    The core keeps the agent's one table of calls (`calls`, a `CallTable`: an `AgentCall` per call
+    id, with its phase and timeline: queue, slot wait, first token, whether its slot began with a
+    model switch; the scheduler it builds is handed the same table and keeps its queues in it)
+    and the translation of scheduler events into the wire messages. A call's phase is
+    the truth about it:
+
+        QUEUED ──prefill issued──▶ RUNNING ──executor closes it──▶ CLOSING ──outcome stored──▶ FINISHED
+        (a cancel for a call not here yet: CANCELLED, so the call is refused when it arrives)
+
+    An executor that must answer late copies of a call (the live runner: a redelivered message is
+    acked, never run again) keeps ended calls (`keep_ended`); the simulator keeps none. It reads no clock and touches no engine, bus or profile,
+    so the live `CallRunner` (services/instance_agent/runner.py) and the simulator's
+    `SimExecutor` (talaria/sim/executor.py) publish the same records for the same schedule.
+    """
 
     def __init__(self, instance_id: str, config: SchedulerConfig, models: Sequence[str], costs: StepCostModel,
                  keep_ended: int = 0) -> None:

@@ -2,95 +2,12 @@
 
     Cost(r, i) = dR_req(r, i) + C_KV(r, i) + C_act(m_r, i)          (paper Eq. 1, seconds)
 
-    dR_req  queue_s   = the agent's predicted prefill ahead (its calibrated costs: a queued
-                        prompt whose prefix is on device costs its new tokens only)
-                        + the rest of the prefill under way there (prefill_left_s: a long
-                        prompt's later chunks, which r's every step alternates with)
-                        + overlay tokens still to compute * prefill rate
-                        + round_remaining_s if m_r is not the active model (wait for the slot)
-                        (audited as queue_s: the work queued there)
-            reserved_s = live leases on i * lease_charge_s   (lease admission units)
-            prefill_s = (prompt - reusable prefix K) * prefill rate  (the new suffix only)
-            decode_s  = expected output * decode rate (the model's measured rate); the
-                        expected output is estimated online, never max_tokens (a cap)
-                        (output_estimate.py)
-                        + stretch, with price_round_sharing (ours):
-                        stretch = decode * k + k * switch_s, k = other models in i's rounds
-                        (queued, active with calls running or queued, routed since the
-                        snapshot, or with sessions that live on i between calls, homes.py;
-                        an idle instance's last model whose sessions there have been idle
-                        past every measured gap counts 1 / (gaps + 1), _comeback): every
-                        such model takes a slot of each round and a switch before it, so
-                        r's decode stretches; it steers sessions to instances that rotate
-                        fewer models, and prices a move that would add a model to a rotation
-    C_KV    0 if the prefix is on device, K * restore rate if host-restorable,
-            K * prefill rate (profiled recompute) otherwise; or, where another instance
-            holds r's session pages (its host registry or device: "remote", issue 40),
-            migrate: setup + K_r * bytes/token / link bytes/s + K_r * restore rate
-            + (K - K_r) * prefill rate, chosen only where cheaper than recompute
-            (kv_state "migrated", kv_from the holder). Link rate and setup are what i's
-            own pulls measured (its snapshot), else PolicyConfig's measured defaults.
-    C_act   0 if m_r is active, advertised switch cost if resident/staged, open cost otherwise
-
-    placement_s (ours) = the session's later calls x stretch: where r goes, the session
-            stays (leases, KV), so each later call pays that rotation again. Later calls are
-            measured, not tuned: a return expects about as many more as it made, a first call
-            the calls per session its model has shown so far. So a long session leaves a
-            crowded rotation once the recompute pays for itself, and a new one joins the
-            instance whose rotation its whole session would stretch least.
-            A first call also pays the calls running on i * new_session_running_s (a tuned
-            constant, flat in the matrix's sensitivity table): the occupancy its later calls
-            will share.
-            join (ours, price_rotation_join): where r's model is new to i's rotation (nothing
-            of it runs, is queued, was routed there or lives there between calls), the
-            sessions of other models living on i (homes.py) x (r's decode + switch_s) x
-            (1 + later): each of them waits through r's slot and one more switch per round,
-            for every call r's session makes. The stretch above is what r suffers in a
-            rotation; this is what r's session does to the sessions already there. Not on hot
-            instances (their other models' sessions are leaving).
-            move (ours): a return whose KV is not here (its session's context lives on another
-            instance, or was lost) recomputes it here, kv_s of work its home would not need,
-            and every other session living here (homes.py; a call running, or between calls
-            and coming back) waits behind it: chunked prefill shares each step with their
-            calls. So a move also pays kv_s x those sessions. The terms above are what r
-            suffers; this, like join, is what r does to the others. Measured (issue 21, real
-            WEKA sessions, gaps capped at 10 s, 6 seeds): returns moved 19-55 / 6-12 of
-            ~9,700 at 60 / 100 % load instead of 65-160 / 78-138 (before it and the hot pools'
-            forecast), SCT p50 over the best peer 1.053x -> 1.046x and 1.081x -> 1.014x; with
-            the users' gaps kept moves 40-83 -> 3-30 at the same SCT (results/matrix_notes.md).
-            placement_s ranks candidates; admission and Eq. 2 use the Eq. 1 terms only
-            (Eq. 2's demand already counts the later calls).
-
-Rates (seconds per token) are the model's own, never another's: where m_r is active, what
-i's engine reports (step tokens / step time); elsewhere, what the engines running m_r
-report (ModelProfile.engine_*, folded from snapshots). A snapshot's rates belong to its
-active model, and a completion's prefill_s is the time of every step it shared (batch
-mates, a host restore), so prefill_s / its own new tokens overstated the rate up to ~18x
-for short suffixes (measured in the matrix) and priced recompute and admission from noise.
-Completion-derived rates remain the fallback for prefill (agents that report none), and
-the first choice for decode (a call's time per token, its batch included; before any
-completion: i's engine rate where m_r is active there, else the configured default).
-
-Each term is charged once: the reusable prefix K is in C_KV only and the suffix in
-prefill_s only, so recompute is never counted twice; activation is never in dR_req.
-
-Admission (both must pass, else the candidate is kept in the audit with feasible=False):
-    round:  queue_s + reserved_s + prefill_s + kv_recovery_s + activation_s <= gamma * ttft_target
-            (the simulated load ahead of and including r's prefill in its slot; an instance
-            with nothing ahead of r always passes, so an oversized call is never starved;
-            with kv_home_admits, an instance holding r's own KV on device or host passes
-            too; a prefix another session left there does not count)
-    HBM:    an absent model's weights fit HBM and r's prompt fits the KV pool; else "hbm",
-            hard: r can never start there. r's expected KV (prompt + the KV quantile of its
-            output, output_estimate.py; not prompt + max_tokens, a cap it seldom uses) beside
-            the KV running calls hold: where it does not fit, "kv_full", soft. An instance
-            with room is preferred, unless r's own KV is here (with kv_home_admits r waits
-            at home, as it passes round admission there, rather than recompute elsewhere);
-            where none has any, the call queues (overload "queue") and the engine admits it
-            as KV frees, or preempts it if its output outgrows the pool, as every peer's
-            engine does. Refusing it (before any completion the estimate is the client's
-            cap: 32,000 from Claude Code) made talaria reject calls at 60 % load on a
-            KV-tight server that every peer served.
+dR_req: the work queued on i, the new suffix's prefill, the expected output's decode (an
+online estimate, never max_tokens), stretched by the other models in i's rounds; C_KV: 0 on
+device, restore from host, migrate from another instance's pages (issue 40) or recompute,
+whichever is cheapest; C_act: the model's activation on i. Each term, the admission checks
+and the replica rule, with the measurements behind their choices, are `CostModel`'s
+docstring.
 """
 
 from __future__ import annotations
@@ -195,6 +112,97 @@ def _static_terms(cfg: PolicyConfig, view: InstanceView, model: str, prof, state
 
 
 class CostModel:
+    """dR_req  queue_s   = the agent's predicted prefill ahead (its calibrated costs: a queued
+                            prompt whose prefix is on device costs its new tokens only)
+                            + the rest of the prefill under way there (prefill_left_s: a long
+                            prompt's later chunks, which r's every step alternates with)
+                            + overlay tokens still to compute * prefill rate
+                            + round_remaining_s if m_r is not the active model (wait for the slot)
+                            (audited as queue_s: the work queued there)
+                reserved_s = live leases on i * lease_charge_s   (lease admission units)
+                prefill_s = (prompt - reusable prefix K) * prefill rate  (the new suffix only)
+                decode_s  = expected output * decode rate (the model's measured rate); the
+                            expected output is estimated online, never max_tokens (a cap)
+                            (output_estimate.py)
+                            + stretch, with price_round_sharing (ours):
+                            stretch = decode * k + k * switch_s, k = other models in i's rounds
+                            (queued, active with calls running or queued, routed since the
+                            snapshot, or with sessions that live on i between calls, homes.py;
+                            an idle instance's last model whose sessions there have been idle
+                            past every measured gap counts 1 / (gaps + 1), _comeback): every
+                            such model takes a slot of each round and a switch before it, so
+                            r's decode stretches; it steers sessions to instances that rotate
+                            fewer models, and prices a move that would add a model to a rotation
+        C_KV    0 if the prefix is on device, K * restore rate if host-restorable,
+                K * prefill rate (profiled recompute) otherwise; or, where another instance
+                holds r's session pages (its host registry or device: "remote", issue 40),
+                migrate: setup + K_r * bytes/token / link bytes/s + K_r * restore rate
+                + (K - K_r) * prefill rate, chosen only where cheaper than recompute
+                (kv_state "migrated", kv_from the holder). Link rate and setup are what i's
+                own pulls measured (its snapshot), else PolicyConfig's measured defaults.
+        C_act   0 if m_r is active, advertised switch cost if resident/staged, open cost otherwise
+
+        placement_s (ours) = the session's later calls x stretch: where r goes, the session
+                stays (leases, KV), so each later call pays that rotation again. Later calls are
+                measured, not tuned: a return expects about as many more as it made, a first call
+                the calls per session its model has shown so far. So a long session leaves a
+                crowded rotation once the recompute pays for itself, and a new one joins the
+                instance whose rotation its whole session would stretch least.
+                A first call also pays the calls running on i * new_session_running_s (a tuned
+                constant, flat in the matrix's sensitivity table): the occupancy its later calls
+                will share.
+                join (ours, price_rotation_join): where r's model is new to i's rotation (nothing
+                of it runs, is queued, was routed there or lives there between calls), the
+                sessions of other models living on i (homes.py) x (r's decode + switch_s) x
+                (1 + later): each of them waits through r's slot and one more switch per round,
+                for every call r's session makes. The stretch above is what r suffers in a
+                rotation; this is what r's session does to the sessions already there. Not on hot
+                instances (their other models' sessions are leaving).
+                move (ours): a return whose KV is not here (its session's context lives on another
+                instance, or was lost) recomputes it here, kv_s of work its home would not need,
+                and every other session living here (homes.py; a call running, or between calls
+                and coming back) waits behind it: chunked prefill shares each step with their
+                calls. So a move also pays kv_s x those sessions. The terms above are what r
+                suffers; this, like join, is what r does to the others. Measured (issue 21, real
+                WEKA sessions, gaps capped at 10 s, 6 seeds): returns moved 19-55 / 6-12 of
+                ~9,700 at 60 / 100 % load instead of 65-160 / 78-138 (before it and the hot pools'
+                forecast), SCT p50 over the best peer 1.053x -> 1.046x and 1.081x -> 1.014x; with
+                the users' gaps kept moves 40-83 -> 3-30 at the same SCT (results/matrix_notes.md).
+                placement_s ranks candidates; admission and Eq. 2 use the Eq. 1 terms only
+                (Eq. 2's demand already counts the later calls).
+
+    Rates (seconds per token) are the model's own, never another's: where m_r is active, what
+    i's engine reports (step tokens / step time); elsewhere, what the engines running m_r
+    report (ModelProfile.engine_*, folded from snapshots). A snapshot's rates belong to its
+    active model, and a completion's prefill_s is the time of every step it shared (batch
+    mates, a host restore), so prefill_s / its own new tokens overstated the rate up to ~18x
+    for short suffixes (measured in the matrix) and priced recompute and admission from noise.
+    Completion-derived rates remain the fallback for prefill (agents that report none), and
+    the first choice for decode (a call's time per token, its batch included; before any
+    completion: i's engine rate where m_r is active there, else the configured default).
+
+    Each term is charged once: the reusable prefix K is in C_KV only and the suffix in
+    prefill_s only, so recompute is never counted twice; activation is never in dR_req.
+
+    Admission (both must pass, else the candidate is kept in the audit with feasible=False):
+        round:  queue_s + reserved_s + prefill_s + kv_recovery_s + activation_s <= gamma * ttft_target
+                (the simulated load ahead of and including r's prefill in its slot; an instance
+                with nothing ahead of r always passes, so an oversized call is never starved;
+                with kv_home_admits, an instance holding r's own KV on device or host passes
+                too; a prefix another session left there does not count)
+        HBM:    an absent model's weights fit HBM and r's prompt fits the KV pool; else "hbm",
+                hard: r can never start there. r's expected KV (prompt + the KV quantile of its
+                output, output_estimate.py; not prompt + max_tokens, a cap it seldom uses) beside
+                the KV running calls hold: where it does not fit, "kv_full", soft. An instance
+                with room is preferred, unless r's own KV is here (with kv_home_admits r waits
+                at home, as it passes round admission there, rather than recompute elsewhere);
+                where none has any, the call queues (overload "queue") and the engine admits it
+                as KV frees, or preempts it if its output outgrows the pool, as every peer's
+                engine does. Refusing it (before any completion the estimate is the client's
+                cap: 32,000 from Claude Code) made talaria reject calls at 60 % load on a
+                KV-tight server that every peer served.
+    """
+
     def __init__(self, config: PolicyConfig) -> None:
         self.cfg = config
         self.budget = config.gamma * config.ttft_target_s

@@ -4,31 +4,10 @@
           ▲                                                                            │
           └── + gap(i+1) ◄── CallCompleted ──► RouterCore.handle (leases) ◄────────────┘
 
-The router is the project's own `RouterCore` with a policy from the registry, driven on
-the virtual clock. Instances report `InstanceSnapshot`s the way live agents heartbeat:
-lazily, right before a routing decision, each instance whose last snapshot is older than
-`heartbeat_s` sends a fresh one (equivalent to periodic heartbeats for every decision the
-router makes, without simulating idle heartbeats). Like a live agent, an instance also
-sends one when a call finishes there, at most every `snapshot_on_change_s` (the router
-learns of freed capacity and the session's KV at once, not a heartbeat later).
-`RouterCore.tick` runs before each decision and once at the end, so lease expiry is
-observed at decision times.
-
-Router replicas (`routers` > 1): N RouterCores, each owning the sessions of its partitions
-(ownership.Partitioning) as live; snapshots reach every router at once (core NATS, as
-live), but one router's outputs (routed calls, leases) and the completions it did not
-receive reach the others `propagation_s` later (the stream-view lag measured live): until
-then they place with a stale view of that instance.
-
-A rejected call (503) is retried the way agents retry (talaria/sim/agents.py): after the
-decision's Retry-After, up to a bound; its schedule-aware TTFT keeps counting from the
-original release, and a call that gives up leaves its session incomplete (SCT = inf).
-Each call carries the block hashes the gateway would compute for its prompt.
-
-No oracle: a call is submitted with its client's `max_tokens` (the trace's, else a client
-default, traces/caps.py), never its true output length, which only the instance executing
-it learns (it stops there, as a live engine stops at EOS). Every policy sees what a live
-router sees.
+The router is the project's own `RouterCore` on the virtual clock; instances report
+snapshots as live agents heartbeat; no oracle: a call carries its client's `max_tokens`,
+never its true length. Snapshots, router replicas, retries and what a call carries are
+`Cluster`'s docstring.
 """
 
 from __future__ import annotations
@@ -146,6 +125,33 @@ class RunResult:
 
 
 class Cluster:
+    """The router is the project's own `RouterCore` with a policy from the registry, driven on
+    the virtual clock. Instances report `InstanceSnapshot`s the way live agents heartbeat:
+    lazily, right before a routing decision, each instance whose last snapshot is older than
+    `heartbeat_s` sends a fresh one (equivalent to periodic heartbeats for every decision the
+    router makes, without simulating idle heartbeats). Like a live agent, an instance also
+    sends one when a call finishes there, at most every `snapshot_on_change_s` (the router
+    learns of freed capacity and the session's KV at once, not a heartbeat later).
+    `RouterCore.tick` runs before each decision and once at the end, so lease expiry is
+    observed at decision times.
+
+    Router replicas (`routers` > 1): N RouterCores, each owning the sessions of its partitions
+    (ownership.Partitioning) as live; snapshots reach every router at once (core NATS, as
+    live), but one router's outputs (routed calls, leases) and the completions it did not
+    receive reach the others `propagation_s` later (the stream-view lag measured live): until
+    then they place with a stale view of that instance.
+
+    A rejected call (503) is retried the way agents retry (talaria/sim/agents.py): after the
+    decision's Retry-After, up to a bound; its schedule-aware TTFT keeps counting from the
+    original release, and a call that gives up leaves its session incomplete (SCT = inf).
+    Each call carries the block hashes the gateway would compute for its prompt.
+
+    No oracle: a call is submitted with its client's `max_tokens` (the trace's, else a client
+    default, traces/caps.py), never its true output length, which only the instance executing
+    it learns (it stops there, as a live engine stops at EOS). Every policy sees what a live
+    router sees.
+    """
+
     def __init__(self, sessions: list[Session], config: RunConfig) -> None:
         self.sessions = sessions
         self.config = config

@@ -1,27 +1,10 @@
 """The simulator's executor of the agent core: a cost profile on a virtual clock.
 
 The live agent's `CallRunner` runs `AgentCore` actions on the torch engine; `SimExecutor`
-runs the same core's actions by pricing them with the server profile. The core (and its
-`RoundScheduler`) decides everything an instance decides (which model, which calls, P or
-SP, how long a slot decodes, when to switch) and writes the records (`CallCompleted`,
-`RoundSummary`, `SwitchDone`, `InstanceSnapshot`); this module only prices each action,
-keeps the device KV / HKVR / staging state (memory.py) and reports completions back.
-
-Speed: decode runs as multi-step actions (`next_action(now, max_decode_steps=K)`); the
-scheduler cuts each at the next boundary it would act on. When a call is submitted while
-a multi-step decode runs, the executor stops that decode at the first step boundary at or
-after the submission and reports the steps it ran, so the schedule equals one-token-at-a-time
-stepping (tests/unit/scheduler/test_sched_multistep.py). A k-step decode costs the sum of
-its k step times (`decode_steps_s`: exact for the profile's decode cost, linear in context).
-
-Paper-mode switches (`drain_on_switch=False`, paper §3.4: D_fin spends the remaining
-protected budget, then the device switches with calls still running): running calls of
-the outgoing model keep their KV parked (§4.2). With `park_kv` (every configuration but
-round-only) it stays on device while HBM has room (the agent's own `ParkedKv` planner,
-memory/parked_kv.py), moved out of the incoming weights' way and back into the pool at the
-D2D rate; what the planner offloads under pressure (or all of it, without `park_kv`) is
-restored at the KV restore bandwidth when the model's slot comes back, and the time is
-added to the switch that reopens the model [asm].
+runs the same core's actions by pricing them with the server profile. The core decides
+everything an instance decides and writes the records; this module only prices each action,
+keeps the device KV / HKVR / staging state (memory.py) and reports completions back. How
+multi-step decode and paper-mode switches are priced is `SimExecutor`'s docstring.
 """
 
 from __future__ import annotations
@@ -100,7 +83,24 @@ class Job:
 
 class SimExecutor:
     """One simulated instance (GPU group). Handlers return the events they cause (event_loop.py);
-    `sink.completed(job, CallCompleted, now)` hears of every finished call."""
+    `sink.completed(job, CallCompleted, now)` hears of every finished call.
+
+    Speed: decode runs as multi-step actions (`next_action(now, max_decode_steps=K)`); the
+    scheduler cuts each at the next boundary it would act on. When a call is submitted while
+    a multi-step decode runs, the executor stops that decode at the first step boundary at or
+    after the submission and reports the steps it ran, so the schedule equals one-token-at-a-time
+    stepping (tests/unit/scheduler/test_sched_multistep.py). A k-step decode costs the sum of
+    its k step times (`decode_steps_s`: exact for the profile's decode cost, linear in context).
+
+    Paper-mode switches (`drain_on_switch=False`, paper §3.4: D_fin spends the remaining
+    protected budget, then the device switches with calls still running): running calls of
+    the outgoing model keep their KV parked (§4.2). With `park_kv` (every configuration but
+    round-only) it stays on device while HBM has room (the agent's own `ParkedKv` planner,
+    memory/parked_kv.py), moved out of the incoming weights' way and back into the pool at the
+    D2D rate; what the planner offloads under pressure (or all of it, without `park_kv`) is
+    restored at the KV restore bandwidth when the model's slot comes back, and the time is
+    added to the switch that reopens the model [asm].
+    """
 
     def __init__(self, instance_id: str, server: ServerProfile, config: SchedulerConfig, sink,
                  max_decode_steps: int = 4096, view: DeviceView | None = None) -> None:

@@ -1,45 +1,12 @@
 """`talaria sim experiments matrix`: every policy on a grid of generated agent workloads.
 
-Design (one factor at a time around a base, every level of every factor present):
-
-    base      depth ~30 calls, prompt ~25K, output ~250, paper gaps, Poisson arrivals,
-              3 equal models, 4 instances; swept over offered load 30/60/80/100/120 %
-    variants  each other level of one factor (depth 5/100, prompt 8K/100K, output 50/1,000,
-              heavy-tailed gaps, bursts, 20 Zipf models, 1/16 instances, a 16K-token system
-              prompt + tool schema shared by a model's sessions, human turns of minutes
-              between some calls, mixed depths), at 60 % and 100 %
-    product   the last three together (an agent product), at 60/100/120 %
-    mix=shift 3 Zipf(1.5) models whose popular model changes halfway (shifted_mix), at
-              60/100 %: a static split sized on the whole trace is wrong in each half
-    WEKA      the shipped sessions: the fixed replay (30 model-sessions at t=0, one
-              paper TP=8 server) and the router testbed (TP=4 models, 2 instances, high load),
-              each model's sessions opening with the shared system prompt real sessions have
-              (workloads.SYSTEM_PROMPT_TOKENS, scaled as the replays' prompts are)
-
-Workloads come from `workloads.agent_sessions` (seeded; cell k uses seed `seed + k`).
-
-Capacity. An instance's capacity is the session throughput it sustains if every call finds
-its reusable prefix on device and no model switch is ever paid (a work-conserving upper
-bound, so 100 % is the most a perfect session-aware policy could carry): a session's work
-is sum over its calls of prefill(new tokens on top of the reusable prefix, or of the
-shared system prompt for a prompt that starts afresh) + output tokens
-x decode step at the saturated batch / batch, where the saturated batch is min(max_batch,
-KV pool tokens / mean context). capacity = instances / mean session work (sessions/s);
-a cell at load L starts sessions at L x capacity. Switches, recompute after a move and
-queueing are what a policy loses against this bound.
-
-Policies: the faithful peers (round-robin, sglang-cache-aware, dynamo-kv, llm-d,
-vllm-stack-session; services/router/policy/, each citing its source and defaults), each
-deployed as it is deployed (deployment.py: per-model hot pools split by the cell's demand
-where the models fit the instances, serverless on-demand loading where they do not);
-`talaria` (our configuration: where the models fit, hot pools that start from an even split
-and that its router resizes online from measured demand, services/router/hot_pools.py, never
-the peers' forecast; its cold pool elsewhere) and `talaria-paper` (the same policy under the paper's rules: Eq. 1 ranking
-only, the paper's admission, fixed tau, reject on overload); with `--ablations` also
-talaria without leases, without its instance mechanisms, without KV migration
-(talaria-no-migrate), and with the peers' forecast pools in place of its online ones
-(talaria-forecast-pools). Each run keeps its `kv_sources` (migrated beside recompute). Runs go to a process pool
-(2 workers by default: this machine's cores).
+One factor at a time around a base (depth, prompt, output, gaps, bursts, catalogue,
+instances, shared prefix, human turns, mixed depths; a product cell; a demand shift; the
+WEKA sessions), each at several offered loads. Load is relative to a work-conserving
+capacity (every prefix on device, no switch), so 100 % is the most a perfect session-aware
+policy could carry. Talaria runs against every peer deployment of the registry
+(`configs.peer_deployments()`), each on its own mechanisms. The grid, the capacity and the
+policies are `cells`'s docstring.
 """
 
 from __future__ import annotations
@@ -147,6 +114,49 @@ class Cell:
 
 
 def cells(seed: int = 0) -> list[Cell]:
+    """Design (one factor at a time around a base, every level of every factor present):
+
+        base      depth ~30 calls, prompt ~25K, output ~250, paper gaps, Poisson arrivals,
+                  3 equal models, 4 instances; swept over offered load 30/60/80/100/120 %
+        variants  each other level of one factor (depth 5/100, prompt 8K/100K, output 50/1,000,
+                  heavy-tailed gaps, bursts, 20 Zipf models, 1/16 instances, a 16K-token system
+                  prompt + tool schema shared by a model's sessions, human turns of minutes
+                  between some calls, mixed depths), at 60 % and 100 %
+        product   the last three together (an agent product), at 60/100/120 %
+        mix=shift 3 Zipf(1.5) models whose popular model changes halfway (shifted_mix), at
+                  60/100 %: a static split sized on the whole trace is wrong in each half
+        WEKA      the shipped sessions: the fixed replay (30 model-sessions at t=0, one
+                  paper TP=8 server) and the router testbed (TP=4 models, 2 instances, high load),
+                  each model's sessions opening with the shared system prompt real sessions have
+                  (workloads.SYSTEM_PROMPT_TOKENS, scaled as the replays' prompts are)
+
+    Workloads come from `workloads.agent_sessions` (seeded; cell k uses seed `seed + k`).
+
+    Capacity. An instance's capacity is the session throughput it sustains if every call finds
+    its reusable prefix on device and no model switch is ever paid (a work-conserving upper
+    bound, so 100 % is the most a perfect session-aware policy could carry): a session's work
+    is sum over its calls of prefill(new tokens on top of the reusable prefix, or of the
+    shared system prompt for a prompt that starts afresh) + output tokens
+    x decode step at the saturated batch / batch, where the saturated batch is min(max_batch,
+    KV pool tokens / mean context). capacity = instances / mean session work (sessions/s);
+    a cell at load L starts sessions at L x capacity. Switches, recompute after a move and
+    queueing are what a policy loses against this bound.
+
+    Policies: every peer deployment of `configs.peer_deployments()` (the routers round-robin,
+    sglang-cache-aware, dynamo-kv, llm-d, vllm-stack-session in dedicated pools, and the
+    serverless vllm-sleep, serverlessllm, aegaeon-like; each citing its source), each
+    deployed as it is deployed (deployment.py: per-model hot pools split by the cell's demand
+    where the models fit the instances, serverless on-demand loading where they do not);
+    `talaria` (our configuration: where the models fit, hot pools that start from an even split
+    and that its router resizes online from measured demand, services/router/hot_pools.py, never
+    the peers' forecast; its cold pool elsewhere) and `talaria-paper` (the same policy under the paper's rules: Eq. 1 ranking
+    only, the paper's admission, fixed tau, reject on overload); with `--ablations` also
+    talaria without leases, without its instance mechanisms, without KV migration
+    (talaria-no-migrate), and with the peers' forecast pools in place of its online ones
+    (talaria-forecast-pools). Each run keeps its `kv_sources` (migrated beside recompute). Runs go to a process pool
+    (2 workers by default: this machine's cores).
+    """
+
     out = [Cell(f"base@{int(L * 100)}%", load=L) for L in BASE_LOADS]
     for factor, level in VARIANTS:
         label = "depth=mixed" if factor == "mixed_depth" else f"{factor}={level}"

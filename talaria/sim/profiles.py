@@ -1,27 +1,10 @@
 """Cost profiles: what each model costs on each server class. Every number says its source.
 
-Tags used in the comments below:
-
-- [cal]  quoted in /work/shared/calibration.md (the paper's numbers)
-- [card] public model card / architecture config (parameter counts, layer shapes)
-- [der]  derived from [cal]/[card] numbers by the arithmetic shown
-- [asm]  an assumption with no published number behind it; change it freely
-
-Prefill is modelled by a cumulative curve F(n) = k * n**alpha: computing tokens
-[ctx, ctx+new) costs c0 + F(ctx+new) - F(ctx). F passes exactly through the paper's two
-recompute anchors for Qwen3-235B on TP=8 (25K tokens -> 4.3 s, 100K -> 10.9 s [cal]), which
-are sub-linear (alpha ~ 0.68), so no linear+quadratic fit with non-negative terms exists.
-The marginal cost of a short suffix on a long context is therefore small, which is the
-regime SP exploits. Other models scale F by a speed factor [asm].
-
-Decode step: d0 + d1 * batch + d2 * (context tokens summed over the batch) [asm: the paper
-publishes no TPOT].
-
-Switch (paper App. D, five phases): P1 save/teardown + P2 open weights + P3 + P4 + P5.
-P2 = D2D gather (sync + staged bytes / D2D bandwidth) + uncovered bytes / H2D bandwidth.
-H2D bandwidth is chosen so the median model's host-only switch is 1.50 s [cal]; D2D
-bandwidth so its full-D2D switch is 106 ms [cal]. The path is `d2d_full` when every byte
-was staged, `d2d_partial` when some were, `host_only` when none were.
+Tags: [cal] quoted in /work/shared/calibration.md (the paper's numbers); [card] a public model
+card or architecture config; [der] derived from those by the arithmetic shown; [asm] an
+assumption with no published number behind it (change it freely). Prefill is a cumulative
+power curve through the paper's two recompute anchors, decode a linear step, a switch the
+paper's five phases (App. D); the derivations are `ServerProfile`'s docstring.
 """
 
 from __future__ import annotations
@@ -82,7 +65,24 @@ class SimModelProfile:
 
 @dataclass(frozen=True)
 class ServerProfile:
-    """One GPU group (an instance) and the models it can serve."""
+    """One GPU group (an instance) and the models it can serve.
+
+    Prefill is modelled by a cumulative curve F(n) = k * n**alpha: computing tokens
+    [ctx, ctx+new) costs c0 + F(ctx+new) - F(ctx). F passes exactly through the paper's two
+    recompute anchors for Qwen3-235B on TP=8 (25K tokens -> 4.3 s, 100K -> 10.9 s [cal]), which
+    are sub-linear (alpha ~ 0.68), so no linear+quadratic fit with non-negative terms exists.
+    The marginal cost of a short suffix on a long context is therefore small, which is the
+    regime SP exploits. Other models scale F by a speed factor [asm].
+
+    Decode step: d0 + d1 * batch + d2 * (context tokens summed over the batch) [asm: the paper
+    publishes no TPOT].
+
+    Switch (paper App. D, five phases): P1 save/teardown + P2 open weights + P3 + P4 + P5.
+    P2 = D2D gather (sync + staged bytes / D2D bandwidth) + uncovered bytes / H2D bandwidth.
+    H2D bandwidth is chosen so the median model's host-only switch is 1.50 s [cal]; D2D
+    bandwidth so its full-D2D switch is 106 ms [cal]. The path is `d2d_full` when every byte
+    was staged, `d2d_partial` when some were, `host_only` when none were.
+    """
 
     name: str
     gpus: int

@@ -1,20 +1,9 @@
-"""One call on an engine, from request to result (nano-vllm's `Sequence`): what the caller
-asks (identity, prompt, output cap, `SamplingParams`, KV scope and reservation), what the
-engine that runs it fills in (context, the model's text side, tokens, timings, and what that
-engine needs), and what it gives back (the generated ids and text, finish reason, KV source).
+"""One call on an engine, from request to result (nano-vllm's `Sequence`).
 
-The caller builds it (`Sequence(call_id, session_id, model, prompt_ids, max_tokens, params)`)
-and hands it to the engine's `prefill`, `decode` and `finish`; an engine admits it once
-(`admit`, or `admit_streamed` for an engine that streams token ids) and gives it back finished. A
-sequence runs once: to run the same request again, build another
-(`dataclasses.replace(seq)` copies the request alone).
-
-The torch engine computes the call: page table, sampler and KV length are its (`take`
-samples from the logits it computed). An engine that streams token ids (vLLM, SGLang) is
-handed them: its stream pump (another thread) puts what the engine delivered on `events`,
-the engine thread moves it to `pending`, and `take_streamed` hands one token out. Both
-decide text, stop and length in `_emit`, so every engine gives the same text for the same
-tokens.
+What the caller asks (identity, prompt, output cap, sampling, KV scope), what the engine
+fills in (context, tokens, timings) and what it gives back (ids, text, finish reason, KV
+source). A sequence runs once; how engines that compute and engines that stream fill it is
+`Sequence`'s docstring.
 """
 
 from __future__ import annotations
@@ -55,7 +44,21 @@ def _engine(default: Any = None, factory: Any = None) -> Any:
 @dataclass(eq=False)  # one call: compared and hashed by identity (engines keep sets of them)
 class Sequence:
     """Torch engine invariant while running: tokens[:kv_len] have KV in pages; len(tokens) ==
-    kv_len + 1 after the first token is sampled (the last sampled token is fed by the next decode)."""
+    kv_len + 1 after the first token is sampled (the last sampled token is fed by the next decode).
+
+    The caller builds it (`Sequence(call_id, session_id, model, prompt_ids, max_tokens, params)`)
+    and hands it to the engine's `prefill`, `decode` and `finish`; an engine admits it once
+    (`admit`, or `admit_streamed` for an engine that streams token ids) and gives it back finished. A
+    sequence runs once: to run the same request again, build another
+    (`dataclasses.replace(seq)` copies the request alone).
+
+    The torch engine computes the call: page table, sampler and KV length are its (`take`
+    samples from the logits it computed). An engine that streams token ids (vLLM, SGLang) is
+    handed them: its stream pump (another thread) puts what the engine delivered on `events`,
+    the engine thread moves it to `pending`, and `take_streamed` hands one token out. Both
+    decide text, stop and length in `_emit`, so every engine gives the same text for the same
+    tokens.
+    """
 
     # -- the request (the caller's) --
     call_id: str

@@ -1,21 +1,9 @@
 """TorchEngine: small real models served from a bump-managed buffer with paged KV.
 
-One call's path (its `Sequence`, sequence.py, handed in by the caller):  prefill(seqs) ->
-admit (admission.py: match device session/prefix pages, then host pages via HKVR, reserve
-the rest) -> chunked batched prefill of the unmatched suffix (forward_pass.py) -> first
-token;  decode(seqs) -> one batched step;  finish(seq) -> index full pages, keep the
-session entry on device, checkpoint full pages to HKVR asynchronously; the sequence comes
-back finished. Model switches: switch.py; what it reports: engine_report.py.
-
-Parts, each owning its state and handed its collaborators: `ModelStore` (specs, layouts,
-host images), `ModelSwitcher` (switch.py: the views it caches across switches),
-`KvAdmission` (admission.py), `ForwardPass` (forward_pass.py) and `Rates`. The engine owns
-the active `DeviceModel` (device_model.py: replaced whole by each switch) and its running
-sequences.
-
-Threading: NOT thread-safe. The instance agent calls every method from one worker thread.
-Copies run on internal copier threads (CPU) or streams (CUDA), but all bookkeeping —
-page refs, HKVR commits, staging chunk states — happens on the caller's thread.
+prefill -> admit (device pages, then host pages via HKVR) -> chunked batched prefill of the
+unmatched suffix -> first token; decode -> one batched step; finish -> index full pages, keep
+the session on device, checkpoint to HKVR. NOT thread-safe: the agent calls it from one
+worker thread. Its parts and threading are `TorchEngine`'s docstring.
 """
 
 from __future__ import annotations
@@ -48,6 +36,24 @@ from talaria.shared.tokenizer import block_hashes
 
 
 class TorchEngine:
+    """One call's path (its `Sequence`, sequence.py, handed in by the caller):  prefill(seqs) ->
+    admit (admission.py: match device session/prefix pages, then host pages via HKVR, reserve
+    the rest) -> chunked batched prefill of the unmatched suffix (forward_pass.py) -> first
+    token;  decode(seqs) -> one batched step;  finish(seq) -> index full pages, keep the
+    session entry on device, checkpoint full pages to HKVR asynchronously; the sequence comes
+    back finished. Model switches: switch.py; what it reports: engine_report.py.
+
+    Parts, each owning its state and handed its collaborators: `ModelStore` (specs, layouts,
+    host images), `ModelSwitcher` (switch.py: the views it caches across switches),
+    `KvAdmission` (admission.py), `ForwardPass` (forward_pass.py) and `Rates`. The engine owns
+    the active `DeviceModel` (device_model.py: replaced whole by each switch) and its running
+    sequences.
+
+    Threading: NOT thread-safe. The instance agent calls every method from one worker thread.
+    Copies run on internal copier threads (CPU) or streams (CUDA), but all bookkeeping —
+    page refs, HKVR commits, staging chunk states — happens on the caller's thread.
+    """
+
     def __init__(
         self,
         data_dir: Path,

@@ -1,33 +1,9 @@
 """Host KV registry bookkeeping (paper §4.3, App. B-C), pure: no tensors, no clock.
-(The records it keeps and hands out, and the rank-agreement rule, are in host_pages.py.)
 
-The simulator drives this class directly; `hkvr.HostKvRegistry` wraps it with a host page
-pool and asynchronous copies. All methods run on one thread (the engine's worker).
-
-Keys and states
-    A host page is keyed by (model, rank, cumulative prefix hash) and carries a layout
-    descriptor. It is `copying` from the moment a slot is reserved for its D2H copy until
-    the copy's completion event is reported (`complete`), then `committed`.
-
-Invariants (each has a test)
-    1. Lifetime separation. `pins` (transfer pins: a D2H or H2D copy in flight) and `refs`
-       (cache references: session prefixes that include the page) are separate counts.
-       A pinned page is never reclaimed, whatever its refs; an unreferenced page is
-       reclaimed before any referenced one.
-    2. No early publication. (model, hash) becomes restorable only when every rank's page
-       for it is committed, so a page whose copy has not completed is never published.
-    3. Rank agreement. A save publishes at most the longest page-aligned prefix on which
-       every rank reports the same committed length and hashes; a disagreeing tail stays
-       private (stored under that rank's own key, never matched) and is recomputed.
-    4. Switch barrier. `pending_jobs(model)` lists the outgoing model's copies in flight; the
-       engine drains exactly those before releasing the device KV region.
-
-Indexes (so a query costs O(1), not a walk over the session's pages)
-    Each session prefix keeps `published`, the length of its restorable prefix, always equal
-    to `match(model, hashes)`. `_readers[(model, h)]` lists the sessions whose restorable
-    prefix contains h (an eviction cuts them back); `_waiting[(model, h)]` lists those whose
-    restorable prefix stops just before h (a publication extends them). A save, a publication
-    or an eviction updates only the sessions it touches.
+The simulator drives it directly; `hkvr.HostKvRegistry` wraps it with a host page pool and
+asynchronous copies; all methods run on the engine's thread. A host page is keyed by (model,
+rank, cumulative prefix hash); its invariants (lifetime separation, no early publication,
+rank agreement, the switch barrier) and indexes are `HkvrCore`'s docstring, each with a test.
 """
 
 from __future__ import annotations
@@ -66,6 +42,35 @@ class _SessionPrefix:
 
 
 class HkvrCore:
+    """The simulator drives this class directly; `hkvr.HostKvRegistry` wraps it with a host page
+    pool and asynchronous copies. All methods run on one thread (the engine's worker).
+
+    Keys and states
+        A host page is keyed by (model, rank, cumulative prefix hash) and carries a layout
+        descriptor. It is `copying` from the moment a slot is reserved for its D2H copy until
+        the copy's completion event is reported (`complete`), then `committed`.
+
+    Invariants (each has a test)
+        1. Lifetime separation. `pins` (transfer pins: a D2H or H2D copy in flight) and `refs`
+           (cache references: session prefixes that include the page) are separate counts.
+           A pinned page is never reclaimed, whatever its refs; an unreferenced page is
+           reclaimed before any referenced one.
+        2. No early publication. (model, hash) becomes restorable only when every rank's page
+           for it is committed, so a page whose copy has not completed is never published.
+        3. Rank agreement. A save publishes at most the longest page-aligned prefix on which
+           every rank reports the same committed length and hashes; a disagreeing tail stays
+           private (stored under that rank's own key, never matched) and is recomputed.
+        4. Switch barrier. `pending_jobs(model)` lists the outgoing model's copies in flight; the
+           engine drains exactly those before releasing the device KV region.
+
+    Indexes (so a query costs O(1), not a walk over the session's pages)
+        Each session prefix keeps `published`, the length of its restorable prefix, always equal
+        to `match(model, hashes)`. `_readers[(model, h)]` lists the sessions whose restorable
+        prefix contains h (an eviction cuts them back); `_waiting[(model, h)]` lists those whose
+        restorable prefix stops just before h (a publication extends them). A save, a publication
+        or an eviction updates only the sessions it touches.
+    """
+
     def __init__(self, capacity_pages: int, ranks: int = 1) -> None:
         self.capacity = capacity_pages
         self.ranks = ranks

@@ -11,17 +11,7 @@ PACKAGES = ("services", "shared", "talaria")
 MAX_LINES = 15
 # Over the limit when issue 36's prose pass began, and edited concurrently by other engineers:
 # the lead trims each after merging and removes it here. Empty this set; do not grow it.
-NOT_YET_TRIMMED = {
-    "services/instance_agent/agent_core.py",
-    "services/instance_agent/engine/sequence.py",
-    "services/instance_agent/engine/torch_engine.py",
-    "services/instance_agent/memory/hkvr_core.py",
-    "services/router/costs.py",
-    "talaria/sim/cluster.py",
-    "talaria/sim/executor.py",
-    "talaria/sim/matrix.py",
-    "talaria/sim/profiles.py",
-}
+NOT_YET_TRIMMED: set[str] = set()
 
 
 def docstring_lines(source: str) -> int:
