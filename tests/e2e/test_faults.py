@@ -36,6 +36,7 @@ def test_killing_an_agent_mid_load_loses_nothing_and_runs_nothing_twice(tmp_path
     assert set(result["error_kinds"]) <= {"instance_lost", "no_capacity", "not_served"}, result
 
 
+@pytest.mark.faults
 def test_a_router_hung_under_load_runs_no_call_twice(tmp_path):
     """`--routers 2`; one router SIGSTOPped past its ownership TTL, three times, under load:
     its partitions are taken over meanwhile, and when it resumes nothing it decided or still

@@ -22,7 +22,7 @@ from talaria.shared.health import wait_for_router
 from talaria.shared.settings import Settings
 from tests.integration.harness import Services, wait_rows
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.faults]
 MODEL = "qwen3-tiny"
 A_KEY, B_KEY = "tenant-a-key-0123456789", "tenant-b-key-0123456789"
 LONG_WORDS = 1_000  # 17,433 prompt tokens (41 KB) of the demo BPE: 12-36 s of prefill on this CPU

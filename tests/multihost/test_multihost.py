@@ -11,7 +11,7 @@ import pytest
 from tests.multihost.hosts import Cluster, available
 from tests.multihost.load import under_fault
 
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(available() is not None, reason=available() or "")]
+pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.skipif(available() is not None, reason=available() or "")]
 
 PARTITION_S, NODE_DEAD_S = 10.0, 5.0
 # A cut-off or dead NATS node may hold RAFT leaders (meta, streams, consumers); the majority
