@@ -4,6 +4,7 @@ The runs themselves are `matrix.py`."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from dataclasses import fields
@@ -289,7 +290,7 @@ where they do not. Talaria runs every instance as its own cold-pool agent.
 
 def matrix_section(matrix: dict) -> list[str]:
     """The report's matrix section (sim_report.md)."""
-    head = (matrix_design.__doc__ or "").split("\n\n", 1)[-1].strip()  # the grid's design (matrix.py)
+    head = inspect.cleandoc(matrix_design.cells.__doc__ or "")  # the grid's design (matrix.py `cells`)
     return [
         "## Workload matrix", "",
         f"`talaria sim experiments matrix --ablations` ({sum(1 for c in matrix['cells'] if not c.get('weka'))} "
