@@ -137,7 +137,9 @@ async def test_a_drained_instance_takes_no_return_its_sessions_migrate_and_drain
         first_ask = await nc.request(DEP.admin_drain, encode(DrainRequest("agent-0")), timeout=10,
                                      headers={SENDER_HEADER: "talaria-admin"})
         status = DRAIN_STATUS_DECODER.decode(first_ask.data)
-        assert status.error == "" and status.calls == 0
+        # Accepted; k-2's completion may not be folded yet (the client is answered first), so
+        # the call count here is 0 or 1: `drain` below waits for it either way.
+        assert status.error == "" and status.instance_id == "agent-0" and status.calls <= 1
         draining = asyncio.create_task(drain(nats_url, "agent-0", timeout_s=60))
         moved = await call("d-2", "drained", follow)  # its session's context follows it
         assert moved.instance_id == "agent-1" and moved.kv_source == "migrated" and moved.text == stayed.text
