@@ -35,6 +35,14 @@ FIRST = ("You are a careful coding agent. Read the failing test, find the bug in
          "fix it and run the suite again. The test says parse('a,b') returns ['a,b'].") * 2
 
 
+
+async def api_call(nc, call_id: str, session: str, prompt: str) -> CallResult:
+    """One call through the gateway's NATS API; a failure fails the test with its reply."""
+    req = CallRequest(model="qwen3-tiny", prompt=prompt, session_id=session, call_id=call_id, max_tokens=8)
+    reply = REPLY_DECODER.decode((await nc.request(DEP.api_call, encode(req), timeout=60)).data)
+    assert isinstance(reply, CallResult), reply
+    return reply
+
 async def test_a_moved_return_migrates_its_pages_and_answers_as_if_it_stayed(nats_url, database_url, tmp_path):
     settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="talaria",
                            http_port=free_port(), session_idle_s=3600, call_timeout_s=60, models=MODELS)
@@ -47,23 +55,17 @@ async def test_a_moved_return_migrates_its_pages_and_answers_as_if_it_stayed(nat
         s = SNAPSHOT_DECODER.decode(msg.data)
         snaps[s.instance_id] = s
 
-    async def call(call_id, session, prompt):
-        req = CallRequest(model="qwen3-tiny", prompt=prompt, session_id=session, call_id=call_id, max_tokens=8)
-        reply = REPLY_DECODER.decode((await nc.request(DEP.api_call, encode(req), timeout=60)).data)
-        assert isinstance(reply, CallResult), reply
-        return reply
-
     try:
         await nc.subscribe(DEP.telemetry_wildcard, cb=on_snapshot)
         await services.start_control_plane(settings)
         await services.start("agent-0", agent_service.run, settings.with_(instance_id="agent-0"))
         await wait_for_router(nc, instances=1)
         # Two sessions open on agent-0 (the only agent); "stay"'s return will stay there.
-        first = await call("m-1", "moved", FIRST)
-        same = await call("s-1", "stay", FIRST)
+        first = await api_call(nc, "m-1", "moved", FIRST)
+        same = await api_call(nc, "s-1", "stay", FIRST)
         assert first.text == same.text and first.instance_id == "agent-0"
         follow = FIRST + first.text + " Tool output: 3 passed, 1 failed. Next step:"
-        stayed = await call("s-2", "stay", follow)
+        stayed = await api_call(nc, "s-2", "stay", follow)
         assert stayed.instance_id == "agent-0" and stayed.kv_source == "device"
         await services.start("agent-1", agent_service.run, settings.with_(instance_id="agent-1"))
         await wait_for_router(nc, instances=2)
@@ -73,7 +75,7 @@ async def test_a_moved_return_migrates_its_pages_and_answers_as_if_it_stayed(nat
         await publish_event(nc.jetstream(), event_subject(DEP, pin), pin, sender=owner_sender(pin))
         await wait_until(lambda: _pinned(snaps.get("agent-0")), "agent-0 repinned")
         assert snaps["agent-0"].page_address and snaps["agent-1"].page_address
-        moved = await call("m-2", "moved", follow)
+        moved = await api_call(nc, "m-2", "moved", follow)
         assert moved.instance_id == "agent-1" and moved.kv_source == "migrated"
         assert moved.text == stayed.text  # the same greedy tokens as the session that stayed
         [row] = await wait_rows(db, "SELECT * FROM calls WHERE call_id='m-2' AND outcome='completed'", 1)
@@ -81,7 +83,7 @@ async def test_a_moved_return_migrates_its_pages_and_answers_as_if_it_stayed(nat
         [audit] = await wait_rows(db, "SELECT * FROM lease_decisions WHERE call_id='m-2' AND outcome IS NOT NULL", 1)
         assert audit["kv_source"] == "migrated"
         # The holder goes away: the next moved return is recomputed, with the same text as one that stayed.
-        second = await call("g-1", "gone", FIRST)
+        second = await api_call(nc, "g-1", "gone", FIRST)
         assert second.instance_id == "agent-1"  # agent-0 serves gpt2-tiny only now
         await services.start("agent-2", agent_service.run, settings.with_(instance_id="agent-2"))
         await wait_for_router(nc, instances=3)
@@ -91,7 +93,7 @@ async def test_a_moved_return_migrates_its_pages_and_answers_as_if_it_stayed(nat
         holder = next(r for r in services.running if r.name == "agent-1")
         await holder.close()  # killed: its page server answers no more
         services.running.remove(holder)
-        gone = await call("g-2", "gone", follow)
+        gone = await api_call(nc, "g-2", "gone", follow)
         assert gone.instance_id == "agent-2" and gone.kv_source == "recompute"
         assert gone.text == stayed.text
     finally:
@@ -111,20 +113,14 @@ async def test_a_drained_instance_takes_no_return_its_sessions_migrate_and_drain
     services = Services()
     nc = await nats.connect(nats_url)
 
-    async def call(call_id, session, prompt):
-        req = CallRequest(model="qwen3-tiny", prompt=prompt, session_id=session, call_id=call_id, max_tokens=8)
-        reply = REPLY_DECODER.decode((await nc.request(DEP.api_call, encode(req), timeout=60)).data)
-        assert isinstance(reply, CallResult), reply
-        return reply
-
     try:
         await services.start_control_plane(settings)
         await services.start("agent-0", agent_service.run, settings.with_(instance_id="agent-0"))
         await wait_for_router(nc, instances=1)
-        first = await call("d-1", "drained", FIRST)
-        await call("k-1", "kept", FIRST)
+        first = await api_call(nc, "d-1", "drained", FIRST)
+        await api_call(nc, "k-1", "kept", FIRST)
         follow = FIRST + first.text + " Tool output: 3 passed, 1 failed. Next step:"
-        stayed = await call("k-2", "kept", follow)
+        stayed = await api_call(nc, "k-2", "kept", follow)
         await services.start("agent-1", agent_service.run, settings.with_(instance_id="agent-1"))
         await wait_for_router(nc, instances=2)
         # Only the admin user may drain: a request that does not come from it is refused.
@@ -141,16 +137,16 @@ async def test_a_drained_instance_takes_no_return_its_sessions_migrate_and_drain
         # the call count here is 0 or 1: `drain` below waits for it either way.
         assert status.error == "" and status.instance_id == "agent-0" and status.calls <= 1
         draining = asyncio.create_task(drain(nats_url, "agent-0", timeout_s=60))
-        moved = await call("d-2", "drained", follow)  # its session's context follows it
+        moved = await api_call(nc, "d-2", "drained", follow)  # its session's context follows it
         assert moved.instance_id == "agent-1" and moved.kv_source == "migrated" and moved.text == stayed.text
         code, line = await draining  # no live session is left there: stopping it loses no context
         assert code == 0 and "agent-0 drained" in line
-        fresh = await call("n-1", "new", FIRST)  # and no new session lands there
+        fresh = await api_call(nc, "n-1", "new", FIRST)  # and no new session lands there
         assert fresh.instance_id == "agent-1"
         stopped = next(r for r in services.running if r.name == "agent-0")
         await stopped.close()
         services.running.remove(stopped)
-        again = await call("d-3", "drained", follow + moved.text + " Done.")
+        again = await api_call(nc, "d-3", "drained", follow + moved.text + " Done.")
         assert again.instance_id == "agent-1" and again.kv_source == "device"
     finally:
         await nc.close()
