@@ -68,8 +68,8 @@ async def serve(common: CommonSettings, settings: AgentSettings, ready: asyncio.
     meter = AgentMetrics(settings.instance_id)  # fed by what the agent emits, its steps and snapshot
     tap(js, meter.observe)
     runner.thread.watchdog.on_step = meter.engine_step
-    meter.snapshot_gauges(lambda: build_snapshot(settings, common.models, engine, runner.core, runner.version, time.time(),
-                                                      staging=configuration.scheduler.staging))
+    meter.snapshot_gauges(lambda: build_snapshot(settings, common.models, runner.thread.view, engine.specs, runner.core,
+                                                 runner.version, time.time(), staging=configuration.scheduler.staging))
     # <data_dir>/metrics/<instance id>.url: the agent's name in stack.json (`agent-0`, `hot-<model>`)
     metrics_runner = await metrics.serve(meter, settings.instance_id, common, log)
     durable = f"agent-{settings.instance_id}"

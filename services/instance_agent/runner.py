@@ -43,6 +43,7 @@ from talaria.services import configs
 from talaria.services.configs import Configuration
 from talaria.services.instance_agent.telemetry import build_snapshot
 from talaria.services.instance_agent.watchdog import Watchdog
+from talaria.shared.bus import BUS_ERRORS
 from talaria.shared.events import CallRouted
 from talaria.shared.settings import AgentSettings, CommonSettings
 from talaria.shared.messages import CANCELLED_STATUS
@@ -55,23 +56,6 @@ SNAPSHOT_ON_CHANGE_MIN_S = 0.05  # besides the heartbeat, on change, at most thi
 # Starting guesses for the tiny CPU models; CalibratedCosts corrects them from measurements.
 INITIAL_COSTS = LinearCosts(prefill_tok_s=5_000.0, restore_tok_s=200_000.0, decode_base_s=0.005,
                             switch_staged_s=0.02, switch_host_s=0.05, kv_bytes_per_token=4096)
-
-
-def reusable_kv(engine, session_id: str, model: str, prompt_tokens: int,
-                prompt_ids=None) -> tuple[str, int]:
-    """(where the session's KV is, how many prompt tokens of it can be reused) on `engine`;
-    at least the last prompt token is always computed, so it yields the first logits.
-    With `prompt_ids`, device KV counts only as far as it matches the prompt: a prompt that
-    does not extend the last one would otherwise be priced (and chunked) as almost free."""
-    state = engine.kv_state(session_id, model)
-    if state == "none":
-        return "none", 0
-    if state == "device" and prompt_ids is not None:
-        held = engine.device_prefix(session_id, model, prompt_ids)
-    else:
-        held = max((n for s, m, st, n in engine.session_states()
-                    if s == session_id and m == model and st == state), default=0)
-    return state, min(held, prompt_tokens - 1)
 
 
 class CallRunner:
@@ -150,7 +134,7 @@ class CallRunner:
         if routed.incarnation and routed.incarnation != self.incarnation:
             return (f"placed on a previous process of {self.instance_id}, which stopped before running it; "
                     "retry the call")
-        kv_state, reusable = self._kv_for(call.session_id, call.model, call.prompt_tokens, call.prompt_ids)
+        kv_state, reusable = self.thread.view.reusable(call.session_id, call.model, call.prompt_tokens, call.prompt_ids)
         if (routed.kv_from_address and self.migration is not None and self.configuration.scheduler.migrate
                 and kv_state == "none"):
             # The router priced pulling the pages below recompute: pull, then accept. Until
@@ -200,12 +184,6 @@ class CallRunner:
             self.core.record(call_id, call.session_id, call.model, call_index=routed.call_index,
                              submitted_at=call.submitted_at, tenant=call.tenant, transport=transport)
             await self.closer.fail(call_id, refused, status=503, code="not_served")
-
-    def _kv_for(self, session_id: str, model: str, prompt_tokens: int, prompt_ids) -> tuple[str, int]:
-        try:
-            return reusable_kv(self.engine, session_id, model, prompt_tokens, prompt_ids)
-        except Exception:  # noqa: BLE001 - a torn read (the engine thread changed its tables): assume nothing
-            return "none", 0
 
     async def cancel(self, call_id: str, reason: str, tenant: str = "") -> None:
         """Abort a call of `tenant`: out of the scheduler, its engine state released (its KV
@@ -290,14 +268,14 @@ class CallRunner:
     async def publish_snapshot(self) -> None:
         self.version += 1
         self.last_snapshot = time.monotonic()
+        snap = msgspec.structs.replace(
+            build_snapshot(self.settings, self.models, self.thread.view, self.engine.specs, self.core, self.version,
+                           time.time(), unhealthy=self.drops.unhealthy, staging=self.configuration.scheduler.staging,
+                           migration=self.migration),
+            incarnation=self.incarnation)
         try:
-            snap = msgspec.structs.replace(
-                build_snapshot(self.settings, self.models, self.engine, self.core, self.version, time.time(),
-                               unhealthy=self.drops.unhealthy, staging=self.configuration.scheduler.staging,
-                               migration=self.migration),
-                incarnation=self.incarnation)
             await self.nc.publish(self.deployment.telemetry(self.instance_id), encode(snap))
-        except Exception as exc:  # a torn read of engine tables; the next beat retries
+        except BUS_ERRORS as exc:  # NATS down or slow: the next beat retries
             self.log.warning("snapshot failed", error=str(exc))
 
     async def snapshot_on_change(self) -> None:

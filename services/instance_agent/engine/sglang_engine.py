@@ -212,6 +212,9 @@ class SglangEngine(StreamingEngine):
         held = self.sessions.get((session_id, model))
         return 0 if held is None else common_prefix(held, prompt_ids)
 
+    def device_tokens(self) -> dict[tuple[str, str], list[int]]:
+        return dict(self.sessions)
+
     def session_states(self) -> list[tuple[str, str, str, int]]:
         return [(s, m, "device", len(t)) for (s, m), t in self.sessions.items()]
 
