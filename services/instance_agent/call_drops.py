@@ -124,8 +124,9 @@ class CallDrops:
         for call in verdict.fail_calls:
             if not call.live:  # it ended while an earlier one was failed
                 continue
+            reason = call.transport.stuck
             try:
                 await self.closer.events(self.core.abort(call.call_id, now))
             except SchedulerError:
                 pass  # already gone from the scheduler
-            await self.closer.fail(call.call_id, call.stuck)  # its engine state goes once the stuck step returns
+            await self.closer.fail(call.call_id, reason)  # its engine state goes once the stuck step returns
