@@ -125,7 +125,7 @@ async def serve(common: CommonSettings, settings: AgentSettings, ready: asyncio.
         asyncio.create_task(runner.heartbeat_loop(stop), name="heartbeat"),
         asyncio.create_task(runner.work_loop(stop), name="work"),
         asyncio.create_task(runner.closer.progress_loop(stop, held_ack_wait_s / 3), name="progress"),
-        asyncio.create_task(runner.drops.watchdog_loop(stop), name="watchdog"),
+        asyncio.create_task(runner.watchdog_loop(stop), name="watchdog"),
         asyncio.create_task(_fetch_loop(intake, runner, fencing, js, nc, log, stop), name="fetch"),
     ]
     await runner.publish_snapshot()

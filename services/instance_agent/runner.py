@@ -7,12 +7,11 @@ thread (engine_thread.py), everything touching NATS stays on the event loop. A c
 JetStream message is acked only once its outcome is published, so a crashed agent's calls
 are redelivered.
 
-Every call is one row of the core's table (`core.calls`, an `AgentCall` with its phase); the
-runner adds only its transport (call_transport.py: message, reply subject, span). The runner
-is composed of parts, each handed its collaborators: the engine thread, the steps
-(engine_steps.py), the closer (call_closing.py: events, replies, acks) and the drops
-(call_drops.py: deadlines, lost placements, the watchdog). Here: intake, cancels, the work
-loop, snapshots.
+Read top to bottom: the parts the runner owns (`__init__`: the engine thread, engine_thread.py;
+the steps, engine_steps.py; the closer, call_closing.py; the drops, call_drops.py), the loop
+that drives them and acts on what they return (a `StepReport`, a watchdog verdict), then the
+ways in (intake, cancels) and the snapshot. Only the closer calls back (`on_change`, calls
+finished), as every path that publishes a report goes through it.
 """
 
 from __future__ import annotations
@@ -94,19 +93,85 @@ class CallRunner:
         self.closer = CallCloser(self.core, self.thread, watchdog, nc, js, self.instance_id, log,
                                  on_change=self.snapshot_on_change, deployment=self.deployment)
         self.steps = EngineSteps(self.core, self.thread, self.closer, nc, js, self.instance_id, log,
-                                 publish_snapshot=self.publish_snapshot, deployment=self.deployment)
+                                 deployment=self.deployment)
+        self.drops = CallDrops(self.core, self.closer, self.thread, watchdog, self.instance_id, self.incarnation, log)
         # KV migration (kv_migration.py): set by the service once the page server runs
         self.migration = None
-        self.drops = CallDrops(self.core, self.closer, self.thread, watchdog, self.instance_id, self.incarnation,
-                               settings.heartbeat_s, log, publish_snapshot=self.publish_snapshot)
+
+    # ---- the scheduling loop -----------------------------------------------------------
+
+    async def work_loop(self, stop: asyncio.Event) -> None:
+        """One action at a time: drop what nobody waits for, ask the core for the next action,
+        run it on its part, publish the report it returns."""
+        while not stop.is_set():
+            try:
+                await self.drops.drop_expired(time.time())
+            except Exception:
+                self.log.exception("dropping expired calls failed")
+            try:
+                action = self.core.next_action(time.time())
+            except Exception:  # a scheduler bug: keep the loop (the agent) alive, retry next beat
+                self.log.exception("scheduler failed to choose an action")
+                await self._wait(stop, time.time() + self.settings.heartbeat_s)
+                continue
+            self.thread.expect(self.core.live_calls(getattr(action, "call_ids", ())), self.core.sched.estimate_s(action))
+            try:
+                match action:
+                    case Idle():
+                        # Clear first: a call accepted while the events below are published
+                        # must still wake us.
+                        self.wakeup.clear()
+                        await self.closer.events(self.core.drain(time.time()))
+                        await self._wait(stop, _earliest(action.until, self.drops.next_deadline()))
+                        continue
+                    case SwitchModel():
+                        report = await self.steps.switch(action)
+                        await self.publish_snapshot()  # the router learns the new active model now
+                    case Prefill():
+                        report = await self.steps.prefill(action)
+                    case Decode():
+                        report = await self.steps.decode(action)
+            except EngineError as exc:
+                report = await self.steps.failed(action, exc)
+            except Exception as exc:  # a bug or a NATS failure: fail this action's calls, keep serving
+                self.log.exception("step failed", action=type(action).__name__)
+                report = await self.steps.failed(action, exc)
+            try:
+                await self.closer.events(report)
+            except Exception:
+                self.log.exception("publishing scheduler events failed")
+
+    async def _wait(self, stop: asyncio.Event, until: float | None) -> None:
+        timeout = None if until is None else max(0.0, until - time.time())
+        waiters = [asyncio.ensure_future(self.wakeup.wait()), asyncio.ensure_future(stop.wait())]
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        for w in waiters:
+            w.cancel()
+
+    async def watchdog_loop(self, stop: asyncio.Event) -> None:
+        """Fail calls that stopped making progress; flag the agent unhealthy while an engine
+        step is stuck, so the router stops choosing it (see watchdog.py)."""
+        while not stop.is_set():
+            try:
+                now = time.time()
+                verdict, health_changed = self.drops.judge(now)
+                if health_changed:
+                    await self.publish_snapshot()
+                await self.drops.fail_stuck(verdict, now)
+            except Exception:
+                self.log.exception("watchdog check failed")
+            try:
+                await asyncio.wait_for(stop.wait(), self.settings.heartbeat_s)
+            except TimeoutError:
+                pass
+
+    # ---- intake ------------------------------------------------------------------------
 
     def holds(self, call_id: str) -> bool:
         """Whether a copy of this call needs nothing more: it is queued, running, finishing or
         finished here."""
         known = self.core.calls.get(call_id)
         return known is not None and known.phase is not Phase.CANCELLED
-
-    # ---- intake ------------------------------------------------------------------------
 
     def accept(self, routed: CallRouted, msg, headers=None, migrated=None, span=None) -> str | None:
         """Queue a routed call; returns why it was refused, or None when accepted. `msg` is
@@ -215,53 +280,6 @@ class CallRunner:
             call.transport.in_engine = False
         await self.closer.fail(call_id, f"cancelled: {reason}", status=CANCELLED_STATUS, code="cancelled")
         self.wakeup.set()
-
-    # ---- the scheduling loop -----------------------------------------------------------
-
-    async def work_loop(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            try:
-                await self.drops.drop_expired(time.time())
-            except Exception:
-                self.log.exception("dropping expired calls failed")
-            try:
-                action = self.core.next_action(time.time())
-            except Exception:  # a scheduler bug: keep the loop (the agent) alive, retry next beat
-                self.log.exception("scheduler failed to choose an action")
-                await self._wait(stop, time.time() + self.settings.heartbeat_s)
-                continue
-            self.thread.expect(self.core.live_calls(getattr(action, "call_ids", ())), self.core.sched.estimate_s(action))
-            try:
-                match action:
-                    case Idle():
-                        # Clear first: a call accepted while the events below are published
-                        # must still wake us.
-                        self.wakeup.clear()
-                        await self.closer.events(self.core.drain(time.time()))
-                        await self._wait(stop, _earliest(action.until, self.drops.next_deadline()))
-                        continue
-                    case SwitchModel():
-                        report = await self.steps.switch(action)
-                    case Prefill():
-                        report = await self.steps.prefill(action)
-                    case Decode():
-                        report = await self.steps.decode(action)
-            except EngineError as exc:
-                report = await self.steps.failed(action, exc)
-            except Exception as exc:  # a bug or a NATS failure: fail this action's calls, keep serving
-                self.log.exception("step failed", action=type(action).__name__)
-                report = await self.steps.failed(action, exc)
-            try:
-                await self.closer.events(report)
-            except Exception:
-                self.log.exception("publishing scheduler events failed")
-
-    async def _wait(self, stop: asyncio.Event, until: float | None) -> None:
-        timeout = None if until is None else max(0.0, until - time.time())
-        waiters = [asyncio.ensure_future(self.wakeup.wait()), asyncio.ensure_future(stop.wait())]
-        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        for w in waiters:
-            w.cancel()
 
     # ---- telemetry ---------------------------------------------------------------------
 
