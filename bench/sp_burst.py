@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from talaria.services.instance_agent.engine import Sequence, TorchEngine  # noqa: E402
-from talaria.services.instance_agent.runner import INITIAL_COSTS, reusable_kv  # noqa: E402
+from talaria.services.instance_agent.engine_view import reusable_kv  # noqa: E402
+from talaria.services.instance_agent.runner import INITIAL_COSTS  # noqa: E402
 from talaria.shared.stats import quantile  # noqa: E402
 from talaria.services.instance_agent.scheduler import (  # noqa: E402
     AgentCall, CallAdmitted, CallFinished, Decode, Idle, Prefill, RoundScheduler, SchedulerConfig, SwitchModel,

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from talaria.services.instance_agent.scheduler.calls import LIVE, AgentCall, CallTable, Phase
 from talaria.services.instance_agent.scheduler import (
@@ -31,6 +32,9 @@ from talaria.services.instance_agent.scheduler import (
 )
 from talaria.shared.events import CallCompleted, RoundSummary, SwitchDone
 from talaria.shared.snapshots import InstanceSnapshot, ModelResidency, SessionKv
+
+if TYPE_CHECKING:  # the live executor's part of a call; the core only carries it
+    from talaria.services.instance_agent.call_transport import CallTransport
 
 
 @dataclass(slots=True)
@@ -97,7 +101,7 @@ class AgentCore:
         return tuple(c for c in map(self.live_call, call_ids) if c is not None)
 
     def record(self, call_id: str, session_id: str, model: str, *, call_index: int, submitted_at: float,
-               tenant: str = "", transport: object = None) -> AgentCall:
+               tenant: str = "", transport: CallTransport | None = None) -> AgentCall:
         """A queued call outside the scheduler (one refused on arrival is closed at once)."""
         call = AgentCall(call_id, session_id, model, call_index, submitted_at, tenant=tenant, transport=transport)
         self.calls[call_id] = call
@@ -147,7 +151,7 @@ class AgentCore:
 
     def accept(self, call_id: str, session_id: str, model: str, *, call_index: int, prompt_tokens: int,
                max_tokens: int, submitted_at: float, kv_state: KvState, reusable_tokens: int, now: float,
-               arrived_at: float | None = None, tenant: str = "", transport: object = None,
+               arrived_at: float | None = None, tenant: str = "", transport: CallTransport | None = None,
                kv_output_tokens: int = 0) -> AgentCall:
         """Submit a routed call; raises the scheduler's error when it cannot take it.
         `arrived_at` (default `submitted_at`) starts the scheduler's slot wait."""

@@ -68,8 +68,8 @@ async def serve(common: CommonSettings, settings: AgentSettings, ready: asyncio.
     meter = AgentMetrics(settings.instance_id)  # fed by what the agent emits, its steps and snapshot
     tap(js, meter.observe)
     runner.thread.watchdog.on_step = meter.engine_step
-    meter.snapshot_gauges(lambda: build_snapshot(settings, common.models, engine, runner.core, runner.version, time.time(),
-                                                      staging=configuration.scheduler.staging))
+    meter.snapshot_gauges(lambda: build_snapshot(settings, common.models, runner.thread.view, engine.specs, runner.core,
+                                                 runner.version, time.time(), staging=configuration.scheduler.staging))
     # <data_dir>/metrics/<instance id>.url: the agent's name in stack.json (`agent-0`, `hot-<model>`)
     metrics_runner = await metrics.serve(meter, settings.instance_id, common, log)
     durable = f"agent-{settings.instance_id}"
@@ -125,7 +125,7 @@ async def serve(common: CommonSettings, settings: AgentSettings, ready: asyncio.
         asyncio.create_task(runner.heartbeat_loop(stop), name="heartbeat"),
         asyncio.create_task(runner.work_loop(stop), name="work"),
         asyncio.create_task(runner.closer.progress_loop(stop, held_ack_wait_s / 3), name="progress"),
-        asyncio.create_task(runner.drops.watchdog_loop(stop), name="watchdog"),
+        asyncio.create_task(runner.watchdog_loop(stop), name="watchdog"),
         asyncio.create_task(_fetch_loop(intake, runner, fencing, js, nc, log, stop), name="fetch"),
     ]
     await runner.publish_snapshot()

@@ -3,14 +3,13 @@ deadline, calls the router declared lost with this process, calls the watchdog f
 are taken out of the core and failed.
 
 A part of `CallRunner` (runner.py): it owns the watchdog's verdicts and the health flag the
-heartbeat carries; the calls are the core's, their failure the closer's.
+heartbeat carries (the runner publishes a change); the calls are the core's, their failure the
+closer's.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Awaitable, Callable
 
 import msgspec
 
@@ -20,7 +19,7 @@ from talaria.services.instance_agent.engine_thread import EngineThread
 from talaria.services.instance_agent.scheduler import SchedulerError
 from talaria.services.instance_agent.scheduler.calls import AgentCall
 from talaria.services.instance_agent.scheduler.work_costs import compute_tokens
-from talaria.services.instance_agent.watchdog import Watchdog
+from talaria.services.instance_agent.watchdog import Verdict, Watchdog
 from talaria.shared.events import DEADLINE_UNREACHABLE, InstanceLost
 from talaria.shared.nats_auth import trusted
 
@@ -43,11 +42,9 @@ def prefill_left_s(call: AgentCall, hkvr: bool, now: float) -> float | None:
 
 class CallDrops:
     def __init__(self, core: AgentCore, closer: CallCloser, thread: EngineThread, watchdog: Watchdog,
-                 instance_id: str, incarnation: str, heartbeat_s: float, log,
-                 publish_snapshot: Callable[[], Awaitable[None]]) -> None:
+                 instance_id: str, incarnation: str, log) -> None:
         self.core, self.closer, self.thread, self.watchdog = core, closer, thread, watchdog
-        self.instance_id, self.incarnation, self.heartbeat_s, self.log = instance_id, incarnation, heartbeat_s, log
-        self.publish_snapshot = publish_snapshot
+        self.instance_id, self.incarnation, self.log = instance_id, incarnation, log
         self.unhealthy = ""  # why new calls should go elsewhere (heartbeat flag); "" when healthy
 
     # ---- deadlines and lost placements: never run work nobody waits for --------------------
@@ -101,31 +98,25 @@ class CallDrops:
 
     # ---- watchdog ----------------------------------------------------------------------
 
-    async def watchdog_loop(self, stop: asyncio.Event) -> None:
-        """Fail calls that stopped making progress; flag the agent unhealthy while an engine
-        step is stuck, so the router stops choosing it (see watchdog.py)."""
-        while not stop.is_set():
-            try:
-                await self.watch(time.time())
-            except Exception:
-                self.log.exception("watchdog check failed")
-            try:
-                await asyncio.wait_for(stop.wait(), self.heartbeat_s)
-            except TimeoutError:
-                pass
-
-    async def watch(self, now: float) -> None:
+    def judge(self, now: float) -> tuple[Verdict, bool]:
+        """The watchdog's verdict at `now`, and whether the agent's health changed with it
+        (the flag the heartbeat carries is updated: the router should hear of it now)."""
         verdict = self.watchdog.check(now, self.core.live())
-        if verdict.unhealthy != self.unhealthy:
+        changed = verdict.unhealthy != self.unhealthy
+        if changed:
             (self.log.error if verdict.unhealthy else self.log.info)(
                 "agent health changed", unhealthy=verdict.unhealthy or None)
             self.unhealthy = verdict.unhealthy
-            await self.publish_snapshot()
+        return verdict, changed
+
+    async def fail_stuck(self, verdict: Verdict, now: float) -> None:
+        """Fail the calls the verdict found stuck (each once)."""
         for call in verdict.fail_calls:
             if not call.live:  # it ended while an earlier one was failed
                 continue
+            reason = call.transport.stuck
             try:
                 await self.closer.events(self.core.abort(call.call_id, now))
             except SchedulerError:
                 pass  # already gone from the scheduler
-            await self.closer.fail(call.call_id, call.stuck)  # its engine state goes once the stuck step returns
+            await self.closer.fail(call.call_id, reason)  # its engine state goes once the stuck step returns

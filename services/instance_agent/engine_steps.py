@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
 
 from talaria.services.instance_agent.call_closing import CallCloser
 from talaria.services.instance_agent.agent_core import AgentCore, Phase, StepReport
@@ -27,21 +26,20 @@ from talaria.shared.wire import encode
 
 class EngineSteps:
     def __init__(self, core: AgentCore, thread: EngineThread, closer: CallCloser, nc, js, instance_id: str, log,
-                 publish_snapshot: Callable[[], Awaitable[None]], deployment: Deployment) -> None:
+                 deployment: Deployment) -> None:
         self.core, self.thread, self.closer = core, thread, closer
         self.engine = thread.engine
         self.nc, self.js, self.instance_id, self.log = nc, js, instance_id, log
         self.deployment = deployment
-        self.publish_snapshot = publish_snapshot
 
     async def switch(self, action: SwitchModel) -> StepReport:
+        """The switch, its SwitchDone stored; the runner then tells the router (a snapshot)."""
         record = await self.thread.run(self.engine.switch_to, action.to_model)
         report = self.core.switch_done(action, time.time(), record.total_s, path=record.path,
                                        phases=record.phases(), bytes_staged=record.bytes_staged,
                                        bytes_uncovered=record.bytes_uncovered)
         await self.closer.sender.note(report.switch)
         report.switch = None
-        await self.publish_snapshot()
         return report
 
     async def prefill(self, action: Prefill) -> StepReport:

@@ -7,12 +7,11 @@ thread (engine_thread.py), everything touching NATS stays on the event loop. A c
 JetStream message is acked only once its outcome is published, so a crashed agent's calls
 are redelivered.
 
-Every call is one row of the core's table (`core.calls`, an `AgentCall` with its phase); the
-runner adds only its transport (call_transport.py: message, reply subject, span). The runner
-is composed of parts, each handed its collaborators: the engine thread, the steps
-(engine_steps.py), the closer (call_closing.py: events, replies, acks) and the drops
-(call_drops.py: deadlines, lost placements, the watchdog). Here: intake, cancels, the work
-loop, snapshots.
+Read top to bottom: the parts the runner owns (`__init__`: the engine thread, engine_thread.py;
+the steps, engine_steps.py; the closer, call_closing.py; the drops, call_drops.py), the loop
+that drives them and acts on what they return (a `StepReport`, a watchdog verdict), then the
+ways in (intake, cancels) and the snapshot. Only the closer calls back (`on_change`, calls
+finished), as every path that publishes a report goes through it.
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ from talaria.services import configs
 from talaria.services.configs import Configuration
 from talaria.services.instance_agent.telemetry import build_snapshot
 from talaria.services.instance_agent.watchdog import Watchdog
+from talaria.shared.bus import BUS_ERRORS
 from talaria.shared.events import CallRouted
 from talaria.shared.settings import AgentSettings, CommonSettings
 from talaria.shared.messages import CANCELLED_STATUS
@@ -55,23 +55,6 @@ SNAPSHOT_ON_CHANGE_MIN_S = 0.05  # besides the heartbeat, on change, at most thi
 # Starting guesses for the tiny CPU models; CalibratedCosts corrects them from measurements.
 INITIAL_COSTS = LinearCosts(prefill_tok_s=5_000.0, restore_tok_s=200_000.0, decode_base_s=0.005,
                             switch_staged_s=0.02, switch_host_s=0.05, kv_bytes_per_token=4096)
-
-
-def reusable_kv(engine, session_id: str, model: str, prompt_tokens: int,
-                prompt_ids=None) -> tuple[str, int]:
-    """(where the session's KV is, how many prompt tokens of it can be reused) on `engine`;
-    at least the last prompt token is always computed, so it yields the first logits.
-    With `prompt_ids`, device KV counts only as far as it matches the prompt: a prompt that
-    does not extend the last one would otherwise be priced (and chunked) as almost free."""
-    state = engine.kv_state(session_id, model)
-    if state == "none":
-        return "none", 0
-    if state == "device" and prompt_ids is not None:
-        held = engine.device_prefix(session_id, model, prompt_ids)
-    else:
-        held = max((n for s, m, st, n in engine.session_states()
-                    if s == session_id and m == model and st == state), default=0)
-    return state, min(held, prompt_tokens - 1)
 
 
 class CallRunner:
@@ -110,19 +93,85 @@ class CallRunner:
         self.closer = CallCloser(self.core, self.thread, watchdog, nc, js, self.instance_id, log,
                                  on_change=self.snapshot_on_change, deployment=self.deployment)
         self.steps = EngineSteps(self.core, self.thread, self.closer, nc, js, self.instance_id, log,
-                                 publish_snapshot=self.publish_snapshot, deployment=self.deployment)
+                                 deployment=self.deployment)
+        self.drops = CallDrops(self.core, self.closer, self.thread, watchdog, self.instance_id, self.incarnation, log)
         # KV migration (kv_migration.py): set by the service once the page server runs
         self.migration = None
-        self.drops = CallDrops(self.core, self.closer, self.thread, watchdog, self.instance_id, self.incarnation,
-                               settings.heartbeat_s, log, publish_snapshot=self.publish_snapshot)
+
+    # ---- the scheduling loop -----------------------------------------------------------
+
+    async def work_loop(self, stop: asyncio.Event) -> None:
+        """One action at a time: drop what nobody waits for, ask the core for the next action,
+        run it on its part, publish the report it returns."""
+        while not stop.is_set():
+            try:
+                await self.drops.drop_expired(time.time())
+            except Exception:
+                self.log.exception("dropping expired calls failed")
+            try:
+                action = self.core.next_action(time.time())
+            except Exception:  # a scheduler bug: keep the loop (the agent) alive, retry next beat
+                self.log.exception("scheduler failed to choose an action")
+                await self._wait(stop, time.time() + self.settings.heartbeat_s)
+                continue
+            self.thread.expect(self.core.live_calls(getattr(action, "call_ids", ())), self.core.sched.estimate_s(action))
+            try:
+                match action:
+                    case Idle():
+                        # Clear first: a call accepted while the events below are published
+                        # must still wake us.
+                        self.wakeup.clear()
+                        await self.closer.events(self.core.drain(time.time()))
+                        await self._wait(stop, _earliest(action.until, self.drops.next_deadline()))
+                        continue
+                    case SwitchModel():
+                        report = await self.steps.switch(action)
+                        await self.publish_snapshot()  # the router learns the new active model now
+                    case Prefill():
+                        report = await self.steps.prefill(action)
+                    case Decode():
+                        report = await self.steps.decode(action)
+            except EngineError as exc:
+                report = await self.steps.failed(action, exc)
+            except Exception as exc:  # a bug or a NATS failure: fail this action's calls, keep serving
+                self.log.exception("step failed", action=type(action).__name__)
+                report = await self.steps.failed(action, exc)
+            try:
+                await self.closer.events(report)
+            except Exception:
+                self.log.exception("publishing scheduler events failed")
+
+    async def _wait(self, stop: asyncio.Event, until: float | None) -> None:
+        timeout = None if until is None else max(0.0, until - time.time())
+        waiters = [asyncio.ensure_future(self.wakeup.wait()), asyncio.ensure_future(stop.wait())]
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        for w in waiters:
+            w.cancel()
+
+    async def watchdog_loop(self, stop: asyncio.Event) -> None:
+        """Fail calls that stopped making progress; flag the agent unhealthy while an engine
+        step is stuck, so the router stops choosing it (see watchdog.py)."""
+        while not stop.is_set():
+            try:
+                now = time.time()
+                verdict, health_changed = self.drops.judge(now)
+                if health_changed:
+                    await self.publish_snapshot()
+                await self.drops.fail_stuck(verdict, now)
+            except Exception:
+                self.log.exception("watchdog check failed")
+            try:
+                await asyncio.wait_for(stop.wait(), self.settings.heartbeat_s)
+            except TimeoutError:
+                pass
+
+    # ---- intake ------------------------------------------------------------------------
 
     def holds(self, call_id: str) -> bool:
         """Whether a copy of this call needs nothing more: it is queued, running, finishing or
         finished here."""
         known = self.core.calls.get(call_id)
         return known is not None and known.phase is not Phase.CANCELLED
-
-    # ---- intake ------------------------------------------------------------------------
 
     def accept(self, routed: CallRouted, msg, headers=None, migrated=None, span=None) -> str | None:
         """Queue a routed call; returns why it was refused, or None when accepted. `msg` is
@@ -150,7 +199,7 @@ class CallRunner:
         if routed.incarnation and routed.incarnation != self.incarnation:
             return (f"placed on a previous process of {self.instance_id}, which stopped before running it; "
                     "retry the call")
-        kv_state, reusable = self._kv_for(call.session_id, call.model, call.prompt_tokens, call.prompt_ids)
+        kv_state, reusable = self.thread.view.reusable(call.session_id, call.model, call.prompt_tokens, call.prompt_ids)
         if (routed.kv_from_address and self.migration is not None and self.configuration.scheduler.migrate
                 and kv_state == "none"):
             # The router priced pulling the pages below recompute: pull, then accept. Until
@@ -201,12 +250,6 @@ class CallRunner:
                              submitted_at=call.submitted_at, tenant=call.tenant, transport=transport)
             await self.closer.fail(call_id, refused, status=503, code="not_served")
 
-    def _kv_for(self, session_id: str, model: str, prompt_tokens: int, prompt_ids) -> tuple[str, int]:
-        try:
-            return reusable_kv(self.engine, session_id, model, prompt_tokens, prompt_ids)
-        except Exception:  # noqa: BLE001 - a torn read (the engine thread changed its tables): assume nothing
-            return "none", 0
-
     async def cancel(self, call_id: str, reason: str, tenant: str = "") -> None:
         """Abort a call of `tenant`: out of the scheduler, its engine state released (its KV
         stays as the session's cache), recorded as cancelled. A call not here yet is refused
@@ -238,66 +281,19 @@ class CallRunner:
         await self.closer.fail(call_id, f"cancelled: {reason}", status=CANCELLED_STATUS, code="cancelled")
         self.wakeup.set()
 
-    # ---- the scheduling loop -----------------------------------------------------------
-
-    async def work_loop(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            try:
-                await self.drops.drop_expired(time.time())
-            except Exception:
-                self.log.exception("dropping expired calls failed")
-            try:
-                action = self.core.next_action(time.time())
-            except Exception:  # a scheduler bug: keep the loop (the agent) alive, retry next beat
-                self.log.exception("scheduler failed to choose an action")
-                await self._wait(stop, time.time() + self.settings.heartbeat_s)
-                continue
-            self.thread.expect(self.core.live_calls(getattr(action, "call_ids", ())), self.core.sched.estimate_s(action))
-            try:
-                match action:
-                    case Idle():
-                        # Clear first: a call accepted while the events below are published
-                        # must still wake us.
-                        self.wakeup.clear()
-                        await self.closer.events(self.core.drain(time.time()))
-                        await self._wait(stop, _earliest(action.until, self.drops.next_deadline()))
-                        continue
-                    case SwitchModel():
-                        report = await self.steps.switch(action)
-                    case Prefill():
-                        report = await self.steps.prefill(action)
-                    case Decode():
-                        report = await self.steps.decode(action)
-            except EngineError as exc:
-                report = await self.steps.failed(action, exc)
-            except Exception as exc:  # a bug or a NATS failure: fail this action's calls, keep serving
-                self.log.exception("step failed", action=type(action).__name__)
-                report = await self.steps.failed(action, exc)
-            try:
-                await self.closer.events(report)
-            except Exception:
-                self.log.exception("publishing scheduler events failed")
-
-    async def _wait(self, stop: asyncio.Event, until: float | None) -> None:
-        timeout = None if until is None else max(0.0, until - time.time())
-        waiters = [asyncio.ensure_future(self.wakeup.wait()), asyncio.ensure_future(stop.wait())]
-        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        for w in waiters:
-            w.cancel()
-
     # ---- telemetry ---------------------------------------------------------------------
 
     async def publish_snapshot(self) -> None:
         self.version += 1
         self.last_snapshot = time.monotonic()
+        snap = msgspec.structs.replace(
+            build_snapshot(self.settings, self.models, self.thread.view, self.engine.specs, self.core, self.version,
+                           time.time(), unhealthy=self.drops.unhealthy, staging=self.configuration.scheduler.staging,
+                           migration=self.migration),
+            incarnation=self.incarnation)
         try:
-            snap = msgspec.structs.replace(
-                build_snapshot(self.settings, self.models, self.engine, self.core, self.version, time.time(),
-                               unhealthy=self.drops.unhealthy, staging=self.configuration.scheduler.staging,
-                               migration=self.migration),
-                incarnation=self.incarnation)
             await self.nc.publish(self.deployment.telemetry(self.instance_id), encode(snap))
-        except Exception as exc:  # a torn read of engine tables; the next beat retries
+        except BUS_ERRORS as exc:  # NATS down or slow: the next beat retries
             self.log.warning("snapshot failed", error=str(exc))
 
     async def snapshot_on_change(self) -> None:

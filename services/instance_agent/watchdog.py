@@ -6,7 +6,8 @@ step's calls; a started call idle far longer than the longest round is failed al
 and the one constant, STUCK_FACTOR: `Watchdog`). The runner applies the verdicts.
 
 The watchdog keeps no table of calls: a call's progress and whether it was failed are fields
-of its record (`AgentCall.progress_at`, `.stuck`), and `check` is handed the calls to judge.
+of the executor's part of its record (`CallTransport.progress_at`, `.stuck`), and `check` is
+handed the calls to judge.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ MIN_STUCK_S = 10.0
 @dataclass
 class Verdict:
     unhealthy: str = ""  # why the agent should not take new calls; "" when healthy
-    fail_calls: list[AgentCall] = field(default_factory=list)  # calls failed now (why: their `stuck`)
+    fail_calls: list[AgentCall] = field(default_factory=list)  # calls failed now (why: transport.stuck)
 
 
 @dataclass
@@ -56,8 +57,8 @@ class Watchdog:
         self.step = (kind, now, tuple(calls))
         self.step_predicted_s = predicted_s
         for call in self.step[2]:
-            if call.progress_at is None:  # started: watched from now on
-                call.progress_at = now
+            if call.transport is not None and call.transport.progress_at is None:  # started: watched from now on
+                call.transport.progress_at = now
 
     def step_ended(self, now: float) -> None:
         if self.step is None:
@@ -67,7 +68,8 @@ class Watchdog:
         if self.on_step is not None:
             self.on_step(kind, now - started)
         for call in calls:
-            call.progress_at = now
+            if call.transport is not None:  # None: ended meanwhile (nothing to watch)
+                call.transport.progress_at = now
         self.step = None
 
     def round_ended(self, wall_s: float) -> None:
@@ -94,13 +96,15 @@ class Watchdog:
             if now - started > limit:
                 verdict.unhealthy = f"engine {kind} step running for {now - started:.1f}s (limit {limit:.1f}s)"
                 for call in in_step:
-                    if call.live and not call.stuck:
-                        call.stuck = f"watchdog: engine {kind} step stuck for {now - started:.1f}s"
+                    if call.live and not call.transport.stuck:
+                        call.transport.stuck = f"watchdog: engine {kind} step stuck for {now - started:.1f}s"
                         verdict.fail_calls.append(call)
         limit = self.call_limit_s()
         for call in calls:
-            last = call.progress_at
-            if call.live and not call.stuck and last is not None and now - last > limit and call not in in_step:
-                call.stuck = f"watchdog: no progress for {now - last:.1f}s (limit {limit:.1f}s)"
+            if not call.live or call.transport.stuck:
+                continue
+            last = call.transport.progress_at
+            if last is not None and now - last > limit and call not in in_step:
+                call.transport.stuck = f"watchdog: no progress for {now - last:.1f}s (limit {limit:.1f}s)"
                 verdict.fail_calls.append(call)
         return verdict

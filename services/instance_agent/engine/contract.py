@@ -179,6 +179,10 @@ class Engine(Protocol):
     def session_states(self) -> list[tuple[str, str, str, int]]:
         """(session_id, model, 'device' | 'host', tokens) for every session KV held."""
 
+    def device_tokens(self) -> Mapping[tuple[str, str], list[int]]:
+        """(session_id, model) -> the token ids each session's device KV holds (what
+        `device_prefix` matches a prompt against); a held list is replaced, never changed."""
+
     def stats(self) -> EngineStats: ...
 
     def close(self) -> None: ...

@@ -36,6 +36,10 @@ def device_prefix(dev: DeviceModel | None, session_id: str, model: str, prompt_i
     return common_prefix(entry.tokens, prompt_ids)
 
 
+def device_tokens(dev: DeviceModel | None) -> dict[tuple[str, str], list[int]]:
+    return {} if dev is None else {(e.session_id, e.model): e.tokens for e in dev.sessions.entries()}
+
+
 def session_states(dev: DeviceModel | None, hkvr: HostKvRegistry | None, page_size: int
                    ) -> list[tuple[str, str, str, int]]:
     out = []

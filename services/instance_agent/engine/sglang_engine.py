@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from talaria.services.instance_agent.engine.admission import common_prefix
 from talaria.services.instance_agent.engine.contract import EngineStats
 from talaria.services.instance_agent.engine.contract import Capabilities
 from talaria.services.instance_agent.engine.dtypes import choose
@@ -205,6 +206,14 @@ class SglangEngine(StreamingEngine):
 
     def kv_state(self, session_id: str, model: str) -> str:
         return "device" if (session_id, model) in self.sessions else "none"
+
+    def device_prefix(self, session_id: str, model: str, prompt_ids: list[int]) -> int:
+        """Leading prompt tokens the session's radix-cache entry covers."""
+        held = self.sessions.get((session_id, model))
+        return 0 if held is None else common_prefix(held, prompt_ids)
+
+    def device_tokens(self) -> dict[tuple[str, str], list[int]]:
+        return dict(self.sessions)
 
     def session_states(self) -> list[tuple[str, str, str, int]]:
         return [(s, m, "device", len(t)) for (s, m), t in self.sessions.items()]

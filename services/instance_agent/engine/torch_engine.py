@@ -323,6 +323,9 @@ class TorchEngine:
     def session_states(self) -> list[tuple[str, str, str, int]]:
         return report.session_states(self.dev, self.hkvr, self.page_size)
 
+    def device_tokens(self) -> dict[tuple[str, str], list[int]]:
+        return report.device_tokens(self.dev)
+
     def stats(self) -> EngineStats:
         return report.stats(self.dev, self.running, self.models, self.bump, self.hkvr, self.staging, self.rates,
                             self.switcher.records)

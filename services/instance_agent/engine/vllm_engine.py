@@ -355,6 +355,9 @@ class VllmEngine(StreamingEngine):
         n = common_prefix(held, prompt_ids)
         return n // self._block * self._block
 
+    def device_tokens(self) -> dict[tuple[str, str], list[int]]:
+        return {(s, m): t for (s, m), t in self.sessions.items() if m not in self._asleep}
+
     def session_states(self) -> list[tuple[str, str, str, int]]:
         out = [(s, m, "device", len(t)) for (s, m), t in self.sessions.items() if m not in self._asleep]
         on_device = {(s, m) for s, m, _, _ in out}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from talaria.services.instance_agent.scheduler.scheduler_errors import (
     DuplicateCallError,
@@ -16,6 +17,9 @@ from talaria.services.instance_agent.scheduler.scheduler_errors import (
     UnknownCallError,
 )
 from talaria.services.instance_agent.scheduler.types import KV_STATES, KvState
+
+if TYPE_CHECKING:  # the live executor's part; the scheduler never reads it (the simulator leaves it None)
+    from talaria.services.instance_agent.call_transport import CallTransport
 
 
 class Phase(Enum):
@@ -32,10 +36,12 @@ LIVE = (Phase.QUEUED, Phase.RUNNING)
 @dataclass(slots=True, eq=False)
 class AgentCall:
     """One call on this instance, from acceptance (or an early cancel) to its stored outcome:
-    the one record of it, in the agent's table (`AgentCore.calls`, a `CallTable`): what was
-    routed here, its phase and timeline, tenant and transport, and the scheduler's and the
-    watchdog's state of it. It is what the scheduler is submitted. A record is its identity
-    (eq=False): two calls are never equal, and records can be set members."""
+    the one record of it, in the agent's table (`AgentCore.calls`, a `CallTable`). It is what
+    the scheduler is submitted. Three owners, one section each: what was routed here (set at
+    accept), the core's phase and timeline (agent_core.py), the scheduler's state of it; what
+    the executor owns (message, span, engine handle, the watchdog's progress) is its
+    `transport`, a `CallTransport` (call_transport.py) the core and scheduler never read. A
+    record is its identity (eq=False): two calls are never equal, and records can be set members."""
 
     call_id: str
     session_id: str
@@ -55,16 +61,15 @@ class AgentCall:
     # When the scheduler's slot wait starts (`CallAdmitted.slot_wait_s`), on the driver's clock.
     arrived_at: float = 0.0
     tenant: str = ""  # whose call it is: only that tenant's cancel stops it
+    # -- the core's (agent_core.py) -------------------------------------------------------------
     phase: Phase = Phase.QUEUED
     started_at: float | None = None  # its prefill was issued
     first_token_at: float | None = None
     slot_wait_s: float = 0.0
     opened_model: bool = False  # its slot began with a switch to its model
     cancel_reason: str = ""  # CANCELLED: why (the refusal names it when the call arrives)
-    transport: object = None  # the executor's: the live runner's message, reply subject, span
-    # -- the watchdog's (watchdog.py; the live runner's only) ----------------------------------
-    progress_at: float | None = None  # its last engine step ended (or its first began); None: not started
-    stuck: str = ""  # why the watchdog failed it; "" until then (a call is failed once)
+    # -- the executor's: the live runner's (None in the simulator) ------------------------------
+    transport: CallTransport | None = None
     # -- the scheduler's (set by CallTable; 0 / None for a call it never held) ---------------
     seq: int = 0  # submission order; a call with seq > a slot's P mark arrived after P
     generated: int = 0  # tokens produced so far (the prefill's first token counts)

@@ -23,12 +23,19 @@ DEP = Deployment()  # the default deployment's subject names
 
 
 def runner(tmp_path) -> CallRunner:
-    """A runner whose steps touch no engine, NATS or tracer: the engine stand-in only states
-    capabilities."""
+    """A runner whose steps touch no engine, NATS or tracer: the engine stand-in states
+    capabilities and an empty view (engine_view.py)."""
     settings = Settings.of(data_dir=tmp_path, instance_id="agent-t", models=("qwen3-tiny",))
     engine = SimpleNamespace(capabilities=Capabilities(switch_with_calls_running=False, host_kv=True,
-                                                       d2d_staging=True, chunked_prefill=True))
-    return CallRunner(settings.common, settings.agent, engine, None, None, None, None, structlog.get_logger())
+                                                       d2d_staging=True, chunked_prefill=True),
+                             active_model=None, stats=lambda: None, session_states=list, device_tokens=dict)
+    r = CallRunner(settings.common, settings.agent, engine, None, None, None, None, structlog.get_logger())
+
+    async def no_snapshot() -> None:  # no NATS to publish it on
+        pass
+
+    r.closer.on_change = no_snapshot
+    return r
 
 
 async def test_a_steps_replies_are_written_once_before_their_bookkeeping(tmp_path, monkeypatch):

@@ -2,12 +2,14 @@
 started call with no progress is failed; bounds follow the slowest step/round measured.
 It keeps no table of calls: it is handed their records, whose fields it reads and writes."""
 
+from talaria.services.instance_agent.call_transport import CallTransport
 from talaria.services.instance_agent.scheduler.calls import AgentCall, Phase
 from talaria.services.instance_agent.watchdog import STUCK_FACTOR, Watchdog
 
 
 def calls(*ids):
-    return [AgentCall(i, f"s-{i}", "m", 0, 0.0) for i in ids]
+    """Calls as the live runner holds them: the watchdog's fields are on their transport."""
+    return [AgentCall(i, f"s-{i}", "m", 0, 0.0, transport=CallTransport(None, None, None)) for i in ids]
 
 
 def failed(verdict):
@@ -22,7 +24,7 @@ def test_a_step_far_slower_than_any_before_flags_the_agent_and_fails_its_calls()
     assert w.check(1.0 + 0.5 * STUCK_FACTOR - 0.01, table).unhealthy == ""
     v = w.check(1.0 + 0.5 * STUCK_FACTOR + 0.01, table)
     assert v.unhealthy.startswith("engine decode step") and failed(v) == {"a", "b"}
-    assert all(c.stuck.startswith("watchdog: engine decode step stuck") for c in v.fail_calls)
+    assert all(c.transport.stuck.startswith("watchdog: engine decode step stuck") for c in v.fail_calls)
     assert failed(w.check(7.0, table)) == set()  # each call is failed once
     assert w.check(7.0, table).unhealthy  # still flagged while the step has not returned
     w.step_ended(8.0)
@@ -58,6 +60,6 @@ def test_a_started_call_without_progress_is_failed_alone():
         w.step_started("decode", [ok], t)
         w.step_ended(t + 0.1)
     v = w.check(3.2, table)  # "waiting" never started: not watched
-    assert v.unhealthy == "" and failed(v) == {"lost"} and lost.stuck.startswith("watchdog: no progress")
+    assert v.unhealthy == "" and failed(v) == {"lost"} and lost.transport.stuck.startswith("watchdog: no progress")
     ok.phase = Phase.FINISHED
     assert failed(w.check(100.0, table)) == set()  # done calls are not watched

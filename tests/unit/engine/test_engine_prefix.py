@@ -46,7 +46,7 @@ def test_reusable_estimate_is_what_admission_reuses(make_engine):
     """The runner tells the scheduler how much of a return's prompt its device KV covers; a
     prompt that does not extend the last one (a re-rendered turn) reuses only the common
     prefix, so pricing the whole held KV would make the scheduler chunk it as nearly free."""
-    from talaria.services.instance_agent.runner import reusable_kv
+    from talaria.services.instance_agent.engine_view import reusable_kv
 
     eng = make_engine(["qwen3-tiny"])
     first = eng.generate(Sequence("c1", "s1", "qwen3-tiny", SYSTEM + encode(" first turn", bos=False), 4))
@@ -57,3 +57,23 @@ def test_reusable_estimate_is_what_admission_reuses(make_engine):
         got = eng.generate(Sequence(call_id, "s1", "qwen3-tiny", prompt, 1))
         assert state == "device" and got.kv_source == "device"
         assert reusable == got.cached_tokens, call_id
+
+
+def test_the_engines_view_answers_as_the_engine_does(make_engine):
+    """The agent reads the engine's KV only through the view it publishes (engine_view.py):
+    device and host sessions, and what a prompt reuses, as the engine itself says."""
+    from talaria.services.instance_agent.engine_view import view_of
+
+    eng = make_engine(["qwen3-tiny", "gpt2-tiny"])
+    prompts = {}
+    for i, model in enumerate(("qwen3-tiny", "gpt2-tiny", "qwen3-tiny")):  # the last switch parks s0/s1 to host
+        prompts[i] = SYSTEM + encode(f" turn {i}", bos=False)
+        eng.generate(Sequence(f"c{i}", f"s{i}", model, prompts[i], 4))
+    view = view_of(eng)
+    assert {st for _, _, st, _ in view.sessions} == {"device", "host"}
+    assert view.sessions == tuple(eng.session_states()) and view.stats == eng.stats()
+    for s in ("s0", "s1", "s2", "s9"):
+        for model in ("qwen3-tiny", "gpt2-tiny"):
+            assert view.kv_state(s, model) == eng.kv_state(s, model), (s, model)
+            for prompt in prompts.values():
+                assert view.device_prefix(s, model, prompt) == eng.device_prefix(s, model, prompt), (s, model)
