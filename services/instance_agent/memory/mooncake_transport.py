@@ -100,7 +100,7 @@ class MooncakeTransport:
 def open_transport(host: str, protocol: str = "tcp", device: str = "", slot_bytes: int = SLOT_BYTES
                    ) -> tuple[MooncakeTransport | None, str]:
     """A started transport, or (None, why not) in one line."""
-    os.environ.setdefault("GLOG_minloglevel", "2")  # the engine's glog: errors only (read at load)
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # the engine logs each connection at INFO otherwise
     try:
         from mooncake.engine import TransferEngine
     except (ImportError, OSError) as exc:
