@@ -94,12 +94,16 @@ class MooncakeTransport:
         return ctypes.string_at(slot, n)
 
     def close(self) -> None:
-        self._reads.shutdown(wait=False)
+        self._reads.shutdown(wait=True)  # no read is writing into a receive slot any more
+        for part in (self.staging, self.receive):
+            self.engine.unregister_memory(part.base)  # before the buffers can be freed
 
 
 def open_transport(host: str, protocol: str = "tcp", device: str = "", slot_bytes: int = SLOT_BYTES
                    ) -> tuple[MooncakeTransport | None, str]:
     """A started transport, or (None, why not) in one line."""
+    if host in ("", "0.0.0.0", "::"):
+        return None, f"the page host {host!r} is no address a peer can read a segment from"
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # the engine logs each connection at INFO otherwise
     try:
         from mooncake.engine import TransferEngine

@@ -284,3 +284,76 @@ def test_without_the_mooncake_package_the_transport_falls_back_with_a_reason(mon
     monkeypatch.setitem(__import__("sys").modules, "mooncake.engine", None)
     transport, why = open_transport("127.0.0.1")
     assert transport is None and why.startswith("mooncake does not import")
+
+
+class Owner:
+    """The engine's owner thread, as KvMigration calls it (EngineThread.call)."""
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    async def call(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+
+class Log:
+    def __init__(self):
+        self.lines = []
+
+    def info(self, event, **kw):
+        self.lines.append((event, kw))
+
+    warning = info
+
+
+def routed_return(follow, address):
+    from talaria.shared.events import CallRouted, CallSubmitted
+
+    call = CallSubmitted("c2", "s1", M, follow, [], 8, 0.0)
+    return CallRouted(call, 1, "mover", "talaria", 0.0, kv_from="holder", kv_from_address=address)
+
+
+def agents_migrate(pair, mode="auto", segment=None):
+    """Two agents' KvMigration (the holder's and the mover's, each on its engine's owner
+    thread); the mover pulls the routed return's pages. Their logs and the pull's record.
+    `segment` renames the holder's Mooncake segment after start (a peer cannot reach it)."""
+    from talaria.services.instance_agent.kv_migration import KvMigration
+
+    holder, owner, mover, follow, _ = pair
+    logs = Log(), Log()
+
+    async def go():
+        near = KvMigration(holder, Owner(owner), logs[0], transport=mode)
+        far = KvMigration(mover, Owner(owner), logs[1], transport=mode)
+        await near.start()
+        await far.start()
+        if segment and near.mooncake is not None:
+            near.mooncake.segment = segment
+        try:
+            return await far.pull_into(routed_return(follow, near.address))
+        finally:
+            await near.close()
+            await far.close()
+
+    return asyncio.run(go()), logs
+
+
+def test_an_agent_logs_its_transport_at_start_and_its_pulls_record_it(pair):
+    mooncake()  # skips where Mooncake does not start
+    holder, _, mover, follow, expected = pair
+    got, (near, far) = agents_migrate(pair)
+    assert [kw["transport"] for e, kw in near.lines if e == "kv page transport"] == ["mooncake"]
+    assert got.transport == "mooncake" and got.tokens > 0
+    assert [kw["transport"] for e, kw in far.lines if e == "kv pulled"] == ["mooncake"]
+    out = generate(mover, "c2", "s1", follow, migrated_tokens=got.tokens)
+    assert out.token_ids == expected
+
+
+def test_tcp_by_setting_and_an_unreachable_segment_fall_back_to_the_bytes_inline(pair):
+    mooncake()
+    tcp, (near, _) = agents_migrate(pair, mode="tcp")
+    assert [kw for e, kw in near.lines if e == "kv page transport"][0]["why"] == "TALARIA_PAGE_TRANSPORT=tcp"
+    assert tcp.transport == "tcp" and tcp.tokens > 0
+    fallback, (_, far) = agents_migrate(pair, segment="127.0.0.1:1")
+    assert fallback.transport == "tcp" and fallback.tokens == tcp.tokens
+    assert any(e == "kv pull over mooncake failed, again over tcp" for e, _ in far.lines)
