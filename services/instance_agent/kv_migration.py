@@ -66,10 +66,6 @@ class KvMigration:
             self.log.info("kv page transport", transport="tcp", address=self.address, why=why)
         return self.address
 
-    @property
-    def transport(self) -> str:
-        return "tcp" if self.mooncake is None else "mooncake"
-
     async def close(self) -> None:
         await self.server.close()
         if self.mooncake is not None:

@@ -94,9 +94,10 @@ class MooncakeTransport:
         return ctypes.string_at(slot, n)
 
     def close(self) -> None:
-        self._reads.shutdown(wait=True)  # no read is writing into a receive slot any more
+        # not waiting for a read still in flight: it holds this object, so its buffers outlive it
+        self._reads.shutdown(wait=False)
         for part in (self.staging, self.receive):
-            self.engine.unregister_memory(part.base)  # before the buffers can be freed
+            self.engine.unregister_memory(part.base)
 
 
 def open_transport(host: str, protocol: str = "tcp", device: str = "", slot_bytes: int = SLOT_BYTES
