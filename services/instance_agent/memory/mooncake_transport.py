@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,8 +27,8 @@ class _Slots:
 
     def __init__(self, size: int, count: int) -> None:
         self.size, self.count = size, count
-        self.buffer = (ctypes.c_char * (size * count))()
-        self.base = ctypes.addressof(self.buffer)
+        self.buffer = mmap.mmap(-1, size * count)  # anonymous: memory is taken as slots are used, not up front
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.buffer))
         self.free: asyncio.Queue[int] | None = None
 
     def queue(self) -> asyncio.Queue[int]:
