@@ -1,13 +1,15 @@
-"""TTFT of a moved return on the torch engine: migrate (pull the pages over TCP) vs recompute.
+"""TTFT of a moved return on the torch engine: migrate (pull the pages) vs recompute.
 
-    python bench/migration_ttft.py [--tokens 4096,16384,65536] [--netns] [--out results/migration.md]
+    python bench/migration_ttft.py [--tokens 4096,16384,65536] [--netns] [--transports tcp,mooncake]
+                                   [--out results/migration.md]
 
 A holder process runs the session's first call (N tokens of context, checkpointed to its
 host KV registry) and serves its pages (memory/page_server.py, on its engine thread). In
 this process a second torch engine takes the session's return (the context plus a short
-tool result): recompute = its prefill from nothing; migrate = page_client.pull over TCP,
-import into the host registry, then the prefill restoring those pages. TTFT = call start
-to first token, the pull included. Loopback: the holder on 127.0.0.1. --netns also runs
+tool result): recompute = its prefill from nothing; migrate = page_client.pull (page bytes
+inline over TCP, or by Mooncake's transfer engine), import into the host registry, then the
+prefill restoring them. TTFT = call start to first token, the pull included. Loopback: the
+holder on 127.0.0.1. --netns also runs
 it across two network hosts of this machine (tests/multihost/hosts.py: network namespaces
 on a bridge, the holder's link shaped to 1 Gbit/s by `tc`; this kernel lacks sch_netem, so
 the 0.5 ms latency cannot be added and is not). Replaces the "TTFT" section of --out
@@ -50,16 +52,20 @@ def engine(data: Path, n: int, warm: bool = True) -> TorchEngine:
     return eng
 
 
-def holder_main(n: int, host: str, port: int, data: Path) -> None:
-    """The holder: the first call, then serve its pages until stdin closes."""
+def holder_main(n: int, host: str, port: int, data: Path, segment_host: str) -> None:
+    """The holder: the first call, then serve its pages until stdin closes (by Mooncake to a
+    puller that has it too, when `segment_host` is set and the engine starts)."""
+    from talaria.services.instance_agent.memory.mooncake_transport import open_transport
     from talaria.services.instance_agent.memory.page_server import PageServer
 
     torch.set_num_threads(1)
     eng = engine(data, n, warm=False)
     eng.generate(Sequence("c1", "s1", MODEL, context(n), 1))
+    transport = open_transport(segment_host)[0] if segment_host else None
 
     async def serve():
-        server = PageServer(lambda m, s, h, k: asyncio.to_thread(eng.export_pages, m, s, h, k), host, port)
+        server = PageServer(lambda m, s, h, k: asyncio.to_thread(eng.export_pages, m, s, h, k), host, port,
+                            transport=transport)
         await server.start()
         print(f"ready {server.port}", flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
@@ -78,28 +84,40 @@ def first_token_s(eng: TorchEngine, seq: Sequence) -> float:
     return dt
 
 
-def measure(n: int, address: str, data: Path) -> dict:
+def recompute_s(n: int, data: Path) -> float:
+    return first_token_s(engine(data, n), Sequence("r", "r", MODEL, context(n) + TAIL, 1))
+
+
+def measure(n: int, address: str, data: Path, transport) -> dict:
+    """One moved return migrated from the holder at `address` (`transport`: a Mooncake one, or
+    None for the bytes inline over TCP)."""
     from talaria.services.instance_agent.memory.page_client import pull
 
     prompt = context(n) + TAIL
-    recompute = first_token_s(engine(data, n), Sequence("r", "r", MODEL, prompt, 1))
     mover = engine(data, n)
-    t0 = time.perf_counter()
     hashes = block_hashes(prompt[:-1], mover.page_size)
-    got = asyncio.run(pull(address, "s1", MODEL, hashes, timeout_s=600, max_bytes=1 << 34))
+    # one page first, untimed: the holder's first export and Mooncake's handshake with a new peer
+    # (both paid once per pair of agents, not per call) stay out of the measured pull
+    first = asyncio.run(pull(address, "s1", MODEL, hashes[:1], timeout_s=60, max_bytes=1 << 30, transport=transport))
+    t0 = time.perf_counter()
+    got = asyncio.run(pull(address, "s1", MODEL, hashes, timeout_s=600, max_bytes=1 << 34, transport=transport))
     lay = got.layout
     tokens = mover.import_pages(MODEL, "s1", got.hashes, got.slabs, lay.dtype, tuple(lay.shape), lay.ranks)
     pulled = time.perf_counter() - t0
     seq = Sequence("m", "s1", MODEL, prompt, 1, migrated_tokens=tokens)
     migrate = pulled + first_token_s(mover, seq)
     assert seq.kv_source == "migrated", (seq.kv_source, got.why, tokens)
-    return {"n": n, "recompute": recompute, "migrate": migrate, "pull": got.seconds, "bytes": got.bytes,
-            "tokens": tokens}
+    assert got.transport == ("mooncake" if transport else "tcp"), got.transport
+    mover.close()
+    return {"n": n, "migrate": migrate, "pull": got.seconds, "bytes": got.bytes, "tokens": tokens,
+            "transport": got.transport, "first_contact": first.seconds}
 
 
-def run_holder(n: int, data: Path, argv_prefix: list[str], host: str) -> tuple[subprocess.Popen, int]:
+def run_holder(n: int, data: Path, argv_prefix: list[str], host: str, segment_host: str
+               ) -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen([*argv_prefix, sys.executable, __file__, "--holder", str(n), "--host", host,
-                             "--data", str(data)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                             "--data", str(data), "--segment-host", segment_host],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     for raw in proc.stdout:  # its engine logs first
         line = raw.split()
         if line[:1] == ["ready"]:
@@ -115,15 +133,24 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     links = list(dict.fromkeys(r["link"] for r in rows))
+    transports = list(dict.fromkeys(r["transport"] for r in rows))
+    width = 0.8 / (1 + len(transports))
     fig, axes = plt.subplots(1, len(links), figsize=(5 * len(links), 3.6), squeeze=False)
     for ax, link in zip(axes[0], links):
-        mine = [r for r in rows if r["link"] == link]
-        xs = range(len(mine))
-        ax.bar([x - 0.2 for x in xs], [r["recompute"] for r in mine], 0.4, label="recompute")
-        ax.bar([x + 0.2 for x in xs], [r["migrate"] for r in mine], 0.4, label="migrate (pull included)")
-        for x, r in zip(xs, mine):
-            ax.annotate(f"{r['migrate'] / r['recompute']:.2f}x", (x + 0.2, r["migrate"]), ha="center", va="bottom")
-        ax.set_xticks(list(xs), [f"{r['n'] // 1024}K" for r in mine])
+        sizes = sorted({r["n"] for r in rows if r["link"] == link})
+        xs = range(len(sizes))
+        first = {r["n"]: r for r in rows if r["link"] == link}
+        ax.bar([x - 0.4 + width / 2 for x in xs], [first[n]["recompute"] for n in sizes], width, label="recompute")
+        for i, t in enumerate(transports, 1):
+            mine = {r["n"]: r for r in rows if r["link"] == link and r["transport"] == t}
+            at = [x - 0.4 + width * (i + 0.5) for x in xs]
+            ax.bar(at, [mine[n]["migrate"] if n in mine else 0 for n in sizes], width,
+                   label=f"migrate, {t} (pull included)")
+            for x, n in zip(at, sizes):
+                if n in mine:
+                    ax.annotate(f"{mine[n]['migrate'] / mine[n]['recompute']:.2f}x", (x, mine[n]["migrate"]),
+                                ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(list(xs), [f"{n // 1024}K" for n in sizes])
         ax.set_yscale("log")
         ax.set_title(link.split(" (")[0])
         ax.set_xlabel("context tokens")
@@ -138,9 +165,9 @@ def parse_table(text: str) -> list[dict]:
     rows = []
     for line in text.partition(SECTION)[2].splitlines():
         c = [x.strip().strip("*") for x in line.strip().strip("|").split("|")]
-        if len(c) == 7 and c[1].replace(",", "").isdigit():
-            rows.append({"link": c[0], "n": int(c[1].replace(",", "")), "recompute": float(c[2]),
-                         "migrate": float(c[3])})
+        if len(c) == 8 and c[2].replace(",", "").isdigit():
+            rows.append({"link": c[0], "transport": c[1], "n": int(c[2].replace(",", "")), "recompute": float(c[3]),
+                         "migrate": float(c[4])})
     return rows
 
 
@@ -148,14 +175,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="4096,16384,65536")
     ap.add_argument("--netns", action="store_true", help="also across two network namespaces (root)")
+    ap.add_argument("--transports", default="tcp,mooncake",
+                    help="how the page bytes move: tcp (inline), mooncake (its transfer engine, `tcp` protocol)")
     ap.add_argument("--out", type=Path, default=Path("results/migration.md"))
     ap.add_argument("--replot", action="store_true", help="redraw the PNG from --out's table, run nothing")
     ap.add_argument("--holder", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     ap.add_argument("--data", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--segment-host", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.holder:
-        holder_main(args.holder, args.host, 0, args.data)
+        holder_main(args.holder, args.host, 0, args.data, args.segment_host)
         return 0
     if args.replot:
         plot(parse_table(args.out.read_text()), args.out.with_suffix(".png"))
@@ -165,8 +195,17 @@ def main() -> int:
         sizes = [int(x) for x in args.tokens.split(",") if x]
     except ValueError:
         ap.error("--tokens: comma-separated token counts")
+    transports = [t for t in args.transports.split(",") if t]
+    if not transports or set(transports) - {"tcp", "mooncake"}:
+        ap.error("--transports: tcp and/or mooncake")
+    if "mooncake" in transports:
+        from talaria.services.instance_agent.memory.mooncake_transport import open_transport
+        probe, why = open_transport("127.0.0.1")
+        if probe is None:
+            ap.error(f"--transports mooncake: {why}")
+        probe.close()
     data = Path(tempfile.mkdtemp(prefix="migration-ttft-"))
-    links = [("loopback", [], "127.0.0.1", None)]
+    links = [("loopback", [], "127.0.0.1", "127.0.0.1")]
     net = None
     if args.netns:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -177,33 +216,42 @@ def main() -> int:
         net = Network(("holder",)).create()
         shaped = net.shape("holder", 0.5, "1gbit")
         h = net.hosts["holder"]
-        links.append((f"two hosts ({shaped})", ["ip", "netns", "exec", h.name], h.ip, None))
+        # this process (the puller) is .254 on the hosts' bridge
+        links.append((f"two hosts ({shaped})", ["ip", "netns", "exec", h.name], h.ip, h.ip.rsplit(".", 1)[0] + ".254"))
     rows = []
     try:
-        for label, prefix, host, _ in links:
+        for label, prefix, host, local in links:
+            movers = {t: open_transport(local)[0] if t == "mooncake" else None for t in transports}
             for n in sizes:
-                proc, port = run_holder(n, data, prefix, "0.0.0.0" if prefix else host)
+                proc, port = run_holder(n, data, prefix, "0.0.0.0" if prefix else host,
+                                        host if "mooncake" in transports else "")
                 try:
-                    r = measure(n, f"{host}:{port}", data)
+                    recompute = recompute_s(n, data)  # one baseline per size and link, beside its migrations
+                    for t in transports:
+                        r = {**measure(n, f"{host}:{port}", data, movers[t]), "recompute": recompute, "link": label}
+                        rows.append(r)
+                        print(f"{label} {t} N={n}: recompute {recompute:.3f} s, migrate {r['migrate']:.3f} s "
+                              f"({r['migrate'] / recompute:.2f}x; pull {r['pull']:.3f} s, {r['bytes'] / 1e6:.1f} MB; "
+                              f"first one-page pull {r['first_contact'] * 1e3:.1f} ms)",
+                              flush=True)
                 finally:
                     proc.stdin.close()
                     proc.wait(60)
-                r["link"] = label
-                rows.append(r)
-                print(f"{label} N={n}: recompute {r['recompute']:.3f} s, migrate {r['migrate']:.3f} s "
-                      f"({r['migrate'] / r['recompute']:.2f}x; pull {r['pull']:.3f} s, {r['bytes'] / 1e6:.1f} MB)",
-                      flush=True)
     finally:
         if net is not None:
             net.destroy()
-    table = ["| link | context tokens | recompute TTFT (s) | migrate TTFT (s) | migrate / recompute | pull (s) | MB moved |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    table += [f"| {r['link']} | {r['n']:,} | {r['recompute']:.3f} | {r['migrate']:.3f} | "
+    table = ["| link | page bytes by | context tokens | recompute TTFT (s) | migrate TTFT (s) | migrate / recompute "
+             "| pull (s) | MB moved |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    table += [f"| {r['link']} | {r['transport']} | {r['n']:,} | {r['recompute']:.3f} | {r['migrate']:.3f} | "
               f"**{r['migrate'] / r['recompute']:.2f}x** | {r['pull']:.3f} | {r['bytes'] / 1e6:.1f} |" for r in rows]
-    cmd = f"python bench/migration_ttft.py --tokens {args.tokens}{' --netns' if args.netns else ''}"
+    cmd = (f"python bench/migration_ttft.py --tokens {args.tokens}{' --netns' if args.netns else ''}"
+           f" --transports {args.transports}")
     body = [SECTION, "", f"`{cmd}` (torch engine, {MODEL} on CPU, {os.cpu_count()} cores shared; one run each). "
             "The return is the context plus a short tool result; TTFT includes the pull. The recompute baseline "
-            "is measured in the same run.", "", *table, ""]
+            "is measured in the same run, once per size and link; each transport's pull is from the same holder, "
+            "after an untimed one-page pull (the holder's first export, Mooncake's handshake with a new peer). "
+            "`tcp`: the page bytes inline in the page protocol's TCP stream; `mooncake`: read by Mooncake's "
+            "transfer engine (`tcp` protocol) from the holder's staging slots.", "", *table, ""]
     print("\n".join(body))
     text = args.out.read_text() if args.out.exists() else "# KV migration (issue 40)\n\n"
     head, _, rest = text.partition(SECTION)

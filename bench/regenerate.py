@@ -57,7 +57,8 @@ RESULTS = (
     Result("capacity", ("capacity.md", "capacity.png"), ("python bench/capacity.py all",), 10),
     Result("migration", ("migration.md", "migration.png"),
            ("python bench/migration_sim.py --seeds 3 --link-scale 1 --setup-scale 1",
-            "python bench/migration_ttft.py --tokens 4096,16384,65536 --netns"), 30, note="the TTFT part needs root (network namespaces)"),
+            "python bench/migration_ttft.py --tokens 4096,16384,65536 --netns --transports tcp,mooncake"), 30,
+           note="the TTFT part needs root (network namespaces) and the mooncake extra"),
     Result("hot_cold_sim", ("hot_cold_sim.md",), ("python bench/hot_cold_sim.py --seeds 3",), 5),
     Result("sim_fidelity_peers", ("sim_fidelity_peers.md",),
            ("python bench/sim_fidelity.py --policies talaria,sglang-cache-aware,vllm-stack-session"

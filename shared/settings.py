@@ -279,6 +279,11 @@ class AgentSettings:
     # KV page server peers pull a moved session's pages from (docs/migration.md); port 0: any free
     page_host: str = "127.0.0.1"
     page_port: int = 0
+    # how the page bytes move: auto (Mooncake's transfer engine where it imports and starts, else
+    # TCP) | tcp; Mooncake's protocol (tcp | rdma) and its RDMA NICs ("": its own discovery)
+    page_transport: str = "auto"
+    mooncake_protocol: str = "tcp"
+    mooncake_device: str = ""
 
     def engine_options(self) -> dict[str, object]:
         """The chosen engine's own options, as its constructor takes them (unset ones left out)."""
@@ -300,6 +305,10 @@ class AgentSettings:
             raise SettingsError("TALARIA_POOL", self.pool, "hot or cold")
         if not 0 <= self.page_port <= 65535:
             raise SettingsError("TALARIA_PAGE_PORT", str(self.page_port), "a TCP port, or 0 for a free one")
+        if self.page_transport not in ("auto", "tcp"):
+            raise SettingsError("TALARIA_PAGE_TRANSPORT", self.page_transport, "auto or tcp")
+        if self.mooncake_protocol not in ("tcp", "rdma"):
+            raise SettingsError("TALARIA_MOONCAKE_PROTOCOL", self.mooncake_protocol, "tcp or rdma")
         if self.dtype and self.dtype.lower() not in DTYPES:
             raise SettingsError("TALARIA_DTYPE", self.dtype, f"one of {', '.join(DTYPES)}")
         for name in ("heartbeat_s", "watchdog_min_s"):

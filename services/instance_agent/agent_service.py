@@ -63,7 +63,8 @@ async def serve(common: CommonSettings, settings: AgentSettings, ready: asyncio.
     runner = CallRunner(common, settings, engine, executor, nc, js, provider.get_tracer("talaria.agent"), log,
                         configuration)
     if configuration.scheduler.migrate and engine.capabilities.kv_migration:  # peers pull our pages, we pull theirs
-        runner.migration = KvMigration(engine, runner.thread, log, settings.page_host, settings.page_port)
+        runner.migration = KvMigration(engine, runner.thread, log, settings.page_host, settings.page_port,
+                                       settings.page_transport, settings.mooncake_protocol, settings.mooncake_device)
         await runner.migration.start()
     meter = AgentMetrics(settings.instance_id)  # fed by what the agent emits, its steps and snapshot
     tap(js, meter.observe)

@@ -3,7 +3,8 @@
 `pull` returns the verified leading pages only: a page whose hash is not the next one asked
 for, whose size or digest is wrong, or that never arrives (the holder died, the time or
 byte bound ran out) ends the prefix, and the caller recomputes the rest. Cancelling the
-awaiting task (the call was cancelled) closes the connection.
+awaiting task (the call was cancelled) closes the connection. Given a Mooncake `transport`
+and a holder that has one, the page bytes are read from the holder's staging slots.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from talaria.services.instance_agent.memory.mooncake_transport import MooncakeTransport
 from talaria.services.instance_agent.memory.page_protocol import (
-    HEADER, MAX_JSON, PageFrame, PageLayout, PageRequest, frame, page_ok, slab_bytes)
+    ACK, HEADER, MAX_JSON, PageFrame, PageLayout, PageRequest, frame, page_ok, slab_bytes)
 
 
 @dataclass
@@ -27,18 +29,21 @@ class Pulled:
     seconds: float = 0.0
     setup_s: float = 0.0  # connect + request + the holder's layout answer
     why: str = ""  # why fewer pages than asked came back ("" when all did)
+    transport: str = "tcp"  # how the page bytes moved: tcp | mooncake
 
 
 async def pull(address: str, session_id: str, model: str, hashes: list[int], *, timeout_s: float,
-               max_bytes: int) -> Pulled:
+               max_bytes: int, transport: MooncakeTransport | None = None) -> Pulled:
     out = Pulled()
+    segment = transport.segment if transport is not None else ""
     t0 = time.perf_counter()
     writer = None
     try:
         async with asyncio.timeout(timeout_s):
             host, _, port = address.rpartition(":")
             reader, writer = await asyncio.open_connection(host, int(port))
-            writer.write(frame(PageRequest(session_id, model, hashes, max_bytes)))
+            writer.write(frame(PageRequest(session_id, model, hashes, max_bytes, segment,
+                                           transport.slot_bytes if segment else 0)))
             await writer.drain()
             layout = await _read(reader, PageLayout)
             out.layout, out.setup_s = layout, time.perf_counter() - t0
@@ -46,6 +51,10 @@ async def pull(address: str, session_id: str, model: str, hashes: list[int], *, 
                 out.why = layout.error or "the holder has none of these pages"
                 return out
             size = slab_bytes(layout)
+            if layout.segment and transport is not None:
+                out.transport = "mooncake"
+                await _staged(reader, writer, layout, hashes, transport, out)
+                return out
             for want in hashes[:layout.pages]:
                 f = await _read(reader, PageFrame)
                 if f.hash == 0 or len(f.sizes) != layout.ranks or any(s != size for s in f.sizes):
@@ -70,6 +79,45 @@ async def pull(address: str, session_id: str, model: str, hashes: list[int], *, 
             writer.close()
         out.seconds = time.perf_counter() - t0
     return out
+
+
+async def _staged(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, layout: PageLayout,
+                  hashes: list[int], transport: MooncakeTransport, out: Pulled) -> None:
+    """Mooncake: collect a chunk's frames, read its bytes from the holder's slot in one
+    transfer, keep its pages while they check, ack; until the end frame or the first failure."""
+    size, wants, chunk = slab_bytes(layout), iter(hashes[:layout.pages]), []
+    while True:
+        f = await _read(reader, PageFrame)
+        if f.hash == 0:
+            if len(out.hashes) < min(layout.pages, len(hashes)) and not out.why:
+                out.why = "the holder sent fewer pages than it announced"
+            elif layout.pages < len(hashes):
+                out.why = f"the holder had {layout.pages} of {len(hashes)} pages"
+            return
+        if len(f.sizes) != layout.ranks or any(s != size for s in f.sizes) or f.hash != next(wants, None):
+            out.why = "the holder sent fewer or different pages"
+            return
+        chunk.append(f)
+        if not f.flush:
+            continue
+        lo = chunk[0].addr
+        n = chunk[-1].addr + size * layout.ranks - lo
+        data = await transport.read(layout.segment, lo, n) if n > 0 else None
+        if data is None:
+            out.why = f"mooncake read of {n} bytes from {layout.segment} failed"
+            return
+        for g in chunk:
+            at = g.addr - lo
+            slabs = [data[at + r * size: at + (r + 1) * size] for r in range(layout.ranks)]
+            if at < 0 or not page_ok(g, g.hash, layout, slabs):
+                out.why = f"page {len(out.hashes)} failed its hash check"
+                return
+            out.hashes.append(g.hash)
+            out.slabs.append(slabs)
+            out.bytes += size * layout.ranks
+        chunk = []
+        writer.write(ACK)
+        await writer.drain()
 
 
 async def _read(reader: asyncio.StreamReader, kind):

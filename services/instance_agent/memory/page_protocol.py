@@ -3,6 +3,8 @@
     request   u32 length + JSON PageRequest (session, model, the requester's block hashes)
     reply     u32 length + JSON PageLayout, then per page: u32 length + JSON PageFrame and
               the frame's rank slabs (sizes[r] bytes each), then a frame with hash 0 (end)
+    mooncake  both sides have a segment (mooncake_transport.py): a frame carries `addr`, not its
+              slabs; after a `flush` frame the requester reads the chunk and acks with ACK
 
 The requester derives `hashes` from its own call's prompt under its tenant's scope
 (shared/tokenizer.block_hashes), so only pages of that exact prefix can match; the holder
@@ -29,6 +31,8 @@ class PageRequest(Struct, frozen=True):
     model: str
     hashes: list[int]
     max_bytes: int  # the requester's bound: the holder stops before sending more
+    segment: str = ""  # the requester's Mooncake segment: "" takes the bytes inline over TCP
+    chunk_bytes: int = 0  # its receive slot: no staged chunk is larger
 
 
 class PageLayout(Struct, frozen=True):
@@ -41,12 +45,18 @@ class PageLayout(Struct, frozen=True):
     shape: list[int] = []
     itemsize: int = 0
     error: str = ""  # the holder refused (one line), no page follows
+    segment: str = ""  # the holder's Mooncake segment the slabs are read from ("": inline)
 
 
 class PageFrame(Struct, frozen=True):
     hash: int  # 0: the end
     sizes: list[int] = []
     digest: str = ""  # blake2b-16 of the slabs' bytes, concatenated
+    addr: int = 0  # Mooncake: the slabs' address in the holder's segment, concatenated
+    flush: bool = False  # Mooncake: the chunk's last page; the requester reads it, then acks
+
+
+ACK = b"\x01"  # Mooncake: the requester has read the staged chunk (its slot may be reused)
 
 
 def frame(obj: Struct) -> bytes:
@@ -74,6 +84,8 @@ def check_request(req: PageRequest) -> str:
         return f"hashes: 1..{MAX_PAGES} expected, got {len(req.hashes)}"
     if req.max_bytes <= 0:
         return "max_bytes must be > 0"
+    if req.segment and req.chunk_bytes <= 0:
+        return "chunk_bytes must be > 0 with a segment"
     return ""
 
 

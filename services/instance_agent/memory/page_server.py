@@ -1,6 +1,8 @@
 """An agent's KV page server (issue 40): answers peers' pulls of a session's host pages
 over TCP (asyncio streams; page_protocol.py). The pages are read by the engine's owner
-thread (`export`, e.g. EngineThread.call(engine.export_pages, ...)): never off it.
+thread (`export`, e.g. EngineThread.call(engine.export_pages, ...)): never off it. With a
+Mooncake transport, and a requester that has one too, the page bytes are staged in a
+registered slot for the requester to read instead of being streamed.
 """
 
 from __future__ import annotations
@@ -10,15 +12,18 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 
+from talaria.services.instance_agent.memory.mooncake_transport import MooncakeTransport
 from talaria.services.instance_agent.memory.page_protocol import (
-    HEADER, MAX_JSON, PageFrame, PageLayout, PageRequest, check_request, digest, frame)
+    ACK, HEADER, MAX_JSON, PageFrame, PageLayout, PageRequest, check_request, digest, frame)
 
 Export = Callable[[str, str, list[int], int], Awaitable[list]]  # (model, session, hashes, limit) -> pages
 
 
 class PageServer:
-    def __init__(self, export: Export, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0) -> None:
+    def __init__(self, export: Export, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0,
+                 transport: MooncakeTransport | None = None) -> None:
         self.export, self.host, self.port, self.timeout_s = export, host, port, timeout_s
+        self.transport = transport
         self._server: asyncio.Server | None = None
         self.served_pages = 0
 
@@ -60,8 +65,12 @@ class PageServer:
         desc = pages[0][1]
         size = desc.nbytes * len(pages[0][2])
         fits = max(0, min(len(pages), req.max_bytes // size))  # the requester's byte bound
+        staged = self.transport is not None and req.segment != ""
         writer.write(frame(PageLayout(fits, len(pages[0][2]), desc.page_size, desc.dtype, list(desc.shape),
-                                      desc.itemsize)))
+                                      desc.itemsize, segment=self.transport.segment if staged else "")))
+        if staged:
+            await self._stage(reader, writer, pages[:fits], min(req.chunk_bytes, self.transport.slot_bytes) // size)
+            return
         for h, _, slabs in pages[:fits]:
             writer.write(frame(PageFrame(h, [len(s) for s in slabs], digest(slabs))))
             for s in slabs:
@@ -70,3 +79,29 @@ class PageServer:
             self.served_pages += 1
         writer.write(frame(PageFrame(0)))
         await writer.drain()
+
+    async def _stage(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, pages: list,
+                     per_chunk: int) -> None:
+        """Mooncake: stage `per_chunk` pages at a time in a leased slot; the next chunk once the
+        requester acked the last (a slot is reused only after its reader is done or gone)."""
+        if per_chunk < 1:
+            writer.write(frame(PageFrame(0)))  # a page larger than a slot: the requester recomputes
+            await writer.drain()
+            return
+        slot = await self.transport.lease()
+        try:
+            for start in range(0, len(pages), per_chunk):
+                chunk, offset = pages[start:start + per_chunk], 0
+                for i, (h, _, slabs) in enumerate(chunk):
+                    addr = self.transport.stage(slot, offset, slabs)
+                    offset += sum(len(s) for s in slabs)
+                    writer.write(frame(PageFrame(h, [len(s) for s in slabs], digest(slabs), addr,
+                                                 flush=i == len(chunk) - 1)))
+                await writer.drain()
+                if await reader.readexactly(len(ACK)) != ACK:
+                    return
+                self.served_pages += len(chunk)
+            writer.write(frame(PageFrame(0)))
+            await writer.drain()
+        finally:
+            self.transport.release(slot)

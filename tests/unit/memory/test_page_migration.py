@@ -49,9 +49,9 @@ def hashes_of(engine, prompt, scope=""):
     return block_hashes(prompt[: len(prompt) - 1], engine.page_size, scope=scope)
 
 
-async def migrate(mover, address, follow, session="s1", scope="", **bounds):
+async def migrate(mover, address, follow, session="s1", scope="", transport=None, **bounds):
     bounds = {"timeout_s": 10.0, "max_bytes": 1 << 30, **bounds}
-    got = await pull(address, session, M, hashes_of(mover, follow, scope), **bounds)
+    got = await pull(address, session, M, hashes_of(mover, follow, scope), transport=transport, **bounds)
     layout = got.layout
     tokens = mover.import_pages(M, "s1", got.hashes, got.slabs, layout.dtype, tuple(layout.shape), layout.ranks) \
         if got.hashes else 0
@@ -187,3 +187,173 @@ def test_a_silent_holder_is_given_up_at_the_time_bound_and_a_cancelled_pull_clos
 
     timed = asyncio.run(go())
     assert timed.hashes == [] and "timed out" in timed.why
+
+
+# -- Mooncake's transfer engine as the bulk path (memory/mooncake_transport.py) ----------------
+
+def mooncake(slot_bytes=None):
+    """A started transport on loopback (`tcp` protocol), or the test skips saying why not."""
+    from talaria.services.instance_agent.memory.mooncake_transport import open_transport
+
+    kw = {"slot_bytes": slot_bytes} if slot_bytes else {}
+    transport, why = open_transport("127.0.0.1", "tcp", **kw)
+    if transport is None:
+        pytest.skip(f"no Mooncake transfer engine here: {why}")
+    return transport
+
+
+async def counting_link(address, streamed):
+    """A TCP hop both ways (the puller's acks go up) that counts the bytes coming back."""
+    async def pipe(r, w, count):
+        while chunk := await r.read(1 << 16):
+            streamed[0] += len(chunk) if count else 0
+            w.write(chunk)
+            await w.drain()
+        w.close()
+
+    async def hop(r, w):
+        ur, uw = await asyncio.open_connection(*address.split(":"))
+        await asyncio.gather(pipe(r, uw, False), pipe(ur, w, True), return_exceptions=True)
+
+    proxy = await asyncio.start_server(hop, "127.0.0.1", 0)
+    return proxy, "127.0.0.1:%d" % proxy.sockets[0].getsockname()[1]
+
+
+def moved_by_mooncake(pair, holder_side, mover_side, stage=None):
+    """Pull s1's pages from a holder with transport `holder_side` into the mover with
+    `mover_side` (None: TCP only) through a counting TCP hop; the pull, the tokens imported
+    and the bytes the TCP stream carried back. `stage` replaces the holder's staging copy."""
+    holder, owner, mover, follow, _ = pair
+    streamed = [0]
+    if stage is not None:
+        holder_side.stage = stage
+
+    async def go():
+        server = serve(holder, owner)
+        server.transport = holder_side
+        proxy, address = await counting_link(await server.start(), streamed)
+        try:
+            return await migrate(mover, address, follow, transport=mover_side)
+        finally:
+            proxy.close()
+            await server.close()
+
+    got, tokens = asyncio.run(go())
+    return got, tokens, streamed[0]
+
+
+def test_over_mooncake_the_page_bytes_bypass_the_tcp_stream_and_the_tokens_are_the_same(pair):
+    holder, _, mover, follow, expected = pair
+    slot = 3 * holder.page_bytes(M)  # three pages a chunk: several chunks, each acked before the next
+    got, tokens, streamed = moved_by_mooncake(pair, mooncake(slot), mooncake(slot))
+    assert got.transport == "mooncake"
+    assert got.why == f"the holder had {len(got.hashes)} of {len(hashes_of(mover, follow))} pages"
+    assert len(got.hashes) > 3 and tokens == len(got.hashes) * mover.page_size
+    assert streamed < got.bytes / 10  # only the frames went over TCP
+    out = generate(mover, "c2", "s1", follow, migrated_tokens=tokens)
+    assert out.kv_source == "migrated" and out.token_ids == expected
+
+
+def test_a_page_torn_in_the_mooncake_slot_ends_the_prefix_and_the_rest_is_recomputed(pair):
+    holder, _, mover, follow, expected = pair
+    side = mooncake(3 * holder.page_bytes(M))
+    real, staged = side.stage, []
+
+    def torn(slot, offset, slabs):  # the fourth page's bytes change after its digest was taken
+        staged.append(offset)
+        return real(slot, offset, [bytes([slabs[0][0] ^ 1]) + slabs[0][1:], *slabs[1:]] if len(staged) == 4 else slabs)
+
+    got, tokens, _ = moved_by_mooncake(pair, side, mooncake(), stage=torn)
+    assert len(got.hashes) == 3 and "hash check" in got.why
+    out = generate(mover, "c2", "s1", follow, migrated_tokens=tokens)
+    assert out.token_ids == expected
+
+
+def test_a_mooncake_side_and_a_tcp_only_side_still_migrate_over_tcp(pair):
+    holder, _, mover, follow, expected = pair
+    pulled_by_tcp_only, _, streamed = moved_by_mooncake(pair, mooncake(), None)
+    assert pulled_by_tcp_only.transport == "tcp" and streamed > pulled_by_tcp_only.bytes > 0
+    from_tcp_only, tokens, _ = moved_by_mooncake(pair, None, mooncake())
+    assert from_tcp_only.transport == "tcp" and from_tcp_only.hashes == pulled_by_tcp_only.hashes
+    assert generate(mover, "c2", "s1", follow, migrated_tokens=tokens).token_ids == expected
+
+
+def test_without_the_mooncake_package_the_transport_falls_back_with_a_reason(monkeypatch):
+    from talaria.services.instance_agent.memory.mooncake_transport import open_transport
+
+    monkeypatch.setitem(__import__("sys").modules, "mooncake.engine", None)
+    transport, why = open_transport("127.0.0.1")
+    assert transport is None and why.startswith("mooncake does not import")
+
+
+class Owner:
+    """The engine's owner thread, as KvMigration calls it (EngineThread.call)."""
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    async def call(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+
+class Log:
+    def __init__(self):
+        self.lines = []
+
+    def info(self, event, **kw):
+        self.lines.append((event, kw))
+
+    warning = info
+
+
+def routed_return(follow, address):
+    from talaria.shared.events import CallRouted, CallSubmitted
+
+    call = CallSubmitted("c2", "s1", M, follow, [], 8, 0.0)
+    return CallRouted(call, 1, "mover", "talaria", 0.0, kv_from="holder", kv_from_address=address)
+
+
+def agents_migrate(pair, mode="auto", segment=None):
+    """Two agents' KvMigration (the holder's and the mover's, each on its engine's owner
+    thread); the mover pulls the routed return's pages. Their logs and the pull's record.
+    `segment` renames the holder's Mooncake segment after start (a peer cannot reach it)."""
+    from talaria.services.instance_agent.kv_migration import KvMigration
+
+    holder, owner, mover, follow, _ = pair
+    logs = Log(), Log()
+
+    async def go():
+        near = KvMigration(holder, Owner(owner), logs[0], transport=mode)
+        far = KvMigration(mover, Owner(owner), logs[1], transport=mode)
+        await near.start()
+        await far.start()
+        if segment and near.mooncake is not None:
+            near.mooncake.segment = segment
+        try:
+            return await far.pull_into(routed_return(follow, near.address))
+        finally:
+            await near.close()
+            await far.close()
+
+    return asyncio.run(go()), logs
+
+
+def test_an_agent_logs_its_transport_at_start_and_its_pulls_record_it(pair):
+    mooncake()  # skips where Mooncake does not start
+    holder, _, mover, follow, expected = pair
+    got, (near, far) = agents_migrate(pair)
+    assert [kw["transport"] for e, kw in near.lines if e == "kv page transport"] == ["mooncake"]
+    assert got.transport == "mooncake" and got.tokens > 0
+    assert [kw["transport"] for e, kw in far.lines if e == "kv pulled"] == ["mooncake"]
+    out = generate(mover, "c2", "s1", follow, migrated_tokens=got.tokens)
+    assert out.token_ids == expected
+
+
+def test_tcp_by_setting_and_an_unreachable_segment_fall_back_to_the_bytes_inline(pair):
+    mooncake()
+    tcp, (near, _) = agents_migrate(pair, mode="tcp")
+    assert [kw for e, kw in near.lines if e == "kv page transport"][0]["why"] == "TALARIA_PAGE_TRANSPORT=tcp"
+    assert tcp.transport == "tcp" and tcp.tokens > 0
+    fallback, (_, far) = agents_migrate(pair, segment="127.0.0.1:1")
+    assert fallback.transport == "tcp" and fallback.tokens == tcp.tokens
+    assert any(e == "kv pull over mooncake failed, again over tcp" for e, _ in far.lines)
