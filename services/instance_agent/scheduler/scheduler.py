@@ -24,6 +24,7 @@ from talaria.services.instance_agent.scheduler.scheduler_errors import (
     ModelNotServedError,
 )
 from talaria.services.instance_agent.scheduler.hot_pool import HotPool
+from talaria.services.instance_agent.scheduler.prefill_curve import PrefillCurve
 from talaria.services.instance_agent.scheduler.reports import Reports
 from talaria.services.instance_agent.scheduler.rotation import Rotation
 from talaria.services.instance_agent.scheduler.types import (
@@ -69,6 +70,7 @@ class RoundScheduler:
         self._inflight: _Inflight | None = None
         self.pricing = WorkPricing(self.calls, self.costs, config)
         self.prefill = PrefillPlanner(self.calls, self.costs, config, self.pricing)
+        self.curve = PrefillCurve()  # how prefill cost grows with context, from the chunks run
         self.rotations = Rotation(self.models, self.calls)
         self.cold = ColdPool(config, self.calls, self.reports, self.pricing, self.prefill, self.rotations)
         self.hot = HotPool(config, self.calls, self.pricing, self.prefill)
@@ -178,6 +180,7 @@ class RoundScheduler:
             predicted = sum(self.pricing.left_cost(c, max(1, c.prefill_left - prompt_left.get(c.call_id, 0)))
                             for c in known)
         self.costs.observe("prefill", action.model, predicted, now - flight.issued_at)
+        self._observe_curve(action, known, now - flight.issued_at, firsts, prompt_left)
         continuation = bool(known) and all(c.first_chunk_at is not None for c in known)
         # The driver ended the chunk early: a call arrived, so protected decode ends here and
         # a contended slot closes (the next slot's P admits the newcomer).
@@ -199,6 +202,21 @@ class RoundScheduler:
         self.hot.last = "C" if continuation else "P"
         self._finish(action.call_ids, done, now)
         return self.drain_events()
+
+    def _observe_curve(self, action: Prefill, known: list[AgentCall], took: float,
+                       firsts: frozenset | None, prompt_left: Mapping[str, int] | None) -> None:
+        """Fold a chunk of one call prefilled in several (prefill_curve.py): before the call's
+        bookkeeping moves on, its context is what the chunk attended over."""
+        if len(known) != 1 or not action.chunk_tokens:
+            return
+        call = known[0]
+        done = firsts is None or call.call_id in firsts
+        if done and call.first_chunk_at is None:
+            return  # the whole prompt in one chunk: no context spread to learn from
+        before = call.prefill_left or call.prompt_tokens
+        after = 0 if done else (prompt_left[call.call_id] if prompt_left and call.call_id in prompt_left
+                                 else max(1, before - action.chunk_tokens))
+        self.curve.observe(action.model, before - after, call.prompt_tokens - before, took)
 
     def on_decode_done(
         self, action: Decode, now: float, finished: Iterable[str] = (), steps: int | None = None,
