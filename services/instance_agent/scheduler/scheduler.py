@@ -69,8 +69,8 @@ class RoundScheduler:
         self.device_model = config.pinned_model if config.pool == "hot" else config.initial_model
         self._inflight: _Inflight | None = None
         self.pricing = WorkPricing(self.calls, self.costs, config)
-        self.prefill = PrefillPlanner(self.calls, self.costs, config, self.pricing)
         self.curve = PrefillCurve()  # how prefill cost grows with context, from the chunks run
+        self.prefill = PrefillPlanner(self.calls, self.costs, config, self.pricing, self.curve)
         self.rotations = Rotation(self.models, self.calls)
         self.cold = ColdPool(config, self.calls, self.reports, self.pricing, self.prefill, self.rotations)
         self.hot = HotPool(config, self.calls, self.pricing, self.prefill)

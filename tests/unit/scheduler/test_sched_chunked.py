@@ -219,3 +219,23 @@ def test_the_chunks_of_a_long_prefill_measure_how_its_cost_grows_with_context():
     d.sched.submit(work("long", prompt=50_000), d.now)
     d.run_until(lambda: "long" in d.first_token_at)
     assert d.sched.curve.ctx_s_per_tok2("a") == pytest.approx(1e-9, rel=1e-3)
+
+
+def test_once_measured_a_steps_fixed_cost_sizes_chunks_not_a_rate_inflated_by_short_steps():
+    # Short prompts' steps are mostly fixed cost: calibrated on them, the linear rate says a
+    # token costs 10x what it does, and would cut a long prompt into chunks where that fixed
+    # cost dominates again. Once a chunked prefill measured the fixed cost (0.05 s a chunk)
+    # and the rate (1e-4 s a token), a chunk is what fits the budget after the fixed cost.
+    sched = make(("a",), costs=COSTS, chunked_prefill=True, tpot_target_s=0.2, ttft_target_s=2.0)
+    sched.costs.factors[("prefill", "a")] = 10.0
+    long = work("long", prompt=50_000)
+    long.prefill_left = 50_000
+    budget = sched.prefill.chunk_budget_s("a", None)
+    before, _ = sched.prefill.chunk_for("a", [long], None)
+    assert before == pytest.approx(budget / 1e-3, abs=1)
+    done = 0
+    for n in [700, 40, 900, 300, 800, 12, 1000, 500]:
+        sched.curve.observe("a", n, done, 0.05 + n * 1e-4)
+        done += n
+    after, _ = sched.prefill.chunk_for("a", [long], None)
+    assert after == pytest.approx((budget - 0.05) / 1e-4, abs=2) and after > 5 * before
