@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.faults]
 MODEL = "qwen3-tiny"
 A_KEY, B_KEY = "tenant-a-key-0123456789", "tenant-b-key-0123456789"
 LONG_WORDS = 5_100  # 91,581 prompt tokens (212 KB) of the demo BPE, within the 131,072 context
-CURVE_WORDS = 200  # 3,500 tokens: chunked beside short calls, it shows how prefill slows with context
+CURVE_WORDS = 450  # 7,638 tokens: chunked beside short calls, it shows how prefill slows with context
 
 
 async def call(s: aiohttp.ClientSession, base: str, key: str, text, session: str, max_tokens: int,
