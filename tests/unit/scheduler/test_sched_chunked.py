@@ -239,3 +239,25 @@ def test_once_measured_a_steps_fixed_cost_sizes_chunks_not_a_rate_inflated_by_sh
         done += n
     after, _ = sched.prefill.chunk_for("a", [long], None)
     assert after == pytest.approx((budget - 0.05) / 1e-4, abs=2) and after > 5 * before
+
+
+def test_a_call_that_waited_through_a_chunk_behind_another_paces_from_there():
+    sched = make(("a",), costs=COSTS, chunked_prefill=True, tpot_target_s=0.2, ttft_target_s=2.0)
+    sched.submit(work("x", prompt=20_000), 0.0)
+    sched.submit(work("y", prompt=20_000), 0.0)
+    t = 0.0
+    for _ in range(10):  # until one chunk carries both prompts
+        action = sched.next_action(t)
+        t += 0.1
+        if isinstance(action, SwitchModel):
+            sched.on_switch_done(action, t, 0.0)
+        elif set(action.call_ids) == {"x", "y"}:
+            break
+        else:
+            sched.on_prefill_done(action, t, first_tokens=[])
+    assert isinstance(action, Prefill) and set(action.call_ids) == {"x", "y"}
+    x, y = sched.calls.get("x"), sched.calls.get("y")
+    x_left, y_left = x.prefill_left, y.prefill_left
+    # The engine gave the chunk to x alone (its passes go call by call).
+    sched.on_prefill_done(action, t, first_tokens=[], prompt_left={"x": x_left - 1_000, "y": y_left})
+    assert x.paced_from is None and y.paced_from == (t, y_left)
