@@ -186,7 +186,10 @@ class RoundScheduler:
         # a contended slot closes (the next slot's P admits the newcomer).
         yielded = prompt_left is not None and action.chunk_tokens > 0 and any(
             prompt_left.get(c.call_id, 0) > max(0, c.prefill_left - action.chunk_tokens) for c in known)
-        left_before = [c.prefill_left for c in known]
+        # Every call of the model still prefilling, in this chunk or waiting beside it.
+        filling = {id(c): c for c in self.calls.running.get(action.model, ()) if c.prefilling}
+        filling = list({**filling, **{id(c): c for c in known}}.values())
+        left_before = [c.prefill_left for c in filling]
         for call in known:
             if call.first_chunk_at is None:  # admitted by this prefill
                 call.first_chunk_at = flight.issued_at
@@ -199,8 +202,8 @@ class RoundScheduler:
                 call.prefill_left = max(1, prompt_left[call.call_id])
             elif action.chunk_tokens:
                 call.prefill_left = max(1, call.prefill_left - action.chunk_tokens)
-        for call, before in zip(known, left_before):
-            if call.prefill_left and call.prefill_left == before:  # it waited behind another's chunk
+        for call, before in zip(filling, left_before):
+            if call.prefilling and call.prefill_left == before:  # it waited behind another's chunk
                 call.paced_from = (now, call.prefill_left)
         self.cold.prefill_done(action, now, yielded, continuation, flight.predicted_s)
         self.hot.last = "C" if continuation else "P"

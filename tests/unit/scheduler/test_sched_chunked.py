@@ -257,7 +257,7 @@ def test_a_call_that_waited_through_a_chunk_behind_another_paces_from_there():
             sched.on_prefill_done(action, t, first_tokens=[])
     assert isinstance(action, Prefill) and set(action.call_ids) == {"x", "y"}
     x, y = sched.calls.get("x"), sched.calls.get("y")
-    x_left, y_left = x.prefill_left, y.prefill_left
+    x_left, y_left, x_paced = x.prefill_left, y.prefill_left, x.paced_from
     # The engine gave the chunk to x alone (its passes go call by call).
     sched.on_prefill_done(action, t, first_tokens=[], prompt_left={"x": x_left - 1_000, "y": y_left})
-    assert x.paced_from is None and y.paced_from == (t, y_left)
+    assert x.paced_from == x_paced and y.paced_from == (t, y_left)
