@@ -135,7 +135,8 @@ async def test_a_long_prompt_tenant_cannot_take_another_tenants_capacity(nats_ur
     print(f"\nB quiet: {len(quiet)} calls, p99 TTFT {p99(quiet_ttft):.3f} s; beside A's long prompts: "
           f"{len(loaded)} calls, p99 TTFT {p99(loaded_ttft):.3f} s ({p99(loaded_ttft) / p99(quiet_ttft):.1f}x), "
           f"max {max(loaded_ttft):.3f} s, {len(beside)} of {len(b_rows)} placed where A's prompt was prefilling; "
-          f"A: {[(r['status'], round(r['total'], 2), r.get('reason', '')[:230]) for r in a]}")
+          f"A: {[(r['status'], round(r['total'], 2), r.get('reason', '')[:230]) for r in a]}; "
+          f"the {CURVE_WORDS}-word warm-up prompts: {[(r['status'], round(r['total'], 2)) for r in warm]}")
     # None of B's calls goes unanswered or is refused.
     assert all(r["status"] == 200 for r in quiet + loaded), [r for r in quiet + loaded if r["status"] != 200]
     # Each of A's long calls completes, or is refused within 1 s with the reason.
