@@ -61,6 +61,9 @@ class InstanceSnapshot(Struct, frozen=True):
     hbm_bytes: int = 0
     hbm_used_bytes: int = 0
     prefill_tok_s: float = 0.0
+    # How the active model's prefill slows with context: seconds per prompt token per token
+    # it attends over, fitted on the chunks run here (prefill_curve.py). 0: not measured.
+    prefill_ctx_s_per_tok2: float = 0.0
     decode_tok_s: float = 0.0
     restore_tok_s: float = 0.0
     switch_s: float = 0.0

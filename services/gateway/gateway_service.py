@@ -12,7 +12,7 @@ from talaria.services.gateway import big_bodies
 from talaria.services.gateway.admission import Admission, DiskCheck, default_min_free_bytes
 from talaria.services.gateway.auth import KeyStore
 from talaria.services.gateway.connection_limits import GuardedRunner, HttpLimits
-from talaria.services.gateway.http_api import HttpApi
+from talaria.services.gateway.http_api import HttpApi, parse_request
 from talaria.services.gateway.idempotency import IdempotentCalls
 from talaria.services.gateway.nats_api import NatsApi
 from talaria.services.gateway.session_inference import SessionIndex
@@ -34,7 +34,7 @@ class ServedModels:
     """Which models live instances serve, from their telemetry heartbeats."""
 
     def __init__(self, configured: tuple[str, ...] = (), nats_connected=lambda: True,
-                 disk_problem=lambda: None, flow_problem=lambda: None, on_rates=lambda model, tok_s: None) -> None:
+                 disk_problem=lambda: None, flow_problem=lambda: None, on_rates=lambda model, tok_s, ctx2=0.0: None) -> None:
         self._on_rates = on_rates  # a snapshot's measured prefill rate (admission prices work with it)
         self._disk_problem = disk_problem  # why new calls are refused for lack of disk, or None
         self._flow_problem = flow_problem  # why calls are not answered (call_flow.py), or None
@@ -86,7 +86,7 @@ class ServedModels:
             return
         now = time.monotonic()
         self._snapshots[snap.instance_id] = (now, snap)
-        self._on_rates(snap.active_model, snap.prefill_tok_s)
+        self._on_rates(snap.active_model, snap.prefill_tok_s, snap.prefill_ctx_s_per_tok2)
         for gone in [i for i, (seen, _) in self._snapshots.items() if now - seen > FORGET_AFTER_S]:
             del self._snapshots[gone]
 
@@ -132,7 +132,7 @@ async def serve(common: CommonSettings, settings: GatewaySettings, ready: asynci
     idempotency = IdempotentCalls(submitter, settings.idempotency_window_s, settings.idempotent_orphan_s)
     await idempotency.start()
     served = ServedModels(common.models, lambda: nc.is_connected, disk.problem, submitter.flow.problem,
-                          admission.rates.observe_engine if admission is not None else lambda model, tok_s: None)
+                          admission.rates.observe_engine if admission is not None else lambda model, tok_s, ctx2=0.0: None)
     if admission is not None:  # work-fair shares are shares of the live instances
         admission.instances = lambda: max(1, len(served.health()["instances"]))
     await nc.subscribe(common.deployment.telemetry_wildcard, cb=served.on_snapshot)
@@ -146,6 +146,11 @@ async def serve(common: CommonSettings, settings: GatewaySettings, ready: asynci
     # One worker process parses large bodies: they queue among themselves, not on the loop.
     parser_pool = big_bodies.parser_pool()
     await asyncio.get_running_loop().run_in_executor(parser_pool, int)  # start it now, not on a call
+    # ... and have it import the parser and load each model's tokenizer (~1 s here) before the
+    # first big body, whose refusal must come within 1 s (issue 37); not awaited.
+    for model in common.models:
+        body = msgspec.json.encode({"model": model, "messages": [{"role": "user", "content": "warm"}]})
+        parser_pool.submit(parse_request, catalogue, body, True, {}, "", settings.prefix_sharing)
     limits = HttpLimits.from_settings(settings)
     api = HttpApi(submitter, served, catalogue, log, keys, settings.prefix_sharing, parser_pool, idempotency,
                   body_timeout_s=limits.body_timeout_s)

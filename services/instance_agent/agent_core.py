@@ -288,6 +288,7 @@ class AgentCore:
             kv_used_tokens=memory.kv_used_tokens, kv_pinned_tokens=getattr(memory, "kv_pinned_tokens", -1),
             staging_free_bytes=memory.staging_free_bytes,
             hbm_bytes=memory.hbm_bytes, hbm_used_bytes=memory.hbm_used_bytes, prefill_tok_s=memory.prefill_tok_s,
+            prefill_ctx_s_per_tok2=sched.curve.ctx_s_per_tok2(active_model),
             decode_tok_s=memory.decode_tok_s, restore_tok_s=memory.restore_tok_s, switch_s=sched.next_switch_s(),
             migrate_bytes_s=getattr(memory, "migrate_bytes_s", 0.0),
             migrate_setup_s=getattr(memory, "migrate_setup_s", -1.0), heartbeat_s=heartbeat_s,

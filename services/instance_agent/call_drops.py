@@ -31,13 +31,16 @@ JUDGE_AFTER_S = 2.0
 
 def prefill_left_s(call: AgentCall, hkvr: bool, now: float) -> float | None:
     """The rest of a chunked prefill under way at the rate measured on it so far: a floor on
-    what it needs (later chunks attend over more context), None before it can be judged."""
-    if call.first_chunk_at is None or not call.prefill_left or now - call.first_chunk_at < JUDGE_AFTER_S:
+    what it needs (later chunks attend over more context), None before it can be judged.
+    Measured from its first chunk, or from the last chunk it waited through behind another
+    call's prefill (`AgentCall.paced_from`): that wait says nothing of its own pace."""
+    if call.first_chunk_at is None or not call.prefill_left:
         return None
-    done = compute_tokens(call, hkvr) - call.prefill_left
-    if done <= 0:
+    since, left = call.paced_from or (call.first_chunk_at, compute_tokens(call, hkvr))
+    done = left - call.prefill_left
+    if now - since < JUDGE_AFTER_S or done <= 0:
         return None
-    return call.prefill_left * (now - call.first_chunk_at) / done
+    return call.prefill_left * (now - since) / done
 
 
 class CallDrops:

@@ -21,6 +21,7 @@ from talaria.services.router.instances import ON_DEVICE, InstanceView
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.state import RouterState, SessionEntry
 from talaria.shared.events import CallSubmitted, CandidateCost, LeaseIssued
+from talaria.shared.prefill_cost import prefill_s
 
 GIB = float(1 << 30)
 HARD_REASONS = frozenset({"stale", "unhealthy", "draining", "model_not_served", "hot_pool_pinned", "hbm"})
@@ -251,6 +252,8 @@ class CostModel:
         live_models = state.live_models
         later = entry.calls if not first_call else (prof.calls_per_session() - 1.0 if prof is not None else 0.0)
         model_pf, model_restore = _model_rates(cfg, prof)
+        # Attention: each prompt token also costs b per token before it (prefill_curve.py).
+        ctx2 = prof.engine_prefill_ctx_s_per_tok2 if prof is not None else 0.0
         # Remote tier: the instance other than r's destination that holds most of r's pages
         remote = _holder(state, own_key, entry, now, stale_after) if cfg.migrate and known > 0 else None
         out: list[Priced] = []
@@ -294,7 +297,7 @@ class CostModel:
             elif kv_state == "host":
                 kv_s = k_have * (st.restore or model_restore) + (k_total - k_have) * pf
             else:
-                kv_s = k_total * pf
+                kv_s = prefill_s(pf, ctx2, k_total, 0)
                 kv_state = "recompute" if k_total > 0 else "none"
                 if remote is not None and remote[0] != iid and k_total > 0:
                     mig_s = _migrate_s(cfg, snap, remote, k_total, pf, st.restore or model_restore)
@@ -309,7 +312,7 @@ class CostModel:
             queued = st.queue + view.overlay_new_tokens * pf  # work queued there now (snapshot + routed since)
             reserved = leases * charge  # returns other sessions' leases may bring
             queue = queued + reserved
-            prefill = (prompt - k_total) * pf
+            prefill = prefill_s(pf, ctx2, prompt - k_total, k_total)
             decode = out_tokens * st.dec
             stretch = join = 0.0
             if sharing:

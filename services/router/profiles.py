@@ -41,6 +41,9 @@ class ModelProfile:
     # overstate the rate many times over for a short suffix; the cost model prefers these.
     engine_prefill_s_per_tok: float = 0.0
     engine_restore_s_per_tok: float = 0.0
+    # How prefill slows with context (seconds per token per token attended over), as the
+    # engines fit it on their chunks (instance_agent/scheduler/prefill_curve.py); 0: none yet.
+    engine_prefill_ctx_s_per_tok2: float = 0.0
 
     def __post_init__(self) -> None:
         if self.gaps and not self.gap_max:
@@ -58,9 +61,11 @@ class ModelProfile:
         if ttft_s > 0.0:
             self.ttft_s = ewma(self.ttft_s, ttft_s)
 
-    def observe_engine(self, prefill_tok_s: float, restore_tok_s: float) -> None:
+    def observe_engine(self, prefill_tok_s: float, restore_tok_s: float, prefill_ctx_s_per_tok2: float = 0.0) -> None:
         """Fold the rates a snapshot reports for this model (it is the active one there).
         Read per decision, not memoised, so no version bump."""
+        if prefill_ctx_s_per_tok2 > 0.0:
+            self.engine_prefill_ctx_s_per_tok2 = ewma(self.engine_prefill_ctx_s_per_tok2, prefill_ctx_s_per_tok2)
         if prefill_tok_s > 0.0:
             self.engine_prefill_s_per_tok = ewma(self.engine_prefill_s_per_tok, 1.0 / prefill_tok_s)
         if restore_tok_s > 0.0:

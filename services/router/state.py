@@ -275,7 +275,8 @@ class RouterState:
         if old is not None and snapshot.version < old.snapshot.version:
             return  # out-of-order heartbeat
         if snapshot.active_model:  # the rates it reports are its active model's
-            self.model(snapshot.active_model).observe_engine(snapshot.prefill_tok_s, snapshot.restore_tok_s)
+            self.model(snapshot.active_model).observe_engine(snapshot.prefill_tok_s, snapshot.restore_tok_s,
+                                                                  snapshot.prefill_ctx_s_per_tok2)
         if old is not None and old.restamp(snapshot, now):
             return  # a heartbeat re-send: same view, new version/time, overlay reset
         view = InstanceView(snapshot, now, prior=old)

@@ -77,6 +77,9 @@ class AgentCall:
     parked: bool = False  # already counted once as an SP-parked return
     prefill_left: int = 0  # chunked prefill: prompt tokens still to compute (an estimate)
     first_chunk_at: float | None = None  # when its first prefill chunk was issued
+    # (when, prompt tokens left then) its prefill's pace is measured from (call_drops.py):
+    # the end of the last chunk it waited through behind another call's; None: its first chunk
+    paced_from: tuple[float, int] | None = None
     cost_memo: tuple | None = field(default=None, repr=False)  # WorkPricing.cost cache (until its KV changes)
 
     @property

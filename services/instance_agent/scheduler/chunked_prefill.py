@@ -17,15 +17,18 @@ from talaria.services.instance_agent.scheduler.budget import chunk_s, chunk_toke
 from talaria.services.instance_agent.scheduler.calls import AgentCall, CallTable
 from talaria.services.instance_agent.scheduler.config import SchedulerConfig
 from talaria.services.instance_agent.scheduler.costs import CalibratedCosts
+from talaria.services.instance_agent.scheduler.prefill_curve import PrefillCurve
 from talaria.services.instance_agent.scheduler.rounds import Slot
 from talaria.services.instance_agent.scheduler.types import Prefill
 from talaria.services.instance_agent.scheduler.work_costs import WorkPricing, compute_tokens, prefill_terms
+from talaria.shared.prefill_cost import prefill_s
 
 
 class PrefillPlanner:
     def __init__(self, calls: CallTable, costs: CalibratedCosts, config: SchedulerConfig,
-                 pricing: WorkPricing) -> None:
+                 pricing: WorkPricing, curve: PrefillCurve | None = None) -> None:
         self.calls, self.costs, self.config, self.pricing = calls, costs, config, pricing
+        self.curve = curve if curve is not None else PrefillCurve()
 
     def start(self, selection: Selection, via: str, model: str, now: float, slot: Slot | None) -> Prefill:
         """The Prefill of a batch `selection` admitted (P, SP or hot): its calls start running."""
@@ -60,8 +63,18 @@ class PrefillPlanner:
         longest = max((c.prefill_left for c in calls), default=0)
         ctx = max(c.prompt_tokens - c.prefill_left for c in calls)
 
+        # Once chunks measured it, a step's fixed cost is priced once per chunk, not per token:
+        # a per-token rate calibrated on short steps (mostly fixed cost) would size chunks so
+        # small that fixed cost dominates them too, and a long prompt would crawl.
+        s0, a, b = self.curve.fit(model)
+
+        def cost(k: int) -> float:
+            if s0 > 0 and a > 0:
+                return s0 + len(calls) * prefill_s(a, b, k, ctx)
+            return len(calls) * self.costs.prefill_s(model, k, ctx)
+
         def fits(budget: float) -> int:
-            return chunk_tokens(lambda k: len(calls) * self.costs.prefill_s(model, k, ctx), budget, longest)
+            return chunk_tokens(cost, budget, longest)
 
         budget, shared = self.chunk_budget_s(model, slot), self.shared_chunk_s(model, slot)
         chunk = fits(budget)

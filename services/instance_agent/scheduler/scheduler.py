@@ -24,6 +24,7 @@ from talaria.services.instance_agent.scheduler.scheduler_errors import (
     ModelNotServedError,
 )
 from talaria.services.instance_agent.scheduler.hot_pool import HotPool
+from talaria.services.instance_agent.scheduler.prefill_curve import PrefillCurve
 from talaria.services.instance_agent.scheduler.reports import Reports
 from talaria.services.instance_agent.scheduler.rotation import Rotation
 from talaria.services.instance_agent.scheduler.types import (
@@ -68,7 +69,8 @@ class RoundScheduler:
         self.device_model = config.pinned_model if config.pool == "hot" else config.initial_model
         self._inflight: _Inflight | None = None
         self.pricing = WorkPricing(self.calls, self.costs, config)
-        self.prefill = PrefillPlanner(self.calls, self.costs, config, self.pricing)
+        self.curve = PrefillCurve()  # how prefill cost grows with context, from the chunks run
+        self.prefill = PrefillPlanner(self.calls, self.costs, config, self.pricing, self.curve)
         self.rotations = Rotation(self.models, self.calls)
         self.cold = ColdPool(config, self.calls, self.reports, self.pricing, self.prefill, self.rotations)
         self.hot = HotPool(config, self.calls, self.pricing, self.prefill)
@@ -178,11 +180,16 @@ class RoundScheduler:
             predicted = sum(self.pricing.left_cost(c, max(1, c.prefill_left - prompt_left.get(c.call_id, 0)))
                             for c in known)
         self.costs.observe("prefill", action.model, predicted, now - flight.issued_at)
+        self._observe_curve(action, known, now - flight.issued_at, firsts, prompt_left)
         continuation = bool(known) and all(c.first_chunk_at is not None for c in known)
         # The driver ended the chunk early: a call arrived, so protected decode ends here and
         # a contended slot closes (the next slot's P admits the newcomer).
         yielded = prompt_left is not None and action.chunk_tokens > 0 and any(
             prompt_left.get(c.call_id, 0) > max(0, c.prefill_left - action.chunk_tokens) for c in known)
+        # Every call of the model still prefilling, in this chunk or waiting beside it.
+        filling = {id(c): c for c in self.calls.running.get(action.model, ()) if c.prefilling}
+        filling = list({**filling, **{id(c): c for c in known}}.values())
+        left_before = [c.prefill_left for c in filling]
         for call in known:
             if call.first_chunk_at is None:  # admitted by this prefill
                 call.first_chunk_at = flight.issued_at
@@ -195,10 +202,28 @@ class RoundScheduler:
                 call.prefill_left = max(1, prompt_left[call.call_id])
             elif action.chunk_tokens:
                 call.prefill_left = max(1, call.prefill_left - action.chunk_tokens)
+        for call, before in zip(filling, left_before):
+            if call.prefilling and call.prefill_left == before:  # it waited behind another's chunk
+                call.paced_from = (now, call.prefill_left)
         self.cold.prefill_done(action, now, yielded, continuation, flight.predicted_s)
         self.hot.last = "C" if continuation else "P"
         self._finish(action.call_ids, done, now)
         return self.drain_events()
+
+    def _observe_curve(self, action: Prefill, known: list[AgentCall], took: float,
+                       firsts: frozenset | None, prompt_left: Mapping[str, int] | None) -> None:
+        """Fold a chunk of one call prefilled in several (prefill_curve.py): before the call's
+        bookkeeping moves on, its context is what the chunk attended over."""
+        if len(known) != 1 or not action.chunk_tokens:
+            return
+        call = known[0]
+        done = firsts is None or call.call_id in firsts
+        if done and call.first_chunk_at is None:
+            return  # the whole prompt in one chunk: no context spread to learn from
+        before = call.prefill_left or call.prompt_tokens
+        after = 0 if done else (prompt_left[call.call_id] if prompt_left and call.call_id in prompt_left
+                                 else max(1, before - action.chunk_tokens))
+        self.curve.observe(action.model, before - after, call.prompt_tokens - before, took)
 
     def on_decode_done(
         self, action: Decode, now: float, finished: Iterable[str] = (), steps: int | None = None,

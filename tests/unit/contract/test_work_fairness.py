@@ -74,3 +74,11 @@ def test_the_engines_measured_rate_comes_before_the_answers_average():
     assert rates.work_s("m", 1000) == pytest.approx(0.5)
     rates.observe_engine(None, 5000.0)  # a snapshot with no active model says nothing
     assert rates.work_s("m", 1000) == pytest.approx(0.5)
+
+
+def test_a_long_prompt_is_charged_attention_once_an_engine_measured_its_slope():
+    rates = PrefillRates()
+    rates.observe_engine("m", 2000.0)
+    assert rates.work_s("m", 10_000) == pytest.approx(5.0)
+    rates.observe_engine("m", 2000.0, 1e-8)  # 1e-8 s per token per token attended over
+    assert rates.work_s("m", 10_000) == pytest.approx(5.0 + 10_000 * 1e-8 * 5_000)

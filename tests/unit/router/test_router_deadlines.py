@@ -57,3 +57,19 @@ def test_a_long_max_tokens_is_a_cap_not_a_reason_to_refuse():
     # 4,000 tokens at 1e-2 s/token would be 40 s of decode; the call may stop long before
     out = c.handle(with_deadline(call("c", tokens=100, max_tokens=4000, at=0.0), 10.0), 0.0)
     assert one(out, RoutingDecision).chosen == "a"
+
+
+def test_attention_s_growth_with_context_makes_a_linearly_feasible_prompt_a_413():
+    # 50,000 tokens at 1e-4 s/token: 5 s linearly, well within 2 x 8 s. With the slope the
+    # agents measured (1e-8 s per token per token attended over: 12.5 s more at a mean
+    # context of 25,000), 17.5 s: past it.
+    c = core(**NO_LEASE)
+    c.observe(replace(snap("a"), prefill_ctx_s_per_tok2=1e-8), 0.0)
+    out = c.handle(with_deadline(call("long", tokens=50_000, at=0.0), 8.0), 0.0)
+    decision = one(out, RoutingDecision)
+    assert decision.action == "reject" and decision.status == DEADLINE_UNREACHABLE
+    assert "17.5 s to prefill 50000 prompt tokens" in decision.reason
+    # The same prompt, before any slope was measured, is placed.
+    c = core(**NO_LEASE)
+    c.observe(snap("a"), 0.0)
+    assert one(c.handle(with_deadline(call("long", tokens=50_000, at=0.0), 8.0), 0.0), RoutingDecision).chosen == "a"

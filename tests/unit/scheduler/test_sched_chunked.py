@@ -7,6 +7,7 @@ import pytest
 
 from talaria.services.instance_agent.scheduler import Decode, Idle, LinearCosts, Prefill, SwitchModel
 from talaria.services.instance_agent.scheduler.budget import chunk_tokens
+from talaria.shared.prefill_cost import prefill_s
 
 from tests.unit.scheduler.sched_driver import make, ret, work
 
@@ -20,8 +21,8 @@ class ChunkDriver:
     """Runs actions on a virtual clock like an engine that computes chunks: it tracks how
     much of each prompt is computed and reports which calls got their first token."""
 
-    def __init__(self, sched) -> None:
-        self.sched, self.now, self.done_tokens = sched, 0.0, {}
+    def __init__(self, sched, prefill_s=COSTS.prefill_s) -> None:
+        self.sched, self.now, self.done_tokens, self.prefill_s = sched, 0.0, {}, prefill_s
         self.first_token_at: dict[str, float] = {}
         self.actions: list = []
 
@@ -40,7 +41,7 @@ class ChunkDriver:
                     prompt = s.calls.get(cid).prompt_tokens
                     have = self.done_tokens.get(cid, 0)
                     n = prompt - have if chunk == 0 else min(chunk, prompt - have)
-                    took += COSTS.prefill_s(m, n, have)
+                    took += self.prefill_s(m, n, have)
                     self.done_tokens[cid] = have + n
                     if have + n == prompt:
                         firsts.append(cid)
@@ -203,3 +204,60 @@ def test_the_view_reports_the_rest_of_a_long_prefill_so_the_router_sees_the_busy
         seen.append(d.sched.prefill_left_s())
         d.step()
     assert seen[0] > 4.0 and seen == sorted(seen, reverse=True) and d.sched.prefill_left_s() == 0.0
+
+
+def test_the_chunks_of_a_long_prefill_measure_how_its_cost_grows_with_context():
+    # An engine whose every prompt token also costs 1e-9 s per token before it (attention):
+    # the scheduler's linear costs do not know it; the chunks it times show it.
+    def engine_s(model, n, have):
+        return prefill_s(1e-4, 1e-9, n, have)
+    d = ChunkDriver(make(("a",), costs=COSTS, chunked_prefill=True, tpot_target_s=0.2, ttft_target_s=2.0),
+                    prefill_s=engine_s)
+    d.sched.submit(work("running", prompt=100, max_tokens=5_000), 0.0)
+    d.run_until(lambda: "running" in d.first_token_at)
+    assert d.sched.curve.ctx_s_per_tok2("a") == 0.0  # one short prompt in one step: nothing to learn
+    d.sched.submit(work("long", prompt=50_000), d.now)
+    d.run_until(lambda: "long" in d.first_token_at)
+    assert d.sched.curve.ctx_s_per_tok2("a") == pytest.approx(1e-9, rel=1e-3)
+
+
+def test_once_measured_a_steps_fixed_cost_sizes_chunks_not_a_rate_inflated_by_short_steps():
+    # Short prompts' steps are mostly fixed cost: calibrated on them, the linear rate says a
+    # token costs 10x what it does, and would cut a long prompt into chunks where that fixed
+    # cost dominates again. Once a chunked prefill measured the fixed cost (0.05 s a chunk)
+    # and the rate (1e-4 s a token), a chunk is what fits the budget after the fixed cost.
+    sched = make(("a",), costs=COSTS, chunked_prefill=True, tpot_target_s=0.2, ttft_target_s=2.0)
+    sched.costs.factors[("prefill", "a")] = 10.0
+    long = work("long", prompt=50_000)
+    long.prefill_left = 50_000
+    budget = sched.prefill.chunk_budget_s("a", None)
+    before, _ = sched.prefill.chunk_for("a", [long], None)
+    assert before == pytest.approx(budget / 1e-3, abs=1)
+    done = 0
+    for n in [700, 40, 900, 300, 800, 12, 1000, 500]:
+        sched.curve.observe("a", n, done, 0.05 + n * 1e-4)
+        done += n
+    after, _ = sched.prefill.chunk_for("a", [long], None)
+    assert after == pytest.approx((budget - 0.05) / 1e-4, abs=2) and after > 5 * before
+
+
+def test_a_call_that_waited_through_a_chunk_behind_another_paces_from_there():
+    sched = make(("a",), costs=COSTS, chunked_prefill=True, tpot_target_s=0.2, ttft_target_s=2.0)
+    sched.submit(work("x", prompt=20_000), 0.0)
+    sched.submit(work("y", prompt=20_000), 0.0)
+    t = 0.0
+    for _ in range(10):  # until one chunk carries both prompts
+        action = sched.next_action(t)
+        t += 0.1
+        if isinstance(action, SwitchModel):
+            sched.on_switch_done(action, t, 0.0)
+        elif set(action.call_ids) == {"x", "y"}:
+            break
+        else:
+            sched.on_prefill_done(action, t, first_tokens=[])
+    assert isinstance(action, Prefill) and set(action.call_ids) == {"x", "y"}
+    x, y = sched.calls.get("x"), sched.calls.get("y")
+    x_left, y_left, x_paced = x.prefill_left, y.prefill_left, x.paced_from
+    # The engine gave the chunk to x alone (its passes go call by call).
+    sched.on_prefill_done(action, t, first_tokens=[], prompt_left={"x": x_left - 1_000, "y": y_left})
+    assert x.paced_from == x_paced and y.paced_from == (t, y_left)
