@@ -7,8 +7,9 @@ a control host and two agent hosts, each running a node of one NATS cluster. One
 - kill-nats: an agent host's NATS node SIGKILLed, restarted 5 s later.
 
 Per phase: calls answered / lost (no 200) / run twice (`call completed` log lines per call_id
-on the agent hosts), the longest stall (no call answered while one waited) and call latency
-p50/p95 as a ratio to the baseline measured in the same run.
+on the agent hosts), the longest stall (no call answered while one waited) and when it began and
+ended (seconds after the fault began: the partition heals at +10), and call latency p50/p95 as a
+ratio to the baseline measured in the same run.
 
     python bench/multihost.py [--seconds 30] [--sessions 6] [--out results/multihost.md]
 """
@@ -76,13 +77,16 @@ def main() -> int:
                                                      args.seconds, args.sessions, seed))
                 p50, p95 = latency_p(load.calls, 0.5), latency_p(load.calls, 0.95)
                 base_p50, base_p95 = base_p50 or p50, base_p95 or p95
+                since, until = seen.stall_span
                 rows.append(f"| {name} | {seen.answered} | {seen.lost} | {seen.twice} | {seen.longest_stall_s:.1f} | "
+                            f"{since:+.1f} to {until:+.1f} | "
                             f"{p50 * 1000:.0f} ({p50 / base_p50:.2f}x) | {p95 * 1000:.0f} ({p95 / base_p95:.2f}x) |")
                 print(f"multihost: {rows[-1]}", flush=True)
         finally:
             cluster.stop()
-    table = ("| phase | answered | lost | run twice | longest stall (s) | latency p50 ms (vs baseline) | "
-             "p95 ms (vs baseline) |\n|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+    table = ("| phase | answered | lost | run twice | longest stall (s) | stall from/to (s after the fault began) | "
+             "latency p50 ms (vs baseline) | p95 ms (vs baseline) |\n|---|---|---|---|---|---|---|---|\n"
+             + "\n".join(rows) + "\n")
     publish(table, args.out, "multihost")
     return 0
 

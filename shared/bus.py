@@ -86,12 +86,17 @@ def replicas(js: JetStreamContext) -> int:
 
 async def connect(url: str, name: str, deployment: Deployment = Deployment(), replicas: int = 1,
                   data_dir: Path = Path(".talaria"), **auth) -> tuple[NATS, JetStreamContext]:
-    """`name` is also the `Talaria-Sender` of every event published through this connection
+    """Connects to the first member of `url` that answers, in order. `name` is also the
+    `Talaria-Sender` of every event published through this connection
     (nats_auth.sender_name); `auth` are the credentials; `deployment`, `replicas` and `data_dir`
     make its Link (CommonSettings.bus_options() gives them all)."""
     nc = await nats.connect(
         servers(url),
         name=name,
+        # The members in the order given (the host's own node first), not shuffled as nats-py
+        # does by default: a control host's service held on an agent host's node went deaf with
+        # that host's partition (results/multihost.md).
+        dont_randomize=True,
         max_reconnect_attempts=-1,
         reconnect_time_wait=RECONNECT_WAIT_S,
         connect_timeout=5,

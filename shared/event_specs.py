@@ -94,7 +94,9 @@ SPECS: tuple[EventSpec, ...] = (
     EventSpec(e.LeaseIssued, _ROUTER, dedupe=("session_id", "call_id")),
     EventSpec(e.LeaseConsumed, _ROUTER, dedupe=("session_id", "call_id")),
     EventSpec(e.LeaseDiscarded, _ROUTER, dedupe=("session_id", "call_id")),
-    EventSpec(e.LeaseExpired, _ROUTER),
+    # Its id lets the router send it again after a lost ack (a stream leader cut off), as a
+    # router tick waits for it (RouterService._tick_once).
+    EventSpec(e.LeaseExpired, _ROUTER, dedupe=("session_id", "model", "instance_id", "at")),
     EventSpec(e.RoutingDecision, _ROUTER, dedupe=("call_id",)),
     EventSpec(e.SwitchDone, _AGENT),
     EventSpec(e.RoundSummary, _AGENT),

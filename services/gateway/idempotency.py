@@ -37,7 +37,8 @@ from talaria.services.gateway.idempotency_rules import (
     waiting_subject,
 )
 from talaria.services.gateway.validation import check_size
-from talaria.shared.bus import BUS_ERRORS, IDEMPOTENCY_DISK_SHARE, disk_cap, emit_new, ensure_stream_config, replicas
+from talaria.shared.bus import (BUS_ERRORS, IDEMPOTENCY_DISK_SHARE, disk_cap, elected, emit_new, ensure_stream_config,
+                                replicas, retried_api, stored)
 from talaria.shared.events import CallSubmitted
 from talaria.shared.messages import REPLY_DECODER, ErrorReply, Reply
 from talaria.shared.nats_auth import ANSWERING_ROLES, sent_by
@@ -70,6 +71,7 @@ class IdempotentCalls:
     def __init__(self, submitter, window_s: float, orphan_s: float = 15.0) -> None:
         self.submitter, self.window_s, self.orphan_s = submitter, window_s, orphan_s
         self.nc, self.js, self.log = submitter.nc, submitter.js, submitter.log
+        self.api = retried_api(self.nc)  # reads, each try short (bus.elected asks again)
         self.deployment = submitter.deployment
         self._watches: set[asyncio.Task] = set()  # calls whose client left here, in their grace
         self._stopping = False
@@ -138,7 +140,7 @@ class IdempotentCalls:
                 return Claim(self, own, owner=True, request=call, key=key)
             for _ in range(CLAIM_RACES):
                 try:
-                    raw = await self.js.get_last_msg(self.deployment.idempotency_stream, subject)
+                    raw = await self._last(subject)
                 except NotFoundError:  # expired a moment ago
                     if await self._write(subject, self._record(own, fp, 0), last=0):
                         return Claim(self, own, owner=True, request=call, key=key)
@@ -173,7 +175,7 @@ class IdempotentCalls:
     async def stored(self, tenant: str | None, call_id: str) -> Reply | None:
         """The answer `tenant`'s call got, if it has one."""
         try:
-            raw = await self.js.get_last_msg(self.deployment.idempotency_stream, outcome_subject(self.deployment, tenant, call_id))
+            raw = await self._last(outcome_subject(self.deployment, tenant, call_id))
         except NotFoundError:
             return None
         if not sent_by(raw.headers, ANSWERING_ROLES):  # kept answers come from the router or an agent
@@ -230,15 +232,22 @@ class IdempotentCalls:
         return replace(call, call_id=record.call_id, reply_to=outcome_subject(self.deployment, call.tenant, record.call_id),
                        deadline_at=record.deadline_at)
 
+    async def _last(self, subject: str):
+        """The subject's last message in the stream, asked again through a leader's failover."""
+        return await elected(lambda: self.api.get_last_msg(self.deployment.idempotency_stream, subject))
+
     @staticmethod
     def _record(call: CallSubmitted, fp: str, attempt: int) -> IdempotencyRecord:
         return IdempotencyRecord(call.call_id, fp, call.deadline_at, time.time(), attempt)
 
     async def _write(self, subject: str, record: IdempotencyRecord, last: int) -> bool:
-        """Publish `record` if the subject's last message is still `last` (0: none); False if not."""
+        """Publish `record` if the subject's last message is still `last` (0: none); False if not.
+        Sent again through the stream leader's failover (bus.stored) under a message id of this
+        write alone: a copy of an unanswered first try that was stored is a duplicate, ours."""
+        headers = {"Nats-Expected-Last-Subject-Sequence": str(last), "Nats-Msg-Id": uuid.uuid4().hex,
+                   "Nats-Expected-Stream": self.deployment.idempotency_stream}
         try:
-            await self.js.publish(subject, encode(record), stream=self.deployment.idempotency_stream,
-                                  headers={"Nats-Expected-Last-Subject-Sequence": str(last)})
+            await stored(self.js, subject, encode(record), headers)
             return True
         except APIError as err:
             if err.err_code in WRONG_LAST_SEQUENCE:

@@ -21,7 +21,8 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 
-from talaria.shared.bus import BUS_ERRORS, PUBLISH_TIMEOUT_S, RECONNECT_WAIT_S, emit, emit_async
+from talaria.shared.bus import (ATTEMPT_S, BUS_ERRORS, PUBLISH_TIMEOUT_S, RECONNECT_WAIT_S, emit, emit_async,
+                                event_msg_id)
 from talaria.shared.nats_auth import sender_headers
 
 
@@ -99,7 +100,10 @@ class RecordSender:
         try:
             await settled(started_pub)
             try:
-                await asyncio.wait_for(ack, PUBLISH_TIMEOUT_S)
+                # Its message id makes a second copy a no-op: past ATTEMPT_S the ack is taken as
+                # lost (a stream leader cut off) and the record sent again, as the router's
+                # outputs are. The session's next call waits for this record.
+                await asyncio.wait_for(ack, ATTEMPT_S if event_msg_id(record) else PUBLISH_TIMEOUT_S)
             except BUS_ERRORS as exc:  # lost or refused: publish it again until it is stored
                 self.log.warning("outcome not stored yet; retrying", call_id=call_id, error=str(exc))
                 while True:

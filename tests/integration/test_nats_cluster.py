@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from urllib.parse import urlparse
 
 import aiohttp
 import nats
@@ -17,6 +18,7 @@ import pytest
 
 from talaria.embedded import EmbeddedNatsCluster, free_port
 from talaria.services.instance_agent.agent_service import run as run_agent
+from talaria.shared import bus
 from talaria.shared.bus import ATTEMPT_S, FAILOVER_S, servers
 from talaria.shared.health import wait_for_router
 from talaria.shared.settings import Settings
@@ -108,3 +110,19 @@ def _count(calls: list, n: int):
         return len(calls) >= n
 
     return enough
+
+
+async def test_a_service_connects_to_the_first_member_listed(cluster):
+    """A host lists its own node first (docs/deployment.md); a service connected to another
+    host's node went deaf when that host was cut off (results/multihost.md). nats-py shuffles
+    the servers unless told not to: six connects in a fixed order would all land on the first
+    member by chance once in 729."""
+    members = servers(cluster.url)
+    for first in range(len(members)):
+        order = members[first:] + members[:first]
+        for _ in range(2):
+            nc, _js = await bus.connect(",".join(order), "first-member-test", replicas=3)
+            try:
+                assert nc.connected_url.port == urlparse(order[0]).port, (order, nc.connected_url)
+            finally:
+                await bus.close(nc)

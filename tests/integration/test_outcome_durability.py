@@ -77,6 +77,28 @@ def hold_records(monkeypatch, call_id: str) -> asyncio.Event:
     return release
 
 
+async def test_a_record_whose_ack_is_lost_is_sent_again_after_one_attempt(nats_url, monkeypatch):
+    """A record published to a stream leader that was then cut off gets no ack; the session's
+    next call waits for it, so it is sent again after bus.ATTEMPT_S (its message id makes the
+    copy a no-op), not after the 10 s PUBLISH_TIMEOUT_S (results/multihost.md: every call of a
+    partition stalled that long)."""
+    nc, js = await connect(nats_url, "talaria-agent-agent-0")
+    try:
+        hold_records(monkeypatch, "c1")  # never released: the first ack never comes
+        stored = asyncio.Event()
+
+        async def closed():
+            stored.set()
+
+        sender = RecordSender(nc, js, structlog.get_logger())
+        await sender.send("c1", None, completed("c1"), [], on_stored=closed, on_dropped=lambda: None)
+        await asyncio.wait_for(stored.wait(), record_sender.ATTEMPT_S + 3.0)  # < PUBLISH_TIMEOUT_S
+        assert len(await stored_records(js, "c1")) == 1
+        await sender.drain(timeout=0)
+    finally:
+        await nc.close()
+
+
 async def stored_records(js, call_id: str) -> list:
     sub = await js.pull_subscribe(DEP.event("call.completed"), stream=DEP.events_stream,
                                   config=ConsumerConfig(ack_policy=AckPolicy.NONE))

@@ -90,28 +90,37 @@ class Outcome:
     lost: int  # logical calls without a 200
     twice: int  # calls an agent ran to completion more than once
     longest_stall_s: float  # the longest time no call completed while one was waiting
+    stall_span: tuple[float, float] = (0.0, 0.0)  # when it began and ended, seconds from the fault's start
 
     def row(self) -> dict:
         return {"answered": self.answered, "lost": self.lost, "twice": self.twice,
-                "longest_stall_s": round(self.longest_stall_s, 2)}
+                "longest_stall_s": round(self.longest_stall_s, 2), "stall_span": tuple(round(t, 1) for t in self.stall_span)}
 
 
-def outcome(calls: list[Call], executions: dict[str, int]) -> Outcome:
+def outcome(calls: list[Call], executions: dict[str, int], fault_at: float = 0.0) -> Outcome:
     ok = [c for c in calls if c.status == 200]
+    since, until = stall_span(calls)
     return Outcome(len(ok), len(calls) - len(ok), sum(1 for n in executions.values() if n > 1),
-                   longest_stall(calls))
+                   until - since, (since - fault_at, until - fault_at) if fault_at else (0.0, 0.0))
 
 
 def longest_stall(calls: list[Call]) -> float:
     """The longest stretch, with at least one call waiting, in which none was answered."""
-    stall, prev = 0.0, None
+    since, until = stall_span(calls)
+    return until - since
+
+
+def stall_span(calls: list[Call]) -> tuple[float, float]:
+    """(start, end) of `longest_stall`, on the calls' clock."""
+    span, prev = (0.0, 0.0), None
     for end in sorted(c.end for c in calls if c.end):
         waiting = [c.start for c in calls if c.start < end and (not c.end or c.end >= end)]
         if waiting:
             since = min(waiting) if prev is None else max(prev, min(waiting))
-            stall = max(stall, end - since)
+            if end - since > span[1] - span[0]:
+                span = (since, end)
         prev = end
-    return stall
+    return span
 
 
 async def under_fault(url: str, key: str, fault, executions, seconds: float = 30.0, sessions: int = 6,
@@ -121,9 +130,10 @@ async def under_fault(url: str, key: str, fault, executions, seconds: float = 30
     load = Load(url, key)
     task = asyncio.create_task(load.run(sessions, seconds, seed))
     await asyncio.sleep(seconds / 4)  # the fault hits a stack under load
+    fault_at = time.monotonic()
     await asyncio.get_running_loop().run_in_executor(None, fault)
     await task
-    return load, outcome(load.calls, executions())
+    return load, outcome(load.calls, executions(), fault_at)
 
 
 def latency_p(calls: list[Call], q: float) -> float:
