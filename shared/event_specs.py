@@ -103,7 +103,7 @@ SPECS: tuple[EventSpec, ...] = (
     # The router declares an agent process gone; that agent stops the listed calls at once.
     EventSpec(e.InstanceLost, _ROUTER, dedupe=("instance_id", "incarnation"), core_readers=_AGENT),
     # The router's hot-pool decision; the agent it names repins (hot_pools.py).
-    EventSpec(e.PoolPinned, _ROUTER, core_readers=_AGENT),
+    EventSpec(e.PoolPinned, _ROUTER, core_readers=_AGENT, dedupe=("instance_id", "model", "at")),  # as LeaseExpired
     # A stale router's dispatch an agent did not run (the audit's refused_dispatches).
     EventSpec(e.DispatchRefused, _AGENT, dedupe=("call_id", "instance_id")),
 )

@@ -57,9 +57,10 @@ def test_message_ids_keep_their_format():
         "CallSubmitted": "CallSubmitted:c1", "CallRouted": "CallRouted:c1", "CallStarted": "CallStarted:c1",
         "CallCompleted": "CallCompleted:c1", "CallFailed": "CallFailed:c1",
         "LeaseIssued": "LeaseIssued:s1:c1", "LeaseConsumed": "LeaseConsumed:s1:c2",
-        "LeaseDiscarded": "LeaseDiscarded:s1:c2", "LeaseExpired": "LeaseExpired:s1:qwen3-tiny:agent-0:4.0", "RoutingDecision": "RoutingDecision:c1",
-        "SwitchDone": None, "RoundSummary": None, "InstanceLost": "InstanceLost:agent-0:inc1",
-        "PoolPinned": None, "DispatchRefused": "DispatchRefused:c1:agent-0",
+        "LeaseDiscarded": "LeaseDiscarded:s1:c2", "LeaseExpired": "LeaseExpired:s1:qwen3-tiny:agent-0:4.0",
+        "RoutingDecision": "RoutingDecision:c1", "SwitchDone": None, "RoundSummary": None,
+        "InstanceLost": "InstanceLost:agent-0:inc1", "PoolPinned": "PoolPinned:agent-0:m1:4.0",
+        "DispatchRefused": "DispatchRefused:c1:agent-0",
     }
 
 
