@@ -15,16 +15,16 @@ Pure: the agent, the simulator and the tests drive it alike (`submit`/`abort` ma
         publish(events)        # CallAdmitted / CallFinished (the cue for engine.finish) / RoundEnded ...
 """
 
-# Where each part lives: types (actions, events, SchedulerView), config (SchedulerConfig), scheduler_errors,
+# Where each part lives: types (actions, events, SchedulerView, errors), config (SchedulerConfig),
 # costs (StepCostModel, EWMA calibration from each action's estimate_s against its reported time),
 # budget (Eq. 3-5), admission (batches under batch, KV and time budgets), calls (AgentCall, the call
 # table), rounds, reports (outbox, counters), scheduler (RoundScheduler), work_costs, chunked_prefill,
-# rotation, cold_pool, hot_pool.
+# cold_pool (with its model rotation), hot_pool.
 from talaria.services.instance_agent.scheduler.calls import AgentCall
 from talaria.services.instance_agent.scheduler.budget import ModelLoad, SlotPlan, plan_slot
 from talaria.services.instance_agent.scheduler.config import ABLATIONS, SchedulerConfig
 from talaria.services.instance_agent.scheduler.costs import CalibratedCosts, StepCostModel, LinearCosts
-from talaria.services.instance_agent.scheduler.scheduler_errors import (
+from talaria.services.instance_agent.scheduler.types import (
     ActionMismatchError,
     ConfigError,
     DuplicateCallError,

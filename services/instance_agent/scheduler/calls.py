@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
 
-from talaria.services.instance_agent.scheduler.scheduler_errors import (
+from talaria.services.instance_agent.scheduler.types import (
     DuplicateCallError,
     InvalidWorkError,
     ModelNotServedError,

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from talaria.services.instance_agent.scheduler.admission import Selection
 from talaria.services.instance_agent.scheduler.budget import chunk_s, chunk_tokens
 from talaria.services.instance_agent.scheduler.calls import AgentCall, CallTable
-from talaria.services.instance_agent.scheduler.config import SchedulerConfig
+from talaria.services.instance_agent.scheduler.config import ConfigReader, SharedConfig
 from talaria.services.instance_agent.scheduler.costs import CalibratedCosts
 from talaria.services.instance_agent.scheduler.prefill_curve import PrefillCurve
 from talaria.services.instance_agent.scheduler.rounds import Slot
@@ -24,10 +24,10 @@ from talaria.services.instance_agent.scheduler.work_costs import WorkPricing, co
 from talaria.shared.prefill_cost import prefill_s
 
 
-class PrefillPlanner:
-    def __init__(self, calls: CallTable, costs: CalibratedCosts, config: SchedulerConfig,
+class PrefillPlanner(ConfigReader):
+    def __init__(self, calls: CallTable, costs: CalibratedCosts, shared: SharedConfig,
                  pricing: WorkPricing, curve: PrefillCurve | None = None) -> None:
-        self.calls, self.costs, self.config, self.pricing = calls, costs, config, pricing
+        self.calls, self.costs, self.shared, self.pricing = calls, costs, shared, pricing
         self.curve = curve if curve is not None else PrefillCurve()
 
     def start(self, selection: Selection, via: str, model: str, now: float, slot: Slot | None) -> Prefill:

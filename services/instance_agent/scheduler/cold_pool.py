@@ -16,10 +16,9 @@ from talaria.services.instance_agent.scheduler.admission import Limits, Selectio
 from talaria.services.instance_agent.scheduler.budget import plan_slot, switch_cycle_s
 from talaria.services.instance_agent.scheduler.calls import AgentCall, CallTable
 from talaria.services.instance_agent.scheduler.chunked_prefill import PrefillPlanner
-from talaria.services.instance_agent.scheduler.config import SchedulerConfig
+from talaria.services.instance_agent.scheduler.config import ConfigReader, SharedConfig
 from talaria.services.instance_agent.scheduler.costs import charged_kv, first_step_reaching
 from talaria.services.instance_agent.scheduler.reports import Reports
-from talaria.services.instance_agent.scheduler.rotation import Rotation
 from talaria.services.instance_agent.scheduler.rounds import RoundState, Slot
 from talaria.services.instance_agent.scheduler.types import Action, Decode, Idle, Prefill, SlotOpened, SwitchModel
 from talaria.services.instance_agent.scheduler.work_costs import WorkPricing
@@ -27,10 +26,10 @@ from talaria.services.instance_agent.scheduler.work_costs import WorkPricing
 _PARK_REASON = {"time": "sp_budget", "batch": "sp_batch"}
 
 
-class ColdPool:
-    def __init__(self, config: SchedulerConfig, calls: CallTable, reports: Reports, pricing: WorkPricing,
+class ColdPool(ConfigReader):
+    def __init__(self, shared: SharedConfig, calls: CallTable, reports: Reports, pricing: WorkPricing,
                  prefill: PrefillPlanner, rotation: Rotation) -> None:
-        self.config, self.calls, self.reports = config, calls, reports
+        self.shared, self.calls, self.reports = shared, calls, reports
         self.pricing, self.prefill, self.rotation = pricing, prefill, rotation
         self.slot: Slot | None = None
         self.round: RoundState | None = None
@@ -283,3 +282,34 @@ class ColdPool:
         self.reports.round_ended(self.round, self.config.round_cap_s, now)
         self.round = None
         self.rounds_done += 1
+
+
+class Rotation:
+    """The order a cold instance's rounds visit its models: all of them cyclically after the
+    one on the device, and of those the ones with work. It owns the memo of each rotation."""
+
+    def __init__(self, models: tuple[str, ...], calls: CallTable) -> None:
+        self.models, self.calls = models, calls
+        self._rotations: dict[str | None, tuple[str, ...]] = {}  # by `after`, memoised
+
+    def rotation(self, after: str | None) -> list[str]:
+        """All models in cyclic order, starting after `after` and ending with it."""
+        return list(self._rotation(after))
+
+    def _rotation(self, after: str | None) -> tuple[str, ...]:
+        rot = self._rotations.get(after)
+        if rot is None:
+            if after is None:
+                rot = self.models
+            else:
+                i = self.models.index(after)
+                rot = self.models[i + 1 :] + self.models[: i + 1]
+            self._rotations[after] = rot
+        return rot
+
+    def active_in_rotation(self, after: str | None) -> list[str]:
+        """`rotation(after)` restricted to models with a queued or running call."""
+        calls = self.calls
+        if not calls.any_active():
+            return []
+        return [m for m in self._rotation(after) if calls.live(m)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from talaria.services.instance_agent.scheduler.scheduler_errors import ConfigError
+from talaria.services.instance_agent.scheduler.types import ConfigError
 from talaria.shared.ablations import ABLATIONS
 
 @dataclass(frozen=True)
@@ -110,3 +110,23 @@ class SchedulerConfig:
 
     def with_(self, **changes) -> SchedulerConfig:
         return replace(self, **changes)
+
+
+class SharedConfig:
+    """The scheduler's one config, read by it and its parts (work_costs, chunked_prefill, the
+    pools) through `config`: a repin replaces `value` once and every part sees the new one."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: SchedulerConfig) -> None:
+        self.value = value
+
+
+class ConfigReader:
+    """A scheduler part: `config` is the scheduler's current one (SharedConfig)."""
+
+    shared: SharedConfig
+
+    @property
+    def config(self) -> SchedulerConfig:
+        return self.shared.value

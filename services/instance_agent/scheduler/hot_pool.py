@@ -10,15 +10,15 @@ from __future__ import annotations
 from talaria.services.instance_agent.scheduler.admission import Limits, select
 from talaria.services.instance_agent.scheduler.calls import CallTable
 from talaria.services.instance_agent.scheduler.chunked_prefill import PrefillPlanner
-from talaria.services.instance_agent.scheduler.config import SchedulerConfig
+from talaria.services.instance_agent.scheduler.config import ConfigReader, SharedConfig
 from talaria.services.instance_agent.scheduler.types import Action, Decode, Idle
 from talaria.services.instance_agent.scheduler.work_costs import WorkPricing
 
 
-class HotPool:
-    def __init__(self, config: SchedulerConfig, calls: CallTable, pricing: WorkPricing,
+class HotPool(ConfigReader):
+    def __init__(self, shared: SharedConfig, calls: CallTable, pricing: WorkPricing,
                  prefill: PrefillPlanner) -> None:
-        self.config, self.calls, self.pricing, self.prefill = config, calls, pricing, prefill
+        self.shared, self.calls, self.pricing, self.prefill = shared, calls, pricing, prefill
         self.last = ""  # P | C (a prefill chunk) | D: what ran last
 
     def next_action(self, now: float, max_steps: int) -> Action:

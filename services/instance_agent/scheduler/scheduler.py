@@ -13,9 +13,9 @@ from dataclasses import dataclass, replace
 from talaria.services.instance_agent.scheduler.calls import AgentCall, CallTable, check_routed
 from talaria.services.instance_agent.scheduler.chunked_prefill import PrefillPlanner
 from talaria.services.instance_agent.scheduler.cold_pool import ColdPool
-from talaria.services.instance_agent.scheduler.config import SchedulerConfig
+from talaria.services.instance_agent.scheduler.config import ConfigReader, SchedulerConfig, SharedConfig
 from talaria.services.instance_agent.scheduler.costs import CalibratedCosts, StepCostModel, call_kv_bytes, charged_kv
-from talaria.services.instance_agent.scheduler.scheduler_errors import (
+from talaria.services.instance_agent.scheduler.types import (
     ActionMismatchError,
     ConfigError,
     InvalidWorkError,
@@ -26,7 +26,7 @@ from talaria.services.instance_agent.scheduler.scheduler_errors import (
 from talaria.services.instance_agent.scheduler.hot_pool import HotPool
 from talaria.services.instance_agent.scheduler.prefill_curve import PrefillCurve
 from talaria.services.instance_agent.scheduler.reports import Reports
-from talaria.services.instance_agent.scheduler.rotation import Rotation
+from talaria.services.instance_agent.scheduler.cold_pool import Rotation
 from talaria.services.instance_agent.scheduler.types import (
     Action,
     Decode,
@@ -47,12 +47,12 @@ class _Inflight:
     predicted_s: float
 
 
-class RoundScheduler:
+class RoundScheduler(ConfigReader):
     """Orders the work of one instance. It never changes what a call computes, only when.
 
     The driver API and the bookkeeping of actions in flight live here. It is composed of
     parts, each handed its collaborators: the pricing of work (work_costs.py), prefill
-    actions and chunk sizing (chunked_prefill.py), the model rotation (rotation.py) and the
+    actions and chunk sizing (chunked_prefill.py), the model rotation (cold_pool.py) and the
     pool policy, the cold pool's rounds and slots (cold_pool.py) or the hot pool
     (hot_pool.py)."""
 
@@ -61,19 +61,19 @@ class RoundScheduler:
         """`calls`: the table it schedules from and submits into (the agent's, AgentCore.calls);
         default a table of its own, which keeps every call submitted (a driver on its own)."""
         _check_models(config, tuple(models))
-        self.config = config
+        self.shared = SharedConfig(config)
         self.models = tuple(models)
         self.costs = costs if isinstance(costs, CalibratedCosts) else CalibratedCosts(costs, config.ewma_alpha)
         self.calls = CallTable(self.models) if calls is None else calls
         self.reports = Reports()
         self.device_model = config.pinned_model if config.pool == "hot" else config.initial_model
         self._inflight: _Inflight | None = None
-        self.pricing = WorkPricing(self.calls, self.costs, config)
+        self.pricing = WorkPricing(self.calls, self.costs, self.shared)
         self.curve = PrefillCurve()  # how prefill cost grows with context, from the chunks run
-        self.prefill = PrefillPlanner(self.calls, self.costs, config, self.pricing, self.curve)
+        self.prefill = PrefillPlanner(self.calls, self.costs, self.shared, self.pricing, self.curve)
         self.rotations = Rotation(self.models, self.calls)
-        self.cold = ColdPool(config, self.calls, self.reports, self.pricing, self.prefill, self.rotations)
-        self.hot = HotPool(config, self.calls, self.pricing, self.prefill)
+        self.cold = ColdPool(self.shared, self.calls, self.reports, self.pricing, self.prefill, self.rotations)
+        self.hot = HotPool(self.shared, self.calls, self.pricing, self.prefill)
         self.repinned = False  # the router changed what this instance keeps resident (repin)
         self._pending_pin: tuple[str | None] | None = None  # a repin waiting for the hot batch to finish
 
@@ -113,10 +113,7 @@ class RoundScheduler:
             return  # the hot pool's running batch finishes first
         model = self._pending_pin[0]
         self._pending_pin = None
-        config = replace(self.config, pool="hot" if model else "cold", pinned_model=model)
-        self.config = config
-        for part in (self.pricing, self.prefill, self.cold, self.hot):
-            part.config = config
+        self.shared.value = replace(self.config, pool="hot" if model else "cold", pinned_model=model)
 
     def _hot_now(self) -> bool:
         """The hot pool's rule applies: pinned, its model on the device, no other model's

@@ -14,16 +14,16 @@ from itertools import islice
 
 from talaria.services.instance_agent.scheduler.budget import ModelLoad
 from talaria.services.instance_agent.scheduler.calls import AgentCall, CallTable
-from talaria.services.instance_agent.scheduler.config import SchedulerConfig
+from talaria.services.instance_agent.scheduler.config import ConfigReader, SharedConfig
 from talaria.services.instance_agent.scheduler.costs import (
     CalibratedCosts, StepCostModel, call_kv_bytes, charged_kv, decode_steps_s,
 )
 from talaria.services.instance_agent.scheduler.types import Decode
 
 
-class WorkPricing:
-    def __init__(self, calls: CallTable, costs: CalibratedCosts, config: SchedulerConfig) -> None:
-        self.calls, self.costs, self.config = calls, costs, config
+class WorkPricing(ConfigReader):
+    def __init__(self, calls: CallTable, costs: CalibratedCosts, shared: SharedConfig) -> None:
+        self.calls, self.costs, self.shared = calls, costs, shared
 
     def kv_used(self, model: str) -> int:
         return sum(self.kv(c) for c in self.calls.running[model])
