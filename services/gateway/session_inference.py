@@ -71,10 +71,12 @@ class SessionIndex:
     """Per-tenant turns of live sessions; `infer` a call's session, `record` its answered turn."""
 
     def __init__(self, max_turns: int = MAX_TURNS, horizon_s: float = HORIZON_S,
-                 block: int = HASH_BLOCK_TOKENS, answer_tokens: int = ANSWER_TOKENS) -> None:
-        if max_turns < 1 or horizon_s <= 0:
-            raise ValueError("max_turns and horizon_s must be positive")
+                 block: int = HASH_BLOCK_TOKENS, answer_tokens: int = ANSWER_TOKENS,
+                 rerendered_tail: int = RERENDERED_TAIL_TOKENS) -> None:
+        if max_turns < 1 or horizon_s <= 0 or rerendered_tail < 0:
+            raise ValueError("max_turns and horizon_s must be positive, rerendered_tail not negative")
         self.max_turns, self.horizon_s, self.block, self.answer_tokens = max_turns, horizon_s, block, answer_tokens
+        self.rerendered_tail = rerendered_tail
         self._tenants: dict[str, _Tenant] = {}
 
     def turns(self, tenant: str) -> int:
@@ -118,7 +120,7 @@ class SessionIndex:
         if blocks < 1 or not answer:
             return False
         t = self._tenants.setdefault(tenant, _Tenant())
-        tail = max(0, blocks - 1 - RERENDERED_TAIL_TOKENS // self.block)
+        tail = max(0, blocks - 1 - self.rerendered_tail // self.block)
         turn = Turn(session_id, blocks, hashes[blocks - 1],
                     (*ids[blocks * self.block:], *answer[: self.answer_tokens]), kv_scope, now,
                     tuple(hashes[tail:blocks - 1]))
