@@ -25,7 +25,9 @@ from talaria.shared.tokenizer import HASH_BLOCK_TOKENS
 ANSWER_TOKENS = 16  # answer tokens a continuation must repeat: tells apart two sessions asked the same
 # A call that repeats a session's earlier turn whole and its newest prompt but for this many
 # final tokens continues the session: the client re-rendered the end of its last message.
-RERENDERED_TAIL_TOKENS = 128
+# 512: on the WEKA Claude Code traces 134 continuations rewrite 129-512 tokens, 23 more
+# (results/session_attribution.md); a sibling's fork adding less is taken for a rewrite.
+RERENDERED_TAIL_TOKENS = 512
 MAX_TURNS = 8192  # per tenant: ~1.2 KB each (measured), so ~10 MB per tenant at most
 HORIZON_S = 3600.0  # the longest tool or user gap after which a session is still recognised
 
