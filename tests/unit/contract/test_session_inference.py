@@ -224,3 +224,27 @@ def test_settings_are_checked():
         SessionIndex(max_turns=0)
     with pytest.raises(ValueError):
         SessionIndex(rerendered_tail=-1)
+
+
+def test_a_turn_keeps_under_two_kilobytes_once_its_prompt_is_gone():
+    """The documented bound (MAX_TURNS turns of ~1.4 KB per tenant) holds with 200-block prompts:
+    a turn keeps no int objects of the prompt alive."""
+    import gc
+    import random
+    import tracemalloc
+
+    index, rng, n = SessionIndex(), random.Random(0), 300
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(n):
+            ids = [rng.randrange(150_000) for _ in range(200 * tok.HASH_BLOCK_TOKENS + 7)]
+            hashes = [rng.getrandbits(63) for _ in range(200)]
+            answer_ids = [rng.randrange(150_000) for _ in range(16)]
+            assert index.record("", f"s{i}", hashes, ids, answer_ids, "scope", float(i))
+            del ids, hashes, answer_ids
+        gc.collect()
+        per_turn = (tracemalloc.get_traced_memory()[0] - before) / n
+    finally:
+        tracemalloc.stop()
+    assert per_turn < 2048, per_turn
