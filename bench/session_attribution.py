@@ -1,7 +1,7 @@
 """Session inference on real agent sessions with their ids stripped (not a test).
 
     python bench/session_attribution.py [--trace /work/shared/traces/weka_cc_traces.jsonl.xz]
-        [--batch 32] [--limit 0] [--out results/session_attribution.md]
+        [--batch 32] [--limit 0] [--rerendered-tail 512] [--recorded-only] [--out results/session_attribution.md]
 
 The WEKA Claude Code traces carry, per call, the prefix-block hashes of its prompt (64-token
 blocks, local to a trace) but no text. Each trace's calls (and each sub-agent's, as its own
@@ -12,7 +12,7 @@ prompt shared by every session. Token ids are derived from the block hashes (equ
 equal tokens); a prompt's tokens past its last full block and its answer's first tokens are
 the next call's at those positions when that call extends this one (it then holds the
 answer), else tokens of its own. Counted: continuations attributed to their own session,
-calls merged into another session, and why the others started a new one.
+calls merged into another session, and what each other one repeats of its predecessor.
 """
 
 from __future__ import annotations
@@ -167,6 +167,8 @@ def why(c: Call, prev: Call, kind: str, horizon_s: float, tail: int) -> str:
         return "the previous turn expired (gap past the horizon)"
     if c.t < prev.t + prev.api_time:
         return "sent before the previous call was answered (parallel calls)"
+    if lost and kind == "new":
+        return "the previous prompt but a re-rendered tail, no earlier turn repeated whole with its answer (rewrites in a row)"
     return f"other ({'re-rendered tail' if lost else 'whole prompt'}, {kind})"
 
 
