@@ -15,6 +15,7 @@ passed in; the gateway's Submitter is the shell (SessionInferrer).
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,8 +26,10 @@ from talaria.shared.tokenizer import HASH_BLOCK_TOKENS
 ANSWER_TOKENS = 16  # answer tokens a continuation must repeat: tells apart two sessions asked the same
 # A call that repeats a session's earlier turn whole and its newest prompt but for this many
 # final tokens continues the session: the client re-rendered the end of its last message.
-RERENDERED_TAIL_TOKENS = 128
-MAX_TURNS = 8192  # per tenant: ~1.2 KB each (measured), so ~10 MB per tenant at most
+# 512: on the WEKA Claude Code traces 134 continuations rewrite 129-512 tokens, 23 more
+# (results/session_attribution.md); a sibling's fork adding less is taken for a rewrite.
+RERENDERED_TAIL_TOKENS = 512
+MAX_TURNS = 8192  # per tenant: ~1.4 KB each (measured, the prompt freed), so ~12 MB per tenant at most
 HORIZON_S = 3600.0  # the longest tool or user gap after which a session is still recognised
 
 Kind = Literal["new", "continued", "forked"]
@@ -39,10 +42,10 @@ class Turn:
     session_id: str
     blocks: int  # full blocks of its prompt (>= 1)
     key: int  # its prompt's chained hash at block `blocks - 1`
-    expect: tuple[int, ...]  # the prompt's tokens past those blocks, then the answer's first tokens
+    expect: bytes  # the prompt's tokens past those blocks, then the answer's first tokens (packed)
     kv_scope: str
     at: float
-    tail_keys: tuple[int, ...] = ()  # its prompt's hashes at the blocks before `key`, nearest last
+    tail_keys: Sequence[int] = ()  # its prompt's hashes at the blocks before `key`, nearest last (an array: 8 B each)
     continued: bool = False  # a call has claimed it (a second one is a fork)
 
 
@@ -61,8 +64,8 @@ class Inferred:
 @dataclass
 class _Tenant:
     keys: set[int] = field(default_factory=set)  # every turn's key: one C-speed intersection per call
-    shapes: dict[int, Counter[tuple[int, int]]] = field(default_factory=dict)  # key -> (blocks, len(expect))
-    turns: dict[tuple[int, tuple[int, ...]], list[Turn]] = field(default_factory=dict)  # (key, expect)
+    shapes: dict[int, Counter[tuple[int, int]]] = field(default_factory=dict)  # key -> (blocks, tokens in expect)
+    turns: dict[tuple[int, bytes], list[Turn]] = field(default_factory=dict)  # (key, expect)
     order: OrderedDict[int, Turn] = field(default_factory=OrderedDict)  # by answer time, oldest first
     newest: dict[str, Turn] = field(default_factory=dict)  # each session's newest turn
 
@@ -71,10 +74,12 @@ class SessionIndex:
     """Per-tenant turns of live sessions; `infer` a call's session, `record` its answered turn."""
 
     def __init__(self, max_turns: int = MAX_TURNS, horizon_s: float = HORIZON_S,
-                 block: int = HASH_BLOCK_TOKENS, answer_tokens: int = ANSWER_TOKENS) -> None:
-        if max_turns < 1 or horizon_s <= 0:
-            raise ValueError("max_turns and horizon_s must be positive")
+                 block: int = HASH_BLOCK_TOKENS, answer_tokens: int = ANSWER_TOKENS,
+                 rerendered_tail: int = RERENDERED_TAIL_TOKENS) -> None:
+        if max_turns < 1 or horizon_s <= 0 or rerendered_tail < 0:
+            raise ValueError("max_turns and horizon_s must be positive, rerendered_tail not negative")
         self.max_turns, self.horizon_s, self.block, self.answer_tokens = max_turns, horizon_s, block, answer_tokens
+        self.rerendered_tail = rerendered_tail
         self._tenants: dict[str, _Tenant] = {}
 
     def turns(self, tenant: str) -> int:
@@ -118,13 +123,13 @@ class SessionIndex:
         if blocks < 1 or not answer:
             return False
         t = self._tenants.setdefault(tenant, _Tenant())
-        tail = max(0, blocks - 1 - RERENDERED_TAIL_TOKENS // self.block)
+        tail = max(0, blocks - 1 - self.rerendered_tail // self.block)
         turn = Turn(session_id, blocks, hashes[blocks - 1],
-                    (*ids[blocks * self.block:], *answer[: self.answer_tokens]), kv_scope, now,
-                    tuple(hashes[tail:blocks - 1]))
+                    _packed([*ids[blocks * self.block:], *answer[: self.answer_tokens]]), kv_scope, now,
+                    array("q", hashes[tail:blocks - 1]))
         t.newest[session_id] = turn
         t.keys.add(turn.key)
-        t.shapes.setdefault(turn.key, Counter())[(blocks, len(turn.expect))] += 1
+        t.shapes.setdefault(turn.key, Counter())[(blocks, len(turn.expect) // 8)] += 1
         t.turns.setdefault((turn.key, turn.expect), []).append(turn)
         t.order[id(turn)] = turn
         self._expire(t, now)
@@ -139,7 +144,7 @@ class SessionIndex:
             for blocks, n in t.shapes[key]:
                 if best <= blocks <= m and hashes[blocks - 1] == key:
                     start = blocks * self.block
-                    turns = t.turns.get((key, tuple(ids[start:start + n])))
+                    turns = t.turns.get((key, _packed(ids[start:start + n])))
                     if turns:
                         found = turns if blocks > best else found + turns
                         best = blocks
@@ -170,11 +175,18 @@ class SessionIndex:
         if not same:
             del t.turns[(turn.key, turn.expect)]
         shapes = t.shapes[turn.key]
-        shapes[(turn.blocks, len(turn.expect))] -= 1
-        if not shapes[(turn.blocks, len(turn.expect))]:
-            del shapes[(turn.blocks, len(turn.expect))]
+        shapes[(turn.blocks, len(turn.expect) // 8)] -= 1
+        if not shapes[(turn.blocks, len(turn.expect) // 8)]:
+            del shapes[(turn.blocks, len(turn.expect) // 8)]
         if not shapes:
             del t.shapes[turn.key]
             t.keys.discard(turn.key)
         if t.newest.get(turn.session_id) is turn:
             del t.newest[turn.session_id]
+
+
+def _packed(tokens: Sequence[int]) -> bytes:
+    """Token ids as 8 bytes each: a turn keeps no int objects alive (~0.8 KB less per turn)."""
+    packed = array("q")
+    packed.extend(tokens)  # not array("q", tokens): that reads a bytes-like (the simulator's ids) as raw memory
+    return packed.tobytes()

@@ -134,17 +134,31 @@ def test_a_client_that_rewrites_the_end_of_its_last_message_stays_in_its_session
     assert (third.kind, third.session_id) == ("continued", root.session_id)
 
 
-def test_a_fork_that_differs_past_the_rewritable_tail_is_a_fork():
-    index = SessionIndex()
+def _sibling_after_its_answer(index: SessionIndex, output: str):
+    """A session's second call (ending in the tool result `output`) answered, then a call that
+    repeats its first turn whole and its second prompt up to that tool result, which differs."""
     agent = Agent("long task")
     ids = agent.ids()
     root = call(index, "", ids, 0)
     done(index, "", root.session_id, ids, "first answer, a tool call", 1)
-    agent.answered("first answer, a tool call", "tool output " * 20)
+    agent.answered("first answer, a tool call", output)
     ids = agent.ids()
     done(index, "", call(index, "", ids, 2).session_id, ids, "second answer", 3)
-    agent.turns[-1] = ("tool", "a different tool output " * 20)
-    assert call(index, "", agent.ids(), 4).kind == "forked"
+    agent.turns[-1] = ("tool", "a different tool output")
+    return root, call(index, "", agent.ids(), 4)
+
+
+def test_a_fork_that_differs_past_the_rewritable_tail_is_a_fork():
+    index = SessionIndex()
+    assert _sibling_after_its_answer(index, "tool output " * 50)[1].kind == "forked"  # 600 tokens
+
+
+def test_the_rewritable_tail_is_a_setting():
+    """The same call is a rewrite of the newest prompt (it differs in its last ~250 tokens) under
+    the default tail, and a fork when the tail is shorter than what it rewrites."""
+    root, got = _sibling_after_its_answer(SessionIndex(), "tool output " * 20)
+    assert (got.kind, got.session_id) == ("continued", root.session_id)
+    assert _sibling_after_its_answer(SessionIndex(rerendered_tail=128), "tool output " * 20)[1].kind == "forked"
 
 
 def test_a_failed_continuation_releases_its_turn_for_the_retry():
@@ -208,3 +222,29 @@ def test_an_empty_answer_or_a_tiny_prompt_is_not_recorded():
 def test_settings_are_checked():
     with pytest.raises(ValueError):
         SessionIndex(max_turns=0)
+    with pytest.raises(ValueError):
+        SessionIndex(rerendered_tail=-1)
+
+
+def test_a_turn_keeps_under_two_kilobytes_once_its_prompt_is_gone():
+    """The documented bound (MAX_TURNS turns of ~1.4 KB per tenant) holds with 200-block prompts:
+    a turn keeps no int objects of the prompt alive."""
+    import gc
+    import random
+    import tracemalloc
+
+    index, rng, n = SessionIndex(), random.Random(0), 300
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(n):
+            ids = [rng.randrange(150_000) for _ in range(200 * tok.HASH_BLOCK_TOKENS + 7)]
+            hashes = [rng.getrandbits(63) for _ in range(200)]
+            answer_ids = [rng.randrange(150_000) for _ in range(16)]
+            assert index.record("", f"s{i}", hashes, ids, answer_ids, "scope", float(i))
+            del ids, hashes, answer_ids
+        gc.collect()
+        per_turn = (tracemalloc.get_traced_memory()[0] - before) / n
+    finally:
+        tracemalloc.stop()
+    assert per_turn < 2048, per_turn
