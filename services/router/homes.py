@@ -70,6 +70,19 @@ class HomeBook:
         homes.running[session_id] = homes.running.get(session_id, 0) + 1
         self._touch(instance_id)
 
+    def moved(self, session_id: str, instance_id: str, model: str) -> None:
+        """A drain moved the session's KV to `instance_id` (router/drain_push.py): it lives there
+        now, idle since it was (the move does not make it live longer)."""
+        old = self.home_of.get(session_id)
+        since = NEVER
+        if old is not None:
+            since = self.by_instance.get(old[0], {}).get(old[1], _ModelHomes()).idle_since.get(session_id, NEVER)
+            if old != (instance_id, model):
+                self._drop(session_id, *old)
+        self.home_of[session_id] = (instance_id, model)
+        self.by_instance.setdefault(instance_id, {}).setdefault(model, _ModelHomes()).add(session_id, since)
+        self._touch(instance_id)
+
     def ended(self, session_id: str, instance_id: str, at: float) -> None:
         """A call of the session ended on `instance_id` (completed or failed there)."""
         home = self.home_of.get(session_id)
