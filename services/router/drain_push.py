@@ -93,21 +93,23 @@ def choose_target(state, holder: str, model: str, now: float, stale_after_s: flo
 
 def plan(state, holder: str, now: float, stale_after_s: float, owns
          ) -> tuple[list[KvPushRequested], list[tuple[str, str]]]:
-    """(pushes to ask, (session, why) of sessions no push can move) for `holder`'s sessions
-    that `owns` (this router's partitions) and no call runs for: each not yet settled and not
-    pending, or pending past RETRY_AFTER_S."""
+    """(pushes to ask, (session, why) of sessions no push can move) for `holder`'s sessions no
+    call runs for, not yet settled and not pending (or pending past RETRY_AFTER_S); asks only
+    for the sessions `owns` (this router's partitions)."""
     view = state.instances.get(holder)
     address = view.snapshot.page_address if view is not None else ""
     asks: list[KvPushRequested] = []
     lost: list[tuple[str, str]] = []
     book = state.pushes
     for session_id, model in kv_on(state, holder):
-        if not owns(session_id) or book.settled(holder, session_id) or _running(state, session_id):
+        if book.settled(holder, session_id) or _running(state, session_id):
             continue
         prior = book.pending.get(session_id)
         if prior is not None and now - prior.at < RETRY_AFTER_S:
             continue
         attempt = prior.attempt + 1 if prior is not None else 1
+        # Every router counts the lost alike (any may answer `talaria drain`); only the
+        # session's owner asks.
         if attempt > ATTEMPTS:
             lost.append((session_id, f"no report after {ATTEMPTS} asks"))
             continue
@@ -117,8 +119,9 @@ def plan(state, holder: str, now: float, stale_after_s: float, owns
         target = choose_target(state, holder, model, now, stale_after_s)
         if target is None:
             lost.append((session_id, f"no instance that serves {model} can take KV pages"))
-            continue
-        asks.append(KvPushRequested(target.snapshot.instance_id, session_id, model, holder, address, now, attempt))
+        elif owns(session_id):
+            asks.append(KvPushRequested(target.snapshot.instance_id, session_id, model, holder, address, now,
+                                        attempt))
     return asks, lost
 
 

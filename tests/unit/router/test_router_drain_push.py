@@ -142,3 +142,25 @@ def test_a_restarted_holder_forgets_its_drains_pushes():
     r.handle(pushed(ask), 2.5)
     r.handle(SnapshotReceived(msgspec.structs.replace(msnap("b", version=5, at=3.0), incarnation="two"), 3.0), 3.0)
     assert r.state.pushes.moved == {} and r.state.draining == set()
+
+
+def test_a_router_asks_only_for_its_own_sessions_but_counts_every_sessions_loss():
+    r = core(lease_timeout_s=0.0)
+    idle_on_b(r, ("s1", "s2"))
+    r.handle(SnapshotReceived(msnap("a"), 1.1), 1.1)
+    r.partitioning = _Only("s1")
+    status, asks = r.drain("b", 2.0)
+    assert [a.session_id for a in asks] == ["s1"] and status.sessions == 2  # s2 is another router's to ask
+    r.handle(SnapshotReceived(msgspec.structs.replace(msnap("a", version=2, at=2.1), healthy=False), 2.1), 2.1)
+    status = r.drain("b", 2.2)[0]  # no instance can take s2 now: every router counts it lost
+    assert (status.sessions, status.lost) == (1, 1)
+
+
+class _Only:
+    """A router that owns one session."""
+
+    def __init__(self, session_id):
+        self.session_id = session_id
+
+    def owns(self, session_id):
+        return session_id == self.session_id
