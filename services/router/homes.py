@@ -151,15 +151,6 @@ class HomeBook:
         n = sum(len(h.idle_since) for h in self.by_instance.get(instance_id, {}).values())
         return n - 1 if self.home_of.get(except_session, ("",))[0] == instance_id else n
 
-    def live_sessions(self, instance_id: str, now: float, horizon_s: Callable[[str], float]) -> int:
-        """Sessions homed on the instance that are live now: a call running, or idle within
-        their model's horizon (they are expected back)."""
-        n = 0
-        for m, homes in self.by_instance.get(instance_id, {}).items():
-            h = horizon_s(m)
-            n += sum(1 for s, t in homes.idle_since.items() if homes.running.get(s) or now - t <= h)
-        return n
-
     def to_list(self) -> list[list]:
         return [[s, i, m, t, homes.running.get(s, 0)]
                 for i, models in self.by_instance.items() for m, homes in models.items()
