@@ -106,6 +106,10 @@ SPECS: tuple[EventSpec, ...] = (
     EventSpec(e.PoolPinned, _ROUTER, core_readers=_AGENT, dedupe=("instance_id", "model", "at")),  # as LeaseExpired
     # A stale router's dispatch an agent did not run (the audit's refused_dispatches).
     EventSpec(e.DispatchRefused, _AGENT, dedupe=("call_id", "instance_id")),
+    # A drain's push of a session's KV (router_core.RouterCore.drain): the agent it names pulls
+    # the pages from the drained holder and reports what arrived.
+    EventSpec(e.KvPushRequested, _ROUTER, dedupe=("session_id", "holder", "attempt"), core_readers=_AGENT),
+    EventSpec(e.KvPushed, _AGENT, dedupe=("session_id", "holder", "at")),
 )
 
 EVENT_TYPES: tuple[type[msgspec.Struct], ...] = get_args(e.Event)

@@ -284,6 +284,40 @@ class PoolPinned(Struct, frozen=True, tag="pool.pinned"):
     reason: str = ""
 
 
+class KvPushRequested(Struct, frozen=True, tag="kv.push"):
+    """A drain moves a session's KV ahead of its next call (issue 40, router_core.RouterCore.drain):
+    the agent `instance_id` (where the session's next call would land) pulls the session's
+    host pages for `model` from `holder` (the drained instance, its page server at
+    `holder_address`) into its own host registry, then reports `KvPushed`."""
+
+    instance_id: Token
+    session_id: Token
+    model: Name
+    holder: Token
+    holder_address: str
+    at: float
+    attempt: int = 1
+
+
+class KvPushed(Struct, frozen=True, tag="kv.pushed"):
+    """The agent `instance_id` pulled a session's pages as a drain asked: `pages` of the
+    `listed` pages the holder had (all listed arrived: moved; fewer: its context is lost
+    in part, `why` says why; none listed: nothing to move)."""
+
+    instance_id: Token
+    session_id: Token
+    model: Name
+    holder: Token
+    at: float
+    listed: int = 0
+    pages: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    transport: str = "tcp"
+    why: str = ""
+
+
 Event = Union[
     CallSubmitted,
     CallRouted,
@@ -300,6 +334,8 @@ Event = Union[
     PoolPinned,
     InstanceLost,
     DispatchRefused,
+    KvPushRequested,
+    KvPushed,
 ]
 
 

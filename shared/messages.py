@@ -166,9 +166,12 @@ class DrainRequest(Struct, frozen=True):
 
 class DrainStatus(Struct, frozen=True):
     instance_id: str
-    drained: bool = False  # nothing runs, is queued or was placed there
+    drained: bool = False  # nothing runs, is queued or was placed there, no session's KV is left to move
     calls: int = 0  # calls still running, queued or placed there
-    sessions: int = 0  # live sessions still homed there: their next call pulls their pages from it
+    sessions: int = 0  # sessions whose KV is still to move off it (a push asked for or not yet)
+    moved: int = 0  # sessions whose KV a push moved to another instance
+    lost: int = 0  # sessions whose KV no push could move (their next call recomputes)
+    why_lost: str = ""  # the first reason one was lost
     error: str = ""  # the request was refused (one line)
 
 

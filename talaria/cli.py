@@ -475,8 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("--format", choices=["table", "json"], default="table")
     _data_dir_flag(au)
     _tenant_flag(au)
-    dr = sub.add_parser("drain", help="take an instance out of service; returns once nothing runs there "
-                        "(docs/operating.md)")
+    dr = sub.add_parser("drain", help="take an instance out of service; returns once nothing runs there and "
+                        "its sessions' KV has moved (exit 3: some could not; docs/operating.md)")
     dr.add_argument("instance", help="the instance id (the calls table's instance_id)")
     dr.add_argument("--timeout-s", type=float, default=600.0, help="give up (exit 1) after this long")
     _data_dir_flag(dr)

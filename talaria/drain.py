@@ -3,8 +3,9 @@
 The admin NATS user (stack.json's `nats_admin`) asks the routers (`<deployment>.admin.drain`,
 router_service.py); every router stops placing calls there at once, and the command asks
 again every `every_s` until a router says nothing runs, is queued or was placed there and
-no live session (one expected back) still lives there: each returned elsewhere and pulled
-its KV pages from it (docs/migration.md). Stop the agent after this returns 0.
+no session's KV is left to move: each ask pushes the sessions living there to the instance
+their next call would land on (services/router/drain_push.py, docs/migration.md). Stop the
+agent after this returns 0 (3: drained, but some sessions' context was lost; it says why).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from talaria.shared.wire import encode
 
 async def drain(nats_url: str, instance_id: str, *, timeout_s: float, every_s: float = 0.5,
                 deployment: Deployment = Deployment()) -> tuple[int, str]:
-    """(exit status, one line): 0 drained, 1 not drained in `timeout_s`, 2 refused or unreachable."""
+    """(exit status, one line): 0 drained, 1 not drained in `timeout_s`, 2 refused or unreachable,
+    3 drained but some session's KV could not be moved (the line says how many and why)."""
     try:
         nc = await nats.connect(servers(nats_url), name=sender_name("admin"), inbox_prefix=ADMIN_INBOX,
                                 connect_timeout=5, max_reconnect_attempts=2)
@@ -42,11 +44,14 @@ async def drain(nats_url: str, instance_id: str, *, timeout_s: float, every_s: f
                 status = DRAIN_STATUS_DECODER.decode(reply.data)
                 if status.error:
                     return 2, status.error
+                if status.drained and status.lost:
+                    return 3, (f"{instance_id} drained, but {status.lost} session(s) lost their KV context "
+                               f"(their next call recomputes; {status.moved} moved): {status.why_lost}")
                 if status.drained:
-                    return 0, (f"{instance_id} drained: no call runs or waits there, no live session lives there, "
-                               "none will be placed there")
-                last = (f"{status.calls} call(s) running or queued and {status.sessions} live session(s) still "
-                        f"on {instance_id}")
+                    return 0, (f"{instance_id} drained: no call runs or waits there, {status.moved} session(s)' KV "
+                               "moved off it, none will be placed there")
+                last = (f"{status.calls} call(s) running or queued and {status.sessions} session(s)' KV still to "
+                        f"move off {instance_id} ({status.moved} moved, {status.lost} lost)")
             except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
                 last = "no router answered"
             if time.monotonic() >= deadline:

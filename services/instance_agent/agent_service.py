@@ -28,7 +28,8 @@ from talaria.shared.limits import call_problem
 from talaria.shared.runtime import serve_until_stopped
 from talaria.services.instance_agent.fencing import DispatchFencing
 from talaria.shared.nats_auth import parse_sender, sender_headers, sender_of, trusted
-from talaria.shared.events import CallFailed, CallRouted, CallSubmitted, EVENT_DECODER, PoolPinned, ROUTED_DECODER
+from talaria.shared.events import (CallFailed, CallRouted, CallSubmitted, EVENT_DECODER, KvPushed, KvPushRequested,
+                                   PoolPinned, ROUTED_DECODER)
 from talaria.shared.messages import CANCEL_DECODER, ErrorReply
 from talaria.shared.wire import encode
 from talaria.shared.settings import AgentSettings, CommonSettings, GatewaySettings, Settings
@@ -103,6 +104,15 @@ async def serve(common: CommonSettings, settings: AgentSettings, ready: asyncio.
         await _on_pool_pinned(msg, runner, settings, log)
 
     await nc.subscribe(deployment.event("pool.pinned"), cb=on_pool_pinned)
+
+    pushes: set[asyncio.Task] = set()  # drains' pushes in flight (kept referenced until done)
+
+    async def on_kv_push(msg) -> None:
+        task = asyncio.ensure_future(_on_kv_push(msg, runner, log))
+        pushes.add(task)
+        task.add_done_callback(pushes.discard)
+
+    await nc.subscribe(deployment.event("kv.push"), cb=on_kv_push)
 
     fencing = DispatchFencing(js, deployment.routers_bucket, settings.instance_id, log)
 
@@ -226,6 +236,29 @@ async def _on_pool_pinned(msg, runner: CallRunner, settings: AgentSettings, log)
     runner.core.sched.repin(pinned.model)
     log.info("hot pool repinned", model=pinned.model, previous=pinned.previous, reason=pinned.reason)
     await runner.publish_snapshot()
+
+
+async def _on_kv_push(msg, runner: CallRunner, log) -> None:
+    """A drain asks this agent to pull a session's pages from the drained holder ahead of the
+    session's next call (router/drain_push.py); what arrived is reported as KvPushed."""
+    try:
+        ask = msgspec.json.decode(msg.data, type=KvPushRequested)
+    except msgspec.DecodeError as exc:
+        log.warning("undecodable kv push dropped", error=str(exc))
+        return
+    if ask.instance_id != runner.instance_id or not trusted(msg, ask):
+        return
+    if runner.migration is None or ask.model not in runner.models:
+        why = "this agent takes no KV pages" if runner.migration is None else f"this agent does not serve {ask.model}"
+        done = KvPushed(runner.instance_id, ask.session_id, ask.model, ask.holder, time.time(), listed=1, why=why)
+    else:
+        try:
+            done = await runner.migration.push(ask)
+        except (OSError, ValueError, RuntimeError) as exc:  # the session's next call recomputes
+            log.warning("kv push failed", session_id=ask.session_id, error=str(exc))
+            done = KvPushed(runner.instance_id, ask.session_id, ask.model, ask.holder, time.time(), listed=1,
+                            why=f"push failed here: {type(exc).__name__}")
+    await runner.closer.sender.note(done)
 
 
 async def _on_cancel(msg, runner: CallRunner, log) -> None:

@@ -211,6 +211,9 @@ class CallRunner:
                              submitted_at=call.submitted_at, tenant=call.tenant, transport=transport)
             transport.pull = asyncio.ensure_future(self._pull_then_accept(routed, transport))
             return None
+        if migrated is None and kv_state == "host" and self.migration is not None:
+            # a drain pushed its pages here ahead of this call: it restores them as migrated
+            migrated = self.migration.pushed.pop((call.session_id, call.model), None)
         try:
             self.core.accept(call.call_id, call.session_id, call.model, call_index=routed.call_index,
                              prompt_tokens=call.prompt_tokens, max_tokens=call.max_tokens,

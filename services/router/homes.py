@@ -70,6 +70,19 @@ class HomeBook:
         homes.running[session_id] = homes.running.get(session_id, 0) + 1
         self._touch(instance_id)
 
+    def moved(self, session_id: str, instance_id: str, model: str) -> None:
+        """A drain moved the session's KV to `instance_id` (router/drain_push.py): it lives there
+        now, idle since it was (the move does not make it live longer)."""
+        old = self.home_of.get(session_id)
+        since = NEVER
+        if old is not None:
+            since = self.by_instance.get(old[0], {}).get(old[1], _ModelHomes()).idle_since.get(session_id, NEVER)
+            if old != (instance_id, model):
+                self._drop(session_id, *old)
+        self.home_of[session_id] = (instance_id, model)
+        self.by_instance.setdefault(instance_id, {}).setdefault(model, _ModelHomes()).add(session_id, since)
+        self._touch(instance_id)
+
     def ended(self, session_id: str, instance_id: str, at: float) -> None:
         """A call of the session ended on `instance_id` (completed or failed there)."""
         home = self.home_of.get(session_id)
@@ -137,15 +150,6 @@ class HomeBook:
         """How many sessions the book homes on the instance (all models), but one."""
         n = sum(len(h.idle_since) for h in self.by_instance.get(instance_id, {}).values())
         return n - 1 if self.home_of.get(except_session, ("",))[0] == instance_id else n
-
-    def live_sessions(self, instance_id: str, now: float, horizon_s: Callable[[str], float]) -> int:
-        """Sessions homed on the instance that are live now: a call running, or idle within
-        their model's horizon (they are expected back)."""
-        n = 0
-        for m, homes in self.by_instance.get(instance_id, {}).items():
-            h = horizon_s(m)
-            n += sum(1 for s, t in homes.idle_since.items() if homes.running.get(s) or now - t <= h)
-        return n
 
     def to_list(self) -> list[list]:
         return [[s, i, m, t, homes.running.get(s, 0)]

@@ -12,6 +12,7 @@ are the policy's, unchanged: given the same state, every router decides a call a
 
 from __future__ import annotations
 
+from talaria.services.router.drain_push import kv_on, plan
 from talaria.services.router.hot_pools import HotPools, decide_from_state
 from talaria.services.router.instances import InstanceView
 from talaria.services.router.leases import settlement
@@ -19,8 +20,8 @@ from talaria.services.router.ownership import Partitioning
 from talaria.services.router.policy.base import PlacementPolicy
 from talaria.services.router.state import RouterState, SnapshotReceived
 from talaria.shared.messages import DrainStatus
-from talaria.shared.events import (CallFailed, CallRouted, CallSubmitted, Event, InstanceLost, LeaseConsumed,
-                                   LeaseDiscarded, LeaseExpired, LeaseIssued, PoolPinned)
+from talaria.shared.events import (CallFailed, CallRouted, CallSubmitted, Event, InstanceLost, KvPushRequested,
+                                   LeaseConsumed, LeaseDiscarded, LeaseExpired, LeaseIssued, PoolPinned)
 from talaria.shared.snapshots import InstanceSnapshot
 
 # An agent is declared lost after this many of its own heartbeat intervals without a snapshot
@@ -28,7 +29,8 @@ from talaria.shared.snapshots import InstanceSnapshot
 LOST_AFTER_BEATS = 4
 
 # Other routers' outputs: folded as facts (RouterCore.fold_peer), never reacted to.
-PEER_OUTPUTS = (CallRouted, LeaseIssued, LeaseConsumed, LeaseDiscarded, LeaseExpired, InstanceLost, PoolPinned)
+PEER_OUTPUTS = (CallRouted, LeaseIssued, LeaseConsumed, LeaseDiscarded, LeaseExpired, InstanceLost, PoolPinned,
+                KvPushRequested)
 
 
 class RouterCore:
@@ -102,21 +104,32 @@ class RouterCore:
                                   reply_to=p.reply_to))
         return out
 
-    def drain(self, instance_id: str, now: float) -> DrainStatus:
+    def drain(self, instance_id: str, now: float) -> tuple[DrainStatus, list[Event]]:
         """`talaria drain`: no call is placed on the instance from now on (costs.py prices it
-        "draining"). Its live sessions' next calls land elsewhere and pull their pages from it
-        (issue 40); drained once nothing runs, is queued or was placed there and no session
-        expected back (homes.py: idle within its model's measured horizon) still lives there,
-        so stopping it then loses no live session's context."""
+        "draining"), and every session whose KV lives there is pushed ahead of its next call
+        (drain_push.py): the returned `KvPushRequested` events (folded in) ask, per session this
+        router owns, the agent its next call would land on to pull the pages. Drained once
+        nothing runs, is queued or was placed there and no session's KV is left to move, so
+        stopping it then loses only the contexts the status counts as lost."""
         view = self.state.instances.get(instance_id)
         if view is None:
             known = ", ".join(sorted(self.state.instances)) or "none"
-            return DrainStatus(instance_id, error=f"no instance {instance_id!r} is known to this router (known: {known})")
+            return DrainStatus(instance_id, error=f"no instance {instance_id!r} is known to this router (known: {known})"), []
         self.state.draining.add(instance_id)
+        asks, stuck = plan(self.state, instance_id, now, self.policy.config.stale_after_s, self.partitioning.owns)
+        for ask in asks:
+            self.state.apply(ask, now)
         snap = view.snapshot
         calls = max(snap.running + sum(snap.queued.values()), len(view.inflight))
-        sessions = self.state.homes.live_sessions(instance_id, now, self.state.idle_horizon_s)
-        return DrainStatus(instance_id, drained=calls == 0 and sessions == 0, calls=calls, sessions=sessions)
+        book = self.state.pushes
+        stuck_ids = {s for s, _ in stuck}
+        left = sum(1 for s, _ in kv_on(self.state, instance_id)
+                   if not book.settled(instance_id, s) and s not in stuck_ids)
+        lost = {**book.lost.get(instance_id, {}), **dict(stuck)}
+        status = DrainStatus(instance_id, drained=calls == 0 and left == 0, calls=calls, sessions=left,
+                             moved=len(book.moved.get(instance_id, ())), lost=len(lost),
+                             why_lost=next(iter(lost.values()), ""))
+        return status, list(asks)
 
     def fold_peer(self, event: Event, now: float) -> list[Event]:
         """Another router's output (read from the stream): fold it in. Its InstanceLost also

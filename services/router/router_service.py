@@ -70,7 +70,7 @@ def intake_subjects(deployment: Deployment, partition: int, partitions: int) -> 
 
 
 VIEW_EVENTS = ("call.completed", "call.failed", "round.summary", "switch.done", "lease.issued", "lease.consumed",
-               "lease.discarded", "lease.expired", "instance.lost", "pool.pinned")
+               "lease.discarded", "lease.expired", "instance.lost", "pool.pinned", "kv.push", "kv.pushed")
 
 
 def view_subjects(deployment: Deployment) -> list[str]:
@@ -354,10 +354,14 @@ class RouterService:
                 status = DrainStatus("", error="drain refused: not a drain request")
             else:
                 async with self.lock:
-                    status = self.core.drain(req.instance_id, time.time())
+                    status, asks = self.core.drain(req.instance_id, time.time())
+                    if asks:  # each asks an agent to pull a session's pages (drain_push.py)
+                        self.dirty = True
+                        self.outputs.store_soon(asks, await self.outputs.start(asks))
                 if not status.error:
                     self.log.info("instance draining", instance_id=req.instance_id, calls=status.calls,
-                                  sessions=status.sessions, drained=status.drained)
+                                  sessions=status.sessions, pushes=len(asks), moved=status.moved,
+                                  lost=status.lost, drained=status.drained)
         if msg.reply:
             await msg.respond(encode(status))
 

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import msgspec
 
+from talaria.services.router.drain_push import PushBook
 from talaria.services.router.homes import HomeBook
 from talaria.services.router.hot_pools import HotPools
 from talaria.services.router.instances import InstanceView
@@ -36,6 +37,8 @@ from talaria.shared.events import (
     CallRouted,
     Event,
     InstanceLost,
+    KvPushed,
+    KvPushRequested,
     LeaseConsumed,
     LeaseDiscarded,
     LeaseExpired,
@@ -140,6 +143,9 @@ class RouterState:
     # Instances an operator is draining (`talaria drain`, router_service.py): priced "draining",
     # hard, so no call lands there; their sessions' pages stay pullable until they stop.
     draining: set[str] = field(default_factory=set)
+    # The drains' pushes of their sessions' KV (drain_push.py); like `draining`, not saved:
+    # `talaria drain` asks again, and a restarted router asks the pushes again.
+    pushes: PushBook = field(default_factory=PushBook)
     # The hot-pool controller (hot_pools.py) when the router chooses the pools: it hears the
     # events this fold applies and is checkpointed with the rest.
     pools: HotPools | None = None
@@ -232,6 +238,13 @@ class RouterState:
                 self._drop_lease(event.session_id, event.instance_id, event.model, None, event.call_id)
             case LeaseExpired():
                 self._drop_lease(event.session_id, event.instance_id, event.model, event.at, None)
+            case KvPushRequested():
+                self.pushes.fold_requested(event)
+            case KvPushed():
+                home = self.homes.home_of.get(event.session_id)
+                # moved, unless the session has since returned elsewhere (it pulled at its call)
+                if self.pushes.fold_pushed(event) and home in (None, (event.holder, event.model)):
+                    self._pushed(event)
             case RoundSummary():
                 prof = self.instance_profiles.setdefault(event.instance_id, InstanceProfile())
                 prof.observe_round(event.wall_s, event.switch_s)
@@ -266,12 +279,23 @@ class RouterState:
                 # another router moved a pool: known here at once, not a heartbeat later
                 pools.pinned(event.instance_id, event.model, event.at)
 
+    def _pushed(self, done: KvPushed) -> None:
+        """A drain moved the session's KV to `done.instance_id`'s host registry: it lives there
+        now (its next call is priced there as a host restore once that agent's snapshot says
+        so; until then as the completion's KV, like any session's last instance)."""
+        self.homes.moved(done.session_id, done.instance_id, done.model)
+        entry = self.sessions.get(done.session_id)
+        if entry is not None and entry.model == done.model:
+            entry.last_instance = done.instance_id
+            entry.last_used = max(entry.last_used, done.at)
+
     def _observed(self, snapshot: InstanceSnapshot, now: float) -> None:
         """A fresh snapshot replaces the overlay: it already counts what was routed before it."""
         old = self.instances.get(snapshot.instance_id)
         if old is not None and old.snapshot.incarnation != snapshot.incarnation:
             old = None  # a new process: its view starts afresh whatever the versions say
             self.draining.discard(snapshot.instance_id)  # drained, then restarted: back in service
+            self.pushes.forget(snapshot.instance_id)
         if old is not None and snapshot.version < old.snapshot.version:
             return  # out-of-order heartbeat
         if snapshot.active_model:  # the rates it reports are its active model's

@@ -151,3 +151,61 @@ async def test_a_drained_instance_takes_no_return_its_sessions_migrate_and_drain
     finally:
         await nc.close()
         await services.close()
+
+
+async def test_a_drain_pushes_idle_sessions_ahead_so_they_restore_after_the_holder_stopped(
+        nats_url, database_url, tmp_path):
+    """Drain-then-stop loses no context: sessions idle on agent-0 (they come back only after it
+    stopped), and one whose call still runs there when the drain starts, are pushed to agent-1
+    before `talaria drain` returns 0; their returns restore the pushed pages there (kv_source
+    migrated, none recomputed) and answer the same greedy text as a session that stayed."""
+    settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="talaria",
+                           http_port=free_port(), session_idle_s=3600, call_timeout_s=60, models=MODELS)
+    services = Services()
+    nc = await nats.connect(nats_url)
+    db = await asyncpg.connect(database_url)
+    try:
+        await services.start_control_plane(settings)
+        await services.start("agent-0", agent_service.run, settings.with_(instance_id="agent-0"))
+        await wait_for_router(nc, instances=1)
+        # Two sessions with their own prompts (no shared prefix between them), each with a twin
+        # whose return stays on agent-0: the reference text.
+        prompts = {k: f"Session {k}. " + FIRST for k in (1, 2)}
+        follows, stayed = {}, {}
+        for k, prompt in prompts.items():
+            first = await api_call(nc, f"p{k}-1", f"pushed-{k}", prompt)
+            twin = await api_call(nc, f"t{k}-1", f"twin-{k}", prompt)
+            assert first.instance_id == twin.instance_id == "agent-0" and first.text == twin.text
+            follows[k] = prompt + first.text + " Tool output: 3 passed, 1 failed. Next step:"
+            stayed[k] = await api_call(nc, f"t{k}-2", f"twin-{k}", follows[k])
+            assert stayed[k].instance_id == "agent-0" and stayed[k].kv_source == "device"
+        # Under load: a third session's call still runs on agent-0 while the drain starts
+        # (when it ends first, it is one more idle session); its session is pushed once it ends.
+        busy = asyncio.create_task(nc.request(DEP.api_call, encode(CallRequest(
+            model="qwen3-tiny", prompt="Session 3. " + FIRST, session_id="pushed-3", call_id="p3-1",
+            max_tokens=64)), timeout=60))
+        await services.start("agent-1", agent_service.run, settings.with_(instance_id="agent-1"))
+        await wait_for_router(nc, instances=2)
+        code, line = await drain(nats_url, "agent-0", timeout_s=60)
+        assert code == 0 and "5 session(s)' KV moved" in line, line
+        loaded = REPLY_DECODER.decode((await busy).data)
+        assert isinstance(loaded, CallResult) and loaded.instance_id == "agent-0"
+        follows[3] = "Session 3. " + FIRST + loaded.text + " Tool output: 3 passed, 1 failed. Next step:"
+        stopped = next(r for r in services.running if r.name == "agent-0")
+        await stopped.close()  # the operator stops it; the sessions come back only now
+        services.running.remove(stopped)
+        for k in (1, 2):
+            back = await api_call(nc, f"p{k}-2", f"pushed-{k}", follows[k])
+            assert (back.instance_id, back.kv_source) == ("agent-1", "migrated"), k
+            assert back.text == stayed[k].text
+        back = await api_call(nc, "p3-2", "pushed-3", follows[3])
+        assert (back.instance_id, back.kv_source) == ("agent-1", "migrated")
+        assert back.text == (await api_call(nc, "r3-1", "ref-3", follows[3])).text  # as a fresh session's
+        rows = await wait_rows(db, "SELECT * FROM calls WHERE call_id IN ('p1-2', 'p2-2', 'p3-2') "
+                                   "AND outcome='completed'", 3)
+        assert [r["kv_source"] for r in rows] == ["migrated"] * 3
+        assert all(r["migrated_bytes"] > 0 and r["cached_tokens"] > 0 for r in rows)
+    finally:
+        await db.close()
+        await nc.close()
+        await services.close()

@@ -126,6 +126,9 @@ class PageStore(Protocol):
     def export_pages(self, model: str, session_id: str, hashes: list[int], limit: int) -> list:
         """(hash, layout, rank slabs) of the leading `hashes` the session's own host prefix holds."""
 
+    def session_hashes(self, model: str, session_id: str) -> list[int]:
+        """The hashes of the session's own host prefix, in order (a drain's push lists them)."""
+
     def import_pages(self, model: str, session_id: str, hashes: list[int], slabs: list[list[bytes]],
                      dtype: str, shape: tuple[int, ...], ranks: int) -> int:
         """Store pulled pages as the session's host prefix; the tokens now restorable."""

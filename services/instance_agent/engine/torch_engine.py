@@ -357,6 +357,12 @@ class TorchEngine:
         self.hkvr.drain(model)  # checkpoints still copying publish first
         return self.hkvr.export_pages(model, session_id, hashes, limit)
 
+    def session_hashes(self, model: str, session_id: str) -> list[int]:
+        """The session's own host prefix, by hash (a drain's push lists it, then pulls it)."""
+        if self.hkvr is None or model not in self.specs:
+            return []
+        return self.hkvr.session_hashes(model, session_id)
+
     def import_pages(self, model: str, session_id: str, hashes: list[int], slabs: list[list[bytes]],
                      dtype: str, shape: tuple[int, ...], ranks: int) -> int:
         """Store pulled pages as the session's host prefix; the tokens now restorable (0 when

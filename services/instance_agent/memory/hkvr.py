@@ -116,6 +116,11 @@ class HostKvRegistry:
         return [(row[0].key[2], row[0].desc, [self.pool[p.slot, : p.desc.nbytes].numpy().tobytes() for p in row])
                 for row in rows]
 
+    def session_hashes(self, model: str, session_id: str) -> list[int]:
+        """The session's own restorable host prefix, by hash (engine thread)."""
+        self.drain(model)  # checkpoints still copying publish first
+        return self.core.session_hashes(session_id, model)
+
     def import_pages(self, model: str, session_id: str, hashes: list[int], slabs: list[list[bytes]],
                      template: LayoutDescriptor) -> int:
         """Store pulled pages as the session's host prefix (published at once: the bytes are

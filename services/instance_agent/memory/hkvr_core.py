@@ -267,6 +267,11 @@ class HkvrCore:
             n += 1
         return [[self.pages[(model, r, h)] for r in range(self.ranks)] for h in hashes[:n]]
 
+    def session_hashes(self, session_id: str, model: str) -> list[int]:
+        """The hashes of the session's own restorable prefix (what a drain's push lists)."""
+        pre = self.sessions.get((session_id, model))
+        return [] if pre is None else list(pre.hashes[: pre.published])
+
     def session_tokens(self, session_id: str, model: str, page_size: int) -> int:
         pre = self.sessions.get((session_id, model))
         return 0 if pre is None else pre.published * page_size

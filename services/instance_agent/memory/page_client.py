@@ -125,3 +125,24 @@ async def _read(reader: asyncio.StreamReader, kind):
     if n > MAX_JSON:
         raise ValueError(f"a {n}-byte header")
     return msgspec.json.decode(await reader.readexactly(n), type=kind)
+
+
+async def list_pages(address: str, session_id: str, model: str, *, timeout_s: float) -> tuple[list[int], str]:
+    """(the session's host prefix hashes the holder lists, '' or why none): a drain's push
+    asks this first, then `pull`s those hashes (checked on arrival as any pull's)."""
+    writer = None
+    try:
+        async with asyncio.timeout(timeout_s):
+            host, _, port = address.rpartition(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(frame(PageRequest(session_id, model, [], 1, listing=True)))
+            await writer.drain()
+            layout = await _read(reader, PageLayout)
+            return list(layout.hashes), layout.error
+    except TimeoutError:
+        return [], f"listing timed out after {timeout_s:g} s"
+    except (OSError, asyncio.IncompleteReadError, msgspec.DecodeError, ValueError) as exc:
+        return [], f"listing broke: {type(exc).__name__}"
+    finally:
+        if writer is not None:
+            writer.close()

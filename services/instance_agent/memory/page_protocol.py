@@ -5,6 +5,7 @@
               the frame's rank slabs (sizes[r] bytes each), then a frame with hash 0 (end)
     mooncake  both sides have a segment (mooncake_transport.py): a frame carries `addr`, not its
               slabs; after a `flush` frame the requester reads the chunk and acks with ACK
+    listing   (a drain's push, no prompt to hash) one PageLayout: `hashes`, the session's prefix
 
 The requester derives `hashes` from its own call's prompt under its tenant's scope
 (shared/tokenizer.block_hashes), so only pages of that exact prefix can match; the holder
@@ -33,6 +34,8 @@ class PageRequest(Struct, frozen=True):
     max_bytes: int  # the requester's bound: the holder stops before sending more
     segment: str = ""  # the requester's Mooncake segment: "" takes the bytes inline over TCP
     chunk_bytes: int = 0  # its receive slot: no staged chunk is larger
+    # A drain's push (no prompt to hash): list the session's own host prefix hashes, no page
+    listing: bool = False
 
 
 class PageLayout(Struct, frozen=True):
@@ -46,6 +49,7 @@ class PageLayout(Struct, frozen=True):
     itemsize: int = 0
     error: str = ""  # the holder refused (one line), no page follows
     segment: str = ""  # the holder's Mooncake segment the slabs are read from ("": inline)
+    hashes: list[int] = []  # a listing's answer: the session's restorable prefix, in order
 
 
 class PageFrame(Struct, frozen=True):
@@ -80,6 +84,8 @@ def slab_bytes(layout: PageLayout) -> int:
 
 def check_request(req: PageRequest) -> str:
     """'' or why a request is refused (one line)."""
+    if req.listing:
+        return "" if not req.hashes else "a listing asks for no hashes"
     if not req.hashes or len(req.hashes) > MAX_PAGES:
         return f"hashes: 1..{MAX_PAGES} expected, got {len(req.hashes)}"
     if req.max_bytes <= 0:

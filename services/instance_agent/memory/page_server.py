@@ -17,12 +17,14 @@ from talaria.services.instance_agent.memory.page_protocol import (
     ACK, HEADER, MAX_JSON, PageFrame, PageLayout, PageRequest, check_request, digest, frame)
 
 Export = Callable[[str, str, list[int], int], Awaitable[list]]  # (model, session, hashes, limit) -> pages
+Listing = Callable[[str, str], Awaitable[list[int]]]  # (model, session) -> its host prefix's hashes
 
 
 class PageServer:
     def __init__(self, export: Export, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0,
-                 transport: MooncakeTransport | None = None) -> None:
+                 transport: MooncakeTransport | None = None, listing: Listing | None = None) -> None:
         self.export, self.host, self.port, self.timeout_s = export, host, port, timeout_s
+        self.listing = listing
         self.transport = transport
         self._server: asyncio.Server | None = None
         self.served_pages = 0
@@ -57,6 +59,11 @@ class PageServer:
             return
         req = msgspec.json.decode(await reader.readexactly(n), type=PageRequest)
         problem = check_request(req)
+        if req.listing:
+            hashes = [] if problem or self.listing is None else await self.listing(req.model, req.session_id)
+            writer.write(frame(PageLayout(0, error=problem, hashes=hashes)))
+            await writer.drain()
+            return
         pages = [] if problem else await self.export(req.model, req.session_id, req.hashes, len(req.hashes))
         if not pages:
             writer.write(frame(PageLayout(0, error=problem)))

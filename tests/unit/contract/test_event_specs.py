@@ -15,14 +15,16 @@ from talaria.shared.event_specs import EVENT_TYPES, SERVICES, SPECS, spec_of
 from talaria.shared.nats_auth import owner_sender, permissions, sender_name, trusted
 from tests.unit.contract.test_codecs import EVENTS
 from talaria.shared import events
-from talaria.shared.events import DispatchFence, DispatchRefused, InstanceLost, PoolPinned
+from talaria.shared.events import DispatchFence, DispatchRefused, InstanceLost, KvPushed, KvPushRequested, PoolPinned
 from talaria.shared.subjects import Deployment
 
 DEP = Deployment()  # the default deployment's subject names
 
 SAMPLES = [*EVENTS, InstanceLost("agent-0", "inc1", "heartbeats stopped", 3.0, calls=["c1"]),
            PoolPinned("agent-0", "m1", None, 4.0, "demand"),
-           DispatchRefused("c1", "s1", "agent-0", DispatchFence("router-0", 3, 17), "router-1", 42, 5.0)]
+           DispatchRefused("c1", "s1", "agent-0", DispatchFence("router-0", 3, 17), "router-1", 42, 5.0),
+           KvPushRequested("agent-1", "s1", "m1", "agent-0", "127.0.0.1:7000", 6.0),
+           KvPushed("agent-0", "s1", "m1", "agent-1", 7.0, listed=2, pages=2, tokens=32, bytes=4096, seconds=0.1)]
 
 
 def test_every_event_type_has_one_row_and_every_row_an_event():
@@ -61,6 +63,7 @@ def test_message_ids_keep_their_format():
         "RoutingDecision": "RoutingDecision:c1", "SwitchDone": None, "RoundSummary": None,
         "InstanceLost": "InstanceLost:agent-0:inc1", "PoolPinned": "PoolPinned:agent-0:m1:4.0",
         "DispatchRefused": "DispatchRefused:c1:agent-0",
+        "KvPushRequested": "KvPushRequested:s1:agent-0:1", "KvPushed": "KvPushed:s1:agent-1:7.0",
     }
 
 
