@@ -219,16 +219,25 @@ async def _intake(msgs, runner: CallRunner, fencing: DispatchFencing, js, nc, lo
             await msg.nak(delay=1)
 
 
+def _command_for(runner: CallRunner, msg, kind, what: str, log):
+    """A router command decoded, if it is for this agent and from a trusted sender; else None
+    (an undecodable one is logged and dropped: one bad message never stops the agent)."""
+    try:
+        command = msgspec.json.decode(msg.data, type=kind)
+    except msgspec.DecodeError as exc:
+        log.warning(f"undecodable {what} dropped", error=str(exc))
+        return None
+    if command.instance_id != runner.instance_id or not trusted(msg, command):
+        return None
+    return command
+
+
 async def _on_pool_pinned(msg, runner: CallRunner, settings: AgentSettings, log) -> None:
     """The router's hot-pool decision for this agent: keep that model resident (or none).
     The scheduler finishes what it holds first (RoundScheduler.repin); the next snapshot
     says `pinned_model`, so the router sends this instance that model's calls only."""
-    try:
-        pinned = msgspec.json.decode(msg.data, type=PoolPinned)
-    except msgspec.DecodeError as exc:
-        log.warning("undecodable pool decision dropped", error=str(exc))
-        return
-    if pinned.instance_id != runner.instance_id or not trusted(msg, pinned):
+    pinned = _command_for(runner, msg, PoolPinned, "pool decision", log)
+    if pinned is None:
         return
     if settings.pool == "hot" or (pinned.model is not None and pinned.model not in runner.models):
         log.warning("pool decision ignored: this agent cannot serve it", model=pinned.model, pool=settings.pool)
@@ -241,12 +250,8 @@ async def _on_pool_pinned(msg, runner: CallRunner, settings: AgentSettings, log)
 async def _on_kv_push(msg, runner: CallRunner, log) -> None:
     """A drain asks this agent to pull a session's pages from the drained holder ahead of the
     session's next call (router/drain_push.py); what arrived is reported as KvPushed."""
-    try:
-        ask = msgspec.json.decode(msg.data, type=KvPushRequested)
-    except msgspec.DecodeError as exc:
-        log.warning("undecodable kv push dropped", error=str(exc))
-        return
-    if ask.instance_id != runner.instance_id or not trusted(msg, ask):
+    ask = _command_for(runner, msg, KvPushRequested, "kv push", log)
+    if ask is None:
         return
     if runner.migration is None or ask.model not in runner.models:
         why = "this agent takes no KV pages" if runner.migration is None else f"this agent does not serve {ask.model}"

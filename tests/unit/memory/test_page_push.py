@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-from test_page_migration import M, PROMPT, generate
+from test_page_migration import M, PROMPT, Log, Owner, generate
 
 from talaria.services.instance_agent.kv_migration import KvMigration
 from talaria.services.instance_agent.memory.page_client import list_pages
@@ -16,24 +16,9 @@ from talaria.shared.events import KvPushRequested
 from talaria.shared.tokenizer import encode
 
 
-class Owner:
+def owner_thread(name: str) -> Owner:
     """The engine's owner thread, as EngineThread.call runs work on it."""
-
-    def __init__(self, name):
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix=name)
-
-    async def call(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
-
-
-class Log:
-    def __init__(self):
-        self.lines = []
-
-    def info(self, event, **kw):
-        self.lines.append((event, kw))
-
-    warning = info
+    return Owner(ThreadPoolExecutor(1, thread_name_prefix=name))
 
 
 def ask(session="s1", address=""):
@@ -42,7 +27,7 @@ def ask(session="s1", address=""):
 
 def test_a_pushed_session_restores_its_pages_on_the_target_with_the_same_greedy_tokens(make_engine):
     holder, mover = make_engine([M]), make_engine([M])
-    h_owner, m_owner = Owner("holder"), Owner("mover")
+    h_owner, m_owner = owner_thread("holder"), owner_thread("mover")
     first = h_owner.pool.submit(generate, holder, "c1", "s1", PROMPT).result()
     follow = PROMPT + first.token_ids + encode("<|tool|>3 passed<|end|><|assistant|>", bos=False)
     expected = generate(make_engine([M], hkvr=False, staging=False), "ref", "ref", follow).token_ids
@@ -74,7 +59,7 @@ def test_a_pushed_session_restores_its_pages_on_the_target_with_the_same_greedy_
 
 def test_a_listing_names_only_that_sessions_own_prefix(make_engine):
     holder = make_engine([M])
-    owner = Owner("holder")
+    owner = owner_thread("holder")
     owner.pool.submit(generate, holder, "c1", "s1", PROMPT).result()
     owner.pool.submit(generate, holder, "c2", "s2", PROMPT, kv_scope="other").result()
 
