@@ -17,7 +17,7 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from talaria.services.router.instances import ON_DEVICE, InstanceView
+from talaria.services.router.instances import ON_DEVICE, InstanceView, unavailable
 from talaria.services.router.policy.base import PolicyConfig
 from talaria.services.router.state import RouterState, SessionEntry
 from talaria.shared.events import CallSubmitted, CandidateCost, LeaseIssued
@@ -260,14 +260,9 @@ class CostModel:
         for view in views:
             snap = view.snapshot
             iid = snap.instance_id
-            if now - view.received_at > stale_after:
-                out.append(_infeasible(iid, "stale", view))
-                continue
-            if not snap.healthy:  # its watchdog sees a stuck engine step
-                out.append(_infeasible(iid, "unhealthy", view))
-                continue
-            if iid in state.draining:  # an operator takes it out of service (`talaria drain`)
-                out.append(_infeasible(iid, "draining", view))
+            away = unavailable(view, state.draining, now, stale_after)
+            if away:
+                out.append(_infeasible(iid, away, view))
                 continue
             st = view.memo.get(model)
             if st is None or st.key != version:

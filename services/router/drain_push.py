@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from talaria.services.router.instances import unavailable
 from talaria.shared.events import KvPushed, KvPushRequested
 
 RETRY_AFTER_S = 30.0  # a push not reported by then is asked again (its agent may have restarted)
@@ -71,15 +72,14 @@ def kv_on(state, holder: str) -> list[tuple[str, str]]:
 
 def choose_target(state, holder: str, model: str, now: float, stale_after_s: float):
     """The InstanceView where the session's next call would most likely land, of the instances able to take
-    its pages: the cost model's hard filters (fresh, healthy, not draining, serving `model`,
+    its pages: the cost model's hard filters (`instances.unavailable`, serving `model`,
     not pinned to another), with `model`'s KV bytes reported and a page server; then the
     cheapest KV home first: `model` resident, then the fewest sessions homed, then the id.
     (Not a full pricing: the next call's prompt is not known until it comes.)"""
     best, best_key = None, None
     for iid, view in state.instances.items():
         snap = view.snapshot
-        if (iid == holder or iid in state.draining or not snap.healthy or now - view.received_at > stale_after_s
-                or not snap.page_address):
+        if iid == holder or not snap.page_address or unavailable(view, state.draining, now, stale_after_s):
             continue
         res = view.models.get(model)
         if res is None or res.kv_bytes_per_token <= 0 or (view.pinned is not None and view.pinned != model):

@@ -140,3 +140,16 @@ def _pinned_model(snap: InstanceSnapshot) -> str | None:
     if len(on_device) == 1:
         return on_device[0]
     return snap.models[0].model if len(snap.models) == 1 else None
+
+
+def unavailable(view: InstanceView, draining, now: float, stale_after: float) -> str:
+    """Why no call may be placed on the instance whatever its model ("" when it may): its
+    snapshot is stale, its watchdog sees a stuck engine step, or an operator drains it
+    (`draining`, RouterState.draining: `talaria drain`)."""
+    if now - view.received_at > stale_after:
+        return "stale"
+    if not view.snapshot.healthy:
+        return "unhealthy"
+    if view.snapshot.instance_id in draining:
+        return "draining"
+    return ""
