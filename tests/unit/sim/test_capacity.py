@@ -8,7 +8,7 @@ import pytest
 from talaria.sim.capacity import Point, least_instances, parse_policies, parse_slo
 from talaria.sim.cli import main as cli_main
 from talaria.sim.cluster import RunConfig, simulate
-from talaria.sim.instance_bound import instances_lower_bound
+from talaria.sim.instance_bound import ActiveCover, instances_lower_bound
 from talaria.sim.metrics import summarise
 from talaria.sim.profiles import PAPER_TP8, SimModelProfile, catalogue
 from talaria.sim.workloads import agent_sessions, at_rate
@@ -195,3 +195,31 @@ def test_search_from_a_guess_gallops_either_way_to_the_same_answer(need, guess):
     assert need in calls and (need == 1 or need - 1 in calls)
     if guess == need > 1:
         assert calls == [need, need - 1]  # the right guess costs two runs, not a search
+
+
+def test_active_cover_adds_each_shortfall_as_late_as_its_window_allows():
+    cover = ActiveCover()
+    cover.add(0.0, 1.5, 1.0)  # [0.5, 1.5]
+    cover.add(0.5, 2.0, 1.0)  # already holds 1.0 of [0.5, 2.0]: nothing added
+    assert cover.total == pytest.approx(1.0)
+    cover.add(1.0, 2.5, 1.0)  # holds [1.0, 1.5]: 0.5 more, at [2.0, 2.5]
+    assert cover.total == pytest.approx(1.5)
+    assert cover.intervals == [[0.5, 1.5], [2.0, 2.5]]
+    cover.add(1.2, 2.7, 1.5)  # holds 0.3 + 0.5: 0.7 more, latest first: [2.5, 2.7] then [1.5, 2.0]
+    assert cover.total == pytest.approx(2.2)
+    assert cover.intervals == [[0.5, 2.7]]
+
+
+def test_lower_bound_charges_each_model_the_time_it_must_be_active():
+    # 10 ms per decode step whatever the batch, prefill ~free: a call of 101 output tokens needs
+    # its model active ~1.01 s. Four sessions of one model start 0.5 s apart (S = 1.5 s): all
+    # within S of each other, so step 2 credits them a batch of 4 (~0.26 s of work each), but
+    # their windows barely overlap and sharing steps saves little: the model must be active
+    # ~2.02 s of [0, 3]. Two such models cannot both be on one instance that long.
+    quick = replace(_FLAT, weight_bytes=int(0.1 * PAPER_TP8.hbm_bytes), prefill_k=1e-5, decode_d0_s=0.01,
+                    decode_d1_s=0.0)
+    server = PAPER_TP8.with_models({m: replace(quick, name=m) for m in ("a", "b")})
+    one = [_one_call(f"a{i}", "a", 0.5 * i) for i in range(4)]
+    two = one + [_one_call(f"b{i}", "b", 0.5 * i) for i in range(4)]
+    assert instances_lower_bound(one, server, 1.5, 64, GapModel()) == 1
+    assert instances_lower_bound(two, server, 1.5, 64, GapModel()) == 2
