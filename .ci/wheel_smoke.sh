@@ -24,7 +24,10 @@ PY="$WORK/venv/bin/python"
 # shellcheck disable=SC2086
 "$PY" -m pip install -q $TORCH_SPEC
 "$PY" -m pip wheel -q --no-deps -w "$WORK/dist" "$ROOT"
-"$PY" -m pip install -q "$WORK"/dist/talaria_serving-*.whl  # the distribution; command and imports: talaria
+WHEEL=$(ls "$WORK"/dist/talaria_serving-*.whl)
+# the distribution (command and imports: talaria), with Mooncake's transfer engine where its
+# wheel exists (linux x86_64: the `mooncake` extra's marker), as the Docker image installs it
+"$PY" -m pip install -q "$WHEEL[mooncake]"
 cd "$WORK"
 TALARIA="$WORK/venv/bin/talaria"
 
@@ -38,6 +41,14 @@ for generic in ("shared", "services", "migrations", "ops"):
         continue
     raise SystemExit(f"the wheel installed a generic top-level package {generic!r}")
 print("wheel: import root ok:", talaria.__file__)
+import platform
+if platform.system() == "Linux" and platform.machine() == "x86_64":
+    # an agent of the installed wheel moves KV pages by Mooncake (falls back to TCP otherwise)
+    from talaria.services.instance_agent.memory.mooncake_transport import open_transport
+    transport, why = open_transport("127.0.0.1")
+    assert transport is not None, f"wheel[mooncake]: {why}"
+    transport.close()
+    print("wheel: mooncake transfer engine starts")
 PY
 "$TALARIA" audit --list | grep -q session_calls
 "$TALARIA" sim run --trace fixed-replay --policy talaria | tail -1
