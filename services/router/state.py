@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from talaria.services.router.drain_push import PushBook
+from talaria.services.router.push_book import PushBook
 from talaria.services.router.homes import HomeBook
 from talaria.services.router.hot_pools import HotPools
 from talaria.services.router.instances import InstanceView
