@@ -8,8 +8,8 @@ Postgres, the torch engine's tiny model): sessions start `--rate` per second, ea
 `--calls` chat calls with a tool gap of 1-3 s between them and a tool output of ~100 tokens
 appended each time (several sessions in flight, each with context on one agent). Once the
 load is warm, `talaria drain agent-0` runs (timed); when it returns, agent-0 gets SIGTERM
-(the operator's stop), and `talaria up`'s supervisor starts it again. Once agent-0 serves
-calls again, the same for agent-1.
+(the operator's stop), and `talaria up`'s supervisor starts it again. Once agent-0 says ready
+again, the same for agent-1.
 
 Reported per configuration (from the clients, the agents' logs and Postgres):
 - lost: logical calls that got no 200 (gave up, no answer) plus rows never final;
@@ -18,7 +18,8 @@ Reported per configuration (from the clients, the agents' logs and Postgres):
 - moved returns: a session's first call after a drain started that ran on another agent
   while its previous call ran on the drained one; by `kv_source` (migrated / device / host /
   recompute / none);
-- every continuation after the first drain, by `kv_source`;
+- every continuation after the first drain took effect (the router's `instance draining`
+  line), by `kv_source`;
 - each drain's duration and exit line;
 - TTFT (calls.ttft_s) of moved returns vs the other continuations after the drain.
 `talaria-no-migrate` is the baseline in the same run: its drains cannot push (no page
@@ -59,7 +60,7 @@ from talaria.shared.stats import quantile  # noqa: E402
 MODEL = "qwen3-tiny"
 TOOL_WORDS = 80  # words of tool output appended per call (~100 tokens)
 WARM_S = 12.0  # load before the first drain: sessions have context on both agents
-SERVE_AGAIN_S = 120.0  # a restarted agent must complete a call within this, else the second drain is skipped
+SERVE_AGAIN_S = 120.0  # a restarted agent must say ready within this, else the second drain is skipped
 
 
 @dataclass
@@ -81,7 +82,9 @@ class Run:
 
 
 async def session(http, url: str, phase: Phase, name: str, calls: int, rng: random.Random) -> None:
-    history: list[dict] = [{"role": "user", "content": f"Task {name}: fix the failing test in parser.py. "
+    # The session's name first: no two sessions share a leading 16-token block, so a return's
+    # kv_source speaks of its own context only.
+    history: list[dict] = [{"role": "user", "content": f"{rng.getrandbits(64):x} {name}: fix the failing test. "
                             + " ".join(rng.choice(WORDS) for _ in range(TOOL_WORDS))}]
     for i in range(calls):
         if not await one_call(http, url, phase, name, i, MODEL, history, API_KEY):
@@ -106,26 +109,43 @@ def drain_cmd(data_dir: Path, instance: str) -> tuple[int, str, float]:
         time.monotonic() - t
 
 
-async def served_again(db_url: str, instance: str, since: float, timeout: float, load_done) -> float:
-    """Epoch s of the first call completed on `instance` after `since` (0 on timeout, or once
-    the load has ended): the restarted agent is back in the router's rotation. Polls Postgres
-    (the projection announces no row)."""
-    conn = await asyncpg.connect(asyncpg_dsn(db_url))
-    try:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not load_done():
-            at = await conn.fetchval("SELECT extract(epoch FROM min(completed_at)) FROM calls WHERE instance_id=$1 "
-                                     "AND outcome='completed' AND submitted_at > to_timestamp($2)", instance, since)
-            if at is not None:
-                return float(at)
-            await asyncio.sleep(0.5)
-        return 0.0
-    finally:
-        await conn.close()
+def readies(data_dir: Path, instance: str) -> int:
+    """How many times the agent's processes said ready (its log; one line per start)."""
+    log = data_dir / "logs" / f"{instance}.log"
+    return log.read_text(errors="replace").count('"instance agent ready"') if log.exists() else 0
 
 
-async def operate(up: UpProcess, run: Run, db_url: str, instances: list[str], load_done) -> None:
-    """Drain, stop (the supervisor restarts it), wait until it serves again; each instance in turn."""
+async def ready_again(data_dir: Path, instance: str, before: int, timeout: float) -> float:
+    """Epoch s once the restarted agent said ready (0 on timeout). Polls its log (an external
+    process announces readiness nowhere else the bench can read); its first snapshot follows
+    within a heartbeat, and the router takes it back into service then."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if readies(data_dir, instance) > before:
+            return time.time()
+        await asyncio.sleep(0.2)
+    return 0.0
+
+
+def drain_seen(data_dir: Path, instance: str, after: float) -> float:
+    """Epoch s of the router's first `instance draining` line for `instance` after `after`:
+    when the drain took effect (`talaria drain` itself takes a moment to start)."""
+    from datetime import datetime
+    for line in (data_dir / "logs" / "router-0.log").read_text(errors="replace").splitlines():
+        if '"instance draining"' not in line:
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        at = datetime.fromisoformat(entry["timestamp"].replace("Z", "+00:00")).timestamp()
+        if entry.get("instance_id") == instance and at >= after:
+            return at
+    return after
+
+
+async def operate(up: UpProcess, run: Run, instances: list[str]) -> None:
+    """Drain, stop (the supervisor restarts it), wait until it is ready again; each instance in turn."""
     loop = asyncio.get_running_loop()
     await asyncio.sleep(WARM_S)  # the workload's warm-up
     for k, inst in enumerate(instances):
@@ -133,29 +153,27 @@ async def operate(up: UpProcess, run: Run, db_url: str, instances: list[str], lo
         run.drains.append(d)
         d.code, d.line, d.seconds = await loop.run_in_executor(None, drain_cmd, up.data_dir, inst)
         d.stopped = time.time()
+        before = readies(up.data_dir, inst)
         os.kill(up.pid(inst), signal.SIGTERM)  # the operator's stop; talaria up starts it again
-        d.back = await served_again(db_url, inst, d.stopped, SERVE_AGAIN_S, load_done)
+        d.back = await ready_again(up.data_dir, inst, before, SERVE_AGAIN_S)
         print(f"drain_restart: {run.config}: {inst} drain {d.code} in {d.seconds:.1f}s ({d.line}); "
-              f"serving again {d.back - d.stopped:.1f}s after the stop" if d.back else
-              f"drain_restart: {run.config}: {inst} not serving again", file=sys.stderr)
+              f"ready again {d.back - d.stopped:.1f}s after the stop" if d.back else
+              f"drain_restart: {run.config}: {inst} not ready again", file=sys.stderr)
         if not d.back:
             return
 
 
-async def load(up: UpProcess, run: Run, sessions: int, calls: int, rate: float, seed: int, db_url: str) -> None:
+async def load(up: UpProcess, run: Run, sessions: int, calls: int, rate: float, seed: int) -> None:
     url = f"http://127.0.0.1:{up.port}/v1/chat/completions"
     rng = random.Random(seed)
     run.phase = phase = Phase(f"drain-{run.config}")
     async with aiohttp.ClientSession() as http:
         tasks: list[asyncio.Task] = []
-        arrived = asyncio.Event()
-        ops = asyncio.create_task(operate(up, run, db_url, ["agent-0", "agent-1"],
-                                          lambda: arrived.is_set() and all(t.done() for t in tasks)))
+        ops = asyncio.create_task(operate(up, run, ["agent-0", "agent-1"]))
         for k in range(sessions):
             tasks.append(asyncio.create_task(session(http, url, phase, f"{phase.fault}-{seed}-s{k}", calls,
                                                      random.Random(rng.random()))))
             await asyncio.sleep(1.0 / rate)  # a steady arrival rate (the workload)
-        arrived.set()
         await asyncio.gather(*tasks)
         await ops
 
@@ -165,6 +183,7 @@ async def call_rows(db_url: str, prefix: str) -> list[dict]:
     try:
         rows = await conn.fetch(
             "SELECT session_id, call_index, instance_id, kv_source, ttft_s, outcome, cached_tokens, prompt_tokens, "
+            "migrated_bytes, "
             "extract(epoch FROM submitted_at) AS submitted FROM calls WHERE session_id LIKE $1 "
             "ORDER BY session_id, call_index", scoped_session(TENANT, prefix) + "%")
     finally:
@@ -188,6 +207,7 @@ def analyse(run: Run, rows: list[dict], by_session: dict, runs: dict[str, int]) 
     for d in run.drains:
         end = next((x.started for x in run.drains if x.started > d.started), float("inf"))
         moved: dict[str, int] = {}
+        cached = prompt = 0
         seen: set = set()
         # A moved return: a session's first call after this drain started that ran elsewhere
         # while its previous call ran there (a call placed there before the router got the
@@ -200,9 +220,10 @@ def analyse(run: Run, rows: list[dict], by_session: dict, runs: dict[str, int]) 
                 seen.add(r["session"])
                 moved_keys.add((r["session"], r["call_index"]))
                 moved[r["kv_source"]] = moved.get(r["kv_source"], 0) + 1
+                cached, prompt = cached + (r["cached_tokens"] or 0), prompt + (r["prompt_tokens"] or 0)
         out["drains"].append({"instance": d.instance, "exit": d.code, "seconds": round(d.seconds, 2), "line": d.line,
-                              "serving_again_s": round(d.back - d.stopped, 1) if d.back else None,
-                              "moved_returns": moved})
+                              "ready_again_s": round(d.back - d.stopped, 1) if d.back else None,
+                              "moved_returns": moved, "moved_cached_share": round(cached / prompt, 3) if prompt else None})
     after = [r for r in done if r["call_index"] > 0 and r["submitted"] >= t0]
     out["continuations_after_drain"] = _count(r["kv_source"] for r in after)
     ttft_moved = [r["ttft_s"] for r in after if (r["session"], r["call_index"]) in moved_keys and r["ttft_s"]]
@@ -234,10 +255,13 @@ def one_config(config: str, sessions: int, calls: int, rate: float, seed: int) -
         boot = up.start()
         print(f"drain_restart: {config}: stack ready in {boot:.1f}s ({data_dir})", file=sys.stderr)
         db_url = up.info()["database"]
-        asyncio.run(load(up, run, sessions, calls, rate, seed, db_url))
+        asyncio.run(load(up, run, sessions, calls, rate, seed))
+        for d in run.drains:
+            d.started = drain_seen(data_dir, d.instance, d.started)
         prefix = f"drain-{config}-{seed}-"
         by_session, _ = asyncio.run(settle(db_url, prefix, sum(1 for a in run.phase.attempts if a.status == 200)))
         rows = asyncio.run(call_rows(db_url, prefix))
+        (data_dir / "calls.json").write_text(json.dumps(rows, default=str))  # for a look after the stack is gone
         result = analyse(run, rows, by_session, executions(data_dir, prefix))
         print("drain_restart: " + json.dumps(result), file=sys.stderr)
         return result
@@ -250,12 +274,12 @@ def markdown(results: list[dict], command: str) -> str:
     lines = ["## Rolling restart under load: drain-then-stop of each agent (bench/drain_restart.py)", "",
              f"    {command}", "",
              "| config | answered | lost | twice | drain | exit | drain s | moved returns by kv_source | "
-             "serving again s |", "|---|---|---|---|---|---|---|---|---|"]
+             "prompt tokens found (cached) | ready again s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for d in r["drains"]:
             moved = ", ".join(f"{k} {v}" for k, v in sorted(d["moved_returns"].items())) or "-"
             lines.append(f"| {r['config']} | {r['answered']} | {r['lost']} | {r['twice']} | {d['instance']} | "
-                         f"{d['exit']} | {d['seconds']:.1f} | {moved} | {d['serving_again_s']} |")
+                         f"{d['exit']} | {d['seconds']:.1f} | {moved} | {d['moved_cached_share']} | {d['ready_again_s']} |")
     lines += ["", "| config | continuations after the first drain by kv_source | TTFT moved p50 / p90 (n) | "
               "TTFT other continuations p50 / p90 (n) | moved / other p50 |", "|---|---|---|---|---|"]
     for r in results:

@@ -122,6 +122,7 @@ class RouterCore:
             known = ", ".join(sorted(self.state.instances)) or "none"
             return DrainStatus(instance_id, error=f"no instance {instance_id!r} is known to this router (known: {known})"), []
         self.state.draining.add(instance_id)
+        self.state.drained_as.setdefault(instance_id, view.snapshot.incarnation)
         asks, stuck = plan(self._push_costs, self.state, instance_id, now, self.partitioning.owns)
         for ask in asks:
             self.state.apply(ask, now)

@@ -8,7 +8,7 @@ from router_support import call, core, done, one, snap
 
 from talaria.services.router.push_book import ATTEMPTS, RETRY_AFTER_S
 from talaria.services.router.state import SnapshotReceived
-from talaria.shared.events import CallRouted, KvPushed, KvPushRequested
+from talaria.shared.events import CallRouted, InstanceLost, KvPushed, KvPushRequested
 
 
 def msnap(iid, **kw):
@@ -184,6 +184,24 @@ def test_a_restarted_holder_forgets_its_drains_pushes():
     r.handle(pushed(ask), 2.5)
     r.handle(SnapshotReceived(msgspec.structs.replace(msnap("b", version=5, at=3.0), incarnation="two"), 3.0), 3.0)
     assert r.state.pushes.moved == {} and r.state.draining == set()
+
+
+def test_a_drained_holder_lost_then_restarted_is_back_in_service():
+    # The operator's stop is noticed first (heartbeats stop: the view is dropped), then the
+    # supervisor's restart comes back as a new process: a rolling restart's usual order.
+    r = core(lease_timeout_s=0.0)
+    r.handle(SnapshotReceived(msgspec.structs.replace(msnap("b"), incarnation="one"), 0.0), 0.0)
+    r.handle(SnapshotReceived(msnap("a", running=3, queued={"m1": 2}, queued_prefill_s=3.0), 0.0), 0.0)
+    assert r.drain("b", 1.0)[0].drained
+    r.handle(InstanceLost("b", "one", "no heartbeat", 2.0), 2.0)
+    assert "b" not in r.state.instances
+    r.handle(SnapshotReceived(msgspec.structs.replace(msnap("b", version=1, at=3.0), incarnation="two"), 3.0), 3.0)
+    assert r.state.draining == set()
+    assert one(r.handle(call("c1", session="new"), 3.1), CallRouted).instance_id == "b"
+    # the same process heard again (a stall, not a restart) stays drained
+    r.drain("b", 4.0)
+    r.handle(SnapshotReceived(msgspec.structs.replace(msnap("b", version=2, at=4.1), incarnation="two"), 4.1), 4.1)
+    assert r.state.draining == {"b"}
 
 
 def test_a_router_asks_only_for_its_own_sessions_but_counts_every_sessions_loss():
