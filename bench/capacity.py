@@ -101,6 +101,15 @@ def _secs(v) -> str:
     return "miss" if v is None else f"{v:.0f}"
 
 
+def _kv(e: dict, k) -> str:
+    """Returns that recomputed their context (moves or losses) / that migrated it, in the run at
+    count k ("-" for results written before runs counted them)."""
+    run = next((x for x in e["runs"] if x["instances"] == k), None)
+    if run is None or "recomputes" not in run:
+        return "-"
+    return f"{run['recomputes']} / {run['migrations']}"
+
+
 def _fmt(k) -> str:
     return "-" if k is None else str(k)
 
@@ -123,8 +132,8 @@ def report(paths: list[str], png: Path) -> None:
         if r.get("command"):
             print(f"`{r['command']}`\n")
         print("| deployment | instances | vs best peer | vs lower bound | SCT p50 / p95 at that count (s) | "
-              "runs (instances: p95 s; miss = stopped once out of reach) |")
-        print("|---|---|---|---|---|---|")
+              "recomputes / migrations at that count | runs (instances: p95 s; miss = stopped once out of reach) |")
+        print("|---|---|---|---|---|---|---|")
         for name, e in pol.items():
             k = e["instances"]
             vs_best = f"{k / best:.2f}x" if k and best else "-"
@@ -132,7 +141,7 @@ def report(paths: list[str], png: Path) -> None:
             at = f"{e['sct_p50']:.0f} / {e['sct_p95']:.0f}" if k is not None else "-"
             runs = ", ".join(f"{x['instances']}: {_secs(x['sct_p95'])}" for x in e["runs"])
             print(f"| {name} | {_fmt(k) if k is not None else '> ' + str(r['max_instances'])} | {vs_best} | {vs_lb} | "
-                  f"{at} | {runs} |")
+                  f"{at} | {_kv(e, k)} | {runs} |")
         if ours is not None and best is not None:
             at_best = [x for x in pol[OURS]["runs"] if x["instances"] == best]
             peer_p95 = min(pol[n]["sct_p95"] for n, k in peers.items() if k == best)

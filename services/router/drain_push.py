@@ -4,7 +4,7 @@ When an instance is drained, every session whose KV lives there (homed there in 
 or reported in its snapshot's device or host registry and homed nowhere else) is moved:
 `plan` names, per session, the instance its next call would most likely land on, and asks
 that agent to pull the pages from the drained holder (`KvPushRequested`); its `KvPushed`
-report moves the session's home there (`PushBook.fold_pushed`), so the next call finds its
+report moves the session's home there (`push_book.PushBook.fold_pushed`), so the next call finds its
 KV in that instance's host registry. A push unanswered for `RETRY_AFTER_S` is asked again,
 up to `ATTEMPTS` times; one that moved fewer pages than the holder listed, never reported,
 or that no instance can take loses that session's context (counted in the drain's status).
@@ -12,48 +12,10 @@ or that no instance can take loses that session's context (counted in the drain'
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from talaria.services.router.instances import unavailable
-from talaria.shared.events import KvPushed, KvPushRequested
-
-RETRY_AFTER_S = 30.0  # a push not reported by then is asked again (its agent may have restarted)
-ATTEMPTS = 3  # asks per session before its context counts as lost
-
-
-@dataclass
-class PushBook:
-    """The drains' pushes: asked and unanswered, moved and lost, per holder."""
-
-    pending: dict[str, KvPushRequested] = field(default_factory=dict)  # session -> the last ask
-    moved: dict[str, set[str]] = field(default_factory=dict)  # holder -> sessions moved off it
-    lost: dict[str, dict[str, str]] = field(default_factory=dict)  # holder -> session -> why
-
-    def fold_requested(self, ask: KvPushRequested) -> None:
-        self.pending[ask.session_id] = ask
-
-    def fold_pushed(self, done: KvPushed) -> bool:
-        """Fold a report; True when the session's KV now lives on `done.instance_id`."""
-        ask = self.pending.get(done.session_id)
-        if ask is None or ask.holder != done.holder or ask.instance_id != done.instance_id:
-            return False  # a stale report (a retry went elsewhere, or this push was not ours)
-        del self.pending[done.session_id]
-        if done.pages < done.listed:
-            why = done.why or f"{done.pages} of {done.listed} pages arrived"
-            self.lost.setdefault(done.holder, {})[done.session_id] = why
-            return False
-        self.moved.setdefault(done.holder, set()).add(done.session_id)
-        return done.pages > 0
-
-    def settled(self, holder: str, session_id: str) -> bool:
-        return session_id in self.moved.get(holder, ()) or session_id in self.lost.get(holder, {})
-
-    def forget(self, holder: str) -> None:
-        """The holder is back in service (restarted): a later drain starts afresh."""
-        self.moved.pop(holder, None)
-        self.lost.pop(holder, None)
-        for s in [s for s, a in self.pending.items() if a.holder == holder]:
-            del self.pending[s]
+from talaria.services.router.costs import HARD_REASONS, CostModel
+from talaria.services.router.push_book import ATTEMPTS, RETRY_AFTER_S
+from talaria.services.router.state import SessionEntry
+from talaria.shared.events import CallSubmitted, KvPushRequested
 
 
 def kv_on(state, holder: str) -> list[tuple[str, str]]:
@@ -70,28 +32,59 @@ def kv_on(state, holder: str) -> list[tuple[str, str]]:
     return sorted(out)
 
 
-def choose_target(state, holder: str, model: str, now: float, stale_after_s: float):
-    """The InstanceView where the session's next call would most likely land, of the instances able to take
-    its pages: the cost model's hard filters (`instances.unavailable`, serving `model`,
-    not pinned to another), with `model`'s KV bytes reported and a page server; then the
-    cheapest KV home first: `model` resident, then the fewest sessions homed, then the id.
-    (Not a full pricing: the next call's prompt is not known until it comes.)"""
+def next_call(state, holder: str, session_id: str, model: str) -> tuple[CallSubmitted, SessionEntry] | None:
+    """The session's next call as the router will price it, as far as it is known before it
+    comes: its whole context as the prompt (the new suffix is unknown; it is the same on every
+    candidate), its measured output estimate (`state.outputs`; none measured for the model:
+    1 token, the decode term alike everywhere), and its session row (or, for a session only
+    the holder's registry reports, one that says its KV is there). None: no context to move."""
+    view = state.instances.get(holder)
+    reported = view.kv.get((session_id, model)) if view is not None else None
+    entry = state.sessions.get(session_id)
+    tokens = reported.kv_tokens if reported is not None and reported.state in ("device", "host") else 0
+    if entry is None or entry.model != model:
+        at = view.snapshot.at if view is not None else 0.0
+        entry = SessionEntry(session_id, model, holder, tokens, at, calls=1)
+    tokens = max(tokens, entry.kv_tokens)
+    if tokens <= 0:
+        return None
+    cap = 1 << 20 if model in state.outputs.models else 1
+    call = CallSubmitted(call_id=f"drain-push:{session_id}", session_id=session_id, model=model, prompt_ids=[],
+                         block_hashes=[], max_tokens=cap, submitted_at=entry.last_used, prompt_tokens_hint=tokens)
+    return call, entry
+
+
+def choose_target(costs: CostModel, state, holder: str, session_id: str, model: str, now: float,
+                  asked: dict[str, int] | None = None):
+    """The InstanceView where the session's next call would land: the candidates able to take
+    its pages (not the holder, a page server, `model`'s KV bytes reported) priced by the
+    router's own cost model (`CostModel.price_all`: queue, prefill and decode work there, the
+    KV recovered by pulling the holder's pages, the model's activation, the move's cost to the
+    sessions living there; its hard filters are `instances.unavailable` and the model's), the
+    cheapest admissible one, else the cheapest one only soft limits (admission, KV room) rule
+    out, as an overloaded router queues there. `asked`: pushes this drain already sent to each
+    instance; each is a session that will live there, charged as the move term charges the
+    sessions homed there (kv recovery x sessions). None: no instance can take them."""
+    nxt = next_call(state, holder, session_id, model)
+    if nxt is None:
+        return None
+    call, entry = nxt
+    views = [v for iid, v in state.instances.items()
+             if iid != holder and v.snapshot.page_address
+             and (res := v.models.get(model)) is not None and res.kv_bytes_per_token > 0]
     best, best_key = None, None
-    for iid, view in state.instances.items():
-        snap = view.snapshot
-        if iid == holder or not snap.page_address or unavailable(view, state.draining, now, stale_after_s):
+    for p in costs.price_all(state, views, call, entry, now):
+        c = p.cost
+        if c.reason in HARD_REASONS:
             continue
-        res = view.models.get(model)
-        if res is None or res.kv_bytes_per_token <= 0 or (view.pinned is not None and view.pinned != model):
-            continue
-        resident = model in (snap.active_model, snap.pinned_model)
-        key = (not resident, state.homes.sessions_on(iid), iid)
+        more = (asked or {}).get(c.instance_id, 0) * c.kv_recovery_s
+        key = (not c.feasible, c.total_s + more, c.instance_id)
         if best_key is None or key < best_key:
-            best, best_key = view, key
+            best, best_key = p.view, key
     return best
 
 
-def plan(state, holder: str, now: float, stale_after_s: float, owns
+def plan(costs: CostModel, state, holder: str, now: float, owns
          ) -> tuple[list[KvPushRequested], list[tuple[str, str]]]:
     """(pushes to ask, (session, why) of sessions no push can move) for `holder`'s sessions no
     call runs for, not yet settled and not pending (or pending past RETRY_AFTER_S); asks only
@@ -101,6 +94,7 @@ def plan(state, holder: str, now: float, stale_after_s: float, owns
     asks: list[KvPushRequested] = []
     lost: list[tuple[str, str]] = []
     book = state.pushes
+    asked: dict[str, int] = {}  # target -> pushes this plan sent there
     for session_id, model in kv_on(state, holder):
         if book.settled(holder, session_id) or _running(state, session_id):
             continue
@@ -116,10 +110,11 @@ def plan(state, holder: str, now: float, stale_after_s: float, owns
         if not address:
             lost.append((session_id, f"{holder} serves no KV pages (migration off there)"))
             continue
-        target = choose_target(state, holder, model, now, stale_after_s)
+        target = choose_target(costs, state, holder, session_id, model, now, asked)
         if target is None:
             lost.append((session_id, f"no instance that serves {model} can take KV pages"))
         elif owns(session_id):
+            asked[target.instance_id] = asked.get(target.instance_id, 0) + 1
             asks.append(KvPushRequested(target.snapshot.instance_id, session_id, model, holder, address, now,
                                         attempt))
     return asks, lost

@@ -12,12 +12,15 @@ are the policy's, unchanged: given the same state, every router decides a call a
 
 from __future__ import annotations
 
+# The policies first: costs.py (here and in drain_push.py) imports policy.base, whose package
+# imports the talaria policy, which imports costs.py.
+from talaria.services.router.policy.base import PlacementPolicy  # isort: skip
+from talaria.services.router.costs import CostModel
 from talaria.services.router.drain_push import kv_on, plan
 from talaria.services.router.hot_pools import HotPools, decide_from_state
 from talaria.services.router.instances import InstanceView
 from talaria.services.router.leases import settlement
 from talaria.services.router.ownership import Partitioning
-from talaria.services.router.policy.base import PlacementPolicy
 from talaria.services.router.state import RouterState, SnapshotReceived
 from talaria.shared.messages import DrainStatus
 from talaria.shared.events import (CallFailed, CallRouted, CallSubmitted, Event, InstanceLost, KvPushRequested,
@@ -47,6 +50,9 @@ class RouterCore:
         if pools is not None:
             self.state.pools = pools
         self.partitioning = partitioning or Partitioning.everything()  # one router: every session
+        # A drain prices each session's next call as the policy's config says (drain_push.py),
+        # whichever policy places calls: the push lands where talaria's cost model would.
+        self._push_costs = CostModel(policy.config)
 
     @property
     def pools(self) -> HotPools | None:
@@ -116,7 +122,8 @@ class RouterCore:
             known = ", ".join(sorted(self.state.instances)) or "none"
             return DrainStatus(instance_id, error=f"no instance {instance_id!r} is known to this router (known: {known})"), []
         self.state.draining.add(instance_id)
-        asks, stuck = plan(self.state, instance_id, now, self.policy.config.stale_after_s, self.partitioning.owns)
+        self.state.drained_as.setdefault(instance_id, view.snapshot.incarnation)
+        asks, stuck = plan(self._push_costs, self.state, instance_id, now, self.partitioning.owns)
         for ask in asks:
             self.state.apply(ask, now)
         snap = view.snapshot

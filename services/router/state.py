@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from talaria.services.router.drain_push import PushBook
+from talaria.services.router.push_book import PushBook
 from talaria.services.router.homes import HomeBook
 from talaria.services.router.hot_pools import HotPools
 from talaria.services.router.instances import InstanceView
@@ -143,6 +143,9 @@ class RouterState:
     # Instances an operator is draining (`talaria drain`, router_service.py): priced "draining",
     # hard, so no call lands there; their sessions' pages stay pullable until they stop.
     draining: set[str] = field(default_factory=set)
+    # instance -> the incarnation (agent process) a drain took out of service: another one is
+    # a restart, back in service, even where the router dropped the old view meanwhile (lost)
+    drained_as: dict[str, str] = field(default_factory=dict)
     # The drains' pushes of their sessions' KV (drain_push.py); like `draining`, not saved:
     # `talaria drain` asks again, and a restarted router asks the pushes again.
     pushes: PushBook = field(default_factory=PushBook)
@@ -292,10 +295,16 @@ class RouterState:
     def _observed(self, snapshot: InstanceSnapshot, now: float) -> None:
         """A fresh snapshot replaces the overlay: it already counts what was routed before it."""
         old = self.instances.get(snapshot.instance_id)
+        iid = snapshot.instance_id
+        drained = self.drained_as.get(iid)
+        restarted = drained is not None and drained != snapshot.incarnation
         if old is not None and old.snapshot.incarnation != snapshot.incarnation:
             old = None  # a new process: its view starts afresh whatever the versions say
-            self.draining.discard(snapshot.instance_id)  # drained, then restarted: back in service
-            self.pushes.forget(snapshot.instance_id)
+            restarted = True
+        if restarted and iid in self.draining:  # drained, then restarted (lost or not between): back in service
+            self.draining.discard(iid)
+            self.drained_as.pop(iid, None)
+            self.pushes.forget(iid)
         if old is not None and snapshot.version < old.snapshot.version:
             return  # out-of-order heartbeat
         if snapshot.active_model:  # the rates it reports are its active model's

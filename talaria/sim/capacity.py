@@ -47,13 +47,18 @@ class Point:
     rejected: int
     complete: bool  # every call of every session completed
     run_s: float = 0.0
+    # Returns that recomputed their context (a move or a loss: one that stayed finds its KV on
+    # device or host) and those that pulled it from another instance instead (issue 40).
+    recomputes: int = 0
+    migrations: int = 0
 
     def meets(self, slo_p95_s: float) -> bool:
         return self.complete and self.sct_p95 <= slo_p95_s
 
     def as_dict(self) -> dict:
         return {"instances": self.instances, "sct_p50": self.sct_p50, "sct_p95": self.sct_p95,
-                "rejected": self.rejected, "complete": self.complete, "run_s": round(self.run_s, 2)}
+                "rejected": self.rejected, "complete": self.complete, "run_s": round(self.run_s, 2),
+                "recomputes": self.recomputes, "migrations": self.migrations}
 
 
 def least_instances(run: Callable[[int], Point], slo_p95_s: float, start: int, max_instances: int,
@@ -139,10 +144,13 @@ class Runner:
                            stop_above_p95_s=self.slo)
         started = time.perf_counter()
         s = summarise(simulate(self.sessions, config))
-        p = Point(n, s["sct_p50"], s["sct_p95"], s["rejected"], bool(s["complete"]), time.perf_counter() - started)
+        kv = s["kv_sources"]
+        p = Point(n, s["sct_p50"], s["sct_p95"], s["rejected"], bool(s["complete"]), time.perf_counter() - started,
+                  kv.get("recompute", 0), kv.get("migrated", 0))
         self.count += 1
         print(f"  capacity [{self.count}] {name} @ {n} instances: SCT p50 {p.sct_p50:.0f} s p95 {p.sct_p95:.0f} s, "
-              f"rejected {p.rejected}, {'complete' if p.complete else 'INCOMPLETE'}, "
+              f"rejected {p.rejected}, recomputes {p.recomputes}, migrations {p.migrations}, "
+              f"{'complete' if p.complete else 'INCOMPLETE'}, "
               f"{'meets' if p.meets(self.slo) else 'misses'} the SLO ({p.run_s:.1f} s)", file=sys.stderr, flush=True)
         return p
 

@@ -16,7 +16,7 @@ import pytest
 from talaria.embedded import free_port
 from talaria.services.instance_agent import agent_service
 from talaria.shared.bus import event_subject, publish_event
-from talaria.shared.events import PoolPinned
+from talaria.shared.events import EVENT_DECODER, CallStarted, PoolPinned
 from talaria.shared.health import wait_for_router
 from talaria.drain import drain
 from talaria.shared.messages import DRAIN_STATUS_DECODER, REPLY_DECODER, CallRequest, CallResult, DrainRequest
@@ -30,6 +30,7 @@ from tests.integration.harness import Services, wait_rows, wait_until
 pytestmark = pytest.mark.integration
 
 DEP = Deployment()
+BUSY = (3, 4, 5)  # sessions whose calls run on the drained agent when the drain starts
 MODELS = ("qwen3-tiny", "gpt2-tiny")
 FIRST = ("You are a careful coding agent. Read the failing test, find the bug in parser.py, "
          "fix it and run the suite again. The test says parse('a,b') returns ['a,b'].") * 2
@@ -155,55 +156,83 @@ async def test_a_drained_instance_takes_no_return_its_sessions_migrate_and_drain
 
 async def test_a_drain_pushes_idle_sessions_ahead_so_they_restore_after_the_holder_stopped(
         nats_url, database_url, tmp_path):
-    """Drain-then-stop loses no context: sessions idle on agent-0 (they come back only after it
-    stopped), and one whose call still runs there when the drain starts, are pushed to agent-1
-    before `talaria drain` returns 0; their returns restore the pushed pages there (kv_source
-    migrated, none recomputed) and answer the same greedy text as a session that stayed."""
+    """Drain-then-stop loses no context under load: sessions idle on agent-0 (they come back
+    only after it stopped), and three whose calls are running there when the drain starts, are
+    pushed to agent-1 before `talaria drain` returns 0; their returns restore the pushed pages
+    there (kv_source migrated, none recomputed) and answer the same greedy text as a session
+    that stayed."""
     settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="talaria",
                            http_port=free_port(), session_idle_s=3600, call_timeout_s=60, models=MODELS)
     services = Services()
     nc = await nats.connect(nats_url)
     db = await asyncpg.connect(database_url)
+    busy_ids = {f"p{k}-2": k for k in BUSY}
+    started: dict[str, str] = {}  # call -> the agent that started it
+    all_started = asyncio.Event()
+
+    async def on_started(msg):
+        event = EVENT_DECODER.decode(msg.data)
+        if isinstance(event, CallStarted) and event.call_id in busy_ids:
+            started[event.call_id] = event.instance_id
+            if len(started) == len(busy_ids):
+                all_started.set()
+
     try:
+        await nc.subscribe(DEP.event("call.started"), cb=on_started)
         await services.start_control_plane(settings)
         await services.start("agent-0", agent_service.run, settings.with_(instance_id="agent-0"))
         await wait_for_router(nc, instances=1)
-        # Two sessions with their own prompts (no shared prefix between them), each with a twin
-        # whose return stays on agent-0: the reference text.
-        prompts = {k: f"Session {k}. " + FIRST for k in (1, 2)}
+        # Sessions with their own prompts (no shared prefix between them). 1 and 2 each have a
+        # twin whose return stays on agent-0: the reference text. 3-5 open on agent-0 too.
+        prompts = {k: f"Session {k}. " + FIRST for k in (1, 2, *BUSY)}
         follows, stayed = {}, {}
-        for k, prompt in prompts.items():
-            first = await api_call(nc, f"p{k}-1", f"pushed-{k}", prompt)
-            twin = await api_call(nc, f"t{k}-1", f"twin-{k}", prompt)
+        for k in (1, 2):
+            first = await api_call(nc, f"p{k}-1", f"pushed-{k}", prompts[k])
+            twin = await api_call(nc, f"t{k}-1", f"twin-{k}", prompts[k])
             assert first.instance_id == twin.instance_id == "agent-0" and first.text == twin.text
-            follows[k] = prompt + first.text + " Tool output: 3 passed, 1 failed. Next step:"
+            follows[k] = prompts[k] + first.text + " Tool output: 3 passed, 1 failed. Next step:"
             stayed[k] = await api_call(nc, f"t{k}-2", f"twin-{k}", follows[k])
             assert stayed[k].instance_id == "agent-0" and stayed[k].kv_source == "device"
-        # Under load: a third session's call still runs on agent-0 while the drain starts
-        # (when it ends first, it is one more idle session); its session is pushed once it ends.
-        busy = asyncio.create_task(nc.request(DEP.api_call, encode(CallRequest(
-            model="qwen3-tiny", prompt="Session 3. " + FIRST, session_id="pushed-3", call_id="p3-1",
-            max_tokens=64)), timeout=60))
+        for k in BUSY:
+            first = await api_call(nc, f"p{k}-1", f"pushed-{k}", prompts[k])
+            assert first.instance_id == "agent-0"
+            follows[k] = prompts[k] + first.text + " Tool output: 3 passed, 1 failed. Next step:"
         await services.start("agent-1", agent_service.run, settings.with_(instance_id="agent-1"))
         await wait_for_router(nc, instances=2)
+        # Under load: 3-5's returns go home to agent-0 (their KV is on its device) and are
+        # running there when the drain starts; each is pushed once its call ends.
+        busy = {k: asyncio.create_task(nc.request(DEP.api_call, encode(CallRequest(
+            model="qwen3-tiny", prompt=follows[k], session_id=f"pushed-{k}", call_id=f"p{k}-2", max_tokens=96)),
+            timeout=60)) for k in BUSY}
+        await asyncio.wait_for(all_started.wait(), 30)
+        assert set(started.values()) == {"agent-0"}, started
+        ask = await nc.request(DEP.admin_drain, encode(DrainRequest("agent-0")), timeout=10,
+                               headers={SENDER_HEADER: "talaria-admin"})
+        first_status = DRAIN_STATUS_DECODER.decode(ask.data)
         code, line = await drain(nats_url, "agent-0", timeout_s=60)
-        assert code == 0 and "5 session(s)' KV moved" in line, line
-        loaded = REPLY_DECODER.decode((await busy).data)
-        assert isinstance(loaded, CallResult) and loaded.instance_id == "agent-0"
-        follows[3] = "Session 3. " + FIRST + loaded.text + " Tool output: 3 passed, 1 failed. Next step:"
+        assert code == 0 and f"{4 + len(BUSY)} session(s)' KV moved" in line, line
+        loaded = {k: REPLY_DECODER.decode((await task).data) for k, task in busy.items()}
+        assert all(isinstance(r, CallResult) and r.instance_id == "agent-0" for r in loaded.values()), loaded
+        # The drain began while they ran (its first answer counts the calls there; a call
+        # finished before the ask would be idle, pushed all the same).
+        assert first_status.calls >= 2, first_status
         stopped = next(r for r in services.running if r.name == "agent-0")
         await stopped.close()  # the operator stops it; the sessions come back only now
         services.running.remove(stopped)
         for k in (1, 2):
-            back = await api_call(nc, f"p{k}-2", f"pushed-{k}", follows[k])
+            back = await api_call(nc, f"p{k}-3", f"pushed-{k}", follows[k])
             assert (back.instance_id, back.kv_source) == ("agent-1", "migrated"), k
             assert back.text == stayed[k].text
-        back = await api_call(nc, "p3-2", "pushed-3", follows[3])
-        assert (back.instance_id, back.kv_source) == ("agent-1", "migrated")
-        assert back.text == (await api_call(nc, "r3-1", "ref-3", follows[3])).text  # as a fresh session's
-        rows = await wait_rows(db, "SELECT * FROM calls WHERE call_id IN ('p1-2', 'p2-2', 'p3-2') "
-                                   "AND outcome='completed'", 3)
-        assert [r["kv_source"] for r in rows] == ["migrated"] * 3
+        for k in BUSY:
+            nxt = follows[k] + loaded[k].text + " Tool output: 4 passed. Next step:"
+            back = await api_call(nc, f"p{k}-3", f"pushed-{k}", nxt)
+            assert (back.instance_id, back.kv_source) == ("agent-1", "migrated"), k
+            if k == BUSY[0]:
+                assert back.text == (await api_call(nc, f"r{k}-1", f"ref-{k}", nxt)).text  # as a fresh session's
+        ids = [f"p{k}-3" for k in (1, 2, *BUSY)]
+        rows = await wait_rows(db, "SELECT * FROM calls WHERE call_id = ANY($1::text[]) AND outcome='completed'",
+                               len(ids), ids)
+        assert [r["kv_source"] for r in rows] == ["migrated"] * len(ids)
         assert all(r["migrated_bytes"] > 0 and r["cached_tokens"] > 0 for r in rows)
     finally:
         await db.close()

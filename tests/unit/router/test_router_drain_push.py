@@ -6,9 +6,9 @@ from __future__ import annotations
 import msgspec
 from router_support import call, core, done, one, snap
 
-from talaria.services.router.drain_push import ATTEMPTS, RETRY_AFTER_S
+from talaria.services.router.push_book import ATTEMPTS, RETRY_AFTER_S
 from talaria.services.router.state import SnapshotReceived
-from talaria.shared.events import CallRouted, KvPushed, KvPushRequested
+from talaria.shared.events import CallRouted, InstanceLost, KvPushed, KvPushRequested
 
 
 def msnap(iid, **kw):
@@ -45,6 +45,48 @@ def test_each_session_on_the_drained_instance_is_pushed_to_where_its_model_is_re
         ("s1", "a", "b", "b.host:7000", "m1"), ("s2", "a", "b", "b.host:7000", "m1")]
     assert (status.drained, status.sessions, status.moved, status.lost) == (False, 2, 0, 0)
     assert r.drain("b", 2.5)[1] == []  # asked once: the pushes are pending, not asked again
+
+
+def _target(r, sessions=("s1",)):
+    asks = r.drain("b", 2.0)[1]
+    assert [a.session_id for a in asks] == list(sessions)
+    return [a.instance_id for a in asks]
+
+
+def test_the_target_is_priced_a_resident_model_behind_a_long_queue_loses_to_an_idle_staged_one():
+    # A ranking by residency would push to a (m1 active); the return would wait 5 s of queue
+    # there against 1 s to switch m1 in on c, so the router would place it on c.
+    r = core(lease_timeout_s=0.0)
+    idle_on_b(r)
+    r.handle(SnapshotReceived(msnap("a", queued={"m1": 3}, queued_prefill_s=5.0, running=2), 1.1), 1.1)
+    r.handle(SnapshotReceived(msnap("c", models={"m1": "staged"}, active=None, switch_cost_s=1.0), 1.1), 1.1)
+    assert _target(r) == ["c"]
+    # the same, the queue short: the active model wins (pricing, not a reversed ranking)
+    r = core(lease_timeout_s=0.0)
+    idle_on_b(r)
+    r.handle(SnapshotReceived(msnap("a", queued={"m1": 1}, queued_prefill_s=0.1, running=1), 1.1), 1.1)
+    r.handle(SnapshotReceived(msnap("c", models={"m1": "staged"}, active=None, switch_cost_s=1.0), 1.1), 1.1)
+    assert _target(r) == ["a"]
+
+
+def test_the_target_prices_the_pull_a_slow_measured_link_loses_to_a_fast_one():
+    r = core(lease_timeout_s=0.0)
+    idle_on_b(r)
+    slow = msgspec.structs.replace(msnap("a"), migrate_bytes_s=1e6, migrate_setup_s=0.5)
+    fast = msgspec.structs.replace(msnap("c"), migrate_bytes_s=1e9, migrate_setup_s=0.001)
+    r.handle(SnapshotReceived(slow, 1.1), 1.1)
+    r.handle(SnapshotReceived(fast, 1.1), 1.1)
+    assert _target(r) == ["c"]
+
+
+def test_sessions_one_drain_pushes_count_where_they_will_live_so_equal_targets_share_them():
+    # Each session pushed to a lives there after: the next one's move there is charged for it,
+    # as the move term charges the sessions homed there, so two equal targets take one each.
+    r = core(lease_timeout_s=0.0)
+    idle_on_b(r, ("s1", "s2"))
+    r.handle(SnapshotReceived(msnap("a"), 1.1), 1.1)
+    r.handle(SnapshotReceived(msnap("c"), 1.1), 1.1)
+    assert sorted(_target(r, ("s1", "s2"))) == ["a", "c"]
 
 
 def test_a_push_that_lands_moves_the_sessions_home_and_its_next_call_lands_there():
@@ -142,6 +184,24 @@ def test_a_restarted_holder_forgets_its_drains_pushes():
     r.handle(pushed(ask), 2.5)
     r.handle(SnapshotReceived(msgspec.structs.replace(msnap("b", version=5, at=3.0), incarnation="two"), 3.0), 3.0)
     assert r.state.pushes.moved == {} and r.state.draining == set()
+
+
+def test_a_drained_holder_lost_then_restarted_is_back_in_service():
+    # The operator's stop is noticed first (heartbeats stop: the view is dropped), then the
+    # supervisor's restart comes back as a new process: a rolling restart's usual order.
+    r = core(lease_timeout_s=0.0)
+    r.handle(SnapshotReceived(msgspec.structs.replace(msnap("b"), incarnation="one"), 0.0), 0.0)
+    r.handle(SnapshotReceived(msnap("a", running=3, queued={"m1": 2}, queued_prefill_s=3.0), 0.0), 0.0)
+    assert r.drain("b", 1.0)[0].drained
+    r.handle(InstanceLost("b", "one", "no heartbeat", 2.0), 2.0)
+    assert "b" not in r.state.instances
+    r.handle(SnapshotReceived(msgspec.structs.replace(msnap("b", version=1, at=3.0), incarnation="two"), 3.0), 3.0)
+    assert r.state.draining == set()
+    assert one(r.handle(call("c1", session="new"), 3.1), CallRouted).instance_id == "b"
+    # the same process heard again (a stall, not a restart) stays drained
+    r.drain("b", 4.0)
+    r.handle(SnapshotReceived(msgspec.structs.replace(msnap("b", version=2, at=4.1), incarnation="two"), 4.1), 4.1)
+    assert r.state.draining == {"b"}
 
 
 def test_a_router_asks_only_for_its_own_sessions_but_counts_every_sessions_loss():

@@ -1,11 +1,12 @@
 """`talaria sim capacity` (issue 34): the search, the instance lower bound, the SLO stop, the CLI."""
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
 
-from talaria.sim.capacity import Point, least_instances, parse_policies, parse_slo
+from talaria.sim.capacity import Point, Runner, least_instances, load_inputs, parse_policies, parse_slo
 from talaria.sim.cli import main as cli_main
 from talaria.sim.cluster import RunConfig, simulate
 from talaria.sim.instance_bound import ActiveCover, instances_lower_bound
@@ -166,11 +167,24 @@ def test_sim_capacity_writes_the_issue_json_shape(tmp_path, capsys):
         assert {"instances", "sct_p50", "sct_p95", "runs"} <= set(e) and e["monotone"] in (True, False)
         assert e["instances"] is not None and e["instances"] >= lb
         for run in e["runs"]:
-            assert {"instances", "sct_p50", "sct_p95", "rejected"} <= set(run)
+            assert {"instances", "sct_p50", "sct_p95", "rejected", "recomputes", "migrations"} <= set(run)
+            assert run["recomputes"] >= 0 and run["migrations"] >= 0
         at_k = [x for x in e["runs"] if x["instances"] == e["instances"]]
         assert at_k[0]["sct_p95"] == e["sct_p95"] <= r["slo_p95_s"]
         below = [x for x in e["runs"] if x["instances"] == e["instances"] - 1]
         assert e["instances"] == lb or (below and (below[0]["sct_p95"] is None or below[0]["sct_p95"] > r["slo_p95_s"]))
+
+
+def test_a_capacity_run_counts_recomputes_and_migrations_and_the_ablation_never_migrates(tmp_path):
+    # Two instances for four models at a rate that makes the router move a return.
+    trace = tmp_path / "t.jsonl"
+    save_sessions(at_rate(agent_sessions(20, ["w", "x", "y", "z"], 10, 25_000, 250, "paper", zipf_s=1.0, seed=0),
+                          0.5), trace)
+    sessions, server, gaps = load_inputs(str(trace), "paper-tp8", "4", None, 0)
+    on = Runner(sessions, server, gaps, math.inf)("talaria", 2)
+    off = Runner(sessions, server, gaps, math.inf)("talaria-no-migrate", 2)
+    assert off.migrations == 0 and off.recomputes > 0  # every move recomputes there
+    assert on.migrations > 0 and on.recomputes < off.recomputes
 
 
 def test_sim_capacity_bad_input_is_one_line(tmp_path, capsys):
