@@ -17,7 +17,11 @@ Reported per configuration (from the clients, the agents' logs and Postgres):
   beyond the answers given;
 - moved returns: a session's first call after a drain started that ran on another agent
   while its previous call ran on the drained one; by `kv_source` (migrated / device / host /
-  recompute / none);
+  recompute / none). Split by the router's decision (lease_decisions.candidates): "forced"
+  where the drained agent was not a candidate it could choose (draining, lost, restarting),
+  "chosen" where it was priced admissible with the session's KV and the router placed the
+  call elsewhere because that priced cheaper (a recompute of a few hundred tokens of the
+  tiny model against a queue): context the drain lost is a forced recompute;
 - every continuation after the first drain took effect (the router's `instance draining`
   line), by `kv_source`;
 - each drain's duration and exit line;
@@ -191,7 +195,29 @@ async def call_rows(db_url: str, prefix: str) -> list[dict]:
     return [dict(r) | {"session": client_session(TENANT, r["session_id"])} for r in rows]
 
 
-def analyse(run: Run, rows: list[dict], by_session: dict, runs: dict[str, int]) -> dict:
+async def decision_rows(db_url: str, prefix: str) -> list[dict]:
+    conn = await asyncpg.connect(asyncpg_dsn(db_url))
+    try:
+        rows = await conn.fetch(
+            "SELECT session_id, call_index, action, chosen_instance, lease_outcome, lease_instance, candidates, "
+            "kv_source, extract(epoch FROM decided_at) AS decided FROM lease_decisions WHERE session_id LIKE $1 "
+            "ORDER BY session_id, call_index", scoped_session(TENANT, prefix) + "%")
+    finally:
+        await conn.close()
+    return [dict(r) | {"session": client_session(TENANT, r["session_id"])} for r in rows]
+
+
+def holder_admissible(decision: dict | None, holder: str) -> bool:
+    """Whether the router's decision priced `holder` as a place it could have sent the call."""
+    if decision is None:
+        return False
+    cands = decision["candidates"]
+    cands = json.loads(cands) if isinstance(cands, str) else cands
+    return any(c.get("instance_id") == holder and c.get("feasible") and c.get("kv_state") in ("device", "host")
+               for c in cands)
+
+
+def analyse(run: Run, rows: list[dict], by_session: dict, runs: dict[str, int], decisions: list[dict]) -> dict:
     phase = run.phase
     answered = sum(1 for a in phase.attempts if a.status == 200)
     no_answer = sum(1 for a in phase.attempts if a.error == "no answer")
@@ -204,9 +230,11 @@ def analyse(run: Run, rows: list[dict], by_session: dict, runs: dict[str, int]) 
            "twice": max(sum(n - 1 for n in runs.values()), completed - answered), "drains": []}
     t0 = run.drains[0].started if run.drains else float("inf")
     moved_keys: set = set()
+    decided = {(x["session"], x["call_index"]): x for x in decisions}
     for d in run.drains:
         end = next((x.started for x in run.drains if x.started > d.started), float("inf"))
         moved: dict[str, int] = {}
+        forced: dict[str, int] = {}  # the drained agent was no choice: what the drain did to the context
         cached = prompt = 0
         seen: set = set()
         # A moved return: a session's first call after this drain started that ran elsewhere
@@ -220,10 +248,12 @@ def analyse(run: Run, rows: list[dict], by_session: dict, runs: dict[str, int]) 
                 seen.add(r["session"])
                 moved_keys.add((r["session"], r["call_index"]))
                 moved[r["kv_source"]] = moved.get(r["kv_source"], 0) + 1
+                if not holder_admissible(decided.get((r["session"], r["call_index"])), d.instance):
+                    forced[r["kv_source"]] = forced.get(r["kv_source"], 0) + 1
                 cached, prompt = cached + (r["cached_tokens"] or 0), prompt + (r["prompt_tokens"] or 0)
         out["drains"].append({"instance": d.instance, "exit": d.code, "seconds": round(d.seconds, 2), "line": d.line,
                               "ready_again_s": round(d.back - d.stopped, 1) if d.back else None,
-                              "moved_returns": moved, "moved_cached_share": round(cached / prompt, 3) if prompt else None})
+                              "moved_returns": moved, "forced_moves": forced, "moved_cached_share": round(cached / prompt, 3) if prompt else None})
     after = [r for r in done if r["call_index"] > 0 and r["submitted"] >= t0]
     out["continuations_after_drain"] = _count(r["kv_source"] for r in after)
     ttft_moved = [r["ttft_s"] for r in after if (r["session"], r["call_index"]) in moved_keys and r["ttft_s"]]
@@ -262,7 +292,10 @@ def one_config(config: str, sessions: int, calls: int, rate: float, seed: int) -
         by_session, _ = asyncio.run(settle(db_url, prefix, sum(1 for a in run.phase.attempts if a.status == 200)))
         rows = asyncio.run(call_rows(db_url, prefix))
         (data_dir / "calls.json").write_text(json.dumps(rows, default=str))  # for a look after the stack is gone
-        result = analyse(run, rows, by_session, executions(data_dir, prefix))
+        # the router's decisions (candidates priced, kv_state each) for a look at any recompute
+        decisions = asyncio.run(decision_rows(db_url, prefix))
+        (data_dir / "decisions.json").write_text(json.dumps(decisions, default=str))
+        result = analyse(run, rows, by_session, executions(data_dir, prefix), decisions)
         print("drain_restart: " + json.dumps(result), file=sys.stderr)
         return result
     finally:
@@ -274,12 +307,15 @@ def markdown(results: list[dict], command: str) -> str:
     lines = ["## Rolling restart under load: drain-then-stop of each agent (bench/drain_restart.py)", "",
              f"    {command}", "",
              "| config | answered | lost | twice | drain | exit | drain s | moved returns by kv_source | "
-             "prompt tokens found (cached) | ready again s |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "of them forced (drained agent no choice) | prompt tokens found (cached) | ready again s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for d in r["drains"]:
             moved = ", ".join(f"{k} {v}" for k, v in sorted(d["moved_returns"].items())) or "-"
+            forced = ", ".join(f"{k} {v}" for k, v in sorted(d["forced_moves"].items())) or "-"
             lines.append(f"| {r['config']} | {r['answered']} | {r['lost']} | {r['twice']} | {d['instance']} | "
-                         f"{d['exit']} | {d['seconds']:.1f} | {moved} | {d['moved_cached_share']} | {d['ready_again_s']} |")
+                         f"{d['exit']} | {d['seconds']:.1f} | {moved} | {forced} | {d['moved_cached_share']} | "
+                         f"{d['ready_again_s']} |")
     lines += ["", "| config | continuations after the first drain by kv_source | TTFT moved p50 / p90 (n) | "
               "TTFT other continuations p50 / p90 (n) | moved / other p50 |", "|---|---|---|---|---|"]
     for r in results:
@@ -290,11 +326,13 @@ def markdown(results: list[dict], command: str) -> str:
     base = next((r for r in results if r["config"] == "talaria-no-migrate"), None)
     mine = next((r for r in results if r["config"] == "talaria"), None)
     if base and mine:
-        def moved(r, src):
-            return sum(d["moved_returns"].get(src, 0) for d in r["drains"])
+        def moved(r, src, key="moved_returns"):
+            return sum(d[key].get(src, 0) for d in r["drains"])
         lines += ["", f"Moved returns recomputed: talaria {moved(mine, 'recompute')} of "
-                      f"{sum(sum(d['moved_returns'].values()) for d in mine['drains'])}, talaria-no-migrate "
-                      f"{moved(base, 'recompute')} of {sum(sum(d['moved_returns'].values()) for d in base['drains'])}."]
+                      f"{sum(sum(d['moved_returns'].values()) for d in mine['drains'])} "
+                      f"({moved(mine, 'recompute', 'forced_moves')} forced by a drain), talaria-no-migrate "
+                      f"{moved(base, 'recompute')} of {sum(sum(d['moved_returns'].values()) for d in base['drains'])} "
+                      f"({moved(base, 'recompute', 'forced_moves')} forced)."]
     return "\n".join(lines) + "\n"
 
 
