@@ -234,3 +234,37 @@ def test_over_mooncake_the_tokens_are_the_same(engines):
     fresh = run(mover, "c2-mc-fresh", "s-mc-fresh", follow, scope="tenant-m-fresh")
     assert back.kv_source == "migrated" and back.host_restored_tokens == tokens > 0
     assert back.token_ids == fresh.token_ids
+
+
+def test_an_agents_migration_pulls_a_routed_return_into_the_vllm_engine(engines):
+    """The agent's glue (kv_migration.KvMigration) on vLLM: the requester asks for its engine's
+    own page keys (`page_hashes`: one per vLLM block), the holder exports on its engine thread,
+    and the return restores them as migrated."""
+    from talaria.services.instance_agent.kv_migration import KvMigration
+    from talaria.shared.events import CallRouted, CallSubmitted
+    from tests.unit.memory.test_page_migration import Log, Owner
+
+    holder, owner, mover = engines
+    follow = first_call(engines, "s-agent", "tenant-g")
+    here = ThreadPoolExecutor(1, thread_name_prefix="mover-engine")
+
+    async def go():
+        near = KvMigration(holder, Owner(owner), Log(), transport="tcp")
+        far = KvMigration(mover, Owner(here), Log(), transport="tcp")
+        address = await near.start()
+        await far.start()
+        try:
+            call = CallSubmitted("c2-agent", "s-agent", A, follow, [], 12, 0.0, kv_scope="tenant-g")
+            return await far.pull_into(CallRouted(call, 1, "mover", "talaria", 0.0, kv_from="holder",
+                                                  kv_from_address=address))
+        finally:
+            await near.close()
+            await far.close()
+
+    got = asyncio.run(go())
+    here.shutdown()
+    assert got.tokens > 0 and got.tokens % BLOCK == 0 and got.bytes == got.tokens * mover.kv_bytes_per_token(A)
+    back = run(mover, "c2-agent", "s-agent", follow, scope="tenant-g", migrated=got.tokens)
+    fresh = run(mover, "c2-agent-fresh", "s-agent-fresh", follow, scope="tenant-g-fresh")
+    assert back.kv_source == "migrated" and back.host_restored_tokens == got.tokens
+    assert back.token_ids == fresh.token_ids
