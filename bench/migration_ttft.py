@@ -1,7 +1,7 @@
-"""TTFT of a moved return on the torch engine: migrate (pull the pages) vs recompute.
+"""TTFT of a moved return on the torch engine or vLLM (CPU): migrate (pull the pages) vs recompute.
 
-    python bench/migration_ttft.py [--tokens 4096,16384,65536] [--netns] [--transports tcp,mooncake]
-                                   [--out results/migration.md]
+    python bench/migration_ttft.py [--engine torch|vllm] [--tokens 4096,16384,65536] [--netns]
+                                   [--transports tcp,mooncake] [--out results/migration.md]
 
 A holder process runs the session's first call (N tokens of context, checkpointed to its
 host KV registry) and serves its pages (memory/page_server.py, on its engine thread). In
@@ -14,6 +14,14 @@ it across two network hosts of this machine (tests/multihost/hosts.py: network n
 on a bridge, the holder's link shaped to 1 Gbit/s by `tc`; this kernel lacks sch_netem, so
 the 0.5 ms latency cannot be added and is not). Replaces the "TTFT" section of --out
 and writes its plot beside it (.png).
+
+--engine vllm (run it with .ci-vllm-venv's python): the same on vLLM's CPU build
+(engine/vllm_engine.py, its host KV connector as the PageStore). vLLM engines take ~30-60 s
+to start here, so one holder process serves every size (a session and tenant scope per size)
+and one mover engine per link and transport takes every size's return (the scopes keep one
+size's pages from serving another); the recompute baseline is a return under a scope nothing
+holds, on the first mover. Writes the "TTFT (vLLM)" section and its own plot
+(migration-vllm.png), leaving the torch section as it is.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -36,6 +45,7 @@ from talaria.shared.tokenizer import block_hashes, encode  # noqa: E402
 
 MODEL = "qwen3-tiny"
 SECTION = "## TTFT"
+SECTIONS = {"torch": SECTION, "vllm": "## TTFT (vLLM)"}
 TAIL = encode(" Tool output: 3 passed, 1 failed. Next step:", bos=False)
 
 
@@ -88,6 +98,82 @@ def recompute_s(n: int, data: Path) -> float:
     return first_token_s(engine(data, n), Sequence("r", "r", MODEL, context(n) + TAIL, 1))
 
 
+def vllm_engine(data: Path, sizes: list[int]):
+    """A vLLM CPU engine whose context fits the largest return and whose host pool holds every
+    size's session at once (the pages one size moved must not be evicted by the next)."""
+    from talaria.services.instance_agent.engine.vllm_engine import VllmEngine
+    from talaria.shared.catalog import BUILTIN_MODELS
+
+    spec = BUILTIN_MODELS.get(MODEL)
+    per_token = spec.layers * 2 * spec.kv_heads * spec.head_dim * 4  # float32 at most
+    eng = VllmEngine(data, [MODEL], hkvr=True, max_model_len=max(sizes) + 1024,
+                     host_kv_bytes=max(256 << 20, 2 * sum(sizes) * per_token))
+    vllm_first_token_s(eng, Sequence("warm", "warm", MODEL, context(64), 1, kv_scope="warm"))
+    return eng
+
+
+def vllm_first_token_s(eng, seq: Sequence) -> float:
+    t0 = time.perf_counter()
+    eng.prefill([seq])  # vLLM chunks the prompt itself: back with the first token
+    dt = time.perf_counter() - t0
+    eng.finish(seq)
+    return dt
+
+
+def vllm_holder_main(sizes: list[int], host: str, port: int, data: Path, segment_host: str) -> None:
+    """The vLLM holder: every size's first call (session s<N>, scope ctx-<N>), then serve."""
+    from talaria.services.instance_agent.memory.mooncake_transport import open_transport
+    from talaria.services.instance_agent.memory.page_server import PageServer
+
+    eng = vllm_engine(data, sizes)
+    for n in sizes:
+        seq = Sequence(f"c{n}", f"s{n}", MODEL, context(n), 1, kv_scope=f"ctx-{n}")
+        eng.prefill([seq])
+        eng.finish(seq)
+    transport = open_transport(segment_host)[0] if segment_host else None
+    owner = ThreadPoolExecutor(1, thread_name_prefix="holder-engine")  # the engine's one thread, as the agent's
+
+    async def serve():
+        loop = asyncio.get_running_loop()
+        server = PageServer(lambda m, s, h, k: loop.run_in_executor(owner, eng.export_pages, m, s, h, k), host, port,
+                            transport=transport)
+        await server.start()
+        print(f"ready {server.port}", flush=True)
+        await loop.run_in_executor(None, sys.stdin.read)
+        await server.close()
+
+    # vLLM's engine core was started from this (the main) thread: the holder's engine thread is
+    # the owner from here on
+    asyncio.run(serve())
+    owner.submit(eng.close).result()
+
+
+def vllm_measure(n: int, address: str, mover, transport, recompute: float | None) -> dict:
+    """One moved return of size `n` on vLLM: pull session s<N>'s pages (scope ctx-<N>), import
+    them into `mover`, then its first token; `recompute`: the baseline, or None to measure it
+    (a return under a scope no engine holds)."""
+    from talaria.services.instance_agent.memory.page_client import pull
+
+    prompt = context(n) + TAIL
+    if recompute is None:
+        recompute = vllm_first_token_s(mover, Sequence(f"r{n}", f"r{n}", MODEL, prompt, 1, kv_scope=f"recompute-{n}"))
+    hashes = mover.page_hashes(MODEL, prompt[:-1], f"ctx-{n}")
+    first = asyncio.run(pull(address, f"s{n}", MODEL, hashes[:1], timeout_s=60, max_bytes=1 << 30, transport=transport))
+    t0 = time.perf_counter()
+    got = asyncio.run(pull(address, f"s{n}", MODEL, hashes, timeout_s=600, max_bytes=1 << 34, transport=transport))
+    lay = got.layout
+    t_import = time.perf_counter()
+    tokens = mover.import_pages(MODEL, f"s{n}", got.hashes, got.slabs, lay.dtype, tuple(lay.shape), lay.ranks)
+    pulled = time.perf_counter() - t0
+    t_import = time.perf_counter() - t_import
+    seq = Sequence(f"m{n}", f"s{n}", MODEL, prompt, 1, kv_scope=f"ctx-{n}", migrated_tokens=tokens)
+    migrate = pulled + vllm_first_token_s(mover, seq)
+    assert seq.kv_source == "migrated" and seq.host_restored_tokens == tokens > 0, (seq.kv_source, got.why, tokens)
+    assert got.transport == ("mooncake" if transport else "tcp"), got.transport
+    return {"n": n, "migrate": migrate, "pull": got.seconds, "bytes": got.bytes, "tokens": tokens,
+            "transport": got.transport, "first_contact": first.seconds, "recompute": recompute, "import": t_import}
+
+
 def measure(n: int, address: str, data: Path, transport) -> dict:
     """One moved return migrated from the holder at `address` (`transport`: a Mooncake one, or
     None for the bytes inline over TCP)."""
@@ -113,10 +199,10 @@ def measure(n: int, address: str, data: Path, transport) -> dict:
             "transport": got.transport, "first_contact": first.seconds}
 
 
-def run_holder(n: int, data: Path, argv_prefix: list[str], host: str, segment_host: str
+def run_holder(n: int | str, data: Path, argv_prefix: list[str], host: str, segment_host: str, engine: str = "torch"
                ) -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen([*argv_prefix, sys.executable, __file__, "--holder", str(n), "--host", host,
-                             "--data", str(data), "--segment-host", segment_host],
+                             "--data", str(data), "--segment-host", segment_host, "--engine", engine],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     for raw in proc.stdout:  # its engine logs first
         line = raw.split()
@@ -160,10 +246,11 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def parse_table(text: str) -> list[dict]:
+def parse_table(text: str, section: str = SECTION) -> list[dict]:
     """The rows of --out's TTFT table (to redraw the plot without rerunning)."""
     rows = []
-    for line in text.partition(SECTION)[2].splitlines():
+    body = text.partition(section + "\n")[2]
+    for line in (body[: body.find("\n## ")] if "\n## " in body else body).splitlines():
         c = [x.strip().strip("*") for x in line.strip().strip("|").split("|")]
         if len(c) == 8 and c[2].replace(",", "").isdigit():
             rows.append({"link": c[0], "transport": c[1], "n": int(c[2].replace(",", "")), "recompute": float(c[3]),
@@ -173,22 +260,29 @@ def parse_table(text: str) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", choices=("torch", "vllm"), default="torch",
+                    help="vllm: vLLM's CPU build (run with .ci-vllm-venv's python)")
     ap.add_argument("--tokens", default="4096,16384,65536")
     ap.add_argument("--netns", action="store_true", help="also across two network namespaces (root)")
     ap.add_argument("--transports", default="tcp,mooncake",
                     help="how the page bytes move: tcp (inline), mooncake (its transfer engine, `tcp` protocol)")
     ap.add_argument("--out", type=Path, default=Path("results/migration.md"))
     ap.add_argument("--replot", action="store_true", help="redraw the PNG from --out's table, run nothing")
-    ap.add_argument("--holder", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--holder", default="", help=argparse.SUPPRESS)
     ap.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     ap.add_argument("--data", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--segment-host", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    section = SECTIONS[args.engine]
+    png = args.out.with_suffix(".png") if args.engine == "torch" else args.out.with_name(args.out.stem + "-vllm.png")
     if args.holder:
-        holder_main(args.holder, args.host, 0, args.data, args.segment_host)
+        if args.engine == "vllm":
+            vllm_holder_main([int(x) for x in args.holder.split(",")], args.host, 0, args.data, args.segment_host)
+        else:
+            holder_main(int(args.holder), args.host, 0, args.data, args.segment_host)
         return 0
     if args.replot:
-        plot(parse_table(args.out.read_text()), args.out.with_suffix(".png"))
+        plot(parse_table(args.out.read_text(), section), png)
         return 0
     torch.set_num_threads(1)
     try:
@@ -222,6 +316,9 @@ def main() -> int:
     try:
         for label, prefix, host, local in links:
             movers = {t: open_transport(local)[0] if t == "mooncake" else None for t in transports}
+            if args.engine == "vllm":
+                rows += vllm_link(label, prefix, host, sizes, data, transports, movers)
+                continue
             for n in sizes:
                 proc, port = run_holder(n, data, prefix, "0.0.0.0" if prefix else host,
                                         host if "mooncake" in transports else "")
@@ -244,21 +341,57 @@ def main() -> int:
              "| pull (s) | MB moved |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     table += [f"| {r['link']} | {r['transport']} | {r['n']:,} | {r['recompute']:.3f} | {r['migrate']:.3f} | "
               f"**{r['migrate'] / r['recompute']:.2f}x** | {r['pull']:.3f} | {r['bytes'] / 1e6:.1f} |" for r in rows]
-    cmd = (f"python bench/migration_ttft.py --tokens {args.tokens}{' --netns' if args.netns else ''}"
-           f" --transports {args.transports}")
-    body = [SECTION, "", f"`{cmd}` (torch engine, {MODEL} on CPU, {os.cpu_count()} cores shared; one run each). "
-            "The return is the context plus a short tool result; TTFT includes the pull. The recompute baseline "
-            "is measured in the same run, once per size and link; each transport's pull is from the same holder, "
-            "after an untimed one-page pull (the holder's first export, Mooncake's handshake with a new peer). "
-            "`tcp`: the page bytes inline in the page protocol's TCP stream; `mooncake`: read by Mooncake's "
+    cmd = (f"python bench/migration_ttft.py{' --engine vllm' if args.engine == 'vllm' else ''} --tokens {args.tokens}"
+           f"{' --netns' if args.netns else ''} --transports {args.transports}")
+    what = "torch engine" if args.engine == "torch" else f"vLLM {_vllm_version()} CPU build, its host KV connector"
+    body = [section, "", f"`{cmd}` ({what}, {MODEL} on CPU, {os.cpu_count()} cores shared with other jobs; one run "
+            "each). The return is the context plus a short tool result; TTFT includes the pull. The recompute "
+            "baseline is measured in the same run, once per size and link; each transport's pull is from the same "
+            "holder, after an untimed one-page pull (the holder's first export, Mooncake's handshake with a new "
+            "peer). `tcp`: the page bytes inline in the page protocol's TCP stream; `mooncake`: read by Mooncake's "
             "transfer engine (`tcp` protocol) from the holder's staging slots.", "", *table, ""]
     print("\n".join(body))
     text = args.out.read_text() if args.out.exists() else "# KV migration (issue 40)\n\n"
-    head, _, rest = text.partition(SECTION)
-    tail = rest[rest.find("\n## "):] if "\n## " in rest else ""
+    head, found, rest = text.partition(section + "\n")
+    tail = rest[rest.find("\n## "):] if found and "\n## " in rest else ""
     args.out.write_text(head.rstrip() + "\n\n" + "\n".join(body) + tail)
-    plot(rows, args.out.with_suffix(".png"))
+    plot(rows, png)
     return 0
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+def vllm_link(label: str, prefix: list[str], host: str, sizes: list[int], data: Path, transports: list[str],
+              movers: dict) -> list[dict]:
+    """Every size over one link on vLLM: one holder process for all sizes, a mover engine per
+    transport (a fresh one, so no transport finds the pages another imported), the recompute
+    baseline on the first."""
+    rows: list[dict] = []
+    proc, port = run_holder(",".join(map(str, sizes)), data, prefix, "0.0.0.0" if prefix else host,
+                            host if "mooncake" in transports else "", engine="vllm")
+    try:
+        base: dict[int, float] = {}
+        for t in transports:
+            mover = vllm_engine(data, sizes)
+            try:
+                for n in sizes:
+                    r = {**vllm_measure(n, f"{host}:{port}", mover, movers[t], base.get(n)), "link": label}
+                    base[n] = r["recompute"]
+                    rows.append(r)
+                    print(f"{label} {t} N={n}: recompute {r['recompute']:.3f} s, migrate {r['migrate']:.3f} s "
+                          f"({r['migrate'] / r['recompute']:.2f}x; pull {r['pull']:.3f} s, {r['bytes'] / 1e6:.1f} MB; "
+                          f"import {r['import']:.3f} s; first one-page pull {r['first_contact'] * 1e3:.1f} ms)",
+                          flush=True)
+            finally:
+                mover.close()
+    finally:
+        proc.stdin.close()
+        proc.wait(120)
+    return rows
 
 
 if __name__ == "__main__":

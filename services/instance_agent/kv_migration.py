@@ -25,7 +25,6 @@ from talaria.services.instance_agent.memory.page_client import list_pages, pull
 from talaria.services.instance_agent.memory.page_server import PageServer
 from talaria.shared.events import CallRouted, KvPushed, KvPushRequested
 from talaria.shared.stats import ewma
-from talaria.shared.tokenizer import block_hashes
 
 MAX_BYTES = 8 << 30  # one pull moves at most this much (a 1M-token context of a mid-size model)
 MAX_PUSHED = 4096  # pushes remembered for their session's next call (its kv_source)
@@ -87,8 +86,7 @@ class KvMigration:
     async def pull_into(self, routed: CallRouted) -> Migrated:
         """Pull the routed call's prefix pages from `routed.kv_from_address` into the host registry."""
         call = routed.call
-        ps = self.store.page_size
-        hashes = block_hashes(call.prompt_ids[: len(call.prompt_ids) - 1], ps, scope=call.kv_scope)
+        hashes = self.store.page_hashes(call.model, call.prompt_ids[: len(call.prompt_ids) - 1], call.kv_scope)
         if not hashes:
             return Migrated(why="no full page to pull")
         got, tokens = await self._pull(routed.kv_from_address, call.session_id, call.model, hashes)

@@ -110,7 +110,8 @@ class Capabilities:
     # prefix (the torch engine copies a partial page).
     kv_block_tokens: int = 1
     # The engine is also a `PageStore`: a session's host KV pages can be sent to and taken
-    # from another instance (KV migration, docs/migration.md).
+    # from another instance (KV migration, docs/migration.md): the torch engine with its host
+    # registry, the vllm engine with its host KV connector.
     kv_migration: bool = False
 
 
@@ -122,6 +123,10 @@ class PageStore(Protocol):
 
     def kv_bytes_per_token(self, model: str) -> int:
         """KV bytes one token of `model` holds (every layer and rank)."""
+
+    def page_hashes(self, model: str, ids: list[int], scope: str) -> list[int]:
+        """The keys of `ids`' full pages under the tenant's `scope`, as this engine keys its host
+        pages (what a pull asks the holder for). Pure: read from any thread."""
 
     def export_pages(self, model: str, session_id: str, hashes: list[int], limit: int) -> list:
         """(hash, layout, rank slabs) of the leading `hashes` the session's own host prefix holds."""

@@ -341,6 +341,9 @@ class TorchEngine:
     def kv_bytes_per_token(self, model: str) -> int:
         return self.page_bytes(model) // self.page_size
 
+    def page_hashes(self, model: str, ids: list[int], scope: str) -> list[int]:
+        return block_hashes(ids, self.page_size, scope=scope)
+
     def kv_layout(self, model: str) -> LayoutDescriptor:
         """How one rank's slab of one of `model`'s KV pages is laid out here."""
         spec, dt = self.models.spec(model), self.models.dtypes[model].dtype

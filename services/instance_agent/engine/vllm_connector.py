@@ -8,10 +8,15 @@ release), and loads a new request's next blocks from the host before its first f
 saves and loads, and where each half runs: `TalariaHostKvConnector`. Needs synchronous scheduling
 (the agent turns vLLM's async scheduling off with it): a step's saves are complete when the next
 step is scheduled.
+
+KV migration (issue 40, docs/migration.md "vLLM"): the agent reaches the scheduler-side
+bookkeeping through one engine-core utility (`UTILITY`, `TalariaHostKvConnector.host_kv`) and
+moves the page bytes itself through its own mapping of the shared pool.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +39,9 @@ except ImportError:  # pragma: no cover - only the module's pure parts are usabl
 Request = Any
 
 CONNECTOR = "TalariaHostKvConnector"
+# The engine-core utility the agent calls (AsyncLLM.engine_core.call_utility_async) to reach the
+# scheduler-side connector: `TalariaHostKvConnector.host_kv`.
+UTILITY = "talaria_host_kv"
 
 
 def transfer_config(model: str, pool: Path, pool_bytes: int):
@@ -53,6 +61,33 @@ def block_keys(tokens: list[int], block_size: int, scope: str) -> list[int]:
     per = block_size // HASH_BLOCK_TOKENS
     hashes = block_hashes(tokens[: len(tokens) // block_size * block_size], HASH_BLOCK_TOKENS, scope=scope)
     return hashes[per - 1 :: per]
+
+
+def _engine_core_host_kv(self, op: str, args: list) -> Any:
+    """EngineCore.talaria_host_kv: the scheduler-side connector's `host_kv`. vLLM has no hook for
+    a connector's own utility, so the connector adds this one method to the engine core's class
+    in its process (`install_utility`). The busy loop runs a utility between steps on the
+    scheduler's thread, so the connector's bookkeeping needs no lock."""
+    connector = self.scheduler.get_kv_connector()
+    if not isinstance(connector, TalariaHostKvConnector):
+        raise RuntimeError(f"{UTILITY}: this engine's KV connector is not {CONNECTOR}")
+    return connector.host_kv(op, list(args))
+
+
+def install_utility() -> None:
+    from vllm.v1.engine.core import EngineCore
+
+    if getattr(EngineCore, UTILITY, None) is None:
+        setattr(EngineCore, UTILITY, _engine_core_host_kv)
+
+
+def page_shape(layer_bytes: list[int]) -> tuple[int, ...]:
+    """A migrated page's layout (its bytes as the pool holds them: each layer's block, layers in
+    name order): (layers, bytes per layer) when every layer's block is the same size, else
+    (bytes,). Two engines exchange pages only when it is equal (and the block size, by the keys)."""
+    if layer_bytes and len(set(layer_bytes)) == 1:
+        return (len(layer_bytes), layer_bytes[0])
+    return (sum(layer_bytes),)
 
 
 @dataclass
@@ -99,8 +134,15 @@ class TalariaHostKvConnector(KVConnectorBase_V1):  # type: ignore[misc, valid-ty
                               for g in kv_cache_config.kv_cache_groups)
         self.capacity = int(extra["pool_bytes"]) // self.page_bytes
         self.pool_path = extra["pool"]
+        # bytes of one block of each layer, in the pool's (name) order
+        self.layer_bytes = [size for _, size in sorted(
+            (name, g.kv_cache_spec.page_size_bytes) for g in kv_cache_config.kv_cache_groups for name in g.layer_names)]
         if role == KVConnectorRole.SCHEDULER:
+            install_utility()
+            self.leases: dict[int, Any] = {}  # an export's pinned pages (HkvrCore.lease_shareable), by lease id
+            self.imports: dict[int, str] = {}  # an import's reserved pages (HkvrCore.plan_save): job id -> session
             self.core = HkvrCore(max(self.capacity, 1), ranks=1)
+            self._lease_ids = itertools.count(1)
             self.requests: dict[str, Request] = {}
             self.pending_loads: dict[str, _Load] = {}
             self.loaded_tokens: dict[str, int] = {}
@@ -191,6 +233,56 @@ class TalariaHostKvConnector(KVConnectorBase_V1):  # type: ignore[misc, valid-ty
         self.local_hit.pop(rid, None)
         saved = self.saved_blocks.pop(rid, 0) * self.block_size
         return False, {"host_tokens": self.loaded_tokens.pop(rid, 0), "host_saved_tokens": saved}
+
+    # -- KV migration: the agent's side of the pool (engine-core utility, `UTILITY`) -------
+
+    def host_kv(self, op: str, args: list) -> Any:
+        """One step of a migration, asked by the agent (vllm_engine.py); the page bytes move
+        through the agent's own mapping of the pool, between `lease`/`release` and between
+        `reserve`/`publish`:
+
+            layout               {block_size, page_bytes, capacity, layer_bytes}
+            lease session keys   pin the leading `keys` the session's own published prefix holds:
+                                 [lease id, [[key, slot], ...]]
+            release lease        unpin them (the agent has copied them out)
+            hashes session       the keys of the session's published prefix (a drain's listing)
+            reserve session keys slots for `keys`' pages not held yet (pinned, unpublished):
+                                 [job id, [[index in keys, slot], ...]]
+            publish job          the agent wrote them: publish; the session's restorable tokens
+        """
+        if op == "layout":
+            return {"block_size": self.block_size, "page_bytes": self.page_bytes, "capacity": self.capacity,
+                    "layer_bytes": self.layer_bytes}
+        # No step runs while a utility does (synchronous scheduling): the last step's saves have
+        # landed, so they publish now rather than at the next step (an idle engine has none).
+        self._retire()
+        if op == "lease":
+            session, keys = str(args[0]), [int(k) for k in args[1]]
+            plan = self.core.lease_shareable(session, self.model, keys)
+            lease = next(self._lease_ids) if plan.slots else 0
+            if lease:
+                self.leases[lease] = plan
+            return [lease, [[int(row[0].key[2]), row[0].slot] for row in plan.slots]]
+        if op == "release":
+            plan = self.leases.pop(int(args[0]), None)
+            if plan is not None:
+                self.core.end_restore(plan)
+            return None
+        if op == "hashes":
+            return self.core.session_hashes(str(args[0]), self.model)
+        if op == "reserve":
+            session, keys = str(args[0]), [int(k) for k in args[1]]
+            template = LayoutDescriptor(self.model, 0, 0, 0, self.block_size, "uint8", "gqa", (self.page_bytes,), 1)
+            plan = self.core.plan_save(self.model, session, [RankReport(0, len(keys) * self.block_size, tuple(keys))],
+                                       template)
+            self.imports[plan.job_id] = session
+            return [plan.job_id, [[c.page_index, c.slot] for c in plan.copies]]
+        if op == "publish":
+            job = int(args[0])
+            session = self.imports.pop(job)
+            self.core.complete(job)
+            return self.core.session_tokens(session, self.model, self.block_size)
+        raise ValueError(f"{UTILITY}: unknown op {op!r}")
 
     # -- worker side ----------------------------------------------------------------------
 

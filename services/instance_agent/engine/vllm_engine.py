@@ -35,6 +35,7 @@ from talaria.services.instance_agent.engine.hf_export import hf_dir
 from talaria.services.instance_agent.engine.sequence import Sequence, StepToken
 from talaria.services.instance_agent.engine.streaming import StreamingEngine
 from talaria.services.instance_agent.engine.vllm_loop import LoopThread
+from talaria.services.instance_agent.memory.host_pages import LayoutDescriptor
 from talaria.shared.catalog import BUILTIN_MODELS, Catalogue, ModelSpec
 from talaria.shared.model_text import text_for
 from talaria.shared.stats import ewma
@@ -120,7 +121,7 @@ class VllmEngine(StreamingEngine):
         # release/sleep drop the outgoing engine's KV: its calls are drained first.
         self.capabilities = Capabilities(
             switch_with_calls_running=resident, host_kv=hkvr, d2d_staging=False, chunked_prefill=True,
-            resident_models=resident)
+            resident_models=resident, kv_migration=hkvr)
         # (session, model) -> tokens in its prefix cache, least recently used first; cut to each
         # model's KV capacity (`_remember`), as vLLM's LRU prefix cache evicts them
         self.sessions: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
@@ -130,6 +131,11 @@ class VllmEngine(StreamingEngine):
         self._llms: dict[str, Any] = {}
         self._asleep: set[str] = set()
         self._pools: list[Path] = []
+        # KV migration (PageStore): per model, the connector's page layout ("layout") and the
+        # agent's own mapping of its pool file, where the page bytes are copied in and out
+        self._host_layout: dict[str, dict] = {}
+        self._pool_of: dict[str, Path] = {}
+        self._pool_views: dict[str, Any] = {}
         self._loop = LoopThread()
         self.ensure_weights()
         try:
@@ -185,6 +191,7 @@ class VllmEngine(StreamingEngine):
             f.truncate(self.host_kv_bytes)
         os.chmod(path, 0o600)
         self._pools.append(path)
+        self._pool_of[model] = path
         return path
 
     def _start(self, model: str) -> None:
@@ -200,6 +207,9 @@ class VllmEngine(StreamingEngine):
         self._llms[model] = llm
         self._block = llm.vllm_config.cache_config.block_size
         self.capabilities = replace(self.capabilities, kv_block_tokens=self._block)
+        self.page_size = self._block  # PageStore: a migrated page is one vLLM block (every layer)
+        if self.hkvr:
+            self._host_layout[model] = self._host_kv(model, "layout")
         if self._active is None:
             self._active = model
         else:  # only the active model's engine computes (resident) or holds device memory (sleep)
@@ -434,6 +444,90 @@ class VllmEngine(StreamingEngine):
             if held <= capacity:
                 break
             held -= self.host_sessions.pop(key)
+
+    # -- KV migration (PageStore, contract.py; docs/migration.md "vLLM") ----------------------
+
+    def _host_kv(self, model: str, op: str, *args: Any) -> Any:
+        """The scheduler-side connector's `host_kv` in `model`'s engine core (an engine-core
+        utility: it runs there between steps, on the scheduler's thread)."""
+        from talaria.services.instance_agent.engine.vllm_connector import UTILITY
+
+        return self._loop.run(self._llms[model].engine_core.call_utility_async(UTILITY, op, list(args)),
+                              timeout=STEP_TIMEOUT_S)
+
+    def _pool(self, model: str):
+        """The agent's mapping of `model`'s pool file: [slot, page bytes] uint8 (the same pages the
+        engine core's worker saves to and loads from)."""
+        view = self._pool_views.get(model)
+        if view is None:
+            import torch
+
+            lay = self._host_layout[model]
+            view = torch.from_file(str(self._pool_of[model]), shared=True, size=lay["capacity"] * lay["page_bytes"],
+                                   dtype=torch.uint8).view(lay["capacity"], lay["page_bytes"])
+            self._pool_views[model] = view
+        return view
+
+    def _layout(self, model: str, key: int = 0) -> LayoutDescriptor:
+        from talaria.services.instance_agent.engine.vllm_connector import page_shape
+
+        lay = self._host_layout[model]
+        return LayoutDescriptor(model, 0, key, 0, self._block, "uint8", "gqa", page_shape(lay["layer_bytes"]), 1)
+
+    def kv_bytes_per_token(self, model: str) -> int:
+        lay = self._host_layout.get(model)
+        return lay["page_bytes"] // self._block if lay else 0
+
+    def page_hashes(self, model: str, ids: list[int], scope: str) -> list[int]:
+        """The connector's keys of `ids`' full blocks: one per vLLM block (the cumulative 16-token
+        hash at its end), what a pull asks a vLLM holder for."""
+        from talaria.services.instance_agent.engine.vllm_connector import block_keys
+
+        return block_keys(list(ids), self._block, scope)
+
+    def export_pages(self, model: str, session_id: str, hashes: list[int], limit: int) -> list:
+        """The session's own host pages of the leading `hashes` (at most `limit`), copied out of
+        the pool while the engine core holds them pinned."""
+        if model not in self._host_layout or limit <= 0:
+            return []
+        lease, slots = self._host_kv(model, "lease", session_id, list(hashes[:limit]))
+        if not slots:
+            return []
+        try:
+            pool = self._pool(model)
+            return [(int(h), self._layout(model, int(h)), [pool[s].numpy().tobytes()]) for h, s in slots]
+        finally:
+            self._host_kv(model, "release", lease)
+
+    def session_hashes(self, model: str, session_id: str) -> list[int]:
+        if model not in self._host_layout:
+            return []
+        return [int(h) for h in self._host_kv(model, "hashes", session_id)]
+
+    def import_pages(self, model: str, session_id: str, hashes: list[int], slabs: list[list[bytes]],
+                     dtype: str, shape: tuple[int, ...], ranks: int) -> int:
+        """Store pulled pages as the session's host prefix in the connector's pool (its next call
+        loads them as any host hit); the tokens now restorable (0 when the holder's layout is not
+        this engine's: the call recomputes)."""
+        if model not in self._host_layout or not hashes:
+            return 0
+        want = self._layout(model)
+        if (dtype, tuple(shape), ranks) != (want.dtype, want.shape, 1) or len(slabs) != len(hashes):
+            return 0
+        if any(len(page) != 1 or len(page[0]) != want.nbytes for page in slabs):
+            return 0
+        import torch
+
+        job, slots = self._host_kv(model, "reserve", session_id, [int(h) for h in hashes])
+        pool = self._pool(model)
+        for index, slot in slots:  # pages already held (the same key: the same bytes) are not rewritten
+            pool[slot].copy_(torch.frombuffer(bytearray(slabs[index][0]), dtype=torch.uint8))
+        tokens = int(self._host_kv(model, "publish", job))
+        if tokens:
+            self.host_sessions.pop((session_id, model), None)
+            self.host_sessions[(session_id, model)] = tokens
+            self._forget_host(model)
+        return tokens
 
     def _rate(self, kind: str, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:

@@ -267,6 +267,18 @@ class HkvrCore:
             n += 1
         return [[self.pages[(model, r, h)] for r in range(self.ranks)] for h in hashes[:n]]
 
+    def lease_shareable(self, session_id: str, model: str, hashes: list[int] | tuple[int, ...]) -> RestorePlan:
+        """`shareable`'s pages, each pinned (a transfer pin) until `end_restore(plan)`: for an
+        export whose bytes are copied out after this returns (vLLM: by the agent's process,
+        from the shared pool), while the engine may save and evict around them. Counts no hit."""
+        rows = self.shareable(session_id, model, hashes)
+        for row in rows:
+            for page in row:
+                page.pins += 1
+        return RestorePlan(model, tuple(hashes[:len(rows)]),
+                           tuple(tuple(PageCopy(p.key[1], j, p.key, p.slot, p.desc) for p in row)
+                                 for j, row in enumerate(rows)))
+
     def session_hashes(self, session_id: str, model: str) -> list[int]:
         """The hashes of the session's own restorable prefix (what a drain's push lists)."""
         pre = self.sessions.get((session_id, model))

@@ -21,7 +21,7 @@ MODULES = sorted(AGENT.glob("*.py")) + sorted((AGENT / "scheduler").glob("*.py")
 FIXED = {
     "capabilities",  # Capabilities, frozen (vLLM sets it while it loads, before the agent starts)
     "specs",  # the served models' shapes
-    "page_size", "kv_bytes_per_token",  # PageStore: a model's page shape
+    "page_size", "kv_bytes_per_token", "page_hashes",  # PageStore: a model's page shape (and keys: pure)
     "should_yield",  # set once by EngineThread before any work (a threading.Event's is_set)
 }
 # Functions whose body runs on the engine thread.

@@ -178,3 +178,22 @@ def test_end_restore_releases_the_transfer_pin_and_keeps_the_cache_ref():
     assert [(core.pages[("m", 0, h)].pins, core.pages[("m", 0, h)].refs) for h in (1, 2)] == [(0, 1), (0, 1)]
     # Unpinned, the pages are reclaimable again: a new save under pressure may take them.
     assert len(core.plan_save("m", "b", reports([7], ranks=1), T).copies) == 1
+
+
+def test_a_leased_export_keeps_its_pages_through_saves_that_evict_and_only_the_sessions_own():
+    """vLLM's export (issue 40): the agent copies leased pages out of the shared pool after the
+    lease returns, while the engine saves on; a leased page is never the slot a save reuses."""
+    core = HkvrCore(4, ranks=1)
+    core.complete(core.plan_save("m", "a", reports([1, 2, 3], ranks=1), T).job_id)
+    assert core.lease_shareable("b", "m", [1, 2, 3]).slots == ()  # another session's pages: none
+    assert core.lease_shareable("a", "m", [1, 9]).hashes == (1,)  # stops where the prefix differs
+    lease = core.lease_shareable("a", "m", [1, 2, 3])
+    core.end_restore(core.lease_shareable("a", "m", [1]))
+    assert lease.hashes == (1, 2, 3) and [row[0].slot for row in lease.slots] == [0, 1, 2]
+    core.drop_session("a", "m")  # unreferenced now, but pinned by the lease
+    later = core.plan_save("m", "c", reports([7, 8, 9], ranks=1), T)
+    assert len(later.copies) == 1 and {c.slot for c in later.copies} == {3}  # the free slot only
+    core.complete(later.job_id)
+    core.end_restore(lease)  # the export is done: its pages are reclaimable again
+    again = core.plan_save("m", "d", reports([5, 6], ranks=1), T)
+    assert len(again.copies) == 2 and core.counters.hits == 0
