@@ -347,7 +347,7 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=0.8, help="sessions started per second")
     ap.add_argument("--configs", default="talaria,talaria-no-migrate")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="results/drain_restart.json")
+    ap.add_argument("--out", default="bench/data/drain_restart.json")
     args = ap.parse_args()
     if args.sessions < 1 or args.calls < 2 or args.rate <= 0:
         print("drain_restart: --sessions >= 1, --calls >= 2 and --rate > 0", file=sys.stderr)

@@ -20,8 +20,8 @@ and writes its plot beside it (.png).
 to start here, so one holder process serves every size (a session and tenant scope per size)
 and one mover engine per link and transport takes every size's return (the scopes keep one
 size's pages from serving another); the recompute baseline is a return under a scope nothing
-holds, on the first mover. Writes the "TTFT (vLLM)" section and its own plot
-(migration-vllm.png), leaving the torch section as it is.
+holds, on the first mover. Writes the "TTFT (vLLM)" section, leaving the torch section as it
+is. The plot (.png beside --out) has a row of panels per engine, redrawn from both sections.
 """
 
 from __future__ import annotations
@@ -212,17 +212,31 @@ def run_holder(n: int | str, data: Path, argv_prefix: list[str], host: str, segm
     raise RuntimeError(f"the holder did not start (N={n})")
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    """TTFT by context size, migrate vs recompute, one panel per link (log scale)."""
+def plot(text: str, path: Path) -> None:
+    """TTFT by context size, migrate vs recompute (log scale): a row of panels per engine
+    section of `text` (--out's markdown), one panel per link."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    engines = [(name, rows) for name, section in SECTIONS.items() if (rows := parse_table(text, section))]
+    if not engines:
+        return
+    cols = max(len({r["link"] for r in rows}) for _, rows in engines)
+    fig, axes = plt.subplots(len(engines), cols, figsize=(5 * cols, 3.6 * len(engines)), squeeze=False)
+    for row_axes, (engine, rows) in zip(axes, engines):
+        _plot_engine(row_axes, engine, rows)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _plot_engine(axes, engine: str, rows: list[dict]) -> None:
     links = list(dict.fromkeys(r["link"] for r in rows))
     transports = list(dict.fromkeys(r["transport"] for r in rows))
     width = 0.8 / (1 + len(transports))
-    fig, axes = plt.subplots(1, len(links), figsize=(5 * len(links), 3.6), squeeze=False)
-    for ax, link in zip(axes[0], links):
+    for ax in axes[len(links):]:
+        ax.axis("off")
+    for ax, link in zip(axes, links):
         sizes = sorted({r["n"] for r in rows if r["link"] == link})
         xs = range(len(sizes))
         first = {r["n"]: r for r in rows if r["link"] == link}
@@ -238,12 +252,10 @@ def plot(rows: list[dict], path: Path) -> None:
                                 ha="center", va="bottom", fontsize=7)
         ax.set_xticks(list(xs), [f"{n // 1024}K" for n in sizes])
         ax.set_yscale("log")
-        ax.set_title(link.split(" (")[0])
+        ax.set_title(f"{engine}: {link.split(' (')[0]}")
         ax.set_xlabel("context tokens")
         ax.set_ylabel("TTFT of the moved return (s)")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def parse_table(text: str, section: str = SECTION) -> list[dict]:
@@ -274,7 +286,7 @@ def main() -> int:
     ap.add_argument("--segment-host", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     section = SECTIONS[args.engine]
-    png = args.out.with_suffix(".png") if args.engine == "torch" else args.out.with_name(args.out.stem + "-vllm.png")
+    png = args.out.with_suffix(".png")
     if args.holder:
         if args.engine == "vllm":
             vllm_holder_main([int(x) for x in args.holder.split(",")], args.host, 0, args.data, args.segment_host)
@@ -282,7 +294,7 @@ def main() -> int:
             holder_main(int(args.holder), args.host, 0, args.data, args.segment_host)
         return 0
     if args.replot:
-        plot(parse_table(args.out.read_text(), section), png)
+        plot(args.out.read_text(), png)
         return 0
     torch.set_num_threads(1)
     try:
@@ -355,7 +367,7 @@ def main() -> int:
     head, found, rest = text.partition(section + "\n")
     tail = rest[rest.find("\n## "):] if found and "\n## " in rest else ""
     args.out.write_text(head.rstrip() + "\n\n" + "\n".join(body) + tail)
-    plot(rows, png)
+    plot(args.out.read_text(), png)
     return 0
 
 

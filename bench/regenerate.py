@@ -57,8 +57,11 @@ RESULTS = (
     Result("capacity", ("capacity.md", "capacity.png"), ("python bench/capacity.py all",), 10),
     Result("migration", ("migration.md", "migration.png"),
            ("python bench/migration_sim.py --seeds 3 --link-scale 1 --setup-scale 1",
-            "python bench/migration_ttft.py --tokens 4096,16384,65536 --netns --transports tcp,mooncake"), 30,
-           note="the TTFT part needs root (network namespaces) and the mooncake extra"),
+            "python bench/migration_ttft.py --tokens 4096,16384,65536 --netns --transports tcp,mooncake",
+            ".ci-vllm-venv/bin/python bench/migration_ttft.py --engine vllm --tokens 4096,16384,65536 --netns"
+            " --transports tcp,mooncake"), 45,
+           note="the TTFT part needs root (network namespaces), the mooncake extra and, for its vLLM rows,"
+                " the vLLM stage's venv (.ci/vllm_stage.sh builds .ci-vllm-venv)"),
     Result("hot_cold_sim", ("hot_cold_sim.md",), ("python bench/hot_cold_sim.py --seeds 3",), 5),
     Result("sim_fidelity_peers", ("sim_fidelity_peers.md",),
            ("python bench/sim_fidelity.py --policies talaria,sglang-cache-aware,vllm-stack-session"
