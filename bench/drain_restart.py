@@ -182,26 +182,18 @@ async def load(up: UpProcess, run: Run, sessions: int, calls: int, rate: float, 
         await ops
 
 
-async def call_rows(db_url: str, prefix: str) -> list[dict]:
-    conn = await asyncpg.connect(asyncpg_dsn(db_url))
-    try:
-        rows = await conn.fetch(
-            "SELECT session_id, call_index, instance_id, kv_source, ttft_s, outcome, cached_tokens, prompt_tokens, "
-            "migrated_bytes, "
-            "extract(epoch FROM submitted_at) AS submitted FROM calls WHERE session_id LIKE $1 "
-            "ORDER BY session_id, call_index", scoped_session(TENANT, prefix) + "%")
-    finally:
-        await conn.close()
-    return [dict(r) | {"session": client_session(TENANT, r["session_id"])} for r in rows]
+CALLS_SQL = ("SELECT session_id, call_index, instance_id, kv_source, ttft_s, outcome, cached_tokens, prompt_tokens, "
+             "migrated_bytes, extract(epoch FROM submitted_at) AS submitted FROM calls")
+DECISIONS_SQL = ("SELECT session_id, call_index, action, chosen_instance, lease_outcome, lease_instance, candidates, "
+                 "kv_source, extract(epoch FROM decided_at) AS decided FROM lease_decisions")
 
 
-async def decision_rows(db_url: str, prefix: str) -> list[dict]:
+async def session_rows(db_url: str, select: str, prefix: str) -> list[dict]:
+    """`select`'s rows for the bench's sessions (`prefix`), each with its client-side name."""
     conn = await asyncpg.connect(asyncpg_dsn(db_url))
     try:
-        rows = await conn.fetch(
-            "SELECT session_id, call_index, action, chosen_instance, lease_outcome, lease_instance, candidates, "
-            "kv_source, extract(epoch FROM decided_at) AS decided FROM lease_decisions WHERE session_id LIKE $1 "
-            "ORDER BY session_id, call_index", scoped_session(TENANT, prefix) + "%")
+        rows = await conn.fetch(select + " WHERE session_id LIKE $1 ORDER BY session_id, call_index",
+                                scoped_session(TENANT, prefix) + "%")
     finally:
         await conn.close()
     return [dict(r) | {"session": client_session(TENANT, r["session_id"])} for r in rows]
@@ -290,10 +282,10 @@ def one_config(config: str, sessions: int, calls: int, rate: float, seed: int) -
             d.started = drain_seen(data_dir, d.instance, d.started)
         prefix = f"drain-{config}-{seed}-"
         by_session, _ = asyncio.run(settle(db_url, prefix, sum(1 for a in run.phase.attempts if a.status == 200)))
-        rows = asyncio.run(call_rows(db_url, prefix))
+        rows = asyncio.run(session_rows(db_url, CALLS_SQL, prefix))
         (data_dir / "calls.json").write_text(json.dumps(rows, default=str))  # for a look after the stack is gone
         # the router's decisions (candidates priced, kv_state each) for a look at any recompute
-        decisions = asyncio.run(decision_rows(db_url, prefix))
+        decisions = asyncio.run(session_rows(db_url, DECISIONS_SQL, prefix))
         (data_dir / "decisions.json").write_text(json.dumps(decisions, default=str))
         result = analyse(run, rows, by_session, executions(data_dir, prefix), decisions)
         print("drain_restart: " + json.dumps(result), file=sys.stderr)
