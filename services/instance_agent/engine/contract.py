@@ -157,6 +157,10 @@ class Engine(Protocol):
     def stage(self, model: str, *, wait: bool = False) -> int:
         """Pre-stage `model` for the next switch; returns staged bytes (0 without d2d_staging)."""
 
+    # Optional, `probe_prefill() -> (model, [(tokens, context, seconds)]) | None`: the active
+    # model's prefill timed at no context and deep in it, once per model (the torch engine:
+    # prefill_probe.py). Without it an agent's slope starts from the architecture's prior.
+
     def prefill(self, seqs: list[Sequence], chunk_tokens: int = 0, more: Iterable[Sequence] = (),
                 pass_tokens: int = 0) -> list[StepToken]:
         """Admit calls for the active model (or switch to theirs when none run) and return

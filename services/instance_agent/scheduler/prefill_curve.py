@@ -4,16 +4,35 @@ A linear rate (seconds per prompt token) prices a long prompt far too low: each 
 attends over every token before it, so a chunk of n tokens on top of c costs
 s0 + n * (a + b * (c + n/2)), s0 the step's fixed cost. The chunks of one chunked prefill
 climb in c, so their times give b; fitted per model by least squares on exponentially
-decayed sums, only on chunks of calls prefilled in several (a short call's one step says
-nothing of context). Chunks of one size cannot tell s0 from a: then a absorbs s0, which
-leaves b as it is. Pure; the formula the router prices with is shared/prefill_cost.py.
+decayed sums, on chunks of calls prefilled in several (a short call's one step says
+nothing of context) and on the engine's start-up probe (`probed`: a pass at no context and
+one deep in it). Chunks of one size cannot tell s0 from a: then a absorbs s0, which leaves b
+as it is. Pure; the formula the router prices with is shared/prefill_cost.py.
+
+What the agent reports (`slope`): the fitted b once it is *established*, at least Z standard
+errors above 0 (the chunks spread over enough context for the noise of their times); until
+then the prior from the model's architecture (shared/attention_prior.py) times the linear
+rate, the fitted a where the chunks or the probe measured one. And how far the price it
+reports runs over what whole chunked prefills took (`overstatement`: the regime where a
+deadline refuses a call); the router refuses a call only when its price is past the deadline
+by more than that (router/deadlines.py).
 """
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from dataclasses import dataclass, field
 
+from talaria.shared.prefill_cost import prefill_s
+from talaria.shared.stats import quantile
+
 DECAY = 0.98  # per chunk folded: about the last 50 chunks count (a few long prompts)
+MEMORY = round(1 / (1 - DECAY))  # the chunked prefills whose price/time ratio the overstatement reads
+Z = 2.0  # b is established at 2 standard errors above 0 (one-sided ~98%: a slope, not noise)
+# The overstatement is the price/time ratio that 9 prefills in 10 stay under: a call is refused
+# only when even that generous reading of its time misses the deadline (router/deadlines.py).
+OVERSTATEMENT_Q = 0.9
 
 
 def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
@@ -41,15 +60,40 @@ class _Sums:
     """Decayed normal equations of t = s0 + a*n + b*n*x over features f = (1, n, n*x)."""
     ff: list = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
     ft: list = field(default_factory=lambda: [0.0] * 3)
+    tt: float = 0.0  # decayed sum of t^2 and of the weights: the residual's variance
+    w: float = 0.0
+    # Whole chunked prefills, (fresh tokens, context before them, seconds from first chunk to last)
+    prefills: deque = field(default_factory=lambda: deque(maxlen=MEMORY))
 
     def fold(self, f: tuple[float, float, float], t: float) -> None:
         for i in range(3):
             self.ft[i] = self.ft[i] * DECAY + f[i] * t
             for j in range(3):
                 self.ff[i][j] = self.ff[i][j] * DECAY + f[i] * f[j]
+        self.tt = self.tt * DECAY + t * t
+        self.w = self.w * DECAY + 1.0
 
     def fit(self, cols: tuple[int, ...]) -> list[float] | None:
         return _solve([[self.ff[i][j] for j in cols] for i in cols], [self.ft[i] for i in cols])
+
+    def last_se(self, cols: tuple[int, ...], beta: list[float]) -> float | None:
+        """Standard error of the last coefficient of the fit `beta` over `cols` (weighted least
+        squares on the decayed sums); None without residual degrees of freedom."""
+        dof = self.w - len(cols)
+        if dof <= 0:
+            return None
+        rss = self.tt - 2 * sum(b * self.ft[i] for b, i in zip(beta, cols)) + sum(
+            beta[x] * beta[y] * self.ff[i][j] for x, i in enumerate(cols) for y, j in enumerate(cols))
+        unit = self._unit(cols)
+        if unit is None:
+            return None
+        return math.sqrt(max(0.0, rss) / dof * max(0.0, unit))
+
+    def _unit(self, cols: tuple[int, ...]) -> float | None:
+        """The last diagonal entry of the inverse of the fit's normal matrix."""
+        e = [0.0] * (len(cols) - 1) + [1.0]
+        x = _solve([[self.ff[i][j] for j in cols] for i in cols], e)
+        return None if x is None else x[-1]
 
 
 @dataclass
@@ -65,19 +109,59 @@ class PrefillCurve:
         x = context + tokens / 2
         self.sums.setdefault(model, _Sums()).fold((1.0, float(tokens), tokens * x), seconds)
 
-    def fit(self, model: str) -> tuple[float, float, float]:
-        """(s0, a, b), each >= 0; b is 0 until chunks at different contexts were measured."""
+    def prefilled(self, model: str, fresh: int, context: int, seconds: float) -> None:
+        """A call's prefill of `fresh` tokens on top of `context`, run in several chunks, took
+        `seconds` from its first chunk to its last (what a deadline sees: the steps of other
+        calls between its chunks included)."""
+        if fresh > 0 and seconds > 0 and context >= 0:
+            self.sums.setdefault(model, _Sums()).prefills.append((fresh, context, seconds))
+
+    def _fit(self, model: str) -> tuple[tuple[float, float, float], float | None]:
+        """((s0, a, b), the standard error of b or None)."""
         s = self.sums.get(model)
         if s is None:
-            return 0.0, 0.0, 0.0
+            return (0.0, 0.0, 0.0), None
         full = s.fit((0, 1, 2))
         if full is not None and min(full) >= 0:
-            return full[0], full[1], full[2]
+            return (full[0], full[1], full[2]), s.last_se((0, 1, 2), full)
         two = s.fit((1, 2))  # one chunk size (or a negative fixed cost): a absorbs s0
         if two is not None and two[1] > 0:
-            return 0.0, max(0.0, two[0]), two[1]
-        return 0.0, 0.0, 0.0
+            return (0.0, max(0.0, two[0]), two[1]), s.last_se((1, 2), two)
+        one = s.fit((1,))  # no spread of contexts yet: the linear rate alone
+        return (0.0, max(0.0, one[0]) if one is not None else 0.0, 0.0), None
+
+    def fit(self, model: str) -> tuple[float, float, float]:
+        """(s0, a, b), each >= 0; b is 0 until chunks at different contexts were measured."""
+        return self._fit(model)[0]
+
+    def established(self, model: str | None) -> bool:
+        """Is the fitted b at least Z standard errors above 0?"""
+        if not model:
+            return False
+        (_, _, b), se = self._fit(model)
+        return b > 0 and se is not None and b >= Z * se
 
     def ctx_s_per_tok2(self, model: str | None) -> float:
         """b (0: not measured)."""
         return self.fit(model)[2] if model else 0.0
+
+    def slope(self, model: str | None, ratio: float, s_per_tok: float) -> tuple[float, bool]:
+        """(b to report, whether it is measured): the fit once established, else the
+        architecture's `ratio` (attention_prior.attention_ratio) times the linear rate: the
+        fitted a where chunks or the probe measured one (a step's fixed cost apart), else
+        `s_per_tok` (the engine's rate, which carries it: the prior then runs high)."""
+        if not model:
+            return 0.0, False
+        if self.established(model):
+            return self.fit(model)[2], True
+        a = self.fit(model)[1]
+        return ratio * (a if a > 0 else s_per_tok), False
+
+    def overstatement(self, model: str | None, s_per_tok: float, ctx_s_per_tok2: float) -> float:
+        """How far the price (`s_per_tok`, `ctx_s_per_tok2`: what this agent reports now) runs
+        over the time of its recent chunked prefills: the OVERSTATEMENT_Q quantile of price /
+        time over the last MEMORY of them; 0 when none ran or there is no price."""
+        s = self.sums.get(model) if model else None
+        if s is None or not s.prefills or s_per_tok <= 0:
+            return 0.0
+        return quantile([prefill_s(s_per_tok, ctx_s_per_tok2, n, c) / t for n, c, t in s.prefills], OVERSTATEMENT_Q)
