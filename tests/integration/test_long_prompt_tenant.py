@@ -3,14 +3,17 @@ two agents on real NATS and Postgres), at the finding's scale: tenant A sends tw
 prompts (212 KB) while tenant B runs short calls. Done when: B's p99 time to first token is
 within 2x its quiet p99, none of B's calls goes unanswered, and each of A's calls completes
 or is refused within 1 s with a reason. On this CPU a 91K-token prefill takes minutes, past
-the 60 s deadline, so the router refuses it up front once the stack has measured how its
-prefill slows with context (a prompt of a few thousand tokens, prefilled in chunks beside
-short calls, before B's quiet phase). Prints the numbers results/faults.md reports."""
+the 60 s deadline, so the router refuses it up front: on a fresh stack with the slope's prior
+(the architecture's ratio times the linear rate the engine's probe measured) and the cold
+margin, and, after a prompt of a few thousand tokens ran in chunks beside short calls, with
+what the agents measured (their fitted slope once established, their prices' overstatement).
+Prints the numbers results/faults.md reports."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 import aiohttp
@@ -22,12 +25,12 @@ from talaria.embedded import free_port
 from talaria.services.instance_agent.agent_service import run as run_agent
 from talaria.shared.health import wait_for_router
 from talaria.shared.settings import Settings
-from tests.integration.harness import Services, wait_rows
+from talaria.shared.snapshots import SNAPSHOT_DECODER
+from tests.integration.harness import DEP, Services, wait_rows
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 MODEL = "qwen3-tiny"
 A_KEY, B_KEY = "tenant-a-key-0123456789", "tenant-b-key-0123456789"
-PARSE_ALLOWANCE_S = 0.1  # what parsing A's two 212 KB bodies adds to B's calls on these 2 shared cores (~50 ms seen)
 LONG_WORDS = 5_100  # 91,581 prompt tokens (212 KB) of the demo BPE, within the 131,072 context
 CURVE_WORDS = 450  # 7,638 tokens: chunked beside short calls, it shows how prefill slows with context
 
@@ -40,21 +43,22 @@ async def call(s: aiohttp.ClientSession, base: str, key: str, text, session: str
     body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     start = time.monotonic()
     first, answer = None, []
+    out = {"start": start}
     try:
         async with s.post(f"{base}/v1/chat/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout),
                           headers={"Authorization": f"Bearer {key}", "X-Session-Id": session}) as r:
             if r.status != 200:
-                return {"status": r.status, "reason": (await r.json())["error"]["message"],
+                return {**out, "status": r.status, "reason": (await r.json())["error"]["message"],
                         "total": time.monotonic() - start}
             async for line in r.content:
                 chunk = json.loads(line[6:]) if line.startswith(b"data: {") else {}
                 if piece := (chunk.get("choices") or [{}])[0].get("delta", {}).get("content"):
                     first = time.monotonic() - start if first is None else first
                     answer.append(piece)
-            return {"status": 200, "ttft": first if first is not None else time.monotonic() - start,
+            return {**out, "status": 200, "ttft": first if first is not None else time.monotonic() - start,
                     "total": time.monotonic() - start, "text": "".join(answer)}
     except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
-        return {"status": None, "reason": type(exc).__name__, "total": time.monotonic() - start}
+        return {**out, "status": None, "reason": type(exc).__name__, "total": time.monotonic() - start}
 
 
 async def tenant_b(s, base: str, until: asyncio.Event, results: list, streams: int = 2) -> None:
@@ -72,39 +76,51 @@ def p99(xs: list[float]) -> float:
     return xs[min(len(xs) - 1, int(0.99 * len(xs)))]
 
 
-async def test_a_long_prompt_tenant_cannot_take_another_tenants_capacity(nats_url, database_url, tmp_path):
+@pytest.mark.parametrize("warm", [False, True], ids=["fresh", "after-a-chunked-prompt"])
+async def test_a_long_prompt_tenant_cannot_take_another_tenants_capacity(nats_url, database_url, tmp_path, warm):
     settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, http_port=free_port(),
                            call_timeout_s=60, models=(MODEL,), projection_interval_s=0.0,
                            api_keys=(f"a:{A_KEY}", f"b:{B_KEY}"))
     services = Services()
     base = f"http://127.0.0.1:{settings.gateway.http_port}"
+    snaps: dict = {}  # the agents' last snapshots: what the router priced A's prompts with
+
+    async def on_snapshot(msg):
+        snap = SNAPSHOT_DECODER.decode(msg.data)
+        snaps[snap.instance_id] = snap
     try:
         await services.start_control_plane(settings)
         for i in range(2):
             await services.start(f"agent-{i}", run_agent, settings.with_(instance_id=f"agent-{i}"))
         nc = await nats.connect(settings.common.nats_url)
         await wait_for_router(nc, instances=2)
-        await nc.close()
+        await nc.subscribe(DEP.telemetry_wildcard, cb=on_snapshot)
         long_text = " ".join(f"file{i % 997}.py line {i} assert parse(x) == y" for i in range(LONG_WORDS))
+        warmups: list = []
         async with aiohttp.ClientSession() as s:
-            # Warm up both agents and the measured rates, and let a prompt of a few thousand
-            # tokens run in chunks beside short calls (the agents fit prefill's slope with
-            # context on them); then B alone: its quiet TTFT.
+            # Warm up both agents (each probes its prefill when the model first opens); `warm`:
+            # then a prompt of a few thousand tokens runs in chunks beside short calls (the
+            # agents fit prefill's slope on it and measure their prices against it). Then B
+            # alone: its quiet TTFT.
             await asyncio.gather(*(call(s, base, B_KEY, "warm up", f"w-{i}", 8, 60) for i in range(4)))
-            stop = asyncio.Event()
-            b = asyncio.create_task(tenant_b(s, base, stop, []))
-            curve_text = " ".join(f"file{i % 997}.py line {i} assert parse(x) == y" for i in range(CURVE_WORDS))
-            warm = await asyncio.gather(*(call(s, base, B_KEY, curve_text + f" warm {i}", f"wl-{i}", 8, 60)
-                                          for i in range(2)))
-            stop.set()
-            await b
-            assert all(r["status"] == 200 for r in warm), warm
+            if warm:
+                stop = asyncio.Event()
+                b = asyncio.create_task(tenant_b(s, base, stop, []))
+                curve_text = " ".join(f"file{i % 997}.py line {i} assert parse(x) == y" for i in range(CURVE_WORDS))
+                warmups = await asyncio.gather(*(call(s, base, B_KEY, curve_text + f" warm {i}", f"wl-{i}", 8, 60)
+                                                 for i in range(2)))
+                stop.set()
+                await b
+                assert all(r["status"] == 200 for r in warmups), warmups
             quiet: list = []
             stop = asyncio.Event()
             b = asyncio.create_task(tenant_b(s, base, stop, quiet))
             await asyncio.sleep(8.0)  # a load phase of fixed length, not a synchronisation
             stop.set()
             await b
+            priced = {i: (round(1 / x.prefill_tok_s, 7) if x.prefill_tok_s else 0, f"{x.prefill_ctx_s_per_tok2:.2e}",
+                          "measured" if x.prefill_ctx_measured else "prior", round(x.prefill_overstatement, 2))
+                      for i, x in sorted(snaps.items())}
             # B again, while A sends two long prompts, 1.5 s apart.
             loaded: list = []
             stop = asyncio.Event()
@@ -113,11 +129,13 @@ async def test_a_long_prompt_tenant_cannot_take_another_tenants_capacity(nats_ur
 
             async def long_call(i: int) -> dict:
                 await asyncio.sleep(1.5 * i)  # the second after the first is parsed (big_bodies.py)
-                return await call(s, base, A_KEY, long_text + f" variant {i}", f"a-{i}", 8, 60)
+                sent = time.monotonic()
+                return {**await call(s, base, A_KEY, long_text + f" variant {i}", f"a-{i}", 8, 60), "sent": sent}
             a = await asyncio.gather(*(long_call(i) for i in range(2)))
             await asyncio.sleep(2.0)
             stop.set()
             await b
+        await nc.close()
         # Where A's long prompts ran, and where B's calls went while they prefilled.
         conn = await asyncpg.connect(database_url)
         try:
@@ -133,22 +151,25 @@ async def test_a_long_prompt_tenant_cannot_take_another_tenants_capacity(nats_ur
     loaded_ttft = [r["ttft"] for r in loaded if r["status"] == 200]
     beside = [r for row in served for r in b_rows if r["instance_id"] == row["instance_id"]
               and row["routed_at"] <= r["routed_at"] <= row["first_token_at"]]
-    print(f"\nB quiet: {len(quiet)} calls, p99 TTFT {p99(quiet_ttft):.3f} s; beside A's long prompts: "
-          f"{len(loaded)} calls, p99 TTFT {p99(loaded_ttft):.3f} s ({p99(loaded_ttft) / p99(quiet_ttft):.1f}x), "
-          f"max {max(loaded_ttft):.3f} s, {len(beside)} of {len(b_rows)} placed where A's prompt was prefilling; "
-          f"A: {[(r['status'], round(r['total'], 2), r.get('reason', '')[:230]) for r in a]}; "
-          f"the {CURVE_WORDS}-word warm-up prompts: {[(r['status'], round(r['total'], 2)) for r in warm]}")
+    # B's slowest calls beside A, and whether they overlapped an A call in flight (its body
+    # sent, parsed, priced and refused or run): where B's p99 comes from.
+    spans = [(r["sent"], r["sent"] + r["total"]) for r in a]
+    slow = sorted((r for r in loaded if r["status"] == 200), key=lambda r: -r["ttft"])[:3]
+    slow_txt = [(round(r["ttft"], 3), any(lo < r["start"] + r["ttft"] and r["start"] < hi for lo, hi in spans))
+                for r in slow]
+    print(f"\n[{'warm' if warm else 'fresh'}] load {os.getloadavg()[0]:.1f}; B quiet: {len(quiet)} calls, p99 TTFT "
+          f"{p99(quiet_ttft):.3f} s; beside A's long prompts: {len(loaded)} calls, p99 TTFT {p99(loaded_ttft):.3f} s "
+          f"({p99(loaded_ttft) / p99(quiet_ttft):.2f}x), slowest (ttft, during an A call) {slow_txt}, "
+          f"{len(beside)} of {len(b_rows)} placed where A's prompt was prefilling; "
+          f"A: {[(r['status'], round(r['total'], 2), r.get('reason', '')[:160]) for r in a]}; "
+          f"agents' prices (s/token, slope, its source, overstatement): {priced}; "
+          f"the {CURVE_WORDS}-word warm-up prompts: {[(r['status'], round(r['total'], 2)) for r in warmups]}")
     # None of B's calls goes unanswered or is refused.
     assert all(r["status"] == 200 for r in quiet + loaded), [r for r in quiet + loaded if r["status"] != 200]
-    # Each of A's long calls completes or ends with the reason. Issue 37 asks for a refusal
-    # within 1 s; the router's price rests on a slope fitted on prompts 12x shorter, and in 2 of
-    # 6 runs here it admitted one that its agent then dropped (after 4.4 s): printed above,
-    # counted in results/faults.md, not asserted until the slope is fitted with its error.
+    # Each of A's long calls completes, or is refused within 1 s with the reason.
     for r in a:
-        assert r["status"] == 200 or r.get("reason"), r
+        assert r["status"] == 200 or (r.get("reason") and r["total"] <= 1.0), r
     # A gets at most one instance (its share of two while B is active), not both.
     assert sum(r["status"] == 200 for r in a) <= 1, a
-    # B's p99 time to first token beside A's prompts: within 2x its quiet p99, which is 50-650 ms
-    # here. Parsing A's two 212 KB bodies takes ~50 ms of the same 2 shared cores, so on the
-    # fastest quiet runs 2x alone is within that noise (2.1x once in 6): that cost is allowed.
-    assert p99(loaded_ttft) <= 2 * p99(quiet_ttft) + PARSE_ALLOWANCE_S, (p99(quiet_ttft), p99(loaded_ttft))
+    # B's p99 time to first token beside A's prompts: within 2x its quiet p99.
+    assert p99(loaded_ttft) <= 2 * p99(quiet_ttft), (p99(quiet_ttft), p99(loaded_ttft))
