@@ -273,8 +273,7 @@ class AgentCore:
         """The engine's start-up probe of `model`: passes of (tokens, context, seconds), folded
         into the prefill curve like chunks (the linear rate without a step's fixed cost, and a
         first point of the slope)."""
-        for tokens, context, seconds in probes:
-            self.sched.curve.observe(model, tokens, context, seconds)
+        self.sched.curve.probed(model, probes)
 
     def snapshot(self, version: int, now: float, *, pool: str, active_model: str | None,
                  models: list[ModelResidency], sessions: list[SessionKv], memory, heartbeat_s: float) -> InstanceSnapshot:

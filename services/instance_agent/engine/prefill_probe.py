@@ -1,13 +1,13 @@
 """A model's prefill timed at start: one pass of PROBE_TOKENS at no context, one as deep in
 context as attention's work is PROBE_DEPTH times the linear layers' (by the architecture,
-shared/attention_prior.py), and the one at no context again (the first pass pays one-off
-costs). The agent folds them into its prefill curve (scheduler/prefill_curve.py) like chunks:
+shared/attention_prior.py), and two at no context again (the first pass pays one-off costs,
+and is left out; of two, a load spike rarely slows both). The agent folds them into its prefill curve (scheduler/prefill_curve.py) like chunks:
 they give the linear rate without a step's fixed cost before any long prompt ran, which the
 slope's prior multiplies, and a first point of the slope itself.
 
 Run on the engine's worker thread when a model first becomes active, on free pages of its KV
 pool (given back after: the probe's K/V rows are never indexed, so nobody reads them).
-About 6 passes of PROBE_TOKENS at no context: ~80 ms for the built-in models on one core.
+About 8 passes' work of PROBE_TOKENS at no context: ~100 ms for the built-ins on one core.
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ def probe(dev: DeviceModel, page_size: int, device: torch.device) -> list[tuple[
             pages.append(page)
         depth = min(depth, len(pages) * page_size - PROBE_TOKENS)
         out = []
-        for context in (0, depth, 0) if depth > 0 else (0, 0):
+        for context in (0, depth, 0, 0) if depth > 0 else (0, 0, 0):
             out.append((PROBE_TOKENS, context, _pass(dev, pages, page_size, context, device)))
-        return [out[-1]] + out[1:-1]  # the first pass at no context paid one-off costs
+        return out[1:]  # the first pass at no context paid one-off costs: it warmed the rest
     finally:
         for page in pages:
             dev.pool.unuse(page)

@@ -9,10 +9,11 @@ nothing of context) and on the engine's start-up probe (`probed`: a pass at no c
 one deep in it). Chunks of one size cannot tell s0 from a: then a absorbs s0, which leaves b
 as it is. Pure; the formula the router prices with is shared/prefill_cost.py.
 
-What the agent reports (`slope`): the fitted b once it is *established*, at least Z standard
-errors above 0 (the chunks spread over enough context for the noise of their times); until
+What the agent reports (`slope`): the fitted b once it is *established*, its 95% confidence
+interval clear of 0 (the chunks spread over enough context for the noise of their times); until
 then the prior from the model's architecture (shared/attention_prior.py) times the linear
-rate, the fitted a where the chunks or the probe measured one. And how far the price it
+rate the probe measured at no context (the fastest of its passes there: a load spike on one
+pass moves it little, where it would move a fit on two passes' difference many times). And how far the price it
 reports runs over what whole chunked prefills took (`overstatement`: the regime where a
 deadline refuses a call); the router refuses a call only when its price is past the deadline
 by more than that (router/deadlines.py).
@@ -29,7 +30,17 @@ from talaria.shared.stats import quantile
 
 DECAY = 0.98  # per chunk folded: about the last 50 chunks count (a few long prompts)
 MEMORY = round(1 / (1 - DECAY))  # the chunked prefills whose price/time ratio the overstatement reads
-Z = 2.0  # b is established at 2 standard errors above 0 (one-sided ~98%: a slope, not noise)
+# b is established when its 95% confidence interval excludes 0: b >= t x its standard error,
+# t Student's 0.975 quantile at the fit's residual degrees of freedom (few chunks: a wide t).
+T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23,
+        12: 2.18, 15: 2.13, 20: 2.09, 30: 2.04}
+
+
+def t975(dof: float) -> float | None:
+    """Student's t 0.975 quantile at `dof` (rounded down; the normal's past 30); None below 1."""
+    if dof < 1:
+        return None
+    return next((t for d, t in sorted(T975.items(), reverse=True) if d <= dof), 1.96) if dof <= 30 else 1.96
 # The overstatement is the price/time ratio that 9 prefills in 10 stay under: a call is refused
 # only when even that generous reading of its time misses the deadline (router/deadlines.py).
 OVERSTATEMENT_Q = 0.9
@@ -76,9 +87,9 @@ class _Sums:
     def fit(self, cols: tuple[int, ...]) -> list[float] | None:
         return _solve([[self.ff[i][j] for j in cols] for i in cols], [self.ft[i] for i in cols])
 
-    def last_se(self, cols: tuple[int, ...], beta: list[float]) -> float | None:
-        """Standard error of the last coefficient of the fit `beta` over `cols` (weighted least
-        squares on the decayed sums); None without residual degrees of freedom."""
+    def last_se(self, cols: tuple[int, ...], beta: list[float]) -> tuple[float, float] | None:
+        """(standard error of the last coefficient of the fit `beta` over `cols`, the residual
+        degrees of freedom): weighted least squares on the decayed sums; None without any."""
         dof = self.w - len(cols)
         if dof <= 0:
             return None
@@ -87,7 +98,7 @@ class _Sums:
         unit = self._unit(cols)
         if unit is None:
             return None
-        return math.sqrt(max(0.0, rss) / dof * max(0.0, unit))
+        return math.sqrt(max(0.0, rss) / dof * max(0.0, unit)), dof
 
     def _unit(self, cols: tuple[int, ...]) -> float | None:
         """The last diagonal entry of the inverse of the fit's normal matrix."""
@@ -101,6 +112,17 @@ class PrefillCurve:
     """Per model: b, seconds per prompt token per token of context attended over."""
 
     sums: dict[str, _Sums] = field(default_factory=dict)
+    probe_rate: dict[str, float] = field(default_factory=dict)  # s/token of the probe's passes at no context
+
+    def probed(self, model: str, passes) -> None:
+        """The engine's start-up probe: passes of (tokens, context, seconds), folded like chunks;
+        the fastest at no context is the prior's linear rate."""
+        passes = [(n, c, t) for n, c, t in passes if n > 0 and t > 0 and c >= 0]
+        for n, c, t in passes:
+            self.observe(model, n, c, t)
+        shallow = [t / n for n, c, t in passes if c == 0]
+        if shallow:
+            self.probe_rate[model] = min(shallow)
 
     def observe(self, model: str, tokens: int, context: int, seconds: float) -> None:
         """A chunk of `tokens` prompt tokens on top of `context` ran in `seconds`."""
@@ -116,8 +138,8 @@ class PrefillCurve:
         if fresh > 0 and seconds > 0 and context >= 0:
             self.sums.setdefault(model, _Sums()).prefills.append((fresh, context, seconds))
 
-    def _fit(self, model: str) -> tuple[tuple[float, float, float], float | None]:
-        """((s0, a, b), the standard error of b or None)."""
+    def _fit(self, model: str) -> tuple[tuple[float, float, float], tuple[float, float] | None]:
+        """((s0, a, b), (the standard error of b, residual degrees of freedom) or None)."""
         s = self.sums.get(model)
         if s is None:
             return (0.0, 0.0, 0.0), None
@@ -135,11 +157,12 @@ class PrefillCurve:
         return self._fit(model)[0]
 
     def established(self, model: str | None) -> bool:
-        """Is the fitted b at least Z standard errors above 0?"""
+        """Does the fitted b's 95% confidence interval exclude 0?"""
         if not model:
             return False
-        (_, _, b), se = self._fit(model)
-        return b > 0 and se is not None and b >= Z * se
+        (_, _, b), err = self._fit(model)
+        t = t975(err[1]) if err is not None else None
+        return b > 0 and t is not None and b >= t * err[0]
 
     def ctx_s_per_tok2(self, model: str | None) -> float:
         """b (0: not measured)."""
@@ -148,14 +171,14 @@ class PrefillCurve:
     def slope(self, model: str | None, ratio: float, s_per_tok: float) -> tuple[float, bool]:
         """(b to report, whether it is measured): the fit once established, else the
         architecture's `ratio` (attention_prior.attention_ratio) times the linear rate: the
-        fitted a where chunks or the probe measured one (a step's fixed cost apart), else
-        `s_per_tok` (the engine's rate, which carries it: the prior then runs high)."""
+        probe's where the engine has one (a pass of a few hundred tokens, little fixed cost),
+        else `s_per_tok` (the engine's rate over its steps, which carries a step's fixed cost:
+        the prior then runs high)."""
         if not model:
             return 0.0, False
         if self.established(model):
             return self.fit(model)[2], True
-        a = self.fit(model)[1]
-        return ratio * (a if a > 0 else s_per_tok), False
+        return ratio * (self.probe_rate.get(model) or s_per_tok), False
 
     def overstatement(self, model: str | None, s_per_tok: float, ctx_s_per_tok2: float) -> float:
         """How far the price (`s_per_tok`, `ctx_s_per_tok2`: what this agent reports now) runs

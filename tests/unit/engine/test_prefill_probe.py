@@ -15,16 +15,19 @@ def test_the_probe_times_a_pass_at_no_context_and_one_deep_in_it_once_per_model(
     # deep enough that attention's work is PROBE_DEPTH times the linear layers' (3,072 here)
     assert depth == round(PROBE_DEPTH / attention_ratio(eng.specs["qwen3-tiny"]))
     model, passes = eng.probe_prefill()
-    assert model == "qwen3-tiny" and [(n, c) for n, c, _ in passes] == [(PROBE_TOKENS, 0), (PROBE_TOKENS, depth)]
-    shallow, deep = (t for _, _, t in passes)
-    assert deep > shallow  # 5x the work by the architecture: its time shows it
+    assert model == "qwen3-tiny" and [(n, c) for n, c, _ in passes] == [(PROBE_TOKENS, c) for c in (depth, 0, 0)]
+    deep, *shallow = (t for _, _, t in passes)
+    assert deep > max(shallow)  # 5x the work by the architecture: its time shows it
     assert eng.dev.pool.num_free == free  # its pages are given back
     assert eng.probe_prefill() is None  # once per model
     curve = PrefillCurve()
-    for n, c, t in passes:
-        curve.observe(model, n, c, t)
+    curve.probed(model, passes)
     _, a, b = curve.fit(model)
-    assert a > 0 and b > 0  # the linear rate without a step's fixed cost, and a first slope
+    assert a > 0 and b > 0  # a first slope
+    # the prior stands on the fastest pass at no context, per token
+    assert curve.probe_rate[model] == min(shallow) / PROBE_TOKENS
+    assert curve.slope(model, attention_ratio(eng.specs[model]), 1.0) == (
+        attention_ratio(eng.specs[model]) * min(shallow) / PROBE_TOKENS, False)
 
 
 def test_a_pool_too_small_for_the_deep_pass_probes_what_fits(make_engine):
@@ -32,4 +35,4 @@ def test_a_pool_too_small_for_the_deep_pass_probes_what_fits(make_engine):
     eng.switch_to("qwen3-tiny")
     assert probe_context(eng.dev, eng.page_size) == 64 * eng.page_size - PROBE_TOKENS
     _, passes = eng.probe_prefill()
-    assert [c for _, c, _ in passes] == [0, 64 * eng.page_size - PROBE_TOKENS]
+    assert [c for _, c, _ in passes] == [64 * eng.page_size - PROBE_TOKENS, 0, 0]

@@ -80,19 +80,19 @@ def test_the_slope_is_established_only_once_its_context_spread_outweighs_the_noi
     assert not PrefillCurve().established("m") and not wide.established(None)
 
 
-def test_until_established_the_slope_is_the_architectures_prior_on_the_fitted_linear_rate():
+def test_until_established_the_slope_is_the_architectures_prior_on_the_probes_linear_rate():
     ratio = 1024 / 786_432  # qwen3-tiny's (test_attention_prior.py)
     empty = PrefillCurve()
     # nothing measured here: the prior on the engine's rate (which carries a step's fixed cost)
     assert empty.slope("m", ratio, 3e-4) == (pytest.approx(ratio * 3e-4), False)
     assert empty.slope(None, ratio, 3e-4) == (0.0, False) and empty.slope("m", ratio, 0.0) == (0.0, False)
-    # a probe (two passes of one size): a is fitted without the step's fixed cost, b from two
-    # points has no residual to judge it by, so the prior stands on the fitted a
+    # a probe: the slope from its two contexts has no residual to judge it by, so the prior
+    # stands, on the probe's fastest pass at no context (not the engine's rate): a load spike
+    # on the deep pass (here 4x) does not move it
     probed = PrefillCurve()
-    probed.observe("m", 256, 0, prefill_s(5e-5, 5e-8, 256, 0))
-    probed.observe("m", 256, 3072, prefill_s(5e-5, 5e-8, 256, 3072))
+    probed.probed("m", [(256, 3072, 4 * prefill_s(5e-5, 5e-8, 256, 3072)), (256, 0, 0.0128), (256, 0, 0.0150)])
     assert not probed.established("m")
-    assert probed.slope("m", ratio, 3e-4) == (pytest.approx(ratio * 5e-5, rel=1e-6), False)
+    assert probed.slope("m", ratio, 3e-4) == (pytest.approx(ratio * 0.0128 / 256), False)
 
 
 def test_the_overstatement_is_how_far_the_reported_price_runs_over_whole_chunked_prefills():
@@ -111,3 +111,13 @@ def test_the_overstatement_is_how_far_the_reported_price_runs_over_whole_chunked
     assert curve.overstatement("m", 1e-4, 1e-8) == pytest.approx(0.5)
     curve.prefilled("m", 0, 0, 1.0)  # nothing prefilled: ignored
     assert curve.overstatement("m", 1e-4, 1e-8) == pytest.approx(0.5)
+
+
+def test_a_few_chunks_need_a_wider_interval_to_establish_the_slope():
+    from talaria.services.instance_agent.scheduler.prefill_curve import t975
+    assert t975(0.9) is None and t975(1) == 12.71 and t975(11) == 2.23 and t975(100) == 1.96
+    # three exact-looking points (one residual degree of freedom) do not establish a slope that
+    # a tiny noise would: the probe alone never does
+    curve = PrefillCurve()
+    curve.probed("m", [(256, 3072, 0.08), (256, 0, 0.0128), (256, 0, 0.0129)])
+    assert not curve.established("m")
