@@ -10,13 +10,13 @@ one deep in it). Chunks of one size cannot tell s0 from a: then a absorbs s0, wh
 as it is. Pure; the formula the router prices with is shared/prefill_cost.py.
 
 What the agent reports (`slope`): the fitted b once it is *established*, its 95% confidence
-interval clear of 0 (the chunks spread over enough context for the noise of their times); until
-then the prior from the model's architecture (shared/attention_prior.py) times the linear
-rate the probe measured at no context (the fastest of its passes there: a load spike on one
-pass moves it little, where it would move a fit on two passes' difference many times). And how far the price it
-reports runs over what whole chunked prefills took (`overstatement`: the regime where a
-deadline refuses a call); the router refuses a call only when its price is past the deadline
-by more than that (router/deadlines.py).
+interval clear of 0 (the chunks spread over enough context for the noise of their times);
+until then the prior from the model's architecture (shared/attention_prior.py) times the
+linear rate the probe measured at no context (the fastest of its passes there: a load spike
+on one pass moves it little, where it would move a fit on two passes' difference many
+times). And how far the price it reports runs over what whole chunked prefills took
+(`overstatement`: the regime where a deadline refuses a call); the router refuses a call
+only when its price is past the deadline by more than that (router/deadlines.py).
 """
 
 from __future__ import annotations
@@ -36,14 +36,18 @@ T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31,
         12: 2.18, 15: 2.13, 20: 2.09, 30: 2.04}
 
 
+# The overstatement is the price/time ratio that 9 prefills in 10 stay under: a call is refused
+# only when even that generous reading of its time misses the deadline (router/deadlines.py).
+OVERSTATEMENT_Q = 0.9
+
+
 def t975(dof: float) -> float | None:
     """Student's t 0.975 quantile at `dof` (rounded down; the normal's past 30); None below 1."""
     if dof < 1:
         return None
-    return next((t for d, t in sorted(T975.items(), reverse=True) if d <= dof), 1.96) if dof <= 30 else 1.96
-# The overstatement is the price/time ratio that 9 prefills in 10 stay under: a call is refused
-# only when even that generous reading of its time misses the deadline (router/deadlines.py).
-OVERSTATEMENT_Q = 0.9
+    if dof > 30:
+        return 1.96
+    return next(t for d, t in sorted(T975.items(), reverse=True) if d <= dof)
 
 
 def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
