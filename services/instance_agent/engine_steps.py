@@ -37,8 +37,7 @@ class EngineSteps:
         record = await self.thread.run(self.engine.switch_to, action.to_model)
         # An engine that can time its prefill does so the first time a model is active
         # (torch: engine/prefill_probe.py); the others' slope starts from the prior.
-        probe = getattr(self.engine, "probe_prefill", None)
-        probed = await self.thread.run(probe) if probe is not None else None
+        probed = await self.thread.run(self.engine.probe_prefill)
         if probed is not None:
             self.core.prefill_probed(*probed)
         report = self.core.switch_done(action, time.time(), record.total_s, path=record.path,
