@@ -67,9 +67,10 @@ class InstanceSnapshot(Struct, frozen=True):
     # linear rate (shared/attention_prior.py). 0: neither (no rate measured yet).
     prefill_ctx_s_per_tok2: float = 0.0
     prefill_ctx_measured: bool = False
-    # How far a price from these two rates ran over the time of this agent's recent prefill
-    # chunks (a high quantile of price / time); 0: none measured. The router refuses a call
-    # for its deadline only past that factor (router/deadlines.py).
+    # How far a long prompt's price (this slope on the linear rate the agent's probe measured,
+    # else on prefill_tok_s) ran over the time of its recent chunked prefills (a high quantile
+    # of price / time); 0: none ran. The router refuses a call for its deadline only past that
+    # factor (router/deadlines.py).
     prefill_overstatement: float = 0.0
     decode_tok_s: float = 0.0
     restore_tok_s: float = 0.0

@@ -185,10 +185,16 @@ class PrefillCurve:
         return ratio * (self.probe_rate.get(model) or s_per_tok), False
 
     def overstatement(self, model: str | None, s_per_tok: float, ctx_s_per_tok2: float) -> float:
-        """How far the price (`s_per_tok`, `ctx_s_per_tok2`: what this agent reports now) runs
-        over the time of its recent chunked prefills: the OVERSTATEMENT_Q quantile of price /
-        time over the last MEMORY of them; 0 when none ran or there is no price."""
+        """How far a long prompt's price runs over the time of the recent chunked prefills: the
+        OVERSTATEMENT_Q quantile of price / time over the last MEMORY of them; 0 when none ran
+        or there is no price. The price: the slope this agent reports (`ctx_s_per_tok2`) on the
+        probe's linear rate where there is one, else `s_per_tok` (the engine's). Not on the
+        engine's rate where the probe measured one: that carries a step's fixed cost, which
+        weighs most in the shortest prefills measured and least in the long ones judged, so the
+        factor measured on a few thousand tokens would let a 91K-token prompt in (it did: 3.7x,
+        from 7.6K-token prefills; its price 197 s, refused only past 224 s)."""
         s = self.sums.get(model) if model else None
-        if s is None or not s.prefills or s_per_tok <= 0:
+        rate = (self.probe_rate.get(model) if model else 0.0) or s_per_tok
+        if s is None or not s.prefills or rate <= 0:
             return 0.0
-        return quantile([prefill_s(s_per_tok, ctx_s_per_tok2, n, c) / t for n, c, t in s.prefills], OVERSTATEMENT_Q)
+        return quantile([prefill_s(rate, ctx_s_per_tok2, n, c) / t for n, c, t in s.prefills], OVERSTATEMENT_Q)

@@ -156,5 +156,5 @@ def test_the_snapshot_reports_the_slopes_prior_until_the_fit_is_established_and_
         c.sched.curve.observe("a", 1024, c_, prefill_s(5e-5, 5e-8, 1024, c_) * (1.1 if c_ % 2048 else 0.9))
     assert snap().prefill_ctx_measured and snap().prefill_ctx_s_per_tok2 == pytest.approx(5e-8, rel=0.2)
     c.sched.curve.prefilled("a", 16_384, 0, 10.0)
-    b = snap().prefill_ctx_s_per_tok2
-    assert snap().prefill_overstatement == pytest.approx(prefill_s(1e-3, b, 16_384, 0) / 10.0)
+    b = snap().prefill_ctx_s_per_tok2  # priced on the probe's linear rate, not the engine's 1 ms
+    assert snap().prefill_overstatement == pytest.approx(prefill_s(0.0128 / 256, b, 16_384, 0) / 10.0)

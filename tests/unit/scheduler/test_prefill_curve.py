@@ -111,6 +111,10 @@ def test_the_overstatement_is_how_far_the_reported_price_runs_over_whole_chunked
     assert curve.overstatement("m", 1e-4, 1e-8) == pytest.approx(0.5)
     curve.prefilled("m", 0, 0, 1.0)  # nothing prefilled: ignored
     assert curve.overstatement("m", 1e-4, 1e-8) == pytest.approx(0.5)
+    # After a probe, the price is on its linear rate, not the engine's (which carries a step's
+    # fixed cost and would read as overstatement on the prefills measured, not on longer ones)
+    curve.probed("m", [(256, 0, 256 * 1e-4)])
+    assert curve.overstatement("m", 5e-4, 1e-8) == pytest.approx(0.5)
 
 
 def test_a_few_chunks_need_a_wider_interval_to_establish_the_slope():
