@@ -1,20 +1,14 @@
 """Before an agent has measured how prefill slows with context, a prior for that slope from
 the model's architecture.
 
-A prompt token costs its linear layers (q, k, v, o projections and the MLP: a fixed number of
-multiply-adds per token) plus attention over every token before it (q.k and the weighted sum
-of v: 2 x heads x head_dim multiply-adds per layer per token attended over). So the slope b
-(seconds per token per token attended over) relates to the linear rate a (seconds per token)
-as their work does:
-
-    b = a x ratio,  ratio = attention MACs per token attended over / linear MACs per token
-
-assuming attention runs at the linear layers' efficiency. The measured a also carries what
-is not arithmetic (a step's fixed cost, norms, rope, the framework), so this is an upper
-bound on b unless attention runs *less* efficiently than the linear layers; the agent reports
-it only until its own fit is established (scheduler/prefill_curve.py), and the router allows
-for how far its prices run over (deadlines.py). The same for every engine: it reads the
-architecture (a built-in or a Hugging Face config.json), not the engine.
+A prompt token costs its linear layers (projections and MLP: fixed multiply-adds per token)
+plus attention over every token before it (q.k and p.v: 2 x heads x head_dim per layer per
+token attended over). So the slope b (s/token per token attended over) relates to the linear
+rate a as their work does: b = a x ratio, assuming attention runs at the linear layers'
+efficiency. Measured here: within 0.9-1.6x of the slope the torch engine's probe timed, on
+the probe's linear rate (engine/prefill_probe.py); on an engine's step rate, which carries a
+step's fixed cost, it runs high. Reported only until the agent's own fit is established
+(scheduler/prefill_curve.py). The same for every engine: it reads the architecture.
 """
 
 from __future__ import annotations

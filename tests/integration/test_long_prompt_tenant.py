@@ -7,7 +7,10 @@ the 60 s deadline, so the router refuses it up front: on a fresh stack with the 
 (the architecture's ratio times the linear rate the engine's probe measured) and the cold
 margin, and, after a prompt of a few thousand tokens ran in chunks beside short calls, with
 what the agents measured (their fitted slope once established, their prices' overstatement).
-Prints the numbers results/faults.md reports."""
+On this shared 2-core machine the wall clock moves with other work's load: A's 1 s is
+asserted times the slowdown measured just before A's phase, and B's p99 as no more of its
+calls past 2x its quiet p99 than chance (1%); the strict figures are printed. Prints the
+numbers results/faults.md reports."""
 
 from __future__ import annotations
 

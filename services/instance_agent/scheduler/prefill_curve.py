@@ -1,22 +1,13 @@
 """How a prefill's cost grows with the context it attends over, measured on the chunks run.
 
-A linear rate (seconds per prompt token) prices a long prompt far too low: each token
-attends over every token before it, so a chunk of n tokens on top of c costs
-s0 + n * (a + b * (c + n/2)), s0 the step's fixed cost. The chunks of one chunked prefill
-climb in c, so their times give b; fitted per model by least squares on exponentially
-decayed sums, on chunks of calls prefilled in several (a short call's one step says
-nothing of context) and on the engine's start-up probe (`probed`: a pass at no context and
-one deep in it). Chunks of one size cannot tell s0 from a: then a absorbs s0, which leaves b
-as it is. Pure; the formula the router prices with is shared/prefill_cost.py.
-
-What the agent reports (`slope`): the fitted b once it is *established*, its 95% confidence
-interval clear of 0 (the chunks spread over enough context for the noise of their times);
-until then the prior from the model's architecture (shared/attention_prior.py) times the
-linear rate the probe measured at no context (the fastest of its passes there: a load spike
-on one pass moves it little, where it would move a fit on two passes' difference many
-times). And how far the price it reports runs over what whole chunked prefills took
-(`overstatement`: the regime where a deadline refuses a call); the router refuses a call
-only when its price is past the deadline by more than that (router/deadlines.py).
+Each token attends over every token before it, so a chunk of n tokens on top of c costs
+s0 + n * (a + b * (c + n/2)), s0 the step's fixed cost. b is fitted per model by least
+squares on exponentially decayed sums, on chunks of calls prefilled in several and on the
+engine's start-up probe (`probed`); chunks of one size cannot tell s0 from a (a absorbs s0,
+b stays). The agent reports (`slope`) the fitted b once established (its 95% interval clear
+of 0), until then the architecture's prior (shared/attention_prior.py) on the probe's linear
+rate; and how far a long prompt's price runs over its chunked prefills (`overstatement`),
+past which the router refuses (router/deadlines.py). Pure; the price is shared/prefill_cost.py.
 """
 
 from __future__ import annotations
