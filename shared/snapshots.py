@@ -62,8 +62,16 @@ class InstanceSnapshot(Struct, frozen=True):
     hbm_used_bytes: int = 0
     prefill_tok_s: float = 0.0
     # How the active model's prefill slows with context: seconds per prompt token per token
-    # it attends over, fitted on the chunks run here (prefill_curve.py). 0: not measured.
+    # it attends over, fitted on the chunks run here once established (prefill_curve.py;
+    # `prefill_ctx_measured`), before that the prior from the model's architecture times the
+    # linear rate (shared/attention_prior.py). 0: neither (no rate measured yet).
     prefill_ctx_s_per_tok2: float = 0.0
+    prefill_ctx_measured: bool = False
+    # How far a long prompt's price (this slope on the linear rate the agent's probe measured,
+    # else on prefill_tok_s) ran over the time of its recent chunked prefills (a high quantile
+    # of price / time); 0: none ran. The router refuses a call for its deadline only past that
+    # factor (router/deadlines.py).
+    prefill_overstatement: float = 0.0
     decode_tok_s: float = 0.0
     restore_tok_s: float = 0.0
     switch_s: float = 0.0

@@ -34,7 +34,7 @@ class ServedModels:
     """Which models live instances serve, from their telemetry heartbeats."""
 
     def __init__(self, configured: tuple[str, ...] = (), nats_connected=lambda: True,
-                 disk_problem=lambda: None, flow_problem=lambda: None, on_rates=lambda model, tok_s, ctx2=0.0: None) -> None:
+                 disk_problem=lambda: None, flow_problem=lambda: None, on_rates=lambda model, tok_s, ctx2=0.0, measured=True: None) -> None:
         self._on_rates = on_rates  # a snapshot's measured prefill rate (admission prices work with it)
         self._disk_problem = disk_problem  # why new calls are refused for lack of disk, or None
         self._flow_problem = flow_problem  # why calls are not answered (call_flow.py), or None
@@ -86,7 +86,7 @@ class ServedModels:
             return
         now = time.monotonic()
         self._snapshots[snap.instance_id] = (now, snap)
-        self._on_rates(snap.active_model, snap.prefill_tok_s, snap.prefill_ctx_s_per_tok2)
+        self._on_rates(snap.active_model, snap.prefill_tok_s, snap.prefill_ctx_s_per_tok2, snap.prefill_ctx_measured)
         for gone in [i for i, (seen, _) in self._snapshots.items() if now - seen > FORGET_AFTER_S]:
             del self._snapshots[gone]
 
@@ -132,7 +132,8 @@ async def serve(common: CommonSettings, settings: GatewaySettings, ready: asynci
     idempotency = IdempotentCalls(submitter, settings.idempotency_window_s, settings.idempotent_orphan_s)
     await idempotency.start()
     served = ServedModels(common.models, lambda: nc.is_connected, disk.problem, submitter.flow.problem,
-                          admission.rates.observe_engine if admission is not None else lambda model, tok_s, ctx2=0.0: None)
+                          admission.rates.observe_engine if admission is not None
+                          else lambda model, tok_s, ctx2=0.0, measured=True: None)
     if admission is not None:  # work-fair shares are shares of the live instances
         admission.instances = lambda: max(1, len(served.health()["instances"]))
     await nc.subscribe(common.deployment.telemetry_wildcard, cb=served.on_snapshot)

@@ -35,24 +35,29 @@ class PrefillRates:
     s_per_token: dict[str, float] = field(default_factory=dict)  # from answers
     engine_s_per_token: dict[str, float] = field(default_factory=dict)  # from snapshots
     ctx_s_per_token2: dict[str, float] = field(default_factory=dict)  # attention's slope, from snapshots
+    ctx_prior: dict[str, float] = field(default_factory=dict)  # the slope's prior, until one is measured
 
     def observe(self, model: str, reply: CallResult) -> None:
         fresh = reply.usage.prompt_tokens - reply.usage.cached_tokens
         if fresh > 0 and reply.timings.prefill_s > 0:
             self.s_per_token[model] = ewma(self.s_per_token.get(model), reply.timings.prefill_s / fresh, self.alpha)
 
-    def observe_engine(self, model: str | None, prefill_tok_s: float, ctx_s_per_tok2: float = 0.0) -> None:
-        """A snapshot's prefill rate and its slope with context: its active model's."""
+    def observe_engine(self, model: str | None, prefill_tok_s: float, ctx_s_per_tok2: float = 0.0,
+                       measured: bool = True) -> None:
+        """A snapshot's prefill rate and its slope with context (`measured`: an established
+        fit, else the architecture's prior, which a measure replaces): its active model's."""
         if model and prefill_tok_s > 0:
             self.engine_s_per_token[model] = ewma(self.engine_s_per_token.get(model), 1.0 / prefill_tok_s, self.alpha)
         if model and ctx_s_per_tok2 > 0:
-            self.ctx_s_per_token2[model] = ewma(self.ctx_s_per_token2.get(model), ctx_s_per_tok2, self.alpha)
+            slopes = self.ctx_s_per_token2 if measured else self.ctx_prior
+            slopes[model] = ewma(slopes.get(model), ctx_s_per_tok2, self.alpha)
 
     def work_s(self, model: str, fresh_tokens: int) -> float:
         """Predicted prefill seconds of `fresh_tokens` (0 before any measure of the model),
         attention's growth with context included once an engine measured it."""
         rate = self.engine_s_per_token.get(model) or self.s_per_token.get(model, 0.0)
-        return prefill_s(rate, self.ctx_s_per_token2.get(model, 0.0), fresh_tokens, 0)
+        slope = self.ctx_s_per_token2.get(model) or self.ctx_prior.get(model, 0.0)
+        return prefill_s(rate, slope, fresh_tokens, 0)
 
 
 

@@ -11,7 +11,7 @@ The loop and a call's phases are `AgentCore`'s docstring.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -79,8 +79,12 @@ class AgentCore:
     """
 
     def __init__(self, instance_id: str, config: SchedulerConfig, models: Sequence[str], costs: StepCostModel,
-                 keep_ended: int = 0) -> None:
+                 keep_ended: int = 0, attention_ratios: Mapping[str, float] | None = None) -> None:
+        """`attention_ratios`: per model, attention's work per token attended over relative to
+        a token's linear work (shared/attention_prior.py), the prior of prefill's slope with
+        context until the chunks run here establish it; none: no prior (0 until measured)."""
         self.instance_id = instance_id
+        self.attention_ratios = dict(attention_ratios or {})
         self.calls = CallTable(tuple(models))  # the one table: every call here by id, any phase
         self.sched = RoundScheduler(config, list(models), costs, self.calls)
         self.keep_ended = keep_ended
@@ -265,6 +269,12 @@ class AgentCore:
             trace_id=trace_id, migrated_bytes=migrated_bytes, migrate_s=migrate_s,
         )
 
+    def prefill_probed(self, model: str, probes: Iterable[tuple[int, int, float]]) -> None:
+        """The engine's start-up probe of `model`: passes of (tokens, context, seconds), folded
+        into the prefill curve like chunks (the linear rate without a step's fixed cost, and a
+        first point of the slope)."""
+        self.sched.curve.probed(model, probes)
+
     def snapshot(self, version: int, now: float, *, pool: str, active_model: str | None,
                  models: list[ModelResidency], sessions: list[SessionKv], memory, heartbeat_s: float) -> InstanceSnapshot:
         """The instance snapshot the router consumes. Queues, round and risk come from the
@@ -272,6 +282,8 @@ class AgentCore:
         attributes of `engine.contract.EngineStats`) from the executor's device."""
         sched, calls = self.sched, self.calls
         pinned = sched.config.pinned_model if pool == "hot" else None
+        rate = 1.0 / memory.prefill_tok_s if memory.prefill_tok_s > 0 else 0.0
+        ctx2, measured = sched.curve.slope(active_model, self.attention_ratios.get(active_model or "", 0.0), rate)
         if sched.repinned:  # the router's hot-pool decision replaced the deployed pool
             pinned = sched.pin_target
             pool = "hot" if pinned else "cold"
@@ -288,7 +300,8 @@ class AgentCore:
             kv_used_tokens=memory.kv_used_tokens, kv_pinned_tokens=getattr(memory, "kv_pinned_tokens", -1),
             staging_free_bytes=memory.staging_free_bytes,
             hbm_bytes=memory.hbm_bytes, hbm_used_bytes=memory.hbm_used_bytes, prefill_tok_s=memory.prefill_tok_s,
-            prefill_ctx_s_per_tok2=sched.curve.ctx_s_per_tok2(active_model),
+            prefill_ctx_s_per_tok2=ctx2, prefill_ctx_measured=measured,
+            prefill_overstatement=sched.curve.overstatement(active_model, rate, ctx2),
             decode_tok_s=memory.decode_tok_s, restore_tok_s=memory.restore_tok_s, switch_s=sched.next_switch_s(),
             migrate_bytes_s=getattr(memory, "migrate_bytes_s", 0.0),
             migrate_setup_s=getattr(memory, "migrate_setup_s", -1.0), heartbeat_s=heartbeat_s,

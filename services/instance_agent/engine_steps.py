@@ -35,6 +35,11 @@ class EngineSteps:
     async def switch(self, action: SwitchModel) -> StepReport:
         """The switch, its SwitchDone stored; the runner then tells the router (a snapshot)."""
         record = await self.thread.run(self.engine.switch_to, action.to_model)
+        # An engine that can time its prefill does so the first time a model is active
+        # (torch: engine/prefill_probe.py); the others' slope starts from the prior.
+        probed = await self.thread.run(self.engine.probe_prefill)
+        if probed is not None:
+            self.core.prefill_probed(*probed)
         report = self.core.switch_done(action, time.time(), record.total_s, path=record.path,
                                        phases=record.phases(), bytes_staged=record.bytes_staged,
                                        bytes_uncovered=record.bytes_uncovered)

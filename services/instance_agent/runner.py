@@ -45,6 +45,7 @@ from talaria.services.instance_agent.watchdog import Watchdog
 from talaria.shared.bus import BUS_ERRORS
 from talaria.shared.events import CallRouted
 from talaria.shared.settings import AgentSettings, CommonSettings
+from talaria.shared.attention_prior import attention_ratio
 from talaria.shared.messages import CANCELLED_STATUS
 from talaria.shared.tracing import execute_attributes, extract_context
 from talaria.shared.wire import encode
@@ -84,7 +85,8 @@ class CallRunner:
         config = self.configuration.live_scheduler(engine.capabilities, settings.pool,
                                                    self.models[0] if settings.pool == "hot" else None)
         self.core = AgentCore(self.instance_id, config, list(self.models), INITIAL_COSTS,
-                              keep_ended=ENDED_MEMORY)
+                              keep_ended=ENDED_MEMORY,
+                              attention_ratios={m: attention_ratio(s) for m, s in engine.specs.items()})
         self.wakeup = asyncio.Event()
         self.version = 0
         self.last_snapshot = 0.0

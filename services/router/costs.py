@@ -253,7 +253,7 @@ class CostModel:
         later = entry.calls if not first_call else (prof.calls_per_session() - 1.0 if prof is not None else 0.0)
         model_pf, model_restore = _model_rates(cfg, prof)
         # Attention: each prompt token also costs b per token before it (prefill_curve.py).
-        ctx2 = prof.engine_prefill_ctx_s_per_tok2 if prof is not None else 0.0
+        ctx2 = prof.prefill_ctx_rate() if prof is not None else 0.0
         # Remote tier: the instance other than r's destination that holds most of r's pages
         remote = _holder(state, own_key, entry, now, stale_after) if cfg.migrate and known > 0 else None
         out: list[Priced] = []

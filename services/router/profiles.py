@@ -43,7 +43,10 @@ class ModelProfile:
     engine_restore_s_per_tok: float = 0.0
     # How prefill slows with context (seconds per token per token attended over), as the
     # engines fit it on their chunks (instance_agent/scheduler/prefill_curve.py); 0: none yet.
+    # Until an engine's fit is established, the prior it reports (the architecture's ratio
+    # times its linear rate, shared/attention_prior.py), kept apart: a measure replaces it.
     engine_prefill_ctx_s_per_tok2: float = 0.0
+    engine_prefill_ctx_prior: float = 0.0
 
     def __post_init__(self) -> None:
         if self.gaps and not self.gap_max:
@@ -61,15 +64,22 @@ class ModelProfile:
         if ttft_s > 0.0:
             self.ttft_s = ewma(self.ttft_s, ttft_s)
 
-    def observe_engine(self, prefill_tok_s: float, restore_tok_s: float, prefill_ctx_s_per_tok2: float = 0.0) -> None:
+    def observe_engine(self, prefill_tok_s: float, restore_tok_s: float, prefill_ctx_s_per_tok2: float = 0.0,
+                       prefill_ctx_measured: bool = True) -> None:
         """Fold the rates a snapshot reports for this model (it is the active one there).
         Read per decision, not memoised, so no version bump."""
-        if prefill_ctx_s_per_tok2 > 0.0:
+        if prefill_ctx_s_per_tok2 > 0.0 and prefill_ctx_measured:
             self.engine_prefill_ctx_s_per_tok2 = ewma(self.engine_prefill_ctx_s_per_tok2, prefill_ctx_s_per_tok2)
+        elif prefill_ctx_s_per_tok2 > 0.0:
+            self.engine_prefill_ctx_prior = ewma(self.engine_prefill_ctx_prior, prefill_ctx_s_per_tok2)
         if prefill_tok_s > 0.0:
             self.engine_prefill_s_per_tok = ewma(self.engine_prefill_s_per_tok, 1.0 / prefill_tok_s)
         if restore_tok_s > 0.0:
             self.engine_restore_s_per_tok = ewma(self.engine_restore_s_per_tok, 1.0 / restore_tok_s)
+
+    def prefill_ctx_rate(self) -> float:
+        """Attention's slope: an engine's established fit, else the prior engines report (0: none)."""
+        return self.engine_prefill_ctx_s_per_tok2 or self.engine_prefill_ctx_prior
 
     def prefill_rate(self) -> float:
         """Seconds per prefilled token: the engines' measure, else the completions' (0: none)."""

@@ -309,7 +309,8 @@ class RouterState:
             return  # out-of-order heartbeat
         if snapshot.active_model:  # the rates it reports are its active model's
             self.model(snapshot.active_model).observe_engine(snapshot.prefill_tok_s, snapshot.restore_tok_s,
-                                                                  snapshot.prefill_ctx_s_per_tok2)
+                                                                  snapshot.prefill_ctx_s_per_tok2,
+                                                                  snapshot.prefill_ctx_measured)
         if old is not None and old.restamp(snapshot, now):
             return  # a heartbeat re-send: same view, new version/time, overlay reset
         view = InstanceView(snapshot, now, prior=old)

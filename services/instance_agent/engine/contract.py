@@ -162,6 +162,12 @@ class Engine(Protocol):
     def stage(self, model: str, *, wait: bool = False) -> int:
         """Pre-stage `model` for the next switch; returns staged bytes (0 without d2d_staging)."""
 
+    def probe_prefill(self) -> tuple[str, list[tuple[int, int, float]]] | None:
+        """The active model's prefill timed at no context and deep in it, the first time it is
+        active: (model, [(tokens, context, seconds)]); None when there is nothing to probe or
+        the engine cannot (the torch engine can: prefill_probe.py; without it an agent's
+        slope starts from the architecture's prior on the engine's own rate)."""
+
     def prefill(self, seqs: list[Sequence], chunk_tokens: int = 0, more: Iterable[Sequence] = (),
                 pass_tokens: int = 0) -> list[StepToken]:
         """Admit calls for the active model (or switch to theirs when none run) and return

@@ -86,6 +86,12 @@ class StreamingEngine:
         self._spec(model)
         return 0
 
+    def probe_prefill(self) -> None:
+        """No probe: the engine runs its forward passes itself, and a timed pass beside its
+        own scheduling would not be one of its steps. The agent's slope starts from the
+        architecture's prior on the engine's measured rate."""
+        return None
+
     def _admit(self, seqs: list[Sequence], busy: Callable[[str], bool]) -> None:
         """Check each request; all must be for one model, switched to when `busy(model)` says
         no call stands in the way. (The engine computes a prompt in chunks of its own inside

@@ -22,6 +22,7 @@ from talaria.services.instance_agent.engine.contract import Capabilities, Engine
 from talaria.services.instance_agent.engine.device_model import DeviceModel, Rates
 from talaria.services.instance_agent.engine.engine_errors import EngineBusy, ModelNotActive, UnknownCall, UnknownModel
 from talaria.services.instance_agent.engine.forward_pass import ForwardPass
+from talaria.services.instance_agent.engine.prefill_probe import probe
 from talaria.services.instance_agent.engine.kv_cache import DeviceKvSession
 from talaria.services.instance_agent.engine.model_store import ModelStore
 from talaria.services.instance_agent.engine.sequence import Sequence, StepToken
@@ -123,6 +124,7 @@ class TorchEngine:
         # The sequences admitted and not finished: for the pages they reserved and the switch
         # they block; callers hand each step its sequences, so none is looked up by id.
         self.running: set[Sequence] = set()
+        self.probed: set[str] = set()  # models whose prefill was timed (probe_prefill)
 
     # -- models and weights --------------------------------------------------------------
 
@@ -161,6 +163,15 @@ class TorchEngine:
         if self.staging is not None and self.auto_stage and previous is not None:
             self.stage(previous.name)  # ping-pong default; the round scheduler may stage another
         return self.switcher.records[-1]
+
+    def probe_prefill(self) -> tuple[str, list[tuple[int, int, float]]] | None:
+        """The active model's prefill timed once, the first time it is active (prefill_probe.py):
+        (model, [(tokens, context, seconds)]); None when there is nothing to probe."""
+        dev = self.dev
+        if dev is None or dev.name in self.probed:
+            return None
+        self.probed.add(dev.name)
+        return dev.name, probe(dev, self.page_size, self.device)
 
     def stage(self, model: str, *, wait: bool = False) -> int:
         """Pre-stage `model`'s weights into the free tail of the KV pool while serving.

@@ -37,7 +37,7 @@ from talaria.services.instance_agent.scheduler.types import (
     SchedulerView,
     SwitchModel,
 )
-from talaria.services.instance_agent.scheduler.work_costs import WorkPricing
+from talaria.services.instance_agent.scheduler.work_costs import WorkPricing, compute_tokens
 
 
 @dataclass(frozen=True)
@@ -178,6 +178,10 @@ class RoundScheduler(ConfigReader):
                             for c in known)
         self.costs.observe("prefill", action.model, predicted, now - flight.issued_at)
         self._observe_curve(action, known, now - flight.issued_at, firsts, prompt_left)
+        for call in known:  # a chunked prefill ended: how long it took, against its price
+            if call.first_chunk_at is not None and (firsts is None or call.call_id in firsts):
+                fresh = compute_tokens(call, self.config.hkvr)
+                self.curve.prefilled(action.model, fresh, call.prompt_tokens - fresh, now - call.first_chunk_at)
         continuation = bool(known) and all(c.first_chunk_at is not None for c in known)
         # The driver ended the chunk early: a call arrived, so protected decode ends here and
         # a contended slot closes (the next slot's P admits the newcomer).

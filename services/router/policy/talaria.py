@@ -97,9 +97,10 @@ class Talaria(PlacementPolicy):
             reason = "overload: queued past admission"
         candidates = tuple(p.cost for p in priced)
         if feasible and call.deadline_at > 0:  # placed where it cannot answer in time, it holds others up
-            timely = {c.instance_id for c in deadlines.in_time(call, [p.cost for p in feasible], now)}
+            over = {p.cost.instance_id: p.view.snapshot.prefill_overstatement for p in feasible if p.view is not None}
+            timely = {c.instance_id for c in deadlines.in_time(call, [p.cost for p in feasible], now, over)}
             if not timely:
-                status, why = deadlines.refusal(call, [p.cost for p in feasible], now)
+                status, why = deadlines.refusal(call, [p.cost for p in feasible], now, over)
                 return self.reject(state, call, now, why, candidates, status=status)
             feasible = [p for p in feasible if p.cost.instance_id in timely]
         if not feasible:

@@ -28,7 +28,8 @@ def runner(tmp_path) -> CallRunner:
     settings = Settings.of(data_dir=tmp_path, instance_id="agent-t", models=("qwen3-tiny",))
     engine = SimpleNamespace(capabilities=Capabilities(switch_with_calls_running=False, host_kv=True,
                                                        d2d_staging=True, chunked_prefill=True),
-                             active_model=None, stats=lambda: None, session_states=list, device_tokens=dict)
+                             active_model=None, stats=lambda: None, session_states=list, device_tokens=dict,
+                             specs={})
     r = CallRunner(settings.common, settings.agent, engine, None, None, None, None, structlog.get_logger())
 
     async def no_snapshot() -> None:  # no NATS to publish it on

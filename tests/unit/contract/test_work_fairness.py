@@ -82,3 +82,12 @@ def test_a_long_prompt_is_charged_attention_once_an_engine_measured_its_slope():
     assert rates.work_s("m", 10_000) == pytest.approx(5.0)
     rates.observe_engine("m", 2000.0, 1e-8)  # 1e-8 s per token per token attended over
     assert rates.work_s("m", 10_000) == pytest.approx(5.0 + 10_000 * 1e-8 * 5_000)
+
+
+def test_the_slopes_prior_charges_a_long_prompt_until_an_engine_measured_the_slope():
+    rates = PrefillRates()
+    rates.observe_engine("m", 2000.0, 4e-8, measured=False)  # the architecture's prior
+    assert rates.work_s("m", 10_000) == pytest.approx(5.0 + 10_000 * 4e-8 * 5_000)
+    rates.observe_engine("m", 2000.0, 1e-8, measured=True)  # a fit replaces it
+    rates.observe_engine("m", 2000.0, 4e-8, measured=False)  # another agent's prior: no longer read
+    assert rates.work_s("m", 10_000) == pytest.approx(5.0 + 10_000 * 1e-8 * 5_000)

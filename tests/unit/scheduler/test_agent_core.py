@@ -138,3 +138,23 @@ def test_a_call_has_one_record_the_scheduler_state_is_part_of_it():
     c.switch_done(c.next_action(0.5), 1.5, 1.0, path="d2d")
     c.prefill_done(c.next_action(1.5), 2.0)
     assert (record.via, record.generated, record.started_at) == ("P", 1, 1.5)
+
+
+def test_the_snapshot_reports_the_slopes_prior_until_the_fit_is_established_and_the_prices_overstatement():
+    from talaria.shared.prefill_cost import prefill_s
+    mem = SimpleNamespace(**{**vars(MEMORY), "prefill_tok_s": 1000.0})  # the engine: 1 ms a token
+    c = AgentCore("i", SchedulerConfig(), ["a", "b"], COSTS, attention_ratios={"a": 1e-3})
+
+    def snap():
+        return c.snapshot(1, 0.0, pool="cold", active_model="a", models=[], sessions=[], memory=mem, heartbeat_s=1.0)
+    # nothing measured: the architecture's ratio on the engine's rate, not measured
+    assert (snap().prefill_ctx_s_per_tok2, snap().prefill_ctx_measured) == (pytest.approx(1e-6), False)
+    c.prefill_probed("a", [(256, 3072, 0.09), (256, 0, 0.0128), (256, 0, 0.013)])
+    assert snap().prefill_ctx_s_per_tok2 == pytest.approx(1e-3 * 0.0128 / 256)  # on the probe's rate
+    assert snap().prefill_overstatement == 0.0  # no chunked prefill ran: the router's MARGIN
+    for c_ in range(0, 16_384, 1024):  # chunks over 16K of context: the fit is established
+        c.sched.curve.observe("a", 1024, c_, prefill_s(5e-5, 5e-8, 1024, c_) * (1.1 if c_ % 2048 else 0.9))
+    assert snap().prefill_ctx_measured and snap().prefill_ctx_s_per_tok2 == pytest.approx(5e-8, rel=0.2)
+    c.sched.curve.prefilled("a", 16_384, 0, 10.0)
+    b = snap().prefill_ctx_s_per_tok2  # priced on the probe's linear rate, not the engine's 1 ms
+    assert snap().prefill_overstatement == pytest.approx(prefill_s(0.0128 / 256, b, 16_384, 0) / 10.0)
