@@ -127,9 +127,24 @@ def _constructed_events(folder: Path) -> set[str]:
     return found
 
 
+# Events a service builds only to price them, never to publish (so no permission is at stake):
+# each with where and why. Anything else a service builds, it must own.
+PRICED_NOT_SENT = {
+    ("router", "CallSubmitted"): "drain_push.next_call: a drained session's next call, priced on each "
+                                 "push target before the call exists",
+}
+
+
 @pytest.mark.parametrize("folder, role", SERVICE_DIRS.items())
 def test_every_event_a_service_builds_is_one_it_owns(folder, role):
     """The table against the code: a row naming the wrong owner would be a permission denial
     (and a sender-check drop) at run time."""
-    built = _constructed_events(ROOT / "services" / folder)
+    built = _constructed_events(ROOT / "services" / folder) - {n for (r, n) in PRICED_NOT_SENT if r == role}
     assert all(role in spec_of(getattr(events, name)).owners for name in built), built
+
+
+def test_what_a_service_only_prices_is_still_built_there():
+    """An entry of PRICED_NOT_SENT whose event the service no longer builds is stale."""
+    for (role, name), why in PRICED_NOT_SENT.items():
+        folder = next(f for f, r in SERVICE_DIRS.items() if r == role)
+        assert name in _constructed_events(ROOT / "services" / folder), why
