@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 import math
 
-from talaria.sim.metrics import oracle_sct
+from talaria.sim.metrics import call_alone_s, oracle_sct
 from talaria.sim.profiles import ServerProfile
 from talaria.traces.format import Session
 from talaria.traces.gaps import GapModel
@@ -37,15 +37,14 @@ def session_work_s(session: Session, server: ServerProfile, batch: int) -> float
 
 def session_active_s(session: Session, server: ServerProfile) -> float:
     """Seconds its model must be active for a session, however its steps are shared: each
-    call's prefill on top of its reusable prefix, and one decode step per output token after
-    the first, at least d0 + d1 + d2 x its context however many calls share the step (its
-    zero-wait SCT less its gaps)."""
+    call alone (metrics.call_alone_s), since a decode step takes at least d0 + d1 + d2 x its
+    context however many calls share it (its zero-wait SCT less its gaps)."""
     mp = server.model(session.model)
     total = 0.0
     for call in session.calls:
-        n = max(0, call.output_tokens - 1)
-        total += mp.prefill_s(max(1, call.new_tokens), call.reusable_prefix_tokens)
-        total += n * (mp.decode_d0_s + mp.decode_d1_s) + mp.decode_d2_s * (n * (call.prompt_tokens + 1) + n * (n - 1) / 2)
+        prefill, decode = call_alone_s(mp, call)
+        total += prefill
+        total += decode
     return total
 
 
@@ -158,17 +157,17 @@ def instances_lower_bound(sessions: list[Session], server: ServerProfile, slo_p9
         return 0
     q = math.ceil(0.95 * n)
     k = n - q
-    zero_wait = sorted(oracle_sct(s, server, gaps) for s in sessions)
-    if zero_wait[q - 1] > slo_p95_s:
-        return None
     order = sorted(sessions, key=lambda s: s.calls[0].gap_before_s)
+    zero_wait = [oracle_sct(s, server, gaps) for s in order]
+    if sorted(zero_wait)[q - 1] > slo_p95_s:
+        return None
     start = [s.calls[0].gap_before_s for s in order]
     work = [session_work_s(s, server, b) for s, b in zip(order, batch_caps(order, start, slo_p95_s, max_batch))]
     per_instance = math.floor(server.hbm_bytes / min(m.weight_bytes for m in server.models.values()))
     load_s = min(server.switch(m, server.model(m).weight_bytes)[1] for m in server.models)
     active = [session_active_s(s, server) for s in order]
     # step 4: a session that cannot meet S misses whatever happens, using one of the k
-    meetable = [oracle_sct(s, server, gaps) <= slo_p95_s for s in order]
+    meetable = [z <= slo_p95_s for z in zero_wait]
     k_active = k - meetable.count(False)  # >= 0: step 1 passed
     windows = []  # (seconds, instance-time that must fit, models with work less k)
     for i in range(n):

@@ -30,6 +30,15 @@ from talaria.traces.gaps import GapModel
 GiB = 1024**3
 
 
+def call_alone_s(mp, call) -> tuple[float, float]:
+    """(prefill, decode) seconds of one call alone on `mp` (a SimModelProfile): its new tokens
+    on top of its reusable prefix, then batch-1 decode with growing context (the sum of step
+    times in closed form; the first token comes with the prefill)."""
+    n = call.output_tokens - 1
+    decode = n * (mp.decode_d0_s + mp.decode_d1_s) + mp.decode_d2_s * (n * (call.prompt_tokens + 1) + n * (n - 1) / 2)
+    return mp.prefill_s(max(1, call.new_tokens), call.reusable_prefix_tokens), decode
+
+
 def oracle_sct(session: Session, server: ServerProfile, gaps: GapModel) -> float:
     """SCT lower bound: all KV on device, no queueing, no switch waits (see module doc)."""
     mp = server.model(session.model)
@@ -37,12 +46,9 @@ def oracle_sct(session: Session, server: ServerProfile, gaps: GapModel) -> float
     for call in session.calls:
         if call.call_index > 0:
             total += gaps.gap(call)
-        total += mp.prefill_s(max(1, call.new_tokens), call.reusable_prefix_tokens)
-        # batch-1 decode with growing context: sum of step times in closed form
-        n = call.output_tokens - 1
-        total += n * (mp.decode_d0_s + mp.decode_d1_s) + mp.decode_d2_s * (
-            n * (call.prompt_tokens + 1) + n * (n - 1) / 2
-        )
+        prefill, decode = call_alone_s(mp, call)
+        total += prefill
+        total += decode
     return total
 
 
