@@ -182,8 +182,8 @@ class PrefillCurve:
         probe's linear rate where there is one, else `s_per_tok` (the engine's). Not on the
         engine's rate where the probe measured one: that carries a step's fixed cost, which
         weighs most in the shortest prefills measured and least in the long ones judged, so the
-        factor measured on a few thousand tokens would let a 91K-token prompt in (it did: 3.7x,
-        from 7.6K-token prefills; its price 197 s, refused only past 224 s)."""
+        factor measured on a few thousand tokens would let a 91K-token prompt in
+        (docs/decisions/2026-12-05-overstatement-rate.md)."""
         s = self.sums.get(model) if model else None
         rate = (self.probe_rate.get(model) if model else 0.0) or s_per_tok
         if s is None or not s.prefills or rate <= 0:
