@@ -35,6 +35,14 @@ class PushBook:
         self.moved.setdefault(done.holder, set()).add(done.session_id)
         return done.pages > 0
 
+    def holder_lost(self, holder: str, sessions: list[str], why: str) -> None:
+        """The drained holder's process is gone: its sessions not moved, lost or being pushed
+        lost their context with it (a pending push still reports what its pull got)."""
+        for s in sessions:
+            asked = self.pending.get(s)
+            if not self.settled(holder, s) and (asked is None or asked.holder != holder):
+                self.lost.setdefault(holder, {})[s] = why
+
     def settled(self, holder: str, session_id: str) -> bool:
         return session_id in self.moved.get(holder, ()) or session_id in self.lost.get(holder, {})
 
