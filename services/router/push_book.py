@@ -28,7 +28,7 @@ class PushBook:
         if ask is None or ask.holder != done.holder or ask.instance_id != done.instance_id:
             return False  # a stale report (a retry went elsewhere, or this push was not ours)
         del self.pending[done.session_id]
-        if done.pages < done.listed:
+        if done.pages < done.listed or (done.listed == 0 and done.why):  # fewer arrived, or no listing came
             why = done.why or f"{done.pages} of {done.listed} pages arrived"
             self.lost.setdefault(done.holder, {})[done.session_id] = why
             return False

@@ -249,3 +249,14 @@ def test_a_drained_holder_lost_mid_push_ends_the_drain_counting_what_died_with_i
     # An instance lost without a drain is unknown, as before.
     r.handle(InstanceLost("a", "", "instance a lost", 40.0), 40.0)
     assert r.drain("a", 40.1)[0].error.startswith("no instance 'a' is known")
+
+
+def test_a_push_whose_listing_failed_counts_the_session_as_lost_not_moved():
+    r = core(lease_timeout_s=0.0)
+    idle_on_b(r)
+    r.handle(SnapshotReceived(msnap("a"), 1.1), 1.1)
+    (ask,) = r.drain("b", 2.0)[1]
+    r.handle(pushed(ask, listed=0, pages=0, why="listing broke: ConnectionRefusedError"), 3.0)
+    status = r.drain("b", 3.1)[0]
+    assert (status.drained, status.moved, status.lost) == (True, 0, 1)
+    assert status.why_lost == "listing broke: ConnectionRefusedError"
