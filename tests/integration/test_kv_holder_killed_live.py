@@ -54,13 +54,13 @@ def start_holder(settings: Settings, instance_id: str, log_path) -> subprocess.P
                                 stdout=out, stderr=subprocess.STDOUT)
 
 
-async def kill_when_stalled(holder: subprocess.Popen, log_path) -> None:
-    """SIGKILL the holder once its page server says a pull stalled (STALL pages have left it)."""
+async def kill_when_stalled(holder: subprocess.Popen, log_path, pulls: int = 1) -> None:
+    """SIGKILL the holder once its page server says `pulls` pulls stalled (STALL pages left it for each)."""
     async def stalled() -> bool:
         assert holder.poll() is None, f"the holder exited ({holder.returncode}) before it stalled"
-        return STALLED in log_path.read_text(errors="replace")
+        return log_path.read_text(errors="replace").count(STALLED) >= pulls
 
-    await wait_until(stalled, "the holder's page server to stall mid-transfer", timeout=60)
+    await wait_until(stalled, f"{pulls} pull(s) from the holder to stall mid-transfer", timeout=60)
     holder.send_signal(signal.SIGKILL)
     await asyncio.get_running_loop().run_in_executor(None, holder.wait)
 
@@ -132,7 +132,7 @@ async def test_a_drained_holder_killed_mid_push_loses_the_context_it_had_not_sen
     await wait_for_router(nc, instances=2)
     # The drain pushes both sessions to agent-1; each pull stalls after STALL pages; agent-0 dies there.
     draining = asyncio.create_task(drain(settings.common.nats_url, "agent-0", timeout_s=60))
-    await kill_when_stalled(holder, log_path)
+    await kill_when_stalled(holder, log_path, pulls=2)  # both pushes (they run at once) hold STALL pages
     code, line = await draining
     # Whether the router folded the broken pushes or noticed agent-0 gone first, the drain
     # ends 3 (not 0: context was lost), naming what was lost and why.
