@@ -22,6 +22,7 @@ import msgspec
 from talaria.services.instance_agent.memory.mooncake_transport import MooncakeTransport
 from talaria.services.instance_agent.memory.page_protocol import (
     ACK, HEADER, MAX_JSON, PageFrame, PageLayout, PageRequest, check_request, digest, frame)
+from talaria.shared.settings import SettingsError
 
 Export = Callable[[str, str, list[int], int], Awaitable[list]]  # (model, session, hashes, limit) -> pages
 Listing = Callable[[str, str], Awaitable[list[int]]]  # (model, session) -> its host prefix's hashes
@@ -34,7 +35,7 @@ def stall_fault(env: Mapping[str, str] = os.environ) -> int | None:
     if raw == "":
         return None
     if not raw.isdigit():
-        raise ValueError(f"{STALL_ENV}={raw!r}: a number of pages (0 or more) a pull sends before it stalls")
+        raise SettingsError(STALL_ENV, raw, "a number of pages (0 or more) a pull sends before it stalls")
     return int(raw)
 
 

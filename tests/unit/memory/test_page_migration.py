@@ -386,8 +386,9 @@ def test_the_stall_fault_holds_a_pull_after_k_pages_and_says_so(pair, transport)
 
 def test_the_stall_fault_is_off_unless_named_and_a_bad_value_is_refused_clearly():
     from talaria.services.instance_agent.memory.page_server import stall_fault
+    from talaria.shared.settings import SettingsError
 
     assert stall_fault({}) is None and stall_fault({"TALARIA_FAULT_PAGE_STALL": ""}) is None
     assert stall_fault({"TALARIA_FAULT_PAGE_STALL": "3"}) == 3
-    with pytest.raises(ValueError, match=r"TALARIA_FAULT_PAGE_STALL='three': a number of pages"):
+    with pytest.raises(SettingsError, match=r"TALARIA_FAULT_PAGE_STALL='three': expected a number of pages"):
         stall_fault({"TALARIA_FAULT_PAGE_STALL": "three"})
