@@ -11,6 +11,7 @@ saying which sessions lost their context and why."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -43,12 +44,13 @@ STALLED = "kv page server stalled (fault injected)"
 FOLLOW = " Tool output: 3 passed, 1 failed. Next step:"
 
 
-def start_holder(settings: Settings, instance_id: str, log_path) -> subprocess.Popen:
+def start_holder(settings: Settings, instance_id: str, log_path, transport: str) -> subprocess.Popen:
     """An agent process as `talaria up` starts one, with the stall fault on; its log to a file."""
     env = dict(os.environ, TALARIA_NATS_URL=settings.common.nats_url,
                TALARIA_DATABASE_URL=settings.common.database_url, TALARIA_DATA_DIR=str(settings.common.data_dir),
                TALARIA_POLICY="talaria", TALARIA_MODELS=",".join(MODELS), TALARIA_INSTANCE_ID=instance_id,
-               TALARIA_LOG_LEVEL="info", PYTHONUNBUFFERED="1", TALARIA_FAULT_PAGE_STALL=str(STALL))
+               TALARIA_LOG_LEVEL="info", PYTHONUNBUFFERED="1", TALARIA_FAULT_PAGE_STALL=str(STALL),
+               TALARIA_PAGE_TRANSPORT=transport)
     with open(log_path, "ab") as out:
         return subprocess.Popen([sys.executable, "-m", "talaria.services.instance_agent"], env=env,
                                 stdout=out, stderr=subprocess.STDOUT)
@@ -98,10 +100,17 @@ async def open_sessions(nc, tag: str) -> tuple[str, str]:
     return follow, stayed.text
 
 
+def holder_transport(log_path) -> str:
+    """How the holder's page server moves page bytes, as its start line says."""
+    lines = [json.loads(x) for x in log_path.read_text().splitlines() if '"kv page transport"' in x]
+    return lines[0]["transport"]
+
+
 @pytest.fixture
-async def live(nats_url, database_url, tmp_path):
-    """Control plane in this process, agent-0 (the holder, stall fault on) as its own process,
-    agent-1 in this process; the events heard, a Postgres connection."""
+async def live(request, nats_url, database_url, tmp_path):
+    """Control plane in this process, agent-0 (the holder, stall fault on; its page transport
+    the param: auto = Mooncake where it starts) as its own process, agent-1 in this process;
+    the events heard, a Postgres connection."""
     settings = Settings.of(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, policy="talaria",
                            http_port=free_port(), session_idle_s=3600, call_timeout_s=60, models=MODELS)
     services, heard = Services(), Heard()
@@ -113,7 +122,7 @@ async def live(nats_url, database_url, tmp_path):
         await nc.subscribe(DEP.event("instance.lost"), cb=heard.on_event)
         await nc.subscribe(DEP.event("kv.pushed"), cb=heard.on_event)
         await services.start_control_plane(settings)
-        holder = start_holder(settings, "agent-0", log_path)
+        holder = start_holder(settings, "agent-0", log_path, getattr(request, "param", "auto"))
         await wait_for_router(nc, instances=1, timeout=120)
         yield settings, services, nc, db, heard, holder, log_path
     finally:
@@ -151,7 +160,8 @@ async def test_a_drained_holder_killed_mid_push_loses_the_context_it_had_not_sen
     assert row["cached_tokens"] >= pushed.tokens > 0
 
 
-async def test_a_holder_killed_while_the_moved_return_pulls_leaves_a_prefix_and_the_call_completes(live):
+@pytest.mark.parametrize("live", ["auto", "tcp"], indirect=True)
+async def test_a_holder_killed_while_the_moved_return_pulls_leaves_a_prefix_and_the_call_completes(live, request):
     settings, services, nc, db, heard, holder, log_path = live
     follow, stayed = await open_sessions(nc, "r")
     await services.start("agent-1", agent_service.run, settings.with_(instance_id="agent-1"))
@@ -181,3 +191,5 @@ async def test_a_holder_killed_while_the_moved_return_pulls_leaves_a_prefix_and_
     assert row["kv_source"] == "migrated" and row["migrated_bytes"] == STALL * PAGE * per_token["qwen3-tiny"] > 0
     assert row["cached_tokens"] >= STALL * PAGE
     await heard.until(lambda: any(e.instance_id == "agent-0" for e in heard.lost))  # the router noticed
+    if request.node.callspec.params["live"] == "tcp":  # the bytes went inline (auto: Mooncake where it starts)
+        assert holder_transport(log_path) == "tcp"
