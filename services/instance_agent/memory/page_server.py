@@ -8,7 +8,7 @@ Fault injection (tests only): with TALARIA_FAULT_PAGE_STALL=K in the holder's en
 each pull stalls once K pages have left (over Mooncake: after a chunk of K pages was acked),
 says so through `on_stall`, and holds the connection until the process is killed or the
 serve's timeout closes it, so a test can SIGKILL a holder mid-transfer without sleeping
-(tests/integration/test_kv_holder_killed_live.py). Unset, it is one `is None` test per page.
+(tests/integration/test_kv_holder_killed_live.py). Unset, it costs one comparison per page.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def stall_fault(env: Mapping[str, str] = os.environ) -> int | None:
     raw = env.get(STALL_ENV, "")
     if raw == "":
         return None
-    if not raw.isdigit():
+    if not (raw.isascii() and raw.isdigit()):
         raise SettingsError(STALL_ENV, raw, "a number of pages (0 or more) a pull sends before it stalls")
     return int(raw)
 
