@@ -302,7 +302,8 @@ class KvPushRequested(Struct, frozen=True, tag="kv.push"):
 class KvPushed(Struct, frozen=True, tag="kv.pushed"):
     """The agent `instance_id` pulled a session's pages as a drain asked: `pages` of the
     `listed` pages the holder had (all listed arrived: moved; fewer: its context is lost
-    in part, `why` says why; none listed: nothing to move)."""
+    in part, `why` says why; none listed: nothing to move, unless `why` says the listing
+    failed, e.g. the holder died: lost)."""
 
     instance_id: Token
     session_id: Token

@@ -22,7 +22,7 @@ from talaria.services.instance_agent.engine.contract import PageStore
 from talaria.services.instance_agent.engine.device_model import EMA
 from talaria.services.instance_agent.memory.mooncake_transport import open_transport
 from talaria.services.instance_agent.memory.page_client import list_pages, pull
-from talaria.services.instance_agent.memory.page_server import PageServer
+from talaria.services.instance_agent.memory.page_server import STALL_ENV, PageServer, stall_fault
 from talaria.shared.events import CallRouted, KvPushed, KvPushRequested
 from talaria.shared.stats import ewma
 
@@ -48,7 +48,9 @@ class KvMigration:
                  transport: str = "auto", protocol: str = "tcp", device: str = "") -> None:
         self.store, self.thread, self.log = store, thread, log  # the engine, as a PageStore
         self.mode, self.protocol, self.device = transport, protocol, device
-        self.server = PageServer(self._export, host, port, listing=self._listing)
+        self.server = PageServer(self._export, host, port, listing=self._listing, stall_after=stall_fault(),
+                                 on_stall=lambda sent: log.warning("kv page server stalled (fault injected)",
+                                                                   fault=STALL_ENV, pages_sent=sent))
         # (session, model) -> a drain's push that landed here, until the session's next call uses it
         self.pushed: dict[tuple[str, str], Migrated] = {}
         self.mooncake = None  # mooncake_transport.MooncakeTransport once started

@@ -28,12 +28,20 @@ class PushBook:
         if ask is None or ask.holder != done.holder or ask.instance_id != done.instance_id:
             return False  # a stale report (a retry went elsewhere, or this push was not ours)
         del self.pending[done.session_id]
-        if done.pages < done.listed:
+        if done.pages < done.listed or (done.listed == 0 and done.why):  # fewer arrived, or no listing came
             why = done.why or f"{done.pages} of {done.listed} pages arrived"
             self.lost.setdefault(done.holder, {})[done.session_id] = why
             return False
         self.moved.setdefault(done.holder, set()).add(done.session_id)
         return done.pages > 0
+
+    def holder_lost(self, holder: str, sessions: list[str], why: str) -> None:
+        """The drained holder's process is gone: its sessions not moved, lost or being pushed
+        lost their context with it (a pending push still reports what its pull got)."""
+        for s in sessions:
+            asked = self.pending.get(s)
+            if not self.settled(holder, s) and (asked is None or asked.holder != holder):
+                self.lost.setdefault(holder, {})[s] = why
 
     def settled(self, holder: str, session_id: str) -> bool:
         return session_id in self.moved.get(holder, ()) or session_id in self.lost.get(holder, {})

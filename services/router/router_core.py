@@ -17,6 +17,7 @@ from __future__ import annotations
 from talaria.services.router.policy.base import PlacementPolicy  # isort: skip
 from talaria.services.router.costs import CostModel
 from talaria.services.router.drain_push import kv_on, plan
+from talaria.services.router.push_book import RETRY_AFTER_S
 from talaria.services.router.hot_pools import HotPools, decide_from_state
 from talaria.services.router.instances import InstanceView
 from talaria.services.router.leases import settlement
@@ -118,6 +119,8 @@ class RouterCore:
         nothing runs, is queued or was placed there and no session's KV is left to move, so
         stopping it then loses only the contexts the status counts as lost."""
         view = self.state.instances.get(instance_id)
+        if view is None and instance_id in self.state.draining:
+            return self._drain_of_lost(instance_id, now), []
         if view is None:
             known = ", ".join(sorted(self.state.instances)) or "none"
             return DrainStatus(instance_id, error=f"no instance {instance_id!r} is known to this router (known: {known})"), []
@@ -137,6 +140,21 @@ class RouterCore:
                              moved=len(book.moved.get(instance_id, ())), lost=len(lost),
                              why_lost=next(iter(lost.values()), ""))
         return status, list(asks)
+
+    def _drain_of_lost(self, instance_id: str, now: float) -> DrainStatus:
+        """The status of a drain whose instance was lost (killed, crashed) before it ended:
+        nothing runs there now; a push still pending reports what its pull got before the
+        holder died (its connection breaks: at once), one unreported for RETRY_AFTER_S
+        counts as lost, as do the sessions no push had moved (PushBook.holder_lost)."""
+        book = self.state.pushes
+        asks = [a for a in book.pending.values() if a.holder == instance_id]
+        waiting = sum(1 for a in asks if now - a.at < RETRY_AFTER_S)
+        stale = {a.session_id: f"no report of its push after {instance_id} was lost"
+                 for a in asks if now - a.at >= RETRY_AFTER_S}
+        lost = {**book.lost.get(instance_id, {}), **stale}
+        return DrainStatus(instance_id, drained=waiting == 0, sessions=waiting,
+                           moved=len(book.moved.get(instance_id, ())), lost=len(lost),
+                           why_lost=next(iter(lost.values()), ""))
 
     def fold_peer(self, event: Event, now: float) -> list[Event]:
         """Another router's output (read from the stream): fold it in. Its InstanceLost also

@@ -325,6 +325,11 @@ class RouterState:
         is audited."""
         view = self.instances.get(event.instance_id)
         if view is not None and view.snapshot.incarnation == event.incarnation:
+            if event.instance_id in self.draining:  # its drain's status still answers for it (RouterCore.drain)
+                from talaria.services.router.drain_push import kv_on  # (drain_push imports this module)
+
+                self.pushes.holder_lost(event.instance_id, [s for s, _ in kv_on(self, event.instance_id)],
+                                        f"{event.instance_id} was lost while draining ({event.reason})")
             del self.instances[event.instance_id]
             self.prefix.forget_instance(event.instance_id)
             self.homes.forget_instance(event.instance_id)

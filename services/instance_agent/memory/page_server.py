@@ -3,28 +3,49 @@ over TCP (asyncio streams; page_protocol.py). The pages are read by the engine's
 thread (`export`, e.g. EngineThread.call(engine.export_pages, ...)): never off it. With a
 Mooncake transport, and a requester that has one too, the page bytes are staged in a
 registered slot for the requester to read instead of being streamed.
+
+Fault injection (tests only): with TALARIA_FAULT_PAGE_STALL=K in the holder's environment,
+each pull stalls once K pages have left (over Mooncake: after a chunk of K pages was acked),
+says so through `on_stall`, and holds the connection until the process is killed or the
+serve's timeout closes it, so a test can SIGKILL a holder mid-transfer without sleeping
+(tests/integration/test_kv_holder_killed_live.py). Unset, it costs one comparison per page.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import os
+from collections.abc import Awaitable, Callable, Mapping
 
 import msgspec
 
 from talaria.services.instance_agent.memory.mooncake_transport import MooncakeTransport
 from talaria.services.instance_agent.memory.page_protocol import (
     ACK, HEADER, MAX_JSON, PageFrame, PageLayout, PageRequest, check_request, digest, frame)
+from talaria.shared.settings import SettingsError
 
 Export = Callable[[str, str, list[int], int], Awaitable[list]]  # (model, session, hashes, limit) -> pages
 Listing = Callable[[str, str], Awaitable[list[int]]]  # (model, session) -> its host prefix's hashes
+STALL_ENV = "TALARIA_FAULT_PAGE_STALL"
+
+
+def stall_fault(env: Mapping[str, str] = os.environ) -> int | None:
+    """The pages a pull sends before it stalls (STALL_ENV), or None: no fault (the default)."""
+    raw = env.get(STALL_ENV, "")
+    if raw == "":
+        return None
+    if not (raw.isascii() and raw.isdigit()):
+        raise SettingsError(STALL_ENV, raw, "a number of pages (0 or more) a pull sends before it stalls")
+    return int(raw)
 
 
 class PageServer:
     def __init__(self, export: Export, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0,
-                 transport: MooncakeTransport | None = None, listing: Listing | None = None) -> None:
+                 transport: MooncakeTransport | None = None, listing: Listing | None = None,
+                 stall_after: int | None = None, on_stall: Callable[[int], None] = lambda sent: None) -> None:
         self.export, self.host, self.port, self.timeout_s = export, host, port, timeout_s
         self.listing = listing
+        self.stall_after, self.on_stall = stall_after, on_stall  # the fault (module docstring); None: off
         self.transport = transport
         self._server: asyncio.Server | None = None
         self.served_pages = 0
@@ -78,7 +99,9 @@ class PageServer:
         if staged:
             await self._stage(reader, writer, pages[:fits], min(req.chunk_bytes, self.transport.slot_bytes) // size)
             return
-        for h, _, slabs in pages[:fits]:
+        for i, (h, _, slabs) in enumerate(pages[:fits]):
+            if i == self.stall_after:
+                await self._stall(i)
             writer.write(frame(PageFrame(h, [len(s) for s in slabs], digest(slabs))))
             for s in slabs:
                 writer.write(s)
@@ -95,9 +118,13 @@ class PageServer:
             writer.write(frame(PageFrame(0)))  # a page larger than a slot: the requester recomputes
             await writer.drain()
             return
+        if self.stall_after is not None:  # the fault's K pages make whole chunks
+            per_chunk = max(1, min(per_chunk, self.stall_after))
         slot = await self.transport.lease()
         try:
             for start in range(0, len(pages), per_chunk):
+                if self.stall_after is not None and start >= self.stall_after:
+                    await self._stall(start)
                 chunk, offset = pages[start:start + per_chunk], 0
                 for i, (h, _, slabs) in enumerate(chunk):
                     addr = self.transport.stage(slot, offset, slabs)
@@ -112,3 +139,8 @@ class PageServer:
             await writer.drain()
         finally:
             self.transport.release(slot)
+
+    async def _stall(self, sent: int) -> None:
+        """The fault: hold this pull after `sent` pages until killed or the serve times out."""
+        self.on_stall(sent)
+        await asyncio.Event().wait()

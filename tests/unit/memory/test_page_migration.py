@@ -357,3 +357,38 @@ def test_tcp_by_setting_and_an_unreachable_segment_fall_back_to_the_bytes_inline
     fallback, (_, far) = agents_migrate(pair, segment="127.0.0.1:1")
     assert fallback.transport == "tcp" and fallback.tokens == tcp.tokens
     assert any(e == "kv pull over mooncake failed, again over tcp" for e, _ in far.lines)
+
+
+# -- The holder's stall fault (TALARIA_FAULT_PAGE_STALL; the live kill test's hook) ----------
+
+@pytest.mark.parametrize("transport", ["tcp", "mooncake"])
+def test_the_stall_fault_holds_a_pull_after_k_pages_and_says_so(pair, transport):
+    """With the fault set a pull gets exactly K verified pages, then nothing until its time
+    bound; the hook says how many left (the live test kills the holder on that word)."""
+    holder, owner, mover, follow, expected = pair
+    sides = (mooncake(), mooncake()) if transport == "mooncake" else (None, None)
+    stalled = []
+
+    async def go():
+        server = serve(holder, owner)
+        server.transport, server.stall_after, server.on_stall = sides[0], 2, stalled.append
+        address = await server.start()
+        try:
+            return await migrate(mover, address, follow, transport=sides[1], timeout_s=2.0)
+        finally:
+            await server.close()
+
+    got, tokens = asyncio.run(go())
+    assert stalled == [2] and got.transport == transport
+    assert len(got.hashes) == 2 and tokens == 2 * mover.page_size and got.why == "timed out after 2 s"
+    assert generate(mover, "c2", "s1", follow, migrated_tokens=tokens).token_ids == expected
+
+
+def test_the_stall_fault_is_off_unless_named_and_a_bad_value_is_refused_clearly():
+    from talaria.services.instance_agent.memory.page_server import stall_fault
+    from talaria.shared.settings import SettingsError
+
+    assert stall_fault({}) is None and stall_fault({"TALARIA_FAULT_PAGE_STALL": ""}) is None
+    assert stall_fault({"TALARIA_FAULT_PAGE_STALL": "3"}) == 3
+    with pytest.raises(SettingsError, match=r"TALARIA_FAULT_PAGE_STALL='three': expected a number of pages"):
+        stall_fault({"TALARIA_FAULT_PAGE_STALL": "three"})

@@ -224,3 +224,39 @@ class _Only:
 
     def owns(self, session_id):
         return session_id == self.session_id
+
+
+def test_a_drained_holder_lost_mid_push_ends_the_drain_counting_what_died_with_it():
+    # b dies while its drain's pushes pull from it (issue 40's kill mid-transfer): the drain
+    # still answers (not "no instance b"), waits for the pushes' reports, and counts as lost
+    # the partial one, the unreported one and the session no push had been asked for yet.
+    r = core(lease_timeout_s=0.0)
+    idle_on_b(r, ("s1", "s2", "s3"))
+    r.handle(SnapshotReceived(msnap("a"), 1.1), 1.1)
+    a1, a2, a3 = r.drain("b", 2.0)[1]
+    r.handle(pushed(a1), 2.5)  # s1 moved before the kill
+    # s4 shows up in b's registry after the asks: the next ask would have pushed it
+    r.handle(SnapshotReceived(msnap("b", version=2, at=2.6, sessions=[("s4", "m1", "host", 64)]), 2.6), 2.6)
+    r.handle(InstanceLost("b", "", "instance b lost: no heartbeat for 2.1s", 3.0), 3.0)
+    status = r.drain("b", 3.1)[0]
+    assert (status.drained, status.sessions, status.moved, status.lost) == (False, 2, 1, 1)
+    assert status.why_lost == "b was lost while draining (instance b lost: no heartbeat for 2.1s)"
+    r.handle(pushed(a2, listed=4, pages=2, why="transfer broke: IncompleteReadError"), 3.2)
+    assert (r.drain("b", 3.3)[0].sessions, r.drain("b", 3.3)[0].lost) == (1, 2)
+    status, asks = r.drain("b", 2.0 + RETRY_AFTER_S)  # s3's report never comes (its target died too)
+    assert (status.drained, status.calls, status.sessions, status.moved, status.lost) == (True, 0, 0, 1, 3)
+    assert a3.session_id == "s3" and asks == []  # nothing is asked of a dead holder
+    # An instance lost without a drain is unknown, as before.
+    r.handle(InstanceLost("a", "", "instance a lost", 40.0), 40.0)
+    assert r.drain("a", 40.1)[0].error.startswith("no instance 'a' is known")
+
+
+def test_a_push_whose_listing_failed_counts_the_session_as_lost_not_moved():
+    r = core(lease_timeout_s=0.0)
+    idle_on_b(r)
+    r.handle(SnapshotReceived(msnap("a"), 1.1), 1.1)
+    (ask,) = r.drain("b", 2.0)[1]
+    r.handle(pushed(ask, listed=0, pages=0, why="listing broke: ConnectionRefusedError"), 3.0)
+    status = r.drain("b", 3.1)[0]
+    assert (status.drained, status.moved, status.lost) == (True, 0, 1)
+    assert status.why_lost == "listing broke: ConnectionRefusedError"
