@@ -170,7 +170,7 @@ class DrainStatus(Struct, frozen=True):
     calls: int = 0  # calls still running, queued or placed there
     sessions: int = 0  # sessions whose KV is still to move off it (a push asked for or not yet)
     moved: int = 0  # sessions whose KV a push moved to another instance
-    lost: int = 0  # sessions whose KV no push could move (their next call recomputes)
+    lost: int = 0  # sessions whose KV no push could move whole (their next call recomputes what did not arrive)
     why_lost: str = ""  # the first reason one was lost
     error: str = ""  # the request was refused (one line)
 

@@ -46,7 +46,7 @@ async def drain(nats_url: str, instance_id: str, *, timeout_s: float, every_s: f
                     return 2, status.error
                 if status.drained and status.lost:
                     return 3, (f"{instance_id} drained, but {status.lost} session(s) lost their KV context "
-                               f"(their next call recomputes; {status.moved} moved): {status.why_lost}")
+                               f"(their next call recomputes what did not arrive; {status.moved} moved): {status.why_lost}")
                 if status.drained:
                     return 0, (f"{instance_id} drained: no call runs or waits there, {status.moved} session(s)' KV "
                                "moved off it, none will be placed there")
