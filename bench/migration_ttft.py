@@ -62,6 +62,22 @@ def engine(data: Path, n: int, warm: bool = True) -> TorchEngine:
     return eng
 
 
+def pull_pages(address: str, session: str, hashes: list[int], transport, **bounds):
+    """page_client.pull from this (blocking) thread, on an event loop of its own. Not through
+    asyncio.run: on Python < 3.13 its exit (restoring SIGINT's handler: signal.getsignal) formats
+    the finished task's repr, result included; until a Pulled's repr left its bytes out, that was
+    every pulled page's bytes (1.4 s for 32 MB, 5-6 s for 128 MB here), counted in the migrate
+    TTFT (issue 40's vLLM 16K row). Nothing of asyncio.run's teardown belongs in the timed pull."""
+    from talaria.services.instance_agent.memory.page_client import pull
+
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(pull(address, session, MODEL, hashes, transport=transport, **bounds))
+    finally:
+        loop.run_until_complete(loop.shutdown_default_executor())
+        loop.close()
+
+
 def holder_main(n: int, host: str, port: int, data: Path, segment_host: str) -> None:
     """The holder: the first call, then serve its pages until stdin closes (by Mooncake to a
     puller that has it too, when `segment_host` is set and the engine starts)."""
@@ -152,15 +168,13 @@ def vllm_measure(n: int, address: str, mover, transport, recompute: float | None
     """One moved return of size `n` on vLLM: pull session s<N>'s pages (scope ctx-<N>), import
     them into `mover`, then its first token; `recompute`: the baseline, or None to measure it
     (a return under a scope no engine holds)."""
-    from talaria.services.instance_agent.memory.page_client import pull
-
     prompt = context(n) + TAIL
     if recompute is None:
         recompute = vllm_first_token_s(mover, Sequence(f"r{n}", f"r{n}", MODEL, prompt, 1, kv_scope=f"recompute-{n}"))
     hashes = mover.page_hashes(MODEL, prompt[:-1], f"ctx-{n}")
-    first = asyncio.run(pull(address, f"s{n}", MODEL, hashes[:1], timeout_s=60, max_bytes=1 << 30, transport=transport))
+    first = pull_pages(address, f"s{n}", hashes[:1], transport, timeout_s=60, max_bytes=1 << 30)
     t0 = time.perf_counter()
-    got = asyncio.run(pull(address, f"s{n}", MODEL, hashes, timeout_s=600, max_bytes=1 << 34, transport=transport))
+    got = pull_pages(address, f"s{n}", hashes, transport, timeout_s=600, max_bytes=1 << 34)
     lay = got.layout
     t_import = time.perf_counter()
     tokens = mover.import_pages(MODEL, f"s{n}", got.hashes, got.slabs, lay.dtype, tuple(lay.shape), lay.ranks)
@@ -177,16 +191,14 @@ def vllm_measure(n: int, address: str, mover, transport, recompute: float | None
 def measure(n: int, address: str, data: Path, transport) -> dict:
     """One moved return migrated from the holder at `address` (`transport`: a Mooncake one, or
     None for the bytes inline over TCP)."""
-    from talaria.services.instance_agent.memory.page_client import pull
-
     prompt = context(n) + TAIL
     mover = engine(data, n)
     hashes = block_hashes(prompt[:-1], mover.page_size)
     # one page first, untimed: the holder's first export and Mooncake's handshake with a new peer
     # (both paid once per pair of agents, not per call) stay out of the measured pull
-    first = asyncio.run(pull(address, "s1", MODEL, hashes[:1], timeout_s=60, max_bytes=1 << 30, transport=transport))
+    first = pull_pages(address, "s1", hashes[:1], transport, timeout_s=60, max_bytes=1 << 30)
     t0 = time.perf_counter()
-    got = asyncio.run(pull(address, "s1", MODEL, hashes, timeout_s=600, max_bytes=1 << 34, transport=transport))
+    got = pull_pages(address, "s1", hashes, transport, timeout_s=600, max_bytes=1 << 34)
     lay = got.layout
     tokens = mover.import_pages(MODEL, "s1", got.hashes, got.slabs, lay.dtype, tuple(lay.shape), lay.ranks)
     pulled = time.perf_counter() - t0

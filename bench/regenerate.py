@@ -61,7 +61,8 @@ RESULTS = (
             ".ci-vllm-venv/bin/python bench/migration_ttft.py --engine vllm --tokens 4096,16384,65536 --netns"
             " --transports tcp,mooncake"), 45,
            note="the TTFT part needs root (network namespaces), the mooncake extra and, for its vLLM rows,"
-                " the vLLM stage's venv (.ci/vllm_stage.sh builds .ci-vllm-venv)"),
+                " the vLLM stage's venv (.ci/vllm_stage.sh builds .ci-vllm-venv without the extra: add it with"
+                " .ci-vllm-venv/bin/pip install -e '.[test,mooncake]')"),
     Result("hot_cold_sim", ("hot_cold_sim.md",), ("python bench/hot_cold_sim.py --seeds 3",), 5),
     Result("sim_fidelity_peers", ("sim_fidelity_peers.md",),
            ("python bench/sim_fidelity.py --policies talaria,sglang-cache-aware,vllm-stack-session"
