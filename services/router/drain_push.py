@@ -14,22 +14,8 @@ from __future__ import annotations
 
 from talaria.services.router.costs import HARD_REASONS, CostModel
 from talaria.services.router.push_book import ATTEMPTS, RETRY_AFTER_S
-from talaria.services.router.state import SessionEntry
+from talaria.services.router.state import SessionEntry, kv_on
 from talaria.shared.events import CallSubmitted, KvPushRequested
-
-
-def kv_on(state, holder: str) -> list[tuple[str, str]]:
-    """(session, model) of every session whose KV lives on `holder`: homed there in the book
-    (live or idle, not yet expired), or in its snapshot's device or host registry and homed
-    nowhere else (a session that returned elsewhere has moved on)."""
-    out = {(s, m) for m, homes in state.homes.by_instance.get(holder, {}).items() for s in homes.idle_since}
-    view = state.instances.get(holder)
-    if view is not None:
-        for kv in view.snapshot.sessions:
-            home = state.homes.home_of.get(kv.session_id)
-            if kv.state in ("device", "host") and kv.kv_tokens > 0 and (home is None or home[0] == holder):
-                out.add((kv.session_id, kv.model))
-    return sorted(out)
 
 
 def next_call(state, holder: str, session_id: str, model: str) -> tuple[CallSubmitted, SessionEntry] | None:

@@ -16,13 +16,13 @@ from __future__ import annotations
 # imports the talaria policy, which imports costs.py.
 from talaria.services.router.policy.base import PlacementPolicy  # isort: skip
 from talaria.services.router.costs import CostModel
-from talaria.services.router.drain_push import kv_on, plan
+from talaria.services.router.drain_push import plan
 from talaria.services.router.push_book import RETRY_AFTER_S
 from talaria.services.router.hot_pools import HotPools, decide_from_state
 from talaria.services.router.instances import InstanceView
 from talaria.services.router.leases import settlement
 from talaria.services.router.ownership import Partitioning
-from talaria.services.router.state import RouterState, SnapshotReceived
+from talaria.services.router.state import RouterState, SnapshotReceived, kv_on
 from talaria.shared.messages import DrainStatus
 from talaria.shared.events import (CallFailed, CallRouted, CallSubmitted, Event, InstanceLost, KvPushRequested,
                                    LeaseConsumed, LeaseDiscarded, LeaseExpired, LeaseIssued, PoolPinned)

@@ -326,8 +326,6 @@ class RouterState:
         view = self.instances.get(event.instance_id)
         if view is not None and view.snapshot.incarnation == event.incarnation:
             if event.instance_id in self.draining:  # its drain's status still answers for it (RouterCore.drain)
-                from talaria.services.router.drain_push import kv_on  # (drain_push imports this module)
-
                 self.pushes.holder_lost(event.instance_id, [s for s, _ in kv_on(self, event.instance_id)],
                                         f"{event.instance_id} was lost while draining ({event.reason})")
             del self.instances[event.instance_id]
@@ -521,3 +519,17 @@ def _view_from_dict(row: dict) -> InstanceView:
         view.add_overlay(call_id, tokens, model, new[0] if new else None)
     view.inflight = set(row.get("inflight", []))
     return view
+
+
+def kv_on(state, holder: str) -> list[tuple[str, str]]:
+    """(session, model) of every session whose KV lives on `holder`: homed there in the book
+    (live or idle, not yet expired), or in its snapshot's device or host registry and homed
+    nowhere else (a session that returned elsewhere has moved on)."""
+    out = {(s, m) for m, homes in state.homes.by_instance.get(holder, {}).items() for s in homes.idle_since}
+    view = state.instances.get(holder)
+    if view is not None:
+        for kv in view.snapshot.sessions:
+            home = state.homes.home_of.get(kv.session_id)
+            if kv.state in ("device", "host") and kv.kv_tokens > 0 and (home is None or home[0] == holder):
+                out.add((kv.session_id, kv.model))
+    return sorted(out)
