@@ -22,7 +22,7 @@ from talaria.services.router.policy import soft_reservation as sr
 from talaria.services.router.policy.base import PlacementPolicy, PolicyConfig
 from talaria.services.router.policy.registry import register
 from talaria.services.router.state import RouterState, SessionEntry
-from talaria.shared.events import CallCompleted, CallSubmitted, Event, LeaseIssued, RoutingDecision
+from talaria.shared.events import CallCompleted, CallSubmitted, CandidateCost, Event, LeaseIssued, RoutingDecision
 from talaria.shared.wire import replace
 
 
@@ -43,7 +43,7 @@ class Talaria(PlacementPolicy):
         if lease is not None:
             problem = sr.lease_problem(state, lease, call, now, self.config)
             if problem is None:
-                return self._consume(state, lease, call, entry, now)
+                return self._lease_or_leave(state, lease, call, entry, now)
         hit = None
         if self.config.prefix_placement and call.block_hashes and (entry is None or entry.kv_tokens == 0):
             hit = state.prefix.match(call.model, call.block_hashes)
@@ -55,12 +55,40 @@ class Talaria(PlacementPolicy):
         return replace(decision, lease_outcome="discarded", lease_instance=lease.instance_id,
                        discard_reason=problem)
 
-    def _consume(self, state: RouterState, lease: LeaseIssued, call: CallSubmitted,
-                 entry: SessionEntry | None, now: float) -> RoutingDecision:
+    def _lease_or_leave(self, state: RouterState, lease: LeaseIssued, call: CallSubmitted,
+                        entry: SessionEntry | None, now: float) -> RoutingDecision:
+        """Consume the live lease, unless the rotation r's session pays at home on every later
+        call makes another instance cheaper (step 1 of the module doc, beyond the paper).
+
+        The paper consumes a live lease even where its instance is busier: the work queued
+        there is one call's wait, which the reservation rides out. What a lease must not ride
+        out is the round sharing at home, which persists: where r's model shares the home's
+        rounds with other models, every later call of the session pays that stretch
+        (placement_s, costs.py). So only where the home's placement term is positive are the
+        other instances priced, each in full (its queue, a move's recompute or pull, its own
+        rotation, what r's session adds to the sessions there), against the home's cost less
+        its queue and reservations; the session leaves only for one strictly cheaper. Where
+        r's model runs alone at home (placement 0) the lease is consumed unpriced, as before.
+        Measured on the capacity trace z20 at 8 instances: results/capacity.md, issue 34."""
         view = state.instances[lease.instance_id]
         # The lease bypasses admission (its unit was charged while live); price it for the audit.
-        p = self.costs.price(state, view, call, entry, now, own_lease=lease)
-        cost = replace(p.cost, feasible=True, reason="lease")
+        home = self.costs.price(state, view, call, entry, now, own_lease=lease).cost
+        if home.placement_s > 0:
+            priced = self._replica_rule(
+                state, call.model, self.costs.price_all(state, state.instances.values(), call, entry, now, lease), now)
+            stay_s = home.total_s - home.queue_s - home.reserved_s
+            cheaper = [p for p in priced if p.cost.feasible and p.cost.instance_id != lease.instance_id
+                       and p.cost.total_s < stay_s]
+            if cheaper:
+                decision = self._choose(state, call, cheaper, now)
+                if decision.action == "route":
+                    return replace(decision, candidates=[p.cost for p in priced], lease_outcome="discarded",
+                                   lease_instance=lease.instance_id, discard_reason="rotation_elsewhere_cheaper")
+        return self._consume(state, lease, call, home, now)
+
+    def _consume(self, state: RouterState, lease: LeaseIssued, call: CallSubmitted, home: CandidateCost,
+                 now: float) -> RoutingDecision:
+        cost = replace(home, feasible=True, reason="lease")
         opened = cost.model_state not in ON_DEVICE
         return self.route(
             state, call, now, lease.instance_id,
