@@ -61,13 +61,14 @@ class Talaria(PlacementPolicy):
         call makes another instance cheaper (step 1 of the module doc, beyond the paper).
 
         The paper consumes a live lease even where its instance is busier: the work queued
-        there is one call's wait, which the reservation rides out. What a lease must not ride
-        out is the round sharing at home, which persists: where r's model shares the home's
-        rounds with other models, every later call of the session pays that stretch
-        (placement_s, costs.py). So only where the home's placement term is positive are the
-        other instances priced, each in full (its queue, a move's recompute or pull, its own
-        rotation, what r's session adds to the sessions there), against the home's cost less
-        its queue and reservations; the session leaves only for one strictly cheaper. Where
+        there and the wait for r's model to come back are one call's, which the reservation
+        rides out. What a lease must not ride out is the round sharing at home, which
+        persists: where r's model shares the home's rounds with other models, every later
+        call of the session pays that stretch (placement_s, costs.py). So only where the
+        home's placement term is positive are the other instances priced, each in full (its
+        queue, activation, a move's recompute or pull, its own rotation, what r's session adds
+        to the sessions there), against the home's cost less its queue, reservations and
+        activation; the session leaves only for one strictly cheaper. Where
         r's model runs alone at home (placement 0) the lease is consumed unpriced, as before.
         Measured on the capacity trace z20 at 8 instances: results/capacity.md, issue 34."""
         view = state.instances[lease.instance_id]
@@ -76,7 +77,7 @@ class Talaria(PlacementPolicy):
         if home.placement_s > 0:
             priced = self._replica_rule(
                 state, call.model, self.costs.price_all(state, state.instances.values(), call, entry, now, lease), now)
-            stay_s = home.total_s - home.queue_s - home.reserved_s
+            stay_s = home.total_s - home.queue_s - home.reserved_s - home.activation_s
             cheaper = [p for p in priced if p.cost.feasible and p.cost.instance_id != lease.instance_id
                        and p.cost.total_s < stay_s]
             if cheaper:
