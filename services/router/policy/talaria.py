@@ -1,6 +1,9 @@
 """`talaria`: session-aware residency routing, paper Algorithm 1 with Eq. 1 and Eq. 2.
 
     1  live lease for (session, model)?  ── instance answers and KV valid ──► consume, route
+                                         │    unless r's model shares the home's rounds and
+                                         │    an instance where it already has a slot is
+                                         │    cheaper for the session ──► discard, route there
                                          └─ otherwise ──► discard (reason), fall through
     2  price every instance (costs.py): Eq. 1 terms, round-admission and HBM checks
     3  a candidate that would open a fresh replica must also pass Eq. 2
@@ -10,7 +13,9 @@
 
 Beyond the paper: a new session whose prompt shares a prefix with KV another session left
 on an instance gets that prefix priced as reusable there (PolicyConfig.prefix_placement),
-and tau can adapt to the session's observed tool gaps (PolicyConfig.adaptive_lease).
+tau can adapt to the session's observed tool gaps (PolicyConfig.adaptive_lease), and a live
+lease does not hold a session in a rotation that costs its later calls more than a move to
+where its model already runs (`_lease_or_leave`, issue 34).
 """
 
 from __future__ import annotations
@@ -74,9 +79,10 @@ class Talaria(PlacementPolicy):
         instance's rotation and takes one out of the home's when r's session was its last
         there: slots only consolidate, and a session cannot trade one rotation for another
         on a snapshot's noise (measured: leaving for any cheaper instance, 19 moves at 5
-        instances on z20, turned the SLO's 820 s p95 into 893 s). Where
-        r's model runs alone at home (placement 0) the lease is consumed unpriced, as before.
-        Measured on the capacity trace z20 at 8 instances: results/capacity.md, issue 34."""
+        instances on z20, turned the SLO's 820 s p95 into 893 s; also allowing an idle
+        destination won at 8 instances but lost at 5). Where r's model runs alone at home
+        (placement 0) the lease is consumed unpriced, as before. No constant. Measured on the
+        capacity traces: docs/decisions/2026-12-05-lease-leaves-rotation.md."""
         view = state.instances[lease.instance_id]
         # The lease bypasses admission (its unit was charged while live); price it for the audit.
         home = self.costs.price(state, view, call, entry, now, own_lease=lease).cost
