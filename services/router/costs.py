@@ -388,6 +388,14 @@ class CostModel:
         return max(0.0, saving) * demand, threshold
 
 
+def in_rotation(view: InstanceView, model: str, live) -> bool:
+    """`model` already has a slot in i's rounds: it runs or is queued there, was routed there
+    since the snapshot, or has a session living there between calls (`live`, homes.py)."""
+    snap = view.snapshot
+    busy_here = snap.active_model == model and (snap.running or snap.queued.get(model))
+    return bool(busy_here or snap.queued.get(model) or view.overlay_models.get(model) or model in live)
+
+
 def _join_externality(cfg: PolicyConfig, state: RouterState, view: InstanceView, model: str, decode: float,
                       live, later: float) -> float:
     """Seconds r's session adds to the other sessions on i when r's model is new to i's
@@ -397,10 +405,7 @@ def _join_externality(cfg: PolicyConfig, state: RouterState, view: InstanceView,
     makes (this one and `later`). 0 where the model already rotates, and on a hot instance
     (it rotates its pinned model only: other models' sessions there are leaving)."""
     snap = view.snapshot
-    if view.pinned is not None:
-        return 0.0
-    busy_here = snap.active_model == model and (snap.running or snap.queued.get(model))
-    if busy_here or snap.queued.get(model) or view.overlay_models.get(model) or model in live:
+    if view.pinned is not None or in_rotation(view, model, live):
         return 0.0
     sessions = state.homes.sessions_of_other_models(snap.instance_id, model)
     return sessions * (decode + (snap.switch_s or cfg.default_open_s)) * (1.0 + later)

@@ -10,6 +10,8 @@
 Routing never refreshes a lease; only the next completion installs a successor.
 Discard reasons, in the order they are checked: expired, model_changed, instance_gone,
 instance_unhealthy (snapshot older than 2 * stale_after_s), hot_pool_pinned, kv_missing.
+A lease these checks pass may still be discarded by the `talaria` policy itself, reason
+rotation_elsewhere_cheaper (policy/talaria.py, `_lease_or_leave`).
 """
 
 from __future__ import annotations

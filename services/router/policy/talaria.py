@@ -1,6 +1,9 @@
 """`talaria`: session-aware residency routing, paper Algorithm 1 with Eq. 1 and Eq. 2.
 
     1  live lease for (session, model)?  ── instance answers and KV valid ──► consume, route
+                                         │    unless r's model shares the home's rounds and
+                                         │    an instance where it already has a slot is
+                                         │    cheaper for the session ──► discard, route there
                                          └─ otherwise ──► discard (reason), fall through
     2  price every instance (costs.py): Eq. 1 terms, round-admission and HBM checks
     3  a candidate that would open a fresh replica must also pass Eq. 2
@@ -10,19 +13,21 @@
 
 Beyond the paper: a new session whose prompt shares a prefix with KV another session left
 on an instance gets that prefix priced as reusable there (PolicyConfig.prefix_placement),
-and tau can adapt to the session's observed tool gaps (PolicyConfig.adaptive_lease).
+tau can adapt to the session's observed tool gaps (PolicyConfig.adaptive_lease), and a live
+lease does not hold a session in a rotation that costs its later calls more than a move to
+where its model already runs (`_lease_or_leave`, issue 34).
 """
 
 from __future__ import annotations
 
 from talaria.services.router import deadlines
-from talaria.services.router.costs import HARD_REASONS, CostModel, Priced, eq1_total
+from talaria.services.router.costs import HARD_REASONS, CostModel, Priced, eq1_total, in_rotation
 from talaria.services.router.instances import ON_DEVICE
 from talaria.services.router.policy import soft_reservation as sr
 from talaria.services.router.policy.base import PlacementPolicy, PolicyConfig
 from talaria.services.router.policy.registry import register
 from talaria.services.router.state import RouterState, SessionEntry
-from talaria.shared.events import CallCompleted, CallSubmitted, Event, LeaseIssued, RoutingDecision
+from talaria.shared.events import CallCompleted, CallSubmitted, CandidateCost, Event, LeaseIssued, RoutingDecision
 from talaria.shared.wire import replace
 
 
@@ -43,7 +48,7 @@ class Talaria(PlacementPolicy):
         if lease is not None:
             problem = sr.lease_problem(state, lease, call, now, self.config)
             if problem is None:
-                return self._consume(state, lease, call, entry, now)
+                return self._lease_or_leave(state, lease, call, entry, now)
         hit = None
         if self.config.prefix_placement and call.block_hashes and (entry is None or entry.kv_tokens == 0):
             hit = state.prefix.match(call.model, call.block_hashes)
@@ -55,12 +60,50 @@ class Talaria(PlacementPolicy):
         return replace(decision, lease_outcome="discarded", lease_instance=lease.instance_id,
                        discard_reason=problem)
 
-    def _consume(self, state: RouterState, lease: LeaseIssued, call: CallSubmitted,
-                 entry: SessionEntry | None, now: float) -> RoutingDecision:
+    def _lease_or_leave(self, state: RouterState, lease: LeaseIssued, call: CallSubmitted,
+                        entry: SessionEntry | None, now: float) -> RoutingDecision:
+        """Consume the live lease, unless the rotation r's session pays at home on every later
+        call makes another instance cheaper (step 1 of the module doc, beyond the paper).
+
+        The paper consumes a live lease even where its instance is busier: the work queued
+        there and the wait for r's model to come back are one call's, which the reservation
+        rides out. What a lease must not ride out is the round sharing at home, which
+        persists: where r's model shares the home's rounds with other models, every later
+        call of the session pays that stretch (placement_s, costs.py). So only where the
+        home's placement term is positive are the other instances priced, each in full (its
+        queue, activation, a move's recompute or pull, its own rotation, what r's session adds
+        to the sessions there), against the home's cost less its queue, reservations and
+        activation; the session leaves only for one strictly cheaper where its model already
+        has a slot in the rounds (`in_rotation`: running, queued or living there, as a peer's
+        keep-alive routes to where the model is awake). So a move never adds a model to any
+        instance's rotation and takes one out of the home's when r's session was its last
+        there: slots only consolidate, and a session cannot trade one rotation for another
+        on a snapshot's noise (measured: leaving for any cheaper instance, 19 moves at 5
+        instances on z20, turned the SLO's 820 s p95 into 893 s; also allowing an idle
+        destination won at 8 instances but lost at 5). Where r's model runs alone at home
+        (placement 0) the lease is consumed unpriced, as before. No constant. Measured on the
+        capacity traces: docs/decisions/2026-12-05-lease-leaves-rotation.md."""
         view = state.instances[lease.instance_id]
         # The lease bypasses admission (its unit was charged while live); price it for the audit.
-        p = self.costs.price(state, view, call, entry, now, own_lease=lease)
-        cost = replace(p.cost, feasible=True, reason="lease")
+        home = self.costs.price(state, view, call, entry, now, own_lease=lease).cost
+        if home.placement_s > 0:
+            priced = self._replica_rule(
+                state, call.model, self.costs.price_all(state, state.instances.values(), call, entry, now, lease), now)
+            stay_s = home.total_s - home.queue_s - home.reserved_s - home.activation_s
+            cheaper = [p for p in priced if p.cost.feasible and p.cost.instance_id != lease.instance_id
+                       and p.cost.total_s < stay_s and p.view is not None
+                       and (p.view.snapshot.active_model == call.model
+                            or in_rotation(p.view, call.model, state.live_models(p.cost.instance_id, now)))]
+            if cheaper:
+                decision = self._choose(state, call, cheaper, now)
+                if decision.action == "route":
+                    return replace(decision, candidates=[p.cost for p in priced], lease_outcome="discarded",
+                                   lease_instance=lease.instance_id, discard_reason="rotation_elsewhere_cheaper")
+        return self._consume(state, lease, call, home, now)
+
+    def _consume(self, state: RouterState, lease: LeaseIssued, call: CallSubmitted, home: CandidateCost,
+                 now: float) -> RoutingDecision:
+        cost = replace(home, feasible=True, reason="lease")
         opened = cost.model_state not in ON_DEVICE
         return self.route(
             state, call, now, lease.instance_id,

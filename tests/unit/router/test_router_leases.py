@@ -50,6 +50,36 @@ def test_return_consumes_lease_even_when_instance_is_busier():
     assert c.state.sessions["s1"].lease is None and c.state.leases_on("a", 10.5) == 0
 
 
+def _rotating_home(b_models, b_active, b_queued=None):
+    """s1 served at `a`, lease live; then `a` rotates m2 (active, work queued) with m1 (s1's KV
+    on host there), and `b` reports `b_models` with `b_active` active."""
+    c = served_once(price_round_sharing=True)
+    c.handle(done("c0", "a", at=10.0), 10.0)
+    c.observe(snap("a", version=2, at=10.1, models={"m1": "resident", "m2": "active"}, active="m2",
+                   queued={"m2": 1}, sessions=[("s1", "m1", "host", 1010)]), 10.1)
+    c.observe(snap("b", version=2, at=10.1, models=b_models, active=b_active, queued=b_queued), 10.1)
+    return c, c.handle(call("c1", at=10.5), 10.5)
+
+
+def test_a_lease_does_not_hold_a_session_in_a_rotation_where_its_model_runs_alone_elsewhere():
+    # At a, every later call of s1 waits through m2's slot and a switch; b runs m1 alone:
+    # recomputing 1,000 tokens there once is cheaper than that stretch, so s1 leaves.
+    c, out = _rotating_home({"m1": "active"}, "m1")
+    assert one(out, CallRouted).instance_id == "b"
+    audit = one(out, RoutingDecision)
+    assert (audit.lease_outcome, audit.lease_instance, audit.discard_reason) == \
+        ("discarded", "a", "rotation_elsewhere_cheaper")
+    assert one(out, LeaseDiscarded).reason == "rotation_elsewhere_cheaper"
+    assert {x.instance_id for x in audit.candidates} == {"a", "b"}
+
+
+def test_a_lease_holds_where_the_other_instance_rotates_more():
+    # b runs m1 now but rotates m2 and m3 with it: leaving would stretch every later call more.
+    c, out = _rotating_home({"m1": "active", "m2": "resident", "m3": "resident"}, "m1", {"m2": 1, "m3": 1})
+    assert one(out, LeaseConsumed).instance_id == "a"
+    assert one(out, CallRouted).instance_id == "a"
+
+
 def test_host_restorable_prefix_also_consumes():
     c = served_once()
     c.handle(done("c0", "a", at=10.0), 10.0)
