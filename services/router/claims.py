@@ -46,12 +46,19 @@ class ClaimStore:
     async def _agree(self, partitions: int) -> None:
         # Written once without expiry would need a second bucket; rewritten by every router at
         # start instead, so it lives while routers do (create, else compare and refresh).
-        try:
-            await self.kv.create(PARTITIONS_KEY, str(partitions).encode())
-            return
-        except KeyWrongLastSequenceError:
-            pass
-        entry = await self.kv.get(PARTITIONS_KEY)
+        for _ in range(3):  # the key may expire between a refused create and the read (create below)
+            try:
+                await self.kv.create(PARTITIONS_KEY, str(partitions).encode())
+                return
+            except (KeyWrongLastSequenceError, KeyNotFoundError):
+                pass
+            try:
+                entry = await self.kv.get(PARTITIONS_KEY)
+                break
+            except KeyNotFoundError:
+                continue
+        else:
+            return  # it kept expiring under us: no router holds it, so none disagrees
         if entry.value and int(entry.value) != partitions:
             raise SettingsError("TALARIA_ROUTER_PARTITIONS", str(partitions),
                                 f"{int(entry.value)}, the partition count of the routers already running")
@@ -75,6 +82,11 @@ class ClaimStore:
         try:
             return await self.kv.create(key_of(partition), me.encode())
         except KeyWrongLastSequenceError:
+            return None
+        except KeyNotFoundError:
+            # nats-py's create, refused because the key existed, reads it to tell a live claim
+            # from a delete marker; a claim that expired in between reads as not found. Not ours
+            # this round: the next tick claims it, free now.
             return None
 
     async def renew(self, partition: int, me: str, revision: int) -> int | None:

@@ -1,9 +1,7 @@
 """`talaria`: session-aware residency routing, paper Algorithm 1 with Eq. 1 and Eq. 2.
 
     1  live lease for (session, model)?  ── instance answers and KV valid ──► consume, route
-                                         │    unless r's model shares the home's rounds and
-                                         │    an instance where it already has a slot is
-                                         │    cheaper for the session ──► discard, route there
+                                         │  (or leave a shared rotation: `_lease_or_leave`)
                                          └─ otherwise ──► discard (reason), fall through
     2  price every instance (costs.py): Eq. 1 terms, round-admission and HBM checks
     3  a candidate that would open a fresh replica must also pass Eq. 2
@@ -11,11 +9,9 @@
     5  of those, only where r's first token comes by its deadline (deadlines.py); none ──► reject
     6  route to argmin Cost(r, i)
 
-Beyond the paper: a new session whose prompt shares a prefix with KV another session left
-on an instance gets that prefix priced as reusable there (PolicyConfig.prefix_placement),
-tau can adapt to the session's observed tool gaps (PolicyConfig.adaptive_lease), and a live
-lease does not hold a session in a rotation that costs its later calls more than a move to
-where its model already runs (`_lease_or_leave`, issue 34).
+Beyond the paper: prefix-aware placement of a new session (PolicyConfig.prefix_placement),
+a tau that adapts to observed tool gaps (PolicyConfig.adaptive_lease), and a live lease that
+does not hold a session in a rotation a move to where its model already runs would spare.
 """
 
 from __future__ import annotations
