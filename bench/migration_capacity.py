@@ -31,6 +31,8 @@ from capacity import CASES, write_trace  # noqa: E402
 
 from talaria.sim.capacity import OURS, Runner, load_inputs  # noqa: E402
 
+from bench.paired import cell as ci_cell, paired_ratio, verdict  # noqa: E402
+
 ON, OFF = "talaria", "talaria-no-migrate"
 SECTION = "## Simulator: capacity cases"
 SAVED = ROOT / "bench" / "data" / "capacity"
@@ -78,9 +80,11 @@ def main() -> int:
     with ProcessPoolExecutor(args.workers) as pool:
         res = {(t, n, c, sd): p for t, n, c, sd, p in pool.map(_task, tasks)}
     lines = ["| trace | instances | recomputes (no-migrate) | recomputes (talaria) | migrations | "
-             "SCT p50 x | SCT p95 x |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "SCT p50 x | SCT p95 x | pooled p50 x [95 % CI] | pooled p95 x [95 % CI] |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     off_total = on_total = mig_total = 0
     worst = 0.0
+    found: dict[str, list[str]] = {"slower": [], "faster": []}
     for t, _m, _g, n in points():
         on = [res[(t, n, ON, sd)] for sd in seeds]
         off = [res[(t, n, OFF, sd)] for sd in seeds]
@@ -90,14 +94,27 @@ def main() -> int:
         p50 = gmean([a.sct_p50 / b.sct_p50 for a, b in zip(on, off)])
         p95 = gmean([a.sct_p95 / b.sct_p95 for a, b in zip(on, off)])
         worst = max(worst, p50, p95)
-        lines.append(f"| {t} | {n} | {r_off} | {r_on} | {mig} | {p50:.3f} | {p95:.3f} |")
+        strata = [[(a.scts[sid], b.scts[sid]) for sid in b.scts] for a, b in zip(on, off)]
+        ci = []
+        for q, label in ((0.50, "p50"), (0.95, "p95")):
+            point, lo, hi = paired_ratio(strata, q)
+            ci.append(ci_cell(lo, point, hi))
+            v = verdict(lo, hi)
+            if v in found:
+                found[v].append(f"{t} at {n} {label} {point:.3f} [{lo:.3f}, {hi:.3f}]")
+        lines.append(f"| {t} | {n} | {r_off} | {r_on} | {mig} | {p50:.3f} | {p95:.3f} | {ci[0]} | {ci[1]} |")
     drop = 1 - on_total / off_total if off_total else float("nan")
     body = [SECTION, "", f"`python bench/migration_capacity.py --seeds {len(seeds)}` "
             f"({time.perf_counter() - started:.0f} s, gap seeds 0..{len(seeds) - 1}). "
             "The capacity cases' traces (bench/capacity.py CASES, seed 0) at talaria's and the best peer's "
             "instance counts of bench/data/capacity/case*.json; `talaria-no-migrate` is the baseline on the "
             f"same sessions. Recomputes after a move: {off_total} -> {on_total} ({drop:.0%} fewer), "
-            f"{mig_total} migrations; worst SCT ratio {worst:.3f}.", "", *lines, ""]
+            f"{mig_total} migrations; worst SCT ratio {worst:.3f}. The pooled columns: each percentile over "
+            "every seed's sessions, talaria over the ablation, with a 95 % paired-bootstrap interval (bench/paired.py).",
+            "", *lines, "",
+            f"**Verdict: established slower (95 % interval above 1.00) in {len(found['slower'])} of "
+            f"{2 * len(points())} cell-percentiles: {'; '.join(found['slower']) or 'none'}.** Established faster in "
+            f"{len(found['faster'])}: {'; '.join(found['faster']) or 'none'}.", ""]
     print("\n".join(body))
     if args.print_only:
         return 0

@@ -1,0 +1,46 @@
+"""bench/paired.py: the paired-bootstrap interval of a percentile ratio that the migration
+benches use to say whether a cell is established slower than its baseline."""
+
+from __future__ import annotations
+
+import random
+
+from bench.paired import paired_ratio, verdict
+
+
+def _spread(n: int, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    return [rng.lognormvariate(5.0, 1.0) for _ in range(n)]  # SCTs ~150 s, spread ~10x
+
+
+def test_a_three_percent_slowdown_of_every_session_is_established_despite_a_10x_spread():
+    # each session 3 % slower in the configuration: paired, the ratio is exactly 1.03 in every
+    # resample, though the sessions' own spread dwarfs it (an unpaired comparison would not see it)
+    strata = [[(x * 1.03, x) for x in _spread(20, seed)] for seed in range(3)]
+    for q in (0.5, 0.95):
+        point, lo, hi = paired_ratio(strata, q)
+        assert 1.0 < lo <= point <= hi
+        assert abs(point - 1.03) < 1e-9
+        assert verdict(lo, hi) == "slower"
+
+
+def test_sessions_that_move_both_ways_give_an_interval_that_includes_one():
+    # half the sessions 10 % slower, half 10 % faster, at random: no direction is established
+    rng = random.Random(7)
+    strata = [[(x * rng.choice((0.9, 1.1)), x) for x in _spread(20, seed)] for seed in range(3)]
+    for q in (0.5, 0.95):
+        point, lo, hi = paired_ratio(strata, q)
+        assert lo < 1.0 < hi, (q, lo, point, hi)
+        assert verdict(lo, hi) == "not established"
+
+
+def test_faster_and_deterministic():
+    strata = [[(x * 0.9, x) for x in _spread(30, 1)]]
+    assert paired_ratio(strata, 0.5) == paired_ratio(strata, 0.5)
+    assert verdict(*paired_ratio(strata, 0.5)[1:]) == "faster"
+
+
+def test_a_session_incomplete_in_both_runs_counts_as_equal():
+    inf = float("inf")
+    strata = [[(inf, inf)] * 19 + [(1.0, 1.0)]]
+    assert paired_ratio(strata, 0.95) == (1.0, 1.0, 1.0)
