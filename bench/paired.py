@@ -6,7 +6,9 @@ Both configurations ran the same sessions (same seed, same trace), so each sessi
 compares the nearest-rank percentile (shared/stats.quantile) of the first over the second;
 its 95 % interval is a percentile bootstrap that draws sessions with replacement within each
 stratum and takes *both* SCTs of a drawn session, so the comparison stays paired: a session
-that is slow in both runs moves both percentiles, not their ratio. `verdict` calls a ratio
+that is slow in both runs moves both percentiles, not their ratio. A stratum equal to an earlier
+one (a seed that changed nothing, e.g. recorded gaps) is the same run again and counts once:
+copies would narrow the interval without adding a session. `verdict` calls a ratio
 "slower" only if its whole interval lies above 1, "faster" only if below.
 
 What the interval does not cover: sessions of one run share instances, so they are not
@@ -41,6 +43,11 @@ def paired_ratio(strata: Sequence[Sequence[tuple[float, float]]], q: float, resa
                  level: float = LEVEL, seed: int = 0) -> tuple[float, float, float]:
     """(ratio, lo, hi): quantile q of the first values over quantile q of the second, all pairs
     pooled, and its `level` paired-bootstrap interval (module doc). Deterministic for a `seed`."""
+    unique: list[Sequence[tuple[float, float]]] = []
+    for s in strata:
+        if not any(list(s) == list(u) for u in unique):
+            unique.append(s)
+    strata = unique
     pairs = [p for s in strata for p in s]
     if not pairs:
         return math.nan, math.nan, math.nan

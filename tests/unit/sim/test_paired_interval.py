@@ -44,3 +44,9 @@ def test_a_session_incomplete_in_both_runs_counts_as_equal():
     inf = float("inf")
     strata = [[(inf, inf)] * 19 + [(1.0, 1.0)]]
     assert paired_ratio(strata, 0.95) == (1.0, 1.0, 1.0)
+
+
+def test_a_seed_that_repeats_a_run_adds_no_sessions():
+    rng = random.Random(3)
+    one = [[(x * rng.choice((0.97, 1.05)), x) for x in _spread(20, 0)]]
+    assert paired_ratio(one * 3, 0.5) == paired_ratio(one, 0.5)
