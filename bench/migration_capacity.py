@@ -8,8 +8,10 @@ them) and each instance count that the saved capacity runs (bench/data/capacity/
 name for it (talaria's answer and the best peer's), both configurations run the trace once at
 that count, as `sim capacity` runs a deployment (capacity.Runner, no early stop), with the gap model's seeds 0..N-1: returns that recomputed
 their context (each a move or a loss), migrations, SCT p50 / p95 of talaria over the ablation
-(the baseline, the same sessions in the same run; geometric mean over seeds). Replaces the "## Simulator:
-capacity cases" section of --out.
+(the baseline, the same sessions in the same run; geometric mean over seeds), and per point a 95 %
+paired-bootstrap interval of each pooled percentile ratio (bench/paired.py): talaria is established
+slower there only if it lies above 1.00. Replaces the generated part of the "## Simulator: capacity
+cases" section of --out, up to its verdict line (the reading below it stays).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from capacity import CASES, write_trace  # noqa: E402
 
 from talaria.sim.capacity import OURS, Runner, load_inputs  # noqa: E402
 
-from bench.paired import cell as ci_cell, paired_ratio, verdict  # noqa: E402
+from bench.paired import VERDICT, cell as ci_cell, paired_ratio, verdict  # noqa: E402
+from bench.run_record import replace_generated  # noqa: E402
 
 ON, OFF = "talaria", "talaria-no-migrate"
 SECTION = "## Simulator: capacity cases"
@@ -110,22 +113,17 @@ def main() -> int:
             "instance counts of bench/data/capacity/case*.json; `talaria-no-migrate` is the baseline on the "
             f"same sessions. Recomputes after a move: {off_total} -> {on_total} ({drop:.0%} fewer), "
             f"{mig_total} migrations; worst SCT ratio {worst:.3f}. The pooled columns: each percentile over "
-            "every seed's sessions, talaria over the ablation, with a 95 % paired-bootstrap interval (bench/paired.py).",
+            "every seed's sessions, talaria over the ablation, with a 95 % paired-bootstrap interval (bench/paired.py; a trace whose gap seeds repeat one run, as "
+            "recorded gaps do, counts that run once).",
             "", *lines, "",
-            f"**Verdict: established slower (95 % interval above 1.00) in {len(found['slower'])} of "
+            f"{VERDICT} established slower (95 % interval above 1.00) in {len(found['slower'])} of "
             f"{2 * len(points())} cell-percentiles: {'; '.join(found['slower']) or 'none'}.** Established faster in "
             f"{len(found['faster'])}: {'; '.join(found['faster']) or 'none'}.", ""]
     print("\n".join(body))
     if args.print_only:
         return 0
-    text = args.out.read_text()
-    head, found, rest = text.partition(SECTION)
-    tail = rest[rest.find("\n## "):] if found and "\n## " in rest else ""
-    if not found:  # after the matrix section
-        head, sim, rest = text.partition("## Simulator\n")
-        cut = rest.find("\n## ")
-        head, tail = head + sim + rest[:cut], rest[cut:] if cut >= 0 else ""
-    args.out.write_text(head.rstrip() + "\n\n" + "\n".join(body) + tail)
+    args.out.write_text(replace_generated(args.out.read_text(), SECTION, "\n".join(body), VERDICT,
+                                          after="## Simulator"))
     return 0
 
 

@@ -9,7 +9,10 @@ migrations that replaced them, and SCT p50 / p95 of talaria over the ablation (g
 over seeds; the ablation is the baseline, measured in the same run). --link-scale and
 --setup-scale multiply the profile's link bandwidth and setup (ServerProfile.link_*: an
 [asm] constant, so its flatness is shown by rerunning at 0.1x and 10x). Replaces the
-"simulator" section of --out (the live TTFT table there is bench/migration_ttft.py's).
+generated part of the "## Simulator" section of --out, up to its verdict line (the reading
+written below it stays; the live TTFT table there is bench/migration_ttft.py's). Per cell, a
+95 % paired-bootstrap interval of each pooled percentile ratio (bench/paired.py) says whether
+talaria is established slower than the ablation there (the interval above 1.00) or not.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from talaria.sim.cluster import simulate  # noqa: E402
 from talaria.sim.matrix import cells, run_config  # noqa: E402
 from talaria.sim.metrics import summarise  # noqa: E402
 
-from bench.paired import cell as ci_cell, paired_ratio, verdict  # noqa: E402
+from bench.paired import VERDICT, cell as ci_cell, paired_ratio, verdict  # noqa: E402
+from bench.run_record import replace_generated  # noqa: E402
 
 ON, OFF = "talaria", "talaria-no-migrate"
 SECTION = "## Simulator"
@@ -94,7 +98,7 @@ def verdict_line(tot: dict) -> str:
     """The cells whose interval lies above 1 (established slower) and below it (faster)."""
     slower = "; ".join(tot["slower"]) if tot["slower"] else "none"
     faster = "; ".join(tot["faster"]) if tot["faster"] else "none"
-    return (f"**Verdict: established slower (95 % interval above 1.00) in {len(tot['slower'])} of "
+    return (f"{VERDICT} established slower (95 % interval above 1.00) in {len(tot['slower'])} of "
             f"{tot['intervals']} cell-percentiles: {slower}.** Established faster in {len(tot['faster'])}: "
             f"{faster}.")
 
@@ -131,10 +135,8 @@ def main() -> int:
     print("\n".join(body))
     if args.print_only or only:
         return 0
-    text = args.out.read_text() if args.out.exists() else "# KV migration (issue 40)\n\n"
-    head, _, rest = text.partition(SECTION)
-    tail = rest[rest.find("\n## "):] if "\n## " in rest else ""
-    args.out.write_text(head.rstrip() + "\n\n" + "\n".join(body) + tail)
+    text = args.out.read_text() if args.out.exists() else "# KV migration (issue 40)\n"
+    args.out.write_text(replace_generated(text, SECTION, "\n".join(body), VERDICT))
     return 0
 
 

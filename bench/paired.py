@@ -25,6 +25,7 @@ import numpy as np
 
 RESAMPLES = 4000
 LEVEL = 0.95
+VERDICT = "**Verdict:"  # how the benches' verdict line starts (the end of their generated part)
 
 
 def _rank(n: int, q: float) -> int:

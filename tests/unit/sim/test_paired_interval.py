@@ -50,3 +50,16 @@ def test_a_seed_that_repeats_a_run_adds_no_sessions():
     rng = random.Random(3)
     one = [[(x * rng.choice((0.97, 1.05)), x) for x in _spread(20, 0)]]
     assert paired_ratio(one * 3, 0.5) == paired_ratio(one, 0.5)
+
+
+def test_a_rerun_replaces_the_generated_part_and_keeps_the_reading_below_the_verdict():
+    from bench.paired import VERDICT
+    from bench.run_record import replace_generated
+
+    page = ("# T\n\n## Simulator\n\nold table\n\n**Verdict: old**\n\nA reading.\n\n### Flatness\n\nkept\n\n"
+            "## Simulator: capacity cases\n\nold cap\n\n**Verdict: old cap**\n\n## TTFT\n\nttft\n")
+    page = replace_generated(page, "## Simulator", "## Simulator\n\nnew table\n\n**Verdict: new**", VERDICT)
+    page = replace_generated(page, "## Simulator: capacity cases", "## Simulator: capacity cases\n\nnew cap\n\n"
+                             "**Verdict: new cap**", VERDICT, after="## Simulator")
+    assert page == ("# T\n\n## Simulator\n\nnew table\n\n**Verdict: new**\n\nA reading.\n\n### Flatness\n\nkept\n\n"
+                    "## Simulator: capacity cases\n\nnew cap\n\n**Verdict: new cap**\n\n## TTFT\n\nttft\n")
