@@ -33,7 +33,7 @@ from capacity import CASES, write_trace  # noqa: E402
 
 from talaria.sim.capacity import OURS, Runner, load_inputs  # noqa: E402
 
-from bench.paired import VERDICT, cell as ci_cell, paired_ratio, verdict  # noqa: E402
+from bench.paired import VERDICT, cell as ci_cell, paired_ratio, run_ratio, verdict  # noqa: E402
 from bench.run_record import replace_generated  # noqa: E402
 
 ON, OFF = "talaria", "talaria-no-migrate"
@@ -87,7 +87,7 @@ def main() -> int:
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     off_total = on_total = mig_total = 0
     worst = 0.0
-    found: dict[str, list[str]] = {"slower": [], "faster": []}
+    found: dict[str, list[str]] = {"slower": [], "faster": [], "run_slower": []}
     for t, _m, _g, n in points():
         on = [res[(t, n, ON, sd)] for sd in seeds]
         off = [res[(t, n, OFF, sd)] for sd in seeds]
@@ -103,8 +103,11 @@ def main() -> int:
             point, lo, hi = paired_ratio(strata, q)
             ci.append(ci_cell(lo, point, hi))
             v = verdict(lo, hi)
-            if v in found:
+            if v in ("slower", "faster"):
                 found[v].append(f"{t} at {n} {label} {point:.3f} [{lo:.3f}, {hi:.3f}]")
+            _, lo, hi = run_ratio(strata, q)
+            if verdict(lo, hi) == "slower":
+                found["run_slower"].append(f"{t} at {n} {label} [{lo:.3f}, {hi:.3f}]")
         lines.append(f"| {t} | {n} | {r_off} | {r_on} | {mig} | {p50:.3f} | {p95:.3f} | {ci[0]} | {ci[1]} |")
     drop = 1 - on_total / off_total if off_total else float("nan")
     body = [SECTION, "", f"`python bench/migration_capacity.py --seeds {len(seeds)}` "
@@ -118,7 +121,9 @@ def main() -> int:
             "", *lines, "",
             f"{VERDICT} established slower (95 % interval above 1.00) in {len(found['slower'])} of "
             f"{2 * len(points())} cell-percentiles: {'; '.join(found['slower']) or 'none'}.** Established faster in "
-            f"{len(found['faster'])}: {'; '.join(found['faster']) or 'none'}.", ""]
+            f"{len(found['faster'])}: {'; '.join(found['faster']) or 'none'}. Drawing whole runs (gap seeds) instead "
+            f"of sessions (bench/paired.run_ratio; none for a trace with one distinct run): established slower in "
+            f"{len(found['run_slower'])}: {'; '.join(found['run_slower']) or 'none'}.", ""]
     print("\n".join(body))
     if args.print_only:
         return 0

@@ -31,7 +31,7 @@ from talaria.sim.cluster import simulate  # noqa: E402
 from talaria.sim.matrix import cells, run_config  # noqa: E402
 from talaria.sim.metrics import summarise  # noqa: E402
 
-from bench.paired import VERDICT, cell as ci_cell, paired_ratio, verdict  # noqa: E402
+from bench.paired import VERDICT, cell as ci_cell, paired_ratio, run_ratio, verdict  # noqa: E402
 from bench.run_record import replace_generated  # noqa: E402
 
 ON, OFF = "talaria", "talaria-no-migrate"
@@ -66,7 +66,7 @@ def table(rows, seeds: int) -> tuple[list[str], dict]:
            "pooled p50 x [95 % CI] | pooled p95 x [95 % CI] |",
            "|---|---:|---:|---:|---:|---:|---:|---:|"]
     tot = {"off": 0, "on": 0, "mig": 0, "worst_p50": 0.0, "worst_p95": 0.0, "p50": [], "p95": [],
-           "slower": [], "faster": [], "intervals": 0}
+           "slower": [], "faster": [], "intervals": 0, "run_slower": []}
     for n in names:
         on = [by[(s, n, ON)] for s in range(seeds)]
         off = [by[(s, n, OFF)] for s in range(seeds)]
@@ -86,6 +86,9 @@ def table(rows, seeds: int) -> tuple[list[str], dict]:
             v = verdict(lo, hi)
             if v in ("slower", "faster"):
                 tot[v].append(f"{n} {label} {point:.3f} [{lo:.3f}, {hi:.3f}]")
+            _, lo, hi = run_ratio(pairs(on, off), q)
+            if verdict(lo, hi) == "slower":
+                tot["run_slower"].append(f"{n} {label} [{lo:.3f}, {hi:.3f}]")
         out.append(f"| {n} | {r_off} | {r_on} | {mig} | {p50:.3f} | {p95:.3f} | {ci[0]} | {ci[1]} |")
     tot["worst_p50"], tot["worst_p95"] = max(tot["p50"]), max(tot["p95"])
     out.append(f"| **all cells** | **{tot['off']}** | **{tot['on']}** | **{tot['mig']}** | "
@@ -100,7 +103,9 @@ def verdict_line(tot: dict) -> str:
     faster = "; ".join(tot["faster"]) if tot["faster"] else "none"
     return (f"{VERDICT} established slower (95 % interval above 1.00) in {len(tot['slower'])} of "
             f"{tot['intervals']} cell-percentiles: {slower}.** Established faster in {len(tot['faster'])}: "
-            f"{faster}.")
+            f"{faster}. Drawing whole runs (seeds) instead of sessions, which keeps the sessions that shared "
+            f"a run's instances together (bench/paired.run_ratio): established slower in {len(tot['run_slower'])}: "
+            f"{'; '.join(tot['run_slower']) or 'none'}.")
 
 
 def main() -> int:

@@ -63,3 +63,27 @@ def test_a_rerun_replaces_the_generated_part_and_keeps_the_reading_below_the_ver
                              "**Verdict: new cap**", VERDICT, after="## Simulator")
     assert page == ("# T\n\n## Simulator\n\nnew table\n\n**Verdict: new**\n\nA reading.\n\n### Flatness\n\nkept\n\n"
                     "## Simulator: capacity cases\n\nnew cap\n\n**Verdict: new cap**\n\n## TTFT\n\nttft\n")
+
+
+def test_resampling_whole_runs_includes_one_where_runs_move_both_ways_and_excludes_it_where_all_slow():
+    from bench.paired import run_ratio
+
+    # each run shifts all its sessions together (what sessions sharing instances do), up in
+    # some runs and down in others: no direction is established at the run level
+    shifts = (1.06, 0.95, 1.05, 0.96, 1.04)
+    _, lo, hi = run_ratio([[(x * f, x) for x in _spread(60, seed)] for seed, f in enumerate(shifts)], 0.5)
+    assert lo < 1.0 < hi
+    # every run 3 % slower: established, though the sessions spread 10x
+    _, lo, hi = run_ratio([[(x * 1.03, x) for x in _spread(20, seed)] for seed in range(5)], 0.95)
+    assert verdict(lo, hi) == "slower"
+
+
+def test_one_distinct_run_gives_no_run_level_interval():
+    import math
+
+    from bench.paired import run_ratio
+
+    one = [[(x * 1.2, x) for x in _spread(20, 0)]]
+    point, lo, hi = run_ratio(one * 3, 0.5)
+    assert abs(point - 1.2) < 1e-9 and math.isnan(lo) and math.isnan(hi)
+    assert verdict(lo, hi) == "not established"
