@@ -8,8 +8,10 @@ them) and each instance count that the saved capacity runs (bench/data/capacity/
 name for it (talaria's answer and the best peer's), both configurations run the trace once at
 that count, as `sim capacity` runs a deployment (capacity.Runner, no early stop), with the gap model's seeds 0..N-1: returns that recomputed
 their context (each a move or a loss), migrations, SCT p50 / p95 of talaria over the ablation
-(the baseline, the same sessions in the same run; geometric mean over seeds). Replaces the "## Simulator:
-capacity cases" section of --out.
+(the baseline, the same sessions in the same run; geometric mean over seeds), and per point a 95 %
+paired-bootstrap interval of each pooled percentile ratio (bench/paired.py): talaria is established
+slower there only if it lies above 1.00. Replaces the generated part of the "## Simulator: capacity
+cases" section of --out, up to its verdict line (the reading below it stays).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from capacity import CASES, write_trace  # noqa: E402
 
 from talaria.sim.capacity import OURS, Runner, load_inputs  # noqa: E402
+
+from bench.paired import VERDICT, cell as ci_cell, paired_ratio, run_ratio, verdict  # noqa: E402
+from bench.run_record import replace_generated  # noqa: E402
 
 ON, OFF = "talaria", "talaria-no-migrate"
 SECTION = "## Simulator: capacity cases"
@@ -78,9 +83,11 @@ def main() -> int:
     with ProcessPoolExecutor(args.workers) as pool:
         res = {(t, n, c, sd): p for t, n, c, sd, p in pool.map(_task, tasks)}
     lines = ["| trace | instances | recomputes (no-migrate) | recomputes (talaria) | migrations | "
-             "SCT p50 x | SCT p95 x |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "SCT p50 x | SCT p95 x | pooled p50 x [95 % CI] | pooled p95 x [95 % CI] |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     off_total = on_total = mig_total = 0
     worst = 0.0
+    found: dict[str, list[str]] = {"slower": [], "faster": [], "run_slower": []}
     for t, _m, _g, n in points():
         on = [res[(t, n, ON, sd)] for sd in seeds]
         off = [res[(t, n, OFF, sd)] for sd in seeds]
@@ -90,25 +97,38 @@ def main() -> int:
         p50 = gmean([a.sct_p50 / b.sct_p50 for a, b in zip(on, off)])
         p95 = gmean([a.sct_p95 / b.sct_p95 for a, b in zip(on, off)])
         worst = max(worst, p50, p95)
-        lines.append(f"| {t} | {n} | {r_off} | {r_on} | {mig} | {p50:.3f} | {p95:.3f} |")
+        strata = [[(a.scts[sid], b.scts[sid]) for sid in b.scts] for a, b in zip(on, off)]
+        ci = []
+        for q, label in ((0.50, "p50"), (0.95, "p95")):
+            point, lo, hi = paired_ratio(strata, q)
+            ci.append(ci_cell(lo, point, hi))
+            v = verdict(lo, hi)
+            if v in ("slower", "faster"):
+                found[v].append(f"{t} at {n} {label} {point:.3f} [{lo:.3f}, {hi:.3f}]")
+            _, lo, hi = run_ratio(strata, q)
+            if verdict(lo, hi) == "slower":
+                found["run_slower"].append(f"{t} at {n} {label} [{lo:.3f}, {hi:.3f}]")
+        lines.append(f"| {t} | {n} | {r_off} | {r_on} | {mig} | {p50:.3f} | {p95:.3f} | {ci[0]} | {ci[1]} |")
     drop = 1 - on_total / off_total if off_total else float("nan")
     body = [SECTION, "", f"`python bench/migration_capacity.py --seeds {len(seeds)}` "
             f"({time.perf_counter() - started:.0f} s, gap seeds 0..{len(seeds) - 1}). "
             "The capacity cases' traces (bench/capacity.py CASES, seed 0) at talaria's and the best peer's "
             "instance counts of bench/data/capacity/case*.json; `talaria-no-migrate` is the baseline on the "
             f"same sessions. Recomputes after a move: {off_total} -> {on_total} ({drop:.0%} fewer), "
-            f"{mig_total} migrations; worst SCT ratio {worst:.3f}.", "", *lines, ""]
+            f"{mig_total} migrations; worst SCT ratio {worst:.3f}. The pooled columns: each percentile over "
+            "every seed's sessions, talaria over the ablation, with a 95 % paired-bootstrap interval (bench/paired.py; a trace whose gap seeds repeat one run, as "
+            "recorded gaps do, counts that run once).",
+            "", *lines, "",
+            f"{VERDICT} established slower (95 % interval above 1.00) in {len(found['slower'])} of "
+            f"{2 * len(points())} cell-percentiles: {'; '.join(found['slower']) or 'none'}.** Established faster in "
+            f"{len(found['faster'])}: {'; '.join(found['faster']) or 'none'}. Drawing whole runs (gap seeds) instead "
+            f"of sessions (bench/paired.run_ratio; none for a trace with one distinct run): established slower in "
+            f"{len(found['run_slower'])}: {'; '.join(found['run_slower']) or 'none'}.", ""]
     print("\n".join(body))
     if args.print_only:
         return 0
-    text = args.out.read_text()
-    head, found, rest = text.partition(SECTION)
-    tail = rest[rest.find("\n## "):] if found and "\n## " in rest else ""
-    if not found:  # after the matrix section
-        head, sim, rest = text.partition("## Simulator\n")
-        cut = rest.find("\n## ")
-        head, tail = head + sim + rest[:cut], rest[cut:] if cut >= 0 else ""
-    args.out.write_text(head.rstrip() + "\n\n" + "\n".join(body) + tail)
+    args.out.write_text(replace_generated(args.out.read_text(), SECTION, "\n".join(body), VERDICT,
+                                          after="## Simulator"))
     return 0
 
 

@@ -9,7 +9,10 @@ migrations that replaced them, and SCT p50 / p95 of talaria over the ablation (g
 over seeds; the ablation is the baseline, measured in the same run). --link-scale and
 --setup-scale multiply the profile's link bandwidth and setup (ServerProfile.link_*: an
 [asm] constant, so its flatness is shown by rerunning at 0.1x and 10x). Replaces the
-"simulator" section of --out (the live TTFT table there is bench/migration_ttft.py's).
+generated part of the "## Simulator" section of --out, up to its verdict line (the reading
+written below it stays; the live TTFT table there is bench/migration_ttft.py's). Per cell, a
+95 % paired-bootstrap interval of each pooled percentile ratio (bench/paired.py) says whether
+talaria is established slower than the ablation there (the interval above 1.00) or not.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ from talaria.sim.cluster import simulate  # noqa: E402
 from talaria.sim.matrix import cells, run_config  # noqa: E402
 from talaria.sim.metrics import summarise  # noqa: E402
 
+from bench.paired import VERDICT, cell as ci_cell, paired_ratio, run_ratio, verdict  # noqa: E402
+from bench.run_record import replace_generated  # noqa: E402
+
 ON, OFF = "talaria", "talaria-no-migrate"
 SECTION = "## Simulator"
 
@@ -40,19 +46,27 @@ def _task(args):
                      link_setup_s=run.server.link_setup_s * setup_scale)
     s = summarise(simulate(sessions, replace(run, server=server)))
     kv = s["kv_sources"]
-    return seed, name, policy, kv.get("recompute", 0), kv.get("migrated", 0), s["sct_p50"], s["sct_p95"]
+    sct = {e["session"]: math.inf if e["sct"] is None else e["sct"] for e in s["per_session"]}
+    return seed, name, policy, kv.get("recompute", 0), kv.get("migrated", 0), s["sct_p50"], s["sct_p95"], sct
 
 
 def gmean(v):
     return math.exp(sum(math.log(x) for x in v) / len(v))
 
 
+def pairs(on: list, off: list) -> list[list[tuple[float, float]]]:
+    """Per seed, (SCT with, SCT without) of each session: the same sessions in both runs."""
+    return [[(a[7][sid], b[7][sid]) for sid in b[7]] for a, b in zip(on, off)]
+
+
 def table(rows, seeds: int) -> tuple[list[str], dict]:
     names = list(dict.fromkeys(r[1] for r in rows))
     by = {(r[0], r[1], r[2]): r for r in rows}
-    out = ["| cell | recomputes (no-migrate) | recomputes (talaria) | migrations | SCT p50 x | SCT p95 x |",
-           "|---|---:|---:|---:|---:|---:|"]
-    tot = {"off": 0, "on": 0, "mig": 0, "worst_p50": 0.0, "worst_p95": 0.0, "p50": [], "p95": []}
+    out = ["| cell | recomputes (no-migrate) | recomputes (talaria) | migrations | SCT p50 x | SCT p95 x | "
+           "pooled p50 x [95 % CI] | pooled p95 x [95 % CI] |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    tot = {"off": 0, "on": 0, "mig": 0, "worst_p50": 0.0, "worst_p95": 0.0, "p50": [], "p95": [],
+           "slower": [], "faster": [], "intervals": 0, "run_slower": []}
     for n in names:
         on = [by[(s, n, ON)] for s in range(seeds)]
         off = [by[(s, n, OFF)] for s in range(seeds)]
@@ -64,12 +78,34 @@ def table(rows, seeds: int) -> tuple[list[str], dict]:
         tot["mig"] += mig
         tot["p50"].append(p50)
         tot["p95"].append(p95)
-        out.append(f"| {n} | {r_off} | {r_on} | {mig} | {p50:.3f} | {p95:.3f} |")
+        ci = []
+        for q, label in ((0.50, "p50"), (0.95, "p95")):
+            point, lo, hi = paired_ratio(pairs(on, off), q)
+            ci.append(ci_cell(lo, point, hi))
+            tot["intervals"] += 1
+            v = verdict(lo, hi)
+            if v in ("slower", "faster"):
+                tot[v].append(f"{n} {label} {point:.3f} [{lo:.3f}, {hi:.3f}]")
+            _, lo, hi = run_ratio(pairs(on, off), q)
+            if verdict(lo, hi) == "slower":
+                tot["run_slower"].append(f"{n} {label} [{lo:.3f}, {hi:.3f}]")
+        out.append(f"| {n} | {r_off} | {r_on} | {mig} | {p50:.3f} | {p95:.3f} | {ci[0]} | {ci[1]} |")
     tot["worst_p50"], tot["worst_p95"] = max(tot["p50"]), max(tot["p95"])
     out.append(f"| **all cells** | **{tot['off']}** | **{tot['on']}** | **{tot['mig']}** | "
                f"**{gmean(tot['p50']):.3f}** (worst {tot['worst_p50']:.3f}) | "
-               f"**{gmean(tot['p95']):.3f}** (worst {tot['worst_p95']:.3f}) |")
+               f"**{gmean(tot['p95']):.3f}** (worst {tot['worst_p95']:.3f}) | | |")
     return out, tot
+
+
+def verdict_line(tot: dict) -> str:
+    """The cells whose interval lies above 1 (established slower) and below it (faster)."""
+    slower = "; ".join(tot["slower"]) if tot["slower"] else "none"
+    faster = "; ".join(tot["faster"]) if tot["faster"] else "none"
+    return (f"{VERDICT} established slower (95 % interval above 1.00) in {len(tot['slower'])} of "
+            f"{tot['intervals']} cell-percentiles: {slower}.** Established faster in {len(tot['faster'])}: "
+            f"{faster}. Drawing whole runs (seeds) instead of sessions, which keeps the sessions that shared "
+            f"a run's instances together (bench/paired.run_ratio): established slower in {len(tot['run_slower'])}: "
+            f"{'; '.join(tot['run_slower']) or 'none'}.")
 
 
 def main() -> int:
@@ -80,11 +116,13 @@ def main() -> int:
     ap.add_argument("--setup-scale", type=float, default=1.0)
     ap.add_argument("--out", type=Path, default=Path("results/migration.md"))
     ap.add_argument("--print-only", action="store_true", help="print the table, leave --out alone")
+    ap.add_argument("--cells", default="", help="comma-separated cell names (default: all; implies --print-only)")
     args = ap.parse_args()
     if args.seeds < 1 or args.link_scale <= 0 or args.setup_scale < 0:
         ap.error("--seeds >= 1, --link-scale > 0 and --setup-scale >= 0")
+    only = set(filter(None, args.cells.split(",")))
     tasks = [(s, c.name, p, args.link_scale, args.setup_scale) for s in range(args.seeds) for c in cells(s)
-             for p in (ON, OFF)]
+             for p in (ON, OFF) if not only or c.name in only]
     started = time.perf_counter()
     with ProcessPoolExecutor(args.workers) as pool:
         rows = list(pool.map(_task, tasks))
@@ -94,15 +132,16 @@ def main() -> int:
            f"--setup-scale {args.setup_scale:g}")
     body = [f"{SECTION}", "", f"`{cmd}` ({time.perf_counter() - started:.0f} s). Every matrix cell, seeds "
             f"0..{args.seeds - 1}; the `no-migrate` ablation is the baseline, on the same sessions. "
-            f"Recomputes after a move: {tot['off']} -> {tot['on']} ({drop:.0%} fewer), {tot['mig']} migrations.",
-            "", *lines, ""]
+            f"Recomputes after a move: {tot['off']} -> {tot['on']} ({drop:.0%} fewer), {tot['mig']} migrations. "
+            "SCT p50 / p95 x: geometric mean over seeds of talaria over the ablation; pooled: each percentile "
+            "over every seed's sessions, with a 95 % paired-bootstrap interval (bench/paired.py: sessions drawn "
+            "with replacement within each seed, both runs' SCT of a drawn session kept together).",
+            "", *lines, "", verdict_line(tot), ""]
     print("\n".join(body))
-    if args.print_only:
+    if args.print_only or only:
         return 0
-    text = args.out.read_text() if args.out.exists() else "# KV migration (issue 40)\n\n"
-    head, _, rest = text.partition(SECTION)
-    tail = rest[rest.find("\n## "):] if "\n## " in rest else ""
-    args.out.write_text(head.rstrip() + "\n\n" + "\n".join(body) + tail)
+    text = args.out.read_text() if args.out.exists() else "# KV migration (issue 40)\n"
+    args.out.write_text(replace_generated(text, SECTION, "\n".join(body), VERDICT))
     return 0
 
 

@@ -56,10 +56,11 @@ RESULTS = (
     Result("overload", ("overload.md",), ("python bench/overload.py",), 25),
     Result("capacity", ("capacity.md", "capacity.png"), ("python bench/capacity.py all",), 10),
     Result("migration", ("migration.md", "migration.png"),
-           ("python bench/migration_sim.py --seeds 3 --link-scale 1 --setup-scale 1",
+           ("python bench/migration_sim.py --seeds 10 --link-scale 1 --setup-scale 1",
+            "python bench/migration_capacity.py --seeds 10",
             "python bench/migration_ttft.py --tokens 4096,16384,65536 --netns --transports tcp,mooncake",
             ".ci-vllm-venv/bin/python bench/migration_ttft.py --engine vllm --tokens 4096,16384,65536 --netns"
-            " --transports tcp,mooncake"), 45,
+            " --transports tcp,mooncake"), 65,
            note="the TTFT part needs root (network namespaces), the mooncake extra and, for its vLLM rows,"
                 " the vLLM stage's venv (.ci/vllm_stage.sh builds .ci-vllm-venv without the extra: add it with"
                 " .ci-vllm-venv/bin/pip install -e '.[test,mooncake]')"),

@@ -41,3 +41,25 @@ def publish(text: str, out: str | None, title: str) -> None:
         with open(out, "a") as f:
             f.write(f"\n### {title} {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
                     f"`{' '.join(sys.argv)}` at commit {commit()}\n\n{text}")
+
+
+def replace_generated(text: str, section: str, body: str, end: str, after: str = "") -> str:
+    """`text` with the generated part of `section` (a "## ..." heading line) replaced by `body`.
+    The generated part runs from the heading to the first line after it that starts with
+    `end` (a verdict line the bench writes last), so the reading a person wrote below it is
+    kept; without such a line, to the next "## " heading. A missing section goes after the
+    section headed `after` (else at the end)."""
+    head, found, rest = text.partition(section + "\n")
+    if found:
+        stop = rest.find("\n" + end)
+        if stop >= 0 and (rest.find("\n## ") < 0 or stop < rest.find("\n## ")):
+            tail = rest[rest.find("\n", stop + 1):] if rest.find("\n", stop + 1) >= 0 else ""
+        else:
+            tail = rest[rest.find("\n## "):] if "\n## " in rest else ""
+        return head.rstrip() + "\n\n" + body.rstrip() + ("\n\n" + tail.lstrip("\n") if tail.strip() else "\n")
+    head, sec, rest = text.partition(after + "\n") if after else (text, "", "")
+    if not sec:
+        return text.rstrip() + "\n\n" + body.rstrip() + "\n"
+    cut = rest.find("\n## ")
+    return head + sec + (rest[:cut] if cut >= 0 else rest).rstrip() + "\n\n" + body.rstrip() + "\n" + (
+        rest[cut:] if cut >= 0 else "")

@@ -15,7 +15,7 @@ import argparse
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -51,6 +51,9 @@ class Point:
     # device or host) and those that pulled it from another instance instead (issue 40).
     recomputes: int = 0
     migrations: int = 0
+    # Each session's SCT (inf: incomplete), for a paired comparison of two deployments on the
+    # same sessions (bench/migration_capacity.py); not in the JSON.
+    scts: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
 
     def meets(self, slo_p95_s: float) -> bool:
         return self.complete and self.sct_p95 <= slo_p95_s
@@ -146,7 +149,8 @@ class Runner:
         s = summarise(simulate(self.sessions, config))
         kv = s["kv_sources"]
         p = Point(n, s["sct_p50"], s["sct_p95"], s["rejected"], bool(s["complete"]), time.perf_counter() - started,
-                  kv.get("recompute", 0), kv.get("migrated", 0))
+                  kv.get("recompute", 0), kv.get("migrated", 0),
+                  {e["session"]: math.inf if e["sct"] is None else e["sct"] for e in s["per_session"]})
         self.count += 1
         print(f"  capacity [{self.count}] {name} @ {n} instances: SCT p50 {p.sct_p50:.0f} s p95 {p.sct_p95:.0f} s, "
               f"rejected {p.rejected}, recomputes {p.recomputes}, migrations {p.migrations}, "
