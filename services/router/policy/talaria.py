@@ -74,11 +74,9 @@ class Talaria(PlacementPolicy):
         keep-alive routes to where the model is awake). So a move never adds a model to any
         instance's rotation and takes one out of the home's when r's session was its last
         there: slots only consolidate, and a session cannot trade one rotation for another
-        on a snapshot's noise (measured: leaving for any cheaper instance, 19 moves at 5
-        instances on z20, turned the SLO's 820 s p95 into 893 s; also allowing an idle
-        destination won at 8 instances but lost at 5). Where r's model runs alone at home
-        (placement 0) the lease is consumed unpriced, as before. No constant. Measured on the
-        capacity traces: docs/decisions/2026-12-05-lease-leaves-rotation.md."""
+        on a snapshot's noise (the looser variants measured and dropped:
+        docs/decisions/2026-12-05-lease-leaves-rotation.md). Where r's model runs alone at
+        home (placement 0) the lease is consumed unpriced, as before. No constant."""
         view = state.instances[lease.instance_id]
         # The lease bypasses admission (its unit was charged while live); price it for the audit.
         home = self.costs.price(state, view, call, entry, now, own_lease=lease).cost

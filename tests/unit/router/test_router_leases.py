@@ -80,6 +80,14 @@ def test_a_lease_holds_where_the_other_instance_rotates_more():
     assert one(out, CallRouted).instance_id == "a"
 
 
+def test_a_lease_leaves_a_rotation_only_for_an_instance_where_its_model_already_has_a_slot():
+    # b holds m1's weights but runs nothing: cheaper for s1, yet moving there would add m1 to
+    # b's rounds and trade one rotation for another, so the lease holds (slots consolidate).
+    c, out = _rotating_home({"m1": "resident"}, None)
+    assert one(out, LeaseConsumed).instance_id == "a"
+    assert one(out, CallRouted).instance_id == "a"
+
+
 def test_host_restorable_prefix_also_consumes():
     c = served_once()
     c.handle(done("c0", "a", at=10.0), 10.0)
