@@ -65,9 +65,8 @@ def engine(data: Path, n: int, warm: bool = True) -> TorchEngine:
 def pull_pages(address: str, session: str, hashes: list[int], transport, **bounds):
     """page_client.pull from this (blocking) thread, on an event loop of its own. Not through
     asyncio.run: on Python < 3.13 its exit (restoring SIGINT's handler: signal.getsignal) formats
-    the finished task's repr, result included; until a Pulled's repr left its bytes out, that was
-    every pulled page's bytes (1.4 s for 32 MB, 5-6 s for 128 MB here), counted in the migrate
-    TTFT (issue 40's vLLM 16K row). Nothing of asyncio.run's teardown belongs in the timed pull."""
+    the finished task's repr, result included, and nothing of that teardown belongs in the timed
+    pull (what it once cost: results/migration.md, "Reading (vLLM)")."""
     from talaria.services.instance_agent.memory.page_client import pull
 
     loop = asyncio.new_event_loop()
