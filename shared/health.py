@@ -46,6 +46,15 @@ class BusHearing:
     def hears(self, now: float) -> bool:
         return now - self.heard_at <= self.gap_s
 
+    def own_silence(self, now: float) -> list[tuple[float, float]]:
+        """The stretches (from, until) in which others' silence was ours: the last deaf spell,
+        and the one under way, where nothing has answered our PINGs for `gap_s` (the
+        connection down, or this process too busy to read: what others sent waits unread)."""
+        spells = [(self.deaf_from, self.deaf_until)] if self.deaf_until > 0 else []
+        if not self.hears(now):
+            spells.append((self.heard_at, now))
+        return spells
+
     def silence_counts_from(self, since: float) -> float:
         """Others' silence counts only from when we could hear again (what they sent while we
         were deaf arrives after our own PONG, so they get their full grace from then)."""

@@ -585,7 +585,9 @@ class RouterService:
             with self.tracer.start_as_current_span("route", context=ctx, attributes=tracing.request_attributes(event)) \
                     if isinstance(event, CallSubmitted) else _null() as span:
                 started = time.perf_counter()
-                outputs = self.core.handle(event, time.time())
+                now = time.time()
+                self._excuse_own_silence(now)
+                outputs = self.core.handle(event, now)
                 self.metrics.observe(event)  # a completion: how far off its queue estimate was
                 if isinstance(event, CallSubmitted):  # the audit row's decision time, measured here
                     decision_us = (time.perf_counter() - started) * 1e6
@@ -627,9 +629,7 @@ class RouterService:
             # While the bus does not answer us within a heartbeat (NATS paused, partitioned or
             # slow), agents' silence is ours, not theirs: no instance is declared lost.
             since = self.hearing.silence_counts_from(max(self.listening_since, self.unblocked_at))
-            if self.hearing.deaf_until > self.listening_since:  # our connection was deaf a while
-                self.core.state.excuse_silence(self.hearing.deaf_from, self.hearing.deaf_until,
-                                               self.core.policy.config.stale_after_s)
+            self._excuse_own_silence(now)
             lost = self.core.check_liveness(now, since) if self.hearing.hears(now) else []
             for event in lost:
                 if isinstance(event, InstanceLost):
@@ -640,6 +640,14 @@ class RouterService:
                 await self.outputs.publish_all(outputs)
                 self._waited_on_bus(now)
                 self.dirty = True
+
+    def _excuse_own_silence(self, now: float) -> None:
+        """Views fresh when the router went deaf count as heard when it could hear again, before
+        anything judges them: liveness (each tick) and each decision, which may come first after
+        a failover (its stale views would refuse the call 503 "no healthy instance")."""
+        for deaf_from, until in self.hearing.own_silence(now):
+            if until > self.listening_since:
+                self.core.state.excuse_silence(deaf_from, until, self.core.policy.config.stale_after_s)
 
     def _waited_on_bus(self, started: float) -> None:
         """Called with the lock held since `started` for the stream's acks: past a tick, the

@@ -8,6 +8,7 @@ from router_support import call, core, of_type, one, snap
 
 from talaria.services.router.router_core import LOST_AFTER_BEATS
 from talaria.shared.events import CallFailed, CallRouted, InstanceLost
+from talaria.shared.health import BusHearing
 
 
 def test_a_restarted_agent_serves_at_once_although_its_version_restarts():
@@ -83,3 +84,25 @@ def test_a_decision_after_the_router_was_deaf_does_not_find_every_view_stale():
     c.state.excuse_silence(6.0, 13.5, c.policy.config.stale_after_s)  # deaf 6.0-13.5
     assert one(c.handle(call("c2", session="s2", at=14.0), 14.0), CallRouted).instance_id == "a"
     assert c.state.instances["a"].received_at == 13.5 and c.state.instances["dead"].received_at == 0.0
+
+
+def test_a_decision_while_nothing_answers_the_router_counts_that_silence_as_its_own():
+    """A decision can come before the tick that would excuse a deaf spell (the connection
+    back, or this process too busy to read its socket): the spell under way is excused too.
+    The spell ends only when a PING is answered again; an agent's silence since then is its own."""
+    c = core()
+    c.observe(snap("a"), 5.0)
+    hearing = BusHearing(None, every_s=0.05, gap_s=0.5)
+    hearing.heard_at = 5.2  # the last PONG: nothing answered since
+    assert one(c.handle(call("c1", at=9.0), 9.0), CallFailed).status == 503  # unexcused: 4 s unheard
+    assert hearing.own_silence(5.8) == [(5.2, 5.8)] and hearing.own_silence(5.6) == []  # gap_s: 0.5
+    for deaf_from, until in hearing.own_silence(9.0):
+        c.state.excuse_silence(deaf_from, until, c.policy.config.stale_after_s)
+    assert one(c.handle(call("c2", session="s2", at=9.0), 9.0), CallRouted).instance_id == "a"
+    # heard again at 9.1 (the spell 5.2-9.1 is over): from then on, silence counts again
+    hearing.deaf_from, hearing.deaf_until, hearing.heard_at = 5.2, 9.1, 9.1
+    assert hearing.own_silence(9.3) == [(5.2, 9.1)]
+    hearing.heard_at = 13.4  # PINGs answered all along since
+    for deaf_from, until in hearing.own_silence(13.5):
+        c.state.excuse_silence(deaf_from, until, c.policy.config.stale_after_s)
+    assert one(c.handle(call("c3", session="s3", at=13.5), 13.5), CallFailed).status == 503
