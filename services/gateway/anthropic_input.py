@@ -111,11 +111,11 @@ def chat_turns(req: MessagesRequest) -> ChatInput:
         turns.append(ChatMessage("system", _text_of(req.system, "system")))
     for i, m in enumerate(req.messages):
         where = f"messages.{i}.content"
-        if m.role == "system":  # as Anthropic's API: the system prompt is the top-level field only
-            raise bad(f"unexpected role 'system' in messages.{i}: the Messages API takes the system prompt "
-                      "as the top-level `system` field", f"messages.{i}.role")
+        if m.role == "system":  # a system message at its position, applying from there on (Claude Code
+            turns.append(ChatMessage("system", _text_of(m.content, where)))  # 2.1.197 sends one at index 1)
+            continue
         if m.role not in ("user", "assistant"):
-            raise bad(f"unexpected role {m.role!r} in messages.{i}: use 'user' or 'assistant'",
+            raise bad(f"unexpected role {m.role!r} in messages.{i}: use 'user', 'assistant' or 'system'",
                       f"messages.{i}.role")
         blocks = [Block("text", m.content)] if isinstance(m.content, str) else m.content
         if m.role == "assistant":

@@ -54,13 +54,25 @@ def test_a_tool_session_renders_as_the_same_prompt_as_its_openai_twin():
     assert prompt_of(anthropic) == prepare(BUILTIN_MODELS, req, "s", "chat").prompt_ids
 
 
-def test_a_system_message_inside_the_conversation_is_refused_as_anthropic_does():
+def test_a_system_message_inside_the_conversation_renders_at_its_position_as_its_openai_twin():
+    """Anthropic's API takes a system message anywhere in `messages`, applying from there on;
+    Claude Code (2.1.197) sends one at index 1. Other roles are refused, naming the field."""
     body = {"model": "qwen3-tiny", "max_tokens": 8, "system": "Top.", "messages": [
         {"role": "user", "content": "a"}, {"role": "system", "content": [{"type": "text", "text": "Mid."}]},
         {"role": "user", "content": "b"}]}
-    with pytest.raises(RequestError, match="top-level `system`") as info:
+    openai = {"model": "qwen3-tiny", "max_tokens": 8, "messages": [
+        {"role": "system", "content": "Top."}, {"role": "user", "content": "a"},
+        {"role": "system", "content": "Mid."}, {"role": "user", "content": "b"}]}
+    req, _ = _to_call_request(CHAT_DECODER.decode(json.dumps(openai).encode()), chat=True)
+    assert prompt_of(body) == prepare(BUILTIN_MODELS, req, "s", "chat").prompt_ids
+    body["messages"][1]["role"] = "developer"
+    with pytest.raises(RequestError, match="'user', 'assistant' or 'system'") as info:
         prompt_of(body)
     assert info.value.reply.status == 400 and info.value.reply.param == "messages.1.role"
+    body["messages"][1] = {"role": "system", "content": [{"type": "image", "source": {}}]}
+    with pytest.raises(RequestError, match="not supported") as info:
+        prompt_of(body)
+    assert info.value.reply.param == "messages.1.content"
 
 
 def test_a_trailing_assistant_message_is_continued():
