@@ -111,8 +111,8 @@ def chat_turns(req: MessagesRequest) -> ChatInput:
         turns.append(ChatMessage("system", _text_of(req.system, "system")))
     for i, m in enumerate(req.messages):
         where = f"messages.{i}.content"
-        if m.role == "system":  # a system message at its position, applying from there on (Claude Code
-            turns.append(ChatMessage("system", _text_of(m.content, where)))  # 2.1.197 sends one at index 1)
+        if m.role == "system":  # at its position, applying from there on (Claude Code 2.1.197 sends one)
+            turns.append(ChatMessage("system", _text_of(m.content, where)))
             continue
         if m.role not in ("user", "assistant"):
             raise bad(f"unexpected role {m.role!r} in messages.{i}: use 'user', 'assistant' or 'system'",
