@@ -21,7 +21,7 @@ from talaria.services import configs
 from talaria.services.configs import Configuration
 from talaria.services.instance_agent.telemetry import build_snapshot
 from talaria.shared import logs, metrics, tracing
-from talaria.shared.bus import BUS_ERRORS, PUBLISH_TIMEOUT_S, close, connect, deployment_of, emit, retried_api, tap
+from talaria.shared.bus import BUS_ERRORS, PUBLISH_TIMEOUT_S, close, connect, deployment_of, elected, emit, retried_api, tap
 from talaria.shared.durable_pull import DurablePull
 from talaria.shared.metrics import AgentMetrics
 from talaria.shared.limits import call_problem
@@ -284,12 +284,14 @@ async def _on_cancel(msg, runner: CallRunner, log) -> None:
 async def _with_prompt(js, runner: CallRunner, routed: CallRouted) -> CallRouted | None:
     """The stream's copy of a routed call refers to its CallSubmitted for the prompt ids (they
     are stored once). Usually the fast copy already started the call and nothing is fetched;
-    otherwise (a restart, a lost fast copy) the submission is read back from the stream."""
+    otherwise (a restart, a lost fast copy) the submission is read back from the stream, asked
+    again through a leader election (a read during one once refused the call 503)."""
     call = routed.call
     if call.prompt_ids or not routed.submitted_seq or runner.holds(call.call_id):
         return routed
+    api = retried_api(runner.nc)  # each try short: an election answers nobody
     try:
-        raw = await js.get_msg(deployment_of(js).events_stream, routed.submitted_seq)
+        raw = await elected(lambda: api.get_msg(deployment_of(js).events_stream, routed.submitted_seq))
         submitted = EVENT_DECODER.decode(raw.data)
     except (*BUS_ERRORS, msgspec.DecodeError) as exc:
         await _refuse(js, runner.nc, routed, f"its submission could not be read back from the stream: {exc}")
