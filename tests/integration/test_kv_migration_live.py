@@ -197,15 +197,16 @@ async def test_a_drain_pushes_idle_sessions_ahead_so_they_restore_after_the_hold
             first = await api_call(nc, f"p{k}-1", f"pushed-{k}", prompts[k])
             assert first.instance_id == "agent-0"
             follows[k] = prompts[k] + first.text + " Tool output: 3 passed, 1 failed. Next step:"
-        await services.start("agent-1", agent_service.run, settings.with_(instance_id="agent-1"))
-        await wait_for_router(nc, instances=2)
-        # Under load: 3-5's returns go home to agent-0 (their KV is on its device) and are
-        # running there when the drain starts; each is pushed once its call ends.
+        # Under load: 3-5's returns run on agent-0 when the drain starts; each is pushed once its
+        # call ends. They are sent before agent-1 starts: with an idle agent-1 to price, the router
+        # may move a return there (CI: one of three), and then the drain has nothing to push for it.
         busy = {k: asyncio.create_task(nc.request(DEP.api_call, encode(CallRequest(
-            model="qwen3-tiny", prompt=follows[k], session_id=f"pushed-{k}", call_id=f"p{k}-2", max_tokens=256)),
+            model="qwen3-tiny", prompt=follows[k], session_id=f"pushed-{k}", call_id=f"p{k}-2", max_tokens=512)),
             timeout=60)) for k in BUSY}
         await asyncio.wait_for(all_started.wait(), 30)
         assert set(started.values()) == {"agent-0"}, started
+        await services.start("agent-1", agent_service.run, settings.with_(instance_id="agent-1"))
+        await wait_for_router(nc, instances=2)
         ask = await nc.request(DEP.admin_drain, encode(DrainRequest("agent-0")), timeout=10,
                                headers={SENDER_HEADER: "talaria-admin"})
         first_status = DRAIN_STATUS_DECODER.decode(ask.data)
