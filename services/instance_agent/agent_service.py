@@ -285,7 +285,7 @@ async def _with_prompt(js, runner: CallRunner, routed: CallRouted) -> CallRouted
     """The stream's copy of a routed call refers to its CallSubmitted for the prompt ids (they
     are stored once). Usually the fast copy already started the call and nothing is fetched;
     otherwise (a restart, a lost fast copy) the submission is read back from the stream, asked
-    again through a leader election (a read during one once refused the call 503)."""
+    again through a leader election (refusing would fail a call the stream still holds)."""
     call = routed.call
     if call.prompt_ids or not routed.submitted_seq or runner.holds(call.call_id):
         return routed

@@ -38,9 +38,8 @@ SESSIONS = 4
 # meanwhile), so the bound is the two rounds Talaria is built to wait out.
 STALL_BOUND_S = FAILOVER_S + ATTEMPT_S
 # A client sends a retryable refusal (503 with Retry-After) again, as the openai and anthropic
-# SDKs do. One per run is tolerated and printed; more than one is a regression. (CI saw one 503
-# after a leader kill: an agent's read of a call's submission from the stream, during the
-# election, refused the call; it is asked again since. Four earlier causes were fixed before.)
+# SDKs do. One per run is tolerated and printed (its body names the cause); more than one is a
+# regression.
 MAX_REFUSALS = 1
 
 
